@@ -1,0 +1,56 @@
+"""Frozen configuration per subsystem. Pure Python: the scheduler imports it without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # resolved local path: a Hugging Face directory or a .gguf file
+    served_model_name: str
+    dtype: str  # "float32" | "bfloat16" | "float16" (resolved, never "auto")
+    max_model_len: int
+    hf_config: Any  # transformers.PretrainedConfig
+    architecture: str  # e.g. "LlamaForCausalLM"
+    task: str = "generate"  # "generate" | "embed"
+    seed: int = 0
+    quantization: str | None = None
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # resolved by the engine from the memory plan or an override
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int = 1024  # the server answers 429 past this
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # "cpu" | "cuda"
+    num_threads: int = 1  # torch intra-op threads on CPU
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig

@@ -1,0 +1,118 @@
+"""BlockPool: the KV cache's fixed-size blocks, their reference counts, the free queue and the prefix cache.
+
+Invariants:
+- A block is in the free queue iff its ref_cnt == 0 (block 0 excepted: it is reserved as the null block).
+- A block with a block_hash is findable in `cached_blocks` until it is popped from the free queue for reuse
+  (LRU eviction: the free queue is ordered oldest-freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class BlockHash(NamedTuple):
+    """Key of a full block: chained hash plus the block's own token ids (equality settles collisions)."""
+
+    hash_value: int
+    token_ids: tuple[int, ...]
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
+    """Hash of a full block given its parent's hash; ints hash deterministically across processes."""
+    parent_value = parent.hash_value if parent is not None else 0
+    return BlockHash(hash((parent_value, token_ids)), token_ids)
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    """Owns every KV block. Block 0 is never handed out (padding slots may point at it)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1
+        # block_id -> block, oldest first. OrderedDict gives O(1) removal from the middle.
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks that are referenced by a request (0.0 .. 1.0)."""
+        usable = self.num_blocks - 1
+        return (usable - self.num_free_blocks) / usable
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` free blocks (evicting their cached contents); caller checked availability."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+            self.num_evictions += 1
+        block.block_hash = None
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on cache-hit blocks, pulling them out of the free queue if unused."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a block whose tokens are all known; the first block with a given hash wins."""
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self.cached_blocks.setdefault(block_hash, block)
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block. Pass blocks in eviction order (first = evicted first)."""
+        for block in blocks:
+            if block is self.null_block:
+                continue
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                if not self.enable_caching:
+                    block.block_hash = None
+                self._free[block.block_id] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible while no block is in use."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self.blocks[1:]:
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True

@@ -1,0 +1,210 @@
+"""Scheduler: continuous batching inside a token budget, with chunked prefill and preemption.
+
+Each step fills `max_num_batched_tokens` with the running requests' next tokens (one per decode,
+a chunk per unfinished prefill) and then with waiting requests, at most `max_num_seqs` running.
+Prefill and decode are the same thing: compute tokens num_computed_tokens .. num_tokens.
+When blocks run out, the newest running request is preempted (its blocks freed, to be recomputed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                          NewRequestData, SchedulerOutput, SchedulerStats)
+from pagedserve.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []  # since the last schedule(), for the runner
+        self.num_preemptions_total = 0
+        self._step_preemptions = 0
+        self._last_prefix_stats = (0, 0)
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); unknown ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self._finished_ids.append(request.request_id)
+        del self.requests[request.request_id]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished > 0
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_request_ids:
+            self._schedule_waiting(out, budget)
+        out.finished_request_ids = self._finished_ids
+        self._finished_ids = []
+        return out
+
+    def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        return min(remaining, budget, self.config.max_model_len - request.num_computed_tokens)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_tokens_to_compute(request, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()  # newest first
+                self._preempt(victim, out)
+                if victim is request:
+                    return budget
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            out.cached_requests.append(CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+            self._record(out, request, num_new)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._step_preemptions += 1
+        self.waiting.appendleft(request)
+        # Victims come from the tail of `running`, which this step has not reached yet.
+        out.preempted_request_ids.append(request.request_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - computed.num_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, computed) is None:
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = computed.num_tokens
+                request.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = computed.num_tokens
+            self.running.append(request)
+            out.new_requests.append(NewRequestData(
+                request_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                block_ids=self.kv.block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+                sampling_params=request.sampling_params,
+                is_pooling=request.is_pooling,
+            ))
+            self._record(out, request, num_new)
+            budget -= num_new
+
+    def _record(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        out.num_scheduled_tokens[request.request_id] = num_new
+        out.scheduled_token_ids[request.request_id] = request.all_token_ids[start:start + num_new]
+        out.needs_sample[request.request_id] = start + num_new >= request.num_tokens
+
+    # ---- after the forward ---------------------------------------------------------------
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id, num_new in sched_out.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_new
+            output = EngineCoreOutput(request_id, [], num_cached_tokens=request.num_cached_tokens,
+                                      new_prompt_logprobs=runner_out.prompt_logprobs.get(request_id))
+            if sched_out.needs_sample[request_id]:
+                self._append_result(request, runner_out, output)
+            if output.new_token_ids or output.finish_reason or output.new_prompt_logprobs is not None:
+                outputs.append(output)
+        return outputs
+
+    def _append_result(self, request: Request, runner_out: ModelRunnerOutput,
+                       output: EngineCoreOutput) -> None:
+        if request.is_pooling:
+            output.pooled = runner_out.pooled[request.request_id]
+            self._finish(request, RequestStatus.FINISHED_STOPPED, output)
+            return
+        token_id = runner_out.sampled_token_ids[request.request_id]
+        request.append_output_token(token_id)
+        output.new_token_ids = [token_id]
+        output.new_logprobs = runner_out.logprobs.get(request.request_id)
+        status = self._check_stop(request)
+        if status is not None:
+            self._finish(request, status, output)
+
+    def _finish(self, request: Request, status: RequestStatus, output: EngineCoreOutput) -> None:
+        request.status = status
+        self.running.remove(request)
+        output.finish_reason = request.finish_reason().value
+        output.stop_reason = request.stop_reason
+        self._free(request)
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- numbers for /metrics --------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        queries, hits = self.kv.stats.num_queries, self.kv.stats.num_hits
+        last_queries, last_hits = self._last_prefix_stats
+        self._last_prefix_stats = (queries, hits)
+        stats = SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage,
+            num_preemptions=self._step_preemptions,
+            prefix_cache_queries=queries - last_queries, prefix_cache_hits=hits - last_hits)
+        self._step_preemptions = 0
+        return stats

@@ -1,0 +1,36 @@
+"""The one place where pagedserve reads environment variables (besides `cli/`).
+
+Everything below the CLI receives values as arguments; this module only supplies defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where fetched models are kept: $PAGEDSERVE_CACHE, else $XDG_CACHE_HOME/pagedserve, else ~/.cache/pagedserve."""
+    explicit = os.environ.get("PAGEDSERVE_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "pagedserve"
+
+
+def api_key() -> str | None:
+    """API key for the server ($PAGEDSERVE_API_KEY), or None."""
+    return os.environ.get("PAGEDSERVE_API_KEY") or None
+
+
+def vllm_cpu_kvcache_space_gib() -> float | None:
+    """$VLLM_CPU_KVCACHE_SPACE (GiB of KV cache on CPU), honoured for drop-in compatibility with vLLM."""
+    raw = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {raw!r}") from exc
+    return value if value > 0 else None

@@ -1,0 +1,63 @@
+"""What callers of the engine receive: RequestOutput with one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One position's logprobs: token id -> Logprob. The sampled (or prompt) token is always present.
+LogprobsDict = dict[int, "Logprob"]
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings in time.monotonic() seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[LogprobsDict] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[LogprobsDict | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """An embedding request's result."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float] = field(default_factory=list)
+    finished: bool = True

@@ -1,0 +1,280 @@
+"""Block pool, KV-cache manager and scheduler with fake model outputs (no torch)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_scheduler(num_blocks=64, max_num_seqs=8, budget=32, max_model_len=256, caching=True,
+                   chunked=True) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                             max_model_len=max_model_len, enable_chunked_prefill=chunked)
+    return Scheduler(config, kv)
+
+
+def make_request(rid, prompt, max_tokens=4, eos=None, **params) -> Request:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    return Request(rid, list(prompt), sp, eos_token_id=eos, max_tokens=max_tokens)
+
+
+def fake_runner(out: SchedulerOutput, token=7) -> ModelRunnerOutput:
+    """A model that always predicts `token` (or per-request token via a dict)."""
+    sampled = {rid: (token[rid] if isinstance(token, dict) else token)
+               for rid, need in out.needs_sample.items() if need}
+    return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def run_to_completion(sched: Scheduler, max_steps=1000, token=7) -> dict[str, list[int]]:
+    results: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        check_budget(sched, out)
+        for o in sched.update_from_output(out, fake_runner(out, token)):
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert not sched.has_unfinished_requests()
+    return results
+
+
+def check_budget(sched: Scheduler, out: SchedulerOutput) -> None:
+    assert out.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+    assert len(sched.running) <= sched.config.max_num_seqs
+
+
+def assert_no_leaks(sched: Scheduler) -> None:
+    pool = sched.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+    assert not sched.kv.req_to_blocks
+
+
+def test_no_torch_imported():
+    assert "torch" not in sys.modules
+
+
+def test_block_pool_refcount_and_lru_eviction():
+    pool = BlockPool(5, enable_caching=True)
+    assert pool.num_free_blocks == 4
+    a, b = pool.get_new_blocks(2)
+    from pagedserve.core.block_pool import hash_block_tokens
+    ha = hash_block_tokens(None, (1, 2))
+    pool.cache_full_block(a, ha)
+    pool.free_blocks([a, b])
+    assert pool.num_free_blocks == 4
+    assert pool.get_cached_block(ha) is a  # still cached while free
+    pool.touch([a])
+    assert a.ref_cnt == 1 and pool.num_free_blocks == 3
+    pool.free_blocks([a])
+    # Free queue order is now c, d (never used), b, a (freed last): taking 3 keeps a cached.
+    pool.get_new_blocks(3)
+    assert pool.get_cached_block(ha) is a
+    pool.get_new_blocks(1)
+    assert pool.get_cached_block(ha) is None
+    assert pool.num_evictions == 1
+    with pytest.raises(RuntimeError):
+        pool.get_new_blocks(1)
+
+
+def test_budget_and_max_num_seqs_respected():
+    sched = make_scheduler(max_num_seqs=3, budget=10)
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", range(100 * i, 100 * i + 9), max_tokens=5))
+    max_running = 0
+    for _ in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        check_budget(sched, out)
+        max_running = max(max_running, len(sched.running))
+        sched.update_from_output(out, fake_runner(out))
+    assert max_running == 3
+    assert_no_leaks(sched)
+
+
+def test_prompt_prefilled_in_chunks():
+    sched = make_scheduler(budget=7)
+    sched.add_request(make_request("a", range(20), max_tokens=2))
+    chunks = []
+    for _ in range(10):
+        out = sched.schedule()
+        if out.is_empty:
+            break
+        chunks.append((out.num_scheduled_tokens["a"], out.needs_sample["a"]))
+        sched.update_from_output(out, fake_runner(out))
+    # 20 prompt tokens in chunks of 7, 7, 6 (sample only after the last), then one decode.
+    assert chunks == [(7, False), (7, False), (6, True), (1, True)]
+    assert_no_leaks(sched)
+
+
+def test_chunked_prefill_disabled_waits_for_budget():
+    sched = make_scheduler(budget=8, chunked=False)
+    sched.add_request(make_request("big", range(9)))
+    out = sched.schedule()
+    assert out.is_empty  # never split; a prompt over the budget cannot be scheduled at all
+
+
+def test_finish_on_max_tokens_eos_and_stop_token():
+    sched = make_scheduler()
+    sched.add_request(make_request("len", range(5), max_tokens=3))
+    sched.add_request(make_request("eos", range(10, 15), max_tokens=10, eos=7))
+    sched.add_request(make_request("ign", range(20, 25), max_tokens=4, eos=7, ignore_eos=True))
+    sched.add_request(make_request("stop", range(30, 35), max_tokens=10, stop_token_ids=[7]))
+    sched.add_request(make_request("min", range(40, 45), max_tokens=10, eos=7, min_tokens=2))
+    reasons, results = {}, {}
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        for o in sched.update_from_output(out, fake_runner(out)):
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                reasons[o.request_id] = (o.finish_reason, o.stop_reason)
+    assert results == {"len": [7] * 3, "eos": [7], "ign": [7] * 4, "stop": [7], "min": [7, 7]}
+    assert reasons == {"len": ("length", None), "eos": ("stop", None), "ign": ("length", None),
+                       "stop": ("stop", 7), "min": ("stop", None)}
+    assert_no_leaks(sched)
+
+
+def test_prefix_cache_hits_counted_and_blocks_shared():
+    sched = make_scheduler(budget=64)
+    prefix = list(range(100, 117))  # 17 tokens = 4 full blocks + 1
+    sched.add_request(make_request("a", prefix + [1, 2], max_tokens=1))
+    run_to_completion(sched)
+    sched.add_request(make_request("b", prefix + [3, 4, 5], max_tokens=1))
+    out = sched.schedule()
+    # 4 full blocks (16 tokens) come from the cache: only 4 tokens are computed.
+    assert out.num_scheduled_tokens["b"] == 4
+    assert out.new_requests[0].num_computed_tokens == 16
+    assert sched.kv.stats.num_hits == 16
+    sched.update_from_output(out, fake_runner(out))
+    assert_no_leaks(sched)
+
+
+def test_full_prompt_hit_still_computes_last_token():
+    sched = make_scheduler()
+    prompt = list(range(8))  # exactly two blocks
+    sched.add_request(make_request("a", prompt, max_tokens=1))
+    run_to_completion(sched)
+    sched.add_request(make_request("b", prompt, max_tokens=1))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["b"] == 4  # second block recomputed to get the last logits
+    sched.update_from_output(out, fake_runner(out))
+    assert_no_leaks(sched)
+
+
+def test_prefix_cache_lru_eviction():
+    sched = make_scheduler(num_blocks=9)  # 8 usable blocks
+    sched.add_request(make_request("a", range(0, 16), max_tokens=1))
+    run_to_completion(sched)
+    sched.add_request(make_request("b", range(50, 66), max_tokens=1))
+    run_to_completion(sched)
+    # 'a' and 'b' blocks are all cached and free; a 24-token request must evict the oldest.
+    sched.add_request(make_request("c", range(200, 224), max_tokens=1))
+    run_to_completion(sched)
+    assert sched.kv.pool.num_evictions > 0
+    # Eviction order: all of 'a' (freed first), then the tail blocks of 'b'; b's head survives.
+    sched.add_request(make_request("b2", range(50, 66), max_tokens=1))
+    sched.add_request(make_request("a2", range(0, 16), max_tokens=1))
+    out = sched.schedule()
+    assert [r.num_computed_tokens for r in out.new_requests] == [8, 0]
+    sched.update_from_output(out, fake_runner(out))
+    run_to_completion(sched)
+    assert_no_leaks(sched)
+
+
+def test_preemption_and_resumption_give_same_tokens():
+    # A fake model whose next token depends on the whole sequence: sum of tokens mod 97.
+    def model(out, sched):
+        sampled = {}
+        for rid, need in out.needs_sample.items():
+            if need:
+                sampled[rid] = sum(sched.requests[rid].all_token_ids) % 97
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def run(num_blocks):
+        sched = make_scheduler(num_blocks=num_blocks, budget=64, caching=False)
+        for i in range(4):
+            sched.add_request(make_request(f"r{i}", range(i, i + 10), max_tokens=12))
+        results = {}
+        while sched.has_unfinished_requests():
+            out = sched.schedule()
+            for o in sched.update_from_output(out, model(out, sched)):
+                results.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert_no_leaks(sched)
+        return results, sched.num_preemptions_total
+
+    roomy, roomy_preemptions = run(64)
+    tight, tight_preemptions = run(10)  # 9 usable blocks; 4 requests need 6 blocks each at the end
+    assert roomy_preemptions == 0
+    assert tight_preemptions > 0
+    assert tight == roomy
+
+
+def test_abort_frees_blocks_running_and_waiting():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add_request(make_request("a", range(10), max_tokens=50))
+    sched.add_request(make_request("b", range(10), max_tokens=50))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_runner(out))
+    assert sched.kv.pool.num_free_blocks < sched.kv.pool.num_blocks - 1
+    sched.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished_requests()
+    assert_no_leaks(sched)
+    assert sched.schedule().finished_request_ids == ["a", "b"]
+
+
+def test_request_added_mid_generation_joins_batch():
+    sched = make_scheduler(budget=64)
+    sched.add_request(make_request("a", range(10), max_tokens=6))
+    for _ in range(3):
+        out = sched.schedule()
+        sched.update_from_output(out, fake_runner(out))
+    sched.add_request(make_request("b", range(30, 40), max_tokens=3))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 10}
+    sched.update_from_output(out, fake_runner(out))
+    results = run_to_completion(sched)
+    assert len(results["b"]) == 2  # plus the first, sampled above
+    assert_no_leaks(sched)
+
+
+def test_max_model_len_stops_generation():
+    sched = make_scheduler(max_model_len=12)
+    sched.add_request(make_request("a", range(10), max_tokens=100))
+    results = run_to_completion(sched)
+    assert len(results["a"]) == 2
+    assert_no_leaks(sched)
+
+
+def test_duplicate_request_id_rejected():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", range(3)))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("a", range(3)))
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError, match="n "):
+        SamplingParams(n=0)
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop="x").stop == ["x"]
