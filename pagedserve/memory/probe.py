@@ -1,0 +1,308 @@
+"""Host probes: how much memory and how many cores this process may really use, and what the CPU can do.
+
+Every reader takes the paths it reads as arguments (defaulting to the real /proc and /sys files), so tests
+feed fake trees. Nothing here reads environment variables. torch is imported lazily, only by the CUDA probe.
+
+A container sees the whole host in /proc/meminfo and os.cpu_count(); its real limits are in the cgroup:
+the binding memory figure is min(MemAvailable, cgroup limit - cgroup usage), and the binding core count
+is min(CPU affinity, cgroup CPU quota).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1 << 30
+
+# cgroup v1 writes "no limit" as a page-rounded LONG_MAX (9223372036854771712); anything this large is no limit.
+_V1_NO_LIMIT_THRESHOLD = 1 << 60
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """Memory limit and usage of the cgroup that binds this process (the ancestor with the least headroom)."""
+
+    limit_bytes: int | None  # None: no limit anywhere on the path to the root
+    usage_bytes: int | None  # working set: usage minus inactive file cache (reclaimable without I/O stalls)
+    version: int | None  # 1, 2, or None when no memory cgroup was found
+    path: str | None = None  # the cgroup directory the numbers come from
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        if self.limit_bytes is None:
+            return None
+        return max(0, self.limit_bytes - (self.usage_bytes or 0))
+
+
+@dataclass(frozen=True)
+class MemInfo:
+    """The fields of /proc/meminfo that matter here, in bytes."""
+
+    total: int
+    available: int  # MemAvailable (estimated as MemFree + Buffers + Cached on kernels older than 3.14)
+    free: int
+    cached: int
+    swap_total: int
+    swap_free: int
+
+
+@dataclass(frozen=True)
+class AvailableMemory:
+    """Memory this process can use now, which limit binds, and why (for messages)."""
+
+    num_bytes: int
+    bound_by: str  # "MemAvailable", "cgroup" or "cuda"
+    reason: str
+    total_bytes: int | None = None  # size of the bound's pool (MemTotal, cgroup limit, GPU memory)
+
+
+# ----------------------------------------------------------------------------------------------- cgroups
+
+
+def _v1_mount_candidates(cgroup_root: Path, controller: str, listed: str | None = None) -> list[Path]:
+    # v1 controllers may be co-mounted ("cpu,cpuacct"); the mount dir is named after one or all of them.
+    names = [controller]
+    if listed and listed != controller:
+        names += [listed, ",".join(reversed(listed.split(",")))]
+    return [cgroup_root / name for name in names if (cgroup_root / name).is_dir()]
+
+
+def _own_cgroup_path(proc_self_cgroup: Path, version: int, controller: str) -> tuple[str, str | None]:
+    """(path of this process's cgroup, controller list of that line) from /proc/self/cgroup."""
+    try:
+        lines = proc_self_cgroup.read_text().splitlines()
+    except OSError:
+        return "/", None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy_id, controllers, path = parts
+        if version == 2 and hierarchy_id == "0" and controllers == "":
+            return path or "/", None
+        if version == 1 and controller in controllers.split(","):
+            return path or "/", controllers
+    return "/", None
+
+
+def _cgroup_dirs(cgroup_root: Path, proc_self_cgroup: Path, controller: str) -> tuple[int | None, list[Path]]:
+    """Directories from this process's own cgroup up to the hierarchy's root, deepest first."""
+    # A unified (v2) hierarchy has cgroup.controllers at its root; v1 mounts one dir per controller.
+    version = 2 if (cgroup_root / "cgroup.controllers").exists() else 1
+    own_path, listed = _own_cgroup_path(proc_self_cgroup, version, controller)
+    mounts = [cgroup_root] if version == 2 else _v1_mount_candidates(cgroup_root, controller, listed)
+    if not mounts:
+        return None, []
+    mount = mounts[0]
+    parts = [p for p in own_path.split("/") if p]
+    # Inside a container without a cgroup namespace, /proc/self/cgroup shows the host path
+    # (/docker/<id>) while the mount already is that directory: drop leading components until it exists.
+    deepest = mount
+    for start in range(len(parts) + 1):
+        candidate = mount.joinpath(*parts[start:])
+        if candidate.is_dir():
+            deepest = candidate
+            break
+    dirs = [deepest]
+    while dirs[-1] != mount and mount in dirs[-1].parents:
+        dirs.append(dirs[-1].parent)
+    return version, dirs
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _read_stat_field(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _working_set(directory: Path, version: int) -> int | None:
+    # Usage counts page cache; inactive file pages are dropped without stalling, so subtract them
+    # (the same "working set" that docker stats and cadvisor report).
+    usage_file, inactive_key = (
+        ("memory.current", "inactive_file") if version == 2 else ("memory.usage_in_bytes", "total_inactive_file")
+    )
+    usage = _read_int(directory / usage_file)
+    if usage is None:
+        return None
+    return max(0, usage - _read_stat_field(directory / "memory.stat", inactive_key))
+
+
+def read_cgroup_memory(
+    cgroup_root: str | Path = "/sys/fs/cgroup", proc_self_cgroup: str | Path = "/proc/self/cgroup"
+) -> CgroupMemory:
+    """Memory limit and working set of the cgroup level that leaves this process the least headroom."""
+    version, dirs = _cgroup_dirs(Path(cgroup_root), Path(proc_self_cgroup), "memory")
+    if version is None:
+        return CgroupMemory(limit_bytes=None, usage_bytes=None, version=None)
+    limit_file = "memory.max" if version == 2 else "memory.limit_in_bytes"
+    own_usage = _working_set(dirs[0], version)
+    best: CgroupMemory | None = None
+    for directory in dirs:  # limits are hierarchical: any ancestor's limit binds too
+        limit = _read_int(directory / limit_file)
+        if limit is None or (version == 1 and limit >= _V1_NO_LIMIT_THRESHOLD):
+            continue
+        usage = _working_set(directory, version)
+        level = CgroupMemory(limit, usage if usage is not None else own_usage, version, str(directory))
+        if best is None or level.headroom_bytes < best.headroom_bytes:
+            best = level
+    return best or CgroupMemory(limit_bytes=None, usage_bytes=own_usage, version=version, path=str(dirs[0]))
+
+
+def cgroup_cpu_quota(
+    cgroup_root: str | Path = "/sys/fs/cgroup", proc_self_cgroup: str | Path = "/proc/self/cgroup"
+) -> float | None:
+    """CPU quota in cores (quota / period) of the tightest level on the cgroup path, or None if unlimited."""
+    version, dirs = _cgroup_dirs(Path(cgroup_root), Path(proc_self_cgroup), "cpu")
+    quotas: list[float] = []
+    for directory in dirs:
+        if version == 2:
+            try:
+                quota_text, _, period_text = (directory / "cpu.max").read_text().strip().partition(" ")
+            except OSError:
+                continue
+            if quota_text == "max" or not period_text:
+                continue
+            quota, period = int(quota_text), int(period_text)
+        else:
+            quota, period = _read_int(directory / "cpu.cfs_quota_us"), _read_int(directory / "cpu.cfs_period_us")
+            if quota is None or period is None or quota < 0:  # -1: no quota
+                continue
+        if period > 0:
+            quotas.append(quota / period)
+    return min(quotas) if quotas else None
+
+
+def usable_cpu_count(
+    cgroup_root: str | Path = "/sys/fs/cgroup",
+    proc_self_cgroup: str | Path = "/proc/self/cgroup",
+    affinity: set[int] | None = None,
+) -> int:
+    """Cores this process can really keep busy: min(CPU affinity, ceil(cgroup quota)), at least 1."""
+    if affinity is None:
+        try:
+            affinity = os.sched_getaffinity(0)
+        except AttributeError:  # not Linux
+            affinity = set(range(os.cpu_count() or 1))
+    count = len(affinity)
+    quota = cgroup_cpu_quota(cgroup_root, proc_self_cgroup)
+    if quota is not None:
+        count = min(count, math.ceil(quota))
+    return max(1, count)
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+
+def read_meminfo(path: str | Path = "/proc/meminfo") -> MemInfo:
+    """Parse /proc/meminfo ("Key:  123 kB" lines) into bytes."""
+    fields: dict[str, int] = {}
+    for line in Path(path).read_text().splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if not parts:
+            continue
+        scale = 1024 if len(parts) > 1 and parts[1] == "kB" else 1
+        fields[key.strip()] = int(parts[0]) * scale
+    free, cached = fields.get("MemFree", 0), fields.get("Cached", 0)
+    available = fields.get("MemAvailable", free + fields.get("Buffers", 0) + cached)
+    return MemInfo(
+        total=fields.get("MemTotal", 0),
+        available=available,
+        free=free,
+        cached=cached,
+        swap_total=fields.get("SwapTotal", 0),
+        swap_free=fields.get("SwapFree", 0),
+    )
+
+
+def available_memory(
+    meminfo_path: str | Path = "/proc/meminfo",
+    cgroup_root: str | Path = "/sys/fs/cgroup",
+    proc_self_cgroup: str | Path = "/proc/self/cgroup",
+) -> AvailableMemory:
+    """Host memory usable now: min(MemAvailable, cgroup limit - cgroup working set)."""
+    meminfo = read_meminfo(meminfo_path)
+    cgroup = read_cgroup_memory(cgroup_root, proc_self_cgroup)
+    from_meminfo = f"MemAvailable {meminfo.available / GIB:.2f} GiB of {meminfo.total / GIB:.2f} GiB"
+    headroom = cgroup.headroom_bytes
+    if headroom is None:
+        return AvailableMemory(meminfo.available, "MemAvailable", f"{from_meminfo}; no cgroup memory limit",
+                               total_bytes=meminfo.total)
+    from_cgroup = (
+        f"cgroup v{cgroup.version} limit {cgroup.limit_bytes / GIB:.2f} GiB - used {(cgroup.usage_bytes or 0) / GIB:.2f}"
+        f" GiB = {headroom / GIB:.2f} GiB"
+    )
+    if headroom < meminfo.available:
+        return AvailableMemory(headroom, "cgroup", f"{from_cgroup} (less than {from_meminfo})",
+                               total_bytes=cgroup.limit_bytes)
+    return AvailableMemory(meminfo.available, "MemAvailable", f"{from_meminfo} (less than {from_cgroup})",
+                           total_bytes=meminfo.total)
+
+
+def cuda_free_memory(device: int = 0) -> tuple[int, int] | None:
+    """(free, total) bytes on a CUDA device, or None without torch or a usable GPU."""
+    try:
+        import torch  # lazily: the host probes above must work without torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
+
+
+def cuda_available_memory(device: int = 0) -> AvailableMemory | None:
+    """Free GPU memory as an AvailableMemory (for the memory plan on a GPU), or None without a GPU."""
+    info = cuda_free_memory(device)
+    if info is None:
+        return None
+    free, total = info
+    return AvailableMemory(free, "cuda", f"cuda:{device} free {free / GIB:.2f} GiB of {total / GIB:.2f} GiB",
+                           total_bytes=total)
+
+
+# ----------------------------------------------------------------------------------------------- CPU
+
+
+def cpu_flags(path: str | Path = "/proc/cpuinfo") -> set[str]:
+    """Instruction-set flags of the first CPU ("flags" on x86, "Features" on ARM)."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def fast_cpu_dtype(flags: set[str]) -> str:
+    """The dtype whose matmuls are fastest on this CPU: "bfloat16" with native bf16 instructions, else "float32".
+
+    Without AVX512-BF16 or AMX-BF16 the CPU has no bf16 multiply: every bf16 matmul converts its operands to
+    fp32 first, so bf16 ends up slower than plain fp32 (measured up to an order of magnitude during warm-up on
+    such CPUs), even though it halves the weight memory. With the instructions, bf16 is about twice as fast.
+    """
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"

@@ -1,0 +1,200 @@
+"""Host probes against fake /sys/fs/cgroup and /proc trees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagedserve.memory.probe import (
+    GIB,
+    available_memory,
+    cgroup_cpu_quota,
+    cpu_flags,
+    fast_cpu_dtype,
+    read_cgroup_memory,
+    read_meminfo,
+    usable_cpu_count,
+)
+
+MEMINFO = """\
+MemTotal:       24684084 kB
+MemFree:         1000000 kB
+MemAvailable:   20000000 kB
+Buffers:          100000 kB
+Cached:          5000000 kB
+SwapCached:            0 kB
+SwapTotal:       2097148 kB
+SwapFree:        2097148 kB
+HugePages_Total:       0
+"""
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def cgroup_v2(tmp_path: Path, own: str = "/user.slice/app.scope") -> tuple[Path, Path]:
+    root = tmp_path / "cgroup"
+    write(root / "cgroup.controllers", "cpu memory io pids\n")
+    proc_self = write(tmp_path / "proc_self_cgroup", f"0::{own}\n")
+    return root, proc_self
+
+
+def cgroup_v1(tmp_path: Path, memory_path: str = "/docker/abc", cpu_path: str = "/docker/abc") -> tuple[Path, Path]:
+    root = tmp_path / "cgroup"
+    (root / "memory").mkdir(parents=True)
+    (root / "cpu,cpuacct").mkdir(parents=True)
+    proc_self = write(
+        tmp_path / "proc_self_cgroup",
+        f"12:pids:/\n4:memory:{memory_path}\n3:cpu,cpuacct:{cpu_path}\n1:name=systemd:/\n",
+    )
+    return root, proc_self
+
+
+def test_v2_limit_of_own_cgroup_minus_inactive_file(tmp_path: Path) -> None:
+    root, proc_self = cgroup_v2(tmp_path)
+    own = root / "user.slice" / "app.scope"
+    write(own / "memory.max", f"{8 * GIB}\n")
+    write(own / "memory.current", f"{3 * GIB}\n")
+    write(own / "memory.stat", f"anon 100\ninactive_file {GIB}\nactive_file 5\n")
+    write(root / "user.slice" / "memory.max", "max\n")
+    memory = read_cgroup_memory(root, proc_self)
+    assert memory.version == 2
+    assert memory.limit_bytes == 8 * GIB
+    assert memory.usage_bytes == 2 * GIB  # the reclaimable inactive file cache is not counted
+    assert memory.headroom_bytes == 6 * GIB
+
+
+def test_v2_tighter_ancestor_binds(tmp_path: Path) -> None:
+    root, proc_self = cgroup_v2(tmp_path)
+    own = root / "user.slice" / "app.scope"
+    write(own / "memory.max", f"{8 * GIB}\n")
+    write(own / "memory.current", f"{1 * GIB}\n")
+    write(root / "user.slice" / "memory.max", f"{4 * GIB}\n")
+    write(root / "user.slice" / "memory.current", f"{3 * GIB}\n")
+    memory = read_cgroup_memory(root, proc_self)
+    assert (memory.limit_bytes, memory.usage_bytes) == (4 * GIB, 3 * GIB)
+    assert memory.path == str(root / "user.slice")
+
+
+def test_v2_no_limit(tmp_path: Path) -> None:
+    root, proc_self = cgroup_v2(tmp_path)
+    own = root / "user.slice" / "app.scope"
+    write(own / "memory.max", "max\n")
+    write(own / "memory.current", "12345\n")
+    memory = read_cgroup_memory(root, proc_self)
+    assert memory.limit_bytes is None and memory.headroom_bytes is None
+    assert memory.usage_bytes == 12345
+
+
+def test_v2_inside_cgroup_namespace_reads_root_files(tmp_path: Path) -> None:
+    root, proc_self = cgroup_v2(tmp_path, own="/")
+    write(root / "memory.max", f"{2 * GIB}\n")
+    write(root / "memory.current", f"{GIB}\n")
+    assert read_cgroup_memory(root, proc_self).headroom_bytes == GIB
+
+
+def test_v1_host_path_not_mounted_falls_back_to_mount_root(tmp_path: Path) -> None:
+    # Docker without a cgroup namespace: /proc/self/cgroup says /docker/abc, the mount is already that dir.
+    root, proc_self = cgroup_v1(tmp_path)
+    write(root / "memory" / "memory.limit_in_bytes", f"{9 * GIB}\n")
+    write(root / "memory" / "memory.usage_in_bytes", f"{2 * GIB}\n")
+    write(root / "memory" / "memory.stat", f"cache 5\ntotal_inactive_file {GIB // 2}\n")
+    memory = read_cgroup_memory(root, proc_self)
+    assert memory.version == 1
+    assert memory.limit_bytes == 9 * GIB
+    assert memory.usage_bytes == 2 * GIB - GIB // 2
+
+
+def test_v1_own_subdirectory_and_huge_value_means_no_limit(tmp_path: Path) -> None:
+    root, proc_self = cgroup_v1(tmp_path, memory_path="/process_api/f26d")
+    own = root / "memory" / "process_api" / "f26d"
+    write(own / "memory.limit_in_bytes", "9223372036854771712\n")
+    write(own / "memory.usage_in_bytes", "6877184\n")
+    write(root / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")
+    memory = read_cgroup_memory(root, proc_self)
+    assert memory.limit_bytes is None
+    assert memory.usage_bytes == 6877184
+    write(own / "memory.limit_in_bytes", f"{3 * GIB}\n")
+    assert read_cgroup_memory(root, proc_self).limit_bytes == 3 * GIB
+
+
+def test_no_cgroup_at_all(tmp_path: Path) -> None:
+    memory = read_cgroup_memory(tmp_path / "nothing", tmp_path / "missing")
+    assert (memory.limit_bytes, memory.usage_bytes, memory.version) == (None, None, None)
+
+
+def test_meminfo_parsing_in_bytes(tmp_path: Path) -> None:
+    info = read_meminfo(write(tmp_path / "meminfo", MEMINFO))
+    assert info.total == 24684084 * 1024
+    assert info.available == 20000000 * 1024
+    assert info.free == 1000000 * 1024
+    assert info.cached == 5000000 * 1024
+    assert info.swap_total == info.swap_free == 2097148 * 1024
+
+
+def test_meminfo_without_memavailable_estimates_it(tmp_path: Path) -> None:
+    text = "".join(line + "\n" for line in MEMINFO.splitlines() if not line.startswith("MemAvailable"))
+    info = read_meminfo(write(tmp_path / "meminfo", text))
+    assert info.available == (1000000 + 100000 + 5000000) * 1024
+
+
+def test_available_memory_names_the_binding_limit(tmp_path: Path) -> None:
+    meminfo = write(tmp_path / "meminfo", MEMINFO)  # MemAvailable about 19.07 GiB
+    root, proc_self = cgroup_v2(tmp_path)
+    own = root / "user.slice" / "app.scope"
+    write(own / "memory.max", f"{9 * GIB}\n")
+    write(own / "memory.current", f"{GIB}\n")
+    available = available_memory(meminfo, root, proc_self)
+    assert available.num_bytes == 8 * GIB
+    assert available.bound_by == "cgroup"
+    assert "limit 9.00 GiB" in available.reason and "8.00 GiB" in available.reason
+
+    write(own / "memory.max", f"{64 * GIB}\n")
+    available = available_memory(meminfo, root, proc_self)
+    assert available.num_bytes == 20000000 * 1024
+    assert available.bound_by == "MemAvailable"
+
+    write(own / "memory.max", "max\n")
+    available = available_memory(meminfo, root, proc_self)
+    assert available.bound_by == "MemAvailable" and "no cgroup memory limit" in available.reason
+
+
+def test_cpu_quota_v2_limits_usable_cores(tmp_path: Path) -> None:
+    root, proc_self = cgroup_v2(tmp_path)
+    write(root / "user.slice" / "app.scope" / "cpu.max", "250000 100000\n")
+    assert cgroup_cpu_quota(root, proc_self) == 2.5
+    assert usable_cpu_count(root, proc_self, affinity=set(range(16))) == 3  # ceil(2.5)
+    assert usable_cpu_count(root, proc_self, affinity={0, 1}) == 2  # affinity is tighter
+    write(root / "user.slice" / "app.scope" / "cpu.max", "max 100000\n")
+    assert cgroup_cpu_quota(root, proc_self) is None
+    assert usable_cpu_count(root, proc_self, affinity=set(range(16))) == 16
+
+
+def test_cpu_quota_v1_co_mounted_controller(tmp_path: Path) -> None:
+    root, proc_self = cgroup_v1(tmp_path)
+    write(root / "cpu,cpuacct" / "cpu.cfs_quota_us", "400000\n")
+    write(root / "cpu,cpuacct" / "cpu.cfs_period_us", "100000\n")
+    assert usable_cpu_count(root, proc_self, affinity=set(range(8))) == 4
+    write(root / "cpu,cpuacct" / "cpu.cfs_quota_us", "-1\n")
+    assert usable_cpu_count(root, proc_self, affinity=set(range(8))) == 8
+
+
+def test_tiny_quota_still_gives_one_core(tmp_path: Path) -> None:
+    root, proc_self = cgroup_v2(tmp_path)
+    write(root / "user.slice" / "app.scope" / "cpu.max", "10000 100000\n")
+    assert usable_cpu_count(root, proc_self, affinity={0, 1, 2, 3}) == 1
+
+
+def test_cpu_flags_and_fast_dtype(tmp_path: Path) -> None:
+    cpuinfo = write(
+        tmp_path / "cpuinfo",
+        "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n\nprocessor\t: 1\nflags\t\t: fpu sse avx2 avx512f\n",
+    )
+    flags = cpu_flags(cpuinfo)
+    assert {"avx2", "avx512f"} <= flags
+    assert fast_cpu_dtype(flags) == "float32"
+    assert fast_cpu_dtype(flags | {"avx512_bf16"}) == "bfloat16"
+    assert fast_cpu_dtype(flags | {"amx_bf16"}) == "bfloat16"
+    assert cpu_flags(tmp_path / "missing") == set()
