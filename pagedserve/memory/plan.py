@@ -1,0 +1,454 @@
+"""The memory plan: weights + KV cache + activations + runtime overhead, counted before anything is loaded.
+
+Pure Python (no torch): `serve` builds a ModelShape from the checkpoint's headers and config, a PlanRequest
+from its flags and the probed AvailableMemory, calls make_plan(), and refuses to start with
+InsufficientMemoryError when the plan does not fit, printing format_plan_table(plan) — the numbers and the
+flags that would make it fit — instead of starting and thrashing the page cache.
+
+Formulas (T = max_num_batched_tokens, M = max_model_len, S = max_num_seqs, d = dtype_bytes, L layers,
+H hidden, I intermediate, V vocab, nh / kvh attention / KV heads, hd head_dim):
+
+  KV bytes per token = 2 (K and V) x L x kvh x hd x kv_dtype_bytes
+  KV pool (automatic) = budget - weights - activations - overhead, where budget = memory_fraction x available,
+      rounded down to whole blocks, at least one full M-token sequence (the engine cannot serve less) and at
+      most S x M tokens (more could never be used at once).
+
+  Peak activations, for one forward pass over T batched tokens. Inference keeps no autograd graph, so only
+  one layer's transients are alive at a time; the terms are summed, which bounds the allocator's high-water
+  mark from above (freed blocks stay cached, so peaks of consecutive steps add up in practice):
+    hidden      2 x T x H x d           residual stream + normalised input of the current sub-layer
+    attention   T x (2 nh + 2 kvh) x hd x d
+                                        q, k, v projections and the attention output
+    mlp         3 x T x I x d           fused gate_up output [T, 2I] + activated product [T, I], alive together
+    gathered kv 2 x M x kvh x hd x d    one sequence's K and V copied out of the paged blocks
+    scores      nh x min(T, M) x M x 4  fp32 softmax(QK^T) of one sequence's prefill chunk against its whole
+                                        context; only when attention materialises the scores (not for tiled
+                                        kernels such as SDPA's flash path)
+    logits      2 x min(S, T) x V x 4   fp32 logits of each sequence's last position + the sampler's probs
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from pagedserve.memory.probe import AvailableMemory
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# Resident memory of the runtime before any weight is loaded. Measured on the dev box (Python 3.11,
+# torch 2.13.0+cpu, transformers 5.24) with VmRSS from /proc/self/status, three runs each:
+#   python -c "import torch, transformers"                                  245,020 KiB (239 MiB)
+#   + fastapi, uvicorn, safetensors, tokenizers, AutoTokenizer               272,820 KiB (266 MiB)
+#   + a byte-level BPE tokenizer of Qwen2's size (151,643 tokens) loaded
+#     with PreTrainedTokenizerFast and run once                              373,152 KiB (364 MiB)
+# rounded up to 384 MiB for thread stacks and allocator arenas. On a GPU, pass the device-side overhead
+# (CUDA context, cuBLAS workspace) instead, measured with torch.cuda.mem_get_info around initialisation.
+CPU_RUNTIME_OVERHEAD_BYTES = 384 * MIB
+
+# Bytes per element of the dtypes a safetensors header can name.
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+class InsufficientMemoryError(RuntimeError):
+    """The memory plan does not fit; `plan` carries the numbers and suggestions."""
+
+    def __init__(self, plan: MemoryPlan) -> None:
+        super().__init__(plan.summary())
+        self.plan = plan
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs to know about a model; weight_bytes is exact, from file headers, in the serving dtype."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    weight_bytes: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict, weight_bytes: int) -> ModelShape:
+        """Build from a Hugging Face config.json dict (text_config for multimodal wrappers)."""
+        config = config.get("text_config", config)
+        num_heads = config["num_attention_heads"]
+        return cls(
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_attention_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            vocab_size=config["vocab_size"],
+            weight_bytes=weight_bytes,
+        )
+
+    @property
+    def num_linear_params(self) -> int:
+        """Parameters of the decoder layers' linear projections (what int8 weight-only quantization shrinks)."""
+        qkv_out = (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
+        attention = self.hidden_size * qkv_out + self.num_attention_heads * self.head_dim * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attention + mlp)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The serving settings that decide memory use, and the memory available for them."""
+
+    dtype_bytes: int
+    kv_dtype_bytes: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    available: AvailableMemory
+    memory_fraction: float = 0.9  # --gpu-memory-utilization: share of the available memory the server may use
+    kv_cache_bytes: int | None = None  # explicit KV pool (--kv-cache-memory, VLLM_CPU_KVCACHE_SPACE)
+    runtime_overhead_bytes: int = CPU_RUNTIME_OVERHEAD_BYTES
+    materializes_attention_scores: bool = True  # False for tiled attention kernels that never hold QK^T
+    quantization: str | None = None  # weight quantization already applied to weight_bytes (e.g. "int8")
+
+    def __post_init__(self) -> None:
+        for name in ("dtype_bytes", "kv_dtype_bytes", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Peak activation memory of one forward pass, by term (see the module docstring for the formulas)."""
+
+    hidden: int
+    attention: int
+    mlp: int
+    gathered_kv: int
+    scores: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.hidden + self.attention + self.mlp + self.gathered_kv + self.scores + self.logits
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One flag change that would make the plan fit, with what the plan would then need."""
+
+    flag: str
+    value: str
+    needs_bytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The budget: every term in bytes, the verdict, and how to make it fit."""
+
+    shape: ModelShape
+    request: PlanRequest
+    weight_bytes: int
+    kv_bytes_per_token: int
+    block_bytes: int
+    num_kv_blocks: int
+    kv_pool_bytes: int
+    kv_sizing: str  # "explicit", "automatic", "floor" (raised to one sequence) or "cap" (limited to S x M)
+    activations: ActivationBytes
+    overhead_bytes: int
+    total_bytes: int
+    budget_bytes: int  # memory_fraction x available
+    fits: bool
+    problems: list[str] = field(default_factory=list)
+    suggestions: list[Suggestion] = field(default_factory=list)
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.activations.total
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.request.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many max_model_len-token sequences the KV pool holds at once."""
+        return self.num_kv_tokens / self.request.max_model_len
+
+    @property
+    def shortfall_bytes(self) -> int:
+        return max(0, self.total_bytes - self.budget_bytes)
+
+    def summary(self) -> str:
+        """One line: "needs 11.10 GiB, 9.32 GiB available, short by 1.78 GiB"."""
+        head = f"needs {_gib(self.total_bytes)}, {_gib(self.budget_bytes)} available"
+        if self.fits:
+            return f"{head}, {_gib(self.budget_bytes - self.total_bytes)} to spare"
+        text = f"{head}, short by {_gib(self.shortfall_bytes)}" if self.shortfall_bytes else head
+        return "; ".join([text, *self.problems])
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["activations"]["total"] = self.activation_bytes
+        data.update(
+            activation_bytes=self.activation_bytes,
+            num_kv_tokens=self.num_kv_tokens,
+            max_concurrency=self.max_concurrency,
+            shortfall_bytes=self.shortfall_bytes,
+            summary=self.summary(),
+        )
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+
+
+def activation_bytes(shape: ModelShape, request: PlanRequest) -> ActivationBytes:
+    """Peak activations of one step of max_num_batched_tokens tokens (formulas in the module docstring)."""
+    tokens, d = request.max_num_batched_tokens, request.dtype_bytes
+    max_len = request.max_model_len
+    scores = 0
+    if request.materializes_attention_scores:
+        scores = shape.num_attention_heads * min(tokens, max_len) * max_len * 4
+    return ActivationBytes(
+        hidden=2 * tokens * shape.hidden_size * d,
+        attention=tokens * (2 * shape.num_attention_heads + 2 * shape.num_kv_heads) * shape.head_dim * d,
+        mlp=3 * tokens * shape.intermediate_size * d,
+        gathered_kv=2 * max_len * shape.num_kv_heads * shape.head_dim * d,
+        scores=scores,
+        logits=2 * min(request.max_num_seqs, tokens) * shape.vocab_size * 4,
+    )
+
+
+def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int) -> tuple[int, str, list[str]]:
+    """(number of KV blocks, how they were sized, problems) for the memory left after everything else."""
+    blocks_per_seq = math.ceil(request.max_model_len / request.block_size)
+    if request.kv_cache_bytes is not None:
+        num_blocks = request.kv_cache_bytes // block_bytes
+        problems = []
+        if num_blocks < blocks_per_seq:
+            problems.append(
+                f"the KV cache of {_gib(request.kv_cache_bytes)} holds {num_blocks * request.block_size} tokens,"
+                f" fewer than one max_model_len={request.max_model_len} sequence"
+            )
+        return num_blocks, "explicit", problems
+    num_blocks = max(0, left_bytes) // block_bytes
+    if num_blocks < blocks_per_seq:
+        return blocks_per_seq, "floor", []
+    cap = request.max_num_seqs * blocks_per_seq
+    if num_blocks > cap:
+        return cap, "cap", []
+    return num_blocks, "automatic", []
+
+
+def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
+    kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * request.kv_dtype_bytes
+    block_bytes = request.block_size * kv_bytes_per_token
+    activations = activation_bytes(shape, request)
+    budget = int(request.memory_fraction * request.available.num_bytes)
+    fixed = shape.weight_bytes + activations.total + request.runtime_overhead_bytes
+    num_blocks, sizing, problems = _size_kv_pool(request, block_bytes, budget - fixed)
+    kv_pool_bytes = num_blocks * block_bytes
+    total = fixed + kv_pool_bytes
+    return MemoryPlan(
+        shape=shape,
+        request=request,
+        weight_bytes=shape.weight_bytes,
+        kv_bytes_per_token=kv_bytes_per_token,
+        block_bytes=block_bytes,
+        num_kv_blocks=num_blocks,
+        kv_pool_bytes=kv_pool_bytes,
+        kv_sizing=sizing,
+        activations=activations,
+        overhead_bytes=request.runtime_overhead_bytes,
+        total_bytes=total,
+        budget_bytes=budget,
+        fits=total <= budget and not problems,
+        problems=problems,
+    )
+
+
+def make_plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
+    """The memory plan for serving `shape` with `request`; when it does not fit, with suggestions."""
+    plan = _plan(shape, request)
+    if plan.fits:
+        return plan
+    return replace(plan, suggestions=suggest(shape, request))
+
+
+# ----------------------------------------------------------------------------------------------- suggestions
+
+
+def _largest_fitting(low: int, high: int, fits: callable) -> int | None:
+    """Largest n in [low, high] with fits(n), for a predicate that is monotone (true up to some n); or None."""
+    if high < low or not fits(low):
+        return None
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def _int8_weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+    # Weight-only int8 of the decoder's linear layers: 1 byte per weight plus one scale per output channel
+    # in the serving dtype. Embeddings, the LM head and norms stay in the serving dtype (conservative).
+    qkv_out = (shape.num_attention_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    num_scales = shape.num_layers * (qkv_out + shape.hidden_size + 2 * shape.intermediate_size + shape.hidden_size)
+    linear = shape.num_linear_params
+    return max(0, shape.weight_bytes - linear * dtype_bytes) + linear + num_scales * dtype_bytes
+
+
+def _largest_setting(shape: ModelShape, request: PlanRequest, name: str, step: int) -> int | None:
+    """Largest multiple of `step` below the requested value of `name` with which the plan fits."""
+    current = getattr(request, name)
+    n = _largest_fitting(1, (current - 1) // step, lambda k: _plan(shape, replace(request, **{name: k * step})).fits)
+    return None if n is None else n * step
+
+
+def suggest(shape: ModelShape, request: PlanRequest) -> list[Suggestion]:
+    """Single flag changes that would make the plan fit (every other setting unchanged)."""
+    suggestions: list[Suggestion] = []
+
+    def fitting(label: str, value: str, new_shape: ModelShape, new_request: PlanRequest, note: str = "") -> None:
+        plan = _plan(new_shape, new_request)
+        if plan.fits:
+            suggestions.append(Suggestion(label, value, plan.total_bytes, note))
+
+    # Each of these only grows memory use, so the largest fitting value is found by bisection.
+    for name, step, note in (
+        ("max_model_len", request.block_size, ""),
+        ("max_num_batched_tokens", request.block_size, "smaller prefill chunks"),
+        ("max_num_seqs", 1, ""),
+    ):
+        value = _largest_setting(shape, request, name, step)
+        if value is not None:
+            fitting("--" + name.replace("_", "-"), str(value), shape, replace(request, **{name: value}), note)
+    if request.kv_cache_bytes is not None:
+        base = _plan(shape, request)
+        room = base.budget_bytes - (base.total_bytes - base.kv_pool_bytes)
+        kv_bytes = max(0, room) // base.block_bytes * base.block_bytes
+        if kv_bytes:
+            fitting("--kv-cache-memory", str(kv_bytes), shape, replace(request, kv_cache_bytes=kv_bytes),
+                    note=f"{_gib(kv_bytes)}; VLLM_CPU_KVCACHE_SPACE={kv_bytes / GIB:.2f}")
+    if request.dtype_bytes == 4:
+        half = replace(shape, weight_bytes=shape.weight_bytes // 2)
+        kv = 2 if request.kv_dtype_bytes == 4 else request.kv_dtype_bytes
+        fitting("--dtype", "bfloat16", half, replace(request, dtype_bytes=2, kv_dtype_bytes=kv),
+                note="fast only on CPUs with AVX512-BF16 or AMX; see `pagedserve doctor`")
+    if request.quantization is None:
+        int8_bytes = _int8_weight_bytes(shape, request.dtype_bytes)
+        if int8_bytes < shape.weight_bytes:
+            fitting("--quantization", "int8", replace(shape, weight_bytes=int8_bytes), request,
+                    note="weight-only int8 for the linear layers")
+    if request.kv_dtype_bytes > 1:
+        fitting("--kv-cache-dtype", "fp8", shape, replace(request, kv_dtype_bytes=1))
+    return suggestions
+
+
+# ----------------------------------------------------------------------------------------------- output
+
+
+def format_plan_table(plan: MemoryPlan) -> str:
+    """The plan as a human table (GiB with 2 decimals), the verdict, and suggestions when it does not fit."""
+    request, shape = plan.request, plan.shape
+    kv_detail = (
+        f"{plan.num_kv_blocks} blocks x {request.block_size} tokens x {plan.kv_bytes_per_token:,} B/token,"
+        f" {plan.kv_sizing}; {plan.max_concurrency:.2f} x {request.max_model_len}-token sequences"
+    )
+    act = plan.activations
+    rows = [
+        ("weights", plan.weight_bytes, f"{shape.num_layers} layers, {request.dtype_bytes} B/param"),
+        ("KV cache", plan.kv_pool_bytes, kv_detail),
+        ("activations", plan.activation_bytes,
+         f"{request.max_num_batched_tokens} batched tokens: hidden {act.hidden / MIB:.0f} MiB, attention"
+         f" {(act.attention + act.gathered_kv + act.scores) / MIB:.0f} MiB, mlp {act.mlp / MIB:.0f} MiB,"
+         f" logits {act.logits / MIB:.0f} MiB"),
+        ("runtime overhead", plan.overhead_bytes, "torch, Python, tokenizer"),
+    ]
+    lines = [f"  {name:<17}{num_bytes / GIB:>8.2f} GiB   {detail}" for name, num_bytes, detail in rows]
+    lines.append(f"  {'total':<17}{plan.total_bytes / GIB:>8.2f} GiB")
+    lines.append(
+        f"  {'available':<17}{plan.budget_bytes / GIB:>8.2f} GiB   {request.memory_fraction:.0%} of"
+        f" {_gib(request.available.num_bytes)} ({request.available.reason})"
+    )
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"{verdict}: {plan.summary()}")
+    if not plan.fits:
+        if plan.suggestions:
+            lines.append("any one of these would fit:")
+            for s in plan.suggestions:
+                note = f"  ({s.note})" if s.note else ""
+                lines.append(f"  {s.flag + ' ' + s.value:<32} needs {_gib(s.needs_bytes)}{note}")
+        else:
+            lines.append("no single flag change fits: free memory, or use a smaller model")
+    return "\n".join(["memory plan", *lines])
+
+
+# ----------------------------------------------------------------------------------------------- headers
+
+
+def read_safetensors_header(path: str | Path) -> dict:
+    """The JSON header of one .safetensors file (8-byte little-endian length, then JSON), without the data."""
+    path = Path(path)
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path}: too short to be a safetensors file ({len(prefix)} bytes)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > path.stat().st_size - 8:
+            raise ValueError(f"{path}: header length {length} exceeds the file size")
+        raw = f.read(length)
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: unreadable safetensors header ({exc})") from exc
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    return sorted(directory.glob("*.safetensors"))
+
+
+def weight_bytes_from_safetensors_dir(path: str | Path, dtype_bytes: int) -> int:
+    """Bytes of all weights in a checkpoint dir once floating-point tensors are cast to the serving dtype.
+
+    Reads only the headers. Integer tensors (quantized weights, index buffers) keep their stored size.
+    """
+    files = _safetensors_files(Path(path))
+    if not files:
+        raise ValueError(f"{path}: no .safetensors files")
+    total = 0
+    for file in files:
+        for name, info in read_safetensors_header(file).items():
+            if name == "__metadata__":
+                continue
+            num_elements = math.prod(info["shape"])
+            dtype = info["dtype"]
+            total += num_elements * (dtype_bytes if dtype in _FLOAT_DTYPES else SAFETENSORS_DTYPE_BYTES[dtype])
+    return total

@@ -1,0 +1,181 @@
+"""The memory plan, checked against numbers worked out by hand from the formulas in plan.py's docstring."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pagedserve.memory.plan import (
+    GIB,
+    MIB,
+    InsufficientMemoryError,
+    ModelShape,
+    PlanRequest,
+    format_plan_table,
+    make_plan,
+    weight_bytes_from_safetensors_dir,
+)
+from pagedserve.memory.probe import AvailableMemory
+
+# A tiny decoder: 2 layers, hidden 64, intermediate 128, 4 heads of 16, 2 KV heads, vocab 100.
+# Linear params per layer: qkv 64 x (4 + 2 + 2) x 16 = 8192, o 64 x 64 = 4096, mlp 3 x 64 x 128 = 24576
+# -> 36864; x 2 layers = 73728. Embedding + LM head 2 x 100 x 64 = 12800. fp32: (73728 + 12800) x 4 = 346112.
+TINY = ModelShape(
+    num_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_kv_heads=2,
+    head_dim=16, vocab_size=100, weight_bytes=346112,
+)
+
+
+def request(budget_bytes: int, **changes) -> PlanRequest:
+    """fp32, max_model_len 64, 4 seqs, 32 batched tokens, blocks of 16, 1 MiB overhead; fraction 0.5."""
+    base = PlanRequest(
+        dtype_bytes=4, kv_dtype_bytes=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+        block_size=16, available=AvailableMemory(2 * budget_bytes, "MemAvailable", "test"),
+        memory_fraction=0.5, runtime_overhead_bytes=MIB,
+    )
+    return replace(base, **changes)
+
+
+def test_tiny_model_numbers_by_hand() -> None:
+    plan = make_plan(TINY, request(budget_bytes=5 * MIB))
+    assert TINY.num_linear_params == 73728
+    assert plan.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 == 512  # K and V x layers x kv heads x head_dim x 4 B
+    assert plan.block_bytes == 16 * 512 == 8192
+    act = plan.activations
+    assert act.hidden == 2 * 32 * 64 * 4 == 16384
+    assert act.attention == 32 * (2 * 4 + 2 * 2) * 16 * 4 == 24576
+    assert act.mlp == 3 * 32 * 128 * 4 == 49152
+    assert act.gathered_kv == 2 * 64 * 2 * 16 * 4 == 16384
+    assert act.scores == 4 * min(32, 64) * 64 * 4 == 32768
+    assert act.logits == 2 * min(4, 32) * 100 * 4 == 3200
+    assert plan.activation_bytes == 16384 + 24576 + 49152 + 16384 + 32768 + 3200 == 142464
+    # Left for KV: 5 MiB - weights - activations - overhead = 5242880 - 346112 - 142464 - 1048576 = 3705728,
+    # 452 blocks; but 4 seqs x 64 tokens can use only 4 x 4 = 16 blocks: capped.
+    assert (plan.num_kv_blocks, plan.kv_sizing) == (16, "cap")
+    assert plan.kv_pool_bytes == 16 * 8192 == 131072
+    assert plan.total_bytes == 346112 + 142464 + 1048576 + 131072 == 1668224
+    assert plan.budget_bytes == 5 * MIB
+    assert plan.fits and plan.shortfall_bytes == 0 and plan.suggestions == []
+    assert plan.max_concurrency == 16 * 16 / 64 == 4.0
+
+
+def test_automatic_kv_pool_fills_what_is_left() -> None:
+    plan = make_plan(TINY, request(budget_bytes=5 * MIB, max_num_seqs=1000))
+    # logits rows are capped by the batched tokens: 2 x min(1000, 32) x 100 x 4 = 25600.
+    assert plan.activation_bytes == 142464 - 3200 + 25600 == 164864
+    # left: 5242880 - 346112 - 164864 - 1048576 = 3683328 -> 3683328 // 8192 = 449 blocks (cap 4000).
+    assert (plan.num_kv_blocks, plan.kv_sizing) == (449, "automatic")
+    assert plan.total_bytes == 346112 + 164864 + 1048576 + 449 * 8192 == 5237760
+    assert plan.fits
+
+
+def test_kv_pool_never_below_one_max_model_len_sequence() -> None:
+    plan = make_plan(TINY, request(budget_bytes=MIB))  # less than weights + overhead: nothing left for KV
+    assert plan.num_kv_blocks == 64 // 16 == 4
+    assert plan.kv_sizing == "floor"
+    assert plan.total_bytes == 346112 + 142464 + 1048576 + 4 * 8192 == 1569920
+    assert not plan.fits
+    assert plan.shortfall_bytes == 1569920 - MIB == 521344
+
+
+def test_does_not_fit_with_shortfall_and_suggestions() -> None:
+    # Needs 1569920 (see above); give it 1550000: short by 19920.
+    plan = make_plan(TINY, request(budget_bytes=1550000))
+    assert not plan.fits
+    assert plan.shortfall_bytes == 19920
+    found = {s.flag: (s.value, s.needs_bytes) for s in plan.suggestions}
+    # max_model_len 48: gathered kv 2x48x2x16x4 = 12288, scores 4x32x48x4 = 24576 -> activations 130176;
+    # 346112 + 130176 + 1048576 = 1524864, + one 48-token sequence (3 blocks, 24576) = 1549440 <= 1550000.
+    assert found["--max-model-len"] == ("48", 1549440)
+    # 16 batched tokens: activations 8192 + 12288 + 24576 + 16384 + 4x16x64x4 + 3200 = 81024; left
+    # 1550000 - 346112 - 81024 - 1048576 = 74288 -> 9 blocks: 1475712 + 73728 = 1549440.
+    assert found["--max-num-batched-tokens"] == ("16", 1549440)
+    # max_num_seqs only shrinks logits (800 B per seq): never enough.
+    assert "--max-num-seqs" not in found
+    # bf16 halves weights, KV and the dtype-sized activations (scores and logits stay fp32):
+    # 173056 + (8192 + 12288 + 24576 + 8192 + 32768 + 3200) + 1048576 = 1310848, KV capped at 16 x 4096.
+    assert found["--dtype"] == ("bfloat16", 1310848 + 65536)
+    # int8 linear layers: 346112 - 73728 x 4 + 73728 + 2 x (128 + 64 + 256 + 64) scales x 4 = 129024.
+    assert found["--quantization"] == ("int8", 129024 + 142464 + 1048576 + 16 * 8192)
+    # fp8 KV: 128 B/token, blocks of 2048; left 1550000 - 1537152 = 12848 -> 6 blocks.
+    assert found["--kv-cache-dtype"] == ("fp8", 1537152 + 6 * 2048)
+    table = format_plan_table(plan)
+    assert "DOES NOT FIT" in table and "short by 0.00 GiB" in table
+    assert re.search(r"--max-model-len 48 +needs", table)
+
+
+def test_explicit_kv_size_too_small_for_one_sequence() -> None:
+    # 20000 B hold 2 blocks = 32 tokens, fewer than one 64-token sequence.
+    plan = make_plan(TINY, request(budget_bytes=5 * MIB, kv_cache_bytes=20000))
+    assert (plan.num_kv_blocks, plan.kv_sizing) == (2, "explicit")
+    assert not plan.fits and plan.shortfall_bytes == 0
+    assert "fewer than one max_model_len=64 sequence" in plan.summary()
+    found = {s.flag: s.value for s in plan.suggestions}
+    assert found["--max-model-len"] == "32"
+    # The largest pool that fits: 5242880 - 1537152 = 3705728 -> 452 blocks of 8192.
+    assert found["--kv-cache-memory"] == str(452 * 8192)
+
+
+def test_summary_in_gib_and_error_carries_plan() -> None:
+    shape = replace(TINY, weight_bytes=int(10.5 * GIB))
+    plan = make_plan(shape, request(budget_bytes=int(9.3 * GIB), runtime_overhead_bytes=int(0.6 * GIB)))
+    assert re.fullmatch(r"needs 11\.10 GiB, 9\.30 GiB available, short by 1\.80 GiB", plan.summary())
+    error = InsufficientMemoryError(plan)
+    assert error.plan is plan and str(error) == plan.summary()
+    data = json.loads(plan.to_json())
+    assert data["fits"] is False
+    assert data["shortfall_bytes"] == plan.shortfall_bytes
+    assert data["activations"]["total"] == plan.activation_bytes
+
+
+def test_bad_request_names_the_field() -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        request(budget_bytes=MIB, max_model_len=0)
+    with pytest.raises(ValueError, match="memory_fraction"):
+        request(budget_bytes=MIB, memory_fraction=1.5)
+
+
+def test_shape_from_qwen2_config_matches_known_parameter_count() -> None:
+    config = {
+        "num_hidden_layers": 24, "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+    }
+    shape = ModelShape.from_hf_config(config, weight_bytes=0)
+    assert shape.head_dim == 896 // 14 == 64
+    # Qwen2.5-0.5B has 494,032,768 parameters: tied embedding 151936 x 896 = 136,134,656, q/k/v biases
+    # 24 x 1152 = 27,648, norms 24 x 2 x 896 + 896 = 43,904, the rest are the linear layers.
+    assert shape.num_linear_params == 494032768 - 136134656 - 27648 - 43904
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], int]]) -> None:
+    header, offset = {}, 0
+    for name, (dtype, shape, size) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+def test_weight_bytes_from_safetensors_headers(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": ("F32", [2, 3], 24)})
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors",
+                      {"b": ("BF16", [4], 8), "idx": ("I64", [2], 16)})
+    # Floats are counted in the serving dtype, integers as stored: bf16 -> 6 x 2 + 4 x 2 + 2 x 8 = 36.
+    assert weight_bytes_from_safetensors_dir(tmp_path, dtype_bytes=2) == 36
+    assert weight_bytes_from_safetensors_dir(tmp_path, dtype_bytes=4) == 6 * 4 + 4 * 4 + 16
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
+    )
+    assert weight_bytes_from_safetensors_dir(tmp_path, dtype_bytes=2) == 12  # only the indexed shards
+
+
+def test_weight_bytes_rejects_a_truncated_header(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 10_000) + b"{}")
+    with pytest.raises(ValueError, match="exceeds the file size"):
+        weight_bytes_from_safetensors_dir(tmp_path, dtype_bytes=2)
