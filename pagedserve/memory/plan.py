@@ -20,10 +20,14 @@ H hidden, I intermediate, V vocab, nh / kvh attention / KV heads, hd head_dim):
     attention   T x (2 nh + 2 kvh) x hd x d
                                         q, k, v projections and the attention output
     mlp         3 x T x I x d           fused gate_up output [T, 2I] + activated product [T, I], alive together
-    gathered kv 2 x M x kvh x hd x d    one sequence's K and V copied out of the paged blocks
+    gathered kv 2 x min(S, T) x M x kvh x hd x d
+                                        K and V of every sequence in the batch gathered out of the paged
+                                        blocks (decodes padded to the longest context, at most M)
     scores      nh x min(T, M) x M x 4  fp32 softmax(QK^T) of one sequence's prefill chunk against its whole
-                                        context; only when attention materialises the scores (not for tiled
-                                        kernels such as SDPA's flash path)
+                                        context; only when attention materialises the scores. torch's SDPA
+                                        on CPU is tiled even with a boolean mask: for nh=14, 2048 queries x
+                                        8192 keys the peak RSS grew 59 MiB (fp32), not the 896 MiB of scores
+                                        (measured with ru_maxrss, torch 2.13.0+cpu), hence the default False.
     logits      2 x min(S, T) x V x 4   fp32 logits of each sequence's last position + the sampler's probs
 """
 
@@ -118,7 +122,7 @@ class PlanRequest:
     memory_fraction: float = 0.9  # --gpu-memory-utilization: share of the available memory the server may use
     kv_cache_bytes: int | None = None  # explicit KV pool (--kv-cache-memory, VLLM_CPU_KVCACHE_SPACE)
     runtime_overhead_bytes: int = CPU_RUNTIME_OVERHEAD_BYTES
-    materializes_attention_scores: bool = True  # False for tiled attention kernels that never hold QK^T
+    materializes_attention_scores: bool = False  # True for attention that holds QK^T (not torch SDPA)
     quantization: str | None = None  # weight quantization already applied to weight_bytes (e.g. "int8")
 
     def __post_init__(self) -> None:
@@ -237,7 +241,7 @@ def activation_bytes(shape: ModelShape, request: PlanRequest) -> ActivationBytes
         hidden=2 * tokens * shape.hidden_size * d,
         attention=tokens * (2 * shape.num_attention_heads + 2 * shape.num_kv_heads) * shape.head_dim * d,
         mlp=3 * tokens * shape.intermediate_size * d,
-        gathered_kv=2 * max_len * shape.num_kv_heads * shape.head_dim * d,
+        gathered_kv=2 * min(request.max_num_seqs, tokens) * max_len * shape.num_kv_heads * shape.head_dim * d,
         scores=scores,
         logits=2 * min(request.max_num_seqs, tokens) * shape.vocab_size * 4,
     )

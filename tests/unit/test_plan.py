@@ -32,11 +32,12 @@ TINY = ModelShape(
 
 
 def request(budget_bytes: int, **changes) -> PlanRequest:
-    """fp32, max_model_len 64, 4 seqs, 32 batched tokens, blocks of 16, 1 MiB overhead; fraction 0.5."""
+    """fp32, max_model_len 64, 4 seqs, 32 batched tokens, blocks of 16, 1 MiB overhead, fraction 0.5, and
+    attention that materialises its scores (so that term is checked too)."""
     base = PlanRequest(
         dtype_bytes=4, kv_dtype_bytes=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
         block_size=16, available=AvailableMemory(2 * budget_bytes, "MemAvailable", "test"),
-        memory_fraction=0.5, runtime_overhead_bytes=MIB,
+        memory_fraction=0.5, runtime_overhead_bytes=MIB, materializes_attention_scores=True,
     )
     return replace(base, **changes)
 
@@ -50,27 +51,34 @@ def test_tiny_model_numbers_by_hand() -> None:
     assert act.hidden == 2 * 32 * 64 * 4 == 16384
     assert act.attention == 32 * (2 * 4 + 2 * 2) * 16 * 4 == 24576
     assert act.mlp == 3 * 32 * 128 * 4 == 49152
-    assert act.gathered_kv == 2 * 64 * 2 * 16 * 4 == 16384
+    assert act.gathered_kv == 2 * min(4, 32) * 64 * 2 * 16 * 4 == 65536
     assert act.scores == 4 * min(32, 64) * 64 * 4 == 32768
     assert act.logits == 2 * min(4, 32) * 100 * 4 == 3200
-    assert plan.activation_bytes == 16384 + 24576 + 49152 + 16384 + 32768 + 3200 == 142464
-    # Left for KV: 5 MiB - weights - activations - overhead = 5242880 - 346112 - 142464 - 1048576 = 3705728,
-    # 452 blocks; but 4 seqs x 64 tokens can use only 4 x 4 = 16 blocks: capped.
+    assert plan.activation_bytes == 16384 + 24576 + 49152 + 65536 + 32768 + 3200 == 191616
+    # Left for KV: 5 MiB - weights - activations - overhead = 5242880 - 346112 - 191616 - 1048576 = 3656576,
+    # 446 blocks; but 4 seqs x 64 tokens can use only 4 x 4 = 16 blocks: capped.
     assert (plan.num_kv_blocks, plan.kv_sizing) == (16, "cap")
     assert plan.kv_pool_bytes == 16 * 8192 == 131072
-    assert plan.total_bytes == 346112 + 142464 + 1048576 + 131072 == 1668224
+    assert plan.total_bytes == 346112 + 191616 + 1048576 + 131072 == 1717376
     assert plan.budget_bytes == 5 * MIB
     assert plan.fits and plan.shortfall_bytes == 0 and plan.suggestions == []
     assert plan.max_concurrency == 16 * 16 / 64 == 4.0
 
 
+def test_tiled_attention_has_no_scores_term() -> None:
+    plan = make_plan(TINY, request(budget_bytes=5 * MIB, materializes_attention_scores=False))
+    assert plan.activations.scores == 0
+    assert plan.activation_bytes == 191616 - 32768
+
+
 def test_automatic_kv_pool_fills_what_is_left() -> None:
     plan = make_plan(TINY, request(budget_bytes=5 * MIB, max_num_seqs=1000))
-    # logits rows are capped by the batched tokens: 2 x min(1000, 32) x 100 x 4 = 25600.
-    assert plan.activation_bytes == 142464 - 3200 + 25600 == 164864
-    # left: 5242880 - 346112 - 164864 - 1048576 = 3683328 -> 3683328 // 8192 = 449 blocks (cap 4000).
-    assert (plan.num_kv_blocks, plan.kv_sizing) == (449, "automatic")
-    assert plan.total_bytes == 346112 + 164864 + 1048576 + 449 * 8192 == 5237760
+    # Rows are capped by the batched tokens, min(1000, 32) = 32: logits 2 x 32 x 100 x 4 = 25600,
+    # gathered kv 2 x 32 x 64 x 2 x 16 x 4 = 524288.
+    assert plan.activation_bytes == 16384 + 24576 + 49152 + 524288 + 32768 + 25600 == 672768
+    # left: 5242880 - 346112 - 672768 - 1048576 = 3175424 -> 3175424 // 8192 = 387 blocks (cap 4000).
+    assert (plan.num_kv_blocks, plan.kv_sizing) == (387, "automatic")
+    assert plan.total_bytes == 346112 + 672768 + 1048576 + 387 * 8192 == 5237760
     assert plan.fits
 
 
@@ -78,32 +86,34 @@ def test_kv_pool_never_below_one_max_model_len_sequence() -> None:
     plan = make_plan(TINY, request(budget_bytes=MIB))  # less than weights + overhead: nothing left for KV
     assert plan.num_kv_blocks == 64 // 16 == 4
     assert plan.kv_sizing == "floor"
-    assert plan.total_bytes == 346112 + 142464 + 1048576 + 4 * 8192 == 1569920
+    assert plan.total_bytes == 346112 + 191616 + 1048576 + 4 * 8192 == 1619072
     assert not plan.fits
-    assert plan.shortfall_bytes == 1569920 - MIB == 521344
+    assert plan.shortfall_bytes == 1619072 - MIB == 570496
 
 
 def test_does_not_fit_with_shortfall_and_suggestions() -> None:
-    # Needs 1569920 (see above); give it 1550000: short by 19920.
-    plan = make_plan(TINY, request(budget_bytes=1550000))
+    # Needs 1619072 (see above); give it 1600000: short by 19072.
+    plan = make_plan(TINY, request(budget_bytes=1600000))
     assert not plan.fits
-    assert plan.shortfall_bytes == 19920
+    assert plan.shortfall_bytes == 19072
     found = {s.flag: (s.value, s.needs_bytes) for s in plan.suggestions}
-    # max_model_len 48: gathered kv 2x48x2x16x4 = 12288, scores 4x32x48x4 = 24576 -> activations 130176;
-    # 346112 + 130176 + 1048576 = 1524864, + one 48-token sequence (3 blocks, 24576) = 1549440 <= 1550000.
-    assert found["--max-model-len"] == ("48", 1549440)
-    # 16 batched tokens: activations 8192 + 12288 + 24576 + 16384 + 4x16x64x4 + 3200 = 81024; left
-    # 1550000 - 346112 - 81024 - 1048576 = 74288 -> 9 blocks: 1475712 + 73728 = 1549440.
-    assert found["--max-num-batched-tokens"] == ("16", 1549440)
-    # max_num_seqs only shrinks logits (800 B per seq): never enough.
-    assert "--max-num-seqs" not in found
+    # max_model_len 48: gathered kv 2x4x48x2x16x4 = 49152, scores 4x32x48x4 = 24576 -> activations
+    # 16384 + 24576 + 49152 + 49152 + 24576 + 3200 = 167040; fixed 346112 + 167040 + 1048576 = 1561728;
+    # left 38272 -> 4 blocks (one sequence needs 3).
+    assert found["--max-model-len"] == ("48", 1561728 + 4 * 8192)
+    # 16 batched tokens: 8192 + 12288 + 24576 + 65536 + 4x16x64x4 + 3200 = 130176; fixed 1524864;
+    # left 75136 -> 9 blocks.
+    assert found["--max-num-batched-tokens"] == ("16", 1524864 + 9 * 8192)
+    # 2 seqs: logits 1600, gathered kv 32768 -> 157248; fixed 1551936; left 48064 -> 5 blocks.
+    # (3 seqs: 174432 + 346112 + 1048576 + one sequence 32768 = 1601888, still 1888 short.)
+    assert found["--max-num-seqs"] == ("2", 1551936 + 5 * 8192)
     # bf16 halves weights, KV and the dtype-sized activations (scores and logits stay fp32):
-    # 173056 + (8192 + 12288 + 24576 + 8192 + 32768 + 3200) + 1048576 = 1310848, KV capped at 16 x 4096.
-    assert found["--dtype"] == ("bfloat16", 1310848 + 65536)
+    # 173056 + (8192 + 12288 + 24576 + 32768 + 32768 + 3200) + 1048576 = 1335424, KV capped at 16 x 4096.
+    assert found["--dtype"] == ("bfloat16", 1335424 + 16 * 4096)
     # int8 linear layers: 346112 - 73728 x 4 + 73728 + 2 x (128 + 64 + 256 + 64) scales x 4 = 129024.
-    assert found["--quantization"] == ("int8", 129024 + 142464 + 1048576 + 16 * 8192)
-    # fp8 KV: 128 B/token, blocks of 2048; left 1550000 - 1537152 = 12848 -> 6 blocks.
-    assert found["--kv-cache-dtype"] == ("fp8", 1537152 + 6 * 2048)
+    assert found["--quantization"] == ("int8", 129024 + 191616 + 1048576 + 16 * 8192)
+    # fp8 KV: 128 B/token, blocks of 2048; left 1600000 - 1586304 = 13696 -> 6 blocks.
+    assert found["--kv-cache-dtype"] == ("fp8", 1586304 + 6 * 2048)
     table = format_plan_table(plan)
     assert "DOES NOT FIT" in table and "short by 0.00 GiB" in table
     assert re.search(r"--max-model-len 48 +needs", table)
@@ -116,9 +126,9 @@ def test_explicit_kv_size_too_small_for_one_sequence() -> None:
     assert not plan.fits and plan.shortfall_bytes == 0
     assert "fewer than one max_model_len=64 sequence" in plan.summary()
     found = {s.flag: s.value for s in plan.suggestions}
-    assert found["--max-model-len"] == "32"
-    # The largest pool that fits: 5242880 - 1537152 = 3705728 -> 452 blocks of 8192.
-    assert found["--kv-cache-memory"] == str(452 * 8192)
+    assert found["--max-model-len"] == "32"  # 2 blocks hold one 32-token sequence; 48 needs 3
+    # The largest pool that fits: 5242880 - 1586304 = 3656576 -> 446 blocks of 8192.
+    assert found["--kv-cache-memory"] == str(446 * 8192)
 
 
 def test_summary_in_gib_and_error_carries_plan() -> None:
