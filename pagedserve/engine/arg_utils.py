@@ -1,0 +1,73 @@
+"""EngineArgs: every engine setting, documented once; CLI flags are generated from these fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_QUANTIZATION = (None,)
+SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+
+
+def _opt(help_text: str, **kwargs: Any) -> Any:
+    default = kwargs.pop("default", None)
+    return field(default=default, metadata={"help": help_text, **kwargs})
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = _opt("Model: a Hugging Face directory, a .gguf file, or a known name "
+                             "(default: smollm2-135m-instruct).", positional=True)
+    served_model_name: str | None = _opt("Model name in the API (default: the model argument).")
+    tokenizer: str | None = _opt("Tokenizer directory (default: the model's).")
+    dtype: str = _opt("Weights and activations dtype: auto, float32, bfloat16, float16/half. auto picks "
+                      "the fastest on this device (CPU: bfloat16 with AVX512-BF16/AMX, else float32).",
+                      default="auto")
+    max_model_len: int | None = _opt("Longest sequence (prompt + output) in tokens "
+                                     "(default: the model's context length).")
+    max_num_seqs: int = _opt("Most requests running at once.", default=256)
+    max_num_batched_tokens: int | None = _opt("Token budget of one engine step (default: 2048, at least "
+                                              "max_model_len when chunked prefill is off).")
+    block_size: int = _opt("Tokens per KV-cache block.", default=16)
+    enable_prefix_caching: bool = _opt("Reuse the KV cache of shared prompt prefixes.", default=True)
+    enable_chunked_prefill: bool = _opt("Split long prompts across steps so decodes keep flowing.",
+                                        default=True)
+    gpu_memory_utilization: float = _opt("Fraction of device memory the engine may use; on CPU the "
+                                         "fraction of available RAM.", default=0.9)
+    kv_cache_memory: int | None = _opt("Bytes of KV cache (overrides the fraction; on CPU also set by "
+                                       "VLLM_CPU_KVCACHE_SPACE in GiB).")
+    num_gpu_blocks_override: int | None = _opt("Exact number of KV blocks (testing).")
+    kv_cache_dtype: str = _opt("KV cache dtype: auto (= model dtype).", default="auto")
+    quantization: str | None = _opt("Weight quantization (none supported yet).")
+    tensor_parallel_size: int = _opt("Tensor-parallel workers (only 1 is supported).", default=1)
+    enforce_eager: bool = _opt("Never compile; run eagerly.", default=False)
+    seed: int = _opt("Seed for unseeded random sampling.", default=0)
+    device: str = _opt("cpu, cuda or auto.", default="auto")
+    num_threads: int | None = _opt("Torch threads on CPU (default: the cores this process may use).")
+    task: str = _opt("generate or embed.", default="generate")
+    max_waiting_requests: int = _opt("Queue bound; the server answers 429 beyond it.", default=1024)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, include_model: bool = True) -> None:
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if meta.get("positional"):
+                if include_model:
+                    parser.add_argument(f.name, nargs="?", default=f.default, help=meta["help"])
+                    parser.add_argument("--model", dest=f.name, default=argparse.SUPPRESS,
+                                        help="Same as the positional MODEL.")
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=meta["help"])
+                continue
+            kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default, help=meta["help"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,240 @@
+"""LLMEngine: the synchronous step loop (schedule -> execute -> update -> detokenize)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.sched_output import SchedulerStats
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineArgs
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.models.loader import ProgressFn
+from pagedserve.outputs import RequestOutput
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+# A prompt given as text, token ids, or a dict {"prompt": ...} / {"prompt_token_ids": ...}.
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any, progress: ProgressFn | None = None) -> None:
+        from pagedserve.platform import configure_threads
+        from pagedserve.worker.model_runner import ModelRunner
+
+        self.config = config
+        self.tokenizer = tokenizer
+        if config.device.device == "cpu":
+            configure_threads(config.device.num_threads)
+        self.runner = ModelRunner(config, config.model.hf_config, progress)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.runner.eos_token_id = self.eos_token_id
+        self.extra_eos_token_ids = _generation_config_eos_ids(config.model.model, self.eos_token_id)
+        kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stats = SchedulerStats()
+        self._request_counter = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, progress: ProgressFn | None = None) -> "LLMEngine":
+        config = create_engine_config(args)
+        tokenizer = load_tokenizer(args.tokenizer or config.model.model)
+        return cls(config, tokenizer, progress)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; raises ValueError for prompts that cannot be served."""
+        if request_id is None:
+            request_id = str(self._request_counter)
+            self._request_counter += 1
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(prompt_ids)
+        if self.extra_eos_token_ids:
+            params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
+        max_tokens = self.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        child_ids = self.output_processor.add_request(request_id, text, prompt_ids, params, arrival_time)
+        for index, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = params.clone(n=1, seed=seed)
+            self.scheduler.add_request(Request(child_id, prompt_ids, child_params, self.eos_token_id,
+                                               max_tokens, arrival_time))
+        return request_id
+
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(prompt_ids)} tokens long, but this model's maximum context "
+                             f"length is {self.max_model_len} tokens (prompt + output); shorten the prompt")
+        vocab_size = self.config.model.hf_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range [0, {vocab_size})")
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        finals = []
+        for request_id in request_ids:
+            self.scheduler.finish_requests(self.output_processor.child_ids(request_id),
+                                           RequestStatus.FINISHED_ABORTED)
+            final = self.output_processor.abort(request_id)
+            if final is not None:
+                finals.append(final)
+        return finals
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.stats = self.scheduler.make_stats()
+        return outputs
+
+
+def _generation_config_eos_ids(model_path: str, eos_token_id: int | None) -> list[int]:
+    """EOS ids listed in generation_config.json beyond the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    ids = value if isinstance(value, list) else [value] if isinstance(value, int) else []
+    return [i for i in ids if i != eos_token_id]
+
+
+def load_tokenizer(path: str) -> Any:
+    if path.endswith(".gguf"):
+        from pagedserve.models.gguf_loader import GGUFCheckpoint
+
+        return GGUFCheckpoint(path).build_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A local path as given, or a known model name fetched into the cache."""
+    if model is not None and Path(model).exists():
+        return str(Path(model).resolve())
+    from pagedserve.models.fetch import resolve_model
+
+    return str(resolve_model(model))
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Resolve every 'auto' and default in EngineArgs into frozen configs (no weights are read)."""
+    from pagedserve.models.loader import load_hf_config
+    from pagedserve.platform import default_device, resolve_dtype, usable_cpu_count
+
+    _check_supported(args)
+    model_path = resolve_model_path(args.model)
+    hf_config = load_hf_config(model_path)
+    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    device = default_device() if args.device == "auto" else args.device
+    model_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "") or "")
+    dtype = resolve_dtype(args.dtype, device, model_dtype.removeprefix("torch.") or None)
+    max_model_len = _max_model_len(args, hf_config)
+    budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if not args.enable_chunked_prefill:
+        budget = max(budget, max_model_len)
+    model = ModelConfig(model=model_path, served_model_name=args.served_model_name or args.model or
+                        Path(model_path).stem, dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
+                        architecture=architecture, task=args.task, seed=args.seed,
+                        quantization=args.quantization, enforce_eager=args.enforce_eager)
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+                                max_waiting_requests=args.max_waiting_requests)
+    num_blocks = _num_kv_blocks(args, hf_config, dtype, max_model_len)
+    cache = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
+                        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
+    threads = args.num_threads or usable_cpu_count()
+    return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads))
+
+
+def _check_supported(args: EngineArgs) -> None:
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported yet; "
+                         "use --tensor-parallel-size 1")
+    if args.quantization not in SUPPORTED_QUANTIZATION:
+        raise ValueError(f"--quantization {args.quantization} is not supported; supported: none")
+    if args.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+    if args.task not in ("generate", "embed"):
+        raise ValueError(f"--task {args.task} is not supported; use generate or embed")
+    if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+        raise ValueError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
+    if args.max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+
+
+def _max_model_len(args: EngineArgs, hf_config: Any) -> int:
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if args.max_model_len is None:
+        return model_max
+    if args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    return args.max_model_len
+
+
+def kv_bytes_per_token(hf_config: Any, dtype_bytes: int) -> int:
+    from pagedserve.models.llama import head_dim_of
+
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim_of(hf_config) * dtype_bytes
+
+
+def _num_kv_blocks(args: EngineArgs, hf_config: Any, dtype: str, max_model_len: int) -> int:
+    """KV pool size: an override, or bytes asked for, or enough for max_num_seqs full sequences capped
+    at 4 GiB (vLLM-CPU's customary default). The memory planner refines this."""
+    if args.num_gpu_blocks_override:
+        return args.num_gpu_blocks_override
+    dtype_bytes = 4 if dtype == "float32" else 2
+    block_bytes = kv_bytes_per_token(hf_config, dtype_bytes) * args.block_size
+    per_seq_blocks = -(-max_model_len // args.block_size)
+    if args.kv_cache_memory:
+        return max(2, args.kv_cache_memory // block_bytes + 1)
+    wanted = args.max_num_seqs * per_seq_blocks
+    capped = (4 << 30) // block_bytes
+    return max(per_seq_blocks, min(wanted, capped)) + 1  # + the reserved null block

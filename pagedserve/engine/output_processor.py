@@ -1,0 +1,176 @@
+"""Turns EngineCoreOutputs into RequestOutputs: detokenize, stop strings, logprobs, n > 1 fan-in."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.core.sched_output import EngineCoreOutput
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.outputs import CompletionOutput, Logprob, LogprobsDict, RequestMetrics, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class _Sample:
+    """One of the n completions of a request (an engine-level child request)."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobsDict] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # for DELTA outputs
+    num_sent_logprobs: int = 0
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    prompt_logprobs: list[LogprobsDict | None] | None = None
+    num_cached_tokens: int = 0
+    num_sent_prompt_logprobs: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}#{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> list[str]:
+        """Register a request; returns the child request ids the scheduler will run."""
+        samples = [_Sample(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                           logprobs=[] if params.logprobs is not None else None,
+                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+                   for i in range(params.n)]
+        self.requests[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time),
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+        child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
+        for i, child_id in enumerate(child_ids):
+            self.child_to_parent[child_id] = (request_id, i)
+        return child_ids
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return [] if state is None else [child_request_id(request_id, i, state.params.n)
+                                         for i in range(state.params.n)]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished sample aborted; returns the final output (None if unknown)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for sample in state.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+        return self._finish_and_build(state)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """(outputs to deliver, child ids that hit a stop string and must be finished in the scheduler)."""
+        now = time.monotonic()
+        touched: dict[str, _RequestState] = {}
+        stopped_children: list[str] = []
+        for core_out in outputs:
+            parent_id, index = self.child_to_parent.get(core_out.request_id, (None, 0))
+            state = self.requests.get(parent_id) if parent_id else None
+            if state is None:
+                continue
+            touched[parent_id] = state
+            if self._update_sample(state, state.samples[index], core_out, now):
+                stopped_children.append(core_out.request_id)
+        results = []
+        for state in touched.values():
+            built = self._finish_and_build(state) if state.finished else self._build(state)
+            if built is not None:
+                results.append(built)
+        return results, stopped_children
+
+    def _update_sample(self, state: _RequestState, sample: _Sample, core_out: EngineCoreOutput,
+                       now: float) -> bool:
+        """Apply one child's progress; True when a stop string ended it here."""
+        state.num_cached_tokens = max(state.num_cached_tokens, core_out.num_cached_tokens)
+        if core_out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(self._to_logprobs_dict(x) for x in core_out.new_prompt_logprobs)
+        if sample.finish_reason is not None:
+            return False
+        if core_out.new_token_ids:
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+        sample.token_ids.extend(core_out.new_token_ids)
+        if core_out.new_logprobs is not None and sample.logprobs is not None:
+            sample.logprobs.append(self._to_logprobs_dict(core_out.new_logprobs))
+            sample.cumulative_logprob += core_out.new_logprobs.logprob
+        stop = sample.detokenizer.update(core_out.new_token_ids)
+        if stop is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop
+            return core_out.finish_reason is None
+        if core_out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = core_out.finish_reason, core_out.stop_reason
+        return False
+
+    def _to_logprobs_dict(self, entry: Any) -> LogprobsDict | None:
+        if entry is None:
+            return None
+        result: LogprobsDict = {}
+        for rank, (token_id, logprob) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1):
+            result[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+        if entry.token_id not in result:
+            result[entry.token_id] = Logprob(entry.logprob, entry.rank, self.tokenizer.decode([entry.token_id]))
+        return result
+
+    def _finish_and_build(self, state: _RequestState) -> RequestOutput | None:
+        state.metrics.finished_time = time.monotonic()
+        del self.requests[state.request_id]
+        for i in range(state.params.n):
+            self.child_to_parent.pop(child_request_id(state.request_id, i, state.params.n), None)
+        return self._build(state, finished=True)
+
+    def _build(self, state: _RequestState, finished: bool = False) -> RequestOutput | None:
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = [self._completion(s, delta) for s in state.samples]
+        prompt_logprobs = state.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs[state.num_sent_prompt_logprobs:]
+            state.num_sent_prompt_logprobs = len(state.prompt_logprobs)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
+                             metrics=state.metrics)
+
+    @staticmethod
+    def _completion(sample: _Sample, delta: bool) -> CompletionOutput:
+        done = sample.finish_reason is not None
+        if not delta:
+            return CompletionOutput(sample.index, sample.detokenizer.visible_text(done), list(sample.token_ids),
+                                    sample.cumulative_logprob, sample.logprobs, sample.finish_reason,
+                                    sample.stop_reason)
+        token_ids = sample.token_ids[sample.num_sent_tokens:]
+        sample.num_sent_tokens = len(sample.token_ids)
+        logprobs = None
+        if sample.logprobs is not None:
+            logprobs = sample.logprobs[sample.num_sent_logprobs:]
+            sample.num_sent_logprobs = len(sample.logprobs)
+        return CompletionOutput(sample.index, sample.detokenizer.text_to_emit(done), token_ids,
+                                sample.cumulative_logprob, logprobs, sample.finish_reason, sample.stop_reason)

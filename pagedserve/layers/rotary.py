@@ -1,0 +1,61 @@
+"""Rotary position embedding with the cos/sin table precomputed once for every position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: Any) -> dict:
+    """rope settings from transformers-5 `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if scaling and not params.get("rope_type"):
+        params.update(scaling)
+        params.setdefault("rope_type", scaling.get("type"))
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] float32, attention scaling), computed as transformers does."""
+    params = rope_parameters(hf_config)
+    rope_type = params.get("rope_type") or "default"
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, "
+                         f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        inv_freq, scaling = inverse_frequencies(hf_config, head_dim)
+        # Built on the CPU even under a meta-device context; the loader moves it to the model's device.
+        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hkv, D]; cos/sin rounded to the model dtype as transformers does.
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

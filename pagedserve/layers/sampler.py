@@ -1,0 +1,133 @@
+"""Sampler: logits processing (bias, penalties, min_tokens) and greedy / random sampling per row.
+
+Random sampling uses the exponential-race trick (argmax of p / q with q ~ Exp(1)), which needs no
+host sync; a seeded row draws its q from its own generator, so its tokens do not depend on the rest
+of the batch. Logprobs are taken from the raw model logits (as vLLM does by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Penalties:
+    rows: torch.Tensor  # [P] rows of the batch with penalties
+    output_counts: torch.Tensor  # [P, V] float32 occurrences of each token in the output so far
+    prompt_mask: torch.Tensor  # [P, V] bool: token appears in the prompt
+    presence: torch.Tensor  # [P, 1]
+    frequency: torch.Tensor  # [P, 1]
+    repetition: torch.Tensor  # [P, 1]
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for the rows of one step's logits."""
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_k: torch.Tensor | None = None  # [B] int64, 0 = off; None when no row uses it
+    top_p: torch.Tensor | None = None  # [B] float32; None when no row uses it
+    min_p: torch.Tensor | None = None  # [B] float32; None when no row uses it
+    all_greedy: bool = True
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    banned: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # min_tokens: ids to mask
+    penalties: Penalties | None = None
+    max_num_logprobs: int = -1  # -1 = no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    # Only when some row asked for logprobs:
+    top_ids: torch.Tensor | None = None  # [B, K]
+    top_logprobs: torch.Tensor | None = None  # [B, K]
+    token_logprobs: torch.Tensor | None = None  # [B]
+    token_ranks: torch.Tensor | None = None  # [B]
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator  # for unseeded random rows
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        # logits: [B, V] float32
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
+        logits = self._process(logits, batch)
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, batch)
+        out = SamplerOutput(token_ids)
+        if raw_logprobs is not None:
+            _add_logprobs(out, raw_logprobs, batch.max_num_logprobs)
+        return out
+
+    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.logit_bias or batch.banned or batch.penalties is not None:
+            logits = logits.clone()
+        for row, ids, values in batch.logit_bias:
+            logits[row, ids] += values
+        if batch.penalties is not None:
+            _apply_penalties(logits, batch.penalties)
+        for row, ids in batch.banned:
+            logits[row, ids] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_ids = logits.argmax(dim=-1)
+        is_greedy = batch.temperature < 1e-5
+        temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if batch.top_k is not None or batch.top_p is not None:
+            logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if batch.min_p is not None:
+            threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        q = torch.empty_like(probs)
+        q.exponential_(generator=self.generator)
+        for row, generator in batch.generators.items():
+            q[row].exponential_(generator=generator)
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def _apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
+    rows = logits[p.rows]  # [P, V]
+    seen = p.prompt_mask | (p.output_counts > 0)
+    # Repetition penalty (CTRL paper, as transformers/vLLM): divide positive logits, multiply negative.
+    penalised = torch.where(rows > 0, rows / p.repetition, rows * p.repetition)
+    rows = torch.where(seen, penalised, rows)
+    rows = rows - p.frequency * p.output_counts - p.presence * (p.output_counts > 0).float()
+    logits[p.rows] = rows
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                       top_p: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+        mask |= torch.arange(vocab, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+        cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        mask |= cum_before >= top_p.unsqueeze(1)
+    mask[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _add_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor, k: int) -> None:
+    token_lp = raw_logprobs.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
+    out.token_logprobs = token_lp
+    out.token_ranks = (raw_logprobs > token_lp.unsqueeze(1)).sum(dim=-1) + 1
+    if k > 0:
+        out.top_logprobs, out.top_ids = raw_logprobs.topk(k, dim=-1)
+    else:
+        out.top_logprobs = raw_logprobs.new_empty((raw_logprobs.shape[0], 0))
+        out.top_ids = out.token_ids.new_empty((raw_logprobs.shape[0], 0))

@@ -1,0 +1,147 @@
+"""Llama-family decoders: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm).
+
+Parameter names equal the Hugging Face checkpoint's, so loading is a direct name match.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.layers.attention import AttentionMetadata, paged_attention
+from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [num_slots, num_kv_heads, head_dim]
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        o_bias = qkv_bias and bool(getattr(cfg, "attention_bias", False))  # Llama: all four or none
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        self.scale = self.head_dim ** -0.5
+        hidden = cfg.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.rotary = [rotary]  # a list keeps the shared module out of this module's state_dict
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, qkv_bias, qk_norm, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_position)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, qk_norm, self.rotary_emb)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Mistral; subclasses switch on QKV bias (Qwen2) and q/k norm (Qwen3)."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, cfg: Any, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        self.model = DecoderModel(cfg, qkv_bias, self.qk_norm, max_position)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def checkpoint_name_to_param(self, name: str) -> str | None:
+        """Our parameter name for a checkpoint tensor, or None to skip it."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        return name
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

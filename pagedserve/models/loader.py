@@ -1,0 +1,95 @@
+"""Build a model from a Hugging Face directory or a GGUF file, without random initialisation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.models.registry import model_class
+from pagedserve.models.safetensors_mmap import iter_safetensors, safetensors_files
+
+logger = logging.getLogger(__name__)
+
+# progress(fraction_done) is called while weights load, for /health and the start-up log.
+ProgressFn = Callable[[float], None]
+
+
+def load_hf_config(model_path: str) -> Any:
+    """transformers config for a model directory or a GGUF file."""
+    from transformers import AutoConfig
+
+    if model_path.endswith(".gguf"):
+        from pagedserve.models.gguf_loader import GGUFCheckpoint
+
+        config_dict = GGUFCheckpoint(model_path).hf_config()
+        model_type = config_dict.pop("model_type")
+        return AutoConfig.for_model(model_type, **config_dict)
+    return AutoConfig.from_pretrained(model_path)
+
+
+def iter_checkpoint(model_path: str, dtype: torch.dtype) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """(number of tensors, iterator of (checkpoint name, tensor)) for a directory or a GGUF file."""
+    if model_path.endswith(".gguf"):
+        from pagedserve.models.gguf_loader import GGUFCheckpoint
+
+        checkpoint = GGUFCheckpoint(model_path)
+        return checkpoint.num_tensors, checkpoint.iter_tensors(dtype)
+    files = safetensors_files(Path(model_path))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
+
+    def generate() -> Iterator[tuple[str, torch.Tensor]]:
+        for path in files:
+            yield from iter_safetensors(path)
+
+    from pagedserve.models.safetensors_mmap import read_header
+
+    return sum(len(read_header(p)[0]) for p in files), generate()
+
+
+def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.dtype, device: str,
+               max_position: int, progress: ProgressFn | None = None) -> nn.Module:
+    """Instantiate on the meta device, then bind checkpoint tensors to parameters by name."""
+    cls = model_class(architecture)
+    with torch.device("meta"):
+        model = cls(hf_config, max_position)
+    params = dict(model.named_parameters())
+    missing = set(params)
+    num_tensors, tensors = iter_checkpoint(model_path, dtype)
+    for index, (name, tensor) in enumerate(tensors):
+        target = model.checkpoint_name_to_param(name)
+        if target is None:
+            continue
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {architecture}")
+        expected = params[target].shape
+        if tuple(tensor.shape) != tuple(expected):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(expected)}: config.json does not match the weights")
+        _set_parameter(model, target, tensor.to(device=device, dtype=dtype))
+        missing.discard(target)
+        if progress and num_tensors:
+            progress((index + 1) / num_tensors)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    _move_buffers(model, device)
+    return model.eval()
+
+
+def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+
+
+def _move_buffers(model: nn.Module, device: str) -> None:
+    """Buffers (rotary tables) are built on the CPU; move them next to the weights."""
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device.type != device:
+                module._buffers[name] = buffer.to(device)

@@ -1,0 +1,307 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples. Knows nothing of queues.
+
+Per-request state (block table row, sampling generator, penalty counts) lives here between steps.
+The batch is ordered decodes first (one token each), then prefill chunks; see layers/attention.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedserve.layers.attention import AttentionMetadata, PrefillSpan
+from pagedserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
+from pagedserve.models.loader import ProgressFn, load_model
+from pagedserve.platform import torch_dtype
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position: the chosen token first, then the top-k (ids may repeat it)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    row: int  # row of the persistent block table
+    num_output_tokens: int
+    generator: torch.Generator | None = None
+    output_counts: torch.Tensor | None = None  # [V] for penalties
+    prompt_mask: torch.Tensor | None = None  # [V] for the repetition penalty
+    num_prompt_logprobs_done: int = 0
+
+
+@dataclass
+class _Batch:
+    """Tensors and bookkeeping for one forward pass."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    request_ids: list[str]  # batch order
+    sample_rows: list[int]  # for each request needing a sample: its last token's row
+    sample_request_ids: list[str]
+    spans: dict[str, tuple[int, int, int]]  # request_id -> (first row, num tokens, start position)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, progress: ProgressFn | None = None) -> None:
+        self.config = config
+        self.device = config.device.device
+        self.dtype = torch_dtype(config.model.dtype)
+        self.block_size = config.cache.block_size
+        self.model = load_model(hf_config, config.model.architecture, config.model.model, self.dtype,
+                                self.device, config.model.max_model_len, progress)
+        self.vocab_size = hf_config.vocab_size
+        self.kv_caches = self._allocate_kv_cache()
+        max_rows = config.scheduler.max_num_seqs
+        self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.block_table = torch.zeros((max_rows, self.max_blocks_per_seq), dtype=torch.int64)
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+        self.states: dict[str, RequestState] = {}
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(config.model.seed)
+        self.sampler = Sampler(generator)
+
+    # ---- memory ----------------------------------------------------------------------------
+    def kv_dtype(self) -> torch.dtype:
+        name = self.config.cache.kv_cache_dtype
+        return self.dtype if name == "auto" else torch_dtype(name)
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        num_slots = self.config.cache.num_blocks * self.block_size
+        shape = (num_slots, self.model.num_kv_heads, self.model.head_dim)
+        # Zeros, not empty: padded decode positions read block 0, and 0 * NaN would poison the output.
+        return [(torch.zeros(shape, dtype=self.kv_dtype(), device=self.device),
+                 torch.zeros(shape, dtype=self.kv_dtype(), device=self.device))
+                for _ in range(len(self.model.model.layers))]
+
+    # ---- request state ---------------------------------------------------------------------
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_request_ids:
+            state = self.states.pop(request_id, None)
+            if state is not None and state.row >= 0:
+                self.free_rows.append(state.row)
+        for request_id in sched.preempted_request_ids:
+            state = self.states[request_id]
+            self.free_rows.append(state.row)
+            state.row, state.block_ids = -1, []
+        for new in sched.new_requests:
+            self._add_request(new)
+        for cached in sched.cached_requests:
+            state = self.states[cached.request_id]
+            if cached.new_block_ids:
+                start = len(state.block_ids)
+                state.block_ids.extend(cached.new_block_ids)
+                self.block_table[state.row, start:start + len(cached.new_block_ids)] = torch.tensor(
+                    cached.new_block_ids, dtype=torch.int64)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        state = self.states.get(new.request_id)  # present when resuming after preemption
+        if state is None:
+            state = RequestState(new.request_id, new.token_ids[:new.num_prompt_tokens], new.sampling_params,
+                                 [], -1, len(new.token_ids) - new.num_prompt_tokens)
+            self._init_sampling_state(state)
+            self.states[new.request_id] = state
+        state.row = self.free_rows.pop()
+        state.block_ids = list(new.block_ids)
+        self.block_table[state.row, :len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
+
+    def _init_sampling_state(self, state: RequestState) -> None:
+        params = state.sampling_params
+        if params.seed is not None:
+            state.generator = torch.Generator(device=self.device)
+            state.generator.manual_seed(params.seed)
+        if params.has_penalties:
+            state.output_counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+            state.prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            ids = torch.tensor(state.prompt_token_ids, dtype=torch.int64, device=self.device)
+            state.prompt_mask[ids[ids < self.vocab_size]] = True
+
+    # ---- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        batch = self._prepare(sched)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, H]
+        out = ModelRunnerOutput()
+        self._prompt_logprobs(sched, batch, hidden, out)
+        if batch.sample_rows:
+            rows = torch.tensor(batch.sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])  # [B, V] float32
+            sampled = self.sampler(logits, self._sampling_batch(batch.sample_request_ids))
+            self._collect_samples(batch.sample_request_ids, sampled, out)
+        return out
+
+    def _prepare(self, sched: SchedulerOutput) -> _Batch:
+        decodes = [r for r, n in sched.num_scheduled_tokens.items() if n == 1]
+        prefills = [r for r, n in sched.num_scheduled_tokens.items() if n > 1]
+        order = decodes + prefills
+        token_ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        spans: dict[str, tuple[int, int, int]] = {}
+        sample_rows, sample_ids = [], []
+        num_computed = {c.request_id: c.num_computed_tokens for c in sched.cached_requests}
+        num_computed.update((n.request_id, n.num_computed_tokens) for n in sched.new_requests)
+        for request_id in order:
+            state = self.states[request_id]
+            chunk = sched.scheduled_token_ids[request_id]
+            start = num_computed[request_id]
+            spans[request_id] = (len(token_ids), len(chunk), start)
+            token_ids.extend(chunk)
+            positions.extend(range(start, start + len(chunk)))
+            rows.extend([state.row] * len(chunk))
+            if sched.needs_sample[request_id]:
+                sample_rows.append(len(token_ids) - 1)
+                sample_ids.append(request_id)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        slot_mapping = self.block_table[row_t, pos // self.block_size] * self.block_size + pos % self.block_size
+        meta = AttentionMetadata(slot_mapping=slot_mapping.to(self.device), num_decodes=len(decodes))
+        if decodes:
+            self._decode_meta(meta, row_t[:len(decodes)], pos[:len(decodes)] + 1)
+        for request_id in prefills:
+            first, num, start = spans[request_id]
+            meta.prefills.append(self._prefill_span(self.states[request_id].row, first, num, start))
+        return _Batch(torch.tensor(token_ids, dtype=torch.int64, device=self.device), pos.to(self.device),
+                      meta, order, sample_rows, sample_ids, spans)
+
+    def _context_slots(self, rows: torch.Tensor, max_len: int) -> torch.Tensor:
+        """[R, max_len] slot of each context position for block-table rows `rows`."""
+        num_blocks = -(-max_len // self.block_size)
+        blocks = self.block_table[rows, :num_blocks]  # [R, nb]
+        offsets = torch.arange(self.block_size, dtype=torch.int64)
+        slots = (blocks.unsqueeze(-1) * self.block_size + offsets).view(rows.shape[0], -1)
+        return slots[:, :max_len]
+
+    def _decode_meta(self, meta: AttentionMetadata, rows: torch.Tensor, context_lens: torch.Tensor) -> None:
+        max_len = int(context_lens.max())
+        meta.decode_kv_slots = self._context_slots(rows, max_len).to(self.device)
+        if bool((context_lens != max_len).any()):
+            mask = torch.arange(max_len).unsqueeze(0) < context_lens.unsqueeze(1)  # [Bd, L]
+            meta.decode_mask = mask[:, None, None, :].to(self.device)
+
+    def _prefill_span(self, row: int, first: int, num: int, start: int) -> PrefillSpan:
+        span = PrefillSpan(first, first + num)
+        if start == 0:
+            return span  # no prior context: attend within the chunk, causally
+        context_len = start + num
+        span.kv_slots = self._context_slots(torch.tensor([row]), context_len)[0].to(self.device)
+        q_pos = torch.arange(start, context_len).unsqueeze(1)
+        span.mask = (torch.arange(context_len).unsqueeze(0) <= q_pos).to(self.device)  # [num, ctx]
+        return span
+
+    # ---- sampling --------------------------------------------------------------------------
+    def _sampling_batch(self, request_ids: list[str]) -> SamplingBatch:
+        states = [self.states[r] for r in request_ids]
+        params = [s.sampling_params for s in states]
+        temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
+                                   dtype=torch.float32, device=self.device)
+        batch = SamplingBatch(temperature=temperature, all_greedy=all(p.is_greedy for p in params))
+        if not batch.all_greedy:
+            if any(p.top_k > 0 for p in params):
+                batch.top_k = torch.tensor([p.top_k for p in params], device=self.device)
+            if any(p.top_p < 1.0 for p in params):
+                batch.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+            if any(p.min_p > 0.0 for p in params):
+                batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
+            batch.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        for i, (state, p) in enumerate(zip(states, params)):
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=self.device)
+                values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
+                batch.logit_bias.append((i, ids, values))
+            if state.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids)
+                if not p.ignore_eos and self.eos_token_id is not None:
+                    banned.append(self.eos_token_id)
+                if banned:
+                    batch.banned.append((i, torch.tensor(banned, dtype=torch.int64, device=self.device)))
+            if p.logprobs is not None:
+                batch.max_num_logprobs = max(batch.max_num_logprobs, p.logprobs)
+        batch.penalties = self._penalties(states)
+        return batch
+
+    eos_token_id: int | None = None  # set by the engine from the tokenizer
+
+    def _penalties(self, states: list[RequestState]) -> Penalties | None:
+        rows = [i for i, s in enumerate(states) if s.output_counts is not None]
+        if not rows:
+            return None
+        picked = [states[i] for i in rows]
+
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
+
+        return Penalties(
+            rows=torch.tensor(rows, device=self.device),
+            output_counts=torch.stack([s.output_counts for s in picked]),
+            prompt_mask=torch.stack([s.prompt_mask for s in picked]),
+            presence=column([s.sampling_params.presence_penalty for s in picked]),
+            frequency=column([s.sampling_params.frequency_penalty for s in picked]),
+            repetition=column([s.sampling_params.repetition_penalty for s in picked]))
+
+    def _collect_samples(self, request_ids: list[str], sampled: SamplerOutput, out: ModelRunnerOutput) -> None:
+        token_ids = sampled.token_ids.tolist()  # the one host sync of the step
+        wants_logprobs = sampled.token_logprobs is not None
+        if wants_logprobs:
+            token_lps = sampled.token_logprobs.tolist()
+            ranks = sampled.token_ranks.tolist()
+            top_ids = sampled.top_ids.tolist()
+            top_lps = sampled.top_logprobs.tolist()
+        for i, (request_id, token_id) in enumerate(zip(request_ids, token_ids)):
+            state = self.states[request_id]
+            out.sampled_token_ids[request_id] = token_id
+            state.num_output_tokens += 1
+            if state.output_counts is not None:
+                state.output_counts[token_id] += 1
+            k = state.sampling_params.logprobs
+            if wants_logprobs and k is not None:
+                out.logprobs[request_id] = TokenLogprobs(token_id, token_lps[i], ranks[i],
+                                                         top_ids[i][:k], top_lps[i][:k])
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, batch: _Batch, hidden: torch.Tensor,
+                         out: ModelRunnerOutput) -> None:
+        """Entry j = logprob of prompt token j given tokens < j (from the row at position j-1); entry 0 is None."""
+        for request_id, (first, num, start) in batch.spans.items():
+            state = self.states[request_id]
+            k = state.sampling_params.prompt_logprobs
+            prompt_len = len(state.prompt_token_ids)
+            if k is None:
+                continue
+            done = state.num_prompt_logprobs_done  # entries already emitted (survives preemption)
+            results: list[TokenLogprobs | None] = [None] if start == 0 and done == 0 else []
+            # Rows at positions p in [lo, hi) give entries p + 1.
+            lo, hi = max(start, done - 1, 0), min(start + num, prompt_len - 1)
+            if hi > lo:
+                rows = hidden[first + lo - start:first + hi - start]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+                targets = torch.tensor(state.prompt_token_ids[lo + 1:hi + 1], device=self.device)
+                target_lps = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+                ranks = ((logprobs > target_lps.unsqueeze(1)).sum(-1) + 1).tolist()
+                top_lps, top_ids = logprobs.topk(k, dim=-1)  # k == 0 gives [rows, 0]
+                for t, lp, rank, ids, lps in zip(targets.tolist(), target_lps.tolist(), ranks,
+                                                 top_ids.tolist(), top_lps.tolist()):
+                    results.append(TokenLogprobs(t, lp, rank, ids, lps))
+            if results:
+                state.num_prompt_logprobs_done = done + len(results)
+                out.prompt_logprobs[request_id] = results

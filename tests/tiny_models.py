@@ -1,0 +1,71 @@
+"""Tiny random models built with transformers at test time (no hub), plus a tiny BPE tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def square(x):\n    return x * x\n",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "你好，世界！ 北京是中国的首都。",
+    "Emoji test: 😀 🚀 ✨ and numbers 1234567890.",
+    "In the beginning the Universe was created. This has made a lot of people very angry.",
+] * 20
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = 512):
+    """Byte-level BPE trained on a small corpus; ChatML template; <|im_end|> is EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None,
+                                   unk_token=None, pad_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
+    """Save a random tiny `arch` ('llama', 'qwen2', 'qwen3') model with a tokenizer into out_dir."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**{**common, "tie_word_embeddings": False, **overrides})
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True,
+                                             **overrides})
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(config)
+    with torch.no_grad():  # larger weights than the default init, so logits are far from uniform
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(out_dir)
+    make_tokenizer(out_dir)
+    return out_dir
