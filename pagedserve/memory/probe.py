@@ -249,9 +249,10 @@ def available_memory(
     if headroom is None:
         return AvailableMemory(meminfo.available, "MemAvailable", f"{from_meminfo}; no cgroup memory limit",
                                total_bytes=meminfo.total)
+    used = cgroup.usage_bytes or 0
     from_cgroup = (
-        f"cgroup v{cgroup.version} limit {cgroup.limit_bytes / GIB:.2f} GiB - used {(cgroup.usage_bytes or 0) / GIB:.2f}"
-        f" GiB = {headroom / GIB:.2f} GiB"
+        f"cgroup v{cgroup.version} limit {cgroup.limit_bytes / GIB:.2f} GiB - used {used / GIB:.2f} GiB"
+        f" = {headroom / GIB:.2f} GiB"
     )
     if headroom < meminfo.available:
         return AvailableMemory(headroom, "cgroup", f"{from_cgroup} (less than {from_meminfo})",

@@ -1,0 +1,412 @@
+"""`pagedserve doctor [MODEL]`: check this host (and a model) before serving; every problem comes with its fix.
+
+Each check returns PASS, WARN or FAIL. The exit code is 1 when any check FAILs. The checks take their
+inputs as arguments (paths, flags, limits) so tests feed fake hosts; torch is imported only inside the
+accelerator check, and only when the command runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from pagedserve import envs
+from pagedserve.memory import probe
+from pagedserve.memory.plan import ModelShape, PlanRequest, make_plan, weight_bytes_from_safetensors_dir
+
+PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+GIB = 1 << 30
+
+# Minimum versions, as in pyproject.toml.
+MIN_PYTHON = (3, 10)
+MIN_VERSIONS = {"torch": (2, 5), "transformers": (4, 51)}
+MIN_OPEN_FILES = 4096  # a socket per connection plus weight files and pipes; distros default to 1024
+MIN_FREE_DISK_BYTES = 1 * GIB
+WARN_FREE_DISK_BYTES = 10 * GIB
+WARN_AVAILABLE_MEMORY_BYTES = 2 * GIB
+CPU_FEATURES = (("avx2", "AVX2"), ("avx512f", "AVX512F"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"))
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    status: str  # PASS, WARN or FAIL
+    detail: str
+    fix: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------- versions
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+def check_python(version_info: tuple[int, ...] = tuple(sys.version_info)) -> CheckResult:
+    version = ".".join(str(part) for part in version_info[:3])
+    if tuple(version_info[:2]) < MIN_PYTHON:
+        return CheckResult("python", FAIL, f"Python {version}", f"use Python {'.'.join(map(str, MIN_PYTHON))}+")
+    return CheckResult("python", PASS, f"Python {version} ({platform.machine()})")
+
+
+def check_packages(versions: dict[str, str | None] | None = None) -> CheckResult:
+    """torch and transformers installed and recent enough (read from package metadata, nothing imported)."""
+    if versions is None:
+        versions = {}
+        for name in MIN_VERSIONS:
+            try:
+                versions[name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                versions[name] = None
+    problems, fixes, found = [], [], []
+    for name, minimum in MIN_VERSIONS.items():
+        version = versions.get(name)
+        wanted = ".".join(map(str, minimum))
+        if version is None:
+            problems.append(f"{name} is not installed")
+            fixes.append(f"pip install '{name}>={wanted}'")
+        elif _version_tuple(version) < minimum:
+            problems.append(f"{name} {version} is older than {wanted}")
+            fixes.append(f"pip install -U '{name}>={wanted}'")
+        else:
+            found.append(f"{name} {version}")
+    if problems:
+        return CheckResult("packages", FAIL, "; ".join(problems), "; ".join(fixes))
+    return CheckResult("packages", PASS, ", ".join(found))
+
+
+# ----------------------------------------------------------------------------------------------- accelerator
+
+
+@dataclass(frozen=True)
+class TorchBuildInfo:
+    """What torch was built for and what it sees (gathered by torch_build_info(); tests build it by hand)."""
+
+    version: str
+    cuda_version: str | None  # torch.version.cuda: None for a CPU-only build
+    cuda_available: bool
+    device_name: str | None = None
+    capability: tuple[int, int] | None = None
+    arch_list: list[str] = field(default_factory=list)  # torch.cuda.get_arch_list(): "sm_80", "compute_90"
+    has_nvidia_gpu: bool = False  # the host has an NVIDIA driver or device node
+
+
+def host_has_nvidia_gpu(driver_path: str | Path = "/proc/driver/nvidia/version",
+                        device_path: str | Path = "/dev/nvidia0") -> bool:
+    return Path(driver_path).exists() or Path(device_path).exists()
+
+
+def torch_build_info() -> TorchBuildInfo:
+    """Import torch (lazily: only the doctor command pays for it) and describe its CUDA build."""
+    import torch
+
+    available = torch.cuda.is_available()
+    return TorchBuildInfo(
+        version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        cuda_available=available,
+        device_name=torch.cuda.get_device_name(0) if available else None,
+        capability=tuple(torch.cuda.get_device_capability(0)) if available else None,
+        arch_list=list(torch.cuda.get_arch_list()) if available else [],
+        has_nvidia_gpu=host_has_nvidia_gpu(),
+    )
+
+
+def _arch_supported(capability: tuple[int, int], arch_list: list[str]) -> bool:
+    # A cubin for sm_XY runs on the same major with minor >= Y; PTX (compute_XY) is JIT-compiled for any
+    # device of capability >= XY.
+    major, minor = capability
+    for arch in arch_list:
+        kind, _, digits = arch.partition("_")
+        if not digits.isdigit():
+            continue
+        arch_major, arch_minor = int(digits[:-1]), int(digits[-1])
+        if kind == "sm" and arch_major == major and arch_minor <= minor:
+            return True
+        if kind == "compute" and (arch_major, arch_minor) <= capability:
+            return True
+    return False
+
+
+def check_accelerator(info: TorchBuildInfo) -> CheckResult:
+    """Does torch's build match the accelerator: CUDA build, driver, kernels for this GPU's architecture."""
+    build = f"torch {info.version}" + (f" (CUDA {info.cuda_version})" if info.cuda_version else " (CPU-only build)")
+    if info.cuda_available and info.capability:
+        sm = f"sm_{info.capability[0]}{info.capability[1]}"
+        if not _arch_supported(info.capability, info.arch_list):
+            return CheckResult(
+                "accelerator", FAIL,
+                f"{build} has kernels for {', '.join(info.arch_list) or 'no GPU'}, not for {info.device_name} ({sm})",
+                f"install a torch build whose CUDA version supports {sm} (check the arch list of the wheel)",
+            )
+        return CheckResult("accelerator", PASS, f"{build} on {info.device_name} ({sm})")
+    if info.cuda_version and info.has_nvidia_gpu:
+        return CheckResult(
+            "accelerator", WARN, f"{build}, but it cannot use the NVIDIA GPU of this host: will run on CPU",
+            "check the driver with nvidia-smi (it must support CUDA "
+            f"{info.cuda_version} or newer) and that CUDA_VISIBLE_DEVICES does not hide the GPU",
+        )
+    if info.has_nvidia_gpu:
+        return CheckResult("accelerator", WARN, f"{build}, but this host has an NVIDIA GPU: will run on CPU",
+                           "install a CUDA build of torch that matches the driver (nvidia-smi shows its CUDA)")
+    return CheckResult("accelerator", PASS, f"{build}; no GPU: will run on CPU")
+
+
+def check_accelerator_now() -> CheckResult:
+    try:
+        info = torch_build_info()
+    except Exception as exc:  # an ImportError, or a broken CUDA install raising from inside torch
+        return CheckResult("accelerator", FAIL, f"torch cannot be imported: {exc}",
+                           "reinstall torch (pip install --force-reinstall torch)")
+    return check_accelerator(info)
+
+
+# ----------------------------------------------------------------------------------------------- host
+
+
+def check_cpu(flags: set[str]) -> CheckResult:
+    """Instruction sets that decide CPU speed, and the dtype that will be fast here."""
+    if not flags:
+        return CheckResult("cpu", WARN, "could not read CPU flags from /proc/cpuinfo",
+                           "serve with --dtype float32 unless you know the CPU has native bf16")
+    present = [label for flag, label in CPU_FEATURES if flag in flags]
+    missing = [label for flag, label in CPU_FEATURES if flag not in flags]
+    dtype = probe.fast_cpu_dtype(flags)
+    why = (
+        "bfloat16 is fast here (native bf16 instructions)" if dtype == "bfloat16"
+        else "float32 is fastest here: without AVX512-BF16/AMX, bf16 matmuls are emulated and slower than fp32"
+    )
+    detail = f"{', '.join(present) or 'none of ' + ', '.join(label for _, label in CPU_FEATURES)}"
+    detail += f" (no {', '.join(missing)})" if missing and present else ""
+    detail += f"; {why}"
+    if "avx2" not in flags and platform.machine() in ("x86_64", "AMD64"):
+        return CheckResult("cpu", WARN, detail, "this CPU lacks AVX2: expect very slow matmuls; use a newer host")
+    fix = "" if dtype == "bfloat16" else "keep --dtype auto (resolves to float32 here) or pass --dtype float32"
+    return CheckResult("cpu", PASS, detail, fix)
+
+
+def check_cores(usable: int, online: int | None, quota: float | None) -> CheckResult:
+    """Cores really usable (affinity and cgroup quota), which is what the engine sizes its threads by."""
+    limit = f"cgroup quota {quota:g} cores" if quota is not None else "no cgroup CPU quota"
+    detail = f"{usable} usable of {online or '?'} online ({limit}); torch will use {usable} threads"
+    if usable == 1:
+        return CheckResult("cores", WARN, detail, "one core serves one slow stream; give the container more CPUs")
+    return CheckResult("cores", PASS, detail)
+
+
+def check_memory(available: probe.AvailableMemory) -> CheckResult:
+    detail = f"{available.num_bytes / GIB:.2f} GiB available, bound by {available.bound_by}: {available.reason}"
+    if available.num_bytes < WARN_AVAILABLE_MEMORY_BYTES:
+        return CheckResult("memory", WARN, detail, "only tiny models fit: free memory or raise the container limit")
+    return CheckResult("memory", PASS, detail)
+
+
+def check_open_files(limits: tuple[int, int] | None = None) -> CheckResult:
+    soft, hard = limits if limits is not None else resource.getrlimit(resource.RLIMIT_NOFILE)
+    show = lambda n: "unlimited" if n == resource.RLIM_INFINITY else str(n)  # noqa: E731
+    detail = f"open files limit {show(soft)} (hard {show(hard)})"
+    if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
+        return CheckResult("open files", WARN, detail + f": under {MIN_OPEN_FILES}, many connections will fail",
+                           "ulimit -n 65536 before starting (docker run --ulimit nofile=65536:65536)")
+    return CheckResult("open files", PASS, detail)
+
+
+def check_disk(directory: Path, disk_usage: Callable[[Path], tuple] = shutil.disk_usage) -> CheckResult:
+    """Free space where models are cached (the nearest existing parent if the dir does not exist yet)."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = disk_usage(existing)[2]
+    detail = f"{free / GIB:.2f} GiB free in {directory}"
+    fix = "free disk space or point PAGEDSERVE_CACHE at a larger disk"
+    if free < MIN_FREE_DISK_BYTES:
+        return CheckResult("disk", FAIL, detail, fix)
+    if free < WARN_FREE_DISK_BYTES:
+        return CheckResult("disk", WARN, detail + ": a 7B model needs ~15 GiB", fix)
+    return CheckResult("disk", PASS, detail)
+
+
+def _port_owner(port: int) -> str:
+    try:
+        import psutil
+
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                return f" by pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+    except Exception:  # permissions, or a process that just exited: the owner is a nicety
+        pass
+    return ""
+
+
+def check_port(port: int, host: str = "0.0.0.0") -> CheckResult:
+    """Can the server bind its port (as uvicorn does, with SO_REUSEADDR)?"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return CheckResult("port", FAIL, f"port {port} is in use{_port_owner(port)}",
+                                   f"stop that process (ss -ltnp 'sport = :{port}') or pass --port N")
+            return CheckResult("port", FAIL, f"cannot bind {host}:{port}: {exc.strerror}",
+                               "pick a port above 1024 or run with the needed privileges")
+    return CheckResult("port", PASS, f"port {port} is free")
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+def check_model(path: str | Path) -> CheckResult:
+    """Config, weights (complete, not truncated) and tokenizer present: headers only, no weights read."""
+    try:
+        from pagedserve.models.validate import ModelValidationError, validate_model_path
+    except ImportError as exc:
+        return CheckResult("model", WARN, f"model validation is not available in this build ({exc})")
+    try:
+        validate_model_path(path)
+    except ModelValidationError as exc:
+        return CheckResult("model", FAIL, str(exc))  # the message names the fix
+    return CheckResult("model", PASS, f"{path}: config, weights and tokenizer are complete")
+
+
+def _plan_defaults() -> tuple[int, int, int, int]:
+    """(max_model_len, max_num_seqs, max_num_batched_tokens, block_size): the engine's defaults."""
+    from pagedserve.config import CacheConfig, SchedulerConfig
+
+    scheduler, cache = SchedulerConfig(), CacheConfig()
+    return scheduler.max_model_len, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, cache.block_size
+
+
+def check_memory_plan(path: str | Path, available: probe.AvailableMemory, dtype: str) -> CheckResult:
+    """Would the model fit with the default settings? (`serve` plans again with the real flags.)"""
+    model_dir = Path(path)
+    if not (model_dir / "config.json").is_file():
+        return CheckResult("memory plan", PASS, "skipped: only Hugging Face model directories are planned here")
+    dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        shape = ModelShape.from_hf_config(config, weight_bytes_from_safetensors_dir(model_dir, dtype_bytes))
+    except (OSError, ValueError, KeyError) as exc:
+        return CheckResult("memory plan", WARN, f"cannot size the model: {exc}")
+    max_model_len, max_num_seqs, max_num_batched_tokens, block_size = _plan_defaults()
+    max_model_len = min(max_model_len, config.get("max_position_embeddings") or max_model_len)
+    request = PlanRequest(
+        dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+        available=available,
+    )
+    plan = make_plan(shape, request)
+    settings = f"{dtype}, max_model_len {max_model_len}, max_num_seqs {max_num_seqs}"
+    if plan.fits:
+        return CheckResult("memory plan", PASS, f"{settings}: {plan.summary()}")
+    fixes = [f"{s.flag} {s.value}" for s in plan.suggestions] or ["free memory or use a smaller model"]
+    return CheckResult("memory plan", FAIL, f"{settings}: {plan.summary()}",
+                       "any one of: " + ", ".join(fixes) + " (`pagedserve plan` shows the table)")
+
+
+# ----------------------------------------------------------------------------------------------- command
+
+
+def default_checks(model: str | None, port: int) -> list[Callable[[], CheckResult | None]]:
+    """The checks `pagedserve doctor` runs, in order."""
+    flags = probe.cpu_flags()
+    available = probe.available_memory()
+    checks: list[Callable[[], CheckResult | None]] = [
+        check_python,
+        check_packages,
+        check_accelerator_now,
+        lambda: check_cpu(flags),
+        lambda: check_cores(probe.usable_cpu_count(), os.cpu_count(), probe.cgroup_cpu_quota()),
+        lambda: check_memory(available),
+        check_open_files,
+        lambda: check_disk(envs.cache_dir()),
+        lambda: check_port(port),
+    ]
+    if model:
+        model_results: list[CheckResult] = []
+
+        def model_check() -> CheckResult:
+            model_results.append(check_model(model))
+            return model_results[-1]
+
+        def plan_check() -> CheckResult | None:
+            if model_results and model_results[-1].status == FAIL:
+                return None  # planning needs readable headers
+            return _check_memory_plan_here(model, available, flags)
+
+        checks += [model_check, plan_check]
+    return checks
+
+
+def _check_memory_plan_here(model: str, available: probe.AvailableMemory, flags: set[str]) -> CheckResult:
+    gpu = probe.cuda_available_memory()  # torch is imported already by the accelerator check
+    if gpu is not None:
+        return check_memory_plan(model, gpu, "bfloat16")
+    return check_memory_plan(model, available, probe.fast_cpu_dtype(flags))
+
+
+def run_checks(checks: list[Callable[[], CheckResult | None]]) -> list[CheckResult]:
+    """Run every check in order; a check returning None was skipped."""
+    results = []
+    for check in checks:
+        try:
+            result = check()
+        except Exception as exc:  # a broken probe must not hide the other checks' answers
+            name = getattr(check, "__name__", "check").removeprefix("check_")
+            result = CheckResult(name, WARN, f"the check itself failed: {type(exc).__name__}: {exc}")
+        if result is not None:
+            results.append(result)
+    return results
+
+
+def format_results(results: list[CheckResult]) -> str:
+    lines = []
+    for result in results:
+        lines.append(f"{result.status:<5} {result.name:<12} {result.detail}")
+        if result.fix and result.status != PASS:
+            lines.append(f"{'':<5} {'':<12} fix: {result.fix}")
+    num_fail = sum(r.status == FAIL for r in results)
+    num_warn = sum(r.status == WARN for r in results)
+    lines.append(f"{num_fail} failed, {num_warn} warnings, {len(results) - num_fail - num_warn} passed")
+    return "\n".join(lines)
+
+
+def report(results: list[CheckResult], as_json: bool) -> int:
+    """Print the results; exit code 1 if any check failed."""
+    if as_json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        print(format_results(results))
+    return 1 if any(r.status == FAIL for r in results) else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return report(run_checks(default_checks(args.model, args.port)), args.json)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor", help="check this host (and a model) before serving",
+        description="Check Python and torch, the accelerator, CPU instructions, usable cores, memory, open files,"
+        " disk, the port and, with MODEL, the model files and whether it fits in memory. Exit code 1 on any FAIL.",
+    )
+    parser.add_argument("model", nargs="?", metavar="MODEL", help="model directory or .gguf file to validate")
+    parser.add_argument("--port", type=int, default=8000, help="port the server will listen on (default 8000)")
+    parser.add_argument("--json", action="store_true", help="print the results as a JSON list")
+    parser.set_defaults(func=run)

@@ -1,0 +1,182 @@
+"""`pagedserve doctor`: each check on fake inputs (no torch import), the report and its exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedserve.cli import doctor
+from pagedserve.cli.doctor import FAIL, PASS, WARN, CheckResult, TorchBuildInfo
+from pagedserve.memory.probe import GIB, AvailableMemory
+
+
+def test_python_and_package_versions() -> None:
+    assert doctor.check_python((3, 11, 7)).status == PASS
+    assert doctor.check_python((3, 9, 18)).status == FAIL
+    ok = doctor.check_packages({"torch": "2.13.0+cpu", "transformers": "5.24.0"})
+    assert ok.status == PASS and "torch 2.13.0+cpu" in ok.detail
+    old = doctor.check_packages({"torch": "2.1.2+cu118", "transformers": None})
+    assert old.status == FAIL
+    assert "torch 2.1.2+cu118 is older than 2.5" in old.detail and "transformers is not installed" in old.detail
+    assert "pip install -U 'torch>=2.5'" in old.fix
+
+
+def test_accelerator_arch_mismatch_fails_with_fix() -> None:
+    # An sm_120 GPU with a torch wheel built only up to sm_90: "no kernel image is available".
+    info = TorchBuildInfo(version="2.3.1+cu121", cuda_version="12.1", cuda_available=True,
+                          device_name="RTX 5090", capability=(12, 0), arch_list=["sm_80", "sm_86", "sm_90"],
+                          has_nvidia_gpu=True)
+    result = doctor.check_accelerator(info)
+    assert result.status == FAIL and "sm_120" in result.detail and "sm_120" in result.fix
+
+
+@pytest.mark.parametrize("capability, arch_list", [
+    ((8, 0), ["sm_80", "sm_90"]),  # exact cubin
+    ((8, 6), ["sm_80"]),  # same major, older minor: binary compatible
+    ((9, 0), ["sm_80", "compute_80"]),  # PTX JIT-compiles for newer GPUs
+])
+def test_accelerator_supported_architectures(capability: tuple[int, int], arch_list: list[str]) -> None:
+    info = TorchBuildInfo(version="2.6.0+cu124", cuda_version="12.4", cuda_available=True, device_name="GPU",
+                          capability=capability, arch_list=arch_list, has_nvidia_gpu=True)
+    assert doctor.check_accelerator(info).status == PASS
+
+
+def test_accelerator_builds_that_fall_back_to_cpu() -> None:
+    cpu_build_on_gpu_host = TorchBuildInfo(version="2.13.0+cpu", cuda_version=None, cuda_available=False,
+                                           has_nvidia_gpu=True)
+    result = doctor.check_accelerator(cpu_build_on_gpu_host)
+    assert result.status == WARN and "CUDA build" in result.fix
+    cuda_build_no_driver = TorchBuildInfo(version="2.6.0+cu126", cuda_version="12.6", cuda_available=False,
+                                          has_nvidia_gpu=True)
+    result = doctor.check_accelerator(cuda_build_no_driver)
+    assert result.status == WARN and "nvidia-smi" in result.fix and "12.6" in result.fix
+    plain_cpu = TorchBuildInfo(version="2.13.0+cpu", cuda_version=None, cuda_available=False)
+    assert doctor.check_accelerator(plain_cpu).status == PASS
+
+
+def test_host_gpu_detection_reads_paths(tmp_path: Path) -> None:
+    assert not doctor.host_has_nvidia_gpu(tmp_path / "version", tmp_path / "nvidia0")
+    (tmp_path / "version").write_text("NVRM version: 550.54\n")
+    assert doctor.host_has_nvidia_gpu(tmp_path / "version", tmp_path / "nvidia0")
+
+
+def test_cpu_flags_decide_the_fast_dtype() -> None:
+    no_bf16 = doctor.check_cpu({"avx2", "avx512f", "fma"})
+    assert no_bf16.status == PASS
+    assert "float32 is fastest" in no_bf16.detail and "no AVX512-BF16, AMX-BF16" in no_bf16.detail
+    assert "--dtype float32" in no_bf16.fix
+    bf16 = doctor.check_cpu({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    assert "bfloat16 is fast" in bf16.detail and bf16.fix == ""
+    assert doctor.check_cpu(set()).status == WARN
+
+
+def test_cores_and_memory() -> None:
+    result = doctor.check_cores(usable=4, online=64, quota=4.0)
+    assert result.status == PASS and "4 usable of 64" in result.detail and "quota 4 cores" in result.detail
+    assert doctor.check_cores(usable=1, online=8, quota=0.5).status == WARN
+    low = AvailableMemory(GIB, "cgroup", "cgroup v2 limit 2.00 GiB - used 1.00 GiB = 1.00 GiB")
+    result = doctor.check_memory(low)
+    assert result.status == WARN and "1.00 GiB available, bound by cgroup" in result.detail
+    assert doctor.check_memory(AvailableMemory(9 * GIB, "MemAvailable", "x")).status == PASS
+
+
+def test_open_files_limit() -> None:
+    result = doctor.check_open_files((1024, 4096))
+    assert result.status == WARN and "ulimit -n" in result.fix
+    assert doctor.check_open_files((65536, 65536)).status == PASS
+
+
+def test_disk_space_in_cache_dir(tmp_path: Path) -> None:
+    missing_dir = tmp_path / "not" / "yet"  # measured at the nearest existing parent
+    seen = []
+
+    def usage(path: Path) -> tuple[int, int, int]:
+        seen.append(path)
+        return (100 * GIB, 99 * GIB + GIB // 2, GIB // 2)
+
+    result = doctor.check_disk(missing_dir, disk_usage=usage)
+    assert seen == [tmp_path] and result.status == FAIL and "0.50 GiB free" in result.detail
+    assert doctor.check_disk(tmp_path, disk_usage=lambda p: (0, 0, 5 * GIB)).status == WARN
+    assert doctor.check_disk(tmp_path, disk_usage=lambda p: (0, 0, 50 * GIB)).status == PASS
+
+
+def test_port_in_use_fails() -> None:
+    with socket.socket() as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        result = doctor.check_port(port)
+        assert result.status == FAIL and f"port {port} is in use" in result.detail and "--port" in result.fix
+    assert doctor.check_port(port).status == PASS
+
+
+def write_safetensors(path: Path, num_floats: int, truncate_by: int = 0) -> None:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [num_floats], "data_offsets": [0, 4 * num_floats]}})
+    raw = header.encode()
+    data = struct.pack("<Q", len(raw)) + raw + bytes(4 * num_floats)
+    path.write_bytes(data[: len(data) - truncate_by] if truncate_by else data)
+
+
+def test_model_check_names_truncated_weights_then_missing_tokenizer(tmp_path: Path) -> None:
+    pytest.importorskip("pagedserve.models.validate")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    write_safetensors(tmp_path / "model.safetensors", num_floats=1000, truncate_by=1500)
+    result = doctor.check_model(tmp_path)
+    assert result.status == FAIL and "truncated" in result.detail and "1,500" in result.detail
+
+    write_safetensors(tmp_path / "model.safetensors", num_floats=1000)
+    result = doctor.check_model(tmp_path)
+    assert result.status == FAIL and "tokenizer" in result.detail
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert doctor.check_model(tmp_path).status == PASS
+
+
+def test_memory_plan_check_on_a_model_dir(tmp_path: Path) -> None:
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_safetensors(tmp_path / "model.safetensors", num_floats=86528)
+    roomy = doctor.check_memory_plan(tmp_path, AvailableMemory(8 * GIB, "MemAvailable", "x"), "float32")
+    assert roomy.status == PASS and "max_model_len 512" in roomy.detail and "to spare" in roomy.detail
+    tight = doctor.check_memory_plan(tmp_path, AvailableMemory(100 << 20, "cgroup", "x"), "float32")
+    assert tight.status == FAIL and "short by" in tight.detail
+
+
+def test_report_exit_code_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    def broken() -> CheckResult:
+        raise RuntimeError("probe exploded")
+
+    checks = [lambda: CheckResult("a", PASS, "fine"), lambda: None, broken,
+              lambda: CheckResult("b", FAIL, "bad", "do this")]
+    results = doctor.run_checks(checks)
+    assert [r.status for r in results] == [PASS, WARN, FAIL]  # None = skipped; a crash is a WARN
+    assert "probe exploded" in results[1].detail
+    assert doctor.report(results, as_json=False) == 1
+    text = capsys.readouterr().out
+    assert "FAIL  b" in text and "fix: do this" in text and "1 failed, 1 warnings, 1 passed" in text
+    assert doctor.report(results[:1], as_json=True) == 0
+    assert json.loads(capsys.readouterr().out) == [{"name": "a", "status": PASS, "detail": "fine", "fix": ""}]
+
+
+def test_register_parses_the_flags() -> None:
+    parser = argparse.ArgumentParser()
+    doctor.register(parser.add_subparsers())
+    args = parser.parse_args(["doctor", "/models/x", "--json", "--port", "8011"])
+    assert (args.model, args.json, args.port, args.func) == ("/models/x", True, 8011, doctor.run)
+
+
+def test_doctor_modules_do_not_import_torch() -> None:
+    code = (
+        "import sys, pagedserve.cli.doctor, pagedserve.memory.plan;"
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
