@@ -148,17 +148,17 @@ class BenchSummary:
         notes = []
         if self.num_usage_missing:
             notes.append(
-                f"{self.num_usage_missing} request(s) had no usage in the stream: their output tokens "
-                "are content-chunk counts, which may differ from the real token count"
+                f"{self.num_usage_missing} request(s) (warm-up included) had no usage in the stream: their "
+                "output tokens are content-chunk counts, which may differ from the real token count"
             )
         if self.num_usage_mismatch:
             notes.append(
-                f"{self.num_usage_mismatch} request(s) reported usage.completion_tokens different "
+                f"{self.num_usage_mismatch} request(s) (warm-up included) reported usage.completion_tokens different "
                 "from the number of streamed content chunks"
             )
         if self.num_early_stop:
             notes.append(
-                f"{self.num_early_stop} request(s) stopped before max_tokens although ignore_eos "
+                f"{self.num_early_stop} request(s) (warm-up included) stopped before max_tokens although ignore_eos "
                 "was requested: the server may not honour ignore_eos"
             )
         if self.num_failed:

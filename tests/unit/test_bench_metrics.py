@@ -24,7 +24,9 @@ def make_record(
     ignore_eos: bool = False,
 ) -> RequestRecord:
     """A finished request whose content chunks arrived at `chunks`; usage defaults to one token per chunk."""
-    record = RequestRecord(request_id=request_id, is_warmup=is_warmup, success=success, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    record = RequestRecord(
+        request_id=request_id, is_warmup=is_warmup, success=success, max_tokens=max_tokens, ignore_eos=ignore_eos
+    )
     record.send_time = send
     record.chunk_times = list(chunks)
     record.first_token_time = chunks[0] if chunks else None
@@ -151,8 +153,13 @@ def test_table_states_cold_and_steady_side_by_side() -> None:
     steady = [make_record(i, send=300.0, chunks=(300.5, 303.0), end=304.3) for i in range(3)]
     warmup = make_record(9, send=0.0, chunks=(250.0, 262.0), end=262.1, is_warmup=True)
     result = ServeBenchResult(
-        config=ServeBenchConfig(base_url="http://127.0.0.1:1"), model="m", started_at="now", clock_origin=0.0,
-        prompt_source="test", records=[warmup, *steady], summary=summarize([warmup, *steady], duration=5.0),
+        config=ServeBenchConfig(base_url="http://127.0.0.1:1"),
+        model="m",
+        started_at="now",
+        clock_origin=0.0,
+        prompt_source="test",
+        records=[warmup, *steady],
+        summary=summarize([warmup, *steady], duration=5.0),
     )
     table = format_table(result)
     assert "First request latency 262.1 s (cold) vs median 4.3 s steady" in table
