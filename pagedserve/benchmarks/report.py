@@ -1,0 +1,205 @@
+"""Human table (stdout, laid out like `vllm bench serve`) and raw JSON of a serving benchmark."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+from pagedserve.benchmarks.metrics import BenchSummary, RequestRecord, Stats
+from pagedserve.benchmarks.serve import ServeBenchResult
+from pagedserve.benchmarks.startup import StartupResult
+
+_WIDTH = 50
+_LABEL_WIDTH = 40
+
+
+def _rule(title: str = "", fill: str = "-") -> str:
+    return f"{title:{fill}^{_WIDTH}}" if title else fill * _WIDTH
+
+
+def _row(label: str, value: Any, fmt: str = ".2f") -> str:
+    if value is None:
+        text = "n/a"
+    elif isinstance(value, float) and not math.isinf(value):
+        text = format(value, fmt)
+    else:
+        text = str(value)
+    return f"{label + ':':<{_LABEL_WIDTH}}{text:>{_WIDTH - _LABEL_WIDTH}}"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def _human_seconds(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 1.0 else f"{seconds * 1000.0:.1f} ms"
+
+
+def _stats_rows(title: str, short: str, stats: Stats) -> list[str]:
+    return [
+        _rule(title),
+        _row(f"Mean {short} (ms)", _ms(stats.mean)),
+        _row(f"Median {short} (ms)", _ms(stats.median)),
+        _row(f"Std {short} (ms)", _ms(stats.std)),
+        _row(f"P90 {short} (ms)", _ms(stats.p90)),
+        _row(f"P99 {short} (ms)", _ms(stats.p99)),
+    ]
+
+
+def _cold_rows(summary: BenchSummary) -> list[str]:
+    cold = summary.cold
+    which = "cold" if cold.first_request_is_warmup else "no warm-up: first steady request"
+    rows = [
+        _rule(" Cold start (warm-up, excluded above) "),
+        _row("Warm-up requests", cold.num_warmup),
+        _row(f"First request latency ({which}) (s)", cold.first_request_e2e, ".3f"),
+        _row("Median steady latency (s)", cold.steady_median_e2e, ".3f"),
+        _row("Cold / steady latency", cold.e2e_cold_steady_ratio, ".1f"),
+        _row("First request TTFT (ms)", _ms(cold.first_request_ttft)),
+        _row("Median steady TTFT (ms)", _ms(cold.steady_median_ttft)),
+        _row("Cold / steady TTFT", cold.ttft_cold_steady_ratio, ".1f"),
+    ]
+    return rows
+
+
+def format_table(result: ServeBenchResult) -> str:
+    """The summary as a fixed-width table, with one sentence per raised honesty flag after it."""
+    summary = result.summary
+    assert summary is not None, "format_table needs a summarized result"
+    config = result.config
+    lines = [
+        _rule(" Serving Benchmark Result ", "="),
+        _row("Model", result.model),
+        _row("Endpoint", config.endpoint),
+        _row("Successful requests", summary.num_completed),
+        _row("Failed requests", summary.num_failed),
+        _row("Maximum request concurrency", config.max_concurrency or "unlimited"),
+        _row("Request rate configured (RPS)", config.request_rate),
+        _row("Benchmark duration (s)", summary.duration),
+        _row("Total input tokens (usage)", summary.total_input_tokens),
+        _row("Total generated tokens (usage)", summary.total_output_tokens),
+        _row("Request throughput (req/s)", summary.request_throughput),
+        _row("Output token throughput (tok/s)", summary.output_throughput),
+        _row("Total token throughput (tok/s)", summary.total_token_throughput),
+        *_stats_rows("Time to First Token", "TTFT", summary.ttft),
+        *_stats_rows("Time per Output Token (excl. 1st token)", "TPOT", summary.tpot),
+        _row("Decode rate at median TPOT (tok/s)", 1.0 / summary.tpot.median if summary.tpot.median else None),
+        *_stats_rows("Inter-token Latency (per chunk)", "ITL", summary.itl),
+        *_stats_rows("End-to-end Latency", "E2EL", summary.e2e_latency),
+        *_cold_rows(summary),
+        _rule(" Honesty checks "),
+        _row("Requests without usage (all)", summary.num_usage_missing),
+        _row("Usage != streamed chunks (all)", summary.num_usage_mismatch),
+        _row("Early stops despite ignore_eos (all)", summary.num_early_stop),
+        _rule(fill="="),
+    ]
+    lines += [f"WARNING: {note}" for note in summary.warnings]
+    if summary.cold.first_request_e2e is not None and summary.cold.steady_median_e2e is not None:
+        label = "cold" if summary.cold.first_request_is_warmup else "first, no warm-up"
+        lines.append(
+            f"First request latency {_human_seconds(summary.cold.first_request_e2e)} ({label}) "
+            f"vs median {_human_seconds(summary.cold.steady_median_e2e)} steady"
+        )
+    return "\n".join(lines)
+
+
+def _record_to_dict(record: RequestRecord, origin: float) -> dict[str, Any]:
+    """Every raw timing, relative to the benchmark's clock origin, plus the derived metrics."""
+    raw = dataclasses.asdict(record)
+    for name in ("send_time", "end_time", "first_token_time"):
+        if raw[name] is not None:
+            raw[name] = raw[name] - origin
+    raw["chunk_times"] = [moment - origin for moment in record.chunk_times]
+    raw.update(ttft=record.ttft, tpot=record.tpot, e2e_latency=record.e2e_latency, itls=record.itls)
+    return raw
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no Infinity: write an infinite rate as the string 'inf'."""
+    return "inf" if isinstance(value, float) and math.isinf(value) else value
+
+
+def result_to_dict(result: ServeBenchResult) -> dict[str, Any]:
+    """Config, summary (with warnings) and every raw record; times in seconds."""
+    assert result.summary is not None, "result_to_dict needs a summarized result"
+    summary = dataclasses.asdict(result.summary)
+    summary["warnings"] = result.summary.warnings
+    return {
+        "benchmark": "serve",
+        "started_at": result.started_at,
+        "model": result.model,
+        "prompt_source": result.prompt_source,
+        "config": {key: _finite(value) for key, value in dataclasses.asdict(result.config).items() if key != "api_key"},
+        "summary": summary,
+        "time_unit": "s, relative to the first request sent",
+        "warmup_records": [_record_to_dict(r, result.clock_origin) for r in result.records if r.is_warmup],
+        "records": [_record_to_dict(r, result.clock_origin) for r in result.records if not r.is_warmup],
+    }
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def _gib(num_bytes: int) -> float:
+    return num_bytes / 2**30
+
+
+def format_startup_table(result: StartupResult) -> str:
+    """Start-up phases, first vs steady request, peak RSS and the shutdown check."""
+    lines = [
+        _rule(" Startup Benchmark Result ", "="),
+        "Command:",
+        f"  {shlex.join(result.command)}",
+        _row("Time to port open (s)", result.time_to_port_open, ".2f"),
+        _row("Time to ready (/health 200) (s)", result.time_to_ready, ".2f"),
+    ]
+    if result.phases:
+        lines.append(_rule(" Phases seen in /health 503 bodies "))
+        for phase in result.phases:
+            progress = "" if phase.last_progress is None else f" (last {phase.last_progress:.0%})"
+            lines.append(_row(f"{phase.phase} from {phase.first_seen:.2f} s{progress}", phase.duration, ".2f"))
+    first = result.first_request
+    lines += [
+        _rule(" Requests "),
+        _row("Model", result.model),
+        _row("First request latency (cold) (s)", first.e2e_latency if first else None, ".3f"),
+        _row("First request TTFT (ms)", _ms(first.ttft) if first else None),
+        _row(f"Median of {len(result.steady_requests)} steady latencies (s)", result.steady_median_e2e, ".3f"),
+        _row("Median steady TTFT (ms)", _ms(result.steady_median_ttft)),
+        _row("Cold / steady latency", result.cold_steady_ratio, ".1f"),
+        _row("Output tokens per request (usage)", first.output_tokens if first else None),
+        _rule(" Process tree "),
+        _row("Peak RSS, summed over the tree (GiB)", _gib(result.peak_rss_bytes), ".3f"),
+    ]
+    if result.shutdown is not None:
+        shutdown = result.shutdown
+        lines += [
+            _row("Processes seen", shutdown.num_processes_seen),
+            _row("Stopped with", shutdown.signal_used),
+            _row("Shutdown time (s)", shutdown.shutdown_seconds, ".2f"),
+            _row("Processes left behind", len(shutdown.leftover_pids)),
+        ]
+    lines.append(_rule(fill="="))
+    if result.error:
+        lines.append(f"ERROR: {result.error}")
+    if result.shutdown is not None and result.shutdown.leftover_pids:
+        lines.append(f"ERROR: processes left running: {result.shutdown.leftover_pids}")
+    lines.append(f"Server log: {result.log_path}")
+    return "\n".join(lines)
+
+
+def startup_to_dict(result: StartupResult) -> dict[str, Any]:
+    """Every figure of a start-up run; request times relative to the first request sent."""
+    payload = dataclasses.asdict(result)
+    origin = result.first_request.send_time if result.first_request else 0.0
+    payload["first_request"] = _record_to_dict(result.first_request, origin) if result.first_request else None
+    payload["steady_requests"] = [_record_to_dict(r, origin) for r in result.steady_requests]
+    payload["health_status_codes"] = {str(code): count for code, count in result.health_status_codes.items()}
+    payload["benchmark"] = "startup"
+    payload["time_unit"] = "s; phases since launch, requests since the first request was sent"
+    return payload

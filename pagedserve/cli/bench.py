@@ -1,0 +1,243 @@
+"""`pagedserve bench`: honest benchmarks.
+
+bench serve       load a running OpenAI-compatible server; TTFT / TPOT / ITL / E2E with spread,
+                  throughput from counted tokens, warm-up reported apart as "cold".
+bench startup     launch a server, time port open, readiness phases, first vs steady requests,
+                  peak RSS of its process tree; stop the tree and check nothing is left.
+bench throughput  (offline, through the engine's LLM API) is registered by `_register_throughput`
+                  once the engine exists; see the marked place in `register`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import TYPE_CHECKING
+
+from pagedserve import envs
+
+if TYPE_CHECKING:
+    from pagedserve.benchmarks.serve import ServeBenchConfig
+    from pagedserve.benchmarks.startup import StartupBenchConfig
+
+_DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks: serving load, server start-up",
+        description="Honest benchmarks: token rates from counted tokens, warm-up apart, spread not one number.",
+    )
+    bench_subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCH")
+    _register_serve(bench_subparsers)
+    _register_startup(bench_subparsers)
+    # `bench throughput` goes here: _register_throughput(bench_subparsers), added with the offline LLM API.
+
+    def print_help(_: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=print_help)
+
+
+def _register_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="load a running OpenAI-compatible server with streamed requests",
+        description="Load a running OpenAI-compatible server and report latency distributions and token throughput.",
+    )
+    target = parser.add_argument_group("server")
+    target.add_argument("--base-url", default=_DEFAULT_BASE_URL, help="server root URL (default: %(default)s)")
+    target.add_argument("--model", default=None, help="model name to request (default: first id of GET /v1/models)")
+    target.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    target.add_argument("--api-key", default=None, help="bearer token (default: $PAGEDSERVE_API_KEY)")
+    target.add_argument(
+        "--request-timeout", type=float, default=3600.0, help="seconds per request (default: %(default)s)"
+    )
+    data = parser.add_argument_group("prompts")
+    data.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random", "jsonl"])
+    data.add_argument("--dataset-path", default=None, help='JSONL file of {"prompt": ..., "max_tokens": ...} lines')
+    data.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=1024)
+    data.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
+    data.add_argument(
+        "--range-ratio",
+        "--random-range-ratio",
+        dest="range_ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn uniformly in [len*(1-r), len*(1+r)] (default: %(default)s)",
+    )
+    data.add_argument("--tokenizer", default=None, help="local HF tokenizer dir, if the server has no /tokenize")
+    data.add_argument(
+        "--prompt-format",
+        default="token-ids",
+        choices=["token-ids", "text"],
+        help="/v1/completions prompts as token ids (exact) or text (re-tokenized to check); chat is always text",
+    )
+    load = parser.add_argument_group("load")
+    load.add_argument("--num-prompts", type=int, default=100)
+    load.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)"
+    )
+    load.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second; inf = all at once"
+    )
+    load.add_argument("--warmup-requests", type=int, default=1, help="sequential requests first, reported as cold")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens tokens (vLLM extra param)")
+    load.add_argument("--temperature", type=float, default=0.0)
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", dest="json_path", default=None, help="write every raw timing and the summary here")
+    out.add_argument("--no-progress", action="store_true", help="no progress counter on stderr")
+    out.add_argument("--strict", action="store_true", help="exit 1 when any honesty check is raised")
+    parser.set_defaults(func=run_serve)
+
+
+def _register_startup(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "startup",
+        help="launch a server; time start-up phases, first and steady requests, peak RSS",
+        usage="%(prog)s [options] [MODEL] [options] [-- SERVE_FLAGS ...]",
+        description=(
+            "Launch `pagedserve serve MODEL` (or --server-cmd) on a free port, time port open and readiness, "
+            "send a first request and steady ones, report peak RSS, then stop it and check nothing is left. "
+            "Flags after `--` go to the server."
+        ),
+    )
+    parser.add_argument(
+        "--server-cmd",
+        default=None,
+        help='another server command, e.g. "vllm serve M --port {port}"; {port} {host} {model} are filled, '
+        "and --host/--port appended when {port} is absent",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=None, help="default: a free port")
+    parser.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds to wait for readiness")
+    parser.add_argument("--num-steady-requests", type=int, default=5)
+    parser.add_argument("--prompt", default="Hello, my name is")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    parser.add_argument("--grace-period", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--api-key", default=None, help="bearer token (default: $PAGEDSERVE_API_KEY)")
+    parser.add_argument("--log-file", default=None, help="server output (default: a temporary file, reported)")
+    parser.add_argument("--json", dest="json_path", default=None, help="write every figure here")
+    # One REMAINDER positional keeps `--` in place (MODEL plus a `?` positional would not): MODEL, our
+    # own flags written after it, `--`, then the server's flags. `_split_startup_rest` sorts them out.
+    parser.add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        metavar="[MODEL] [-- SERVE_FLAGS ...]",
+        help="model to serve (also fills {model} in --server-cmd), then after `--` flags for the server",
+    )
+    parser.set_defaults(func=run_startup, startup_parser=parser)
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
+    from pagedserve.benchmarks.serve import ServeBenchConfig
+
+    return ServeBenchConfig(
+        base_url=args.base_url,
+        model=args.model,
+        endpoint=args.endpoint,
+        dataset=args.dataset,
+        dataset_path=args.dataset_path,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        num_prompts=args.num_prompts,
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        warmup_requests=args.warmup_requests,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        tokenizer=args.tokenizer,
+        prompt_format=args.prompt_format,
+        api_key=args.api_key or envs.api_key(),
+        request_timeout=args.request_timeout,
+        show_progress=not args.no_progress,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import httpx
+
+    from pagedserve.benchmarks.report import format_table, result_to_dict, write_json
+    from pagedserve.benchmarks.serve import run_serve_bench_sync
+
+    try:
+        config = serve_config_from_args(args)
+        config.validate()
+    except ValueError as exc:
+        print(f"pagedserve bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = run_serve_bench_sync(config)
+    except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
+        print(f"pagedserve bench serve: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(result))
+    if args.json_path:
+        write_json(args.json_path, result_to_dict(result))
+        print(f"Raw timings written to {args.json_path}")
+    summary = result.summary
+    if summary is None or summary.num_completed == 0:
+        return 1
+    return 1 if args.strict and summary.warnings else 0
+
+
+def _split_startup_rest(rest: list[str]) -> tuple[str | None, list[str], list[str]]:
+    """[MODEL] [our flags] [-- server flags] -> (model, our flags, server flags)."""
+    split = rest.index("--") if "--" in rest else len(rest)
+    before, serve_args = rest[:split], rest[split + 1 :]
+    model = before.pop(0) if before and not before[0].startswith("-") else None
+    return model, before, serve_args
+
+
+def startup_config_from_args(args: argparse.Namespace) -> StartupBenchConfig:
+    from pagedserve.benchmarks.startup import StartupBenchConfig
+
+    model, ours, serve_args = _split_startup_rest(list(args.rest))
+    if ours:  # our own flags written after MODEL, before `--`
+        args = args.startup_parser.parse_args(ours, namespace=argparse.Namespace(**{**vars(args), "rest": []}))
+        if args.rest:
+            raise ValueError(f"unexpected arguments {args.rest}; server flags go after `--`")
+    if model is None and not args.server_cmd:
+        raise ValueError("give a MODEL to serve, or --server-cmd")
+    return StartupBenchConfig(
+        model=model,
+        server_cmd=args.server_cmd,
+        serve_args=tuple(serve_args),
+        host=args.host,
+        port=args.port,
+        ready_timeout=args.ready_timeout,
+        num_steady_requests=args.num_steady_requests,
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        endpoint=args.endpoint,
+        grace_period=args.grace_period,
+        log_path=args.log_file,
+        api_key=args.api_key or envs.api_key(),
+    )
+
+
+def run_startup(args: argparse.Namespace) -> int:
+    from pagedserve.benchmarks.report import format_startup_table, startup_to_dict, write_json
+    from pagedserve.benchmarks.startup import run_startup_bench
+
+    try:
+        config = startup_config_from_args(args)
+    except ValueError as exc:
+        print(f"pagedserve bench startup: error: {exc}", file=sys.stderr)
+        return 2
+    result = run_startup_bench(config)
+    print(format_startup_table(result))
+    if args.json_path:
+        write_json(args.json_path, startup_to_dict(result))
+        print(f"Figures written to {args.json_path}")
+    has_leftovers = result.shutdown is not None and bool(result.shutdown.leftover_pids)
+    return 1 if result.error or has_leftovers else 0
