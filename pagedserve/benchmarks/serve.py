@@ -58,7 +58,7 @@ class ServeBenchConfig:
     tokenizer: str | None = None  # local HF tokenizer dir; None: the server's /tokenize
     prompt_format: str = "token-ids"  # /v1/completions only; chat prompts are always text
     api_key: str | None = None
-    request_timeout: float = 3600.0  # a cold first request can take minutes: do not cut it short
+    request_timeout: float = 3600.0  # per read (until the next byte); a cold first token can take minutes
     show_progress: bool = True
 
     def validate(self) -> None:
