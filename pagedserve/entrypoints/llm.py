@@ -26,8 +26,13 @@ class LLM:
         """Run every prompt to completion in one continuous batch; outputs in input order."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        request_ids = [self.engine.add_request(None, prompt, params)
-                       for prompt, params in zip(prompt_list, params_list)]
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_ids.append(self.engine.add_request(None, prompt, params))
+        except Exception:
+            self.engine.abort_request(request_ids)  # all or nothing: queue none of this call's prompts
+            raise
         return self._run(request_ids)
 
     def chat(self, messages: Conversation | list[Conversation],

@@ -1,0 +1,172 @@
+"""pagedserve vs Hugging Face transformers on the same tiny random weights.
+
+Greedy tokens must be equal (in bfloat16: equal up to a first divergence that is a near-tie, i.e. HF's
+own logprobs of the two candidate tokens differ by less than the tolerance; rounding noise can flip a
+tie, a bug cannot hide behind it). Top-5 logprobs, with HF teacher-forced along our tokens, must agree
+at every position within a tolerance:
+- float32: 5e-5. Both sides compute in fp32; the only differences are summation order (batched vs
+  single-sequence matmuls, SDPA over a gathered paged context) — observed max 7e-6 on these models.
+- bfloat16: 0.15. bf16 keeps 8 mantissa bits (relative step 2^-8 = 0.4 %); both sides round every
+  matmul output to bf16 but in different orders and batch shapes, so logits of magnitude ~5-20 differ
+  by a few bf16 steps after two layers (observed max 0.063); 0.15 leaves margin while still catching
+  any real bug (a wrong rope/mask/norm changes logprobs by whole units).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+TOLERANCE = {"float32": 5e-5, "bfloat16": 0.15}
+NUM_TOKENS = 32
+TOP_K = 5
+
+
+def make_prompts(tokenizer) -> list[list[int]]:
+    """8 prompts of different lengths (3 .. 70 tokens)."""
+    text = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. def square(x): "
+            "return x * x. 你好，世界！ In the beginning the Universe was created. ") * 3
+    ids = tokenizer.encode(text)
+    lengths = [3, 9, 17, 24, 33, 41, 56, 70]
+    return [ids[i:i + n] for i, n in enumerate(lengths)]
+
+
+def hf_reference(model_dir: str, dtype: str, prompts: list[list[int]]):
+    """Greedy tokens of each prompt alone, and HF's logprobs along our generated continuation."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    tokens = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        tokens.append(out[0, len(prompt):].tolist())
+    return model, tokens
+
+
+def hf_logprobs(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """[len(generated), V] logprobs HF assigns at each generated position (teacher-forced)."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+
+
+def assert_logprobs_close(ours, reference: torch.Tensor, tol: float) -> None:
+    for position, (step, ref) in enumerate(zip(ours, reference)):
+        top_ids = [t for t, lp in sorted(step.items(), key=lambda kv: kv[1].rank) if lp.rank <= TOP_K]
+        assert len(top_ids) == TOP_K
+        ref_top = ref.topk(TOP_K).indices.tolist()
+        for token_id in top_ids:
+            diff = abs(step[token_id].logprob - ref[token_id].item())
+            assert diff <= tol, f"position {position} token {token_id}: |{diff:.4g}| > {tol}"
+        # The sets may swap only tokens whose logprobs are within the tolerance of each other.
+        for token_id in set(ref_top) ^ set(top_ids):
+            kth = ref[ref_top[-1]].item()
+            assert abs(ref[token_id].item() - kth) <= 2 * tol
+
+
+def assert_greedy_close(ours: list[int], expected: list[int], reference: torch.Tensor, tol: float) -> None:
+    """Equal up to the first divergence, which must be a near-tie under HF's own logprobs."""
+    for position, (a, b) in enumerate(zip(ours, expected)):
+        if a != b:
+            gap = abs(reference[position, a].item() - reference[position, b].item())
+            assert gap <= tol, f"position {position}: we chose {a}, HF chose {b}, HF logprob gap {gap:.3g}"
+            return
+
+
+def generate(model_dir, dtype, prompts, logprobs=TOP_K, **engine_kwargs):
+    llm = LLM(model_dir, dtype=dtype, **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=logprobs)
+    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_matches_transformers(tiny_model_dir, arch, dtype):
+    model_dir = tiny_model_dir(arch, dtype)
+    llm, outputs = generate(model_dir, dtype, [[1]], max_model_len=256)  # warm the tokenizer path
+    prompts = make_prompts(llm.get_tokenizer())
+    _, outputs = generate(model_dir, dtype, prompts, max_model_len=256)
+    hf_model, hf_tokens = hf_reference(model_dir, dtype, prompts)
+    num_exact = 0
+    for prompt, output, expected in zip(prompts, outputs, hf_tokens):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "length"
+        assert len(completion.logprobs) == NUM_TOKENS
+        reference = hf_logprobs(hf_model, prompt, completion.token_ids)
+        assert_logprobs_close(completion.logprobs, reference, TOLERANCE[dtype])
+        if dtype == "float32":
+            assert completion.token_ids == expected
+        else:
+            assert_greedy_close(completion.token_ids, expected, reference, TOLERANCE[dtype])
+        num_exact += completion.token_ids == expected
+    assert num_exact >= len(prompts) // 2  # near-ties are the exception, not the rule
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tiny_model_dir):
+    """Greedy tokens of the tiny llama, computed by pagedserve in a plain configuration."""
+    model_dir = tiny_model_dir("llama")
+    llm, _ = generate(model_dir, "float32", [[1]], max_model_len=256)
+    prompts = make_prompts(llm.get_tokenizer())
+    _, outputs = generate(model_dir, "float32", prompts, logprobs=None, max_model_len=256)
+    _, hf_tokens = hf_reference(model_dir, "float32", prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_tokens
+    return model_dir, prompts, hf_tokens
+
+
+def test_chunked_prefill_of_7_tokens(llama_reference):
+    model_dir, prompts, expected = llama_reference
+    llm, outputs = generate(model_dir, "float32", prompts, logprobs=None, max_model_len=256,
+                            max_num_batched_tokens=7)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_preemption_keeps_outputs(llama_reference):
+    model_dir, prompts, expected = llama_reference
+    # 8 requests need up to 7 blocks of 16 each at the end; 20 usable blocks force preemption.
+    llm, outputs = generate(model_dir, "float32", prompts, logprobs=None, max_model_len=256,
+                            num_gpu_blocks_override=21)
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_shared_prefix_hits_cache(tiny_model_dir):
+    model_dir = tiny_model_dir("llama")
+    llm = LLM(model_dir, dtype="float32", max_model_len=256)
+    prefix = list(range(10, 60))  # 50 tokens: 3 full blocks
+    prompts = [{"prompt_token_ids": prefix + [100 + i, 200 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(prompts[:1], params)
+    rest = llm.generate(prompts[1:], params)
+    stats = llm.engine.scheduler.kv.stats
+    assert stats.num_hits >= 3 * 48
+    assert all(o.num_cached_tokens == 48 for o in rest)
+    fresh = LLM(model_dir, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    expected = fresh.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_requests_added_mid_generation(llama_reference):
+    model_dir, prompts, expected = llama_reference
+    llm = LLM(model_dir, dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    engine = llm.engine
+    finished = {}
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 3 == 0:  # one new request every third step
+            index, prompt = pending.pop(0)
+            engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = output.outputs[0].token_ids
+        steps += 1
+    assert [finished[i] for i in range(len(prompts))] == expected
+    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks - 1

@@ -1,0 +1,134 @@
+"""Sampling behaviour end to end on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=256)
+
+
+def texts(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_seeded_output_independent_of_batch_companions(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    other = SamplingParams(temperature=1.2, max_tokens=25, ignore_eos=True)
+    alone = llm.generate(["The quick brown fox"], seeded)
+    crowded = llm.generate(["Paris is", "The quick brown fox", "def square(x):", "你好"],
+                           [other, seeded, other, seeded.clone(seed=99)])
+    assert crowded[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    again = llm.generate(["The quick brown fox"], seeded)
+    assert again[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_unseeded_random_sampling_varies(llm):
+    params = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(["The quick brown fox"] * 4, params)
+    assert len({tuple(t) for t in texts(outputs)}) > 1
+
+
+def test_top_k_1_equals_greedy(llm):
+    prompts = ["The quick brown fox", "Paris is the capital of"]
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    top1 = llm.generate(prompts, SamplingParams(temperature=0.9, top_k=1, seed=3, max_tokens=12, ignore_eos=True))
+    assert texts(top1) == texts(greedy)
+
+
+def test_stop_string_is_cut(llm):
+    greedy = llm.generate(["The quick brown fox"], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    text = greedy[0].outputs[0].text
+    stop = text[10:13]  # a substring from the middle, likely spanning tokens
+    assert stop and stop.strip(), text
+    cut = llm.generate(["The quick brown fox"], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop]))
+    completion = cut[0].outputs[0]
+    assert completion.text == text[:text.index(stop)]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    kept = llm.generate(["The quick brown fox"], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop],
+                                                                include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == text[:text.index(stop) + len(stop)]
+
+
+def test_n_gives_n_completions(llm):
+    outputs = llm.generate(["The quick brown fox"], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10,
+                                                                   ignore_eos=True))
+    completions = outputs[0].outputs
+    assert [c.index for c in completions] == [0, 1, 2]
+    assert all(len(c.token_ids) == 10 for c in completions)
+    assert len({tuple(c.token_ids) for c in completions}) > 1
+
+
+def test_logprobs_and_prompt_logprobs_shapes(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    output = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params)[0]
+    completion = output.outputs[0]
+    assert len(completion.logprobs) == 5
+    for token_id, step in zip(completion.token_ids, completion.logprobs):
+        assert step[token_id].rank == 1  # greedy picks the most likely token
+        assert 3 <= len(step) <= 4
+    assert math.isclose(completion.cumulative_logprob,
+                        sum(s[t].logprob for t, s in zip(completion.token_ids, completion.logprobs)))
+    assert output.prompt_logprobs[0] is None
+    assert len(output.prompt_logprobs) == 4
+    for token_id, entry in zip([6, 7, 8], output.prompt_logprobs[1:]):
+        assert token_id in entry and 2 <= len(entry) <= 3
+
+
+def test_prompt_logprobs_same_when_chunked(tiny_model_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    prompt = [{"prompt_token_ids": list(range(3, 40))}]
+    whole = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=256).generate(prompt, params)[0]
+    chunked = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=256,
+                  max_num_batched_tokens=7).generate(prompt, params)[0]
+    assert len(chunked.prompt_logprobs) == 37
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[k].logprob - b[k].logprob) < 1e-4 for k in a)
+
+
+def test_penalties_and_logit_bias_change_output(llm):
+    base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = texts(llm.generate(["The quick"], base))[0]
+    penalised = texts(llm.generate(["The quick"], base.clone(repetition_penalty=3.0, frequency_penalty=2.0)))[0]
+    assert len(set(penalised)) >= len(set(plain))
+    assert penalised != plain or len(set(plain)) == len(plain)
+    biased = texts(llm.generate(["The quick"], base.clone(logit_bias={42: 100.0})))[0]
+    assert biased == [42] * 24
+
+
+def test_min_tokens_blocks_eos(llm):
+    eos = llm.get_tokenizer().eos_token_id
+    base = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={eos: 100.0})
+    assert texts(llm.generate(["Hi"], base))[0] == [eos]  # EOS is forced and ends the request
+    forced = base.clone(min_tokens=4)
+    tokens = texts(llm.generate(["Hi"], forced))[0]
+    assert len(tokens) == 5 and eos not in tokens[:4] and tokens[4] == eos
+
+
+def test_invalid_parameters_raise(llm):
+    for bad in (dict(temperature=-0.1), dict(top_p=1.5), dict(top_k=-3), dict(min_p=2.0),
+                dict(presence_penalty=3.0), dict(max_tokens=0), dict(logprobs=25), dict(n=0),
+                dict(repetition_penalty=0.0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([{"prompt_token_ids": [1] * 300}], SamplingParams())
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([{"prompt_token_ids": [100000]}], SamplingParams())
+    # The engine is still healthy afterwards.
+    assert len(llm.generate(["ok"], SamplingParams(max_tokens=2))) == 1
+
+
+def test_chat_applies_template(llm):
+    tokenizer = llm.get_tokenizer()
+    outputs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=4))
+    expected_prompt = tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+                                       add_special_tokens=False)
+    assert outputs[0].prompt_token_ids == expected_prompt
