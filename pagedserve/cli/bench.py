@@ -54,7 +54,10 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     target.add_argument("--api-key", default=None, help="bearer token (default: $PAGEDSERVE_API_KEY)")
     target.add_argument(
-        "--request-timeout", type=float, default=3600.0, help="seconds to wait for the next byte of a response (default: %(default)s)"
+        "--request-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds to wait for the next byte of a response (default: %(default)s)",
     )
     data = parser.add_argument_group("prompts")
     data.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random", "jsonl"])
