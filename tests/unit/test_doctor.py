@@ -176,7 +176,7 @@ def test_register_parses_the_flags() -> None:
 
 def test_doctor_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, pagedserve.cli.doctor, pagedserve.memory.plan;"
+        "import sys, pagedserve.cli.doctor, pagedserve.cli.watch, pagedserve.memory.plan;"
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
