@@ -14,6 +14,8 @@ import sys
 SUBCOMMANDS = [
     "generate",
     "bench",
+    "doctor",
+    "watch",
 ]
 
 
