@@ -127,7 +127,20 @@ def test_cli_reports_phases_requests_rss_and_leaves_nothing(fake_server: Any, tm
     out = tmp_path / "startup.json"
     server_cmd = f"{sys.executable} {script} --pid-file {pid_file} --spawn-children"
     args = parser.parse_args(
-        ["bench", "startup", "--server-cmd", server_cmd, "--max-tokens", "4", "--grace-period", "3", "--json", str(out)]
+        [
+            "bench",
+            "startup",
+            "--server-cmd",
+            server_cmd,
+            "--max-tokens",
+            "4",
+            "--grace-period",
+            "3",
+            "--json",
+            str(out),
+            "--log-file",
+            str(tmp_path / "server.log"),
+        ]
     )
     assert args.func(args) == 0
     table = capsys.readouterr().out
@@ -158,6 +171,7 @@ def test_server_ignoring_sigterm_is_killed(fake_server: Any) -> None:
         num_steady_requests=1,
         max_tokens=2,
         grace_period=0.5,
+        log_path=str(pid_file.with_name("server.log")),
     )
     result = run_startup_bench(config)
     assert result.error is None
@@ -168,7 +182,10 @@ def test_server_ignoring_sigterm_is_killed(fake_server: Any) -> None:
 def test_server_that_exits_early_is_reported_with_its_log(fake_server: Any) -> None:
     script, pid_file = fake_server
     result = run_startup_bench(
-        StartupBenchConfig(server_cmd=f"{sys.executable} {script} --pid-file {pid_file} --crash --spawn-children")
+        StartupBenchConfig(
+            server_cmd=f"{sys.executable} {script} --pid-file {pid_file} --crash --spawn-children",
+            log_path=str(pid_file.with_name("server.log")),
+        )
     )
     assert result.error is not None and "code 3" in result.error and "cannot load weights" in result.error
     assert result.time_to_port_open is None and result.first_request is None
