@@ -1,0 +1,207 @@
+"""Write tiny GGUF files from tiny random transformers models, the way llama.cpp's converter does.
+
+Independent of pagedserve's loader on purpose (own name mapping, own permutation), so that a
+round trip checks the loader against llama.cpp's conventions rather than against itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import quantize
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_MERGES = (("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("Ġ", "w"), ("o", "r"))
+
+_LAYER_PARTS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}  # fmt: skip
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's tensor name for a Hugging Face one."""
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER_PARTS[part]}.{kind}"
+
+
+def llama_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute (rows: split halves -> interleaved pairs)."""
+    return (
+        weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars)}
+
+
+def tiny_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token_types, merges): specials, 256 byte tokens, a few merges, padding to `vocab_size`."""
+    tokens = list(SPECIAL_TOKENS) + list(bytes_to_unicode().values())
+    types = [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * 256
+    for left, right in TINY_MERGES:
+        tokens.append(left + right)
+        types.append(gguf.TokenType.NORMAL)
+    if len(tokens) > vocab_size:
+        raise ValueError(f"tiny vocabulary needs vocab_size >= {len(tokens)}")
+    for index in range(len(tokens), vocab_size):
+        tokens.append(f"[PAD{index}]")
+        types.append(gguf.TokenType.UNUSED)
+    return tokens, [int(t) for t in types], [f"{left} {right}" for left, right in TINY_MERGES]
+
+
+def _add_hparams(writer: gguf.GGUFWriter, config: object) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str) -> None:
+    tokens, types, merges = tiny_vocab(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def _encode(array: np.ndarray, qtype: QType) -> tuple[np.ndarray, QType | None]:
+    """Stored array and raw_dtype for GGUFWriter.add_tensor."""
+    if qtype == QType.F32:
+        return array.astype(np.float32), None
+    if qtype == QType.F16:
+        return array.astype(np.float16), None
+    return quantize(array.astype(np.float32), qtype), qtype
+
+
+def llama3_rope_freqs(config: object) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp writes for 'llama3' rope scaling (from convert_hf_to_gguf.py)."""
+    params = config.rope_parameters
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (params["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old_len = params.get("original_max_position_embeddings", 8192)
+    low, high, factor = params["low_freq_factor"], params["high_freq_factor"], params["factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_test_gguf(
+    model: torch.nn.Module,
+    path: str | Path,
+    qtype: QType = QType.F32,
+    qtype_per_tensor: Mapping[str, QType] | None = None,
+    tokenizer_pre: str = "smollm",
+) -> Path:
+    """Write `model` (a transformers Llama/Qwen2/Qwen3 ForCausalLM) as a GGUF file.
+
+    2-D weights are stored as `qtype` (or `qtype_per_tensor[hf_name]`), 1-D ones (norms, biases) as
+    F32, as llama.cpp does. A tied lm_head is not written. Llama q/k rows are permuted.
+    """
+    config = model.config
+    arch = config.model_type
+    writer = gguf.GGUFWriter(str(path), arch)
+    _add_hparams(writer, config)
+    _add_tokenizer(writer, config.vocab_size, tokenizer_pre)
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    if (config.rope_parameters or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config))
+    for name, array in state.items():
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_permute(array, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_permute(array, config.num_key_value_heads)
+        chosen = (qtype_per_tensor or {}).get(name, qtype if array.ndim == 2 else QType.F32)
+        stored, raw_dtype = _encode(array, chosen)
+        writer.add_tensor(gguf_name(name), stored, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A tiny random Llama / Qwen2 / Qwen3 causal LM (float32, eval mode)."""
+    import transformers
+
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "qwen3": transformers.Qwen3Config}[arch]  # fmt: skip
+    kwargs: dict[str, object] = dict(
+        vocab_size=288, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32  # != hidden_size / heads, as in real Qwen3 models
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model_class = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                   "qwen3": transformers.Qwen3ForCausalLM}[arch]  # fmt: skip
+    model = model_class(config_class(**kwargs)).eval()
+    with torch.no_grad():  # norms initialise to ones; make them random so that mapping errors show
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    return model

@@ -1,0 +1,242 @@
+"""GGUF loader round trips on tiny random Llama / Qwen2 / Qwen3 models written like llama.cpp does."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize
+
+from pagedserve.models.gguf_loader import (
+    _PRE_TOKENIZER_FAMILY,
+    GGUFCheckpoint,
+    save_as_hf_dir,
+)
+from pagedserve.models.validate import SUPPORTED_GGUF_TOKENIZER_PRE, ModelValidationError
+from tests.models.gguf_utils import llama_permute, tiny_model, write_test_gguf
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ARCHS = ("llama", "qwen2", "qwen3")
+
+# Worst-case error of one dequantized value, as a fraction of its 32-value block's largest magnitude.
+# Q8_0: step absmax/127, error <= step/2. Q4_0/Q5_0: step d = absmax/8 (/16), and the value of sign
+# opposite to the block's extreme can be clamped, so error <= d. Q4_1/Q5_1: step (max-min)/15 (/31)
+# <= 2*absmax/15 (/31), error <= step/2. Plus slack for the fp16 scale (2^-11 relative).
+BLOCK_ERROR_BOUND = {
+    QType.Q8_0: 1 / 254 + 2e-3,
+    QType.Q5_0: 1 / 16 + 2e-3,
+    QType.Q5_1: 1 / 31 + 2e-3,
+    QType.Q4_0: 1 / 8 + 2e-3,
+    QType.Q4_1: 1 / 15 + 2e-3,
+}
+# Float encodings: relative rounding error per value (half a unit in the last place), and the
+# absolute one for fp16 subnormals (|x| < 2^-14, spacing 2^-24).
+FLOAT_RTOL = {QType.F16: 2**-11, QType.BF16: 2**-8}
+FLOAT_ATOL = {QType.F16: 2**-25, QType.BF16: 1e-38}
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, torch.nn.Module]:
+    return {arch: tiny_model(arch) for arch in ARCHS}
+
+
+def _logits(model: torch.nn.Module, input_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([input_ids])).logits[0]
+
+
+def _model_from_tensors(reference: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    clone = type(reference)(reference.config).eval()
+    clone.load_state_dict(tensors, strict=True)
+    return clone
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f32_round_trip_is_exact(models: dict, arch: str, tmp_path: Path) -> None:
+    model = models[arch]
+    path = write_test_gguf(model, tmp_path / f"{arch}.gguf", QType.F32)
+    with GGUFCheckpoint(path) as checkpoint:
+        loaded = dict(checkpoint.iter_tensors(torch.float32))
+    original = model.state_dict()
+    assert list(loaded) == [name for name in original if name in loaded]
+    assert set(loaded) == set(original)
+    for name, tensor in original.items():
+        assert loaded[name].shape == tensor.shape, name
+        assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hf_config_describes_the_model(models: dict, arch: str, tmp_path: Path) -> None:
+    model = models[arch]
+    with GGUFCheckpoint(write_test_gguf(model, tmp_path / "m.gguf")) as checkpoint:
+        config = checkpoint.hf_config()
+        assert checkpoint.architecture == arch
+    expected_arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert config["architectures"] == [expected_arch]
+    assert config["model_type"] == arch
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "vocab_size", "rms_norm_eps",
+                "bos_token_id", "eos_token_id", "tie_word_embeddings"):  # fmt: skip
+        assert config[key] == getattr(model.config, key), key
+    assert config["head_dim"] == (32 if arch == "qwen3" else 16)
+    assert config["rope_theta"] == model.config.rope_parameters["rope_theta"]
+    assert config["attention_bias"] is (arch == "qwen2")
+    assert "rope_scaling" not in config
+
+
+def test_tied_embeddings_are_detected(tmp_path: Path) -> None:
+    model = tiny_model("qwen2", tie_word_embeddings=True)
+    with GGUFCheckpoint(write_test_gguf(model, tmp_path / "tied.gguf")) as checkpoint:
+        assert checkpoint.hf_config()["tie_word_embeddings"] is True
+        names = [name for name, _ in checkpoint.iter_tensors()]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+@pytest.mark.parametrize("qtype", [QType.F16, QType.BF16, *BLOCK_ERROR_BOUND], ids=lambda qtype: qtype.name)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_quantized_round_trip_within_quantisation_error(models: dict, arch: str, qtype: QType, tmp_path: Path) -> None:
+    model = models[arch]
+    path = write_test_gguf(model, tmp_path / "q.gguf", qtype)
+    with GGUFCheckpoint(path) as checkpoint:
+        loaded = dict(checkpoint.iter_tensors(torch.float32))
+    for name, original in model.state_dict().items():
+        got = loaded[name]
+        if original.ndim == 1:  # norms and biases stay F32, as llama.cpp stores them
+            assert torch.equal(got, original), name
+        elif qtype in FLOAT_RTOL:
+            torch.testing.assert_close(got, original, rtol=FLOAT_RTOL[qtype], atol=FLOAT_ATOL[qtype], msg=name)
+        else:
+            blocks, got_blocks = original.reshape(-1, 32), got.reshape(-1, 32)
+            error = (got_blocks - blocks).abs()
+            bound = BLOCK_ERROR_BOUND[qtype] * blocks.abs().amax(dim=1, keepdim=True)
+            assert bool((error <= bound).all()), f"{name}: max error {float((error - bound).max())} above bound"
+            assert float(error.max()) > 0, f"{name} was not quantized"
+
+
+def test_llama_qk_permutation_is_undone(tmp_path: Path) -> None:
+    # Larger weights than the default 0.02 so that attention (hence q/k row order) shapes the logits.
+    model = tiny_model("llama", initializer_range=0.1)
+    path = write_test_gguf(model, tmp_path / "llama.gguf", QType.Q8_0)
+    with GGUFCheckpoint(path) as checkpoint:
+        loaded = dict(checkpoint.iter_tensors(torch.float32))
+    input_ids = [5, 77, 140, 3, 9, 250, 31, 8]
+    expected = _logits(model, input_ids)
+    # Q8_0 moves these logits (max |logit| ~3) by ~0.07; a wrong row order moves them by ~2.
+    torch.testing.assert_close(_logits(_model_from_tensors(model, loaded), input_ids), expected, atol=0.2, rtol=0)
+    # Control: leaving llama.cpp's permutation in place changes the output well beyond that tolerance.
+    permuted = dict(loaded)
+    for name in permuted:
+        if ".q_proj.weight" in name or ".k_proj.weight" in name:
+            heads = model.config.num_attention_heads if ".q_proj" in name else model.config.num_key_value_heads
+            permuted[name] = torch.from_numpy(llama_permute(permuted[name].numpy(), heads))
+    wrong = _logits(_model_from_tensors(model, permuted), input_ids)
+    assert float((wrong - expected).abs().max()) > 1.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_as_hf_dir_loads_in_transformers(models: dict, arch: str, tmp_path: Path) -> None:
+    model = models[arch]
+    out = save_as_hf_dir(write_test_gguf(model, tmp_path / "m.gguf"), tmp_path / "hf")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is type(model)
+    input_ids = [1, 42, 7, 199, 13, 2]
+    torch.testing.assert_close(_logits(reloaded, input_ids), _logits(model, input_ids), rtol=0, atol=1e-5)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.encode("<|im_start|>user") == [1, *tokenizer.encode("user")]
+
+
+def test_raw_tensors_are_stored_blocks_in_hf_row_order(models: dict, tmp_path: Path) -> None:
+    path = write_test_gguf(models["llama"], tmp_path / "q8.gguf", QType.Q8_0)
+    with GGUFCheckpoint(path) as checkpoint:
+        dequantized = dict(checkpoint.iter_tensors(torch.float32))
+        raw_tensors = list(checkpoint.iter_raw_tensors())
+    assert [raw.name for raw in raw_tensors] == list(dequantized)
+    for raw in raw_tensors:
+        assert raw.shape == tuple(dequantized[raw.name].shape)
+        if raw.qtype == QType.Q8_0:
+            assert raw.data.dtype == np.uint8 and raw.data.shape == (raw.shape[0], raw.shape[1] // 32 * 34)
+            values = dequantize(raw.data, raw.qtype)
+        else:
+            assert raw.qtype == QType.F32
+            values = raw.data
+        np.testing.assert_array_equal(values.reshape(raw.shape), dequantized[raw.name].numpy())
+
+
+def test_tensor_sizes_and_mixed_types(models: dict, tmp_path: Path) -> None:
+    model = models["qwen2"]
+    per_tensor = {"model.embed_tokens.weight": QType.Q8_0, "lm_head.weight": QType.F16}
+    path = write_test_gguf(model, tmp_path / "mixed.gguf", QType.Q4_0, qtype_per_tensor=per_tensor)
+    with GGUFCheckpoint(path) as checkpoint:
+        specs = {spec.name: spec for spec in checkpoint.tensor_specs()}
+        nbytes = checkpoint.tensor_nbytes_by_name()
+        assert checkpoint.num_parameters() == sum(p.numel() for p in model.parameters())
+        assert checkpoint.num_tensors == len(model.state_dict())
+        data_offset = checkpoint.header.data_offset
+    assert specs["model.embed_tokens.weight"].qtype == QType.Q8_0
+    assert specs["lm_head.weight"].qtype == QType.F16
+    assert specs["model.layers.0.mlp.up_proj.weight"].qtype == QType.Q4_0
+    assert specs["model.norm.weight"].qtype == QType.F32
+    embed = model.model.embed_tokens.weight
+    assert nbytes["model.embed_tokens.weight"] == embed.numel() // 32 * 34
+    assert nbytes["lm_head.weight"] == embed.numel() * 2
+    assert nbytes["model.layers.0.mlp.up_proj.weight"] == 96 * 64 // 32 * 18
+    assert nbytes["model.norm.weight"] == 64 * 4
+    # every byte of the data section is a tensor or alignment padding (< 32 bytes per tensor)
+    data_bytes = path.stat().st_size - data_offset
+    assert sum(nbytes.values()) <= data_bytes < sum(nbytes.values()) + 32 * len(nbytes)
+
+
+def test_llama3_rope_scaling_is_recovered(tmp_path: Path) -> None:
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    model = tiny_model("llama", rope_parameters=rope, max_position_embeddings=16384, head_dim=64)
+    with GGUFCheckpoint(write_test_gguf(model, tmp_path / "l3.gguf")) as checkpoint:
+        config = checkpoint.hf_config()
+        names = {name for name, _ in checkpoint.iter_tensors()}
+    assert config["rope_scaling"] == {key: value for key, value in rope.items() if key != "rope_theta"}
+    assert config["rope_theta"] == 500000.0
+    assert not any("rope" in name for name in names)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(save_as_hf_dir(tmp_path / "l3.gguf", tmp_path / "hf"))
+    input_ids = list(range(3, 40))
+    torch.testing.assert_close(_logits(reloaded.eval(), input_ids), _logits(model, input_ids), rtol=0, atol=1e-5)
+
+
+def test_nonstandard_rope_factors_are_refused(tmp_path: Path) -> None:
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 2.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    model = tiny_model("llama", rope_parameters=rope, max_position_embeddings=16384, head_dim=64)
+    with GGUFCheckpoint(write_test_gguf(model, tmp_path / "odd.gguf")) as checkpoint:
+        with pytest.raises(ModelValidationError, match="rope_freqs"):
+            checkpoint.hf_config()
+
+
+def test_truncated_gguf_is_refused_before_reading_tensors(models: dict, tmp_path: Path) -> None:
+    path = write_test_gguf(models["qwen3"], tmp_path / "cut.gguf", QType.Q8_0)
+    full_size = path.stat().st_size
+    os.truncate(path, full_size - 1000)
+    with pytest.raises(ModelValidationError) as info:
+        GGUFCheckpoint(path)
+    message = str(info.value)
+    assert "truncated" in message and f"{full_size:,}" in message and f"{full_size - 1000:,}" in message
+
+
+def test_tiny_tokenizer_keeps_special_tokens_whole(models: dict, tmp_path: Path) -> None:
+    with GGUFCheckpoint(write_test_gguf(models["qwen2"], tmp_path / "t.gguf")) as checkpoint:
+        tokenizer = checkpoint.build_tokenizer()
+    assert tokenizer.encode("<|im_start|>") == [1] and tokenizer.encode("<|im_end|>") == [2]
+    assert tokenizer.encode(" the") == [tokenizer.convert_tokens_to_ids("Ġthe")]  # merges applied in order
+    text = "<|im_start|>user\n the weather in Zürich 🌧<|im_end|>"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.bos_token == "<|im_start|>"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_every_known_pre_tokenizer_has_a_split_rule() -> None:
+    assert set(_PRE_TOKENIZER_FAMILY) == set(SUPPORTED_GGUF_TOKENIZER_PRE)
