@@ -285,12 +285,25 @@ def check_model(path: str | Path) -> CheckResult:
     return CheckResult("model", PASS, f"{path}: config, weights and tokenizer are complete")
 
 
-def _plan_defaults() -> tuple[int, int, int, int]:
-    """(max_model_len, max_num_seqs, max_num_batched_tokens, block_size): the engine's defaults."""
+def _engine_defaults() -> dict:
+    """The engine's defaults for the settings that decide memory, and the options it supports."""
     from pagedserve.config import CacheConfig, SchedulerConfig
 
-    scheduler, cache = SchedulerConfig(), CacheConfig()
-    return scheduler.max_model_len, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, cache.block_size
+    defaults = {
+        "max_num_seqs": SchedulerConfig().max_num_seqs,
+        "max_num_batched_tokens": SchedulerConfig().max_num_batched_tokens,
+        "block_size": CacheConfig().block_size,
+        "quantizations": ("int8",),
+        "kv_cache_dtypes": ("fp8",),
+    }
+    try:
+        from pagedserve.engine import arg_utils
+
+        defaults["quantizations"] = tuple(q for q in arg_utils.SUPPORTED_QUANTIZATION if q)
+        defaults["kv_cache_dtypes"] = tuple(d for d in arg_utils.SUPPORTED_KV_CACHE_DTYPES if d != "auto")
+    except (ImportError, AttributeError):
+        pass
+    return defaults
 
 
 def check_memory_plan(path: str | Path, available: probe.AvailableMemory, dtype: str) -> CheckResult:
@@ -304,20 +317,21 @@ def check_memory_plan(path: str | Path, available: probe.AvailableMemory, dtype:
         shape = ModelShape.from_hf_config(config, weight_bytes_from_safetensors_dir(model_dir, dtype_bytes))
     except (OSError, ValueError, KeyError) as exc:
         return CheckResult("memory plan", WARN, f"cannot size the model: {exc}")
-    max_model_len, max_num_seqs, max_num_batched_tokens, block_size = _plan_defaults()
-    max_model_len = min(max_model_len, config.get("max_position_embeddings") or max_model_len)
+    defaults = _engine_defaults()
+    max_model_len = config.get("max_position_embeddings") or 2048  # the engine's default: the model's context
     request = PlanRequest(
         dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes, max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-        available=available,
+        max_num_seqs=defaults["max_num_seqs"], max_num_batched_tokens=defaults["max_num_batched_tokens"],
+        block_size=defaults["block_size"], available=available,
     )
-    plan = make_plan(shape, request)
-    settings = f"{dtype}, max_model_len {max_model_len}, max_num_seqs {max_num_seqs}"
+    plan = make_plan(shape, request, quantizations=defaults["quantizations"],
+                     kv_cache_dtypes=defaults["kv_cache_dtypes"])
+    settings = f"{dtype}, max_model_len {max_model_len}, max_num_seqs {request.max_num_seqs}"
     if plan.fits:
         return CheckResult("memory plan", PASS, f"{settings}: {plan.summary()}")
     fixes = [f"{s.flag} {s.value}" for s in plan.suggestions] or ["free memory or use a smaller model"]
     return CheckResult("memory plan", FAIL, f"{settings}: {plan.summary()}",
-                       "any one of: " + ", ".join(fixes) + " (`pagedserve plan` shows the table)")
+                       "any one of: " + ", ".join(fixes))
 
 
 # ----------------------------------------------------------------------------------------------- command

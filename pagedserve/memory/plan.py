@@ -295,12 +295,16 @@ def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
     )
 
 
-def make_plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
-    """The memory plan for serving `shape` with `request`; when it does not fit, with suggestions."""
+def make_plan(shape: ModelShape, request: PlanRequest, *, quantizations: tuple[str, ...] = ("int8",),
+              kv_cache_dtypes: tuple[str, ...] = ("fp8",)) -> MemoryPlan:
+    """The memory plan for serving `shape` with `request`; when it does not fit, with suggestions.
+
+    `quantizations` and `kv_cache_dtypes` are the options the engine supports: only those are suggested.
+    """
     plan = _plan(shape, request)
     if plan.fits:
         return plan
-    return replace(plan, suggestions=suggest(shape, request))
+    return replace(plan, suggestions=suggest(shape, request, quantizations, kv_cache_dtypes))
 
 
 # ----------------------------------------------------------------------------------------------- suggestions
@@ -332,7 +336,8 @@ def _largest_setting(shape: ModelShape, request: PlanRequest, name: str, step: i
     return None if n is None else n * step
 
 
-def suggest(shape: ModelShape, request: PlanRequest) -> list[Suggestion]:
+def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, ...] = ("int8",),
+            kv_cache_dtypes: tuple[str, ...] = ("fp8",)) -> list[Suggestion]:
     """Single flag changes that would make the plan fit (every other setting unchanged)."""
     suggestions: list[Suggestion] = []
 
@@ -362,12 +367,12 @@ def suggest(shape: ModelShape, request: PlanRequest) -> list[Suggestion]:
         kv = 2 if request.kv_dtype_bytes == 4 else request.kv_dtype_bytes
         fitting("--dtype", "bfloat16", half, replace(request, dtype_bytes=2, kv_dtype_bytes=kv),
                 note="fast only on CPUs with AVX512-BF16 or AMX; see `pagedserve doctor`")
-    if request.quantization is None:
+    if request.quantization is None and "int8" in quantizations:
         int8_bytes = _int8_weight_bytes(shape, request.dtype_bytes)
         if int8_bytes < shape.weight_bytes:
             fitting("--quantization", "int8", replace(shape, weight_bytes=int8_bytes), request,
                     note="weight-only int8 for the linear layers")
-    if request.kv_dtype_bytes > 1:
+    if request.kv_dtype_bytes > 1 and "fp8" in kv_cache_dtypes:
         fitting("--kv-cache-dtype", "fp8", shape, replace(request, kv_dtype_bytes=1))
     return suggestions
 

@@ -114,6 +114,9 @@ def test_does_not_fit_with_shortfall_and_suggestions() -> None:
     assert found["--quantization"] == ("int8", 129024 + 191616 + 1048576 + 16 * 8192)
     # fp8 KV: 128 B/token, blocks of 2048; left 1600000 - 1586304 = 13696 -> 6 blocks.
     assert found["--kv-cache-dtype"] == ("fp8", 1586304 + 6 * 2048)
+    # Only options the engine supports are suggested.
+    plain = make_plan(TINY, request(budget_bytes=1600000), quantizations=(), kv_cache_dtypes=())
+    assert {s.flag for s in plain.suggestions} == set(found) - {"--quantization", "--kv-cache-dtype"}
     table = format_plan_table(plan)
     assert "DOES NOT FIT" in table and "short by 0.00 GiB" in table
     assert re.search(r"--max-model-len 48 +needs", table)
