@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -310,7 +311,7 @@ def make_plan(shape: ModelShape, request: PlanRequest, *, quantizations: tuple[s
 # ----------------------------------------------------------------------------------------------- suggestions
 
 
-def _largest_fitting(low: int, high: int, fits: callable) -> int | None:
+def _largest_fitting(low: int, high: int, fits: Callable[[int], bool]) -> int | None:
     """Largest n in [low, high] with fits(n), for a predicate that is monotone (true up to some n); or None."""
     if high < low or not fits(low):
         return None
