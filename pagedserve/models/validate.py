@@ -34,7 +34,7 @@ SUPPORTED_GGUF_TOKENIZER_MODELS: tuple[str, ...] = ("gpt2",)
 SUPPORTED_GGUF_TOKENIZER_PRE: tuple[str, ...] = (
     "default", "gpt2", "smollm", "starcoder", "refact", "codeshell",
     "qwen2", "deepseek-r1-qwen", "llama-bpe", "llama3", "smaug-bpe", "falcon3", "dbrx",
-)  # fmt: skip
+)
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS: tuple[int, ...] = (2, 3)
 GGUF_DEFAULT_ALIGNMENT = 32

@@ -37,7 +37,7 @@ _LAYER_PARTS = {
     "mlp.down_proj": "ffn_down",
 }
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}  # fmt: skip
+           "lm_head.weight": "output.weight"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -68,7 +68,7 @@ def bytes_to_unicode() -> dict[int, str]:
             printable.append(byte)
             chars.append(256 + extra)
             extra += 1
-    return {byte: chr(char) for byte, char in zip(printable, chars)}
+    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
 
 
 def tiny_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
@@ -187,21 +187,21 @@ def tiny_model(arch: str, seed: int = 0, **overrides: object) -> torch.nn.Module
     import transformers
 
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "qwen3": transformers.Qwen3Config}[arch]  # fmt: skip
+                    "qwen3": transformers.Qwen3Config}[arch]
     kwargs: dict[str, object] = dict(
         vocab_size=288, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+    )
     if arch == "qwen3":
         kwargs["head_dim"] = 32  # != hidden_size / heads, as in real Qwen3 models
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model_class = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                   "qwen3": transformers.Qwen3ForCausalLM}[arch]  # fmt: skip
+                   "qwen3": transformers.Qwen3ForCausalLM}[arch]
     model = model_class(config_class(**kwargs)).eval()
     with torch.no_grad():  # norms initialise to ones; make them random so that mapping errors show
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.ndim == 1:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
     return model

@@ -81,12 +81,24 @@ def test_hf_config_describes_the_model(models: dict, arch: str, tmp_path: Path) 
     assert config["model_type"] == arch
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings", "vocab_size", "rms_norm_eps",
-                "bos_token_id", "eos_token_id", "tie_word_embeddings"):  # fmt: skip
+                "bos_token_id", "eos_token_id", "tie_word_embeddings"):
         assert config[key] == getattr(model.config, key), key
     assert config["head_dim"] == (32 if arch == "qwen3" else 16)
     assert config["rope_theta"] == model.config.rope_parameters["rope_theta"]
     assert config["attention_bias"] is (arch == "qwen2")
     assert "rope_scaling" not in config
+
+
+def test_llama_attention_biases_are_unpermuted_too(tmp_path: Path) -> None:
+    model = tiny_model("llama", attention_bias=True)
+    path = write_test_gguf(model, tmp_path / "bias.gguf", QType.F32)
+    with GGUFCheckpoint(path) as checkpoint:
+        assert checkpoint.hf_config()["attention_bias"] is True
+        loaded = dict(checkpoint.iter_tensors(torch.float32))
+        raw = {tensor.name: tensor.data for tensor in checkpoint.iter_raw_tensors()}
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+        np.testing.assert_array_equal(raw[name], tensor.numpy(), err_msg=name)
 
 
 def test_tied_embeddings_are_detected(tmp_path: Path) -> None:
@@ -162,7 +174,7 @@ def test_raw_tensors_are_stored_blocks_in_hf_row_order(models: dict, tmp_path: P
             assert raw.data.dtype == np.uint8 and raw.data.shape == (raw.shape[0], raw.shape[1] // 32 * 34)
             values = dequantize(raw.data, raw.qtype)
         else:
-            assert raw.qtype == QType.F32
+            assert raw.qtype == QType.F32 and raw.data.shape == raw.shape
             values = raw.data
         np.testing.assert_array_equal(values.reshape(raw.shape), dequantized[raw.name].numpy())
 
@@ -193,7 +205,7 @@ def test_tensor_sizes_and_mixed_types(models: dict, tmp_path: Path) -> None:
 
 def test_llama3_rope_scaling_is_recovered(tmp_path: Path) -> None:
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     model = tiny_model("llama", rope_parameters=rope, max_position_embeddings=16384, head_dim=64)
     with GGUFCheckpoint(write_test_gguf(model, tmp_path / "l3.gguf")) as checkpoint:
         config = checkpoint.hf_config()
@@ -208,7 +220,7 @@ def test_llama3_rope_scaling_is_recovered(tmp_path: Path) -> None:
 
 def test_nonstandard_rope_factors_are_refused(tmp_path: Path) -> None:
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 2.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     model = tiny_model("llama", rope_parameters=rope, max_position_embeddings=16384, head_dim=64)
     with GGUFCheckpoint(write_test_gguf(model, tmp_path / "odd.gguf")) as checkpoint:
         with pytest.raises(ModelValidationError, match="rope_freqs"):
@@ -234,7 +246,7 @@ def test_tiny_tokenizer_keeps_special_tokens_whole(models: dict, tmp_path: Path)
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.bos_token == "<|im_start|>"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                             add_generation_prompt=True)  # fmt: skip
+                                             add_generation_prompt=True)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -17,6 +17,8 @@ from pagedserve.models.gguf_loader import GGUFCheckpoint, build_tokenizer_from_m
 from pagedserve.models.validate import read_gguf_header, validate_model_path
 from tests.models.real_models import (
     QWEN_CODER,
+    gguf_tokenizer_metadata,
+    llama3_reference_tokenizer_json,
     packaged_model,
     qwen3_reference_tokenizer_json,
     qwen_coder_gguf_head,
@@ -109,7 +111,7 @@ def test_smollm2_answers_through_transformers(smollm2_gguf: Path, tmp_path: Path
 
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS[:17] + ["<tool_call>{\"name\": \"f\"}</tool_call>",
                                                           "<|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|>",
-                                                          "combining e\u0301 and ﬁ ligature"])  # fmt: skip
+                                                          "combining e\u0301 and ﬁ ligature"])
 def test_qwen_gguf_tokenizer_matches_qwen_tokenizer_json(qwen_tokenizers: tuple, text: str) -> None:
     ours, reference = qwen_tokenizers
     assert ours.encode(text) == reference.encode(text).ids
@@ -124,6 +126,23 @@ def test_qwen_gguf_vocabulary_and_template(qwen_tokenizers: tuple) -> None:
     rendered = ours.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert rendered.startswith("<|im_start|>system\nYou are Qwen")
     assert rendered.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizers() -> tuple[transformers.PreTrainedTokenizerFast, Tokenizer]:
+    """(tokenizer rebuilt from llama.cpp-style metadata of Llama 3's vocabulary, Llama 3's tokenizer.json)."""
+    path = llama3_reference_tokenizer_json()
+    metadata = gguf_tokenizer_metadata(path, "llama-bpe", "<|begin_of_text|>", "<|eot_id|>", add_bos=True)
+    return build_tokenizer_from_metadata(metadata), Tokenizer.from_file(str(path))
+
+
+def test_llama3_tokenizer_matches_tokenizer_json(llama3_tokenizers: tuple) -> None:
+    """The llama-bpe family: Llama 3 split regex, whole-word vocabulary hits (ignore_merges), BOS added."""
+    ours, reference = llama3_tokenizers
+    texts = [*ROUND_TRIP_TEXTS, "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>", "1234567 digits in threes"]
+    for text in texts:
+        assert ours.encode(text) == [128000, *reference.encode(text).ids], text
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == "<|begin_of_text|>" + text
 
 
 def test_minilm_directory_is_complete() -> None:
@@ -145,7 +164,7 @@ def test_qwen_coder_full_gguf() -> None:
         tokenizer = checkpoint.build_tokenizer()
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["attention_bias"] is True
     expected = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-                "intermediate_size": 4864, "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1e6}  # fmt: skip
+                "intermediate_size": 4864, "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1e6}
     assert {key: config[key] for key in expected} == expected
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (896, 896)
     assert shapes["model.layers.0.self_attn.k_proj.bias"] == (128,)

