@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from pathlib import Path
 
@@ -91,3 +92,15 @@ def configure_threads(num_threads: int) -> None:
     """Set torch's intra-op thread count (CPU) once per process."""
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A zero tensor that costs memory only where it is written (CPU: an anonymous mmap, whose pages the
+    OS zero-fills on first touch); on a GPU an ordinary torch.zeros."""
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, num_bytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)

@@ -12,6 +12,7 @@ import sys
 
 # Module names under pagedserve.cli, in the order they appear in `pagedserve --help`.
 SUBCOMMANDS = [
+    "serve",
     "generate",
     "bench",
     "doctor",

@@ -156,7 +156,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
             output = EngineCoreOutput(request_id, [], num_cached_tokens=request.num_cached_tokens,
-                                      new_prompt_logprobs=runner_out.prompt_logprobs.get(request_id))
+                                      new_prompt_logprobs=runner_out.prompt_logprobs.get(request_id),
+                                      first_scheduled_time=request.first_scheduled_time)
             if sched_out.needs_sample[request_id]:
                 self._append_result(request, runner_out, output)
             if output.new_token_ids or output.finish_reason or output.new_prompt_logprobs is not None:

@@ -14,7 +14,7 @@ from pagedserve.core.sched_output import SchedulerStats
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.models.loader import ProgressFn
+from pagedserve.engine.startup import StartupTracker
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -28,15 +28,20 @@ PromptType = str | list[int] | dict
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Any, progress: ProgressFn | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any, startup: StartupTracker | None = None,
+                 warm_up: bool = True) -> None:
         from pagedserve.platform import configure_threads
         from pagedserve.worker.model_runner import ModelRunner
 
+        startup = startup or StartupTracker()
         self.config = config
         self.tokenizer = tokenizer
         if config.device.device == "cpu":
             configure_threads(config.device.num_threads)
-        self.runner = ModelRunner(config, config.model.hf_config, progress)
+        startup.enter("loading_weights")
+        self.runner = ModelRunner(config, config.model.hf_config, startup.set_progress)
+        startup.enter("allocating_kv")
+        self.runner.allocate_kv_cache()
         self.eos_token_id = tokenizer.eos_token_id
         self.runner.eos_token_id = self.eos_token_id
         self.extra_eos_token_ids = _generation_config_eos_ids(config.model.model, self.eos_token_id)
@@ -45,12 +50,34 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.stats = SchedulerStats()
         self._request_counter = 0
+        if warm_up:
+            startup.enter("warming_up")
+            self.warm_up()
+        startup.enter("ready")
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, progress: ProgressFn | None = None) -> "LLMEngine":
-        config = create_engine_config(args)
+    def from_engine_args(cls, args: EngineArgs, startup: StartupTracker | None = None) -> "LLMEngine":
+        startup = startup or StartupTracker()
+        config = create_engine_config(args, startup)
         tokenizer = load_tokenizer(args.tokenizer or config.model.model)
-        return cls(config, tokenizer, progress)
+        return cls(config, tokenizer, startup)
+
+    def warm_up(self) -> None:
+        """Pay the first request's costs now: page in every weight, build the kernels for prefill, batched
+        decode with padding, greedy and random sampling and logprobs. Leaves no trace in caches or stats."""
+        vocab_size = self.config.model.hf_config.vocab_size
+        length = max(1, min(64, self.max_model_len - 8))
+        prompts = [[(7 * i + 3) % vocab_size for i in range(length)], [(5 * i + 1) % vocab_size for i in range(length // 2 + 1)]]
+        params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1),
+                  SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=4, ignore_eos=True, seed=0)]
+        for index, (prompt, param) in enumerate(zip(prompts, params)):
+            self.add_request(f"warmup-{index}", {"prompt_token_ids": prompt}, param)
+        while self.has_unfinished_requests():
+            self.step()
+        self.scheduler.kv.pool.reset_prefix_cache()
+        self.scheduler.kv.stats = type(self.scheduler.kv.stats)()
+        self.scheduler.make_stats()
+        self.stats = SchedulerStats()
 
     @property
     def max_model_len(self) -> int:
@@ -160,13 +187,19 @@ def resolve_model_path(model: str | None) -> str:
     return str(resolve_model(model))
 
 
-def create_engine_config(args: EngineArgs) -> EngineConfig:
+def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None) -> EngineConfig:
     """Resolve every 'auto' and default in EngineArgs into frozen configs (no weights are read)."""
     from pagedserve.models.loader import load_hf_config
+    from pagedserve.models.validate import validate_model_path
     from pagedserve.platform import default_device, resolve_dtype, usable_cpu_count
 
-    _check_supported(args)
+    startup = startup or StartupTracker()
+    check_engine_args(args)
+    startup.enter("resolving")
     model_path = resolve_model_path(args.model)
+    startup.enter("validating")
+    validate_model_path(model_path)
+    startup.enter("planning")
     hf_config = load_hf_config(model_path)
     architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
     device = default_device() if args.device == "auto" else args.device
@@ -190,7 +223,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads))
 
 
-def _check_supported(args: EngineArgs) -> None:
+def check_engine_args(args: EngineArgs) -> None:
     if args.tensor_parallel_size != 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported yet; "
                          "use --tensor-parallel-size 1")

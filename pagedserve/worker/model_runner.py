@@ -16,7 +16,7 @@ from pagedserve.core.sched_output import ModelRunnerOutput, NewRequestData, Sche
 from pagedserve.layers.attention import AttentionMetadata, PrefillSpan
 from pagedserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
 from pagedserve.models.loader import ProgressFn, load_model
-from pagedserve.platform import torch_dtype
+from pagedserve.platform import lazy_zeros, torch_dtype
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class ModelRunner:
         self.model = load_model(hf_config, config.model.architecture, config.model.model, self.dtype,
                                 self.device, config.model.max_model_len, progress)
         self.vocab_size = hf_config.vocab_size
-        self.kv_caches = self._allocate_kv_cache()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         max_rows = config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.block_table = torch.zeros((max_rows, self.max_blocks_per_seq), dtype=torch.int64)
@@ -84,13 +84,14 @@ class ModelRunner:
         name = self.config.cache.kv_cache_dtype
         return self.dtype if name == "auto" else torch_dtype(name)
 
-    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_kv_cache(self) -> None:
         num_slots = self.config.cache.num_blocks * self.block_size
         shape = (num_slots, self.model.num_kv_heads, self.model.head_dim)
-        # Zeros, not empty: padded decode positions read block 0, and 0 * NaN would poison the output.
-        return [(torch.zeros(shape, dtype=self.kv_dtype(), device=self.device),
-                 torch.zeros(shape, dtype=self.kv_dtype(), device=self.device))
-                for _ in range(len(self.model.model.layers))]
+        # Masked attention still multiplies unused slots by 0, so every slot must start finite: zeros,
+        # allocated lazily so that the pool costs RAM only as it fills.
+        self.kv_caches = [(lazy_zeros(shape, self.kv_dtype(), self.device),
+                           lazy_zeros(shape, self.kv_dtype(), self.device))
+                          for _ in range(len(self.model.model.layers))]
 
     # ---- request state ---------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:

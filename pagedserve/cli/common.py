@@ -1,0 +1,46 @@
+"""Helpers shared by sub-commands: logging set-up and engine flags."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pagedserve import envs
+from pagedserve.engine.arg_utils import EngineArgs
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S", stream=sys.stderr)
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from parsed flags, with the environment variables vLLM users already set."""
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.kv_cache_memory is None:
+        kv_gib = envs.vllm_cpu_kvcache_space_gib()
+        if kv_gib:
+            engine_args.kv_cache_memory = int(kv_gib * (1 << 30))
+    return engine_args
+
+
+def fail(message: str) -> int:
+    """Print a CLI error (problem and fix) and return the exit code."""
+    print(f"pagedserve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def process_start_time() -> float:
+    """When this process started (time.time() clock), so start-up is timed from the real beginning."""
+    try:
+        import psutil
+
+        return psutil.Process(os.getpid()).create_time()
+    except Exception:  # psutil missing or /proc unreadable: time from now
+        import time
+
+        return time.time()

@@ -1,0 +1,48 @@
+"""`pagedserve serve [MODEL] [flags]`: the OpenAI-compatible server; flags mean what vLLM's mean."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve import envs
+from pagedserve.cli.common import engine_args_from_cli, fail, process_start_time, setup_logging
+from pagedserve.engine.arg_utils import EngineArgs
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="Start the OpenAI-compatible server.",
+        description="Start the OpenAI-compatible server. Binds 127.0.0.1 by default; use --host 0.0.0.0 "
+                    "to accept connections from other machines.")
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind (0.0.0.0 exposes the server).")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="Require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY).")
+    parser.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                        help="Larger request bodies get HTTP 413.")
+    parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                        help="On SIGTERM/SIGINT, seconds in-flight requests get to finish.")
+    parser.add_argument("--uvicorn-log-level", default="warning")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedserve.engine.startup import StartupTracker
+    from pagedserve.engine.llm_engine import check_engine_args
+    from pagedserve.entrypoints.openai.api_server import ServeOptions, run_server
+
+    startup = StartupTracker(t0=process_start_time())
+    setup_logging(args.verbose)
+    if not 0 < args.port < 65536:
+        return fail(f"--port must be in 1..65535, got {args.port}")
+    engine_args = engine_args_from_cli(args)
+    try:
+        check_engine_args(engine_args)  # unsupported values fail before the port opens
+    except ValueError as exc:
+        return fail(str(exc))
+    options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
+                           max_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace_s,
+                           uvicorn_log_level=args.uvicorn_log_level)
+    return run_server(engine_args, options, startup)

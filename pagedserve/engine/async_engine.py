@@ -1,0 +1,160 @@
+"""AsyncEngine: one engine thread stepping LLMEngine; asyncio callers get per-request output queues.
+
+The HTTP event loop never runs model compute. Every engine call happens on the engine thread; callers
+hand it commands through a thread-safe queue and receive outputs through asyncio queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an error; the server must be restarted."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the client should retry later."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+# Called on the engine thread after every step with (engine, outputs); used for metrics.
+StepObserver = Callable[[LLMEngine, list[RequestOutput]], None]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self.max_waiting = engine.config.scheduler.max_waiting_requests
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.on_death: Callable[[BaseException], None] | None = None
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_dead(self) -> bool:
+        return self.error is not None
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    # ---- caller side (asyncio) -------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until the request finishes; closing the iterator early aborts the request."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error}")
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if len(self._streams) >= self.max_waiting + self.engine.config.scheduler.max_num_seqs:
+                raise QueueFullError(f"{len(self._streams)} requests are already queued or running")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(_Add(request_id, prompt, params, arrival_time))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: Any) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _apply(self, command: Any) -> None:
+        if isinstance(command, _Add):
+            try:
+                self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+            except ValueError as exc:
+                self._deliver(command.request_id, exc)
+        elif isinstance(command, _Abort):
+            finals = self.engine.abort_request([command.request_id])
+            if finals and self.observer is not None:
+                self.observer(self.engine, finals)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while command is not None:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if not self.engine.has_unfinished_requests():
+                    continue
+                outputs = self.engine.step()
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+                if self.observer is not None:
+                    self.observer(self.engine, outputs)
+        except BaseException as exc:  # the engine is unusable now: fail every caller, report death
+            logger.exception("engine thread died")
+            self.error = exc
+            with self._lock:
+                request_ids = list(self._streams)
+            for request_id in request_ids:
+                self._deliver(request_id, EngineDeadError(f"the engine stopped: {exc}"))
+            if self.on_death is not None:
+                self.on_death(exc)

@@ -1,0 +1,216 @@
+"""The HTTP server: routes, auth and body-size guard, start-up in the background, graceful shutdown.
+
+The port opens before the weights load: /health answers 503 with the start-up phase until the engine
+is ready, then 200; it answers 503 again if the engine dies, and the process then exits non-zero.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedserve import __version__
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.startup import StartupTracker
+from pagedserve.entrypoints.openai.errors import APIError, error_body, install_error_handlers
+from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                    EmbeddingRequest, TokenizeRequest)
+from pagedserve.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger("pagedserve.server")
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+@dataclass
+class ServerState:
+    startup: StartupTracker
+    engine: AsyncEngine | None = None
+    serving: OpenAIServing | None = None
+    metrics: Any = None  # EngineMetrics once ready
+    served_model_names: list[str] = field(default_factory=list)
+    max_model_len: int = 0
+    model_path: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def ready_serving(self) -> OpenAIServing:
+        """The serving layer, or a 503 that says what the server is doing."""
+        if self.engine is not None and self.engine.is_dead:
+            raise APIError(f"the engine stopped: {self.engine.error}", 503)
+        if self.serving is None:
+            snap = self.startup.snapshot()
+            if snap["status"] == "error":
+                raise APIError(f"start-up failed: {snap.get('error')}", 503)
+            progress = f" {int(snap['progress'] * 100)}%" if snap["progress"] is not None else ""
+            raise APIError(f"the server is starting ({snap['phase']}{progress}); retry shortly", 503,
+                           headers={"Retry-After": "1"})
+        return self.serving
+
+
+class GuardMiddleware:
+    """API-key check (constant-time) and request-body size limit, as plain ASGI (streaming-safe)."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            provided = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(provided, self.expected):
+                return await _send_error(send, "invalid or missing API key: send 'Authorization: Bearer <key>'", 401)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await _send_error(send, f"request body of {int(length)} bytes exceeds the limit of "
+                                           f"{self.max_body_bytes} bytes", 413)
+        await self.app(scope, receive, send)
+
+
+async def _send_error(send: Any, message: str, status: int) -> None:
+    body = json.dumps(error_body(message, status)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 8 << 20) -> FastAPI:
+    app = FastAPI(title="pagedserve", version=__version__)
+    install_error_handlers(app)
+    _add_info_routes(app, state)
+    _add_generation_routes(app, state)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.state.server_state = state
+    return app
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.engine is not None and state.engine.is_dead:
+            return JSONResponse({"status": "error", "phase": "dead", "error": str(state.engine.error)}, 503)
+        snap = state.startup.snapshot()
+        return JSONResponse(snap, status_code=200 if snap["status"] == "ready" and state.serving else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if state.metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        state.ready_serving()
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
+             "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}
+            for name in state.served_model_names]}
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return await state.ready_serving().create_completion(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await state.ready_serving().create_chat_completion(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return await state.ready_serving().tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return await state.ready_serving().detokenize(body)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> Any:
+        serving = state.ready_serving()
+        serving.check_model(body.model)
+        raise APIError("this model serves text generation, not embeddings; start an embedding model "
+                       "(e.g. --task embed) for /v1/embeddings", 400, param="model")
+
+
+# ---- process lifecycle -------------------------------------------------------------------------------
+def start_engine(state: ServerState, args: EngineArgs) -> None:
+    """Build the engine (phases tracked on `state.startup`); raises on failure."""
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.metrics import EngineMetrics
+
+    llm_engine = LLMEngine.from_engine_args(args, state.startup)
+    config = llm_engine.config
+    name = config.model.served_model_name
+    metrics = EngineMetrics(name)
+    state.engine = AsyncEngine(llm_engine, observer=metrics.observe_step)
+    state.metrics = metrics
+    state.served_model_names = [name]
+    state.max_model_len = config.model.max_model_len
+    state.model_path = config.model.model
+    state.serving = OpenAIServing(state.engine, state.served_model_names, state.max_model_len)
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    shutdown_grace_s: float = 30.0
+    uvicorn_log_level: str = "warning"
+
+
+def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker) -> int:
+    """Open the port, load the engine in the background, serve until a signal; returns the exit code."""
+    import uvicorn
+
+    state = ServerState(startup)
+    app = build_app(state, options.api_key, options.max_body_bytes)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
+                            timeout_graceful_shutdown=options.shutdown_grace_s, access_log=False)
+    server = uvicorn.Server(config)
+    outcome = {"exit_code": 0}
+
+    def stop(code: int) -> None:
+        outcome["exit_code"] = code
+        server.should_exit = True
+
+    def load() -> None:
+        try:
+            start_engine(state, args)
+        except BaseException as exc:  # noqa: BLE001 - any start-up failure ends the process, visibly
+            logger.error("%s", exc)
+            startup.fail(str(exc))
+            stop(1)
+            return
+        state.engine.on_death = lambda exc: stop(1)
+        logger.info("serving %s on http://%s:%d", state.served_model_names[0], options.host, options.port)
+
+    loader = threading.Thread(target=load, name="pagedserve-startup", daemon=True)
+    loader.start()
+    try:
+        server.run()
+    finally:
+        if state.engine is not None:
+            state.engine.shutdown()
+    if not server.started and outcome["exit_code"] == 0:
+        return 1  # the port could not be opened (uvicorn logged why)
+    return outcome["exit_code"]

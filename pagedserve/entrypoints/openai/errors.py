@@ -1,0 +1,96 @@
+"""Every error the API returns is built here: OpenAI-style bodies, one mapping from exceptions to status."""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.engine.async_engine import EngineDeadError, QueueFullError
+
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error with its HTTP status, OpenAI `type`, and the offending parameter if any."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          413: "RequestTooLargeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
+          500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, HTTPStatus(status).phrase),
+                      "param": param, "code": code if code is not None else status}}
+
+
+def error_response(message: str, status: int, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map any exception raised while serving a request to an APIError."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(f"the server is busy: {exc}; retry later", 429,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), 503)
+    if isinstance(exc, ValueError):
+        message = str(exc)
+        param = message.split(" ", 1)[0] if message and message.split(" ", 1)[0].isidentifier() else None
+        return APIError(message, 400, param=param)
+    return APIError(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('msg')}", None
+    param = ".".join(location) or None
+    return f"{param or 'body'}: {first.get('msg')}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.message, exc.status, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return error_response(f"malformed JSON body: {exc}", 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _other(_: Request, exc: Exception) -> JSONResponse:
+        api_error = to_api_error(exc)
+        return error_response(api_error.message, api_error.status, api_error.param, api_error.code,
+                              api_error.headers)

@@ -1,0 +1,395 @@
+"""Serving layer: OpenAI requests -> engine requests -> OpenAI responses (JSON or SSE chunks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_error
+from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                                    DetokenizeRequest, TokenizeRequest)
+from pagedserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+_DONE = object()
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class _Choice:
+    """A completion being accumulated from DELTA outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobsDict] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_model_len: int) -> None:
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.served_model_names = served_model_names
+        self.max_model_len = max_model_len
+
+    # ---- shared checks ----------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(f"The model `{name}` does not exist. Available: {', '.join(self.served_model_names)}",
+                           404, param="model", code="model_not_found")
+
+    def _max_tokens(self, prompt: _Prompt, requested: int | None) -> int:
+        """max_tokens for this prompt; 400 naming both numbers if prompt + max_tokens is too long."""
+        num_prompt = len(prompt.token_ids)
+        if num_prompt == 0:
+            raise APIError("the prompt is empty", 400, param="prompt")
+        if requested is not None and requested < 1:
+            raise APIError(f"max_tokens must be at least 1, got {requested}", 400, param="max_tokens")
+        total = num_prompt + (requested or 1)
+        if total > self.max_model_len:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {total} tokens ({num_prompt} in the prompt, {requested or 1} for the "
+                           "completion). Please reduce the prompt or max_tokens.", 400, param="max_tokens")
+        return requested if requested is not None else self.max_model_len - num_prompt
+
+    async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    # ---- /v1/completions --------------------------------------------------------------------------
+    async def _completion_prompts(self, prompt: Any) -> list[_Prompt]:
+        if isinstance(prompt, str):
+            return [_Prompt(prompt, await self._tokenize(prompt))]
+        if not prompt:
+            raise APIError("prompt must not be empty", 400, param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [_Prompt(None, list(prompt))]
+        if all(isinstance(p, str) for p in prompt):
+            return [_Prompt(p, await self._tokenize(p)) for p in prompt]
+        if all(isinstance(p, list) for p in prompt):
+            return [_Prompt(None, list(p)) for p in prompt]
+        raise APIError("prompt must be a string, a list of strings, token ids, or lists of token ids", 400,
+                       param="prompt")
+
+    async def create_completion(self, req: CompletionRequest, raw: Request) -> Any:
+        self.check_model(req.model)
+        if req.suffix:
+            raise APIError("suffix is not supported", 400, param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of is not supported (only best_of == n)", 400, param="best_of")
+        prompts = await self._completion_prompts(req.prompt)
+        params_list = []
+        for prompt in prompts:
+            prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
+            params_list.append(self._params(req, self._max_tokens(prompt, req.max_tokens), req.logprobs,
+                                            prompt_logprobs))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = self._start(request_id, prompts, params_list)
+        if req.stream:
+            return _sse(self._completion_stream(request_id, req, prompts, streams))
+        finals = await _collect(streams, raw, len(prompts))
+        return JSONResponse(self._completion_response(request_id, req, prompts, finals))
+
+    def _params(self, req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+                ) -> SamplingParams:
+        try:
+            params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ValueError as exc:
+            raise to_api_error(exc) from None
+        params.output_kind = RequestOutputKind.DELTA
+        return params
+
+    def _start(self, request_id: str, prompts: list[_Prompt], params_list: list[SamplingParams]
+               ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        arrival = time.monotonic()
+        generators = [self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
+                                           params, arrival)
+                      for i, (p, params) in enumerate(zip(prompts, params_list))]
+        return _merge(generators)
+
+    def _completion_response(self, request_id: str, req: CompletionRequest, prompts: list[_Prompt],
+                             finals: dict[int, dict[int, _Choice]]) -> dict:
+        choices = []
+        num_completion = 0
+        for prompt_index, prompt in enumerate(prompts):
+            for index, choice in sorted(finals[prompt_index].items()):
+                num_completion += len(choice.token_ids)
+                text = choice.text
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._completion_logprobs(choice.token_ids, choice.logprobs, req.logprobs, 0)
+                if req.echo:
+                    text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)) + text
+                choices.append({"index": prompt_index * req.n + index, "text": text, "logprobs": logprobs,
+                                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.served_model_names[0], "choices": choices,
+                "usage": _usage(num_prompt, num_completion)}
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[LogprobsDict], num_top: int,
+                             offset: int) -> dict:
+        """OpenAI's legacy completions logprobs format."""
+        tokens, token_logprobs, top, text_offset = [], [], [], []
+        for token_id, step in zip(token_ids, logprobs):
+            entry = step.get(token_id) if step else None
+            token = entry.decoded_token if entry else self.tokenizer.decode([token_id])
+            tokens.append(token)
+            token_logprobs.append(entry.logprob if entry else None)
+            top.append({lp.decoded_token: lp.logprob for lp in step.values() if lp.rank <= num_top}
+                       if step else None)
+            text_offset.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
+
+    async def _completion_stream(self, request_id: str, req: CompletionRequest, prompts: list[_Prompt],
+                                 streams: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        created = int(time.time())
+        num_completion = 0
+        echoed: set[int] = set()
+        offsets: dict[int, int] = {}
+        async for prompt_index, output in streams:
+            for completion in output.outputs:
+                index = prompt_index * req.n + completion.index
+                text = completion.text
+                if req.echo and index not in echoed:
+                    echoed.add(index)
+                    prompt = prompts[prompt_index]
+                    text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)) + text
+                num_completion += len(completion.token_ids)
+                if not completion.token_ids and not completion.finish_reason and not text:
+                    continue
+                logprobs = None
+                if req.logprobs is not None and completion.logprobs is not None:
+                    logprobs = self._completion_logprobs(completion.token_ids, completion.logprobs, req.logprobs,
+                                                         offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+                yield _chunk({"id": request_id, "object": "text_completion", "created": created,
+                              "model": self.served_model_names[0],
+                              "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                           "finish_reason": completion.finish_reason,
+                                           "stop_reason": completion.stop_reason}]})
+        if req.stream_options and req.stream_options.include_usage:
+            num_prompt = sum(len(p.token_ids) for p in prompts)
+            yield _chunk({"id": request_id, "object": "text_completion", "created": created,
+                          "model": self.served_model_names[0], "choices": [],
+                          "usage": _usage(num_prompt, num_completion)})
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------------
+    def _check_chat_fields(self, req: ChatCompletionRequest) -> None:
+        if req.tools:
+            raise APIError("tools are not supported yet", 400, param="tools")
+        if req.functions:
+            raise APIError("functions are not supported", 400, param="functions")
+        if req.tool_choice not in (None, "none"):
+            raise APIError("tool_choice is not supported yet", 400, param="tool_choice")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            raise APIError("response_format other than text is not supported yet", 400, param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs set to true", 400, param="top_logprobs")
+        if not req.messages:
+            raise APIError("messages must not be empty", 400, param="messages")
+
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          continue_final_message: bool = False, kwargs: dict | None = None) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError("this model has no chat template; use /v1/completions", 400, param="messages")
+        conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(kwargs or {}))
+        except Exception as exc:  # template errors (e.g. roles it rejects) are the client's to fix
+            raise APIError(f"the chat template rejected these messages: {exc}", 400, param="messages") from None
+        return await self._tokenize(text, add_special_tokens=False)
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        self.check_model(req.model)
+        self._check_chat_fields(req)
+        prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                            req.chat_template_kwargs)
+        prompt = _Prompt(None, prompt_ids)
+        max_tokens = self._max_tokens(prompt, req.max_completion_tokens or req.max_tokens)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._params(req, max_tokens, logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = self._start(request_id, [prompt], [params])
+        if req.stream:
+            return _sse(self._chat_stream(request_id, req, prompt, streams))
+        finals = await _collect(streams, raw, 1)
+        choices = []
+        for index, choice in sorted(finals[0].items()):
+            choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+                            "logprobs": self._chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0) if req.logprobs else None,
+                            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+        num_completion = sum(len(c.token_ids) for c in finals[0].values())
+        return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                             "model": self.served_model_names[0], "choices": choices,
+                             "usage": _usage(len(prompt_ids), num_completion)})
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[LogprobsDict], num_top: int) -> dict:
+        def item(lp) -> dict:
+            token = lp.decoded_token or ""
+            return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+        content = []
+        for token_id, step in zip(token_ids, logprobs):
+            top = sorted((lp for lp in step.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
+            content.append({**item(step[token_id]), "top_logprobs": [item(lp) for lp in top]})
+        return {"content": content}
+
+    async def _chat_stream(self, request_id: str, req: ChatCompletionRequest, prompt: _Prompt,
+                           streams: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        created = int(time.time())
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": self.served_model_names[0]}
+        for index in range(req.n):
+            yield _chunk({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]})
+        num_completion = 0
+        async for _, output in streams:
+            for completion in output.outputs:
+                num_completion += len(completion.token_ids)
+                if not completion.token_ids and not completion.finish_reason and not completion.text:
+                    continue
+                logprobs = None
+                if req.logprobs and completion.logprobs is not None:
+                    logprobs = self._chat_logprobs(completion.token_ids, completion.logprobs, req.top_logprobs or 0)
+                yield _chunk({**base, "choices": [{"index": completion.index, "delta": {"content": completion.text},
+                                                   "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                                                   "stop_reason": completion.stop_reason}]})
+        if req.stream_options and req.stream_options.include_usage:
+            yield _chunk({**base, "choices": [], "usage": _usage(len(prompt.token_ids), num_completion)})
+
+    # ---- /tokenize, /detokenize ------------------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if req.messages is not None:
+            tokens = await self.render_chat(req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            tokens = await self._tokenize(req.prompt, req.add_special_tokens)
+        else:
+            raise APIError("give either prompt or messages", 400, param="prompt")
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        vocab_size = self.engine.engine.config.model.hf_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(f"token id {bad[0]} is out of range [0, {vocab_size})", 400, param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+def _message_text(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.get("type") != "text":
+            raise APIError(f"content part type {part.get('type')!r} is not supported (text only)", 400,
+                           param="messages")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def _usage(num_prompt: int, num_completion: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+def _chunk(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as exc:  # after the headers went out, errors travel as an SSE event
+            error = to_api_error(exc)
+            yield _chunk(error_body(error.message, error.status, error.param, error.code))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _merge(generators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams; closing the merged stream aborts every request."""
+    if len(generators) == 1:
+        async for output in generators[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generator: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in generator:
+                await queue.put((index, output))
+        except Exception as exc:
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _collect(streams: AsyncIterator[tuple[int, RequestOutput]], raw: Request, num_prompts: int
+                   ) -> dict[int, dict[int, _Choice]]:
+    """Accumulate DELTA outputs into whole choices; abort if the client goes away meanwhile."""
+    choices: dict[int, dict[int, _Choice]] = {i: {} for i in range(num_prompts)}
+
+    async def consume() -> None:
+        async for prompt_index, output in streams:
+            for completion in output.outputs:
+                _accumulate(choices[prompt_index].setdefault(completion.index, _Choice()), completion)
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await streams.aclose()
+            raise APIError("client disconnected", 499)
+    task.result()
+    return choices
+
+
+def _accumulate(choice: _Choice, completion: CompletionOutput) -> None:
+    choice.text += completion.text
+    choice.token_ids.extend(completion.token_ids)
+    if completion.logprobs:
+        choice.logprobs.extend(completion.logprobs)
+    if completion.finish_reason is not None:
+        choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason

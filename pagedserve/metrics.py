@@ -1,0 +1,97 @@
+"""Prometheus metrics under vLLM's names, so existing vLLM dashboards work unchanged."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+@dataclass
+class _RequestTiming:
+    last_token_time: float | None = None
+    seen_first_token: bool = False
+    num_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens seen
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", labels,
+                              registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions.", labels, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
+                                   registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first schedule.", labels,
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.model_name = model_name
+        self._timings: dict[str, _RequestTiming] = {}
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason)
+
+    def observe_step(self, engine, outputs: list[RequestOutput]) -> None:
+        """Called on the engine thread after each step."""
+        name = self.model_name
+        stats = engine.stats
+        self.running.labels(name).set(stats.num_running)
+        self.waiting.labels(name).set(stats.num_waiting)
+        self.kv_usage.labels(name).set(stats.kv_cache_usage)
+        if stats.num_preemptions:
+            self.preemptions.labels(name).inc(stats.num_preemptions)
+        if stats.prefix_cache_queries:
+            self.prefix_queries.labels(name).inc(stats.prefix_cache_queries)
+            self.prefix_hits.labels(name).inc(stats.prefix_cache_hits)
+        now = time.monotonic()
+        for output in outputs:
+            self._observe_output(output, now)
+
+    def _observe_output(self, output: RequestOutput, now: float) -> None:
+        name = self.model_name
+        timing = self._timings.setdefault(output.request_id, _RequestTiming())
+        metrics = output.metrics
+        num_new = 0
+        for completion in output.outputs:
+            seen = timing.num_tokens.get(completion.index, 0)
+            total = seen + len(completion.token_ids)  # outputs are deltas in the server
+            timing.num_tokens[completion.index] = total
+            num_new += len(completion.token_ids)
+        if num_new:
+            self.generation_tokens.labels(name).inc(num_new)
+            if not timing.seen_first_token:
+                timing.seen_first_token = True
+                self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+                if metrics is not None:
+                    self.ttft.labels(name).observe(now - metrics.arrival_time)
+                    if metrics.first_scheduled_time is not None:
+                        self.queue_time.labels(name).observe(metrics.first_scheduled_time - metrics.arrival_time)
+            elif timing.last_token_time is not None:
+                self.itl.labels(name).observe(now - timing.last_token_time)
+            timing.last_token_time = now
+        if output.finished:
+            del self._timings[output.request_id]
+            for completion in output.outputs:
+                self.success.labels(name, completion.finish_reason or "abort").inc()
+            if metrics is not None:
+                self.e2e.labels(name).observe(now - metrics.arrival_time)
