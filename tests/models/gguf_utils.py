@@ -101,6 +101,12 @@ def _add_hparams(writer: gguf.GGUFWriter, config: object) -> None:
     if head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    rope = config.rope_parameters
+    if rope.get("rope_type") in ("linear", "yarn"):  # as convert_hf_to_gguf.py writes rope_scaling
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str) -> None:

@@ -218,6 +218,16 @@ def test_llama3_rope_scaling_is_recovered(tmp_path: Path) -> None:
     torch.testing.assert_close(_logits(reloaded.eval(), input_ids), _logits(model, input_ids), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("rope_type", ["linear", "yarn"])
+def test_rope_scaling_metadata_becomes_rope_scaling(rope_type: str, tmp_path: Path) -> None:
+    rope = {"rope_type": rope_type, "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 256}
+    model = tiny_model("qwen2", rope_parameters=rope, max_position_embeddings=1024)
+    with GGUFCheckpoint(write_test_gguf(model, tmp_path / "rope.gguf")) as checkpoint:
+        config = checkpoint.hf_config()
+    assert config["rope_scaling"] == {"rope_type": rope_type, "factor": 4.0, "original_max_position_embeddings": 256}
+    assert config["rope_theta"] == 1e6 and config["max_position_embeddings"] == 1024
+
+
 def test_nonstandard_rope_factors_are_refused(tmp_path: Path) -> None:
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 2.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
