@@ -278,7 +278,7 @@ def _check_gguf_tokenizer(header: GGUFHeader, need_chat_template: bool) -> None:
     if need_chat_template and not meta.get("tokenizer.chat_template"):
         raise ModelValidationError(
             f"GGUF file {header.path} has no chat template (tokenizer.chat_template), so chat requests "
-            "cannot be formatted. Use the completions endpoint, or pass --chat-template FILE."
+            "cannot be formatted. Use the completions endpoint, or a GGUF that carries a chat template."
         )
 
 
@@ -417,7 +417,8 @@ def _check_tokenizer(model_dir: Path, need_chat_template: bool) -> None:
     if need_chat_template and not _has_chat_template(model_dir, tokenizer_config):
         raise ModelValidationError(
             f"{model_dir} has no chat template (none in tokenizer_config.json, no chat_template.jinja), so chat "
-            "requests cannot be formatted. Use the completions endpoint, or pass --chat-template FILE."
+            "requests cannot be formatted. Use the completions endpoint, or add the model's template as "
+            "chat_template.jinja in that directory."
         )
 
 
