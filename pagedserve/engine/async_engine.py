@@ -124,6 +124,7 @@ class AsyncEngine:
         elif isinstance(command, _Abort):
             finals = self.engine.abort_request([command.request_id])
             if finals and self.observer is not None:
+                self.engine.refresh_gauges()
                 self.observer(self.engine, finals)
 
     def _drain_commands(self, block: bool) -> None:

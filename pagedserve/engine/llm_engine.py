@@ -140,6 +140,12 @@ class LLMEngine:
                 finals.append(final)
         return finals
 
+    def refresh_gauges(self) -> None:
+        """Current running/waiting/KV usage outside a step (after aborts); per-step counters reset to 0."""
+        scheduler = self.scheduler
+        self.stats = SchedulerStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                                    kv_cache_usage=scheduler.kv.usage)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

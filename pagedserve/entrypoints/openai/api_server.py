@@ -6,9 +6,11 @@ is ready, then 200; it answers 503 again if the engine dies, and the process the
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -178,6 +180,24 @@ class ServeOptions:
     uvicorn_log_level: str = "warning"
 
 
+def _make_uvicorn_server(config: Any) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            """As uvicorn's, minus re-raising the signal afterwards: SIGTERM/SIGINT end in a graceful
+            shutdown (in-flight requests finish within the grace period) and exit code 0."""
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
 def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker) -> int:
     """Open the port, load the engine in the background, serve until a signal; returns the exit code."""
     import uvicorn
@@ -186,7 +206,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     app = build_app(state, options.api_key, options.max_body_bytes)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
                             timeout_graceful_shutdown=options.shutdown_grace_s, access_log=False)
-    server = uvicorn.Server(config)
+    server = _make_uvicorn_server(config)
     outcome = {"exit_code": 0}
 
     def stop(code: int) -> None:

@@ -1,0 +1,73 @@
+"""Start a real `pagedserve serve` process on 127.0.0.1 and a free port; stopped by the test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    health_statuses: list[tuple[int, str]] = field(default_factory=list)  # (status, phase) seen while starting
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        return self.process.returncode
+
+
+def start_server(model: str, *flags: str, log_dir: Path, env: dict | None = None,
+                 ready_timeout: float = 120.0) -> ServerProcess:
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    command = [sys.executable, "-m", "pagedserve", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+               *flags]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = ServerProcess(process, port, log_path)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            response = httpx.get(f"{server.url}/health", timeout=2.0)
+            phase = response.json().get("phase", "") if response.content else ""
+            if not server.health_statuses or server.health_statuses[-1] != (response.status_code, phase):
+                server.health_statuses.append((response.status_code, phase))
+            if response.status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    server.stop()
+    raise RuntimeError(f"server not ready after {ready_timeout} s:\n{server.log()}")

@@ -1,0 +1,202 @@
+"""The OpenAI-compatible server, driven by the official `openai` client against a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.server_utils import start_server
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    srv = start_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "256",
+                       "--dtype", "float32", "--max-waiting-requests", "64",
+                       log_dir=tmp_path_factory.mktemp("logs"))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def metric_value(server, name: str, **labels) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
+
+
+def test_health_went_503_then_200(server):
+    statuses = [s for s, _ in server.health_statuses]
+    assert statuses[0] == 503 and statuses[-1] == 200
+    phases = [p for _, p in server.health_statuses]
+    assert "ready" == phases[-1]
+    assert set(phases) & {"loading_weights", "warming_up", "planning", "resolving", "validating",
+                          "allocating_kv", "starting"}
+
+
+def test_models_and_version(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == 256
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_completion_stream_equals_non_stream(client):
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == full.choices[0].text
+    assert full.usage.completion_tokens == 20
+    assert chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens > 0
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_chat_stream_equals_non_stream(client):
+    messages = [{"role": "user", "content": "Say something"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_n_and_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=6, n=2, temperature=1.0, seed=5,
+                                    logprobs=3)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    for choice in out.choices:
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == 6
+        # OpenAI keys top_logprobs by token text; byte-fragment tokens that decode alike share a key.
+        assert all(1 <= len(top) <= 4 for top in choice.logprobs.top_logprobs)
+        assert any(len(top) >= 3 for top in choice.logprobs.top_logprobs)
+    assert out.usage.completion_tokens == 12
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=2, temperature=0)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy
+
+
+def test_prompt_forms_and_echo(client):
+    ids = client.post("/../tokenize", cast_to=object, body={"model": MODEL, "prompt": "hello world"})["tokens"]
+    by_text = client.completions.create(model=MODEL, prompt="hello world", max_tokens=5, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    many = client.completions.create(model=MODEL, prompt=["hello world", "the fox"], max_tokens=5, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == by_text.choices[0].text
+    echo = client.completions.create(model=MODEL, prompt="hello world", max_tokens=5, temperature=0, echo=True)
+    assert echo.choices[0].text == "hello world" + by_text.choices[0].text
+    text = client.post("/../detokenize", cast_to=object, body={"model": MODEL, "tokens": ids})["prompt"]
+    assert text == "hello world"
+
+
+def test_concurrent_streams_match_alone(server, client):
+    prompts = [f"Request number {i} says" for i in range(16)]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
+             for p in prompts]
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                                  stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_at_once():
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        return await asyncio.wait_for(asyncio.gather(*(one(aclient, p) for p in prompts)), timeout=120)
+
+    assert asyncio.run(all_at_once()) == alone
+
+
+def test_disconnect_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "The quick brown fox " * 10, "max_tokens": 200, "stream": True,
+            "extra_body": None, "ignore_eos": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in received)
+            assert metric_value(server, "vllm:kv_cache_usage_perc") > 0
+    deadline = time.monotonic() + 10
+    while metric_value(server, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric_value(server, "vllm:kv_cache_usage_perc") == 0
+    assert metric_value(server, "vllm:num_requests_running") == 0
+    assert metric_value(server, "vllm:request_success_total", finished_reason="abort") >= 1
+
+
+BAD_REQUESTS = [
+    # (path, body or raw bytes, expected status, a word the message must contain)
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "does not exist"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "does not exist"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1000}, 400, "256"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "out of range"),
+    ("/v1/completions", b"{not json", 400, "JSON"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 5}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * (9 << 20)}, 413, "exceeds"),
+    ("/v1/embeddings", {"model": MODEL, "input": "x"}, 400, "embed"),
+    ("/detokenize", {"model": MODEL, "tokens": [-5]}, 400, "out of range"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,word", BAD_REQUESTS, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_request_gets_error_body(server, client, path, body, status, word):
+    if isinstance(body, bytes):
+        response = httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert word.lower() in error["message"].lower()
+    ok = client.completions.create(model=MODEL, prompt="still fine", max_tokens=3)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_metrics_parse_and_move(server, client):
+    before = metric_value(server, "vllm:generation_tokens_total", model_name=MODEL)
+    prompts_before = metric_value(server, "vllm:prompt_tokens_total", model_name=MODEL)
+    ttft_before = metric_value(server, "vllm:time_to_first_token_seconds_count", model_name=MODEL)
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=7, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert metric_value(server, "vllm:generation_tokens_total", model_name=MODEL) == before + 7
+    assert metric_value(server, "vllm:prompt_tokens_total", model_name=MODEL) > prompts_before
+    assert metric_value(server, "vllm:time_to_first_token_seconds_count", model_name=MODEL) == ttft_before + 1
+    names = {f.name for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                 "vllm:request_success", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds"):
+        assert name in names
