@@ -209,14 +209,17 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     hf_config = load_hf_config(model_path)
     architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
     device = default_device() if args.device == "auto" else args.device
-    model_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", "") or "")
+    config_dict = hf_config.to_dict()
+    model_dtype = str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "")
     dtype = resolve_dtype(args.dtype, device, model_dtype.removeprefix("torch.") or None)
     max_model_len = _max_model_len(args, hf_config)
     budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     if not args.enable_chunked_prefill:
         budget = max(budget, max_model_len)
-    model = ModelConfig(model=model_path, served_model_name=args.served_model_name or args.model or
-                        Path(model_path).stem, dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
+    from pagedserve.models.fetch import DEFAULT_MODEL
+
+    served_name = args.served_model_name or args.model or DEFAULT_MODEL
+    model = ModelConfig(model=model_path, served_model_name=served_name, dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
                         architecture=architecture, task=args.task, seed=args.seed,
                         quantization=args.quantization, enforce_eager=args.enforce_eager)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
