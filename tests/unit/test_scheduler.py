@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -62,8 +63,10 @@ def assert_no_leaks(sched: Scheduler) -> None:
     assert not sched.kv.req_to_blocks
 
 
-def test_no_torch_imported():
-    assert "torch" not in sys.modules
+def test_core_does_not_import_torch():
+    code = ("import sys, pagedserve.core.scheduler, pagedserve.core.kv_cache_manager, pagedserve.request, "
+            "pagedserve.sampling_params; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_block_pool_refcount_and_lru_eviction():
