@@ -42,27 +42,36 @@ def build_request_body(
     return body
 
 
-def _chunk_text(choice: dict[str, Any], endpoint: str) -> str:
-    """Content carried by one streamed choice ('' for role-only or finish-only chunks)."""
+def _chunk_text(choice: dict[str, Any], endpoint: str) -> str | None:
+    """Text carried by one streamed choice: None when the chunk has no text field at all."""
     if endpoint == CHAT_COMPLETIONS:
         delta = choice.get("delta") or {}
-        return delta.get("content") or ""
-    return choice.get("text") or ""
+        if "role" in delta and not delta.get("content"):
+            return None  # the role announcement that opens a chat stream: no token yet
+        return delta.get("content")
+    return choice.get("text")
 
 
 def _consume_event(data: dict[str, Any], record: RequestRecord, endpoint: str, now: float) -> None:
-    """Fold one SSE data object into `record` (content chunk, finish reason, usage)."""
+    """Fold one SSE data object into `record` (token chunk, finish reason, usage).
+
+    A token chunk is a choice with a text field, even an empty one: pagedserve and vLLM send one chunk
+    per generated token, and a token whose bytes end inside a UTF-8 character arrives as '' (the
+    detokenizer holds them back). Not token chunks: the chat role announcement, a choice without any
+    text field (e.g. a closing `delta: {}` that only carries finish_reason), and the usage chunk.
+    """
     if "error" in data and not data.get("choices"):
         error = data["error"]
         message = error.get("message") if isinstance(error, dict) else str(error)
         raise RuntimeError(f"server error in stream: {message}")
     for choice in data.get("choices") or []:
         text = _chunk_text(choice, endpoint)
-        if text:
+        if isinstance(text, str):
             if record.first_token_time is None:
                 record.first_token_time = now
             record.chunk_times.append(now)
-            record.num_content_chunks += 1
+            record.num_token_chunks += 1
+            record.num_empty_chunks += 0 if text else 1
             record.generated_text += text
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
@@ -86,12 +95,12 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, endpoint
 
 def _finish(record: RequestRecord) -> None:
     """Set success and the usage flags once the stream has closed."""
-    if record.num_content_chunks == 0 and record.output_tokens in (None, 0):
-        record.error = "stream closed without any content"
+    if record.num_token_chunks == 0 and record.output_tokens in (None, 0):
+        record.error = "stream closed without any token"
         return
     record.success = True
     record.usage_missing = record.output_tokens is None
-    record.usage_mismatch = record.output_tokens is not None and record.output_tokens != record.num_content_chunks
+    record.usage_mismatch = record.output_tokens is not None and record.output_tokens != record.num_token_chunks
 
 
 async def send_request(

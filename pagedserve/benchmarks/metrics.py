@@ -1,14 +1,14 @@
 """Per-request records and the summary of a serving benchmark. Pure Python (no torch, no numpy).
 
 Definitions (all times in seconds, from `time.perf_counter()` on the client):
-  TTFT  = first content chunk arrival - send time.
+  TTFT  = first token chunk arrival - send time.
   E2E   = end time (stream closed) - send time.
   TPOT  = (E2E - TTFT) / (output_tokens - 1): time per output token *after* the first one, per
           request; undefined (skipped) for requests with fewer than 2 output tokens.
-  ITL   = gaps between successive content chunks of one request. A chunk may carry more than one
+  ITL   = gaps between successive token chunks of one request. A chunk may carry more than one
           token (speculative decoding, detokenizer hold-back), so ITL is per chunk, not per token.
 Token counts come from the server's usage (`completion_tokens`); a request without usage falls back
-to its content-chunk count and is flagged, a request whose usage disagrees with the chunk count is
+to its token-chunk count and is flagged, a request whose usage disagrees with the chunk count is
 flagged, and neither is ever hidden. Throughputs count successful steady-state requests only.
 
 Percentiles use linear interpolation between closest ranks, exactly like `numpy.percentile`'s
@@ -42,7 +42,8 @@ class RequestRecord:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     # Observed in the stream.
-    num_content_chunks: int = 0
+    num_token_chunks: int = 0  # choices with a text field (see client._consume_event), empty text included
+    num_empty_chunks: int = 0  # of those, chunks whose text was '' (bytes held back by the detokenizer)
     generated_text: str = ""
     finish_reason: str | None = None
     send_time: float = 0.0
@@ -54,8 +55,8 @@ class RequestRecord:
 
     @property
     def counted_output_tokens(self) -> int:
-        """Output tokens from usage, else (flagged by `usage_missing`) the content-chunk count."""
-        return self.output_tokens if self.output_tokens is not None else self.num_content_chunks
+        """Output tokens from usage, else (flagged by `usage_missing`) the token-chunk count."""
+        return self.output_tokens if self.output_tokens is not None else self.num_token_chunks
 
     @property
     def counted_prompt_tokens(self) -> int:
@@ -149,12 +150,12 @@ class BenchSummary:
         if self.num_usage_missing:
             notes.append(
                 f"{self.num_usage_missing} request(s) (warm-up included) had no usage in the stream: their "
-                "output tokens are content-chunk counts, which may differ from the real token count"
+                "output tokens are token-chunk counts, which may differ from the real token count"
             )
         if self.num_usage_mismatch:
             notes.append(
                 f"{self.num_usage_mismatch} request(s) (warm-up included) reported usage.completion_tokens different "
-                "from the number of streamed content chunks"
+                "from the number of streamed token chunks"
             )
         if self.num_early_stop:
             notes.append(

@@ -30,7 +30,7 @@ def make_record(
     record.send_time = send
     record.chunk_times = list(chunks)
     record.first_token_time = chunks[0] if chunks else None
-    record.num_content_chunks = len(chunks)
+    record.num_token_chunks = len(chunks)
     record.end_time = end if end is not None else (chunks[-1] if chunks else send)
     record.output_tokens = len(chunks) if output_tokens is None else output_tokens
     record.prompt_tokens = prompt_tokens

@@ -156,7 +156,7 @@ def test_honest_server_every_figure_present_and_tokens_equal_usage(fake_server: 
     assert summary.total_input_tokens == summary.total_planned_input_tokens == 6 * 12
     assert app.state.prompt_lengths == [12] * 7  # token-exact prompts, warm-up included
     for record in result.records:
-        assert record.success and record.output_tokens == record.num_content_chunks == 5
+        assert record.success and record.output_tokens == record.num_token_chunks == 5
         assert record.prompt_tokens == 12 and len(record.chunk_times) == 5
     for stats in (summary.ttft, summary.tpot, summary.itl, summary.e2e_latency):
         assert stats.count > 0
