@@ -12,6 +12,7 @@ from typing import Any
 from pagedserve.benchmarks.metrics import BenchSummary, RequestRecord, Stats
 from pagedserve.benchmarks.serve import ServeBenchResult
 from pagedserve.benchmarks.startup import StartupResult
+from pagedserve.benchmarks.throughput import GenerateRun, ThroughputResult
 
 _WIDTH = 50
 _LABEL_WIDTH = 40
@@ -163,6 +164,12 @@ def format_startup_table(result: StartupResult) -> str:
         for phase in result.phases:
             progress = "" if phase.last_progress is None else f" (last {phase.last_progress:.0%})"
             lines.append(_row(f"{phase.phase} from {phase.first_seen:.2f} s{progress}", phase.duration, ".2f"))
+    if result.server_phases:
+        lines.append(_rule(" Phases recorded by the server "))
+        for server_phase in result.server_phases:
+            label = f"{server_phase.name} from {server_phase.started_at_s:.2f} s"
+            lines.append(_row(label, server_phase.duration_s, ".2f"))
+        lines.append(_row("Server's own time to ready (s)", result.server_ready_elapsed_s, ".2f"))
     first = result.first_request
     lines += [
         _rule(" Requests "),
@@ -203,3 +210,65 @@ def startup_to_dict(result: StartupResult) -> dict[str, Any]:
     payload["benchmark"] = "startup"
     payload["time_unit"] = "s; phases since launch, requests since the first request was sent"
     return payload
+
+
+def _spread_row(label: str, stats: Stats) -> str:
+    """'median (min-max)' of a rate."""
+    if stats.median is None:
+        return _row(label, None)
+    return _row(label, f"{stats.median:.2f} ({stats.min:.2f}-{stats.max:.2f})")
+
+
+def _run_rows(title: str, run: GenerateRun) -> list[str]:
+    return [
+        _rule(title),
+        _row("Requests", run.num_requests),
+        _row("Prompt tokens (counted)", run.num_prompt_tokens),
+        _row("Output tokens (counted)", run.num_output_tokens),
+        _row("Elapsed (s)", run.elapsed_s, ".3f"),
+        _row("Output token throughput (tok/s)", run.output_throughput),
+    ]
+
+
+def format_throughput_table(result: ThroughputResult) -> str:
+    """Timed runs as median (min-max), the warm-up run apart, then one sentence per raised flag."""
+    config = result.config
+    runs = result.runs
+    lines = [
+        _rule(" Offline Throughput Benchmark Result ", "="),
+        _row("Model", result.model),
+        _row("Prompts per run", config.num_prompts),
+        _row("Input / output length", f"{config.input_len} / {config.output_len}"),
+        _row("Engine load time (s)", result.load_seconds, ".2f"),
+        _rule(f" {len(runs)} timed runs: median (min-max) "),
+        _spread_row("Request throughput (req/s)", result.request_throughput),
+        _spread_row("Output token throughput (tok/s)", result.output_throughput),
+        _spread_row("Total token throughput (tok/s)", result.total_token_throughput),
+        _row("Prompt tokens per run (counted)", runs[0].num_prompt_tokens if runs else None),
+        _row("Output tokens per run (counted)", runs[0].num_output_tokens if runs else None),
+    ]
+    if result.warmup is not None:
+        lines += _run_rows(" Warm-up run (excluded above) ", result.warmup)
+    lines.append(_rule(fill="="))
+    lines += [f"WARNING: {note}" for note in result.warnings]
+    return "\n".join(lines)
+
+
+def throughput_to_dict(result: ThroughputResult) -> dict[str, Any]:
+    """Config, every run with its counts and rates, and the spread of each rate."""
+    def run_dict(run: GenerateRun) -> dict[str, Any]:
+        return {**dataclasses.asdict(run), "request_throughput": run.request_throughput,
+                "output_throughput": run.output_throughput, "total_token_throughput": run.total_token_throughput}
+
+    return {
+        "benchmark": "throughput",
+        "started_at": result.started_at,
+        "model": result.model,
+        "config": dataclasses.asdict(result.config),
+        "load_seconds": result.load_seconds,
+        "warmup": run_dict(result.warmup) if result.warmup else None,
+        "runs": [run_dict(run) for run in result.runs],
+        "summary": {name: dataclasses.asdict(getattr(result, name))
+                    for name in ("request_throughput", "output_throughput", "total_token_throughput")},
+        "warnings": result.warnings,
+    }

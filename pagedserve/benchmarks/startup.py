@@ -71,6 +71,15 @@ class PhaseObservation:
 
 
 @dataclass
+class ServerPhase:
+    """A start-up phase as the server itself recorded it (the `phases` list of its /health body)."""
+
+    name: str
+    started_at_s: float  # seconds after the server's process start, by the server's clock
+    duration_s: float | None
+
+
+@dataclass
 class ShutdownReport:
     signal_used: str  # "SIGTERM", "SIGKILL", or "none" when the group had already exited
     shutdown_seconds: float
@@ -85,7 +94,9 @@ class StartupResult:
     log_path: str
     time_to_port_open: float | None = None
     time_to_ready: float | None = None
-    phases: list[PhaseObservation] = field(default_factory=list)
+    phases: list[PhaseObservation] = field(default_factory=list)  # seen by polling: short phases may be missed
+    server_phases: list[ServerPhase] = field(default_factory=list)  # every phase, from the server's own record
+    server_ready_elapsed_s: float | None = None  # the server's own "elapsed_s" when it first answered 200
     health_status_codes: dict[int, int] = field(default_factory=dict)
     model: str | None = None
     first_request: RequestRecord | None = None
@@ -171,7 +182,11 @@ def _is_alive(pid: int, create_time: float) -> bool:
         process = psutil.Process(pid)
         if abs(process.create_time() - create_time) > 0.01:
             return False  # the pid was reused by an unrelated process
-        return process.status() != psutil.STATUS_ZOMBIE
+        if process.status() != psutil.STATUS_ZOMBIE:
+            return True
+        # A zombie leader whose other threads still run is a process still exiting (seen for ~0.1 s
+        # after a Python server's main thread returns): not gone yet.
+        return process.num_threads() > 1
     except psutil.Error:
         return False
 
@@ -222,6 +237,11 @@ def stop_process_tree(
             signal_used = "SIGKILL"
             _signal_all(pgid, tracked, signal.SIGKILL)
     left = _wait_gone(process, tracked, pgid, marker, 5.0)
+    if not left:
+        try:
+            process.wait(timeout=5.0)  # collect the exit code of our direct child
+        except subprocess.TimeoutExpired:
+            left = sorted({*left, process.pid})
     return ShutdownReport(
         signal_used=signal_used,
         shutdown_seconds=time.perf_counter() - start,
@@ -292,6 +312,27 @@ def _observe_phase(result: StartupResult, body: Any, now: float) -> None:
         result.phases.append(PhaseObservation(phase=phase, first_seen=now, last_seen=now, last_progress=progress))
 
 
+def _record_server_phases(result: StartupResult, response: httpx.Response) -> None:
+    """Keep the server's own phase list (pagedserve: {"phases": [{"name", "started_at_s", "duration_s"}]})."""
+    try:
+        body = response.json()
+    except ValueError:
+        return
+    if not isinstance(body, dict):
+        return
+    if isinstance(body.get("elapsed_s"), (int, float)):
+        result.server_ready_elapsed_s = float(body["elapsed_s"])
+    phases = body.get("phases")
+    if not isinstance(phases, list):
+        return
+    result.server_phases = [
+        ServerPhase(name=str(entry["name"]), started_at_s=float(entry.get("started_at_s") or 0.0),
+                    duration_s=entry.get("duration_s"))
+        for entry in phases
+        if isinstance(entry, dict) and "name" in entry
+    ]
+
+
 def _check_health_body(result: StartupResult, response: httpx.Response, now: float) -> None:
     """Record the phase of a not-ready /health answer; raise if it says start-up failed."""
     try:
@@ -327,6 +368,7 @@ async def _wait_ready(
             )
             if response.status_code == 200:
                 result.time_to_ready = now
+                _record_server_phases(result, response)
                 return
             if response.status_code == 404 and path == "/health":
                 path = "/v1/models"  # a server without /health: ready when it lists its models

@@ -4,8 +4,8 @@ bench serve       load a running OpenAI-compatible server; TTFT / TPOT / ITL / E
                   throughput from counted tokens, warm-up reported apart as "cold".
 bench startup     launch a server, time port open, readiness phases, first vs steady requests,
                   peak RSS of its process tree; stop the tree and check nothing is left.
-bench throughput  (offline, through the engine's LLM API) is registered by `_register_throughput`
-                  once the engine exists; see the marked place in `register`.
+bench throughput  offline LLM.generate on random token prompts (like `vllm bench throughput`):
+                  requests/s, output and total tok/s from counted tokens, warm-up run apart.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pagedserve import envs
 if TYPE_CHECKING:
     from pagedserve.benchmarks.serve import ServeBenchConfig
     from pagedserve.benchmarks.startup import StartupBenchConfig
+    from pagedserve.benchmarks.throughput import ThroughputBenchConfig
 
 _DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
@@ -27,13 +28,13 @@ _DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: serving load, server start-up",
+        help="benchmarks: serving load, server start-up, offline throughput",
         description="Honest benchmarks: token rates from counted tokens, warm-up apart, spread not one number.",
     )
     bench_subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCH")
     _register_serve(bench_subparsers)
     _register_startup(bench_subparsers)
-    # `bench throughput` goes here: _register_throughput(bench_subparsers), added with the offline LLM API.
+    _register_throughput(bench_subparsers)
 
     def print_help(_: argparse.Namespace) -> int:
         parser.print_help()
@@ -138,6 +139,34 @@ def _register_startup(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_startup, startup_parser=parser)
 
 
+def _register_throughput(subparsers: argparse._SubParsersAction) -> None:
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    parser = subparsers.add_parser(
+        "throughput",
+        help="offline LLM.generate on random token prompts; requests/s and tok/s from counted tokens",
+        description=(
+            "Build the engine in this process (MODEL and engine flags as for `pagedserve serve`), run a warm-up "
+            "batch (reported apart), then --num-iters batches of --num-prompts random token prompts "
+            "(fresh prompts each time, greedy, EOS ignored) through LLM.generate. Rates come from the tokens "
+            "counted in the outputs."
+        ),
+    )
+    EngineArgs.add_cli_args(parser)
+    data = parser.add_argument_group("workload")
+    data.add_argument("--num-prompts", type=int, default=32, help="prompts per batch (default: %(default)s)")
+    data.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
+    data.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64)
+    data.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
+                      help="lengths drawn uniformly in [len*(1-r), len*(1+r)] (default: %(default)s)")
+    data.add_argument("--num-iters", type=int, default=3, help="timed batches (default: %(default)s)")
+    data.add_argument("--num-warmup-prompts", type=int, default=None,
+                      help="prompts in the warm-up batch (default: --num-prompts; 0: none)")
+    data.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--json", dest="json_path", default=None, help="write every run and the summary here")
+    parser.set_defaults(func=run_throughput)
+
+
 def serve_config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     from pagedserve.benchmarks.serve import ServeBenchConfig
 
@@ -200,14 +229,20 @@ def _split_startup_rest(rest: list[str]) -> tuple[str | None, list[str], list[st
     return model, before, serve_args
 
 
-def startup_config_from_args(args: argparse.Namespace) -> StartupBenchConfig:
-    from pagedserve.benchmarks.startup import StartupBenchConfig
-
+def _merge_startup_args(args: argparse.Namespace) -> tuple[argparse.Namespace, str | None, list[str]]:
+    """Parse our own flags written after MODEL (before `--`) into `args`: (args, model, server flags)."""
     model, ours, serve_args = _split_startup_rest(list(args.rest))
-    if ours:  # our own flags written after MODEL, before `--`
+    if ours:
         args = args.startup_parser.parse_args(ours, namespace=argparse.Namespace(**{**vars(args), "rest": []}))
         if args.rest:
             raise ValueError(f"unexpected arguments {args.rest}; server flags go after `--`")
+    return args, model, serve_args
+
+
+def startup_config_from_args(args: argparse.Namespace) -> StartupBenchConfig:
+    from pagedserve.benchmarks.startup import StartupBenchConfig
+
+    args, model, serve_args = _merge_startup_args(args)
     if model is None and not args.server_cmd:
         raise ValueError("give a MODEL to serve, or --server-cmd")
     return StartupBenchConfig(
@@ -234,6 +269,7 @@ def run_startup(args: argparse.Namespace) -> int:
 
     try:
         config = startup_config_from_args(args)
+        args = _merge_startup_args(args)[0]  # --json written after MODEL counts too
     except ValueError as exc:
         print(f"pagedserve bench startup: error: {exc}", file=sys.stderr)
         return 2
@@ -244,3 +280,60 @@ def run_startup(args: argparse.Namespace) -> int:
         print(f"Figures written to {args.json_path}")
     has_leftovers = result.shutdown is not None and bool(result.shutdown.leftover_pids)
     return 1 if result.error or has_leftovers else 0
+
+
+def throughput_config_from_args(args: argparse.Namespace) -> ThroughputBenchConfig:
+    from pagedserve.benchmarks.throughput import ThroughputBenchConfig
+
+    config = ThroughputBenchConfig(
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        num_iters=args.num_iters,
+        num_warmup_prompts=args.num_warmup_prompts,
+        seed=args.seed,
+        temperature=args.temperature,
+    )
+    config.validate()
+    return config
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    from pagedserve.benchmarks.report import format_throughput_table, throughput_to_dict, write_json
+    from pagedserve.benchmarks.throughput import run_throughput_bench, token_pool
+    from pagedserve.cli.common import engine_args_from_cli, setup_logging
+    from pagedserve.entrypoints.llm import LLM
+
+    try:
+        config = throughput_config_from_args(args)
+        engine_args = engine_args_from_cli(args)
+    except ValueError as exc:
+        print(f"pagedserve bench throughput: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging()
+    start = time.perf_counter()
+    try:
+        llm = LLM(**dataclasses.asdict(engine_args))
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"pagedserve bench throughput: error: {exc}", file=sys.stderr)
+        return 1
+    load_seconds = time.perf_counter() - start
+    model_config = llm.engine.config.model
+    longest = int(config.input_len * (1 + config.range_ratio)) + int(config.output_len * (1 + config.range_ratio))
+    if longest > model_config.max_model_len:
+        print(f"pagedserve bench throughput: error: prompts + outputs reach {longest} tokens, more than "
+              f"max_model_len {model_config.max_model_len}; lower --input-len/--output-len", file=sys.stderr)
+        return 2
+    tokenizer = llm.get_tokenizer()
+    vocab_size = min(model_config.hf_config.vocab_size, getattr(tokenizer, "vocab_size", None) or 1 << 62)
+    pool = token_pool(vocab_size, getattr(tokenizer, "all_special_ids", []))
+    result = run_throughput_bench(llm, pool, config, model=model_config.served_model_name, load_seconds=load_seconds)
+    print(format_throughput_table(result))
+    if args.json_path:
+        write_json(args.json_path, throughput_to_dict(result))
+        print(f"Figures written to {args.json_path}")
+    return 0

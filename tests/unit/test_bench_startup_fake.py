@@ -215,3 +215,12 @@ def test_default_command_is_pagedserve_serve_with_flags_after_double_dash() -> N
     ]
     vllm = StartupBenchConfig(model="m", server_cmd="vllm serve {model} --port {port}")
     assert build_command(vllm, 9000) == ["vllm", "serve", "m", "--port", "9000"]
+
+
+def test_own_flags_after_model_reach_the_run_not_only_the_config() -> None:
+    """`bench startup MODEL --json F` must write F: flags after MODEL were once parsed only into the config."""
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "startup", "m", "--json", "out.json", "--max-tokens", "3", "--", "--x"])
+    merged, model, serve_args = bench._merge_startup_args(args)
+    assert (merged.json_path, merged.max_tokens, model, serve_args) == ("out.json", 3, "m", ["--x"])
