@@ -1,6 +1,8 @@
 """Llama-family decoders: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm).
 
-Parameter names equal the Hugging Face checkpoint's, so loading is a direct name match.
+Parameter names equal the Hugging Face checkpoint's, so loading is a direct name match. After loading,
+`prepare()` fuses q/k/v and gate/up into single matmuls and hands every linear its kernel
+(layers/linear.py); forward passes run on the prepared model only.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.layers.attention import AttentionMetadata, paged_attention
+from pagedserve.layers.linear import fuse_rows, make_linear
 from pagedserve.layers.norm import RMSNorm
-from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [num_slots, num_kv_heads, head_dim]
 
@@ -23,7 +26,7 @@ def head_dim_of(cfg: Any) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         o_bias = qkv_bias and bool(getattr(cfg, "attention_bias", False))  # Llama: all four or none
         self.num_heads = cfg.num_attention_heads
@@ -39,19 +42,27 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = qk_norm
-        self.rotary = [rotary]  # a list keeps the shared module out of this module's state_dict
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+    def prepare(self, packed: bool) -> None:
+        self.qkv_proj = make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj), packed)
+        self.o_proj = make_linear(self.o_proj.weight, self.o_proj.bias, packed)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        else:
+            qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        qk = apply_rotary(qk, *rope)  # q and k heads rotated together: [T, Hq + Hkv, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -63,21 +74,28 @@ class MLP(nn.Module):
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
+    def prepare(self, packed: bool) -> None:
+        self.intermediate_size = self.gate_proj.out_features
+        self.gate_up_proj = make_linear(*fuse_rows(self.gate_proj, self.up_proj), packed)
+        self.down_proj = make_linear(self.down_proj.weight, None, packed)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, qkv_bias, qk_norm, rotary)
+        self.self_attn = Attention(cfg, qkv_bias, qk_norm)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -86,15 +104,15 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, qk_norm, self.rotary_emb)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, qk_norm) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb.lookup(positions, x.dtype)  # once per step, shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer.forward(x, rope, kv_cache, meta)  # .forward: skip nn.Module call overhead
         return self.norm(x)
 
 
@@ -125,10 +143,20 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
+    def prepare(self, packed: bool) -> None:
+        """Fuse and pack for inference; call once after loading, before any forward."""
+        for layer in self.model.layers:
+            layer.self_attn.prepare(packed)
+            layer.mlp.prepare(packed)
+        # Tied models keep the plain embedding for lookups and a packed copy for the logits.
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        self.logits_proj = make_linear(weight, None, packed)
+        if not self.tie_word_embeddings:
+            del self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.logits_proj(hidden).float()
 
     def checkpoint_name_to_param(self, name: str) -> str | None:
         """Our parameter name for a checkpoint tensor, or None to skip it."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.layers.linear import packing_supported
 from pagedserve.models.registry import model_class
 from pagedserve.models.safetensors_mmap import iter_safetensors, safetensors_files
 
@@ -78,6 +79,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     _move_buffers(model, device)
+    model.prepare(packed=packing_supported(device, dtype))
     return model.eval()
 
 
