@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_QUANTIZATION = (None,)
+SUPPORTED_QUANTIZATION = (None, "int8")
 SUPPORTED_KV_CACHE_DTYPES = ("auto",)
 
 
@@ -40,13 +40,18 @@ class EngineArgs:
                                        "VLLM_CPU_KVCACHE_SPACE in GiB).")
     num_gpu_blocks_override: int | None = _opt("Exact number of KV blocks (testing).")
     kv_cache_dtype: str = _opt("KV cache dtype: auto (= model dtype).", default="auto")
-    quantization: str | None = _opt("Weight quantization (none supported yet).")
+    quantization: str | None = _opt("Weight quantization: int8 (weight-only, one scale per output channel).")
     tensor_parallel_size: int = _opt("Tensor-parallel workers (only 1 is supported).", default=1)
     enforce_eager: bool = _opt("Never compile; run eagerly.", default=False)
+    reference_kernels: bool = _opt("Use the plain reference kernels (F.linear) instead of the fast ones "
+                                   "(debugging, correctness checks).", default=False)
     seed: int = _opt("Seed for unseeded random sampling.", default=0)
     device: str = _opt("cpu, cuda or auto.", default="auto")
     num_threads: int | None = _opt("Torch threads on CPU (default: the cores this process may use).")
-    task: str = _opt("generate or embed.", default="generate")
+    task: str = _opt("auto, generate or embed. auto: embed for encoders (BERT), decoders saved without an LM "
+                     "head, and models with a sentence-transformers pooling module (modules.json); else "
+                     "generate.", default="auto")
+    runner: str = _opt("auto, generate or pooling (vLLM's name; pooling = --task embed).", default="auto")
     max_waiting_requests: int = _opt("Queue bound; the server answers 429 beyond it.", default=1024)
 
     @classmethod

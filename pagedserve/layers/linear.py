@@ -45,6 +45,33 @@ class PlainLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class Int8Linear(nn.Module):
+    """Weight-only int8 with one scale per output channel (symmetric): W ~= q * scale[:, None].
+
+    Halves weight memory against bf16; `aten._weight_int8pack_mm` dequantizes on the fly."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        qweight, scales = quantize_int8_per_channel(weight)
+        self.register_buffer("qweight", qweight)  # [out, in] int8
+        self.register_buffer("scales", scales.to(weight.dtype))  # [out]
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 scales): round-to-nearest with scale = max|row| / 127."""
+    w32 = weight.float()
+    scales = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    qweight = torch.round(w32 / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return qweight, scales
+
+
 def packing_supported(device: str, dtype: torch.dtype) -> bool:
     """oneDNN packing works here and reproduces F.linear on a probe matmul."""
     if device != "cpu" or dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
@@ -60,9 +87,24 @@ def packing_supported(device: str, dtype: torch.dtype) -> bool:
     return bool(ok)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> nn.Module:
+# Kernel names: "plain" (F.linear), "packed" (oneDNN blocked bf16/fp32), "int8" (weight-only int8).
+LINEAR_KINDS = {"plain": PlainLinear, "packed": PackedLinear, "int8": Int8Linear}
+
+
+def choose_linear_kind(device: str, dtype: torch.dtype, quantization: str | None, reference: bool = False) -> str:
+    """The matmul kernel for this device/dtype/quantization; `reference` forces plain F.linear."""
+    if quantization == "int8":
+        return "int8"
+    if quantization is not None:
+        raise ValueError(f"quantization {quantization!r} is not supported; supported: int8")
+    if reference:
+        return "plain"
+    return "packed" if packing_supported(device, dtype) else "plain"
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> nn.Module:
     weight, bias = weight.detach(), None if bias is None else bias.detach()
-    return PackedLinear(weight, bias) if packed else PlainLinear(weight, bias)
+    return LINEAR_KINDS[kind](weight, bias)
 
 
 def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

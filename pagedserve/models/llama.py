@@ -43,9 +43,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = qk_norm
 
-    def prepare(self, packed: bool) -> None:
-        self.qkv_proj = make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj), packed)
-        self.o_proj = make_linear(self.o_proj.weight, self.o_proj.bias, packed)
+    def prepare(self, kind: str) -> None:
+        self.qkv_proj = make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj), kind)
+        self.o_proj = make_linear(self.o_proj.weight, self.o_proj.bias, kind)
         del self.q_proj, self.k_proj, self.v_proj
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -74,10 +74,10 @@ class MLP(nn.Module):
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
-    def prepare(self, packed: bool) -> None:
+    def prepare(self, kind: str) -> None:
         self.intermediate_size = self.gate_proj.out_features
-        self.gate_up_proj = make_linear(*fuse_rows(self.gate_proj, self.up_proj), packed)
-        self.down_proj = make_linear(self.down_proj.weight, None, packed)
+        self.gate_up_proj = make_linear(*fuse_rows(self.gate_proj, self.up_proj), kind)
+        self.down_proj = make_linear(self.down_proj.weight, None, kind)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,14 +143,14 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def prepare(self, packed: bool) -> None:
+    def prepare(self, kind: str) -> None:
         """Fuse and pack for inference; call once after loading, before any forward."""
         for layer in self.model.layers:
-            layer.self_attn.prepare(packed)
-            layer.mlp.prepare(packed)
+            layer.self_attn.prepare(kind)
+            layer.mlp.prepare(kind)
         # Tied models keep the plain embedding for lookups and a packed copy for the logits.
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        self.logits_proj = make_linear(weight, None, packed)
+        self.logits_proj = make_linear(weight, None, kind)
         if not self.tie_word_embeddings:
             del self.lm_head
 

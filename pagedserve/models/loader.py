@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.layers.linear import packing_supported
+from pagedserve.layers.linear import choose_linear_kind
 from pagedserve.models.registry import model_class
 from pagedserve.models.safetensors_mmap import iter_safetensors, safetensors_files
 
@@ -54,9 +54,10 @@ def iter_checkpoint(model_path: str, dtype: torch.dtype) -> tuple[int, Iterator[
 
 
 def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.dtype, device: str,
-               max_position: int, progress: ProgressFn | None = None) -> nn.Module:
+               max_position: int, progress: ProgressFn | None = None, task: str = "generate",
+               quantization: str | None = None, reference_kernels: bool = False) -> nn.Module:
     """Instantiate on the meta device, then bind checkpoint tensors to parameters by name."""
-    cls = model_class(architecture)
+    cls = model_class(architecture, task)
     with torch.device("meta"):
         model = cls(hf_config, max_position)
     params = dict(model.named_parameters())
@@ -79,7 +80,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     _move_buffers(model, device)
-    model.prepare(packed=packing_supported(device, dtype))
+    model.prepare(choose_linear_kind(device, dtype, quantization, reference_kernels))
     return model.eval()
 
 
