@@ -15,20 +15,13 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.startup import StartupTracker
-from pagedserve.memory.checkpoint import CheckpointInfo
-from pagedserve.memory.plan import MemoryPlan
-from pagedserve.memory.probe import AvailableMemory
-from pagedserve.models.pooling_config import is_encoder
-from pagedserve.outputs import PoolingRequestOutput, RequestOutput
-from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
+from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# --runner (vLLM's name) -> the task it means; "auto" decides from the model.
-RUNNER_TASKS: dict[str, str | None] = {"auto": None, "generate": "generate", "pooling": "embed"}
 
 # A prompt given as text, token ids, or a dict {"prompt": ...} / {"prompt_token_ids": ...}.
 PromptType = str | list[int] | dict
@@ -213,42 +206,31 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     startup.enter("validating")
     validate_model_path(model_path)
     startup.enter("planning")
-    checkpoint = read_checkpoint_info(model_path)  # headers only; a GGUF header is parsed once for all users
-    hf_config = hf_config_from_checkpoint(checkpoint)
+    hf_config = load_hf_config(model_path)
     architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
     device = default_device() if args.device == "auto" else args.device
     config_dict = hf_config.to_dict()
     model_dtype = str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "")
     dtype = resolve_dtype(args.dtype, device, model_dtype.removeprefix("torch.") or None)
-    task = _resolve_task(args, architecture, model_path)
-    pooler = _pooler_config(model_path, architecture, hf_config) if task == "embed" else None
-    max_model_len = _max_model_len(args, hf_config, model_path if task == "embed" else None)
-    # An encoder attends in both directions, so a prompt cannot be split across steps: no chunked prefill,
-    # and a budget that holds the longest prompt. Pooling that reads every token's hidden state cannot
-    # skip a cached prefix; last-token pooling of a causal decoder can (its K/V are what a hit reuses).
-    encoder = task == "embed" and is_encoder(architecture)
-    chunked_prefill = args.enable_chunked_prefill and not encoder
-    prefix_caching = args.enable_prefix_caching and not (pooler is not None and (encoder or pooler.needs_all_tokens))
+    max_model_len = _max_model_len(args, hf_config)
     budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    if not chunked_prefill:
+    if not args.enable_chunked_prefill:
         budget = max(budget, max_model_len)
     from pagedserve.models.fetch import DEFAULT_MODEL
 
     served_name = args.served_model_name or args.model or DEFAULT_MODEL
     model = ModelConfig(model=model_path, served_model_name=served_name, dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
-                        architecture=architecture, task=task, pooler=pooler, seed=args.seed,
+                        architecture=architecture, task=args.task, seed=args.seed,
                         quantization=args.quantization, enforce_eager=args.enforce_eager,
                         reference_kernels=args.reference_kernels)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                                max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
+                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
                                 max_waiting_requests=args.max_waiting_requests)
-    plan = plan_memory(args, checkpoint, model, scheduler, device, available)
-    cache = CacheConfig(block_size=args.block_size, num_blocks=_num_kv_blocks(args, plan),
-                        enable_prefix_caching=prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
+    num_blocks = _num_kv_blocks(args, hf_config, dtype, max_model_len)
+    cache = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
+                        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
     threads = args.num_threads or usable_cpu_count()
-    if check_memory:
-        check_memory_plan(plan)
-    return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan)
+    return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads))
 
 
 def check_engine_args(args: EngineArgs) -> None:
@@ -261,13 +243,8 @@ def check_engine_args(args: EngineArgs) -> None:
     if args.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported; supported: "
                          f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
-    if args.task not in ("auto", "generate", "embed"):
-        raise ValueError(f"--task {args.task} is not supported; use auto, generate or embed")
-    if args.runner not in RUNNER_TASKS:
-        raise ValueError(f"--runner {args.runner} is not supported; use {', '.join(RUNNER_TASKS)}")
-    runner_task = RUNNER_TASKS[args.runner]
-    if args.task != "auto" and runner_task is not None and runner_task != args.task:
-        raise ValueError(f"--runner {args.runner} contradicts --task {args.task}; give one of them")
+    if args.task not in ("generate", "embed"):
+        raise ValueError(f"--task {args.task} is not supported; use generate or embed")
     if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
         raise ValueError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
     if args.max_num_seqs < 1:
@@ -276,169 +253,32 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
 
 
-def _resolve_task(args: EngineArgs, architecture: str, model_path: str) -> str:
-    """--task, else --runner, else what the model is (models/pooling_config.py's default_task)."""
-    from pagedserve.models.pooling_config import DECODER_BASE_ARCHITECTURES, default_task
-
-    task = args.task if args.task != "auto" else RUNNER_TASKS.get(args.runner)
-    task = task or default_task(architecture, model_path)
-    if task == "generate" and (is_encoder(architecture) or architecture in DECODER_BASE_ARCHITECTURES):
-        raise ValueError(f"{architecture} is an embedding model without an LM head and cannot generate text; "
-                         "serve it with --task embed (the default for it)")
-    if task == "embed":
-        logger.info("task embed: %s serves /v1/embeddings, not text generation", architecture)
-    return task
-
-
-def _pooler_config(model_path: str, architecture: str, hf_config: Any) -> Any:
-    from pagedserve.models.pooling_config import load_pooler_config
-
-    pooler = load_pooler_config(model_path, architecture, hf_config)
-    logger.info("pooling: %s%s (%s)", pooler.pooling_type, " + normalize" if pooler.normalize else "", pooler.source)
-    return pooler
-
-
-def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str | None = None) -> int:
-    """--max-model-len, else the model's context; embedding models default to sentence-transformers'
-    max_seq_length (the input length they were trained for; vLLM does the same)."""
+def _max_model_len(args: EngineArgs, hf_config: Any) -> int:
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
     if args.max_model_len is None:
-        if embedding_model_path is not None:
-            from pagedserve.models.pooling_config import sentence_transformers_max_seq_length
-
-            return min(model_max, sentence_transformers_max_seq_length(embedding_model_path) or model_max)
         return model_max
     if args.max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
-    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
-    if is_encoder(architecture) and args.max_model_len > model_max:
-        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the {model_max} positions this encoder "
-                         f"has embeddings for; use --max-model-len {model_max} or less")
     return args.max_model_len
 
 
-def _num_kv_blocks(args: EngineArgs, plan: MemoryPlan) -> int:
-    """KV pool size: --num-gpu-blocks-override (testing), else the plan's blocks + the reserved null block.
+def kv_bytes_per_token(hf_config: Any, dtype_bytes: int) -> int:
+    from pagedserve.models.llama import head_dim_of
 
-    The plan sizes the pool from --kv-cache-memory (or VLLM_CPU_KVCACHE_SPACE), else from the memory left
-    in the budget: never below one full max_model_len sequence (else it refuses to start), never above
-    max_num_seqs full sequences, never beyond --gpu-memory-utilization x the memory available now.
-    """
-    return args.num_gpu_blocks_override or plan.num_kv_blocks + 1
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim_of(hf_config) * dtype_bytes
 
 
-# ---- the memory plan -------------------------------------------------------------------------------
-def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig, scheduler: SchedulerConfig,
-                device: str, available: AvailableMemory | None = None) -> MemoryPlan:
-    """The memory plan for serving `checkpoint` with these settings against the memory free now (the host's:
-    cgroup limit - usage and MemAvailable; on a GPU its free memory), from headers only."""
-    from pagedserve.memory import plan as memory
-    from pagedserve.memory.checkpoint import dtype_bytes
-
-    if available is None:
-        available = _probe_available_memory(device)
-    weight_dtype_bytes = dtype_bytes(model.dtype)
-    kv_dtype_bytes = dtype_bytes(model.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
-    shape = memory.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
-    block_bytes = memory.kv_bytes_per_token(shape, kv_dtype_bytes) * args.block_size
-    kv_cache_bytes = args.kv_cache_memory
+def _num_kv_blocks(args: EngineArgs, hf_config: Any, dtype: str, max_model_len: int) -> int:
+    """KV pool size: an override, or bytes asked for, or enough for max_num_seqs full sequences capped
+    at 4 GiB (vLLM-CPU's customary default). The memory planner refines this."""
     if args.num_gpu_blocks_override:
-        kv_cache_bytes = max(1, args.num_gpu_blocks_override - 1) * block_bytes  # minus the null block
-    on_cpu = device == "cpu"
-    overhead = memory.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
-                                             on_cpu=on_cpu)
-    request = memory.PlanRequest(
-        dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, max_model_len=model.max_model_len,
-        max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        block_size=args.block_size, available=available, memory_fraction=args.gpu_memory_utilization,
-        kv_cache_bytes=kv_cache_bytes, runtime_overhead_bytes=overhead,
-        host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0,
-        quantization=model.quantization)
-    plan = memory.make_plan(shape, request, quantizations=tuple(q for q in SUPPORTED_QUANTIZATION if q),
-                            kv_cache_dtypes=tuple(d for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto"))
-    if args.num_gpu_blocks_override and plan.problems:  # testing: exactly the pool asked for, even a small one
-        from dataclasses import replace
-
-        fits = plan.total_bytes <= plan.budget_bytes
-        plan = replace(plan, problems=[], fits=fits, suggestions=[] if fits else plan.suggestions)
-    return plan
-
-
-def _probe_available_memory(device: str) -> AvailableMemory:
-    from pagedserve.memory import probe
-
-    if device == "cuda":
-        gpu = probe.cuda_available_memory()
-        if gpu is not None:
-            return gpu
-    return probe.available_memory()
-
-
-def check_memory_plan(plan: MemoryPlan) -> None:
-    """Log the plan; when it does not fit, log it as an error and raise InsufficientMemoryError."""
-    from pagedserve.memory.plan import InsufficientMemoryError, format_plan_table
-
-    if not plan.fits:
-        logger.error("refusing to start, the model does not fit in memory:\n%s", format_plan_table(plan))
-        raise InsufficientMemoryError(plan)
-    logger.info("%s", format_plan_table(plan))
-
-
-def log_memory_vs_plan(plan: MemoryPlan | None, device: str) -> None:
-    """After warm-up: the measured resident memory next to the plan's steady figure (weights + overhead +
-    KV bookkeeping; the lazily allocated KV pool is resident only as written, see memory/plan.py)."""
-    from pagedserve.memory import probe
-
-    if plan is None:
-        return
-    mib = 1 << 20
-    planned = f"planned steady {plan.steady_bytes / mib:.0f} MiB (weights {plan.weight_bytes / mib:.0f} MiB" \
-              f" + overhead {plan.overhead_bytes / mib:.0f} MiB + KV bookkeeping {plan.kv_bookkeeping_bytes / mib:.0f} MiB)"
-    if device == "cuda":
-        info = probe.cuda_free_memory()
-        if info is not None:
-            logger.info("memory: GPU %.0f MiB in use after warm-up; %s", (info[1] - info[0]) / mib, planned)
-        return
-    rss = probe.process_rss_bytes()
-    if rss is not None:
-        error = (rss - plan.steady_bytes) / max(rss, 1)
-        logger.info("memory: RSS %.0f MiB after warm-up, %s: %+.1f %%; worst case with every KV block written"
-                    " %.0f MiB", rss / mib, planned, 100 * error, plan.total_bytes / mib)
-
-
-# ---- the model config ------------------------------------------------------------------------------
-# Decoders whose transformers config the engine builds as a plain PretrainedConfig: the model-specific classes
-# (LlamaConfig, ...) import ~1.5 s of transformers modules (torch.distributed, sympy) at start-up. Only when
-# every value the model reads is in the checkpoint's config, so transformers' per-model defaults cannot
-# differ; anything else (other models, rope scaling that needs transformers' rope functions) uses AutoConfig.
-_PLAIN_CONFIG_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
-_PLAIN_CONFIG_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                               "num_key_value_heads", "vocab_size", "max_position_embeddings")
-# The same defaults in LlamaConfig, Qwen2Config and Qwen3Config (transformers 5; tests/models compare).
-PLAIN_CONFIG_DEFAULTS = {"tie_word_embeddings": False, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-                         "attention_bias": False}
-
-
-def _is_plain_decoder_config(config: dict) -> bool:
-    if config.get("model_type") not in _PLAIN_CONFIG_MODEL_TYPES:
-        return False
-    if any(config.get(key) is None for key in _PLAIN_CONFIG_REQUIRED_KEYS):
-        return False
-    if config["model_type"] == "qwen3" and config.get("head_dim") is None:  # Qwen3Config defaults it to 128
-        return False
-    rope = [config.get("rope_parameters") or {}, config.get("rope_scaling") or {}]
-    return all(r.get("rope_type", r.get("type")) in (None, "default") for r in rope)
-
-
-def hf_config_from_checkpoint(checkpoint: CheckpointInfo) -> Any:
-    """The transformers config of a checkpoint (see _PLAIN_CONFIG_MODEL_TYPES for why it is often plain)."""
-    config = dict(checkpoint.config)
-    if _is_plain_decoder_config(config):
-        from transformers import PretrainedConfig
-
-        return PretrainedConfig(**{**PLAIN_CONFIG_DEFAULTS, **config})
-    from transformers import AutoConfig
-
-    if checkpoint.is_gguf:
-        return AutoConfig.for_model(config.pop("model_type"), **config)
-    return AutoConfig.from_pretrained(checkpoint.path)
+        return args.num_gpu_blocks_override
+    dtype_bytes = 4 if dtype == "float32" else 2
+    block_bytes = kv_bytes_per_token(hf_config, dtype_bytes) * args.block_size
+    per_seq_blocks = -(-max_model_len // args.block_size)
+    if args.kv_cache_memory:
+        return max(2, args.kv_cache_memory // block_bytes + 1)
+    wanted = args.max_num_seqs * per_seq_blocks
+    capped = (4 << 30) // block_bytes
+    return max(per_seq_blocks, min(wanted, capped)) + 1  # + the reserved null block

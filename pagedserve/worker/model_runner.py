@@ -67,7 +67,7 @@ class ModelRunner:
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
         self.model = load_model(hf_config, config.model.architecture, config.model.model, self.dtype,
-                                self.device, config.model.max_model_len, progress, task=config.model.task,
+                                self.device, config.model.max_model_len, progress,
                                 quantization=config.model.quantization,
                                 reference_kernels=config.model.reference_kernels)
         self.vocab_size = hf_config.vocab_size
