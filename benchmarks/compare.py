@@ -104,6 +104,22 @@ def _mark_built(out: Path, stamp: dict[str, Any]) -> None:
     (out / ".compare-complete").write_text(json.dumps(stamp))
 
 
+def make_portable(out: Path) -> None:
+    """Let older transformers (the peers' venvs) read the directory as this one does: a top-level rope_theta
+    next to transformers 5's rope_parameters, and a tokenizer class that every version knows."""
+    config_path, tokenizer_path = out / "config.json", out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer_path.is_file():
+        tokenizer_config = json.loads(tokenizer_path.read_text())
+        if tokenizer_config.get("tokenizer_class") == "TokenizersBackend":
+            tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            tokenizer_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
 def save_tokenizer(out: Path, vocab_size: int, gguf: Path | None) -> str:
     """The Qwen GGUF's tokenizer when available and the vocab matches, else a small byte-level BPE."""
     if gguf is not None and gguf.is_file() and vocab_size == QWEN05_SHAPE["vocab_size"]:
@@ -123,6 +139,7 @@ def build_random_model(name: str, shape: dict[str, Any], out: Path, gguf: Path |
     stamp = {"shape": shape, "seed": seed, "gguf": str(gguf) if gguf and gguf.is_file() else None}
     info = {"name": name, "path": str(out), "kind": "random"}
     if _is_built(out, stamp):
+        make_portable(out)
         return {**info, **json.loads((out / ".compare-info").read_text())}
     import torch
     import transformers
@@ -145,16 +162,21 @@ def build_random_model(name: str, shape: dict[str, Any], out: Path, gguf: Path |
                "description": f"Qwen2 shape {shape['num_hidden_layers']} layers x {shape['hidden_size']}, "
                               f"random weights (seed {seed}), bf16"}
     (out / ".compare-info").write_text(json.dumps(details))
+    make_portable(out)
     _mark_built(out, stamp)
     return {**info, **details}
 
 
 def build_real_model(gguf: Path, out: Path) -> dict[str, Any]:
     """The packaged Qwen2.5-Coder-0.5B-Instruct GGUF, dequantized once into a bf16 Hugging Face directory."""
+    from collections import Counter
+
+    from pagedserve.models.gguf_loader import GGUFCheckpoint
+
     stamp = {"gguf": str(gguf), "size": gguf.stat().st_size}
-    info = {"name": "qwen2.5-coder-0.5b-instruct", "path": str(out), "kind": "real"}
-    details = {"tokenizer": "Qwen2.5 tokenizer from the GGUF",
-               "description": f"real weights: {gguf.name} (mixed Q4_K/Q5_0/Q6_K/Q8_0) dequantized to bf16"}
+    with GGUFCheckpoint(gguf) as checkpoint:
+        specs = checkpoint.tensor_specs()
+    qtypes = Counter(spec.qtype.name for spec in specs)
     if not _is_built(out, stamp):
         import torch
 
@@ -162,10 +184,13 @@ def build_real_model(gguf: Path, out: Path) -> dict[str, Any]:
 
         save_as_hf_dir(gguf, out, dtype=torch.bfloat16)
         _mark_built(out, stamp)
-    config = json.loads((out / "config.json").read_text())
-    num_params = config["vocab_size"] * config["hidden_size"] * (1 if config.get("tie_word_embeddings") else 2)
-    details["num_params_embeddings"] = num_params
-    return {**info, **details}
+    make_portable(out)
+    stored = ", ".join(f"{count} {name}" for name, count in qtypes.most_common())
+    return {"name": "qwen2.5-coder-0.5b-instruct", "path": str(out), "kind": "real",
+            "num_params": sum(spec.num_elements for spec in specs),
+            "tokenizer": "Qwen2.5 tokenizer from the GGUF",
+            "description": f"real weights: {gguf.name} (tensors stored as {stored}; untied output matrix) "
+                           "dequantized to bf16"}
 
 
 def prompt_pool(model_dir: str) -> list[int]:
@@ -636,7 +661,8 @@ def render_model(record: dict[str, Any]) -> list[str]:
     table = summarize(record)
     get = lambda key, metric: spread(table.get(key, {}).get(metric, []))  # noqa: E731
     workloads = {w["name"]: w for w in record["workloads"]}
-    lines = [f"### {record['name']}", "", f"{record['description']}; tokenizer: {record['tokenizer']}.", ""]
+    params = f"{record['num_params'] / 1e6:.0f} M parameters, " if record.get("num_params") else ""
+    lines = [f"### {record['name']}", "", f"{params}{record['description']}; tokenizer: {record['tokenizer']}.", ""]
     lines += ["| Workload | Metric | pagedserve | HF generate | HF continuous batching | pagedserve / HF generate "
               "| pagedserve / HF CB |", "|---|---|---|---|---|---|---|"]
     for name in ("W1", "W2"):
