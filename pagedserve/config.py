@@ -15,6 +15,7 @@ class ModelConfig:
     hf_config: Any  # transformers.PretrainedConfig
     architecture: str  # e.g. "LlamaForCausalLM"
     task: str = "generate"  # "generate" | "embed"
+    pooler: Any = None  # models.pooling_config.PoolerConfig when task == "embed"
     seed: int = 0
     quantization: str | None = None
     enforce_eager: bool = False

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -67,7 +67,10 @@ class EngineMetrics:
         for output in outputs:
             self._observe_output(output, now)
 
-    def _observe_output(self, output: RequestOutput, now: float) -> None:
+    def _observe_output(self, output: RequestOutput | PoolingRequestOutput, now: float) -> None:
+        if isinstance(output, PoolingRequestOutput):
+            self._observe_pooling(output, now)
+            return
         name = self.model_name
         timing = self._timings.setdefault(output.request_id, _RequestTiming())
         metrics = output.metrics
@@ -95,3 +98,16 @@ class EngineMetrics:
                 self.success.labels(name, completion.finish_reason or "abort").inc()
             if metrics is not None:
                 self.e2e.labels(name).observe(now - metrics.arrival_time)
+
+    def _observe_pooling(self, output: PoolingRequestOutput, now: float) -> None:
+        """An embedding request: prompt tokens, queue time and latency; it generates no tokens."""
+        name = self.model_name
+        embedded = bool(output.outputs.embedding)  # empty: aborted before its prompt ran
+        self.success.labels(name, "stop" if embedded else "abort").inc()
+        metrics = output.metrics
+        if embedded:
+            self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+        if metrics is not None:
+            self.e2e.labels(name).observe(now - metrics.arrival_time)
+            if embedded and metrics.first_scheduled_time is not None:
+                self.queue_time.labels(name).observe(metrics.first_scheduled_time - metrics.arrival_time)

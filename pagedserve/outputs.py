@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # One position's logprobs: token id -> Logprob. The sampled (or prompt) token is always present.
 LogprobsDict = dict[int, "Logprob"]
@@ -54,10 +54,26 @@ class RequestOutput:
 
 
 @dataclass
-class PoolingOutput:
-    """An embedding request's result."""
+class EmbeddingOutput:
+    """The vector of one embedding request (vLLM's name and field)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """An embedding request's result, shaped like vLLM's: `output.outputs.embedding` is the vector."""
 
     request_id: str
+    prompt: str | None
     prompt_token_ids: list[int]
-    embedding: list[float] = field(default_factory=list)
+    outputs: EmbeddingOutput
     finished: bool = True
+    metrics: RequestMetrics | None = None
+
+
+EmbeddingRequestOutput = PoolingRequestOutput  # vLLM's name for the same thing

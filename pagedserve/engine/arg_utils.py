@@ -48,7 +48,10 @@ class EngineArgs:
     seed: int = _opt("Seed for unseeded random sampling.", default=0)
     device: str = _opt("cpu, cuda or auto.", default="auto")
     num_threads: int | None = _opt("Torch threads on CPU (default: the cores this process may use).")
-    task: str = _opt("generate or embed.", default="generate")
+    task: str = _opt("auto, generate or embed. auto: embed for encoders (BERT), decoders saved without an LM "
+                     "head, and models with a sentence-transformers pooling module (modules.json); else "
+                     "generate.", default="auto")
+    runner: str = _opt("auto, generate or pooling (vLLM's name; pooling = --task embed).", default="auto")
     max_waiting_requests: int = _opt("Queue bound; the server answers 429 beyond it.", default=1024)
 
     @classmethod

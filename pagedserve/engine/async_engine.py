@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import PoolingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class QueueFullError(RuntimeError):
 class _Add:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float | None
 
 
@@ -75,9 +76,10 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # ---- caller side (asyncio) -------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield outputs until the request finishes; closing the iterator early aborts the request."""
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+        """Yield outputs until the request finishes; closing the iterator early aborts the request.
+        With PoolingParams (an embedding model) the one output is a PoolingRequestOutput."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}")
         stream: asyncio.Queue = asyncio.Queue()

@@ -8,7 +8,9 @@ from typing import Any
 
 from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.outputs import CompletionOutput, Logprob, LogprobsDict, RequestMetrics, RequestOutput
+from pagedserve.outputs import (CompletionOutput, EmbeddingOutput, Logprob, LogprobsDict, PoolingRequestOutput,
+                                RequestMetrics, RequestOutput)
+from pagedserve.pooling_params import PoolingParams, apply_dimensions
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -44,6 +46,18 @@ class _RequestState:
         return all(s.finish_reason is not None for s in self.samples)
 
 
+@dataclass
+class _PoolingState:
+    """An embedding request: no samples, one result when its prompt has run."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: PoolingParams
+    metrics: RequestMetrics
+    renormalize: bool  # the model normalises, so a truncated vector is rescaled to unit length
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}#{request_id}"
 
@@ -53,6 +67,28 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
+        self.pooling: dict[str, _PoolingState] = {}
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.pooling
+
+    def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                            params: PoolingParams, arrival_time: float, renormalize: bool) -> None:
+        self.pooling[request_id] = _PoolingState(request_id, prompt, prompt_token_ids, params,
+                                                 RequestMetrics(arrival_time), renormalize)
+
+    def _finish_pooling(self, state: _PoolingState, core_out: EngineCoreOutput | None, now: float
+                        ) -> PoolingRequestOutput:
+        """The result (an empty vector when aborted before its prompt ran)."""
+        del self.pooling[state.request_id]
+        state.metrics.finished_time = now
+        embedding: list[float] = []
+        if core_out is not None:
+            state.metrics.first_scheduled_time = core_out.first_scheduled_time
+            state.metrics.first_token_time = state.metrics.last_token_time = now
+            embedding = apply_dimensions(core_out.pooled, state.params.dimensions, state.renormalize)
+        return PoolingRequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                                    EmbeddingOutput(embedding), finished=True, metrics=state.metrics)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> list[str]:
@@ -70,12 +106,16 @@ class OutputProcessor:
         return child_ids
 
     def child_ids(self, request_id: str) -> list[str]:
+        if request_id in self.pooling:
+            return [request_id]
         state = self.requests.get(request_id)
         return [] if state is None else [child_request_id(request_id, i, state.params.n)
                                          for i in range(state.params.n)]
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
         """Mark every unfinished sample aborted; returns the final output (None if unknown)."""
+        if request_id in self.pooling:
+            return self._finish_pooling(self.pooling[request_id], None, time.monotonic())
         state = self.requests.get(request_id)
         if state is None:
             return None
@@ -84,12 +124,19 @@ class OutputProcessor:
                 sample.finish_reason = "abort"
         return self._finish_and_build(state)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, outputs: list[EngineCoreOutput]
+                ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         """(outputs to deliver, child ids that hit a stop string and must be finished in the scheduler)."""
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
         stopped_children: list[str] = []
+        results: list[RequestOutput | PoolingRequestOutput] = []
         for core_out in outputs:
+            pooling = self.pooling.get(core_out.request_id)
+            if pooling is not None:
+                if core_out.pooled is not None:
+                    results.append(self._finish_pooling(pooling, core_out, now))
+                continue
             parent_id, index = self.child_to_parent.get(core_out.request_id, (None, 0))
             state = self.requests.get(parent_id) if parent_id else None
             if state is None:
@@ -97,7 +144,6 @@ class OutputProcessor:
             touched[parent_id] = state
             if self._update_sample(state, state.samples[index], core_out, now):
                 stopped_children.append(core_out.request_id)
-        results = []
         for state in touched.values():
             built = self._finish_and_build(state) if state.finished else self._build(state)
             if built is not None:

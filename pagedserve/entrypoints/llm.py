@@ -1,4 +1,5 @@
-"""The offline API, like vLLM's: LLM(model, ...).generate(prompts, sampling_params) / .chat(messages)."""
+"""The offline API, like vLLM's: LLM(model, ...).generate(prompts, sampling_params) / .chat(messages) /
+.embed(prompts) for embedding models."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import PoolingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -56,8 +58,49 @@ class LLM:
         # The template already holds any BOS token: do not add special tokens again.
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Embed every prompt (text, token ids, or a dict with "prompt_token_ids") in one continuous batch.
+
+        Outputs are in input order and shaped like vLLM's: `outputs[i].outputs.embedding` is a list of
+        floats (normalised when the model's sentence-transformers pipeline normalises)."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+            params_list = [params] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} PoolingParams for {len(prompt_list)} prompts")
+        prompt_list = self._pretokenize(prompt_list, params_list)
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_ids.append(self.engine.add_request(None, prompt, params))
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids)
+
+    def _pretokenize(self, prompts: list[PromptType], params_list: list[PoolingParams]) -> list[PromptType]:
+        """Tokenize the text prompts in one batched tokenizer call (much faster than one at a time)."""
+        if not self.engine.is_pooling:
+            return prompts  # add_request raises the clear error
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        if not texts or len({params_list[i].truncate_prompt_tokens for i in texts}) != 1:
+            return prompts
+        k = params_list[texts[0]].truncate_prompt_tokens
+        k = self.engine.max_model_len if k == -1 else k
+        kwargs = {} if k is None else {"truncation": True, "max_length": k}
+        encoded = self.engine.tokenizer([prompts[i] for i in texts], **kwargs)["input_ids"]
+        result = list(prompts)
+        for i, ids in zip(texts, encoded):
+            result[i] = {"prompt": prompts[i], "prompt_token_ids": ids}
+        return result
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
                 if output.finished:

@@ -55,9 +55,9 @@ def iter_checkpoint(model_path: str, dtype: torch.dtype) -> tuple[int, Iterator[
 
 def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.dtype, device: str,
                max_position: int, progress: ProgressFn | None = None, quantization: str | None = None,
-               reference_kernels: bool = False) -> nn.Module:
+               reference_kernels: bool = False, task: str = "generate") -> nn.Module:
     """Instantiate on the meta device, then bind checkpoint tensors to parameters by name."""
-    cls = model_class(architecture)
+    cls = model_class(architecture, task)
     with torch.device("meta"):
         model = cls(hf_config, max_position)
     params = dict(model.named_parameters())

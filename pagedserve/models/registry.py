@@ -14,9 +14,17 @@ CAUSAL_LM_ARCHITECTURES: dict[str, type[nn.Module]] = {
 }
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str, task: str = "generate") -> type[nn.Module]:
+    """The class for `architecture`; task "embed" gives the embedding variant (models/embedding.py)."""
+    if task == "embed":
+        from pagedserve.models.embedding import EMBEDDING_ARCHITECTURES
+
+        table = EMBEDDING_ARCHITECTURES
+    else:
+        table = CAUSAL_LM_ARCHITECTURES
     try:
-        return CAUSAL_LM_ARCHITECTURES[architecture]
+        return table[architecture]
     except KeyError:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
-                         f"{', '.join(sorted(CAUSAL_LM_ARCHITECTURES))}") from None
+        hint = " (an embedding model: use --task embed)" if task != "embed" and architecture.endswith("Model") else ""
+        raise ValueError(f"architecture {architecture!r} is not supported for task {task!r}{hint}; supported: "
+                         f"{', '.join(sorted(table))}") from None

@@ -22,6 +22,11 @@ SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "BertModel",
+    # Decoders saved without an LM head (e.g. Qwen3-Embedding): embedding only (models/embedding.py).
+    "LlamaModel",
+    "MistralModel",
+    "Qwen2Model",
+    "Qwen3Model",
 )
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 # Weight encodings that gguf-py can dequantize and that we test.

@@ -69,7 +69,7 @@ class ModelRunner:
         self.model = load_model(hf_config, config.model.architecture, config.model.model, self.dtype,
                                 self.device, config.model.max_model_len, progress,
                                 quantization=config.model.quantization,
-                                reference_kernels=config.model.reference_kernels)
+                                reference_kernels=config.model.reference_kernels, task=config.model.task)
         self.vocab_size = hf_config.vocab_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         max_rows = config.scheduler.max_num_seqs

@@ -1,0 +1,183 @@
+"""BERT encoder (`BertModel`): absolute positions, token types, post-LayerNorm, GELU, bidirectional attention.
+
+Parameter names equal the Hugging Face checkpoint's (`embeddings.word_embeddings`,
+`encoder.layer.N.attention.self.query`, ...). A batch is a flat run of whole sequences, [T, hidden];
+the linear layers see only real tokens, and attention pads the sequences to the longest one of the
+step (a key mask hides the padding). There is no KV cache: every request is computed in one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+@dataclass
+class EncoderMetadata:
+    """Where each sequence lies in the flat batch, and the padded layout attention uses."""
+
+    seq_lens: list[int]
+    max_len: int
+    # [T] int64: row of each token in the padded [B * max_len] layout; None when B == 1 (no padding).
+    padded_index: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None  # [B, 1, 1, max_len] bool, True = a real token; None: no padding
+
+
+def encoder_metadata(seq_lens: list[int], device: torch.device | str = "cpu") -> EncoderMetadata:
+    max_len = max(seq_lens)
+    meta = EncoderMetadata(seq_lens, max_len)
+    if len(seq_lens) == 1:
+        return meta
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    starts = torch.arange(len(seq_lens), dtype=torch.int64) * max_len
+    offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    meta.padded_index = (torch.repeat_interleave(starts, lens) + offsets).to(device)
+    if any(n != max_len for n in seq_lens):
+        mask = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
+        meta.key_mask = mask[:, None, None, :].to(device)
+    return meta
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
+    """q, k, v: [T, heads, head_dim] -> [T, heads, head_dim]; each token attends to its whole sequence."""
+    _, num_heads, head_dim = q.shape
+    if meta.padded_index is None:  # one sequence: no padding, no mask
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        return out.transpose(0, 1)
+    batch = len(meta.seq_lens)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
+        padded = x.new_zeros(batch * meta.max_len, num_heads, head_dim)
+        padded[meta.padded_index] = x
+        return padded.view(batch, meta.max_len, num_heads, head_dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=meta.key_mask)  # [B, H, L, D]
+    return out.transpose(1, 2).reshape(batch * meta.max_len, num_heads, head_dim)[meta.padded_index]
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
+        shape = (x.shape[0], self.num_heads, self.head_dim)
+        out = encoder_attention(self.query(x).view(shape), self.key(x).view(shape), self.value(x).view(shape), meta)
+        return out.reshape(x.shape[0], -1)
+
+
+class BertSelfOutput(nn.Module):
+    """dense + residual + LayerNorm (post-LN), after attention and after the MLP alike."""
+
+    def __init__(self, cfg: Any, in_features: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_features, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(hidden) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(cfg)
+        self.output = BertSelfOutput(cfg, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
+        return self.output(self.self(x, meta), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        act = getattr(cfg, "hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.attention = BertAttention(cfg)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertSelfOutput(cfg, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
+        x = self.attention(x, meta)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+
+class BertModel(nn.Module):
+    """The encoder only; the checkpoint's `pooler` (a tanh layer over CLS) is not used by embedding models."""
+
+    def __init__(self, cfg: Any, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        position_type = getattr(cfg, "position_embedding_type", "absolute") or "absolute"
+        if position_type != "absolute":
+            raise ValueError(f"position_embedding_type {position_type!r} is not supported (only absolute)")
+        if getattr(cfg, "is_decoder", False):
+            raise ValueError("BertModel with is_decoder=true is not supported (encoders only)")
+        self.embeddings = BertEmbeddings(cfg)
+        self.encoder = BertEncoder(cfg)
+
+    def prepare(self, packed: Any) -> None:
+        """Called once after loading with the linear kind models/loader.py chose; BERT keeps its nn.Linear
+        layers as they are (its token batches are large: packing gains little there)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] for whole sequences laid end to end -> hidden [T, hidden]."""
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.embeddings(input_ids, positions, token_type_ids)
+        for layer in self.encoder.layer:
+            x = layer(x, meta)
+        return x
+
+    def checkpoint_name_to_param(self, name: str) -> str | None:
+        """Our parameter name for a checkpoint tensor, or None to skip it (pooler, MLM heads, buffers)."""
+        name = name.removeprefix("bert.")
+        if name.startswith(("pooler.", "cls.")) or name.endswith(("position_ids", "token_type_ids")):
+            return None
+        return name

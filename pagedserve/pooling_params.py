@@ -1,0 +1,56 @@
+"""PoolingParams: how one embedding request is pooled and post-processed (pure Python, like SamplingParams)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class PoolingParams:
+    """Per-request embedding options, with vLLM's names.
+
+    `dimensions` keeps the first N values (Matryoshka) and renormalises when the model normalises
+    (sentence-transformers' Normalize module). `truncate_prompt_tokens` = k keeps k tokens of a longer
+    prompt, cut on the tokenizer's `truncation_side` (BERT and most embedders: the end, keeping the
+    final special token for text); -1 means the model's max_model_len. Without it, a prompt longer
+    than max_model_len is an error, never silently cut.
+    """
+
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
+        k = self.truncate_prompt_tokens
+        if k is not None and k < 1 and k != -1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 (or -1 for the model's maximum), got {k}")
+
+
+def tokenize_for_pooling(tokenizer: Any, prompt: str | list[int], truncate_prompt_tokens: int | None,
+                         max_model_len: int) -> list[int]:
+    """Token ids of an embedding prompt (text or ids), truncated as PoolingParams documents."""
+    k = truncate_prompt_tokens
+    if k == -1:
+        k = max_model_len
+    if isinstance(prompt, str):
+        if k is None:
+            return tokenizer.encode(prompt)
+        return tokenizer(prompt, truncation=True, max_length=k)["input_ids"]
+    ids = list(prompt)
+    if k is None or len(ids) <= k:
+        return ids
+    return ids[-k:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:k]
+
+
+def apply_dimensions(vector: list[float], dimensions: int | None, renormalize: bool) -> list[float]:
+    """Keep the first `dimensions` values (Matryoshka) and rescale to unit length if the model normalises."""
+    if dimensions is None or dimensions >= len(vector):
+        return vector
+    kept = vector[:dimensions]
+    if not renormalize:
+        return kept
+    norm = math.sqrt(sum(x * x for x in kept))
+    return [x / max(norm, 1e-12) for x in kept]
