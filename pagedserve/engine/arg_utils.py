@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_QUANTIZATION = (None, "int8")
-SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _opt(help_text: str, **kwargs: Any) -> Any:
@@ -39,7 +39,8 @@ class EngineArgs:
     kv_cache_memory: int | None = _opt("Bytes of KV cache (overrides the fraction; on CPU also set by "
                                        "VLLM_CPU_KVCACHE_SPACE in GiB).")
     num_gpu_blocks_override: int | None = _opt("Exact number of KV blocks (testing).")
-    kv_cache_dtype: str = _opt("KV cache dtype: auto (= model dtype).", default="auto")
+    kv_cache_dtype: str = _opt("KV cache dtype: auto (= model dtype), fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit "
+                                "K/V with a scale per token and head, about half the memory.", default="auto")
     quantization: str | None = _opt("Weight quantization: int8 (weight-only, one scale per output channel).")
     tensor_parallel_size: int = _opt("Tensor-parallel workers (only 1 is supported).", default=1)
     enforce_eager: bool = _opt("Never compile; run eagerly.", default=False)

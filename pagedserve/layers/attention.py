@@ -33,37 +33,72 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+@dataclass
+class LayerKVCache:
+    """One layer's K/V pool: [num_slots, num_kv_heads, head_dim] each.
+
+    In fp8 every (slot, head) vector is stored with its own scale (amax / fp8 max, in `scale_dtype`), so
+    no value overflows the format and each vector keeps fp8's full relative precision; the scales add
+    2 bytes per head_dim values (3 % for head_dim 64 in bf16)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_slots, num_kv_heads, 1], only when quantized
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        if not self.is_quantized:
+            self.k.index_copy_(0, slots, k.to(self.k.dtype))
+            self.v.index_copy_(0, slots, v.to(self.v.dtype))
+            return
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            fp8_max = torch.finfo(cache.dtype).max
+            scale = (x.abs().amax(dim=-1, keepdim=True).float() / fp8_max).clamp(min=1e-12)
+            # CPU kernels lack fp8 index ops: move the bytes as uint8.
+            cache.view(torch.uint8).index_copy_(0, slots, (x.float() / scale).to(cache.dtype).view(torch.uint8))
+            scales.index_copy_(0, slots, scale.to(scales.dtype))
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` (any index shape) in `dtype`: [*slots.shape, num_kv_heads, head_dim]."""
+        if not self.is_quantized:
+            return self.k[slots].to(dtype), self.v[slots].to(dtype)
+        k = self.k.view(torch.uint8)[slots].view(self.k.dtype)
+        v = self.v.view(torch.uint8)[slots].view(self.v.dtype)
+        return k.to(dtype) * self.k_scale[slots].to(dtype), v.to(dtype) * self.v_scale[slots].to(dtype)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens -> [T, Hq, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    cache.write(k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd:
         qd = q[:nd].unsqueeze(2)  # [Bd, Hq, 1, D]
-        kd = k_cache[meta.decode_kv_slots].to(q.dtype).transpose(1, 2)  # [Bd, Hkv, L, D]
-        vd = v_cache[meta.decode_kv_slots].to(q.dtype).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                            enable_gqa=gqa)
+        kd, vd = cache.gather(meta.decode_kv_slots, q.dtype)  # [Bd, L, Hkv, D]
+        od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                                            attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out[:nd] = od.squeeze(2)
     for span in meta.prefills:
         qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
-        if span.kv_slots is None:
-            kp = k[span.start:span.end]
-            vp = v[span.start:span.end]
+        if span.kv_slots is None and not cache.is_quantized:
+            kp, vp = k[span.start:span.end], v[span.start:span.end]
         else:
-            kp = k_cache[span.kv_slots].to(q.dtype)
-            vp = v_cache[span.kv_slots].to(q.dtype)
+            # A quantized cache is read back even for a fresh chunk, so that prefill sees exactly the
+            # K/V that later decode steps will see.
+            slots = span.kv_slots if span.kv_slots is not None else meta.slot_mapping[span.start:span.end]
+            kp, vp = cache.gather(slots, q.dtype)
         kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
         vp = vp.transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask,
-                                            is_causal=span.kv_slots is None, scale=scale, enable_gqa=gqa)
+                                            is_causal=span.mask is None, scale=scale, enable_gqa=gqa)
         out[span.start:span.end] = op.squeeze(0).transpose(0, 1)
     return out

@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagedserve.layers.attention import AttentionMetadata, PrefillSpan
+from pagedserve.layers.attention import FP8_DTYPES, AttentionMetadata, LayerKVCache, PrefillSpan
 from pagedserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
 from pagedserve.models.loader import ProgressFn, load_model
 from pagedserve.platform import lazy_zeros, torch_dtype
@@ -71,7 +71,7 @@ class ModelRunner:
                                 quantization=config.model.quantization,
                                 reference_kernels=config.model.reference_kernels, task=config.model.task)
         self.vocab_size = hf_config.vocab_size
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[LayerKVCache] = []
         max_rows = config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.block_table = torch.zeros((max_rows, self.max_blocks_per_seq), dtype=torch.int64)
@@ -84,16 +84,25 @@ class ModelRunner:
     # ---- memory ----------------------------------------------------------------------------
     def kv_dtype(self) -> torch.dtype:
         name = self.config.cache.kv_cache_dtype
-        return self.dtype if name == "auto" else torch_dtype(name)
+        if name == "auto":
+            return self.dtype
+        return FP8_DTYPES[name] if name in FP8_DTYPES else torch_dtype(name)
 
     def allocate_kv_cache(self) -> None:
         num_slots = self.config.cache.num_blocks * self.block_size
         shape = (num_slots, self.model.num_kv_heads, self.model.head_dim)
+        kv_dtype = self.kv_dtype()
+        quantized = kv_dtype in FP8_DTYPES.values()
         # Masked attention still multiplies unused slots by 0, so every slot must start finite: zeros,
         # allocated lazily so that the pool costs RAM only as it fills.
-        self.kv_caches = [(lazy_zeros(shape, self.kv_dtype(), self.device),
-                           lazy_zeros(shape, self.kv_dtype(), self.device))
-                          for _ in range(len(self.model.model.layers))]
+        self.kv_caches = []
+        for _ in range(len(self.model.model.layers)):
+            cache = LayerKVCache(lazy_zeros(shape, kv_dtype, self.device), lazy_zeros(shape, kv_dtype, self.device))
+            if quantized:
+                scale_shape = (num_slots, self.model.num_kv_heads, 1)
+                cache.k_scale = lazy_zeros(scale_shape, self.dtype, self.device)
+                cache.v_scale = lazy_zeros(scale_shape, self.dtype, self.device)
+            self.kv_caches.append(cache)
 
     # ---- request state ---------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedserve import LLM, SamplingParams
 from tests.models.test_correctness import make_prompts
@@ -73,3 +74,57 @@ def test_int8_weights_agree_with_bf16(tiny_model_dir):
     assert diffs[len(diffs) // 2] < 0.1, diffs[len(diffs) // 2]
     kinds = {type(m).__name__ for name, m in int8_llm.engine.runner.model.named_modules() if name.endswith("_proj")}
     assert kinds == {"Int8Linear"}
+
+
+def agreement(reference_llm: LLM, other_llm: LLM, prompts: list[list[int]], max_tokens: int = 24
+              ) -> tuple[float, float]:
+    """(share of positions whose most likely token agrees, median |logprob diff| of shared top tokens),
+    teacher-forced along the reference's greedy continuations."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    greedy = reference_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, greedy)]
+    agree, total, diffs = 0, 0, []
+    for ref_seq, other_seq in zip(teacher_forced(reference_llm, sequences), teacher_forced(other_llm, sequences)):
+        for ref, other in zip(ref_seq, other_seq):
+            top = lambda d: min(d.items(), key=lambda kv: kv[1].rank)[0]
+            agree += top(ref) == top(other)
+            total += 1
+            diffs += [abs(ref[t].logprob - other[t].logprob) for t in ref.keys() & other.keys()]
+    diffs.sort()
+    return agree / total, diffs[len(diffs) // 2]
+
+
+# (min top-token agreement, max median |logprob diff|). Observed on this tiny random model, teacher-forced:
+# e4m3 0.886 / 0.065, e5m2 0.80 / 0.12; for scale, bf16 vs fp32 weights give 0.968 / 0.015 and int8
+# weights 0.947 / 0.035. Random weights with std 0.2 make this model far more sensitive than real ones
+# (the real-model target, >= 95 %, is checked by the slow test below); a broken fp8 path (unscaled or
+# misread K/V) gives agreement near zero.
+FP8_BOUNDS = {"fp8": (0.85, 0.1), "fp8_e5m2": (0.75, 0.2)}
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache_agrees_with_full_precision(tiny_model_dir, kv_dtype):
+    """fp8 K/V with a scale per token and head: e4m3 keeps 3 mantissa bits, e5m2 2 bits, on K/V only."""
+    model_dir = tiny_model_dir("qwen2", "bfloat16")
+    full = LLM(model_dir, dtype="bfloat16", max_model_len=256)
+    fp8 = LLM(model_dir, dtype="bfloat16", max_model_len=256, kv_cache_dtype=kv_dtype)
+    assert fp8.engine.runner.kv_caches[0].k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    share, median = agreement(full, fp8, make_prompts(full.get_tokenizer()))
+    min_share, max_median = FP8_BOUNDS[kv_dtype]
+    assert share >= min_share, share
+    assert median < max_median, median
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [dict(quantization="int8"), dict(kv_cache_dtype="fp8")], ids=["int8", "fp8-kv"])
+def test_real_model_agreement_with_bf16(variant):
+    """Issue target: >= 95 % greedy agreement with bf16 on the real Qwen2.5-Coder-0.5B over a fixed prompt set."""
+    from tests.models.real_models import QWEN_CODER
+
+    reference = LLM(QWEN_CODER, dtype="bfloat16", max_model_len=1024)
+    other = LLM(QWEN_CODER, dtype="bfloat16", max_model_len=1024, **variant)
+    tokenizer = reference.get_tokenizer()
+    texts = ["def quicksort(arr):", "The capital of France is", "# Python: read a CSV file and print the mean\n",
+             "Explain what a hash table is.", "SELECT name FROM users WHERE", "1, 1, 2, 3, 5, 8,"]
+    share, median = agreement(reference, other, [tokenizer.encode(t) for t in texts], max_tokens=32)
+    assert share >= 0.95, share

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.layers.attention import AttentionMetadata, PrefillSpan, paged_attention
+from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, PrefillSpan, paged_attention
 from pagedserve.layers.linear import PackedLinear, PlainLinear, packing_supported
 from pagedserve.layers.norm import RMSNorm, reference_rms_norm
 
@@ -79,7 +79,7 @@ def test_paged_attention_mixed_batch_matches_reference():
                                      mask=torch.arange(ctx)[None, :] <= torch.arange(5, 9)[:, None]))
     expected_cache_k = k_cache.clone()
     expected_cache_k[slot_mapping] = k
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, 1 / math.sqrt(d))
+    out = paged_attention(q, k, v, LayerKVCache(k_cache, v_cache), meta, 1 / math.sqrt(d))
     assert torch.equal(k_cache, expected_cache_k)
     row = 0
     for s in seqs:
