@@ -42,6 +42,7 @@ class ServerState:
     served_model_names: list[str] = field(default_factory=list)
     max_model_len: int = 0
     model_path: str = ""
+    task: str = "generate"  # "embed": /v1/embeddings only; "generate": completions and chat only
     created: int = field(default_factory=lambda: int(time.time()))
 
     def ready_serving(self) -> OpenAIServing:
@@ -56,6 +57,19 @@ class ServerState:
             raise APIError(f"the server is starting ({snap['phase']}{progress}); retry shortly", 503,
                            headers={"Retry-After": "1"})
         return self.serving
+
+    def serving_for(self, task: str, path: str, model: str | None) -> OpenAIServing:
+        """The serving layer if this model does `task` (after the model-name check), else a 400 saying why."""
+        serving = self.ready_serving()
+        serving.check_model(model)
+        if task == self.task:
+            return serving
+        if task == "embed":
+            raise APIError("this model serves text generation, not embeddings; start an embedding model "
+                           "(e.g. --task embed) for /v1/embeddings", 400, param="model")
+        raise APIError(f"this model serves embeddings, not text generation: {path} is not available; "
+                       "use /v1/embeddings (or start a generative model for completions and chat)", 400,
+                       param="model")
 
 
 class GuardMiddleware:
@@ -130,11 +144,12 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        return await state.ready_serving().create_completion(body, raw)
+        return await state.serving_for("generate", "/v1/completions", body.model).create_completion(body, raw)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await state.ready_serving().create_chat_completion(body, raw)
+        serving = state.serving_for("generate", "/v1/chat/completions", body.model)
+        return await serving.create_chat_completion(body, raw)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -145,11 +160,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return await state.ready_serving().detokenize(body)
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> Any:
-        serving = state.ready_serving()
-        serving.check_model(body.model)
-        raise APIError("this model serves text generation, not embeddings; start an embedding model "
-                       "(e.g. --task embed) for /v1/embeddings", 400, param="model")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Any:
+        return await state.serving_for("embed", "/v1/embeddings", body.model).create_embedding(body, raw)
 
 
 # ---- process lifecycle -------------------------------------------------------------------------------
@@ -167,7 +179,13 @@ def start_engine(state: ServerState, args: EngineArgs) -> None:
     state.served_model_names = [name]
     state.max_model_len = config.model.max_model_len
     state.model_path = config.model.model
-    state.serving = OpenAIServing(state.engine, state.served_model_names, state.max_model_len)
+    state.task = config.model.task
+    serving_cls = OpenAIServing
+    if state.task == "embed":
+        from pagedserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+
+        serving_cls = OpenAIServingEmbedding
+    state.serving = serving_cls(state.engine, state.served_model_names, state.max_model_len)
 
 
 @dataclass

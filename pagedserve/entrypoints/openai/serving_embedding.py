@@ -1,0 +1,127 @@
+"""POST /v1/embeddings in OpenAI's format, for engines started with task "embed".
+
+Each input becomes one engine request (PoolingParams), so inputs of one call are batched with every
+other request by the scheduler's token budget. Response: {"object": "list", "data": [{"object":
+"embedding", "index": i, "embedding": [...] | "<base64>"}], "model", "usage": {"prompt_tokens",
+"total_tokens"}}; base64 is the little-endian float32 bytes of the vector, as OpenAI sends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.entrypoints.openai.protocol import EmbeddingRequest
+from pagedserve.entrypoints.openai.serving import OpenAIServing, _merge, _Prompt
+from pagedserve.outputs import PoolingRequestOutput
+from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    """The serving layer of an embedding model: /v1/embeddings, plus /tokenize and /detokenize."""
+
+    async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> JSONResponse:
+        self.check_model(req.model)
+        params = self._pooling_params(req)
+        prompts = await self._embedding_prompts(req.input, params.truncate_prompt_tokens)
+        vocab_size = self.engine.engine.config.model.hf_config.vocab_size
+        for index, prompt in enumerate(prompts):
+            bad = [t for t in prompt.token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise APIError(f"input {index}: token id {bad[0]} is out of range [0, {vocab_size})", 400,
+                               param="input")
+            if len(prompt.token_ids) > self.max_model_len:
+                raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                               f"input {index} has {len(prompt.token_ids)} tokens. Please shorten it, or pass "
+                               "truncate_prompt_tokens to cut it.", 400, param="input")
+        request_id = f"embd-{uuid.uuid4().hex}"
+        arrival = time.monotonic()
+        streams = _merge([self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
+                                               params, arrival)
+                          for i, p in enumerate(prompts)])
+        outputs = await _gather(streams, raw, len(prompts))
+        data = [{"object": "embedding", "index": i, "embedding": encode_embedding(o.outputs.embedding,
+                                                                                  req.encoding_format)}
+                for i, o in enumerate(outputs)]
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
+                             "model": self.served_model_names[0], "data": data,
+                             "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})
+
+    def _pooling_params(self, req: EmbeddingRequest) -> PoolingParams:
+        k = req.truncate_prompt_tokens
+        if k is not None and k > self.max_model_len:
+            raise APIError(f"truncate_prompt_tokens {k} exceeds this model's maximum context length of "
+                           f"{self.max_model_len} tokens", 400, param="truncate_prompt_tokens")
+        try:
+            params = PoolingParams(dimensions=req.dimensions, truncate_prompt_tokens=k)
+            self.engine.engine.validate_dimensions(req.dimensions)  # reads the frozen config only
+        except ValueError as exc:
+            param = "dimensions" if str(exc).startswith("dimensions") else "truncate_prompt_tokens"
+            raise APIError(str(exc), 400, param=param) from None
+        return params
+
+    async def _embedding_prompts(self, value: Any, truncate_prompt_tokens: int | None) -> list[_Prompt]:
+        """str | list[str] | list[int] | list[list[int]] -> one prompt per input (token ids truncated if asked)."""
+        if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
+            value = [value]  # one input
+        if not value:
+            raise APIError("input must not be empty", 400, param="input")
+        if len(value) > MAX_INPUTS:
+            raise APIError(f"input has {len(value)} items; at most {MAX_INPUTS} per request", 400, param="input")
+        if any(len(item) == 0 for item in value):
+            raise APIError("input must not contain an empty string or an empty list of tokens", 400, param="input")
+        texts = [v for v in value if isinstance(v, str)]
+        encoded = iter(await asyncio.to_thread(self._tokenize_texts, texts, truncate_prompt_tokens) if texts else [])
+        prompts = []
+        for item in value:
+            if isinstance(item, str):
+                prompts.append(_Prompt(item, next(encoded)))
+            else:
+                prompts.append(_Prompt(None, tokenize_for_pooling(self.tokenizer, list(item), truncate_prompt_tokens,
+                                                                  self.max_model_len)))
+        return prompts
+
+    def _tokenize_texts(self, texts: list[str], truncate_prompt_tokens: int | None) -> list[list[int]]:
+        k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        kwargs = {} if k is None else {"truncation": True, "max_length": k}
+        return self.tokenizer(texts, **kwargs)["input_ids"]
+
+
+async def _gather(streams: AsyncIterator[tuple[int, PoolingRequestOutput]], raw: Request, num_inputs: int
+                  ) -> list[PoolingRequestOutput]:
+    """Each input's result, in input order; aborts every request if the client goes away meanwhile."""
+    results: dict[int, PoolingRequestOutput] = {}
+
+    async def consume() -> None:
+        async for index, output in streams:
+            if output.finished:
+                results[index] = output
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await streams.aclose()
+            raise APIError("client disconnected", 499)
+    task.result()  # an input the engine refused raises here; errors.py maps it to its status
+    return [results[i] for i in range(num_inputs)]

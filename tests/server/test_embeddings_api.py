@@ -1,0 +1,159 @@
+"""POST /v1/embeddings on real servers, through the official `openai` client: all-MiniLM-L6-v2 (BERT) and a
+tiny random Qwen3 served with --runner pooling (Matryoshka `dimensions`)."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.models.real_models import packaged_model
+from tests.server.server_utils import start_server
+
+MODEL = "minilm"
+SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "A monkey is playing drums.",
+             "Paris is the capital of France.", "ok"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(str(packaged_model("all-minilm-l6-v2")), "--served-model-name", MODEL, "--dtype", "float32",
+                       log_dir=tmp_path_factory.mktemp("logs"))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def as_array(response) -> np.ndarray:
+    return np.array([d.embedding for d in sorted(response.data, key=lambda d: d.index)], dtype=np.float64)
+
+
+def decode_base64(data: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(data), dtype="<f4").astype(np.float64)
+
+
+def test_float_and_base64_give_the_same_vectors(server, client):
+    floats = client.embeddings.create(model=MODEL, input=SENTENCES, encoding_format="float")
+    # Asked for explicitly, the openai client hands base64 back undecoded: read the raw body.
+    raw = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": SENTENCES,
+                                                          "encoding_format": "base64"}, timeout=60).json()
+    assert all(isinstance(d["embedding"], str) for d in raw["data"])
+    from_base64 = np.stack([decode_base64(d["embedding"]) for d in sorted(raw["data"], key=lambda d: d["index"])])
+    vectors = as_array(floats)
+    assert vectors.shape == (len(SENTENCES), 384)
+    np.testing.assert_allclose(from_base64, vectors, rtol=0, atol=1e-7)  # float32 on the wire, both ways
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert floats.object == "list" and floats.model == MODEL and [d.index for d in floats.data] == list(range(5))
+    # Without encoding_format the openai client asks for base64 itself and decodes it into floats.
+    decoded = client.embeddings.create(model=MODEL, input=SENTENCES)
+    np.testing.assert_allclose(as_array(decoded), vectors, atol=1e-7)
+
+
+def test_vectors_match_sentence_transformers(client):
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(packaged_model("all-minilm-l6-v2")), device="cpu").encode(SENTENCES)
+    ours = as_array(client.embeddings.create(model=MODEL, input=SENTENCES))
+    cosines = (ours * reference).sum(1) / np.linalg.norm(reference, axis=1)
+    assert cosines.min() >= 0.9999, cosines
+    assert ours[0] @ ours[1] > ours[0] @ ours[2]  # related pair above unrelated pair
+
+
+def test_input_forms_and_usage(server, client):
+    tokens = [httpx.post(f"{server.url}/tokenize", json={"prompt": s}).json()["tokens"] for s in SENTENCES[:2]]
+    one = client.embeddings.create(model=MODEL, input=SENTENCES[0])
+    many = client.embeddings.create(model=MODEL, input=SENTENCES[:2])
+    ids = client.embeddings.create(model=MODEL, input=tokens[0])
+    id_lists = client.embeddings.create(model=MODEL, input=tokens)
+    assert one.usage.prompt_tokens == len(tokens[0]) == one.usage.total_tokens
+    assert many.usage.prompt_tokens == id_lists.usage.prompt_tokens == len(tokens[0]) + len(tokens[1])
+    np.testing.assert_allclose(as_array(one)[0], as_array(ids)[0], atol=1e-6)
+    np.testing.assert_allclose(as_array(many), as_array(id_lists), atol=1e-6)
+    np.testing.assert_allclose(as_array(many)[0], as_array(one)[0], atol=1e-5)  # batched = alone
+
+
+def test_truncate_prompt_tokens(server, client):
+    long_text = "word " * 400  # 402 tokens with [CLS] and [SEP], over the 256 limit
+    response = client.embeddings.create(model=MODEL, input=long_text, extra_body={"truncate_prompt_tokens": 10})
+    assert response.usage.prompt_tokens == 10
+    clipped = client.embeddings.create(model=MODEL, input="word " * 8)  # the same 10 tokens: [CLS] word x8 [SEP]
+    np.testing.assert_allclose(as_array(response), as_array(clipped), atol=1e-6)
+
+
+BAD_REQUESTS = [
+    # (path, body, status, words the message must contain)
+    ("/v1/embeddings", {"model": MODEL, "input": "word " * 400}, 400, ["256", "402"]),
+    ("/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": 64}, 400, ["matryoshka"]),
+    ("/v1/embeddings", {"model": MODEL, "input": []}, 400, ["empty"]),
+    ("/v1/embeddings", {"model": MODEL, "input": ["fine", ""]}, 400, ["empty"]),
+    ("/v1/embeddings", {"model": MODEL, "input": [101, 999999, 102]}, 400, ["999999", "out of range"]),
+    ("/v1/embeddings", {"model": MODEL, "input": "x", "encoding_format": "int8"}, 400, ["encoding_format"]),
+    ("/v1/embeddings", {"model": MODEL, "input": "x", "truncate_prompt_tokens": 1000}, 400, ["truncate_prompt_tokens"]),
+    ("/v1/embeddings", {"model": "nope", "input": "x"}, 404, ["does not exist"]),
+    ("/v1/embeddings", {"model": MODEL}, 400, ["input"]),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400,
+     ["embeddings", "/v1/chat/completions"]),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi"}, 400, ["embeddings", "/v1/completions"]),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words", BAD_REQUESTS,
+                         ids=[f"{i}-{b[0].rsplit('/', 1)[-1]}-{b[2]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_openai_errors(server, client, path, body, status, words):
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word.lower() in error["message"].lower(), error["message"]
+    assert client.embeddings.create(model=MODEL, input="still fine").data  # the server keeps serving
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="completions"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="Matryoshka"):
+        client.embeddings.create(model=MODEL, input="x", dimensions=64)
+
+
+def test_metrics_count_embedding_requests(server, client):
+    def value(name: str) -> float:
+        for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+            if line.startswith(name) and f'model_name="{MODEL}"' in line and 'finished_reason="stop"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    before = value("vllm:request_success_total")
+    client.embeddings.create(model=MODEL, input=SENTENCES[:3])
+    assert value("vllm:request_success_total") == before + 3
+    assert 'vllm:kv_cache_usage_perc{model_name="minilm"} 0.0' in httpx.get(f"{server.url}/metrics").text
+
+
+# ---- a decoder served as an embedder ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen3_server(tiny_model_dir, tmp_path_factory):
+    srv = start_server(tiny_model_dir("qwen3", is_matryoshka=True), "--runner", "pooling", "--served-model-name",
+                       "tiny-embed", "--dtype", "float32", "--max-num-batched-tokens", "32",
+                       log_dir=tmp_path_factory.mktemp("logs"))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_decoder_embedder_dimensions(qwen3_server):
+    client = openai.OpenAI(base_url=f"{qwen3_server.url}/v1", api_key="unused", max_retries=0)
+    text = "The quick brown fox jumps over the lazy dog. " * 4  # longer than the 32-token step: chunked
+    full = as_array(client.embeddings.create(model="tiny-embed", input=text))[0]
+    short = as_array(client.embeddings.create(model="tiny-embed", input=text, dimensions=16))[0]
+    assert full.shape == (64,) and short.shape == (16,)
+    np.testing.assert_allclose(short, full[:16] / np.linalg.norm(full[:16]), atol=1e-6)
+    with pytest.raises(openai.BadRequestError, match="between 1 and"):
+        client.embeddings.create(model="tiny-embed", input=text, dimensions=100)
+    with pytest.raises(openai.BadRequestError, match="embeddings"):
+        client.completions.create(model="tiny-embed", prompt="hi", max_tokens=2)
