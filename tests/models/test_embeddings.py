@@ -218,7 +218,10 @@ def copy_with_sentence_transformers_files(source: str, target: Path, pooling_mod
 def test_pooling_modes_match_sentence_transformers_pooling(qwen3_dir, tmp_path, mode, normalize):
     """Every mode, read from sentence-transformers files (task chosen automatically), across chunked
     prefills (budget 16), against sentence-transformers' own Pooling module on HF hidden states."""
-    from sentence_transformers.sentence_transformer.modules import Pooling
+    try:
+        from sentence_transformers.sentence_transformer.modules import Pooling
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers.models import Pooling
 
     model_dir = copy_with_sentence_transformers_files(qwen3_dir, tmp_path / "model", mode, normalize)
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=16, block_size=4)
