@@ -78,7 +78,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens -> [T, Hq, D]."""
     cache.write(k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd:
@@ -86,6 +85,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
         kd, vd = cache.gather(meta.decode_kv_slots, q.dtype)  # [Bd, L, Hkv, D]
         od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
                                             attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
+        if not meta.prefills:
+            return od.squeeze(2)  # a pure decode step: no output buffer to fill
+    out = torch.empty_like(q)
+    if nd:
         out[:nd] = od.squeeze(2)
     for span in meta.prefills:
         qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
