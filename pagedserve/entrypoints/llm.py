@@ -10,7 +10,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -27,7 +27,9 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; outputs in input order."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        # Only final outputs are returned: skip building intermediate ones every step.
+        params_list = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                       for p in _as_params_list(sampling_params, len(prompt_list))]
         request_ids: list[str] = []
         try:
             for prompt, params in zip(prompt_list, params_list):
