@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
-from pathlib import Path
 
 import torch
+
+# The host probes live in memory/probe.py (torch-free, paths as arguments, cgroup v1/v2 and ARM aware);
+# re-exported here so that callers keep importing them from pagedserve.platform.
+from pagedserve.memory.probe import cpu_flags, fast_cpu_dtype, usable_cpu_count
+
+__all__ = ["DTYPES", "canonical_dtype_name", "configure_threads", "cpu_flags", "default_device", "lazy_zeros",
+           "resolve_dtype", "torch_dtype", "usable_cpu_count"]
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32,
@@ -31,16 +36,6 @@ def canonical_dtype_name(name: str) -> str:
     return str(torch_dtype(name)).removeprefix("torch.")
 
 
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
-    try:
-        for line in Path(cpuinfo).read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def resolve_dtype(requested: str, device: str, model_dtype: str | None) -> str:
     """Pick the serving dtype; `auto` means the fastest one that is numerically safe here.
 
@@ -56,36 +51,7 @@ def resolve_dtype(requested: str, device: str, model_dtype: str | None) -> str:
         if model_dtype in ("bfloat16", "float16"):
             return model_dtype
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    flags = cpu_flags()
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
-
-
-def usable_cpu_count(cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
-    """Cores this process may really use: CPU affinity, capped by a cgroup v2/v1 CPU quota."""
-    try:
-        count = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        count = os.cpu_count() or 1
-    quota = _cgroup_cpu_quota(Path(cgroup_root))
-    if quota is not None:
-        count = min(count, max(1, math.ceil(quota)))
-    return max(1, count)
-
-
-def _cgroup_cpu_quota(root: Path) -> float | None:
-    try:
-        fields = (root / "cpu.max").read_text().split()
-        if fields and fields[0] != "max":
-            return int(fields[0]) / int(fields[1])
-        return None
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return quota / period if quota > 0 else None
-    except (OSError, ValueError):
-        return None
+    return fast_cpu_dtype(cpu_flags())
 
 
 def configure_threads(num_threads: int) -> None:

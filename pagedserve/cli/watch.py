@@ -15,8 +15,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:  # httpx is imported when the command runs: `pagedserve serve` imports every sub-command
+    import httpx
 
 STUCK_MIN_BLOCKED = 5  # D-state threads at or above this, and rising, mean stuck
 STUCK_WINDOW = 3  # samples over which D must be non-decreasing with a net rise
@@ -153,6 +155,8 @@ def describe_health(status_code: int, body: object) -> str:
 
 
 def fetch_health(client: httpx.Client, url: str) -> str:
+    import httpx
+
     try:
         response = client.get(url.rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_S)
     except httpx.HTTPError:
@@ -247,6 +251,8 @@ def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
     samples: list[Sample] = []
     verdict = Verdict("OK", "no samples yet")
     previous = None
+    import httpx
+
     with httpx.Client() as client:
         while args.count is None or len(samples) < args.count:
             if samples:
