@@ -56,3 +56,4 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    memory_plan: Any = None  # memory.plan.MemoryPlan that sized the KV cache (None when built by hand)

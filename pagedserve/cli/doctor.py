@@ -24,7 +24,8 @@ from pathlib import Path
 
 from pagedserve import envs
 from pagedserve.memory import probe
-from pagedserve.memory.plan import ModelShape, PlanRequest, make_plan, weight_bytes_from_safetensors_dir
+from pagedserve.memory.checkpoint import read_checkpoint_info
+from pagedserve.memory.plan import HOST_BYTES_PER_KV_BLOCK, ModelShape, PlanRequest, make_plan, runtime_overhead_bytes
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 GIB = 1 << 30
@@ -307,22 +308,26 @@ def _engine_defaults() -> dict:
 
 
 def check_memory_plan(path: str | Path, available: probe.AvailableMemory, dtype: str) -> CheckResult:
-    """Would the model fit with the default settings? (`serve` plans again with the real flags.)"""
-    model_dir = Path(path)
-    if not (model_dir / "config.json").is_file():
-        return CheckResult("memory plan", PASS, "skipped: only Hugging Face model directories are planned here")
+    """Would the model fit with the default settings? (`serve` and `pagedserve plan` plan with the real flags.)
+
+    The same terms as the engine's plan, from headers only; the weights as the checkpoint holds them in
+    `dtype` (the engine may add a packed copy of a tied embedding: see `pagedserve plan`)."""
     dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
     try:
-        config = json.loads((model_dir / "config.json").read_text())
-        shape = ModelShape.from_hf_config(config, weight_bytes_from_safetensors_dir(model_dir, dtype_bytes))
+        info = read_checkpoint_info(path)
+        shape = ModelShape.from_hf_config(info.config, info.weight_bytes(dtype_bytes))
     except (OSError, ValueError, KeyError) as exc:
         return CheckResult("memory plan", WARN, f"cannot size the model: {exc}")
     defaults = _engine_defaults()
+    config = info.config.get("text_config", info.config)
     max_model_len = config.get("max_position_embeddings") or 2048  # the engine's default: the model's context
+    overhead = runtime_overhead_bytes(shape, max_model_len, defaults["max_num_seqs"], defaults["block_size"],
+                                      on_cpu=available.bound_by != "cuda")
     request = PlanRequest(
         dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes, max_model_len=max_model_len,
         max_num_seqs=defaults["max_num_seqs"], max_num_batched_tokens=defaults["max_num_batched_tokens"],
-        block_size=defaults["block_size"], available=available,
+        block_size=defaults["block_size"], available=available, runtime_overhead_bytes=overhead,
+        host_bytes_per_block=HOST_BYTES_PER_KV_BLOCK if available.bound_by != "cuda" else 0,
     )
     plan = make_plan(shape, request, quantizations=defaults["quantizations"],
                      kv_cache_dtypes=defaults["kv_cache_dtypes"])

@@ -13,6 +13,7 @@ import sys
 # Module names under pagedserve.cli, in the order they appear in `pagedserve --help`.
 SUBCOMMANDS = [
     "serve",
+    "plan",
     "generate",
     "bench",
     "doctor",

@@ -15,6 +15,9 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.startup import StartupTracker
+from pagedserve.memory.checkpoint import CheckpointInfo
+from pagedserve.memory.plan import MemoryPlan
+from pagedserve.memory.probe import AvailableMemory
 from pagedserve.models.pooling_config import is_encoder
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
@@ -56,6 +59,7 @@ class LLMEngine:
         if warm_up:
             startup.enter("warming_up")
             self.warm_up()
+        log_memory_vs_plan(config.memory_plan, config.device.device)
         startup.enter("ready")
 
     @classmethod
@@ -266,9 +270,13 @@ def resolve_model_path(model: str | None) -> str:
     return str(resolve_model(model))
 
 
-def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None) -> EngineConfig:
-    """Resolve every 'auto' and default in EngineArgs into frozen configs (no weights are read)."""
-    from pagedserve.models.loader import load_hf_config
+def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None,
+                         available: AvailableMemory | None = None, check_memory: bool = True) -> EngineConfig:
+    """Resolve every 'auto' and default in EngineArgs into frozen configs and plan the memory (no weights are
+    read). When the plan does not fit, raise InsufficientMemoryError after logging the table with the
+    shortfall and the flags that would fit (check_memory=False returns the config with its plan instead).
+    `available` replaces the probe of this host's (or GPU's) free memory."""
+    from pagedserve.memory.checkpoint import read_checkpoint_info
     from pagedserve.models.validate import validate_model_path
     from pagedserve.platform import default_device, resolve_dtype, usable_cpu_count
 
@@ -279,7 +287,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     startup.enter("validating")
     validate_model_path(model_path)
     startup.enter("planning")
-    hf_config = load_hf_config(model_path)
+    checkpoint = read_checkpoint_info(model_path)  # headers only; a GGUF header is parsed once for all users
+    hf_config = hf_config_from_checkpoint(checkpoint)
     architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
     device = default_device() if args.device == "auto" else args.device
     config_dict = hf_config.to_dict()
@@ -307,11 +316,13 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
                                 max_waiting_requests=args.max_waiting_requests)
-    num_blocks = _num_kv_blocks(args, hf_config, dtype, max_model_len)
-    cache = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
+    plan = plan_memory(args, checkpoint, model, scheduler, device, available)
+    cache = CacheConfig(block_size=args.block_size, num_blocks=_num_kv_blocks(args, plan),
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
     threads = args.num_threads or usable_cpu_count()
-    return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads))
+    if check_memory:
+        check_memory_plan(plan)
+    return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan)
 
 
 def check_engine_args(args: EngineArgs) -> None:
@@ -380,23 +391,142 @@ def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str |
     return args.max_model_len
 
 
-def kv_bytes_per_token(hf_config: Any, dtype_bytes: int) -> int:
-    from pagedserve.models.llama import head_dim_of
+def _num_kv_blocks(args: EngineArgs, plan: MemoryPlan) -> int:
+    """KV pool size: --num-gpu-blocks-override (testing), else the plan's blocks + the reserved null block.
 
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    return 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim_of(hf_config) * dtype_bytes
+    The plan sizes the pool from --kv-cache-memory (or VLLM_CPU_KVCACHE_SPACE), else from the memory left
+    in the budget: never below one full max_model_len sequence (else it refuses to start), never above
+    max_num_seqs full sequences, never beyond --gpu-memory-utilization x the memory available now.
+    """
+    return args.num_gpu_blocks_override or plan.num_kv_blocks + 1
 
 
-def _num_kv_blocks(args: EngineArgs, hf_config: Any, dtype: str, max_model_len: int) -> int:
-    """KV pool size: an override, or bytes asked for, or enough for max_num_seqs full sequences capped
-    at 4 GiB (vLLM-CPU's customary default). The memory planner refines this."""
+# ---- the memory plan -------------------------------------------------------------------------------
+def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig, scheduler: SchedulerConfig,
+                device: str, available: AvailableMemory | None = None) -> MemoryPlan:
+    """The memory plan for serving `checkpoint` with these settings against the memory free now (the host's:
+    cgroup limit - usage and MemAvailable; on a GPU its free memory), from headers only."""
+    from dataclasses import replace
+
+    from pagedserve.memory import plan as memory
+    from pagedserve.memory.checkpoint import dtype_bytes
+
+    if available is None:
+        available = _probe_available_memory(device)
+    weight_dtype_bytes = dtype_bytes(model.dtype)
+    # An 8-bit KV cache (fp8*) stores one byte per value plus a scale per token and head in the model dtype.
+    kv_8bit = args.kv_cache_dtype.startswith("fp8")
+    kv_dtype_bytes, kv_scale_bytes = (1, weight_dtype_bytes) if kv_8bit else (weight_dtype_bytes, 0)
+    shape = memory.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
+    tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
+    weight_bytes = memory.prepared_weight_bytes(shape, weight_dtype_bytes, _linear_kind(model, device), tied,
+                                                computes_logits=model.task == "generate")
+    shape = replace(shape, weight_bytes=weight_bytes)
+    block_bytes = memory.kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes) * args.block_size
+    kv_cache_bytes = args.kv_cache_memory
     if args.num_gpu_blocks_override:
-        return args.num_gpu_blocks_override
-    dtype_bytes = 4 if dtype == "float32" else 2
-    block_bytes = kv_bytes_per_token(hf_config, dtype_bytes) * args.block_size
-    per_seq_blocks = -(-max_model_len // args.block_size)
-    if args.kv_cache_memory:
-        return max(2, args.kv_cache_memory // block_bytes + 1)
-    wanted = args.max_num_seqs * per_seq_blocks
-    capped = (4 << 30) // block_bytes
-    return max(per_seq_blocks, min(wanted, capped)) + 1  # + the reserved null block
+        kv_cache_bytes = max(1, args.num_gpu_blocks_override - 1) * block_bytes  # minus the null block
+    on_cpu = device == "cpu"
+    overhead = memory.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
+                                             on_cpu=on_cpu)
+    request = memory.PlanRequest(
+        dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, max_model_len=model.max_model_len,
+        max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        block_size=args.block_size, available=available, memory_fraction=args.gpu_memory_utilization,
+        kv_cache_bytes=kv_cache_bytes, runtime_overhead_bytes=overhead,
+        host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0, kv_scale_bytes=kv_scale_bytes,
+        quantization=model.quantization)
+    plan = memory.make_plan(shape, request, quantizations=tuple(q for q in SUPPORTED_QUANTIZATION if q),
+                            kv_cache_dtypes=tuple(d for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto"))
+    if args.num_gpu_blocks_override and plan.problems:  # testing: exactly the pool asked for, even a small one
+        fits = plan.total_bytes <= plan.budget_bytes
+        plan = replace(plan, problems=[], fits=fits, suggestions=[] if fits else plan.suggestions)
+    return plan
+
+
+def _linear_kind(model: ModelConfig, device: str) -> str:
+    """The matmul kernel the loader will pick (it decides whether weights are copied into another format)."""
+    from pagedserve.layers.linear import choose_linear_kind
+    from pagedserve.platform import torch_dtype
+
+    return choose_linear_kind(device, torch_dtype(model.dtype), model.quantization, model.reference_kernels)
+
+
+def _probe_available_memory(device: str) -> AvailableMemory:
+    from pagedserve.memory import probe
+
+    if device == "cuda":
+        gpu = probe.cuda_available_memory()
+        if gpu is not None:
+            return gpu
+    return probe.available_memory()
+
+
+def check_memory_plan(plan: MemoryPlan) -> None:
+    """Log the plan; when it does not fit, log it as an error and raise InsufficientMemoryError."""
+    from pagedserve.memory.plan import InsufficientMemoryError, format_plan_table
+
+    if not plan.fits:
+        logger.error("refusing to start, the model does not fit in memory:\n%s", format_plan_table(plan))
+        raise InsufficientMemoryError(plan)
+    logger.info("%s", format_plan_table(plan))
+
+
+def log_memory_vs_plan(plan: MemoryPlan | None, device: str) -> None:
+    """After warm-up: the measured resident memory next to the plan's steady figure (weights + overhead +
+    KV bookkeeping; the lazily allocated KV pool is resident only as written, see memory/plan.py)."""
+    from pagedserve.memory import probe
+
+    if plan is None:
+        return
+    mib = 1 << 20
+    planned = f"planned steady {plan.steady_bytes / mib:.0f} MiB (weights {plan.weight_bytes / mib:.0f} MiB" \
+              f" + overhead {plan.overhead_bytes / mib:.0f} MiB + KV bookkeeping {plan.kv_bookkeeping_bytes / mib:.0f} MiB)"
+    if device == "cuda":
+        info = probe.cuda_free_memory()
+        if info is not None:
+            logger.info("memory: GPU %.0f MiB in use after warm-up; %s", (info[1] - info[0]) / mib, planned)
+        return
+    rss = probe.process_rss_bytes()
+    if rss is not None:
+        error = (rss - plan.steady_bytes) / max(rss, 1)
+        logger.info("memory: RSS %.0f MiB after warm-up, %s: %+.1f %%; worst case with every KV block written"
+                    " %.0f MiB", rss / mib, planned, 100 * error, plan.total_bytes / mib)
+
+
+# ---- the model config ------------------------------------------------------------------------------
+# Decoders whose transformers config the engine builds as a plain PretrainedConfig: the model-specific classes
+# (LlamaConfig, ...) import ~1.5 s of transformers modules (torch.distributed, sympy) at start-up. Only when
+# every value the model reads is in the checkpoint's config, so transformers' per-model defaults cannot
+# differ; anything else (other models, rope scaling that needs transformers' rope functions) uses AutoConfig.
+_PLAIN_CONFIG_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+_PLAIN_CONFIG_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "num_key_value_heads", "vocab_size", "max_position_embeddings")
+# The same defaults in LlamaConfig, Qwen2Config and Qwen3Config (transformers 5; tests/models compare).
+PLAIN_CONFIG_DEFAULTS = {"tie_word_embeddings": False, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                         "attention_bias": False}
+
+
+def _is_plain_decoder_config(config: dict) -> bool:
+    if config.get("model_type") not in _PLAIN_CONFIG_MODEL_TYPES:
+        return False
+    if any(config.get(key) is None for key in _PLAIN_CONFIG_REQUIRED_KEYS):
+        return False
+    if config["model_type"] == "qwen3" and config.get("head_dim") is None:  # Qwen3Config defaults it to 128
+        return False
+    rope = [config.get("rope_parameters") or {}, config.get("rope_scaling") or {}]
+    return all(r.get("rope_type", r.get("type")) in (None, "default") for r in rope)
+
+
+def hf_config_from_checkpoint(checkpoint: CheckpointInfo) -> Any:
+    """The transformers config of a checkpoint (see _PLAIN_CONFIG_MODEL_TYPES for why it is often plain)."""
+    config = dict(checkpoint.config)
+    if _is_plain_decoder_config(config):
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig(**{**PLAIN_CONFIG_DEFAULTS, **config})
+    from transformers import AutoConfig
+
+    if checkpoint.is_gguf:
+        return AutoConfig.for_model(config.pop("model_type"), **config)
+    return AutoConfig.from_pretrained(checkpoint.path)

@@ -29,6 +29,18 @@ H hidden, I intermediate, V vocab, nh / kvh attention / KV heads, hd head_dim):
                                         8192 keys the peak RSS grew 59 MiB (fp32), not the 896 MiB of scores
                                         (measured with ru_maxrss, torch 2.13.0+cpu), hence the default False.
     logits      2 x min(S, T) x V x 4   fp32 logits of each sequence's last position + the sampler's probs
+
+  Runtime overhead (CPU; cpu_runtime_overhead()) = the interpreter with torch, transformers, the HTTP stack
+      and the engine code (CPU_RUNTIME_BASE_BYTES) + the tokenizer (TOKENIZER_BYTES_PER_TOKEN x V) + the
+      rotary cos/sin tables (2 x M x hd x 4) + the block table (S x ceil(M / block) x 8).
+  KV bookkeeping = number of KV blocks x host_bytes_per_block (the block pool's Python objects).
+
+Two totals. `total_bytes` is the worst case the verdict is about: every KV block written and the largest step's
+activations alive at once. `steady_bytes` is what the process holds once started and idle: weights + runtime
+overhead + KV bookkeeping. The KV pool is allocated lazily (an anonymous mapping whose pages become resident
+only as they are written; a fresh server has written only the few blocks warm-up used) and activation buffers
+are freed after every step, so neither is in it. steady_bytes is the figure the engine logs next to the RSS
+it measures after warm-up.
 """
 
 from __future__ import annotations
@@ -55,6 +67,25 @@ MIB = 1 << 20
 # (CUDA context, cuBLAS workspace) instead, measured with torch.cuda.mem_get_info around initialisation.
 CPU_RUNTIME_OVERHEAD_BYTES = 384 * MIB
 
+# The engine's runtime overhead (runtime_overhead_bytes()), calibrated on `pagedserve serve` after warm-up
+# (VmRSS in the engine's "memory:" log line; default flags: bfloat16 on an AVX512-BF16 CPU, oneDNN-packed
+# linears; torch 2.13.0+cpu, transformers 5.24, Python 3.11), as RSS minus the other steady terms:
+#   model (vocab)                   RSS        weights   rotary + block table   KV bookkeeping   rest
+#   tiny llama dir (512)            383-392    0.3       0.1                    2.3              ~385 MiB
+#   SmolLM2-135M GGUF (49,152)      781-800    311 *     5                      14               ~460 MiB
+#   Qwen2.5-0.5B GGUF (151,936)     1841       1202      20                     21               598 MiB
+#   (* with the packed copy of the tied embedding for the logits; RSS varies by ~20 MiB between runs)
+# The rest grows with the vocabulary (the tokenizer's vocab and merges, the warm-up's logits and sampler
+# buffers that the allocator keeps): 384 MiB + 1600 B per vocabulary token is within 2 % of all three.
+CPU_RUNTIME_BASE_BYTES = 384 * MIB
+TOKENIZER_BYTES_PER_TOKEN = 1600
+# The block pool's Python objects (KVCacheBlock + its free-queue entry): 277 bytes per block measured with
+# VmRSS around KVCacheManager(100_000, 16, True) on Python 3.11.
+HOST_BYTES_PER_KV_BLOCK = 288
+# CUDA context and cuBLAS workspace on the device: an estimate (vLLM's profiler typically finds 0.5-1 GiB of
+# non-torch memory); not measured on this project's CPU-only machines.
+CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB
+
 # Bytes per element of the dtypes a safetensors header can name.
 SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
@@ -67,7 +98,8 @@ class InsufficientMemoryError(RuntimeError):
     """The memory plan does not fit; `plan` carries the numbers and suggestions."""
 
     def __init__(self, plan: MemoryPlan) -> None:
-        super().__init__(plan.summary())
+        fixes = ", ".join(f"{s.flag} {s.value}" for s in plan.suggestions)
+        super().__init__(plan.summary() + (f"; any one of these would fit: {fixes}" if fixes else ""))
         self.plan = plan
 
 
@@ -108,6 +140,12 @@ class ModelShape:
         mlp = 3 * self.hidden_size * self.intermediate_size
         return self.num_layers * (attention + mlp)
 
+    @property
+    def num_linear_output_channels(self) -> int:
+        """Output channels of the decoder layers' linear projections (fused q/k/v, o, fused gate/up, down)."""
+        qkv_out = (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
+        return self.num_layers * (qkv_out + self.hidden_size + 2 * self.intermediate_size + self.hidden_size)
+
 
 @dataclass(frozen=True)
 class PlanRequest:
@@ -125,6 +163,8 @@ class PlanRequest:
     runtime_overhead_bytes: int = CPU_RUNTIME_OVERHEAD_BYTES
     materializes_attention_scores: bool = False  # True for attention that holds QK^T (not torch SDPA)
     quantization: str | None = None  # weight quantization already applied to weight_bytes (e.g. "int8")
+    host_bytes_per_block: int = 0  # resident bookkeeping per KV block (the block pool's Python objects)
+    kv_scale_bytes: int = 0  # 8-bit KV caches: one scale per token, head and K/V, of this many bytes
 
     def __post_init__(self) -> None:
         for name in ("dtype_bytes", "kv_dtype_bytes", "max_model_len", "max_num_seqs",
@@ -135,6 +175,8 @@ class PlanRequest:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.runtime_overhead_bytes < 0 or self.host_bytes_per_block < 0:
+            raise ValueError("runtime_overhead_bytes and host_bytes_per_block must not be negative")
 
 
 @dataclass(frozen=True)
@@ -180,6 +222,7 @@ class MemoryPlan:
     total_bytes: int
     budget_bytes: int  # memory_fraction x available
     fits: bool
+    kv_bookkeeping_bytes: int = 0  # num_kv_blocks x host_bytes_per_block
     problems: list[str] = field(default_factory=list)
     suggestions: list[Suggestion] = field(default_factory=list)
 
@@ -200,9 +243,17 @@ class MemoryPlan:
     def shortfall_bytes(self) -> int:
         return max(0, self.total_bytes - self.budget_bytes)
 
+    @property
+    def steady_bytes(self) -> int:
+        """Resident memory once started and idle (weights + overhead + KV bookkeeping; see the module docstring)."""
+        return self.weight_bytes + self.overhead_bytes + self.kv_bookkeeping_bytes
+
     def summary(self) -> str:
         """One line: "needs 11.10 GiB, 9.32 GiB available, short by 1.78 GiB"."""
         head = f"needs {_gib(self.total_bytes)}, {_gib(self.budget_bytes)} available"
+        if self.fits and self.kv_sizing == "automatic":
+            return (f"{head}: the KV cache takes what is left, {self.max_concurrency:.2f} x"
+                    f" {self.request.max_model_len}-token sequences")
         if self.fits:
             return f"{head}, {_gib(self.budget_bytes - self.total_bytes)} to spare"
         text = f"{head}, short by {_gib(self.shortfall_bytes)}" if self.shortfall_bytes else head
@@ -216,6 +267,7 @@ class MemoryPlan:
             num_kv_tokens=self.num_kv_tokens,
             max_concurrency=self.max_concurrency,
             shortfall_bytes=self.shortfall_bytes,
+            steady_bytes=self.steady_bytes,
             summary=self.summary(),
         )
         return data
@@ -229,6 +281,46 @@ def _gib(num_bytes: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- the plan
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int, kv_scale_bytes: int = 0) -> int:
+    """2 (K and V) x layers x KV heads x (head_dim x KV dtype bytes + the scale of an 8-bit cache)."""
+    return 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim * kv_dtype_bytes + kv_scale_bytes)
+
+
+def prepared_weight_bytes(shape: ModelShape, dtype_bytes: int, linear_kind: str, tied_embeddings: bool,
+                          computes_logits: bool = True) -> int:
+    """Weights as the model holds them after prepare() (models/llama.py, layers/linear.py), from the
+    checkpoint's bytes in the serving dtype (shape.weight_bytes).
+
+    "int8" (--quantization int8): every decoder linear and the logits projection hold int8 weights and one
+    scale per output channel in the serving dtype. "packed" (oneDNN) or "int8" with tied embeddings: the
+    logits projection is a second copy of the embedding in the kernel's format (the plain one stays for
+    token lookups). "plain" (F.linear) shares the checkpoint's tensors.
+    """
+    total = shape.weight_bytes
+    head = shape.vocab_size * shape.hidden_size
+    if linear_kind == "int8":
+        total += shape.num_linear_params * (1 - dtype_bytes) + shape.num_linear_output_channels * dtype_bytes
+    if computes_logits and linear_kind == "int8":
+        int8_head = head + shape.vocab_size * dtype_bytes
+        total += int8_head if tied_embeddings else int8_head - head * dtype_bytes
+    elif computes_logits and linear_kind == "packed" and tied_embeddings:
+        total += head * dtype_bytes
+    return total
+
+
+def runtime_overhead_bytes(shape: ModelShape, max_model_len: int, max_num_seqs: int, block_size: int,
+                           on_cpu: bool = True) -> int:
+    """Memory besides weights, KV cache and activations: the runtime, the tokenizer, rotary tables, block table.
+
+    On a GPU the host-side parts do not count against the device; the CUDA context does.
+    """
+    rotary = 2 * max_model_len * shape.head_dim * 4  # float32 cos and sin for every position
+    block_table = max_num_seqs * math.ceil(max_model_len / block_size) * 8  # int64, on the host
+    if not on_cpu:
+        return CUDA_RUNTIME_OVERHEAD_BYTES + rotary
+    return CPU_RUNTIME_BASE_BYTES + TOKENIZER_BYTES_PER_TOKEN * shape.vocab_size + rotary + block_table
 
 
 def activation_bytes(shape: ModelShape, request: PlanRequest) -> ActivationBytes:
@@ -249,7 +341,9 @@ def activation_bytes(shape: ModelShape, request: PlanRequest) -> ActivationBytes
 
 
 def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int) -> tuple[int, str, list[str]]:
-    """(number of KV blocks, how they were sized, problems) for the memory left after everything else."""
+    """(number of KV blocks, how they were sized, problems) for the memory left after everything else.
+
+    An automatic pool pays for each block's host bookkeeping too; an explicit size counts K/V bytes only."""
     blocks_per_seq = math.ceil(request.max_model_len / request.block_size)
     if request.kv_cache_bytes is not None:
         num_blocks = request.kv_cache_bytes // block_bytes
@@ -260,7 +354,7 @@ def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int) -> tu
                 f" fewer than one max_model_len={request.max_model_len} sequence"
             )
         return num_blocks, "explicit", problems
-    num_blocks = max(0, left_bytes) // block_bytes
+    num_blocks = max(0, left_bytes) // (block_bytes + request.host_bytes_per_block)
     if num_blocks < blocks_per_seq:
         return blocks_per_seq, "floor", []
     cap = request.max_num_seqs * blocks_per_seq
@@ -270,19 +364,20 @@ def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int) -> tu
 
 
 def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
-    kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * request.kv_dtype_bytes
-    block_bytes = request.block_size * kv_bytes_per_token
+    kv_per_token = kv_bytes_per_token(shape, request.kv_dtype_bytes, request.kv_scale_bytes)
+    block_bytes = request.block_size * kv_per_token
     activations = activation_bytes(shape, request)
     budget = int(request.memory_fraction * request.available.num_bytes)
     fixed = shape.weight_bytes + activations.total + request.runtime_overhead_bytes
     num_blocks, sizing, problems = _size_kv_pool(request, block_bytes, budget - fixed)
     kv_pool_bytes = num_blocks * block_bytes
-    total = fixed + kv_pool_bytes
+    bookkeeping = num_blocks * request.host_bytes_per_block
+    total = fixed + kv_pool_bytes + bookkeeping
     return MemoryPlan(
         shape=shape,
         request=request,
         weight_bytes=shape.weight_bytes,
-        kv_bytes_per_token=kv_bytes_per_token,
+        kv_bytes_per_token=kv_per_token,
         block_bytes=block_bytes,
         num_kv_blocks=num_blocks,
         kv_pool_bytes=kv_pool_bytes,
@@ -292,6 +387,7 @@ def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
         total_bytes=total,
         budget_bytes=budget,
         fits=total <= budget and not problems,
+        kv_bookkeeping_bytes=bookkeeping,
         problems=problems,
     )
 
@@ -324,10 +420,9 @@ def _largest_fitting(low: int, high: int, fits: Callable[[int], bool]) -> int | 
 def _int8_weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
     # Weight-only int8 of the decoder's linear layers: 1 byte per weight plus one scale per output channel
     # in the serving dtype. Embeddings, the LM head and norms stay in the serving dtype (conservative).
-    qkv_out = (shape.num_attention_heads + 2 * shape.num_kv_heads) * shape.head_dim
-    num_scales = shape.num_layers * (qkv_out + shape.hidden_size + 2 * shape.intermediate_size + shape.hidden_size)
     linear = shape.num_linear_params
-    return max(0, shape.weight_bytes - linear * dtype_bytes) + linear + num_scales * dtype_bytes
+    return (max(0, shape.weight_bytes - linear * dtype_bytes) + linear
+            + shape.num_linear_output_channels * dtype_bytes)
 
 
 def _largest_setting(shape: ModelShape, request: PlanRequest, name: str, step: int) -> int | None:
@@ -358,8 +453,8 @@ def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, .
             fitting("--" + name.replace("_", "-"), str(value), shape, replace(request, **{name: value}), note)
     if request.kv_cache_bytes is not None:
         base = _plan(shape, request)
-        room = base.budget_bytes - (base.total_bytes - base.kv_pool_bytes)
-        kv_bytes = max(0, room) // base.block_bytes * base.block_bytes
+        room = base.budget_bytes - (base.total_bytes - base.kv_pool_bytes - base.kv_bookkeeping_bytes)
+        kv_bytes = max(0, room) // (base.block_bytes + request.host_bytes_per_block) * base.block_bytes
         if kv_bytes:
             fitting("--kv-cache-memory", str(kv_bytes), shape, replace(request, kv_cache_bytes=kv_bytes),
                     note=f"{_gib(kv_bytes)}; VLLM_CPU_KVCACHE_SPACE={kv_bytes / GIB:.2f}")
@@ -374,7 +469,8 @@ def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, .
             fitting("--quantization", "int8", replace(shape, weight_bytes=int8_bytes), request,
                     note="weight-only int8 for the linear layers")
     if request.kv_dtype_bytes > 1 and "fp8" in kv_cache_dtypes:
-        fitting("--kv-cache-dtype", "fp8", shape, replace(request, kv_dtype_bytes=1))
+        fitting("--kv-cache-dtype", "fp8", shape,
+                replace(request, kv_dtype_bytes=1, kv_scale_bytes=request.dtype_bytes))
     return suggestions
 
 
@@ -396,10 +492,16 @@ def format_plan_table(plan: MemoryPlan) -> str:
          f"{request.max_num_batched_tokens} batched tokens: hidden {act.hidden / MIB:.0f} MiB, attention"
          f" {(act.attention + act.gathered_kv + act.scores) / MIB:.0f} MiB, mlp {act.mlp / MIB:.0f} MiB,"
          f" logits {act.logits / MIB:.0f} MiB"),
-        ("runtime overhead", plan.overhead_bytes, "torch, Python, tokenizer"),
+        ("runtime overhead", plan.overhead_bytes, "torch, Python, tokenizer, rotary tables, block table"),
     ]
+    if plan.kv_bookkeeping_bytes:
+        rows.insert(2, ("KV bookkeeping", plan.kv_bookkeeping_bytes,
+                        f"{request.host_bytes_per_block} B of block-pool objects per block"))
     lines = [f"  {name:<17}{num_bytes / GIB:>8.2f} GiB   {detail}" for name, num_bytes, detail in rows]
-    lines.append(f"  {'total':<17}{plan.total_bytes / GIB:>8.2f} GiB")
+    lines.append(f"  {'total':<17}{plan.total_bytes / GIB:>8.2f} GiB   worst case: every KV block written, the"
+                 " largest step's activations alive")
+    lines.append(f"  {'steady':<17}{plan.steady_bytes / GIB:>8.2f} GiB   resident once started and idle (weights +"
+                 " overhead + KV bookkeeping; the KV pool fills as it is used)")
     lines.append(
         f"  {'available':<17}{plan.budget_bytes / GIB:>8.2f} GiB   {request.memory_fraction:.0%} of"
         f" {_gib(request.available.num_bytes)} ({request.available.reason})"
@@ -445,10 +547,12 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def weight_bytes_from_safetensors_dir(path: str | Path, dtype_bytes: int) -> int:
+def weight_bytes_from_safetensors_dir(path: str | Path, dtype_bytes: int,
+                                      skip: Callable[[str], bool] | None = None) -> int:
     """Bytes of all weights in a checkpoint dir once floating-point tensors are cast to the serving dtype.
 
     Reads only the headers. Integer tensors (quantized weights, index buffers) keep their stored size.
+    Tensors for which `skip(name)` is true (ones the loader drops, such as a tied LM head) are not counted.
     """
     files = _safetensors_files(Path(path))
     if not files:
@@ -456,7 +560,7 @@ def weight_bytes_from_safetensors_dir(path: str | Path, dtype_bytes: int) -> int
     total = 0
     for file in files:
         for name, info in read_safetensors_header(file).items():
-            if name == "__metadata__":
+            if name == "__metadata__" or (skip is not None and skip(name)):
                 continue
             num_elements = math.prod(info["shape"])
             dtype = info["dtype"]

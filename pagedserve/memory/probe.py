@@ -283,6 +283,17 @@ def cuda_available_memory(device: int = 0) -> AvailableMemory | None:
                            total_bytes=total)
 
 
+def process_rss_bytes(status_path: str | Path = "/proc/self/status") -> int | None:
+    """Resident set size (VmRSS) of a process, from /proc/<pid>/status; None where it cannot be read."""
+    try:
+        for line in Path(status_path).read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024  # "VmRSS:   123456 kB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 # ----------------------------------------------------------------------------------------------- CPU
 
 

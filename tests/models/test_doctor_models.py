@@ -53,3 +53,22 @@ def test_torch_build_info_is_consistent() -> None:
     assert info.cuda_available == torch.cuda.is_available()
     if not info.cuda_available:
         assert info.capability is None and info.arch_list == []
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "no tokenizer"])
+def test_doctor_command_fails_on_a_damaged_model(tiny_model_dir, tmp_path, capsys, damage: str) -> None:
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    if damage == "truncated weights":
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-1000])
+    else:
+        for path in model.glob("tokenizer*"):
+            path.unlink()
+    code = doctor.run(argparse.Namespace(model=str(model), port=free_port(), json=True))
+    results = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert code == 1 and results["model"]["status"] == "FAIL"
+    assert ("truncated" if damage == "truncated weights" else "tokenizer") in results["model"]["detail"]
+    assert "memory plan" not in results  # planning needs readable headers: skipped, not guessed

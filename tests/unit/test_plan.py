@@ -112,8 +112,9 @@ def test_does_not_fit_with_shortfall_and_suggestions() -> None:
     assert found["--dtype"] == ("bfloat16", 1335424 + 16 * 4096)
     # int8 linear layers: 346112 - 73728 x 4 + 73728 + 2 x (128 + 64 + 256 + 64) scales x 4 = 129024.
     assert found["--quantization"] == ("int8", 129024 + 191616 + 1048576 + 16 * 8192)
-    # fp8 KV: 128 B/token, blocks of 2048; left 1600000 - 1586304 = 13696 -> 6 blocks.
-    assert found["--kv-cache-dtype"] == ("fp8", 1586304 + 6 * 2048)
+    # fp8 KV with a 4-byte (model dtype) scale per token, head and K/V: 2 x 2 x 2 x (16 + 4) = 160 B/token,
+    # blocks of 2560; left 1600000 - 1586304 = 13696 -> 5 blocks.
+    assert found["--kv-cache-dtype"] == ("fp8", 1586304 + 5 * 2560)
     # Only options the engine supports are suggested.
     plain = make_plan(TINY, request(budget_bytes=1600000), quantizations=(), kv_cache_dtypes=())
     assert {s.flag for s in plain.suggestions} == set(found) - {"--quantization", "--kv-cache-dtype"}
@@ -139,7 +140,9 @@ def test_summary_in_gib_and_error_carries_plan() -> None:
     plan = make_plan(shape, request(budget_bytes=int(9.3 * GIB), runtime_overhead_bytes=int(0.6 * GIB)))
     assert re.fullmatch(r"needs 11\.10 GiB, 9\.30 GiB available, short by 1\.80 GiB", plan.summary())
     error = InsufficientMemoryError(plan)
-    assert error.plan is plan and str(error) == plan.summary()
+    assert error.plan is plan and str(error).startswith(plan.summary())
+    fixes = ", ".join(f"{s.flag} {s.value}" for s in plan.suggestions)
+    assert plan.suggestions and str(error).endswith(f"; any one of these would fit: {fixes}")
     data = json.loads(plan.to_json())
     assert data["fits"] is False
     assert data["shortfall_bytes"] == plan.shortfall_bytes
@@ -192,3 +195,89 @@ def test_weight_bytes_rejects_a_truncated_header(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 10_000) + b"{}")
     with pytest.raises(ValueError, match="exceeds the file size"):
         weight_bytes_from_safetensors_dir(tmp_path, dtype_bytes=2)
+
+
+# ----------------------------------------------------------------------------------------------- engine terms
+
+
+def test_kv_bytes_per_token_and_runtime_overhead_by_hand() -> None:
+    from pagedserve.memory.plan import (
+        CPU_RUNTIME_BASE_BYTES,
+        CUDA_RUNTIME_OVERHEAD_BYTES,
+        TOKENIZER_BYTES_PER_TOKEN,
+        kv_bytes_per_token,
+        runtime_overhead_bytes,
+    )
+
+    assert kv_bytes_per_token(TINY, kv_dtype_bytes=2) == 2 * 2 * 2 * 16 * 2 == 256
+    # rotary: cos + sin, 64 positions x head_dim 16 x 4 B = 8192; block table 4 seqs x 4 blocks x 8 B = 128.
+    cpu = runtime_overhead_bytes(TINY, max_model_len=64, max_num_seqs=4, block_size=16)
+    assert cpu == CPU_RUNTIME_BASE_BYTES + TOKENIZER_BYTES_PER_TOKEN * 100 + 8192 + 128
+    # 65 positions need 5 blocks per sequence.
+    assert runtime_overhead_bytes(TINY, 65, 4, 16) - cpu == 2 * 16 * 4 + 4 * 8
+    # On a GPU the host-side tokenizer and block table do not count against the device.
+    assert runtime_overhead_bytes(TINY, 64, 4, 16, on_cpu=False) == CUDA_RUNTIME_OVERHEAD_BYTES + 8192
+
+
+def test_block_bookkeeping_is_paid_per_block_and_is_resident() -> None:
+    # 1000 seqs (so the pool is not capped): gathered kv 2 x min(1000, 32) x 64 x 2 x 16 x 4 = 524288,
+    # logits 2 x 32 x 100 x 4 = 25600, no scores -> activations 16384 + 24576 + 49152 + 524288 + 25600 = 640000.
+    # Left 5242880 - 346112 - 640000 - 1048576 = 3208192; each block costs 8192 + 1000 -> 349 blocks.
+    base = request(budget_bytes=5 * MIB, materializes_attention_scores=False, max_num_seqs=1000,
+                   host_bytes_per_block=1000)
+    plan = make_plan(TINY, base)
+    assert plan.activation_bytes == 640000
+    assert (plan.num_kv_blocks, plan.kv_sizing) == (349, "automatic")
+    assert plan.kv_pool_bytes == 349 * 8192 and plan.kv_bookkeeping_bytes == 349 * 1000
+    assert plan.total_bytes == 346112 + 640000 + 1048576 + 349 * 9192 <= plan.budget_bytes
+    # Steady: what stays resident when idle (the lazily allocated pool and the activations do not).
+    assert plan.steady_bytes == 346112 + 1048576 + 349 * 1000
+    assert plan.to_dict()["steady_bytes"] == plan.steady_bytes
+    assert "the KV cache takes what is left, 87.25 x 64-token sequences" in plan.summary()
+    table = format_plan_table(plan)
+    assert re.search(r"KV bookkeeping +0\.00 GiB +1000 B of block-pool objects per block", table)
+    assert re.search(r"steady +0\.00 GiB +resident once started", table)
+    # An explicit pool is counted in K/V bytes; its bookkeeping comes on top.
+    explicit = make_plan(TINY, replace(base, kv_cache_bytes=10 * 8192))
+    assert explicit.num_kv_blocks == 10 and explicit.kv_bookkeeping_bytes == 10 * 1000
+
+
+def test_weight_bytes_skip_tensors_the_loader_drops(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "model.safetensors",
+                      {"embed": ("F32", [4, 2], 32), "lm_head.weight": ("F32", [4, 2], 32)})
+    assert weight_bytes_from_safetensors_dir(tmp_path, dtype_bytes=2) == 32
+    assert weight_bytes_from_safetensors_dir(tmp_path, 2, skip=lambda name: name == "lm_head.weight") == 16
+
+
+def test_checkpoint_info_of_a_model_dir_counts_a_tied_head_once(tmp_path: Path) -> None:
+    from pagedserve.memory.checkpoint import dtype_bytes, read_checkpoint_info
+
+    write_safetensors(tmp_path / "model.safetensors", {
+        "model.embed_tokens.weight": ("BF16", [10, 4], 80), "lm_head.weight": ("BF16", [10, 4], 80),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": ("F32", [2], 8)})
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True, "vocab_size": 10}))
+    info = read_checkpoint_info(tmp_path)
+    assert not info.is_gguf and info.config["vocab_size"] == 10
+    assert info.weight_bytes(dtype_bytes("float32")) == 40 * 4  # the embedding only
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    assert read_checkpoint_info(tmp_path).weight_bytes(dtype_bytes("bfloat16")) == 2 * 40 * 2
+    with pytest.raises(ValueError, match="unknown dtype"):
+        dtype_bytes("int4")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the model config"):
+        read_checkpoint_info(tmp_path)
+
+
+def test_prepared_weights_by_kernel_by_hand() -> None:
+    from pagedserve.memory.plan import prepared_weight_bytes
+
+    # TINY: 73728 linear weights in 2 x (128 qkv + 64 o + 256 gate/up + 64 down) = 1024 output channels;
+    # vocab 100 x hidden 64 = 6400 LM-head weights.
+    assert TINY.num_linear_output_channels == 1024
+    assert prepared_weight_bytes(TINY, 4, "plain", tied_embeddings=True) == 346112  # shares the tensors
+    assert prepared_weight_bytes(TINY, 4, "packed", tied_embeddings=False) == 346112  # lm_head repacked
+    assert prepared_weight_bytes(TINY, 4, "packed", tied_embeddings=True) == 346112 + 6400 * 4  # a copy
+    # int8: linears 346112 - 73728 x 3 + 1024 x 4 = 129024; the head becomes 6400 + 100 x 4 scales = 6800.
+    assert prepared_weight_bytes(TINY, 4, "int8", tied_embeddings=False) == 129024 - 6400 * 4 + 6800
+    assert prepared_weight_bytes(TINY, 4, "int8", tied_embeddings=True) == 129024 + 6800
+    assert prepared_weight_bytes(TINY, 4, "packed", True, computes_logits=False) == 346112  # embedders

@@ -198,3 +198,23 @@ def test_cpu_flags_and_fast_dtype(tmp_path: Path) -> None:
     assert fast_cpu_dtype(flags | {"avx512_bf16"}) == "bfloat16"
     assert fast_cpu_dtype(flags | {"amx_bf16"}) == "bfloat16"
     assert cpu_flags(tmp_path / "missing") == set()
+
+
+def test_process_rss_from_proc_status(tmp_path: Path) -> None:
+    from pagedserve.memory.probe import process_rss_bytes
+
+    status = write(tmp_path / "status", "Name:\tpython\nVmPeak:\t 900 kB\nVmRSS:\t  123456 kB\nRssAnon:\t 1 kB\n")
+    assert process_rss_bytes(status) == 123456 * 1024
+    assert process_rss_bytes(write(tmp_path / "kernel_thread", "Name:\tkthreadd\n")) is None
+    assert process_rss_bytes(tmp_path / "missing") is None
+    assert process_rss_bytes() > 10 << 20  # this test process, from /proc/self/status
+
+
+def test_platform_reexports_the_probes() -> None:
+    import subprocess
+    import sys
+
+    # platform imports torch, so check in a child that the names are the probe's and still importable there.
+    code = ("from pagedserve import platform; from pagedserve.memory import probe; "
+            "assert platform.usable_cpu_count is probe.usable_cpu_count; assert platform.cpu_flags is probe.cpu_flags")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

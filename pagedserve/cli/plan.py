@@ -1,0 +1,65 @@
+"""`pagedserve plan [MODEL] [serve flags] [--json]`: the memory budget `serve` would check, without loading.
+
+The plan is the one `serve` computes in its "planning" phase (the same function, the same flags and
+environment variables), so what this prints is what `serve` would accept or refuse. Exit code 0 when it fits,
+1 when it does not, 2 for bad flags or a model that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pagedserve.cli.common import engine_args_from_cli, fail
+from pagedserve.engine.arg_utils import EngineArgs
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="Show the memory plan for a model and serve flags, without loading it.",
+        description="Weights (exact, from the file headers, in the serving dtype), KV cache, activations and "
+                    "runtime overhead against the memory available now (cgroup limit, MemAvailable, the "
+                    "--gpu-memory-utilization fraction, VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory, or free GPU "
+                    "memory); the verdict, and the flags that would fit. Takes the same flags as `serve`. "
+                    "Exit code 1 when it does not fit.")
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--json", action="store_true", help="Print the plan as JSON (every figure in bytes).")
+    # Test-only: read the memory probes from a fake tree instead of /proc and /sys.
+    parser.add_argument("--meminfo", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cgroup-root", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--proc-self-cgroup", default=None, help=argparse.SUPPRESS)
+    parser.set_defaults(func=run)
+
+
+def _available_from_paths(args: argparse.Namespace):  # -> AvailableMemory | None
+    if args.meminfo is None and args.cgroup_root is None and args.proc_self_cgroup is None:
+        return None  # the engine probes the real host (or GPU)
+    from pagedserve.memory import probe
+
+    return probe.available_memory(args.meminfo or "/proc/meminfo", args.cgroup_root or "/sys/fs/cgroup",
+                                  args.proc_self_cgroup or "/proc/self/cgroup")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedserve.engine.llm_engine import create_engine_config
+    from pagedserve.memory.plan import format_plan_table
+
+    try:
+        engine_args = engine_args_from_cli(args)
+        config = create_engine_config(engine_args, available=_available_from_paths(args), check_memory=False)
+    except (ValueError, OSError) as exc:
+        return fail(str(exc))
+    plan = config.memory_plan
+    settings = {"model": config.model.model, "dtype": config.model.dtype, "device": config.device.device,
+                "kv_cache_dtype": config.cache.kv_cache_dtype, "max_model_len": config.model.max_model_len,
+                "max_num_seqs": config.scheduler.max_num_seqs,
+                "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+                "block_size": config.cache.block_size, "num_kv_blocks_allocated": config.cache.num_blocks}
+    if args.json:
+        print(json.dumps({"settings": settings, **plan.to_dict()}, indent=2))
+    else:
+        print(f"{settings['model']}: {settings['dtype']} on {settings['device']}, max_model_len"
+              f" {settings['max_model_len']}, max_num_seqs {settings['max_num_seqs']}, max_num_batched_tokens"
+              f" {settings['max_num_batched_tokens']}")
+        print(format_plan_table(plan))
+    return 0 if plan.fits else 1

@@ -1,0 +1,67 @@
+"""What the memory plan needs from a checkpoint before it is loaded: its config and exact weight sizes.
+
+Headers only: safetensors headers (JSON before the data) or the GGUF metadata and tensor table. No tensor data
+is read, so `serve` can refuse a model that does not fit before paying for reading it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedserve.memory.plan import weight_bytes_from_safetensors_dir
+
+# fp8 KV caches also keep one 2-byte scale per token and head (3 % more for head_dim 64), not counted here.
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
+               "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name as the engine resolves them ("float32", "bfloat16", ...)."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass
+class CheckpointInfo:
+    """A checkpoint seen through its headers: a config.json-style dict and a weight-size rule."""
+
+    path: str
+    config: dict[str, Any]
+    is_gguf: bool
+    gguf: Any = None  # the GGUFCheckpoint (header parsed, data memory-mapped lazily) for .gguf files
+    num_gguf_parameters: int = 0
+
+    def weight_bytes(self, serving_dtype_bytes: int) -> int:
+        """Bytes of the weights once loaded in the serving dtype (what the model will hold)."""
+        if self.is_gguf:
+            # Every GGUF tensor, quantized or not, is dequantized to the serving dtype on load.
+            return self.num_gguf_parameters * serving_dtype_bytes
+        return weight_bytes_from_safetensors_dir(self.path, serving_dtype_bytes, skip=self._skipped_tensor)
+
+    def _skipped_tensor(self, name: str) -> bool:
+        """Tensors the loader does not keep: a tied LM head (it reuses the embedding) and rotary buffers."""
+        config = self.config.get("text_config", self.config)
+        if name == "lm_head.weight" and config.get("tie_word_embeddings", False):
+            return True
+        return name.endswith("rotary_emb.inv_freq")
+
+
+def read_checkpoint_info(model_path: str | Path) -> CheckpointInfo:
+    """Config and weight sizes of a Hugging Face directory or a .gguf file, from headers only."""
+    path = str(model_path)
+    if path.endswith(".gguf"):
+        from pagedserve.models.gguf_loader import GGUFCheckpoint  # numpy/gguf/torch: only for GGUF files
+
+        checkpoint = GGUFCheckpoint(path)
+        return CheckpointInfo(path, checkpoint.hf_config(), True, checkpoint, checkpoint.num_parameters())
+    config_path = Path(path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_path}: cannot read the model config ({exc})") from exc
+    return CheckpointInfo(path, config, False)

@@ -1,0 +1,210 @@
+"""The memory plan as the engine runs it: `pagedserve plan --json` against hand-computed numbers, refusal before
+any weight is read, KV sizing from the plan, the model config built without transformers' model classes, and
+the GGUF fast paths (torch dequantization equal to gguf-py's, one header parse per start-up)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from pagedserve.cli.main import main
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.llm_engine import PLAIN_CONFIG_DEFAULTS, create_engine_config, hf_config_from_checkpoint
+from pagedserve.memory.checkpoint import read_checkpoint_info
+from pagedserve.memory.plan import (
+    CPU_RUNTIME_BASE_BYTES,
+    GIB,
+    HOST_BYTES_PER_KV_BLOCK,
+    MIB,
+    TOKENIZER_BYTES_PER_TOKEN,
+    InsufficientMemoryError,
+)
+from pagedserve.memory.probe import AvailableMemory
+from pagedserve.models import gguf_loader
+from tests.models.gguf_utils import tiny_model, write_test_gguf
+
+
+def fake_host(tmp_path: Path, available_kib: int) -> list[str]:
+    """Hidden `plan` flags pointing the probes at a fake /proc/meminfo and a cgroup tree without limits."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {4 * available_kib} kB\nMemFree: {available_kib} kB\n"
+                       f"MemAvailable: {available_kib} kB\nCached: 0 kB\n")
+    (tmp_path / "cgroup").mkdir()
+    return ["--meminfo", str(meminfo), "--cgroup-root", str(tmp_path / "cgroup")]
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
+    code = main(["plan", *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_equals_the_hand_computed_plan(tiny_model_dir, tmp_path, capsys) -> None:
+    model = tiny_model_dir("llama")  # vocab 512, hidden 64, inter 128, 2 layers, 4 heads, 2 KV heads, untied
+    code, data = plan_json(capsys, model, "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4",
+                           "--max-num-batched-tokens", "32", "--gpu-memory-utilization", "0.5",
+                           *fake_host(tmp_path, available_kib=1 << 20))
+    assert code == 0 and data["fits"] is True
+    # Parameters: embed + lm_head 2 x 512 x 64 = 65536; per layer q, o 2 x 64 x 64 + k, v 2 x 64 x 32 +
+    # mlp 3 x 64 x 128 + 2 norms x 64 = 36992; final norm 64 -> 139584 parameters x 4 B.
+    assert data["weight_bytes"] == data["shape"]["weight_bytes"] == 139584 * 4 == 558336
+    assert data["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4 == 512
+    assert data["block_bytes"] == 16 * 512
+    act = data["activations"]
+    assert (act["hidden"], act["attention"], act["mlp"]) == (2 * 32 * 64 * 4, 32 * 12 * 16 * 4, 3 * 32 * 128 * 4)
+    assert act["gathered_kv"] == 2 * 4 * 64 * 2 * 16 * 4 and act["scores"] == 0
+    assert act["logits"] == 2 * 4 * 512 * 4
+    assert data["activation_bytes"] == 16384 + 24576 + 49152 + 65536 + 16384 == 172032
+    # Overhead: runtime + tokenizer x vocab + rotary cos/sin 2 x 64 x 16 x 4 + block table 4 seqs x 4 x 8.
+    overhead = CPU_RUNTIME_BASE_BYTES + TOKENIZER_BYTES_PER_TOKEN * 512 + 8192 + 128
+    assert data["overhead_bytes"] == overhead
+    # Budget: 0.5 x 1 GiB; the rest would hold thousands of blocks, but 4 sequences x 4 blocks is the cap.
+    assert data["budget_bytes"] == GIB // 2
+    assert (data["num_kv_blocks"], data["kv_sizing"]) == (16, "cap")
+    assert data["kv_pool_bytes"] == 16 * 8192
+    assert data["kv_bookkeeping_bytes"] == 16 * HOST_BYTES_PER_KV_BLOCK
+    assert data["total_bytes"] == 558336 + 172032 + overhead + 16 * 8192 + 16 * HOST_BYTES_PER_KV_BLOCK
+    assert data["steady_bytes"] == 558336 + overhead + 16 * HOST_BYTES_PER_KV_BLOCK
+    assert data["settings"]["num_kv_blocks_allocated"] == 17  # + the null block
+    assert data["request"]["available"]["bound_by"] == "MemAvailable"
+
+
+def test_plan_refuses_with_the_shortfall_and_what_would_fit(tiny_model_dir, tmp_path, capsys) -> None:
+    model = tiny_model_dir("llama")
+    # 300 MiB available, 90 % usable: less than the runtime alone.
+    code, data = plan_json(capsys, model, "--max-model-len", "64", *fake_host(tmp_path, 300 * 1024))
+    assert code == 1 and data["fits"] is False
+    assert data["shortfall_bytes"] == data["total_bytes"] - data["budget_bytes"] > 0
+    assert "short by" in data["summary"]
+    code = main(["plan", model, "--max-model-len", "64", *fake_host(tmp_path / "again", 300 * 1024)])
+    out = capsys.readouterr().out
+    assert code == 1 and "DOES NOT FIT" in out and "no single flag change fits" in out
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+def test_engine_refuses_before_reading_any_weight(tiny_model_dir, tmp_path, monkeypatch, kind: str) -> None:
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.models import loader, safetensors_mmap
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("weights were read although the plan does not fit")
+
+    for module, name in ((loader, "iter_checkpoint"), (loader, "load_model"), (safetensors_mmap, "iter_safetensors"),
+                         (gguf_loader.GGUFCheckpoint, "_stored"), (gguf_loader.GGUFCheckpoint, "iter_tensors")):
+        monkeypatch.setattr(module, name, must_not_load)
+    model = tiny_model_dir("llama") if kind == "safetensors" else write_test_gguf(tiny_model("llama"), tmp_path / "m.gguf")
+    with pytest.raises(InsufficientMemoryError) as info:
+        LLM(str(model), max_model_len=64, gpu_memory_utilization=0.0001)
+    assert info.value.plan.shortfall_bytes > 0 and "short by" in str(info.value)
+
+
+def engine_config(model: str, available_bytes: int = 8 * GIB, **kwargs):
+    available = AvailableMemory(available_bytes, "MemAvailable", "test")
+    return create_engine_config(EngineArgs(model=model, dtype="float32", **kwargs), available=available)
+
+
+def test_kv_pool_is_sized_by_the_plan(tiny_model_dir) -> None:
+    model = tiny_model_dir("llama")
+    capped = engine_config(model, max_model_len=64, max_num_seqs=4)
+    assert capped.memory_plan.kv_sizing == "cap" and capped.cache.num_blocks == 4 * 4 + 1
+    # A budget that leaves room for 20 blocks beyond weights, activations and overhead (64 sequences could
+    # use 256 blocks): the pool takes the room, each block paying for its bookkeeping too.
+    plan = engine_config(model, max_model_len=64, max_num_seqs=64).memory_plan
+    fixed = plan.weight_bytes + plan.activation_bytes + plan.overhead_bytes
+    room = 20 * (plan.block_bytes + HOST_BYTES_PER_KV_BLOCK) + 100
+    roomy = engine_config(model, available_bytes=int((fixed + room) / 0.9) + 2, max_model_len=64,
+                          max_num_seqs=64)
+    assert roomy.memory_plan.kv_sizing == "automatic" and roomy.cache.num_blocks == 20 + 1
+    # --kv-cache-memory (or VLLM_CPU_KVCACHE_SPACE) asks for bytes: whole blocks of it.
+    explicit = engine_config(model, max_model_len=64, kv_cache_memory=10 * plan.block_bytes + 5)
+    assert explicit.memory_plan.kv_sizing == "explicit" and explicit.cache.num_blocks == 10 + 1
+    # The test override wins, even below one full sequence.
+    override = engine_config(model, max_model_len=64, num_gpu_blocks_override=3)
+    assert override.cache.num_blocks == 3 and override.memory_plan.fits
+    # Never below one max_model_len sequence: refuse rather than start a server that cannot serve one.
+    with pytest.raises(InsufficientMemoryError, match="fewer than one max_model_len=64 sequence"):
+        engine_config(model, max_model_len=64, kv_cache_memory=2 * plan.block_bytes)
+    # Never more than the box has: a pool that does not fit the budget is refused, not swapped.
+    with pytest.raises(InsufficientMemoryError, match="short by"):
+        engine_config(model, max_model_len=64, kv_cache_memory=16 * GIB)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_plain_config_reads_like_transformers(tiny_model_dir, tmp_path, arch: str) -> None:
+    from transformers import AutoConfig
+
+    from pagedserve.layers.rotary import rope_parameters
+    from pagedserve.models.llama import head_dim_of
+
+    def seen_by_the_model(cfg) -> dict:
+        names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "rms_norm_eps", "hidden_act", "tie_word_embeddings",
+                 "max_position_embeddings", "architectures")
+        values = {name: getattr(cfg, name, None) for name in names}
+        values["attention_bias"] = bool(getattr(cfg, "attention_bias", False))
+        return {**values, "head_dim": head_dim_of(cfg), "rope": rope_parameters(cfg)}
+
+    for path in (tiny_model_dir(arch), write_test_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf")):
+        info = read_checkpoint_info(path)
+        plain = hf_config_from_checkpoint(info)
+        assert type(plain).__name__ in ("PretrainedConfig", "PreTrainedConfig")  # the fast path was taken
+        if info.is_gguf:
+            config = dict(info.config)
+            full = AutoConfig.for_model(config.pop("model_type"), **config)
+        else:
+            full = AutoConfig.from_pretrained(path)
+        assert seen_by_the_model(plain) == seen_by_the_model(full)
+    # The defaults filled in for keys a config.json may omit are transformers' own.
+    defaults = AutoConfig.for_model(arch)
+    for key, value in PLAIN_CONFIG_DEFAULTS.items():
+        assert getattr(defaults, key, False) == value, key
+
+
+def test_rope_scaling_and_other_models_use_transformers_configs(tmp_path) -> None:
+    path = write_test_gguf(tiny_model("llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+                           tmp_path / "linear.gguf")
+    assert type(hf_config_from_checkpoint(read_checkpoint_info(path))).__name__ == "LlamaConfig"
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_dequantization_equals_gguf_py(qtype: QType, dtype: torch.dtype, monkeypatch) -> None:
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    rows, blocks_per_row = 37, 5
+    stored = rng.integers(0, 256, size=(rows, blocks_per_row * type_size), dtype=np.uint8)
+    # Finite fp16 scales (d and, for the _1 formats, m) of every sign and magnitude, subnormals included.
+    num_scales = 2 if qtype in (QType.Q4_1, QType.Q5_1) else 1
+    scales = (rng.standard_normal((rows, blocks_per_row, num_scales)) * 10.0 ** rng.integers(-7, 3, (rows, blocks_per_row, num_scales)))
+    blocks = stored.reshape(rows, blocks_per_row, type_size)
+    blocks[..., : 2 * num_scales] = scales.astype(np.float16).view(np.uint8).reshape(rows, blocks_per_row, -1)
+    monkeypatch.setattr(gguf_loader, "_DEQUANT_CHUNK_BLOCKS", 16)  # several chunks and a partial one
+    got = gguf_loader._dequantize_to_torch(stored, qtype, dtype)
+    expected = torch.from_numpy(dequantize(stored, qtype)).to(dtype)
+    assert got.shape == (rows, blocks_per_row * block_size) and got.dtype == dtype
+    assert torch.equal(got, expected)
+
+
+def test_gguf_header_is_parsed_once_per_start(tmp_path, monkeypatch) -> None:
+    from pagedserve.entrypoints.llm import LLM
+
+    path = write_test_gguf(tiny_model("llama"), tmp_path / "q.gguf", QType.Q8_0)
+    parsed: list[Path] = []
+    real = gguf_loader.read_gguf_header
+
+    def counting(path, **kwargs):
+        parsed.append(Path(path))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(gguf_loader, "read_gguf_header", counting)
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    assert parsed == [path]  # config + plan, tokenizer and weights share one parse
+    assert not gguf_loader._header_cache  # and it is dropped once the weights are in
+    assert llm.engine.config.memory_plan.weight_bytes == sum(p.numel() * 4 for p in tiny_model("llama").parameters())

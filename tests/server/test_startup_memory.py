@@ -1,0 +1,129 @@
+"""`serve` start-up as an operator and a client see it: refusal before any weight is read when the memory plan
+does not fit, the /health phases, the planned steady RSS against the measured one, and the first request's
+latency next to the following ones (reported; its threshold is checked by `pagedserve bench startup`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedserve.engine.startup import PHASES
+from tests.server.server_utils import ServerProcess, free_port, start_server
+
+MIB = 1 << 20
+
+# Runs `pagedserve <argv>` in this interpreter with an audit hook that records every memory mapping of a
+# weight file (safetensors_mmap maps the file to read tensors; reading a header is a plain read()).
+AUDITED_CLI = r"""
+import os, sys
+mapped = []
+def hook(event, args):
+    if event == "mmap.__new__" and args[0] is not None and args[0] >= 0:
+        try:
+            target = os.readlink(f"/proc/self/fd/{args[0]}")
+        except OSError:
+            return
+        if target.endswith((".safetensors", ".gguf", ".bin")):
+            mapped.append(target)
+sys.addaudithook(hook)
+from pagedserve.cli.main import main
+code = main(sys.argv[1:])
+print(f"weight files mapped: {mapped}", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("flags,env,fix", [
+    (["--gpu-memory-utilization", "0.0001"], {}, "no single flag change fits"),
+    ([], {"VLLM_CPU_KVCACHE_SPACE": "100000"}, "--kv-cache-memory"),  # 100000 GiB of KV cache asked for
+], ids=["tiny-fraction", "huge-kv-space"])
+def test_serve_refuses_before_reading_weights(tiny_model_dir, flags, env, fix):
+    model = tiny_model_dir("llama")
+    command = [sys.executable, "-c", AUDITED_CLI, "serve", model, "--port", str(free_port()), *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    log = result.stderr
+    assert result.returncode != 0, log
+    assert "DOES NOT FIT" in log and re.search(r"short by \d+\.\d\d GiB", log), log
+    assert fix in log
+    assert "phase planning" in log and "loading_weights" not in log
+    assert "weight files mapped: []" in log  # the plan read only the safetensors header
+
+
+def measured_vs_planned(server: ServerProcess) -> tuple[int, int]:
+    """(VmRSS of the idle server now, the plan's steady bytes from its "memory:" log line)."""
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    rss = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+    planned = re.search(r"planned steady (\d+) MiB", server.log())
+    assert planned, server.log()
+    return rss, int(planned.group(1)) * MIB
+
+
+def assert_plan_predicts_rss(server: ServerProcess) -> None:
+    rss, planned = measured_vs_planned(server)
+    tolerance = max(0.10 * rss, 150 * MIB)
+    print(f"RSS {rss / MIB:.0f} MiB, planned steady {planned / MIB:.0f} MiB, error {(rss - planned) / MIB:+.0f} MiB")
+    assert abs(rss - planned) <= tolerance, (rss / MIB, planned / MIB)
+
+
+def test_tiny_model_health_phases_and_planned_rss(tiny_model_dir, tmp_path):
+    server = start_server(tiny_model_dir("llama"), "--max-model-len", "512", log_dir=tmp_path)
+    try:
+        # What a client polling /health saw: 503 with each phase in start-up order, then 200 "ready".
+        seen = server.health_statuses
+        assert seen[-1] == (200, "ready") and all(status == 503 for status, _ in seen[:-1]), seen
+        order = [PHASES.index(phase) for _, phase in seen]
+        assert order == sorted(order) and len(order) == len(set(order)), seen
+        # The server's own record: every phase, in order, each with its duration.
+        body = httpx.get(f"{server.url}/health").json()
+        assert [p["name"] for p in body["phases"]] == list(PHASES)
+        assert all(p["duration_s"] is not None and p["duration_s"] >= 0 for p in body["phases"][:-1])
+        log = server.log()
+        for phase in PHASES[1:-1]:
+            assert re.search(rf"phase {phase} done in \d+\.\d\d s", log), phase
+        assert re.search(r"ready \d+\.\d\d s after process start", log)
+        assert_plan_predicts_rss(server)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory):
+    """The default model (SmolLM2-135M-Instruct, from the cache) served with default flags."""
+    server = start_server("smollm2-135m-instruct", log_dir=tmp_path_factory.mktemp("smollm2"), ready_timeout=600)
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def test_smollm2_planned_rss(smollm2_server):
+    assert_plan_predicts_rss(smollm2_server)
+
+
+def completion_seconds(server: ServerProcess, prompt: str) -> float:
+    body = {"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+    elapsed = time.perf_counter() - start
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 16
+    return elapsed
+
+
+def test_first_request_latency_ratio_is_reported(smollm2_server, record_property):
+    # Prompts of the same shape but different tokens, so that no request reuses another's prefix cache.
+    latencies = [completion_seconds(smollm2_server, f"Story number {i}: once upon a time, a") for i in range(1, 7)]
+    ratio = latencies[0] / statistics.median(latencies[1:])
+    record_property("first_request_s", round(latencies[0], 4))
+    record_property("first_to_median_ratio", round(ratio, 3))
+    print(f"first request {latencies[0] * 1000:.0f} ms, next five median {statistics.median(latencies[1:]) * 1000:.0f}"
+          f" ms: ratio {ratio:.2f} (target <= 1.5, checked by `pagedserve bench startup`)")
+    assert all(latency > 0 for latency in latencies)
