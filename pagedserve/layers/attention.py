@@ -55,8 +55,8 @@ class LayerKVCache:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         if not self.is_quantized:
-            self.k.index_copy_(0, slots, k.to(self.k.dtype))
-            self.v.index_copy_(0, slots, v.to(self.v.dtype))
+            self.k.index_copy_(0, slots, k)  # the pool has the model dtype
+            self.v.index_copy_(0, slots, v)
             return
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             fp8_max = torch.finfo(cache.dtype).max
@@ -68,7 +68,7 @@ class LayerKVCache:
     def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` (any index shape) in `dtype`: [*slots.shape, num_kv_heads, head_dim]."""
         if not self.is_quantized:
-            return self.k[slots].to(dtype), self.v[slots].to(dtype)
+            return self.k[slots], self.v[slots]  # already in the model dtype
         k = self.k.view(torch.uint8)[slots].view(self.k.dtype)
         v = self.v.view(torch.uint8)[slots].view(self.v.dtype)
         return k.to(dtype) * self.k_scale[slots].to(dtype), v.to(dtype) * self.v_scale[slots].to(dtype)
