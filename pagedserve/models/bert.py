@@ -4,6 +4,9 @@ Parameter names equal the Hugging Face checkpoint's (`embeddings.word_embeddings
 `encoder.layer.N.attention.self.query`, ...). A batch is a flat run of whole sequences, [T, hidden];
 the linear layers see only real tokens, and attention pads the sequences to the longest one of the
 step (a key mask hides the padding). There is no KV cache: every request is computed in one pass.
+After loading, `prepare()` fuses query/key/value into one matmul and hands every linear the kernel the
+loader chose (layers/linear.py: oneDNN-packed on CPU, int8 with --quantization int8); forward passes run
+on the prepared model only.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedserve.layers.linear import fuse_rows, make_linear
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -88,9 +93,13 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
+    def prepare(self, kind: str) -> None:
+        self.qkv_proj = make_linear(*fuse_rows(self.query, self.key, self.value), kind)
+        del self.query, self.key, self.value
+
     def forward(self, x: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
-        shape = (x.shape[0], self.num_heads, self.head_dim)
-        out = encoder_attention(self.query(x).view(shape), self.key(x).view(shape), self.value(x).view(shape), meta)
+        qkv = self.qkv_proj(x).view(x.shape[0], 3, self.num_heads, self.head_dim)  # [T, 3, H, D]
+        out = encoder_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], meta)
         return out.reshape(x.shape[0], -1)
 
 
@@ -101,6 +110,9 @@ class BertSelfOutput(nn.Module):
         super().__init__()
         self.dense = nn.Linear(in_features, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def prepare(self, kind: str) -> None:
+        self.dense = make_linear(self.dense.weight, self.dense.bias, kind)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(self.dense(hidden) + residual)
@@ -124,6 +136,9 @@ class BertIntermediate(nn.Module):
         if act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
         self.act = _ACTIVATIONS[act]
+
+    def prepare(self, kind: str) -> None:
+        self.dense = make_linear(self.dense.weight, self.dense.bias, kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(x))
@@ -161,9 +176,13 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = BertEncoder(cfg)
 
-    def prepare(self, packed: Any) -> None:
-        """Called once after loading with the linear kind models/loader.py chose; BERT keeps its nn.Linear
-        layers as they are (its token batches are large: packing gains little there)."""
+    def prepare(self, kind: str) -> None:
+        """Fuse and pack for inference (`kind` from layers/linear.py); call once after loading."""
+        for layer in self.encoder.layer:
+            layer.attention.self.prepare(kind)
+            layer.attention.output.prepare(kind)
+            layer.intermediate.prepare(kind)
+            layer.output.prepare(kind)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,11 +24,11 @@ def as_embedding_model(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
             if hasattr(self, "lm_head"):
                 del self.lm_head
 
-        def prepare(self, packed: Any) -> None:
+        def prepare(self, kind: str) -> None:
             """The decoder layers' preparation (fused linears of the kind models/loader.py chose); no LM head."""
             for layer in self.model.layers:
-                layer.self_attn.prepare(packed)
-                layer.mlp.prepare(packed)
+                layer.self_attn.prepare(kind)
+                layer.mlp.prepare(kind)
 
         def compute_logits(self, hidden: Any) -> Any:
             raise RuntimeError("an embedding model has no LM head")

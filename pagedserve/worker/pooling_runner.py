@@ -54,7 +54,8 @@ class EncoderRunner:
         self.device = config.device.device
         self.dtype = torch_dtype(config.model.dtype)
         self.model = load_model(hf_config, config.model.architecture, config.model.model, self.dtype, self.device,
-                                config.model.max_model_len, progress, task="embed")
+                                config.model.max_model_len, progress, quantization=config.model.quantization,
+                                reference_kernels=config.model.reference_kernels, task="embed")
         self.pooler = Pooler(config.model.pooler)
 
     def allocate_kv_cache(self) -> None:

@@ -145,6 +145,18 @@ def test_minilm_bfloat16_close_to_sentence_transformers(minilm_dir, st_reference
     assert cos.min() >= 0.999, cos
 
 
+@pytest.mark.parametrize("kwargs,min_cosine", [
+    ({"dtype": "float32", "reference_kernels": True}, 0.9999),  # plain F.linear instead of oneDNN-packed
+    # Weight-only int8, one scale per output channel: each weight off by up to half a step (0.4 % of the
+    # row's largest); observed min cosine 0.9966, a broken kernel gives < 0.5.
+    ({"dtype": "float32", "quantization": "int8"}, 0.99),
+])
+def test_minilm_other_kernels(minilm_dir, st_reference, kwargs, min_cosine):
+    llm = LLM(str(minilm_dir), **kwargs)
+    cos = cosines(vectors(llm.embed(SENTENCES, truncate_prompt_tokens=-1)), st_reference)
+    assert cos.min() >= min_cosine, cos
+
+
 # ---- tiny random Qwen3 decoders as embedders ---------------------------------------------------------------
 def prompts_of(lengths: list[int], vocab_size: int = 512) -> list[list[int]]:
     return [[(31 * i + 7 * j) % (vocab_size - 3) + 3 for j in range(n)] for i, n in enumerate(lengths)]
