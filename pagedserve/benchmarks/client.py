@@ -8,11 +8,12 @@ from typing import Any
 
 import httpx
 
+from pagedserve.benchmarks.embeddings import EMBEDDINGS, build_embedding_body, send_embedding_request
 from pagedserve.benchmarks.metrics import RequestRecord
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
-ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
+ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS)  # embeddings: not streamed (benchmarks/embeddings.py)
 
 
 def build_request_body(
@@ -24,6 +25,8 @@ def build_request_body(
     temperature: float = 0.0,
 ) -> dict[str, Any]:
     """Streamed request asking for usage in the final chunk. `ignore_eos` is a vLLM extra parameter."""
+    if endpoint == EMBEDDINGS:
+        return build_embedding_body(model, prompt)
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": max_tokens,
@@ -107,6 +110,8 @@ async def send_request(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord, endpoint: str
 ) -> RequestRecord:
     """POST a streamed request and fill `record` with its timings, counts and outcome. Never raises."""
+    if endpoint == EMBEDDINGS:
+        return await send_embedding_request(client, url, body, record)
     record.max_tokens = body.get("max_tokens", 0)
     record.ignore_eos = bool(body.get("ignore_eos", False))
     record.send_time = time.perf_counter()

@@ -136,6 +136,26 @@ def test_metrics_count_embedding_requests(server, client):
     assert 'vllm:kv_cache_usage_perc{model_name="minilm"} 0.0' in httpx.get(f"{server.url}/metrics").text
 
 
+def test_bench_serve_embeddings_endpoint(server, tmp_path):
+    """`pagedserve bench serve --endpoint /v1/embeddings`: requests/s and latency percentiles, counted input."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedserve", "bench", "serve", "--base-url", server.url, "--endpoint", "/v1/embeddings",
+         "--input-len", "16", "--num-prompts", "12", "--max-concurrency", "4", "--no-progress", "--strict",
+         "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Request throughput (req/s)" in result.stdout and "P99 E2EL (ms)" in result.stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["num_completed"] == 12 and summary["num_failed"] == 0
+    assert summary["total_input_tokens"] == 12 * 16  # token-id prompts: usage counts exactly what was sent
+    assert summary["total_output_tokens"] == 0 and summary["request_throughput"] > 0
+    assert summary["e2e_latency"]["count"] == 12 and summary["e2e_latency"]["p99"] >= summary["e2e_latency"]["median"]
+
+
 # ---- a decoder served as an embedder ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen3_server(tiny_model_dir, tmp_path_factory):
