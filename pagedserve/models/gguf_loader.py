@@ -352,13 +352,13 @@ def _dequantize_to_torch(stored: np.ndarray, qtype: GGMLQuantizationType, dtype:
     return torch.from_numpy(dequantize(stored, qtype)).to(dtype)  # float32 [rows, in_features]
 
 
-# -- dequantization of the 32-value block formats in torch -----------------------------------------
-# gguf.quants does this in numpy on one core at ~80-140 M values/s, which made dequantization most of
-# the start-up time (1.1 s for SmolLM2-135M Q4_1, 7 s for Qwen2.5-0.5B Q5_0/Q8_0 on a 2-core box).
-# The same arithmetic in torch runs on every core, chunk by chunk (cache-sized pieces, and no float32
-# copy of a whole tensor when serving a 16-bit dtype). Results equal gguf.quants bit for bit: each
-# value is d * q (+ m) in float32, multiplied and added in separate roundings as numpy does.
-_DEQUANT_CHUNK_BLOCKS = 1 << 15  # 1 Mi values (4 MiB of float32) per step
+# -- dequantization in torch ---------------------------------------------------------------------------
+# gguf.quants does this in numpy on one core at ~80-300 M values/s, which made dequantization most of
+# the start-up time (1.1 s for SmolLM2-135M Q4_1, 7 s for Qwen2.5-0.5B Q5_0/Q8_0/Q4_K/Q6_K on a 2-core
+# box). The same arithmetic in torch runs on every core, chunk by chunk (cache-sized pieces, and no
+# float32 copy of a whole tensor when serving a 16-bit dtype). Results equal gguf.quants bit for bit:
+# each value is d * q (+ m, - dm) in float32, multiplied and added in separate roundings as numpy does.
+_DEQUANT_CHUNK_VALUES = 1 << 20  # 4 MiB of float32 per step
 
 
 def _block_scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -406,25 +406,70 @@ def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
     return values.float().mul_(_block_scale(blocks, 0)).add_(_block_scale(blocks, 2))
 
 
+def _k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: 12 bytes [n, 12] -> 6-bit scales and mins of the 8 sub-blocks, float32 [n, 8, 1] each.
+
+    Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for the
+    mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and of mins 4-7 (high nibble)."""
+    low_scales, low_mins, high = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat((low_scales & 0x3F, (high & 0x0F) | ((low_scales >> 2) & 0x30)), dim=1)
+    mins = torch.cat((low_mins & 0x3F, (high >> 4) | ((low_mins >> 2) & 0x30)), dim=1)
+    return sc.float().unsqueeze(2), mins.float().unsqueeze(2)
+
+
+def _k_nibbles(quants: torch.Tensor) -> torch.Tensor:
+    """[n, 128] bytes -> [n, 8, 32]: in each 32-byte group, low nibbles are a sub-block, high ones the next."""
+    groups = quants.contiguous().view(-1, 4, 32)
+    return torch.stack((groups & 0x0F, groups >> 4), dim=2).view(-1, 8, 32)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:  # 144 bytes: d, dmin, 12 bytes of scales, 128 of quants
+    sc, mins = _k_scales_mins(blocks[:, 4:16])
+    scale, offset = _block_scale(blocks, 0).unsqueeze(2) * sc, _block_scale(blocks, 2).unsqueeze(2) * mins
+    return _k_nibbles(blocks[:, 16:144]).float().mul_(scale).sub_(offset).view(-1, 256)
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:  # 176 bytes: d, dmin, scales, 32 bytes of 5th bits, quants
+    sc, mins = _k_scales_mins(blocks[:, 4:16])
+    scale, offset = _block_scale(blocks, 0).unsqueeze(2) * sc, _block_scale(blocks, 2).unsqueeze(2) * mins
+    high = blocks[:, 16:48].contiguous().unsqueeze(1)  # [n, 1, 32]: bit j of byte i is value i of sub-block j
+    bits = torch.stack([(high >> bit) & 1 for bit in range(8)], dim=1).view(-1, 8, 32) << 4
+    return (_k_nibbles(blocks[:, 48:176]) | bits).float().mul_(scale).sub_(offset).view(-1, 256)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:  # 210 bytes: 128 low nibbles, 64 of 2 high bits, 16 scales, d
+    low = blocks[:, 0:128].contiguous().view(-1, 2, 64)
+    low = torch.stack((low & 0x0F, low >> 4), dim=2).view(-1, 8, 32)
+    high = blocks[:, 128:192].contiguous().view(-1, 2, 32)
+    high = torch.stack([(high >> shift) & 3 for shift in (0, 2, 4, 6)], dim=2).view(-1, 8, 32)
+    values = ((low | (high << 4)).to(torch.int8) - 32).view(-1, 16, 16).float()
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    return values.mul_((_block_scale(blocks, 208) * scales).unsqueeze(2)).view(-1, 256)
+
+
 _TORCH_DEQUANTIZERS = {
     GGMLQuantizationType.Q8_0: _q8_0,
     GGMLQuantizationType.Q4_0: _q4_0,
     GGMLQuantizationType.Q4_1: _q4_1,
     GGMLQuantizationType.Q5_0: _q5_0,
     GGMLQuantizationType.Q5_1: _q5_1,
+    GGMLQuantizationType.Q4_K: _q4_k,
+    GGMLQuantizationType.Q5_K: _q5_k,
+    GGMLQuantizationType.Q6_K: _q6_k,
 }
 
 
 def _dequantize_blocks_torch(stored: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype) -> torch.Tensor:
-    """stored [rows, bytes_per_row] of 32-value blocks -> [rows, values_per_row] in `dtype`."""
+    """stored [rows, bytes_per_row] of quantized blocks -> [rows, values_per_row] in `dtype`."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     rows = stored.shape[0]
     num_blocks = stored.size // type_size
     blocks = torch.from_numpy(np.ascontiguousarray(stored).reshape(num_blocks, type_size))
     out = torch.empty((num_blocks, block_size), dtype=dtype)
     decode = _TORCH_DEQUANTIZERS[qtype]
-    for start in range(0, num_blocks, _DEQUANT_CHUNK_BLOCKS):
-        stop = min(start + _DEQUANT_CHUNK_BLOCKS, num_blocks)
+    step = max(1, _DEQUANT_CHUNK_VALUES // block_size)
+    for start in range(0, num_blocks, step):
+        stop = min(start + step, num_blocks)
         out[start:stop] = decode(blocks[start:stop])
     return out.view(rows, -1)
 

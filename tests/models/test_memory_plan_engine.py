@@ -173,19 +173,24 @@ def test_rope_scaling_and_other_models_use_transformers_configs(tmp_path) -> Non
     assert type(hf_config_from_checkpoint(read_checkpoint_info(path))).__name__ == "LlamaConfig"
 
 
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# Where each format keeps its fp16 scales (d, and m or dmin), in bytes from the block's start.
+FP16_FIELDS = {QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q5_0: (0,), QType.Q4_1: (0, 2), QType.Q5_1: (0, 2),
+               QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
+
+
+@pytest.mark.parametrize("qtype", list(FP16_FIELDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_torch_dequantization_equals_gguf_py(qtype: QType, dtype: torch.dtype, monkeypatch) -> None:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(int(qtype))
-    rows, blocks_per_row = 37, 5
-    stored = rng.integers(0, 256, size=(rows, blocks_per_row * type_size), dtype=np.uint8)
-    # Finite fp16 scales (d and, for the _1 formats, m) of every sign and magnitude, subnormals included.
-    num_scales = 2 if qtype in (QType.Q4_1, QType.Q5_1) else 1
-    scales = (rng.standard_normal((rows, blocks_per_row, num_scales)) * 10.0 ** rng.integers(-7, 3, (rows, blocks_per_row, num_scales)))
-    blocks = stored.reshape(rows, blocks_per_row, type_size)
-    blocks[..., : 2 * num_scales] = scales.astype(np.float16).view(np.uint8).reshape(rows, blocks_per_row, -1)
-    monkeypatch.setattr(gguf_loader, "_DEQUANT_CHUNK_BLOCKS", 16)  # several chunks and a partial one
+    rows, blocks_per_row = 37, 3
+    blocks = rng.integers(0, 256, size=(rows, blocks_per_row, type_size), dtype=np.uint8)
+    # Finite fp16 scales of every sign and magnitude, subnormals included (random bytes could be NaN).
+    for offset in FP16_FIELDS[qtype]:
+        scales = rng.standard_normal((rows, blocks_per_row)) * 10.0 ** rng.integers(-7, 3, (rows, blocks_per_row))
+        blocks[..., offset:offset + 2] = scales.astype(np.float16)[..., None].view(np.uint8)
+    stored = blocks.reshape(rows, blocks_per_row * type_size)
+    monkeypatch.setattr(gguf_loader, "_DEQUANT_CHUNK_VALUES", 16 * 32)  # several chunks and a partial one
     got = gguf_loader._dequantize_to_torch(stored, qtype, dtype)
     expected = torch.from_numpy(dequantize(stored, qtype)).to(dtype)
     assert got.shape == (rows, blocks_per_row * block_size) and got.dtype == dtype
