@@ -36,6 +36,11 @@ def fail(message: str) -> int:
 
 def process_start_time() -> float:
     """When this process started (time.time() clock), so start-up is timed from the real beginning."""
+    from pagedserve.memory.probe import process_start_time as from_proc
+
+    started = from_proc()  # exact to the clock tick (psutil's create_time can be up to 1 s early)
+    if started is not None:
+        return started
     try:
         import psutil
 

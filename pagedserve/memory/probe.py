@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -292,6 +293,25 @@ def process_rss_bytes(status_path: str | Path = "/proc/self/status") -> int | No
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def process_start_time(stat_path: str | Path = "/proc/self/stat", now: float | None = None,
+                       now_since_boot: float | None = None) -> float | None:
+    """When a process started, on the time.time() clock, to the clock tick; None where /proc is unreadable.
+
+    Its start in ticks since boot (/proc/<pid>/stat field 22) against CLOCK_BOOTTIME now. (psutil's
+    create_time() adds /proc/stat's btime instead, which is rounded down to the second: up to 1 s early,
+    which would make every "ready N s after process start" look up to a second slower than it is.)
+    """
+    try:
+        after_comm = Path(stat_path).read_text().rsplit(")", 1)[1].split()  # comm may contain spaces
+        start_ticks = int(after_comm[19])  # field 22; the fields after comm start at field 3
+    except (OSError, ValueError, IndexError):
+        return None
+    if now_since_boot is None:
+        now_since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    age = now_since_boot - start_ticks / os.sysconf("SC_CLK_TCK")
+    return (time.time() if now is None else now) - age
 
 
 # ----------------------------------------------------------------------------------------------- CPU

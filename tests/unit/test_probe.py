@@ -218,3 +218,19 @@ def test_platform_reexports_the_probes() -> None:
     code = ("from pagedserve import platform; from pagedserve.memory import probe; "
             "assert platform.usable_cpu_count is probe.usable_cpu_count; assert platform.cpu_flags is probe.cpu_flags")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_process_start_time_from_proc_stat(tmp_path: Path) -> None:
+    import os
+
+    from pagedserve.memory.probe import process_start_time
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    after_comm = ["S"] + ["0"] * 18 + [str(5 * ticks), "123456"]  # field 22 (start time) = 5 s after boot
+    stat = write(tmp_path / "stat", f"4242 (odd ) name) {' '.join(after_comm)}\n")
+    # 12 s after boot it is wall-clock 1000.0: the process started 7 s ago.
+    assert process_start_time(stat, now=1000.0, now_since_boot=12.0) == 1000.0 - 7.0
+    assert process_start_time(tmp_path / "missing") is None
+    import time
+
+    assert 0 <= time.time() - process_start_time() < 600  # this test process, from /proc/self/stat
