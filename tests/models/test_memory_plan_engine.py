@@ -213,3 +213,26 @@ def test_gguf_header_is_parsed_once_per_start(tmp_path, monkeypatch) -> None:
     assert parsed == [path]  # config + plan, tokenizer and weights share one parse
     assert not gguf_loader._header_cache  # and it is dropped once the weights are in
     assert llm.engine.config.memory_plan.weight_bytes == sum(p.numel() * 4 for p in tiny_model("llama").parameters())
+
+
+def test_gguf_tokenizer_without_the_deep_copy_equals_the_documented_one(tmp_path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.models.real_models import packaged_model
+
+    path = packaged_model("smollm2-135m-instruct")
+    metadata = gguf_loader.read_gguf_header(path).metadata
+    fast = gguf_loader.build_tokenizer_from_metadata(metadata)
+    backend = gguf_loader._backend_tokenizer(metadata, "test")
+    kwargs = dict(clean_up_tokenization_spaces=False, model_max_length=fast.model_max_length,
+                  bos_token=fast.bos_token, eos_token=fast.eos_token, unk_token=fast.unk_token,
+                  pad_token=fast.pad_token)
+    reference = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    assert type(fast) is PreTrainedTokenizerFast and fast.backend_tokenizer is not backend
+    assert len(fast) == len(reference) and fast.added_tokens_decoder == reference.added_tokens_decoder
+    assert fast.all_special_ids == reference.all_special_ids and fast.eos_token_id == reference.eos_token_id
+    for text in ["Hello world! 12345 你好 😀\n\n  spaces", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"]:
+        assert fast.encode(text) == reference.encode(text)
+        assert fast.decode(fast.encode(text)) == reference.decode(reference.encode(text))
+    fast.save_pretrained(tmp_path)  # still a complete, serializable transformers tokenizer
+    assert PreTrainedTokenizerFast.from_pretrained(tmp_path).encode("Hello world") == reference.encode("Hello world")
