@@ -1,12 +1,12 @@
 """BERT encoder (`BertModel`): absolute positions, token types, post-LayerNorm, GELU, bidirectional attention.
 
 Parameter names equal the Hugging Face checkpoint's (`embeddings.word_embeddings`,
-`encoder.layer.N.attention.self.query`, ...). A batch is a flat run of whole sequences, [T, hidden];
-the linear layers see only real tokens, and attention pads the sequences to the longest one of the
-step (a key mask hides the padding). There is no KV cache: every request is computed in one pass.
-After loading, `prepare()` fuses query/key/value into one matmul and hands every linear the kernel the
-loader chose (layers/linear.py: oneDNN-packed on CPU, int8 with --quantization int8); forward passes run
-on the prepared model only.
+`encoder.layer.N.attention.self.query`, ...). A batch is a flat run of whole sequences, [T, hidden]:
+the linear layers see only real tokens; attention pads each group of similar-length sequences to its
+longest one (a key mask hides the padding; the encoder runner orders a step's prompts by length).
+There is no KV cache: every request is computed in one pass. After loading, `prepare()` fuses
+query/key/value into one matmul and hands every linear the kernel the loader chose (layers/linear.py:
+oneDNN-packed on CPU, int8 with --quantization int8); forward passes run on the prepared model only.
 """
 
 from __future__ import annotations
@@ -28,47 +28,91 @@ _ACTIVATIONS = {
 }
 
 
-@dataclass
-class EncoderMetadata:
-    """Where each sequence lies in the flat batch, and the padded layout attention uses."""
+# A group's padded size may exceed its real tokens by this fraction before a new group starts.
+MAX_PADDING_FRACTION = 0.25
 
+
+@dataclass
+class AttentionGroup:
+    """Consecutive sequences of the flat batch (rows start .. end), padded together for one SDPA call."""
+
+    start: int
+    end: int
     seq_lens: list[int]
     max_len: int
-    # [T] int64: row of each token in the padded [B * max_len] layout; None when B == 1 (no padding).
+    # [end - start] int64: row of each token in the padded [len(seq_lens) * max_len] layout; None when
+    # every sequence of the group has max_len tokens (a plain reshape, no padding).
     padded_index: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None  # [B, 1, 1, max_len] bool, True = a real token; None: no padding
 
 
+@dataclass
+class EncoderMetadata:
+    """Whole sequences laid end to end, cut into groups of similar length (sorted input groups best)."""
+
+    seq_lens: list[int]
+    groups: list[AttentionGroup]
+
+
 def encoder_metadata(seq_lens: list[int], device: torch.device | str = "cpu") -> EncoderMetadata:
+    """Group consecutive sequences while the padding stays under MAX_PADDING_FRACTION of the real tokens:
+    attention costs B x max_len^2 per group, so one long prompt does not make every short one pay for it."""
+    groups: list[list[int]] = []
+    for n in seq_lens:
+        if groups:
+            group = groups[-1]
+            padded = max(max(group), n) * (len(group) + 1)
+            if padded <= (1 + MAX_PADDING_FRACTION) * (sum(group) + n):
+                group.append(n)
+                continue
+        groups.append([n])
+    result, row = [], 0
+    for lens in groups:
+        result.append(_attention_group(row, lens, device))
+        row += sum(lens)
+    return EncoderMetadata(seq_lens, result)
+
+
+def _attention_group(start: int, seq_lens: list[int], device: torch.device | str) -> AttentionGroup:
     max_len = max(seq_lens)
-    meta = EncoderMetadata(seq_lens, max_len)
-    if len(seq_lens) == 1:
-        return meta
+    group = AttentionGroup(start, start + sum(seq_lens), seq_lens, max_len)
+    if all(n == max_len for n in seq_lens):
+        return group
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     starts = torch.arange(len(seq_lens), dtype=torch.int64) * max_len
     offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    meta.padded_index = (torch.repeat_interleave(starts, lens) + offsets).to(device)
-    if any(n != max_len for n in seq_lens):
-        mask = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
-        meta.key_mask = mask[:, None, None, :].to(device)
-    return meta
+    group.padded_index = (torch.repeat_interleave(starts, lens) + offsets).to(device)
+    mask = torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
+    group.key_mask = mask[:, None, None, :].to(device)
+    return group
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
     """q, k, v: [T, heads, head_dim] -> [T, heads, head_dim]; each token attends to its whole sequence."""
-    _, num_heads, head_dim = q.shape
-    if meta.padded_index is None:  # one sequence: no padding, no mask
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        return out.transpose(0, 1)
-    batch = len(meta.seq_lens)
+    if len(meta.groups) == 1:
+        return _group_attention(q, k, v, meta.groups[0])
+    out = torch.empty_like(q)
+    for group in meta.groups:
+        rows = slice(group.start, group.end)
+        out[rows] = _group_attention(q[rows], k[rows], v[rows], group)
+    return out
+
+
+def _group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    batch = len(group.seq_lens)
+    shape = (batch, group.max_len, num_heads, head_dim)
 
     def pad(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
-        padded = x.new_zeros(batch * meta.max_len, num_heads, head_dim)
-        padded[meta.padded_index] = x
-        return padded.view(batch, meta.max_len, num_heads, head_dim).transpose(1, 2)
+        if group.padded_index is None:
+            return x.reshape(shape).transpose(1, 2)
+        padded = x.new_zeros(batch * group.max_len, num_heads, head_dim)
+        padded[group.padded_index] = x
+        return padded.view(shape).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=meta.key_mask)  # [B, H, L, D]
-    return out.transpose(1, 2).reshape(batch * meta.max_len, num_heads, head_dim)[meta.padded_index]
+    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=group.key_mask)  # [B, H, L, D]
+    out = out.transpose(1, 2).reshape(batch * group.max_len, num_heads, head_dim)
+    return out if group.padded_index is None else out[group.padded_index]
 
 
 class BertEmbeddings(nn.Module):

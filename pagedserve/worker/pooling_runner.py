@@ -69,7 +69,8 @@ class EncoderRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         spans: list[ChunkSpan] = []
-        for request_id, num in sched.num_scheduled_tokens.items():
+        # Shortest first, so that attention groups sequences of similar length (models/bert.py).
+        for request_id, num in sorted(sched.num_scheduled_tokens.items(), key=lambda item: item[1]):
             if num_computed.get(request_id) != 0 or not sched.needs_sample[request_id]:
                 raise RuntimeError(f"request {request_id}: an encoder needs the whole prompt in one step, "
                                    "but the scheduler split it (chunked prefill must be off for encoders)")

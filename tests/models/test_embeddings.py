@@ -63,6 +63,31 @@ def vectors(outputs) -> np.ndarray:
     return np.array([o.outputs.embedding for o in outputs], dtype=np.float64)
 
 
+# ---- encoder attention over a flat batch ---------------------------------------------------------------
+@pytest.mark.parametrize("lengths", [[7], [4, 4, 4], [1, 5, 5, 17, 3, 40, 2], sorted([1, 5, 5, 17, 3, 40, 2])])
+def test_encoder_attention_equals_each_sequence_alone(lengths):
+    from pagedserve.models.bert import encoder_attention, encoder_metadata
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), 4, 8) for _ in range(3))
+    ours = encoder_attention(q, k, v, encoder_metadata(lengths))
+    start = 0
+    for n in lengths:  # bidirectional: every token sees its whole sequence and nothing else
+        rows = slice(start, start + n)
+        alone = torch.nn.functional.scaled_dot_product_attention(*(x[rows].transpose(0, 1) for x in (q, k, v)))
+        torch.testing.assert_close(ours[rows], alone.transpose(0, 1), atol=1e-6, rtol=0)
+        start += n
+
+
+def test_encoder_groups_limit_padding():
+    from pagedserve.models.bert import encoder_metadata
+
+    same = encoder_metadata([10, 10, 10])
+    assert len(same.groups) == 1 and same.groups[0].padded_index is None  # a reshape, no padding
+    mixed = encoder_metadata([2, 3, 3, 100])
+    assert [g.seq_lens for g in mixed.groups] == [[2, 3, 3], [100]]  # the long one does not pad the short ones
+
+
 # ---- all-MiniLM-L6-v2 (BERT encoder, mean pooling + normalize) --------------------------------------------
 @pytest.fixture(scope="module")
 def minilm_dir() -> Path:
