@@ -22,7 +22,6 @@ from pagedserve.memory.plan import (
     CPU_RUNTIME_BASE_BYTES,
     GIB,
     HOST_BYTES_PER_KV_BLOCK,
-    MIB,
     TOKENIZER_BYTES_PER_TOKEN,
     InsufficientMemoryError,
 )
@@ -224,9 +223,9 @@ def test_gguf_tokenizer_without_the_deep_copy_equals_the_documented_one(tmp_path
     metadata = gguf_loader.read_gguf_header(path).metadata
     fast = gguf_loader.build_tokenizer_from_metadata(metadata)
     backend = gguf_loader._backend_tokenizer(metadata, "test")
-    kwargs = dict(clean_up_tokenization_spaces=False, model_max_length=fast.model_max_length,
-                  bos_token=fast.bos_token, eos_token=fast.eos_token, unk_token=fast.unk_token,
-                  pad_token=fast.pad_token)
+    kwargs = {"clean_up_tokenization_spaces": False, "model_max_length": fast.model_max_length,
+              "bos_token": fast.bos_token, "eos_token": fast.eos_token, "unk_token": fast.unk_token,
+              "pad_token": fast.pad_token}
     reference = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
     assert type(fast) is PreTrainedTokenizerFast and fast.backend_tokenizer is not backend
     assert len(fast) == len(reference) and fast.added_tokens_decoder == reference.added_tokens_decoder
