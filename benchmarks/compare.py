@@ -745,6 +745,68 @@ def _render_peer_result(peer: str, result: dict[str, Any], ps_w1: dict | None, p
     return ["```", json.dumps(result), "```", ""]
 
 
+def _peer_figures(peers: list[dict[str, Any]], model: str) -> dict[str, dict | None]:
+    """Medians the targets need, from the peers' results on `model` (None where a peer gave none)."""
+    figures: dict[str, dict | None] = {"vllm_w1": None, "vllm_w2": None, "vllm_ready": None, "vllm_rss": None,
+                                       "llama_w1_bf16": None, "llama_w1_q8": None, "llama_w2": None}
+    for entry in peers:
+        if entry["model"] != model:
+            continue
+        for result in entry["results"]:
+            if entry["peer"] == "vllm-cpu":
+                figures["vllm_w1"] = spread([call["out_tok_s"] for call in result.get("W1", [])[1:]])
+                figures["vllm_w2"] = spread([run["out_tok_s"] for run in result.get("W2", [])])
+                ready = result.get("W0_from_process_start_s")
+                figures["vllm_ready"] = spread([ready] if ready else [])
+                rss = result.get("peak_rss_tree_sum_MiB")
+                figures["vllm_rss"] = spread([rss] if rss else [])
+            elif entry["peer"] == "llama-cpp":
+                key = "llama_w1_bf16" if result.get("gguf") == "bf16" else "llama_w1_q8"
+                figures[key] = spread(result.get("W1_tok_s", []))
+                if result.get("gguf") == "bf16" and result.get("W2_sequential_out_tok_s"):
+                    figures["llama_w2"] = spread([result["W2_sequential_out_tok_s"]])
+    return figures
+
+
+def _target_row(name: str, value: dict | None, other: dict | None, goal: float, inverse: bool = False) -> str:
+    """One target: pagedserve's median against `goal` x the other's (inverse: pagedserve <= goal x other)."""
+    if value is None or other is None or not other["median"]:
+        return f"| {name} | — | not measured in this report |"
+    achieved = value["median"] / other["median"]
+    met = achieved <= goal if inverse else achieved >= goal
+    return f"| {name} | {achieved:.2f}x | {'met' if met else 'not met'} |"
+
+
+def render_targets(report: dict[str, Any], peers: list[dict[str, Any]]) -> list[str]:
+    """The speed targets of the 'Fast on CPU' issue, on the Qwen2.5-0.5B-shaped model (bf16)."""
+    record = next((m for m in report["models"] if m["kind"] == "random"), None)
+    if record is None or report["meta"]["quick"]:
+        return []
+    table = summarize(record)
+    get = lambda key, metric: spread(table.get(key, {}).get(metric, []))  # noqa: E731
+    ps_w1, ps_w2 = get("pagedserve/W1", "output"), get("pagedserve/W2", "output")
+    hf_w1, hf_w2 = get("hf-generate/W1", "output"), get("hf-generate/W2", "output")
+    ready = spread([w3["marks"]["loaded"] for w3 in record["w3"]
+                    if w3["system"] == "pagedserve" and "loaded" in w3.get("marks", {})])
+    rss = record["systems"].get("pagedserve", {}).get("peak_rss_mib")
+    peer = _peer_figures(peers, record["name"])
+    absolute = "—" if ps_w1 is None else f"{ps_w1['median']:.1f} tok/s"
+    met_45 = "—" if ps_w1 is None else ("met" if ps_w1["median"] >= 45 else "not met")
+    return ["## Targets of the speed issue (Qwen2.5-0.5B shape, bf16, medians)", "",
+            "| Target | Measured | Status |", "|---|---|---|",
+            f"| W1 >= 45 tok/s | {absolute} | {met_45} |",
+            _target_row("W1 >= 3x HF generate", ps_w1, hf_w1, 3.0),
+            _target_row("W2 >= 1.8x HF generate", ps_w2, hf_w2, 1.8),
+            _target_row("W1 >= 1.25x llama.cpp bf16", ps_w1, peer["llama_w1_bf16"], 1.25),
+            _target_row("W1 >= 1.6x vLLM-CPU", ps_w1, peer["vllm_w1"], 1.6),
+            _target_row("W2 >= 1.5x vLLM-CPU", ps_w2, peer["vllm_w2"], 1.5),
+            _target_row("W2 >= 1.3x llama.cpp (its W2 here is sequential, not batched)", ps_w2, peer["llama_w2"], 1.3),
+            _target_row("process start to LLM ready <= 1/10 of vLLM-CPU", ready, peer["vllm_ready"], 0.1, inverse=True),
+            _target_row("peak RSS <= 1/3 of vLLM-CPU (W1+W2 worker vs its process tree)",
+                        spread([rss] if rss else []), peer["vllm_rss"], 1 / 3, inverse=True),
+            "", "Peer figures are from the dates in the Peers section, not interleaved with this run.", ""]
+
+
 def render(report: dict[str, Any], peers: list[dict[str, Any]]) -> str:
     meta = report["meta"]
     machine, git = meta["machine"], meta["git"]
@@ -769,6 +831,7 @@ def render(report: dict[str, Any], peers: list[dict[str, Any]]) -> str:
              "## Results", ""]
     for record in report["models"]:
         lines += render_model(record)
+    lines += render_targets(report, peers)
     lines += ["## Peers", ""]
     if not peers:
         lines += ["No peer results included (run with --with-llamacpp / --with-vllm, or --peer-json FILE).", ""]

@@ -31,7 +31,7 @@ def synthetic_report() -> dict[str, Any]:
         runs += [run("pagedserve", "W2", repeat, 8 * ours, 4096, 2048),
                  run("hf-generate", "W2", repeat, 4 * ours, 4096, 2048),
                  run("hf-cb", "W2", repeat, 2 * ours, 4096, 2048)]
-    w3 = [{"system": "pagedserve", "repeat": r, "first_token_s": s, "peak_rss_mib": 900.0}
+    w3 = [{"system": "pagedserve", "repeat": r, "first_token_s": s, "peak_rss_mib": 900.0, "marks": {"loaded": s - 1}}
           for r, s in enumerate([3.0, 2.0, 4.0])]
     w3 += [{"system": "hf-generate", "repeat": r, "first_token_s": s, "peak_rss_mib": 1500.0}
            for r, s in enumerate([6.0, 8.0, 7.0])]
@@ -88,6 +88,19 @@ def test_peer_sections_compare_with_this_run_and_show_failures() -> None:
     assert "W2 run one sequence at a time (not batched): 40.0 output tok/s" in text
     assert "pagedserve (this run, bf16) / llama.cpp bf16: W1 2.00x, W2 4.00x (sequential W2)." in text
     assert "convert failed: something precise" in text
+
+
+def test_targets_of_the_speed_issue_are_checked_against_hf_and_peers() -> None:
+    compare = load_compare()
+    text = compare.render(synthetic_report(), [VLLM, LLAMA])
+    assert "| W1 >= 45 tok/s | 20.0 tok/s | not met |" in text
+    assert "| W1 >= 3x HF generate | 2.00x | not met |" in text
+    assert "| W2 >= 1.8x HF generate | 2.00x | met |" in text
+    assert "| W1 >= 1.6x vLLM-CPU | 2.00x | met |" in text
+    assert "| process start to LLM ready <= 1/10 of vLLM-CPU | 0.02x | met |" in text  # median 2 s vs 90 s
+    assert "| peak RSS <= 1/3 of vLLM-CPU (W1+W2 worker vs its process tree) | 0.25x | met |" in text
+    without_peers = compare.render(synthetic_report(), [])
+    assert "| W1 >= 1.6x vLLM-CPU | — | not measured in this report |" in without_peers
 
 
 def test_prompt_seeds_do_not_depend_on_the_process() -> None:
