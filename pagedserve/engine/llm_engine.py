@@ -480,8 +480,9 @@ def log_memory_vs_plan(plan: MemoryPlan | None, device: str) -> None:
     if plan is None:
         return
     mib = 1 << 20
-    planned = f"planned steady {plan.steady_bytes / mib:.0f} MiB (weights {plan.weight_bytes / mib:.0f} MiB" \
-              f" + overhead {plan.overhead_bytes / mib:.0f} MiB + KV bookkeeping {plan.kv_bookkeeping_bytes / mib:.0f} MiB)"
+    planned = (f"planned steady {plan.steady_bytes / mib:.0f} MiB (weights {plan.weight_bytes / mib:.0f} MiB"
+               f" + overhead {plan.overhead_bytes / mib:.0f} MiB"
+               f" + KV bookkeeping {plan.kv_bookkeeping_bytes / mib:.0f} MiB)")
     if device == "cuda":
         info = probe.cuda_free_memory()
         if info is not None:

@@ -98,7 +98,9 @@ def test_engine_refuses_before_reading_any_weight(tiny_model_dir, tmp_path, monk
     for module, name in ((loader, "iter_checkpoint"), (loader, "load_model"), (safetensors_mmap, "iter_safetensors"),
                          (gguf_loader.GGUFCheckpoint, "_stored"), (gguf_loader.GGUFCheckpoint, "iter_tensors")):
         monkeypatch.setattr(module, name, must_not_load)
-    model = tiny_model_dir("llama") if kind == "safetensors" else write_test_gguf(tiny_model("llama"), tmp_path / "m.gguf")
+    model = tiny_model_dir("llama")
+    if kind == "gguf":
+        model = write_test_gguf(tiny_model("llama"), tmp_path / "m.gguf")
     with pytest.raises(InsufficientMemoryError) as info:
         LLM(str(model), max_model_len=64, gpu_memory_utilization=0.0001)
     assert info.value.plan.shortfall_bytes > 0 and "short by" in str(info.value)
