@@ -28,6 +28,17 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     return engine_args
 
 
+def _user_facing_errors() -> tuple[type[BaseException], ...]:
+    """Start-up failures that already say what is wrong and how to fix it: no traceback for these."""
+    from pagedserve.memory.plan import InsufficientMemoryError
+    from pagedserve.models.fetch import ModelFetchError
+
+    return (InsufficientMemoryError, ModelFetchError)
+
+
+USER_FACING_ERRORS = _user_facing_errors()
+
+
 def fail(message: str) -> int:
     """Print a CLI error (problem and fix) and return the exit code."""
     print(f"pagedserve: error: {message}", file=sys.stderr)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from pagedserve.cli.common import engine_args_from_cli, fail, setup_logging
+from pagedserve.cli.common import USER_FACING_ERRORS, engine_args_from_cli, fail, setup_logging
 from pagedserve.engine.arg_utils import EngineArgs
 
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:
             outputs = llm.generate(args.prompt, params)
-    except ValueError as exc:
+    except (ValueError, *USER_FACING_ERRORS) as exc:  # the plan's table was logged already
         return fail(str(exc))
     for prompt, output in zip(args.prompt, outputs):
         completion = output.outputs[0]

@@ -7,6 +7,8 @@ Parameter names equal the Hugging Face checkpoint's, so loading is a direct name
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,14 +22,27 @@ from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 
+@contextlib.contextmanager
+def _skip_init() -> Iterator[None]:
+    """Build layers without random initialisation: weights come from the checkpoint, and init on the
+    meta device would import torch._dynamo (~1 s of start-up)."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    for cls in saved:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, method in saved.items():
+            cls.reset_parameters = method
+
+
 def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        o_bias = qkv_bias and bool(getattr(cfg, "attention_bias", False))  # Llama: all four or none
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(cfg)
@@ -85,9 +100,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, qkv_bias, qk_norm)
+        self.self_attn = Attention(cfg, qkv_bias, o_bias, qk_norm)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -99,11 +114,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, max_position: int) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, qk_norm) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, qk_norm)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
@@ -119,16 +135,21 @@ class LlamaForCausalLM(nn.Module):
     """Also serves Mistral; subclasses switch on QKV bias (Qwen2) and q/k norm (Qwen3)."""
 
     qkv_bias = False
+    o_bias: bool | None = None  # None: follow config.attention_bias, as Llama and Qwen3 do
     qk_norm = False
 
     def __init__(self, cfg: Any, max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
-        self.model = DecoderModel(cfg, qkv_bias, self.qk_norm, max_position)
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = self.qkv_bias or attention_bias
+        o_bias = attention_bias if self.o_bias is None else self.o_bias
+        with _skip_init():
+            self.model = DecoderModel(cfg, qkv_bias, o_bias, self.qk_norm, max_position)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            with _skip_init():
+                self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def num_kv_heads(self) -> int:
@@ -167,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias = True
+    qkv_bias = True  # q/k/v always have biases; o_proj never (a GGUF's attention_bias means the former)
+    o_bias = False
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
