@@ -96,6 +96,7 @@ BAD_REQUESTS = [
     ("/v1/embeddings", {"model": MODEL, "input": [101, 999999, 102]}, 400, ["999999", "out of range"]),
     ("/v1/embeddings", {"model": MODEL, "input": "x", "encoding_format": "int8"}, 400, ["encoding_format"]),
     ("/v1/embeddings", {"model": MODEL, "input": "x", "truncate_prompt_tokens": 1000}, 400, ["truncate_prompt_tokens"]),
+    ("/v1/embeddings", {"model": MODEL, "input": ["x"] * 2049}, 400, ["2049", "at most"]),
     ("/v1/embeddings", {"model": "nope", "input": "x"}, 404, ["does not exist"]),
     ("/v1/embeddings", {"model": MODEL}, 400, ["input"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400,

@@ -84,8 +84,12 @@ class OpenAIServingEmbedding(OpenAIServing):
             value = [value]  # one input
         if not value:
             raise APIError("input must not be empty", 400, param="input")
-        if len(value) > MAX_INPUTS:
-            raise APIError(f"input has {len(value)} items; at most {MAX_INPUTS} per request", 400, param="input")
+        # Each input is one engine request: past the queue bound a request could never be admitted whole.
+        limit = min(MAX_INPUTS, self.engine.max_waiting + self.engine.engine.config.scheduler.max_num_seqs)
+        if len(value) > limit:
+            raise APIError(f"input has {len(value)} items; this server takes at most {limit} per request "
+                           "(OpenAI's limit is 2048; --max-waiting-requests and --max-num-seqs bound it here)",
+                           400, param="input")
         if any(len(item) == 0 for item in value):
             raise APIError("input must not contain an empty string or an empty list of tokens", 400, param="input")
         texts = [v for v in value if isinstance(v, str)]
