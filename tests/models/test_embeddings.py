@@ -237,6 +237,18 @@ def test_qwen3_prefix_cache_hit_gives_the_same_vector(qwen3_embedder):
     assert kv.pool.num_free_blocks == kv.pool.num_blocks - 1  # cached blocks are free (evictable) once done
 
 
+def test_qwen3_abort_mid_prompt_frees_everything(qwen3_embedder):
+    engine = qwen3_embedder.engine
+    engine.add_request("long", prompts_of([100])[0], PoolingParams())
+    assert engine.step() == []  # the first 32-token chunk: nothing to report yet
+    assert "long" in engine.runner.pooler.partials
+    (final,) = engine.abort_request(["long"])
+    assert final.finished and final.outputs.embedding == []
+    engine.step()  # the runner learns of the abort at the next step
+    assert not engine.runner.pooler.partials and not engine.has_unfinished_requests()
+    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks - 1
+
+
 def copy_with_sentence_transformers_files(source: str, target: Path, pooling_mode: str, normalize: bool) -> str:
     shutil.copytree(source, target)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
