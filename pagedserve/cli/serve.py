@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from pagedserve import envs
-from pagedserve.cli.common import engine_args_from_cli, fail, process_start_time, setup_logging
+from pagedserve.cli.common import (add_thread_args, apply_thread_args, engine_args_from_cli, fail,
+                                   process_start_time, setup_logging)
 from pagedserve.engine.arg_utils import EngineArgs
 
 
@@ -24,11 +25,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
                         help="On SIGTERM/SIGINT, seconds in-flight requests get to finish.")
     parser.add_argument("--uvicorn-log-level", default="warning")
+    add_thread_args(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_thread_args(args)
     from pagedserve.engine.startup import StartupTracker
     from pagedserve.engine.llm_engine import check_engine_args
     from pagedserve.entrypoints.openai.api_server import ServeOptions, run_server
