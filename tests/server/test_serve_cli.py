@@ -99,3 +99,31 @@ def test_sigterm_lets_in_flight_request_finish(tiny_model_dir, tmp_path):
     assert server.process.wait(30) == 0
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{server.url}/health", timeout=2)
+
+
+def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
+    server = start_server(tiny_model_dir("llama"), "--max-model-len", "512", "--max-num-seqs", "1",
+                          "--max-waiting-requests", "1", log_dir=tmp_path)
+    body = {"prompt": "busy", "max_tokens": 120, "ignore_eos": True}
+    try:
+        with httpx.Client(timeout=120) as http:
+            results: list = []
+
+            def send() -> None:
+                results.append(http.post(f"{server.url}/v1/completions", json=body))
+
+            threads = [threading.Thread(target=send) for _ in range(6)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+            statuses = sorted(r.status_code for r in results)
+            assert statuses.count(200) == 2, statuses  # one running + one waiting
+            rejected = [r for r in results if r.status_code == 429]
+            assert len(rejected) == 4
+            assert all(r.headers.get("retry-after") for r in rejected)
+            assert all("busy" in r.json()["error"]["message"] for r in rejected)
+            ok = http.post(f"{server.url}/v1/completions", json={"prompt": "again", "max_tokens": 3})
+            assert ok.status_code == 200
+    finally:
+        assert server.stop() == 0
