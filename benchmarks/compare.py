@@ -539,7 +539,15 @@ def run_peer(peer: str, model: dict[str, Any], out_dir: Path, save_dir: Path) ->
     log(f"running peer {peer} on {model['name']} (log: {log_path}); the first run installs it (slow)")
     start = time.perf_counter()
     with open(log_path, "w") as handle:
-        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, text=True)
+        load_samples = []  # 1-minute load average every 10 s: how busy the machine was meanwhile
+        while process.poll() is None:
+            load_samples.append(os.getloadavg()[0])
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                continue
+        done = subprocess.CompletedProcess(command, process.returncode)
     text = log_path.read_text(errors="replace")
     results = [json.loads(line.split("### RESULTS ", 1)[1]) for line in text.splitlines()
                if line.startswith("### RESULTS ")]
@@ -547,6 +555,8 @@ def run_peer(peer: str, model: dict[str, Any], out_dir: Path, save_dir: Path) ->
              "date": started.isoformat(timespec="seconds"), "command": shlex.join(command),
              "returncode": done.returncode, "wall_s": time.perf_counter() - start, "results": results,
              "load_average_before": load_before, "load_average_after": os.getloadavg(),
+             "load_average_1min_during": {"max": max(load_samples, default=0.0),
+                                          "mean": statistics.fmean(load_samples) if load_samples else 0.0},
              "progress_lines": [line for line in text.splitlines() if line.startswith("### ")
                                 and not line.startswith("### RESULTS")],
              "log": str(log_path)}
@@ -709,9 +719,17 @@ def _render_counts(record: dict[str, Any], table: dict[str, dict[str, Any]]) -> 
 
 
 def render_peer(entry: dict[str, Any], ours: dict[str, Any] | None) -> list[str]:
+    during = entry.get("load_average_1min_during")
+    busy = max(during["max"] if during else 0.0, entry["load_average_after"][0])
     lines = [f"### {entry['peer']} on {entry['model']} — run {entry['date']}", "",
-             f"Command: `{entry['command']}` (exit {entry['returncode']}, {entry['wall_s']:.0f} s wall, "
-             f"load average before {entry['load_average_before'][0]:.2f}).", ""]
+             f"Command: `{entry['command']}` (exit {entry['returncode']}, {entry['wall_s']:.0f} s wall; 1-minute load "
+             f"average before {entry['load_average_before'][0]:.2f}, after {entry['load_average_after'][0]:.2f}"
+             + (f", during: mean {during['mean']:.2f}, max {during['max']:.2f}" if during else "") + ").", ""]
+    if busy > 1.5:
+        lines += [f"**The machine was busy during this run (load average up to {busy:.1f} on 2 cores: other work "
+                  "competed for the cores), so these figures are below what this peer does on a quiet machine.**", ""]
+    if entry.get("note"):
+        lines += [entry["note"], ""]
     if entry.get("failure"):
         lines += ["It failed; the last lines of its output:", "", "```", entry["failure"], "```", ""]
     table = summarize(ours) if ours else {}
