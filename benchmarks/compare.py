@@ -449,12 +449,13 @@ def log(message: str) -> None:
 
 
 def measure_model(model: dict[str, Any], args: argparse.Namespace, workloads: tuple[Workload, ...],
-                  log_dir: Path) -> dict[str, Any]:
-    """W1, W2 (warm-up + repeats, systems taking turns) and W3 for one model."""
+                  log_dir: Path, extras: bool = True) -> dict[str, Any]:
+    """W1, W2 (warm-up + repeats, systems taking turns) and W3 for one model. Without `extras`, no HF
+    continuous batching and no `pagedserve serve` W3 (the slowest parts; kept for the first model)."""
     path = model["path"]
     pool = prompt_pool(path)
     record: dict[str, Any] = {**model, "workloads": [asdict(w) for w in workloads], "systems": {}, "runs": [],
-                              "w3": [], "errors": {}}
+                              "w3": [], "errors": {}, "skipped": [] if extras else ["hf-cb", "pagedserve-serve"]}
     workers: dict[str, Worker] = {}
     for system in ("pagedserve", "hf"):
         log(f"{model['name']}: loading {system} worker")
@@ -466,7 +467,7 @@ def measure_model(model: dict[str, Any], args: argparse.Namespace, workloads: tu
             record["errors"][system] = worker.hello.get("error")
             worker.close()
     turns = [(w, s) for w in workloads for s in ("pagedserve", "hf-generate", "hf-cb")
-             if not (s == "hf-cb" and (w.num_prompts == 1 or args.no_hf_cb))]
+             if not (s == "hf-cb" and (w.num_prompts == 1 or args.no_hf_cb or not extras))]
     try:
         for repeat in ["warmup", *range(args.repeats)]:
             order = turns if repeat == "warmup" or repeat % 2 == 0 else turns[::-1]
@@ -478,7 +479,7 @@ def measure_model(model: dict[str, Any], args: argparse.Namespace, workloads: tu
             if final.get("ok"):
                 record["systems"][name]["peak_rss_mib"] = final["peak_rss_mib"]
     if not args.skip_w3:
-        _measure_w3(record, args, pool, log_dir)
+        _measure_w3(record, args, pool, log_dir, with_serve=extras and not args.no_w3_serve)
     return record
 
 
@@ -504,8 +505,9 @@ def _one_run(record: dict[str, Any], workers: dict[str, Worker], pool: list[int]
         f"{entry['num_output_tokens'] / entry['elapsed_s']:.1f} tok/s")
 
 
-def _measure_w3(record: dict[str, Any], args: argparse.Namespace, pool: list[int], log_dir: Path) -> None:
-    systems = ["pagedserve", "hf-generate"] + ([] if args.no_w3_serve else ["pagedserve-serve"])
+def _measure_w3(record: dict[str, Any], args: argparse.Namespace, pool: list[int], log_dir: Path,
+                with_serve: bool) -> None:
+    systems = ["pagedserve", "hf-generate"] + (["pagedserve-serve"] if with_serve else [])
     for repeat in range(args.repeats):
         prompt = prompt_rng(args.seed, "W3", repeat).choices(pool, k=W3_PROMPT_LEN)
         for system in systems if repeat % 2 == 0 else systems[::-1]:
@@ -713,6 +715,8 @@ def _render_counts(record: dict[str, Any], table: dict[str, dict[str, Any]]) -> 
     if w3_rss:
         lines += ["", "W3 peak RSS (MiB, median over repeats): " + ", ".join(
             f"{key.removesuffix('/W3')} {stat['median']:.0f}" for key, stat in w3_rss.items() if stat) + "."]
+    if record.get("skipped"):
+        lines += ["", f"Not run on this model (time budget; `--all-extras` runs them): {', '.join(record['skipped'])}."]
     if record["errors"]:
         lines += ["", "Failures:", ""] + [f"- `{key}`: {message}" for key, message in record["errors"].items()]
     return lines + [""]
@@ -897,6 +901,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching")
     parser.add_argument("--skip-w3", action="store_true")
     parser.add_argument("--no-w3-serve", action="store_true", help="W3 without the `pagedserve serve` variant")
+    parser.add_argument("--all-extras", action="store_true",
+                        help="HF continuous batching and `pagedserve serve` W3 on every model, not only the first")
     parser.add_argument("--with-llamacpp", action="store_true", help="run ../shared/peers/llama-cpp/run.sh too")
     parser.add_argument("--with-vllm", action="store_true", help="run ../shared/peers/vllm-cpu/run.sh too")
     parser.add_argument("--peers-only", action="store_true", help="only run the requested peers (and save them)")
@@ -967,8 +973,9 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = args.out_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         workloads = QUICK_WORKLOADS if args.quick else FULL_WORKLOADS
-        for model in models:
-            records.append(measure_model(model, args, workloads, log_dir))
+        for index, model in enumerate(models):
+            # The full set on the first model; the slowest extras again only with --all-extras (time budget).
+            records.append(measure_model(model, args, workloads, log_dir, extras=index == 0 or args.all_extras))
     peer_models = [m for m in models if m["kind"] == "random"][:1]
     for peer, wanted in (("llama-cpp", args.with_llamacpp), ("vllm-cpu", args.with_vllm)):
         for model in peer_models if wanted else []:
