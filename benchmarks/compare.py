@@ -849,6 +849,8 @@ def render(report: dict[str, Any], peers: list[dict[str, Any]]) -> str:
              f"{meta['repeats']} timed repeats after one warm-up call per workload; max_model_len {meta['max_model_len']}",
              "- Workloads: " + "; ".join(f"{w['name']} {w['description']}" for w in meta["workloads"])
              + f"; W3 process start to first token of a {W3_PROMPT_LEN}-token prompt (fresh process per repeat)",
+             "- Thread-related environment: " + (", ".join(f"{k}={v}" for k, v in meta.get("environment", {}).items())
+                                                 or "none set (OpenMP defaults: idle threads spin)"),
              f"- Wall time of the run: {meta['wall_s'] / 60:.1f} min", "",
              "## Results", ""]
     for record in report["models"]:
@@ -966,6 +968,8 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick, "threads": args.threads, "repeats": args.repeats,
             "max_model_len": args.max_model_len, "machine": machine_info(), "versions": versions(),
             "git": git_state(), "load_start": os.getloadavg(),
+            "environment": {name: os.environ[name] for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "KMP_BLOCKTIME",
+                                                                "LD_PRELOAD", "MKL_NUM_THREADS") if name in os.environ},
             "workloads": [asdict(w) for w in (QUICK_WORKLOADS if args.quick else FULL_WORKLOADS)]}
     models = prepare_models(args)
     records = []

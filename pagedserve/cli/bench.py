@@ -141,6 +141,7 @@ def _register_startup(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _register_throughput(subparsers: argparse._SubParsersAction) -> None:
+    from pagedserve.cli.common import add_thread_args
     from pagedserve.engine.arg_utils import EngineArgs
 
     parser = subparsers.add_parser(
@@ -154,6 +155,7 @@ def _register_throughput(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     EngineArgs.add_cli_args(parser)
+    add_thread_args(parser)
     data = parser.add_argument_group("workload")
     data.add_argument("--num-prompts", type=int, default=32, help="prompts per batch (default: %(default)s)")
     data.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
@@ -304,9 +306,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     import dataclasses
     import time
 
+    from pagedserve.cli.common import apply_thread_args, engine_args_from_cli, setup_logging
+
+    apply_thread_args(args)  # before torch loads
     from pagedserve.benchmarks.report import format_throughput_table, throughput_to_dict, write_json
     from pagedserve.benchmarks.throughput import run_throughput_bench, token_pool
-    from pagedserve.cli.common import engine_args_from_cli, setup_logging
     from pagedserve.entrypoints.llm import LLM
 
     try:
