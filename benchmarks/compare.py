@@ -312,8 +312,10 @@ def worker_main(system: str, model: str, threads: int, max_model_len: int) -> in
         return 1
     import torch
 
+    import pagedserve
+
     reply({"ok": True, "load_s": time.perf_counter() - start, "threads": torch.get_num_threads(),
-           "peak_rss_mib": _peak_rss_mib()})
+           "peak_rss_mib": _peak_rss_mib(), "pagedserve_from": str(Path(pagedserve.__file__).parent)})
     for line in sys.stdin:
         command = json.loads(line)
         if command["op"] == "exit":
