@@ -533,6 +533,38 @@ def _measure_w3(record: dict[str, Any], args: argparse.Namespace, pool: list[int
 # Peers (../shared/peers/*/run.sh): run once, keep their JSON
 # --------------------------------------------------------------------------------------------------
 
+class ContentionMeter:
+    """CPU time used by OTHER processes while we measure: system busy CPU time minus this process's own
+    (itself plus every child it has waited for, whose times the kernel adds to ours). The load average
+    cannot tell: it counts the benchmarked program's own threads too."""
+
+    def __init__(self) -> None:
+        self.start_wall = time.monotonic()
+        self.start_busy = self._system_busy()
+        self.start_own = self._own()
+
+    @staticmethod
+    def _system_busy() -> float:
+        import psutil
+
+        times = psutil.cpu_times()
+        # Time this machine's processes ran (guest time is already inside user; steal is the hypervisor's).
+        return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
+
+    @staticmethod
+    def _own() -> float:
+        times = os.times()
+        return times.user + times.system + times.children_user + times.children_system
+
+    def stop(self) -> dict[str, float]:
+        """Call after every child has been waited for. Shares are of the whole machine (all cores)."""
+        wall = time.monotonic() - self.start_wall
+        capacity = wall * (os.cpu_count() or 1)
+        busy = self._system_busy() - self.start_busy
+        own = self._own() - self.start_own
+        return {"wall_s": wall, "own_cpu_share": own / capacity, "others_cpu_share": max(0.0, busy - own) / capacity}
+
+
 def run_peer(peer: str, model: dict[str, Any], out_dir: Path, save_dir: Path) -> dict[str, Any]:
     """Run a peer's run.sh on the model directory; parse its '### RESULTS {json}' lines; save and return them."""
     script = PEERS_DIR / peer / "run.sh"
@@ -542,6 +574,7 @@ def run_peer(peer: str, model: dict[str, Any], out_dir: Path, save_dir: Path) ->
     load_before = os.getloadavg()
     log(f"running peer {peer} on {model['name']} (log: {log_path}); the first run installs it (slow)")
     start = time.perf_counter()
+    meter = ContentionMeter()
     with open(log_path, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, text=True)
         load_samples = []  # 1-minute load average every 10 s: how busy the machine was meanwhile
@@ -552,6 +585,7 @@ def run_peer(peer: str, model: dict[str, Any], out_dir: Path, save_dir: Path) ->
             except subprocess.TimeoutExpired:
                 continue
         done = subprocess.CompletedProcess(command, process.returncode)
+    contention = meter.stop()
     text = log_path.read_text(errors="replace")
     results = [json.loads(line.split("### RESULTS ", 1)[1]) for line in text.splitlines()
                if line.startswith("### RESULTS ")]
@@ -561,6 +595,7 @@ def run_peer(peer: str, model: dict[str, Any], out_dir: Path, save_dir: Path) ->
              "load_average_before": load_before, "load_average_after": os.getloadavg(),
              "load_average_1min_during": {"max": max(load_samples, default=0.0),
                                           "mean": statistics.fmean(load_samples) if load_samples else 0.0},
+             "others_cpu_share": contention["others_cpu_share"], "own_cpu_share": contention["own_cpu_share"],
              "progress_lines": [line for line in text.splitlines() if line.startswith("### ")
                                 and not line.startswith("### RESULTS")],
              "log": str(log_path)}
@@ -690,8 +725,9 @@ def render_model(record: dict[str, Any]) -> list[str]:
     if ps3 or hf3 or srv3:
         lines.append(f"| W3 | s to first token (lower is better) | {fmt(ps3, 2)} | {fmt(hf3, 2)} | — | "
                      f"{ratio(ps3, hf3)} (time ratio) | — |")
-        lines.append(f"| W3 | s to first token, `pagedserve serve` over HTTP | {fmt(srv3, 2)} | | | "
-                     f"{ratio(srv3, hf3)} (time ratio) | |")
+        if srv3:
+            lines.append(f"| W3 | s to first token, `pagedserve serve` over HTTP | {fmt(srv3, 2)} | | | "
+                         f"{ratio(srv3, hf3)} (time ratio) | |")
     lines += ["", "Figures: median (min–max) over the timed repeats; ratios are of medians (rates: above 1 means "
               "pagedserve is faster; W3 times: below 1 means pagedserve is faster).", ""]
     lines += _render_counts(record, table)
@@ -726,14 +762,20 @@ def _render_counts(record: dict[str, Any], table: dict[str, dict[str, Any]]) -> 
 
 def render_peer(entry: dict[str, Any], ours: dict[str, Any] | None) -> list[str]:
     during = entry.get("load_average_1min_during")
-    busy = max(during["max"] if during else 0.0, entry["load_average_after"][0])
     lines = [f"### {entry['peer']} on {entry['model']} — run {entry['date']}", "",
              f"Command: `{entry['command']}` (exit {entry['returncode']}, {entry['wall_s']:.0f} s wall; 1-minute load "
-             f"average before {entry['load_average_before'][0]:.2f}, after {entry['load_average_after'][0]:.2f}"
-             + (f", during: mean {during['mean']:.2f}, max {during['max']:.2f}" if during else "") + ").", ""]
-    if busy > 1.5:
-        lines += [f"**The machine was busy during this run (load average up to {busy:.1f} on 2 cores: other work "
-                  "competed for the cores), so these figures are below what this peer does on a quiet machine.**", ""]
+             f"average, which counts the peer's own threads, before {entry['load_average_before'][0]:.2f}, after "
+             f"{entry['load_average_after'][0]:.2f}"
+             + (f", during: mean {during['mean']:.2f}, max {during['max']:.2f}" if during else "")
+             + _contention_text(entry.get("others_cpu_share") is not None and
+                                {"others_cpu_share": entry["others_cpu_share"], "own_cpu_share": entry["own_cpu_share"]}
+                                or None) + ").", ""]
+    if (entry.get("others_cpu_share") or 0.0) > BUSY_OTHERS_SHARE:
+        lines += [f"**Other processes used {entry['others_cpu_share']:.0%} of the CPU time during this run: these "
+                  "figures are below what this peer does on a quiet machine.**", ""]
+    elif entry.get("others_cpu_share") is None and entry.get("disturbed"):
+        lines += ["**Other processes competed for the cores during this run (see the note): these figures are "
+                  "below what this peer does on a quiet machine.**", ""]
     if entry.get("note"):
         lines += [entry["note"], ""]
     if entry.get("failure"):
@@ -769,13 +811,23 @@ def _render_peer_result(peer: str, result: dict[str, Any], ps_w1: dict | None, p
     return ["```", json.dumps(result), "```", ""]
 
 
-def _peer_figures(peers: list[dict[str, Any]], model: str) -> dict[str, dict | None]:
+def peer_disturbed(entry: dict[str, Any]) -> bool | None:
+    """True when other processes took a measurable share of the CPU during the peer's run; None if unknown
+    (runs recorded before the share was measured carry a hand-set `disturbed`, or nothing)."""
+    if entry.get("others_cpu_share") is not None:
+        return entry["others_cpu_share"] > BUSY_OTHERS_SHARE
+    return entry.get("disturbed")
+
+
+def _peer_figures(peers: list[dict[str, Any]], model: str) -> dict[str, Any]:
     """Medians the targets need, from the peers' results on `model` (None where a peer gave none)."""
-    figures: dict[str, dict | None] = {"vllm_w1": None, "vllm_w2": None, "vllm_ready": None, "vllm_rss": None,
-                                       "llama_w1_bf16": None, "llama_w1_q8": None, "llama_w2": None}
+    figures: dict[str, Any] = {"vllm_w1": None, "vllm_w2": None, "vllm_ready": None, "vllm_rss": None,
+                               "llama_w1_bf16": None, "llama_w1_q8": None, "llama_w2": None,
+                               "vllm_disturbed": None, "llama_disturbed": None}
     for entry in peers:
         if entry["model"] != model:
             continue
+        figures["vllm_disturbed" if entry["peer"] == "vllm-cpu" else "llama_disturbed"] = peer_disturbed(entry)
         for result in entry["results"]:
             if entry["peer"] == "vllm-cpu":
                 figures["vllm_w1"] = spread([call["out_tok_s"] for call in result.get("W1", [])[1:]])
@@ -792,13 +844,18 @@ def _peer_figures(peers: list[dict[str, Any]], model: str) -> dict[str, dict | N
     return figures
 
 
-def _target_row(name: str, value: dict | None, other: dict | None, goal: float, inverse: bool = False) -> str:
+PEER_CAVEATS = {True: " — but the peer ran on a busy machine: not a fair comparison",
+                None: " — peer run's CPU contention unknown: indicative only", False: ""}
+
+
+def _target_row(name: str, value: dict | None, other: dict | None, goal: float, inverse: bool = False,
+                peer_disturbed: bool | None = False) -> str:
     """One target: pagedserve's median against `goal` x the other's (inverse: pagedserve <= goal x other)."""
     if value is None or other is None or not other["median"]:
         return f"| {name} | — | not measured in this report |"
     achieved = value["median"] / other["median"]
     met = achieved <= goal if inverse else achieved >= goal
-    return f"| {name} | {achieved:.2f}x | {'met' if met else 'not met'} |"
+    return f"| {name} | {achieved:.2f}x | {'met' if met else 'not met'}{PEER_CAVEATS[peer_disturbed]} |"
 
 
 def render_targets(report: dict[str, Any], peers: list[dict[str, Any]]) -> list[str]:
@@ -821,14 +878,30 @@ def render_targets(report: dict[str, Any], peers: list[dict[str, Any]]) -> list[
             f"| W1 >= 45 tok/s | {absolute} | {met_45} |",
             _target_row("W1 >= 3x HF generate", ps_w1, hf_w1, 3.0),
             _target_row("W2 >= 1.8x HF generate", ps_w2, hf_w2, 1.8),
-            _target_row("W1 >= 1.25x llama.cpp bf16", ps_w1, peer["llama_w1_bf16"], 1.25),
-            _target_row("W1 >= 1.6x vLLM-CPU", ps_w1, peer["vllm_w1"], 1.6),
-            _target_row("W2 >= 1.5x vLLM-CPU", ps_w2, peer["vllm_w2"], 1.5),
-            _target_row("W2 >= 1.3x llama.cpp (its W2 here is sequential, not batched)", ps_w2, peer["llama_w2"], 1.3),
-            _target_row("process start to LLM ready <= 1/10 of vLLM-CPU", ready, peer["vllm_ready"], 0.1, inverse=True),
+            _target_row("W1 >= 1.25x llama.cpp bf16", ps_w1, peer["llama_w1_bf16"], 1.25,
+                        peer_disturbed=peer["llama_disturbed"]),
+            _target_row("W1 >= 1.6x vLLM-CPU", ps_w1, peer["vllm_w1"], 1.6, peer_disturbed=peer["vllm_disturbed"]),
+            _target_row("W2 >= 1.5x vLLM-CPU", ps_w2, peer["vllm_w2"], 1.5, peer_disturbed=peer["vllm_disturbed"]),
+            _target_row("W2 >= 1.3x llama.cpp (its W2 here is sequential, not batched)", ps_w2, peer["llama_w2"], 1.3,
+                        peer_disturbed=peer["llama_disturbed"]),
+            _target_row("process start to LLM ready <= 1/10 of vLLM-CPU", ready, peer["vllm_ready"], 0.1, inverse=True,
+                        peer_disturbed=peer["vllm_disturbed"]),
             _target_row("peak RSS <= 1/3 of vLLM-CPU (W1+W2 worker vs its process tree)",
                         spread([rss] if rss else []), peer["vllm_rss"], 1 / 3, inverse=True),
-            "", "Peer figures are from the dates in the Peers section, not interleaved with this run.", ""]
+            "", "Peer figures are from the dates in the Peers section, not interleaved with this run. For context, the "
+            "speed issue quotes figures measured earlier on a quiet machine of this type (not reproduced here): "
+            "llama.cpp W1 ~36 tok/s bf16 and ~54 Q8_0, 133-160 output tok/s for 32 parallel sequences; vLLM-CPU W1 "
+            "~28 tok/s, W2 ~136 output tok/s, 75-138 s to ready, ~8.3 GiB; transformers W1 ~15 tok/s, W2 ~113.", ""]
+
+
+BUSY_OTHERS_SHARE = 0.15  # other processes used more than 15 % of the machine's CPU time: figures are disturbed
+
+
+def _contention_text(contention: dict[str, float] | None) -> str:
+    if not contention:
+        return "; CPU time of other processes meanwhile: not measured"
+    return (f"; other processes used {contention['others_cpu_share']:.0%} of the machine's CPU time meanwhile "
+            f"(this run {contention['own_cpu_share']:.0%})")
 
 
 def render(report: dict[str, Any], peers: list[dict[str, Any]]) -> str:
@@ -837,6 +910,8 @@ def render(report: dict[str, Any], peers: list[dict[str, Any]]) -> str:
     lines = ["# pagedserve vs Hugging Face transformers (and peers): side-by-side figures", "",
              f"Measured {meta['date']} by `benchmarks/compare.py`{' (--quick smoke run)' if meta['quick'] else ''}.", "",
              "Reproduce (from the repository root):", "", "```", meta["command"], "```", "",
+             *([f"This report was rendered again on {meta['rendered']['date']} from the run's JSON, figures unchanged "
+                f"(`{meta['rendered']['command']}`).", ""] if meta.get("rendered") else []),
              "## Setting", "",
              f"- Commit: `{git['commit']}` ({git['subject']})"
              + (f"; uncommitted changes in {', '.join(git['uncommitted_engine_files'])} were in the measured tree"
@@ -845,7 +920,8 @@ def render(report: dict[str, Any], peers: list[dict[str, Any]]) -> str:
              f"{machine['memory_gib']:.1f} GiB, kernel {machine['kernel']}"
              + (", virtual machine" if machine["hypervisor"] else ""),
              f"- CPU flags that matter here: {' '.join(machine['flags']) or 'none of avx2/avx512/amx'}",
-             f"- Load average (1 min) at start {meta['load_start'][0]:.2f}, at end {meta['load_end'][0]:.2f}",
+             f"- Load average (1 min) at start {meta['load_start'][0]:.2f}, at end {meta['load_end'][0]:.2f} "
+             "(it counts the benchmark's own threads too)" + _contention_text(meta.get("contention")),
              "- Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
              f"- Threads: {meta['threads']} for every system; dtype bfloat16 everywhere; greedy; EOS ignored; "
              f"{meta['repeats']} timed repeats after one warm-up call per workload; max_model_len {meta['max_model_len']}",
@@ -912,7 +988,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peers-only", action="store_true", help="only run the requested peers (and save them)")
     parser.add_argument("--peer-json", type=Path, nargs="*", default=[], help="peer results saved earlier")
     parser.add_argument("--peer-save-dir", type=Path, default=HERE / "peers")
-    parser.add_argument("--render", type=Path, default=None, help="re-render the report from a saved JSON")
+    parser.add_argument("--render", type=Path, default=None,
+                        help="re-render the report from a saved JSON (with --peer-json: those peer files instead)")
     # Internal: worker and W3 child processes.
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--w3-child", default=None, help=argparse.SUPPRESS)
@@ -960,7 +1037,11 @@ def main(argv: list[str] | None = None) -> int:
     peers = [json.loads(path.read_text()) for path in args.peer_json]
     if args.render:
         report = json.loads(args.render.read_text())
-        args.results.write_text(render(report, report.get("peers", []) + peers) + "\n")
+        report["meta"]["rendered"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                      "command": shlex.join(["python", "benchmarks/compare.py",
+                                                             *(sys.argv[1:] if argv is None else argv)])}
+        # Peer files given now replace the copies saved in the JSON (their notes may have been completed since).
+        args.results.write_text(render(report, peers or report.get("peers", [])) + "\n")
         log(f"wrote {args.results}")
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -974,6 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "LD_PRELOAD", "MKL_NUM_THREADS") if name in os.environ},
             "workloads": [asdict(w) for w in (QUICK_WORKLOADS if args.quick else FULL_WORKLOADS)]}
     models = prepare_models(args)
+    meter = ContentionMeter()
     records = []
     if not args.peers_only:
         log_dir = args.out_dir / "logs"
@@ -989,6 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers_only:
         return 0 if all(not p.get("failure") for p in peers) else 1
     meta["load_end"] = os.getloadavg()
+    meta["contention"] = meter.stop()
     meta["wall_s"] = time.perf_counter() - started
     report = {"meta": meta, "models": records, "peers": peers}
     args.json.parent.mkdir(parents=True, exist_ok=True)
