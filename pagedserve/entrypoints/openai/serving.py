@@ -374,7 +374,14 @@ async def _collect(streams: AsyncIterator[tuple[int, RequestOutput]], raw: Reque
             for completion in output.outputs:
                 _accumulate(choices[prompt_index].setdefault(completion.index, _Choice()), completion)
 
-    task = asyncio.create_task(consume())
+    await consume_unless_disconnected(consume(), streams, raw)
+    return choices
+
+
+async def consume_unless_disconnected(consume: Any, streams: Any, raw: Request) -> None:
+    """Await `consume` (a coroutine reading `streams`); if the client goes away first, cancel it and
+    close the streams, which aborts their requests and frees their KV blocks."""
+    task = asyncio.create_task(consume)
     while not task.done():
         await asyncio.wait({task}, timeout=0.5)
         if not task.done() and await raw.is_disconnected():
@@ -383,7 +390,6 @@ async def _collect(streams: AsyncIterator[tuple[int, RequestOutput]], raw: Reque
             await streams.aclose()
             raise APIError("client disconnected", 499)
     task.result()
-    return choices
 
 
 def _accumulate(choice: _Choice, completion: CompletionOutput) -> None:

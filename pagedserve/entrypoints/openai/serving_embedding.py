@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from pagedserve.entrypoints.openai.errors import APIError
 from pagedserve.entrypoints.openai.protocol import EmbeddingRequest
-from pagedserve.entrypoints.openai.serving import OpenAIServing, _merge, _Prompt
+from pagedserve.entrypoints.openai.serving import OpenAIServing, _merge, _Prompt, consume_unless_disconnected
 from pagedserve.outputs import PoolingRequestOutput
 from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
 
@@ -119,13 +119,6 @@ async def _gather(streams: AsyncIterator[tuple[int, PoolingRequestOutput]], raw:
             if output.finished:
                 results[index] = output
 
-    task = asyncio.create_task(consume())
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.5)
-        if not task.done() and await raw.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await streams.aclose()
-            raise APIError("client disconnected", 499)
-    task.result()  # an input the engine refused raises here; errors.py maps it to its status
+    # An input the engine refused raises here; errors.py maps it to its status.
+    await consume_unless_disconnected(consume(), streams, raw)
     return [results[i] for i in range(num_inputs)]
