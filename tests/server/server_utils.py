@@ -45,6 +45,13 @@ class ServerProcess:
         return self.process.returncode
 
 
+def openai_client(server: ServerProcess, api_key: str = "unused", **kwargs):
+    """The official openai client pointed at a test server (no retries: a failure must show)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, **kwargs)
+
+
 def start_server(model: str, *flags: str, log_dir: Path, env: dict | None = None,
                  ready_timeout: float = 120.0) -> ServerProcess:
     port = free_port()

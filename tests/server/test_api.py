@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.server_utils import start_server
+from tests.server.server_utils import openai_client, start_server
 
 MODEL = "tiny"
 
@@ -26,7 +26,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def metric_value(server, name: str, **labels) -> float:

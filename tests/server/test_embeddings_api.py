@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.models.real_models import packaged_model
-from tests.server.server_utils import start_server
+from tests.server.server_utils import openai_client, start_server
 
 MODEL = "minilm"
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "A monkey is playing drums.",
@@ -28,7 +28,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def as_array(response) -> np.ndarray:
