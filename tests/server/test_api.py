@@ -22,6 +22,7 @@ def server(tiny_model_dir, tmp_path_factory):
                        log_dir=tmp_path_factory.mktemp("logs"))
     yield srv
     assert srv.stop() == 0, srv.log()
+    assert "Exception in ASGI application" not in srv.log(), "a client error was handled as a crash"
 
 
 @pytest.fixture

@@ -89,8 +89,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _other(_: Request, exc: Exception) -> JSONResponse:
+    async def _mapped(_: Request, exc: Exception) -> JSONResponse:
         api_error = to_api_error(exc)
         return error_response(api_error.message, api_error.status, api_error.param, api_error.code,
                               api_error.headers)
+
+    # The expected failures get their own handlers: Starlette answers those and keeps the connection.
+    # A handler for bare Exception runs in its outermost middleware, which re-raises after answering,
+    # and uvicorn then closes the keep-alive connection under the client (a pooled client sees a reset).
+    for expected in (QueueFullError, EngineDeadError, ValueError):
+        app.add_exception_handler(expected, _mapped)
+    app.add_exception_handler(Exception, _mapped)  # a real bug: answered as 500, logged, connection closed
