@@ -19,6 +19,11 @@ def cache_dir() -> Path:
     return base / "pagedserve"
 
 
+def cpu_kernels_enabled() -> bool:
+    """$PAGEDSERVE_CPU_KERNELS=0 turns the native CPU kernels off (torch ops everywhere); default on."""
+    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def api_key() -> str | None:
     """API key for the server ($PAGEDSERVE_API_KEY), or None."""
     return os.environ.get("PAGEDSERVE_API_KEY") or None

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import CpuKernels
+
 
 @dataclass
 class PrefillSpan:
@@ -30,6 +32,7 @@ class AttentionMetadata:
     num_decodes: int = 0  # rows 0..num_decodes-1 are single-token decodes
     decode_kv_slots: torch.Tensor | None = None  # [Bd, Lmax] int64, padded with slot 0
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] bool; None when no padding
+    decode_context_lens: torch.Tensor | None = None  # [Bd] int64: valid entries of each decode_kv_slots row
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -75,21 +78,26 @@ class LayerKVCache:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens -> [T, Hq, D]."""
+                    meta: AttentionMetadata, scale: float, kernels: CpuKernels | None = None) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens -> [T, Hq, D]. With `kernels`, decode
+    tokens read their context straight from the pool (no gathered copy of it)."""
     cache.write(k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd:
-        qd = q[:nd].unsqueeze(2)  # [Bd, Hq, 1, D]
-        kd, vd = cache.gather(meta.decode_kv_slots, q.dtype)  # [Bd, L, Hkv, D]
-        od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                                            attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
+        if kernels is not None and not cache.is_quantized and meta.decode_context_lens is not None:
+            od = kernels.decode_attention(q[:nd], cache.k, cache.v, meta.decode_kv_slots,
+                                          meta.decode_context_lens, scale)  # [Bd, Hq, D]
+        else:
+            qd = q[:nd].unsqueeze(2)  # [Bd, Hq, 1, D]
+            kd, vd = cache.gather(meta.decode_kv_slots, q.dtype)  # [Bd, L, Hkv, D]
+            od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                                                attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa).squeeze(2)
         if not meta.prefills:
-            return od.squeeze(2)  # a pure decode step: no output buffer to fill
+            return od  # a pure decode step: no output buffer to fill
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = od.squeeze(2)
+        out[:nd] = od
     for span in meta.prefills:
         qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         if span.kv_slots is None and not cache.is_quantized:

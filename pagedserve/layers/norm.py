@@ -6,20 +6,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.kernels import CpuKernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernels: CpuKernels | None = None  # set by the model's prepare() where the native kernels run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.is_contiguous():
+            return self.kernels.rms_norm(x, self.weight, self.eps)[0]
         # Written out with in-place steps: torch's rms_norm is a composite op on CPU with more dispatches.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(self.eps))
         if x.dtype != torch.float32:
             normed = normed.to(x.dtype)
         return normed.mul_(self.weight)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the sum rounded to the model dtype as transformers does;
+        with no residual yet (the first layer): (norm(x), x)."""
+        if residual is None:
+            return self.forward(x), x
+        if self.kernels is not None and x.is_contiguous() and residual.is_contiguous():
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+        residual = x + residual
+        return self.forward(residual), residual
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

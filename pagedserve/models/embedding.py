@@ -26,9 +26,7 @@ def as_embedding_model(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
 
         def prepare(self, kind: str) -> None:
             """The decoder layers' preparation (fused linears of the kind models/loader.py chose); no LM head."""
-            for layer in self.model.layers:
-                layer.self_attn.prepare(kind)
-                layer.mlp.prepare(kind)
+            self.prepare_decoder(kind)
 
         def compute_logits(self, hidden: Any) -> Any:
             raise RuntimeError("an embedding model has no LM head")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels import CpuKernels, cpu_kernels
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_attention
 from pagedserve.layers.linear import fuse_rows, make_linear
 from pagedserve.layers.norm import RMSNorm
@@ -56,8 +57,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = qk_norm
+        self.kernels: CpuKernels | None = None
 
-    def prepare(self, kind: str) -> None:
+    def prepare(self, kind: str, kernels: CpuKernels | None) -> None:
+        self.kernels = kernels
         self.qkv_proj = make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj), kind)
         self.o_proj = make_linear(self.o_proj.weight, self.o_proj.bias, kind)
         del self.q_proj, self.k_proj, self.v_proj
@@ -75,7 +78,7 @@ class Attention(nn.Module):
             qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         qk = apply_rotary(qk, *rope)  # q and k heads rotated together: [T, Hq + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -88,14 +91,18 @@ class MLP(nn.Module):
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
-    def prepare(self, kind: str) -> None:
+    def prepare(self, kind: str, kernels: CpuKernels | None) -> None:
+        self.kernels = kernels
         self.intermediate_size = self.gate_proj.out_features
         self.gate_up_proj = make_linear(*fuse_rows(self.gate_proj, self.up_proj), kind)
         self.down_proj = make_linear(self.down_proj.weight, None, kind)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -107,10 +114,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: LayerKVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: LayerKVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next norm adds the two, so each
+        residual add happens inside a norm (one fused kernel where the native kernels run)."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -126,9 +136,10 @@ class DecoderModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb.lookup(positions, x.dtype)  # once per step, shared by every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer.forward(x, rope, kv_cache, meta)  # .forward: skip nn.Module call overhead
-        return self.norm(x)
+            x, residual = layer.forward(x, residual, rope, kv_cache, meta)  # .forward: skip nn.Module call overhead
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -165,14 +176,33 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare(self, kind: str) -> None:
         """Fuse and pack for inference; call once after loading, before any forward."""
-        for layer in self.model.layers:
-            layer.self_attn.prepare(kind)
-            layer.mlp.prepare(kind)
+        self.prepare_decoder(kind)
         # Tied models keep the plain embedding for lookups and a packed copy for the logits.
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         self.logits_proj = make_linear(weight, None, kind)
         if not self.tie_word_embeddings:
             del self.lm_head
+
+    def prepare_decoder(self, kind: str) -> None:
+        """The decoder stack's part of prepare(): fused linears of `kind`; the fast kinds also bring in the
+        native CPU kernels for norms, SiLU and decode attention where they can run."""
+        kernels = self._native_kernels(kind)
+        for layer in self.model.layers:
+            layer.self_attn.prepare(kind, kernels)
+            layer.mlp.prepare(kind, kernels)
+            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
+        self.model.norm.kernels = kernels
+
+    def _native_kernels(self, kind: str) -> CpuKernels | None:
+        if kind == "plain":
+            return None  # the reference path: torch ops only
+        kernels = cpu_kernels()
+        attn = self.model.layers[0].self_attn
+        weight = self.model.embed_tokens.weight
+        dims = (self.config.hidden_size, self.model.layers[0].mlp.gate_proj.out_features, attn.head_dim)
+        if kernels is None or not kernels.supports(weight) or any(d % 16 for d in dims) or attn.head_dim > 256:
+            return None
+        return kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""

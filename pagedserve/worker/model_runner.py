@@ -207,7 +207,8 @@ class ModelRunner:
 
     def _decode_meta(self, meta: AttentionMetadata, rows: torch.Tensor, context_lens: torch.Tensor) -> None:
         max_len = int(context_lens.max())
-        meta.decode_kv_slots = self._context_slots(rows, max_len).to(self.device)
+        meta.decode_kv_slots = self._context_slots(rows, max_len).contiguous().to(self.device)
+        meta.decode_context_lens = context_lens.to(self.device)
         if bool((context_lens != max_len).any()):
             mask = torch.arange(max_len).unsqueeze(0) < context_lens.unsqueeze(1)  # [Bd, L]
             meta.decode_mask = mask[:, None, None, :].to(self.device)

@@ -35,12 +35,30 @@ def test_fast_kernels_match_reference_fp32(tiny_model_dir, arch):
     assert max_logprob_diff(fast, reference) < 5e-5  # fp32: only summation order differs
 
 
-def test_fast_kernels_match_reference_bf16(tiny_model_dir):
-    model_dir = tiny_model_dir("qwen2", "bfloat16")
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fast_kernels_match_reference_bf16(tiny_model_dir, arch):
+    """The fast path (packed matmuls, native norm/SiLU/decode-attention kernels) against torch ops.
+    Both round in bf16 at the same points but sum in different orders, so logprobs agree within bf16
+    noise (0.15, as against transformers) while the contexts are equal, i.e. up to the first token
+    where the two greedy paths part; that token must be a near-tie under the reference's logprobs."""
+    model_dir = tiny_model_dir(arch, "bfloat16")
     fast = run(model_dir, dtype="bfloat16")
     reference = run(model_dir, dtype="bfloat16", reference_kernels=True)
-    # Same bf16 roundings in both kernels on this CPU (see tests/models/test_layers.py): within bf16 noise.
-    assert max_logprob_diff(fast, reference) < 0.15
+    identical = 0
+    for f, r in zip(fast, reference):
+        f_tokens, r_tokens = f.outputs[0].token_ids, r.outputs[0].token_ids
+        parted = next((i for i, (a, b) in enumerate(zip(f_tokens, r_tokens)) if a != b), len(f_tokens))
+        identical += parted == len(f_tokens)
+        for position in range(min(parted + 1, len(f_tokens))):
+            f_step, r_step = f.outputs[0].logprobs[position], r.outputs[0].logprobs[position]
+            shared = f_step.keys() & r_step.keys()
+            assert len(shared) >= 4, position
+            assert max(abs(f_step[t].logprob - r_step[t].logprob) for t in shared) < 0.15, position
+        if parted < len(f_tokens):
+            r_step = r.outputs[0].logprobs[parted]
+            assert f_tokens[parted] in r_step, "the fast path chose a token outside the reference's top 5"
+            assert r_step[r_tokens[parted]].logprob - r_step[f_tokens[parted]].logprob < 0.15
+    assert identical >= len(fast) // 2  # near-ties are the exception
 
 
 def teacher_forced(llm: LLM, sequences: list[list[int]]) -> list[list[dict]]:

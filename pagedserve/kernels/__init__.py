@@ -1,0 +1,202 @@
+"""Native CPU kernels (cpu_kernels.c), built once per machine with the system C compiler and cached.
+
+`cpu_kernels()` returns the loaded library wrapped for torch tensors, or None when it cannot be used
+here: not an x86 CPU with AVX-512, no C compiler, or PAGEDSERVE_CPU_KERNELS=0. Callers then keep the
+torch path, which is also the reference the tests compare these kernels against.
+
+The build is `cc -O3 -march=native -fopenmp -shared` on one small C file (under a second); the result
+is cached under the pagedserve cache directory, keyed by the source, the compiler and the CPU, so a
+second start loads it in milliseconds. OpenMP resolves to the libgomp torch has already loaded, so the
+kernels share torch's threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedserve import envs
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_F32 = ctypes.c_float
+_SIGNATURES = {
+    "ps_isa": ((), _INT),
+    "ps_linear_i8": ((_P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
+    "ps_rms_norm": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
+    "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
+    "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
+}
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def build(source: Path = SOURCE, cache_root: Path | None = None) -> Path:
+    """Compile `source` (or reuse the cached build); returns the shared library's path."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(source.read_bytes() + version.encode() + _cpu_fingerprint().encode()).hexdigest()[:16]
+    out_dir = (cache_root or envs.cache_dir()) / "kernels"
+    target = out_dir / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        partial = Path(tmp) / target.name
+        command = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(partial), "-lm"]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+        os.replace(partial, target)  # atomic: concurrent starts never load a half-written file
+    return target
+
+
+class CpuKernels:
+    """Typed entry points over the C library; each takes torch CPU tensors and checks what it relies on."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.lib = lib
+        self.path = path
+        for name, (args, result) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = result
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in ACTIVATION_DTYPES
+
+    @staticmethod
+    def _threads() -> int:
+        return torch.get_num_threads()
+
+    @staticmethod
+    def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> the linear kernels' layout: blocks of 4 rows, column chunks of 32 interleaved
+        ([N/4, K/32, 4, 32], zero rows padding N), so each block streams as one sequential run.
+        K must be a multiple of 32."""
+        n, k = weight.shape
+        padded = torch.zeros(-(-n // 4) * 4, k, dtype=weight.dtype)
+        padded[:n] = weight
+        return padded.view(-1, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
+
+    @staticmethod
+    def unpack_rows(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """The inverse of `pack_rows`: [N, K]."""
+        blocks, chunks = packed.shape[:2]
+        return packed.permute(0, 2, 1, 3).reshape(blocks * 4, chunks * 32)[:out_features]
+
+    @staticmethod
+    def _threads() -> int:
+        return torch.get_num_threads()
+
+    @staticmethod
+    def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> the linear kernels' layout: blocks of 4 rows, column chunks of 32 interleaved
+        ([N/4, K/32, 4, 32], zero rows padding N), so each block streams as one sequential run.
+        K must be a multiple of 32."""
+        n, k = weight.shape
+        padded = torch.zeros(-(-n // 4) * 4, k, dtype=weight.dtype)
+        padded[:n] = weight
+        return padded.view(-1, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
+
+    @staticmethod
+    def unpack_rows(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """The inverse of `pack_rows`: [N, K]."""
+        blocks, chunks = packed.shape[:2]
+        return packed.permute(0, 2, 1, 3).reshape(blocks * 4, chunks * 32)[:out_features]
+
+    def linear_i8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        """x [M, K] (contiguous, model dtype) @ (W [N, K] int8, packed by `pack_rows`, * scales [N] float32)^T
+        (+ bias [N]). x is widened to int16 per row (see cpu_kernels.c)."""
+        m, k = x.shape
+        y = torch.empty(m, out_features, dtype=x.dtype)
+        self.lib.ps_linear_i8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                              None if bias is None else bias.data_ptr(), y.data_ptr(), m, out_features, k,
+                              x.dtype == torch.bfloat16, self._threads())
+        return y
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(norm(x + residual), x + residual) or (norm(x), None); x/residual [M, H] contiguous."""
+        m, h = x.shape
+        out = torch.empty_like(x)
+        new_residual = torch.empty_like(x) if residual is not None else None
+        self.lib.ps_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                             None if new_residual is None else new_residual.data_ptr(), weight.data_ptr(),
+                             out.data_ptr(), m, h, eps, x.dtype == torch.bfloat16, self._threads())
+        return out, new_residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] contiguous -> silu(gate) * up [M, I]."""
+        m, two_i = gate_up.shape
+        out = torch.empty(m, two_i // 2, dtype=gate_up.dtype)
+        self.lib.ps_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2,
+                             gate_up.dtype == torch.bfloat16, self._threads())
+        return out
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, D] (rows of D contiguous, heads adjacent); caches [S, Hkv, D]; slots [B, L] int64;
+        lens [B] int64 -> [B, Hq, D]."""
+        b, hq, d = q.shape
+        hkv = k_cache.shape[1]
+        slots, lens = slots.contiguous(), lens.contiguous()  # no-ops for the runner's tensors
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        out = torch.empty(b, hq, d, dtype=q.dtype)
+        self.lib.ps_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                     slots.data_ptr(), lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
+                                     slots.shape[1], scale, q.dtype == torch.bfloat16, self._threads())
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernels() -> CpuKernels | None:
+    """The native kernels, or None (logged once) where they cannot run."""
+    if not envs.cpu_kernels_enabled():
+        logger.info("native CPU kernels disabled by PAGEDSERVE_CPU_KERNELS")
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        path = build()
+        lib = ctypes.CDLL(str(path))
+        if lib.ps_isa() != 512:
+            logger.info("native CPU kernels need AVX-512 (F and BW); using torch ops")
+            return None
+        return CpuKernels(lib, path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("native CPU kernels unavailable, using torch ops: %s", exc)
+        return None

@@ -1,0 +1,299 @@
+/* pagedserve's native CPU kernels: the small-batch hot paths between (and inside) the big matmuls.
+ *
+ * Plain C with AVX-512 intrinsics and OpenMP, no torch headers: it builds in well under a second with
+ * the system compiler (pagedserve/kernels/__init__.py builds it once per machine and caches it) and is
+ * called through ctypes with raw pointers. OpenMP comes from the libgomp that torch already loaded,
+ * so these kernels and torch's share one thread pool.
+ *
+ * Tensors are row-major. `bf16` flags say whether activations are bfloat16 (else float32). Rounding
+ * follows transformers' order of operations in the model dtype (see each function), so outputs match
+ * the torch reference path up to float32 summation order.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+int ps_isa(void) { return 512; }
+
+/* ---- bf16 <-> fp32 ---------------------------------------------------------------------------------- */
+
+static inline __m512 load16(const void *p, int bf16) {
+  if (bf16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+  return _mm512_loadu_ps((const float *)p);
+}
+
+/* Round to nearest even, as torch does (NaN stays NaN). */
+static inline __m256i to_bf16x16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+static inline void store16(void *p, __m512 v, int bf16) {
+  if (bf16)
+    _mm256_storeu_si256((__m256i *)p, to_bf16x16(v));
+  else
+    _mm512_storeu_ps((float *)p, v);
+}
+
+/* v rounded to the activation dtype and back (a no-op for float32). */
+static inline __m512 round_dtype(__m512 v, int bf16) {
+  if (!bf16) return v;
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+
+static inline float scalar_round(float v, int bf16) {
+  float tmp[16] = {v};
+  __m512 r = round_dtype(_mm512_loadu_ps(tmp), bf16);
+  _mm512_storeu_ps(tmp, r);
+  return tmp[0];
+}
+
+static inline float load1(const void *base, int64_t index, int bf16) {
+  if (!bf16) return ((const float *)base)[index];
+  uint32_t u = (uint32_t)((const uint16_t *)base)[index] << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline const char *at(const void *base, int64_t index, int bf16) {
+  return (const char *)base + index * (bf16 ? 2 : 4);
+}
+
+/* exp for float32 lanes: 2^n * p(r) with r in [-ln2/2, ln2/2], degree-6 polynomial (~1 ulp);
+ * inputs below -87.3 give 0, as expf does. */
+static inline __m512 exp16(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* ---- weight-only int8 linear ----------------------------------------------------------------------- */
+
+/* Weight-only int8 matmul. Activations are widened exactly enough for the products to stay exact in
+ * integers: each row of x becomes int16 with its own scale (max|x| / 32767), i.e. 15 bits where bf16
+ * keeps 8, so the added error is below x's own bf16 rounding for every element within 2^7 of the row's
+ * largest. Then one VNNI instruction (vpdpwssd) multiplies 32 weights by 32 activations and adds pairs
+ * into int32 lanes: about a quarter of the instructions of a float32 dequantize-and-FMA loop, which
+ * at batch 1 was compute-bound on 2 cores. int32 lanes are flushed to float32 every 4096 columns
+ * (4096 / 32 * 2 * 127 * 32767 < 2^31), so any K is safe. */
+#define I8_SEGMENT 4096
+
+static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const int16_t *const xr[4],
+                                                           int64_t K, const int C, __m512 acc[4][4]) {
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += I8_SEGMENT) {
+    const int64_t k1 = K - k0 < I8_SEGMENT ? K : k0 + I8_SEGMENT;
+    __m512i iacc[4][4];
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < C; ++c) iacc[r][c] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 32) {
+      __m512i wv[4];
+      for (int r = 0; r < 4; ++r)
+        wv[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k * 4 + r * 32)));
+      for (int c = 0; c < C; ++c) {
+        const __m512i xv = _mm512_loadu_si512(xr[c] + k);
+        for (int r = 0; r < 4; ++r) iacc[r][c] = _mm512_dpwssd_epi32(iacc[r][c], wv[r], xv);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_cvtepi32_ps(iacc[r][c]));
+  }
+}
+
+/* y[m, n] = round(scale[n] * sum_k x[m, k] * q[n, k]) (+ bias[n], rounded again, as `F.linear` then
+ * `+ bias` would in the model dtype). x, y, bias: activation dtype; scale float32 [N]. q is int8 in
+ * blocks of 4 rows, each block stored column-chunk-major: q_packed[n / 4][k / 32][n % 4][k % 32]
+ * (rows padded to a multiple of 4 with zeros), so a block streams from memory as one sequential run
+ * (4 short rows read side by side left the prefetchers idle: 17 GB/s instead of ~30).
+ * Made for small M (decode): each block is read once per 4 rows of x; M = 1 and 2 get their own
+ * loops. K % 32 == 0. */
+void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const void *bias, void *y,
+                  int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
+  int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
+  float *xs = (float *)malloc(sizeof(float) * (size_t)M);
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(at(x, m * K + k, bf16), bf16)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    xs[m] = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    const __m512 inv = _mm512_set1_ps(1.0f / xs[m]);
+    for (int64_t k = 0; k < K; k += 16) {
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(at(x, m * K + k, bf16), bf16), inv));  /* nearest */
+      _mm256_storeu_si256((__m256i *)(xq + m * K + k), _mm512_cvtsepi32_epi16(v));
+    }
+  }
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t n = 0; n < N; n += 4) {
+    const int64_t rows = N - n < 4 ? N - n : 4;
+    const int8_t *w = q + n * K;
+    for (int64_t m = 0; m < M; m += 4) {
+      const int64_t cols = M - m < 4 ? M - m : 4;
+      const int16_t *xr[4];
+      for (int c = 0; c < 4; ++c) xr[c] = xq + (m + (c < cols ? c : 0)) * K;
+      __m512 acc[4][4];
+      if (cols == 1) i8_block(w, xr, K, 1, acc);
+      else if (cols == 2) i8_block(w, xr, K, 2, acc);
+      else i8_block(w, xr, K, 4, acc);  /* 3 repeats a row of x: cheaper than another variant */
+      for (int c = 0; c < cols; ++c) {
+        for (int r = 0; r < rows; ++r) {
+          float v = scalar_round(xs[m + c] * scale[n + r] * _mm512_reduce_add_ps(acc[r][c]), bf16);
+          if (bias) v = scalar_round(v + load1(bias, n + r, bf16), bf16);
+          const int64_t i = (m + c) * N + n + r;
+          if (bf16) {
+            uint32_t u;
+            memcpy(&u, &v, 4);
+            ((uint16_t *)y)[i] = (uint16_t)(u >> 16);  /* v already holds a bf16 value */
+          } else {
+            ((float *)y)[i] = v;
+          }
+        }
+      }
+    }
+  }
+  free(xq);
+  free(xs);
+}
+
+/* ---- RMSNorm, optionally fused with the residual add ----------------------------------------------- */
+
+/* For each row: h = x (+ residual, rounded); residual_out = h; out = round(weight * round(h * rsqrt(mean(h^2) + eps))).
+ * (transformers: hidden.float() normalised, cast to the model dtype, times the weight.) H % 16 == 0. */
+void ps_rms_norm(const void *x, const void *residual, void *residual_out, const void *weight, void *out,
+                 int64_t M, int64_t H, float eps, int bf16, int nthreads) {
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
+  for (int64_t m = 0; m < M; ++m) {
+    const void *xr = at(x, m * H, bf16);
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t k = 0; k < H; k += 16) {
+      __m512 h = load16(at(xr, k, bf16), bf16);
+      if (residual) {
+        h = round_dtype(_mm512_add_ps(h, load16(at(residual, m * H + k, bf16), bf16)), bf16);
+        store16((void *)at(residual_out, m * H + k, bf16), h, bf16);
+      }
+      ss = _mm512_fmadd_ps(h, h, ss);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
+    const void *src = residual ? (const void *)at(residual_out, m * H, bf16) : xr;
+    for (int64_t k = 0; k < H; k += 16) {
+      __m512 normed = round_dtype(_mm512_mul_ps(load16(at(src, k, bf16), bf16), inv), bf16);
+      store16((void *)at(out, m * H + k, bf16), _mm512_mul_ps(normed, load16(at(weight, k, bf16), bf16)), bf16);
+    }
+  }
+}
+
+/* ---- SiLU(gate) * up ------------------------------------------------------------------------------- */
+
+/* gate_up [M, 2I] (gate first) -> out [M, I] = round(round(silu(gate)) * up). I % 16 == 0. */
+void ps_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int bf16, int nthreads) {
+  const int64_t chunks = I / 16;
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t c = 0; c < M * chunks; ++c) {
+    const int64_t m = c / chunks, k = (c % chunks) * 16;
+    __m512 g = load16(at(gate_up, m * 2 * I + k, bf16), bf16);
+    __m512 u = load16(at(gate_up, m * 2 * I + I + k, bf16), bf16);
+    __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    store16((void *)at(out, m * I + k, bf16), _mm512_mul_ps(round_dtype(s, bf16), u), bf16);
+  }
+}
+
+/* ---- paged attention for decode tokens -------------------------------------------------------------- */
+
+/* One query token per sequence attends over its context in the paged KV pool.
+ * q: [B, Hq, D] with row stride q_stride (elements) between sequences; k_cache/v_cache: [S, Hkv, D];
+ * slots: [B, max_len] int64 (slot of each context position); lens: [B]; out: [B, Hq, D] contiguous.
+ * Scores, softmax and the weighted sum run in float32, with torch's roundings in bf16 (see below), so
+ * greedy tokens stay those of transformers' SDPA path. D % 16 == 0, D <= 256. */
+void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         const int64_t *slots, const int64_t *lens, void *out, int64_t B, int64_t Hq,
+                         int64_t Hkv, int64_t D, int64_t max_len, float scale, int bf16, int nthreads) {
+  const int64_t group = Hq / Hkv, nv = D / 16;
+  #pragma omp parallel num_threads(nthreads)
+  {
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_len + 16));
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(group * D));
+    float *inv_sum = (float *)malloc(sizeof(float) * (size_t)group);
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * Hkv; ++task) {
+      const int64_t b = task / Hkv, kvh = task % Hkv, len = lens[b];
+      const int64_t *slot = slots + b * max_len;
+      __m512 qv[16][1];  /* one query head at a time: up to 16 vectors (D <= 256) */
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kvh * group + g;
+        for (int64_t i = 0; i < nv; ++i)
+          qv[i][0] = load16(at(q, b * q_stride + h * D + i * 16, bf16), bf16);
+        float *s = scores + g * max_len;
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < len; ++l) {
+          const void *kp = at(k_cache, (slot[l] * Hkv + kvh) * D, bf16);
+          __m512 d = _mm512_setzero_ps();
+          for (int64_t i = 0; i < nv; ++i) d = _mm512_fmadd_ps(qv[i][0], load16(at(kp, i * 16, bf16), bf16), d);
+          s[l] = _mm512_reduce_add_ps(d) * scale;
+          mx = s[l] > mx ? s[l] : mx;
+        }
+        __m512 sum = _mm512_setzero_ps();
+        int64_t l = 0;
+        for (; l + 16 <= len; l += 16) {
+          __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), _mm512_set1_ps(mx)));
+          _mm512_storeu_ps(s + l, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        if (l < len) {
+          __mmask16 tail = (__mmask16)((1u << (len - l)) - 1);
+          __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + l), _mm512_set1_ps(mx)));
+          e = _mm512_maskz_mov_ps(tail, e);
+          _mm512_mask_storeu_ps(s + l, tail, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        /* As torch's CPU flash attention: the weights meet V rounded to the activation dtype and still
+         * unnormalised; the float32 sum of the unrounded ones divides at the end. */
+        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+        if (bf16)
+          for (int64_t l2 = 0; l2 < len; ++l2) s[l2] = scalar_round(s[l2], 1);
+      }
+      for (int64_t i = 0; i < group * D; ++i) acc[i] = 0.0f;
+      for (int64_t l = 0; l < len; ++l) {
+        const void *vp = at(v_cache, (slot[l] * Hkv + kvh) * D, bf16);
+        for (int64_t i = 0; i < nv; ++i) {
+          __m512 vv = load16(at(vp, i * 16, bf16), bf16);
+          for (int64_t g = 0; g < group; ++g) {
+            float *a = acc + g * D + i * 16;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * max_len + l]), vv, _mm512_loadu_ps(a)));
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < nv; ++i)
+          store16((void *)at(out, (b * Hq + kvh * group + g) * D + i * 16, bf16),
+                  _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + i * 16), _mm512_set1_ps(inv_sum[g])), bf16);
+    }
+    free(scores);
+    free(acc);
+    free(inv_sum);
+  }
+}
+
+#else  /* no AVX-512 (F, BW, VNNI) on this machine: report it, and pagedserve keeps the torch path */
+int ps_isa(void) { return 0; }
+#endif

@@ -1,0 +1,166 @@
+"""The native CPU kernels (pagedserve/kernels/cpu_kernels.c) against the torch reference they replace.
+
+Tolerances: float32 kernels differ from torch only in summation order (relative 1e-5). In bfloat16
+both sides compute in float32 and round once at the same points, so outputs may differ by one bf16
+rounding step (relative 2^-8) where a float32 sum lands near a rounding boundary, and only rarely.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import build, cpu_kernels
+from pagedserve.layers.linear import quantize_int8_per_channel
+from pagedserve.layers.norm import reference_rms_norm
+
+
+def _has_avx512() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512f" in flags and "avx512bw" in flags
+
+
+def test_kernels_load_wherever_the_cpu_has_avx512(tmp_path):
+    if platform.machine() != "x86_64" or not _has_avx512():
+        assert cpu_kernels() is None
+        return
+    assert cpu_kernels() is not None
+    first = build(cache_root=tmp_path)
+    assert build(cache_root=tmp_path) == first  # cached: the second start does not rebuild
+    assert list((tmp_path / "kernels").glob("*.so")) == [first]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("no AVX-512 on this CPU: the torch path is used (covered by the other tests)")
+    return k
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    a, e = actual.float(), expected.float()
+    scale = e.abs().max().clamp(min=1e-6)
+    if dtype == torch.float32:
+        assert (a - e).abs().max() / scale < 1e-5, what
+    else:
+        rel = (a - e).abs() / e.abs().clamp(min=scale * 1e-2)
+        assert rel.max() <= 2 ** -7, f"{what}: max relative difference {rel.max():.3g}"
+        assert (a != e).float().mean() < 0.05, f"{what}: too many values off by a rounding step"
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_i8_matches_dequantized_matmul(kernels, dtype, m, with_bias):
+    torch.manual_seed(m)
+    n, k = 37, 4096 + 96  # N not a multiple of the 4-row block; K spans two int32 flush segments
+    qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
+    x = torch.randn(m, k).to(dtype)
+    x[0, 0] = 40.0  # an outlier sets the row's int16 step
+    bias = torch.randn(n).to(dtype) if with_bias else None
+    y = kernels.linear_i8(x, kernels.pack_rows(qweight), scales, bias, n)
+    dequantized = qweight.float() * scales[:, None]
+    exact = x.float() @ dequantized.t()
+    # The kernel widens x to int16 with step max|x| / 32767: each product is off by at most half a step.
+    step = x.float().abs().amax(1, keepdim=True) / 32767
+    bound = step / 2 * dequantized.abs().sum(1) + exact.abs() * 1e-6
+    expected = exact.to(dtype) if bias is None else exact.to(dtype) + bias
+    assert y.shape == (m, n) and y.dtype == dtype
+    if dtype == torch.float32:
+        assert ((y - expected).abs() <= bound).all()
+    else:  # plus one bf16 rounding of the result (and of the bias add)
+        assert ((y.float() - expected.float()).abs() <= bound + expected.float().abs() * 2 ** -7).all()
+        assert (y != expected).float().mean() < 0.2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_transformers_formula(kernels, dtype, with_residual):
+    torch.manual_seed(0)
+    x = (torch.randn(5, 128) * 3).to(dtype)
+    residual = torch.randn(5, 128).to(dtype) if with_residual else None
+    weight = (1 + torch.randn(128) * 0.1).to(dtype)
+    out, new_residual = kernels.rms_norm(x, weight, 1e-6, residual)
+    h = x + residual if with_residual else x
+    if with_residual:
+        assert torch.equal(new_residual, h)  # the add is rounded exactly as torch rounds it
+    else:
+        assert new_residual is None
+    _close(out, reference_rms_norm(h, weight, 1e-6), dtype, "rms_norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(kernels, dtype):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(3, 2 * 160) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0]).to(dtype)  # saturating inputs
+    gate, up = gate_up.split(160, dim=-1)
+    _close(kernels.silu_mul(gate_up), F.silu(gate) * up, dtype, "silu_mul")
+
+
+def _reference_decode(q, k_cache, v_cache, slots, lens, scale):
+    """Decode attention written out in torch with the roundings of torch's CPU flash-attention kernel
+    (which transformers' SDPA path runs): float32 scores and softmax, the unnormalised weights rounded
+    to the model dtype before they meet V, the float32 sum of the unrounded weights dividing at the
+    end. (Checked bit for bit against F.scaled_dot_product_attention on single-head 4-D inputs.)"""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    group = q.shape[1] // k_cache.shape[1]
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            k = k_cache[slots[b, :lens[b]], h // group].float()  # [L, D]
+            v = v_cache[slots[b, :lens[b]], h // group].float()
+            scores = (q[b, h].float() @ k.t()) * scale
+            weights = torch.exp(scores - scores.max())
+            out[b, h] = (weights.to(q.dtype).float() @ v / weights.sum()).to(q.dtype)
+    return out
+
+
+def test_reference_decode_is_torch_sdpa_rounding():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 1, n, 64).bfloat16() for n in (1, 33, 33))
+    sdpa = F.scaled_dot_product_attention(q, k, v, scale=0.125)
+    ours = _reference_decode(q[0, 0].unsqueeze(0), k[0, 0].unsqueeze(1), v[0, 0].unsqueeze(1),
+                             torch.arange(33).unsqueeze(0), torch.tensor([33]), 0.125)
+    assert torch.equal(ours.flatten(), sdpa.flatten())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (14, 2, 64), (8, 2, 128)])
+def test_decode_attention_matches_sdpa_over_gathered_context(kernels, dtype, hq, hkv, d):
+    torch.manual_seed(hq + d)
+    num_slots, max_len = 300, 70
+    k_cache = torch.randn(num_slots, hkv, d).to(dtype)
+    v_cache = torch.randn(num_slots, hkv, d).to(dtype)
+    lens = torch.tensor([1, 17, 70, 33], dtype=torch.int64)  # tails of every length mod 16, and 1
+    slots = torch.stack([torch.randperm(num_slots)[:max_len] for _ in lens])
+    # q as the model passes it: a view into a [B, Hq + Hkv, D] tensor (rows not contiguous)
+    qk = torch.randn(len(lens), hq + hkv, d).to(dtype)
+    q = qk[:, :hq]
+    scale = d ** -0.5
+    out = kernels.decode_attention(q, k_cache, v_cache, slots, lens, scale)
+    _close(out, _reference_decode(q, k_cache, v_cache, slots, lens, scale), dtype, "decode_attention")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])  # decode batches take the kernel, prefill the dequantized matmul
+def test_int8_linear_layer_on_both_paths(kernels, rows):
+    from pagedserve.layers.linear import Int8Linear
+
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(70, 64).bfloat16(), torch.randn(70).bfloat16()
+    layer = Int8Linear(weight, bias)
+    assert layer.kernels is not None
+    x = torch.randn(rows, 64).bfloat16()
+    expected = torch.nn.functional.linear(x.float(), layer.dequantized().float()).bfloat16() + bias
+    # int16 activations and bf16 roundings (of the product, then of the bias add): well within 2^-6 of the scale
+    assert (layer(x).float() - expected.float()).abs().max() <= expected.float().abs().max() * 2 ** -6
+    assert (layer.dequantized().float() - weight.float()).abs().max() <= weight.float().abs().amax() / 127
