@@ -37,6 +37,7 @@ _F32 = ctypes.c_float
 _SIGNATURES = {
     "ps_isa": ((), _INT),
     "ps_linear_i8": ((_P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
+    "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), _INT),
     "ps_rms_norm": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
@@ -135,6 +136,34 @@ class CpuKernels:
         """The inverse of `pack_rows`: [N, K]."""
         blocks, chunks = packed.shape[:2]
         return packed.permute(0, 2, 1, 3).reshape(blocks * 4, chunks * 32)[:out_features]
+
+    @staticmethod
+    def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+        """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/64, K/2, 64, 2] (zero rows pad N). K must be even."""
+        n, k = weight.shape
+        padded = torch.zeros(-(-n // 64) * 64, k, dtype=weight.dtype)
+        padded[:n] = weight
+        return padded.view(-1, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    @staticmethod
+    def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """The inverse of `pack_bf16`: [N, K]."""
+        blocks, pairs = packed.shape[:2]
+        return packed.permute(0, 2, 1, 3).reshape(blocks * 64, pairs * 2)[:out_features]
+
+    @property
+    def has_bf16_linear(self) -> bool:
+        """The CPU has AVX512-BF16 (the library reports it by refusing an empty call)."""
+        return bool(self.lib.ps_linear_bf16(None, None, None, None, 0, 0, 0, 1))
+
+    def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                    out_features: int) -> torch.Tensor:
+        """bf16 x [M, K] (contiguous) @ W^T (+ bias) -> [M, N]; W packed by `pack_bf16`."""
+        m, k = x.shape
+        y = torch.empty(m, out_features, dtype=x.dtype)
+        self.lib.ps_linear_bf16(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                y.data_ptr(), m, out_features, k, self._threads())
+        return y
 
     def linear_i8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                   bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

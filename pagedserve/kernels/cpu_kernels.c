@@ -176,6 +176,82 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const void
   free(xs);
 }
 
+/* ---- bf16 linear ----------------------------------------------------------------------------------- */
+
+#ifdef __AVX512BF16__
+#define BF16_NB 64  /* outputs per weight block: 4 vectors of 16 */
+#define BF16_MT 6   /* rows of x per register tile: 24 accumulators */
+
+/* One weight block (64 outputs, all of K) against MT rows of x: acc[m][j] collects outputs j*16..j*16+15.
+ * Per pair of columns: 4 weight vectors (each 16 outputs x 2 columns, as vdpbf16ps pairs them) meet one
+ * broadcast pair of x per row. Inlined with MT constant so the tile stays in registers. */
+static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *wb, const uint16_t *x, int64_t K,
+                                                            const int MT, __m512 acc[BF16_MT][4]) {
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    const uint16_t *wk = wb + kp * 2 * BF16_NB;
+    __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+    __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+    for (int m = 0; m < MT; ++m) {
+      int32_t pair;
+      memcpy(&pair, x + m * K + 2 * kp, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, xb);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, xb);
+    }
+  }
+}
+
+/* y [M, N] = round(x [M, K] @ W^T + bias) in bf16, the bias added in float32 before the one rounding
+ * (as torch's and oneDNN's bf16 linear). W is packed as w[N/64][K/2][64][2] (outputs padded to 64
+ * with zeros): each block streams as one sequential run, and no horizontal sums are needed.
+ * K % 2 == 0. Returns 0 where the CPU lacks AVX512-BF16 (the caller keeps oneDNN). */
+int ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                   int64_t M, int64_t N, int64_t K, int nthreads) {
+  const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t nb = 0; nb < blocks; ++nb) {
+    const uint16_t *wb = w + nb * BF16_NB * K;
+    __m512 b[4];
+    __mmask16 keep[4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n0 = nb * BF16_NB + j * 16;
+      const int64_t valid = N - n0 >= 16 ? 16 : (N - n0 > 0 ? N - n0 : 0);
+      keep[j] = (__mmask16)((1u << valid) - 1);
+      b[j] = bias && valid ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                 _mm256_maskz_loadu_epi16(keep[j], bias + n0)), 16))
+                           : _mm512_setzero_ps();
+    }
+    for (int64_t m = 0; m < M; m += BF16_MT) {
+      const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
+      __m512 acc[BF16_MT][4];
+      switch (rows) {
+        case 1: bf16_tile(wb, x + m * K, K, 1, acc); break;
+        case 2: bf16_tile(wb, x + m * K, K, 2, acc); break;
+        case 3: bf16_tile(wb, x + m * K, K, 3, acc); break;
+        case 4: bf16_tile(wb, x + m * K, K, 4, acc); break;
+        case 5: bf16_tile(wb, x + m * K, K, 5, acc); break;
+        default: bf16_tile(wb, x + m * K, K, 6, acc); break;
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < 4; ++j)
+          _mm256_mask_storeu_epi16(y + (m + r) * N + nb * BF16_NB + j * 16, keep[j],
+                                   to_bf16x16(_mm512_add_ps(acc[r][j], b[j])));
+    }
+  }
+  return 1;
+}
+#else
+int ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                   int64_t M, int64_t N, int64_t K, int nthreads) {
+  (void)x; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+  return 0;
+}
+#endif
+
 /* ---- RMSNorm, optionally fused with the residual add ----------------------------------------------- */
 
 /* For each row: h = x (+ residual, rounded); residual_out = h; out = round(weight * round(h * rsqrt(mean(h^2) + eps))).

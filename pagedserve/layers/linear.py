@@ -1,9 +1,10 @@
 """Linear layers for inference: the matmul kernel is chosen per device and dtype, in one place.
 
-On CPU, oneDNN-packed weights (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`) stream
-weights 2-4x faster than `F.linear` at batch 1 (measured on a Zen 5 with AVX512-BF16, torch 2.13:
-9728x896 bf16 at M=1: 1.75 ms plain vs 0.51 ms packed on one core; still ahead at M=256) and give
-bit-identical bf16 results. Where the op is missing or fails its self-check, plain F.linear is used.
+On CPU, weights are re-laid out once so that batch-1 decode streams them at memory speed: bf16 for
+pagedserve's native kernel where the CPU has AVX512-BF16, else oneDNN's blocked layout
+(`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`; 2-4x `F.linear` at batch 1, e.g. 9728x896
+bf16 at M=1: 1.75 ms plain vs 0.51 ms packed on one core). int8 weights use the native int8 kernel.
+Where an op is missing or fails its self-check, plain F.linear is used (see benchmarks/PROFILE.md).
 """
 
 from __future__ import annotations
@@ -20,16 +21,32 @@ logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W^T + b with W reordered once into oneDNN's blocked layout. x: [N, in] -> [N, out]."""
+    """y = x @ W^T + b with W re-laid out once for a CPU kernel. x: [N, in] -> [N, out].
+
+    bf16 on CPUs with AVX512-BF16: pagedserve's own kernel (pagedserve/kernels, `ps_linear_bf16`), which
+    streams W at memory speed at batch 1 and keeps up with oneDNN up to prefill sizes (measured on the
+    2-core Zen 5: 0.99 GB of Qwen2.5-0.5B weights at batch 1 in 33 ms vs oneDNN's 49; equal at 32-512
+    rows). Otherwise (float32, other CPUs): oneDNN's blocked layout."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        native = None
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0:
+            native = cpu_kernels()
+        self.native = native if native is not None and native.has_bf16_linear else None
+        if self.native is not None:
+            self.register_buffer("packed_weight", self.native.pack_bf16(weight))
+        else:
+            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            rows = x.reshape(-1, self.in_features).contiguous()
+            y = self.native.linear_bf16(rows, self.packed_weight, self.bias, self.out_features)
+            return y.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

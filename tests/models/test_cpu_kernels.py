@@ -164,3 +164,31 @@ def test_int8_linear_layer_on_both_paths(kernels, rows):
     # int16 activations and bf16 roundings (of the product, then of the bias add): well within 2^-6 of the scale
     assert (layer(x).float() - expected.float()).abs().max() <= expected.float().abs().max() * 2 ** -6
     assert (layer.dequantized().float() - weight.float()).abs().max() <= weight.float().abs().amax() / 127
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_matches_torch(kernels, rows, with_bias):
+    if not kernels.has_bf16_linear:
+        pytest.skip("no AVX512-BF16: bf16 linears use oneDNN")
+    torch.manual_seed(rows)
+    n, k = 100, 96  # N not a multiple of the 64-output block
+    weight = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    x = torch.randn(rows, k).bfloat16()
+    packed = kernels.pack_bf16(weight)
+    assert torch.equal(kernels.unpack_bf16(packed, n), weight)
+    y = kernels.linear_bf16(x, packed, bias, n)
+    # both sum the exact products in float32 (in different orders), add the bias and round once
+    _close(y, torch.nn.functional.linear(x, weight, bias), torch.bfloat16, "linear_bf16")
+
+
+def test_packed_linear_layer_uses_the_native_kernel_in_bf16(kernels):
+    from pagedserve.layers.linear import PackedLinear
+
+    weight = torch.randn(70, 64).bfloat16()
+    layer = PackedLinear(weight, None)
+    assert (layer.native is not None) == kernels.has_bf16_linear
+    x = torch.randn(2, 3, 64).bfloat16()  # leading dims are kept
+    _close(layer(x), torch.nn.functional.linear(x, weight), torch.bfloat16, "PackedLinear")
+    assert PackedLinear(weight.float(), None).native is None  # float32 stays on oneDNN
