@@ -82,6 +82,7 @@ SYSTEMS = {
     "hf-generate": "transformers generate()",
     "hf-cb": "transformers generate_batch() (continuous batching)",
     "pagedserve-serve": "pagedserve serve (HTTP, first streamed token)",
+    "pagedserve-int8": "pagedserve LLM.generate with --quantization int8 (W1 only)",
 }
 
 
@@ -227,10 +228,11 @@ def _peak_rss_mib() -> float:
 
 
 class PagedserveRunner:
-    def __init__(self, model: str, threads: int, max_model_len: int) -> None:
+    def __init__(self, model: str, threads: int, max_model_len: int, quantization: str | None = None) -> None:
         from pagedserve import LLM
 
-        self.llm = LLM(model, dtype="bfloat16", max_model_len=max_model_len, num_threads=threads, seed=0)
+        self.llm = LLM(model, dtype="bfloat16", max_model_len=max_model_len, num_threads=threads, seed=0,
+                       quantization=quantization)
 
     def run(self, prompts: list[list[int]], output_len: int, mode: str) -> dict[str, Any]:
         from pagedserve.benchmarks.throughput import ThroughputBenchConfig, time_generate
@@ -305,8 +307,11 @@ def worker_main(system: str, model: str, threads: int, max_model_len: int) -> in
 
     start = time.perf_counter()
     try:
-        runner_cls = PagedserveRunner if system == "pagedserve" else HFRunner
-        runner = runner_cls(model, threads, max_model_len)
+        if system == "pagedserve-int8":
+            runner = PagedserveRunner(model, threads, max_model_len, quantization="int8")
+        else:
+            runner_cls = PagedserveRunner if system == "pagedserve" else HFRunner
+            runner = runner_cls(model, threads, max_model_len)
     except Exception as exc:  # reported to the orchestrator, which records it as this system's failure
         reply({"ok": False, "error": f"load failed: {type(exc).__name__}: {exc}"})
         return 1
@@ -459,7 +464,7 @@ def measure_model(model: dict[str, Any], args: argparse.Namespace, workloads: tu
     record: dict[str, Any] = {**model, "workloads": [asdict(w) for w in workloads], "systems": {}, "runs": [],
                               "w3": [], "errors": {}, "skipped": [] if extras else ["hf-cb", "pagedserve-serve"]}
     workers: dict[str, Worker] = {}
-    for system in ("pagedserve", "hf"):
+    for system in ("pagedserve", "hf") + (("pagedserve-int8",) if extras else ()):
         log(f"{model['name']}: loading {system} worker")
         worker = Worker(system, path, args.threads, args.max_model_len, log_dir)
         if worker.hello.get("ok"):
@@ -468,8 +473,9 @@ def measure_model(model: dict[str, Any], args: argparse.Namespace, workloads: tu
         else:
             record["errors"][system] = worker.hello.get("error")
             worker.close()
-    turns = [(w, s) for w in workloads for s in ("pagedserve", "hf-generate", "hf-cb")
-             if not (s == "hf-cb" and (w.num_prompts == 1 or args.no_hf_cb or not extras))]
+    turns = [(w, s) for w in workloads for s in ("pagedserve", "hf-generate", "hf-cb", "pagedserve-int8")
+             if not (s == "hf-cb" and (w.num_prompts == 1 or args.no_hf_cb or not extras))
+             and not (s == "pagedserve-int8" and (w.name != "W1" or not extras))]
     try:
         for repeat in ["warmup", *range(args.repeats)]:
             order = turns if repeat == "warmup" or repeat % 2 == 0 else turns[::-1]
@@ -487,7 +493,7 @@ def measure_model(model: dict[str, Any], args: argparse.Namespace, workloads: tu
 
 def _one_run(record: dict[str, Any], workers: dict[str, Worker], pool: list[int], workload: Workload, system: str,
              repeat: int | str, seed: int) -> None:
-    worker = workers.get("pagedserve" if system == "pagedserve" else "hf")
+    worker = workers.get(system if system.startswith("pagedserve") else "hf")
     key = f"{system}/{workload.name}"
     if worker is None or key in record["errors"]:
         return
@@ -721,6 +727,10 @@ def render_model(record: dict[str, Any]) -> list[str]:
         for metric, label in metrics:
             ps, hf, cb = (get(f"{s}/{name}", metric) for s in ("pagedserve", "hf-generate", "hf-cb"))
             lines.append(f"| {name} | {label} | {fmt(ps)} | {fmt(hf)} | {fmt(cb)} | {ratio(ps, hf)} | {ratio(ps, cb)} |")
+    int8 = get("pagedserve-int8/W1", "output")
+    if int8:
+        lines.append(f"| W1 | output tok/s, pagedserve `--quantization int8` | {fmt(int8)} | | | "
+                     f"{ratio(int8, get('hf-generate/W1', 'output'))} (vs HF bf16) | |")
     ps3, hf3, srv3 = (get(f"{s}/W3", "seconds") for s in ("pagedserve", "hf-generate", "pagedserve-serve"))
     if ps3 or hf3 or srv3:
         lines.append(f"| W3 | s to first token (lower is better) | {fmt(ps3, 2)} | {fmt(hf3, 2)} | — | "
@@ -783,12 +793,14 @@ def render_peer(entry: dict[str, Any], ours: dict[str, Any] | None) -> list[str]
     table = summarize(ours) if ours else {}
     ps_w1 = spread(table.get("pagedserve/W1", {}).get("output", []))
     ps_w2 = spread(table.get("pagedserve/W2", {}).get("output", []))
+    ps_int8 = spread(table.get("pagedserve-int8/W1", {}).get("output", []))
     for result in entry["results"]:
-        lines += _render_peer_result(entry["peer"], result, ps_w1, ps_w2)
+        lines += _render_peer_result(entry["peer"], result, ps_w1, ps_w2, ps_int8)
     return lines
 
 
-def _render_peer_result(peer: str, result: dict[str, Any], ps_w1: dict | None, ps_w2: dict | None) -> list[str]:
+def _render_peer_result(peer: str, result: dict[str, Any], ps_w1: dict | None, ps_w2: dict | None,
+                        ps_int8: dict | None = None) -> list[str]:
     if peer == "vllm-cpu":
         w1 = [call["out_tok_s"] for call in result.get("W1", [])[1:]]  # call 1 is its warm-up
         w2 = [run["out_tok_s"] for run in result.get("W2", [])]
@@ -807,7 +819,9 @@ def _render_peer_result(peer: str, result: dict[str, Any], ps_w1: dict | None, p
                 f"W2 run one sequence at a time (not batched): {w2} output tok/s, {result.get('W2_total_tok_s')} total "
                 f"· load {result.get('load_s', 0):.2f} s.",
                 f"pagedserve (this run, bf16) / llama.cpp {result.get('gguf')}: W1 {ratio(ps_w1, w1_stat)}, "
-                f"W2 {ratio(ps_w2, w2_stat)} (sequential W2).", ""]
+                f"W2 {ratio(ps_w2, w2_stat)} (sequential W2)."
+                + (f" pagedserve int8 / llama.cpp {result.get('gguf')}: W1 {ratio(ps_int8, w1_stat)}." if ps_int8 else ""),
+                ""]
     return ["```", json.dumps(result), "```", ""]
 
 
@@ -866,6 +880,7 @@ def render_targets(report: dict[str, Any], peers: list[dict[str, Any]]) -> list[
     table = summarize(record)
     get = lambda key, metric: spread(table.get(key, {}).get(metric, []))  # noqa: E731
     ps_w1, ps_w2 = get("pagedserve/W1", "output"), get("pagedserve/W2", "output")
+    ps_int8 = get("pagedserve-int8/W1", "output")
     hf_w1, hf_w2 = get("hf-generate/W1", "output"), get("hf-generate/W2", "output")
     ready = spread([w3["marks"]["loaded"] for w3 in record["w3"]
                     if w3["system"] == "pagedserve" and "loaded" in w3.get("marks", {})])
@@ -879,6 +894,8 @@ def render_targets(report: dict[str, Any], peers: list[dict[str, Any]]) -> list[
             _target_row("W1 >= 3x HF generate", ps_w1, hf_w1, 3.0),
             _target_row("W2 >= 1.8x HF generate", ps_w2, hf_w2, 1.8),
             _target_row("W1 >= 1.25x llama.cpp bf16", ps_w1, peer["llama_w1_bf16"], 1.25,
+                        peer_disturbed=peer["llama_disturbed"]),
+            _target_row("W1 `--quantization int8` >= 1.3x llama.cpp Q8_0", ps_int8, peer["llama_w1_q8"], 1.3,
                         peer_disturbed=peer["llama_disturbed"]),
             _target_row("W1 >= 1.6x vLLM-CPU", ps_w1, peer["vllm_w1"], 1.6, peer_disturbed=peer["vllm_disturbed"]),
             _target_row("W2 >= 1.5x vLLM-CPU", ps_w2, peer["vllm_w2"], 1.5, peer_disturbed=peer["vllm_disturbed"]),

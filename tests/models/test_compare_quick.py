@@ -31,7 +31,7 @@ def test_quick_run_measures_every_system_and_counts_tokens(tmp_path: Path) -> No
         seen.add((entry["system"], entry["workload"], entry["repeat"]))
     assert seen == {(system, workload, repeat) for repeat in ("warmup", 0)
                     for system, workload in [("pagedserve", "W1"), ("hf-generate", "W1"), ("pagedserve", "W2"),
-                                             ("hf-generate", "W2"), ("hf-cb", "W2")]}
+                                             ("hf-generate", "W2"), ("hf-cb", "W2"), ("pagedserve-int8", "W1")]}
     w3 = {entry["system"]: entry for entry in model["w3"]}
     assert set(w3) == {"pagedserve", "hf-generate", "pagedserve-serve"}
     for system in ("pagedserve", "hf-generate"):
@@ -40,9 +40,10 @@ def test_quick_run_measures_every_system_and_counts_tokens(tmp_path: Path) -> No
         assert 0 <= marks["imported"] <= marks["loaded"] <= marks["first_token"] == w3[system]["first_token_s"]
     assert w3["pagedserve-serve"]["num_tokens"] == 1
     assert 0 < w3["pagedserve-serve"]["marks"]["ready"] < w3["pagedserve-serve"]["first_token_s"]
-    assert set(model["systems"]) == {"pagedserve", "hf"}
+    assert set(model["systems"]) == {"pagedserve", "hf", "pagedserve-int8"}
     assert all(info["threads"] == report["meta"]["threads"] for info in model["systems"].values())
     text = results.read_text()
     assert report["meta"]["command"] in text
     assert "| W1 | output tok/s |" in text and "| W2 | total tok/s |" in text and "| W3 |" in text
+    assert "| W1 | output tok/s, pagedserve `--quantization int8` |" in text
     assert "—" not in text.split("| W1 | output tok/s |")[1].split("\n")[0].split("|")[1]  # pagedserve W1 figure
