@@ -960,6 +960,10 @@ def render(report: dict[str, Any], peers: list[dict[str, Any]]) -> str:
     if peers:
         lines += ["Peer figures come from their own scripts (`../shared/peers/*/run.sh`), run on the date shown, "
                   "not interleaved with the figures above: compare ratios knowing the machine noise (~±10 %).", ""]
+    lines += ["## Embeddings", "",
+              "Embedding throughput (all-MiniLM-L6-v2 and a decoder without LM head, pagedserve vs "
+              "sentence-transformers, side by side in one process) is measured by `python benchmarks/embeddings.py`; "
+              "its report is `benchmarks/RESULTS_embeddings.md`.", ""]
     lines += ["## How the figures are made", "",
               "- Each system runs in its own worker process, loaded once; the workers take turns repeat by repeat "
               "(order alternating), so noise from other work on the machine falls on all of them.",
