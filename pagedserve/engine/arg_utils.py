@@ -43,7 +43,8 @@ class EngineArgs:
                                 "K/V with a scale per token and head, about half the memory.", default="auto")
     quantization: str | None = _opt("Weight quantization: int8 (weight-only, one scale per output channel).")
     tensor_parallel_size: int = _opt("Tensor-parallel workers (only 1 is supported).", default=1)
-    enforce_eager: bool = _opt("Never compile; run eagerly.", default=False)
+    enforce_eager: bool = _opt("Never compile model graphs; run eagerly (pagedserve always does: its native "
+                                "CPU kernels are a library built once, not graph compilation).", default=False)
     reference_kernels: bool = _opt("Use the plain reference kernels (F.linear) instead of the fast ones "
                                    "(debugging, correctness checks).", default=False)
     seed: int = _opt("Seed for unseeded random sampling.", default=0)

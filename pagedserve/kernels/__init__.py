@@ -40,6 +40,7 @@ _SIGNATURES = {
     "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), _INT),
     "ps_rms_norm": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
+    "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
 }
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
@@ -107,9 +108,11 @@ class CpuKernels:
         ([N/4, K/32, 4, 32], zero rows padding N), so each block streams as one sequential run.
         K must be a multiple of 32."""
         n, k = weight.shape
-        padded = torch.zeros(-(-n // 4) * 4, k, dtype=weight.dtype)
-        padded[:n] = weight
-        return padded.view(-1, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
+        padded = weight
+        if n % 4:
+            padded = torch.zeros(-(-n // 4) * 4, k, dtype=weight.dtype)
+            padded[:n] = weight
+        return padded.reshape(-1, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
 
     @staticmethod
     def unpack_rows(packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -127,9 +130,11 @@ class CpuKernels:
         ([N/4, K/32, 4, 32], zero rows padding N), so each block streams as one sequential run.
         K must be a multiple of 32."""
         n, k = weight.shape
-        padded = torch.zeros(-(-n // 4) * 4, k, dtype=weight.dtype)
-        padded[:n] = weight
-        return padded.view(-1, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
+        padded = weight
+        if n % 4:
+            padded = torch.zeros(-(-n // 4) * 4, k, dtype=weight.dtype)
+            padded[:n] = weight
+        return padded.reshape(-1, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
 
     @staticmethod
     def unpack_rows(packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -141,9 +146,11 @@ class CpuKernels:
     def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
         """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/64, K/2, 64, 2] (zero rows pad N). K must be even."""
         n, k = weight.shape
-        padded = torch.zeros(-(-n // 64) * 64, k, dtype=weight.dtype)
-        padded[:n] = weight
-        return padded.view(-1, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        padded = weight
+        if n % 64:
+            padded = torch.zeros(-(-n // 64) * 64, k, dtype=weight.dtype)
+            padded[:n] = weight
+        return padded.reshape(-1, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     @staticmethod
     def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -195,6 +202,16 @@ class CpuKernels:
                              gate_up.dtype == torch.bfloat16, self._threads())
         return out
 
+    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> None:
+        """In place: rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] (contiguous) with cos/sin
+        [T, D], then write K and V of every token to the pool [S, Hkv, D] at slots [T] (int64)."""
+        t, h, d = qkv.shape
+        hkv = (h - num_heads) // 2
+        self.lib.ps_rope_kv_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                                  v_cache.data_ptr(), slots.contiguous().data_ptr(), t, num_heads, hkv, d,
+                                  qkv.dtype == torch.bfloat16, self._threads())
+
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D] (rows of D contiguous, heads adjacent); caches [S, Hkv, D]; slots [B, L] int64;
@@ -212,20 +229,33 @@ class CpuKernels:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_kernels() -> CpuKernels | None:
-    """The native kernels, or None (logged once) where they cannot run."""
+def load_status() -> tuple[CpuKernels | None, str]:
+    """(the native kernels or None, why not / what was loaded), decided once per process."""
+    kernels, why = _load()
+    if kernels is None:
+        log = logger.warning if why.startswith("could not") else logger.info
+        log("native CPU kernels not used (%s); using torch ops", why)
+    return kernels, why
+
+
+def _load() -> tuple[CpuKernels | None, str]:
     if not envs.cpu_kernels_enabled():
-        logger.info("native CPU kernels disabled by PAGEDSERVE_CPU_KERNELS")
-        return None
+        return None, "disabled by PAGEDSERVE_CPU_KERNELS=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
+        return None, f"written for x86-64 with AVX-512; this is {platform.machine()}"
     try:
-        path = build()
+        try:
+            path = build()
+        except OSError:  # a read-only cache directory: build for this process only
+            path = build(cache_root=Path(tempfile.gettempdir()) / "pagedserve")
         lib = ctypes.CDLL(str(path))
         if lib.ps_isa() != 512:
-            logger.info("native CPU kernels need AVX-512 (F and BW); using torch ops")
-            return None
-        return CpuKernels(lib, path)
+            return None, "this CPU lacks AVX-512 (F, BW and VNNI are needed)"
+        return CpuKernels(lib, path), f"loaded {path}"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU kernels unavailable, using torch ops: %s", exc)
-        return None
+        return None, f"could not build or load them: {exc}"
+
+
+def cpu_kernels() -> CpuKernels | None:
+    """The native kernels, or None where they cannot run; callers then use torch ops."""
+    return load_status()[0]

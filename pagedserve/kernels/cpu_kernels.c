@@ -294,6 +294,37 @@ void ps_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int bf16,
   }
 }
 
+/* ---- rotary embedding + KV write ------------------------------------------------------------------- */
+
+/* qkv [T, Hq + 2 Hkv, D] (a fresh projection output): rotate the Hq query and Hkv key heads in place,
+ * then copy each token's (rotated) K and its V into the pool at slots[t]. cos/sin [T, D] in the
+ * activation dtype. Rounding as transformers: round(round(x * cos) + round(rotate_half(x) * sin)).
+ * D % 32 == 0. */
+void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache, void *v_cache,
+                      const int64_t *slots, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int bf16, int nthreads) {
+  const int64_t H = Hq + 2 * Hkv, half = D / 2, rotated = Hq + Hkv;
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 4)
+  for (int64_t t = 0; t < T; ++t) {
+    const void *c = at(cos, t * D, bf16), *sn = at(sin, t * D, bf16);
+    for (int64_t h = 0; h < rotated; ++h) {
+      void *x = (void *)at(qkv, (t * H + h) * D, bf16);
+      for (int64_t i = 0; i < half; i += 16) {
+        const __m512 x1 = load16(at(x, i, bf16), bf16), x2 = load16(at(x, half + i, bf16), bf16);
+        const __m512 c1 = load16(at(c, i, bf16), bf16), c2 = load16(at(c, half + i, bf16), bf16);
+        const __m512 s1 = load16(at(sn, i, bf16), bf16), s2 = load16(at(sn, half + i, bf16), bf16);
+        const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+        const __m512 o1 = _mm512_add_ps(round_dtype(_mm512_mul_ps(x1, c1), bf16), round_dtype(_mm512_mul_ps(neg_x2, s1), bf16));
+        const __m512 o2 = _mm512_add_ps(round_dtype(_mm512_mul_ps(x2, c2), bf16), round_dtype(_mm512_mul_ps(x1, s2), bf16));
+        store16((void *)at(x, i, bf16), o1, bf16);
+        store16((void *)at(x, half + i, bf16), o2, bf16);
+      }
+    }
+    const size_t row = (size_t)(Hkv * D) * (bf16 ? 2 : 4);
+    memcpy((void *)at(k_cache, slots[t] * Hkv * D, bf16), at(qkv, (t * H + Hq) * D, bf16), row);
+    memcpy((void *)at(v_cache, slots[t] * Hkv * D, bf16), at(qkv, (t * H + Hq + Hkv) * D, bf16), row);
+  }
+}
+
 /* ---- paged attention for decode tokens -------------------------------------------------------------- */
 
 /* One query token per sequence attends over its context in the paged KV pool.

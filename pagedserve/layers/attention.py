@@ -78,10 +78,13 @@ class LayerKVCache:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                    meta: AttentionMetadata, scale: float, kernels: CpuKernels | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, kernels: CpuKernels | None = None,
+                    kv_written: bool = False) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens -> [T, Hq, D]. With `kernels`, decode
-    tokens read their context straight from the pool (no gathered copy of it)."""
-    cache.write(k, v, meta.slot_mapping)
+    tokens read their context straight from the pool (no gathered copy of it). `kv_written`: the caller
+    has already stored k/v at meta.slot_mapping."""
+    if not kv_written:
+        cache.write(k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
     if nd:

@@ -61,6 +61,8 @@ class Attention(nn.Module):
 
     def prepare(self, kind: str, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
+        # rotary + KV write in one native call (its vectors cover half a head: 16 lanes)
+        self.fused_rope = kernels is not None and not self.qk_norm and self.head_dim % 32 == 0
         self.qkv_proj = make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj), kind)
         self.o_proj = make_linear(self.o_proj.weight, self.o_proj.bias, kind)
         del self.q_proj, self.k_proj, self.v_proj
@@ -71,6 +73,12 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.fused_rope and not kv_cache.is_quantized and qkv.is_contiguous():
+            # One native call rotates q and k in place and writes K/V to the pool.
+            self.kernels.rope_kv_write(qkv, *rope, kv_cache.k, kv_cache.v, meta.slot_mapping, self.num_heads)
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written=True)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         if self.qk_norm:
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)

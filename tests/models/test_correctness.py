@@ -170,3 +170,25 @@ def test_requests_added_mid_generation(llama_reference):
         steps += 1
     assert [finished[i] for i in range(len(prompts))] == expected
     assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.pool.num_blocks - 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_dim_32_takes_the_fused_rotary_path_and_matches_transformers(tiny_model_dir, dtype):
+    """The tiny models above have head_dim 16; with 32 the native rotary + KV-write kernel runs (where
+    the CPU has the native kernels), and must still agree with transformers."""
+    from pagedserve.kernels import cpu_kernels
+
+    model_dir = tiny_model_dir("llama", dtype, hidden_size=128, intermediate_size=256)  # 4 heads of 32
+    llm, _ = generate(model_dir, dtype, [[1]], max_model_len=256)
+    attention = llm.engine.runner.model.model.layers[0].self_attn
+    assert attention.head_dim == 32 and attention.fused_rope == (cpu_kernels() is not None)
+    prompts = make_prompts(llm.get_tokenizer())
+    _, outputs = generate(model_dir, dtype, prompts, max_model_len=256)
+    hf_model, hf_tokens = hf_reference(model_dir, dtype, prompts)
+    for prompt, output, expected in zip(prompts, outputs, hf_tokens):
+        reference = hf_logprobs(hf_model, prompt, output.outputs[0].token_ids)
+        assert_logprobs_close(output.outputs[0].logprobs, reference, TOLERANCE[dtype])
+        if dtype == "float32":
+            assert output.outputs[0].token_ids == expected
+        else:
+            assert_greedy_close(output.outputs[0].token_ids, expected, reference, TOLERANCE[dtype])

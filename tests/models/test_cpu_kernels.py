@@ -192,3 +192,26 @@ def test_packed_linear_layer_uses_the_native_kernel_in_bf16(kernels):
     x = torch.randn(2, 3, 64).bfloat16()  # leading dims are kept
     _close(layer(x), torch.nn.functional.linear(x, weight), torch.bfloat16, "PackedLinear")
     assert PackedLinear(weight.float(), None).native is None  # float32 stays on oneDNN
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_rope_kv_write_matches_rotary_then_index_copy(kernels, dtype, tokens):
+    from pagedserve.layers.rotary import apply_rotary
+
+    torch.manual_seed(tokens)
+    hq, hkv, d = 6, 2, 64
+    qkv = torch.randn(tokens, hq + 2 * hkv, d).to(dtype)
+    angles = torch.rand(tokens, d) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(40)[:tokens]
+    k_cache, v_cache = torch.zeros(40, hkv, d, dtype=dtype), torch.zeros(40, hkv, d, dtype=dtype)
+    expected_qk = apply_rotary(qkv[:, :hq + hkv], cos.unsqueeze(1), sin.unsqueeze(1))  # the torch path
+    expected_v = qkv[:, hq + hkv:].clone()
+    kernels.rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, hq)
+    _close(qkv[:, :hq + hkv], expected_qk, dtype, "rotated q/k")
+    assert torch.equal(k_cache[slots], qkv[:, hq:hq + hkv])  # the rotated K, as stored in place
+    assert torch.equal(v_cache[slots], expected_v)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()

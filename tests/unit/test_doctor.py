@@ -180,3 +180,17 @@ def test_doctor_modules_do_not_import_torch() -> None:
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_native_kernels_check_names_the_fix_when_the_cpu_could_run_them(monkeypatch):
+    import platform
+
+    import pagedserve.kernels as kernels
+    from pagedserve.cli.doctor import FAIL, WARN, check_native_kernels
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kernels, "load_status", lambda: (None, "could not build or load them: no C compiler"))
+    result = check_native_kernels({"avx512f", "avx512bw", "avx512_vnni"})
+    assert result.status == WARN and "no C compiler" in result.detail and "gcc" in result.fix
+    quiet = check_native_kernels({"avx2"})  # a CPU that cannot run them: nothing to fix
+    assert quiet.status != FAIL and quiet.fix == "" and "torch ops" in quiet.detail
