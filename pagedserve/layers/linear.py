@@ -10,6 +10,7 @@ Where an op is missing or fails its self-check, plain F.linear is used (see benc
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,30 @@ class PlainLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+@dataclass
+class QuantizedWeight:
+    """A weight already in int8 (one float32 scale per output row) and the model dtype it stands in for.
+    GGUF block-quantized tensors arrive like this under `--quantization int8` (models/gguf_loader.py), so
+    they never pass through a bf16 copy."""
+
+    qweight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] float32
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+
+def weight_of(linear: nn.Linear) -> torch.Tensor | QuantizedWeight:
+    """The loaded weight of `linear`: a tensor, or the QuantizedWeight the loader attached to it."""
+    return getattr(linear, "quantized_weight", None) or linear.weight
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8 with one scale per output channel (symmetric): W ~= q * scale[:, None].
 
@@ -75,14 +100,17 @@ class Int8Linear(nn.Module):
 
     KERNEL_MAX_ROWS = 32
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        qweight, scales = quantize_int8_per_channel(weight)
-        scales = scales.to(weight.dtype)  # the effective scales are the model-dtype ones on every path
+        if isinstance(weight, QuantizedWeight):
+            qweight, scales, dtype = weight.qweight, weight.scales, weight.dtype
+        else:
+            (qweight, scales), dtype = quantize_int8_per_channel(weight), weight.dtype
+        scales = scales.to(dtype)  # the effective scales are the model-dtype ones on every path
         kernels = cpu_kernels() if weight.device.type == "cpu" and self.in_features % 32 == 0 else None
-        self.kernels = kernels if kernels is not None and kernels.supports(weight) else None
+        self.kernels = kernels if kernels is not None and kernels.supports(scales) else None
         if self.kernels is not None:
             self.register_buffer("qweight_packed", self.kernels.pack_rows(qweight))
             self.register_buffer("scales32", scales.float())
@@ -100,20 +128,28 @@ class Int8Linear(nn.Module):
         y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return y if self.bias is None else y + self.bias
 
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 [out, in], scales [out] in the model dtype), whatever the layout they are kept in."""
+        if self.kernels is not None:
+            return self.kernels.unpack_rows(self.qweight_packed, self.out_features), self.scales
+        return self.qweight, self.scales
+
     def dequantized(self) -> torch.Tensor:
         """The weight the int8 values stand for, [out, in] in the model dtype."""
-        if self.kernels is not None:
-            qweight = self.kernels.unpack_rows(self.qweight_packed, self.out_features)
-        else:
-            qweight = self.qweight
-        return qweight.to(self.scales.dtype) * self.scales[:, None]
+        qweight, scales = self.int8_weight()
+        return qweight.to(scales.dtype) * scales[:, None]
 
 
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight, float32 scales): round-to-nearest with scale = max|row| / 127."""
-    w32 = weight.float()
-    scales = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    qweight = torch.round(w32 / scales[:, None]).clamp(-127, 127).to(torch.int8)
+def quantize_int8_per_channel(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 scales): round-to-nearest with scale = max|row| / 127; a float32 copy of at
+    most `rows_per_chunk` rows at a time."""
+    qweight = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], rows_per_chunk):
+        w32 = weight[start:start + rows_per_chunk].float()
+        chunk_scales = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        qweight[start:start + rows_per_chunk] = torch.round(w32 / chunk_scales[:, None]).clamp(-127, 127)
+        scales[start:start + rows_per_chunk] = chunk_scales
     return qweight, scales
 
 
@@ -147,17 +183,33 @@ def choose_linear_kind(device: str, dtype: torch.dtype, quantization: str | None
     return "packed" if packing_supported(device, dtype) else "plain"
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> nn.Module:
-    weight, bias = weight.detach(), None if bias is None else bias.detach()
-    return LINEAR_KINDS[kind](weight, bias)
+def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, kind: str) -> nn.Module:
+    bias = None if bias is None else bias.detach()
+    if isinstance(weight, QuantizedWeight):
+        if kind != "int8":
+            raise ValueError(f"an int8 weight cannot back a {kind!r} linear")
+        return Int8Linear(weight, bias)
+    return LINEAR_KINDS[kind](weight.detach(), bias)
 
 
-def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stack several linears that read the same input into one weight (and bias)."""
-    weight = torch.cat([l.weight for l in linears], dim=0)
+def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor | QuantizedWeight, torch.Tensor | None]:
+    """Stack several linears that read the same input into one weight (and bias). Per-row int8 weights
+    stack exactly: their rows and scales are concatenated."""
+    weights = [weight_of(l) for l in linears]
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        weight: torch.Tensor | QuantizedWeight = QuantizedWeight(
+            torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]), weights[0].dtype)
+        dtype = weights[0].dtype
+    else:
+        weight = torch.cat([w if isinstance(w, torch.Tensor) else _dequantized(w) for w in weights], dim=0)
+        dtype = weight.dtype
     biases = [l.bias for l in linears]
     if all(b is None for b in biases):
         return weight, None
-    filled = [b if b is not None else torch.zeros(l.out_features, dtype=weight.dtype, device=weight.device)
+    filled = [b if b is not None else torch.zeros(l.out_features, dtype=dtype, device=weight.device)
               for b, l in zip(biases, linears)]
     return weight, torch.cat(filled)
+
+
+def _dequantized(weight: QuantizedWeight) -> torch.Tensor:
+    return (weight.qweight.float() * weight.scales[:, None]).to(weight.dtype)

@@ -27,6 +27,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from pagedserve.layers.linear import QuantizedWeight, quantize_int8_per_channel
 from pagedserve.models.validate import (
     GGUFHeader,
     GGUFTensorInfo,
@@ -315,11 +316,21 @@ class GGUFCheckpoint:
             data = _unpermute_rows(stored, num_heads) if num_heads else stored
             yield RawTensor(spec.name, spec.qtype, np.array(data, copy=True), spec.shape)
 
-    def iter_tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight dequantized to `dtype`, under its Hugging Face name and shape."""
+    def iter_tensors(self, dtype: torch.dtype = torch.float32, int8_matmuls: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Every weight dequantized to `dtype`, under its Hugging Face name and shape. With `int8_matmuls`,
+        block-quantized matmul weights (`*_proj.weight`, `lm_head.weight`) come instead as per-row int8
+        (QuantizedWeight), requantized from their float32 values a few rows at a time: no `dtype` copy."""
         for spec in self._specs:
-            tensor = _dequantize_to_torch(self._stored(spec), spec.qtype, dtype).reshape(spec.shape)
             num_heads = self._permute_heads(spec)
+            if int8_matmuls and spec.qtype in _TORCH_DEQUANTIZERS and _is_matmul_weight(spec.name):
+                weight = _requantize_int8(self._stored(spec), spec.qtype, dtype)
+                if num_heads:
+                    weight = QuantizedWeight(_unpermute_rows(weight.qweight, num_heads).contiguous(),
+                                             _unpermute_rows(weight.scales, num_heads).contiguous(), dtype)
+                yield spec.name, weight
+                continue
+            tensor = _dequantize_to_torch(self._stored(spec), spec.qtype, dtype).reshape(spec.shape)
             if num_heads:
                 tensor = _unpermute_rows(tensor, num_heads).contiguous()
             yield spec.name, tensor
@@ -337,6 +348,22 @@ class GGUFCheckpoint:
     def build_tokenizer(self) -> PreTrainedTokenizerFast:
         """A transformers PreTrainedTokenizerFast equivalent to the model's original tokenizer."""
         return build_tokenizer_from_metadata(self.metadata, source=str(self.path))
+
+
+def _is_matmul_weight(hf_name: str) -> bool:
+    return hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
+
+
+_REQUANTIZE_ROWS = 1024
+
+
+def _requantize_int8(stored: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype) -> QuantizedWeight:
+    """Blocks [rows, bytes_per_row] -> per-row int8: each chunk of rows is dequantized to float32 (exactly
+    as gguf.quants does) and quantized at once with scale max|row| / 127."""
+    parts = [quantize_int8_per_channel(_dequantize_blocks_torch(stored[start:start + _REQUANTIZE_ROWS], qtype,
+                                                                torch.float32))
+             for start in range(0, stored.shape[0], _REQUANTIZE_ROWS)]
+    return QuantizedWeight(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), dtype)
 
 
 def _dequantize_to_torch(stored: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype) -> torch.Tensor:

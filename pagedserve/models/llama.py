@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedserve.kernels import CpuKernels, cpu_kernels
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_attention
-from pagedserve.layers.linear import fuse_rows, make_linear
+from pagedserve.layers.linear import fuse_rows, make_linear, weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -64,7 +64,7 @@ class Attention(nn.Module):
         # rotary + KV write in one native call (its vectors cover half a head: 16 lanes)
         self.fused_rope = kernels is not None and not self.qk_norm and self.head_dim % 32 == 0
         self.qkv_proj = make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj), kind)
-        self.o_proj = make_linear(self.o_proj.weight, self.o_proj.bias, kind)
+        self.o_proj = make_linear(weight_of(self.o_proj), self.o_proj.bias, kind)
         del self.q_proj, self.k_proj, self.v_proj
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -103,7 +103,7 @@ class MLP(nn.Module):
         self.kernels = kernels
         self.intermediate_size = self.gate_proj.out_features
         self.gate_up_proj = make_linear(*fuse_rows(self.gate_proj, self.up_proj), kind)
-        self.down_proj = make_linear(self.down_proj.weight, None, kind)
+        self.down_proj = make_linear(weight_of(self.down_proj), None, kind)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         """Fuse and pack for inference; call once after loading, before any forward."""
         self.prepare_decoder(kind)
         # Tied models keep the plain embedding for lookups and a packed copy for the logits.
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else weight_of(self.lm_head)
         self.logits_proj = make_linear(weight, None, kind)
         if not self.tie_word_embeddings:
             del self.lm_head

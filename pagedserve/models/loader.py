@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.layers.linear import choose_linear_kind
+from pagedserve.layers.linear import QuantizedWeight, choose_linear_kind
 from pagedserve.models.registry import model_class
 from pagedserve.models.safetensors_mmap import iter_safetensors, safetensors_files
 
@@ -33,13 +33,15 @@ def load_hf_config(model_path: str) -> Any:
     return AutoConfig.from_pretrained(model_path)
 
 
-def iter_checkpoint(model_path: str, dtype: torch.dtype) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-    """(number of tensors, iterator of (checkpoint name, tensor)) for a directory or a GGUF file."""
+def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False
+                    ) -> tuple[int, Iterator[tuple[str, torch.Tensor | QuantizedWeight]]]:
+    """(number of tensors, iterator of (checkpoint name, tensor)) for a directory or a GGUF file. With
+    `int8`, a GGUF's block-quantized matmul weights come as QuantizedWeight (no bf16 copy on the way)."""
     if model_path.endswith(".gguf"):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(model_path)
-        return checkpoint.num_tensors, checkpoint.iter_tensors(dtype)
+        return checkpoint.num_tensors, checkpoint.iter_tensors(dtype, int8_matmuls=int8)
     files = safetensors_files(Path(model_path))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path}")
@@ -62,7 +64,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         model = cls(hf_config, max_position)
     params = dict(model.named_parameters())
     missing = set(params)
-    num_tensors, tensors = iter_checkpoint(model_path, dtype)
+    num_tensors, tensors = iter_checkpoint(model_path, dtype, int8=quantization == "int8")
     for index, (name, tensor) in enumerate(tensors):
         target = model.checkpoint_name_to_param(name)
         if target is None:
@@ -73,7 +75,12 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         if tuple(tensor.shape) != tuple(expected):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"the model expects {tuple(expected)}: config.json does not match the weights")
-        _set_parameter(model, target, tensor.to(device=device, dtype=dtype))
+        if isinstance(tensor, QuantizedWeight):  # kept aside for prepare(): the parameter stays unbound
+            module_name, _, _ = target.rpartition(".")
+            model.get_submodule(module_name).quantized_weight = QuantizedWeight(
+                tensor.qweight.to(device), tensor.scales.to(device), dtype)
+        else:
+            _set_parameter(model, target, tensor.to(device=device, dtype=dtype))
         missing.discard(target)
         if progress and num_tensors:
             progress((index + 1) / num_tensors)

@@ -262,3 +262,42 @@ def test_tiny_tokenizer_keeps_special_tokens_whole(models: dict, tmp_path: Path)
 
 def test_every_known_pre_tokenizer_has_a_split_rule() -> None:
     assert set(_PRE_TOKENIZER_FAMILY) == set(SUPPORTED_GGUF_TOKENIZER_PRE)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama: q/k rows are un-permuted after quantization
+def test_int8_serving_requantizes_gguf_blocks_without_a_bf16_copy(arch: str, tmp_path: Path) -> None:
+    """`--quantization int8` on a Q8_0 GGUF: every matmul weight is quantized per row from the float32
+    values of its blocks (the int8 weights equal quantize(float32 dequantized) exactly), not from a bf16
+    copy (which rounds first and lands on other int8 values), and the model generates."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.layers.linear import Int8Linear, quantize_int8_per_channel
+
+    model = tiny_model(arch, tie_word_embeddings=False)
+    path = write_test_gguf(model, tmp_path / "q8.gguf", QType.Q8_0)
+    with GGUFCheckpoint(path) as checkpoint:
+        exact = dict(checkpoint.iter_tensors(torch.float32))
+    llm = LLM(str(path), dtype="bfloat16", quantization="int8", max_model_len=64)
+    decoder = llm.engine.runner.model
+    layer = decoder.model.layers[0]
+
+    def expected(*names: str, from_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        qweight, scales = quantize_int8_per_channel(torch.cat([exact[n].to(from_dtype) for n in names]))
+        return qweight, scales.to(torch.bfloat16)  # the layer keeps its scales in the model dtype
+
+    def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    prefix = "model.layers.0."
+    qkv = [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
+    checks = [(layer.self_attn.qkv_proj, qkv), (layer.self_attn.o_proj, [f"{prefix}self_attn.o_proj.weight"]),
+              (layer.mlp.gate_up_proj, [f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"]),
+              (layer.mlp.down_proj, [f"{prefix}mlp.down_proj.weight"]), (decoder.logits_proj, ["lm_head.weight"])]
+    detour_differs = False
+    for linear, names in checks:
+        assert isinstance(linear, Int8Linear), names
+        got = linear.int8_weight()
+        assert same(got, expected(*names)), names
+        detour_differs |= not same(got, expected(*names, from_dtype=torch.bfloat16))
+    assert detour_differs  # the check above can tell the two routes apart
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 8
