@@ -38,6 +38,7 @@ _SIGNATURES = {
     "ps_isa": ((), _INT),
     "ps_linear_i8": ((_P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
     "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), _INT),
+    "ps_pack_bf16": ((_P, _P, _I64, _I64, _INT), None),
     "ps_rms_norm": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
     "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT), None),
@@ -142,15 +143,13 @@ class CpuKernels:
         blocks, chunks = packed.shape[:2]
         return packed.permute(0, 2, 1, 3).reshape(blocks * 4, chunks * 32)[:out_features]
 
-    @staticmethod
-    def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
         """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/64, K/2, 64, 2] (zero rows pad N). K must be even."""
         n, k = weight.shape
-        padded = weight
-        if n % 64:
-            padded = torch.zeros(-(-n // 64) * 64, k, dtype=weight.dtype)
-            padded[:n] = weight
-        return padded.reshape(-1, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        weight = weight.contiguous()
+        packed = torch.empty(-(-n // 64), k // 2, 64, 2, dtype=weight.dtype)
+        self.lib.ps_pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k, self._threads())
+        return packed
 
     @staticmethod
     def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
