@@ -42,13 +42,20 @@ class PackedLinear(nn.Module):
         else:
             self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
         self.register_buffer("bias", bias)
+        self._packed, self._bias = self.packed_weight, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The hot path reads plain attributes (`_packed`, `_bias`): nn.Module's lookup of buffers costs ~1 us.
         if self.native is not None:
             rows = x.reshape(-1, self.in_features).contiguous()
-            y = self.native.linear_bf16(rows, self.packed_weight, self.bias, self.out_features)
+            y = self.native.linear_bf16(rows, self._packed, self._bias, self.out_features)
             return y.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
+
+    def _apply(self, fn, recurse=True):  # keep the plain aliases pointing at the (moved) buffers
+        result = super()._apply(fn, recurse)
+        self._packed, self._bias = self.packed_weight, self.bias
+        return result
 
 
 class PlainLinear(nn.Module):
@@ -118,11 +125,23 @@ class Int8Linear(nn.Module):
             self.register_buffer("qweight", qweight)  # [out, in] int8
         self.register_buffer("scales", scales)  # [out]
         self.register_buffer("bias", bias)
+        self._alias_buffers()
+
+    def _alias_buffers(self) -> None:
+        """Plain attributes for the hot path (nn.Module's buffer lookup costs ~1 us per access)."""
+        self._packed = getattr(self, "qweight_packed", None)
+        self._scales32 = getattr(self, "scales32", None)
+        self._bias = self.bias
+
+    def _apply(self, fn, recurse=True):  # keep the aliases pointing at the (moved) buffers
+        result = super()._apply(fn, recurse)
+        self._alias_buffers()
+        return result
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             if x.shape[0] <= self.KERNEL_MAX_ROWS:
-                return self.kernels.linear_i8(x.contiguous(), self.qweight_packed, self.scales32, self.bias,
+                return self.kernels.linear_i8(x.contiguous(), self._packed, self._scales32, self._bias,
                                               self.out_features)
             return F.linear(x, self.dequantized(), self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)

@@ -72,13 +72,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: LayerKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj.forward(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.fused_rope and not kv_cache.is_quantized and qkv.is_contiguous():
             # One native call rotates q and k in place and writes K/V to the pool.
             self.kernels.rope_kv_write(qkv, *rope, kv_cache.k, kv_cache.v, meta.slot_mapping, self.num_heads)
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written=True)
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
+            return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
         if self.qk_norm:
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
@@ -87,7 +87,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *rope)  # q and k heads rotated together: [T, Hq + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -107,11 +107,11 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate_up = self.gate_up_proj.forward(x)  # [T, 2I]
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(gate_up))
+            return self.down_proj.forward(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -127,8 +127,9 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it); the next norm adds the two, so each
         residual add happens inside a norm (one fused kernel where the native kernels run)."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rope, kv_cache, meta), residual)
-        return self.mlp(h), residual
+        h = self.self_attn.forward(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp.forward(h), residual
 
 
 class DecoderModel(nn.Module):
