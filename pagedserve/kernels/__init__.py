@@ -121,28 +121,6 @@ class CpuKernels:
         blocks, chunks = packed.shape[:2]
         return packed.permute(0, 2, 1, 3).reshape(blocks * 4, chunks * 32)[:out_features]
 
-    @staticmethod
-    def _threads() -> int:
-        return torch.get_num_threads()
-
-    @staticmethod
-    def pack_rows(weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] -> the linear kernels' layout: blocks of 4 rows, column chunks of 32 interleaved
-        ([N/4, K/32, 4, 32], zero rows padding N), so each block streams as one sequential run.
-        K must be a multiple of 32."""
-        n, k = weight.shape
-        padded = weight
-        if n % 4:
-            padded = torch.zeros(-(-n // 4) * 4, k, dtype=weight.dtype)
-            padded[:n] = weight
-        return padded.reshape(-1, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
-
-    @staticmethod
-    def unpack_rows(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        """The inverse of `pack_rows`: [N, K]."""
-        blocks, chunks = packed.shape[:2]
-        return packed.permute(0, 2, 1, 3).reshape(blocks * 4, chunks * 32)[:out_features]
-
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
         """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/64, K/2, 64, 2] (zero rows pad N). K must be even."""
         n, k = weight.shape
