@@ -36,7 +36,7 @@ _INT = ctypes.c_int
 _F32 = ctypes.c_float
 _SIGNATURES = {
     "ps_isa": ((), _INT),
-    "ps_linear_i8": ((_P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
+    "ps_linear_i8": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
     "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), _INT),
     "ps_pack_bf16": ((_P, _P, _I64, _I64, _INT), None),
     "ps_rms_norm": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
@@ -105,21 +105,26 @@ class CpuKernels:
 
     @staticmethod
     def pack_rows(weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] -> the linear kernels' layout: blocks of 4 rows, column chunks of 32 interleaved
-        ([N/4, K/32, 4, 32], zero rows padding N), so each block streams as one sequential run.
-        K must be a multiple of 32."""
+        """int8 [N, K] -> `ps_linear_i8`'s layout: blocks of 4 rows, column chunks of 64 interleaved
+        ([N/4, K/64, 4, 64], zero rows padding N), so each block streams as one sequential run.
+        K must be a multiple of 64."""
         n, k = weight.shape
         padded = weight
         if n % 4:
             padded = torch.zeros(-(-n // 4) * 4, k, dtype=weight.dtype)
             padded[:n] = weight
-        return padded.reshape(-1, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
+        return padded.reshape(-1, 4, k // 64, 64).permute(0, 2, 1, 3).contiguous()
 
     @staticmethod
     def unpack_rows(packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """The inverse of `pack_rows`: [N, K]."""
         blocks, chunks = packed.shape[:2]
-        return packed.permute(0, 2, 1, 3).reshape(blocks * 4, chunks * 32)[:out_features]
+        return packed.permute(0, 2, 1, 3).reshape(blocks * 4, chunks * 64)[:out_features]
+
+    @staticmethod
+    def row_sums(qweight: torch.Tensor) -> torch.Tensor:
+        """int32 [N]: each row's sum of int8 values (the kernel's correction for its unsigned bytes)."""
+        return qweight.sum(dim=1, dtype=torch.int32)
 
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
         """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/64, K/2, 64, 2] (zero rows pad N). K must be even."""
@@ -149,13 +154,13 @@ class CpuKernels:
                                 y.data_ptr(), m, out_features, k, self._threads())
         return y
 
-    def linear_i8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+    def linear_i8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor,
                   bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         """x [M, K] (contiguous, model dtype) @ (W [N, K] int8, packed by `pack_rows`, * scales [N] float32)^T
         (+ bias [N]). x is widened to int16 per row (see cpu_kernels.c)."""
         m, k = x.shape
         y = torch.empty(m, out_features, dtype=x.dtype)
-        self.lib.ps_linear_i8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+        self.lib.ps_linear_i8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), row_sums.data_ptr(),
                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, out_features, k,
                               x.dtype == torch.bfloat16, self._threads())
         return y

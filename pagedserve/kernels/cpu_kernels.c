@@ -96,45 +96,54 @@ static inline __m512 exp16(__m512 x) {
 /* Weight-only int8 matmul. Activations are widened exactly enough for the products to stay exact in
  * integers: each row of x becomes int16 with its own scale (max|x| / 32767), i.e. 15 bits where bf16
  * keeps 8, so the added error is below x's own bf16 rounding for every element within 2^7 of the row's
- * largest. Then one VNNI instruction (vpdpwssd) multiplies 32 weights by 32 activations and adds pairs
- * into int32 lanes: about a quarter of the instructions of a float32 dequantize-and-FMA loop, which
- * at batch 1 was compute-bound on 2 cores. int32 lanes are flushed to float32 every 4096 columns
- * (4096 / 32 * 2 * 127 * 32767 < 2^31), so any K is safe. */
-#define I8_SEGMENT 4096
+ * largest. The int16 values are split into bytes, x = 256 * hi + lo (lo in 0..255, hi in -128..127), and
+ * each byte plane meets the int8 weights in vpdpbusd (unsigned x signed bytes, 64 weights per
+ * instruction, no widening of the weights): dot(x, w) = 256 * (dot(hi + 128, w) - 128 * sum(w)) + dot(lo, w),
+ * with sum(w) per row computed at load. Two instructions per 64 weights and row of x: at batch 1 this
+ * is what keeps the kernel at memory speed on the 2-core Zen 5 (widening to int16 and vpdpwssd took four,
+ * and was compute-bound once the bandwidth rose). int32 lanes are flushed to float32 every 8192
+ * columns (8192 / 4 * 4 * 255 * 127 < 2^31). */
+#define I8_SEGMENT 8192
 
-static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const int16_t *const xr[4],
-                                                           int64_t K, const int C, __m512 acc[4][4]) {
-  for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+/* acc[r][c] = dot(x[c], w[r]) for 4 weight rows and C (1 or 2) rows of x; w is one block of the layout
+ * q_packed[n / 4][k / 64][n % 4][k % 64]; xhi/xlo are the byte planes of x (hi already + 128). */
+static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const uint8_t *const xhi[2],
+                                                           const uint8_t *const xlo[2], const int32_t *wsum,
+                                                           int64_t K, const int C, float acc[4][2]) {
+  int64_t total[4][2] = {{0}};  /* exact: the byte planes recombine in 64-bit integers */
   for (int64_t k0 = 0; k0 < K; k0 += I8_SEGMENT) {
     const int64_t k1 = K - k0 < I8_SEGMENT ? K : k0 + I8_SEGMENT;
-    __m512i iacc[4][4];
+    __m512i hi[4][2], lo[4][2];
     for (int r = 0; r < 4; ++r)
-      for (int c = 0; c < C; ++c) iacc[r][c] = _mm512_setzero_si512();
-    for (int64_t k = k0; k < k1; k += 32) {
+      for (int c = 0; c < C; ++c) hi[r][c] = lo[r][c] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 64) {
       __m512i wv[4];
-      for (int r = 0; r < 4; ++r)
-        wv[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k * 4 + r * 32)));
+      for (int r = 0; r < 4; ++r) wv[r] = _mm512_loadu_si512(w + k * 4 + r * 64);
       for (int c = 0; c < C; ++c) {
-        const __m512i xv = _mm512_loadu_si512(xr[c] + k);
-        for (int r = 0; r < 4; ++r) iacc[r][c] = _mm512_dpwssd_epi32(iacc[r][c], wv[r], xv);
+        const __m512i h = _mm512_loadu_si512(xhi[c] + k), l = _mm512_loadu_si512(xlo[c] + k);
+        for (int r = 0; r < 4; ++r) {
+          hi[r][c] = _mm512_dpbusd_epi32(hi[r][c], h, wv[r]);
+          lo[r][c] = _mm512_dpbusd_epi32(lo[r][c], l, wv[r]);
+        }
       }
     }
     for (int r = 0; r < 4; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_cvtepi32_ps(iacc[r][c]));
+      for (int c = 0; c < C; ++c)
+        total[r][c] += 256 * (int64_t)_mm512_reduce_add_epi32(hi[r][c]) + _mm512_reduce_add_epi32(lo[r][c]);
   }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = (float)(total[r][c] - 32768 * (int64_t)wsum[r]);  /* 256 * 128 * sum(w) */
 }
 
 /* y[m, n] = round(scale[n] * sum_k x[m, k] * q[n, k]) (+ bias[n], rounded again, as `F.linear` then
- * `+ bias` would in the model dtype). x, y, bias: activation dtype; scale float32 [N]. q is int8 in
- * blocks of 4 rows, each block stored column-chunk-major: q_packed[n / 4][k / 32][n % 4][k % 32]
- * (rows padded to a multiple of 4 with zeros), so a block streams from memory as one sequential run
- * (4 short rows read side by side left the prefetchers idle: 17 GB/s instead of ~30).
- * Made for small M (decode): each block is read once per 4 rows of x; M = 1 and 2 get their own
- * loops. K % 32 == 0. */
-void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const void *bias, void *y,
-                  int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
-  int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
+ * `+ bias` would in the model dtype). x, y, bias: activation dtype; scale float32 [N]; wsum int32 [N]
+ * (sum of each row's int8 values). q is int8 in blocks of 4 rows, each block stored column-chunk-major:
+ * q_packed[n / 4][k / 64][n % 4][k % 64] (rows padded to a multiple of 4 with zeros), so a block streams
+ * from memory as one sequential run (4 short rows read side by side left the prefetchers idle: 17 GB/s
+ * instead of ~30). Made for small M (decode). K % 64 == 0. */
+void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
+                  void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
+  uint8_t *xhi = (uint8_t *)malloc((size_t)(M * K)), *xlo = (uint8_t *)malloc((size_t)(M * K));
   float *xs = (float *)malloc(sizeof(float) * (size_t)M);
   for (int64_t m = 0; m < M; ++m) {
     __m512 mx = _mm512_setzero_ps();
@@ -143,25 +152,27 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const void
     xs[m] = amax > 0.0f ? amax / 32767.0f : 1.0f;
     const __m512 inv = _mm512_set1_ps(1.0f / xs[m]);
     for (int64_t k = 0; k < K; k += 16) {
-      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(at(x, m * K + k, bf16), bf16), inv));  /* nearest */
-      _mm256_storeu_si256((__m256i *)(xq + m * K + k), _mm512_cvtsepi32_epi16(v));
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(at(x, m * K + k, bf16), bf16), inv));  /* nearest */
+      const __m512i hi = _mm512_add_epi32(_mm512_srai_epi32(v, 8), _mm512_set1_epi32(128));
+      _mm_storeu_si128((__m128i *)(xhi + m * K + k), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128((__m128i *)(xlo + m * K + k), _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(0xFF))));
     }
   }
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t n = 0; n < N; n += 4) {
     const int64_t rows = N - n < 4 ? N - n : 4;
     const int8_t *w = q + n * K;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int64_t cols = M - m < 4 ? M - m : 4;
-      const int16_t *xr[4];
-      for (int c = 0; c < 4; ++c) xr[c] = xq + (m + (c < cols ? c : 0)) * K;
-      __m512 acc[4][4];
-      if (cols == 1) i8_block(w, xr, K, 1, acc);
-      else if (cols == 2) i8_block(w, xr, K, 2, acc);
-      else i8_block(w, xr, K, 4, acc);  /* 3 repeats a row of x: cheaper than another variant */
-      for (int c = 0; c < cols; ++c) {
+    int32_t sums[4] = {0, 0, 0, 0};
+    for (int r = 0; r < rows; ++r) sums[r] = wsum[n + r];
+    for (int64_t m = 0; m < M; m += 2) {
+      const int two = M - m > 1;
+      const uint8_t *hi[2] = {xhi + m * K, xhi + (m + two) * K}, *lo[2] = {xlo + m * K, xlo + (m + two) * K};
+      float acc[4][2];
+      if (two) i8_block(w, hi, lo, sums, K, 2, acc);
+      else i8_block(w, hi, lo, sums, K, 1, acc);
+      for (int c = 0; c <= two; ++c) {
         for (int r = 0; r < rows; ++r) {
-          float v = scalar_round(xs[m + c] * scale[n + r] * _mm512_reduce_add_ps(acc[r][c]), bf16);
+          float v = scalar_round(xs[m + c] * scale[n + r] * acc[r][c], bf16);
           if (bias) v = scalar_round(v + load1(bias, n + r, bf16), bf16);
           const int64_t i = (m + c) * N + n + r;
           if (bf16) {
@@ -175,7 +186,8 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const void
       }
     }
   }
-  free(xq);
+  free(xhi);
+  free(xlo);
   free(xs);
 }
 

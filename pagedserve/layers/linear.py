@@ -116,10 +116,11 @@ class Int8Linear(nn.Module):
         else:
             (qweight, scales), dtype = quantize_int8_per_channel(weight), weight.dtype
         scales = scales.to(dtype)  # the effective scales are the model-dtype ones on every path
-        kernels = cpu_kernels() if weight.device.type == "cpu" and self.in_features % 32 == 0 else None
+        kernels = cpu_kernels() if weight.device.type == "cpu" and self.in_features % 64 == 0 else None
         self.kernels = kernels if kernels is not None and kernels.supports(scales) else None
         if self.kernels is not None:
             self.register_buffer("qweight_packed", self.kernels.pack_rows(qweight))
+            self.register_buffer("row_sums", self.kernels.row_sums(qweight))
             self.register_buffer("scales32", scales.float())
         else:
             self.register_buffer("qweight", qweight)  # [out, in] int8
@@ -131,6 +132,7 @@ class Int8Linear(nn.Module):
         """Plain attributes for the hot path (nn.Module's buffer lookup costs ~1 us per access)."""
         self._packed = getattr(self, "qweight_packed", None)
         self._scales32 = getattr(self, "scales32", None)
+        self._row_sums = getattr(self, "row_sums", None)
         self._bias = self.bias
 
     def _apply(self, fn, recurse=True):  # keep the aliases pointing at the (moved) buffers
@@ -141,8 +143,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             if x.shape[0] <= self.KERNEL_MAX_ROWS:
-                return self.kernels.linear_i8(x.contiguous(), self._packed, self._scales32, self._bias,
-                                              self.out_features)
+                return self.kernels.linear_i8(x.contiguous(), self._packed, self._scales32, self._row_sums,
+                                              self._bias, self.out_features)
             return F.linear(x, self.dequantized(), self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return y if self.bias is None else y + self.bias

@@ -63,12 +63,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_i8_matches_dequantized_matmul(kernels, dtype, m, with_bias):
     torch.manual_seed(m)
-    n, k = 37, 4096 + 96  # N not a multiple of the 4-row block; K spans two int32 flush segments
+    n, k = 37, 8192 + 128  # N not a multiple of the 4-row block; K spans two int32 flush segments
     qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
     x = torch.randn(m, k).to(dtype)
     x[0, 0] = 40.0  # an outlier sets the row's int16 step
     bias = torch.randn(n).to(dtype) if with_bias else None
-    y = kernels.linear_i8(x, kernels.pack_rows(qweight), scales, bias, n)
+    y = kernels.linear_i8(x, kernels.pack_rows(qweight), scales, kernels.row_sums(qweight), bias, n)
     dequantized = qweight.float() * scales[:, None]
     exact = x.float() @ dequantized.t()
     # The kernel widens x to int16 with step max|x| / 32767: each product is off by at most half a step.
