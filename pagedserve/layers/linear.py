@@ -21,7 +21,21 @@ from pagedserve.kernels import cpu_kernels
 logger = logging.getLogger(__name__)
 
 
-class PackedLinear(nn.Module):
+class _HotPathModule(nn.Module):
+    """A module whose forward reads its buffers through plain attributes (nn.Module's buffer lookup costs
+    ~1 us per access on the per-step path); `_alias_buffers` sets them, and runs again whenever the
+    buffers are replaced (`.to()`, `.float()`, ...)."""
+
+    def _alias_buffers(self) -> None:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        self._alias_buffers()
+        return result
+
+
+class PackedLinear(_HotPathModule):
     """y = x @ W^T + b with W re-laid out once for a CPU kernel. x: [N, in] -> [N, out].
 
     bf16 on CPUs with AVX512-BF16: pagedserve's own kernel (pagedserve/kernels, `ps_linear_bf16`), which
@@ -42,20 +56,18 @@ class PackedLinear(nn.Module):
         else:
             self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
         self.register_buffer("bias", bias)
+        self._alias_buffers()
+
+    def _alias_buffers(self) -> None:
         self._packed, self._bias = self.packed_weight, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The hot path reads plain attributes (`_packed`, `_bias`): nn.Module's lookup of buffers costs ~1 us.
         if self.native is not None:
             rows = x.reshape(-1, self.in_features).contiguous()
             y = self.native.linear_bf16(rows, self._packed, self._bias, self.out_features)
             return y.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
 
-    def _apply(self, fn, recurse=True):  # keep the plain aliases pointing at the (moved) buffers
-        result = super()._apply(fn, recurse)
-        self._packed, self._bias = self.packed_weight, self.bias
-        return result
 
 
 class PlainLinear(nn.Module):
@@ -96,7 +108,7 @@ def weight_of(linear: nn.Linear) -> torch.Tensor | QuantizedWeight:
     return getattr(linear, "quantized_weight", None) or linear.weight
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_HotPathModule):
     """Weight-only int8 with one scale per output channel (symmetric): W ~= q * scale[:, None].
 
     Halves weight memory against bf16. On CPUs with AVX-512 VNNI the weights are kept in the native
@@ -129,16 +141,10 @@ class Int8Linear(nn.Module):
         self._alias_buffers()
 
     def _alias_buffers(self) -> None:
-        """Plain attributes for the hot path (nn.Module's buffer lookup costs ~1 us per access)."""
         self._packed = getattr(self, "qweight_packed", None)
         self._scales32 = getattr(self, "scales32", None)
         self._row_sums = getattr(self, "row_sums", None)
         self._bias = self.bias
-
-    def _apply(self, fn, recurse=True):  # keep the aliases pointing at the (moved) buffers
-        result = super()._apply(fn, recurse)
-        self._alias_buffers()
-        return result
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

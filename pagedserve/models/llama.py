@@ -73,20 +73,19 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj.forward(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        if self.fused_rope and not kv_cache.is_quantized and qkv.is_contiguous():
-            # One native call rotates q and k in place and writes K/V to the pool.
+        kv_written = self.fused_rope and not kv_cache.is_quantized and qkv.is_contiguous()
+        if kv_written:  # one native call rotates q and k in place and writes K/V to the pool
             self.kernels.rope_kv_write(qkv, *rope, kv_cache.k, kv_cache.v, meta.slot_mapping, self.num_heads)
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-            out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written=True)
-            return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
-        if self.qk_norm:
-            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         else:
-            qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        qk = apply_rotary(qk, *rope)  # q and k heads rotated together: [T, Hq + Hkv, D]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels)
+            if self.qk_norm:
+                q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+                qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            else:
+                qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+            qk = apply_rotary(qk, *rope)  # q and k heads rotated together: [T, Hq + Hkv, D]
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written=kv_written)
         return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
 
 
