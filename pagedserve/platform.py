@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 
@@ -58,6 +60,19 @@ def configure_threads(num_threads: int) -> None:
     """Set torch's intra-op thread count (CPU) once per process."""
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc `malloc_trim`; a no-op elsewhere). Loading frees
+    many large temporaries (fused and unpacked copies of weights) that glibc keeps mapped otherwise:
+    ~200 MB of resident memory for a 0.5B model whose packed weights live in their own mappings."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:

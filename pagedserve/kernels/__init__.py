@@ -16,6 +16,8 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
+import mmap
 import os
 import platform
 import shutil
@@ -36,6 +38,7 @@ _INT = ctypes.c_int
 _F32 = ctypes.c_float
 _SIGNATURES = {
     "ps_isa": ((), _INT),
+    "ps_advise_huge": ((_P, _I64), _I64),
     "ps_linear_i8": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
     "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), _INT),
     "ps_pack_bf16": ((_P, _P, _I64, _I64, _INT), None),
@@ -43,8 +46,12 @@ _SIGNATURES = {
     "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
     "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
+    "ps_layer_fields": ((), _INT),
+    "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                         _F32, _F32, _INT, _INT), None),
 }
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+HUGE_PAGE = 2 << 20
 
 
 def _cpu_fingerprint() -> str:
@@ -103,8 +110,22 @@ class CpuKernels:
     def _threads() -> int:
         return torch.get_num_threads()
 
-    @staticmethod
-    def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    def weight_buffer(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed tensor for a packed weight, in its own 2 MiB-aligned mapping advised for transparent
+        huge pages (ps_advise_huge): all but the last partial 2 MiB of it sits on huge pages once
+        written, where a recycled heap block may already be backed by 4 KiB pages. Freed with the tensor."""
+        numel = math.prod(shape)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes < HUGE_PAGE:
+            return torch.zeros(*shape, dtype=dtype)
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zeroed, untouched
+        view = memoryview(region)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        offset = -start % HUGE_PAGE
+        self.lib.ps_advise_huge(start + offset, nbytes)
+        return torch.frombuffer(view, dtype=dtype, count=numel, offset=offset).view(*shape)
+
+    def pack_rows(self, weight: torch.Tensor) -> torch.Tensor:
         """int8 [N, K] -> `ps_linear_i8`'s layout: blocks of 4 rows, column chunks of 64 interleaved
         ([N/4, K/64, 4, 64], zero rows padding N), so each block streams as one sequential run.
         K must be a multiple of 64."""
@@ -113,7 +134,8 @@ class CpuKernels:
         if n % 4:
             padded = torch.zeros(-(-n // 4) * 4, k, dtype=weight.dtype)
             padded[:n] = weight
-        return padded.reshape(-1, 4, k // 64, 64).permute(0, 2, 1, 3).contiguous()
+        out = self.weight_buffer(padded.shape[0] // 4, k // 64, 4, 64, dtype=weight.dtype)
+        return out.copy_(padded.reshape(-1, 4, k // 64, 64).permute(0, 2, 1, 3))
 
     @staticmethod
     def unpack_rows(packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -130,7 +152,7 @@ class CpuKernels:
         """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/64, K/2, 64, 2] (zero rows pad N). K must be even."""
         n, k = weight.shape
         weight = weight.contiguous()
-        packed = torch.empty(-(-n // 64), k // 2, 64, 2, dtype=weight.dtype)
+        packed = self.weight_buffer(-(-n // 64), k // 2, 64, 2, dtype=weight.dtype)
         self.lib.ps_pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k, self._threads())
         return packed
 
@@ -207,6 +229,27 @@ class CpuKernels:
         self.lib.ps_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                      slots.data_ptr(), lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
                                      slots.shape[1], scale, q.dtype == torch.bfloat16, self._threads())
+        return out
+
+    @property
+    def layer_fields(self) -> int:
+        """Entries per layer in `decode_stack`'s table (PS_LAYER_FIELDS in cpu_kernels.c)."""
+        return self.lib.ps_layer_fields()
+
+    def decode_stack(self, x: torch.Tensor, table: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, slots: torch.Tensor, ctx_slots: torch.Tensor, lens: torch.Tensor,
+                     num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                     scale: float) -> torch.Tensor:
+        """Every decoder layer of a decode-only step in one call: x [B, H] embeddings -> the final norm's
+        output [B, H]. `table` [layers, layer_fields] int64 holds each layer's pointers (see
+        cpu_kernels.c, ps_decode_stack); cos/sin [B, D]; slots [B]; ctx_slots [B, L]; lens [B] (int64)."""
+        b, h = x.shape
+        out = torch.empty_like(x)
+        self.lib.ps_decode_stack(x.data_ptr(), out.data_ptr(), table.data_ptr(), table.shape[0],
+                                 final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                 ctx_slots.data_ptr(), lens.data_ptr(), b, ctx_slots.shape[1], h, num_heads,
+                                 num_kv_heads, head_dim, intermediate, eps, scale, x.dtype == torch.bfloat16,
+                                 self._threads())
         return out
 
 

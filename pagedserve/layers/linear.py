@@ -61,6 +61,13 @@ class PackedLinear(_HotPathModule):
     def _alias_buffers(self) -> None:
         self._packed, self._bias = self.packed_weight, self.bias
 
+    def native_fields(self) -> list[int] | None:
+        """This linear's entry in the native decode stack's table (cpu_kernels.c, ps_decode_stack):
+        [kind 0 = bf16 packed, weight, bias or 0, 0, 0]; None where it does not run the native kernel."""
+        if self.native is None:
+            return None
+        return [0, self._packed.data_ptr(), 0 if self._bias is None else self._bias.data_ptr(), 0, 0]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
             rows = x.reshape(-1, self.in_features).contiguous()
@@ -145,6 +152,14 @@ class Int8Linear(_HotPathModule):
         self._scales32 = getattr(self, "scales32", None)
         self._row_sums = getattr(self, "row_sums", None)
         self._bias = self.bias
+
+    def native_fields(self) -> list[int] | None:
+        """As PackedLinear.native_fields: [1 = int8, weight, bias or 0, float32 scales, row sums]; the
+        stack runs it for up to KERNEL_MAX_ROWS rows."""
+        if self.kernels is None:
+            return None
+        bias = 0 if self._bias is None else self._bias.data_ptr()
+        return [1, self._packed.data_ptr(), bias, self._scales32.data_ptr(), self._row_sums.data_ptr()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

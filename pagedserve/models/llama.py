@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedserve.kernels import CpuKernels, cpu_kernels
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_attention
-from pagedserve.layers.linear import fuse_rows, make_linear, weight_of
+from pagedserve.layers.linear import Int8Linear, fuse_rows, make_linear, weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -139,15 +139,95 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, qk_norm)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.stack: NativeDecodeStack | None = None
+        self._stack_kernels: CpuKernels | None = None  # set: build the stack at the next forward
+
+    def prepare_stack(self, kernels: CpuKernels | None) -> None:
+        """Use the native decode stack for decode-only steps where every layer can run in it. Its table
+        holds data pointers, so it is built at the first forward, after the loader has settled every
+        parameter (it replaces the norms' checkpoint-mapped tensors after prepare())."""
+        self.stack, self._stack_kernels = None, kernels
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        if self.stack is not None:  # tensors moved: read their pointers again
+            self.prepare_stack(self.stack.kernels)
+        return result
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb.lookup(positions, x.dtype)  # once per step, shared by every layer
+        if self._stack_kernels is not None:
+            self.stack, self._stack_kernels = NativeDecodeStack.build(self, self._stack_kernels), None
+        if self.stack is not None and self.stack.runs(x, kv_caches, meta):
+            return self.stack.forward(x, rope, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer.forward(x, residual, rope, kv_cache, meta)  # .forward: skip nn.Module call overhead
         return self.norm.add_and_norm(x, residual)[0]
+
+
+class NativeDecodeStack:
+    """All decoder layers of a decode-only step in one native call (kernels.decode_stack): the per-layer
+    path's kernels in the same order, without ~10 Python calls and their tensors per layer (about 3 ms of
+    a 30 ms bf16 step on the 2-core Zen 5; see benchmarks/PROFILE.md). Used where every layer runs native
+    kernels with rotary fused into the KV write (no q/k norm) and the KV pool is in the model dtype."""
+
+    def __init__(self, kernels: CpuKernels, model: DecoderModel, table: torch.Tensor, int8: bool,
+                 tensors: list[torch.Tensor]) -> None:
+        self.kernels = kernels
+        self.table = table  # [layers, kernels.layer_fields] int64; the K/V pool columns filled per pool
+        self._tensors = tensors  # what the table points at, kept alive with it
+        self.max_rows = Int8Linear.KERNEL_MAX_ROWS if int8 else None
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        self.dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
+        self.eps, self.scale = model.norm.eps, attn.scale
+        self.final_norm = model.norm.weight
+        self._pools: list[LayerKVCache] | None = None
+
+    @classmethod
+    def build(cls, model: DecoderModel, kernels: CpuKernels) -> NativeDecodeStack | None:
+        rows, int8, tensors = [], False, []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not attn.fused_rope or layer.input_layernorm.eps != model.norm.eps:
+                return None
+            fields = []
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                entry = linear.native_fields() if hasattr(linear, "native_fields") else None
+                if entry is None:
+                    return None
+                int8 = int8 or entry[0] == 1
+                fields += entry
+                tensors += list(linear.buffers())
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            tensors += norms
+            rows.append([n.data_ptr() for n in norms] + fields + [0, 0])  # K/V pools: set by _bind_pools
+        table = torch.tensor(rows, dtype=torch.int64)
+        if table.shape[1] != kernels.layer_fields:
+            raise RuntimeError(f"decode stack table has {table.shape[1]} fields, the library {kernels.layer_fields}")
+        return cls(kernels, model, table, int8, tensors)
+
+    def runs(self, x: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata) -> bool:
+        """This step is decode-only and within what the stack handles."""
+        return (not meta.prefills and meta.num_decodes == x.shape[0] and meta.decode_context_lens is not None
+                and not kv_caches[0].is_quantized and (self.max_rows is None or x.shape[0] <= self.max_rows))
+
+    def _bind_pools(self, kv_caches: list[LayerKVCache]) -> None:
+        if kv_caches is self._pools:
+            return
+        self.table[:, -2] = torch.tensor([c.k.data_ptr() for c in kv_caches], dtype=torch.int64)
+        self.table[:, -1] = torch.tensor([c.v.data_ptr() for c in kv_caches], dtype=torch.int64)
+        self._pools = kv_caches  # the runner keeps one list of pools for the engine's life
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[LayerKVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        self._bind_pools(kv_caches)
+        cos, sin = rope
+        return self.kernels.decode_stack(x.contiguous(), self.table, self.final_norm, cos.contiguous(),
+                                         sin.contiguous(), meta.slot_mapping.contiguous(), meta.decode_kv_slots,
+                                         meta.decode_context_lens, *self.dims, self.eps, self.scale)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -200,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.prepare(kind, kernels)
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
         self.model.norm.kernels = kernels
+        self.model.prepare_stack(kernels)
 
     def _native_kernels(self, kind: str) -> CpuKernels | None:
         if kind == "plain":

@@ -13,6 +13,7 @@ from torch import nn
 from pagedserve.layers.linear import QuantizedWeight, choose_linear_kind
 from pagedserve.models.registry import model_class
 from pagedserve.models.safetensors_mmap import iter_safetensors, safetensors_files
+from pagedserve.platform import release_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     model.prepare(kind)
     if kind != "plain":
         _release_checkpoint_mapping(model)
+    release_free_heap()
     return model.eval()
 
 

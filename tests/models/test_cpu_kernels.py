@@ -215,3 +215,16 @@ def test_rope_kv_write_matches_rotary_then_index_copy(kernels, dtype, tokens):
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_weight_buffer_is_zeroed_and_starts_on_a_huge_page(kernels):
+    big = kernels.weight_buffer(3, 1 << 20, dtype=torch.bfloat16)  # 6 MiB
+    assert big.shape == (3, 1 << 20) and big.dtype == torch.bfloat16 and big.is_contiguous()
+    assert big.data_ptr() % (2 << 20) == 0  # huge pages can back it from its first byte
+    assert not big.any()
+    big.fill_(1.5)
+    import gc
+    gc.collect()  # the mapping lives as long as the tensor, not as long as the local objects that made it
+    assert big.float().sum().item() == 1.5 * 3 * (1 << 20)
+    small = kernels.weight_buffer(4, 8, dtype=torch.int8)  # below one huge page: an ordinary tensor
+    assert small.shape == (4, 8) and not small.any()

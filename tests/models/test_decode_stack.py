@@ -1,0 +1,111 @@
+"""The native decode stack (all decoder layers of a decode-only step in one call) against the per-layer
+path it replaces. Both run the same kernels in the same order, so tokens and logprobs must be equal
+bit for bit: any difference is a bug in the stack (a wrong pointer, stride or residual), not rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import cpu_kernels
+from pagedserve.layers.attention import AttentionMetadata
+
+# head_dim 32 (4 heads over 128): the shapes where the native rotary + KV-write kernel, and so the
+# stack, can run; in_features are multiples of 64 for the int8 kernel.
+SHAPE = dict(hidden_size=128, intermediate_size=256)
+PROMPT_LENGTHS = (3, 17, 40)  # one decode batch of 3 with different context lengths (padded slots)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("no AVX-512 on this CPU: the per-layer torch path is used (covered by the other tests)")
+    if not k.has_bf16_linear:
+        pytest.skip("no AVX512-BF16: bf16 linears run oneDNN, outside the stack")
+    return k
+
+
+def _generate(llm: LLM, stack_enabled: bool) -> tuple[list, int]:
+    """(outputs, decode steps the stack ran) for the same prompts, with the stack on or off."""
+    model = llm.engine.runner.model.model
+    prompts = [{"prompt_token_ids": [(7 * i + n) % 500 + 3 for i in range(n)]} for n in PROMPT_LENGTHS]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # the first forward builds the stack
+    stack = model.stack
+    assert stack is not None
+    calls = []
+    original = stack.forward
+    stack.forward = lambda *args: calls.append(1) or original(*args)
+    model.stack = stack if stack_enabled else None
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        model.stack = stack
+        del stack.forward
+    return outputs, len(calls)
+
+
+@pytest.mark.parametrize("arch,dtype,quantization", [
+    ("llama", "bfloat16", None),
+    ("qwen2", "bfloat16", None),  # qkv bias, tied embeddings
+    ("qwen2", "bfloat16", "int8"),
+    ("llama", "float32", "int8"),  # int8 weights with float32 activations
+])
+def test_stack_equals_the_per_layer_path(kernels, tiny_model_dir, arch, dtype, quantization):
+    model_dir = tiny_model_dir(arch, dtype, **SHAPE)
+    kwargs = {"quantization": quantization} if quantization else {}
+    # No prefix caching: the second run must compute the same prefills as the first.
+    llm = LLM(model_dir, dtype=dtype, max_model_len=256, enable_prefix_caching=False, **kwargs)
+    with_stack, stack_steps = _generate(llm, stack_enabled=True)
+    without, no_stack_steps = _generate(llm, stack_enabled=False)
+    assert stack_steps >= 11 and no_stack_steps == 0  # 12 tokens: 1 from the prefill, the rest decoded
+    for a, b in zip(with_stack, without):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # exact
+
+
+def test_stack_points_at_the_live_parameters(kernels, tiny_model_dir):
+    """The table holds raw pointers: they must be those of the tensors the model uses after loading (the
+    loader replaces checkpoint-mapped norms after prepare(); a stale pointer would read freed memory)."""
+    llm = LLM(tiny_model_dir("qwen2", "bfloat16", **SHAPE), dtype="bfloat16", max_model_len=128)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
+    model = llm.engine.runner.model.model
+    table = model.stack.table
+    for row, layer in zip(table.tolist(), model.layers):
+        assert row[0] == layer.input_layernorm.weight.data_ptr()
+        assert row[1] == layer.post_attention_layernorm.weight.data_ptr()
+        assert row[3] == layer.self_attn.qkv_proj.packed_weight.data_ptr()
+    caches = llm.engine.runner.kv_caches
+    assert table[:, -2].tolist() == [c.k.data_ptr() for c in caches]
+    assert table[:, -1].tolist() == [c.v.data_ptr() for c in caches]
+    assert model.stack.final_norm.data_ptr() == model.norm.weight.data_ptr()
+
+
+def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
+    # q/k RMSNorm (Qwen3) is not in the stack: the per-layer path runs
+    qwen3 = LLM(tiny_model_dir("qwen3", "bfloat16", hidden_size=128, intermediate_size=256), dtype="bfloat16",
+                max_model_len=128)
+    qwen3.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
+    assert qwen3.engine.runner.model.model.stack is None
+    # an fp8 KV cache is read by the torch path
+    fp8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", max_model_len=128,
+              kv_cache_dtype="fp8")
+    _, steps = _generate(fp8, stack_enabled=True)
+    assert steps == 0
+    # int8 linears run the kernel up to 32 rows: a larger decode batch goes layer by layer
+    int8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", max_model_len=128,
+               quantization="int8")
+    int8.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
+    stack = int8.engine.runner.model.model.stack
+    caches = int8.engine.runner.kv_caches
+
+    def meta(rows: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=torch.zeros(rows, dtype=torch.int64), num_decodes=rows,
+                                 decode_kv_slots=torch.zeros(rows, 1, dtype=torch.int64),
+                                 decode_context_lens=torch.ones(rows, dtype=torch.int64))
+
+    assert stack.runs(torch.zeros(32, 128), caches, meta(32))
+    assert not stack.runs(torch.zeros(33, 128), caches, meta(33))
