@@ -419,8 +419,10 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     kv_dtype_bytes, kv_scale_bytes = (1, weight_dtype_bytes) if kv_8bit else (weight_dtype_bytes, 0)
     shape = memory.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
     tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
-    weight_bytes = memory.prepared_weight_bytes(shape, weight_dtype_bytes, _linear_kind(model, device), tied,
-                                                computes_logits=model.task == "generate")
+    kind = _linear_kind(model, device)
+    weight_bytes = memory.prepared_weight_bytes(shape, weight_dtype_bytes, kind, tied,
+                                                computes_logits=model.task == "generate",
+                                                embedding_shares_packed=_embedding_shares_packed(model, device, kind))
     shape = replace(shape, weight_bytes=weight_bytes)
     block_bytes = memory.kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes) * args.block_size
     kv_cache_bytes = args.kv_cache_memory
@@ -450,6 +452,13 @@ def _linear_kind(model: ModelConfig, device: str) -> str:
     from pagedserve.platform import torch_dtype
 
     return choose_linear_kind(device, torch_dtype(model.dtype), model.quantization, model.reference_kernels)
+
+
+def _embedding_shares_packed(model: ModelConfig, device: str, kind: str) -> bool:
+    from pagedserve.layers.linear import embedding_shares_packed_rows
+    from pagedserve.platform import torch_dtype
+
+    return embedding_shares_packed_rows(device, torch_dtype(model.dtype), kind)
 
 
 def _probe_available_memory(device: str) -> AvailableMemory:

@@ -289,14 +289,15 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int, kv_scale_bytes: i
 
 
 def prepared_weight_bytes(shape: ModelShape, dtype_bytes: int, linear_kind: str, tied_embeddings: bool,
-                          computes_logits: bool = True) -> int:
+                          computes_logits: bool = True, embedding_shares_packed: bool = False) -> int:
     """Weights as the model holds them after prepare() (models/llama.py, layers/linear.py), from the
     checkpoint's bytes in the serving dtype (shape.weight_bytes).
 
     "int8" (--quantization int8): every decoder linear and the logits projection hold int8 weights and one
     scale per output channel in the serving dtype. "packed" (oneDNN) or "int8" with tied embeddings: the
     logits projection is a second copy of the embedding in the kernel's format (the plain one stays for
-    token lookups). "plain" (F.linear) shares the checkpoint's tensors.
+    token lookups), except where `embedding_shares_packed` (the native bf16 kernel: lookups read the packed
+    rows). "plain" (F.linear) shares the checkpoint's tensors.
     """
     total = shape.weight_bytes
     head = shape.vocab_size * shape.hidden_size
@@ -305,7 +306,7 @@ def prepared_weight_bytes(shape: ModelShape, dtype_bytes: int, linear_kind: str,
     if computes_logits and linear_kind == "int8":
         int8_head = head + shape.vocab_size * dtype_bytes
         total += int8_head if tied_embeddings else int8_head - head * dtype_bytes
-    elif computes_logits and linear_kind == "packed" and tied_embeddings:
+    elif computes_logits and linear_kind == "packed" and tied_embeddings and not embedding_shares_packed:
         total += head * dtype_bytes
     return total
 

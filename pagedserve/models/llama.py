@@ -168,6 +168,18 @@ class DecoderModel(nn.Module):
         return self.norm.add_and_norm(x, residual)[0]
 
 
+class PackedRowsEmbedding(nn.Module):
+    """A tied embedding that reads its rows from the logits projection's packed weight (one copy)."""
+
+    def __init__(self, logits_proj: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "source", logits_proj)  # not a submodule: it belongs to the model's head
+        self.embedding_dim = logits_proj.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.source.rows(ids)
+
+
 class NativeDecodeStack:
     """All decoder layers of a decode-only step in one native call (kernels.decode_stack): the per-layer
     path's kernels in the same order, without ~10 Python calls and their tensors per layer (about 3 ms of
@@ -265,11 +277,14 @@ class LlamaForCausalLM(nn.Module):
     def prepare(self, kind: str) -> None:
         """Fuse and pack for inference; call once after loading, before any forward."""
         self.prepare_decoder(kind)
-        # Tied models keep the plain embedding for lookups and a packed copy for the logits.
+        # Tied models: the logits need the embedding in the kernel's format. Where that is the native bf16
+        # layout, lookups read rows from it and the plain table goes; otherwise both copies stay.
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else weight_of(self.lm_head)
         self.logits_proj = make_linear(weight, None, kind)
         if not self.tie_word_embeddings:
             del self.lm_head
+        elif getattr(self.logits_proj, "native", None) is not None:
+            self.model.embed_tokens = PackedRowsEmbedding(self.logits_proj)
 
     def prepare_decoder(self, kind: str) -> None:
         """The decoder stack's part of prepare(): fused linears of `kind`; the fast kinds also bring in the

@@ -194,6 +194,22 @@ def test_packed_linear_layer_uses_the_native_kernel_in_bf16(kernels):
     assert PackedLinear(weight.float(), None).native is None  # float32 stays on oneDNN
 
 
+def test_packed_rows_are_the_embedding_rows(kernels, tiny_model_dir):
+    """A tied embedding reads its rows from the packed logits weight: exactly the table's rows."""
+    from pagedserve import LLM
+    from pagedserve.layers.linear import PackedLinear
+
+    if not kernels.has_bf16_linear:
+        pytest.skip("no AVX512-BF16: the packed copy is oneDNN's and the plain table stays")
+    weight = torch.randn(130, 64).bfloat16()  # 130 rows: the last block of 64 is partly padding
+    ids = torch.tensor([[0, 63, 64], [129, 5, 64]])
+    assert torch.equal(PackedLinear(weight, None).rows(ids), weight[ids])
+    llm = LLM(tiny_model_dir("qwen2", "bfloat16"), dtype="bfloat16", max_model_len=64)  # tied embeddings
+    model = llm.engine.runner.model
+    assert type(model.model.embed_tokens).__name__ == "PackedRowsEmbedding"
+    assert "model.embed_tokens.weight" not in dict(model.named_parameters())  # one copy of the table
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_rope_kv_write_matches_rotary_then_index_copy(kernels, dtype, tokens):

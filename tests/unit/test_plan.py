@@ -281,3 +281,4 @@ def test_prepared_weights_by_kernel_by_hand() -> None:
     assert prepared_weight_bytes(TINY, 4, "int8", tied_embeddings=False) == 129024 - 6400 * 4 + 6800
     assert prepared_weight_bytes(TINY, 4, "int8", tied_embeddings=True) == 129024 + 6800
     assert prepared_weight_bytes(TINY, 4, "packed", True, computes_logits=False) == 346112  # embedders
+    assert prepared_weight_bytes(TINY, 2, "packed", True, embedding_shares_packed=True) == TINY.weight_bytes
