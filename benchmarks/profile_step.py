@@ -1,6 +1,10 @@
 """Break one decode step down: matmuls, attention, other kernels and tensor ops, Python/dispatch overhead.
 
 Usage: python benchmarks/profile_step.py MODEL_DIR [--threads N] [--tokens 32] [--quantization int8]
+                                         [--layer-by-layer]
+
+A decode-only step normally runs all decoder layers in one native call (the decode stack, timed as one
+row); --layer-by-layer turns the stack off, so each kernel of each layer is timed on its own.
 
 Native kernels (pagedserve/kernels, called through ctypes) are invisible to torch's profiler, so they are
 timed by wrapping their Python entry points; torch ops come from the profiler (a second, profiled run).
@@ -24,7 +28,7 @@ TORCH_CATEGORIES = {
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
 }
 NATIVE_CATEGORIES = {"linear_bf16": "matmul", "linear_i8": "matmul", "decode_attention": "attention",
-                     "rms_norm": "norms", "silu_mul": "silu*up"}
+                     "rms_norm": "norms", "silu_mul": "silu*up", "decode_stack": "decoder stack"}
 
 
 def time_native_kernels() -> dict[str, float]:
@@ -52,13 +56,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--layer-by-layer", action="store_true", help="turn the native decode stack off")
     args = parser.parse_args()
     native = time_native_kernels()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, num_threads=args.threads,
               quantization=args.quantization)
     prompt = {"prompt_token_ids": list(range(100, 132))}
     # Prefill once (and cache it) so the measured calls are dominated by decode steps.
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))  # the first decode builds the stack
+    if args.layer_by_layer:
+        llm.engine.runner.model.model.stack = None
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     native.clear()
     start = time.perf_counter()
