@@ -88,6 +88,9 @@ def build(source: Path = SOURCE, cache_root: Path | None = None) -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
         os.replace(partial, target)  # atomic: concurrent starts never load a half-written file
+    for stale in out_dir.glob(f"{source.stem}-*.so"):  # builds of earlier sources, compilers or CPUs
+        if stale != target:
+            stale.unlink(missing_ok=True)  # a process that has one loaded keeps its mapping
     return target
 
 

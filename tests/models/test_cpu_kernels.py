@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import build, cpu_kernels
+from pagedserve.kernels import SOURCE, build, cpu_kernels
 from pagedserve.layers.linear import quantize_int8_per_channel
 from pagedserve.layers.norm import reference_rms_norm
 
@@ -34,6 +34,10 @@ def test_kernels_load_wherever_the_cpu_has_avx512(tmp_path):
     first = build(cache_root=tmp_path)
     assert build(cache_root=tmp_path) == first  # cached: the second start does not rebuild
     assert list((tmp_path / "kernels").glob("*.so")) == [first]
+    changed = tmp_path / "cpu_kernels.c"  # a new version of the source replaces the old build
+    changed.write_text(SOURCE.read_text() + "\n/* changed */\n")
+    second = build(changed, cache_root=tmp_path)
+    assert second != first and list((tmp_path / "kernels").glob("*.so")) == [second]
 
 
 @pytest.fixture(scope="module")
