@@ -259,8 +259,23 @@ void ps_pack_bf16(const uint32_t *w, uint32_t *packed, int64_t N, int64_t K, int
  * (as torch's and oneDNN's bf16 linear). W is packed as w[N/64][K/2][64][2] (outputs padded to 64
  * with zeros): each block streams as one sequential run, and no horizontal sums are needed.
  * K % 2 == 0. Returns 0 where the CPU lacks AVX512-BF16 (the caller keeps oneDNN). */
+static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                      int64_t M, int64_t N, int64_t K, int nthreads);
+
 int ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                    int64_t M, int64_t N, int64_t K, int nthreads) {
+  /* Prefill-sized M: every weight block meets all M rows of x, so x is re-read once per block of 64
+   * outputs. Where a chunk of 512 rows fits the 1 MiB L2 (K <= 1024) take the rows chunk by chunk:
+   * 9728x896 at M=2048 went from 366 to 434 GFLOP/s. Larger K keeps the whole M (its weight blocks
+   * already fill L2; chunking measured slower). Same sums in the same order either way. */
+  const int64_t chunk = K <= 1024 ? 512 : M;
+  for (int64_t m = 0; m < M; m += chunk)
+    bf16_rows(x + m * K, w, bias, y + m * N, M - m < chunk ? M - m : chunk, N, K, nthreads);
+  return 1;
+}
+
+static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                      int64_t M, int64_t N, int64_t K, int nthreads) {
   const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t nb = 0; nb < blocks; ++nb) {
@@ -292,7 +307,6 @@ int ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, u
                                    to_bf16x16(_mm512_add_ps(acc[r][j], b[j])));
     }
   }
-  return 1;
 }
 #else
 void ps_pack_bf16(const uint32_t *w, uint32_t *packed, int64_t N, int64_t K, int nthreads) {

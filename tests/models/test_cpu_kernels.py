@@ -187,6 +187,22 @@ def test_bf16_linear_matches_torch(kernels, rows, with_bias):
     _close(y, torch.nn.functional.linear(x, weight, bias), torch.bfloat16, "linear_bf16")
 
 
+def test_bf16_linear_takes_prefill_rows_in_chunks_with_the_same_sums(kernels):
+    """Above 512 rows (K <= 1024) the kernel walks the rows in chunks: every output row must equal the
+    one computed alone (same sums, same order), including the last, partial chunk."""
+    if not kernels.has_bf16_linear:
+        pytest.skip("no AVX512-BF16: bf16 linears use oneDNN")
+    torch.manual_seed(0)
+    n, k, rows = 130, 128, 1100  # chunks of 512, 512, 76
+    weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
+    packed = kernels.pack_bf16(weight)
+    y = kernels.linear_bf16(x, packed, bias, n)
+    for row in (0, 511, 512, 1023, 1024, 1099):
+        assert torch.equal(y[row], kernels.linear_bf16(x[row:row + 1], packed, bias, n)[0])
+    _close(y, torch.nn.functional.linear(x, weight, bias), torch.bfloat16, "linear_bf16, 1100 rows")
+
+
 def test_packed_linear_layer_uses_the_native_kernel_in_bf16(kernels):
     from pagedserve.layers.linear import PackedLinear
 
