@@ -317,6 +317,16 @@ def process_start_time(stat_path: str | Path = "/proc/self/stat", now: float | N
 # ----------------------------------------------------------------------------------------------- CPU
 
 
+def transparent_hugepages(path: str | Path = "/sys/kernel/mm/transparent_hugepage/enabled") -> str | None:
+    """The kernel's THP mode ("always", "madvise" or "never"; the bracketed one), None where unknown."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
 def cpu_flags(path: str | Path = "/proc/cpuinfo") -> set[str]:
     """Instruction-set flags of the first CPU ("flags" on x86, "Features" on ARM)."""
     try:

@@ -194,3 +194,27 @@ def test_native_kernels_check_names_the_fix_when_the_cpu_could_run_them(monkeypa
     assert result.status == WARN and "no C compiler" in result.detail and "gcc" in result.fix
     quiet = check_native_kernels({"avx2"})  # a CPU that cannot run them: nothing to fix
     assert quiet.status != FAIL and quiet.fix == "" and "torch ops" in quiet.detail
+
+
+def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path):
+    import platform
+
+    from pagedserve import kernels
+    from pagedserve.cli.doctor import PASS, check_native_kernels
+    from pagedserve.memory import probe
+
+    setting = tmp_path / "enabled"
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    fake = type("Fake", (), {"has_bf16_linear": True})()
+    monkeypatch.setattr(kernels, "load_status", lambda: (fake, "loaded /x.so"))
+    original = probe.transparent_hugepages
+    monkeypatch.setattr(probe, "transparent_hugepages", lambda: original(setting))
+    setting.write_text("always [madvise] never\n")
+    assert probe.transparent_hugepages() == "madvise"
+    result = check_native_kernels({"avx512f", "avx512_vnni"})
+    assert result.status == PASS and "on transparent huge pages" in result.detail and result.fix == ""
+    setting.write_text("always madvise [never]\n")
+    result = check_native_kernels({"avx512f", "avx512_vnni"})
+    assert "never: packed weights on 4 KiB pages" in result.detail and "madvise >" in result.fix
+    setting.unlink()
+    assert probe.transparent_hugepages() is None
