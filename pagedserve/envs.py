@@ -24,6 +24,13 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def huge_pages_enabled() -> bool:
+    """$PAGEDSERVE_HUGE_PAGES=1 puts packed CPU weights on transparent huge pages: a few per cent faster
+    batch-1 decoding, but ~1 s longer start-up for a 1 GB model where the kernel must compact memory to
+    find 2 MiB pages (benchmarks/PROFILE.md); default off."""
+    return os.environ.get("PAGEDSERVE_HUGE_PAGES", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def api_key() -> str | None:
     """API key for the server ($PAGEDSERVE_API_KEY), or None."""
     return os.environ.get("PAGEDSERVE_API_KEY") or None

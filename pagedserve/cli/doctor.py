@@ -212,10 +212,15 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
     if kernels is not None:
         bf16 = "bf16 and int8 linears" if kernels.has_bf16_linear else "int8 linears (bf16 stays on oneDNN)"
         thp = probe.transparent_hugepages()
-        pages = ("packed weights on transparent huge pages" if thp in ("always", "madvise") else
-                 f"transparent huge pages {thp or 'unknown'}: packed weights on 4 KiB pages")
-        fix = ("as root, `echo madvise > /sys/kernel/mm/transparent_hugepage/enabled` lets packed weights use "
-               "2 MiB pages (a few per cent faster batch-1 decoding)") if thp == "never" else ""
+        fix = ""
+        if not envs.huge_pages_enabled():
+            pages = "packed weights on 4 KiB pages (PAGEDSERVE_HUGE_PAGES=1: huge pages, ~1 s longer start)"
+        elif thp in ("always", "madvise"):
+            pages = "packed weights on transparent huge pages"
+        else:
+            pages = f"PAGEDSERVE_HUGE_PAGES=1 but transparent huge pages {thp or 'unknown'}: 4 KiB pages"
+            fix = ("as root, `echo madvise > /sys/kernel/mm/transparent_hugepage/enabled` lets packed weights use "
+                   "2 MiB pages (a few per cent faster batch-1 decoding)") if thp == "never" else ""
         return CheckResult("native kernels", PASS, f"{bf16}, norms, SiLU, decode attention; {pages}; {why}", fix)
     if "avx512f" not in flags or "avx512_vnni" not in flags:
         return CheckResult("native kernels", PASS, f"not used here ({why}); torch ops run instead")

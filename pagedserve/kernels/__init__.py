@@ -114,13 +114,14 @@ class CpuKernels:
         return torch.get_num_threads()
 
     def weight_buffer(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed tensor for a packed weight, in its own 2 MiB-aligned mapping advised for transparent
-        huge pages (ps_advise_huge): all but the last partial 2 MiB of it sits on huge pages once
-        written, where a recycled heap block may already be backed by 4 KiB pages. Freed with the tensor."""
+        """An uninitialised tensor for a packed weight. With PAGEDSERVE_HUGE_PAGES=1: zeroed, in its own
+        2 MiB-aligned mapping advised for transparent huge pages (ps_advise_huge), so all but its last
+        partial 2 MiB sits on huge pages once written (a recycled heap block may already be backed by
+        4 KiB pages). Freed with the tensor."""
         numel = math.prod(shape)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if nbytes < HUGE_PAGE:
-            return torch.zeros(*shape, dtype=dtype)
+        if nbytes < HUGE_PAGE or not envs.huge_pages_enabled():
+            return torch.empty(*shape, dtype=dtype)
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zeroed, untouched
         view = memoryview(region)
         start = ctypes.addressof(ctypes.c_char.from_buffer(view))

@@ -253,8 +253,16 @@ def test_rope_kv_write_matches_rotary_then_index_copy(kernels, dtype, tokens):
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
-def test_weight_buffer_is_zeroed_and_starts_on_a_huge_page(kernels):
+def test_weight_buffer_is_an_ordinary_tensor_by_default(kernels, monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_HUGE_PAGES", raising=False)
+    plain = kernels.weight_buffer(3, 1 << 20, dtype=torch.bfloat16)
+    assert plain.shape == (3, 1 << 20) and plain.untyped_storage().resizable()  # torch's allocator
+
+
+def test_weight_buffer_is_zeroed_and_starts_on_a_huge_page(kernels, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_HUGE_PAGES", "1")
     big = kernels.weight_buffer(3, 1 << 20, dtype=torch.bfloat16)  # 6 MiB
+    assert not big.untyped_storage().resizable()  # its own mapping
     assert big.shape == (3, 1 << 20) and big.dtype == torch.bfloat16 and big.is_contiguous()
     assert big.data_ptr() % (2 << 20) == 0  # huge pages can back it from its first byte
     assert not big.any()
@@ -263,4 +271,4 @@ def test_weight_buffer_is_zeroed_and_starts_on_a_huge_page(kernels):
     gc.collect()  # the mapping lives as long as the tensor, not as long as the local objects that made it
     assert big.float().sum().item() == 1.5 * 3 * (1 << 20)
     small = kernels.weight_buffer(4, 8, dtype=torch.int8)  # below one huge page: an ordinary tensor
-    assert small.shape == (4, 8) and not small.any()
+    assert small.shape == (4, 8) and small.untyped_storage().resizable()

@@ -211,10 +211,14 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
     monkeypatch.setattr(probe, "transparent_hugepages", lambda: original(setting))
     setting.write_text("always [madvise] never\n")
     assert probe.transparent_hugepages() == "madvise"
+    monkeypatch.delenv("PAGEDSERVE_HUGE_PAGES", raising=False)
+    result = check_native_kernels({"avx512f", "avx512_vnni"})  # off by default: start-up first
+    assert result.status == PASS and "4 KiB pages (PAGEDSERVE_HUGE_PAGES=1" in result.detail and result.fix == ""
+    monkeypatch.setenv("PAGEDSERVE_HUGE_PAGES", "1")
     result = check_native_kernels({"avx512f", "avx512_vnni"})
     assert result.status == PASS and "on transparent huge pages" in result.detail and result.fix == ""
     setting.write_text("always madvise [never]\n")
     result = check_native_kernels({"avx512f", "avx512_vnni"})
-    assert "never: packed weights on 4 KiB pages" in result.detail and "madvise >" in result.fix
+    assert "transparent huge pages never: 4 KiB pages" in result.detail and "madvise >" in result.fix
     setting.unlink()
     assert probe.transparent_hugepages() is None
