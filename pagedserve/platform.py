@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import mmap
 
@@ -67,8 +66,7 @@ def release_free_heap() -> None:
     many large temporaries (fused and unpacked copies of weights) that glibc keeps mapped otherwise:
     ~200 MB of resident memory for a 0.5B model whose packed weights live in their own mappings."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        trim = ctypes.CDLL("libc.so.6").malloc_trim  # glibc's soname: no library search (it runs ldconfig)
     except (OSError, AttributeError):
         return
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int

@@ -200,6 +200,8 @@ class NativeDecodeStack:
 
     @classmethod
     def build(cls, model: DecoderModel, kernels: CpuKernels) -> NativeDecodeStack | None:
+        if model.norm.weight.device.type != "cpu":
+            return None  # the native kernels read host memory
         rows, int8, tensors = [], False, []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
