@@ -64,7 +64,7 @@ def configure_threads(num_threads: int) -> None:
 def release_free_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc `malloc_trim`; a no-op elsewhere). Loading frees
     many large temporaries (fused and unpacked copies of weights) that glibc keeps mapped otherwise:
-    ~200 MB of resident memory for a 0.5B model whose packed weights live in their own mappings."""
+    ~120 MB of resident memory for the Qwen2.5-0.5B-shaped bf16 model (1.50 -> 1.38 GB after start)."""
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim  # glibc's soname: no library search (it runs ldconfig)
     except (OSError, AttributeError):

@@ -119,7 +119,7 @@ class CpuKernels:
         partial 2 MiB sits on huge pages once written (a recycled heap block may already be backed by
         4 KiB pages). Freed with the tensor."""
         numel = math.prod(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes < HUGE_PAGE or not envs.huge_pages_enabled():
             return torch.empty(*shape, dtype=dtype)
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zeroed, untouched

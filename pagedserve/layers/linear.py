@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import cpu_kernels
+from pagedserve.kernels import CpuKernels, cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,15 @@ class _HotPathModule(nn.Module):
         return result
 
 
+def native_bf16_kernels(device: str, dtype: torch.dtype) -> CpuKernels | None:
+    """The native kernels where they run bf16 linears for weights on `device` in `dtype` (the CPU has
+    AVX512-BF16), else None (oneDNN's layout then)."""
+    if device != "cpu" or dtype != torch.bfloat16:
+        return None
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.has_bf16_linear else None
+
+
 class PackedLinear(_HotPathModule):
     """y = x @ W^T + b with W re-laid out once for a CPU kernel. x: [N, in] -> [N, out].
 
@@ -47,10 +56,7 @@ class PackedLinear(_HotPathModule):
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        native = None
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0:
-            native = cpu_kernels()
-        self.native = native if native is not None and native.has_bf16_linear else None
+        self.native = native_bf16_kernels(weight.device.type, weight.dtype) if self.in_features % 2 == 0 else None
         if self.native is not None:
             self.register_buffer("packed_weight", self.native.pack_bf16(weight))
         else:
@@ -236,10 +242,7 @@ def choose_linear_kind(device: str, dtype: torch.dtype, quantization: str | None
 def embedding_shares_packed_rows(device: str, dtype: torch.dtype, kind: str) -> bool:
     """A tied embedding will read its rows from the logits projection's packed weight (PackedLinear.rows)
     rather than keep its own copy: the native bf16 kernel's layout, where it runs."""
-    if kind != "packed" or device != "cpu" or dtype != torch.bfloat16:
-        return False
-    kernels = cpu_kernels()
-    return kernels is not None and kernels.has_bf16_linear
+    return kind == "packed" and native_bf16_kernels(device, dtype) is not None
 
 
 def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, kind: str) -> nn.Module:

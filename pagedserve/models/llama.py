@@ -67,7 +67,6 @@ class Attention(nn.Module):
         self.o_proj = make_linear(weight_of(self.o_proj), self.o_proj.bias, kind)
         del self.q_proj, self.k_proj, self.v_proj
         self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: LayerKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
