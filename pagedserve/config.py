@@ -57,3 +57,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     memory_plan: Any = None  # memory.plan.MemoryPlan that sized the KV cache (None when built by hand)
+    fault_injection: str | None = None  # test-only: engine/faults.py's spec of faults to raise; None = off

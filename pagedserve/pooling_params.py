@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.exceptions import InvalidRequestError
+
 
 @dataclass
 class PoolingParams:
@@ -23,10 +25,11 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and self.dimensions < 1:
-            raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
+            raise InvalidRequestError(f"dimensions must be >= 1, got {self.dimensions}", param="dimensions")
         k = self.truncate_prompt_tokens
         if k is not None and k < 1 and k != -1:
-            raise ValueError(f"truncate_prompt_tokens must be >= 1 (or -1 for the model's maximum), got {k}")
+            raise InvalidRequestError(f"truncate_prompt_tokens must be >= 1 (or -1 for the model's maximum), got {k}",
+                                      param="truncate_prompt_tokens")
 
 
 def tokenize_for_pooling(tokenizer: Any, prompt: str | list[int], truncate_prompt_tokens: int | None,

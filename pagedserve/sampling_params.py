@@ -1,12 +1,20 @@
-"""SamplingParams: how one request is decoded. Validates itself; bad values raise ValueError naming the field."""
+"""SamplingParams: how one request is decoded. Validates itself; bad values raise InvalidRequestError
+(a ValueError) naming the field. Checks that need the model (token ids vs vocabulary, lengths vs
+max_model_len) are LLMEngine.add_request's."""
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pagedserve.exceptions import InvalidRequestError
+
 MAX_LOGPROBS = 20
+# Integers end up in int64 tensors (top_k, token ids) or torch.Generator seeds: beyond these they overflow.
+MAX_INT64 = 2**63 - 1
+MIN_INT64 = -(2**63)
 
 
 class RequestOutputKind(Enum):
@@ -51,10 +59,20 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = _int_keys(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and math.isfinite(value), name,
+                   f"must be a finite number, got {value!r}")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, int) and MIN_INT64 <= value <= MAX_INT64, name,
+                       f"must be an integer in [{MIN_INT64}, {MAX_INT64}], got {value!r}")
         _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -77,11 +95,11 @@ class SamplingParams:
             if value is not None:
                 _check(0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        _check(all(isinstance(t, int) and 0 <= t <= MAX_INT64 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
-        if self.seed is not None:
-            _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         if self.logit_bias:
+            _check(all(0 <= k <= MAX_INT64 for k in self.logit_bias), "logit_bias",
+                   "keys must be token ids (non-negative integers)")
             _check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
                    "values must be in [-100, 100]")
 
@@ -106,4 +124,12 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{name} {message}")
+        raise InvalidRequestError(f"{name} {message}", param=name)
+
+
+def _int_keys(logit_bias: dict) -> dict[int, float]:
+    """{token id: bias} from keys that may be strings (JSON objects have string keys)."""
+    try:
+        return {int(k): float(v) for k, v in logit_bias.items()}
+    except (TypeError, ValueError):
+        raise InvalidRequestError("logit_bias must map token ids (integers) to numbers", param="logit_bias") from None

@@ -7,7 +7,7 @@ import argparse
 from pagedserve import envs
 from pagedserve.cli.common import (add_thread_args, apply_thread_args, engine_args_from_cli, fail,
                                    process_start_time, setup_logging)
-from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.arg_utils import EngineArgs, RequestLimits
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,6 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Start the OpenAI-compatible server. Binds 127.0.0.1 by default; use --host 0.0.0.0 "
                     "to accept connections from other machines.")
     EngineArgs.add_cli_args(parser)
+    RequestLimits.add_cli_args(parser.add_argument_group("per-request limits (HTTP 400 beyond them)"))
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind (0.0.0.0 exposes the server).")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,
@@ -41,11 +42,13 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         return fail(f"--port must be in 1..65535, got {args.port}")
     engine_args = engine_args_from_cli(args)
+    limits = RequestLimits.from_cli_args(args)
     try:
         check_engine_args(engine_args)  # unsupported values fail before the port opens
+        limits.check()
     except ValueError as exc:
         return fail(str(exc))
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
                            max_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace_s,
-                           uvicorn_log_level=args.uvicorn_log_level)
+                           uvicorn_log_level=args.uvicorn_log_level, limits=limits)
     return run_server(engine_args, options, startup)

@@ -4,13 +4,17 @@ Each step fills `max_num_batched_tokens` with the running requests' next tokens 
 a chunk per unfinished prefill) and then with waiting requests, at most `max_num_seqs` running.
 Prefill and decode are the same thing: compute tokens num_computed_tokens .. num_tokens.
 When blocks run out, the newest running request is preempted (its blocks freed, to be recomputed).
+
+A fault while scheduling or updating one request fails that request alone (its blocks freed, its id
+in `take_failed()`), so the step goes on for the others.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -18,11 +22,24 @@ from pagedserve.core.sched_output import (CachedRequestData, EngineCoreOutput, M
                                           NewRequestData, SchedulerOutput, SchedulerStats)
 from pagedserve.request import Request, RequestStatus
 
+logger = logging.getLogger(__name__)
+
+# (stage, request id) -> None, called before each request is scheduled or updated; the test-only fault
+# injection of engine/faults.py raises from it.
+FaultHook = Callable[[str, str], None]
+
+
+def _no_fault(stage: str, request_id: str) -> None:
+    return None
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 fault_hook: FaultHook = _no_fault) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.fault_hook = fault_hook
+        self._failed: dict[str, str] = {}  # request id -> reason, since the last take_failed()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -56,6 +73,18 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]
 
+    def fail_request(self, request: Request, exc: BaseException) -> None:
+        """End one request after a fault in its own processing; the step goes on for the others."""
+        logger.error("request %s failed: %s: %s", request.request_id, type(exc).__name__, exc, exc_info=exc)
+        self._failed[request.request_id] = f"{type(exc).__name__}: {exc}"
+        if request.request_id in self.requests and not request.is_finished:
+            self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests failed since the last call (id -> reason), for the engine to report."""
+        failed, self._failed = self._failed, {}
+        return failed
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -82,17 +111,22 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._num_tokens_to_compute(request, budget)
-            if num_new <= 0:
-                index += 1
-                continue
-            new_blocks = self.kv.allocate_slots(request, num_new)
-            while new_blocks is None:
-                victim = self.running.pop()  # newest first
-                self._preempt(victim, out)
-                if victim is request:
-                    return budget
+            try:
+                self.fault_hook("schedule", request.request_id)
+                num_new = self._num_tokens_to_compute(request, budget)
+                if num_new <= 0:
+                    index += 1
+                    continue
                 new_blocks = self.kv.allocate_slots(request, num_new)
+                while new_blocks is None:
+                    victim = self.running.pop()  # newest first
+                    self._preempt(victim, out)
+                    if victim is request:
+                        return budget
+                    new_blocks = self.kv.allocate_slots(request, num_new)
+            except Exception as exc:  # noqa: BLE001 - one request's fault; it leaves `running`
+                self.fail_request(request, exc)
+                continue
             out.cached_requests.append(CachedRequestData(
                 request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
             self._record(out, request, num_new)
@@ -114,13 +148,18 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - computed.num_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                break
-            num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, computed) is None:
-                break
+            try:
+                self.fault_hook("schedule", request.request_id)
+                computed = self.kv.get_computed_blocks(request)
+                num_new = request.num_tokens - computed.num_tokens
+                if not self.config.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                if self.kv.allocate_slots(request, num_new, computed) is None:
+                    break
+            except Exception as exc:  # noqa: BLE001 - one request's fault; it leaves `waiting`
+                self.fail_request(request, exc)
+                continue
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = computed.num_tokens
@@ -154,15 +193,25 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += num_new
-            output = EngineCoreOutput(request_id, [], num_cached_tokens=request.num_cached_tokens,
-                                      new_prompt_logprobs=runner_out.prompt_logprobs.get(request_id),
-                                      first_scheduled_time=request.first_scheduled_time)
-            if sched_out.needs_sample[request_id]:
-                self._append_result(request, runner_out, output)
+            try:
+                self.fault_hook("postprocess", request_id)
+                output = self._update_one(request, num_new, sched_out, runner_out)
+            except Exception as exc:  # noqa: BLE001 - one request's fault; the others' outputs go on
+                self.fail_request(request, exc)
+                continue
             if output.new_token_ids or output.finish_reason or output.new_prompt_logprobs is not None:
                 outputs.append(output)
         return outputs
+
+    def _update_one(self, request: Request, num_new: int, sched_out: SchedulerOutput,
+                    runner_out: ModelRunnerOutput) -> EngineCoreOutput:
+        request.num_computed_tokens += num_new
+        output = EngineCoreOutput(request.request_id, [], num_cached_tokens=request.num_cached_tokens,
+                                  new_prompt_logprobs=runner_out.prompt_logprobs.get(request.request_id),
+                                  first_scheduled_time=request.first_scheduled_time)
+        if sched_out.needs_sample[request.request_id]:
+            self._append_result(request, runner_out, output)
+        return output
 
     def _append_result(self, request: Request, runner_out: ModelRunnerOutput,
                        output: EngineCoreOutput) -> None:

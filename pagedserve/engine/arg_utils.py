@@ -55,6 +55,8 @@ class EngineArgs:
                      "generate.", default="auto")
     runner: str = _opt("auto, generate or pooling (vLLM's name; pooling = --task embed).", default="auto")
     max_waiting_requests: int = _opt("Queue bound; the server answers 429 beyond it.", default=1024)
+    fault_injection: str | None = _opt("Testing only: faults to raise inside the engine, as "
+                                       "POINT:MATCH[:COUNT] rules (pagedserve/engine/faults.py).", hidden=True)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, include_model: bool = True) -> None:
@@ -66,15 +68,59 @@ class EngineArgs:
                     parser.add_argument("--model", dest=f.name, default=argparse.SUPPRESS,
                                         help="Same as the positional MODEL.")
                 continue
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                    help=meta["help"])
-                continue
-            kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, help=meta["help"])
+            add_field_flag(parser, f)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        return from_cli_args(cls, args)
+
+
+def add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    """`--name-of-field`, typed and documented by the dataclass field (hidden=True: absent from --help)."""
+    meta = f.metadata
+    flag = "--" + f.name.replace("_", "-")
+    help_text = argparse.SUPPRESS if meta.get("hidden") else meta["help"]
+    if f.type in ("bool", bool):
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        return
+    kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+    parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+
+
+def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
+    """An instance of the dataclass `cls` from the parsed flags that add_field_flag made for its fields."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+@dataclass
+class RequestLimits:
+    """Per-request bounds the server enforces (HTTP 400 naming the field beyond them), so that no single
+    request can occupy the engine for long. Defaults follow the OpenAI API's limits where it has one."""
+
+    max_n: int = _opt("Most completions a request may ask for with n (OpenAI's limit: 128).", default=128)
+    max_prompts_per_request: int = _opt("Most prompts in one /v1/completions request (a list of prompts).",
+                                        default=256)
+    max_stop_sequences: int = _opt("Most stop strings per request (OpenAI's limit: 4).", default=4)
+    max_stop_sequence_chars: int = _opt("Longest stop string, in characters.", default=1024)
+    max_stop_token_ids: int = _opt("Most stop_token_ids per request.", default=64)
+    max_logit_bias_entries: int = _opt("Most logit_bias entries per request (OpenAI's limit: 300).", default=300)
+    max_request_tokens: int = _opt("Most tokens one request may ask the engine for: the sum over its "
+                                   "completions (n x prompts) of prompt + max_tokens; at least max_model_len "
+                                   "is always allowed.", default=131072)
+    max_request_id_chars: int = _opt("Longest client-chosen request_id.", default=128)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            add_field_flag(parser, f)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "RequestLimits":
+        return from_cli_args(cls, args)
+
+    def check(self) -> None:
+        """ValueError naming the flag for a bound below 1."""
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be >= 1, got {getattr(self, f.name)}")

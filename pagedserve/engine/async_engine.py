@@ -2,6 +2,10 @@
 
 The HTTP event loop never runs model compute. Every engine call happens on the engine thread; callers
 hand it commands through a thread-safe queue and receive outputs through asyncio queues.
+
+A fault that belongs to one request (adding it, scheduling it, post-processing it, or a model step it was
+in while the retry step works) fails that request with RequestFailedError and the thread goes on; only an
+EngineDeadError (or a fault outside any request) ends the thread, failing every caller.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.exceptions import EngineDeadError, InvalidRequestError, RequestFailedError
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
@@ -22,8 +27,7 @@ from pagedserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an error; the server must be restarted."""
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedError"]
 
 
 class QueueFullError(RuntimeError):
@@ -119,15 +123,30 @@ class AsyncEngine:
 
     def _apply(self, command: Any) -> None:
         if isinstance(command, _Add):
-            try:
-                self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
-            except ValueError as exc:
-                self._deliver(command.request_id, exc)
+            self._add(command)
         elif isinstance(command, _Abort):
             finals = self.engine.abort_request([command.request_id])
             if finals and self.observer is not None:
                 self.engine.refresh_gauges()
                 self.observer(self.engine, finals)
+
+    def _add(self, command: _Add) -> None:
+        # A request with this id already in the engine is not this command's to clean up.
+        is_new = not self.engine.output_processor.has_request(command.request_id)
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+        except InvalidRequestError as exc:  # the client's to fix: a 400
+            self._deliver(command.request_id, exc)
+        except Exception as exc:  # noqa: BLE001 - a fault adding this request fails it, not the engine
+            logger.error("request %s failed while being added: %s: %s", command.request_id, type(exc).__name__,
+                         exc, exc_info=exc)
+            if is_new:
+                self.engine.abort_request([command.request_id])  # whatever part of it was registered
+            self._deliver(command.request_id, RequestFailedError(command.request_id, f"{type(exc).__name__}: {exc}"))
+
+    def _report_failed(self) -> None:
+        for request_id, reason in self.engine.take_failed().items():
+            self._deliver(request_id, RequestFailedError(request_id, reason))
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -148,6 +167,7 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     continue
                 outputs = self.engine.step()
+                self._report_failed()
                 for output in outputs:
                     self._deliver(output.request_id, output)
                 if self.observer is not None:

@@ -13,8 +13,10 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import SchedulerStats
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineArgs
+from pagedserve.engine.faults import FaultInjector, parse_fault_spec
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.startup import StartupTracker
+from pagedserve.exceptions import EngineDeadError, InvalidRequestError
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.plan import MemoryPlan
 from pagedserve.memory.probe import AvailableMemory
@@ -52,13 +54,17 @@ class LLMEngine:
         self.runner.eos_token_id = self.eos_token_id
         self.extra_eos_token_ids = _generation_config_eos_ids(config.model.model, self.eos_token_id)
         kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, kv)
+        self.faults = FaultInjector()  # armed after warm-up: injected faults are for requests, not start-up
+        self.scheduler = Scheduler(config.scheduler, kv, fault_hook=self.faults.check)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats = SchedulerStats()
         self._request_counter = 0
+        self._failed: dict[str, str] = {}  # request id -> reason: failed requests the caller has not been told of
+        self._is_probing = False
         if warm_up:
             startup.enter("warming_up")
             self.warm_up()
+        self.faults.rules = parse_fault_spec(config.fault_injection)
         log_memory_vs_plan(config.memory_plan, config.device.device)
         startup.enter("ready")
 
@@ -117,10 +123,12 @@ class LLMEngine:
             self._request_counter += 1
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.faults.check("add", request_id)
         if isinstance(params, PoolingParams) or self.is_pooling:
             return self._add_pooling_request(request_id, prompt, params, arrival_time)
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(prompt_ids)
+        self.validate_token_params(params)
         if self.extra_eos_token_ids:
             params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         max_tokens = self.max_model_len - len(prompt_ids)
@@ -140,11 +148,11 @@ class LLMEngine:
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
                              arrival_time: float | None) -> str:
         if not self.is_pooling:
-            raise ValueError("this model generates text and cannot embed; start an embedding model "
-                             "(e.g. --task embed) for embeddings")
+            raise InvalidRequestError("this model generates text and cannot embed; start an embedding model "
+                                      "(e.g. --task embed) for embeddings", param="model")
         if not isinstance(params, PoolingParams):
-            raise ValueError("this is an embedding model: give PoolingParams (or use LLM.embed), not "
-                             f"{type(params).__name__}")
+            raise InvalidRequestError("this is an embedding model: give PoolingParams (or use LLM.embed), not "
+                                      f"{type(params).__name__}", param="model")
         text, prompt_ids = self.tokenize_pooling_prompt(prompt, params)
         self.validate_prompt(prompt_ids, is_pooling=True)
         self.validate_dimensions(params.dimensions)
@@ -172,28 +180,40 @@ class LLMEngine:
         allowed = self.config.model.pooler.matryoshka_dimensions
         hidden_size = self.config.model.hf_config.hidden_size
         if allowed is None:
-            raise ValueError(f"dimensions: this model does not support Matryoshka embeddings, so its vectors "
+            raise InvalidRequestError(f"dimensions: this model does not support Matryoshka embeddings, so its vectors "
                              f"cannot be shortened (its config.json declares neither is_matryoshka nor "
-                             f"matryoshka_dimensions); omit dimensions to get all {hidden_size}")
+                             f"matryoshka_dimensions); omit dimensions to get all {hidden_size}", param="dimensions")
         if allowed and dimensions not in allowed:
-            raise ValueError(f"dimensions {dimensions} is not one this model was trained for: "
-                             f"{', '.join(map(str, allowed))}")
+            raise InvalidRequestError(f"dimensions {dimensions} is not one this model was trained for: "
+                                      f"{', '.join(map(str, allowed))}", param="dimensions")
         if not 1 <= dimensions <= hidden_size:
-            raise ValueError(f"dimensions must be between 1 and the model's {hidden_size}, got {dimensions}")
+            raise InvalidRequestError(f"dimensions must be between 1 and the model's {hidden_size}, got "
+                                      f"{dimensions}", param="dimensions")
 
     def validate_prompt(self, prompt_ids: list[int], is_pooling: bool = False) -> None:
+        """InvalidRequestError (param "prompt") for prompts this model cannot take."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
         if is_pooling and len(prompt_ids) > self.max_model_len:
-            raise ValueError(f"the input is {len(prompt_ids)} tokens long, but this model's maximum input length "
-                             f"is {self.max_model_len} tokens; shorten it or set truncate_prompt_tokens")
+            raise InvalidRequestError(f"the input is {len(prompt_ids)} tokens long, but this model's maximum input "
+                                      f"length is {self.max_model_len} tokens; shorten it or set "
+                                      "truncate_prompt_tokens", param="input")
         if not is_pooling and len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt is {len(prompt_ids)} tokens long, but this model's maximum context "
-                             f"length is {self.max_model_len} tokens (prompt + output); shorten the prompt")
+            raise InvalidRequestError(f"the prompt is {len(prompt_ids)} tokens long, but this model's maximum "
+                                      f"context length is {self.max_model_len} tokens (prompt + output); shorten "
+                                      "the prompt", param="prompt")
+        self._check_token_ids(prompt_ids, "input" if is_pooling else "prompt")
+
+    def validate_token_params(self, params: SamplingParams) -> None:
+        """Token ids in sampling parameters must be in the vocabulary (they index the logits)."""
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self._check_token_ids(list(params.logit_bias or ()), "logit_bias")
+
+    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
         vocab_size = self.config.model.hf_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
         if bad:
-            raise ValueError(f"token id {bad[0]} is out of range [0, {vocab_size})")
+            raise InvalidRequestError(f"{param}: token id {bad[0]} is out of range [0, {vocab_size})", param=param)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
         finals = []
@@ -216,13 +236,73 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """One engine step. A fault in one request's scheduling or post-processing fails that request; a
+        fault in the model step fails the step's requests (blocks freed) and a probe step decides whether the
+        engine goes on (EngineDeadError if the probe fails too). take_failed() reports the failed requests."""
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
+        self._fail_children(self.scheduler.take_failed())
+        try:
+            self.faults.check("step", *sched_out.num_scheduled_tokens)
+            runner_out = self.runner.execute(sched_out)
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail; the probe decides the rest
+            if self._is_probing:
+                raise
+            logger.error("model step failed for %d requests: %s: %s", len(sched_out.num_scheduled_tokens),
+                         type(exc).__name__, exc, exc_info=exc)
+            reason = f"the model step failed: {type(exc).__name__}: {exc}"
+            self._fail_children(dict.fromkeys(sched_out.num_scheduled_tokens, reason))
+            return self._probe_after_fault(reason)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        self._fail_children(self.scheduler.take_failed())
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._fail_parents(self.output_processor.take_failed())
         self.stats = self.scheduler.make_stats()
+        return outputs
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests (ids as given to add_request) failed by an engine fault since the last call -> reason."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """End a request after a fault in its processing: its KV blocks are freed and it is reported."""
+        self.scheduler.finish_requests(self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
+        self.output_processor.abort(request_id)
+        self._failed[request_id] = reason
+
+    def _fail_children(self, reasons: dict[str, str]) -> None:
+        parents: dict[str, str] = {}
+        for child_id, reason in reasons.items():
+            parent_id = self.output_processor.parent_id(child_id)
+            if parent_id is not None:
+                parents.setdefault(parent_id, reason)
+        self._fail_parents(parents)
+
+    def _fail_parents(self, reasons: dict[str, str]) -> None:
+        for request_id, reason in reasons.items():
+            self.fail_request(request_id, reason)
+
+    def _probe_after_fault(self, reason: str) -> list[RequestOutput | PoolingRequestOutput]:
+        """After a failed model step, run a one-token request: if that step works the engine goes on (the
+        outputs of other requests that ran with it are returned); if it fails too, the engine is dead."""
+        self._request_counter += 1
+        probe_id = f"engine-probe-{self._request_counter}"
+        params: SamplingParams | PoolingParams = (PoolingParams() if self.is_pooling
+                                                  else SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        outputs: list[RequestOutput | PoolingRequestOutput] = []
+        self._is_probing = True
+        try:
+            self.add_request(probe_id, {"prompt_token_ids": [0]}, params)
+            while self.output_processor.has_request(probe_id):
+                outputs.extend(o for o in self.step() if o.request_id != probe_id)
+        except Exception as exc:
+            raise EngineDeadError(f"{reason}; the retry step failed too: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._is_probing = False
+        self._failed.pop(probe_id, None)
+        logger.warning("the retry step after a failed model step worked; the engine goes on")
         return outputs
 
 
@@ -322,7 +402,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     threads = args.num_threads or usable_cpu_count()
     if check_memory:
         check_memory_plan(plan)
-    return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan)
+    return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan,
+                        fault_injection=args.fault_injection)
 
 
 def check_engine_args(args: EngineArgs) -> None:
@@ -346,6 +427,7 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ValueError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
     if args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    parse_fault_spec(args.fault_injection)
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,8 @@ from pagedserve.outputs import (CompletionOutput, EmbeddingOutput, Logprob, Logp
                                 RequestMetrics, RequestOutput)
 from pagedserve.pooling_params import PoolingParams, apply_dimensions
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class OutputProcessor:
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
         self.pooling: dict[str, _PoolingState] = {}
+        self.failed: dict[str, str] = {}  # parent request id -> reason, for the engine to fail and report
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests or request_id in self.pooling
@@ -141,14 +145,31 @@ class OutputProcessor:
             state = self.requests.get(parent_id) if parent_id else None
             if state is None:
                 continue
+            try:
+                if self._update_sample(state, state.samples[index], core_out, now):
+                    stopped_children.append(core_out.request_id)
+            except Exception as exc:  # noqa: BLE001 - one request's fault (e.g. detokenizing); the engine fails it
+                logger.error("request %s failed: %s: %s", parent_id, type(exc).__name__, exc, exc_info=exc)
+                self.failed[parent_id] = f"{type(exc).__name__}: {exc}"
+                continue
             touched[parent_id] = state
-            if self._update_sample(state, state.samples[index], core_out, now):
-                stopped_children.append(core_out.request_id)
-        for state in touched.values():
+        for parent_id, state in touched.items():
+            if parent_id in self.failed:
+                continue
             built = self._finish_and_build(state) if state.finished else self._build(state)
             if built is not None:
                 results.append(built)
         return results, stopped_children
+
+    def take_failed(self) -> dict[str, str]:
+        failed, self.failed = self.failed, {}
+        return failed
+
+    def parent_id(self, child_id: str) -> str | None:
+        if child_id in self.pooling:
+            return child_id
+        parent = self.child_to_parent.get(child_id)
+        return parent[0] if parent else None
 
     def _update_sample(self, state: _RequestState, sample: _Sample, core_out: EngineCoreOutput,
                        now: float) -> bool:

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve import __version__
-from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.arg_utils import EngineArgs, RequestLimits
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.startup import StartupTracker
 from pagedserve.entrypoints.openai.errors import APIError, error_body, install_error_handlers
@@ -165,7 +165,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
 
 # ---- process lifecycle -------------------------------------------------------------------------------
-def start_engine(state: ServerState, args: EngineArgs) -> None:
+def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | None = None) -> None:
     """Build the engine (phases tracked on `state.startup`); raises on failure."""
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.metrics import EngineMetrics
@@ -185,7 +185,7 @@ def start_engine(state: ServerState, args: EngineArgs) -> None:
         from pagedserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
         serving_cls = OpenAIServingEmbedding
-    state.serving = serving_cls(state.engine, state.served_model_names, state.max_model_len)
+    state.serving = serving_cls(state.engine, state.served_model_names, state.max_model_len, limits)
 
 
 @dataclass
@@ -196,6 +196,7 @@ class ServeOptions:
     max_body_bytes: int = 8 << 20
     shutdown_grace_s: float = 30.0
     uvicorn_log_level: str = "warning"
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def _make_uvicorn_server(config: Any) -> Any:
@@ -216,6 +217,16 @@ def _make_uvicorn_server(config: Any) -> Any:
     return Server(config)
 
 
+def log_startup_failure(exc: BaseException) -> None:
+    """The type and message; the traceback too, unless it is a refusal whose table and fix were logged already."""
+    from pagedserve.memory.plan import InsufficientMemoryError
+
+    if isinstance(exc, InsufficientMemoryError):
+        logger.error("start-up failed: %s: %s", type(exc).__name__, exc)
+    else:
+        logger.error("start-up failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+
+
 def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker) -> int:
     """Open the port, load the engine in the background, serve until a signal; returns the exit code."""
     import uvicorn
@@ -233,10 +244,10 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
 
     def load() -> None:
         try:
-            start_engine(state, args)
+            start_engine(state, args, options.limits)
         except BaseException as exc:  # noqa: BLE001 - any start-up failure ends the process, visibly
-            logger.error("%s", exc)
-            startup.fail(str(exc))
+            log_startup_failure(exc)
+            startup.fail(f"{type(exc).__name__}: {exc}")
             stop(1)
             return
         state.engine.on_death = lambda exc: stop(1)

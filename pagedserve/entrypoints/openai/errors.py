@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -10,7 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.engine.async_engine import EngineDeadError, QueueFullError
+from pagedserve.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from pagedserve.exceptions import InvalidRequestError
+
+logger = logging.getLogger("pagedserve.server")
 
 RETRY_AFTER_S = 1
 
@@ -19,44 +24,62 @@ class APIError(Exception):
     """An error with its HTTP status, OpenAI `type`, and the offending parameter if any."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, request_id: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
         self.headers = headers
+        self.request_id = request_id  # set on 500s: the id the server's log files the traceback under
 
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           413: "RequestTooLargeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
-          500: "InternalServerError", 503: "ServiceUnavailableError"}
+          499: "ClientClosedRequest", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, HTTPStatus(status).phrase),
-                      "param": param, "code": code if code is not None else status}}
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None,
+               request_id: str | None = None) -> dict:
+    error = {"message": message, "type": _TYPES.get(status) or HTTPStatus(status).phrase, "param": param,
+             "code": code if code is not None else status}
+    if request_id is not None:
+        error["request_id"] = request_id
+    return {"error": error}
+
+
+def api_error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error.message, error.status, error.param, error.code, error.request_id),
+                        status_code=error.status, headers=error.headers)
 
 
 def error_response(message: str, status: int, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
+    return api_error_response(APIError(message, status, param, code, headers))
 
 
 def to_api_error(exc: BaseException) -> APIError:
-    """Map any exception raised while serving a request to an APIError."""
+    """Map any exception raised while serving a request to an APIError: the one place that decides a status.
+
+    Only InvalidRequestError is the client's fault (400, its field as `param`); an unexpected exception
+    is a 500 whose body carries a request id, under which its traceback is logged here.
+    """
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(exc.message, 400, param=exc.param)
     if isinstance(exc, QueueFullError):
         return APIError(f"the server is busy: {exc}; retry later", 429,
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), 503)
-    if isinstance(exc, ValueError):
-        message = str(exc)
-        param = message.split(" ", 1)[0] if message and message.split(" ", 1)[0].isidentifier() else None
-        return APIError(message, 400, param=param)
-    return APIError(f"internal error: {type(exc).__name__}: {exc}", 500)
+    if isinstance(exc, RequestFailedError):  # the engine logged the traceback when the request failed
+        return APIError(f"internal error while serving request {exc.request_id}: {exc.reason}; the server "
+                        "keeps serving other requests", 500, request_id=exc.request_id)
+    request_id = f"err-{uuid.uuid4().hex}"
+    logger.error("internal error, request %s: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+    return APIError(f"internal error (request {request_id}): {type(exc).__name__}: {exc}", 500,
+                    request_id=request_id)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -74,7 +97,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.code, exc.headers)
+        return api_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -90,13 +113,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(str(exc.detail), exc.status_code)
 
     async def _mapped(_: Request, exc: Exception) -> JSONResponse:
-        api_error = to_api_error(exc)
-        return error_response(api_error.message, api_error.status, api_error.param, api_error.code,
-                              api_error.headers)
+        return api_error_response(to_api_error(exc))
 
     # The expected failures get their own handlers: Starlette answers those and keeps the connection.
     # A handler for bare Exception runs in its outermost middleware, which re-raises after answering,
     # and uvicorn then closes the keep-alive connection under the client (a pooled client sees a reset).
-    for expected in (QueueFullError, EngineDeadError, ValueError):
+    for expected in (QueueFullError, EngineDeadError, InvalidRequestError, RequestFailedError):
         app.add_exception_handler(expected, _mapped)
     app.add_exception_handler(Exception, _mapped)  # a real bug: answered as 500, logged, connection closed

@@ -40,10 +40,11 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    request_id: str | None = None  # vLLM's: becomes part of the engine's request id (logs, errors)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
-        """Raises ValueError naming the field for values out of range."""
+        """Raises InvalidRequestError naming the field for values out of range."""
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -52,7 +53,7 @@ class _SamplingFields(BaseModel):
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,  # keys checked by SamplingParams
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,

@@ -13,14 +13,19 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagedserve.engine.arg_utils import RequestLimits
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_error
+from pagedserve.exceptions import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest)
 from pagedserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 _DONE = object()
+# apply_chat_template arguments the server sets itself: a client's chat_template_kwargs may not replace them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                                       "return_dict", "return_tensors", "tools", "documents", "chat_template"})
 
 
 @dataclass
@@ -41,11 +46,13 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_model_len: int) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_model_len: int,
+                 limits: RequestLimits | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
+        self.limits = limits or RequestLimits()
 
     # ---- shared checks ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -67,6 +74,51 @@ class OpenAIServing:
                            "completion). Please reduce the prompt or max_tokens.", 400, param="max_tokens")
         return requested if requested is not None else self.max_model_len - num_prompt
 
+    def _request_id(self, prefix: str, req: Any) -> str:
+        """A fresh id; a client's request_id (vLLM's field) is kept in it, so logs and errors can be matched."""
+        client_id = req.request_id
+        if client_id is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if len(client_id) > self.limits.max_request_id_chars or not client_id.isprintable():
+            raise InvalidRequestError(f"request_id must be printable and at most {self.limits.max_request_id_chars} "
+                                      f"characters, got {len(client_id)}", param="request_id")
+        return f"{prefix}-{client_id}-{uuid.uuid4().hex[:8]}"
+
+    def _check_limits(self, req: Any, prompts: list[_Prompt], max_tokens: list[int]) -> None:
+        """The per-request bounds of RequestLimits, each a 400 naming its field and its flag."""
+        limits = self.limits
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        checks = [
+            (req.n <= limits.max_n, "n", f"n must be at most {limits.max_n} (--max-n), got {req.n}"),
+            (len(stop) <= limits.max_stop_sequences, "stop",
+             f"at most {limits.max_stop_sequences} stop sequences (--max-stop-sequences), got {len(stop)}"),
+            (all(len(s) <= limits.max_stop_sequence_chars for s in stop), "stop",
+             f"stop sequences must be at most {limits.max_stop_sequence_chars} characters "
+             "(--max-stop-sequence-chars)"),
+            (len(req.stop_token_ids or ()) <= limits.max_stop_token_ids, "stop_token_ids",
+             f"at most {limits.max_stop_token_ids} stop_token_ids (--max-stop-token-ids), "
+             f"got {len(req.stop_token_ids or ())}"),
+            (len(req.logit_bias or ()) <= limits.max_logit_bias_entries, "logit_bias",
+             f"at most {limits.max_logit_bias_entries} logit_bias entries (--max-logit-bias-entries), "
+             f"got {len(req.logit_bias or ())}"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequestError(message, param=param)
+        budget = max(limits.max_request_tokens, self.max_model_len)
+        total = sum(req.n * (len(p.token_ids) + m) for p, m in zip(prompts, max_tokens))
+        if total > budget:
+            raise InvalidRequestError(f"this request asks for {total} tokens (n x (prompt + max_tokens) over its "
+                                      f"prompts); the server takes at most {budget} per request "
+                                      "(--max-request-tokens): lower n or max_tokens", param="max_tokens")
+
+    def _validate_for_engine(self, prompts: list[_Prompt], params_list: list[SamplingParams]) -> None:
+        """The engine's own checks (token ids vs vocabulary), run here so a stream starts only if they pass."""
+        llm_engine = self.engine.engine
+        for prompt, params in zip(prompts, params_list):
+            llm_engine.validate_prompt(prompt.token_ids)
+            llm_engine.validate_token_params(params)
+
     async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
@@ -78,6 +130,9 @@ class OpenAIServing:
             raise APIError("prompt must not be empty", 400, param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [_Prompt(None, list(prompt))]
+        if len(prompt) > self.limits.max_prompts_per_request:  # before tokenizing them all
+            raise InvalidRequestError(f"at most {self.limits.max_prompts_per_request} prompts per request "
+                                      f"(--max-prompts-per-request), got {len(prompt)}", param="prompt")
         if all(isinstance(p, str) for p in prompt):
             return [_Prompt(p, await self._tokenize(p)) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
@@ -92,12 +147,12 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of is not supported (only best_of == n)", 400, param="best_of")
         prompts = await self._completion_prompts(req.prompt)
-        params_list = []
-        for prompt in prompts:
-            prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
-            params_list.append(self._params(req, self._max_tokens(prompt, req.max_tokens), req.logprobs,
-                                            prompt_logprobs))
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        max_tokens = [self._max_tokens(prompt, req.max_tokens) for prompt in prompts]
+        self._check_limits(req, prompts, max_tokens)
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
+        params_list = [self._params(req, m, req.logprobs, prompt_logprobs) for m in max_tokens]
+        self._validate_for_engine(prompts, params_list)
+        request_id = self._request_id("cmpl", req)
         streams = self._start(request_id, prompts, params_list)
         if req.stream:
             return _sse(self._completion_stream(request_id, req, prompts, streams))
@@ -106,10 +161,7 @@ class OpenAIServing:
 
     def _params(self, req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                 ) -> SamplingParams:
-        try:
-            params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
-        except ValueError as exc:
-            raise to_api_error(exc) from None
+        params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)  # InvalidRequestError -> 400
         params.output_kind = RequestOutputKind.DELTA
         return params
 
@@ -203,6 +255,10 @@ class OpenAIServing:
             raise APIError("top_logprobs needs logprobs set to true", 400, param="top_logprobs")
         if not req.messages:
             raise APIError("messages must not be empty", 400, param="messages")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ()))
+        if reserved:
+            raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)", 400,
+                           param="chat_template_kwargs")
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict | None = None) -> list[int]:
@@ -223,10 +279,13 @@ class OpenAIServing:
         prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                             req.chat_template_kwargs)
         prompt = _Prompt(None, prompt_ids)
-        max_tokens = self._max_tokens(prompt, req.max_completion_tokens or req.max_tokens)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._max_tokens(prompt, requested)
+        self._check_limits(req, [prompt], [max_tokens])
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, logprobs)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self._validate_for_engine([prompt], [params])
+        request_id = self._request_id("chatcmpl", req)
         streams = self._start(request_id, [prompt], [params])
         if req.stream:
             return _sse(self._chat_stream(request_id, req, prompt, streams))

@@ -70,12 +70,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         if k is not None and k > self.max_model_len:
             raise APIError(f"truncate_prompt_tokens {k} exceeds this model's maximum context length of "
                            f"{self.max_model_len} tokens", 400, param="truncate_prompt_tokens")
-        try:
-            params = PoolingParams(dimensions=req.dimensions, truncate_prompt_tokens=k)
-            self.engine.engine.validate_dimensions(req.dimensions)  # reads the frozen config only
-        except ValueError as exc:
-            param = "dimensions" if str(exc).startswith("dimensions") else "truncate_prompt_tokens"
-            raise APIError(str(exc), 400, param=param) from None
+        params = PoolingParams(dimensions=req.dimensions, truncate_prompt_tokens=k)  # InvalidRequestError -> 400
+        self.engine.engine.validate_dimensions(req.dimensions)  # reads the frozen config only
         return params
 
     async def _embedding_prompts(self, value: Any, truncate_prompt_tokens: int | None) -> list[_Prompt]:

@@ -1,0 +1,34 @@
+"""Typed errors for input that comes from a user (pure Python: imported by the engine and the API)."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot take, named by its field: the API answers it with 400 and `param`.
+
+    A ValueError, so callers of the offline API that catch ValueError keep working; but only this
+    subclass is blamed on the client: any other exception while serving a request is a server fault (500).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped after an error it could not recover from; the server must be restarted."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (a fault while adding, scheduling, running or post-processing
+    it) and keeps serving the others; the traceback was logged under `request_id`."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id} failed: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault-injection hook (engine/faults.py)."""
