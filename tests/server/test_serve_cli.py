@@ -80,51 +80,59 @@ def test_unsupported_flags_fail_at_start(tiny_model_dir, flags, word):
 
 
 def test_sigterm_lets_in_flight_request_finish(tiny_model_dir, tmp_path):
+    # Passive OpenMP waits: on a box whose cores another process keeps busy, spinning threads can make
+    # 400 tokens outlast the 30 s grace period (cli/common.py measured 1.8 tok/s spin vs 6.9 passive).
     server = start_server(tiny_model_dir("llama"), "--max-model-len", "512", "--dtype", "float32",
-                          log_dir=tmp_path)
+                          "--omp-wait-policy", "passive", log_dir=tmp_path)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
-    result: dict = {}
-
-    def long_request() -> None:
-        result["reply"] = client.completions.create(model=model, prompt="go", max_tokens=400,
-                                                    extra_body={"ignore_eos": True})
-
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    time.sleep(0.5)  # the request is generating
+    stream = client.completions.create(model=model, prompt="go", max_tokens=400, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)  # the request is generating: SIGTERM now lands while it is in flight
     server.process.send_signal(signal.SIGTERM)
-    thread.join(60)
-    assert result["reply"].usage.completion_tokens == 400
+    rest = list(chunks)
+    assert first.choices and rest[-1].usage.completion_tokens == 400
     assert server.process.wait(30) == 0
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{server.url}/health", timeout=2)
 
 
 def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
+    """One request running and one waiting fill a queue of 1 + 1; every request past them gets 429."""
+    from tests.server.test_api import metric_value
+
     server = start_server(tiny_model_dir("llama"), "--max-model-len", "512", "--max-num-seqs", "1",
-                          "--max-waiting-requests", "1", log_dir=tmp_path)
-    body = {"prompt": "busy", "max_tokens": 120, "ignore_eos": True}
+                          "--max-waiting-requests", "1", "--omp-wait-policy", "passive", log_dir=tmp_path)
+    body = {"prompt": "busy", "max_tokens": 500, "ignore_eos": True, "stream": True}
     try:
         with httpx.Client(timeout=120) as http:
-            results: list = []
-
-            def send() -> None:
-                results.append(http.post(f"{server.url}/v1/completions", json=body))
-
-            threads = [threading.Thread(target=send) for _ in range(6)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(120)
-            statuses = sorted(r.status_code for r in results)
-            assert statuses.count(200) == 2, statuses  # one running + one waiting
-            rejected = [r for r in results if r.status_code == 429]
-            assert len(rejected) == 4
-            assert all(r.headers.get("retry-after") for r in rejected)
-            assert all("busy" in r.json()["error"]["message"] for r in rejected)
+            # Streams, so they stay in the engine until closed here: the queue is full for as long as needed.
+            with http.stream("POST", f"{server.url}/v1/completions", json=body) as running, \
+                    http.stream("POST", f"{server.url}/v1/completions", json=body) as waiting:
+                assert running.status_code == waiting.status_code == 200
+                deadline = time.monotonic() + 60
+                while (metric_value(server, "vllm:num_requests_running"),
+                       metric_value(server, "vllm:num_requests_waiting")) != (1, 1):
+                    assert time.monotonic() < deadline, "the two requests never filled the queue"
+                    time.sleep(0.05)
+                results: list = []
+                threads = [threading.Thread(target=lambda: results.append(
+                    http.post(f"{server.url}/v1/completions", json={**body, "stream": False}))) for _ in range(4)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join(120)
+            assert sorted(r.status_code for r in results) == [429] * 4
+            assert all(r.headers.get("retry-after") for r in results)
+            assert all("busy" in r.json()["error"]["message"] for r in results)
             # an expected refusal is answered, not logged as a crash (which also drops the keep-alive connection)
             assert "Exception in ASGI application" not in server.log()
+            deadline = time.monotonic() + 30  # the closed streams are aborted; then the queue has room again
+            while metric_value(server, "vllm:num_requests_running") + metric_value(
+                    server, "vllm:num_requests_waiting") > 0:
+                assert time.monotonic() < deadline, "closing the streams did not abort their requests"
+                time.sleep(0.05)
             ok = http.post(f"{server.url}/v1/completions", json={"prompt": "again", "max_tokens": 3})
             assert ok.status_code == 200
     finally:
