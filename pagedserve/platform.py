@@ -40,11 +40,10 @@ def canonical_dtype_name(name: str) -> str:
 def resolve_dtype(requested: str, device: str, model_dtype: str | None) -> str:
     """Pick the serving dtype; `auto` means the fastest one that is numerically safe here.
 
-    Rule (measured with benchmarks/ on a Zen 5 with AVX512-BF16, torch 2.13): on CPUs with native bf16
-    instructions (avx512_bf16 or amx_bf16) bf16 matmuls stream half the bytes and run ~1.4x faster than
-    fp32 at batch 1, so `auto` -> bfloat16; without them bf16 is emulated and slower than fp32, so
-    `auto` -> float32. On CUDA: the checkpoint's 16-bit dtype, float16 for float32 checkpoints
-    (bfloat16 where the device supports it).
+    On a CPU: the rule of `memory.probe.choose_cpu_dtype` (bfloat16 where the CPU has bf16 dot products
+    or pagedserve's native kernels run, which compute bf16 weights in float32; else float32; measured per
+    CPU class in benchmarks/RESULTS.md). On CUDA: the checkpoint's 16-bit dtype, float16 for float32
+    checkpoints (bfloat16 where the device supports it).
     """
     if requested != "auto":
         return canonical_dtype_name(requested)
@@ -52,7 +51,9 @@ def resolve_dtype(requested: str, device: str, model_dtype: str | None) -> str:
         if model_dtype in ("bfloat16", "float16"):
             return model_dtype
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return fast_cpu_dtype(cpu_flags())
+    from pagedserve.kernels import cpu_kernels
+
+    return fast_cpu_dtype(cpu_flags(), native_kernels=cpu_kernels() is not None)
 
 
 def configure_threads(num_threads: int) -> None:

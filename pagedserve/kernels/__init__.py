@@ -1,8 +1,10 @@
 """Native CPU kernels (cpu_kernels.c), built once per machine with the system C compiler and cached.
 
 `cpu_kernels()` returns the loaded library wrapped for torch tensors, or None when it cannot be used
-here: not an x86 CPU with AVX-512, no C compiler, or PAGEDSERVE_CPU_KERNELS=0. Callers then keep the
-torch path, which is also the reference the tests compare these kernels against.
+here: not an x86 CPU with AVX-512 (F, BW, VNNI) or AVX2 + FMA + F16C, no C compiler, or
+PAGEDSERVE_CPU_KERNELS=0. Callers then keep the torch path, which is also the reference the tests
+compare these kernels against. The instruction set is chosen once, where the library is compiled
+(`-march=native`), and reported by `CpuKernels.isa`.
 
 The build is `cc -O3 -march=native -fopenmp -shared` on one small C file (under a second); the result
 is cached under the pagedserve cache directory, keyed by the source, the compiler and the CPU, so a
@@ -38,6 +40,8 @@ _INT = ctypes.c_int
 _F32 = ctypes.c_float
 _SIGNATURES = {
     "ps_isa": ((), _INT),
+    "ps_bf16_block": ((), _INT),
+    "ps_has_bf16_dot": ((), _INT),
     "ps_advise_huge": ((_P, _I64), _I64),
     "ps_linear_i8": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
     "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), _INT),
@@ -51,6 +55,7 @@ _SIGNATURES = {
                          _F32, _F32, _INT, _INT), None),
 }
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+ISA_NAMES = {512: "avx512", 256: "avx2"}  # ps_isa() -> name; 0: neither, the torch path runs
 HUGE_PAGE = 2 << 20
 
 
@@ -104,6 +109,11 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes = args
             fn.restype = result
+        self.isa = ISA_NAMES[lib.ps_isa()]
+        self.bf16_block = lib.ps_bf16_block()  # outputs per block of the packed bf16 layout
+        # Rows up to which int8 linears run the int8 kernel (None: every batch size); above it they
+        # dequantize and run one dense bf16 matmul, faster only where the CPU has bf16 dot products.
+        self.int8_max_rows = 32 if lib.ps_has_bf16_dot() else None
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -153,22 +163,25 @@ class CpuKernels:
         return qweight.sum(dim=1, dtype=torch.int32)
 
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
-        """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/64, K/2, 64, 2] (zero rows pad N). K must be even."""
+        """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/NB, K/2, NB, 2] (zero rows pad N), NB =
+        `bf16_block` (64 with AVX512-BF16, 16 on AVX2). K must be a multiple of 16."""
         n, k = weight.shape
         weight = weight.contiguous()
-        packed = self.weight_buffer(-(-n // 64), k // 2, 64, 2, dtype=weight.dtype)
+        nb = self.bf16_block
+        packed = self.weight_buffer(-(-n // nb), k // 2, nb, 2, dtype=weight.dtype)
         self.lib.ps_pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k, self._threads())
         return packed
 
     @staticmethod
     def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """The inverse of `pack_bf16`: [N, K]."""
-        blocks, pairs = packed.shape[:2]
-        return packed.permute(0, 2, 1, 3).reshape(blocks * 64, pairs * 2)[:out_features]
+        blocks, pairs, nb = packed.shape[:3]
+        return packed.permute(0, 2, 1, 3).reshape(blocks * nb, pairs * 2)[:out_features]
 
     @property
     def has_bf16_linear(self) -> bool:
-        """The CPU has AVX512-BF16 (the library reports it by refusing an empty call)."""
+        """The library runs bf16 linears (every ISA it builds for has one: vdpbf16ps where AVX512-BF16
+        exists, bf16 widened to float32 in registers elsewhere)."""
         return bool(self.lib.ps_linear_bf16(None, None, None, None, 0, 0, 0, 1))
 
     def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -271,16 +284,17 @@ def _load() -> tuple[CpuKernels | None, str]:
     if not envs.cpu_kernels_enabled():
         return None, "disabled by PAGEDSERVE_CPU_KERNELS=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"written for x86-64 with AVX-512; this is {platform.machine()}"
+        return None, f"written for x86-64 (AVX-512 or AVX2); this is {platform.machine()}"
     try:
         try:
             path = build()
         except OSError:  # a read-only cache directory: build for this process only
             path = build(cache_root=Path(tempfile.gettempdir()) / "pagedserve")
         lib = ctypes.CDLL(str(path))
-        if lib.ps_isa() != 512:
-            return None, "this CPU lacks AVX-512 (F, BW and VNNI are needed)"
-        return CpuKernels(lib, path), f"loaded {path}"
+        if lib.ps_isa() not in ISA_NAMES:
+            return None, "this CPU has neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C"
+        kernels = CpuKernels(lib, path)
+        return kernels, f"loaded {path} ({kernels.isa})"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"could not build or load them: {exc}"
 

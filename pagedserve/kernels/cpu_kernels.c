@@ -1,9 +1,21 @@
 /* pagedserve's native CPU kernels: the small-batch hot paths between (and inside) the big matmuls.
  *
- * Plain C with AVX-512 intrinsics and OpenMP, no torch headers: it builds in well under a second with
- * the system compiler (pagedserve/kernels/__init__.py builds it once per machine and caches it) and is
- * called through ctypes with raw pointers. OpenMP comes from the libgomp that torch already loaded,
- * so these kernels and torch's share one thread pool.
+ * Plain C with SIMD intrinsics and OpenMP, no torch headers: it builds in well under a second with the
+ * system compiler (pagedserve/kernels/__init__.py builds it once per machine with -march=native and
+ * caches it) and is called through ctypes with raw pointers. OpenMP comes from the libgomp that torch
+ * already loaded, so these kernels and torch's share one thread pool.
+ *
+ * Layout of this file: one kernel body for every instruction set, over a thin per-ISA layer.
+ *   1. The ISA layer: a float vector type `vf` of VL lanes and a few inline helpers (load/store in the
+ *      activation dtype, bf16 rounding, fma, exp, horizontal sums). AVX-512 (F, BW, VNNI; VL 16) and
+ *      AVX2 + FMA + F16C (VL 8) today; the compiler's -march=native picks one at build time and
+ *      `ps_isa()` reports which, so the choice is made once, where the library is built.
+ *   2. Per-ISA matmul micro-kernels, the only code that is more than helpers: the int8 block product
+ *      (vpdpbusd on AVX-512 VNNI; vpmaddwd on AVX2) and the bf16 tile (vdpbf16ps where AVX512-BF16
+ *      exists; elsewhere bf16 widened to float32 in registers and fused multiply-adds).
+ *   3. The kernels themselves (linears, RMSNorm, SiLU x up, rotary + KV write, paged decode attention,
+ *      the decode stack), written once over the helpers.
+ * A new ISA (ARM NEON/SVE, ...) is a new section 1 (and optionally a faster section 2).
  *
  * Tensors are row-major. `bf16` flags say whether activations are bfloat16 (else float32). Rounding
  * follows transformers' order of operations in the model dtype (see each function), so outputs match
@@ -32,20 +44,56 @@ int64_t ps_advise_huge(void *p, int64_t bytes) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PS_ISA 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PS_ISA 256
+#else
+#define PS_ISA 0
+#endif
+
+/* 512: AVX-512 (F, BW, VNNI); 256: AVX2 + FMA + F16C; 0: neither (pagedserve keeps the torch path). */
+int ps_isa(void) { return PS_ISA; }
+
+#if PS_ISA
 #include <immintrin.h>
 
-int ps_isa(void) { return 512; }
+/* ==== 1. the ISA layer ================================================================================ */
 
-/* ---- bf16 <-> fp32 ---------------------------------------------------------------------------------- */
+#if PS_ISA == 512
+#define VL 16
+typedef __m512 vf;
 
-static inline __m512 load16(const void *p, int bf16) {
-  if (bf16)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset1(float a) { return _mm512_set1_ps(a); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  /* a * b + c, one rounding */
+static inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  /* c - a * b, one rounding */
+static inline vf vloadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstoref(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vmaxr(vf v) { return _mm512_reduce_max_ps(v); }
+static inline __mmask16 first_lanes(int64_t n) { return (__mmask16)((1u << n) - 1); }
+/* The first n (< VL) floats at p, zeros after; stores write only the first n lanes. */
+static inline vf vloadf_part(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
+static inline void vstoref_part(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
+static inline vf vkeep(vf v, int64_t n) { return _mm512_maskz_mov_ps(first_lanes(n), v); }  /* lanes >= n -> 0 */
+
+static inline vf vbf16(__m256i h) {  /* 16 bf16 -> float32 */
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline vf vload(const void *p, int bf16) {
+  if (bf16) return vbf16(_mm256_loadu_si256((const __m256i *)p));
   return _mm512_loadu_ps((const float *)p);
 }
 
 /* Round to nearest even, as torch does (NaN stays NaN). */
-static inline __m256i to_bf16x16(__m512 v) {
+static inline __m256i to_bf16(vf v) {
   __m512i bits = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
@@ -53,26 +101,141 @@ static inline __m256i to_bf16x16(__m512 v) {
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(rounded);
 }
-
-static inline void store16(void *p, __m512 v, int bf16) {
+static inline void vstore(void *p, vf v, int bf16) {
   if (bf16)
-    _mm256_storeu_si256((__m256i *)p, to_bf16x16(v));
+    _mm256_storeu_si256((__m256i *)p, to_bf16(v));
   else
     _mm512_storeu_ps((float *)p, v);
 }
-
 /* v rounded to the activation dtype and back (a no-op for float32). */
-static inline __m512 round_dtype(__m512 v, int bf16) {
-  if (!bf16) return v;
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+static inline vf vround(vf v, int bf16) { return bf16 ? vbf16(to_bf16(v)) : v; }
+
+static inline vf vround_int(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  /* p * 2^n */
+#define EXP_HI 88.3762626647949f
+
+/* The VL horizontal sums of v[0..VL-1] as one vector (lane j = sum of v[j]'s lanes): pairs of vectors
+ * are folded with unpacks, then 128-bit lanes with shuffles, ~45 instructions instead of 16 reductions. */
+static inline vf vhsum_lanes(const vf v[VL]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  /* per 128-bit lane: the lane's partial sums of v[4i .. 4i+3] */
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  /* add the four 128-bit lanes: lane k of the result holds the totals of v[4k .. 4k+3] */
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
+
+#else  /* PS_ISA == 256: AVX2 + FMA + F16C */
+#define VL 8
+typedef __m256 vf;
+
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset1(float a) { return _mm256_set1_ps(a); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf vloadf(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstoref(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline float vsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vmaxr(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+static inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vf vloadf_part(const float *p, int64_t n) { return _mm256_maskload_ps(p, first_lanes(n)); }
+static inline void vstoref_part(float *p, vf v, int64_t n) { _mm256_maskstore_ps(p, first_lanes(n), v); }
+static inline vf vkeep(vf v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(first_lanes(n))); }
+
+static inline vf vbf16(__m128i h) {  /* 8 bf16 -> float32 */
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline vf vload(const void *p, int bf16) {
+  if (bf16) return vbf16(_mm_loadu_si128((const __m128i *)p));
+  return _mm256_loadu_ps((const float *)p);
+}
+/* Round to nearest even, as torch does (NaN stays NaN); the result's top 16 bits are the bf16 value. */
+static inline __m256i round_bits(vf v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+}
+static inline __m128i to_bf16(vf v) {
+  const __m256i r = _mm256_srli_epi32(round_bits(v), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+static inline void vstore(void *p, vf v, int bf16) {
+  if (bf16)
+    _mm_storeu_si128((__m128i *)p, to_bf16(v));
+  else
+    _mm256_storeu_ps((float *)p, v);
+}
+static inline vf vround(vf v, int bf16) {
+  if (!bf16) return v;
+  return _mm256_castsi256_ps(_mm256_and_si256(round_bits(v), _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline vf vround_int(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) {  /* p * 2^n for integral n in [-126, 127]: n added to the exponent */
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#define EXP_HI 88.0f  /* keeps n <= 127 for vscale2 (expf(88) = 1.65e38) */
+
+/* lane j = sum of v[j]'s lanes, by three rounds of horizontal adds and one exchange of 128-bit halves. */
+static inline vf vhsum_lanes(const vf v[VL]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+
+/* exp for float32 lanes: 2^n * p(r) with r in [-ln2/2, ln2/2], degree-6 polynomial (~1 ulp);
+ * inputs below -87.3 give 0, as expf does. */
+static inline vf vexp(vf x) {
+  const vf log2e = vset1(1.44269504088896341f);
+  const vf ln2_hi = vset1(0.693359375f), ln2_lo = vset1(-2.12194440e-4f);
+  x = vmax(vmin(x, vset1(EXP_HI)), vset1(-87.3365478515625f));
+  const vf n = vround_int(vmul(x, log2e));
+  vf r = vfnma(n, ln2_hi, x);
+  r = vfnma(n, ln2_lo, r);
+  vf p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vscale2(p, n);
+}
+
+/* ---- scalar helpers (every ISA) ---------------------------------------------------------------------- */
 
 static inline float scalar_round(float v, int bf16) {
   if (!bf16) return v;
   uint32_t u;
   memcpy(&u, &v, 4);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return v;  /* NaN stays NaN */
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;  /* round to nearest even, as to_bf16x16 */
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;  /* round to nearest even, as to_bf16 */
   memcpy(&v, &u, 4);
   return v;
 }
@@ -85,48 +248,68 @@ static inline float load1(const void *base, int64_t index, int bf16) {
   return f;
 }
 
+/* Store v (already representable in the activation dtype) at base[index]. */
+static inline void store1(void *base, int64_t index, float v, int bf16) {
+  if (!bf16) {
+    ((float *)base)[index] = v;
+    return;
+  }
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  ((uint16_t *)base)[index] = (uint16_t)(u >> 16);
+}
+
 static inline const char *at(const void *base, int64_t index, int bf16) {
   return (const char *)base + index * (bf16 ? 2 : 4);
 }
 
-/* exp for float32 lanes: 2^n * p(r) with r in [-ln2/2, ln2/2], degree-6 polynomial (~1 ulp);
- * inputs below -87.3 give 0, as expf does. */
-static inline __m512 exp16(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+/* ==== 2. per-ISA matmul micro-kernels ================================================================= */
 
-/* ---- weight-only int8 linear ----------------------------------------------------------------------- */
-
-/* Weight-only int8 matmul. Activations are widened exactly enough for the products to stay exact in
- * integers: each row of x becomes int16 with its own scale (max|x| / 32767), i.e. 15 bits where bf16
- * keeps 8, so the added error is below x's own bf16 rounding for every element within 2^7 of the row's
- * largest. The int16 values are split into bytes, x = 256 * hi + lo (lo in 0..255, hi in -128..127), and
- * each byte plane meets the int8 weights in vpdpbusd (unsigned x signed bytes, 64 weights per
+/* Weight-only int8 matmul (ps_linear_i8 below). Activations are widened exactly enough for the products
+ * to stay exact in integers: each row of x becomes int16 with its own scale (max|x| / 32767), i.e. 15
+ * bits where bf16 keeps 8, so the added error is below x's own bf16 rounding for every element within
+ * 2^7 of the row's largest. The weights are int8 in blocks of 4 rows, each block stored
+ * column-chunk-major, q_packed[n / 4][k / 64][n % 4][k % 64], so a block streams as one sequential run.
+ *
+ * i8_prepare turns x [M, K] into what i8_block reads (2 M K bytes) and xs [M] (each row's step);
+ * i8_block gives acc[r][c] = dot(x[m + c], w[r]) (exact integers, as float) for the 4 rows of one
+ * weight block and C (1 or 2) rows of x. */
+#if PS_ISA == 512
+/* AVX-512 VNNI: the int16 values are split into bytes, x = 256 * hi + lo (lo in 0..255, hi in -128..127),
+ * and each byte plane meets the int8 weights in vpdpbusd (unsigned x signed bytes, 64 weights per
  * instruction, no widening of the weights): dot(x, w) = 256 * (dot(hi + 128, w) - 128 * sum(w)) + dot(lo, w),
  * with sum(w) per row computed at load. Two instructions per 64 weights and row of x: at batch 1 this
  * is what keeps the kernel at memory speed on the 2-core Zen 5 (widening to int16 and vpdpwssd took four,
- * and was compute-bound once the bandwidth rose). int32 lanes are flushed to float32 every 8192
- * columns (8192 / 4 * 4 * 255 * 127 < 2^31). */
+ * and was compute-bound once the bandwidth rose). int32 lanes are flushed every 8192 columns
+ * (8192 / 4 * 4 * 255 * 127 < 2^31). Planes: hi [M, K] (+ 128) then lo [M, K]. */
 #define I8_SEGMENT 8192
 
-/* acc[r][c] = dot(x[c], w[r]) for 4 weight rows and C (1 or 2) rows of x; w is one block of the layout
- * q_packed[n / 4][k / 64][n % 4][k % 64]; xhi/xlo are the byte planes of x (hi already + 128). */
-static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const uint8_t *const xhi[2],
-                                                           const uint8_t *const xlo[2], const int32_t *wsum,
-                                                           int64_t K, const int C, float acc[4][2]) {
+static void i8_prepare(const void *x, int64_t M, int64_t K, int bf16, uint8_t *planes, float *xs) {
+  uint8_t *xhi = planes, *xlo = planes + M * K;
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(vload(at(x, m * K + k, bf16), bf16)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    xs[m] = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    const __m512 inv = _mm512_set1_ps(1.0f / xs[m]);
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(vload(at(x, m * K + k, bf16), bf16), inv));  /* nearest */
+      const __m512i hi = _mm512_add_epi32(_mm512_srai_epi32(v, 8), _mm512_set1_epi32(128));
+      _mm_storeu_si128((__m128i *)(xhi + m * K + k), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128((__m128i *)(xlo + m * K + k), _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(0xFF))));
+    }
+  }
+}
+
+static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const uint8_t *planes, int64_t M,
+                                                           int64_t m, const int C, const int32_t *wsum,
+                                                           int64_t K, float acc[4][2]) {
+  const uint8_t *xhi[2], *xlo[2];
+  for (int c = 0; c < 2; ++c) {
+    const int64_t row = m + (c < C ? c : 0);
+    xhi[c] = planes + row * K;
+    xlo[c] = planes + M * K + row * K;
+  }
   int64_t total[4][2] = {{0}};  /* exact: the byte planes recombine in 64-bit integers */
   for (int64_t k0 = 0; k0 < K; k0 += I8_SEGMENT) {
     const int64_t k1 = K - k0 < I8_SEGMENT ? K : k0 + I8_SEGMENT;
@@ -152,65 +335,72 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
     for (int c = 0; c < C; ++c) acc[r][c] = (float)(total[r][c] - 32768 * (int64_t)wsum[r]);  /* 256 * 128 * sum(w) */
 }
 
-/* y[m, n] = round(scale[n] * sum_k x[m, k] * q[n, k]) (+ bias[n], rounded again, as `F.linear` then
- * `+ bias` would in the model dtype). x, y, bias: activation dtype; scale float32 [N]; wsum int32 [N]
- * (sum of each row's int8 values). q is int8 in blocks of 4 rows, each block stored column-chunk-major:
- * q_packed[n / 4][k / 64][n % 4][k % 64] (rows padded to a multiple of 4 with zeros), so a block streams
- * from memory as one sequential run (4 short rows read side by side left the prefetchers idle: 17 GB/s
- * instead of ~30). Made for small M (decode). K % 64 == 0. */
-void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
-                  void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
-  uint8_t *xhi = (uint8_t *)malloc((size_t)(M * K)), *xlo = (uint8_t *)malloc((size_t)(M * K));
-  float *xs = (float *)malloc(sizeof(float) * (size_t)M);
+#else  /* AVX2 */
+/* AVX2: the int16 activations meet the weights widened to int16 (vpmovsxbw) in vpmaddwd: 16 weights per
+ * instruction, exact (each int32 lane adds two products of at most 32767 * 128). vpmaddubsw (bytes)
+ * would saturate on the unsigned x signed byte planes. int32 lanes are flushed every 2048 columns
+ * (2048 / 8 * 2 * 32767 * 128 < 2^31). No weight-sum correction: both sides are signed. x: int16 [M, K]. */
+#define I8_SEGMENT 2048
+
+static void i8_prepare(const void *x, int64_t M, int64_t K, int bf16, uint8_t *planes, float *xs) {
+  int16_t *xq = (int16_t *)planes;
   for (int64_t m = 0; m < M; ++m) {
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(at(x, m * K + k, bf16), bf16)));
-    const float amax = _mm512_reduce_max_ps(mx);
+    vf mx = vzero();
+    for (int64_t k = 0; k < K; k += VL) mx = vmax(mx, vabs(vload(at(x, m * K + k, bf16), bf16)));
+    const float amax = vmaxr(mx);
     xs[m] = amax > 0.0f ? amax / 32767.0f : 1.0f;
-    const __m512 inv = _mm512_set1_ps(1.0f / xs[m]);
+    const vf inv = vset1(1.0f / xs[m]);
     for (int64_t k = 0; k < K; k += 16) {
-      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(at(x, m * K + k, bf16), bf16), inv));  /* nearest */
-      const __m512i hi = _mm512_add_epi32(_mm512_srai_epi32(v, 8), _mm512_set1_epi32(128));
-      _mm_storeu_si128((__m128i *)(xhi + m * K + k), _mm512_cvtepi32_epi8(hi));
-      _mm_storeu_si128((__m128i *)(xlo + m * K + k), _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(0xFF))));
+      const __m256i a = _mm256_cvtps_epi32(vmul(vload(at(x, m * K + k, bf16), bf16), inv));  /* nearest */
+      const __m256i b = _mm256_cvtps_epi32(vmul(vload(at(x, m * K + k + 8, bf16), bf16), inv));
+      /* packs works per 128-bit half: restore the order of the 16 values */
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+      _mm256_storeu_si256((__m256i *)(xq + m * K + k), packed);
     }
   }
-  #pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t n = 0; n < N; n += 4) {
-    const int64_t rows = N - n < 4 ? N - n : 4;
-    const int8_t *w = q + n * K;
-    int32_t sums[4] = {0, 0, 0, 0};
-    for (int r = 0; r < rows; ++r) sums[r] = wsum[n + r];
-    for (int64_t m = 0; m < M; m += 2) {
-      const int two = M - m > 1;
-      const uint8_t *hi[2] = {xhi + m * K, xhi + (m + two) * K}, *lo[2] = {xlo + m * K, xlo + (m + two) * K};
-      float acc[4][2];
-      if (two) i8_block(w, hi, lo, sums, K, 2, acc);
-      else i8_block(w, hi, lo, sums, K, 1, acc);
-      for (int c = 0; c <= two; ++c) {
-        for (int r = 0; r < rows; ++r) {
-          float v = scalar_round(xs[m + c] * scale[n + r] * acc[r][c], bf16);
-          if (bias) v = scalar_round(v + load1(bias, n + r, bf16), bf16);
-          const int64_t i = (m + c) * N + n + r;
-          if (bf16) {
-            uint32_t u;
-            memcpy(&u, &v, 4);
-            ((uint16_t *)y)[i] = (uint16_t)(u >> 16);  /* v already holds a bf16 value */
-          } else {
-            ((float *)y)[i] = v;
-          }
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const uint8_t *planes, int64_t M,
+                                                           int64_t m, const int C, const int32_t *wsum,
+                                                           int64_t K, float acc[4][2]) {
+  (void)M; (void)wsum;
+  const int16_t *xr[2];
+  for (int c = 0; c < 2; ++c) xr[c] = (const int16_t *)planes + (m + (c < C ? c : 0)) * K;
+  int64_t total[4][2] = {{0}};
+  for (int64_t k0 = 0; k0 < K; k0 += I8_SEGMENT) {
+    const int64_t k1 = K - k0 < I8_SEGMENT ? K : k0 + I8_SEGMENT;
+    __m256i a[4][2];
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k += 64) {
+      for (int g = 0; g < 64; g += 16) {
+        __m256i wv[4];
+        for (int r = 0; r < 4; ++r) wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k * 4 + r * 64 + g)));
+        for (int c = 0; c < C; ++c) {
+          const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr[c] + k + g));
+          for (int r = 0; r < 4; ++r) a[r][c] = _mm256_add_epi32(a[r][c], _mm256_madd_epi16(xv, wv[r]));
         }
       }
     }
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < C; ++c) total[r][c] += hsum_epi32(a[r][c]);
   }
-  free(xhi);
-  free(xlo);
-  free(xs);
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = (float)total[r][c];
 }
+#endif
 
-/* ---- bf16 linear ----------------------------------------------------------------------------------- */
-
-#ifdef __AVX512BF16__
+/* bf16 linear (ps_linear_bf16 below): W packed as w[N/NB][K/2][NB][2] (outputs padded to NB with zeros),
+ * so each block of NB outputs streams as one sequential run and needs no horizontal sums. bf16_rows
+ * computes y rows [0, M) against every block. */
+#if PS_ISA == 512 && defined(__AVX512BF16__)
+/* AVX512-BF16: vdpbf16ps multiplies bf16 pairs and accumulates in float32, 32 weights an instruction. */
 #define BF16_NB 64  /* outputs per weight block: 4 vectors of 16 */
 #define BF16_MT 6   /* rows of x per register tile: 24 accumulators */
 
@@ -237,8 +427,187 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *wb, 
   }
 }
 
-/* w [N, K] bf16 -> packed [ceil(N/64), K/2, 64, 2] (rows past N are zeros): the layout below, written
- * in one pass (torch's permuted copy of 2-byte pairs took ~1 s for a 0.5B model's weights). */
+static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                      int64_t M, int64_t N, int64_t K, int nthreads) {
+  const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t nb = 0; nb < blocks; ++nb) {
+    const uint16_t *wb = w + nb * BF16_NB * K;
+    __m512 b[4];
+    __mmask16 keep[4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n0 = nb * BF16_NB + j * 16;
+      const int64_t valid = N - n0 >= 16 ? 16 : (N - n0 > 0 ? N - n0 : 0);
+      keep[j] = (__mmask16)((1u << valid) - 1);
+      b[j] = bias && valid ? vbf16(_mm256_maskz_loadu_epi16(keep[j], bias + n0)) : _mm512_setzero_ps();
+    }
+    for (int64_t m = 0; m < M; m += BF16_MT) {
+      const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
+      __m512 acc[BF16_MT][4];
+      switch (rows) {
+        case 1: bf16_tile(wb, x + m * K, K, 1, acc); break;
+        case 2: bf16_tile(wb, x + m * K, K, 2, acc); break;
+        case 3: bf16_tile(wb, x + m * K, K, 3, acc); break;
+        case 4: bf16_tile(wb, x + m * K, K, 4, acc); break;
+        case 5: bf16_tile(wb, x + m * K, K, 5, acc); break;
+        default: bf16_tile(wb, x + m * K, K, 6, acc); break;
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < 4; ++j)
+          _mm256_mask_storeu_epi16(y + (m + r) * N + nb * BF16_NB + j * 16, keep[j],
+                                   to_bf16(_mm512_add_ps(acc[r][j], b[j])));
+    }
+  }
+}
+/* Where a chunk of 512 rows fits the 1 MiB L2 (K <= 1024) take the rows chunk by chunk: 9728x896 at
+ * M=2048 went from 366 to 434 GFLOP/s. Larger K keeps the whole M (its weight blocks already fill L2). */
+static int64_t bf16_chunk_rows(int64_t M, int64_t K) { return K <= 1024 ? 512 : M; }
+
+#else
+/* No bf16 dot product: each pair of bf16 weights is widened to float32 in registers (the low half of a
+ * 32-bit pair shifted up, the high half masked: two integer ops for 2 VL weights) and meets x, widened
+ * to float32 once per call, in fused multiply-adds. NB = 2 VL outputs a block (one 64-byte line a column
+ * pair on AVX2). Every row of x runs the same sums in the same order whatever the tile, so a row's
+ * output does not depend on the other rows of the batch. */
+#define BF16_NB (2 * VL)
+#define BF16_MT 4  /* rows of x per register tile: 8 accumulators + 4 widened weights + 2 broadcasts */
+
+static inline vf widen_even(const uint32_t *p) {  /* the first bf16 of each 32-bit pair, as float32 */
+#if PS_ISA == 512
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16));
+#else
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)p), 16));
+#endif
+}
+static inline vf widen_odd(const uint32_t *p) {  /* the second bf16 of each pair */
+#if PS_ISA == 512
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32((int)0xFFFF0000u)));
+#else
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p),
+                                              _mm256_set1_epi32((int)0xFFFF0000u)));
+#endif
+}
+
+static inline __attribute__((always_inline)) void bf16_tile(const uint32_t *wb, const float *x, int64_t K,
+                                                            const int MT, vf acc[BF16_MT][2]) {
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = vzero();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    const uint32_t *wk = wb + kp * BF16_NB;
+    const vf e0 = widen_even(wk), o0 = widen_odd(wk), e1 = widen_even(wk + VL), o1 = widen_odd(wk + VL);
+    for (int m = 0; m < MT; ++m) {
+      const vf x0 = vset1(x[m * K + 2 * kp]), x1 = vset1(x[m * K + 2 * kp + 1]);
+      acc[m][0] = vfma(o0, x1, vfma(e0, x0, acc[m][0]));
+      acc[m][1] = vfma(o1, x1, vfma(e1, x0, acc[m][1]));
+    }
+  }
+}
+
+static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                      int64_t M, int64_t N, int64_t K, int nthreads) {
+  const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
+  float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
+  for (int64_t i = 0; i < M * K; i += VL) vstoref(xf + i, vload(x + i, 1));  /* K % VL == 0 */
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t nb = 0; nb < blocks; ++nb) {
+    const uint32_t *wb = (const uint32_t *)(w + nb * BF16_NB * K);
+    float b[BF16_NB];
+    for (int j = 0; j < BF16_NB; ++j) {
+      const int64_t n = nb * BF16_NB + j;
+      b[j] = bias && n < N ? load1(bias, n, 1) : 0.0f;
+    }
+    const int64_t valid = N - nb * BF16_NB < BF16_NB ? N - nb * BF16_NB : BF16_NB;
+    for (int64_t m = 0; m < M; m += BF16_MT) {
+      const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
+      vf acc[BF16_MT][2];
+      switch (rows) {
+        case 1: bf16_tile(wb, xf + m * K, K, 1, acc); break;
+        case 2: bf16_tile(wb, xf + m * K, K, 2, acc); break;
+        case 3: bf16_tile(wb, xf + m * K, K, 3, acc); break;
+        default: bf16_tile(wb, xf + m * K, K, 4, acc); break;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        uint16_t *out = y + (m + r) * N + nb * BF16_NB;
+        const vf s0 = vadd(acc[r][0], vloadf(b)), s1 = vadd(acc[r][1], vloadf(b + VL));
+        if (valid == BF16_NB) {
+          vstore(out, s0, 1);
+          vstore(out + VL, s1, 1);
+        } else {  /* the last, partial block */
+          float tmp[BF16_NB];
+          vstoref(tmp, s0);
+          vstoref(tmp + VL, s1);
+          for (int64_t j = 0; j < valid; ++j) store1(out, j, scalar_round(tmp[j], 1), 1);
+        }
+      }
+    }
+  }
+  free(xf);
+}
+/* Rows in chunks whose float32 copy fits in half of a 512 KiB L2, so it stays there while every weight
+ * block passes over it. Same sums in the same order either way. */
+static int64_t bf16_chunk_rows(int64_t M, int64_t K) {
+  int64_t rows = ((int64_t)256 << 10) / (4 * K) / BF16_MT * BF16_MT;
+  (void)M;
+  return rows < BF16_MT ? BF16_MT : rows;
+}
+#endif
+
+/* ==== 3. the kernels, once for every ISA ============================================================== */
+
+/* ---- weight-only int8 linear ----------------------------------------------------------------------- */
+
+/* y[m, n] = round(scale[n] * sum_k x[m, k] * q[n, k]) (+ bias[n], rounded again, as `F.linear` then
+ * `+ bias` would in the model dtype). x, y, bias: activation dtype; scale float32 [N]; wsum int32 [N]
+ * (sum of each row's int8 values). q is int8 in blocks of 4 rows, each block stored column-chunk-major:
+ * q_packed[n / 4][k / 64][n % 4][k % 64] (rows padded to a multiple of 4 with zeros), so a block streams
+ * from memory as one sequential run (4 short rows read side by side left the prefetchers idle: 17 GB/s
+ * instead of ~30). Made for small M (decode). K % 64 == 0. */
+void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
+                  void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
+  uint8_t *planes = (uint8_t *)malloc((size_t)(2 * M * K));
+  float *xs = (float *)malloc(sizeof(float) * (size_t)M);
+  i8_prepare(x, M, K, bf16, planes, xs);
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t n = 0; n < N; n += 4) {
+    const int64_t rows = N - n < 4 ? N - n : 4;
+    const int8_t *w = q + n * K;
+    int32_t sums[4] = {0, 0, 0, 0};
+    for (int r = 0; r < rows; ++r) sums[r] = wsum[n + r];
+    for (int64_t m = 0; m < M; m += 2) {
+      const int two = M - m > 1;
+      float acc[4][2];
+      if (two) i8_block(w, planes, M, m, 2, sums, K, acc);
+      else i8_block(w, planes, M, m, 1, sums, K, acc);
+      for (int c = 0; c <= two; ++c) {
+        for (int r = 0; r < rows; ++r) {
+          float v = scalar_round(xs[m + c] * scale[n + r] * acc[r][c], bf16);
+          if (bias) v = scalar_round(v + load1(bias, n + r, bf16), bf16);
+          store1(y, (m + c) * N + n + r, v, bf16);
+        }
+      }
+    }
+  }
+  free(planes);
+  free(xs);
+}
+
+/* ---- bf16 linear ----------------------------------------------------------------------------------- */
+
+/* Outputs per block of the packed layout (BF16_NB), for the Python side's pack/unpack. */
+int ps_bf16_block(void) { return BF16_NB; }
+
+/* 1 where the CPU multiplies bf16 natively (AVX512-BF16): there a dense bf16 matmul beats the int8
+ * kernel at prefill sizes, so int8 layers dequantize above a few rows; elsewhere the int8 kernel takes
+ * every batch size (AVX2: ~120 GOP/s at 64-1024 rows vs ~45 for oneDNN's emulated bf16). */
+int ps_has_bf16_dot(void) {
+#ifdef __AVX512BF16__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* w [N, K] bf16 -> packed [ceil(N/NB), K/2, NB, 2] (rows past N are zeros): the layout bf16_rows reads,
+ * written in one pass (torch's permuted copy of 2-byte pairs took ~1 s for a 0.5B model's weights). */
 void ps_pack_bf16(const uint32_t *w, uint32_t *packed, int64_t N, int64_t K, int nthreads) {
   const int64_t blocks = (N + BF16_NB - 1) / BF16_NB, pairs = K / 2;
   #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -256,68 +625,17 @@ void ps_pack_bf16(const uint32_t *w, uint32_t *packed, int64_t N, int64_t K, int
 }
 
 /* y [M, N] = round(x [M, K] @ W^T + bias) in bf16, the bias added in float32 before the one rounding
- * (as torch's and oneDNN's bf16 linear). W is packed as w[N/64][K/2][64][2] (outputs padded to 64
- * with zeros): each block streams as one sequential run, and no horizontal sums are needed.
- * K % 2 == 0. Returns 0 where the CPU lacks AVX512-BF16 (the caller keeps oneDNN). */
-static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                      int64_t M, int64_t N, int64_t K, int nthreads);
-
+ * (as torch's and oneDNN's bf16 linear); W packed by ps_pack_bf16. K % 16 == 0. Prefill-sized M is taken
+ * in chunks of rows (bf16_chunk_rows) so that x stays in L2 while the weight blocks pass over it.
+ * Returns 1 (0 meant "no bf16 kernel on this CPU" before every ISA had one). */
 int ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                    int64_t M, int64_t N, int64_t K, int nthreads) {
-  /* Prefill-sized M: every weight block meets all M rows of x, so x is re-read once per block of 64
-   * outputs. Where a chunk of 512 rows fits the 1 MiB L2 (K <= 1024) take the rows chunk by chunk:
-   * 9728x896 at M=2048 went from 366 to 434 GFLOP/s. Larger K keeps the whole M (its weight blocks
-   * already fill L2; chunking measured slower). Same sums in the same order either way. */
-  const int64_t chunk = K <= 1024 ? 512 : M;
+  if (M <= 0) return 1;
+  const int64_t chunk = bf16_chunk_rows(M, K);
   for (int64_t m = 0; m < M; m += chunk)
     bf16_rows(x + m * K, w, bias, y + m * N, M - m < chunk ? M - m : chunk, N, K, nthreads);
   return 1;
 }
-
-static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                      int64_t M, int64_t N, int64_t K, int nthreads) {
-  const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
-  #pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t nb = 0; nb < blocks; ++nb) {
-    const uint16_t *wb = w + nb * BF16_NB * K;
-    __m512 b[4];
-    __mmask16 keep[4];
-    for (int j = 0; j < 4; ++j) {
-      const int64_t n0 = nb * BF16_NB + j * 16;
-      const int64_t valid = N - n0 >= 16 ? 16 : (N - n0 > 0 ? N - n0 : 0);
-      keep[j] = (__mmask16)((1u << valid) - 1);
-      b[j] = bias && valid ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                 _mm256_maskz_loadu_epi16(keep[j], bias + n0)), 16))
-                           : _mm512_setzero_ps();
-    }
-    for (int64_t m = 0; m < M; m += BF16_MT) {
-      const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
-      __m512 acc[BF16_MT][4];
-      switch (rows) {
-        case 1: bf16_tile(wb, x + m * K, K, 1, acc); break;
-        case 2: bf16_tile(wb, x + m * K, K, 2, acc); break;
-        case 3: bf16_tile(wb, x + m * K, K, 3, acc); break;
-        case 4: bf16_tile(wb, x + m * K, K, 4, acc); break;
-        case 5: bf16_tile(wb, x + m * K, K, 5, acc); break;
-        default: bf16_tile(wb, x + m * K, K, 6, acc); break;
-      }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int j = 0; j < 4; ++j)
-          _mm256_mask_storeu_epi16(y + (m + r) * N + nb * BF16_NB + j * 16, keep[j],
-                                   to_bf16x16(_mm512_add_ps(acc[r][j], b[j])));
-    }
-  }
-}
-#else
-void ps_pack_bf16(const uint32_t *w, uint32_t *packed, int64_t N, int64_t K, int nthreads) {
-  (void)w; (void)packed; (void)N; (void)K; (void)nthreads;
-}
-int ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                   int64_t M, int64_t N, int64_t K, int nthreads) {
-  (void)x; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
-  return 0;
-}
-#endif
 
 /* ---- RMSNorm, optionally fused with the residual add ----------------------------------------------- */
 
@@ -328,20 +646,20 @@ void ps_rms_norm(const void *x, const void *residual, void *residual_out, const 
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
   for (int64_t m = 0; m < M; ++m) {
     const void *xr = at(x, m * H, bf16);
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t k = 0; k < H; k += 16) {
-      __m512 h = load16(at(xr, k, bf16), bf16);
+    vf ss = vzero();
+    for (int64_t k = 0; k < H; k += VL) {
+      vf h = vload(at(xr, k, bf16), bf16);
       if (residual) {
-        h = round_dtype(_mm512_add_ps(h, load16(at(residual, m * H + k, bf16), bf16)), bf16);
-        store16((void *)at(residual_out, m * H + k, bf16), h, bf16);
+        h = vround(vadd(h, vload(at(residual, m * H + k, bf16), bf16)), bf16);
+        vstore((void *)at(residual_out, m * H + k, bf16), h, bf16);
       }
-      ss = _mm512_fmadd_ps(h, h, ss);
+      ss = vfma(h, h, ss);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
+    const vf inv = vset1(1.0f / sqrtf(vsum(ss) / (float)H + eps));
     const void *src = residual ? (const void *)at(residual_out, m * H, bf16) : xr;
-    for (int64_t k = 0; k < H; k += 16) {
-      __m512 normed = round_dtype(_mm512_mul_ps(load16(at(src, k, bf16), bf16), inv), bf16);
-      store16((void *)at(out, m * H + k, bf16), _mm512_mul_ps(normed, load16(at(weight, k, bf16), bf16)), bf16);
+    for (int64_t k = 0; k < H; k += VL) {
+      const vf normed = vround(vmul(vload(at(src, k, bf16), bf16), inv), bf16);
+      vstore((void *)at(out, m * H + k, bf16), vmul(normed, vload(at(weight, k, bf16), bf16)), bf16);
     }
   }
 }
@@ -350,14 +668,14 @@ void ps_rms_norm(const void *x, const void *residual, void *residual_out, const 
 
 /* gate_up [M, 2I] (gate first) -> out [M, I] = round(round(silu(gate)) * up). I % 16 == 0. */
 void ps_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int bf16, int nthreads) {
-  const int64_t chunks = I / 16;
+  const int64_t chunks = I / VL;
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t c = 0; c < M * chunks; ++c) {
-    const int64_t m = c / chunks, k = (c % chunks) * 16;
-    __m512 g = load16(at(gate_up, m * 2 * I + k, bf16), bf16);
-    __m512 u = load16(at(gate_up, m * 2 * I + I + k, bf16), bf16);
-    __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    store16((void *)at(out, m * I + k, bf16), _mm512_mul_ps(round_dtype(s, bf16), u), bf16);
+    const int64_t m = c / chunks, k = (c % chunks) * VL;
+    const vf g = vload(at(gate_up, m * 2 * I + k, bf16), bf16);
+    const vf u = vload(at(gate_up, m * 2 * I + I + k, bf16), bf16);
+    const vf s = vdiv(g, vadd(vset1(1.0f), vexp(vsub(vzero(), g))));
+    vstore((void *)at(out, m * I + k, bf16), vmul(vround(s, bf16), u), bf16);
   }
 }
 
@@ -375,15 +693,15 @@ void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache
     const void *c = at(cos, t * D, bf16), *sn = at(sin, t * D, bf16);
     for (int64_t h = 0; h < rotated; ++h) {
       void *x = (void *)at(qkv, (t * H + h) * D, bf16);
-      for (int64_t i = 0; i < half; i += 16) {
-        const __m512 x1 = load16(at(x, i, bf16), bf16), x2 = load16(at(x, half + i, bf16), bf16);
-        const __m512 c1 = load16(at(c, i, bf16), bf16), c2 = load16(at(c, half + i, bf16), bf16);
-        const __m512 s1 = load16(at(sn, i, bf16), bf16), s2 = load16(at(sn, half + i, bf16), bf16);
-        const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
-        const __m512 o1 = _mm512_add_ps(round_dtype(_mm512_mul_ps(x1, c1), bf16), round_dtype(_mm512_mul_ps(neg_x2, s1), bf16));
-        const __m512 o2 = _mm512_add_ps(round_dtype(_mm512_mul_ps(x2, c2), bf16), round_dtype(_mm512_mul_ps(x1, s2), bf16));
-        store16((void *)at(x, i, bf16), o1, bf16);
-        store16((void *)at(x, half + i, bf16), o2, bf16);
+      for (int64_t i = 0; i < half; i += VL) {
+        const vf x1 = vload(at(x, i, bf16), bf16), x2 = vload(at(x, half + i, bf16), bf16);
+        const vf c1 = vload(at(c, i, bf16), bf16), c2 = vload(at(c, half + i, bf16), bf16);
+        const vf s1 = vload(at(sn, i, bf16), bf16), s2 = vload(at(sn, half + i, bf16), bf16);
+        const vf neg_x2 = vsub(vzero(), x2);
+        const vf o1 = vadd(vround(vmul(x1, c1), bf16), vround(vmul(neg_x2, s1), bf16));
+        const vf o2 = vadd(vround(vmul(x2, c2), bf16), vround(vmul(x1, s2), bf16));
+        vstore((void *)at(x, i, bf16), o1, bf16);
+        vstore((void *)at(x, half + i, bf16), o2, bf16);
       }
     }
     const size_t row = (size_t)(Hkv * D) * (bf16 ? 2 : 4);
@@ -394,128 +712,123 @@ void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache
 
 /* ---- paged attention for decode tokens -------------------------------------------------------------- */
 
-/* The 16 horizontal sums of v[0..15] as one vector (lane j = sum of v[j]'s lanes): pairs of vectors are
- * folded with unpacks, then 128-bit lanes with shuffles, ~45 instructions instead of 16 reductions. */
-static inline __m512 hsum16(const __m512 v[16]) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  /* per 128-bit lane: the lane's partial sums of v[4i .. 4i+3] */
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  /* add the four 128-bit lanes: lane k of the result holds the totals of v[4k .. 4k+3] */
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-}
+#define MAX_HEAD_VECS (256 / VL)  /* D <= 256 */
 
-/* acc[0..D) = sum over l < len of weights[l] * V[slot[l], kvh]; NV = D / 16 constant when inlined. */
+/* acc[0..D) = sum over l < len of weights[l] * V[slot[l], kvh]; NV = D / VL constant when inlined, so the
+ * accumulators stay in registers. */
 static inline __attribute__((always_inline)) void weighted_sum(const float *weights, int64_t len, const void *v_cache,
                                                                const int64_t *slot, int64_t Hkv, int64_t kvh,
                                                                int64_t D, int bf16, float *acc, const int NV) {
-  __m512 a[16];
-  for (int i = 0; i < NV; ++i) a[i] = _mm512_setzero_ps();
+  vf a[MAX_HEAD_VECS];
+  for (int i = 0; i < NV; ++i) a[i] = vzero();
   for (int64_t l = 0; l < len; ++l) {
     const void *vp = at(v_cache, (slot[l] * Hkv + kvh) * D, bf16);
-    const __m512 w = _mm512_set1_ps(weights[l]);
-    for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(w, load16(at(vp, i * 16, bf16), bf16), a[i]);
+    const vf w = vset1(weights[l]);
+    for (int i = 0; i < NV; ++i) a[i] = vfma(w, vload(at(vp, i * VL, bf16), bf16), a[i]);
   }
-  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + i * 16, a[i]);
+  for (int i = 0; i < NV; ++i) vstoref(acc + i * VL, a[i]);
 }
 
 static void weighted_sum_any(const float *weights, int64_t len, const void *v_cache, const int64_t *slot,
                              int64_t Hkv, int64_t kvh, int64_t D, int bf16, float *acc) {
-  for (int64_t i = 0; i < D; i += 16) {
-    __m512 a = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += VL) {
+    vf a = vzero();
     for (int64_t l = 0; l < len; ++l)
-      a = _mm512_fmadd_ps(_mm512_set1_ps(weights[l]), load16(at(v_cache, (slot[l] * Hkv + kvh) * D + i, bf16), bf16), a);
-    _mm512_storeu_ps(acc + i, a);
+      a = vfma(vset1(weights[l]), vload(at(v_cache, (slot[l] * Hkv + kvh) * D + i, bf16), bf16), a);
+    vstoref(acc + i, a);
   }
+}
+
+/* scores s[0..len) = scale * q . K[slot[l], kvh] and their maximum. VL positions at a time: their VL
+ * dot products are summed horizontally in one go (vhsum_lanes). */
+static float attention_scores(const vf *qv, int64_t nv, const void *k_cache, const int64_t *slot, int64_t len,
+                              int64_t Hkv, int64_t kvh, int64_t D, float scale, int bf16, float *s) {
+  vf mxv = vset1(-INFINITY);
+  int64_t l0 = 0;
+  for (; l0 + VL <= len; l0 += VL) {
+    vf d[VL];
+    for (int j = 0; j < VL; ++j) {
+      const void *kp = at(k_cache, (slot[l0 + j] * Hkv + kvh) * D, bf16);
+      d[j] = vmul(qv[0], vload(kp, bf16));
+      for (int64_t i = 1; i < nv; ++i) d[j] = vfma(qv[i], vload(at(kp, i * VL, bf16), bf16), d[j]);
+    }
+    const vf block = vmul(vhsum_lanes(d), vset1(scale));
+    vstoref(s + l0, block);
+    mxv = vmax(mxv, block);
+  }
+  float mx = vmaxr(mxv);
+  for (int64_t l = l0; l < len; ++l) {
+    const void *kp = at(k_cache, (slot[l] * Hkv + kvh) * D, bf16);
+    vf d = vzero();
+    for (int64_t i = 0; i < nv; ++i) d = vfma(qv[i], vload(at(kp, i * VL, bf16), bf16), d);
+    s[l] = vsum(d) * scale;
+    mx = s[l] > mx ? s[l] : mx;
+  }
+  return mx;
+}
+
+/* s[l] = exp(s[l] - mx) in place; returns 1 / sum. As torch's CPU flash attention: the weights meet V
+ * rounded to the activation dtype and still unnormalised; the float32 sum of the unrounded ones
+ * divides at the end. */
+static float softmax_weights(float *s, int64_t len, float mx, int bf16) {
+  vf sum = vzero();
+  int64_t l = 0;
+  for (; l + VL <= len; l += VL) {
+    const vf e = vexp(vsub(vloadf(s + l), vset1(mx)));
+    vstoref(s + l, e);
+    sum = vadd(sum, e);
+  }
+  if (l < len) {
+    const vf e = vkeep(vexp(vsub(vloadf_part(s + l, len - l), vset1(mx))), len - l);
+    vstoref_part(s + l, e, len - l);
+    sum = vadd(sum, e);
+  }
+  const float inv_sum = 1.0f / vsum(sum);
+  if (bf16) {
+    int64_t l2 = 0;
+    for (; l2 + VL <= len; l2 += VL) vstoref(s + l2, vround(vloadf(s + l2), 1));
+    if (l2 < len) vstoref_part(s + l2, vround(vloadf_part(s + l2, len - l2), 1), len - l2);
+  }
+  return inv_sum;
 }
 
 /* One query token per sequence attends over its context in the paged KV pool.
  * q: [B, Hq, D] with row stride q_stride (elements) between sequences; k_cache/v_cache: [S, Hkv, D];
  * slots: [B, max_len] int64 (slot of each context position); lens: [B]; out: [B, Hq, D] contiguous.
- * Scores, softmax and the weighted sum run in float32, with torch's roundings in bf16 (see below), so
- * greedy tokens stay those of transformers' SDPA path. D % 16 == 0, D <= 256. */
+ * Scores, softmax and the weighted sum run in float32, with torch's roundings in bf16 (see
+ * softmax_weights), so greedy tokens stay those of transformers' SDPA path. D % 16 == 0, D <= 256. */
 void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *slots, const int64_t *lens, void *out, int64_t B, int64_t Hq,
                          int64_t Hkv, int64_t D, int64_t max_len, float scale, int bf16, int nthreads) {
-  const int64_t group = Hq / Hkv, nv = D / 16;
+  const int64_t group = Hq / Hkv, nv = D / VL;
   #pragma omp parallel num_threads(nthreads)
   {
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_len + 16));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_len + VL));
     float *acc = (float *)malloc(sizeof(float) * (size_t)(group * D));
     float *inv_sum = (float *)malloc(sizeof(float) * (size_t)group);
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * Hkv; ++task) {
       const int64_t b = task / Hkv, kvh = task % Hkv, len = lens[b];
       const int64_t *slot = slots + b * max_len;
-      __m512 qv[16][1];  /* one query head at a time: up to 16 vectors (D <= 256) */
       for (int64_t g = 0; g < group; ++g) {
+        vf qv[MAX_HEAD_VECS];  /* one query head at a time */
         const int64_t h = kvh * group + g;
-        for (int64_t i = 0; i < nv; ++i)
-          qv[i][0] = load16(at(q, b * q_stride + h * D + i * 16, bf16), bf16);
+        for (int64_t i = 0; i < nv; ++i) qv[i] = vload(at(q, b * q_stride + h * D + i * VL, bf16), bf16);
         float *s = scores + g * max_len;
-        __m512 mxv = _mm512_set1_ps(-INFINITY);
-        int64_t l0 = 0;
-        for (; l0 + 16 <= len; l0 += 16) {  /* 16 positions: their 16 dot products summed in one go */
-          __m512 d[16];
-          for (int j = 0; j < 16; ++j) {
-            const void *kp = at(k_cache, (slot[l0 + j] * Hkv + kvh) * D, bf16);
-            d[j] = _mm512_mul_ps(qv[0][0], load16(kp, bf16));
-            for (int64_t i = 1; i < nv; ++i) d[j] = _mm512_fmadd_ps(qv[i][0], load16(at(kp, i * 16, bf16), bf16), d[j]);
-          }
-          const __m512 block = _mm512_mul_ps(hsum16(d), _mm512_set1_ps(scale));
-          _mm512_storeu_ps(s + l0, block);
-          mxv = _mm512_max_ps(mxv, block);
-        }
-        float mx = _mm512_reduce_max_ps(mxv);
-        for (int64_t l = l0; l < len; ++l) {
-          const void *kp = at(k_cache, (slot[l] * Hkv + kvh) * D, bf16);
-          __m512 d = _mm512_setzero_ps();
-          for (int64_t i = 0; i < nv; ++i) d = _mm512_fmadd_ps(qv[i][0], load16(at(kp, i * 16, bf16), bf16), d);
-          s[l] = _mm512_reduce_add_ps(d) * scale;
-          mx = s[l] > mx ? s[l] : mx;
-        }
-        __m512 sum = _mm512_setzero_ps();
-        int64_t l = 0;
-        for (; l + 16 <= len; l += 16) {
-          __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), _mm512_set1_ps(mx)));
-          _mm512_storeu_ps(s + l, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        if (l < len) {
-          __mmask16 tail = (__mmask16)((1u << (len - l)) - 1);
-          __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + l), _mm512_set1_ps(mx)));
-          e = _mm512_maskz_mov_ps(tail, e);
-          _mm512_mask_storeu_ps(s + l, tail, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        /* As torch's CPU flash attention: the weights meet V rounded to the activation dtype and still
-         * unnormalised; the float32 sum of the unrounded ones divides at the end. */
-        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
-        if (bf16) {
-          int64_t l2 = 0;
-          for (; l2 + 16 <= len; l2 += 16) _mm512_storeu_ps(s + l2, round_dtype(_mm512_loadu_ps(s + l2), 1));
-          if (l2 < len) {
-            const __mmask16 tail = (__mmask16)((1u << (len - l2)) - 1);
-            _mm512_mask_storeu_ps(s + l2, tail, round_dtype(_mm512_maskz_loadu_ps(tail, s + l2), 1));
-          }
-        }
+        const float mx = attention_scores(qv, nv, k_cache, slot, len, Hkv, kvh, D, scale, bf16, s);
+        inv_sum[g] = softmax_weights(s, len, mx, bf16);
       }
       for (int64_t g = 0; g < group; ++g) {
         const float *weights = scores + g * max_len;
         float *a = acc + g * D;
-        switch (nv) {  /* the common head sizes keep their accumulators in registers */
-          case 4: weighted_sum(weights, len, v_cache, slot, Hkv, kvh, D, bf16, a, 4); break;
-          case 8: weighted_sum(weights, len, v_cache, slot, Hkv, kvh, D, bf16, a, 8); break;
+        switch (D) {  /* the common head sizes keep their accumulators in registers */
+          case 64: weighted_sum(weights, len, v_cache, slot, Hkv, kvh, D, bf16, a, 64 / VL); break;
+          case 128: weighted_sum(weights, len, v_cache, slot, Hkv, kvh, D, bf16, a, 128 / VL); break;
           default: weighted_sum_any(weights, len, v_cache, slot, Hkv, kvh, D, bf16, a); break;
         }
         for (int64_t i = 0; i < nv; ++i)
-          store16((void *)at(out, (b * Hq + kvh * group + g) * D + i * 16, bf16),
-                  _mm512_mul_ps(_mm512_loadu_ps(a + i * 16), _mm512_set1_ps(inv_sum[g])), bf16);
+          vstore((void *)at(out, (b * Hq + kvh * group + g) * D + i * VL, bf16),
+                 vmul(vloadf(a + i * VL), vset1(inv_sum[g])), bf16);
       }
     }
     free(scores);
@@ -579,6 +892,4 @@ void ps_decode_stack(const void *x, void *out, const int64_t *layers, int64_t n_
   free(residual);
 }
 
-#else  /* no AVX-512 (F, BW, VNNI) on this machine: report it, and pagedserve keeps the torch path */
-int ps_isa(void) { return 0; }
-#endif
+#endif  /* PS_ISA */

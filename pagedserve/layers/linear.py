@@ -56,7 +56,7 @@ class PackedLinear(_HotPathModule):
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.native = native_bf16_kernels(weight.device.type, weight.dtype) if self.in_features % 2 == 0 else None
+        self.native = native_bf16_kernels(weight.device.type, weight.dtype) if self.in_features % 16 == 0 else None
         if self.native is not None:
             self.register_buffer("packed_weight", self.native.pack_bf16(weight))
         else:
@@ -68,11 +68,12 @@ class PackedLinear(_HotPathModule):
         self._packed, self._bias = self.packed_weight, self.bias
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W, [*ids.shape, in], gathered from the native packed layout [N/64, K/2, 64, 2]: a
+        """Rows `ids` of W, [*ids.shape, in], gathered from the native packed layout [N/NB, K/2, NB, 2]: a
         tied embedding looks its tokens up here, so the table is held once (the packed copy the logits
         need) instead of twice (272 MB saved for Qwen2.5-0.5B in bf16). Exact: the same bf16 values."""
         flat = ids.reshape(-1)
-        picked = self._packed[flat // 64, :, flat % 64, :]  # [T, K/2, 2]
+        block = self._packed.shape[2]
+        picked = self._packed[flat // block, :, flat % block, :]  # [T, K/2, 2]
         return picked.reshape(*ids.shape, self.in_features)
 
     def native_fields(self) -> list[int] | None:
@@ -132,13 +133,12 @@ def weight_of(linear: nn.Linear) -> torch.Tensor | QuantizedWeight:
 class Int8Linear(_HotPathModule):
     """Weight-only int8 with one scale per output channel (symmetric): W ~= q * scale[:, None].
 
-    Halves weight memory against bf16. On CPUs with AVX-512 VNNI the weights are kept in the native
-    kernel's blocked layout (pagedserve/kernels): batches up to KERNEL_MAX_ROWS rows (decode) stream
-    them at memory speed (2x `aten._weight_int8pack_mm` at batch 1 on the 2-core Zen 5), larger batches
-    (prefill) dequantize to the model dtype and use one dense matmul, which is compute-bound there.
-    Elsewhere `aten._weight_int8pack_mm` dequantizes on the fly."""
-
-    KERNEL_MAX_ROWS = 32
+    Halves weight memory against bf16. Where the native kernels run (AVX-512 VNNI, AVX2) the weights are
+    kept in the native kernel's blocked layout (pagedserve/kernels): decode batches stream them at memory
+    speed (2x `aten._weight_int8pack_mm` at batch 1 on the 2-core Zen 5). Batches above
+    `kernels.int8_max_rows` (32 where the CPU has AVX512-BF16; no limit on AVX2) dequantize to the
+    model dtype and use one dense matmul, faster there at prefill sizes. Elsewhere
+    `aten._weight_int8pack_mm` dequantizes on the fly."""
 
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -151,6 +151,7 @@ class Int8Linear(_HotPathModule):
         scales = scales.to(dtype)  # the effective scales are the model-dtype ones on every path
         kernels = cpu_kernels() if weight.device.type == "cpu" and self.in_features % 64 == 0 else None
         self.kernels = kernels if kernels is not None and kernels.supports(scales) else None
+        self.max_kernel_rows = self.kernels.int8_max_rows if self.kernels is not None else None
         if self.kernels is not None:
             self.register_buffer("qweight_packed", self.kernels.pack_rows(qweight))
             self.register_buffer("row_sums", self.kernels.row_sums(qweight))
@@ -169,7 +170,7 @@ class Int8Linear(_HotPathModule):
 
     def native_fields(self) -> list[int] | None:
         """As PackedLinear.native_fields: [1 = int8, weight, bias or 0, float32 scales, row sums]; the
-        stack runs it for up to KERNEL_MAX_ROWS rows."""
+        stack runs it for up to `max_kernel_rows` rows."""
         if self.kernels is None:
             return None
         bias = 0 if self._bias is None else self._bias.data_ptr()
@@ -177,7 +178,7 @@ class Int8Linear(_HotPathModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            if x.shape[0] <= self.KERNEL_MAX_ROWS:
+            if self.max_kernel_rows is None or x.shape[0] <= self.max_kernel_rows:
                 return self.kernels.linear_i8(x.contiguous(), self._packed, self._scales32, self._row_sums,
                                               self._bias, self.out_features)
             return F.linear(x, self.dequantized(), self.bias)

@@ -340,11 +340,47 @@ def cpu_flags(path: str | Path = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
-def fast_cpu_dtype(flags: set[str]) -> str:
-    """The dtype whose matmuls are fastest on this CPU: "bfloat16" with native bf16 instructions, else "float32".
+# The instruction sets pagedserve's C kernels (pagedserve/kernels/cpu_kernels.c) build for, best first.
+NATIVE_ISA_FLAGS = (("avx512", frozenset({"avx512f", "avx512bw", "avx512_vnni"})),
+                    ("avx2", frozenset({"avx2", "fma", "f16c"})))
+BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
-    Without AVX512-BF16 or AMX-BF16 the CPU has no bf16 multiply: every bf16 matmul converts its operands to
-    fp32 first, so bf16 ends up slower than plain fp32 (measured up to an order of magnitude during warm-up on
-    such CPUs), even though it halves the weight memory. With the instructions, bf16 is about twice as fast.
+
+def native_kernel_isa(flags: set[str]) -> str | None:
+    """The instruction set the native kernels use on an x86 CPU with these flags, or None (torch ops)."""
+    return next((name for name, needed in NATIVE_ISA_FLAGS if needed <= flags), None)
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str
+    reason: str
+
+
+def choose_cpu_dtype(flags: set[str], native_kernels: bool) -> DtypeChoice:
+    """`--dtype auto` on a CPU: the dtype that decodes and prefills fastest here, and why.
+
+    Measured per CPU class (benchmarks/RESULTS.md keeps a table per class):
+    - AVX512-BF16 / AMX-BF16: bf16 dot products in hardware; bf16 matmuls stream half the bytes of
+      float32 and run ~1.4x faster at batch 1 -> bfloat16.
+    - AVX2 (or AVX-512 without BF16) with pagedserve's native kernels: bf16 weights are widened to float32
+      in registers and summed in float32, so bf16 storage streams half the bytes of float32 at batch 1
+      and the kernel outruns oneDNN's float32 at every batch size (2x at 64-1024 rows on 9728x896,
+      Zen 3) -> bfloat16.
+    - Neither (no native kernels, e.g. no C compiler): oneDNN would emulate bf16, slower than float32 and
+      up to an order of magnitude slower for batches -> float32.
     """
-    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+    if flags & BF16_DOT_FLAGS:
+        return DtypeChoice("bfloat16", "the CPU has bf16 dot-product instructions (AVX512-BF16/AMX)")
+    isa = native_kernel_isa(flags)
+    if native_kernels and isa is not None:
+        return DtypeChoice("bfloat16", f"pagedserve's {isa} kernels keep bf16 weights and compute in float32: "
+                                       "half the bytes of float32 per token, faster than oneDNN float32 batched")
+    why = "the native kernels are not used here" if isa is not None else "no AVX2/AVX-512 kernels for this CPU"
+    return DtypeChoice("float32", f"{why}, and without bf16 instructions oneDNN emulates bf16 matmuls "
+                                  "(slower than float32)")
+
+
+def fast_cpu_dtype(flags: set[str], native_kernels: bool = True) -> str:
+    """The dtype `--dtype auto` picks on a CPU with these flags (see choose_cpu_dtype)."""
+    return choose_cpu_dtype(flags, native_kernels).dtype

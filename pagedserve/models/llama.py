@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedserve.kernels import CpuKernels, cpu_kernels
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_attention
-from pagedserve.layers.linear import Int8Linear, fuse_rows, make_linear, weight_of
+from pagedserve.layers.linear import fuse_rows, make_linear, weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -190,7 +190,7 @@ class NativeDecodeStack:
         self.kernels = kernels
         self.table = table  # [layers, kernels.layer_fields] int64; the K/V pool columns filled per pool
         self._tensors = tensors  # what the table points at, kept alive with it
-        self.max_rows = Int8Linear.KERNEL_MAX_ROWS if int8 else None
+        self.max_rows = kernels.int8_max_rows if int8 else None
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         self.dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
         self.eps, self.scale = model.norm.eps, attn.scale

@@ -18,19 +18,28 @@ from pagedserve.layers.linear import quantize_int8_per_channel
 from pagedserve.layers.norm import reference_rms_norm
 
 
-def _has_avx512() -> bool:
+def _native_isa() -> str | None:
+    """The ISA the library must build for on this CPU, from its flags (what the compiler's -march=native
+    sees), or None where neither applies."""
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        return False
-    return "avx512f" in flags and "avx512bw" in flags
+        return None
+    if platform.machine() != "x86_64":
+        return None
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    return None
 
 
-def test_kernels_load_wherever_the_cpu_has_avx512(tmp_path):
-    if platform.machine() != "x86_64" or not _has_avx512():
+def test_kernels_load_wherever_the_cpu_has_a_native_isa(tmp_path):
+    isa = _native_isa()
+    if isa is None:
         assert cpu_kernels() is None
         return
-    assert cpu_kernels() is not None
+    assert cpu_kernels() is not None and cpu_kernels().isa == isa
     first = build(cache_root=tmp_path)
     assert build(cache_root=tmp_path) == first  # cached: the second start does not rebuild
     assert list((tmp_path / "kernels").glob("*.so")) == [first]
@@ -44,7 +53,8 @@ def test_kernels_load_wherever_the_cpu_has_avx512(tmp_path):
 def kernels():
     k = cpu_kernels()
     if k is None:
-        pytest.skip("no AVX-512 on this CPU: the torch path is used (covered by the other tests)")
+        pytest.skip("neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C on this CPU: the torch path is used "
+                    "(covered by the other tests)")
     return k
 
 
@@ -155,7 +165,8 @@ def test_decode_attention_matches_sdpa_over_gathered_context(kernels, dtype, hq,
     _close(out, _reference_decode(q, k_cache, v_cache, slots, lens, scale), dtype, "decode_attention")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 40])  # decode batches take the kernel, prefill the dequantized matmul
+# decode batches take the kernel; above kernels.int8_max_rows (AVX512-BF16 only) the dequantized matmul
+@pytest.mark.parametrize("rows", [1, 3, 40])
 def test_int8_linear_layer_on_both_paths(kernels, rows):
     from pagedserve.layers.linear import Int8Linear
 

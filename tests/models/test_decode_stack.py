@@ -22,7 +22,8 @@ PROMPT_LENGTHS = (3, 17, 40)  # one decode batch of 3 with different context len
 def kernels():
     k = cpu_kernels()
     if k is None:
-        pytest.skip("no AVX-512 on this CPU: the per-layer torch path is used (covered by the other tests)")
+        pytest.skip("neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C on this CPU: the per-layer torch "
+                    "path is used (covered by the other tests)")
     if not k.has_bf16_linear:
         pytest.skip("no AVX512-BF16: bf16 linears run oneDNN, outside the stack")
     return k
@@ -95,7 +96,8 @@ def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
               kv_cache_dtype="fp8")
     _, steps = _generate(fp8, stack_enabled=True)
     assert steps == 0
-    # int8 linears run the kernel up to 32 rows: a larger decode batch goes layer by layer
+    # int8 linears run the kernel up to kernels.int8_max_rows rows (32 with AVX512-BF16, every batch on
+    # AVX2): a larger decode batch goes layer by layer
     int8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", max_model_len=128,
                quantization="int8")
     int8.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
@@ -108,4 +110,4 @@ def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
                                  decode_context_lens=torch.ones(rows, dtype=torch.int64))
 
     assert stack.runs(torch.zeros(32, 128), caches, meta(32))
-    assert not stack.runs(torch.zeros(33, 128), caches, meta(33))
+    assert stack.runs(torch.zeros(33, 128), caches, meta(33)) == (kernels.int8_max_rows is None)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pagedserve.memory.probe import (
     GIB,
     available_memory,
     cgroup_cpu_quota,
     cpu_flags,
+    choose_cpu_dtype,
     fast_cpu_dtype,
+    native_kernel_isa,
     read_cgroup_memory,
     read_meminfo,
     usable_cpu_count,
@@ -194,10 +198,29 @@ def test_cpu_flags_and_fast_dtype(tmp_path: Path) -> None:
     )
     flags = cpu_flags(cpuinfo)
     assert {"avx2", "avx512f"} <= flags
-    assert fast_cpu_dtype(flags) == "float32"
+    assert fast_cpu_dtype(flags) == "float32"  # no FMA/F16C nor VNNI: no native kernels, no bf16 dot
     assert fast_cpu_dtype(flags | {"avx512_bf16"}) == "bfloat16"
     assert fast_cpu_dtype(flags | {"amx_bf16"}) == "bfloat16"
     assert cpu_flags(tmp_path / "missing") == set()
+
+
+# One CPU class a row: (flags, native kernels usable) -> what `--dtype auto` picks and the kernels' ISA.
+AUTO_RULE_CASES = [
+    ({"avx2", "fma", "f16c"}, True, "bfloat16", "avx2"),  # Zen 3, Haswell..: widened bf16 beats float32
+    ({"avx2", "fma", "f16c"}, False, "float32", "avx2"),  # no compiler / PAGEDSERVE_CPU_KERNELS=0
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}, True, "bfloat16", "avx512"),  # Ice Lake
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}, False, "bfloat16", "avx512"),
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}, True, "bfloat16", "avx512"),
+    ({"avx", "sse4_2"}, True, "float32", None),  # Sandy Bridge: nothing to run the kernels on
+    ({"asimd", "fp"}, True, "float32", None),  # ARM (no NEON kernels yet)
+]
+
+
+@pytest.mark.parametrize("flags,native,dtype,isa", AUTO_RULE_CASES)
+def test_auto_dtype_rule_per_cpu_class(flags, native, dtype, isa) -> None:
+    choice = choose_cpu_dtype(flags, native)
+    assert (choice.dtype, native_kernel_isa(flags)) == (dtype, isa)
+    assert choice.reason  # doctor prints it
 
 
 def test_process_rss_from_proc_status(tmp_path: Path) -> None:
