@@ -12,8 +12,8 @@ import torch
 # re-exported here so that callers keep importing them from pagedserve.platform.
 from pagedserve.memory.probe import cpu_flags, fast_cpu_dtype, usable_cpu_count
 
-__all__ = ["DTYPES", "canonical_dtype_name", "configure_threads", "cpu_flags", "default_device", "lazy_zeros",
-           "resolve_dtype", "torch_dtype", "usable_cpu_count"]
+__all__ = ["DTYPES", "canonical_dtype_name", "configure_threads", "cpu_flags", "default_device", "default_quantization",
+           "lazy_zeros", "resolve_dtype", "torch_dtype", "usable_cpu_count"]
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32,
@@ -54,6 +54,20 @@ def resolve_dtype(requested: str, device: str, model_dtype: str | None) -> str:
     from pagedserve.kernels import cpu_kernels
 
     return fast_cpu_dtype(cpu_flags(), native_kernels=cpu_kernels() is not None)
+
+
+def default_quantization(requested_dtype: str, quantization: str | None, stores_quantized: bool,
+                         device: str) -> str | None:
+    """The weight quantization to serve with: the user's, or "int8" for a checkpoint whose matrices are
+    stored block-quantized (a Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels.
+    As every GGUF runner does, such a file is served from its quantized weights (requantized per row to
+    int8: 1 byte a weight) instead of being widened to bf16 or float32 (2-4x the bytes read per token).
+    An explicit --dtype still dequantizes to that dtype."""
+    if quantization is not None or requested_dtype != "auto" or not stores_quantized or device != "cpu":
+        return quantization
+    from pagedserve.kernels import cpu_kernels
+
+    return "int8" if cpu_kernels() is not None else None
 
 
 def configure_threads(num_threads: int) -> None:

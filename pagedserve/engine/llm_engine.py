@@ -358,7 +358,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     `available` replaces the probe of this host's (or GPU's) free memory."""
     from pagedserve.memory.checkpoint import read_checkpoint_info
     from pagedserve.models.validate import validate_model_path
-    from pagedserve.platform import default_device, resolve_dtype, usable_cpu_count
+    from pagedserve.platform import default_device, default_quantization, resolve_dtype, usable_cpu_count
 
     startup = startup or StartupTracker()
     check_engine_args(args)
@@ -391,7 +391,9 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     served_name = args.served_model_name or args.model or DEFAULT_MODEL
     model = ModelConfig(model=model_path, served_model_name=served_name, dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
                         architecture=architecture, task=task, pooler=pooler, seed=args.seed,
-                        quantization=args.quantization, enforce_eager=args.enforce_eager,
+                        quantization=default_quantization(args.dtype, args.quantization,
+                                                          checkpoint.stores_quantized_matmuls(), device),
+                        enforce_eager=args.enforce_eager,
                         reference_kernels=args.reference_kernels)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,

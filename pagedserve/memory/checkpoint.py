@@ -7,6 +7,7 @@ is read, so `serve` can refuse a model that does not fit before paying for readi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ from pagedserve.memory.plan import weight_bytes_from_safetensors_dir
 # fp8 KV caches also keep one 2-byte scale per token and head (3 % more for head_dim 64), not counted here.
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+FLOAT_GGUF_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -42,6 +46,14 @@ class CheckpointInfo:
             # Every GGUF tensor, quantized or not, is dequantized to the serving dtype on load.
             return self.num_gguf_parameters * serving_dtype_bytes
         return weight_bytes_from_safetensors_dir(self.path, serving_dtype_bytes, skip=self._skipped_tensor)
+
+    def stores_quantized_matmuls(self) -> bool:
+        """A GGUF whose matrices (most of their elements) are block-quantized (Q8_0, Q4_K, ...), not floats."""
+        if not self.is_gguf:
+            return False
+        matrices = [spec for spec in self.gguf.tensor_specs() if len(spec.shape) == 2]
+        quantized = sum(math.prod(s.shape) for s in matrices if s.qtype.name not in FLOAT_GGUF_TYPES)
+        return quantized * 2 > sum(math.prod(s.shape) for s in matrices)
 
     def _skipped_tensor(self, name: str) -> bool:
         """Tensors the loader does not keep: a tied LM head (it reuses the embedding) and rotary buffers."""

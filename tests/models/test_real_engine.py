@@ -27,6 +27,20 @@ def test_default_model_knows_paris(smollm2):
     assert smollm2.engine.config.model.served_model_name == "smollm2-135m-instruct"
 
 
+def test_a_quantized_gguf_serves_from_int8_weights_under_dtype_auto(smollm2):
+    """The default model is a Q4_1 GGUF: with --dtype auto it is served from int8 weights (1 byte a weight)
+    where the native kernels run, as GGUF runners serve their files quantized; an explicit dtype
+    dequantizes to it (the fixture's float32)."""
+    from pagedserve.kernels import cpu_kernels
+
+    assert smollm2.engine.config.model.quantization is None
+    llm = LLM(max_model_len=256)
+    expected = "int8" if cpu_kernels() is not None else None
+    assert llm.engine.config.model.quantization == expected
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert "Paris" in llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0].text
+
+
 def test_gguf_matches_transformers_on_dequantized_weights(smollm2, tmp_path):
     gguf_path = packaged_model("smollm2-135m-instruct")
     hf_dir = save_as_hf_dir(gguf_path, tmp_path / "smollm2-hf", dtype=torch.float32)
