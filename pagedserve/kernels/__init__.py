@@ -6,34 +6,32 @@ PAGEDSERVE_CPU_KERNELS=0. Callers then keep the torch path, which is also the re
 compare these kernels against. The instruction set is chosen once, where the library is compiled
 (`-march=native`), and reported by `CpuKernels.isa`.
 
-The build is `cc -O3 -march=native -fopenmp -shared` on one small C file (under a second); the result
-is cached under the pagedserve cache directory, keyed by the source, the compiler and the CPU, so a
-second start loads it in milliseconds. OpenMP resolves to the libgomp torch has already loaded, so the
-kernels share torch's threads.
+The build (kernels/builder.py) is `cc -O3 -march=native -fopenmp -shared` on one small C file (under a
+second); the result is cached in a private directory under the pagedserve cache, keyed by the source, the
+compiler, the flags and the CPU, so a second start loads it in milliseconds. OpenMP resolves to the
+libgomp torch has already loaded, so the kernels share torch's threads.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import math
 import mmap
-import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from pagedserve import envs
+from pagedserve.kernels.builder import SOURCE, KernelBuildError, build
+
+__all__ = ["SOURCE", "CpuKernels", "KernelBuildError", "build", "cpu_kernels", "load_status"]
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
@@ -57,46 +55,6 @@ _SIGNATURES = {
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 ISA_NAMES = {512: "avx512", 256: "avx2"}  # ps_isa() -> name; 0: neither, the torch path runs
 HUGE_PAGE = 2 << 20
-
-
-def _cpu_fingerprint() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def build(source: Path = SOURCE, cache_root: Path | None = None) -> Path:
-    """Compile `source` (or reuse the cached build); returns the shared library's path."""
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(source.read_bytes() + version.encode() + _cpu_fingerprint().encode()).hexdigest()[:16]
-    out_dir = (cache_root or envs.cache_dir()) / "kernels"
-    target = out_dir / f"{source.stem}-{key}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        partial = Path(tmp) / target.name
-        command = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(partial), "-lm"]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
-        os.replace(partial, target)  # atomic: concurrent starts never load a half-written file
-    for stale in out_dir.glob(f"{source.stem}-*.so"):  # builds of earlier sources, compilers or CPUs
-        if stale != target:
-            stale.unlink(missing_ok=True)  # a process that has one loaded keeps its mapping
-    return target
 
 
 class CpuKernels:
@@ -286,10 +244,7 @@ def _load() -> tuple[CpuKernels | None, str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"written for x86-64 (AVX-512 or AVX2); this is {platform.machine()}"
     try:
-        try:
-            path = build()
-        except OSError:  # a read-only cache directory: build for this process only
-            path = build(cache_root=Path(tempfile.gettempdir()) / "pagedserve")
+        path = build()  # a cache that cannot be made or trusted: a private directory for this process
         lib = ctypes.CDLL(str(path))
         if lib.ps_isa() not in ISA_NAMES:
             return None, "this CPU has neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C"

@@ -1,0 +1,114 @@
+"""The native kernel cache (pagedserve/kernels/builder.py): nobody else can plant a library the server loads;
+failed builds are remembered; the compiler has a time limit; recent builds are kept.
+
+A tiny C file stands in for cpu_kernels.c, so these tests build in milliseconds; they need a C compiler,
+which the kernel build itself needs (the README's install has one).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pagedserve.kernels import builder as kb
+
+pytestmark = pytest.mark.skipif(kb._compiler() is None, reason="no C compiler: the kernels are never built here")
+
+
+def source(tmp_path: Path, body: str = "int ps_answer(void) { return 42; }\n", name: str = "k.c") -> Path:
+    path = tmp_path / name
+    path.write_text(body)
+    return path
+
+
+def test_cache_directory_is_private(tmp_path):
+    built = kb.build(source(tmp_path), cache_root=tmp_path / "cache")
+    assert built.parent == tmp_path / "cache" / "kernels"
+    assert stat.S_IMODE(built.parent.stat().st_mode) == 0o700
+    assert kb.untrusted_reason(built) is None
+
+
+def test_a_library_planted_in_a_world_writable_cache_is_refused(tmp_path):
+    src = source(tmp_path)
+    cache = tmp_path / "cache" / "kernels"
+    cache.mkdir(parents=True)
+    os.chmod(cache, 0o777)  # e.g. a shared /tmp-style directory: anyone could have written here
+    planted = cache / kb.library_name(src, kb._compiler())
+    planted.write_bytes(b"not what pagedserve built")
+    built = kb.build(src, cache_root=tmp_path / "cache")
+    assert built != planted and built.parent != cache  # built afresh in a private directory
+    assert kb.untrusted_reason(built.parent) is None and stat.S_IMODE(built.parent.stat().st_mode) == 0o700
+    assert planted.read_bytes() == b"not what pagedserve built"  # never loaded nor overwritten
+    shutil.rmtree(built.parent)
+
+
+def test_a_group_writable_library_in_a_private_cache_is_refused(tmp_path):
+    src = source(tmp_path)
+    first = kb.build(src, cache_root=tmp_path)
+    os.chmod(first, 0o775)
+    second = kb.build(src, cache_root=tmp_path)
+    assert second != first and "writable by group or others" in kb.untrusted_reason(first)
+    shutil.rmtree(second.parent)
+
+
+def test_a_symlinked_library_is_refused(tmp_path):
+    src = source(tmp_path)
+    first = kb.build(src, cache_root=tmp_path)
+    elsewhere = tmp_path / "elsewhere.so"
+    first.rename(elsewhere)
+    first.symlink_to(elsewhere)
+    rebuilt = kb.build(src, cache_root=tmp_path)
+    assert rebuilt.parent != first.parent and kb.untrusted_reason(first) == "is a symbolic link"
+    shutil.rmtree(rebuilt.parent)
+
+
+def test_a_failed_build_is_remembered_and_not_retried(tmp_path, monkeypatch):
+    broken = source(tmp_path, "this is not C;\n")
+    with pytest.raises(kb.KernelBuildError, match="failed"):
+        kb.build(broken, cache_root=tmp_path)
+    markers = list((tmp_path / "kernels").glob("*.failed"))
+    assert len(markers) == 1 and "error" in markers[0].read_text()
+    compiles = []
+    real_run = subprocess.run
+    monkeypatch.setattr(kb.subprocess, "run",
+                        lambda cmd, **kw: compiles.append(cmd) if "-shared" in cmd else real_run(cmd, **kw))
+    with pytest.raises(kb.KernelBuildError, match="earlier build .* failed .*delete it"):
+        kb.build(broken, cache_root=tmp_path)
+    assert compiles == []  # the compiler was not run again
+    markers[0].unlink()  # deleting the marker retries (and fails again, loudly)
+    monkeypatch.undo()
+    with pytest.raises(kb.KernelBuildError, match="failed \\(exit"):
+        kb.build(broken, cache_root=tmp_path)
+
+
+def test_the_compiler_has_a_time_limit(tmp_path, monkeypatch):
+    slow = tmp_path / "slow-cc"
+    slow.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo slow-cc 1.0; exit 0; }\nsleep 30\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(kb, "_compiler", lambda: str(slow))
+    monkeypatch.setattr(kb, "COMPILE_TIMEOUT_S", 0.5)
+    with pytest.raises(kb.KernelBuildError, match="did not finish within 0.5 s"):
+        kb.build(source(tmp_path), cache_root=tmp_path)
+    assert not list((tmp_path / "kernels").glob("*.failed"))  # a busy box may finish it next time
+
+
+def test_flags_are_part_of_the_cache_key(tmp_path, monkeypatch):
+    src = source(tmp_path)
+    plain = kb.library_name(src, kb._compiler())
+    monkeypatch.setattr(kb, "COMPILE_FLAGS", kb.COMPILE_FLAGS + ("-DPS_EXTRA=1",))
+    assert kb.library_name(src, kb._compiler()) != plain
+
+
+def test_the_most_recent_builds_are_kept(tmp_path):
+    built = []
+    for i in range(kb.KEEP_BUILDS + 2):
+        path = kb.build(source(tmp_path, f"int ps_answer(void) {{ return {i}; }}\n"), cache_root=tmp_path)
+        os.utime(path, (1000 + i, 1000 + i))  # distinct, increasing modification times
+        built.append(path)
+    kept = sorted((tmp_path / "kernels").glob("k-*.so"))
+    assert kept == sorted(built[-kb.KEEP_BUILDS:])
