@@ -181,25 +181,30 @@ def check_accelerator_now() -> CheckResult:
 # ----------------------------------------------------------------------------------------------- host
 
 
-def check_cpu(flags: set[str]) -> CheckResult:
-    """Instruction sets that decide CPU speed, and the dtype that will be fast here."""
+def check_cpu(flags: set[str], native_kernels: bool = True) -> CheckResult:
+    """Instruction sets that decide CPU speed, and the dtype `--dtype auto` picks here, with the reason
+    (`native_kernels`: pagedserve's C kernels load on this machine)."""
     if not flags:
         return CheckResult("cpu", WARN, "could not read CPU flags from /proc/cpuinfo",
                            "serve with --dtype float32 unless you know the CPU has native bf16")
     present = [label for flag, label in CPU_FEATURES if flag in flags]
     missing = [label for flag, label in CPU_FEATURES if flag not in flags]
-    dtype = probe.fast_cpu_dtype(flags)
-    why = (
-        "bfloat16 is fast here (native bf16 instructions)" if dtype == "bfloat16"
-        else "float32 is fastest here: without AVX512-BF16/AMX, bf16 matmuls are emulated and slower than fp32"
-    )
+    choice = probe.choose_cpu_dtype(flags, native_kernels)
     detail = f"{', '.join(present) or 'none of ' + ', '.join(label for _, label in CPU_FEATURES)}"
     detail += f" (no {', '.join(missing)})" if missing and present else ""
-    detail += f"; {why}"
+    detail += f"; --dtype auto picks {choice.dtype}: {choice.reason}"
     if "avx2" not in flags and platform.machine() in ("x86_64", "AMD64"):
         return CheckResult("cpu", WARN, detail, "this CPU lacks AVX2: expect very slow matmuls; use a newer host")
-    fix = "" if dtype == "bfloat16" else "keep --dtype auto (resolves to float32 here) or pass --dtype float32"
+    fix = "" if choice.dtype == "bfloat16" else "keep --dtype auto (resolves to float32 here) or pass --dtype float32"
     return CheckResult("cpu", PASS, detail, fix)
+
+
+def _native_kernels_load(flags: set[str]) -> bool:
+    if platform.machine() not in ("x86_64", "AMD64") or probe.native_kernel_isa(flags) is None:
+        return False
+    from pagedserve.kernels import load_status
+
+    return load_status()[0] is not None
 
 
 def check_native_kernels(flags: set[str]) -> CheckResult | None:
@@ -210,7 +215,7 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
 
     kernels, why = load_status()
     if kernels is not None:
-        bf16 = "bf16 and int8 linears" if kernels.has_bf16_linear else "int8 linears (bf16 stays on oneDNN)"
+        bf16 = f"{kernels.isa}: bf16 and int8 linears"
         thp = probe.transparent_hugepages()
         fix = ""
         if not envs.huge_pages_enabled():
@@ -222,7 +227,7 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
             fix = ("as root, `echo madvise > /sys/kernel/mm/transparent_hugepage/enabled` lets packed weights use "
                    "2 MiB pages (a few per cent faster batch-1 decoding)") if thp == "never" else ""
         return CheckResult("native kernels", PASS, f"{bf16}, norms, SiLU, decode attention; {pages}; {why}", fix)
-    if "avx512f" not in flags or "avx512_vnni" not in flags:
+    if probe.native_kernel_isa(flags) is None:
         return CheckResult("native kernels", PASS, f"not used here ({why}); torch ops run instead")
     return CheckResult("native kernels", WARN, f"not used: {why}",
                        "install a C compiler (e.g. `apt install gcc`): batch-1 decoding is faster with them (int8 about 2x)")
@@ -376,7 +381,7 @@ def default_checks(model: str | None, port: int) -> list[Callable[[], CheckResul
         check_python,
         check_packages,
         check_accelerator_now,
-        lambda: check_cpu(flags),
+        lambda: check_cpu(flags, native_kernels=_native_kernels_load(flags)),
         lambda: check_native_kernels(flags),
         lambda: check_cores(probe.usable_cpu_count(), os.cpu_count(), probe.cgroup_cpu_quota()),
         lambda: check_memory(available),

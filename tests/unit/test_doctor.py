@@ -68,12 +68,16 @@ def test_host_gpu_detection_reads_paths(tmp_path: Path) -> None:
 
 
 def test_cpu_flags_decide_the_fast_dtype() -> None:
-    no_bf16 = doctor.check_cpu({"avx2", "avx512f", "fma"})
+    no_bf16 = doctor.check_cpu({"avx2", "avx512f", "fma"})  # no F16C, no VNNI: no native kernels either
     assert no_bf16.status == PASS
-    assert "float32 is fastest" in no_bf16.detail and "no AVX512-BF16, AMX-BF16" in no_bf16.detail
+    assert "auto picks float32" in no_bf16.detail and "no AVX512-BF16, AMX-BF16" in no_bf16.detail
     assert "--dtype float32" in no_bf16.fix
     bf16 = doctor.check_cpu({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
-    assert "bfloat16 is fast" in bf16.detail and bf16.fix == ""
+    assert "auto picks bfloat16" in bf16.detail and "dot-product" in bf16.detail and bf16.fix == ""
+    avx2 = {"avx2", "fma", "f16c"}  # Zen 3: bf16 where the native kernels load, float32 where they cannot
+    assert "auto picks bfloat16" in doctor.check_cpu(avx2).detail and "avx2 kernels" in doctor.check_cpu(avx2).detail
+    without = doctor.check_cpu(avx2, native_kernels=False)
+    assert "auto picks float32" in without.detail and "--dtype float32" in without.fix
     assert doctor.check_cpu(set()).status == WARN
 
 
@@ -192,7 +196,7 @@ def test_native_kernels_check_names_the_fix_when_the_cpu_could_run_them(monkeypa
     monkeypatch.setattr(kernels, "load_status", lambda: (None, "could not build or load them: no C compiler"))
     result = check_native_kernels({"avx512f", "avx512bw", "avx512_vnni"})
     assert result.status == WARN and "no C compiler" in result.detail and "gcc" in result.fix
-    quiet = check_native_kernels({"avx2"})  # a CPU that cannot run them: nothing to fix
+    quiet = check_native_kernels({"avx2"})  # no FMA/F16C: a CPU that cannot run them, nothing to fix
     assert quiet.status != FAIL and quiet.fix == "" and "torch ops" in quiet.detail
 
 
@@ -205,7 +209,7 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
 
     setting = tmp_path / "enabled"
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    fake = type("Fake", (), {"has_bf16_linear": True})()
+    fake = type("Fake", (), {"has_bf16_linear": True, "isa": "avx512"})()
     monkeypatch.setattr(kernels, "load_status", lambda: (fake, "loaded /x.so"))
     original = probe.transparent_hugepages
     monkeypatch.setattr(probe, "transparent_hugepages", lambda: original(setting))
