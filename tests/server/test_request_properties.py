@@ -1,0 +1,168 @@
+"""Property-based requests against a real server: hypothesis builds request bodies from the pydantic request
+models' own field types (well-formed JSON, values anywhere in or far outside their valid ranges) and sends
+them; whatever they hold, the answer is never a 5xx and the engine never dies."""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                    TokenizeRequest)
+from tests.server.server_utils import start_server
+
+MODEL = "tiny"
+VOCAB_SIZE = 512  # tests/tiny_models.py
+# Integers around every edge the server has: token ids vs the vocabulary, max_model_len, the limits set
+# below, int32/int64 and beyond.
+EDGE_INTS = [0, 1, 2, 4, 5, 20, 21, 63, 64, 65, VOCAB_SIZE - 1, VOCAB_SIZE, 2**31, 2**63 - 1, 2**63, 2**64,
+             -1, -2, -(2**63), -(2**63) - 1, 10**40]
+EDGE_FLOATS = [0.0, -0.0, 1e-6, 0.5, 1.0, 2.0, 2.0001, -2.0, 100.0, 100.5, -100.5, 1e308, -1e308,
+               float("inf"), float("-inf"), float("nan")]
+# Small bounds, so that a request inside them is quick on a tiny model, and requests test the bounds too.
+LIMIT_FLAGS = ["--max-n", "3", "--max-request-tokens", "256", "--max-stop-sequences", "3",
+               "--max-logit-bias-entries", "4", "--max-stop-token-ids", "4", "--max-prompts-per-request", "3"]
+
+ints = st.one_of(st.integers(-3, 70), st.sampled_from(EDGE_INTS))
+# Fields that hold token ids get ids around the vocabulary's edges (the model types cannot say which do).
+TOKEN_ID_FIELDS = frozenset({"prompt", "logit_bias", "stop_token_ids", "tokens"})
+token_ids = st.one_of(st.integers(0, VOCAB_SIZE - 1), st.sampled_from([VOCAB_SIZE, VOCAB_SIZE + 1, 10**6, -1, 2**63]))
+floats = st.one_of(st.floats(-3, 3), st.sampled_from(EDGE_FLOATS))
+texts = st.one_of(st.text(max_size=12), st.sampled_from(["", "The quick brown fox", "<|im_end|>", "\x00", "你好"]))
+json_values = st.recursive(st.none() | st.booleans() | ints | floats | texts,
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
+                           max_leaves=6)
+
+
+def strategy_for(annotation: Any, integers: st.SearchStrategy = ints) -> st.SearchStrategy:
+    """Values of a pydantic field's annotation, edges and nonsense of the right JSON shape included."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*(strategy_for(a, integers) for a in args))
+    if origin is typing.Literal:
+        return st.sampled_from(args) | texts
+    # Containers empty or not as often (hypothesis' own lists lean to the empty one it shrinks to).
+    if origin is list:
+        return st.just([]) | st.lists(strategy_for(args[0], integers), min_size=1, max_size=3)
+    if origin is dict:
+        keys = st.one_of(integers.map(str), st.sampled_from(["x", "", "1.5", " 3"])) if args[0] is str else texts
+        return st.just({}) | st.dictionaries(keys, strategy_for(args[1], integers), min_size=1, max_size=3)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return model_bodies(annotation)
+    simple = {int: integers, float: floats, bool: st.booleans(), str: texts, type(None): st.none(), Any: json_values}
+    return simple[annotation]
+
+
+def field_strategy(model: type[BaseModel], name: str) -> st.SearchStrategy:
+    return strategy_for(model.model_fields[name].annotation, token_ids if name in TOKEN_ID_FIELDS else ints)
+
+
+def model_bodies(model: type[BaseModel], fixed: dict | None = None, max_optional: int = 4) -> st.SearchStrategy:
+    """JSON bodies for `model`: its required fields, plus up to `max_optional` of its optional ones (a body
+    with every field set would nearly always stop at the first unsupported one, never reaching the engine)."""
+    fixed = fixed or {}
+    fields = {name: field_strategy(model, name) for name in model.model_fields if name not in fixed}
+    required = {name: fields[name] for name, f in model.model_fields.items() if f.is_required() and name in fields}
+    optional_names = sorted(name for name in fields if name not in required)
+    chosen = (st.lists(st.sampled_from(optional_names), max_size=max_optional, unique=True) if optional_names
+              else st.just([]))
+    base = st.fixed_dictionaries({**required, **fixed})
+    return st.tuples(base, chosen.flatmap(lambda names: st.fixed_dictionaries({n: fields[n] for n in names}))
+                     ).map(lambda parts: {**parts[1], **parts[0]})
+
+
+def chat_messages() -> st.SearchStrategy:
+    content = texts | st.none() | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"])},
+                                                                 optional={"text": texts}), max_size=2)
+    roles = st.sampled_from(["user", "user", "assistant", "system", "", "tool"])
+    return st.lists(st.fixed_dictionaries({"role": roles, "content": content}), min_size=1, max_size=3) | st.just([])
+
+
+# The model name mostly right (else every request is a quick 404); prompts and messages in shapes the
+# serving layer reaches deep with.
+FIXED = {"model": st.sampled_from([MODEL] * 5 + [None, "nope"])}
+# Prompts mostly valid, so the other fields' values reach the engine; any shape the model allows besides.
+PROMPTS = (st.sampled_from(["The quick brown fox", "hi"]) | st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1,
+                                                                     max_size=6)
+           | field_strategy(CompletionRequest, "prompt"))
+BODIES = {
+    "/v1/completions": model_bodies(CompletionRequest, {**FIXED, "prompt": PROMPTS}, max_optional=3),
+    "/v1/chat/completions": model_bodies(ChatCompletionRequest, {**FIXED, "messages": chat_messages()},
+                                         max_optional=3),
+    "/tokenize": model_bodies(TokenizeRequest, FIXED),
+    "/detokenize": model_bodies(DetokenizeRequest, FIXED),
+}
+NUM_EXAMPLES = {"/v1/completions": 40, "/v1/chat/completions": 40, "/tokenize": 20, "/detokenize": 20}
+# Every optional field of the completions model alone on a valid request: each gets its own examples, so
+# an edge of one field (a token id past the vocabulary in logit_bias) is not left to chance among thirty.
+COMPLETION_FIELDS = sorted(name for name, f in CompletionRequest.model_fields.items()
+                           if not f.is_required() and name != "model")
+VALID_COMPLETION = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    # One passive thread: many tiny steps run fastest so when other processes share the cores.
+    srv = start_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "64",
+                       "--dtype", "float32", "--max-num-seqs", "8", "--num-threads", "1",
+                       "--omp-wait-policy", "passive", *LIMIT_FLAGS,
+                       log_dir=tmp_path_factory.mktemp("logs"))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def check_answer(http: httpx.Client, path: str, body: dict) -> None:
+    response = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        assert response.json()["error"]["message"]
+    elif body.get("stream") is True and path.startswith("/v1/"):
+        events = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        errors = [e["error"] for e in events if "error" in e]
+        assert not [e for e in errors if e["code"] >= 500], (body, errors)
+    health = http.get("/health")
+    assert health.status_code == 200, (body, health.text)
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_generated_requests_never_get_a_5xx(http, path):
+    @settings(max_examples=NUM_EXAMPLES[path], deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(BODIES[path])
+    def check(body: dict) -> None:
+        check_answer(http, path, body)
+
+    check()
+
+
+@pytest.mark.parametrize("field", COMPLETION_FIELDS)
+def test_each_completion_field_alone_never_gets_a_5xx(http, field):
+    values = field_strategy(CompletionRequest, field)
+
+    @settings(max_examples=15, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(values)
+    def check(value: Any) -> None:
+        check_answer(http, "/v1/completions", {**VALID_COMPLETION, field: value})
+
+    check()
+
+
+def test_server_still_answers_after_the_fuzzing(http):
+    ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "still fine", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
