@@ -166,3 +166,55 @@ def test_each_completion_field_alone_never_gets_a_5xx(http, field):
 def test_server_still_answers_after_the_fuzzing(http):
     ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "still fine", "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+LIMITED = [  # (body changes on a valid completion, the field the 400 must name)
+    ({"n": 4}, "n"),
+    ({"stop": ["a", "b", "c", "d"]}, "stop"),
+    ({"stop": ["x" * 1025]}, "stop"),
+    ({"stop_token_ids": [1, 2, 3, 4, 5]}, "stop_token_ids"),
+    ({"stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids"),
+    ({"logit_bias": {str(i): 1 for i in range(5)}}, "logit_bias"),
+    ({"logit_bias": {str(VOCAB_SIZE): 1}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": ["a", "b", "c", "d"]}, "prompt"),
+    ({"prompt": [[1], [2], [3], [4]]}, "prompt"),
+    ({"prompt": [1, VOCAB_SIZE]}, "prompt"),
+    ({"n": 3, "prompt": ["a", "b", "c"], "max_tokens": 40}, "max_tokens"),  # 3 x 3 x 41 > 256
+    ({"seed": 2**64}, "seed"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"request_id": "x" * 129}, "request_id"),
+]
+
+
+@pytest.mark.parametrize("changes,param", LIMITED, ids=[p for _, p in LIMITED])
+def test_out_of_bounds_field_gets_400_naming_it(http, changes, param):
+    response = http.post("/v1/completions", content=json.dumps({**VALID_COMPLETION, **changes}),
+                         headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def test_chat_limits_and_reserved_template_arguments(http):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for changes, param in [({"n": 4}, "n"), ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                           ({"max_completion_tokens": 0}, "max_completion_tokens")]:
+        response = http.post("/v1/chat/completions", json={**chat, **changes})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    # Within the limits: the largest n the server allows works.
+    ok = http.post("/v1/chat/completions", json={**chat, "n": 3})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 3
+
+
+def test_limit_flags_are_generated_with_their_help():
+    import subprocess
+    import sys
+
+    help_text = subprocess.run([sys.executable, "-m", "pagedserve", "serve", "--help"], capture_output=True,
+                               text=True, check=True).stdout
+    for flag in ("--max-n", "--max-stop-sequences", "--max-logit-bias-entries", "--max-request-tokens",
+                 "--max-prompts-per-request", "--max-stop-token-ids"):
+        assert flag in help_text
+    assert "--fault-injection" not in help_text  # testing only: hidden

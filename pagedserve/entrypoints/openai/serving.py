@@ -60,18 +60,18 @@ class OpenAIServing:
             raise APIError(f"The model `{name}` does not exist. Available: {', '.join(self.served_model_names)}",
                            404, param="model", code="model_not_found")
 
-    def _max_tokens(self, prompt: _Prompt, requested: int | None) -> int:
+    def _max_tokens(self, prompt: _Prompt, requested: int | None, param: str = "max_tokens") -> int:
         """max_tokens for this prompt; 400 naming both numbers if prompt + max_tokens is too long."""
         num_prompt = len(prompt.token_ids)
         if num_prompt == 0:
             raise APIError("the prompt is empty", 400, param="prompt")
         if requested is not None and requested < 1:
-            raise APIError(f"max_tokens must be at least 1, got {requested}", 400, param="max_tokens")
+            raise APIError(f"{param} must be at least 1, got {requested}", 400, param=param)
         total = num_prompt + (requested or 1)
         if total > self.max_model_len:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                            f"requested {total} tokens ({num_prompt} in the prompt, {requested or 1} for the "
-                           "completion). Please reduce the prompt or max_tokens.", 400, param="max_tokens")
+                           f"completion). Please reduce the prompt or {param}.", 400, param=param)
         return requested if requested is not None else self.max_model_len - num_prompt
 
     def _request_id(self, prefix: str, req: Any) -> str:
@@ -279,8 +279,8 @@ class OpenAIServing:
         prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                             req.chat_template_kwargs)
         prompt = _Prompt(None, prompt_ids)
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self._max_tokens(prompt, requested)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._max_tokens(prompt, getattr(req, param), param)
         self._check_limits(req, [prompt], [max_tokens])
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, logprobs)
