@@ -16,9 +16,11 @@ Qwen2.5-Coder-0.5B-Instruct (its packaged GGUF, dequantized once to a bf16 Huggi
 when it is in pagedserve's cache. --quick: a tiny shape and short workloads, for a smoke run.
 Peers: --with-llamacpp / --with-vllm run ../shared/peers/*/run.sh on the random-weight model (slow
 the first time: they install themselves) and store their JSON under benchmarks/peers/; --peer-json
-includes results saved earlier. Everything goes to a JSON file and to a Markdown report (RESULTS.md).
+includes results saved earlier. Everything goes to a JSON file and to a Markdown report for this CPU class,
+benchmarks/RESULTS_<class>.md (avx512-bf16, avx512, avx2: memory.probe.cpu_class); benchmarks/RESULTS.md
+is the index, with each class's interleaved peer figures (benchmarks/interleaved.py --report).
 
-    python benchmarks/compare.py                    # full run (~15 min on 2 cores) -> benchmarks/RESULTS.md
+    python benchmarks/compare.py                    # full run (~15 min on 2 cores) -> benchmarks/RESULTS_<class>.md
     python benchmarks/compare.py --quick            # smoke run -> benchmarks/out/RESULTS-quick.md
     python benchmarks/compare.py --peers-only --with-llamacpp --with-vllm
     python benchmarks/compare.py --render benchmarks/out/compare.json --peer-json benchmarks/peers/*.json
@@ -636,6 +638,12 @@ def run_llamacpp_batched(model: dict[str, Any], log_path: Path) -> dict[str, Any
 # Environment
 # --------------------------------------------------------------------------------------------------
 
+def _cpu_class() -> str:
+    from pagedserve.memory.probe import cpu_class, cpu_flags
+
+    return cpu_class(cpu_flags())
+
+
 def machine_info() -> dict[str, Any]:
     from pagedserve.platform import cpu_flags, usable_cpu_count
 
@@ -647,7 +655,7 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    interesting = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+    interesting = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                    "amx_tile", "amx_bf16", "amx_int8")
     flags = cpu_flags()
     try:
@@ -656,7 +664,7 @@ def machine_info() -> dict[str, Any]:
         memory_gib = psutil.virtual_memory().total / 2**30
     except ImportError:
         memory_gib = None
-    return {"cpu": model_name, "logical_cpus": os.cpu_count(), "usable_cores": usable_cpu_count(),
+    return {"cpu": model_name, "cpu_class": _cpu_class(), "logical_cpus": os.cpu_count(), "usable_cores": usable_cpu_count(),
             "flags": [f for f in interesting if f in flags], "memory_gib": memory_gib,
             "kernel": platform.release(), "hypervisor": "hypervisor" in flags}
 
@@ -965,7 +973,8 @@ def render(report: dict[str, Any], peers: list[dict[str, Any]]) -> str:
              f"- Machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs ({machine['usable_cores']} usable), "
              f"{machine['memory_gib']:.1f} GiB, kernel {machine['kernel']}"
              + (", virtual machine" if machine["hypervisor"] else ""),
-             f"- CPU flags that matter here: {' '.join(machine['flags']) or 'none of avx2/avx512/amx'}",
+             f"- CPU class `{machine.get('cpu_class', '?')}`; flags that matter here: "
+             f"{' '.join(machine['flags']) or 'none of avx2/avx512/amx'}",
              f"- Load average (1 min) at start {meta['load_start'][0]:.2f}, at end {meta['load_end'][0]:.2f} "
              "(it counts the benchmark's own threads too)" + _contention_text(meta.get("contention")),
              "- Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
@@ -1024,7 +1033,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gguf", type=Path, default=None, help="the Qwen2.5-Coder-0.5B GGUF (default: pagedserve's cache)")
     parser.add_argument("--out-dir", type=Path, default=HERE / "out", help="models, logs, JSON (not committed)")
     parser.add_argument("--results", type=Path, default=None,
-                        help="Markdown report (default: benchmarks/RESULTS.md; --quick: OUT_DIR/RESULTS-quick.md)")
+                        help="Markdown report (default: benchmarks/RESULTS_<cpu class>.md; --quick: "
+                             "OUT_DIR/RESULTS-quick.md)")
     parser.add_argument("--json", type=Path, default=None, help="raw figures (default: OUT_DIR/compare[-quick].json)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
@@ -1052,7 +1062,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.results is None:
-        args.results = args.out_dir / "RESULTS-quick.md" if args.quick else HERE / "RESULTS.md"
+        args.results = args.out_dir / "RESULTS-quick.md" if args.quick else HERE / f"RESULTS_{_cpu_class()}.md"
     if args.json is None:
         args.json = args.out_dir / ("compare-quick.json" if args.quick else "compare.json")
     return args

@@ -351,6 +351,14 @@ def native_kernel_isa(flags: set[str]) -> str | None:
     return next((name for name, needed in NATIVE_ISA_FLAGS if needed <= flags), None)
 
 
+def cpu_class(flags: set[str]) -> str:
+    """The CPU class benchmarks keep figures for: "avx512-bf16", "avx512", "avx2" or "other"."""
+    isa = native_kernel_isa(flags)
+    if isa == "avx512" and flags & BF16_DOT_FLAGS:
+        return "avx512-bf16"
+    return isa or "other"
+
+
 @dataclass(frozen=True)
 class DtypeChoice:
     dtype: str

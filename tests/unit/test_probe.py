@@ -12,6 +12,7 @@ from pagedserve.memory.probe import (
     cgroup_cpu_quota,
     cpu_flags,
     choose_cpu_dtype,
+    cpu_class,
     fast_cpu_dtype,
     native_kernel_isa,
     read_cgroup_memory,
@@ -220,6 +221,7 @@ AUTO_RULE_CASES = [
 def test_auto_dtype_rule_per_cpu_class(flags, native, dtype, isa) -> None:
     choice = choose_cpu_dtype(flags, native)
     assert (choice.dtype, native_kernel_isa(flags)) == (dtype, isa)
+    assert cpu_class(flags) == ("avx512-bf16" if "avx512_bf16" in flags else isa or "other")
     assert choice.reason  # doctor prints it
 
 
