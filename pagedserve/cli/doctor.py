@@ -2,7 +2,8 @@
 
 Each check returns PASS, WARN or FAIL. The exit code is 1 when any check FAILs. The checks take their
 inputs as arguments (paths, flags, limits) so tests feed fake hosts; torch is imported only inside the
-accelerator check, and only when the command runs it.
+accelerator and memory-plan checks, and only when the command runs them. The memory plan is the one `serve`
+and `pagedserve plan` compute (create_engine_config, from the same serve flags), so the verdicts agree.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from importlib import metadata
 from pathlib import Path
 
 from pagedserve import envs
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.memory import probe
-from pagedserve.memory.checkpoint import read_checkpoint_info
-from pagedserve.memory.plan import HOST_BYTES_PER_KV_BLOCK, ModelShape, PlanRequest, make_plan, runtime_overhead_bytes
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 GIB = 1 << 30
@@ -306,10 +306,8 @@ def check_port(port: int, host: str = "0.0.0.0") -> CheckResult:
 
 def check_model(path: str | Path) -> CheckResult:
     """Config, weights (complete, not truncated) and tokenizer present: headers only, no weights read."""
-    try:
-        from pagedserve.models.validate import ModelValidationError, validate_model_path
-    except ImportError as exc:
-        return CheckResult("model", WARN, f"model validation is not available in this build ({exc})")
+    from pagedserve.models.validate import ModelValidationError, validate_model_path
+
     try:
         validate_model_path(path)
     except ModelValidationError as exc:
@@ -317,52 +315,18 @@ def check_model(path: str | Path) -> CheckResult:
     return CheckResult("model", PASS, f"{path}: config, weights and tokenizer are complete")
 
 
-def _engine_defaults() -> dict:
-    """The engine's defaults for the settings that decide memory, and the options it supports."""
-    from pagedserve.config import CacheConfig, SchedulerConfig
+def check_memory_plan(engine_args: EngineArgs, available: probe.AvailableMemory | None = None) -> CheckResult:
+    """Would `serve` with these flags fit? The plan `serve` computes before loading (create_engine_config,
+    its defaults and flags), from headers only; `available` replaces the probe serve would run (tests)."""
+    from pagedserve.engine.llm_engine import create_engine_config
 
-    defaults = {
-        "max_num_seqs": SchedulerConfig().max_num_seqs,
-        "max_num_batched_tokens": SchedulerConfig().max_num_batched_tokens,
-        "block_size": CacheConfig().block_size,
-        "quantizations": ("int8",),
-        "kv_cache_dtypes": ("fp8",),
-    }
     try:
-        from pagedserve.engine import arg_utils
-
-        defaults["quantizations"] = tuple(q for q in arg_utils.SUPPORTED_QUANTIZATION if q)
-        defaults["kv_cache_dtypes"] = tuple(d for d in arg_utils.SUPPORTED_KV_CACHE_DTYPES if d != "auto")
-    except (ImportError, AttributeError):
-        pass
-    return defaults
-
-
-def check_memory_plan(path: str | Path, available: probe.AvailableMemory, dtype: str) -> CheckResult:
-    """Would the model fit with the default settings? (`serve` and `pagedserve plan` plan with the real flags.)
-
-    The same terms as the engine's plan, from headers only; the weights as the checkpoint holds them in
-    `dtype` (the engine may add a packed copy of a tied embedding: see `pagedserve plan`)."""
-    dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
-    try:
-        info = read_checkpoint_info(path)
-        shape = ModelShape.from_hf_config(info.config, info.weight_bytes(dtype_bytes))
+        config = create_engine_config(engine_args, available=available, check_memory=False)
     except (OSError, ValueError, KeyError) as exc:
         return CheckResult("memory plan", WARN, f"cannot size the model: {exc}")
-    defaults = _engine_defaults()
-    config = info.config.get("text_config", info.config)
-    max_model_len = config.get("max_position_embeddings") or 2048  # the engine's default: the model's context
-    overhead = runtime_overhead_bytes(shape, max_model_len, defaults["max_num_seqs"], defaults["block_size"],
-                                      on_cpu=available.bound_by != "cuda")
-    request = PlanRequest(
-        dtype_bytes=dtype_bytes, kv_dtype_bytes=dtype_bytes, max_model_len=max_model_len,
-        max_num_seqs=defaults["max_num_seqs"], max_num_batched_tokens=defaults["max_num_batched_tokens"],
-        block_size=defaults["block_size"], available=available, runtime_overhead_bytes=overhead,
-        host_bytes_per_block=HOST_BYTES_PER_KV_BLOCK if available.bound_by != "cuda" else 0,
-    )
-    plan = make_plan(shape, request, quantizations=defaults["quantizations"],
-                     kv_cache_dtypes=defaults["kv_cache_dtypes"])
-    settings = f"{dtype}, max_model_len {max_model_len}, max_num_seqs {request.max_num_seqs}"
+    plan = config.memory_plan
+    settings = (f"{config.model.dtype}, max_model_len {config.model.max_model_len}, "
+                f"max_num_seqs {config.scheduler.max_num_seqs}")
     if plan.fits:
         return CheckResult("memory plan", PASS, f"{settings}: {plan.summary()}")
     fixes = [f"{s.flag} {s.value}" for s in plan.suggestions] or ["free memory or use a smaller model"]
@@ -373,8 +337,9 @@ def check_memory_plan(path: str | Path, available: probe.AvailableMemory, dtype:
 # ----------------------------------------------------------------------------------------------- command
 
 
-def default_checks(model: str | None, port: int) -> list[Callable[[], CheckResult | None]]:
-    """The checks `pagedserve doctor` runs, in order."""
+def default_checks(model: str | None, port: int, engine_args: EngineArgs | None = None
+                   ) -> list[Callable[[], CheckResult | None]]:
+    """The checks `pagedserve doctor` runs, in order (the memory plan with `engine_args`: serve's flags)."""
     flags = probe.cpu_flags()
     available = probe.available_memory()
     checks: list[Callable[[], CheckResult | None]] = [
@@ -399,17 +364,12 @@ def default_checks(model: str | None, port: int) -> list[Callable[[], CheckResul
         def plan_check() -> CheckResult | None:
             if model_results and model_results[-1].status == FAIL:
                 return None  # planning needs readable headers
-            return _check_memory_plan_here(model, available, flags)
+            from dataclasses import replace
+
+            return check_memory_plan(replace(engine_args or EngineArgs(), model=model))
 
         checks += [model_check, plan_check]
     return checks
-
-
-def _check_memory_plan_here(model: str, available: probe.AvailableMemory, flags: set[str]) -> CheckResult:
-    gpu = probe.cuda_available_memory()  # torch is imported already by the accelerator check
-    if gpu is not None:
-        return check_memory_plan(model, gpu, "bfloat16")
-    return check_memory_plan(model, available, probe.fast_cpu_dtype(flags))
 
 
 def run_checks(checks: list[Callable[[], CheckResult | None]]) -> list[CheckResult]:
@@ -448,16 +408,20 @@ def report(results: list[CheckResult], as_json: bool) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    return report(run_checks(default_checks(args.model, args.port)), args.json)
+    from pagedserve.cli.common import engine_args_from_cli
+
+    engine_args = engine_args_from_cli(args)  # serve's flags and environment variables, for the memory plan
+    return report(run_checks(default_checks(args.model, args.port, engine_args)), args.json)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "doctor", help="check this host (and a model) before serving",
         description="Check Python and torch, the accelerator, CPU instructions, usable cores, memory, open files,"
-        " disk, the port and, with MODEL, the model files and whether it fits in memory. Exit code 1 on any FAIL.",
+        " disk, the port and, with MODEL, the model files and whether it fits in memory (the plan `serve` would"
+        " compute with the same flags, which doctor takes too). Exit code 1 on any FAIL.",
     )
-    parser.add_argument("model", nargs="?", metavar="MODEL", help="model directory or .gguf file to validate")
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("--port", type=int, default=8000, help="port the server will listen on (default 8000)")
     parser.add_argument("--json", action="store_true", help="print the results as a JSON list")
     parser.set_defaults(func=run)

@@ -72,3 +72,53 @@ def test_doctor_command_fails_on_a_damaged_model(tiny_model_dir, tmp_path, capsy
     assert code == 1 and results["model"]["status"] == "FAIL"
     assert ("truncated" if damage == "truncated weights" else "tokenizer") in results["model"]["detail"]
     assert "memory plan" not in results  # planning needs readable headers: skipped, not guessed
+
+
+def test_memory_plan_check_with_fake_available_memory(tiny_model_dir) -> None:
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.memory.probe import GIB, AvailableMemory
+
+    args = EngineArgs(model=tiny_model_dir("llama"), max_model_len=512, dtype="float32")
+    roomy = doctor.check_memory_plan(args, AvailableMemory(8 * GIB, "MemAvailable", "x"))
+    assert roomy.status == "PASS" and "max_model_len 512" in roomy.detail, roomy
+    tight = doctor.check_memory_plan(args, AvailableMemory(100 << 20, "cgroup", "x"))
+    assert tight.status == "FAIL" and "short by" in tight.detail and tight.fix, tight
+
+
+# "fits: needs 0.48 GiB, ..." / "DOES NOT FIT: needs ..." in serve's log; plan.summary() in doctor's detail.
+PLAN_LINE = r"needs (\d+\.\d\d) GiB, (\d+\.\d\d) GiB available"
+
+
+@pytest.mark.parametrize("flags,env", [
+    (["--max-model-len", "256", "--kv-cache-memory", str(64 << 20)], {}),
+    (["--max-model-len", "384", "--max-num-seqs", "4"], {"VLLM_CPU_KVCACHE_SPACE": "100000"}),  # refused
+], ids=["fits", "refused"])
+def test_doctor_plan_equals_serve_plan(tiny_model_dir, tmp_path, flags, env) -> None:
+    """Same model, same flags and environment: doctor's verdict and figures are serve's."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests.server.server_utils import start_server
+
+    model = tiny_model_dir("qwen2")
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    out = subprocess.run([sys.executable, "-m", "pagedserve", "doctor", model, *flags, "--json",
+                          "--port", str(free_port())], capture_output=True, text=True, env=full_env, timeout=300)
+    plan = {r["name"]: r for r in json.loads(out.stdout)}["memory plan"]
+    if env:
+        served = subprocess.run([sys.executable, "-m", "pagedserve", "serve", model, *flags, "--port",
+                                 str(free_port())], capture_output=True, text=True, env=full_env, timeout=300)
+        assert served.returncode != 0
+        log, serve_fits = served.stderr, False
+    else:
+        server = start_server(model, *flags, log_dir=tmp_path)
+        log, serve_fits = server.log(), True
+        assert server.stop() == 0
+    assert plan["status"] == ("PASS" if serve_fits else "FAIL"), (plan, log)
+    doctor_needs = re.search(PLAN_LINE, plan["detail"]).group(1)
+    serve_needs = re.search(PLAN_LINE, log).group(1)
+    assert doctor_needs == serve_needs, (plan["detail"], log)
+    settings = re.search(r"max_model_len (\d+), max_num_seqs (\d+)", plan["detail"]).groups()
+    assert settings == (flags[1], flags[3] if "--max-num-seqs" in flags else "256")
