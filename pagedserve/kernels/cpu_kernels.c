@@ -84,6 +84,9 @@ static inline vf vloadf_part(const float *p, int64_t n) { return _mm512_maskz_lo
 static inline void vstoref_part(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
 static inline vf vkeep(vf v, int64_t n) { return _mm512_maskz_mov_ps(first_lanes(n), v); }  /* lanes >= n -> 0 */
 
+static inline vf vwiden_i8(const int8_t *p) {  /* 16 int8 -> float32 */
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 static inline vf vbf16(__m256i h) {  /* 16 bf16 -> float32 */
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -164,6 +167,9 @@ static inline vf vloadf_part(const float *p, int64_t n) { return _mm256_maskload
 static inline void vstoref_part(float *p, vf v, int64_t n) { _mm256_maskstore_ps(p, first_lanes(n), v); }
 static inline vf vkeep(vf v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(first_lanes(n))); }
 
+static inline vf vwiden_i8(const int8_t *p) {  /* 8 int8 -> float32 */
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 static inline vf vbf16(__m128i h) {  /* 8 bf16 -> float32 */
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
@@ -396,6 +402,36 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
 }
 #endif
 
+/* Batches (M >= I8_WIDEN_ROWS) without bf16 dot products: the integer products above are compute-bound
+ * there (AVX2 ~120 GOP/s), so the int8 weights are widened to float32 in registers (2 ops for VL weights,
+ * shared by I8W_MT rows of x) and meet x, widened to float32 once, in fused multiply-adds at the float32
+ * peak (~170 GFLOP/s on 2 Zen 3 cores). Exact products (bf16 x int8 fits float32's mantissa), summed in
+ * float32, scaled once per output. Same packed layout, read as 4 rows of 64-column chunks:
+ * acc[r][m] = dot(x[m], w[r]) for the block's 4 rows and MT rows of x. AVX-512 CPUs without BF16 take
+ * it too (untested there: none of ours is one). */
+#if PS_ISA == 256 || !defined(__AVX512BF16__)
+#define I8_WIDEN 1
+#define I8_WIDEN_ROWS 4
+#define I8W_MT 3  /* 12 accumulators + 1 widened weight vector; x read from L1 by the multiply-adds */
+
+static inline __attribute__((always_inline)) void i8_widen_tile(const int8_t *w, const float *x, int64_t K,
+                                                                const int MT, float acc[4][I8W_MT]) {
+  vf a[4][I8W_MT];
+  for (int r = 0; r < 4; ++r)
+    for (int m = 0; m < MT; ++m) a[r][m] = vzero();
+  for (int64_t k = 0; k < K; k += 64)
+    for (int g = 0; g < 64; g += VL)
+      for (int r = 0; r < 4; ++r) {
+        const vf wv = vwiden_i8(w + k * 4 + r * 64 + g);
+        for (int m = 0; m < MT; ++m) a[r][m] = vfma(wv, vloadf(x + m * K + k + g), a[r][m]);
+      }
+  for (int r = 0; r < 4; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = vsum(a[r][m]);
+}
+#else
+#define I8_WIDEN 0  /* AVX512-BF16: the integer kernel serves decode; prefill dequantizes (Int8Linear) */
+#endif
+
 /* bf16 linear (ps_linear_bf16 below): W packed as w[N/NB][K/2][NB][2] (outputs padded to NB with zeros),
  * so each block of NB outputs streams as one sequential run and needs no horizontal sums. bf16_rows
  * computes y rows [0, M) against every block. */
@@ -470,7 +506,9 @@ static int64_t bf16_chunk_rows(int64_t M, int64_t K) { return K <= 1024 ? 512 : 
  * pair on AVX2). Every row of x runs the same sums in the same order whatever the tile, so a row's
  * output does not depend on the other rows of the batch. */
 #define BF16_NB (2 * VL)
-#define BF16_MT 4  /* rows of x per register tile: 8 accumulators + 4 widened weights + 2 broadcasts */
+#ifndef BF16_MT
+#define BF16_MT 6  /* rows of x per register tile: 12 accumulators + 2 widened weights + broadcasts */
+#endif
 
 static inline vf widen_even(const uint32_t *p) {  /* the first bf16 of each 32-bit pair, as float32 */
 #if PS_ISA == 512
@@ -493,11 +531,10 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint32_t *wb, 
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = vzero();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const uint32_t *wk = wb + kp * BF16_NB;
-    const vf e0 = widen_even(wk), o0 = widen_odd(wk), e1 = widen_even(wk + VL), o1 = widen_odd(wk + VL);
-    for (int m = 0; m < MT; ++m) {
-      const vf x0 = vset1(x[m * K + 2 * kp]), x1 = vset1(x[m * K + 2 * kp + 1]);
-      acc[m][0] = vfma(o0, x1, vfma(e0, x0, acc[m][0]));
-      acc[m][1] = vfma(o1, x1, vfma(e1, x0, acc[m][1]));
+    for (int j = 0; j < 2; ++j) {  /* one vector of outputs at a time: two widened weight registers */
+      const vf e = widen_even(wk + j * VL), o = widen_odd(wk + j * VL);
+      for (int m = 0; m < MT; ++m)
+        acc[m][j] = vfma(o, vset1(x[m * K + 2 * kp + 1]), vfma(e, vset1(x[m * K + 2 * kp]), acc[m][j]));
     }
   }
 }
@@ -523,7 +560,11 @@ static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias
         case 1: bf16_tile(wb, xf + m * K, K, 1, acc); break;
         case 2: bf16_tile(wb, xf + m * K, K, 2, acc); break;
         case 3: bf16_tile(wb, xf + m * K, K, 3, acc); break;
-        default: bf16_tile(wb, xf + m * K, K, 4, acc); break;
+#if BF16_MT > 4
+        case 4: bf16_tile(wb, xf + m * K, K, 4, acc); break;
+        case 5: bf16_tile(wb, xf + m * K, K, 5, acc); break;
+#endif
+        default: bf16_tile(wb, xf + m * K, K, BF16_MT, acc); break;
       }
       for (int64_t r = 0; r < rows; ++r) {
         uint16_t *out = y + (m + r) * N + nb * BF16_NB;
@@ -561,8 +602,46 @@ static int64_t bf16_chunk_rows(int64_t M, int64_t K) {
  * q_packed[n / 4][k / 64][n % 4][k % 64] (rows padded to a multiple of 4 with zeros), so a block streams
  * from memory as one sequential run (4 short rows read side by side left the prefetchers idle: 17 GB/s
  * instead of ~30). Made for small M (decode). K % 64 == 0. */
+/* out[m, n] = round(xs * scale[n] * acc) (+ bias[n], rounded again). */
+static inline void i8_store(void *y, const void *bias, const float *scale, float xs, float acc, int64_t m,
+                            int64_t n, int64_t N, int bf16) {
+  float v = scalar_round(xs * scale[n] * acc, bf16);
+  if (bias) v = scalar_round(v + load1(bias, n, bf16), bf16);
+  store1(y, m * N + n, v, bf16);
+}
+
+#if I8_WIDEN
+static void i8_widened(const void *x, const int8_t *q, const float *scale, const void *bias, void *y, int64_t M,
+                       int64_t N, int64_t K, int bf16, int nthreads) {
+  float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
+  for (int64_t i = 0; i < M * K; i += VL) vstoref(xf + i, vload(at(x, i, bf16), bf16));  /* K % 64 == 0 */
+  #pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t n = 0; n < N; n += 4) {
+    const int64_t rows = N - n < 4 ? N - n : 4;
+    for (int64_t m = 0; m < M; m += I8W_MT) {
+      const int64_t mt = M - m < I8W_MT ? M - m : I8W_MT;
+      float acc[4][I8W_MT];
+      switch (mt) {
+        case 1: i8_widen_tile(q + n * K, xf + m * K, K, 1, acc); break;
+        case 2: i8_widen_tile(q + n * K, xf + m * K, K, 2, acc); break;
+        default: i8_widen_tile(q + n * K, xf + m * K, K, I8W_MT, acc); break;
+      }
+      for (int64_t c = 0; c < mt; ++c)
+        for (int r = 0; r < rows; ++r) i8_store(y, bias, scale, 1.0f, acc[r][c], m + c, n + r, N, bf16);
+    }
+  }
+  free(xf);
+}
+#endif
+
 void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
                   void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
+#if I8_WIDEN
+  if (M >= I8_WIDEN_ROWS) {
+    i8_widened(x, q, scale, bias, y, M, N, K, bf16, nthreads);
+    return;
+  }
+#endif
   uint8_t *planes = (uint8_t *)malloc((size_t)(2 * M * K));
   float *xs = (float *)malloc(sizeof(float) * (size_t)M);
   i8_prepare(x, M, K, bf16, planes, xs);
@@ -577,13 +656,8 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
       float acc[4][2];
       if (two) i8_block(w, planes, M, m, 2, sums, K, acc);
       else i8_block(w, planes, M, m, 1, sums, K, acc);
-      for (int c = 0; c <= two; ++c) {
-        for (int r = 0; r < rows; ++r) {
-          float v = scalar_round(xs[m + c] * scale[n + r] * acc[r][c], bf16);
-          if (bias) v = scalar_round(v + load1(bias, n + r, bf16), bf16);
-          store1(y, (m + c) * N + n + r, v, bf16);
-        }
-      }
+      for (int c = 0; c <= two; ++c)
+        for (int r = 0; r < rows; ++r) i8_store(y, bias, scale, xs[m + c], acc[r][c], m + c, n + r, N, bf16);
     }
   }
   free(planes);
