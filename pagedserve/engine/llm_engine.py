@@ -357,7 +357,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     shortfall and the flags that would fit (check_memory=False returns the config with its plan instead).
     `available` replaces the probe of this host's (or GPU's) free memory."""
     from pagedserve.memory.checkpoint import read_checkpoint_info
-    from pagedserve.models.validate import validate_model_path
+    from pagedserve.models.validate import check_sliding_window, validate_model_path
     from pagedserve.platform import default_device, default_quantization, resolve_dtype, usable_cpu_count
 
     startup = startup or StartupTracker()
@@ -377,6 +377,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     task = _resolve_task(args, architecture, model_path)
     pooler = _pooler_config(model_path, architecture, hf_config) if task == "embed" else None
     max_model_len = _max_model_len(args, hf_config, model_path if task == "embed" else None)
+    check_sliding_window(checkpoint.config, max_model_len)  # refused, never silently wrong past the window
     # An encoder attends in both directions, so a prompt cannot be split across steps: no chunked prefill,
     # and a budget that holds the longest prompt. Pooling that reads every token's hidden state cannot
     # skip a cached prefix; last-token pooling of a causal decoder can (its K/V are what a hit reuses).

@@ -122,3 +122,27 @@ def test_doctor_plan_equals_serve_plan(tiny_model_dir, tmp_path, flags, env) -> 
     assert doctor_needs == serve_needs, (plan["detail"], log)
     settings = re.search(r"max_model_len (\d+), max_num_seqs (\d+)", plan["detail"]).groups()
     assert settings == (flags[1], flags[3] if "--max-num-seqs" in flags else "256")
+
+
+def test_serve_refuses_a_sliding_window_model_unless_the_window_covers_max_model_len(tiny_model_dir, tmp_path):
+    """A Mistral config with a 64-token window: `plan` (serve's own config step) refuses it at the default
+    max_model_len, naming the field and the fix, and accepts it with --max-model-len 64."""
+    import shutil
+    import subprocess
+    import sys
+
+    model = tmp_path / "tiny-mistral"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
+    (model / "config.json").write_text(json.dumps(config))
+
+    def plan(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pagedserve", "plan", str(model), "--dtype", "float32", *flags],
+                              capture_output=True, text=True, timeout=300)
+
+    refused = plan()
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "sliding_window = 64" in refused.stderr and "--max-model-len 64" in refused.stderr
+    accepted = plan("--max-model-len", "64")
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
