@@ -80,3 +80,25 @@ def test_model_step_failing_twice_kills_the_engine_and_exits_nonzero(tiny_model_
         assert "engine thread died" in log and "Traceback" in log
     finally:
         srv.stop()
+
+
+def test_startup_failure_logs_type_and_traceback_and_exits_nonzero(tiny_model_dir, tmp_path):
+    """A failure while loading (config.json disagreeing with the weights) is logged with its type and
+    traceback, and the process exits 1 instead of serving 503s forever."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.server.server_utils import free_port
+
+    model = tmp_path / "mismatched"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (model / "config.json").write_text(json.dumps(config))
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", str(model), "--dtype", "float32",
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert "start-up failed: ValueError: checkpoint tensor" in result.stderr
+    assert "Traceback (most recent call last)" in result.stderr
