@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                    TokenizeRequest)
+                                                    EmbeddingRequest, TokenizeRequest)
 from tests.server.server_utils import start_server
 
 MODEL = "tiny"
@@ -33,7 +33,7 @@ LIMIT_FLAGS = ["--max-n", "3", "--max-request-tokens", "256", "--max-stop-sequen
 
 ints = st.one_of(st.integers(-3, 70), st.sampled_from(EDGE_INTS))
 # Fields that hold token ids get ids around the vocabulary's edges (the model types cannot say which do).
-TOKEN_ID_FIELDS = frozenset({"prompt", "logit_bias", "stop_token_ids", "tokens"})
+TOKEN_ID_FIELDS = frozenset({"prompt", "logit_bias", "stop_token_ids", "tokens", "input"})
 token_ids = st.one_of(st.integers(0, VOCAB_SIZE - 1), st.sampled_from([VOCAB_SIZE, VOCAB_SIZE + 1, 10**6, -1, 2**63]))
 floats = st.one_of(st.floats(-3, 3), st.sampled_from(EDGE_FLOATS))
 texts = st.one_of(st.text(max_size=12), st.sampled_from(["", "The quick brown fox", "<|im_end|>", "\x00", "你好"]))
@@ -218,3 +218,41 @@ def test_limit_flags_are_generated_with_their_help():
                  "--max-prompts-per-request", "--max-stop-token-ids"):
         assert flag in help_text
     assert "--fault-injection" not in help_text  # testing only: hidden
+
+
+# ---- /v1/embeddings, on a tiny decoder served as an embedder ---------------------------------------------
+EMBED_MODEL = "tiny-embed"
+EMBED_FIELDS = sorted(name for name, f in EmbeddingRequest.model_fields.items() if name != "model")
+
+
+@pytest.fixture(scope="module")
+def embed_http(tiny_model_dir, tmp_path_factory):
+    srv = start_server(tiny_model_dir("qwen3", is_matryoshka=True), "--runner", "pooling", "--served-model-name",
+                       EMBED_MODEL, "--dtype", "float32", "--max-model-len", "64", "--num-threads", "1",
+                       "--omp-wait-policy", "passive", log_dir=tmp_path_factory.mktemp("logs"))
+    with httpx.Client(base_url=srv.url, timeout=60) as client:
+        yield client
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.parametrize("field", EMBED_FIELDS)
+def test_each_embedding_field_alone_never_gets_a_5xx(embed_http, field):
+    values = field_strategy(EmbeddingRequest, field)
+
+    @settings(max_examples=15, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(values)
+    def check(value: Any) -> None:
+        check_answer(embed_http, "/v1/embeddings", {"model": EMBED_MODEL, "input": "The quick brown fox", field: value})
+
+    check()
+
+
+def test_generated_embedding_requests_never_get_a_5xx(embed_http):
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(model_bodies(EmbeddingRequest, {"model": st.sampled_from([EMBED_MODEL] * 5 + [None, "nope"])}))
+    def check(body: dict) -> None:
+        check_answer(embed_http, "/v1/embeddings", body)
+
+    check()
