@@ -125,7 +125,11 @@ class AsyncEngine:
         if isinstance(command, _Add):
             self._add(command)
         elif isinstance(command, _Abort):
-            finals = self.engine.abort_request([command.request_id])
+            try:
+                finals = self.engine.abort_request([command.request_id])
+            except Exception:  # noqa: BLE001 - the caller is gone either way; the engine serves the others
+                logger.exception("aborting request %s failed", command.request_id)
+                return
             if finals and self.observer is not None:
                 self.engine.refresh_gauges()
                 self.observer(self.engine, finals)
