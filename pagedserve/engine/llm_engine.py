@@ -504,10 +504,10 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     kv_dtype_bytes, kv_scale_bytes = (1, weight_dtype_bytes) if kv_8bit else (weight_dtype_bytes, 0)
     shape = memory.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
     tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
-    kind = _linear_kind(model, device)
-    weight_bytes = memory.prepared_weight_bytes(shape, weight_dtype_bytes, kind, tied,
+    backend = _kernel_backend(model, device)
+    weight_bytes = memory.prepared_weight_bytes(shape, weight_dtype_bytes, backend.linear_kind, tied,
                                                 computes_logits=model.task == "generate",
-                                                embedding_shares_packed=_embedding_shares_packed(model, device, kind))
+                                                embedding_shares_packed=backend.native_bf16_linears)
     shape = replace(shape, weight_bytes=weight_bytes)
     block_bytes = memory.kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes) * args.block_size
     kv_cache_bytes = args.kv_cache_memory
@@ -531,19 +531,13 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     return plan
 
 
-def _linear_kind(model: ModelConfig, device: str) -> str:
-    """The matmul kernel the loader will pick (it decides whether weights are copied into another format)."""
-    from pagedserve.layers.linear import choose_linear_kind
+def _kernel_backend(model: ModelConfig, device: str) -> Any:
+    """The KernelBackend the loader will choose (it decides whether weights are copied into another format,
+    and whether a tied embedding shares the packed logits matrix)."""
+    from pagedserve.layers.backend import KernelBackend
     from pagedserve.platform import torch_dtype
 
-    return choose_linear_kind(device, torch_dtype(model.dtype), model.quantization, model.reference_kernels)
-
-
-def _embedding_shares_packed(model: ModelConfig, device: str, kind: str) -> bool:
-    from pagedserve.layers.linear import embedding_shares_packed_rows
-    from pagedserve.platform import torch_dtype
-
-    return embedding_shares_packed_rows(device, torch_dtype(model.dtype), kind)
+    return KernelBackend.choose(device, torch_dtype(model.dtype), model.quantization, model.reference_kernels)
 
 
 def _probe_available_memory(device: str) -> AvailableMemory:

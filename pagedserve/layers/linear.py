@@ -1,4 +1,4 @@
-"""Linear layers for inference: the matmul kernel is chosen per device and dtype, in one place.
+"""Linear layers for inference; which one a model's layers use is decided in layers/backend.py.
 
 On CPU, weights are re-laid out once so that batch-1 decode streams them at memory speed: bf16 for
 pagedserve's native kernel where the CPU has AVX512-BF16, else oneDNN's blocked layout
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import CpuKernels, cpu_kernels
+from pagedserve.kernels import CpuKernels
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +35,6 @@ class _HotPathModule(nn.Module):
         return result
 
 
-def native_bf16_kernels(device: str, dtype: torch.dtype) -> CpuKernels | None:
-    """The native kernels where they run bf16 linears for weights on `device` in `dtype` (the CPU has
-    AVX512-BF16), else None (oneDNN's layout then)."""
-    if device != "cpu" or dtype != torch.bfloat16:
-        return None
-    kernels = cpu_kernels()
-    return kernels if kernels is not None and kernels.has_bf16_linear else None
-
-
 class PackedLinear(_HotPathModule):
     """y = x @ W^T + b with W re-laid out once for a CPU kernel. x: [N, in] -> [N, out].
 
@@ -52,11 +43,12 @@ class PackedLinear(_HotPathModule):
     2-core Zen 5: 0.99 GB of Qwen2.5-0.5B weights at batch 1 in 33 ms vs oneDNN's 49; equal at 32-512
     rows). Otherwise (float32, other CPUs): oneDNN's blocked layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: CpuKernels | None = None) -> None:
+        """`native`: the kernels to run a bf16 weight on (layers/backend.py decides); None: oneDNN."""
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.native = native_bf16_kernels(weight.device.type, weight.dtype) if self.in_features % 16 == 0 else None
+        self.native = native if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" else None
         if self.native is not None:
             self.register_buffer("packed_weight", self.native.pack_bf16(weight))
         else:
@@ -140,7 +132,10 @@ class Int8Linear(_HotPathModule):
     model dtype and use one dense matmul, faster there at prefill sizes. Elsewhere
     `aten._weight_int8pack_mm` dequantizes on the fly."""
 
-    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
+                 kernels: CpuKernels | None = None) -> None:
+        """`kernels`: the native kernels to run on (layers/backend.py decides; in_features % 64 == 0);
+        None: torch's `_weight_int8pack_mm`."""
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
@@ -149,8 +144,8 @@ class Int8Linear(_HotPathModule):
         else:
             (qweight, scales), dtype = quantize_int8_per_channel(weight), weight.dtype
         scales = scales.to(dtype)  # the effective scales are the model-dtype ones on every path
-        kernels = cpu_kernels() if weight.device.type == "cpu" and self.in_features % 64 == 0 else None
-        self.kernels = kernels if kernels is not None and kernels.supports(scales) else None
+        on_cpu = weight.device.type == "cpu" and self.in_features % 64 == 0
+        self.kernels = kernels if kernels is not None and on_cpu and kernels.supports(scales) else None
         self.max_kernel_rows = self.kernels.int8_max_rows if self.kernels is not None else None
         if self.kernels is not None:
             self.register_buffer("qweight_packed", self.kernels.pack_rows(qweight))
@@ -223,36 +218,6 @@ def packing_supported(device: str, dtype: torch.dtype) -> bool:
         logger.info("oneDNN packed linear unavailable (%s); using F.linear", exc)
         return False
     return bool(ok)
-
-
-# Kernel names: "plain" (F.linear), "packed" (oneDNN blocked bf16/fp32), "int8" (weight-only int8).
-LINEAR_KINDS = {"plain": PlainLinear, "packed": PackedLinear, "int8": Int8Linear}
-
-
-def choose_linear_kind(device: str, dtype: torch.dtype, quantization: str | None, reference: bool = False) -> str:
-    """The matmul kernel for this device/dtype/quantization; `reference` forces plain F.linear."""
-    if quantization == "int8":
-        return "int8"
-    if quantization is not None:
-        raise ValueError(f"quantization {quantization!r} is not supported; supported: int8")
-    if reference:
-        return "plain"
-    return "packed" if packing_supported(device, dtype) else "plain"
-
-
-def embedding_shares_packed_rows(device: str, dtype: torch.dtype, kind: str) -> bool:
-    """A tied embedding will read its rows from the logits projection's packed weight (PackedLinear.rows)
-    rather than keep its own copy: the native bf16 kernel's layout, where it runs."""
-    return kind == "packed" and native_bf16_kernels(device, dtype) is not None
-
-
-def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, kind: str) -> nn.Module:
-    bias = None if bias is None else bias.detach()
-    if isinstance(weight, QuantizedWeight):
-        if kind != "int8":
-            raise ValueError(f"an int8 weight cannot back a {kind!r} linear")
-        return Int8Linear(weight, bias)
-    return LINEAR_KINDS[kind](weight.detach(), bias)
 
 
 def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor | QuantizedWeight, torch.Tensor | None]:

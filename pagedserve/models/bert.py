@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.layers.linear import fuse_rows, make_linear
+from pagedserve.layers.backend import KernelBackend
+from pagedserve.layers.linear import fuse_rows
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -137,8 +138,8 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def prepare(self, kind: str) -> None:
-        self.qkv_proj = make_linear(*fuse_rows(self.query, self.key, self.value), kind)
+    def prepare(self, backend: KernelBackend) -> None:
+        self.qkv_proj = backend.make_linear(*fuse_rows(self.query, self.key, self.value))
         del self.query, self.key, self.value
 
     def forward(self, x: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
@@ -155,8 +156,8 @@ class BertSelfOutput(nn.Module):
         self.dense = nn.Linear(in_features, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def prepare(self, kind: str) -> None:
-        self.dense = make_linear(self.dense.weight, self.dense.bias, kind)
+    def prepare(self, backend: KernelBackend) -> None:
+        self.dense = backend.make_linear(self.dense.weight, self.dense.bias)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(self.dense(hidden) + residual)
@@ -181,8 +182,8 @@ class BertIntermediate(nn.Module):
             raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
         self.act = _ACTIVATIONS[act]
 
-    def prepare(self, kind: str) -> None:
-        self.dense = make_linear(self.dense.weight, self.dense.bias, kind)
+    def prepare(self, backend: KernelBackend) -> None:
+        self.dense = backend.make_linear(self.dense.weight, self.dense.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(x))
@@ -220,13 +221,13 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = BertEncoder(cfg)
 
-    def prepare(self, kind: str) -> None:
-        """Fuse and pack for inference (`kind` from layers/linear.py); call once after loading."""
+    def prepare(self, backend: KernelBackend) -> None:
+        """Fuse and pack for inference with `backend`'s linears; call once after loading."""
         for layer in self.encoder.layer:
-            layer.attention.self.prepare(kind)
-            layer.attention.output.prepare(kind)
-            layer.intermediate.prepare(kind)
-            layer.output.prepare(kind)
+            layer.attention.self.prepare(backend)
+            layer.attention.output.prepare(backend)
+            layer.intermediate.prepare(backend)
+            layer.output.prepare(backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: EncoderMetadata,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:

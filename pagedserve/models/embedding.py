@@ -24,9 +24,9 @@ def as_embedding_model(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
             if hasattr(self, "lm_head"):
                 del self.lm_head
 
-        def prepare(self, kind: str) -> None:
-            """The decoder layers' preparation (fused linears of the kind models/loader.py chose); no LM head."""
-            self.prepare_decoder(kind)
+        def prepare(self, backend: Any) -> None:
+            """The decoder layers' preparation (the KernelBackend models/loader.py chose); no LM head."""
+            self.prepare_decoder(backend)
 
         def compute_logits(self, hidden: Any) -> Any:
             raise RuntimeError("an embedding model has no LM head")

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import CpuKernels, cpu_kernels
+from pagedserve.kernels import CpuKernels
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_attention
-from pagedserve.layers.linear import fuse_rows, make_linear, weight_of
+from pagedserve.layers.backend import KernelBackend
+from pagedserve.layers.linear import fuse_rows, weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -59,12 +60,12 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm
         self.kernels: CpuKernels | None = None
 
-    def prepare(self, kind: str, kernels: CpuKernels | None) -> None:
+    def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
-        # rotary + KV write in one native call (its vectors cover half a head: 16 lanes)
+        # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
         self.fused_rope = kernels is not None and not self.qk_norm and self.head_dim % 32 == 0
-        self.qkv_proj = make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj), kind)
-        self.o_proj = make_linear(weight_of(self.o_proj), self.o_proj.bias, kind)
+        self.qkv_proj = backend.make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj))
+        self.o_proj = backend.make_linear(weight_of(self.o_proj), self.o_proj.bias)
         del self.q_proj, self.k_proj, self.v_proj
         self.q_size = self.num_heads * self.head_dim
 
@@ -97,11 +98,11 @@ class MLP(nn.Module):
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
-    def prepare(self, kind: str, kernels: CpuKernels | None) -> None:
+    def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
         self.intermediate_size = self.gate_proj.out_features
-        self.gate_up_proj = make_linear(*fuse_rows(self.gate_proj, self.up_proj), kind)
-        self.down_proj = make_linear(weight_of(self.down_proj), None, kind)
+        self.gate_up_proj = backend.make_linear(*fuse_rows(self.gate_proj, self.up_proj))
+        self.down_proj = backend.make_linear(weight_of(self.down_proj), None)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -275,39 +276,43 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def prepare(self, kind: str) -> None:
-        """Fuse and pack for inference; call once after loading, before any forward."""
-        self.prepare_decoder(kind)
+    def prepare(self, backend: KernelBackend) -> None:
+        """Fuse and pack for inference with `backend`'s kernels; call once after loading, before any forward."""
+        self.prepare_decoder(backend)
         # Tied models: the logits need the embedding in the kernel's format. Where that is the native bf16
         # layout, lookups read rows from it and the plain table goes; otherwise both copies stay.
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else weight_of(self.lm_head)
-        self.logits_proj = make_linear(weight, None, kind)
+        self.logits_proj = backend.make_linear(weight, None)
         if not self.tie_word_embeddings:
             del self.lm_head
         elif getattr(self.logits_proj, "native", None) is not None:
             self.model.embed_tokens = PackedRowsEmbedding(self.logits_proj)
 
-    def prepare_decoder(self, kind: str) -> None:
-        """The decoder stack's part of prepare(): fused linears of `kind`; the fast kinds also bring in the
-        native CPU kernels for norms, SiLU and decode attention where they can run."""
-        kernels = self._native_kernels(kind)
+    def prepare_decoder(self, backend: KernelBackend) -> None:
+        """The decoder stack's part of prepare(): fused linears from `backend`, and its native CPU kernels
+        for norms, SiLU, rotary and decode attention where this model's sizes fit them."""
+        attn = self.model.layers[0].self_attn
+        kernels = backend.decoder_kernels(self.config.hidden_size, self.model.layers[0].mlp.gate_proj.out_features,
+                                          attn.head_dim)
         for layer in self.model.layers:
-            layer.self_attn.prepare(kind, kernels)
-            layer.mlp.prepare(kind, kernels)
+            layer.self_attn.prepare(backend, kernels)
+            layer.mlp.prepare(backend, kernels)
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
         self.model.norm.kernels = kernels
         self.model.prepare_stack(kernels)
 
-    def _native_kernels(self, kind: str) -> CpuKernels | None:
-        if kind == "plain":
-            return None  # the reference path: torch ops only
-        kernels = cpu_kernels()
-        attn = self.model.layers[0].self_attn
-        weight = self.model.embed_tokens.weight
-        dims = (self.config.hidden_size, self.model.layers[0].mlp.gate_proj.out_features, attn.head_dim)
-        if kernels is None or not kernels.supports(weight) or any(d % 16 for d in dims) or attn.head_dim > 256:
-            return None
-        return kernels
+    def kernel_report(self) -> list[str]:
+        """What each part of the model runs, for the start-up log (one line per kind of layer)."""
+        attn, mlp, norm = self.model.layers[0].self_attn, self.model.layers[0].mlp, self.model.layers[0].input_layernorm
+        native = "native" if attn.kernels is not None else "torch"
+        linears = {name: linear_kernel_name(module) for name, module in
+                   (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                    ("down", mlp.down_proj), ("logits", getattr(self, "logits_proj", None))) if module is not None}
+        return [f"{len(self.model.layers)} decoder layers: " + ", ".join(f"{k} {v}" for k, v in linears.items()),
+                f"norms {'native' if norm.kernels is not None else 'torch'}; SiLU x up {native}; rotary + KV write "
+                f"{'native' if attn.fused_rope else 'torch'}; decode attention {native}; prefill attention torch SDPA",
+                f"decode stack (all layers in one native call for decode-only steps): "
+                f"{'on' if self.model._stack_kernels is not None or self.model.stack is not None else 'off'}"]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
@@ -320,6 +325,16 @@ class LlamaForCausalLM(nn.Module):
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
         return name
+
+
+def linear_kernel_name(module: nn.Module) -> str:
+    """The kernel a prepared linear runs, in words."""
+    if getattr(module, "native", None) is not None:
+        return f"native bf16 ({module.native.isa})"
+    if getattr(module, "kernels", None) is not None:
+        return f"native int8 ({module.kernels.isa})"
+    return {"PackedLinear": "oneDNN packed", "Int8Linear": "torch int8", "PlainLinear": "F.linear"}.get(
+        type(module).__name__, type(module).__name__)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.layers.linear import QuantizedWeight, choose_linear_kind
+from pagedserve.layers.backend import KernelBackend
+from pagedserve.layers.linear import QuantizedWeight
 from pagedserve.models.registry import model_class
 from pagedserve.models.safetensors_mmap import iter_safetensors, safetensors_files
 from pagedserve.platform import release_free_heap
@@ -88,9 +89,12 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     _move_buffers(model, device)
-    kind = choose_linear_kind(device, dtype, quantization, reference_kernels)
-    model.prepare(kind)
-    if kind != "plain":
+    backend = KernelBackend.choose(device, dtype, quantization, reference_kernels)  # the one decision
+    model.prepare(backend)
+    logger.info("kernels: %s", backend.describe())
+    for line in model.kernel_report() if hasattr(model, "kernel_report") else ():
+        logger.info("kernels: %s", line)
+    if backend.linear_kind != "plain":
         _release_checkpoint_mapping(model)
     release_free_heap()
     return model.eval()

@@ -172,7 +172,7 @@ def test_int8_linear_layer_on_both_paths(kernels, rows):
 
     torch.manual_seed(rows)
     weight, bias = torch.randn(70, 64).bfloat16(), torch.randn(70).bfloat16()
-    layer = Int8Linear(weight, bias)
+    layer = Int8Linear(weight, bias, kernels)
     assert layer.kernels is not None
     x = torch.randn(rows, 64).bfloat16()
     expected = torch.nn.functional.linear(x.float(), layer.dequantized().float()).bfloat16() + bias
@@ -214,15 +214,25 @@ def test_bf16_linear_takes_prefill_rows_in_chunks_with_the_same_sums(kernels):
     _close(y, torch.nn.functional.linear(x, weight, bias), torch.bfloat16, "linear_bf16, 1100 rows")
 
 
-def test_packed_linear_layer_uses_the_native_kernel_in_bf16(kernels):
-    from pagedserve.layers.linear import PackedLinear
+def test_the_backend_gives_bf16_linears_the_native_kernel(kernels):
+    from pagedserve.layers.backend import KernelBackend
 
     weight = torch.randn(70, 64).bfloat16()
-    layer = PackedLinear(weight, None)
-    assert (layer.native is not None) == kernels.has_bf16_linear
+    backend = KernelBackend.choose("cpu", torch.bfloat16)
+    assert backend.native is kernels and backend.linear_kind == "packed" and backend.native_bf16_linears
+    layer = backend.make_linear(weight, None)
+    assert layer.native is kernels
     x = torch.randn(2, 3, 64).bfloat16()  # leading dims are kept
     _close(layer(x), torch.nn.functional.linear(x, weight), torch.bfloat16, "PackedLinear")
-    assert PackedLinear(weight.float(), None).native is None  # float32 stays on oneDNN
+    fp32 = KernelBackend.choose("cpu", torch.float32)  # float32 linears stay on oneDNN, the rest is native
+    assert fp32.make_linear(weight.float(), None).native is None and fp32.native is kernels
+    reference = KernelBackend.choose("cpu", torch.bfloat16, reference=True)
+    assert reference.native is None and type(reference.make_linear(weight, None)).__name__ == "PlainLinear"
+    int8 = KernelBackend.choose("cpu", torch.bfloat16, "int8").make_linear(weight, None)
+    assert int8.kernels is kernels
+    assert KernelBackend.choose("cpu", torch.bfloat16, "int8").make_linear(weight[:, :48], None).kernels is None
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
+        KernelBackend.choose("cpu", torch.bfloat16, "int4")
 
 
 def test_packed_rows_are_the_embedding_rows(kernels, tiny_model_dir):
@@ -234,7 +244,7 @@ def test_packed_rows_are_the_embedding_rows(kernels, tiny_model_dir):
         pytest.skip("no AVX512-BF16: the packed copy is oneDNN's and the plain table stays")
     weight = torch.randn(130, 64).bfloat16()  # 130 rows: the last block of 64 is partly padding
     ids = torch.tensor([[0, 63, 64], [129, 5, 64]])
-    assert torch.equal(PackedLinear(weight, None).rows(ids), weight[ids])
+    assert torch.equal(PackedLinear(weight, None, kernels).rows(ids), weight[ids])
     llm = LLM(tiny_model_dir("qwen2", "bfloat16"), dtype="bfloat16", max_model_len=64)  # tied embeddings
     model = llm.engine.runner.model
     assert type(model.model.embed_tokens).__name__ == "PackedRowsEmbedding"
