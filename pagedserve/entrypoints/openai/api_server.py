@@ -27,6 +27,7 @@ from pagedserve.entrypoints.openai.errors import APIError, error_body, install_e
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     EmbeddingRequest, TokenizeRequest)
 from pagedserve.entrypoints.openai.serving import OpenAIServing
+from pagedserve.exceptions import InvalidRequestError
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -65,11 +66,11 @@ class ServerState:
         if task == self.task:
             return serving
         if task == "embed":
-            raise APIError("this model serves text generation, not embeddings; start an embedding model "
-                           "(e.g. --task embed) for /v1/embeddings", 400, param="model")
-        raise APIError(f"this model serves embeddings, not text generation: {path} is not available; "
-                       "use /v1/embeddings (or start a generative model for completions and chat)", 400,
-                       param="model")
+            raise InvalidRequestError("this model serves text generation, not embeddings; start an embedding model "
+                                      "(e.g. --task embed) for /v1/embeddings", param="model")
+        raise InvalidRequestError(f"this model serves embeddings, not text generation: {path} is not available; "
+                                  "use /v1/embeddings (or start a generative model for completions and chat)",
+                                  param="model")
 
 
 class GuardMiddleware:

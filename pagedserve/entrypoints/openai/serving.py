@@ -64,14 +64,14 @@ class OpenAIServing:
         """max_tokens for this prompt; 400 naming both numbers if prompt + max_tokens is too long."""
         num_prompt = len(prompt.token_ids)
         if num_prompt == 0:
-            raise APIError("the prompt is empty", 400, param="prompt")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         if requested is not None and requested < 1:
-            raise APIError(f"{param} must be at least 1, got {requested}", 400, param=param)
+            raise InvalidRequestError(f"{param} must be at least 1, got {requested}", param=param)
         total = num_prompt + (requested or 1)
         if total > self.max_model_len:
-            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                           f"requested {total} tokens ({num_prompt} in the prompt, {requested or 1} for the "
-                           f"completion). Please reduce the prompt or {param}.", 400, param=param)
+            raise InvalidRequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                      f"you requested {total} tokens ({num_prompt} in the prompt, {requested or 1} "
+                                      f"for the completion). Please reduce the prompt or {param}.", param=param)
         return requested if requested is not None else self.max_model_len - num_prompt
 
     def _request_id(self, prefix: str, req: Any) -> str:
@@ -127,7 +127,7 @@ class OpenAIServing:
         if isinstance(prompt, str):
             return [_Prompt(prompt, await self._tokenize(prompt))]
         if not prompt:
-            raise APIError("prompt must not be empty", 400, param="prompt")
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [_Prompt(None, list(prompt))]
         if len(prompt) > self.limits.max_prompts_per_request:  # before tokenizing them all
@@ -137,15 +137,15 @@ class OpenAIServing:
             return [_Prompt(p, await self._tokenize(p)) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
             return [_Prompt(None, list(p)) for p in prompt]
-        raise APIError("prompt must be a string, a list of strings, token ids, or lists of token ids", 400,
-                       param="prompt")
+        raise InvalidRequestError("prompt must be a string, a list of strings, token ids, or lists of token ids",
+                                  param="prompt")
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
         if req.suffix:
-            raise APIError("suffix is not supported", 400, param="suffix")
+            raise InvalidRequestError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
-            raise APIError("best_of is not supported (only best_of == n)", 400, param="best_of")
+            raise InvalidRequestError("best_of is not supported (only best_of == n)", param="best_of")
         prompts = await self._completion_prompts(req.prompt)
         max_tokens = [self._max_tokens(prompt, req.max_tokens) for prompt in prompts]
         self._check_limits(req, prompts, max_tokens)
@@ -244,33 +244,33 @@ class OpenAIServing:
     # ---- /v1/chat/completions ---------------------------------------------------------------------
     def _check_chat_fields(self, req: ChatCompletionRequest) -> None:
         if req.tools:
-            raise APIError("tools are not supported yet", 400, param="tools")
+            raise InvalidRequestError("tools are not supported yet", param="tools")
         if req.functions:
-            raise APIError("functions are not supported", 400, param="functions")
+            raise InvalidRequestError("functions are not supported", param="functions")
         if req.tool_choice not in (None, "none"):
-            raise APIError("tool_choice is not supported yet", 400, param="tool_choice")
+            raise InvalidRequestError("tool_choice is not supported yet", param="tool_choice")
         if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise APIError("response_format other than text is not supported yet", 400, param="response_format")
+            raise InvalidRequestError("response_format other than text is not supported yet", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
-            raise APIError("top_logprobs needs logprobs set to true", 400, param="top_logprobs")
+            raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
-            raise APIError("messages must not be empty", 400, param="messages")
+            raise InvalidRequestError("messages must not be empty", param="messages")
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ()))
         if reserved:
-            raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)", 400,
-                           param="chat_template_kwargs")
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)",
+                                      param="chat_template_kwargs")
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError("this model has no chat template; use /v1/completions", 400, param="messages")
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
         conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message, **(kwargs or {}))
         except Exception as exc:  # template errors (e.g. roles it rejects) are the client's to fix
-            raise APIError(f"the chat template rejected these messages: {exc}", 400, param="messages") from None
+            raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
         return await self._tokenize(text, add_special_tokens=False)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
@@ -342,7 +342,7 @@ class OpenAIServing:
         elif req.prompt is not None:
             tokens = await self._tokenize(req.prompt, req.add_special_tokens)
         else:
-            raise APIError("give either prompt or messages", 400, param="prompt")
+            raise InvalidRequestError("give either prompt or messages", param="prompt")
         return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
@@ -350,7 +350,7 @@ class OpenAIServing:
         vocab_size = self.engine.engine.config.model.hf_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab_size]
         if bad:
-            raise APIError(f"token id {bad[0]} is out of range [0, {vocab_size})", 400, param="tokens")
+            raise InvalidRequestError(f"token id {bad[0]} is out of range [0, {vocab_size})", param="tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
 
@@ -361,8 +361,8 @@ def _message_text(message: ChatMessage) -> str:
     parts = []
     for part in message.content:
         if part.get("type") != "text":
-            raise APIError(f"content part type {part.get('type')!r} is not supported (text only)", 400,
-                           param="messages")
+            raise InvalidRequestError(f"content part type {part.get('type')!r} is not supported (text only)",
+                                      param="messages")
         parts.append(part.get("text", ""))
     return "".join(parts)
 

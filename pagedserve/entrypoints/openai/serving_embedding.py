@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from pagedserve.entrypoints.openai.errors import APIError
 from pagedserve.entrypoints.openai.protocol import EmbeddingRequest
 from pagedserve.entrypoints.openai.serving import OpenAIServing, _merge, _Prompt, consume_unless_disconnected
+from pagedserve.exceptions import InvalidRequestError
 from pagedserve.outputs import PoolingRequestOutput
 from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
 
@@ -45,12 +46,12 @@ class OpenAIServingEmbedding(OpenAIServing):
         for index, prompt in enumerate(prompts):
             bad = [t for t in prompt.token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise APIError(f"input {index}: token id {bad[0]} is out of range [0, {vocab_size})", 400,
-                               param="input")
+                raise InvalidRequestError(f"input {index}: token id {bad[0]} is out of range [0, {vocab_size})",
+                                          param="input")
             if len(prompt.token_ids) > self.max_model_len:
-                raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                               f"input {index} has {len(prompt.token_ids)} tokens. Please shorten it, or pass "
-                               "truncate_prompt_tokens to cut it.", 400, param="input")
+                raise InvalidRequestError(f"This model's maximum context length is {self.max_model_len} tokens. "
+                                          f"However, input {index} has {len(prompt.token_ids)} tokens. Please shorten "
+                                          "it, or pass truncate_prompt_tokens to cut it.", param="input")
         request_id = f"embd-{uuid.uuid4().hex}"
         arrival = time.monotonic()
         streams = _merge([self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
@@ -68,8 +69,8 @@ class OpenAIServingEmbedding(OpenAIServing):
     def _pooling_params(self, req: EmbeddingRequest) -> PoolingParams:
         k = req.truncate_prompt_tokens
         if k is not None and k > self.max_model_len:
-            raise APIError(f"truncate_prompt_tokens {k} exceeds this model's maximum context length of "
-                           f"{self.max_model_len} tokens", 400, param="truncate_prompt_tokens")
+            raise InvalidRequestError(f"truncate_prompt_tokens {k} exceeds this model's maximum context length of "
+                                      f"{self.max_model_len} tokens", param="truncate_prompt_tokens")
         params = PoolingParams(dimensions=req.dimensions, truncate_prompt_tokens=k)  # InvalidRequestError -> 400
         self.engine.engine.validate_dimensions(req.dimensions)  # reads the frozen config only
         return params
@@ -79,15 +80,16 @@ class OpenAIServingEmbedding(OpenAIServing):
         if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
             value = [value]  # one input
         if not value:
-            raise APIError("input must not be empty", 400, param="input")
+            raise InvalidRequestError("input must not be empty", param="input")
         # Each input is one engine request: past the queue bound a request could never be admitted whole.
         limit = min(MAX_INPUTS, self.engine.max_waiting + self.engine.engine.config.scheduler.max_num_seqs)
         if len(value) > limit:
-            raise APIError(f"input has {len(value)} items; this server takes at most {limit} per request "
-                           "(OpenAI's limit is 2048; --max-waiting-requests and --max-num-seqs bound it here)",
-                           400, param="input")
+            raise InvalidRequestError(f"input has {len(value)} items; this server takes at most {limit} per request "
+                                      "(OpenAI's limit is 2048; --max-waiting-requests and --max-num-seqs bound it "
+                                      "here)", param="input")
         if any(len(item) == 0 for item in value):
-            raise APIError("input must not contain an empty string or an empty list of tokens", 400, param="input")
+            raise InvalidRequestError("input must not contain an empty string or an empty list of tokens",
+                                      param="input")
         texts = [v for v in value if isinstance(v, str)]
         encoded = iter(await asyncio.to_thread(self._tokenize_texts, texts, truncate_prompt_tokens) if texts else [])
         prompts = []
