@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.exceptions import RequestFailedError
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -102,11 +103,18 @@ class LLM:
         return result
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
+        """Step until every request finished; a request the engine failed raises RequestFailedError (after
+        the call's other requests are aborted, so the engine is left empty as an exception used to leave it)."""
         finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
                 if output.finished:
                     finished[output.request_id] = output
+            failed = self.engine.take_failed()
+            if failed:
+                self.engine.abort_request(request_ids)
+                request_id, reason = next(iter(failed.items()))
+                raise RequestFailedError(request_id, reason)
         return [finished[r] for r in request_ids]
 
 
