@@ -52,7 +52,8 @@ StepObserver = Callable[[LLMEngine, list[RequestOutput]], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None, start_thread: bool = True) -> None:
+        """start_thread=False: the caller runs the loop itself with run_in_this_thread() (see there why)."""
         self.engine = engine
         self.observer = observer
         self.max_waiting = engine.config.scheduler.max_waiting_requests
@@ -63,7 +64,15 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._thread.start()
+        if start_thread:
+            self._thread.start()
+
+    def run_in_this_thread(self) -> None:
+        """Run the engine loop here until shutdown. For the thread that built (and warmed up) the LLMEngine:
+        OpenMP thread teams and per-thread kernel caches belong to the calling thread, so a loop on another
+        thread would pay them again on its first request."""
+        self._thread = threading.current_thread()
+        self._run()
 
     @property
     def is_dead(self) -> bool:
@@ -77,7 +86,8 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     # ---- caller side (asyncio) -------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,

@@ -175,7 +175,8 @@ def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | N
     config = llm_engine.config
     name = config.model.served_model_name
     metrics = EngineMetrics(name)
-    state.engine = AsyncEngine(llm_engine, observer=metrics.observe_step)
+    # The engine loop runs on this thread, which warmed the model up (AsyncEngine.run_in_this_thread).
+    state.engine = AsyncEngine(llm_engine, observer=metrics.observe_step, start_thread=False)
     state.metrics = metrics
     state.served_model_names = [name]
     state.max_model_len = config.model.max_model_len
@@ -253,8 +254,9 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
             return
         state.engine.on_death = lambda exc: stop(1)
         logger.info("serving %s on http://%s:%d", state.served_model_names[0], options.host, options.port)
+        state.engine.run_in_this_thread()  # until shutdown
 
-    loader = threading.Thread(target=load, name="pagedserve-startup", daemon=True)
+    loader = threading.Thread(target=load, name="pagedserve-engine", daemon=True)  # loads, then runs the loop
     loader.start()
     try:
         server.run()

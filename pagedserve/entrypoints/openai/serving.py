@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,14 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self.limits = limits or RequestLimits()
+        # Tokenizing runs off the event loop, on threads started here: a first tokenization here also starts
+        # the tokenizer library's own thread pool, so the first request starts no thread (no cold request 1).
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedserve-tokenize")
+        self._tokenizer_pool.submit(self.tokenizer.encode, "warm up").result()
+
+    async def in_tokenizer_pool(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool,
+                                                                functools.partial(fn, *args, **kwargs))
 
     # ---- shared checks ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -120,7 +130,7 @@ class OpenAIServing:
             llm_engine.validate_token_params(params)
 
     async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await self.in_tokenizer_pool(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     # ---- /v1/completions --------------------------------------------------------------------------
     async def _completion_prompts(self, prompt: Any) -> list[_Prompt]:

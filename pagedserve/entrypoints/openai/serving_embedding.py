@@ -8,7 +8,6 @@ other request by the scheduler's token budget. Response: {"object": "list", "dat
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 import uuid
@@ -91,7 +90,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise InvalidRequestError("input must not contain an empty string or an empty list of tokens",
                                       param="input")
         texts = [v for v in value if isinstance(v, str)]
-        encoded = iter(await asyncio.to_thread(self._tokenize_texts, texts, truncate_prompt_tokens) if texts else [])
+        encoded = iter(await self.in_tokenizer_pool(self._tokenize_texts, texts, truncate_prompt_tokens) if texts else [])
         prompts = []
         for item in value:
             if isinstance(item, str):
