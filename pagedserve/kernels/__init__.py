@@ -49,6 +49,7 @@ _SIGNATURES = {
     "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
     "ps_layer_fields": ((), _INT),
+    "ps_layer_layout": ((_P, _INT), _INT),
     "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                          _F32, _F32, _INT, _INT), None),
 }
@@ -58,7 +59,8 @@ HUGE_PAGE = 2 << 20
 
 
 class CpuKernels:
-    """Typed entry points over the C library; each takes torch CPU tensors and checks what it relies on."""
+    """Typed entry points over the C library; each takes torch CPU tensors and asserts the dtypes, shapes
+    and contiguity the C code relies on (internal invariants: the layers pass what these expect)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.lib = lib
@@ -146,6 +148,8 @@ class CpuKernels:
                     out_features: int) -> torch.Tensor:
         """bf16 x [M, K] (contiguous) @ W^T (+ bias) -> [M, N]; W packed by `pack_bf16`."""
         m, k = x.shape
+        assert x.dtype == packed.dtype == torch.bfloat16 and x.is_contiguous() and k == 2 * packed.shape[1]
+        assert packed.shape[2] == self.bf16_block and packed.shape[0] * self.bf16_block >= out_features
         y = torch.empty(m, out_features, dtype=x.dtype)
         self.lib.ps_linear_bf16(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                 y.data_ptr(), m, out_features, k, self._threads())
@@ -156,6 +160,8 @@ class CpuKernels:
         """x [M, K] (contiguous, model dtype) @ (W [N, K] int8, packed by `pack_rows`, * scales [N] float32)^T
         (+ bias [N]). x is widened to int16 per row (see cpu_kernels.c)."""
         m, k = x.shape
+        assert x.dtype in ACTIVATION_DTYPES and x.is_contiguous() and packed.dtype == torch.int8
+        assert k == 64 * packed.shape[1] and scales.dtype == torch.float32 and row_sums.dtype == torch.int32
         y = torch.empty(m, out_features, dtype=x.dtype)
         self.lib.ps_linear_i8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), row_sums.data_ptr(),
                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, out_features, k,
@@ -166,6 +172,8 @@ class CpuKernels:
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(norm(x + residual), x + residual) or (norm(x), None); x/residual [M, H] contiguous."""
         m, h = x.shape
+        assert x.is_contiguous() and h % 16 == 0 and weight.dtype == x.dtype and weight.shape == (h,)
+        assert residual is None or (residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype)
         out = torch.empty_like(x)
         new_residual = torch.empty_like(x) if residual is not None else None
         self.lib.ps_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
@@ -176,6 +184,7 @@ class CpuKernels:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [M, 2I] contiguous -> silu(gate) * up [M, I]."""
         m, two_i = gate_up.shape
+        assert gate_up.is_contiguous() and two_i % 32 == 0
         out = torch.empty(m, two_i // 2, dtype=gate_up.dtype)
         self.lib.ps_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2,
                              gate_up.dtype == torch.bfloat16, self._threads())
@@ -187,6 +196,9 @@ class CpuKernels:
         [T, D], then write K and V of every token to the pool [S, Hkv, D] at slots [T] (int64)."""
         t, h, d = qkv.shape
         hkv = (h - num_heads) // 2
+        assert qkv.is_contiguous() and d % 32 == 0 and cos.numel() == sin.numel() == t * d
+        assert k_cache.shape[1:] == v_cache.shape[1:] == (hkv, d) and k_cache.dtype == qkv.dtype
+        assert slots.dtype == torch.int64 and slots.numel() == t
         self.lib.ps_rope_kv_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                   v_cache.data_ptr(), slots.contiguous().data_ptr(), t, num_heads, hkv, d,
                                   qkv.dtype == torch.bfloat16, self._threads())
@@ -197,6 +209,8 @@ class CpuKernels:
         lens [B] int64 -> [B, Hq, D]."""
         b, hq, d = q.shape
         hkv = k_cache.shape[1]
+        assert d % 16 == 0 and d <= 256 and hq % hkv == 0 and k_cache.shape[2] == d and k_cache.dtype == q.dtype
+        assert slots.dtype == lens.dtype == torch.int64 and slots.shape[0] == lens.shape[0] == b
         slots, lens = slots.contiguous(), lens.contiguous()  # no-ops for the runner's tensors
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
@@ -211,6 +225,17 @@ class CpuKernels:
         """Entries per layer in `decode_stack`'s table (PS_LAYER_FIELDS in cpu_kernels.c)."""
         return self.lib.ps_layer_fields()
 
+    @functools.cached_property
+    def layer_layout(self) -> dict[str, int]:
+        """`decode_stack`'s table layout as the library defines it: the column of each named field (a
+        linear's entry spans `linear_fields` columns), `linear_fields` and `layer_fields`."""
+        names = ("in_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache", "linear_fields",
+                 "layer_fields")
+        values = (ctypes.c_int64 * len(names))()
+        if self.lib.ps_layer_layout(values, len(names)) != len(names):
+            raise RuntimeError("the kernel library's decode-stack layout has other fields than this wrapper")
+        return dict(zip(names, values))
+
     def decode_stack(self, x: torch.Tensor, table: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, slots: torch.Tensor, ctx_slots: torch.Tensor, lens: torch.Tensor,
                      num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
@@ -219,6 +244,11 @@ class CpuKernels:
         output [B, H]. `table` [layers, layer_fields] int64 holds each layer's pointers (see
         cpu_kernels.c, ps_decode_stack); cos/sin [B, D]; slots [B]; ctx_slots [B, L]; lens [B] (int64)."""
         b, h = x.shape
+        assert x.is_contiguous() and x.dtype in ACTIVATION_DTYPES and final_norm.dtype == x.dtype
+        assert table.dtype == torch.int64 and table.is_contiguous() and table.shape[1] == self.layer_fields
+        assert cos.numel() == sin.numel() == b * head_dim and cos.is_contiguous() and sin.is_contiguous()
+        assert slots.shape == (b,) and ctx_slots.shape[0] == lens.shape[0] == b
+        assert all(t.dtype == torch.int64 and t.is_contiguous() for t in (slots, ctx_slots, lens))
         out = torch.empty_like(x)
         self.lib.ps_decode_stack(x.data_ptr(), out.data_ptr(), table.data_ptr(), table.shape[0],
                                  final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),

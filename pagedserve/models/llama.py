@@ -202,26 +202,29 @@ class NativeDecodeStack:
     def build(cls, model: DecoderModel, kernels: CpuKernels) -> NativeDecodeStack | None:
         if model.norm.weight.device.type != "cpu":
             return None  # the native kernels read host memory
+        layout = kernels.layer_layout  # the library's own column of each field
         rows, int8, tensors = [], False, []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if not attn.fused_rope or layer.input_layernorm.eps != model.norm.eps:
                 return None
-            fields = []
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            row = [0] * layout["layer_fields"]  # K/V pools: set by _bind_pools
+            row[layout["in_norm"]] = layer.input_layernorm.weight.data_ptr()
+            row[layout["post_norm"]] = layer.post_attention_layernorm.weight.data_ptr()
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
                 entry = linear.native_fields() if hasattr(linear, "native_fields") else None
                 if entry is None:
                     return None
+                if len(entry) != layout["linear_fields"]:
+                    raise RuntimeError(f"{type(linear).__name__} gives {len(entry)} fields, the library reads "
+                                       f"{layout['linear_fields']}")
                 int8 = int8 or entry[0] == 1
-                fields += entry
+                row[layout[name]:layout[name] + len(entry)] = entry
                 tensors += list(linear.buffers())
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            tensors += norms
-            rows.append([n.data_ptr() for n in norms] + fields + [0, 0])  # K/V pools: set by _bind_pools
-        table = torch.tensor(rows, dtype=torch.int64)
-        if table.shape[1] != kernels.layer_fields:
-            raise RuntimeError(f"decode stack table has {table.shape[1]} fields, the library {kernels.layer_fields}")
-        return cls(kernels, model, table, int8, tensors)
+            rows.append(row)
+        return cls(kernels, model, torch.tensor(rows, dtype=torch.int64), int8, tensors)
 
     def runs(self, x: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata) -> bool:
         """This step is decode-only and within what the stack handles."""
@@ -231,8 +234,9 @@ class NativeDecodeStack:
     def _bind_pools(self, kv_caches: list[LayerKVCache]) -> None:
         if kv_caches is self._pools:
             return
-        self.table[:, -2] = torch.tensor([c.k.data_ptr() for c in kv_caches], dtype=torch.int64)
-        self.table[:, -1] = torch.tensor([c.v.data_ptr() for c in kv_caches], dtype=torch.int64)
+        layout = self.kernels.layer_layout
+        self.table[:, layout["k_cache"]] = torch.tensor([c.k.data_ptr() for c in kv_caches], dtype=torch.int64)
+        self.table[:, layout["v_cache"]] = torch.tensor([c.v.data_ptr() for c in kv_caches], dtype=torch.int64)
         self._pools = kv_caches  # the runner keeps one list of pools for the engine's life
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[LayerKVCache],

@@ -75,13 +75,16 @@ def test_stack_points_at_the_live_parameters(kernels, tiny_model_dir):
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     model = llm.engine.runner.model.model
     table = model.stack.table
+    layout = kernels.layer_layout  # the columns as the C library defines them (PS_L_* in cpu_kernels.c)
+    assert layout["layer_fields"] == kernels.layer_fields == table.shape[1]
     for row, layer in zip(table.tolist(), model.layers):
-        assert row[0] == layer.input_layernorm.weight.data_ptr()
-        assert row[1] == layer.post_attention_layernorm.weight.data_ptr()
-        assert row[3] == layer.self_attn.qkv_proj.packed_weight.data_ptr()
+        assert row[layout["in_norm"]] == layer.input_layernorm.weight.data_ptr()
+        assert row[layout["post_norm"]] == layer.post_attention_layernorm.weight.data_ptr()
+        for name, linear in (("qkv", layer.self_attn.qkv_proj), ("down", layer.mlp.down_proj)):
+            assert row[layout[name]:layout[name] + layout["linear_fields"]] == linear.native_fields()
     caches = llm.engine.runner.kv_caches
-    assert table[:, -2].tolist() == [c.k.data_ptr() for c in caches]
-    assert table[:, -1].tolist() == [c.v.data_ptr() for c in caches]
+    assert table[:, layout["k_cache"]].tolist() == [c.k.data_ptr() for c in caches]
+    assert table[:, layout["v_cache"]].tolist() == [c.v.data_ptr() for c in caches]
     assert model.stack.final_norm.data_ptr() == model.norm.weight.data_ptr()
 
 
