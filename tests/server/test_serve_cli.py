@@ -70,6 +70,8 @@ def test_api_key_enforced(tiny_model_dir, tmp_path):
     (["--kv-cache-dtype", "fp4"], "kv-cache-dtype"),
     (["--block-size", "7"], "block-size"),
     (["--no-such-flag"], "unrecognized arguments"),
+    (["--max-n", "0"], "--max-n must be >= 1"),
+    (["--fault-injection", "nowhere:x"], "--fault-injection rule"),
 ])
 def test_unsupported_flags_fail_at_start(tiny_model_dir, flags, word):
     result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", tiny_model_dir("llama"), *flags],
