@@ -42,7 +42,7 @@ _SIGNATURES = {
     "ps_has_bf16_dot": ((), _INT),
     "ps_advise_huge": ((_P, _I64), _I64),
     "ps_linear_i8": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
-    "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), _INT),
+    "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), None),
     "ps_pack_bf16": ((_P, _P, _I64, _I64, _INT), None),
     "ps_rms_norm": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
@@ -137,12 +137,6 @@ class CpuKernels:
         """The inverse of `pack_bf16`: [N, K]."""
         blocks, pairs, nb = packed.shape[:3]
         return packed.permute(0, 2, 1, 3).reshape(blocks * nb, pairs * 2)[:out_features]
-
-    @property
-    def has_bf16_linear(self) -> bool:
-        """The library runs bf16 linears (every ISA it builds for has one: vdpbf16ps where AVX512-BF16
-        exists, bf16 widened to float32 in registers elsewhere)."""
-        return bool(self.lib.ps_linear_bf16(None, None, None, None, 0, 0, 0, 1))
 
     def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                     out_features: int) -> torch.Tensor:

@@ -700,15 +700,13 @@ void ps_pack_bf16(const uint32_t *w, uint32_t *packed, int64_t N, int64_t K, int
 
 /* y [M, N] = round(x [M, K] @ W^T + bias) in bf16, the bias added in float32 before the one rounding
  * (as torch's and oneDNN's bf16 linear); W packed by ps_pack_bf16. K % 16 == 0. Prefill-sized M is taken
- * in chunks of rows (bf16_chunk_rows) so that x stays in L2 while the weight blocks pass over it.
- * Returns 1 (0 meant "no bf16 kernel on this CPU" before every ISA had one). */
-int ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                   int64_t M, int64_t N, int64_t K, int nthreads) {
-  if (M <= 0) return 1;
+ * in chunks of rows (bf16_chunk_rows) so that x stays in L2 while the weight blocks pass over it. */
+void ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                    int64_t M, int64_t N, int64_t K, int nthreads) {
+  if (M <= 0) return;
   const int64_t chunk = bf16_chunk_rows(M, K);
   for (int64_t m = 0; m < M; m += chunk)
     bf16_rows(x + m * K, w, bias, y + m * N, M - m < chunk ? M - m : chunk, N, K, nthreads);
-  return 1;
 }
 
 /* ---- RMSNorm, optionally fused with the residual add ----------------------------------------------- */

@@ -184,8 +184,6 @@ def test_int8_linear_layer_on_both_paths(kernels, rows):
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_linear_matches_torch(kernels, rows, with_bias):
-    if not kernels.has_bf16_linear:
-        pytest.skip("no AVX512-BF16: bf16 linears use oneDNN")
     torch.manual_seed(rows)
     n, k = 100, 96  # N not a multiple of the 64-output block
     weight = torch.randn(n, k).bfloat16()
@@ -201,8 +199,6 @@ def test_bf16_linear_matches_torch(kernels, rows, with_bias):
 def test_bf16_linear_takes_prefill_rows_in_chunks_with_the_same_sums(kernels):
     """Above 512 rows (K <= 1024) the kernel walks the rows in chunks: every output row must equal the
     one computed alone (same sums, same order), including the last, partial chunk."""
-    if not kernels.has_bf16_linear:
-        pytest.skip("no AVX512-BF16: bf16 linears use oneDNN")
     torch.manual_seed(0)
     n, k, rows = 130, 128, 1100  # chunks of 512, 512, 76
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
@@ -240,8 +236,6 @@ def test_packed_rows_are_the_embedding_rows(kernels, tiny_model_dir):
     from pagedserve import LLM
     from pagedserve.layers.linear import PackedLinear
 
-    if not kernels.has_bf16_linear:
-        pytest.skip("no AVX512-BF16: the packed copy is oneDNN's and the plain table stays")
     weight = torch.randn(130, 64).bfloat16()  # 130 rows: the last block of 64 is partly padding
     ids = torch.tensor([[0, 63, 64], [129, 5, 64]])
     assert torch.equal(PackedLinear(weight, None, kernels).rows(ids), weight[ids])

@@ -197,7 +197,7 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
 
     setting = tmp_path / "enabled"
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    fake = type("Fake", (), {"has_bf16_linear": True, "isa": "avx512"})()
+    fake = type("Fake", (), {"isa": "avx512"})()
     monkeypatch.setattr(kernels, "load_status", lambda: (fake, "loaded /x.so"))
     original = probe.transparent_hugepages
     monkeypatch.setattr(probe, "transparent_hugepages", lambda: original(setting))
