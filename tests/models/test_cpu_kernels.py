@@ -73,7 +73,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 70])  # 4+: widened weights; 64+: bf16 panels (AVX2)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_i8_matches_dequantized_matmul(kernels, dtype, m, with_bias):
     torch.manual_seed(m)
