@@ -101,7 +101,7 @@ def run(python: str, code: str | Path, *argv: str) -> list[float]:
 
 
 READY = """
-import socket, subprocess, sys, time, urllib.request
+import json, socket, subprocess, sys, time, urllib.request
 start = time.time()
 sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
 cmd = [sys.executable, "-m", "pagedserve.cli.main", "serve", *sys.argv[1:], "--port", str(port), "--num-threads", "2"]
@@ -117,7 +117,7 @@ try:
 finally:
     server.terminate(); server.wait(30)
 print("RESULT " + json.dumps([ready]))
-""".replace("import socket", "import json, socket")
+"""
 
 
 def systems_for(args: argparse.Namespace) -> list[tuple[str, str, str | Path, tuple[str, ...]]]:

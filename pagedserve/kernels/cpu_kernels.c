@@ -539,6 +539,20 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint32_t *wb, 
   }
 }
 
+/* bf16_tile for `rows` (1..BF16_MT) rows, each count its own inlined copy so the tile stays in registers. */
+static void bf16_tile_rows(const uint32_t *wb, const float *x, int64_t K, int64_t rows, vf acc[BF16_MT][2]) {
+  switch (rows) {
+    case 1: bf16_tile(wb, x, K, 1, acc); break;
+    case 2: bf16_tile(wb, x, K, 2, acc); break;
+    case 3: bf16_tile(wb, x, K, 3, acc); break;
+#if BF16_MT > 4
+    case 4: bf16_tile(wb, x, K, 4, acc); break;
+    case 5: bf16_tile(wb, x, K, 5, acc); break;
+#endif
+    default: bf16_tile(wb, x, K, BF16_MT, acc); break;
+  }
+}
+
 static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                       int64_t M, int64_t N, int64_t K, int nthreads) {
   const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
@@ -556,16 +570,7 @@ static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias
     for (int64_t m = 0; m < M; m += BF16_MT) {
       const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
       vf acc[BF16_MT][2];
-      switch (rows) {
-        case 1: bf16_tile(wb, xf + m * K, K, 1, acc); break;
-        case 2: bf16_tile(wb, xf + m * K, K, 2, acc); break;
-        case 3: bf16_tile(wb, xf + m * K, K, 3, acc); break;
-#if BF16_MT > 4
-        case 4: bf16_tile(wb, xf + m * K, K, 4, acc); break;
-        case 5: bf16_tile(wb, xf + m * K, K, 5, acc); break;
-#endif
-        default: bf16_tile(wb, xf + m * K, K, BF16_MT, acc); break;
-      }
+      bf16_tile_rows(wb, xf + m * K, K, rows, acc);
       for (int64_t r = 0; r < rows; ++r) {
         uint16_t *out = y + (m + r) * N + nb * BF16_NB;
         const vf s0 = vadd(acc[r][0], vloadf(b)), s1 = vadd(acc[r][1], vloadf(b + VL));
@@ -650,16 +655,7 @@ static void i8_panels(const float *xf, const int8_t *q, const float *scale, cons
       for (int64_t m = 0; m < M; m += BF16_MT) {
         const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
         vf acc[BF16_MT][2];
-        switch (rows) {
-          case 1: bf16_tile(panel, xf + m * K, K, 1, acc); break;
-          case 2: bf16_tile(panel, xf + m * K, K, 2, acc); break;
-          case 3: bf16_tile(panel, xf + m * K, K, 3, acc); break;
-#if BF16_MT > 4
-          case 4: bf16_tile(panel, xf + m * K, K, 4, acc); break;
-          case 5: bf16_tile(panel, xf + m * K, K, 5, acc); break;
-#endif
-          default: bf16_tile(panel, xf + m * K, K, BF16_MT, acc); break;
-        }
+        bf16_tile_rows(panel, xf + m * K, K, rows, acc);
         for (int64_t r = 0; r < rows; ++r) {
           float sums[BF16_NB];
           vstoref(sums, acc[r][0]);
@@ -738,7 +734,8 @@ int ps_bf16_block(void) { return BF16_NB; }
 
 /* 1 where the CPU multiplies bf16 natively (AVX512-BF16): there a dense bf16 matmul beats the int8
  * kernel at prefill sizes, so int8 layers dequantize above a few rows; elsewhere the int8 kernel takes
- * every batch size (AVX2: ~120 GOP/s at 64-1024 rows vs ~45 for oneDNN's emulated bf16). */
+ * every batch size (AVX2: its float32 paths for 4+ rows run at the bf16 linear's speed, where oneDNN's
+ * emulated bf16 would be several times slower). */
 int ps_has_bf16_dot(void) {
 #ifdef __AVX512BF16__
   return 1;
