@@ -42,6 +42,12 @@ json_values = st.recursive(st.none() | st.booleans() | ints | floats | texts,
                            max_leaves=6)
 
 
+def bounded(examples: int) -> Any:
+    """hypothesis settings for these server tests: a fixed number of examples, reproducible (derandomized,
+    no example database), no deadline (a request's time depends on the box)."""
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
 def strategy_for(annotation: Any, integers: st.SearchStrategy = ints) -> st.SearchStrategy:
     """Values of a pydantic field's annotation, edges and nonsense of the right JSON shape included."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -141,8 +147,7 @@ def check_answer(http: httpx.Client, path: str, body: dict) -> None:
 
 @pytest.mark.parametrize("path", list(BODIES))
 def test_generated_requests_never_get_a_5xx(http, path):
-    @settings(max_examples=NUM_EXAMPLES[path], deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @bounded(NUM_EXAMPLES[path])
     @given(BODIES[path])
     def check(body: dict) -> None:
         check_answer(http, path, body)
@@ -154,8 +159,7 @@ def test_generated_requests_never_get_a_5xx(http, path):
 def test_each_completion_field_alone_never_gets_a_5xx(http, field):
     values = field_strategy(CompletionRequest, field)
 
-    @settings(max_examples=15, deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @bounded(15)
     @given(values)
     def check(value: Any) -> None:
         check_answer(http, "/v1/completions", {**VALID_COMPLETION, field: value})
@@ -239,8 +243,7 @@ def embed_http(tiny_model_dir, tmp_path_factory):
 def test_each_embedding_field_alone_never_gets_a_5xx(embed_http, field):
     values = field_strategy(EmbeddingRequest, field)
 
-    @settings(max_examples=15, deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @bounded(15)
     @given(values)
     def check(value: Any) -> None:
         check_answer(embed_http, "/v1/embeddings", {"model": EMBED_MODEL, "input": "The quick brown fox", field: value})
@@ -249,8 +252,7 @@ def test_each_embedding_field_alone_never_gets_a_5xx(embed_http, field):
 
 
 def test_generated_embedding_requests_never_get_a_5xx(embed_http):
-    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @bounded(40)
     @given(model_bodies(EmbeddingRequest, {"model": st.sampled_from([EMBED_MODEL] * 5 + [None, "nope"])}))
     def check(body: dict) -> None:
         check_answer(embed_http, "/v1/embeddings", body)
