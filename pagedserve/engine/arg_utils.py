@@ -34,10 +34,13 @@ class EngineArgs:
     enable_prefix_caching: bool = _opt("Reuse the KV cache of shared prompt prefixes.", default=True)
     enable_chunked_prefill: bool = _opt("Split long prompts across steps so decodes keep flowing.",
                                         default=True)
-    gpu_memory_utilization: float = _opt("Fraction of device memory the engine may use; on CPU the "
-                                         "fraction of available RAM.", default=0.9)
-    kv_cache_memory: int | None = _opt("Bytes of KV cache (overrides the fraction; on CPU also set by "
-                                       "VLLM_CPU_KVCACHE_SPACE in GiB).")
+    gpu_memory_utilization: float | None = _opt(
+        "Fraction of device memory the engine may use (default 0.9). On a CPU, when given, the fraction of "
+        "available RAM the engine may fill, its KV cache taking what the rest leaves (vLLM's GPU meaning); "
+        "unset, the CPU KV cache follows the shared-box default: max_num_seqs x max_model_len tokens, at most "
+        "25%% of the available RAM.")
+    kv_cache_memory: int | None = _opt("Bytes of KV cache (overrides the fraction and the CPU default; on CPU "
+                                       "also set by VLLM_CPU_KVCACHE_SPACE in GiB).")
     num_gpu_blocks_override: int | None = _opt("Exact number of KV blocks (testing).")
     kv_cache_dtype: str = _opt("KV cache dtype: auto (= model dtype), fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit "
                                 "K/V with a scale per token and head, about half the memory.", default="auto")
@@ -83,7 +86,7 @@ def add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> Non
     if f.type in ("bool", bool):
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         return
-    kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+    kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
     parser.add_argument(flag, type=kind, default=f.default, help=help_text)
 
 

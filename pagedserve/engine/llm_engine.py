@@ -431,7 +431,7 @@ def check_engine_args(args: EngineArgs) -> None:
     if args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     parse_fault_spec(args.fault_injection)
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+    if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
 
 
@@ -479,9 +479,9 @@ def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str |
 def _num_kv_blocks(args: EngineArgs, plan: MemoryPlan) -> int:
     """KV pool size: --num-gpu-blocks-override (testing), else the plan's blocks + the reserved null block.
 
-    The plan sizes the pool from --kv-cache-memory (or VLLM_CPU_KVCACHE_SPACE), else from the memory left
-    in the budget: never below one full max_model_len sequence (else it refuses to start), never above
-    max_num_seqs full sequences, never beyond --gpu-memory-utilization x the memory available now.
+    The plan sizes the pool from --kv-cache-memory (or VLLM_CPU_KVCACHE_SPACE), else by the CPU's shared-box
+    default or the GPU's --gpu-memory-utilization rule (memory/plan.py): never below one full max_model_len
+    sequence (else it refuses to start), never above max_num_seqs full sequences.
     """
     return args.num_gpu_blocks_override or plan.num_kv_blocks + 1
 
@@ -519,7 +519,10 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     request = memory.PlanRequest(
         dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, max_model_len=model.max_model_len,
         max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        block_size=args.block_size, available=available, memory_fraction=args.gpu_memory_utilization,
+        block_size=args.block_size, available=available,
+        memory_fraction=memory.DEFAULT_MEMORY_FRACTION if args.gpu_memory_utilization is None
+        else args.gpu_memory_utilization,
+        kv_share=memory.CPU_DEFAULT_KV_SHARE if on_cpu and args.gpu_memory_utilization is None else None,
         kv_cache_bytes=kv_cache_bytes, runtime_overhead_bytes=overhead,
         host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0, kv_scale_bytes=kv_scale_bytes,
         quantization=model.quantization)

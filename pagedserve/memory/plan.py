@@ -9,9 +9,17 @@ Formulas (T = max_num_batched_tokens, M = max_model_len, S = max_num_seqs, d = d
 H hidden, I intermediate, V vocab, nh / kvh attention / KV heads, hd head_dim):
 
   KV bytes per token = 2 (K and V) x L x kvh x hd x kv_dtype_bytes
-  KV pool (automatic) = budget - weights - activations - overhead, where budget = memory_fraction x available,
-      rounded down to whole blocks, at least one full M-token sequence (the engine cannot serve less) and at
-      most S x M tokens (more could never be used at once).
+  budget = memory_fraction x available (the verdict: the total must fit in it)
+  KV pool, in whole blocks, by the first rule that applies (`kv_rule`; README "Memory on a shared box"):
+    explicit     --kv-cache-memory or VLLM_CPU_KVCACHE_SPACE.
+    shared-box   the CPU default: the workload, S x M tokens (more could never be used at once), at most
+                 CPU_DEFAULT_KV_SHARE (25 %) of the available memory, and no more than the budget leaves
+                 after weights, activations and overhead.
+    utilization  on a GPU, and on a CPU when --gpu-memory-utilization is given (vLLM's meaning): what the
+                 budget leaves after weights, activations and overhead, at most S x M tokens.
+  Both automatic rules raise the pool to one full M-token sequence (the engine cannot serve less); the
+  blocks pay for their host bookkeeping too. `kv_sizing` names the bound that decided the size: "explicit",
+  "workload" (S x M), "share" (the shared-box cap), "budget" (what the budget leaves) or "floor".
 
   Peak activations, for one forward pass over T batched tokens. Inference keeps no autograd graph, so only
   one layer's transients are alive at a time; the terms are summed, which bounds the allocator's high-water
@@ -82,6 +90,18 @@ TOKENIZER_BYTES_PER_TOKEN = 1600
 # The block pool's Python objects (KVCacheBlock + its free-queue entry): 277 bytes per block measured with
 # VmRSS around KVCacheManager(100_000, 16, True) on Python 3.11.
 HOST_BYTES_PER_KV_BLOCK = 288
+# The shared-box default for the CPU KV pool: at most this share of the memory available at start-up
+# (MemAvailable, or the cgroup's limit minus its working set when that is less). vLLM's CPU backend, with
+# VLLM_CPU_KVCACHE_SPACE unset, used a fixed 4 GiB (up to v0.10) and now takes 50 % of MemTotal per NUMA
+# node (vllm/platforms/cpu.py, DEFAULT_CPU_MEM_UTILIZATION), allocated up front, whatever the neighbours hold
+# and whatever the workload can use. Ours counts what is free now, not the total, and takes half of vLLM's
+# share of it: the pool becomes resident as the prefix cache fills and its pages never go back, so a quarter
+# of the free memory is the most it may grow into while three quarters stay for the neighbours' growth, the
+# page cache and our own weights and activations. (16 GiB available gives vLLM's old 4 GiB; the default
+# SmolLM2 on a 24 GiB box gets about 5.5 GiB, ~30 sequences of 8192 tokens.)
+CPU_DEFAULT_KV_SHARE = 0.25
+# --gpu-memory-utilization when not given: the share of the available memory the whole server may use.
+DEFAULT_MEMORY_FRACTION = 0.9
 # CUDA context and cuBLAS workspace on the device: an estimate (vLLM's profiler typically finds 0.5-1 GiB of
 # non-torch memory); not measured on this project's CPU-only machines.
 CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB
@@ -158,8 +178,11 @@ class PlanRequest:
     max_num_batched_tokens: int
     block_size: int
     available: AvailableMemory
-    memory_fraction: float = 0.9  # --gpu-memory-utilization: share of the available memory the server may use
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION  # --gpu-memory-utilization: share of the available memory the server may use
     kv_cache_bytes: int | None = None  # explicit KV pool (--kv-cache-memory, VLLM_CPU_KVCACHE_SPACE)
+    # The shared-box rule's cap: the KV pool holds at most this share of the available memory. None: the
+    # utilization rule (the pool takes what the budget leaves; GPUs, and --gpu-memory-utilization on a CPU).
+    kv_share: float | None = None
     runtime_overhead_bytes: int = CPU_RUNTIME_OVERHEAD_BYTES
     materializes_attention_scores: bool = False  # True for attention that holds QK^T (not torch SDPA)
     quantization: str | None = None  # weight quantization already applied to weight_bytes (e.g. "int8")
@@ -173,6 +196,8 @@ class PlanRequest:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.kv_share is not None and not 0 < self.kv_share <= 1:
+            raise ValueError(f"kv_share must be in (0, 1], got {self.kv_share}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.runtime_overhead_bytes < 0 or self.host_bytes_per_block < 0:
@@ -216,7 +241,8 @@ class MemoryPlan:
     block_bytes: int
     num_kv_blocks: int
     kv_pool_bytes: int
-    kv_sizing: str  # "explicit", "automatic", "floor" (raised to one sequence) or "cap" (limited to S x M)
+    kv_rule: str  # the rule that sized the KV pool: "explicit", "shared-box" or "utilization"
+    kv_sizing: str  # the bound that decided: "explicit", "workload", "share", "budget" or "floor"
     activations: ActivationBytes
     overhead_bytes: int
     total_bytes: int
@@ -248,10 +274,35 @@ class MemoryPlan:
         """Resident memory once started and idle (weights + overhead + KV bookkeeping; see the module docstring)."""
         return self.weight_bytes + self.overhead_bytes + self.kv_bookkeeping_bytes
 
+    @property
+    def kv_sizing_text(self) -> str:
+        """Which rule sized the KV pool and which bound decided, in words (the table, the log, /health)."""
+        request = self.request
+        if self.kv_rule == "explicit":
+            return "explicit (--kv-cache-memory or VLLM_CPU_KVCACHE_SPACE)"
+        if self.kv_rule == "shared-box":
+            rule = f"shared-box default (<= {request.kv_share:.0%} of {_gib(request.available.num_bytes)} available)"
+        else:
+            rule = f"--gpu-memory-utilization {request.memory_fraction:.2f}"
+        workload = f"max_num_seqs {request.max_num_seqs} x max_model_len {request.max_model_len}"
+        blocks_per_seq = math.ceil(request.max_model_len / request.block_size)
+        bound = {
+            "workload": f"the workload, {workload}",
+            "share": f"capped ({workload} would need {_gib(request.max_num_seqs * blocks_per_seq * self.block_bytes)})",
+            "budget": "what the budget leaves after weights, activations and overhead",
+            "floor": f"raised to one {request.max_model_len}-token sequence",
+        }[self.kv_sizing]
+        return f"{rule}: {bound}"
+
+    def kv_cache_report(self) -> dict:
+        """The KV pool and how it was sized, for /health."""
+        return {"rule": self.kv_rule, "sizing": self.kv_sizing, "how": self.kv_sizing_text,
+                "num_blocks": self.num_kv_blocks, "pool_bytes": self.kv_pool_bytes}
+
     def summary(self) -> str:
         """One line: "needs 11.10 GiB, 9.32 GiB available, short by 1.78 GiB"."""
         head = f"needs {_gib(self.total_bytes)}, {_gib(self.budget_bytes)} available"
-        if self.fits and self.kv_sizing == "automatic":
+        if self.fits and self.kv_sizing == "budget":
             return (f"{head}: the KV cache takes what is left, {self.max_concurrency:.2f} x"
                     f" {self.request.max_model_len}-token sequences")
         if self.fits:
@@ -268,6 +319,7 @@ class MemoryPlan:
             max_concurrency=self.max_concurrency,
             shortfall_bytes=self.shortfall_bytes,
             steady_bytes=self.steady_bytes,
+            kv_sizing_text=self.kv_sizing_text,
             summary=self.summary(),
         )
         return data
@@ -341,12 +393,30 @@ def activation_bytes(shape: ModelShape, request: PlanRequest) -> ActivationBytes
     )
 
 
-def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int) -> tuple[int, str, list[str]]:
-    """(number of KV blocks, how they were sized, problems) for the memory left after everything else.
+@dataclass(frozen=True)
+class KVSizing:
+    """How many KV blocks, by which rule and bound (see the module docstring), and what is wrong with it."""
+
+    num_blocks: int
+    rule: str
+    bound: str
+    problems: list[str] = field(default_factory=list)
+
+
+def kv_rule(request: PlanRequest) -> str:
+    """The rule that sizes the KV pool: "explicit", "shared-box" or "utilization"."""
+    if request.kv_cache_bytes is not None:
+        return "explicit"
+    return "utilization" if request.kv_share is None else "shared-box"
+
+
+def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int) -> KVSizing:
+    """The KV pool for the memory left in the budget after everything else (`left_bytes`).
 
     An automatic pool pays for each block's host bookkeeping too; an explicit size counts K/V bytes only."""
+    rule = kv_rule(request)
     blocks_per_seq = math.ceil(request.max_model_len / request.block_size)
-    if request.kv_cache_bytes is not None:
+    if rule == "explicit":
         num_blocks = request.kv_cache_bytes // block_bytes
         problems = []
         if num_blocks < blocks_per_seq:
@@ -354,14 +424,15 @@ def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int) -> tu
                 f"the KV cache of {_gib(request.kv_cache_bytes)} holds {num_blocks * request.block_size} tokens,"
                 f" fewer than one max_model_len={request.max_model_len} sequence"
             )
-        return num_blocks, "explicit", problems
-    num_blocks = max(0, left_bytes) // (block_bytes + request.host_bytes_per_block)
+        return KVSizing(num_blocks, rule, "explicit", problems)
+    per_block = block_bytes + request.host_bytes_per_block
+    bounds = [(request.max_num_seqs * blocks_per_seq, "workload"), (max(0, left_bytes) // per_block, "budget")]
+    if rule == "shared-box":
+        bounds.append((int(request.kv_share * request.available.num_bytes) // per_block, "share"))
+    num_blocks, bound = min(bounds, key=lambda b: b[0])  # the first of equals: workload before budget
     if num_blocks < blocks_per_seq:
-        return blocks_per_seq, "floor", []
-    cap = request.max_num_seqs * blocks_per_seq
-    if num_blocks > cap:
-        return cap, "cap", []
-    return num_blocks, "automatic", []
+        return KVSizing(blocks_per_seq, rule, "floor")
+    return KVSizing(num_blocks, rule, bound)
 
 
 def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
@@ -370,7 +441,8 @@ def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
     activations = activation_bytes(shape, request)
     budget = int(request.memory_fraction * request.available.num_bytes)
     fixed = shape.weight_bytes + activations.total + request.runtime_overhead_bytes
-    num_blocks, sizing, problems = _size_kv_pool(request, block_bytes, budget - fixed)
+    sizing = _size_kv_pool(request, block_bytes, budget - fixed)
+    num_blocks, problems = sizing.num_blocks, sizing.problems
     kv_pool_bytes = num_blocks * block_bytes
     bookkeeping = num_blocks * request.host_bytes_per_block
     total = fixed + kv_pool_bytes + bookkeeping
@@ -382,7 +454,8 @@ def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
         block_bytes=block_bytes,
         num_kv_blocks=num_blocks,
         kv_pool_bytes=kv_pool_bytes,
-        kv_sizing=sizing,
+        kv_rule=sizing.rule,
+        kv_sizing=sizing.bound,
         activations=activations,
         overhead_bytes=request.runtime_overhead_bytes,
         total_bytes=total,
@@ -483,7 +556,7 @@ def format_plan_table(plan: MemoryPlan) -> str:
     request, shape = plan.request, plan.shape
     kv_detail = (
         f"{plan.num_kv_blocks} blocks x {request.block_size} tokens x {plan.kv_bytes_per_token:,} B/token,"
-        f" {plan.kv_sizing}; {plan.max_concurrency:.2f} x {request.max_model_len}-token sequences"
+        f" {plan.max_concurrency:.2f} x {request.max_model_len}-token sequences"
     )
     act = plan.activations
     rows = [
@@ -499,6 +572,7 @@ def format_plan_table(plan: MemoryPlan) -> str:
         rows.insert(2, ("KV bookkeeping", plan.kv_bookkeeping_bytes,
                         f"{request.host_bytes_per_block} B of block-pool objects per block"))
     lines = [f"  {name:<17}{num_bytes / GIB:>8.2f} GiB   {detail}" for name, num_bytes, detail in rows]
+    lines.insert(2, f"  {'':<17}{'':>12}   {plan.kv_sizing_text}")
     lines.append(f"  {'total':<17}{plan.total_bytes / GIB:>8.2f} GiB   worst case: every KV block written, the"
                  " largest step's activations alive")
     lines.append(f"  {'steady':<17}{plan.steady_bytes / GIB:>8.2f} GiB   resident once started and idle (weights +"

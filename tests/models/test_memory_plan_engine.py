@@ -64,9 +64,11 @@ def test_plan_json_equals_the_hand_computed_plan(tiny_model_dir, tmp_path, capsy
     # Overhead: runtime + tokenizer x vocab + rotary cos/sin 2 x 64 x 16 x 4 + block table 4 seqs x 4 x 8.
     overhead = CPU_RUNTIME_BASE_BYTES + TOKENIZER_BYTES_PER_TOKEN * 512 + 8192 + 128
     assert data["overhead_bytes"] == overhead
-    # Budget: 0.5 x 1 GiB; the rest would hold thousands of blocks, but 4 sequences x 4 blocks is the cap.
+    # Budget: 0.5 x 1 GiB (--gpu-memory-utilization given: vLLM's rule); the rest would hold thousands of
+    # blocks, but 4 sequences x 4 blocks is all the workload can use.
     assert data["budget_bytes"] == GIB // 2
-    assert (data["num_kv_blocks"], data["kv_sizing"]) == (16, "cap")
+    assert (data["kv_rule"], data["num_kv_blocks"], data["kv_sizing"]) == ("utilization", 16, "workload")
+    assert data["kv_sizing_text"] == "--gpu-memory-utilization 0.50: the workload, max_num_seqs 4 x max_model_len 64"
     assert data["kv_pool_bytes"] == 16 * 8192
     assert data["kv_bookkeeping_bytes"] == 16 * HOST_BYTES_PER_KV_BLOCK
     assert data["total_bytes"] == 558336 + 172032 + overhead + 16 * 8192 + 16 * HOST_BYTES_PER_KV_BLOCK
@@ -114,7 +116,8 @@ def engine_config(model: str, available_bytes: int = 8 * GIB, **kwargs):
 def test_kv_pool_is_sized_by_the_plan(tiny_model_dir) -> None:
     model = tiny_model_dir("llama")
     capped = engine_config(model, max_model_len=64, max_num_seqs=4)
-    assert capped.memory_plan.kv_sizing == "cap" and capped.cache.num_blocks == 4 * 4 + 1
+    assert (capped.memory_plan.kv_rule, capped.memory_plan.kv_sizing) == ("shared-box", "workload")
+    assert capped.cache.num_blocks == 4 * 4 + 1
     # A budget that leaves room for 20 blocks beyond weights, activations and overhead (64 sequences could
     # use 256 blocks): the pool takes the room, each block paying for its bookkeeping too.
     plan = engine_config(model, max_model_len=64, max_num_seqs=64).memory_plan
@@ -122,10 +125,23 @@ def test_kv_pool_is_sized_by_the_plan(tiny_model_dir) -> None:
     room = 20 * (plan.block_bytes + HOST_BYTES_PER_KV_BLOCK) + 100
     roomy = engine_config(model, available_bytes=int((fixed + room) / 0.9) + 2, max_model_len=64,
                           max_num_seqs=64)
-    assert roomy.memory_plan.kv_sizing == "automatic" and roomy.cache.num_blocks == 20 + 1
+    assert (roomy.memory_plan.kv_rule, roomy.memory_plan.kv_sizing) == ("shared-box", "budget")
+    assert roomy.cache.num_blocks == 20 + 1
+    # On a CPU the shared-box default holds at most 25 % of the available memory (1.5 GiB here: 384 MiB of
+    # blocks with their bookkeeping, less than 256 x 8192 tokens would need, 1.06 GiB); --gpu-memory-utilization
+    # given means vLLM's rule: what the budget leaves.
+    long = dict(available_bytes=3 * GIB // 2, max_model_len=8192, max_num_seqs=256)
+    shared = engine_config(model, **long)
+    per_block = plan.block_bytes + HOST_BYTES_PER_KV_BLOCK
+    assert (shared.memory_plan.kv_sizing, shared.cache.num_blocks) == ("share", 3 * GIB // 8 // per_block + 1)
+    given = engine_config(model, gpu_memory_utilization=0.9, **long).memory_plan
+    fixed = given.weight_bytes + given.activation_bytes + given.overhead_bytes
+    assert (given.kv_rule, given.kv_sizing) == ("utilization", "budget")
+    budget_blocks = (int(0.9 * 3 * GIB // 2) - fixed) // per_block
+    assert given.num_kv_blocks == budget_blocks > shared.memory_plan.num_kv_blocks
     # --kv-cache-memory (or VLLM_CPU_KVCACHE_SPACE) asks for bytes: whole blocks of it.
     explicit = engine_config(model, max_model_len=64, kv_cache_memory=10 * plan.block_bytes + 5)
-    assert explicit.memory_plan.kv_sizing == "explicit" and explicit.cache.num_blocks == 10 + 1
+    assert explicit.memory_plan.kv_rule == "explicit" and explicit.cache.num_blocks == 10 + 1
     # The test override wins, even below one full sequence.
     override = engine_config(model, max_model_len=64, num_gpu_blocks_override=3)
     assert override.cache.num_blocks == 3 and override.memory_plan.fits

@@ -91,6 +91,11 @@ def test_tiny_model_health_phases_and_planned_rss(tiny_model_dir, tmp_path):
         for phase in PHASES[1:-1]:
             assert re.search(rf"phase {phase} done in \d+\.\d\d s", log), phase
         assert re.search(r"ready \d+\.\d\d s after process start", log)
+        # Which rule sized the KV pool: the CPU's shared-box default (no --gpu-memory-utilization given),
+        # here the workload (256 x 512 tokens is far below 25 % of this box's memory), in the log and /health.
+        assert body["kv_cache"]["rule"] == "shared-box" and body["kv_cache"]["sizing"] == "workload", body
+        assert body["kv_cache"]["num_blocks"] == 256 * 512 // 16
+        assert body["kv_cache"]["how"] in log
         assert_plan_predicts_rss(server)
     finally:
         assert server.stop() == 0, server.log()

@@ -56,8 +56,8 @@ def test_tiny_model_numbers_by_hand() -> None:
     assert act.logits == 2 * min(4, 32) * 100 * 4 == 3200
     assert plan.activation_bytes == 16384 + 24576 + 49152 + 65536 + 32768 + 3200 == 191616
     # Left for KV: 5 MiB - weights - activations - overhead = 5242880 - 346112 - 191616 - 1048576 = 3656576,
-    # 446 blocks; but 4 seqs x 64 tokens can use only 4 x 4 = 16 blocks: capped.
-    assert (plan.num_kv_blocks, plan.kv_sizing) == (16, "cap")
+    # 446 blocks; but 4 seqs x 64 tokens can use only 4 x 4 = 16 blocks: the workload decides.
+    assert (plan.kv_rule, plan.num_kv_blocks, plan.kv_sizing) == ("utilization", 16, "workload")
     assert plan.kv_pool_bytes == 16 * 8192 == 131072
     assert plan.total_bytes == 346112 + 191616 + 1048576 + 131072 == 1717376
     assert plan.budget_bytes == 5 * MIB
@@ -77,7 +77,7 @@ def test_automatic_kv_pool_fills_what_is_left() -> None:
     # gathered kv 2 x 32 x 64 x 2 x 16 x 4 = 524288.
     assert plan.activation_bytes == 16384 + 24576 + 49152 + 524288 + 32768 + 25600 == 672768
     # left: 5242880 - 346112 - 672768 - 1048576 = 3175424 -> 3175424 // 8192 = 387 blocks (cap 4000).
-    assert (plan.num_kv_blocks, plan.kv_sizing) == (387, "automatic")
+    assert (plan.kv_rule, plan.num_kv_blocks, plan.kv_sizing) == ("utilization", 387, "budget")
     assert plan.total_bytes == 346112 + 672768 + 1048576 + 387 * 8192 == 5237760
     assert plan.fits
 
@@ -126,7 +126,7 @@ def test_does_not_fit_with_shortfall_and_suggestions() -> None:
 def test_explicit_kv_size_too_small_for_one_sequence() -> None:
     # 20000 B hold 2 blocks = 32 tokens, fewer than one 64-token sequence.
     plan = make_plan(TINY, request(budget_bytes=5 * MIB, kv_cache_bytes=20000))
-    assert (plan.num_kv_blocks, plan.kv_sizing) == (2, "explicit")
+    assert (plan.kv_rule, plan.num_kv_blocks, plan.kv_sizing) == ("explicit", 2, "explicit")
     assert not plan.fits and plan.shortfall_bytes == 0
     assert "fewer than one max_model_len=64 sequence" in plan.summary()
     found = {s.flag: s.value for s in plan.suggestions}
@@ -154,6 +154,8 @@ def test_bad_request_names_the_field() -> None:
         request(budget_bytes=MIB, max_model_len=0)
     with pytest.raises(ValueError, match="memory_fraction"):
         request(budget_bytes=MIB, memory_fraction=1.5)
+    with pytest.raises(ValueError, match="kv_share"):
+        request(budget_bytes=MIB, kv_share=0.0)
 
 
 def test_shape_from_qwen2_config_matches_known_parameter_count() -> None:
@@ -227,7 +229,7 @@ def test_block_bookkeeping_is_paid_per_block_and_is_resident() -> None:
                    host_bytes_per_block=1000)
     plan = make_plan(TINY, base)
     assert plan.activation_bytes == 640000
-    assert (plan.num_kv_blocks, plan.kv_sizing) == (349, "automatic")
+    assert (plan.num_kv_blocks, plan.kv_sizing) == (349, "budget")
     assert plan.kv_pool_bytes == 349 * 8192 and plan.kv_bookkeeping_bytes == 349 * 1000
     assert plan.total_bytes == 346112 + 640000 + 1048576 + 349 * 9192 <= plan.budget_bytes
     # Steady: what stays resident when idle (the lazily allocated pool and the activations do not).
@@ -282,3 +284,96 @@ def test_prepared_weights_by_kernel_by_hand() -> None:
     assert prepared_weight_bytes(TINY, 4, "int8", tied_embeddings=True) == 129024 + 6800
     assert prepared_weight_bytes(TINY, 4, "packed", True, computes_logits=False) == 346112  # embedders
     assert prepared_weight_bytes(TINY, 2, "packed", True, embedding_shares_packed=True) == TINY.weight_bytes
+
+
+# ----------------------------------------------------------------------------------------------- CPU default
+
+
+# SmolLM2-135M's shape in bf16: KV 2 x 30 layers x 3 heads x 64 x 2 B = 23040 B/token; a block of 16 tokens
+# is 368640 B + 288 B of bookkeeping = 368928 B. Its workload, 256 seqs x 8192 tokens, would be 131072 blocks
+# (45 GiB).
+SMOLLM2 = ModelShape(num_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                     num_kv_heads=3, head_dim=64, vocab_size=49152, weight_bytes=190 * MIB)
+PER_BLOCK = 16 * 23040 + 288
+
+
+def host(tmp_path: Path, mem_available: int, cgroup_limit: int | None = None,
+         cgroup_used: int = 0) -> AvailableMemory:
+    """What probe.available_memory reads from a fake /proc/meminfo and cgroup v2 tree."""
+    from pagedserve.memory.probe import available_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {(mem_available + 2 * GIB) // 1024} kB\nMemFree: {mem_available // 1024} kB\n"
+                       f"MemAvailable: {mem_available // 1024} kB\n")
+    root = tmp_path / "cgroup"
+    own = root / "app.scope"
+    own.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("memory\n")
+    (own / "memory.max").write_text(f"{cgroup_limit}\n" if cgroup_limit else "max\n")
+    (own / "memory.current").write_text(f"{cgroup_used}\n")
+    (tmp_path / "self_cgroup").write_text("0::/app.scope\n")
+    return available_memory(meminfo, root, tmp_path / "self_cgroup")
+
+
+def cpu_default(available: AvailableMemory, **changes) -> PlanRequest:
+    """Default serve settings on a CPU: bf16, 8192 tokens, 256 seqs, 2048 batched tokens, the shared-box rule."""
+    base = PlanRequest(dtype_bytes=2, kv_dtype_bytes=2, max_model_len=8192, max_num_seqs=256,
+                       max_num_batched_tokens=2048, block_size=16, available=available, kv_share=0.25,
+                       runtime_overhead_bytes=512 * MIB, host_bytes_per_block=288)
+    return replace(base, **changes)
+
+
+@pytest.mark.parametrize("mem_available,cgroup,bound_by,num_blocks", [
+    # 25 % of 64 GiB = 17179869184 B -> 46566 blocks (the budget would leave ~56 GiB, more than the 45 GiB
+    # the workload can use).
+    (64 * GIB, None, "MemAvailable", 46566),
+    # A 24 GiB box with 22 GiB free: 5905580032 B -> 16007 blocks, ~31 sequences of 8192 tokens.
+    (22 * GIB, None, "MemAvailable", 16007),
+    # The same box inside a cgroup of 6 GiB with 1 GiB used: 5 GiB of headroom binds, 1342177280 B -> 3638.
+    (22 * GIB, (6 * GIB, GIB), "cgroup", 3638),
+    # A cgroup limit above MemAvailable does not bind.
+    (22 * GIB, (64 * GIB, GIB), "MemAvailable", 16007),
+], ids=["64GiB", "24GiB-box", "cgroup-6GiB", "loose-cgroup"])
+def test_shared_box_default_caps_the_pool_at_a_quarter_of_available(tmp_path, mem_available, cgroup, bound_by,
+                                                                    num_blocks) -> None:
+    limit, used = cgroup or (None, 0)
+    available = host(tmp_path, mem_available, limit, used)
+    assert available.bound_by == bound_by
+    plan = make_plan(SMOLLM2, cpu_default(available))
+    assert (plan.kv_rule, plan.kv_sizing, plan.num_kv_blocks) == ("shared-box", "share", num_blocks)
+    assert plan.num_kv_blocks * PER_BLOCK <= 0.25 * available.num_bytes < (plan.num_kv_blocks + 1) * PER_BLOCK
+    assert plan.fits
+    assert "shared-box default (<= 25% of" in plan.kv_sizing_text and "would need 45.00 GiB" in plan.kv_sizing_text
+    # --gpu-memory-utilization given (kv_share None): vLLM's meaning, the pool takes what the budget leaves.
+    utilization = make_plan(SMOLLM2, cpu_default(available, kv_share=None))
+    left = int(0.9 * available.num_bytes) - (190 * MIB + plan.activation_bytes + 512 * MIB)
+    assert utilization.kv_rule == "utilization"
+    assert utilization.num_kv_blocks == min(131072, left // PER_BLOCK) > plan.num_kv_blocks
+    # An explicit size overrides both.
+    explicit = make_plan(SMOLLM2, cpu_default(available, kv_cache_bytes=600 * 368640))
+    assert (explicit.kv_rule, explicit.num_kv_blocks) == ("explicit", 600)
+
+
+def test_shared_box_default_takes_only_what_the_workload_can_use(tmp_path) -> None:
+    # 4 seqs x 2048 tokens = 4 x 128 blocks, far below 25 % of 22 GiB.
+    plan = make_plan(SMOLLM2, cpu_default(host(tmp_path, 22 * GIB), max_num_seqs=4, max_model_len=2048))
+    assert (plan.kv_rule, plan.kv_sizing, plan.num_kv_blocks) == ("shared-box", "workload", 512)
+    assert plan.kv_sizing_text.endswith("the workload, max_num_seqs 4 x max_model_len 2048")
+
+
+def test_shared_box_default_serves_at_least_one_max_model_len_sequence(tmp_path) -> None:
+    # 25 % of 2 GiB holds 1455 blocks, fewer than the 2048 of one 32768-token sequence: raised to 2048.
+    plan = make_plan(SMOLLM2, cpu_default(host(tmp_path, 2 * GIB), max_model_len=32768, max_num_seqs=1))
+    assert (plan.kv_sizing, plan.num_kv_blocks) == ("floor", 32768 // 16)
+    assert plan.fits  # the budget (90 % of 2 GiB) still holds it next to weights, activations and overhead
+    assert plan.kv_sizing_text.endswith("raised to one 32768-token sequence")
+
+
+def test_shared_box_default_never_exceeds_what_the_budget_leaves(tmp_path) -> None:
+    # 1.5 GiB of weights on a 3 GiB box: 25 % (768 MiB, 2182 blocks) is more than the budget leaves.
+    available = host(tmp_path, 3 * GIB)
+    plan = make_plan(replace(SMOLLM2, weight_bytes=1536 * MIB), cpu_default(available, max_num_seqs=16))
+    left = int(0.9 * 3 * GIB) - (1536 * MIB + plan.activation_bytes + 512 * MIB)
+    assert left // PER_BLOCK < int(0.25 * 3 * GIB) // PER_BLOCK == 2182
+    assert (plan.kv_sizing, plan.num_kv_blocks) == ("budget", left // PER_BLOCK)
+    assert plan.fits and plan.total_bytes <= plan.budget_bytes

@@ -41,6 +41,7 @@ class ServerState:
     serving: OpenAIServing | None = None
     metrics: Any = None  # EngineMetrics once ready
     served_model_names: list[str] = field(default_factory=list)
+    memory_plan: Any = None  # memory.plan.MemoryPlan the engine was sized by (None until ready)
     max_model_len: int = 0
     model_path: str = ""
     task: str = "generate"  # "embed": /v1/embeddings only; "generate": completions and chat only
@@ -119,6 +120,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         if state.engine is not None and state.engine.is_dead:
             return JSONResponse({"status": "error", "phase": "dead", "error": str(state.engine.error)}, 503)
         snap = state.startup.snapshot()
+        if state.memory_plan is not None:
+            snap["kv_cache"] = state.memory_plan.kv_cache_report()
         return JSONResponse(snap, status_code=200 if snap["status"] == "ready" and state.serving else 503)
 
     @app.get("/metrics")
@@ -179,6 +182,7 @@ def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | N
     state.engine = AsyncEngine(llm_engine, observer=metrics.observe_step, start_thread=False)
     state.metrics = metrics
     state.served_model_names = [name]
+    state.memory_plan = config.memory_plan
     state.max_model_len = config.model.max_model_len
     state.model_path = config.model.model
     state.task = config.model.task
