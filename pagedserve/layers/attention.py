@@ -3,7 +3,16 @@
 The KV pool of one layer is a pair of tensors [num_slots, num_kv_heads, head_dim] where
 slot = block_id * block_size + offset. Each step first writes the new tokens' K/V into their slots
 (for the whole batch), then attends. The batch puts decode tokens (one per request) first, so they
-are attended together; prefill chunks follow, one SDPA call each.
+are attended together; prefill chunks follow, one sequence at a time.
+
+What one layer's attention materialises is bounded by the step, not by max_model_len x batch (memory/plan.py
+counts these bounds):
+- decodes on the native kernel read the pool in place; on the torch path (no kernels, an fp8 cache, a GPU)
+  they are gathered in groups of consecutive rows holding at most `gather_tokens` padded positions
+  (default: max(longest context in the step, tokens in the step)), never the whole batch at once;
+- a prefill chunk gathers only its own sequence's context (its current length), and where a query x key
+  product would be large (SDPA's additive copy of a boolean mask; the scores themselves on an untiled
+  backend) the chunk's queries are taken ATTENTION_CHUNK_PAIRS // context_len at a time.
 """
 
 from __future__ import annotations
@@ -15,15 +24,17 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import CpuKernels
 
+from pagedserve.memory.plan import ATTENTION_CHUNK_PAIRS  # query x key pairs per SDPA call: a 4 MiB bf16 mask
+
 
 @dataclass
 class PrefillSpan:
     start: int  # first row of the chunk in the flattened batch
     end: int
+    context_start: int = 0  # position of the chunk's first token = tokens of prior context
     # Slots of every context position (prior context + this chunk); None when the chunk is the whole
-    # sequence so far, so the fresh K/V can be used directly with a plain causal mask.
+    # sequence so far, so the fresh K/V can be used directly.
     kv_slots: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # [q_len, context_len] bool, True = may attend
 
 
 @dataclass
@@ -31,9 +42,40 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes
     num_decodes: int = 0  # rows 0..num_decodes-1 are single-token decodes
     decode_kv_slots: torch.Tensor | None = None  # [Bd, Lmax] int64, padded with slot 0
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] bool; None when no padding
     decode_context_lens: torch.Tensor | None = None  # [Bd] int64: valid entries of each decode_kv_slots row
     prefills: list[PrefillSpan] = field(default_factory=list)
+    gather_tokens: int | None = None  # most K/V positions one torch-path decode gather copies (None: see top)
+    _decode_groups: list[DecodeGroup] | None = field(default=None, repr=False)
+
+    def decode_groups(self) -> list[DecodeGroup]:
+        """The torch path's groups of decodes gathered together (computed once per step, shared by layers)."""
+        if self._decode_groups is None:
+            lens = self.decode_context_lens.tolist()
+            budget = self.gather_tokens or max(max(lens), self.slot_mapping.shape[0])
+            self._decode_groups = group_rows(lens, budget)
+        return self._decode_groups
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    first: int  # rows first .. last - 1 of the decodes
+    last: int
+    width: int  # the longest context among them: the gathered length
+    is_padded: bool  # some row's context is shorter than width (a mask is needed)
+
+
+def group_rows(lens: list[int], budget: int) -> list[DecodeGroup]:
+    """Consecutive groups of rows whose count x longest length stays within `budget` (one row at least)."""
+    groups: list[DecodeGroup] = []
+    first = width = shortest = 0
+    for row, length in enumerate(lens):
+        if row > first and (row + 1 - first) * max(width, length) > budget:
+            groups.append(DecodeGroup(first, row, width, shortest < width))
+            first = row
+        width, shortest = (length, length) if row == first else (max(width, length), min(shortest, length))
+    if lens:
+        groups.append(DecodeGroup(first, len(lens), width, shortest < width))
+    return groups
 
 
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -85,34 +127,63 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     has already stored k/v at meta.slot_mapping."""
     if not kv_written:
         cache.write(k, v, meta.slot_mapping)
-    gqa = q.shape[1] != k.shape[1]
     nd = meta.num_decodes
-    if nd:
-        if kernels is not None and not cache.is_quantized and meta.decode_context_lens is not None:
-            od = kernels.decode_attention(q[:nd], cache.k, cache.v, meta.decode_kv_slots,
-                                          meta.decode_context_lens, scale)  # [Bd, Hq, D]
-        else:
-            qd = q[:nd].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd, vd = cache.gather(meta.decode_kv_slots, q.dtype)  # [Bd, L, Hkv, D]
-            od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                                                attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa).squeeze(2)
-        if not meta.prefills:
-            return od  # a pure decode step: no output buffer to fill
+    od = _decode_attention(q[:nd], cache, meta, scale, kernels) if nd else None
+    if not meta.prefills:
+        return od  # a pure decode step: no output buffer to fill
     out = torch.empty_like(q)
     if nd:
         out[:nd] = od
     for span in meta.prefills:
-        qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
-        if span.kv_slots is None and not cache.is_quantized:
-            kp, vp = k[span.start:span.end], v[span.start:span.end]
-        else:
-            # A quantized cache is read back even for a fresh chunk, so that prefill sees exactly the
-            # K/V that later decode steps will see.
-            slots = span.kv_slots if span.kv_slots is not None else meta.slot_mapping[span.start:span.end]
-            kp, vp = cache.gather(slots, q.dtype)
-        kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
-        vp = vp.transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask,
-                                            is_causal=span.mask is None, scale=scale, enable_gqa=gqa)
-        out[span.start:span.end] = op.squeeze(0).transpose(0, 1)
+        out[span.start:span.end] = _prefill_attention(q, k, v, cache, meta, span, scale)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
+                      kernels: CpuKernels | None) -> torch.Tensor:
+    """q: [Bd, Hq, D] one token per decode -> [Bd, Hq, D]."""
+    if kernels is not None and not cache.is_quantized:
+        return kernels.decode_attention(q, cache.k, cache.v, meta.decode_kv_slots, meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
+    for group in meta.decode_groups():
+        rows = slice(group.first, group.last)
+        kd, vd = cache.gather(meta.decode_kv_slots[rows, :group.width], q.dtype)  # [b, width, Hkv, D]
+        mask = None
+        if group.is_padded:
+            mask = torch.arange(group.width, device=q.device) < meta.decode_context_lens[rows, None]
+            mask = mask[:, None, None, :]  # [b, 1, 1, width]
+        od = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
+                                            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != kd.shape[2])
+        out[rows] = od.squeeze(2)
+    return out
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                       meta: AttentionMetadata, span: PrefillSpan, scale: float) -> torch.Tensor:
+    """One prefill chunk attending causally over its sequence's context -> [chunk, Hq, D]."""
+    if span.kv_slots is None and not cache.is_quantized:
+        kp, vp = k[span.start:span.end], v[span.start:span.end]
+    else:
+        # A quantized cache is read back even for a fresh chunk, so that prefill sees exactly the
+        # K/V that later decode steps will see.
+        slots = span.kv_slots if span.kv_slots is not None else meta.slot_mapping[span.start:span.end]
+        kp, vp = cache.gather(slots, q.dtype)  # [context_len, Hkv, D]: this sequence's context only
+    kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, context_len, D]
+    vp = vp.transpose(0, 1).unsqueeze(0)
+    qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, chunk, D]
+    gqa = qp.shape[1] != kp.shape[1]
+    num, context_len = qp.shape[2], kp.shape[2]
+    if span.context_start == 0 and num * num <= ATTENTION_CHUNK_PAIRS:
+        return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                              enable_gqa=gqa).squeeze(0).transpose(0, 1)
+    out = torch.empty_like(q[span.start:span.end])
+    rows = max(1, ATTENTION_CHUNK_PAIRS // context_len)
+    for first in range(0, num, rows):
+        last = min(num, first + rows)
+        seen = span.context_start + last  # keys the chunk's queries may see: positions 0 .. seen - 1
+        positions = torch.arange(span.context_start + first, seen, device=q.device)
+        mask = torch.arange(seen, device=q.device) <= positions[:, None]  # [last - first, seen]
+        op = F.scaled_dot_product_attention(qp[:, :, first:last], kp[:, :, :seen], vp[:, :, :seen],
+                                            attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[first:last] = op.squeeze(0).transpose(0, 1)
     return out

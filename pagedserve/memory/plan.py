@@ -28,14 +28,22 @@ H hidden, I intermediate, V vocab, nh / kvh attention / KV heads, hd head_dim):
     attention   T x (2 nh + 2 kvh) x hd x d
                                         q, k, v projections and the attention output
     mlp         3 x T x I x d           fused gate_up output [T, 2I] + activated product [T, I], alive together
-    gathered kv 2 x min(S, T) x M x kvh x hd x d
-                                        K and V of every sequence in the batch gathered out of the paged
-                                        blocks (decodes padded to the longest context, at most M)
-    scores      nh x min(T, M) x M x 4  fp32 softmax(QK^T) of one sequence's prefill chunk against its whole
-                                        context; only when attention materialises the scores. torch's SDPA
-                                        on CPU is tiled even with a boolean mask: for nh=14, 2048 queries x
-                                        8192 keys the peak RSS grew 59 MiB (fp32), not the 896 MiB of scores
-                                        (measured with ru_maxrss, torch 2.13.0+cpu), hence the default False.
+    gathered kv 2 x max(M, T) x kvh x hd x e
+                                        K and V copied out of the paged blocks by one attention call
+                                        (layers/attention.py): a prefill chunk gathers only its own sequence's
+                                        context (at most M positions); decodes read the pool in place on the
+                                        native kernel and, on the torch path, are gathered in groups of at most
+                                        max(longest context, T) padded positions. e = d, or 1 + 2d for an 8-bit
+                                        cache (the fp8 copy, its widening and the scaled result).
+    scores      P x (1 + d) [+ nh x P x 4], P = min(ATTENTION_CHUNK_PAIRS (2^21), min(T, M) x M)
+                                        the query x key pairs of one SDPA call of a prefill chunk (the chunk's
+                                        queries are split to keep to ATTENTION_CHUNK_PAIRS): its boolean mask and
+                                        SDPA's additive copy of it, plus fp32 scores where attention
+                                        materialises them (not torch's SDPA on CPU, which is tiled: for nh=14,
+                                        2048 queries x 8192 keys the peak RSS grew 59 MiB (fp32), not the 896 MiB
+                                        of scores (ru_maxrss, torch 2.13.0+cpu), hence the default False).
+    decode slots 16 x min(S, T) x M     the int64 slot of every decode's context position, padded to the
+                                        longest (built once per step: the table and its contiguous copy)
     logits      2 x min(S, T) x V x 4   fp32 logits of each sequence's last position + the sampler's probs
 
   Runtime overhead (CPU; cpu_runtime_overhead()) = the interpreter with torch, transformers, the HTTP stack
@@ -105,6 +113,10 @@ DEFAULT_MEMORY_FRACTION = 0.9
 # CUDA context and cuBLAS workspace on the device: an estimate (vLLM's profiler typically finds 0.5-1 GiB of
 # non-torch memory); not measured on this project's CPU-only machines.
 CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB
+
+# The most query x key pairs one SDPA call of a prefill chunk covers (layers/attention.py keeps to it and
+# imports it from here: one number, and the plan stays free of torch).
+ATTENTION_CHUNK_PAIRS = 1 << 21
 
 # Bytes per element of the dtypes a safetensors header can name.
 SAFETENSORS_DTYPE_BYTES = {
@@ -213,11 +225,13 @@ class ActivationBytes:
     mlp: int
     gathered_kv: int
     scores: int
+    decode_slots: int
     logits: int
 
     @property
     def total(self) -> int:
-        return self.hidden + self.attention + self.mlp + self.gathered_kv + self.scores + self.logits
+        return (self.hidden + self.attention + self.mlp + self.gathered_kv + self.scores + self.decode_slots
+                + self.logits)
 
 
 @dataclass(frozen=True)
@@ -380,16 +394,20 @@ def activation_bytes(shape: ModelShape, request: PlanRequest) -> ActivationBytes
     """Peak activations of one step of max_num_batched_tokens tokens (formulas in the module docstring)."""
     tokens, d = request.max_num_batched_tokens, request.dtype_bytes
     max_len = request.max_model_len
-    scores = 0
+    rows = min(request.max_num_seqs, tokens)  # sequences in one step
+    gathered_element = d if request.kv_scale_bytes == 0 else request.kv_dtype_bytes + 2 * d
+    pairs = min(ATTENTION_CHUNK_PAIRS, min(tokens, max_len) * max_len)  # of one SDPA call
+    scores = pairs * (1 + d)
     if request.materializes_attention_scores:
-        scores = shape.num_attention_heads * min(tokens, max_len) * max_len * 4
+        scores += shape.num_attention_heads * pairs * 4
     return ActivationBytes(
         hidden=2 * tokens * shape.hidden_size * d,
         attention=tokens * (2 * shape.num_attention_heads + 2 * shape.num_kv_heads) * shape.head_dim * d,
         mlp=3 * tokens * shape.intermediate_size * d,
-        gathered_kv=2 * min(request.max_num_seqs, tokens) * max_len * shape.num_kv_heads * shape.head_dim * d,
+        gathered_kv=2 * max(max_len, tokens) * shape.num_kv_heads * shape.head_dim * gathered_element,
         scores=scores,
-        logits=2 * min(request.max_num_seqs, tokens) * shape.vocab_size * 4,
+        decode_slots=16 * rows * max_len,
+        logits=2 * rows * shape.vocab_size * 4,
     )
 
 
@@ -564,7 +582,8 @@ def format_plan_table(plan: MemoryPlan) -> str:
         ("KV cache", plan.kv_pool_bytes, kv_detail),
         ("activations", plan.activation_bytes,
          f"{request.max_num_batched_tokens} batched tokens: hidden {act.hidden / MIB:.0f} MiB, attention"
-         f" {(act.attention + act.gathered_kv + act.scores) / MIB:.0f} MiB, mlp {act.mlp / MIB:.0f} MiB,"
+         f" {(act.attention + act.gathered_kv + act.scores + act.decode_slots) / MIB:.0f} MiB,"
+         f" mlp {act.mlp / MIB:.0f} MiB,"
          f" logits {act.logits / MIB:.0f} MiB"),
         ("runtime overhead", plan.overhead_bytes, "torch, Python, tokenizer, rotary tables, block table"),
     ]

@@ -209,18 +209,12 @@ class ModelRunner:
         max_len = int(context_lens.max())
         meta.decode_kv_slots = self._context_slots(rows, max_len).contiguous().to(self.device)
         meta.decode_context_lens = context_lens.to(self.device)
-        if bool((context_lens != max_len).any()):
-            mask = torch.arange(max_len).unsqueeze(0) < context_lens.unsqueeze(1)  # [Bd, L]
-            meta.decode_mask = mask[:, None, None, :].to(self.device)
 
     def _prefill_span(self, row: int, first: int, num: int, start: int) -> PrefillSpan:
-        span = PrefillSpan(first, first + num)
+        span = PrefillSpan(first, first + num, context_start=start)
         if start == 0:
             return span  # no prior context: attend within the chunk, causally
-        context_len = start + num
-        span.kv_slots = self._context_slots(torch.tensor([row]), context_len)[0].to(self.device)
-        q_pos = torch.arange(start, context_len).unsqueeze(1)
-        span.mask = (torch.arange(context_len).unsqueeze(0) <= q_pos).to(self.device)  # [num, ctx]
+        span.kv_slots = self._context_slots(torch.tensor([row]), start + num)[0].to(self.device)
         return span
 
     # ---- sampling --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.layers import attention
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, PrefillSpan, paged_attention
 from pagedserve.layers.linear import PackedLinear, PlainLinear, packing_supported
 from pagedserve.layers.norm import RMSNorm, reference_rms_norm
@@ -50,7 +51,7 @@ def reference_attention(q, k_ctx, v_ctx, num_past: int, scale: float) -> torch.T
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float())
 
 
-def test_paged_attention_mixed_batch_matches_reference():
+def test_paged_attention_mixed_batch_matches_reference(monkeypatch):
     """Two decodes (different lengths) and two prefill chunks (fresh and with prior context) in one step."""
     torch.manual_seed(0)
     hq, hkv, d, bs = 4, 2, 16, 4
@@ -71,15 +72,18 @@ def test_paged_attention_mixed_batch_matches_reference():
     lens = torch.tensor([s["past"] + 1 for s in seqs[:2]])
     lmax = int(lens.max())
     decode_slots = torch.stack([F.pad(slots_of(s, s["past"] + 1), (0, lmax - s["past"] - 1)) for s in seqs[:2]])
-    meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=2, decode_kv_slots=decode_slots,
-                             decode_mask=(torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :])
-    meta.prefills.append(PrefillSpan(2, 8))
     ctx = seqs[3]["past"] + seqs[3]["new"]
-    meta.prefills.append(PrefillSpan(8, 12, kv_slots=slots_of(seqs[3], ctx),
-                                     mask=torch.arange(ctx)[None, :] <= torch.arange(5, 9)[:, None]))
+
+    def run(**bounds) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=2, decode_kv_slots=decode_slots,
+                                 decode_context_lens=lens, **bounds)
+        meta.prefills.append(PrefillSpan(2, 8))
+        meta.prefills.append(PrefillSpan(8, 12, context_start=5, kv_slots=slots_of(seqs[3], ctx)))
+        return paged_attention(q, k, v, LayerKVCache(k_cache, v_cache), meta, 1 / math.sqrt(d))
+
     expected_cache_k = k_cache.clone()
     expected_cache_k[slot_mapping] = k
-    out = paged_attention(q, k, v, LayerKVCache(k_cache, v_cache), meta, 1 / math.sqrt(d))
+    out = run()
     assert torch.equal(k_cache, expected_cache_k)
     row = 0
     for s in seqs:
@@ -89,3 +93,14 @@ def test_paged_attention_mixed_batch_matches_reference():
                                   1 / math.sqrt(d))
         assert torch.allclose(out[row:row + s["new"]], ref, atol=1e-5), s
         row += s["new"]
+    # Decodes gathered one row at a time, prefill queries a few at a time: the same attention.
+    monkeypatch.setattr(attention, "ATTENTION_CHUNK_PAIRS", 10)
+    assert torch.allclose(run(gather_tokens=1), out, atol=1e-6)
+
+
+def test_decode_groups_hold_at_most_the_gather_budget():
+    # rows x longest context per group <= budget; a row longer than the budget is a group of its own.
+    groups = attention.group_rows([3, 3, 3, 3, 9, 1, 2], budget=9)
+    assert [(g.first, g.last, g.width, g.is_padded) for g in groups] == [
+        (0, 3, 3, False), (3, 4, 3, False), (4, 5, 9, False), (5, 7, 2, True)]
+    assert attention.group_rows([20, 1], budget=9)[0].width == 20 and attention.group_rows([], 9) == []

@@ -58,9 +58,11 @@ def test_plan_json_equals_the_hand_computed_plan(tiny_model_dir, tmp_path, capsy
     assert data["block_bytes"] == 16 * 512
     act = data["activations"]
     assert (act["hidden"], act["attention"], act["mlp"]) == (2 * 32 * 64 * 4, 32 * 12 * 16 * 4, 3 * 32 * 128 * 4)
-    assert act["gathered_kv"] == 2 * 4 * 64 * 2 * 16 * 4 and act["scores"] == 0
-    assert act["logits"] == 2 * 4 * 512 * 4
-    assert data["activation_bytes"] == 16384 + 24576 + 49152 + 65536 + 16384 == 172032
+    # One gather of max(M, T) positions; one SDPA call's 32 x 64 query x key pairs (a bool mask and its fp32
+    # copy; torch's SDPA does not materialise the scores); the decode slot table 16 B x 4 rows x 64.
+    assert act["gathered_kv"] == 2 * 64 * 2 * 16 * 4 and act["scores"] == 32 * 64 * (1 + 4)
+    assert act["decode_slots"] == 16 * 4 * 64 and act["logits"] == 2 * 4 * 512 * 4
+    assert data["activation_bytes"] == 16384 + 24576 + 49152 + 16384 + 10240 + 4096 + 16384 == 137216
     # Overhead: runtime + tokenizer x vocab + rotary cos/sin 2 x 64 x 16 x 4 + block table 4 seqs x 4 x 8.
     overhead = CPU_RUNTIME_BASE_BYTES + TOKENIZER_BYTES_PER_TOKEN * 512 + 8192 + 128
     assert data["overhead_bytes"] == overhead
@@ -71,7 +73,7 @@ def test_plan_json_equals_the_hand_computed_plan(tiny_model_dir, tmp_path, capsy
     assert data["kv_sizing_text"] == "--gpu-memory-utilization 0.50: the workload, max_num_seqs 4 x max_model_len 64"
     assert data["kv_pool_bytes"] == 16 * 8192
     assert data["kv_bookkeeping_bytes"] == 16 * HOST_BYTES_PER_KV_BLOCK
-    assert data["total_bytes"] == 558336 + 172032 + overhead + 16 * 8192 + 16 * HOST_BYTES_PER_KV_BLOCK
+    assert data["total_bytes"] == 558336 + 137216 + overhead + 16 * 8192 + 16 * HOST_BYTES_PER_KV_BLOCK
     assert data["steady_bytes"] == 558336 + overhead + 16 * HOST_BYTES_PER_KV_BLOCK
     assert data["settings"]["num_kv_blocks_allocated"] == 17  # + the null block
     assert data["request"]["available"]["bound_by"] == "MemAvailable"

@@ -51,15 +51,19 @@ def test_tiny_model_numbers_by_hand() -> None:
     assert act.hidden == 2 * 32 * 64 * 4 == 16384
     assert act.attention == 32 * (2 * 4 + 2 * 2) * 16 * 4 == 24576
     assert act.mlp == 3 * 32 * 128 * 4 == 49152
-    assert act.gathered_kv == 2 * min(4, 32) * 64 * 2 * 16 * 4 == 65536
-    assert act.scores == 4 * min(32, 64) * 64 * 4 == 32768
+    # One gather of at most max(M, T) = 64 positions, whatever the number of sequences.
+    assert act.gathered_kv == 2 * max(64, 32) * 2 * 16 * 4 == 16384
+    # One SDPA call covers min(2^21, min(T, M) x M) = 2048 query x key pairs: a bool mask, its fp32 copy
+    # and (materialised here) 4 heads of fp32 scores.
+    assert act.scores == 2048 * (1 + 4) + 4 * 2048 * 4 == 43008
+    assert act.decode_slots == 16 * min(4, 32) * 64 == 4096
     assert act.logits == 2 * min(4, 32) * 100 * 4 == 3200
-    assert plan.activation_bytes == 16384 + 24576 + 49152 + 65536 + 32768 + 3200 == 191616
-    # Left for KV: 5 MiB - weights - activations - overhead = 5242880 - 346112 - 191616 - 1048576 = 3656576,
-    # 446 blocks; but 4 seqs x 64 tokens can use only 4 x 4 = 16 blocks: the workload decides.
+    assert plan.activation_bytes == 16384 + 24576 + 49152 + 16384 + 43008 + 4096 + 3200 == 156800
+    # Left for KV: 5 MiB - weights - activations - overhead = 5242880 - 346112 - 156800 - 1048576 = 3691392,
+    # 450 blocks; but 4 seqs x 64 tokens can use only 4 x 4 = 16 blocks: the workload decides.
     assert (plan.kv_rule, plan.num_kv_blocks, plan.kv_sizing) == ("utilization", 16, "workload")
     assert plan.kv_pool_bytes == 16 * 8192 == 131072
-    assert plan.total_bytes == 346112 + 191616 + 1048576 + 131072 == 1717376
+    assert plan.total_bytes == 346112 + 156800 + 1048576 + 131072 == 1682560
     assert plan.budget_bytes == 5 * MIB
     assert plan.fits and plan.shortfall_bytes == 0 and plan.suggestions == []
     assert plan.max_concurrency == 16 * 16 / 64 == 4.0
@@ -67,18 +71,29 @@ def test_tiny_model_numbers_by_hand() -> None:
 
 def test_tiled_attention_has_no_scores_term() -> None:
     plan = make_plan(TINY, request(budget_bytes=5 * MIB, materializes_attention_scores=False))
-    assert plan.activations.scores == 0
-    assert plan.activation_bytes == 191616 - 32768
+    assert plan.activations.scores == 2048 * (1 + 4)  # the mask and its copy only
+    assert plan.activation_bytes == 156800 - 4 * 2048 * 4
+
+
+def test_activations_do_not_grow_with_the_batch_times_max_model_len() -> None:
+    # 1000 sequences of up to 64 tokens: only the decode slot table (16 B per row and position) and the
+    # logits grow with the rows in a step (min(1000, 32) = 32); the K/V gather and the scores do not.
+    few, many = (make_plan(TINY, request(budget_bytes=5 * MIB, max_num_seqs=n)).activations for n in (4, 1000))
+    assert (many.gathered_kv, many.scores) == (few.gathered_kv, few.scores)
+    assert many.decode_slots == 16 * 32 * 64 and many.logits == 2 * 32 * 100 * 4
+    # An 8-bit cache is gathered as fp8 bytes, widened and scaled: 1 + 2 x 4 B per element.
+    fp8 = make_plan(TINY, request(budget_bytes=5 * MIB, kv_dtype_bytes=1, kv_scale_bytes=4)).activations
+    assert fp8.gathered_kv == 2 * 64 * 2 * 16 * 9
 
 
 def test_automatic_kv_pool_fills_what_is_left() -> None:
     plan = make_plan(TINY, request(budget_bytes=5 * MIB, max_num_seqs=1000))
     # Rows are capped by the batched tokens, min(1000, 32) = 32: logits 2 x 32 x 100 x 4 = 25600,
-    # gathered kv 2 x 32 x 64 x 2 x 16 x 4 = 524288.
-    assert plan.activation_bytes == 16384 + 24576 + 49152 + 524288 + 32768 + 25600 == 672768
-    # left: 5242880 - 346112 - 672768 - 1048576 = 3175424 -> 3175424 // 8192 = 387 blocks (cap 4000).
-    assert (plan.kv_rule, plan.num_kv_blocks, plan.kv_sizing) == ("utilization", 387, "budget")
-    assert plan.total_bytes == 346112 + 672768 + 1048576 + 387 * 8192 == 5237760
+    # decode slots 16 x 32 x 64 = 32768.
+    assert plan.activation_bytes == 16384 + 24576 + 49152 + 16384 + 43008 + 32768 + 25600 == 207872
+    # left: 5242880 - 346112 - 207872 - 1048576 = 3640320 -> 3640320 // 8192 = 444 blocks (cap 4000).
+    assert (plan.kv_rule, plan.num_kv_blocks, plan.kv_sizing) == ("utilization", 444, "budget")
+    assert plan.total_bytes == 346112 + 207872 + 1048576 + 444 * 8192 == 5239808
     assert plan.fits
 
 
@@ -86,37 +101,39 @@ def test_kv_pool_never_below_one_max_model_len_sequence() -> None:
     plan = make_plan(TINY, request(budget_bytes=MIB))  # less than weights + overhead: nothing left for KV
     assert plan.num_kv_blocks == 64 // 16 == 4
     assert plan.kv_sizing == "floor"
-    assert plan.total_bytes == 346112 + 191616 + 1048576 + 4 * 8192 == 1619072
+    assert plan.total_bytes == 346112 + 156800 + 1048576 + 4 * 8192 == 1584256
     assert not plan.fits
-    assert plan.shortfall_bytes == 1619072 - MIB == 570496
+    assert plan.shortfall_bytes == 1584256 - MIB == 535680
 
 
 def test_does_not_fit_with_shortfall_and_suggestions() -> None:
-    # Needs 1619072 (see above); give it 1600000: short by 19072.
-    plan = make_plan(TINY, request(budget_bytes=1600000))
+    # Needs 1584256 (see above); give it 1582500: short by 1756.
+    plan = make_plan(TINY, request(budget_bytes=1582500))
     assert not plan.fits
-    assert plan.shortfall_bytes == 19072
+    assert plan.shortfall_bytes == 1756
     found = {s.flag: (s.value, s.needs_bytes) for s in plan.suggestions}
-    # max_model_len 48: gathered kv 2x4x48x2x16x4 = 49152, scores 4x32x48x4 = 24576 -> activations
-    # 16384 + 24576 + 49152 + 49152 + 24576 + 3200 = 167040; fixed 346112 + 167040 + 1048576 = 1561728;
-    # left 38272 -> 4 blocks (one sequence needs 3).
-    assert found["--max-model-len"] == ("48", 1561728 + 4 * 8192)
-    # 16 batched tokens: 8192 + 12288 + 24576 + 65536 + 4x16x64x4 + 3200 = 130176; fixed 1524864;
-    # left 75136 -> 9 blocks.
-    assert found["--max-num-batched-tokens"] == ("16", 1524864 + 9 * 8192)
-    # 2 seqs: logits 1600, gathered kv 32768 -> 157248; fixed 1551936; left 48064 -> 5 blocks.
-    # (3 seqs: 174432 + 346112 + 1048576 + one sequence 32768 = 1601888, still 1888 short.)
-    assert found["--max-num-seqs"] == ("2", 1551936 + 5 * 8192)
-    # bf16 halves weights, KV and the dtype-sized activations (scores and logits stay fp32):
-    # 173056 + (8192 + 12288 + 24576 + 32768 + 32768 + 3200) + 1048576 = 1335424, KV capped at 16 x 4096.
-    assert found["--dtype"] == ("bfloat16", 1335424 + 16 * 4096)
+    # max_model_len 48: gathered kv 2x48x2x16x4 = 12288, 32x48 = 1536 pairs: scores 1536x5 + 4x1536x4 =
+    # 32256, decode slots 16x4x48 = 3072 -> activations 16384 + 24576 + 49152 + 12288 + 32256 + 3072 + 3200 =
+    # 140928; fixed 346112 + 140928 + 1048576 = 1535616; left 46884 -> 5 blocks (one sequence needs 3).
+    assert found["--max-model-len"] == ("48", 1535616 + 5 * 8192)
+    # 16 batched tokens: 8192 + 12288 + 24576 + 16384 (max(64, 16) positions) + 1024 pairs x 5 + 4x1024x4
+    # + 4096 + 3200 = 90240; fixed 1484928; left 97572 -> 11 blocks.
+    assert found["--max-num-batched-tokens"] == ("16", 1484928 + 11 * 8192)
+    # 3 seqs: decode slots 3072, logits 2400 -> 154976; fixed 1549664; left 32836 -> 4 blocks, one sequence.
+    # (Fewer sequences save only their slot-table rows and logits.)
+    assert found["--max-num-seqs"] == ("3", 1549664 + 4 * 8192)
+    # bf16 halves weights, KV and the dtype-sized activations (the scores and logits stay fp32, the mask's
+    # copy is bf16): 173056 + (8192 + 12288 + 24576 + 8192 + 2048 x 3 + 32768 + 4096 + 3200) + 1048576 =
+    # 1321088, KV capped at 16 x 4096.
+    assert found["--dtype"] == ("bfloat16", 1321088 + 16 * 4096)
     # int8 linear layers: 346112 - 73728 x 4 + 73728 + 2 x (128 + 64 + 256 + 64) scales x 4 = 129024.
-    assert found["--quantization"] == ("int8", 129024 + 191616 + 1048576 + 16 * 8192)
+    assert found["--quantization"] == ("int8", 129024 + 156800 + 1048576 + 16 * 8192)
     # fp8 KV with a 4-byte (model dtype) scale per token, head and K/V: 2 x 2 x 2 x (16 + 4) = 160 B/token,
-    # blocks of 2560; left 1600000 - 1586304 = 13696 -> 5 blocks.
-    assert found["--kv-cache-dtype"] == ("fp8", 1586304 + 5 * 2560)
+    # blocks of 2560; its gather costs 9 B per element: 2 x 64 x 2 x 16 x 9 = 36864 -> activations 177280,
+    # fixed 1571968, left 10532 -> 4 blocks, one sequence.
+    assert found["--kv-cache-dtype"] == ("fp8", 1571968 + 4 * 2560)
     # Only options the engine supports are suggested.
-    plain = make_plan(TINY, request(budget_bytes=1600000), quantizations=(), kv_cache_dtypes=())
+    plain = make_plan(TINY, request(budget_bytes=1582500), quantizations=(), kv_cache_dtypes=())
     assert {s.flag for s in plain.suggestions} == set(found) - {"--quantization", "--kv-cache-dtype"}
     table = format_plan_table(plan)
     assert "DOES NOT FIT" in table and "short by 0.00 GiB" in table
@@ -131,8 +148,8 @@ def test_explicit_kv_size_too_small_for_one_sequence() -> None:
     assert "fewer than one max_model_len=64 sequence" in plan.summary()
     found = {s.flag: s.value for s in plan.suggestions}
     assert found["--max-model-len"] == "32"  # 2 blocks hold one 32-token sequence; 48 needs 3
-    # The largest pool that fits: 5242880 - 1586304 = 3656576 -> 446 blocks of 8192.
-    assert found["--kv-cache-memory"] == str(446 * 8192)
+    # The largest pool that fits: 5242880 - 1551488 = 3691392 -> 450 blocks of 8192.
+    assert found["--kv-cache-memory"] == str(450 * 8192)
 
 
 def test_summary_in_gib_and_error_carries_plan() -> None:
@@ -222,20 +239,20 @@ def test_kv_bytes_per_token_and_runtime_overhead_by_hand() -> None:
 
 
 def test_block_bookkeeping_is_paid_per_block_and_is_resident() -> None:
-    # 1000 seqs (so the pool is not capped): gathered kv 2 x min(1000, 32) x 64 x 2 x 16 x 4 = 524288,
-    # logits 2 x 32 x 100 x 4 = 25600, no scores -> activations 16384 + 24576 + 49152 + 524288 + 25600 = 640000.
-    # Left 5242880 - 346112 - 640000 - 1048576 = 3208192; each block costs 8192 + 1000 -> 349 blocks.
+    # 1000 seqs (so the pool is not capped): decode slots 16 x min(1000, 32) x 64 = 32768, logits 2 x 32 x 100 x 4
+    # = 25600, no scores, only the mask -> activations 16384 + 24576 + 49152 + 16384 + 10240 + 32768 + 25600 =
+    # 175104. Left 5242880 - 346112 - 175104 - 1048576 = 3673088; each block costs 8192 + 1000 -> 399 blocks.
     base = request(budget_bytes=5 * MIB, materializes_attention_scores=False, max_num_seqs=1000,
                    host_bytes_per_block=1000)
     plan = make_plan(TINY, base)
-    assert plan.activation_bytes == 640000
-    assert (plan.num_kv_blocks, plan.kv_sizing) == (349, "budget")
-    assert plan.kv_pool_bytes == 349 * 8192 and plan.kv_bookkeeping_bytes == 349 * 1000
-    assert plan.total_bytes == 346112 + 640000 + 1048576 + 349 * 9192 <= plan.budget_bytes
+    assert plan.activation_bytes == 175104
+    assert (plan.num_kv_blocks, plan.kv_sizing) == (399, "budget")
+    assert plan.kv_pool_bytes == 399 * 8192 and plan.kv_bookkeeping_bytes == 399 * 1000
+    assert plan.total_bytes == 346112 + 175104 + 1048576 + 399 * 9192 <= plan.budget_bytes
     # Steady: what stays resident when idle (the lazily allocated pool and the activations do not).
-    assert plan.steady_bytes == 346112 + 1048576 + 349 * 1000
+    assert plan.steady_bytes == 346112 + 1048576 + 399 * 1000
     assert plan.to_dict()["steady_bytes"] == plan.steady_bytes
-    assert "the KV cache takes what is left, 87.25 x 64-token sequences" in plan.summary()
+    assert "the KV cache takes what is left, 99.75 x 64-token sequences" in plan.summary()
     table = format_plan_table(plan)
     assert re.search(r"KV bookkeeping +0\.00 GiB +1000 B of block-pool objects per block", table)
     assert re.search(r"steady +0\.00 GiB +resident once started", table)
