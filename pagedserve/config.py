@@ -58,3 +58,4 @@ class EngineConfig:
     device: DeviceConfig
     memory_plan: Any = None  # memory.plan.MemoryPlan that sized the KV cache (None when built by hand)
     fault_injection: str | None = None  # test-only: engine/faults.py's spec of faults to raise; None = off
+    structured_outputs: Any = None  # structured.params.StructuredOutputsConfig (None: its defaults)

@@ -32,3 +32,13 @@ class RequestFailedError(RuntimeError):
 
 class InjectedFault(RuntimeError):
     """Raised by the test-only fault-injection hook (engine/faults.py)."""
+
+
+def request_error(request_id: str, reason: "str | BaseException") -> Exception:
+    """What a failed request's caller gets (LLMEngine.take_failed's reasons): an InvalidRequestError as it is
+    (the client's to fix: a 400), anything else as RequestFailedError."""
+    if isinstance(reason, InvalidRequestError):
+        return reason
+    if isinstance(reason, BaseException):
+        reason = f"{type(reason).__name__}: {reason}"
+    return RequestFailedError(request_id, reason)

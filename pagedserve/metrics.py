@@ -46,10 +46,17 @@ class EngineMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first schedule.", labels,
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.grammar_compile = Histogram("pagedserve:grammar_compile_seconds",
+                                         "Time to compile a structured-output grammar (cache misses only).", labels,
+                                         buckets=_LATENCY_BUCKETS, registry=r)
         self.model_name = model_name
         self._timings: dict[str, _RequestTiming] = {}
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
+
+    def observe_grammar_compile(self, seconds: float) -> None:
+        """Called on the grammar compiler's thread after each compilation."""
+        self.grammar_compile.labels(self.model_name).observe(seconds)
 
     def observe_step(self, engine, outputs: list[RequestOutput]) -> None:
         """Called on the engine thread after each step."""

@@ -61,6 +61,9 @@ class Request:
     first_scheduled_time: float | None = None
     # Filled lazily by the KV cache manager: hash of each full block of all_token_ids.
     block_hashes: list = field(default_factory=list)
+    # The compiled grammar of a constrained request (sampling_params.structured_outputs), set before it is
+    # scheduled; opaque here (an xgrammar CompiledGrammar).
+    grammar: object = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

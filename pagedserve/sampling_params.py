@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pagedserve.exceptions import InvalidRequestError
+from pagedserve.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 # Integers end up in int64 tensors (top_k, token ids) or torch.Generator seeds: beyond these they overflow.
@@ -50,6 +51,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match this grammar (JSON schema, regex, choice, EBNF): see pagedserve/structured/.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +63,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = _int_keys(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_request(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

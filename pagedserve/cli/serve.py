@@ -8,6 +8,7 @@ from pagedserve import envs
 from pagedserve.cli.common import (add_thread_args, apply_thread_args, engine_args_from_cli, fail,
                                    process_start_time, setup_logging)
 from pagedserve.engine.arg_utils import EngineArgs, RequestLimits
+from pagedserve.entrypoints.openai.tool_calls import PARSERS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,6 +27,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
                         help="On SIGTERM/SIGINT, seconds in-flight requests get to finish.")
     parser.add_argument("--uvicorn-log-level", default="warning")
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='Let tool_choice "auto" (the default with tools) parse the calls the model writes; '
+                            "needs --tool-call-parser.")
+    tools.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                       help="How the model writes tool calls: hermes (<tool_call>{json}</tool_call>: Qwen2.5, "
+                            "Qwen3, Hermes) or llama3_json (Llama 3.x JSON calls).")
     add_thread_args(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.set_defaults(func=run)
@@ -48,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
         limits.check()
     except ValueError as exc:
         return fail(str(exc))
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return fail(f"--enable-auto-tool-choice needs --tool-call-parser NAME ({', '.join(PARSERS)}): the format "
+                    "in which this model writes its tool calls")
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
                            max_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace_s,
-                           uvicorn_log_level=args.uvicorn_log_level, limits=limits)
+                           uvicorn_log_level=args.uvicorn_log_level, limits=limits,
+                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     return run_server(engine_args, options, startup)

@@ -19,6 +19,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: SamplingParams
     is_pooling: bool = False
+    grammar: Any = None  # compiled grammar of a constrained request (Request.grammar)
 
 
 @dataclass
@@ -61,6 +62,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, Any] = field(default_factory=dict)
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)
     pooled: dict[str, Any] = field(default_factory=dict)  # request_id -> embedding (list[float])
+    # Constrained requests whose grammar ended this step (it accepted a stop token): they finish "stop".
+    grammar_finished: set[str] = field(default_factory=set)
 
 
 @dataclass

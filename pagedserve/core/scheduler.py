@@ -175,6 +175,7 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
                 sampling_params=request.sampling_params,
                 is_pooling=request.is_pooling,
+                grammar=request.grammar,
             ))
             self._record(out, request, num_new)
             budget -= num_new
@@ -224,6 +225,8 @@ class Scheduler:
         output.new_token_ids = [token_id]
         output.new_logprobs = runner_out.logprobs.get(request.request_id)
         status = self._check_stop(request)
+        if status is None and request.request_id in runner_out.grammar_finished:
+            status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self._finish(request, status, output)
 

@@ -58,6 +58,10 @@ class EngineArgs:
                      "generate.", default="auto")
     runner: str = _opt("auto, generate or pooling (vLLM's name; pooling = --task embed).", default="auto")
     max_waiting_requests: int = _opt("Queue bound; the server answers 429 beyond it.", default=1024)
+    structured_outputs_config: str | None = _opt(
+        "Structured outputs, as JSON (vLLM's flag): {\"backend\": \"xgrammar\"} (the one backend; \"auto\" "
+        "means it), \"disable_any_whitespace\": true for compact JSON, \"compile_timeout_s\": seconds before a "
+        "grammar still compiling gets a 400 (default 30).")
     fault_injection: str | None = _opt("Testing only: faults to raise inside the engine, as "
                                        "POINT:MATCH[:COUNT] rules (pagedserve/engine/faults.py).", hidden=True)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
-from pagedserve.exceptions import EngineDeadError, InvalidRequestError, RequestFailedError
+from pagedserve.exceptions import EngineDeadError, InvalidRequestError, RequestFailedError, request_error
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
@@ -160,7 +160,7 @@ class AsyncEngine:
 
     def _report_failed(self) -> None:
         for request_id, reason in self.engine.take_failed().items():
-            self._deliver(request_id, RequestFailedError(request_id, reason))
+            self._deliver(request_id, request_error(request_id, reason))
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -25,6 +25,9 @@ from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured.admission import GrammarAdmission
+from pagedserve.structured.compiler import GrammarCompiler
+from pagedserve.structured.params import StructuredOutputsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,10 @@ class LLMEngine:
         self.faults = FaultInjector()  # armed after warm-up: injected faults are for requests, not start-up
         self.scheduler = Scheduler(config.scheduler, kv, fault_hook=self.faults.check)
         self.output_processor = OutputProcessor(tokenizer)
+        self.structured_config = config.structured_outputs or StructuredOutputsConfig()
+        self.grammar_compiler = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size,
+                                                disable_any_whitespace=self.structured_config.disable_any_whitespace)
+        self.grammar_admission = GrammarAdmission(self.structured_config.compile_timeout_s)
         self.stats = SchedulerStats()
         self._request_counter = 0
         self._failed: dict[str, str] = {}  # request id -> reason: failed requests the caller has not been told of
@@ -129,6 +136,7 @@ class LLMEngine:
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(prompt_ids)
         self.validate_token_params(params)
+        grammar_future, grammar = self._submit_grammar(params)
         if self.extra_eos_token_ids:
             params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         max_tokens = self.max_model_len - len(prompt_ids)
@@ -141,9 +149,32 @@ class LLMEngine:
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + index
                 child_params = params.clone(n=1, seed=seed)
-            self.scheduler.add_request(Request(child_id, prompt_ids, child_params, self.eos_token_id,
-                                               max_tokens, arrival_time))
+            request = Request(child_id, prompt_ids, child_params, self.eos_token_id, max_tokens, arrival_time,
+                              grammar=grammar)
+            if grammar_future is not None and grammar is None:
+                self.grammar_admission.hold(request, grammar_future)  # no KV blocks until it is compiled
+            else:
+                self.scheduler.add_request(request)
         return request_id
+
+    def _submit_grammar(self, params: SamplingParams) -> tuple[Any, Any]:
+        """(Future, compiled grammar or None while it compiles) for a constrained request; (None, None) for a
+        free one. Raises InvalidRequestError for a grammar that is already known to be bad."""
+        if params.structured_outputs is None:
+            return None, None
+        future = self.grammar_compiler.submit(params.structured_outputs)
+        return future, future.result() if future.done() else None  # result() raises a rejected grammar's 400
+
+    def _admit_compiled_grammars(self) -> None:
+        """Move requests whose grammar is ready into the scheduler; fail those it cannot serve (a 400)."""
+        if not len(self.grammar_admission):
+            return
+        if not self.scheduler.has_unfinished_requests():
+            self.grammar_admission.wait(0.02)  # nothing else to step: do not spin while the grammar compiles
+        ready, failed = self.grammar_admission.take_ready()
+        for request in ready:
+            self.scheduler.add_request(request)
+        self._fail_children(failed)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
                              arrival_time: float | None) -> str:
@@ -218,6 +249,7 @@ class LLMEngine:
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
         finals = []
         for request_id in request_ids:
+            self.grammar_admission.discard(self.output_processor.child_ids(request_id))
             self.scheduler.finish_requests(self.output_processor.child_ids(request_id),
                                            RequestStatus.FINISHED_ABORTED)
             final = self.output_processor.abort(request_id)
@@ -232,13 +264,14 @@ class LLMEngine:
                                     kv_cache_usage=scheduler.kv.usage)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or len(self.grammar_admission) > 0
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One engine step. A fault in one request's scheduling or post-processing fails that request; a
         fault in the model step fails the step's requests (blocks freed) and a probe step decides whether the
         engine goes on (EngineDeadError if the probe fails too). take_failed() reports the failed requests."""
+        self._admit_compiled_grammars()
         sched_out = self.scheduler.schedule()
         self._fail_children(self.scheduler.take_failed())
         try:
@@ -261,26 +294,28 @@ class LLMEngine:
         self.stats = self.scheduler.make_stats()
         return outputs
 
-    def take_failed(self) -> dict[str, str]:
-        """Requests (ids as given to add_request) failed by an engine fault since the last call -> reason."""
+    def take_failed(self) -> dict[str, str | BaseException]:
+        """Requests (ids as given to add_request) failed since the last call -> reason: a string for an engine
+        fault, an InvalidRequestError for a request found bad after it was queued (its grammar rejected)."""
         failed, self._failed = self._failed, {}
         return failed
 
-    def fail_request(self, request_id: str, reason: str) -> None:
+    def fail_request(self, request_id: str, reason: str | BaseException) -> None:
         """End a request after a fault in its processing: its KV blocks are freed and it is reported."""
+        self.grammar_admission.discard(self.output_processor.child_ids(request_id))
         self.scheduler.finish_requests(self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
         self.output_processor.abort(request_id)
         self._failed[request_id] = reason
 
-    def _fail_children(self, reasons: dict[str, str]) -> None:
-        parents: dict[str, str] = {}
+    def _fail_children(self, reasons: dict[str, str | BaseException]) -> None:
+        parents: dict[str, str | BaseException] = {}
         for child_id, reason in reasons.items():
             parent_id = self.output_processor.parent_id(child_id)
             if parent_id is not None:
                 parents.setdefault(parent_id, reason)
         self._fail_parents(parents)
 
-    def _fail_parents(self, reasons: dict[str, str]) -> None:
+    def _fail_parents(self, reasons: dict[str, str | BaseException]) -> None:
         for request_id, reason in reasons.items():
             self.fail_request(request_id, reason)
 
@@ -406,7 +441,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     if check_memory:
         check_memory_plan(plan)
     return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan,
-                        fault_injection=args.fault_injection)
+                        fault_injection=args.fault_injection,
+                        structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config))
 
 
 def check_engine_args(args: EngineArgs) -> None:
@@ -431,6 +467,7 @@ def check_engine_args(args: EngineArgs) -> None:
     if args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     parse_fault_spec(args.fault_injection)
+    StructuredOutputsConfig.parse(args.structured_outputs_config)
     if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
-from pagedserve.exceptions import RequestFailedError
+from pagedserve.exceptions import request_error
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -114,7 +114,7 @@ class LLM:
             if failed:
                 self.engine.abort_request(request_ids)
                 request_id, reason = next(iter(failed.items()))
-                raise RequestFailedError(request_id, reason)
+                raise request_error(request_id, reason)
         return [finished[r] for r in request_ids]
 
 

@@ -8,8 +8,11 @@ of the batch. Logprobs are taken from the raw model logits (as vLLM does by defa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from pagedserve.structured.matcher import mask_logits
 
 
 @dataclass
@@ -36,6 +39,7 @@ class SamplingBatch:
     banned: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # min_tokens: ids to mask
     penalties: Penalties | None = None
     max_num_logprobs: int = -1  # -1 = no row wants logprobs
+    grammars: list[tuple[int, Any]] = field(default_factory=list)  # row -> structured.matcher.RequestGrammar
 
 
 @dataclass
@@ -66,14 +70,22 @@ class Sampler:
         return out
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if batch.logit_bias or batch.banned or batch.penalties is not None:
+        if batch.logit_bias or batch.banned or batch.penalties is not None or batch.grammars:
             logits = logits.clone()
         for row, ids, values in batch.logit_bias:
             logits[row, ids] += values
         if batch.penalties is not None:
             _apply_penalties(logits, batch.penalties)
+        mask_logits(logits, batch.grammars)
+        constrained = {row for row, _ in batch.grammars}
         for row, ids in batch.banned:
-            logits[row, ids] = float("-inf")
+            if row in constrained:  # min_tokens must not ban the only tokens the grammar allows (its end)
+                kept = logits[row].clone()
+                logits[row, ids] = float("-inf")
+                if bool((logits[row] == float("-inf")).all()):
+                    logits[row] = kept
+            else:
+                logits[row, ids] = float("-inf")
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

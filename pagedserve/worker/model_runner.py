@@ -18,6 +18,7 @@ from pagedserve.layers.sampler import Penalties, Sampler, SamplerOutput, Samplin
 from pagedserve.models.loader import ProgressFn, load_model
 from pagedserve.platform import lazy_zeros, torch_dtype
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured.matcher import RequestGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class RequestState:
     output_counts: torch.Tensor | None = None  # [V] for penalties
     prompt_mask: torch.Tensor | None = None  # [V] for the repetition penalty
     num_prompt_logprobs_done: int = 0
+    grammar: RequestGrammar | None = None  # a constrained request's matcher (kept across preemption)
 
 
 @dataclass
@@ -129,14 +131,19 @@ class ModelRunner:
         if state is None:
             state = RequestState(new.request_id, new.token_ids[:new.num_prompt_tokens], new.sampling_params,
                                  [], -1, len(new.token_ids) - new.num_prompt_tokens)
-            self._init_sampling_state(state)
+            self._init_sampling_state(state, new.grammar)
             self.states[new.request_id] = state
         state.row = self.free_rows.pop()
         state.block_ids = list(new.block_ids)
         self.block_table[state.row, :len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
 
-    def _init_sampling_state(self, state: RequestState) -> None:
+    def _init_sampling_state(self, state: RequestState, grammar: object = None) -> None:
         params = state.sampling_params
+        if grammar is not None:
+            stop_ids = list(params.stop_token_ids)
+            if self.eos_token_id is not None:
+                stop_ids.insert(0, self.eos_token_id)
+            state.grammar = RequestGrammar(grammar, stop_ids)
         if params.seed is not None:
             state.generator = torch.Generator(device=self.device)
             state.generator.manual_seed(params.seed)
@@ -245,6 +252,8 @@ class ModelRunner:
                     batch.banned.append((i, torch.tensor(banned, dtype=torch.int64, device=self.device)))
             if p.logprobs is not None:
                 batch.max_num_logprobs = max(batch.max_num_logprobs, p.logprobs)
+            if state.grammar is not None:
+                batch.grammars.append((i, state.grammar))
         batch.penalties = self._penalties(states)
         return batch
 
@@ -281,10 +290,23 @@ class ModelRunner:
             state.num_output_tokens += 1
             if state.output_counts is not None:
                 state.output_counts[token_id] += 1
+            if state.grammar is not None:
+                self._advance_grammar(state, token_id, out)
             k = state.sampling_params.logprobs
             if wants_logprobs and k is not None:
                 out.logprobs[request_id] = TokenLogprobs(token_id, token_lps[i], ranks[i],
                                                          top_ids[i][:k], top_lps[i][:k])
+
+    @staticmethod
+    def _advance_grammar(state: RequestState, token_id: int, out: ModelRunnerOutput) -> None:
+        """Move the matcher past the sampled token; a finished grammar (or, never expected since the token was
+        masked by it, a token it rejects) ends the request."""
+        if not state.grammar.accept(token_id):
+            logger.error("request %s: the grammar rejected token %d it had allowed; ending the request",
+                         state.request_id, token_id)
+            out.grammar_finished.add(state.request_id)
+        elif state.grammar.is_terminated:
+            out.grammar_finished.add(state.request_id)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, batch: _Batch, hidden: torch.Tensor,
                          out: ModelRunnerOutput) -> None:

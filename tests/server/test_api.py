@@ -162,7 +162,8 @@ BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400, "JSON"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 5}, 400, "presence_penalty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "--enable-auto-tool-choice"),  # tool_choice defaults to "auto", which this server was not started with
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "logprobs"),

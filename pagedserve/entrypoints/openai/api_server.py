@@ -169,7 +169,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
 
 # ---- process lifecycle -------------------------------------------------------------------------------
-def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | None = None) -> None:
+def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | None = None,
+                 tool_call_parser: str | None = None) -> None:
     """Build the engine (phases tracked on `state.startup`); raises on failure."""
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.metrics import EngineMetrics
@@ -178,6 +179,7 @@ def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | N
     config = llm_engine.config
     name = config.model.served_model_name
     metrics = EngineMetrics(name)
+    llm_engine.grammar_compiler.on_compiled = metrics.observe_grammar_compile
     # The engine loop runs on this thread, which warmed the model up (AsyncEngine.run_in_this_thread).
     state.engine = AsyncEngine(llm_engine, observer=metrics.observe_step, start_thread=False)
     state.metrics = metrics
@@ -186,12 +188,13 @@ def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | N
     state.max_model_len = config.model.max_model_len
     state.model_path = config.model.model
     state.task = config.model.task
-    serving_cls = OpenAIServing
     if state.task == "embed":
         from pagedserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
-        serving_cls = OpenAIServingEmbedding
-    state.serving = serving_cls(state.engine, state.served_model_names, state.max_model_len, limits)
+        state.serving = OpenAIServingEmbedding(state.engine, state.served_model_names, state.max_model_len, limits)
+    else:
+        state.serving = OpenAIServing(state.engine, state.served_model_names, state.max_model_len, limits,
+                                      tool_call_parser)
 
 
 @dataclass
@@ -203,6 +206,7 @@ class ServeOptions:
     shutdown_grace_s: float = 30.0
     uvicorn_log_level: str = "warning"
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tool_call_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser NAME: "auto" tool choice
 
 
 def _make_uvicorn_server(config: Any) -> Any:
@@ -250,7 +254,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
 
     def load() -> None:
         try:
-            start_engine(state, args, options.limits)
+            start_engine(state, args, options.limits, options.tool_call_parser)
         except BaseException as exc:  # noqa: BLE001 - any start-up failure ends the process, visibly
             log_startup_failure(exc)
             startup.fail(f"{type(exc).__name__}: {exc}")

@@ -7,7 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedserve.exceptions import InvalidRequestError
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.structured.params import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -41,6 +43,24 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_id: str | None = None  # vLLM's: becomes part of the engine's request id (logs, errors)
+    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        """The grammar the output must match, from response_format or structured_outputs (400 for both)."""
+        old = sorted(k for k in (self.model_extra or {}) if k.startswith("guided_"))
+        if old:  # ignoring them would silently return unconstrained text
+            raise InvalidRequestError(f"{old[0]} is vLLM's former name; use structured_outputs, e.g. "
+                                      "{\"structured_outputs\": {\"json\": {...}}}", param=old[0])
+        if self.structured_outputs is not None and self.response_format is not None:
+            if StructuredOutputsParams.from_response_format(self.response_format) is not None:
+                raise InvalidRequestError("give either response_format or structured_outputs, not both",
+                                          param="structured_outputs")
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams.from_request(self.structured_outputs)
+        if self.response_format is not None:
+            return StructuredOutputsParams.from_response_format(self.response_format)
+        return None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:
@@ -58,7 +78,8 @@ class _SamplingFields(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_params())
 
 
 class CompletionRequest(_SamplingFields):
@@ -86,8 +107,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -21,6 +21,9 @@ from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_er
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest)
+from pagedserve.entrypoints.openai.tool_calls import (ToolCallDelta, ToolChoice, make_reader, read_all,
+                                                      resolve_tool_choice, template_messages)
+from pagedserve.structured.admission import compile_timeout_error
 from pagedserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -49,8 +52,9 @@ class _Choice:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_model_len: int,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, tool_call_parser: str | None = None) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser  # set by --enable-auto-tool-choice --tool-call-parser
         self.tokenizer = engine.engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
@@ -129,6 +133,20 @@ class OpenAIServing:
             llm_engine.validate_prompt(prompt.token_ids)
             llm_engine.validate_token_params(params)
 
+    async def _compile_grammars(self, params_list: list[SamplingParams]) -> None:
+        """Compile the requests' grammars (on the compiler's worker thread) before anything is queued, so that a
+        grammar the compiler rejects or that compiles past the time limit is a 400 before any stream starts;
+        the engine then finds them in its cache."""
+        llm_engine = self.engine.engine
+        specs = {p.structured_outputs.key: p.structured_outputs for p in params_list if p.structured_outputs}
+        for spec in specs.values():
+            future = asyncio.wrap_future(llm_engine.grammar_compiler.submit(spec))  # 400: invalid schema
+            timeout = llm_engine.structured_config.compile_timeout_s
+            done, _ = await asyncio.wait({future}, timeout=timeout)
+            if not done:
+                raise compile_timeout_error(timeout, spec)
+            future.result()  # 400: the compiler rejected it
+
     async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self.in_tokenizer_pool(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
@@ -162,6 +180,7 @@ class OpenAIServing:
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
         params_list = [self._params(req, m, req.logprobs, prompt_logprobs) for m in max_tokens]
         self._validate_for_engine(prompts, params_list)
+        await self._compile_grammars(params_list)
         request_id = self._request_id("cmpl", req)
         streams = self._start(request_id, prompts, params_list)
         if req.stream:
@@ -253,14 +272,9 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions ---------------------------------------------------------------------
     def _check_chat_fields(self, req: ChatCompletionRequest) -> None:
-        if req.tools:
-            raise InvalidRequestError("tools are not supported yet", param="tools")
         if req.functions:
-            raise InvalidRequestError("functions are not supported", param="functions")
-        if req.tool_choice not in (None, "none"):
-            raise InvalidRequestError("tool_choice is not supported yet", param="tool_choice")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise InvalidRequestError("response_format other than text is not supported yet", param="response_format")
+            raise InvalidRequestError("functions is OpenAI's deprecated form of tools; give tools (and "
+                                      "tool_choice) instead", param="functions")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
@@ -270,11 +284,23 @@ class OpenAIServing:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)",
                                       param="chat_template_kwargs")
 
+    @property
+    def template_has_tools(self) -> bool:
+        """The chat template writes tool definitions (it reads the `tools` variable)."""
+        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
+
+    def _tool_choice(self, req: ChatCompletionRequest) -> ToolChoice | None:
+        return resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser,
+                                   self.template_has_tools)
+
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                          continue_final_message: bool = False, kwargs: dict | None = None) -> list[int]:
+                          continue_final_message: bool = False, kwargs: dict | None = None,
+                          tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-        conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        conversation = template_messages([_template_message(m) for m in messages])
+        if tools:
+            kwargs = {**(kwargs or {}), "tools": tools}
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
@@ -286,25 +312,37 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
         self._check_chat_fields(req)
+        tool_choice = self._tool_choice(req)
         prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                            req.chat_template_kwargs)
+                                            req.chat_template_kwargs, tools=req.tools)
         prompt = _Prompt(None, prompt_ids)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(prompt, getattr(req, param), param)
         self._check_limits(req, [prompt], [max_tokens])
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, logprobs)
+        if tool_choice is not None and tool_choice.grammar is not None:
+            if params.structured_outputs is not None:
+                raise InvalidRequestError(f"tool_choice {tool_choice.mode!r} is enforced by a grammar, which cannot be "
+                                          "combined with response_format or structured_outputs", param="tool_choice")
+            params.structured_outputs = tool_choice.grammar
         self._validate_for_engine([prompt], [params])
+        await self._compile_grammars([params])
         request_id = self._request_id("chatcmpl", req)
         streams = self._start(request_id, [prompt], [params])
         if req.stream:
-            return _sse(self._chat_stream(request_id, req, prompt, streams))
+            return _sse(self._chat_stream(request_id, req, prompt, streams, tool_choice))
         finals = await _collect(streams, raw, 1)
         choices = []
         for index, choice in sorted(finals[0].items()):
-            choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+            read = read_all(make_reader(tool_choice, self.tool_call_parser), choice.text)
+            message: dict[str, Any] = {"role": "assistant", "content": read.content}
+            if read.calls:
+                message.update(content=read.content or None, tool_calls=read.calls)
+            choices.append({"index": index, "message": message,
                             "logprobs": self._chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0) if req.logprobs else None,
-                            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+                            "finish_reason": _chat_finish_reason(choice.finish_reason, bool(read.calls)),
+                            "stop_reason": choice.stop_reason})
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
                              "model": self.served_model_names[0], "choices": choices,
@@ -322,7 +360,8 @@ class OpenAIServing:
         return {"content": content}
 
     async def _chat_stream(self, request_id: str, req: ChatCompletionRequest, prompt: _Prompt,
-                           streams: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                           streams: AsyncIterator[tuple[int, RequestOutput]], tool_choice: ToolChoice | None = None
+                           ) -> AsyncIterator[str]:
         created = int(time.time())
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_names[0]}
@@ -330,16 +369,24 @@ class OpenAIServing:
             yield _chunk({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]})
         num_completion = 0
+        readers = [make_reader(tool_choice, self.tool_call_parser) for _ in range(req.n)]
         async for _, output in streams:
             for completion in output.outputs:
                 num_completion += len(completion.token_ids)
-                if not completion.token_ids and not completion.finish_reason and not completion.text:
+                reader = readers[completion.index]
+                events = reader.feed(completion.text)
+                if completion.finish_reason is not None:
+                    events += reader.finish()
+                if not completion.token_ids and not completion.finish_reason and not events:
                     continue
                 logprobs = None
                 if req.logprobs and completion.logprobs is not None:
                     logprobs = self._chat_logprobs(completion.token_ids, completion.logprobs, req.top_logprobs or 0)
-                yield _chunk({**base, "choices": [{"index": completion.index, "delta": {"content": completion.text},
-                                                   "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                finish_reason = completion.finish_reason
+                if finish_reason is not None:
+                    finish_reason = _chat_finish_reason(finish_reason, reader.num_calls > 0)
+                yield _chunk({**base, "choices": [{"index": completion.index, "delta": _chat_delta(events),
+                                                   "logprobs": logprobs, "finish_reason": finish_reason,
                                                    "stop_reason": completion.stop_reason}]})
         if req.stream_options and req.stream_options.include_usage:
             yield _chunk({**base, "choices": [], "usage": _usage(len(prompt.token_ids), num_completion)})
@@ -365,6 +412,32 @@ class OpenAIServing:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+def _template_message(message: ChatMessage) -> dict:
+    """A message as the chat template sees it: role, text content, and the tool fields it may carry."""
+    result = {"role": message.role, "content": _message_text(message)}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        value = (message.model_extra or {}).get(key)
+        if value is not None:
+            result[key] = value
+    return result
+
+
+def _chat_finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
+
+
+def _chat_delta(events: list[str | ToolCallDelta]) -> dict:
+    """One chunk's delta from a reader's events: content text, tool-call pieces, or both."""
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [e.to_openai() for e in events if isinstance(e, ToolCallDelta)]
+    delta: dict[str, Any] = {}
+    if content or not calls:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
+
+
 def _message_text(message: ChatMessage) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""

@@ -1,0 +1,125 @@
+"""Grammar compilation on xgrammar, off the engine thread, cached by (grammar, tokenizer).
+
+One GrammarCompiler per engine (one tokenizer). `submit` checks what it can at once (a schema feature the
+grammar cannot enforce, an invalid schema: InvalidRequestError) and returns a Future of the compiled grammar;
+compiling runs on one worker thread, so the engine keeps stepping other requests meanwhile. Futures are
+cached by the grammar's canonical spec, so a repeated schema costs nothing after its first use. xgrammar
+(and its ~0.2 s import, ~0.1-1 s tokenizer scan) is loaded on the worker at the first constrained request:
+servers that never see one never pay for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from pagedserve.exceptions import InvalidRequestError
+from pagedserve.structured.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
+from pagedserve.structured.schema import check_json_schema, for_xgrammar
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256
+# xgrammar's errors start with "[hh:mm:ss] /project/cpp/file.cc:123: ": not the client's business.
+_LOCATION_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: Any, vocab_size: int, on_compiled: Callable[[float], None] | None = None,
+                 disable_any_whitespace: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.disable_any_whitespace = disable_any_whitespace  # server-wide (--structured-outputs-config)
+        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's vocabulary)
+        self.on_compiled = on_compiled  # seconds per compilation (metrics)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._xgr_compiler: Any = None
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """A Future of the compiled grammar (done at once when cached). Raises InvalidRequestError for a
+        schema that is invalid or uses a feature nothing enforces; the Future raises it for anything the
+        compiler itself rejects (a regex or grammar that does not parse)."""
+        if params.kind == "json":
+            check_json_schema(params.json, params.param)
+        if self.disable_any_whitespace and not params.disable_any_whitespace:
+            params = replace(params, disable_any_whitespace=True)
+        with self._lock:
+            future = self._cache.get(params.key)
+            if future is not None:
+                self._cache.move_to_end(params.key)
+                return future
+            future = self._executor.submit(self._compile, params)
+            self._cache[params.key] = future
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            return future
+
+    def compile(self, params: StructuredOutputsParams, timeout: float | None = None) -> Any:
+        """Blocking: the compiled grammar (InvalidRequestError as submit/the Future would raise)."""
+        return self.submit(params).result(timeout)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- on the worker thread -------------------------------------------------------------------
+    def _compiler(self) -> Any:
+        if self._xgr_compiler is None:
+            start = time.perf_counter()
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1)
+            logger.info("structured outputs: xgrammar loaded and this tokenizer's vocabulary scanned in %.2f s",
+                        time.perf_counter() - start)
+        return self._xgr_compiler
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        compiler = self._compiler()
+        start = time.perf_counter()
+        try:
+            compiled = _compile_kind(compiler, params)
+        except (RuntimeError, ValueError) as exc:
+            message = _LOCATION_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            raise InvalidRequestError(f"{params.param}: the {_KIND_NAMES[params.kind]} cannot be compiled: "
+                                      f"{message}", param=params.param) from None
+        seconds = time.perf_counter() - start
+        if self.on_compiled is not None:
+            self.on_compiled(seconds)
+        logger.debug("compiled a %s grammar in %.3f s", params.kind, seconds)
+        return compiled
+
+
+_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",
+               "grammar": "grammar"}
+
+
+def _compile_kind(compiler: Any, params: StructuredOutputsParams) -> Any:
+    import json
+
+    whitespace = {"any_whitespace": not params.disable_any_whitespace, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+    if params.disable_any_whitespace:
+        whitespace = {"any_whitespace": False}
+    if params.kind == "json":
+        return compiler.compile_json_schema(json.dumps(for_xgrammar(params.json), ensure_ascii=False), strict_mode=True, **whitespace)
+    if params.kind == "json_object":
+        return compiler.compile_json_schema(json.dumps({"type": "object"}), strict_mode=False, **whitespace)
+    if params.kind == "regex":
+        return compiler.compile_regex(params.regex)
+    if params.kind == "choice":
+        return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_string(c) for c in params.choice))
+    return compiler.compile_grammar(params.grammar)
+
+
+def _ebnf_string(text: str) -> str:
+    """A GBNF string literal for `text` (JSON escapes are GBNF's)."""
+    import json
+
+    return json.dumps(text, ensure_ascii=False)

@@ -1,0 +1,151 @@
+"""StructuredOutputsParams: what a constrained request's output must match (vLLM's fields and meanings).
+
+Exactly one of `json` (a JSON schema), `json_object` (any JSON object), `regex`, `choice` (one of these
+strings) or `grammar` (EBNF/GBNF) is set. Pure Python: the checks that need the grammar library (a regex
+that does not parse, a schema feature it cannot enforce) are structured/compiler.py's and schema.py's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.exceptions import InvalidRequestError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Whitespace the grammar allows between JSON tokens: at most this many characters in a row, so a model
+# cannot loop on spaces or newlines until max_tokens (xgrammar's max_whitespace_cnt).
+MAX_JSON_WHITESPACE = 8
+
+
+@dataclass
+class StructuredOutputsParams:
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # vLLM's: JSON without any whitespace between tokens (the compact form json.dumps(separators=(",", ":"))
+    # gives); by default up to MAX_JSON_WHITESPACE characters are allowed where JSON allows whitespace.
+    disable_any_whitespace: bool = False
+    param: str = "structured_outputs"  # the request field it came from, for error messages
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            what = ", ".join(given) if given else "none"
+            raise InvalidRequestError(f"{self.param}: give exactly one of {', '.join(KINDS)} (got {what})",
+                                      param=self.param)
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidRequestError(f"{self.param}: the JSON schema is not valid JSON: {exc}",
+                                          param=self.param) from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise InvalidRequestError(f"{self.param}: a JSON schema must be an object, got "
+                                      f"{type(self.json).__name__}", param=self.param)
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise InvalidRequestError(f"{self.param}: choice must be a non-empty list of strings",
+                                          param=self.param)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{self.param}: {name} must be a non-empty string", param=self.param)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The grammar's source, canonical: two requests with the same spec share one compiled grammar."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return json.dumps(value)
+        if self.kind == "json_object":
+            return ""
+        return value
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        return self.kind, self.spec, self.disable_any_whitespace
+
+    @classmethod
+    def from_request(cls, value: dict[str, Any], param: str = "structured_outputs") -> "StructuredOutputsParams":
+        """From the API's `structured_outputs` object; unknown keys are a 400 (never silently ignored)."""
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f"{param} must be an object", param=param)
+        known = set(KINDS) | {"disable_any_whitespace"}
+        unknown = sorted(set(value) - known - {"backend", "whitespace_pattern", "disable_additional_properties"})
+        if unknown:
+            raise InvalidRequestError(f"{param}: unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}",
+                                      param=param)
+        for name in ("whitespace_pattern", "disable_additional_properties"):
+            if value.get(name):
+                raise InvalidRequestError(f"{param}.{name} is not supported (whitespace is bounded to "
+                                          f"{MAX_JSON_WHITESPACE} characters; use disable_any_whitespace for none)",
+                                          param=param)
+        return cls(**{k: v for k, v in value.items() if k in known}, param=param)
+
+    @classmethod
+    def from_response_format(cls, value: dict[str, Any]) -> "StructuredOutputsParams | None":
+        """OpenAI's response_format: text (None), json_object, or json_schema {name, schema, strict}."""
+        param = "response_format"
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind in (None, "text") and isinstance(value, dict):
+            return None
+        if kind == "json_object":
+            return cls(json_object=True, param=param)
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise InvalidRequestError("response_format json_schema needs a json_schema object with a "
+                                          "schema: {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., "
+                                          "\"schema\": {...}}}", param=param)
+            return cls(json=spec["schema"], param=param)
+        raise InvalidRequestError(f"response_format type {kind!r} is not supported; use text, json_object or "
+                                  "json_schema", param=param)
+
+
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """--structured-outputs-config (vLLM's flag, as JSON): the backend (xgrammar is ours; "auto" means it),
+    a server-wide disable_any_whitespace, and compile_timeout_s: a grammar that takes longer gets a 400."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> "StructuredOutputsConfig":
+        """From the flag's JSON (ValueError naming the problem and the fix)."""
+        if text is None:
+            return cls()
+        try:
+            value = json.loads(text) if isinstance(text, str) else dict(text)
+        except ValueError as exc:
+            raise ValueError(f"--structured-outputs-config must be a JSON object, e.g. "
+                             f"'{{\"backend\": \"xgrammar\"}}': {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--structured-outputs-config must be a JSON object, e.g. '{\"backend\": \"xgrammar\"}'")
+        fields = {"backend", "disable_any_whitespace", "compile_timeout_s"}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(f"--structured-outputs-config: unknown key {unknown[0]!r}; known: "
+                             f"{', '.join(sorted(fields))}")
+        config = cls(**value)
+        if config.backend not in BACKENDS:
+            raise ValueError(f"--structured-outputs-config: backend {config.backend!r} is not available; pagedserve "
+                             f"uses xgrammar (give \"xgrammar\" or \"auto\")")
+        if not (isinstance(config.compile_timeout_s, (int, float)) and config.compile_timeout_s > 0):
+            raise ValueError("--structured-outputs-config: compile_timeout_s must be a positive number of seconds")
+        return config

@@ -1,0 +1,124 @@
+"""Which JSON-schema features a constrained request may use (the ones the grammar enforces), and the schema
+as xgrammar is given it.
+
+xgrammar compiles most schemas, but it silently ignores some keywords (`not`, `if`/`then`/`else`,
+`uniqueItems`, `contains`, `dependentRequired`, `multipleOf` on non-integers, `allOf` of several schemas,
+most non-standard formats; checked one by one against its matcher, see tests/unit/test_structured_schema.py).
+A schema using any of them gets a 400 naming the keyword and where it is, never output that quietly breaks
+the schema. The schema is also checked against its JSON-Schema metaschema (jsonschema) first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.exceptions import InvalidRequestError
+
+# Keywords that only describe: fine anywhere, nothing to enforce.
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                         "deprecated", "readOnly", "writeOnly"})
+# Enforced keywords whose values are not subschemas.
+ENFORCED = frozenset({"type", "enum", "const", "required", "minItems", "maxItems", "minimum", "maximum",
+                      "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "format",
+                      "minProperties", "maxProperties", "$ref", "multipleOf", "unevaluatedProperties"})
+# Enforced keywords holding subschemas: keyword -> how they are held.
+SUBSCHEMAS = {"properties": "map", "$defs": "map", "definitions": "map", "additionalProperties": "one",
+              "items": "one", "prefixItems": "list", "anyOf": "list", "oneOf": "list", "allOf": "list",
+              "propertyNames": "one"}
+# Keywords accepted only with the value that asks for nothing.
+NO_OP_VALUES = {"uniqueItems": False}
+FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+                     "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+
+
+def check_json_schema(schema: Any, param: str) -> None:
+    """InvalidRequestError naming the problem: not a valid JSON schema, or a feature nothing enforces."""
+    _check_metaschema(schema, param)
+    _check_features(schema, "#", param)
+
+
+def _check_metaschema(schema: Any, param: str) -> None:
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "(top level)"
+        raise InvalidRequestError(f"{param}: invalid JSON schema at {where}: {exc.message}", param=param) from None
+
+
+def _unsupported(param: str, path: str, what: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: the JSON schema uses {what} at {path}, which structured outputs cannot "
+                               "enforce; remove it or express it with supported keywords (see the README's "
+                               "'Structured outputs' section)", param=param)
+
+
+def _check_features(schema: Any, path: str, param: str) -> None:
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{param}: a schema at {path} must be an object or a boolean", param=param)
+    for key, value in schema.items():
+        where = f"{path}/{key}"
+        if key in ANNOTATIONS or (key in NO_OP_VALUES and value == NO_OP_VALUES[key]):
+            continue
+        if key in SUBSCHEMAS:
+            _check_subschemas(key, value, where, param)
+        elif key not in ENFORCED:
+            raise _unsupported(param, path, f"the keyword '{key}'")
+    _check_values(schema, path, param)
+
+
+def _check_subschemas(key: str, value: Any, where: str, param: str) -> None:
+    held = SUBSCHEMAS[key]
+    if held == "map" and isinstance(value, dict):
+        for name, sub in value.items():
+            _check_features(sub, f"{where}/{name}", param)
+    elif held == "list" and isinstance(value, list):
+        if key == "allOf" and len(value) > 1:
+            raise _unsupported(param, where, "'allOf' with more than one schema")
+        for index, sub in enumerate(value):
+            _check_features(sub, f"{where}/{index}", param)
+    else:
+        _check_features(value, where, param)
+
+
+def _check_values(schema: dict, path: str, param: str) -> None:
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        raise _unsupported(param, path, f"format '{fmt}' (enforced formats: {', '.join(sorted(FORMATS))})")
+    if "multipleOf" in schema and (schema.get("type") != "integer" or not isinstance(schema["multipleOf"], int)):
+        raise _unsupported(param, path, "'multipleOf' on a non-integer")
+    if schema.get("unevaluatedProperties", False) is not False:
+        raise _unsupported(param, path, "'unevaluatedProperties' other than false")
+    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+        raise _unsupported(param, path, "'minLength'/'maxLength' together with 'pattern' or 'format'")
+
+
+# One character of a length-bounded string: any code point JSON allows unescaped except '"' and '\\', listed as
+# ranges so that xgrammar matches well-formed UTF-8 only ('.' also takes overlong and surrogate byte sequences,
+# which decode to several U+FFFD and break maxLength). Such strings cannot hold '"' or '\\'.
+STRING_CHARACTER = "[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]"
+
+
+def for_xgrammar(schema: Any) -> Any:
+    """The schema as given to xgrammar: a string bounded only by minLength/maxLength becomes the equivalent
+    `pattern` of STRING_CHARACTERs (xgrammar's length-bounded strings admit raw control characters, which is not
+    JSON). Called on schemas check_json_schema accepted."""
+    if isinstance(schema, list):
+        return [for_xgrammar(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {}
+    for key, value in schema.items():
+        if key in SUBSCHEMAS and isinstance(value, dict) and SUBSCHEMAS[key] == "map":
+            result[key] = {name: for_xgrammar(sub) for name, sub in value.items()}
+        elif key in SUBSCHEMAS:
+            result[key] = for_xgrammar(value)
+        else:
+            result[key] = value
+    if ("minLength" in result or "maxLength" in result) and "pattern" not in result and "format" not in result:
+        low, high = result.pop("minLength", 0), result.pop("maxLength", "")
+        result["pattern"] = f"^{STRING_CHARACTER}{{{low},{high}}}$"
+    return result

@@ -1,0 +1,193 @@
+"""Structured outputs and the engine: the accepted JSON-schema keywords are enforced by xgrammar (and the
+refused ones are those it ignores), constrained requests through LLM.generate, mixed batches, preemption."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+from xgrammar.testing import _is_grammar_accept_string as accepts
+
+from pagedserve.structured.schema import check_json_schema, for_xgrammar
+
+ENFORCED = [  # (schema, an instance it must reject, one it must accept)
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{}', '{"a": 1}'),
+    ({"type": "integer", "minimum": 0, "maximum": 10}, "11", "10"),
+    ({"type": "number", "exclusiveMinimum": 0}, "0", "0.5"),
+    ({"type": "integer", "multipleOf": 3}, "4", "6"),
+    ({"type": "string", "maxLength": 3}, '"abcd"', '"abc"'),
+    ({"type": "string", "minLength": 2}, '"a"', '"ab"'),
+    ({"type": "string", "maxLength": 3}, '"a\tb"', '"a b"'),  # no raw control characters (not JSON)
+    ({"type": "string", "pattern": "^[a-z]{3}$"}, '"abcd"', '"abc"'),
+    ({"type": "string", "format": "date"}, '"tomorrow"', '"2026-12-01"'),
+    ({"enum": ["a", 1]}, '"b"', "1"),
+    ({"const": "x"}, '"y"', '"x"'),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}, "[1, 2, 3]", "[1, 2]"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False}, "[1, 2]", "[1]"),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, '"a"', "null"),
+    ({"allOf": [{"type": "integer"}]}, '"a"', "1"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"],
+      "$defs": {"A": {"type": "boolean"}}}, '{"a": 1}', '{"a": true}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+     '{"b": 1}', '{"a": 1}'),
+]
+
+
+@pytest.mark.parametrize("schema, bad, good", ENFORCED)
+def test_accepted_keywords_are_enforced_by_xgrammar(schema, bad, good):
+    check_json_schema(schema, "response_format")  # accepted by us ...
+    grammar = xgr.Grammar.from_json_schema(json.dumps(for_xgrammar(schema)), any_whitespace=True)
+    assert accepts(grammar, good)
+    assert not accepts(grammar, bad)  # ... and enforced by the grammar
+
+
+def test_bounded_strings_take_well_formed_utf8_only(tiny_model_dir):
+    """maxLength counts characters: byte sequences that are not UTF-8 (overlong, surrogates) would decode to
+    several U+FFFD each, so the grammar must refuse them; real characters of every length are fine."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=512))
+    grammar = compiler.compile_json_schema(json.dumps(for_xgrammar({"type": "string", "maxLength": 3}),
+                                                      ensure_ascii=False))
+
+    def complete(data: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        return matcher.accept_string(data) and matcher.is_completed()
+
+    for good in ['"abc"', '"é中😀"', '""', '"a b"']:
+        assert complete(good.encode()), good
+    for bad in [b'"\xf0\x8a\xac\xb0"', b'"\xed\xa0\x80"', b'"\xc0\xaf"', b'"a\x01"', b'"a"b"', b'"abcd"']:
+        assert not complete(bad), bad
+
+
+@pytest.mark.parametrize("schema, bad", [
+    ({"not": {"type": "string"}}, '"a"'),
+    ({"type": "array", "uniqueItems": True, "items": {"type": "integer"}}, "[1, 1]"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "3"),
+    ({"type": "number", "multipleOf": 0.5}, "0.3"),
+])
+def test_refused_keywords_are_the_ones_xgrammar_ignores(schema, bad):
+    """If xgrammar starts enforcing one of these, this fails: then it can move to the accepted list."""
+    assert accepts(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True), bad)
+
+
+# ---- through the engine ---------------------------------------------------------------------------------
+import jsonschema  # noqa: E402
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.exceptions import InvalidRequestError  # noqa: E402
+from pagedserve.structured import StructuredOutputsParams  # noqa: E402
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "pet"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+                         "pet": {"anyOf": [{"type": "null"},
+                                           {"type": "object", "required": ["kind"], "additionalProperties": False,
+                                            "properties": {"kind": {"enum": ["cat", "dog"]}}}]}}}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir("llama"), max_model_len=512, dtype="float32")
+
+
+def constrained(spec: StructuredOutputsParams, **kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 1.0, "max_tokens": 300, **kwargs}, structured_outputs=spec)
+
+
+def test_random_sampling_always_matches_the_schema(llm):
+    spec = StructuredOutputsParams(json=PERSON)
+    outputs = llm.generate(["The quick brown fox"] * 12, [constrained(spec, seed=i) for i in range(12)])
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), PERSON)
+    assert len({o.outputs[0].text for o in outputs}) > 1  # really sampled, not one fixed answer
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    specs = [StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"), StructuredOutputsParams(choice=["yes", "no"]),
+             StructuredOutputsParams(grammar='root ::= "(" [0-9]+ ")"'),
+             StructuredOutputsParams(json_object=True)]
+    outputs = llm.generate(["x"] * 4, [constrained(s, seed=3, max_tokens=40, temperature=0.0 if s.json_object else 1.0)
+                                       for s in specs])
+    texts = [o.outputs[0].text for o in outputs]
+    import re
+
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", texts[0])
+    assert texts[1] in ("yes", "no")
+    assert re.fullmatch(r"\([0-9]+\)", texts[2])
+    assert texts[3].lstrip().startswith("{")  # a JSON object (cut by max_tokens or complete)
+    if outputs[3].outputs[0].finish_reason == "stop":
+        assert isinstance(json.loads(texts[3]), dict)
+
+
+def test_mixed_batch_leaves_free_requests_unchanged(llm):
+    """Free requests batched with constrained ones give exactly what they give alone (greedy)."""
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(["Paris is", "def square"], free)]
+    spec = StructuredOutputsParams(json=PERSON)
+    mixed = llm.generate(["Paris is", "The fox", "def square", "Emoji"],
+                         [free, constrained(spec, seed=1), free, constrained(spec, temperature=0.0)])
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    for output in (mixed[1], mixed[3]):
+        jsonschema.validate(json.loads(output.outputs[0].text), PERSON)
+
+
+def test_n_seeds_logprobs_and_penalties_respect_the_grammar(llm):
+    spec = StructuredOutputsParams(choice=["alpha", "beta", "gamma"])
+    params = constrained(spec, n=6, seed=7, logprobs=2, presence_penalty=1.5, logit_bias={5: 50.0})
+    first, again = llm.generate("Hello", params)[0], llm.generate("Hello", params)[0]
+    assert all(c.text in ("alpha", "beta", "gamma") for c in first.outputs)
+    assert [c.text for c in first.outputs] == [c.text for c in again.outputs]  # seeded: deterministic
+    assert all(len(c.logprobs) == len(c.token_ids) for c in first.outputs)
+
+
+def test_preemption_keeps_the_grammar_state(tiny_model_dir):
+    """With a KV pool too small for all requests, some are preempted and recomputed mid-generation: their
+    outputs are the same as without preemption and still match the schema."""
+    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    prompts = [f"The quick brown fox {i}" for i in range(6)]
+    params = [constrained(spec, temperature=0.0, max_tokens=200) for _ in prompts]
+    roomy = LLM(tiny_model_dir("llama"), max_model_len=512, dtype="float32")
+    expected = [o.outputs[0].text for o in roomy.generate(prompts, params)]
+    tight = LLM(tiny_model_dir("llama"), max_model_len=512, dtype="float32", num_gpu_blocks_override=40,
+                block_size=8)
+    got = [o.outputs[0].text for o in tight.generate(prompts, params)]
+    assert tight.engine.scheduler.num_preemptions_total > 0
+    assert got == expected
+    for text in got:
+        jsonschema.validate(json.loads(text), PERSON)
+        assert text == json.dumps(json.loads(text), ensure_ascii=False)  # no whitespace beyond ", " and ": "
+
+
+def test_bad_grammars_are_invalid_requests(llm):
+    with pytest.raises(InvalidRequestError, match="regex cannot be compiled"):
+        llm.generate("x", constrained(StructuredOutputsParams(regex="(ab")))
+    with pytest.raises(InvalidRequestError, match="'not'"):
+        llm.generate("x", constrained(StructuredOutputsParams(json={"not": {"type": "string"}})))
+    with pytest.raises(InvalidRequestError, match="Rule \"foo\" is not defined"):
+        llm.generate("x", constrained(StructuredOutputsParams(grammar="root ::= foo")))
+    assert llm.generate("x", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # the engine goes on
+
+
+def test_a_request_waits_for_its_grammar_without_kv_blocks(llm):
+    """A grammar still compiling holds its request outside the scheduler (no blocks); the others run."""
+    engine = llm.engine
+    spec = StructuredOutputsParams(regex=r"slow[0-9]{2}")
+    gate = __import__("threading").Event()
+    engine.grammar_compiler._executor.submit(gate.wait)  # the worker is busy: the grammar must queue
+    engine.add_request("waiting", "x", constrained(spec, max_tokens=10))
+    engine.add_request("free", "y", SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = {}
+    for _ in range(5):
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert "free" in finished and "waiting" not in finished
+    assert len(engine.grammar_admission) == 1 and "waiting" not in engine.scheduler.requests
+    gate.set()
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished["waiting"].outputs[0].text.startswith("slow")

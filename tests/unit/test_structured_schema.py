@@ -1,0 +1,76 @@
+"""Structured-output requests without a model or grammar library: what is accepted and what gets a 400
+naming the problem (tests/models/test_structured_outputs.py checks the accepted keywords against xgrammar)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.exceptions import InvalidRequestError
+from pagedserve.structured.params import StructuredOutputsConfig, StructuredOutputsParams
+from pagedserve.structured.schema import check_json_schema
+
+
+def test_exactly_one_kind():
+    assert StructuredOutputsParams(regex="a+").kind == "regex"
+    with pytest.raises(InvalidRequestError, match="exactly one of"):
+        StructuredOutputsParams(regex="a+", choice=["a"])
+    with pytest.raises(InvalidRequestError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        StructuredOutputsParams(json="{nope")
+    with pytest.raises(InvalidRequestError, match="choice must be"):
+        StructuredOutputsParams(choice=[])
+
+
+def test_request_forms():
+    assert StructuredOutputsParams.from_response_format({"type": "text"}) is None
+    assert StructuredOutputsParams.from_response_format({"type": "json_object"}).kind == "json_object"
+    spec = StructuredOutputsParams.from_response_format(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}, "strict": True}})
+    assert spec.json == {"type": "integer"} and spec.param == "response_format"
+    with pytest.raises(InvalidRequestError, match="needs a json_schema object"):
+        StructuredOutputsParams.from_response_format({"type": "json_schema"})
+    with pytest.raises(InvalidRequestError, match="'yaml' is not supported"):
+        StructuredOutputsParams.from_response_format({"type": "yaml"})
+    with pytest.raises(InvalidRequestError, match="unknown field 'jsn'"):
+        StructuredOutputsParams.from_request({"jsn": {}})
+    # The same schema written differently shares one compiled grammar.
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    b = StructuredOutputsParams(json='{"properties": {"a": {"type": "integer"}}, "type": "object"}')
+    assert a.key == b.key
+
+
+def test_config_flag():
+    assert StructuredOutputsConfig.parse(None).backend == "auto"
+    assert StructuredOutputsConfig.parse('{"backend": "xgrammar", "compile_timeout_s": 5}').compile_timeout_s == 5
+    with pytest.raises(ValueError, match="backend 'outlines' is not available"):
+        StructuredOutputsConfig.parse('{"backend": "outlines"}')
+    with pytest.raises(ValueError, match="unknown key 'bakend'"):
+        StructuredOutputsConfig.parse('{"bakend": "xgrammar"}')
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        StructuredOutputsConfig.parse("xgrammar")
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"not": {"type": "string"}}, "'not'"),
+    ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
+    ({"if": {"type": "string"}, "then": {"maxLength": 1}}, "'if'"),
+    ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}}, "'multipleOf' on a non-integer"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 1}]}, "'allOf' with more than one"),
+    ({"type": "string", "format": "idn-email"}, "format 'idn-email'"),
+    ({"type": "string", "pattern": "a+", "maxLength": 3}, "together with 'pattern'"),
+    ({"type": "object", "patternProperties": {"^x": {}}}, "'patternProperties'"),
+])
+def test_unenforceable_features_are_named(schema, named):
+    with pytest.raises(InvalidRequestError, match="cannot enforce") as info:
+        check_json_schema(schema, "response_format")
+    assert named in info.value.message and info.value.param == "response_format"
+
+
+def test_invalid_schema_is_named():
+    with pytest.raises(InvalidRequestError, match="invalid JSON schema at type"):
+        check_json_schema({"type": "foo"}, "response_format")
+    with pytest.raises(InvalidRequestError, match="invalid JSON schema"):
+        check_json_schema({"type": "string", "maxLength": -1}, "response_format")

@@ -1,0 +1,115 @@
+"""Tool calling without a model: tool_choice resolution, the grammars it implies, and the readers that turn
+generated text into tool calls — streamed in pieces or read whole, with the same result."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.entrypoints.openai.tool_calls import (ReadResult, make_reader, read_all, resolve_tool_choice,
+                                                      template_messages)
+from pagedserve.exceptions import InvalidRequestError
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
+]
+
+
+def choice(tool_choice, parser="hermes", template_has_tools=True, parallel=None):
+    return resolve_tool_choice(TOOLS, tool_choice, parallel, parser, template_has_tools)
+
+
+def streamed(reader, text: str, piece: int) -> ReadResult:
+    result = ReadResult()
+    for start in range(0, len(text), piece):
+        result.add(reader.feed(text[start:start + piece]))
+    result.add(reader.finish())
+    return result
+
+
+def test_default_with_tools_is_auto_and_needs_the_parser_flags():
+    assert choice(None).mode == "auto"
+    with pytest.raises(InvalidRequestError, match="--enable-auto-tool-choice"):
+        choice(None, parser=None)
+    with pytest.raises(InvalidRequestError, match="chat template has no tool-call format"):
+        choice("auto", template_has_tools=False)
+    assert choice("required", parser=None, template_has_tools=False).mode == "required"
+
+
+def test_bad_tool_choices_name_the_problem():
+    with pytest.raises(InvalidRequestError, match="'nope', which is not among the tools") as info:
+        choice({"type": "function", "function": {"name": "nope"}})
+    assert info.value.param == "tool_choice"
+    with pytest.raises(InvalidRequestError, match="tool_choice must be"):
+        choice("sometimes")
+    with pytest.raises(InvalidRequestError, match="needs tools"):
+        resolve_tool_choice(None, "required", None, "hermes", True)
+    with pytest.raises(InvalidRequestError, match="appears twice"):
+        resolve_tool_choice(TOOLS + TOOLS[:1], "required", None, "hermes", True)
+    with pytest.raises(InvalidRequestError, match="function.name"):
+        resolve_tool_choice([{"type": "function", "function": {"name": "has space"}}], "required", None, None, True)
+
+
+def test_required_and_named_grammars():
+    required = choice("required").grammar.json
+    assert required["minItems"] == 1 and "maxItems" not in required
+    assert [c["properties"]["name"]["const"] for c in required["items"]["anyOf"]] == ["get_weather", "add"]
+    assert choice("required", parallel=False).grammar.json["maxItems"] == 1
+    named = choice({"type": "function", "function": {"name": "add"}}).grammar.json
+    assert named == TOOLS[1]["function"]["parameters"]
+    assert choice("none").grammar is None and choice("auto").grammar is None
+
+
+HERMES_TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_hermes_streamed_in_any_pieces_equals_read_whole(piece):
+    whole = read_all(make_reader(choice("auto"), "hermes"), HERMES_TEXT)
+    assert whole.content == "Let me check.\n\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    parts = streamed(make_reader(choice("auto"), "hermes"), HERMES_TEXT, piece)
+    assert parts.content == whole.content
+    assert [c["function"] for c in parts.calls] == [c["function"] for c in whole.calls]
+
+
+def test_hermes_keeps_text_that_is_not_a_call():
+    text = "a < b and <tool_call>not json</tool_call> and <tool_call>{\"name\": \"add\""
+    result = streamed(make_reader(choice("auto"), "hermes"), text, 2)
+    assert result.calls == [] and result.content == text
+
+
+def test_llama3_json():
+    text = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    result = read_all(make_reader(choice("auto", parser="llama3_json"), "llama3_json"), text)
+    assert [c["function"]["name"] for c in result.calls] == ["add", "get_weather"]
+    assert json.loads(result.calls[1]["function"]["arguments"]) == {"city": "Oslo"}
+    plain = read_all(make_reader(choice("auto", parser="llama3_json"), "llama3_json"), "Just text {not a call}")
+    assert plain.calls == [] and plain.content == "Just text {not a call}"
+
+
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_required_and_named_readers(piece):
+    text = '[{"name": "add", "parameters": {"a": 3, "b": 4}}]'
+    result = streamed(make_reader(choice("required"), None), text, piece)
+    assert result.content == "" and json.loads(result.calls[0]["function"]["arguments"]) == {"a": 3, "b": 4}
+    named = choice({"type": "function", "function": {"name": "add"}})
+    result = streamed(make_reader(named, None), '{"a": 3, "b": 4}', piece)
+    assert [c["function"] for c in result.calls] == [{"name": "add", "arguments": '{"a": 3, "b": 4}'}]
+    assert result.calls[0]["id"].startswith("call_")
+
+
+def test_template_messages_turn_argument_strings_into_objects():
+    messages = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    rendered = template_messages(messages)
+    assert rendered[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert rendered[1] == messages[1]
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the request is not changed
