@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagedserve.memory.rss import ResidentMemory
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -49,6 +50,14 @@ class EngineMetrics:
         self.grammar_compile = Histogram("pagedserve:grammar_compile_seconds",
                                          "Time to compile a structured-output grammar (cache misses only).", labels,
                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.rss = Gauge("pagedserve:resident_memory_bytes", "Resident set size (VmRSS) of the server process.",
+                         labels, registry=r)
+        self.planned_rss = Gauge("pagedserve:planned_resident_memory_bytes",
+                                 "What the memory plan expects resident now: steady + KV blocks written + one "
+                                 "step's activations.", labels, registry=r)
+        self.rss_over_plan = Gauge("pagedserve:resident_memory_over_plan_ratio",
+                                   "RSS / planned resident memory - 1 (a warning is logged above 0.1).", labels,
+                                   registry=r)
         self.model_name = model_name
         self._timings: dict[str, _RequestTiming] = {}
         for reason in ("stop", "length", "abort"):
@@ -70,9 +79,19 @@ class EngineMetrics:
         if stats.prefix_cache_queries:
             self.prefix_queries.labels(name).inc(stats.prefix_cache_queries)
             self.prefix_hits.labels(name).inc(stats.prefix_cache_hits)
+        self._observe_memory(engine.resident_memory)
         now = time.monotonic()
         for output in outputs:
             self._observe_output(output, now)
+
+    def _observe_memory(self, memory: ResidentMemory | None) -> None:
+        """The last RSS reading against the plan (memory/rss.py), where the engine keeps one."""
+        reading = memory.last if memory is not None else None
+        if reading is None:
+            return
+        self.rss.labels(self.model_name).set(reading.rss_bytes)
+        self.planned_rss.labels(self.model_name).set(reading.expected_bytes)
+        self.rss_over_plan.labels(self.model_name).set(reading.over_plan)
 
     def _observe_output(self, output: RequestOutput | PoolingRequestOutput, now: float) -> None:
         if isinstance(output, PoolingRequestOutput):

@@ -1,4 +1,5 @@
-"""`pagedserve watch`: one line per sample — load, R and D threads, RSS, the server's /health phase — and a verdict.
+"""`pagedserve watch`: one line per sample — load, R and D threads, RSS (against the server's memory plan), the
+server's /health phase — and a verdict.
 
 High load is not a fault; stuck I/O is. Load average counts runnable (R) and uninterruptible (D) threads
 together, so a server busy computing on 16 threads shows load 16+ while being perfectly healthy. Only
@@ -48,6 +49,15 @@ class Sample:
     tree: ThreadCounts | None = None  # its process tree; None without --pid or once it is gone
     tree_rss_bytes: int | None = None
     health: str = "-"  # "ready", "503 loading_weights 43%", "unreachable", "-" (not asked)
+    planned_rss_bytes: int | None = None  # what the server's plan expects resident now (/health "memory")
+
+
+@dataclass(frozen=True)
+class Health:
+    """What /health said: its phase in words, and the server's expected resident memory once it is serving."""
+
+    text: str
+    planned_rss_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -154,21 +164,29 @@ def describe_health(status_code: int, body: object) -> str:
     return f"{status_code} {phase}".strip()
 
 
-def fetch_health(client: httpx.Client, url: str) -> str:
+def planned_rss_bytes(body: object) -> int | None:
+    """The plan's expected resident memory from a /health body ({"memory": {"expected_bytes": ...}})."""
+    memory = body.get("memory") if isinstance(body, dict) else None
+    expected = memory.get("expected_bytes") if isinstance(memory, dict) else None
+    return expected if isinstance(expected, int) and not isinstance(expected, bool) else None
+
+
+def fetch_health(client: httpx.Client, url: str) -> Health:
     import httpx
 
     try:
         response = client.get(url.rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_S)
     except httpx.HTTPError:
-        return "unreachable"  # port not open yet, or the server is gone: the samples above tell which
+        return Health("unreachable")  # port not open yet, or the server is gone: the samples above tell which
     try:
         body = response.json()
     except ValueError:
         body = None
-    return describe_health(response.status_code, body)
+    return Health(describe_health(response.status_code, body), planned_rss_bytes(body))
 
 
-def take_sample(proc_root: str | Path, pid: int | None, health: str, now: float | None = None) -> Sample:
+def take_sample(proc_root: str | Path, pid: int | None, health: str, now: float | None = None,
+                planned_rss: int | None = None) -> Sample:
     tree = tree_rss = None
     pids = process_tree(proc_root, pid) if pid is not None else []
     if pids:
@@ -182,6 +200,7 @@ def take_sample(proc_root: str | Path, pid: int | None, health: str, now: float 
         tree=tree,
         tree_rss_bytes=tree_rss,
         health=health,
+        planned_rss_bytes=planned_rss,
     )
 
 
@@ -228,10 +247,18 @@ def format_sample(sample: Sample, verdict: Verdict) -> str:
         if sample.tree is None:
             parts.append(f"server(pid {sample.pid}): gone")
         else:
-            rss = (sample.tree_rss_bytes or 0) / (1 << 30)
-            parts.append(f"server R={sample.tree.running:<3} D={sample.tree.blocked:<3} rss={rss:.2f}GiB")
+            parts.append(f"server R={sample.tree.running:<3} D={sample.tree.blocked:<3} rss={format_rss(sample)}")
     parts += [f"health={sample.health}", verdict.state]
     return "  ".join(parts)
+
+
+def format_rss(sample: Sample) -> str:
+    """"0.95GiB", or against the plan: "0.95GiB/plan 1.10GiB (-14%)"."""
+    rss = sample.tree_rss_bytes or 0
+    text = f"{rss / (1 << 30):.2f}GiB"
+    if sample.planned_rss_bytes:
+        text += f"/plan {sample.planned_rss_bytes / (1 << 30):.2f}GiB ({rss / sample.planned_rss_bytes - 1:+.0%})"
+    return text
 
 
 def sample_to_json(sample: Sample, verdict: Verdict) -> str:
@@ -257,8 +284,9 @@ def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
         while args.count is None or len(samples) < args.count:
             if samples:
                 time.sleep(args.interval)
-            health = fetch_health(client, args.url) if args.url else "-"
-            samples = [*samples[-(STUCK_WINDOW * 4):], take_sample(proc_root, args.pid, health)]
+            health = fetch_health(client, args.url) if args.url else Health("-")
+            sample = take_sample(proc_root, args.pid, health.text, planned_rss=health.planned_rss_bytes)
+            samples = [*samples[-(STUCK_WINDOW * 4):], sample]
             verdict = classify(samples, num_cpus)
             line = sample_to_json(samples[-1], verdict) if args.json else format_sample(samples[-1], verdict)
             print(line, flush=True)
@@ -282,7 +310,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "watch", help="watch load, R/D threads, RSS and /health: tell busy from stuck",
         description="Print one line per sample: load average, threads running (R) and in uninterruptible I/O"
-        " wait (D) system-wide and for the server's process tree, its RSS, and its /health phase. STUCK only"
+        " wait (D) system-wide and for the server's process tree, its RSS against what the server's memory plan"
+        " expects resident, and its /health phase. STUCK only"
         f" when D-state threads are >= {STUCK_MIN_BLOCKED} and rising over {STUCK_WINDOW} samples; high load"
         " alone is BUSY, not a fault.",
     )

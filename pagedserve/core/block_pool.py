@@ -4,6 +4,8 @@ Invariants:
 - A block is in the free queue iff its ref_cnt == 0 (block 0 excepted: it is reserved as the null block).
 - A block with a block_hash is findable in `cached_blocks` until it is popped from the free queue for reuse
   (LRU eviction: the free queue is ordered oldest-freed first).
+- num_blocks_written counts the distinct blocks ever handed out: the KV pool is allocated lazily, so those are
+  the blocks whose pages are resident (memory/rss.py holds RSS to the plan with it).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self._written = bytearray(num_blocks)  # 1 for a block ever handed out
+        self.num_blocks_written = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,6 +72,9 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
+            if not self._written[block.block_id]:
+                self._written[block.block_id] = 1
+                self.num_blocks_written += 1
             new_blocks.append(block)
         return new_blocks
 

@@ -20,6 +20,7 @@ from pagedserve.exceptions import EngineDeadError, InvalidRequestError
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.plan import MemoryPlan
 from pagedserve.memory.probe import AvailableMemory
+from pagedserve.memory.rss import ResidentMemory, resident_memory_for
 from pagedserve.models.pooling_config import is_encoder
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
@@ -68,11 +69,14 @@ class LLMEngine:
         self._request_counter = 0
         self._failed: dict[str, str] = {}  # request id -> reason: failed requests the caller has not been told of
         self._is_probing = False
+        self.resident_memory: ResidentMemory | None = None  # RSS against the plan, from the first served step
         if warm_up:
             startup.enter("warming_up")
             self.warm_up()
         self.faults.rules = parse_fault_spec(config.fault_injection)
         log_memory_vs_plan(config.memory_plan, config.device.device)
+        self.resident_memory = resident_memory_for(config.memory_plan, config.device.device,
+                                                   self.scheduler.kv.pool.num_blocks_written)
         startup.enter("ready")
 
     @classmethod
@@ -292,6 +296,9 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._fail_parents(self.output_processor.take_failed())
         self.stats = self.scheduler.make_stats()
+        if self.resident_memory is not None:
+            self.resident_memory.after_step(sched_out.total_num_scheduled_tokens,
+                                            self.scheduler.kv.pool.num_blocks_written, not self.has_unfinished_requests())
         return outputs
 
     def take_failed(self) -> dict[str, str | BaseException]:

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import CpuKernels
-
 from pagedserve.memory.plan import ATTENTION_CHUNK_PAIRS  # query x key pairs per SDPA call: a 4 MiB bf16 mask
 
 

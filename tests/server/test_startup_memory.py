@@ -75,6 +75,23 @@ def assert_plan_predicts_rss(server: ServerProcess) -> None:
     assert abs(rss - planned) <= tolerance, (rss / MIB, planned / MIB)
 
 
+def assert_rss_held_to_the_plan(server: ServerProcess) -> None:
+    """After a few requests: /health and /metrics carry RSS against the plan's expected figure, within 10 %."""
+    for i in range(3):
+        body = {"prompt": f"memory {i} " * 40, "max_tokens": 8, "temperature": 0.0}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
+    memory = httpx.get(f"{server.url}/health").json()["memory"]
+    assert memory["kv_blocks_written"] > 0 and memory["rss_bytes"] > 0
+    assert memory["over_plan"] == pytest.approx(memory["rss_bytes"] / memory["expected_bytes"] - 1, abs=1e-3)
+    assert memory["over_plan"] <= 0.10, memory
+    metrics = httpx.get(f"{server.url}/metrics").text
+    rss = re.search(r'^pagedserve:resident_memory_bytes\{model_name="[^"]+"\} (\S+)$', metrics, re.M)
+    planned = re.search(r'^pagedserve:planned_resident_memory_bytes\{model_name="[^"]+"\} (\S+)$', metrics, re.M)
+    assert rss and planned, metrics
+    assert float(rss.group(1)) > 0 and float(planned.group(1)) >= memory["expected_bytes"]
+    assert "above the plan" not in server.log()
+
+
 def test_tiny_model_health_phases_and_planned_rss(tiny_model_dir, tmp_path):
     server = start_server(tiny_model_dir("llama"), "--max-model-len", "512", log_dir=tmp_path)
     try:
@@ -97,6 +114,7 @@ def test_tiny_model_health_phases_and_planned_rss(tiny_model_dir, tmp_path):
         assert body["kv_cache"]["num_blocks"] == 256 * 512 // 16
         assert body["kv_cache"]["how"] in log
         assert_plan_predicts_rss(server)
+        assert_rss_held_to_the_plan(server)
     finally:
         assert server.stop() == 0, server.log()
 
@@ -141,3 +159,31 @@ def test_first_request_is_warm_and_its_latency_ratio_is_reported(smollm2_server,
     record_property("first_to_median_ratio", round(ratio, 3))
     print(f"first request {latencies[0] * 1000:.0f} ms, next five median {statistics.median(latencies[1:]) * 1000:.0f}"
           f" ms: ratio {ratio:.2f} (target <= 1.5, checked by `pagedserve bench startup`)")
+
+
+@pytest.mark.slow
+def test_smollm2_rss_after_100_long_prompts_is_held_to_the_plan(smollm2_server):
+    """100 distinct ~2k-token prompts (no shared prefix), 8 at a time: at the end, idle, RSS is within 10 % of
+    the planned steady figure plus the KV blocks actually written (the lazily allocated pool's resident part)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import random
+
+    rng = random.Random(19)
+
+    def complete(i: int) -> int:
+        prompt = [rng.randrange(100, 49000) for _ in range(2000)]
+        body = {"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+        return httpx.post(f"{smollm2_server.url}/v1/completions", json=body, timeout=600).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        assert set(pool.map(complete, range(100))) == {200}
+    health = httpx.get(f"{smollm2_server.url}/health").json()
+    memory, kv = health["memory"], health["kv_cache"]
+    _, steady = measured_vs_planned(smollm2_server)
+    written = memory["kv_blocks_written"] * kv["pool_bytes"] // kv["num_blocks"]
+    print(f"RSS {memory['rss_bytes'] / MIB:.0f} MiB, steady {steady / MIB:.0f} MiB + KV written {written / MIB:.0f}"
+          f" MiB ({memory['kv_blocks_written']} blocks)")
+    assert memory["kv_blocks_written"] >= 100 * 2000 // 16
+    assert memory["rss_bytes"] <= 1.10 * (steady + written), memory
+    assert "above the plan" not in smollm2_server.log()

@@ -92,6 +92,18 @@ def test_block_pool_refcount_and_lru_eviction():
         pool.get_new_blocks(1)
 
 
+def test_block_pool_counts_the_distinct_blocks_it_handed_out():
+    # What is resident of a lazily allocated KV pool: every block ever handed out, reused or not.
+    pool = BlockPool(5, enable_caching=False)
+    a, b = pool.get_new_blocks(2)
+    assert pool.num_blocks_written == 2
+    pool.free_blocks([a, b])
+    pool.get_new_blocks(2)  # the two never used come first
+    assert pool.num_blocks_written == 4
+    pool.get_new_blocks(2)  # a and b again: nothing new becomes resident
+    assert pool.num_blocks_written == 4
+
+
 def test_budget_and_max_num_seqs_respected():
     sched = make_scheduler(max_num_seqs=3, budget=10)
     for i in range(6):

@@ -139,13 +139,27 @@ def test_fetch_health_over_http_and_unreachable() -> None:
         return httpx.Response(503, json={"phase": "loading_weights", "progress": 0.5})
 
     with httpx.Client(transport=httpx.MockTransport(handler)) as client:
-        assert watch.fetch_health(client, "http://server:8000/") == "503 loading_weights 50%"
+        assert watch.fetch_health(client, "http://server:8000/") == watch.Health("503 loading_weights 50%")
+
+    def serving(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"status": "ready", "memory": {"rss_bytes": 3 << 29, "expected_bytes": 1 << 30}})
+
+    with httpx.Client(transport=httpx.MockTransport(serving)) as client:
+        assert watch.fetch_health(client, "http://server:8000") == watch.Health("ready", 1 << 30)
 
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
     with httpx.Client(transport=httpx.MockTransport(refuse)) as client:
-        assert watch.fetch_health(client, "http://server:8000") == "unreachable"
+        assert watch.fetch_health(client, "http://server:8000") == watch.Health("unreachable")
+
+
+def test_rss_is_shown_against_the_plan(tmp_path: Path) -> None:
+    root = make_proc(tmp_path / "proc", 0.5, {1: (0, "init", "S", 1000), 500: (1, "pagedserve", "S", 1 << 20)})
+    sample = watch.take_sample(root, 500, "ready", now=0.0, planned_rss=(1 << 30) + (1 << 28))
+    assert "rss=1.00GiB/plan 1.25GiB (-20%)" in watch.format_sample(sample, watch.Verdict("OK", ""))
+    assert "rss=1.00GiB  " in watch.format_sample(sample_from(root, 500, 0.0), watch.Verdict("OK", ""))
+    assert watch.planned_rss_bytes({"memory": {"expected_bytes": True}}) is None
 
 
 def test_watch_command_json_lines_and_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -60,6 +60,16 @@ class ServerState:
                            headers={"Retry-After": "1"})
         return self.serving
 
+    def memory_report(self) -> dict:
+        """/health's memory fields once ready: how the KV pool was sized, the last RSS reading against the plan."""
+        report = {}
+        if self.memory_plan is not None:
+            report["kv_cache"] = self.memory_plan.kv_cache_report()
+        memory = self.engine.engine.resident_memory if self.engine is not None else None
+        if memory is not None and memory.last is not None:
+            report["memory"] = memory.last.to_dict()
+        return report
+
     def serving_for(self, task: str, path: str, model: str | None) -> OpenAIServing:
         """The serving layer if this model does `task` (after the model-name check), else a 400 saying why."""
         serving = self.ready_serving()
@@ -120,8 +130,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         if state.engine is not None and state.engine.is_dead:
             return JSONResponse({"status": "error", "phase": "dead", "error": str(state.engine.error)}, 503)
         snap = state.startup.snapshot()
-        if state.memory_plan is not None:
-            snap["kv_cache"] = state.memory_plan.kv_cache_report()
+        snap.update(state.memory_report())
         return JSONResponse(snap, status_code=200 if snap["status"] == "ready" and state.serving else 503)
 
     @app.get("/metrics")

@@ -1,0 +1,120 @@
+"""Resident memory held to the plan while serving (#19 item 3): freed memory goes back to the OS, and RSS is
+measured against what the plan expects now.
+
+glibc keeps freed activation buffers: once a large buffer allocated with mmap is freed, its dynamic mmap
+threshold rises to that size (up to 32 MiB), so the next buffers of that size come from an arena and stay
+resident after free. malloc_trim(0) hands the arenas' free pages back (MADV_DONTNEED). The engine calls
+ResidentMemory.after_step() after every step: after a step of LARGE_STEP_TOKENS or more it trims, at once when
+the engine has nothing left to run and at most every TRIM_INTERVAL_S while it is busy (a trimmed heap pays
+page faults again on the next step). Tuning glibc instead (M_MMAP_THRESHOLD fixed low, MALLOC_ARENA_MAX) would
+make every large buffer of every step an mmap + page faults + munmap.
+
+What the plan expects now, with the pool allocated lazily (a block's pages become resident when first written,
+and stay):
+    expected = steady_bytes (weights + overhead + KV bookkeeping)
+             + KV blocks written so far x block_bytes
+             + activation_bytes (one step's peak: between trims the allocator may still hold it)
+A warning is logged when RSS exceeds it by more than RSS_TOLERANCE, once per excursion; /metrics and /health
+carry the last reading.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagedserve.memory.plan import MemoryPlan
+from pagedserve.memory.probe import process_rss_bytes
+
+logger = logging.getLogger(__name__)
+
+MIB = 1 << 20
+RSS_TOLERANCE = 0.10  # warn when RSS exceeds the expected figure by more than this
+LARGE_STEP_TOKENS = 256  # a step of at least this many tokens leaves activation buffers worth trimming
+TRIM_INTERVAL_S = 5.0  # while busy, trim at most this often
+MEASURE_INTERVAL_S = 1.0  # read VmRSS at most this often (and after each trim)
+
+
+def libc_malloc_trim() -> Callable[[], object] | None:
+    """glibc's malloc_trim(0) as a callable, or None where the C library has none (musl, macOS)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the C library already loaded (no find_library subprocess)
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+@dataclass(frozen=True)
+class RSSReading:
+    rss_bytes: int
+    expected_bytes: int
+    kv_blocks_written: int
+
+    @property
+    def over_plan(self) -> float:
+        """RSS relative to the expected figure: 0.10 means 10 % above it, negative below it."""
+        return self.rss_bytes / self.expected_bytes - 1
+
+    def to_dict(self) -> dict:
+        return {"rss_bytes": self.rss_bytes, "expected_bytes": self.expected_bytes,
+                "kv_blocks_written": self.kv_blocks_written, "over_plan": round(self.over_plan, 4)}
+
+
+class ResidentMemory:
+    """Trims the heap after large steps and keeps the last RSS reading against the plan (see the module docstring)."""
+
+    def __init__(self, plan: MemoryPlan, read_rss: Callable[[], int | None] = process_rss_bytes,
+                 trim: Callable[[], object] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.plan = plan
+        self.read_rss = read_rss
+        self.trim = trim
+        self.clock = clock
+        self.last: RSSReading | None = None
+        self.num_trims = 0
+        self._untrimmed = False  # a large step ran since the last trim
+        self._last_trim = self._last_measure = float("-inf")
+        self._warned = False
+
+    def expected_bytes(self, kv_blocks_written: int) -> int:
+        plan = self.plan
+        return plan.steady_bytes + kv_blocks_written * plan.block_bytes + plan.activation_bytes
+
+    def after_step(self, num_tokens: int, kv_blocks_written: int, is_idle: bool) -> None:
+        now = self.clock()
+        self._untrimmed |= num_tokens >= LARGE_STEP_TOKENS
+        trimmed = self._untrimmed and self.trim is not None and (is_idle or now - self._last_trim >= TRIM_INTERVAL_S)
+        if trimmed:
+            self.trim()
+            self.num_trims += 1
+            self._untrimmed, self._last_trim = False, now
+        if trimmed or now - self._last_measure >= MEASURE_INTERVAL_S:
+            self._last_measure = now
+            self.measure(kv_blocks_written)
+
+    def measure(self, kv_blocks_written: int) -> RSSReading | None:
+        rss = self.read_rss()
+        if rss is None:
+            return None
+        self.last = RSSReading(rss, self.expected_bytes(kv_blocks_written), kv_blocks_written)
+        over = self.last.over_plan > RSS_TOLERANCE
+        if over and not self._warned:
+            logger.warning("memory: RSS %.0f MiB is %.0f %% above the plan's %.0f MiB (steady %.0f MiB + %d KV"
+                           " blocks written + one step's activations %.0f MiB)", rss / MIB,
+                           100 * self.last.over_plan, self.last.expected_bytes / MIB, self.plan.steady_bytes / MIB,
+                           kv_blocks_written, self.plan.activation_bytes / MIB)
+        self._warned = over
+        return self.last
+
+
+def resident_memory_for(plan: MemoryPlan | None, device: str, kv_blocks_written: int) -> ResidentMemory | None:
+    """The engine's ResidentMemory, with a first reading: on a CPU with a memory plan (a GPU's host memory is not
+    what the plan counts)."""
+    if plan is None or device != "cpu":
+        return None
+    memory = ResidentMemory(plan, trim=libc_malloc_trim())
+    memory.measure(kv_blocks_written)
+    return memory

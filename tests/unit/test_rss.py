@@ -1,0 +1,95 @@
+"""Resident memory against the plan (memory/rss.py) with a fake RSS source, clock and trim."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagedserve.memory import rss
+from pagedserve.memory.plan import MIB, ModelShape, PlanRequest, make_plan
+from pagedserve.memory.probe import AvailableMemory
+
+SHAPE = ModelShape(num_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_kv_heads=2,
+                   head_dim=16, vocab_size=100, weight_bytes=100 * MIB)
+PLAN = make_plan(SHAPE, PlanRequest(dtype_bytes=4, kv_dtype_bytes=4, max_model_len=64, max_num_seqs=4,
+                                    max_num_batched_tokens=32, block_size=16, runtime_overhead_bytes=50 * MIB,
+                                    available=AvailableMemory(8 << 30, "MemAvailable", "test")))
+
+
+class Fake:
+    def __init__(self, rss_bytes: int) -> None:
+        self.rss_bytes, self.now, self.trims, self.reads = rss_bytes, 0.0, 0, 0
+
+    def read(self) -> int:
+        self.reads += 1
+        return self.rss_bytes
+
+    def trim(self) -> None:
+        self.trims += 1
+
+    def memory(self) -> rss.ResidentMemory:
+        return rss.ResidentMemory(PLAN, read_rss=self.read, trim=self.trim, clock=lambda: self.now)
+
+
+def test_expected_figure_is_steady_plus_written_blocks_plus_one_step() -> None:
+    memory = Fake(0).memory()
+    assert memory.expected_bytes(10) == PLAN.steady_bytes + 10 * PLAN.block_bytes + PLAN.activation_bytes
+    assert PLAN.block_bytes == 16 * 2 * 2 * 2 * 16 * 4
+
+
+def test_trims_after_large_steps_at_once_when_idle_and_at_most_every_interval_when_busy() -> None:
+    fake = Fake(PLAN.steady_bytes)
+    memory = fake.memory()
+    memory.after_step(num_tokens=8, kv_blocks_written=1, is_idle=True)
+    assert fake.trims == 0  # small steps leave nothing worth trimming
+    memory.after_step(num_tokens=rss.LARGE_STEP_TOKENS, kv_blocks_written=1, is_idle=False)
+    assert fake.trims == 1
+    fake.now += 1.0
+    memory.after_step(num_tokens=1000, kv_blocks_written=1, is_idle=False)
+    assert fake.trims == 1  # busy: not again within TRIM_INTERVAL_S
+    memory.after_step(num_tokens=1, kv_blocks_written=1, is_idle=True)
+    assert fake.trims == 2  # idle after a large step: at once
+    memory.after_step(num_tokens=1, kv_blocks_written=1, is_idle=True)
+    assert fake.trims == 2  # nothing large since
+    fake.now += rss.TRIM_INTERVAL_S
+    memory.after_step(num_tokens=300, kv_blocks_written=1, is_idle=False)
+    assert fake.trims == 3
+
+
+def test_rss_is_read_at_most_every_interval_and_after_trims() -> None:
+    fake = Fake(PLAN.steady_bytes)
+    memory = fake.memory()
+    for _ in range(5):
+        memory.after_step(num_tokens=1, kv_blocks_written=2, is_idle=False)
+    assert fake.reads == 1 and memory.last.kv_blocks_written == 2
+    fake.now += rss.MEASURE_INTERVAL_S
+    memory.after_step(num_tokens=1, kv_blocks_written=3, is_idle=False)
+    assert fake.reads == 2 and memory.last.expected_bytes == memory.expected_bytes(3)
+    memory.after_step(num_tokens=500, kv_blocks_written=3, is_idle=True)
+    assert fake.reads == 3  # measured right after the trim
+
+
+def test_warns_once_per_excursion_above_the_tolerance(caplog: pytest.LogCaptureFixture) -> None:
+    expected = PLAN.steady_bytes + PLAN.activation_bytes  # no KV block written
+    fake = Fake(int(expected * 1.05))
+    memory = fake.memory()
+    caplog.set_level(logging.WARNING, logger="pagedserve.memory.rss")
+    assert memory.measure(0).over_plan == pytest.approx(0.05, abs=1e-6)
+    assert not caplog.records  # within 10 %
+    fake.rss_bytes = int(expected * 1.2)
+    memory.measure(0)
+    memory.measure(0)
+    assert len(caplog.records) == 1 and "20 % above the plan's" in caplog.records[0].getMessage()
+    fake.rss_bytes = expected
+    memory.measure(0)
+    fake.rss_bytes = int(expected * 1.3)
+    memory.measure(0)
+    assert len(caplog.records) == 2
+    assert memory.last.to_dict()["over_plan"] == pytest.approx(0.3, abs=1e-3)
+
+
+def test_glibc_trim_is_found_and_runs() -> None:
+    trim = rss.libc_malloc_trim()
+    assert trim is not None  # glibc (the dev box, the CI images); musl would give None
+    assert trim() in (0, 1)
