@@ -61,6 +61,15 @@ class _PoolingState:
     renormalize: bool  # the model normalises, so a truncated vector is rescaled to unit length
 
 
+def _visible_tokens(core_out: EngineCoreOutput, params: SamplingParams) -> list[int]:
+    """The new tokens that become text: all but a stop token that ended the request (EOS, stop_token_ids), as
+    vLLM, so that its text (e.g. <|im_end|>) never shows even with skip_special_tokens=False."""
+    ended_on_token = core_out.finish_reason == "stop" and not isinstance(core_out.stop_reason, str)
+    if ended_on_token and core_out.new_token_ids and not params.include_stop_str_in_output:
+        return core_out.new_token_ids[:-1]
+    return core_out.new_token_ids
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}#{request_id}"
 
@@ -189,7 +198,7 @@ class OutputProcessor:
         if core_out.new_logprobs is not None and sample.logprobs is not None:
             sample.logprobs.append(self._to_logprobs_dict(core_out.new_logprobs))
             sample.cumulative_logprob += core_out.new_logprobs.logprob
-        stop = sample.detokenizer.update(core_out.new_token_ids)
+        stop = sample.detokenizer.update(_visible_tokens(core_out, state.params))
         if stop is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop
             return core_out.finish_reason is None

@@ -22,7 +22,7 @@ from typing import Any
 
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.structured.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
-from pagedserve.structured.schema import check_json_schema, for_xgrammar
+from pagedserve.structured.schema import check_json_schema
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def _compile_kind(compiler: Any, params: StructuredOutputsParams) -> Any:
     if params.disable_any_whitespace:
         whitespace = {"any_whitespace": False}
     if params.kind == "json":
-        return compiler.compile_json_schema(json.dumps(for_xgrammar(params.json), ensure_ascii=False), strict_mode=True, **whitespace)
+        return compiler.compile_grammar(json_schema_grammar(params.json, **whitespace))
     if params.kind == "json_object":
         return compiler.compile_json_schema(json.dumps({"type": "object"}), strict_mode=False, **whitespace)
     if params.kind == "regex":
@@ -116,6 +116,29 @@ def _compile_kind(compiler: Any, params: StructuredOutputsParams) -> Any:
     if params.kind == "choice":
         return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_string(c) for c in params.choice))
     return compiler.compile_grammar(params.grammar)
+
+
+# xgrammar writes a minLength/maxLength string as `"\"" rule_characters{lo, hi} "\""` with this class, which
+# admits raw control characters (not JSON) and takes any byte sequence its lenient UTF-8 decoder accepts (overlong
+# forms, surrogates: each decodes to several U+FFFD, breaking maxLength). Replaced by STRING_CHARACTER: every code
+# point JSON allows unescaped except '"' and '\\', as well-formed UTF-8 (the astral planes as a second alternative:
+# one class over all of it takes xgrammar seconds to compile). Such strings cannot hold '"' or '\\'.
+XGRAMMAR_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
+STRING_CHARACTER = "([ !#-\\[\\]-\ud7ff\ue000-\uffff] | [\U00010000-\U0010ffff])"
+
+
+def json_schema_grammar(schema: Any, **options: Any) -> Any:
+    """The xgrammar Grammar of a JSON schema (strict: objects take only listed properties), with length-bounded
+    strings made well-formed (see XGRAMMAR_BOUNDED_CHARACTER)."""
+    import json
+
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True, **options)
+    ebnf = str(grammar)
+    if XGRAMMAR_BOUNDED_CHARACTER not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(XGRAMMAR_BOUNDED_CHARACTER, STRING_CHARACTER))
 
 
 def _ebnf_string(text: str) -> str:

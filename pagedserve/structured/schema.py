@@ -94,31 +94,3 @@ def _check_values(schema: dict, path: str, param: str) -> None:
         raise _unsupported(param, path, "'unevaluatedProperties' other than false")
     if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
         raise _unsupported(param, path, "'minLength'/'maxLength' together with 'pattern' or 'format'")
-
-
-# One character of a length-bounded string: any code point JSON allows unescaped except '"' and '\\', listed as
-# ranges so that xgrammar matches well-formed UTF-8 only ('.' also takes overlong and surrogate byte sequences,
-# which decode to several U+FFFD and break maxLength). Such strings cannot hold '"' or '\\'.
-STRING_CHARACTER = "[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]"
-
-
-def for_xgrammar(schema: Any) -> Any:
-    """The schema as given to xgrammar: a string bounded only by minLength/maxLength becomes the equivalent
-    `pattern` of STRING_CHARACTERs (xgrammar's length-bounded strings admit raw control characters, which is not
-    JSON). Called on schemas check_json_schema accepted."""
-    if isinstance(schema, list):
-        return [for_xgrammar(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    result = {}
-    for key, value in schema.items():
-        if key in SUBSCHEMAS and isinstance(value, dict) and SUBSCHEMAS[key] == "map":
-            result[key] = {name: for_xgrammar(sub) for name, sub in value.items()}
-        elif key in SUBSCHEMAS:
-            result[key] = for_xgrammar(value)
-        else:
-            result[key] = value
-    if ("minLength" in result or "maxLength" in result) and "pattern" not in result and "format" not in result:
-        low, high = result.pop("minLength", 0), result.pop("maxLength", "")
-        result["pattern"] = f"^{STRING_CHARACTER}{{{low},{high}}}$"
-    return result

@@ -9,7 +9,8 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
-from pagedserve.structured.schema import check_json_schema, for_xgrammar
+from pagedserve.structured.compiler import json_schema_grammar
+from pagedserve.structured.schema import check_json_schema
 
 ENFORCED = [  # (schema, an instance it must reject, one it must accept)
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{}', '{"a": 1}'),
@@ -37,7 +38,7 @@ ENFORCED = [  # (schema, an instance it must reject, one it must accept)
 @pytest.mark.parametrize("schema, bad, good", ENFORCED)
 def test_accepted_keywords_are_enforced_by_xgrammar(schema, bad, good):
     check_json_schema(schema, "response_format")  # accepted by us ...
-    grammar = xgr.Grammar.from_json_schema(json.dumps(for_xgrammar(schema)), any_whitespace=True)
+    grammar = json_schema_grammar(schema, any_whitespace=True)
     assert accepts(grammar, good)
     assert not accepts(grammar, bad)  # ... and enforced by the grammar
 
@@ -49,8 +50,7 @@ def test_bounded_strings_take_well_formed_utf8_only(tiny_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=512))
-    grammar = compiler.compile_json_schema(json.dumps(for_xgrammar({"type": "string", "maxLength": 3}),
-                                                      ensure_ascii=False))
+    grammar = compiler.compile_grammar(json_schema_grammar({"type": "string", "maxLength": 3}))
 
     def complete(data: bytes) -> bool:
         matcher = xgr.GrammarMatcher(grammar)

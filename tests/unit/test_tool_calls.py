@@ -79,6 +79,20 @@ def test_hermes_streamed_in_any_pieces_equals_read_whole(piece):
     assert [c["function"] for c in parts.calls] == [c["function"] for c in whole.calls]
 
 
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_hermes_takes_a_bare_call_of_a_known_tool(piece):
+    bare = '  {"name": "get_weather", "arguments": {"city": "Oslo"}}\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+    result = streamed(make_reader(choice("auto"), "hermes"), bare, piece)
+    assert result.content == "" and [c["function"]["name"] for c in result.calls] == ["get_weather", "add"]
+    fenced = '```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```'
+    result = streamed(make_reader(choice("auto"), "hermes"), fenced, piece)
+    assert result.content == "" and [c["function"]["name"] for c in result.calls] == ["add"]
+    for text in ['{"name": "unknown_tool", "arguments": {}}', '{"a": 1} and more', '{"name": "add"',
+                 '```python\nprint(1)\n```']:
+        result = streamed(make_reader(choice("auto"), "hermes"), text, piece)
+        assert result.calls == [] and result.content == text
+
+
 def test_hermes_keeps_text_that_is_not_a_call():
     text = "a < b and <tool_call>not json</tool_call> and <tool_call>{\"name\": \"add\""
     result = streamed(make_reader(choice("auto"), "hermes"), text, 2)

@@ -326,6 +326,8 @@ class OpenAIServing:
                 raise InvalidRequestError(f"tool_choice {tool_choice.mode!r} is enforced by a grammar, which cannot be "
                                           "combined with response_format or structured_outputs", param="tool_choice")
             params.structured_outputs = tool_choice.grammar
+        if tool_choice is not None and tool_choice.mode == "auto":
+            params.skip_special_tokens = False  # tool-call tags may be special tokens (Qwen's <tool_call>)
         self._validate_for_engine([prompt], [params])
         await self._compile_grammars([params])
         request_id = self._request_id("chatcmpl", req)

@@ -270,16 +270,27 @@ def _skip(text: str, position: int, chars: str) -> int:
 class HermesReader(ToolCallReader):
     """hermes: content, with calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in it.
     Content streams as it comes, holding back only what may be the start of a tag; each call is sent whole when
-    its closing tag arrives. A block that does not parse stays content."""
+    its closing tag arrives. A block that does not parse stays content. Small models often write the call's JSON
+    without the tags: an output that is nothing but `{"name": <one of the tools>, "arguments": {...}}` objects
+    (possibly in a ``` code fence) is those calls too (held until the end, as it may turn out to be text)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: list[str]) -> None:
         super().__init__()
+        self.tool_names = tool_names
         self.pending = ""
+        self.bare: bool | None = None  # None until the output's first character says whether it may be a bare call
 
     def feed(self, text: str) -> list[str | ToolCallDelta]:
         self.pending += text
+        if self.bare is None:
+            head = self.pending.lstrip()
+            if not head or (len(head) < 3 and "```".startswith(head)):
+                return []
+            self.bare = head.startswith(("{", "```"))
+        if self.bare:
+            return []
         events: list[str | ToolCallDelta] = []
         while True:
             start = self.pending.find(self.OPEN)
@@ -299,10 +310,32 @@ class HermesReader(ToolCallReader):
             events.append(self._parse_block(block))
 
     def finish(self) -> list[str | ToolCallDelta]:
-        events: list[str | ToolCallDelta] = []
+        if self.bare:
+            calls = self._bare_calls(self.pending)
+            if calls:
+                self.pending = ""
+                return calls
+        self.bare = False
+        events = self.feed("")
         self._emit(events, self.pending)  # an unclosed block (cut by max_tokens) stays text
         self.pending = ""
         return events
+
+    def _bare_calls(self, text: str) -> list[ToolCallDelta]:
+        """The calls, if `text` is nothing but JSON call objects of known tools (whitespace between them)."""
+        text = _strip_code_fence(text)
+        decoder, values, position = json.JSONDecoder(), [], _skip(text, 0, " \n\t\r")
+        try:
+            while position < len(text):
+                value, position = decoder.raw_decode(text, position)
+                values.append(value)
+                position = _skip(text, position, " \n\t\r")
+        except ValueError:
+            return []
+        if not all(isinstance(v, dict) and v.get("name") in self.tool_names and isinstance(v.get("arguments"), dict)
+                   for v in values):
+            return []
+        return [self._call(v["name"], v["arguments"]) for v in values]
 
     def _parse_block(self, block: str) -> str | ToolCallDelta:
         try:
@@ -317,6 +350,15 @@ class HermesReader(ToolCallReader):
     def _emit(events: list, text: str) -> None:
         if text:
             events.append(text)
+
+
+def _strip_code_fence(text: str) -> str:
+    """The inside of a markdown code fence (```json ... ```) that is the whole text, else the text."""
+    body = text.strip()
+    if not (body.startswith("```") and body.endswith("```") and len(body) > 6):
+        return text
+    first_line_end = body.find("\n")
+    return body[first_line_end + 1:-3] if first_line_end > 0 else text
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -334,7 +376,9 @@ def make_reader(choice: ToolChoice | None, parser: str | None) -> ToolCallReader
         return NamedFunctionReader(choice.function_name)
     if choice.mode == "required":
         return RequiredReader()
-    return {"hermes": HermesReader, "llama3_json": Llama3JsonReader}[parser]()
+    if parser == "hermes":
+        return HermesReader([t["function"]["name"] for t in choice.tools])
+    return Llama3JsonReader()
 
 
 def read_all(reader: ToolCallReader, text: str) -> ReadResult:
