@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from pagedserve.entrypoints.openai.tool_calls import (ReadResult, make_reader, read_all, resolve_tool_choice,
-                                                      template_messages)
+from pagedserve.entrypoints.openai.chat_format import template_messages
+from pagedserve.entrypoints.openai.tool_calls import ReadResult, make_reader, read_all, resolve_tool_choice
 from pagedserve.exceptions import InvalidRequestError
 
 TOOLS = [

@@ -21,8 +21,9 @@ from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_er
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest)
-from pagedserve.entrypoints.openai.tool_calls import (ToolCallDelta, ToolChoice, make_reader, read_all,
-                                                      resolve_tool_choice, template_messages)
+from pagedserve.entrypoints.openai.chat_format import (chat_delta, chat_finish_reason, chat_logprobs,
+                                                       template_message, template_messages)
+from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
 from pagedserve.structured.admission import compile_timeout_error
 from pagedserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -298,7 +299,7 @@ class OpenAIServing:
                           tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-        conversation = template_messages([_template_message(m) for m in messages])
+        conversation = template_messages([template_message(m) for m in messages])
         if tools:
             kwargs = {**(kwargs or {}), "tools": tools}
         try:
@@ -342,24 +343,13 @@ class OpenAIServing:
             if read.calls:
                 message.update(content=read.content or None, tool_calls=read.calls)
             choices.append({"index": index, "message": message,
-                            "logprobs": self._chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0) if req.logprobs else None,
-                            "finish_reason": _chat_finish_reason(choice.finish_reason, bool(read.calls)),
+                            "logprobs": chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0) if req.logprobs else None,
+                            "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls)),
                             "stop_reason": choice.stop_reason})
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
                              "model": self.served_model_names[0], "choices": choices,
                              "usage": _usage(len(prompt_ids), num_completion)})
-
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[LogprobsDict], num_top: int) -> dict:
-        def item(lp) -> dict:
-            token = lp.decoded_token or ""
-            return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
-
-        content = []
-        for token_id, step in zip(token_ids, logprobs):
-            top = sorted((lp for lp in step.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
-            content.append({**item(step[token_id]), "top_logprobs": [item(lp) for lp in top]})
-        return {"content": content}
 
     async def _chat_stream(self, request_id: str, req: ChatCompletionRequest, prompt: _Prompt,
                            streams: AsyncIterator[tuple[int, RequestOutput]], tool_choice: ToolChoice | None = None
@@ -383,11 +373,11 @@ class OpenAIServing:
                     continue
                 logprobs = None
                 if req.logprobs and completion.logprobs is not None:
-                    logprobs = self._chat_logprobs(completion.token_ids, completion.logprobs, req.top_logprobs or 0)
+                    logprobs = chat_logprobs(completion.token_ids, completion.logprobs, req.top_logprobs or 0)
                 finish_reason = completion.finish_reason
                 if finish_reason is not None:
-                    finish_reason = _chat_finish_reason(finish_reason, reader.num_calls > 0)
-                yield _chunk({**base, "choices": [{"index": completion.index, "delta": _chat_delta(events),
+                    finish_reason = chat_finish_reason(finish_reason, reader.num_calls > 0)
+                yield _chunk({**base, "choices": [{"index": completion.index, "delta": chat_delta(events),
                                                    "logprobs": logprobs, "finish_reason": finish_reason,
                                                    "stop_reason": completion.stop_reason}]})
         if req.stream_options and req.stream_options.include_usage:
@@ -414,44 +404,6 @@ class OpenAIServing:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
-def _template_message(message: ChatMessage) -> dict:
-    """A message as the chat template sees it: role, text content, and the tool fields it may carry."""
-    result = {"role": message.role, "content": _message_text(message)}
-    for key in ("tool_calls", "tool_call_id", "name"):
-        value = (message.model_extra or {}).get(key)
-        if value is not None:
-            result[key] = value
-    return result
-
-
-def _chat_finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
-    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
-
-
-def _chat_delta(events: list[str | ToolCallDelta]) -> dict:
-    """One chunk's delta from a reader's events: content text, tool-call pieces, or both."""
-    content = "".join(e for e in events if isinstance(e, str))
-    calls = [e.to_openai() for e in events if isinstance(e, ToolCallDelta)]
-    delta: dict[str, Any] = {}
-    if content or not calls:
-        delta["content"] = content
-    if calls:
-        delta["tool_calls"] = calls
-    return delta
-
-
-def _message_text(message: ChatMessage) -> str:
-    if message.content is None or isinstance(message.content, str):
-        return message.content or ""
-    parts = []
-    for part in message.content:
-        if part.get("type") != "text":
-            raise InvalidRequestError(f"content part type {part.get('type')!r} is not supported (text only)",
-                                      param="messages")
-        parts.append(part.get("text", ""))
-    return "".join(parts)
-
-
 def _usage(num_prompt: int, num_completion: int) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
             "total_tokens": num_prompt + num_completion}

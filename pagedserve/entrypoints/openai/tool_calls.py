@@ -115,29 +115,6 @@ def _parameters(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}}
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates expect them: an assistant's tool_calls with arguments as objects (the
-    API carries them as JSON strings; templates write them with `| tojson`)."""
-    result = []
-    for message in messages:
-        calls = message.get("tool_calls")
-        if calls:
-            message = {**message, "tool_calls": [_template_call(c) for c in calls]}
-        result.append(message)
-    return result
-
-
-def _template_call(call: dict) -> dict:
-    function = dict(call.get("function") or {})
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            function["arguments"] = json.loads(arguments)
-        except ValueError:
-            pass
-    return {**call, "function": function}
-
-
 # ---- reading calls out of the generated text ------------------------------------------------------
 @dataclass
 class ToolCallDelta:

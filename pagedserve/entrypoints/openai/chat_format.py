@@ -1,0 +1,85 @@
+"""Chat messages in and out: how an API message reaches the chat template, and how a reply's pieces (text,
+tool calls, logprobs, finish reason) are shaped for /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagedserve.entrypoints.openai.protocol import ChatMessage
+from pagedserve.entrypoints.openai.tool_calls import ToolCallDelta
+from pagedserve.exceptions import InvalidRequestError
+from pagedserve.outputs import LogprobsDict
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates expect them: an assistant's tool_calls with arguments as objects (the
+    API carries them as JSON strings; templates write them with `| tojson`)."""
+    result = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_template_call(c) for c in calls]}
+        result.append(message)
+    return result
+
+
+def _template_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass
+    return {**call, "function": function}
+
+
+def template_message(message: ChatMessage) -> dict:
+    """A message as the chat template sees it: role, text content, and the tool fields it may carry."""
+    result = {"role": message.role, "content": message_text(message)}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        value = (message.model_extra or {}).get(key)
+        if value is not None:
+            result[key] = value
+    return result
+
+
+def chat_finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
+
+
+def chat_delta(events: list[str | ToolCallDelta]) -> dict:
+    """One chunk's delta from a reader's events: content text, tool-call pieces, or both."""
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [e.to_openai() for e in events if isinstance(e, ToolCallDelta)]
+    delta: dict[str, Any] = {}
+    if content or not calls:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
+
+
+def message_text(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.get("type") != "text":
+            raise InvalidRequestError(f"content part type {part.get('type')!r} is not supported (text only)",
+                                      param="messages")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[LogprobsDict], num_top: int) -> dict:
+    def item(lp) -> dict:
+        token = lp.decoded_token or ""
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+    content = []
+    for token_id, step in zip(token_ids, logprobs):
+        top = sorted((lp for lp in step.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
+        content.append({**item(step[token_id]), "top_logprobs": [item(lp) for lp in top]})
+    return {"content": content}
