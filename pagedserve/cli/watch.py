@@ -160,7 +160,8 @@ def describe_health(status_code: int, body: object) -> str:
         percent = progress * 100 if progress <= 1 else progress
         phase = f"{phase} {percent:.0f}%"
     if status_code == 200:
-        return "ready"
+        pressure = body.get("memory_pressure")
+        return "ready memory_pressure" if isinstance(pressure, dict) and pressure.get("active") else "ready"
     return f"{status_code} {phase}".strip()
 
 

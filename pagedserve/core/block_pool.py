@@ -4,8 +4,9 @@ Invariants:
 - A block is in the free queue iff its ref_cnt == 0 (block 0 excepted: it is reserved as the null block).
 - A block with a block_hash is findable in `cached_blocks` until it is popped from the free queue for reuse
   (LRU eviction: the free queue is ordered oldest-freed first).
-- num_blocks_written counts the distinct blocks ever handed out: the KV pool is allocated lazily, so those are
-  the blocks whose pages are resident (memory/rss.py holds RSS to the plan with it).
+- num_blocks_written counts the distinct blocks handed out since their pages were last released: the KV pool
+  is allocated lazily, so those are the blocks whose pages are resident (memory/rss.py holds RSS to the plan
+  with it; release_free_blocks() gives free blocks' pages back under memory pressure).
 """
 
 from __future__ import annotations
@@ -50,12 +51,15 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
-        self._written = bytearray(num_blocks)  # 1 for a block ever handed out
-        self.num_blocks_written = 0
+        self._written: set[int] = set()  # ids of the blocks handed out since their pages were last released
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_blocks_written(self) -> int:
+        return len(self._written)
 
     @property
     def usage(self) -> float:
@@ -72,9 +76,7 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
-            if not self._written[block.block_id]:
-                self._written[block.block_id] = 1
-                self.num_blocks_written += 1
+            self._written.add(block.block_id)
             new_blocks.append(block)
         return new_blocks
 
@@ -114,6 +116,15 @@ class BlockPool:
                 if not self.enable_caching:
                     block.block_hash = None
                 self._free[block.block_id] = block
+
+    def release_free_blocks(self) -> list[int]:
+        """Every free block whose pages are resident: forget its cached hash, mark it unwritten and return its id
+        (the caller returns its pages to the OS, memory/pressure.py). Blocks in use are untouched."""
+        released = [block_id for block_id in self._written if self.blocks[block_id].ref_cnt == 0]
+        for block_id in released:
+            self._evict(self.blocks[block_id])
+        self._written.difference_update(released)
+        return released
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible while no block is in use."""

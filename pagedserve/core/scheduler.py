@@ -47,6 +47,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._step_preemptions = 0
         self._last_prefix_stats = (0, 0)
+        self.hold_waiting = False  # under memory pressure: only running requests are scheduled (memory/pressure.py)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -97,7 +98,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
-        if not out.preempted_request_ids:
+        if not out.preempted_request_ids and not self.hold_waiting:
             self._schedule_waiting(out, budget)
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []

@@ -64,6 +64,8 @@ class EngineArgs:
         "grammar still compiling gets a 400 (default 30).")
     fault_injection: str | None = _opt("Testing only: faults to raise inside the engine, as "
                                        "POINT:MATCH[:COUNT] rules (pagedserve/engine/faults.py).", hidden=True)
+    memory_pressure_meminfo: str | None = _opt("Testing only: the meminfo file the server's memory-pressure "
+                                               "monitor reads (a simulated MemAvailable).", hidden=True)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, include_model: bool = True) -> None:

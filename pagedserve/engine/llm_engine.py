@@ -20,6 +20,7 @@ from pagedserve.exceptions import EngineDeadError, InvalidRequestError
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.plan import MemoryPlan
 from pagedserve.memory.probe import AvailableMemory
+from pagedserve.memory.pressure import MemoryPressure, give_way
 from pagedserve.memory.rss import ResidentMemory, resident_memory_for
 from pagedserve.models.pooling_config import is_encoder
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
@@ -70,6 +71,7 @@ class LLMEngine:
         self._failed: dict[str, str] = {}  # request id -> reason: failed requests the caller has not been told of
         self._is_probing = False
         self.resident_memory: ResidentMemory | None = None  # RSS against the plan, from the first served step
+        self.memory_pressure: MemoryPressure | None = None  # set by the server: give way when the box is short
         if warm_up:
             startup.enter("warming_up")
             self.warm_up()
@@ -276,6 +278,8 @@ class LLMEngine:
         fault in the model step fails the step's requests (blocks freed) and a probe step decides whether the
         engine goes on (EngineDeadError if the probe fails too). take_failed() reports the failed requests."""
         self._admit_compiled_grammars()
+        if self.memory_pressure is not None:
+            give_way(self.memory_pressure, self.scheduler, self.runner.kv_caches)
         sched_out = self.scheduler.schedule()
         self._fail_children(self.scheduler.take_failed())
         try:

@@ -61,6 +61,11 @@ class EncoderRunner:
     def allocate_kv_cache(self) -> None:
         """Nothing to allocate: an encoder keeps no K/V between steps."""
 
+    @property
+    def kv_caches(self) -> list:
+        """No KV pool (so no pages for memory/pressure.py to release)."""
+        return []
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if sched.is_empty:

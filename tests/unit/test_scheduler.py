@@ -104,6 +104,37 @@ def test_block_pool_counts_the_distinct_blocks_it_handed_out():
     assert pool.num_blocks_written == 4
 
 
+def test_block_pool_releases_free_blocks_once_and_forgets_their_hashes():
+    from pagedserve.core.block_pool import hash_block_tokens
+
+    pool = BlockPool(6, enable_caching=True)
+    a, b, c = pool.get_new_blocks(3)
+    ha = hash_block_tokens(None, (1, 2))
+    pool.cache_full_block(a, ha)
+    pool.free_blocks([a, b])  # c stays in use
+    assert sorted(pool.release_free_blocks()) == [a.block_id, b.block_id]  # never-used blocks have no pages
+    assert pool.get_cached_block(ha) is None and c.ref_cnt == 1
+    assert pool.num_blocks_written == 1 and pool.num_free_blocks == 4
+    assert pool.release_free_blocks() == []  # already released
+
+
+def test_held_waiting_queue_lets_running_requests_finish():
+    # Under memory pressure the scheduler starts nothing new; what runs goes on; the held request runs later.
+    sched = make_scheduler()
+    sched.add_request(make_request("running", range(8), max_tokens=3))
+    sched.update_from_output(out := sched.schedule(), fake_runner(out))
+    sched.hold_waiting = True
+    sched.add_request(make_request("held", range(100, 108), max_tokens=3))
+    for _ in range(5):
+        out = sched.schedule()
+        assert "held" not in out.num_scheduled_tokens
+        sched.update_from_output(out, fake_runner(out))
+    assert [r.request_id for r in sched.waiting] == ["held"] and not sched.running
+    sched.hold_waiting = False
+    assert run_to_completion(sched)["held"] == [7, 7, 7]
+    assert_no_leaks(sched)
+
+
 def test_budget_and_max_num_seqs_respected():
     sched = make_scheduler(max_num_seqs=3, budget=10)
     for i in range(6):

@@ -131,6 +131,8 @@ def test_health_descriptions() -> None:
     )
     assert watch.describe_health(503, {"phase": "warming_up"}) == "503 warming_up"
     assert watch.describe_health(500, None) == "500"
+    assert watch.describe_health(200, {"status": "ready", "memory_pressure": {"active": True}}) == (
+        "ready memory_pressure")
 
 
 def test_fetch_health_over_http_and_unreachable() -> None:

@@ -28,6 +28,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
                                                     EmbeddingRequest, TokenizeRequest)
 from pagedserve.entrypoints.openai.serving import OpenAIServing
 from pagedserve.exceptions import InvalidRequestError
+from pagedserve.memory.pressure import RETRY_AFTER_S, MemoryPressure, memory_pressure_for
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -42,6 +43,7 @@ class ServerState:
     metrics: Any = None  # EngineMetrics once ready
     served_model_names: list[str] = field(default_factory=list)
     memory_plan: Any = None  # memory.plan.MemoryPlan the engine was sized by (None until ready)
+    memory_pressure: MemoryPressure | None = None  # set when ready on a CPU
     max_model_len: int = 0
     model_path: str = ""
     task: str = "generate"  # "embed": /v1/embeddings only; "generate": completions and chat only
@@ -68,12 +70,23 @@ class ServerState:
         memory = self.engine.engine.resident_memory if self.engine is not None else None
         if memory is not None and memory.last is not None:
             report["memory"] = memory.last.to_dict()
+        if self.memory_pressure is not None:
+            self.memory_pressure.check()
+            report["memory_pressure"] = self.memory_pressure.report()
         return report
+
+    def check_memory_pressure(self) -> None:
+        """A 503 with Retry-After for a new request while the box is short of memory (memory/pressure.py)."""
+        if self.memory_pressure is not None and self.memory_pressure.check():
+            raise APIError("the server is short of memory (memory_pressure) and admits no new requests until it "
+                           "recovers; retry later", 503, code="memory_pressure",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def serving_for(self, task: str, path: str, model: str | None) -> OpenAIServing:
         """The serving layer if this model does `task` (after the model-name check), else a 400 saying why."""
         serving = self.ready_serving()
         serving.check_model(model)
+        self.check_memory_pressure()
         if task == self.task:
             return serving
         if task == "embed":
@@ -194,6 +207,8 @@ def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | N
     state.metrics = metrics
     state.served_model_names = [name]
     state.memory_plan = config.memory_plan
+    state.memory_pressure = memory_pressure_for(config.device.device, config.memory_plan, args.memory_pressure_meminfo)
+    llm_engine.memory_pressure = state.memory_pressure
     state.max_model_len = config.model.max_model_len
     state.model_path = config.model.model
     state.task = config.model.task
