@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.structured.matcher import mask_logits
+from pagedserve.structured.matcher import apply_bitmask, fill_bitmask, is_allowed
 
 
 @dataclass
@@ -60,10 +60,13 @@ class Sampler:
         # logits: [B, V] float32
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
         logits = self._process(logits, batch)
+        lazy, bitmask = self._mask_grammars(logits, batch)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample(logits, batch)
+        if lazy:
+            token_ids = _enforce_lazy_grammars(logits, token_ids, bitmask, lazy)
         out = SamplerOutput(token_ids)
         if raw_logprobs is not None:
             _add_logprobs(out, raw_logprobs, batch.max_num_logprobs)
@@ -76,17 +79,30 @@ class Sampler:
             logits[row, ids] += values
         if batch.penalties is not None:
             _apply_penalties(logits, batch.penalties)
-        mask_logits(logits, batch.grammars)
         constrained = {row for row, _ in batch.grammars}
         for row, ids in batch.banned:
-            if row in constrained:  # min_tokens must not ban the only tokens the grammar allows (its end)
-                kept = logits[row].clone()
-                logits[row, ids] = float("-inf")
-                if bool((logits[row] == float("-inf")).all()):
-                    logits[row] = kept
-            else:
+            if row not in constrained:  # constrained rows: after their grammar mask (_mask_grammars)
                 logits[row, ids] = float("-inf")
         return logits
+
+    def _mask_grammars(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list, torch.Tensor | None]:
+        """Mask the constrained rows whose sample depends on the whole distribution; return the greedy ones
+        (their argmax is checked against the grammar after sampling, structured/matcher.py) and the bitmask."""
+        if not batch.grammars:
+            return [], None
+        bitmask = fill_bitmask(batch.grammars, logits.shape[0], logits.shape[1])
+        greedy = (batch.temperature < 1e-5).tolist()
+        banned = dict(batch.banned)
+        lazy = [(row, g) for row, g in batch.grammars if greedy[row] and row not in banned]
+        eager = [(row, g) for row, g in batch.grammars if not greedy[row] or row in banned]
+        apply_bitmask(logits, bitmask, eager)
+        for row, _ in eager:
+            if row in banned:  # min_tokens must not ban the only tokens the grammar allows (its end)
+                kept = logits[row].clone()
+                logits[row, banned[row]] = float("-inf")
+                if bool((logits[row] == float("-inf")).all()):
+                    logits[row] = kept
+        return lazy, bitmask
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_ids = logits.argmax(dim=-1)
@@ -105,6 +121,20 @@ class Sampler:
             q[row].exponential_(generator=generator)
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def _enforce_lazy_grammars(logits: torch.Tensor, token_ids: torch.Tensor, bitmask: torch.Tensor,
+                           lazy: list) -> torch.Tensor:
+    """Greedy constrained rows whose argmax the grammar forbids: mask them and take the masked argmax."""
+    ids = token_ids.tolist()
+    bad = [(row, grammar) for row, grammar in lazy if not is_allowed(bitmask, row, grammar, ids[row])]
+    if not bad:
+        return token_ids
+    apply_bitmask(logits, bitmask, bad)
+    rows = torch.tensor([row for row, _ in bad], device=logits.device)
+    token_ids = token_ids.clone()
+    token_ids[rows] = logits[rows].argmax(dim=-1)
+    return token_ids
 
 
 def _apply_penalties(logits: torch.Tensor, p: Penalties) -> None:

@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from pagedserve.exceptions import InvalidRequestError
+from pagedserve.structured.matcher import CompiledGrammar
 from pagedserve.structured.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
 from pagedserve.structured.schema import check_json_schema
 
@@ -42,19 +43,24 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._xgr_compiler: Any = None
+        self._utf8: Any = None  # structured.utf8.Utf8Guard for this tokenizer, built with the compiler
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         """A Future of the compiled grammar (done at once when cached). Raises InvalidRequestError for a
         schema that is invalid or uses a feature nothing enforces; the Future raises it for anything the
         compiler itself rejects (a regex or grammar that does not parse)."""
-        if params.kind == "json":
-            check_json_schema(params.json, params.param)
         if self.disable_any_whitespace and not params.disable_any_whitespace:
             params = replace(params, disable_any_whitespace=True)
         with self._lock:
             future = self._cache.get(params.key)
             if future is not None:
                 self._cache.move_to_end(params.key)
+                return future
+        if params.kind == "json":
+            check_json_schema(params.json, params.param)  # only schemas that pass are cached
+        with self._lock:
+            future = self._cache.get(params.key)
+            if future is not None:
                 return future
             future = self._executor.submit(self._compile, params)
             self._cache[params.key] = future
@@ -75,13 +81,16 @@ class GrammarCompiler:
             start = time.perf_counter()
             import xgrammar as xgr
 
+            from pagedserve.structured.utf8 import Utf8Guard
+
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            self._utf8 = Utf8Guard(info.decoded_vocab, self.vocab_size)
             self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1)
             logger.info("structured outputs: xgrammar loaded and this tokenizer's vocabulary scanned in %.2f s",
                         time.perf_counter() - start)
         return self._xgr_compiler
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         compiler = self._compiler()
         start = time.perf_counter()
         try:
@@ -94,7 +103,7 @@ class GrammarCompiler:
         if self.on_compiled is not None:
             self.on_compiled(seconds)
         logger.debug("compiled a %s grammar in %.3f s", params.kind, seconds)
-        return compiled
+        return CompiledGrammar(compiled, self._utf8)
 
 
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",
@@ -119,12 +128,11 @@ def _compile_kind(compiler: Any, params: StructuredOutputsParams) -> Any:
 
 
 # xgrammar writes a minLength/maxLength string as `"\"" rule_characters{lo, hi} "\""` with this class, which
-# admits raw control characters (not JSON) and takes any byte sequence its lenient UTF-8 decoder accepts (overlong
-# forms, surrogates: each decodes to several U+FFFD, breaking maxLength). Replaced by STRING_CHARACTER: every code
-# point JSON allows unescaped except '"' and '\\', as well-formed UTF-8 (the astral planes as a second alternative:
-# one class over all of it takes xgrammar seconds to compile). Such strings cannot hold '"' or '\\'.
+# admits raw control characters: not JSON. Replaced by STRING_CHARACTER, any character but those, '"' and '\\'
+# (such strings cannot hold '"' or '\\'). Classes of positive ranges would also refuse ill-formed UTF-8, but take
+# seconds to compile or ~100 ms per bitmask; structured/utf8.py's guard does that for every constrained row.
 XGRAMMAR_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
-STRING_CHARACTER = "([ !#-\\[\\]-\ud7ff\ue000-\uffff] | [\U00010000-\U0010ffff])"
+STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
 
 
 def json_schema_grammar(schema: Any, **options: Any) -> Any:

@@ -1,29 +1,49 @@
-"""Per-request grammar state and the one masking call per step.
+"""Per-request grammar state and the masking of a step's logits.
 
-Each constrained request owns a RequestGrammar (an xgrammar GrammarMatcher over its compiled grammar). Every
-step the runner fills one bitmask row per constrained row of the batch and applies them all to the logits in
-one call (`mask_logits`) before any sampling, so greedy, random, seeded, penalised and biased rows all obey
-the grammar; unconstrained rows are not touched. After sampling the matcher advances by the chosen token.
+Each constrained request owns a RequestGrammar (an xgrammar GrammarMatcher over its compiled grammar, and its
+UTF-8 state, see utf8.py). Every step the sampler fills one bitmask row per constrained row of the batch
+(`fill_bitmask`) and masks the logits of those rows with it (`apply_bitmask`) before sampling, so random,
+seeded, penalised and biased rows all obey the grammar; unconstrained rows are not touched. A greedy row needs
+its mask only if its argmax is a token the grammar forbids (`is_allowed`): the sampler checks that first and
+masks only such rows, which saves touching the whole vocabulary of most rows (the argmax of the masked logits
+is the same token whenever the unmasked argmax is allowed). After sampling the matcher advances by the token.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pagedserve.structured.utf8 import ERROR, START, Utf8Guard
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """What the compiler hands a constrained request: xgrammar's compiled grammar and its tokenizer's guard."""
+
+    xgrammar: Any  # xgrammar.CompiledGrammar
+    utf8: Utf8Guard
+
 
 class RequestGrammar:
-    def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
+    def __init__(self, compiled: CompiledGrammar, stop_token_ids: list[int]) -> None:
         import xgrammar as xgr
 
         # The grammar ends on one of the request's stop tokens (EOS, stop_token_ids): the output then ends as
         # an unconstrained one would, and the stop token is what the scheduler finishes it on.
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(dict.fromkeys(stop_token_ids)) or None)
+        self.matcher = xgr.GrammarMatcher(compiled.xgrammar,
+                                          override_stop_tokens=list(dict.fromkeys(stop_token_ids)) or None)
+        self.utf8 = compiled.utf8
+        self.utf8_state = START
 
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False if the grammar does not allow it (it then stays as it was)."""
-        return bool(self.matcher.accept_token(token_id))
+        if not self.matcher.accept_token(token_id):
+            return False
+        self.utf8_state = self.utf8.advance(self.utf8_state, token_id)
+        return True
 
     @property
     def is_terminated(self) -> bool:
@@ -34,13 +54,30 @@ class RequestGrammar:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def mask_logits(logits: torch.Tensor, rows: list[tuple[int, RequestGrammar]]) -> None:
-    """Set the logits of every token a row's grammar forbids to -inf, in place (only rows listed)."""
+def fill_bitmask(rows: list[tuple[int, RequestGrammar]], num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[num_rows, ceil(V / 32)] int32: bit t of row r set when row r's grammar allows token t (all set for rows
+    not listed)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)
+    for row, grammar in rows:
+        grammar.fill(bitmask, row)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[tuple[int, RequestGrammar]]) -> None:
+    """Set, in place, the logits of every token a listed row's grammar forbids, or that would make its text
+    ill-formed UTF-8, to -inf."""
     if not rows:
         return
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    for row, grammar in rows:
-        grammar.fill(bitmask, row)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=[row for row, _ in rows])
+    guard = rows[0][1].utf8  # one tokenizer per engine, so one guard
+    guard.mask(logits, [row for row, _ in rows], [grammar.utf8_state for _, grammar in rows])
+
+
+def is_allowed(bitmask: torch.Tensor, row: int, grammar: RequestGrammar, token_id: int) -> bool:
+    """The row's grammar (and the UTF-8 guard) allow `token_id` next."""
+    word = int(bitmask[row, token_id >> 5])
+    return bool((word >> (token_id & 31)) & 1) and grammar.utf8.end_state[grammar.utf8_state, token_id] != ERROR

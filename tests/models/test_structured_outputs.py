@@ -43,9 +43,7 @@ def test_accepted_keywords_are_enforced_by_xgrammar(schema, bad, good):
     assert not accepts(grammar, bad)  # ... and enforced by the grammar
 
 
-def test_bounded_strings_take_well_formed_utf8_only(tiny_model_dir):
-    """maxLength counts characters: byte sequences that are not UTF-8 (overlong, surrogates) would decode to
-    several U+FFFD each, so the grammar must refuse them; real characters of every length are fine."""
+def test_bounded_strings_refuse_control_characters_and_quotes(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
@@ -58,8 +56,44 @@ def test_bounded_strings_take_well_formed_utf8_only(tiny_model_dir):
 
     for good in ['"abc"', '"é中😀"', '""', '"a b"']:
         assert complete(good.encode()), good
-    for bad in [b'"\xf0\x8a\xac\xb0"', b'"\xed\xa0\x80"', b'"\xc0\xaf"', b'"a\x01"', b'"a"b"', b'"abcd"']:
+    for bad in [b'"a\x01"', b'"a\tb"', b'"a"b"', b'"abcd"']:
         assert not complete(bad), bad
+
+
+def _well_formed_after(data: bytes) -> bool:
+    """Some continuation makes `data` well-formed UTF-8 (Python's strict decoder as the reference)."""
+    import itertools
+
+    for n in range(4):
+        for tail in itertools.product([0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF], repeat=n):
+            try:
+                (data + bytes(tail)).decode("utf-8")
+                return True
+            except UnicodeDecodeError:
+                pass
+    return False
+
+
+def test_utf8_guard_allows_exactly_the_well_formed_continuations():
+    """xgrammar takes overlong forms and surrogates after E0/ED/F0/F4 (each decodes to several U+FFFD): the
+    guard must forbid exactly the tokens that leave no well-formed continuation, from every state."""
+    import random
+
+    from pagedserve.structured.utf8 import ERROR, START, Utf8Guard
+
+    rng = random.Random(0)
+    tokens = [bytes([b]) for b in range(256)] + ["é".encode(), "😀".encode(), "中文".encode(), b"abc"]
+    tokens += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 6))) for _ in range(2000)]
+    guard = Utf8Guard(tokens, len(tokens) + 3)  # ids past the list write nothing
+    for prefix in [b"", b"\xe0", b"\xed", b"\xf0", b"\xf4", b"\xc3", b"\xe1\x80", b"\xf0\x9f", b"\xf0\x9f\x98"]:
+        state = START
+        for byte in prefix:
+            state = guard.advance(state, byte)  # tokens 0-255 are the single bytes
+        assert state != ERROR
+        for index, token in enumerate(tokens):
+            assert (guard.end_state[state, index] != ERROR) == _well_formed_after(prefix + token), (prefix, token)
+        assert guard.end_state[state, len(tokens)] == state
+    assert guard.end_state[START, 0xF0] != ERROR and guard.end_state[guard.advance(START, 0xF0), 0x8A] == ERROR
 
 
 @pytest.mark.parametrize("schema, bad", [
