@@ -4,6 +4,7 @@ refused ones are those it ignores), constrained requests through LLM.generate, m
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import xgrammar as xgr
@@ -149,7 +150,6 @@ def test_regex_choice_grammar_and_json_object(llm):
     outputs = llm.generate(["x"] * 4, [constrained(s, seed=3, max_tokens=40, temperature=0.0 if s.json_object else 1.0)
                                        for s in specs])
     texts = [o.outputs[0].text for o in outputs]
-    import re
 
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", texts[0])
     assert texts[1] in ("yes", "no")
@@ -225,3 +225,28 @@ def test_a_request_waits_for_its_grammar_without_kv_blocks(llm):
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
     assert finished["waiting"].outputs[0].text.startswith("slow")
+
+
+def test_compile_time_limit_and_abort_while_waiting(tiny_model_dir):
+    """A grammar still compiling after compile_timeout_s fails its request with a 400-type error; a request
+    aborted while its grammar compiles leaves nothing behind; the engine serves the others throughout."""
+    import threading
+
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, dtype="float32",
+              structured_outputs_config='{"backend": "xgrammar", "compile_timeout_s": 0.3}')
+    engine = llm.engine
+    gate = threading.Event()
+    engine.grammar_compiler._executor.submit(gate.wait)  # the worker is stuck: nothing compiles
+    try:
+        with pytest.raises(InvalidRequestError, match="took longer than 0.3 s"):
+            llm.generate("x", constrained(StructuredOutputsParams(regex="[a-c]{4}")))
+        engine.add_request("aborted", "x", constrained(StructuredOutputsParams(regex="[d-f]{4}")))
+        assert len(engine.grammar_admission) == 1
+        engine.abort_request(["aborted"])
+        assert len(engine.grammar_admission) == 0 and not engine.has_unfinished_requests()
+        assert llm.generate("y", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
+    finally:
+        gate.set()
+    assert engine.take_failed() == {}
+    assert re.fullmatch("[d-f]{4}", llm.generate("x", constrained(StructuredOutputsParams(regex="[d-f]{4}")))[0]
+                        .outputs[0].text)
