@@ -250,3 +250,24 @@ def test_compile_time_limit_and_abort_while_waiting(tiny_model_dir):
     assert engine.take_failed() == {}
     assert re.fullmatch("[d-f]{4}", llm.generate("x", constrained(StructuredOutputsParams(regex="[d-f]{4}")))[0]
                         .outputs[0].text)
+
+
+def test_offline_chat_passes_tools_and_tool_calls_to_the_template(llm):
+    """LLM.chat(tools=...) as vLLM's; an assistant's tool-call arguments reach the template as an object."""
+    tokenizer = llm.get_tokenizer()
+    original = tokenizer.chat_template
+    tokenizer.chat_template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                               "{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}"
+                               "{{ m.content or '' }}{% endfor %}")
+    try:
+        conversation = [{"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": None, "tool_calls": [
+                            {"id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}]
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        ids = llm.apply_chat_template(conversation, chat_template_kwargs={"tools": tools})
+        assert tokenizer.decode(ids) == "[get_weather]hiOslo"
+        output = llm.chat(conversation, SamplingParams(max_tokens=2, ignore_eos=True), tools=tools)[0]
+        assert output.prompt_token_ids == ids
+    finally:
+        tokenizer.chat_template = original
