@@ -3,13 +3,14 @@
 One GrammarCompiler per engine (one tokenizer). `submit` checks what it can at once (a schema feature the
 grammar cannot enforce, an invalid schema: InvalidRequestError) and returns a Future of the compiled grammar;
 compiling runs on one worker thread, so the engine keeps stepping other requests meanwhile. Futures are
-cached by the grammar's canonical spec, so a repeated schema costs nothing after its first use. xgrammar
-(and its ~0.2 s import, ~0.1-1 s tokenizer scan) is loaded on the worker at the first constrained request:
-servers that never see one never pay for it.
+cached by the grammar's canonical spec, so a repeated schema costs nothing after its first use. xgrammar (its
+import, its scan of the vocabulary and the UTF-8 guard's table: ~1.6 s for a 152k vocabulary on 2 AVX2 cores)
+is loaded on the worker at the first constrained request: servers that never see one never pay for it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -111,8 +112,6 @@ _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "r
 
 
 def _compile_kind(compiler: Any, params: StructuredOutputsParams) -> Any:
-    import json
-
     whitespace = {"any_whitespace": not params.disable_any_whitespace, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
     if params.disable_any_whitespace:
         whitespace = {"any_whitespace": False}
@@ -137,9 +136,7 @@ STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
 
 def json_schema_grammar(schema: Any, **options: Any) -> Any:
     """The xgrammar Grammar of a JSON schema (strict: objects take only listed properties), with length-bounded
-    strings made well-formed (see XGRAMMAR_BOUNDED_CHARACTER)."""
-    import json
-
+    strings made JSON (see XGRAMMAR_BOUNDED_CHARACTER)."""
     import xgrammar as xgr
 
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True, **options)
@@ -151,6 +148,4 @@ def json_schema_grammar(schema: Any, **options: Any) -> Any:
 
 def _ebnf_string(text: str) -> str:
     """A GBNF string literal for `text` (JSON escapes are GBNF's)."""
-    import json
-
     return json.dumps(text, ensure_ascii=False)
