@@ -78,3 +78,12 @@ def start_server(model: str, *flags: str, log_dir: Path, env: dict | None = None
         time.sleep(0.05)
     server.stop()
     raise RuntimeError(f"server not ready after {ready_timeout} s:\n{server.log()}")
+
+
+def module_server(model: str, *flags: str, tmp_path_factory, **kwargs):
+    """For a module-scoped fixture: `yield from module_server(...)` starts a server, yields it, and at the end
+    checks it stopped cleanly (exit 0) and never handled a client's error as a crash."""
+    server = start_server(model, *flags, log_dir=tmp_path_factory.mktemp("logs"), **kwargs)
+    yield server
+    assert server.stop() == 0, server.log()
+    assert "Exception in ASGI application" not in server.log(), "a client error was handled as a crash"

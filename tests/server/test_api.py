@@ -10,19 +10,15 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.server_utils import openai_client, start_server
+from tests.server.server_utils import module_server, openai_client
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    srv = start_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "256",
-                       "--dtype", "float32", "--max-waiting-requests", "64",
-                       log_dir=tmp_path_factory.mktemp("logs"))
-    yield srv
-    assert srv.stop() == 0, srv.log()
-    assert "Exception in ASGI application" not in srv.log(), "a client error was handled as a crash"
+    yield from module_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "256",
+                             "--dtype", "float32", "--max-waiting-requests", "64", tmp_path_factory=tmp_path_factory)
 
 
 @pytest.fixture

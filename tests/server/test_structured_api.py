@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.server.server_utils import openai_client, start_server
+from tests.server.server_utils import module_server, openai_client
 from tests.server.test_api import metric_value
 
 MODEL = "tiny"
@@ -22,11 +22,8 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    srv = start_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "1024",
-                       "--dtype", "float32", log_dir=tmp_path_factory.mktemp("logs"))
-    yield srv
-    assert srv.stop() == 0, srv.log()
-    assert "Exception in ASGI application" not in srv.log(), "a client error was handled as a crash"
+    yield from module_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "1024",
+                             "--dtype", "float32", tmp_path_factory=tmp_path_factory)
 
 
 @pytest.fixture

@@ -225,17 +225,23 @@ class Llama3JsonReader(BufferedReader):
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
             return [text] if text else []
-        decoder, calls, position = json.JSONDecoder(), [], 0
-        try:
-            while position < len(body):
-                value, position = decoder.raw_decode(body, position)
-                calls.append(value)
-                position = _skip(body, position, " \n\t;")
-        except ValueError:
-            return [text]
-        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        calls = _json_values(body, " \n\t;")
+        if calls is None or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
             return [text]
         return [self._call(c["name"], c.get("parameters", c.get("arguments", {}))) for c in calls]
+
+
+def _json_values(text: str, separators: str) -> list | None:
+    """The JSON values `text` consists of, with only `separators` characters around them; None if it is not."""
+    decoder, values, position = json.JSONDecoder(), [], _skip(text, 0, separators)
+    try:
+        while position < len(text):
+            value, position = decoder.raw_decode(text, position)
+            values.append(value)
+            position = _skip(text, position, separators)
+    except ValueError:
+        return None
+    return values
 
 
 def _skip(text: str, position: int, chars: str) -> int:
@@ -300,16 +306,8 @@ class HermesReader(ToolCallReader):
 
     def _bare_calls(self, text: str) -> list[ToolCallDelta]:
         """The calls, if `text` is nothing but JSON call objects of known tools (whitespace between them)."""
-        text = _strip_code_fence(text)
-        decoder, values, position = json.JSONDecoder(), [], _skip(text, 0, " \n\t\r")
-        try:
-            while position < len(text):
-                value, position = decoder.raw_decode(text, position)
-                values.append(value)
-                position = _skip(text, position, " \n\t\r")
-        except ValueError:
-            return []
-        if not all(isinstance(v, dict) and v.get("name") in self.tool_names and isinstance(v.get("arguments"), dict)
+        values = _json_values(_strip_code_fence(text), " \n\t\r")
+        if values is None or not all(isinstance(v, dict) and v.get("name") in self.tool_names and isinstance(v.get("arguments"), dict)
                    for v in values):
             return []
         return [self._call(v["name"], v["arguments"]) for v in values]
