@@ -96,7 +96,8 @@ class GrammarCompiler:
         start = time.perf_counter()
         try:
             compiled = _compile_kind(compiler, params)
-        except (RuntimeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the client's grammar: whatever xgrammar raises is a 400
+            logger.info("grammar rejected: %s: %s", type(exc).__name__, exc)
             message = _LOCATION_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
             raise InvalidRequestError(f"{params.param}: the {_KIND_NAMES[params.kind]} cannot be compiled: "
                                       f"{message}", param=params.param) from None

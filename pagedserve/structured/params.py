@@ -32,6 +32,11 @@ class StructuredOutputsParams:
     param: str = "structured_outputs"  # the request field it came from, for error messages
 
     def __post_init__(self) -> None:
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidRequestError(f"{self.param}: {name} must be true or false, got {value!r}",
+                                          param=self.param)
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             what = ", ".join(given) if given else "none"
@@ -47,7 +52,8 @@ class StructuredOutputsParams:
             raise InvalidRequestError(f"{self.param}: a JSON schema must be an object, got "
                                       f"{type(self.json).__name__}", param=self.param)
         if self.choice is not None:
-            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+            choice = self.choice
+            if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
                 raise InvalidRequestError(f"{self.param}: choice must be a non-empty list of strings",
                                           param=self.param)
         for name in ("regex", "grammar"):

@@ -40,6 +40,9 @@ def check_json_schema(schema: Any, param: str) -> None:
 def _check_metaschema(schema: Any, param: str) -> None:
     import jsonschema
 
+    dialect = schema.get("$schema") if isinstance(schema, dict) else None
+    if dialect is not None and not isinstance(dialect, str):
+        raise InvalidRequestError(f"{param}: $schema must be a URI string, got {dialect!r}", param=param)
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)

@@ -258,3 +258,54 @@ def test_generated_embedding_requests_never_get_a_5xx(embed_http):
         check_answer(embed_http, "/v1/embeddings", body)
 
     check()
+
+
+# ---- structured outputs and tools: generated grammars and tool lists reach the compiler and the readers --
+from pagedserve.structured.schema import ANNOTATIONS, ENFORCED, SUBSCHEMAS  # noqa: E402
+
+SCHEMA_KEYWORDS = sorted(ANNOTATIONS | ENFORCED | set(SUBSCHEMAS) | {"not", "if", "uniqueItems", "contains"})
+schema_values = st.one_of(json_values, st.sampled_from(["string", "integer", "object", "array", "number", "null",
+                                                        "email", "^[a-z]+$", "#/$defs/a", "#"]))
+schemas = st.recursive(
+    st.booleans() | st.dictionaries(st.sampled_from(SCHEMA_KEYWORDS), schema_values, max_size=3),
+    lambda inner: st.dictionaries(st.sampled_from(SCHEMA_KEYWORDS),
+                                  inner | schema_values | st.lists(inner, max_size=2)
+                                  | st.dictionaries(texts, inner, max_size=2), max_size=3),
+    max_leaves=8)
+STRUCTURED = st.one_of(
+    st.fixed_dictionaries({"json": schemas}),
+    st.fixed_dictionaries({"regex": texts | st.sampled_from(["[a-z]+", "(a|b", "a{2,1}", "\\d{3}", ".*", "[^"])}),
+    st.fixed_dictionaries({"choice": st.lists(texts, max_size=3) | json_values}),
+    st.fixed_dictionaries({"grammar": texts | st.sampled_from(['root ::= "a" | "b"', "root ::=", "root ::= x",
+                                                               'root ::= [0-9]+ "."'])}),
+    st.fixed_dictionaries({"json_object": json_values}, optional={"disable_any_whitespace": json_values}),
+    st.dictionaries(texts, json_values, max_size=2))
+TOOLS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "function", "x"]),
+                                        "function": st.fixed_dictionaries(
+                                            {"name": st.sampled_from(["f", "g", "bad name", ""]) | texts},
+                                            optional={"parameters": schemas})}) | json_values, max_size=3)
+TOOL_CHOICES = (st.sampled_from(["none", "auto", "required", None])
+                | st.fixed_dictionaries({"type": st.just("function"),
+                                         "function": st.fixed_dictionaries({"name": st.sampled_from("fgh")})})
+                | json_values)
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+@pytest.mark.parametrize("case", ["structured_outputs", "response_format", "tools"])
+def test_generated_grammars_and_tools_never_get_a_5xx(http, case):
+    bodies = {
+        "structured_outputs": st.builds(lambda s, stream: {**VALID_COMPLETION, "max_tokens": 8, "stream": stream,
+                                                           "structured_outputs": s}, STRUCTURED, st.booleans()),
+        "response_format": st.builds(lambda s, strict: {**CHAT, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": s, "strict": strict}}}, schemas, st.booleans()),
+        "tools": st.builds(lambda tools, choice, stream: {**CHAT, "tools": tools, "tool_choice": choice,
+                                                          "stream": stream}, TOOLS, TOOL_CHOICES, st.booleans()),
+    }[case]
+    path = "/v1/completions" if case == "structured_outputs" else "/v1/chat/completions"
+
+    @bounded(60)
+    @given(bodies)
+    def check(body: dict) -> None:
+        check_answer(http, path, body)
+
+    check()

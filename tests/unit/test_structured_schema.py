@@ -74,3 +74,15 @@ def test_invalid_schema_is_named():
         check_json_schema({"type": "foo"}, "response_format")
     with pytest.raises(InvalidRequestError, match="invalid JSON schema"):
         check_json_schema({"type": "string", "maxLength": -1}, "response_format")
+
+
+def test_wrong_types_are_invalid_requests_not_crashes():
+    """Found by the property tests (tests/server/test_request_properties.py): each was a 500 once."""
+    with pytest.raises(InvalidRequestError, match="json_object must be true or false"):
+        StructuredOutputsParams.from_request({"json_object": [], "disable_any_whitespace": []})
+    with pytest.raises(InvalidRequestError, match="disable_any_whitespace must be true or false"):
+        StructuredOutputsParams.from_request({"regex": "a", "disable_any_whitespace": "yes"})
+    with pytest.raises(InvalidRequestError, match="choice must be"):
+        StructuredOutputsParams.from_request({"choice": {"a": 1}})
+    with pytest.raises(InvalidRequestError, match=r"\$schema must be a URI string"):
+        check_json_schema({"$schema": {}}, "response_format")
