@@ -1,6 +1,6 @@
 """Structured outputs: what a JSON schema costs a decode step, and how long a grammar takes to compile.
 
-    python benchmarks/structured.py [--rounds 3] [--report benchmarks/RESULTS_structured.md]
+    python benchmarks/structured.py [--rounds 5] [--report benchmarks/RESULTS_structured.md]
 
 On the Qwen2.5-0.5B shape (random weights, the Qwen2.5 tokenizer: 151,936-entry vocabulary, built by
 compare.py into benchmarks/out/models/), in this process, interleaved: decode tokens/s of a JSON-schema request
@@ -30,13 +30,14 @@ SECOND_SCHEMA = {"type": "object", "required": ["sku", "sizes", "price"], "prope
     "sizes": {"type": "array", "items": {"enum": ["S", "M", "L"]}, "maxItems": 3}}}
 
 
-def decode_seconds(llm, prompts: list[list[int]], params, max_tokens: int) -> tuple[float, int]:
-    """(seconds spent on tokens 2..max_tokens, tokens generated) for one batch."""
+def decode_seconds(llm, prompts: list[list[int]], params: list, max_tokens: int) -> tuple[float, int]:
+    """(seconds spent on tokens 2..max_tokens, tokens generated) for one batch (params: one per prompt)."""
+    inputs = [{"prompt_token_ids": p} for p in prompts]
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params.clone(max_tokens=1))
+    llm.generate(inputs, [p.clone(max_tokens=1) for p in params])
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params.clone(max_tokens=max_tokens))
+    outputs = llm.generate(inputs, [p.clone(max_tokens=max_tokens) for p in params])
     total = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     return total - prefill, generated - len(prompts)
@@ -63,7 +64,7 @@ def cpu_class() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--batches", default="1,32")
@@ -81,22 +82,26 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     llm = LLM(model["path"], max_model_len=1024)
     compile_times = compile_latencies(llm)
-    free = SamplingParams(temperature=0.0, ignore_eos=True)
+    free = SamplingParams(temperature=0.0, ignore_eos=True)  # generates max_tokens like the constrained one
     constrained = SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     llm.generate("warm up", constrained.clone(max_tokens=4))  # compiled once: the timed runs hit the cache
     rows = []
     vocab = llm.engine.config.model.hf_config.vocab_size
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [[(97 * i + 31 * j + 7) % vocab for j in range(args.prompt_len)] for i in range(batch)]
-        rates: dict[str, list[float]] = {"free": [], "schema": []}
-        for _ in range(args.rounds):
-            for label, params in (("free", free), ("schema", constrained)):
+        kinds = {"free": [free] * batch, "schema": [constrained] * batch}
+        if batch > 1:  # one constrained request among free ones: what the others pay for it
+            kinds["one schema"] = [constrained] + [free] * (batch - 1)
+        rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+        order = list(kinds)
+        for round_index in range(args.rounds):
+            for kind in order[round_index % len(order):] + order[:round_index % len(order)]:  # rotated
+                params = kinds[kind]
                 seconds, tokens = decode_seconds(llm, prompts, params, args.max_tokens)
-                rates[label].append(tokens / seconds)
-        free_rate, schema_rate = statistics.median(rates["free"]), statistics.median(rates["schema"])
-        rows.append((batch, free_rate, schema_rate, schema_rate / free_rate))
-        print(f"batch {batch}: free {free_rate:.1f} tok/s, schema {schema_rate:.1f} tok/s, "
-              f"ratio {schema_rate / free_rate:.2f}", flush=True)
+                rates[kind].append(tokens / seconds)
+        medians = {kind: statistics.median(values) for kind, values in rates.items()}
+        rows.append((batch, medians))
+        print(f"batch {batch}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in medians.items()), flush=True)
     report = format_report(rows, compile_times, args, load, os.getloadavg()[0])
     print(report)
     if args.report:
@@ -111,13 +116,19 @@ def format_report(rows, compile_times, args, load_before: float, load_after: flo
         f"`python benchmarks/structured.py --rounds {args.rounds}`, CPU class "
         f"{cpu_class()}, {os.cpu_count()} cores; Qwen2.5-0.5B shape, random weights, `--dtype auto`, greedy, "
         f"{args.prompt_len}-token prompts, {args.max_tokens} tokens each; medians of {args.rounds} interleaved "
-        f"rounds. Load average {load_before:.1f} before, {load_after:.1f} after (other processes on the cores "
+        f"rounds (the order rotated each round). The VM's speed drifts by 5-10 % from minute to minute (the "
+        f"profile of a mixed batch shows the model's own kernels, not grammar work, slower or faster between runs). Load average {load_before:.1f} before, {load_after:.1f} after (other processes on the cores "
         "make every figure lower; the ratio is what counts).",
         "",
-        "| batch | decode tok/s, no schema | decode tok/s, JSON schema | ratio (goal >= 0.9) |",
-        "|---|---|---|---|",
+        "| batch | decode tok/s, no schema | decode tok/s, JSON schema | ratio (goal >= 0.9) | one schema among "
+        "free requests: tok/s, ratio |",
+        "|---|---|---|---|---|",
     ]
-    lines += [f"| {b} | {f:.1f} | {s:.1f} | {r:.2f} |" for b, f, s, r in rows]
+    for batch, rates in rows:
+        mixed = rates.get("one schema")
+        mixed_cell = f"{mixed:.1f}, {mixed / rates['free']:.2f}" if mixed is not None else "-"
+        lines.append(f"| {batch} | {rates['free']:.1f} | {rates['schema']:.1f} | {rates['schema'] / rates['free']:.2f} "
+                     f"| {mixed_cell} |")
     lines += ["", "| grammar compilation | seconds |", "|---|---|"]
     lines += [f"| {label} | {seconds:.3f} |" for label, seconds in compile_times.items()]
     lines += ["", "The schema holds a 1,000-character string, so almost every token is allowed at almost every "
