@@ -26,8 +26,8 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    # vLLM's: JSON without any whitespace between tokens (the compact form json.dumps(separators=(",", ":"))
-    # gives); by default up to MAX_JSON_WHITESPACE characters are allowed where JSON allows whitespace.
+    # vLLM's: JSON spaced exactly as json.dumps spaces it (", " and ": ", nothing else); by default up to
+    # MAX_JSON_WHITESPACE characters are allowed wherever JSON allows whitespace.
     disable_any_whitespace: bool = False
     param: str = "structured_outputs"  # the request field it came from, for error messages
 
