@@ -68,7 +68,7 @@ class LLMEngine:
         self.grammar_admission = GrammarAdmission(self.structured_config.compile_timeout_s)
         self.stats = SchedulerStats()
         self._request_counter = 0
-        self._failed: dict[str, str] = {}  # request id -> reason: failed requests the caller has not been told of
+        self._failed: dict[str, str | BaseException] = {}  # request id -> reason, not yet told to the caller
         self._is_probing = False
         self.resident_memory: ResidentMemory | None = None  # RSS against the plan, from the first served step
         self.memory_pressure: MemoryPressure | None = None  # set by the server: give way when the box is short

@@ -73,9 +73,6 @@ class GrammarCompiler:
         """Blocking: the compiled grammar (InvalidRequestError as submit/the Future would raise)."""
         return self.submit(params).result(timeout)
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
     # ---- on the worker thread -------------------------------------------------------------------
     def _compiler(self) -> Any:
         if self._xgr_compiler is None:
