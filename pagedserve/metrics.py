@@ -62,6 +62,10 @@ class EngineMetrics:
         self._timings: dict[str, _RequestTiming] = {}
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
+        # Exported from the start (0 running, no tokens yet), not only after the first engine step.
+        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+                       self.ttft, self.itl, self.e2e):
+            metric.labels(model_name)
 
     def observe_grammar_compile(self, seconds: float) -> None:
         """Called on the grammar compiler's thread after each compilation."""

@@ -27,6 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
                         help="On SIGTERM/SIGINT, seconds in-flight requests get to finish.")
     parser.add_argument("--uvicorn-log-level", default="warning")
+    parser.add_argument("--root-path", default="",
+                        help="The path prefix a reverse proxy serves this server under (e.g. /llm); API and web "
+                             "page then work at that prefix.")
+    parser.add_argument("--disable-web-ui", action="store_true",
+                        help="Do not serve the chat and dashboard page at / (then / is a 404).")
+    parser.add_argument("--startup-hold-file", default=None, help=argparse.SUPPRESS)  # testing only: see api_server
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='Let tool_choice "auto" (the default with tools) parse the calls the model writes; '
@@ -49,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.verbose)
     if not 0 < args.port < 65536:
         return fail(f"--port must be in 1..65535, got {args.port}")
+    if args.root_path and not args.root_path.startswith("/"):
+        return fail(f"--root-path must start with '/', got {args.root_path!r}")
     engine_args = engine_args_from_cli(args)
     limits = RequestLimits.from_cli_args(args)
     try:
@@ -62,5 +70,7 @@ def run(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
                            max_body_bytes=args.max_request_body_bytes, shutdown_grace_s=args.shutdown_grace_s,
                            uvicorn_log_level=args.uvicorn_log_level, limits=limits,
-                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                           root_path=args.root_path, enable_web_ui=not args.disable_web_ui,
+                           startup_hold_file=args.startup_hold_file)
     return run_server(engine_args, options, startup)

@@ -53,7 +53,8 @@ def openai_client(server: ServerProcess, api_key: str = "unused", **kwargs):
 
 
 def start_server(model: str, *flags: str, log_dir: Path, env: dict | None = None,
-                 ready_timeout: float = 120.0) -> ServerProcess:
+                 ready_timeout: float = 120.0, wait_for_ready: bool = True) -> ServerProcess:
+    """The server once /health says ready (200), or, with wait_for_ready=False, once its port answers."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     command = [sys.executable, "-m", "pagedserve", "serve", model, "--host", "127.0.0.1", "--port", str(port),
@@ -71,7 +72,7 @@ def start_server(model: str, *flags: str, log_dir: Path, env: dict | None = None
             phase = response.json().get("phase", "") if response.content else ""
             if not server.health_statuses or server.health_statuses[-1] != (response.status_code, phase):
                 server.health_statuses.append((response.status_code, phase))
-            if response.status_code == 200:
+            if response.status_code == 200 or not wait_for_ready:
                 return server
         except httpx.HTTPError:
             pass

@@ -2,22 +2,28 @@
 
 The port opens before the weights load: /health answers 503 with the start-up phase until the engine
 is ready, then 200; it answers 503 again if the engine dies, and the process then exits non-zero.
+The web page (entrypoints/web/: chat and dashboard) is served at / from the same moment, without the
+API key: it carries no secret, and asks the user for the key the API wants.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import html
 import json
 import logging
+import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 
 from pagedserve import __version__
 from pagedserve.engine.arg_utils import EngineArgs, RequestLimits
@@ -33,6 +39,8 @@ from pagedserve.memory.pressure import RETRY_AFTER_S, MemoryPressure, memory_pre
 logger = logging.getLogger("pagedserve.server")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # index.html, *.js, *.css: no build step
+WEB_ASSETS_PREFIX = "/web/"
 
 
 @dataclass
@@ -47,6 +55,7 @@ class ServerState:
     max_model_len: int = 0
     model_path: str = ""
     task: str = "generate"  # "embed": /v1/embeddings only; "generate": completions and chat only
+    info: dict = field(default_factory=dict)  # /server_info once ready: model, dtype, kernels, memory plan
     created: int = field(default_factory=lambda: int(time.time()))
 
     def ready_serving(self) -> OpenAIServing:
@@ -100,16 +109,23 @@ class ServerState:
 class GuardMiddleware:
     """API-key check (constant-time) and request-body size limit, as plain ASGI (streaming-safe)."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, open_web_ui: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.open_web_ui = open_web_ui  # the page and its assets need no key: the page asks for it
+
+    def is_open(self, scope: dict) -> bool:
+        path = route_path(scope)
+        if path in OPEN_PATHS:
+            return True
+        return self.open_web_ui and (path == "/" or path.startswith(WEB_ASSETS_PREFIX))
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+        if self.expected is not None and not self.is_open(scope):
             provided = headers.get(b"authorization", b"")
             if not hmac.compare_digest(provided, self.expected):
                 return await _send_error(send, "invalid or missing API key: send 'Authorization: Bearer <key>'", 401)
@@ -120,6 +136,34 @@ class GuardMiddleware:
         await self.app(scope, receive, send)
 
 
+class RootPathMiddleware:
+    """--root-path: the prefix a proxy serves us under. Requests may come with it (the proxy keeps the path) or
+    without (it strips the prefix); both become the full path with scope["root_path"] set (uvicorn's form),
+    which routing and the mounted page assets understand."""
+
+    def __init__(self, app: Any, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            path, root = scope["path"], self.root_path
+            scope = {**scope, "root_path": root}
+            if not (path == root or path.startswith(root + "/")):
+                scope["path"] = root + path
+                if scope.get("raw_path") is not None:
+                    scope["raw_path"] = root.encode() + scope["raw_path"]
+        await self.app(scope, receive, send)
+
+
+def route_path(scope: dict) -> str:
+    """The path the routes see: the request's path less the --root-path prefix (Starlette's rule)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
 async def _send_error(send: Any, message: str, status: int) -> None:
     body = json.dumps(error_body(message, status)).encode()
     await send({"type": "http.response.start", "status": status,
@@ -127,12 +171,17 @@ async def _send_error(send: Any, message: str, status: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 8 << 20) -> FastAPI:
+def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 8 << 20, root_path: str = "",
+              enable_web_ui: bool = True) -> FastAPI:
     app = FastAPI(title="pagedserve", version=__version__)
     install_error_handlers(app)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    if enable_web_ui:
+        _add_web_routes(app)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, open_web_ui=enable_web_ui)
+    if root_path.rstrip("/"):
+        app.add_middleware(RootPathMiddleware, root_path=root_path.rstrip("/"))
     app.state.server_state = state
     return app
 
@@ -157,6 +206,11 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        state.ready_serving()
+        return {"version": __version__, **state.info}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -190,6 +244,47 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return await state.serving_for("embed", "/v1/embeddings", body.model).create_embedding(body, raw)
 
 
+def _add_web_routes(app: FastAPI) -> None:
+    """The page at / and its assets at /web/. Every URL in them is relative; the <base> names the prefix a
+    proxy serves us under (--root-path), so the page works at /prefix and /prefix/ alike."""
+    page = (WEB_DIR / "index.html").read_text(encoding="utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def index(raw: Request) -> HTMLResponse:
+        root = raw.scope.get("root_path", "").rstrip("/")
+        body = page.replace('<base href="./">', f'<base href="{html.escape(root, quote=True)}/">') if root else page
+        return HTMLResponse(body, headers={"Cache-Control": "no-cache"})
+
+    app.mount(WEB_ASSETS_PREFIX.rstrip("/"), StaticFiles(directory=WEB_DIR), name="web")
+
+
+def describe_server(llm_engine: Any) -> dict:
+    """What the dashboard shows about the server: model, dtype, kernels in use, the memory plan's summary."""
+    config = llm_engine.config
+    model = getattr(llm_engine.runner, "model", None)
+    plan = config.memory_plan
+    info = {
+        "model": {"name": config.model.served_model_name, "path": config.model.model,
+                  "architecture": config.model.architecture, "dtype": config.model.dtype,
+                  "quantization": config.model.quantization, "task": config.model.task,
+                  "max_model_len": config.model.max_model_len},
+        "device": config.device.device, "num_threads": config.device.num_threads,
+        "cache": {"block_size": config.cache.block_size, "num_blocks": config.cache.num_blocks,
+                  "kv_cache_dtype": config.cache.kv_cache_dtype,
+                  "enable_prefix_caching": config.cache.enable_prefix_caching},
+        "scheduler": {"max_num_seqs": config.scheduler.max_num_seqs,
+                      "max_num_batched_tokens": config.scheduler.max_num_batched_tokens},
+        "kernels": model.kernel_report() if hasattr(model, "kernel_report") else [],
+    }
+    if plan is not None:
+        info["memory_plan"] = {"summary": plan.summary(), "weight_bytes": plan.weight_bytes,
+                               "kv_pool_bytes": plan.kv_pool_bytes, "activation_bytes": plan.activation_bytes,
+                               "overhead_bytes": plan.overhead_bytes, "total_bytes": plan.total_bytes,
+                               "budget_bytes": plan.budget_bytes, "steady_bytes": plan.steady_bytes,
+                               "kv_cache": plan.kv_cache_report()}
+    return info
+
+
 # ---- process lifecycle -------------------------------------------------------------------------------
 def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | None = None,
                  tool_call_parser: str | None = None) -> None:
@@ -212,6 +307,7 @@ def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | N
     state.max_model_len = config.model.max_model_len
     state.model_path = config.model.model
     state.task = config.model.task
+    state.info = describe_server(llm_engine)
     if state.task == "embed":
         from pagedserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
@@ -231,6 +327,9 @@ class ServeOptions:
     uvicorn_log_level: str = "warning"
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_call_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser NAME: "auto" tool choice
+    root_path: str = ""  # --root-path: the prefix a proxy serves us under
+    enable_web_ui: bool = True  # the page at / (--disable-web-ui: / is a 404)
+    startup_hold_file: str | None = None  # testing only: start-up waits in "starting" while this file exists
 
 
 def _make_uvicorn_server(config: Any) -> Any:
@@ -261,12 +360,18 @@ def log_startup_failure(exc: BaseException) -> None:
         logger.error("start-up failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
 
 
+def _hold_startup(path: str | None) -> None:
+    """Testing only (the web page's start-up view): wait, in phase "starting", while `path` exists."""
+    while path and os.path.exists(path):
+        time.sleep(0.05)
+
+
 def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker) -> int:
     """Open the port, load the engine in the background, serve until a signal; returns the exit code."""
     import uvicorn
 
     state = ServerState(startup)
-    app = build_app(state, options.api_key, options.max_body_bytes)
+    app = build_app(state, options.api_key, options.max_body_bytes, options.root_path, options.enable_web_ui)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
                             timeout_graceful_shutdown=options.shutdown_grace_s, access_log=False)
     server = _make_uvicorn_server(config)
@@ -278,6 +383,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
 
     def load() -> None:
         try:
+            _hold_startup(options.startup_hold_file)
             start_engine(state, args, options.limits, options.tool_call_parser)
         except BaseException as exc:  # noqa: BLE001 - any start-up failure ends the process, visibly
             log_startup_failure(exc)

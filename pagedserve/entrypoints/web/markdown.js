@@ -1,0 +1,165 @@
+// A small markdown renderer for model output that can never run it as HTML or JavaScript: it builds DOM
+// nodes and puts every piece of the text in with createTextNode, so "<script>" stays the characters
+// "<script>". Links keep only http(s) and mailto URLs. Handles what chat replies use: fenced code
+// blocks (an unclosed fence, as while streaming, runs to the end), headings, lists, quotes, rules,
+// paragraphs with line breaks, and inline code, bold, italic, links and bare URLs.
+(function (global) {
+  "use strict";
+
+  const SAFE_URL = /^(https?:\/\/|mailto:)/i;
+  const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)/;
+  const HEADING = /^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+  const RULE = /^ {0,3}([-*_])(\s*\1){2,}\s*$/;
+  const QUOTE = /^ {0,3}>\s?/;
+  const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
+  const BLANK = /^\s*$/;
+  // One alternative per inline construct; group numbers are read in inlineNode().
+  const INLINE = new RegExp([
+    "`([^`\\n]+)`",                                            // 1 code
+    "\\*\\*(?=\\S)([^*]+?)\\*\\*",                              // 2 bold
+    "__(?=\\S)([^_]+?)__",                                     // 3 bold
+    "\\*(?=[^\\s*])([^*\\n]+?)\\*",                             // 4 italic
+    "(?<![\\w_])_(?=[^\\s_])([^_\\n]+?)_(?![\\w_])",            // 5 italic
+    "\\[([^\\]\\n]+)\\]\\(\\s*([^)\\s]+)\\s*\\)",               // 6, 7 link text, URL
+    "(https?://[^\\s<>()\"']*[^\\s<>()\"'.,;:!?])",              // 8 bare URL
+  ].join("|"), "g");
+
+  function el(tag, className) {
+    const node = document.createElement(tag);
+    if (className) node.className = className;
+    return node;
+  }
+
+  // An <a> for a safe URL around `content` (nodes), or null.
+  function link(content, url) {
+    if (!SAFE_URL.test(url)) return null;
+    const a = el("a");
+    a.setAttribute("href", url);
+    a.setAttribute("rel", "noopener noreferrer nofollow");
+    a.setAttribute("target", "_blank");
+    a.append(...content);
+    return a;
+  }
+
+  function inlineNode(m) {
+    if (m[1] !== undefined) { const c = el("code"); c.textContent = m[1]; return c; }
+    if (m[2] !== undefined || m[3] !== undefined) { const b = el("strong"); b.append(...inline(m[2] ?? m[3])); return b; }
+    if (m[4] !== undefined || m[5] !== undefined) { const i = el("em"); i.append(...inline(m[4] ?? m[5])); return i; }
+    if (m[6] !== undefined) return link(inline(m[6]), m[7]) || document.createTextNode(m[0]);
+    return link([document.createTextNode(m[8])], m[8]);
+  }
+
+  // Inline constructs of one line or paragraph, as a list of nodes.
+  function inline(text) {
+    const nodes = [];
+    let last = 0;
+    for (const m of text.matchAll(INLINE)) {
+      if (m.index > last) nodes.push(document.createTextNode(text.slice(last, m.index)));
+      nodes.push(inlineNode(m));
+      last = m.index + m[0].length;
+    }
+    if (last < text.length) nodes.push(document.createTextNode(text.slice(last)));
+    return nodes;
+  }
+
+  function codeBlock(lines, start) {
+    const open = lines[start].match(FENCE);
+    const marker = open[1];
+    const close = new RegExp("^ {0,3}" + marker[0].replace(/[`~]/, "\\$&") + "{" + marker.length + ",}\\s*$");
+    let end = start + 1;
+    while (end < lines.length && !close.test(lines[end])) end++;
+    const wrap = el("div", "code-block");
+    const head = el("div", "code-head");
+    const lang = el("span", "code-lang");
+    lang.textContent = open[2] || "code";
+    const copy = el("button", "copy");
+    copy.type = "button";
+    copy.textContent = "Copy";
+    const code = el("code");
+    code.textContent = lines.slice(start + 1, end).join("\n");
+    copy.addEventListener("click", () => {
+      if (navigator.clipboard) navigator.clipboard.writeText(code.textContent).catch(() => {});
+    });
+    head.append(lang, copy);
+    const pre = el("pre");
+    pre.append(code);
+    wrap.append(head, pre);
+    return { node: wrap, next: end + 1 };
+  }
+
+  function isBlockStart(line) {
+    return FENCE.test(line) || HEADING.test(line) || RULE.test(line) || QUOTE.test(line) || ITEM.test(line);
+  }
+
+  function list(lines, start) {
+    const first = lines[start].match(ITEM);
+    const indent = first[1].length;
+    const ordered = /\d/.test(first[2]);
+    const node = el(ordered ? "ol" : "ul");
+    if (ordered && parseInt(first[2], 10) !== 1) node.setAttribute("start", String(parseInt(first[2], 10)));
+    let i = start;
+    while (i < lines.length) {
+      const m = lines[i].match(ITEM);
+      if (!m || m[1].length !== indent || /\d/.test(m[2]) !== ordered) break;
+      const body = [m[3]];
+      i++;
+      // An item runs on over lines indented deeper than its marker (a nested list, a continued sentence).
+      while (i < lines.length && !BLANK.test(lines[i]) && lines[i].match(/^\s*/)[0].length > indent) {
+        body.push(lines[i].slice(Math.min(indent + 2, lines[i].match(/^\s*/)[0].length)));
+        i++;
+      }
+      const li = el("li");
+      blocks(body, li);
+      if (li.childNodes.length === 1 && li.firstChild.tagName === "P") li.replaceChildren(...li.firstChild.childNodes);
+      node.append(li);
+    }
+    return { node, next: i };
+  }
+
+  function paragraph(lines, start) {
+    const p = el("p");
+    let i = start;
+    while (i < lines.length && !BLANK.test(lines[i]) && (i === start || !isBlockStart(lines[i]))) {
+      if (i > start) p.append(el("br"));
+      p.append(...inline(lines[i]));
+      i++;
+    }
+    return { node: p, next: i };
+  }
+
+  function block(lines, i) {
+    const line = lines[i];
+    if (FENCE.test(line)) return codeBlock(lines, i);
+    const h = line.match(HEADING);
+    if (h) { const node = el("h" + h[1].length); node.append(...inline(h[2])); return { node, next: i + 1 }; }
+    if (RULE.test(line)) return { node: el("hr"), next: i + 1 };
+    if (QUOTE.test(line)) {
+      let end = i;
+      while (end < lines.length && QUOTE.test(lines[end])) end++;
+      const node = el("blockquote");
+      blocks(lines.slice(i, end).map((l) => l.replace(QUOTE, "")), node);
+      return { node, next: end };
+    }
+    if (ITEM.test(line)) return list(lines, i);
+    return paragraph(lines, i);
+  }
+
+  function blocks(lines, parent) {
+    let i = 0;
+    while (i < lines.length) {
+      if (BLANK.test(lines[i])) { i++; continue; }
+      const { node, next } = block(lines, i);
+      parent.append(node);
+      i = next;
+    }
+  }
+
+  // Markdown text -> a DocumentFragment of safe nodes.
+  function renderMarkdown(text) {
+    const fragment = document.createDocumentFragment();
+    blocks(String(text ?? "").replace(/\r\n?/g, "\n").split("\n"), fragment);
+    return fragment;
+  }
+
+  global.PagedServe = Object.assign(global.PagedServe || {}, { renderMarkdown });
+})(window);

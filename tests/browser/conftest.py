@@ -1,0 +1,55 @@
+"""Real headless Chromium (Debian's `chromium`, driven by playwright's sync API) against live servers.
+
+Each page a test opens records console errors and uncaught page errors; the test fails on any the test
+did not declare (a 503 while the server starts, a 401 before the key is entered: the browser logs every
+failed response). A screenshot of every page is saved under tests/browser/artifacts/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.browser.browser_utils import CHROMIUM_ARGS, SERVER_FLAGS, PageErrors, chromium_path, screenshot
+from tests.server.server_utils import module_server
+
+
+@pytest.fixture(scope="session")
+def browser():
+    from playwright.sync_api import sync_playwright  # the `test` extra installs it
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def open_page(browser, request):
+    """open_page(url, allow_statuses=(), **context options) -> a page; it must end with no console errors."""
+    opened = []
+
+    def open_(url: str, allow_statuses: tuple[int, ...] = (), **options):
+        context = browser.new_context(**{"viewport": {"width": 1280, "height": 800}, **options})
+        page = context.new_page()
+        errors = PageErrors(set(allow_statuses))
+        page.on("console", errors.on_console)
+        page.on("pageerror", errors.on_page_error)
+        page.errors = errors
+        opened.append((context, page))
+        page.goto(url)
+        return page
+
+    yield open_
+    failures = []
+    for index, (context, page) in enumerate(opened):
+        screenshot(page, f"{request.node.name}-end{index}")
+        failures += page.errors.errors
+        context.close()
+    assert not failures, failures
+
+
+@pytest.fixture(scope="package")
+def server(tiny_model_dir, tmp_path_factory):
+    """One plain server for the chat and dashboard modules."""
+    yield from module_server(tiny_model_dir("llama"), *SERVER_FLAGS, tmp_path_factory=tmp_path_factory)
+

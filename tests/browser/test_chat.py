@@ -1,0 +1,176 @@
+"""The chat page in a real browser against a live server on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tests.browser.browser_utils import metric, screenshot
+
+LONG_REPLY = {"max_tokens": "3500", "extra": '{"ignore_eos": true}'}  # ~10 s on the tiny model
+
+
+def ready_page(open_page, server, **options):
+    page = open_page(server.url + "/", **options)
+    page.wait_for_selector("#status.ready")
+    page.wait_for_function("document.getElementById('model-name').textContent === 'tiny'")
+    return page
+
+
+def set_settings(page, **values):
+    for name, value in values.items():
+        page.fill(f"[data-setting={name}]", value)
+
+
+def send(page, text: str) -> None:
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def wait_reply_done(page, timeout=60_000):
+    page.wait_for_selector("#stop", state="hidden", timeout=timeout)
+    return page.locator(".message.assistant").last
+
+
+def stored_conversations(page) -> list[dict]:
+    return page.evaluate("JSON.parse(localStorage.getItem('pagedserve.conversations.v1'))")
+
+
+def test_reply_streams_into_the_page_and_survives_reload(open_page, server):
+    page = ready_page(open_page, server)
+    set_settings(page, max_tokens="400", extra='{"ignore_eos": true}', temperature="0")
+    send(page, "Hello there")
+    # Streaming: the reply is on the page while the request still runs, then grows to its full length.
+    page.wait_for_function("""() => {
+        const m = document.querySelector('.message.assistant.pending .body');
+        return m && m.textContent.length > 0; }""")
+    partial = page.locator(".message.assistant .body").last.text_content()
+    reply = wait_reply_done(page)
+    text = reply.locator(".body").text_content()
+    assert len(text) > len(partial) > 0
+    stats = reply.locator(".stats").text_content()
+    assert "TTFT" in stats and "tok/s" in stats and "400 tokens" in stats and "finish: length" in stats, stats
+    assert page.locator(".conversation .title[aria-current=true]").text_content() == "Hello there"
+    screenshot(page, "chat-reply")
+
+    page.reload()
+    page.wait_for_selector("#status.ready")
+    messages = page.locator(".message")
+    assert messages.count() == 2
+    assert messages.nth(0).locator(".body").text_content() == "Hello there"
+    assert messages.nth(1).locator(".body").text_content() == text
+    assert "400 tokens" in messages.nth(1).locator(".stats").text_content()
+
+
+def test_stop_aborts_the_request_and_frees_its_kv_blocks(open_page, server):
+    page = ready_page(open_page, server)
+    set_settings(page, **LONG_REPLY)
+    send(page, "Tell me a long story")
+    page.wait_for_function("document.querySelector('.message.assistant.pending .body').textContent.length > 200")
+    assert metric(server, "vllm:num_requests_running") == 1
+    assert metric(server, "vllm:kv_cache_usage_perc") > 0
+    page.click("#stop")
+    reply = wait_reply_done(page, timeout=10_000)
+    assert "stopped" in reply.locator(".stats").text_content()
+    deadline = time.monotonic() + 10
+    while metric(server, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, 'vllm:request_success_total') >= 1
+    stopped_at = len(reply.locator(".body").text_content())
+    time.sleep(0.5)
+    assert len(reply.locator(".body").text_content()) == stopped_at  # nothing arrives after Stop
+    # Escape in the message box stops a reply too.
+    send(page, "Another long one")
+    page.wait_for_function("document.querySelector('.message.assistant.pending .body').textContent.length > 50")
+    page.press("#prompt", "Escape")
+    assert "stopped" in wait_reply_done(page, timeout=10_000).locator(".stats").text_content()
+
+
+def test_regenerate_and_edit_and_resend(open_page, server):
+    page = ready_page(open_page, server)
+    set_settings(page, max_tokens="24", temperature="0", extra="")
+    send(page, "The quick brown fox")
+    first = wait_reply_done(page).locator(".body").text_content()
+    page.click(".message.assistant .regenerate")
+    wait_reply_done(page)
+    assert page.locator(".message").count() == 2  # the reply was replaced, not appended
+    assert page.locator(".message.assistant .body").text_content() == first  # greedy: the same reply again
+
+    page.click(".message.user button:has-text('Edit')")
+    page.fill(".message.user textarea.edit", "Paris is the capital of")
+    page.press(".message.user textarea.edit", "Enter")
+    wait_reply_done(page)
+    assert page.locator(".message").count() == 2
+    assert page.locator(".message.user .body").text_content() == "Paris is the capital of"
+    stored = stored_conversations(page)[0]["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant"] and stored[0]["content"] == "Paris is the capital of"
+    assert stored[1]["content"] and stored[1]["stats"]["completion_tokens"] <= 24
+
+
+def test_settings_go_into_the_request(open_page, server):
+    page = ready_page(open_page, server)
+    page.fill("#set-system", "You answer in JSON.")
+    set_settings(page, temperature="0.5", top_p="0.9", max_tokens="16", seed="7", extra='{"top_k": 5}')
+    page.check("#set-json")
+    with page.expect_request("**/v1/chat/completions") as request:
+        send(page, "A user record")
+    body = json.loads(request.value.post_data)
+    assert body["messages"] == [{"role": "system", "content": "You answer in JSON."},
+                                {"role": "user", "content": "A user record"}]
+    assert (body["temperature"], body["top_p"], body["max_tokens"], body["seed"]) == (0.5, 0.9, 16, 7)
+    assert body["response_format"] == {"type": "json_object"} and body["top_k"] == 5
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True} and body["model"] == "tiny"
+    reply = wait_reply_done(page)
+    assert not reply.locator(".error-text").count(), reply.inner_text()
+    assert reply.locator(".body").text_content().lstrip().startswith("{")  # the server's JSON mode
+    page.reload()
+    assert page.input_value("[data-setting=seed]") == "7" and page.is_checked("#set-json")  # settings are kept
+
+
+def test_conversations_new_rename_delete_export(open_page, server):
+    page = ready_page(open_page, server)
+    set_settings(page, max_tokens="8", extra="")
+    send(page, "first conversation")
+    wait_reply_done(page)
+    page.click("#new-chat")
+    assert page.locator(".message").count() == 0 and page.locator(".conversation").count() == 2
+    send(page, "second conversation")
+    wait_reply_done(page)
+    # Rename the current one (the first in the list): Enter keeps the new title.
+    page.click(".conversation >> nth=0 >> .rename")
+    page.fill(".rename-input", "Renamed chat")
+    page.press(".rename-input", "Enter")
+    assert page.locator(".conversation .title").all_text_contents() == ["Renamed chat", "first conversation"]
+    with page.expect_download() as download:
+        page.click("#export-chat")
+    exported = json.loads(open(download.value.path()).read())
+    assert exported["title"] == "Renamed chat"
+    assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
+    assert exported["messages"][0]["content"] == "second conversation"
+    page.click(".conversation >> nth=0 >> .delete")
+    assert page.locator(".conversation .title").all_text_contents() == ["first conversation"]
+    assert page.locator(".message.user .body").text_content() == "first conversation"
+    assert [c["title"] for c in stored_conversations(page)] == ["first conversation"]
+
+
+def test_keyboard_shift_enter_adds_a_line_and_phone_width(open_page, server):
+    page = ready_page(open_page, server, viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    set_settings_closed = not page.evaluate("document.getElementById('settings').open")
+    assert set_settings_closed  # on a phone the settings start folded
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")  # no sideways scrolling
+    page.click("#prompt")
+    page.keyboard.type("line one")
+    page.keyboard.press("Shift+Enter")
+    page.keyboard.type("line two")
+    assert page.input_value("#prompt") == "line one\nline two" and page.locator(".message").count() == 0
+    page.click("#toggle-sidebar")
+    assert page.is_visible("#new-chat")
+    page.click("#toggle-sidebar")
+    page.focus("#prompt")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".message.user")
+    assert page.locator(".message.user .body").text_content() == "line one\nline two"
+    wait_reply_done(page)
+    screenshot(page, "chat-phone")

@@ -1,0 +1,54 @@
+"""The dashboard: live figures move while `pagedserve bench serve` loads the server; the server's description."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from tests.browser.browser_utils import screenshot
+
+FIGURES = ("running", "kv_usage", "prompt_tps", "generation_tps", "ttft", "itl", "memory")
+
+
+def figure(page, name: str) -> float | None:
+    raw = page.get_attribute(f'[data-metric="{name}"]', "data-value")
+    return float(raw) if raw else None
+
+
+def test_figures_move_during_a_bench_run(open_page, server, tmp_path):
+    page = open_page(server.url + "/#dashboard")
+    page.wait_for_selector("#status.ready")
+    page.wait_for_function("document.getElementById('server-info').textContent.includes('LlamaForCausalLM')")
+    info = page.locator("#server-info").text_content()
+    assert "float32" in info and "decoder layers" in info and "needs " in info and "max_model_len 4096" in info
+    page.wait_for_function("document.querySelector('[data-metric=running]').dataset.value === '0'")
+
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve", "bench", "serve", "--base-url", server.url, "--num-prompts", "24",
+         "--max-concurrency", "4", "--input-len", "64", "--output-len", "96", "--ignore-eos", "--no-progress",
+         "--request-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = dict.fromkeys(FIGURES, 0.0)
+    try:
+        while bench.poll() is None:
+            for name in FIGURES:
+                peak[name] = max(peak[name], figure(page, name) or 0.0)
+            time.sleep(0.2)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        output = bench.communicate(timeout=30)[0]
+    assert bench.returncode == 0, output
+    screenshot(page, "dashboard-after-bench")
+    assert peak["running"] >= 1 and peak["kv_usage"] > 0, peak
+    assert peak["prompt_tps"] > 0 and peak["generation_tps"] > 0, peak
+    assert peak["ttft"] > 0 and peak["itl"] > 0 and peak["memory"] > 0, peak
+    assert "plan " in page.locator("#card-memory .sub").text_content()
+    # The bench's 24 requests show in the finished count and in the latency histograms' last minute.
+    page.wait_for_function("document.querySelector('#card-running .sub').textContent.match(/^(\\d+) finished/)[1] >= 24")
+    assert "last minute" in page.locator("#card-itl .sub").text_content()
+    points = page.locator("#card-generation_tps polyline").first.get_attribute("points").split()
+    assert len(points) >= 3
+    # Back to idle once the run is over.
+    page.wait_for_function("document.querySelector('[data-metric=running]').dataset.value === '0'")
+    page.wait_for_function("document.querySelector('[data-metric=generation_tps]').dataset.value === '0'")
