@@ -13,8 +13,10 @@ from tests.browser.browser_utils import CHROMIUM_ARGS, SERVER_FLAGS, PageErrors,
 from tests.server.server_utils import module_server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser():
+    """Package-scoped: playwright's sync API keeps an asyncio loop running on this thread while it is open,
+    which would break asyncio.run() in the tests that come after these."""
     from playwright.sync_api import sync_playwright  # the `test` extra installs it
 
     with sync_playwright() as playwright:
