@@ -59,3 +59,4 @@ class EngineConfig:
     memory_plan: Any = None  # memory.plan.MemoryPlan that sized the KV cache (None when built by hand)
     fault_injection: str | None = None  # test-only: engine/faults.py's spec of faults to raise; None = off
     structured_outputs: Any = None  # structured.params.StructuredOutputsConfig (None: its defaults)
+    speculative: Any = None  # spec_decode.config.SpeculativeConfig; None = no speculative decoding

@@ -58,6 +58,15 @@ class EngineMetrics:
         self.rss_over_plan = Gauge("pagedserve:resident_memory_over_plan_ratio",
                                    "RSS / planned resident memory - 1 (a warning is logged above 0.1).", labels,
                                    registry=r)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Verifications of draft tokens (speculative "
+                                   "decoding): one per request per step that carried drafts.", labels, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels,
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                            labels, registry=r)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position.", labels + ["position"],
+                                             registry=r)
         self.model_name = model_name
         self._timings: dict[str, _RequestTiming] = {}
         for reason in ("stop", "length", "abort"):
@@ -83,10 +92,21 @@ class EngineMetrics:
         if stats.prefix_cache_queries:
             self.prefix_queries.labels(name).inc(stats.prefix_cache_queries)
             self.prefix_hits.labels(name).inc(stats.prefix_cache_hits)
+        if stats.spec_decode is not None and stats.spec_decode.num_drafts:
+            self._observe_spec_decode(stats.spec_decode)
         self._observe_memory(engine.resident_memory)
         now = time.monotonic()
         for output in outputs:
             self._observe_output(output, now)
+
+    def _observe_spec_decode(self, spec) -> None:
+        name = self.model_name
+        self.spec_drafts.labels(name).inc(spec.num_drafts)
+        self.spec_draft_tokens.labels(name).inc(spec.num_draft_tokens)
+        self.spec_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
+        for position, count in enumerate(spec.accepted_per_pos):
+            if count:
+                self.spec_accepted_per_pos.labels(name, str(position)).inc(count)
 
     def _observe_memory(self, memory: ResidentMemory | None) -> None:
         """The last RSS reading against the plan (memory/rss.py), where the engine keeps one."""

@@ -39,8 +39,10 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512):
     return fast
 
 
-def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
-    """Save a random tiny `arch` ('llama', 'qwen2', 'qwen3') model with a tokenizer into out_dir."""
+def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int = 0, weight_std: float = 0.2,
+                    **overrides) -> Path:
+    """Save a random tiny `arch` ('llama', 'qwen2', 'qwen3') model with a tokenizer into out_dir. A larger
+    `weight_std` makes a model that falls into repeating loops sooner (speculative decoding's tests)."""
     import torch
     import transformers
 
@@ -64,7 +66,7 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
     with torch.no_grad():  # larger weights than the default init, so logits are far from uniform
         for name, param in model.named_parameters():
             if "norm" not in name:
-                param.normal_(0.0, 0.2 if param.dim() > 1 else 0.05)
+                param.normal_(0.0, weight_std if param.dim() > 1 else 0.05)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out_dir)
     make_tokenizer(out_dir)

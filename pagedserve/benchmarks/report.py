@@ -67,6 +67,21 @@ def _cold_rows(summary: BenchSummary) -> list[str]:
     return rows
 
 
+def _spec_rows(result: ServeBenchResult | ThroughputResult) -> list[str]:
+    """Speculative decoding's drafts and their acceptance, when the engine speculated."""
+    if result.spec_draft_tokens is None:
+        return []
+    return [_row("Draft tokens proposed", int(result.spec_draft_tokens)),
+            _row("Draft acceptance rate", result.spec_acceptance_rate, ".1%")]
+
+
+def _spec_dict(result: ServeBenchResult | ThroughputResult) -> dict[str, Any] | None:
+    if result.spec_draft_tokens is None:
+        return None
+    return {"draft_tokens": result.spec_draft_tokens, "accepted_tokens": result.spec_accepted_tokens,
+            "acceptance_rate": result.spec_acceptance_rate}
+
+
 def format_table(result: ServeBenchResult) -> str:
     """The summary as a fixed-width table, with one sentence per raised honesty flag after it."""
     summary = result.summary
@@ -92,6 +107,7 @@ def format_table(result: ServeBenchResult) -> str:
         *_stats_rows("Inter-token Latency (per chunk)", "ITL", summary.itl),
         *_stats_rows("End-to-end Latency", "E2EL", summary.e2e_latency),
         *_cold_rows(summary),
+        *_spec_rows(result),
         _rule(" Honesty checks "),
         _row("Requests without usage (all)", summary.num_usage_missing),
         _row("Usage != streamed chunks (all)", summary.num_usage_mismatch),
@@ -136,6 +152,7 @@ def result_to_dict(result: ServeBenchResult) -> dict[str, Any]:
         "prompt_source": result.prompt_source,
         "config": {key: _finite(value) for key, value in dataclasses.asdict(result.config).items() if key != "api_key"},
         "summary": summary,
+        "spec_decode": _spec_dict(result),
         "time_unit": "s, relative to the first request sent",
         "warmup_records": [_record_to_dict(r, result.clock_origin) for r in result.records if r.is_warmup],
         "records": [_record_to_dict(r, result.clock_origin) for r in result.records if not r.is_warmup],
@@ -247,6 +264,7 @@ def format_throughput_table(result: ThroughputResult) -> str:
         _row("Prompt tokens per run (counted)", runs[0].num_prompt_tokens if runs else None),
         _row("Output tokens per run (counted)", runs[0].num_output_tokens if runs else None),
     ]
+    lines += _spec_rows(result)
     if result.warmup is not None:
         lines += _run_rows(" Warm-up run (excluded above) ", result.warmup)
     lines.append(_rule(fill="="))
@@ -271,4 +289,5 @@ def throughput_to_dict(result: ThroughputResult) -> dict[str, Any]:
         "summary": {name: dataclasses.asdict(getattr(result, name))
                     for name in ("request_throughput", "output_throughput", "total_token_throughput")},
         "warnings": result.warnings,
+        "spec_decode": _spec_dict(result),
     }

@@ -95,6 +95,15 @@ class ServeBenchResult:
     prompt_source: str
     records: list[RequestRecord] = field(default_factory=list)
     summary: BenchSummary | None = None
+    # The server's speculative decoding during the steady requests (its /metrics counters), when it speculates.
+    spec_draft_tokens: float | None = None
+    spec_accepted_tokens: float | None = None
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        if not self.spec_draft_tokens:
+            return None
+        return self.spec_accepted_tokens / self.spec_draft_tokens
 
 
 class Progress:
@@ -213,6 +222,30 @@ async def _run_steady(
     return records
 
 
+SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+async def spec_decode_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
+    """(draft tokens, accepted drafts) from the server's /metrics (vLLM's names, summed over models); None when it
+    does not speculate or exposes no metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = await client.get("/metrics")
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    totals = {SPEC_DRAFT_TOKENS: 0.0, SPEC_ACCEPTED_TOKENS: 0.0}
+    seen = False
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+                seen = True
+    return (totals[SPEC_DRAFT_TOKENS], totals[SPEC_ACCEPTED_TOKENS]) if seen else None
+
+
 def _make_client(config: ServeBenchConfig) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     return httpx.AsyncClient(
@@ -240,9 +273,13 @@ async def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
             prompt_source=f"{config.dataset} via {tokenizer.source if tokenizer else 'no tokenizer'}",
         )
         warmup = await _run_warmup(client, config, model, prompts[: config.warmup_requests])
+        before = await spec_decode_counters(client)
         steady_start = time.perf_counter()
         steady = await _run_steady(client, config, model, prompts[config.warmup_requests :], len(warmup))
         duration = time.perf_counter() - steady_start
+        after = await spec_decode_counters(client)
+    if before is not None and after is not None:
+        result.spec_draft_tokens, result.spec_accepted_tokens = after[0] - before[0], after[1] - before[1]
     result.records = warmup + steady
     result.summary = summarize(result.records, duration)
     return result

@@ -86,6 +86,15 @@ class ThroughputResult:
     load_seconds: float | None = None  # building the engine (weights, KV cache, its own warm-up)
     warmup: GenerateRun | None = None
     runs: list[GenerateRun] = field(default_factory=list)
+    # Speculative decoding during the timed runs (engines with --speculative-config): drafts proposed, accepted.
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        if not self.spec_draft_tokens:
+            return None
+        return self.spec_accepted_tokens / self.spec_draft_tokens
 
     @property
     def request_throughput(self) -> Stats:
@@ -175,7 +184,20 @@ def run_throughput_bench(llm: Generator, pool: Sequence[int], config: Throughput
     if num_warmup:
         prompts, output_lens = _draw(rng, pool, num_warmup, config)
         result.warmup = time_generate(llm, prompts, output_lens, config, is_warmup=True)
+    before = spec_decode_totals(llm)
     for _ in range(config.num_iters):
         prompts, output_lens = _draw(rng, pool, config.num_prompts, config)
         result.runs.append(time_generate(llm, prompts, output_lens, config))
+    after = spec_decode_totals(llm)
+    if before is not None and after is not None:
+        result.spec_draft_tokens, result.spec_accepted_tokens = after[0] - before[0], after[1] - before[1]
     return result
+
+
+def spec_decode_totals(llm: Generator) -> tuple[int, int] | None:
+    """(draft tokens, accepted drafts) so far, for an engine that speculates; None otherwise."""
+    engine = getattr(llm, "engine", None)
+    proposer = getattr(getattr(engine, "scheduler", None), "proposer", None)
+    if proposer is None:
+        return None
+    return proposer.totals.num_draft_tokens, proposer.totals.num_accepted_tokens

@@ -41,6 +41,8 @@ class SchedulerOutput:
     scheduled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # request_id -> whether the runner must sample after this step (all known tokens computed).
     needs_sample: dict[str, bool] = field(default_factory=dict)
+    # request_id -> draft tokens to verify (speculative decoding): the last entries of scheduled_token_ids.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops their state
 
@@ -57,9 +59,10 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """What one forward pass produced, keyed by request id."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # request_id -> per-token logprobs objects (opaque to the scheduler; see worker/sampler.py)
-    logprobs: dict[str, Any] = field(default_factory=dict)
+    # request_id -> the tokens to append: one, or after verifying drafts the accepted ones and one more
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> one logprobs object per sampled token (opaque to the scheduler; see worker/model_runner.py)
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)
     pooled: dict[str, Any] = field(default_factory=dict)  # request_id -> embedding (list[float])
     # Constrained requests whose grammar ended this step (it accepted a stop token): they finish "stop".
@@ -72,7 +75,7 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: Any = None
+    new_logprobs: list[Any] | None = None  # one entry per new token
     new_prompt_logprobs: Any = None
     pooled: Any = None
     finish_reason: str | None = None
@@ -89,3 +92,4 @@ class SchedulerStats:
     num_preemptions: int = 0  # this step
     prefix_cache_queries: int = 0  # this step, in tokens
     prefix_cache_hits: int = 0
+    spec_decode: Any = None  # spec_decode.ngram.SpecDecodeStats of this step, when speculating

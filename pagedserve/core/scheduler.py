@@ -4,6 +4,9 @@ Each step fills `max_num_batched_tokens` with the running requests' next tokens 
 a chunk per unfinished prefill) and then with waiting requests, at most `max_num_seqs` running.
 Prefill and decode are the same thing: compute tokens num_computed_tokens .. num_tokens.
 When blocks run out, the newest running request is preempted (its blocks freed, to be recomputed).
+With speculative decoding a decoding request may carry draft tokens (spec_decode/): it is scheduled 1 + k query
+tokens, counted in the budget, and afterwards advances by as many tokens as the runner accepted (the K/V written
+for rejected drafts lie past num_computed_tokens and are overwritten later). Drafts never cause a preemption.
 
 A fault while scheduling or updating one request fails that request alone (its blocks freed, its id
 in `take_failed()`), so the step goes on for the others.
@@ -21,6 +24,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                           NewRequestData, SchedulerOutput, SchedulerStats)
 from pagedserve.request import Request, RequestStatus
+from pagedserve.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +39,11 @@ def _no_fault(stage: str, request_id: str) -> None:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 fault_hook: FaultHook = _no_fault) -> None:
+                 fault_hook: FaultHook = _no_fault, proposer: NgramProposer | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.fault_hook = fault_hook
+        self.proposer = proposer  # speculative decoding's draft tokens; None = off
         self._failed: dict[str, str] = {}  # request id -> reason, since the last take_failed()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -71,6 +76,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
+        if self.proposer is not None:
+            self.proposer.drop(request.request_id)
         self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]
 
@@ -109,6 +116,7 @@ class Scheduler:
         return min(remaining, budget, self.config.max_model_len - request.num_computed_tokens)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        speculate = self.proposer is not None and len(self.running) <= self.proposer.config.disable_by_batch_size
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -118,7 +126,11 @@ class Scheduler:
                 if num_new <= 0:
                     index += 1
                     continue
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                drafts = self._propose(request, budget) if speculate and num_new == 1 else []
+                new_blocks = self.kv.allocate_slots(request, 1 + len(drafts)) if drafts else None
+                if new_blocks is None:
+                    drafts = []
+                    new_blocks = self.kv.allocate_slots(request, num_new)
                 while new_blocks is None:
                     victim = self.running.pop()  # newest first
                     self._preempt(victim, out)
@@ -130,10 +142,19 @@ class Scheduler:
                 continue
             out.cached_requests.append(CachedRequestData(
                 request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
-            self._record(out, request, num_new)
-            budget -= num_new
+            self._record(out, request, num_new, drafts)
+            budget -= num_new + len(drafts)
             index += 1
         return budget
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, bounded so that every one of them could be emitted: by the
+        budget, max_tokens (the step also emits one token of its own) and max_model_len."""
+        if request.is_pooling or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.config.max_model_len - request.num_tokens - 1)
+        return self.proposer.propose(request.request_id, request.all_token_ids, room) if room > 0 else []
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv.free(request)
@@ -181,11 +202,13 @@ class Scheduler:
             self._record(out, request, num_new)
             budget -= num_new
 
-    def _record(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _record(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] | None = None) -> None:
         start = request.num_computed_tokens
-        out.num_scheduled_tokens[request.request_id] = num_new
-        out.scheduled_token_ids[request.request_id] = request.all_token_ids[start:start + num_new]
+        out.num_scheduled_tokens[request.request_id] = num_new + len(drafts or ())
+        out.scheduled_token_ids[request.request_id] = request.all_token_ids[start:start + num_new] + (drafts or [])
         out.needs_sample[request.request_id] = start + num_new >= request.num_tokens
+        if drafts:
+            out.spec_token_ids[request.request_id] = drafts
 
     # ---- after the forward ---------------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput,
@@ -207,7 +230,13 @@ class Scheduler:
 
     def _update_one(self, request: Request, num_new: int, sched_out: SchedulerOutput,
                     runner_out: ModelRunnerOutput) -> EngineCoreOutput:
-        request.num_computed_tokens += num_new
+        drafts = sched_out.spec_token_ids.get(request.request_id)
+        if drafts is None:
+            request.num_computed_tokens += num_new
+        else:  # the last known token and the accepted drafts now have their K/V; the rest is overwritten later
+            num_accepted = len(runner_out.sampled_token_ids[request.request_id]) - 1
+            request.num_computed_tokens += 1 + num_accepted
+            self.proposer.record(request.request_id, len(drafts), num_accepted)
         output = EngineCoreOutput(request.request_id, [], num_cached_tokens=request.num_cached_tokens,
                                   new_prompt_logprobs=runner_out.prompt_logprobs.get(request.request_id),
                                   first_scheduled_time=request.first_scheduled_time)
@@ -221,11 +250,17 @@ class Scheduler:
             output.pooled = runner_out.pooled[request.request_id]
             self._finish(request, RequestStatus.FINISHED_STOPPED, output)
             return
-        token_id = runner_out.sampled_token_ids[request.request_id]
-        request.append_output_token(token_id)
-        output.new_token_ids = [token_id]
-        output.new_logprobs = runner_out.logprobs.get(request.request_id)
-        status = self._check_stop(request)
+        token_ids = runner_out.sampled_token_ids[request.request_id]
+        logprobs = runner_out.logprobs.get(request.request_id)
+        status = None
+        for token_id in token_ids:  # several after a verification: each checked as if it came alone
+            request.append_output_token(token_id)
+            output.new_token_ids.append(token_id)
+            status = self._check_stop(request)
+            if status is not None:
+                break
+        if logprobs is not None:
+            output.new_logprobs = logprobs[:len(output.new_token_ids)]
         if status is None and request.request_id in runner_out.grammar_finished:
             status = RequestStatus.FINISHED_STOPPED
         if status is not None:
@@ -259,6 +294,7 @@ class Scheduler:
         stats = SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=self.kv.usage,
             num_preemptions=self._step_preemptions,
-            prefix_cache_queries=queries - last_queries, prefix_cache_hits=hits - last_hits)
+            prefix_cache_queries=queries - last_queries, prefix_cache_hits=hits - last_hits,
+            spec_decode=self.proposer.take_stats() if self.proposer is not None else None)
         self._step_preemptions = 0
         return stats

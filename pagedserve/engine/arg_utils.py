@@ -62,6 +62,12 @@ class EngineArgs:
         "Structured outputs, as JSON (vLLM's flag): {\"backend\": \"xgrammar\"} (the one backend; \"auto\" "
         "means it), \"disable_any_whitespace\": true for compact JSON, \"compile_timeout_s\": seconds before a "
         "grammar still compiling gets a 400 (default 30).")
+    speculative_config: str | None = _opt(
+        "Speculative decoding, as JSON (vLLM's flag; LLM(speculative_config=dict) takes the same dict): "
+        "{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, "
+        "\"prompt_lookup_min\": 2} proposes the tokens that followed the latest earlier occurrence of the "
+        "output's last 2-4 tokens in the prompt or output, verified in the next step (outputs unchanged); "
+        "\"disable_by_batch_size\": no speculation while more requests run (default 4).")
     fault_injection: str | None = _opt("Testing only: faults to raise inside the engine, as "
                                        "POINT:MATCH[:COUNT] rules (pagedserve/engine/faults.py).", hidden=True)
     memory_pressure_meminfo: str | None = _opt("Testing only: the meminfo file the server's memory-pressure "

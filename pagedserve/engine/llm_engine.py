@@ -27,6 +27,8 @@ from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.structured.admission import GrammarAdmission
 from pagedserve.structured.compiler import GrammarCompiler
 from pagedserve.structured.params import StructuredOutputsConfig
@@ -60,7 +62,8 @@ class LLMEngine:
         self.extra_eos_token_ids = _generation_config_eos_ids(config.model.model, self.eos_token_id)
         kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.faults = FaultInjector()  # armed after warm-up: injected faults are for requests, not start-up
-        self.scheduler = Scheduler(config.scheduler, kv, fault_hook=self.faults.check)
+        proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.scheduler = Scheduler(config.scheduler, kv, fault_hook=self.faults.check, proposer=proposer)
         self.output_processor = OutputProcessor(tokenizer)
         self.structured_config = config.structured_outputs or StructuredOutputsConfig()
         self.grammar_compiler = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size,
@@ -453,7 +456,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
         check_memory_plan(plan)
     return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan,
                         fault_injection=args.fault_injection,
-                        structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config))
+                        structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
+                        speculative=_speculative_config(args, task))
 
 
 def check_engine_args(args: EngineArgs) -> None:
@@ -479,8 +483,17 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     parse_fault_spec(args.fault_injection)
     StructuredOutputsConfig.parse(args.structured_outputs_config)
+    SpeculativeConfig.parse(args.speculative_config)
     if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+
+
+def _speculative_config(args: EngineArgs, task: str) -> SpeculativeConfig | None:
+    speculative = SpeculativeConfig.parse(args.speculative_config)
+    if speculative is not None and task == "embed":
+        raise ValueError("--speculative-config applies to text generation, and this model embeds (task embed); "
+                         "leave it out")
+    return speculative
 
 
 def _resolve_task(args: EngineArgs, architecture: str, model_path: str) -> str:

@@ -194,14 +194,19 @@ class OutputProcessor:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
-        sample.token_ids.extend(core_out.new_token_ids)
-        if core_out.new_logprobs is not None and sample.logprobs is not None:
-            sample.logprobs.append(self._to_logprobs_dict(core_out.new_logprobs))
-            sample.cumulative_logprob += core_out.new_logprobs.logprob
-        stop = sample.detokenizer.update(_visible_tokens(core_out, state.params))
-        if stop is not None:
-            sample.finish_reason, sample.stop_reason = "stop", stop
-            return core_out.finish_reason is None
+        visible = len(_visible_tokens(core_out, state.params))
+        logprobs = core_out.new_logprobs if sample.logprobs is not None else None
+        # Token by token, as they would come one per step: a stop string ends the sample at the token that
+        # completes it, and the tokens after it (verified drafts, speculative decoding) are dropped.
+        for i, token_id in enumerate(core_out.new_token_ids):
+            sample.token_ids.append(token_id)
+            if logprobs is not None:
+                sample.logprobs.append(self._to_logprobs_dict(logprobs[i]))
+                sample.cumulative_logprob += logprobs[i].logprob
+            stop = sample.detokenizer.update([token_id]) if i < visible else None
+            if stop is not None:
+                sample.finish_reason, sample.stop_reason = "stop", stop
+                return core_out.finish_reason is None
         if core_out.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = core_out.finish_reason, core_out.stop_reason
         return False

@@ -35,6 +35,9 @@ class SamplingBatch:
     min_p: torch.Tensor | None = None  # [B] float32; None when no row uses it
     all_greedy: bool = True
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    # Rows after whose draw the generator's state is kept (a verification's rows: the runner rewinds the
+    # generator to the last emitted row, so a seeded request draws as it would one token per step).
+    checkpoint_rows: set[int] = field(default_factory=set)
     logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     banned: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # min_tokens: ids to mask
     penalties: Penalties | None = None
@@ -50,6 +53,7 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, K]
     token_logprobs: torch.Tensor | None = None  # [B]
     token_ranks: torch.Tensor | None = None  # [B]
+    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> state after its draw
 
 
 class Sampler:
@@ -58,16 +62,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # logits: [B, V] float32
+        generator_states: dict[int, torch.Tensor] = {}
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs >= 0 else None
         logits = self._process(logits, batch)
         lazy, bitmask = self._mask_grammars(logits, batch)
-        if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = self._sample(logits, batch)
+        token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch, generator_states)
+        out = SamplerOutput(token_ids, generator_states=generator_states)
         if lazy:
-            token_ids = _enforce_lazy_grammars(logits, token_ids, bitmask, lazy)
-        out = SamplerOutput(token_ids)
+            out.token_ids = _enforce_lazy_grammars(logits, out.token_ids, bitmask, lazy)
         if raw_logprobs is not None:
             _add_logprobs(out, raw_logprobs, batch.max_num_logprobs)
         return out
@@ -104,7 +106,8 @@ class Sampler:
                     logits[row] = kept
         return lazy, bitmask
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, generator_states: dict[int, torch.Tensor]
+                ) -> torch.Tensor:
         greedy_ids = logits.argmax(dim=-1)
         is_greedy = batch.temperature < 1e-5
         temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
@@ -117,8 +120,10 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         q = torch.empty_like(probs)
         q.exponential_(generator=self.generator)
-        for row, generator in batch.generators.items():
+        for row, generator in batch.generators.items():  # in row order: a request's rows draw one after another
             q[row].exponential_(generator=generator)
+            if row in batch.checkpoint_rows:
+                generator_states[row] = generator.get_state()
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(is_greedy, greedy_ids, sampled)
 

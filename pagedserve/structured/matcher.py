@@ -53,6 +53,48 @@ class RequestGrammar:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def num_valid_drafts(self, drafts: list[int]) -> int:
+        """How many leading draft tokens (speculative decoding) the grammar allows with more to follow: each one
+        accepted, its text well-formed, the grammar not ended by it. Only the rows after those can be masked."""
+        num_valid = num_accepted = 0
+        state = self.utf8_state
+        for token_id in drafts:
+            state = self.utf8.advance(state, token_id)
+            if state == ERROR or not self.matcher.accept_token(token_id):
+                break  # a rejected token leaves the matcher as it was
+            num_accepted += 1
+            if self.matcher.is_terminated():
+                break
+            num_valid += 1
+        if num_accepted:
+            self.matcher.rollback(num_accepted)
+        return num_valid
+
+    def after(self, drafts: list[int]) -> "DraftedGrammar":
+        """This grammar as it will be once `drafts` (valid ones) are accepted: the mask of a verification row."""
+        return DraftedGrammar(self, drafts)
+
+
+class DraftedGrammar:
+    """A request's grammar after some draft tokens, without moving it: `fill` advances the matcher over the
+    drafts, fills the row and rolls back; `utf8_state` is the guard's state after them."""
+
+    def __init__(self, grammar: RequestGrammar, drafts: list[int]) -> None:
+        self.grammar, self.drafts = grammar, drafts
+        self.utf8 = grammar.utf8
+        state = grammar.utf8_state
+        for token_id in drafts:
+            state = self.utf8.advance(state, token_id)
+        self.utf8_state = state
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        matcher = self.grammar.matcher
+        for token_id in self.drafts:
+            if not matcher.accept_token(token_id):
+                raise RuntimeError(f"draft token {token_id} was checked against the grammar but is rejected")
+        matcher.fill_next_token_bitmask(bitmask, row)
+        matcher.rollback(len(self.drafts))
+
 
 def fill_bitmask(rows: list[tuple[int, RequestGrammar]], num_rows: int, vocab_size: int) -> torch.Tensor:
     """[num_rows, ceil(V / 32)] int32: bit t of row r set when row r's grammar allows token t (all set for rows

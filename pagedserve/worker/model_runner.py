@@ -2,6 +2,15 @@
 
 Per-request state (block table row, sampling generator, penalty counts) lives here between steps.
 The batch is ordered decodes first (one token each), then prefill chunks; see layers/attention.py.
+
+Speculative decoding: a request with draft tokens (SchedulerOutput.spec_token_ids) computes its last token and
+the drafts as consecutive decode rows of its own sequence, each attending to the positions before it (every
+row's K/V is written before any row attends), so verification runs on the decode kernels and the native decode
+stack. Each row is sampled as that position would be one token per step (penalties, min_tokens, grammar and
+seeded generator as if the drafts before it were accepted); drafts are accepted while they equal the sampled
+token, and the sampled token after the last accepted one is emitted too. With one-hot drafts this is exact
+rejection sampling: a draft d is kept with probability p(d), and a rejected row's token is drawn from p
+without d, so the output distribution is the one without speculation, and greedy output the same tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from pagedserve.layers.sampler import Penalties, Sampler, SamplerOutput, Samplin
 from pagedserve.models.loader import ProgressFn, load_model
 from pagedserve.platform import lazy_zeros, torch_dtype
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.acceptance import accepted_tokens
 from pagedserve.structured.matcher import RequestGrammar
 
 logger = logging.getLogger(__name__)
@@ -57,9 +67,31 @@ class _Batch:
     positions: torch.Tensor
     meta: AttentionMetadata
     request_ids: list[str]  # batch order
-    sample_rows: list[int]  # for each request needing a sample: its last token's row
-    sample_request_ids: list[str]
+    sample_rows: list[int]  # rows to sample: a request's last token's row, or a verification's rows
+    sample_request_ids: list[str]  # the request of each sampled row (repeated for a verification)
     spans: dict[str, tuple[int, int, int]]  # request_id -> (first row, num tokens, start position)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request_id -> drafts its rows can verify
+
+
+def _runs(request_ids: list[str]) -> list[tuple[str, int]]:
+    """(request id, consecutive rows) for each request in the sampled rows, in order."""
+    runs: list[tuple[str, int]] = []
+    for request_id in request_ids:
+        if runs and runs[-1][0] == request_id:
+            runs[-1] = (request_id, runs[-1][1] + 1)
+        else:
+            runs.append((request_id, 1))
+    return runs
+
+
+def _row_offsets(request_ids: list[str]) -> list[int]:
+    """For each sampled row, how many rows of the same request come before it (drafts ahead of it)."""
+    offsets, previous, count = [], None, 0
+    for request_id in request_ids:
+        count = count + 1 if request_id == previous else 0
+        offsets.append(count)
+        previous = request_id
+    return offsets
 
 
 class ModelRunner:
@@ -165,20 +197,23 @@ class ModelRunner:
         self._prompt_logprobs(sched, batch, hidden, out)
         if batch.sample_rows:
             rows = torch.tensor(batch.sample_rows, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])  # [B, V] float32
-            sampled = self.sampler(logits, self._sampling_batch(batch.sample_request_ids))
-            self._collect_samples(batch.sample_request_ids, sampled, out)
+            logits = self.model.compute_logits(hidden[rows])  # [rows, V] float32
+            sampling = self._sampling_batch(batch.sample_request_ids, batch.drafts)
+            self._collect_samples(batch, self.sampler(logits, sampling), out)
         return out
 
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
-        decodes = [r for r, n in sched.num_scheduled_tokens.items() if n == 1]
-        prefills = [r for r, n in sched.num_scheduled_tokens.items() if n > 1]
+        # Decode rows: single-token decodes and verifications (a request's last token and its drafts).
+        decodes = [r for r, n in sched.num_scheduled_tokens.items() if n == 1 or r in sched.spec_token_ids]
+        prefills = [r for r, n in sched.num_scheduled_tokens.items() if n > 1 and r not in sched.spec_token_ids]
         order = decodes + prefills
         token_ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
         spans: dict[str, tuple[int, int, int]] = {}
         sample_rows, sample_ids = [], []
+        drafts: dict[str, list[int]] = {}
+        num_decode_rows = 0
         num_computed = {c.request_id: c.num_computed_tokens for c in sched.cached_requests}
         num_computed.update((n.request_id, n.num_computed_tokens) for n in sched.new_requests)
         for request_id in order:
@@ -189,20 +224,29 @@ class ModelRunner:
             token_ids.extend(chunk)
             positions.extend(range(start, start + len(chunk)))
             rows.extend([state.row] * len(chunk))
-            if sched.needs_sample[request_id]:
+            if request_id in sched.spec_token_ids:
+                spec = sched.spec_token_ids[request_id]
+                valid = state.grammar.num_valid_drafts(spec) if state.grammar is not None else len(spec)
+                drafts[request_id] = spec[:valid]
+                first = len(token_ids) - len(chunk)
+                sample_rows.extend(range(first, first + 1 + valid))
+                sample_ids.extend([request_id] * (1 + valid))
+            elif sched.needs_sample[request_id]:
                 sample_rows.append(len(token_ids) - 1)
                 sample_ids.append(request_id)
+            if request_id in decodes:
+                num_decode_rows = len(token_ids)
         pos = torch.tensor(positions, dtype=torch.int64)
         row_t = torch.tensor(rows, dtype=torch.int64)
         slot_mapping = self.block_table[row_t, pos // self.block_size] * self.block_size + pos % self.block_size
-        meta = AttentionMetadata(slot_mapping=slot_mapping.to(self.device), num_decodes=len(decodes))
-        if decodes:
-            self._decode_meta(meta, row_t[:len(decodes)], pos[:len(decodes)] + 1)
+        meta = AttentionMetadata(slot_mapping=slot_mapping.to(self.device), num_decodes=num_decode_rows)
+        if decodes:  # each decode row attends to its own position and those before it
+            self._decode_meta(meta, row_t[:num_decode_rows], pos[:num_decode_rows] + 1)
         for request_id in prefills:
             first, num, start = spans[request_id]
             meta.prefills.append(self._prefill_span(self.states[request_id].row, first, num, start))
         return _Batch(torch.tensor(token_ids, dtype=torch.int64, device=self.device), pos.to(self.device),
-                      meta, order, sample_rows, sample_ids, spans)
+                      meta, order, sample_rows, sample_ids, spans, drafts)
 
     def _context_slots(self, rows: torch.Tensor, max_len: int) -> torch.Tensor:
         """[R, max_len] slot of each context position for block-table rows `rows`."""
@@ -225,8 +269,11 @@ class ModelRunner:
         return span
 
     # ---- sampling --------------------------------------------------------------------------
-    def _sampling_batch(self, request_ids: list[str]) -> SamplingBatch:
+    def _sampling_batch(self, request_ids: list[str], drafts: dict[str, list[int]]) -> SamplingBatch:
+        """Settings of each sampled row; a verification's i-th row samples as if its first i drafts were
+        accepted (its min_tokens count, penalties and grammar state include them)."""
         states = [self.states[r] for r in request_ids]
+        offsets = _row_offsets(request_ids)
         params = [s.sampling_params for s in states]
         temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
                                    dtype=torch.float32, device=self.device)
@@ -239,12 +286,13 @@ class ModelRunner:
             if any(p.min_p > 0.0 for p in params):
                 batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
             batch.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        for i, (state, p) in enumerate(zip(states, params)):
+            batch.checkpoint_rows = {i for i in batch.generators if request_ids[i] in drafts}
+        for i, (state, p, offset) in enumerate(zip(states, params, offsets)):
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=self.device)
                 values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
                 batch.logit_bias.append((i, ids, values))
-            if state.num_output_tokens < p.min_tokens:
+            if state.num_output_tokens + offset < p.min_tokens:
                 banned = list(p.stop_token_ids)
                 if not p.ignore_eos and self.eos_token_id is not None:
                     banned.append(self.eos_token_id)
@@ -253,13 +301,15 @@ class ModelRunner:
             if p.logprobs is not None:
                 batch.max_num_logprobs = max(batch.max_num_logprobs, p.logprobs)
             if state.grammar is not None:
-                batch.grammars.append((i, state.grammar))
-        batch.penalties = self._penalties(states)
+                grammar = state.grammar.after(drafts[state.request_id][:offset]) if offset else state.grammar
+                batch.grammars.append((i, grammar))
+        batch.penalties = self._penalties(states, offsets, drafts)
         return batch
 
     eos_token_id: int | None = None  # set by the engine from the tokenizer
 
-    def _penalties(self, states: list[RequestState]) -> Penalties | None:
+    def _penalties(self, states: list[RequestState], offsets: list[int], drafts: dict[str, list[int]]
+                   ) -> Penalties | None:
         rows = [i for i, s in enumerate(states) if s.output_counts is not None]
         if not rows:
             return None
@@ -268,15 +318,22 @@ class ModelRunner:
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
 
+        counts = []
+        for i, state in zip(rows, picked):
+            count = state.output_counts
+            if offsets[i]:  # a verification row: the drafts before it count as output
+                ahead = torch.tensor(drafts[state.request_id][:offsets[i]], dtype=torch.int64, device=self.device)
+                count = count + torch.bincount(ahead, minlength=self.vocab_size)[:self.vocab_size].float()
+            counts.append(count)
         return Penalties(
             rows=torch.tensor(rows, device=self.device),
-            output_counts=torch.stack([s.output_counts for s in picked]),
+            output_counts=torch.stack(counts),
             prompt_mask=torch.stack([s.prompt_mask for s in picked]),
             presence=column([s.sampling_params.presence_penalty for s in picked]),
             frequency=column([s.sampling_params.frequency_penalty for s in picked]),
             repetition=column([s.sampling_params.repetition_penalty for s in picked]))
 
-    def _collect_samples(self, request_ids: list[str], sampled: SamplerOutput, out: ModelRunnerOutput) -> None:
+    def _collect_samples(self, batch: _Batch, sampled: SamplerOutput, out: ModelRunnerOutput) -> None:
         token_ids = sampled.token_ids.tolist()  # the one host sync of the step
         wants_logprobs = sampled.token_logprobs is not None
         if wants_logprobs:
@@ -284,18 +341,31 @@ class ModelRunner:
             ranks = sampled.token_ranks.tolist()
             top_ids = sampled.top_ids.tolist()
             top_lps = sampled.top_logprobs.tolist()
-        for i, (request_id, token_id) in enumerate(zip(request_ids, token_ids)):
+        first = 0
+        for request_id, num_rows in _runs(batch.sample_request_ids):
             state = self.states[request_id]
-            out.sampled_token_ids[request_id] = token_id
-            state.num_output_tokens += 1
-            if state.output_counts is not None:
-                state.output_counts[token_id] += 1
-            if state.grammar is not None:
-                self._advance_grammar(state, token_id, out)
+            rows = range(first, first + num_rows)
+            first += num_rows
+            emitted = accepted_tokens([token_ids[row] for row in rows], batch.drafts.get(request_id, []))
+            if state.generator is not None and request_id in batch.drafts and sampled.generator_states:
+                state.generator.set_state(sampled.generator_states[rows[len(emitted) - 1]])  # as if one row per step
+            tokens = out.sampled_token_ids[request_id] = []
             k = state.sampling_params.logprobs
+            logprobs: list[TokenLogprobs] | None = None
             if wants_logprobs and k is not None:
-                out.logprobs[request_id] = TokenLogprobs(token_id, token_lps[i], ranks[i],
-                                                         top_ids[i][:k], top_lps[i][:k])
+                logprobs = out.logprobs[request_id] = []
+            for row, token_id in zip(rows, emitted):
+                tokens.append(token_id)
+                state.num_output_tokens += 1
+                if state.output_counts is not None:
+                    state.output_counts[token_id] += 1
+                if logprobs is not None:
+                    logprobs.append(TokenLogprobs(token_id, token_lps[row], ranks[row], top_ids[row][:k],
+                                                  top_lps[row][:k]))
+                if state.grammar is not None:
+                    self._advance_grammar(state, token_id, out)
+                    if request_id in out.grammar_finished:
+                        break
 
     @staticmethod
     def _advance_grammar(state: RequestState, token_id: int, out: ModelRunnerOutput) -> None:

