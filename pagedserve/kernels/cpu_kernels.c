@@ -84,9 +84,6 @@ static inline vf vloadf_part(const float *p, int64_t n) { return _mm512_maskz_lo
 static inline void vstoref_part(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
 static inline vf vkeep(vf v, int64_t n) { return _mm512_maskz_mov_ps(first_lanes(n), v); }  /* lanes >= n -> 0 */
 
-static inline vf vwiden_i8(const int8_t *p) {  /* 16 int8 -> float32 */
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
 static inline vf vbf16(__m256i h) {  /* 16 bf16 -> float32 */
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -167,9 +164,6 @@ static inline vf vloadf_part(const float *p, int64_t n) { return _mm256_maskload
 static inline void vstoref_part(float *p, vf v, int64_t n) { _mm256_maskstore_ps(p, first_lanes(n), v); }
 static inline vf vkeep(vf v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(first_lanes(n))); }
 
-static inline vf vwiden_i8(const int8_t *p) {  /* 8 int8 -> float32 */
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
 static inline vf vbf16(__m128i h) {  /* 8 bf16 -> float32 */
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
@@ -402,32 +396,15 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
 }
 #endif
 
-/* Batches (M >= I8_WIDEN_ROWS) without bf16 dot products: the integer products above are compute-bound
- * there (AVX2 ~120 GOP/s), so the int8 weights are widened to float32 in registers (2 ops for VL weights,
- * shared by I8W_MT rows of x) and meet x, widened to float32 once, in fused multiply-adds at the float32
- * peak (~170 GFLOP/s on 2 Zen 3 cores). Exact products (bf16 x int8 fits float32's mantissa), summed in
- * float32, scaled once per output. Same packed layout, read as 4 rows of 64-column chunks:
- * acc[r][m] = dot(x[m], w[r]) for the block's 4 rows and MT rows of x. AVX-512 CPUs without BF16 take
- * it too (untested there: none of ours is one). */
+/* Without bf16 dot products (AVX2, AVX-512 without BF16) batches of I8_PANEL_ROWS rows and more (prefill)
+ * take the float32 panels below; every smaller batch takes the integer kernel above, so a row's result does not
+ * depend on how many rows run with it (a decode step, a speculative verification's rows and a batch of a few
+ * requests give every row the same bits). Measured on the 2-core Zen 3 for Qwen2.5-0.5B's gate/up and down
+ * shapes, streamed from memory: the integer kernel was as fast as float32 tiles at 1-48 rows (e.g. 9 rows
+ * 14.6 vs 15.6 ms, 32 rows 51-58 vs 70-79 ms for 10 of them), so the tiles (widening int8 to float32 per
+ * 3 rows) were dropped. */
 #if PS_ISA == 256 || !defined(__AVX512BF16__)
 #define I8_WIDEN 1
-#define I8_WIDEN_ROWS 4
-#define I8W_MT 3  /* 12 accumulators + 1 widened weight vector; x read from L1 by the multiply-adds */
-
-static inline __attribute__((always_inline)) void i8_widen_tile(const int8_t *w, const float *x, int64_t K,
-                                                                const int MT, float acc[4][I8W_MT]) {
-  vf a[4][I8W_MT];
-  for (int r = 0; r < 4; ++r)
-    for (int m = 0; m < MT; ++m) a[r][m] = vzero();
-  for (int64_t k = 0; k < K; k += 64)
-    for (int g = 0; g < 64; g += VL)
-      for (int r = 0; r < 4; ++r) {
-        const vf wv = vwiden_i8(w + k * 4 + r * 64 + g);
-        for (int m = 0; m < MT; ++m) a[r][m] = vfma(wv, vloadf(x + m * K + k + g), a[r][m]);
-      }
-  for (int r = 0; r < 4; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = vsum(a[r][m]);
-}
 #else
 #define I8_WIDEN 0  /* AVX512-BF16: the integer kernel serves decode; prefill dequantizes (Int8Linear) */
 #endif
@@ -619,8 +596,8 @@ static inline void i8_store(void *y, const void *bias, const float *scale, float
 /* Prefill-sized batches (M >= I8_PANEL_ROWS): each block of BF16_NB outputs is first written as bf16 pairs
  * into a panel in the bf16 linear's layout (the int8 values are exact in bf16), and the bf16 tile runs
  * every row of x over it: the widening is paid once per block instead of once per tile of rows, and the
- * outer-product tile needs few loads (the widened inner-product tile below is load- and shuffle-bound
- * at ~120 GFLOP/s on Zen 3). Exact products, float32 sums, one scale per output. */
+ * outer-product tile needs few loads (an inner-product tile widening int8 per tile of rows was load- and
+ * shuffle-bound at ~120 GFLOP/s on Zen 3). Exact products, float32 sums, one scale per output. */
 #define I8_PANEL_ROWS 64
 
 static void i8_fill_panel(const int8_t *q, int64_t nb, int64_t N, int64_t K, uint32_t *panel) {
@@ -673,26 +650,7 @@ static void i8_widened(const void *x, const int8_t *q, const float *scale, const
                        int64_t N, int64_t K, int bf16, int nthreads) {
   float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
   for (int64_t i = 0; i < M * K; i += VL) vstoref(xf + i, vload(at(x, i, bf16), bf16));  /* K % 64 == 0 */
-  if (M >= I8_PANEL_ROWS) {
-    i8_panels(xf, q, scale, bias, y, M, N, K, bf16, nthreads);
-    free(xf);
-    return;
-  }
-  #pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t n = 0; n < N; n += 4) {
-    const int64_t rows = N - n < 4 ? N - n : 4;
-    for (int64_t m = 0; m < M; m += I8W_MT) {
-      const int64_t mt = M - m < I8W_MT ? M - m : I8W_MT;
-      float acc[4][I8W_MT];
-      switch (mt) {
-        case 1: i8_widen_tile(q + n * K, xf + m * K, K, 1, acc); break;
-        case 2: i8_widen_tile(q + n * K, xf + m * K, K, 2, acc); break;
-        default: i8_widen_tile(q + n * K, xf + m * K, K, I8W_MT, acc); break;
-      }
-      for (int64_t c = 0; c < mt; ++c)
-        for (int r = 0; r < rows; ++r) i8_store(y, bias, scale, 1.0f, acc[r][c], m + c, n + r, N, bf16);
-    }
-  }
+  i8_panels(xf, q, scale, bias, y, M, N, K, bf16, nthreads);
   free(xf);
 }
 #endif
@@ -700,7 +658,7 @@ static void i8_widened(const void *x, const int8_t *q, const float *scale, const
 void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
                   void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
 #if I8_WIDEN
-  if (M >= I8_WIDEN_ROWS) {
+  if (M >= I8_PANEL_ROWS) {
     i8_widened(x, q, scale, bias, y, M, N, K, bf16, nthreads);
     return;
   }
@@ -734,7 +692,7 @@ int ps_bf16_block(void) { return BF16_NB; }
 
 /* 1 where the CPU multiplies bf16 natively (AVX512-BF16): there a dense bf16 matmul beats the int8
  * kernel at prefill sizes, so int8 layers dequantize above a few rows; elsewhere the int8 kernel takes
- * every batch size (AVX2: its float32 paths for 4+ rows run at the bf16 linear's speed, where oneDNN's
+ * every batch size (AVX2: its float32 panels for prefill run at the bf16 linear's speed, where oneDNN's
  * emulated bf16 would be several times slower). */
 int ps_has_bf16_dot(void) {
 #ifdef __AVX512BF16__
