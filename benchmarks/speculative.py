@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MODELS = ("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
 
 CODE_FILE = '''import json
@@ -103,7 +103,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 path, mode, k, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 draft = LlamaPromptLookupDecoding(num_pred_tokens=k, max_ngram_size=4) if mode == "lookup" else None
 llm = Llama(model_path=path, n_ctx=2048, n_batch=512, n_threads=2, n_threads_batch=2, verbose=False, seed=0,
-            draft_model=draft)
+            draft_model=draft, logits_all=draft is not None)  # its speculative path reads every row's logits
 stops = {llm.token_eos()}  # and the chat templates' end-of-turn tokens, which pagedserve also stops on
 for text in (b"<|im_end|>", b"<|endoftext|>"):
     ids = llm.tokenize(text, add_bos=False, special=True)
@@ -111,14 +111,17 @@ for text in (b"<|im_end|>", b"<|endoftext|>"):
         stops.add(ids[0])
 out = {}
 for name, (tokens, max_tokens) in jobs.items():
-    llm.reset(); t0 = time.perf_counter(); generated = []
+    llm.reset(); t0 = time.perf_counter(); generated = []; first = last = t0
     for token in llm.generate(tokens, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        last = time.perf_counter()
         if token in stops:
             break
+        if not generated:
+            first = last
         generated.append(token)
         if len(generated) == max_tokens:
             break
-    out[name] = {"seconds": time.perf_counter() - t0, "tokens": generated}
+    out[name] = {"seconds": last - t0, "decode_seconds": last - first, "tokens": generated}
 print("### RESULTS " + json.dumps(out), flush=True)
 '''
 
@@ -134,8 +137,10 @@ def run_pagedserve(llm, jobs: dict[str, tuple[list[int], int]]) -> dict[str, dic
     for name, (tokens, max_tokens) in jobs.items():
         start = time.perf_counter()
         result = llm.generate([{"prompt_token_ids": tokens}], SamplingParams(temperature=0.0, max_tokens=max_tokens))
-        out[name] = {"seconds": time.perf_counter() - start, "tokens": result[0].outputs[0].token_ids,
-                     "text": result[0].outputs[0].text}
+        seconds = time.perf_counter() - start
+        metrics = result[0].metrics
+        out[name] = {"seconds": seconds, "decode_seconds": metrics.last_token_time - metrics.first_token_time,
+                     "tokens": result[0].outputs[0].token_ids}
     return out
 
 
@@ -158,8 +163,10 @@ def real_model_rows(name: str, args: argparse.Namespace) -> list[dict]:
     from pagedserve.models.fetch import resolve_model
 
     path = str(resolve_model(name))
-    plain = LLM(path, max_model_len=2048)
-    spec = LLM(path, max_model_len=2048, speculative_config=SPEC)
+    # No prefix caching: every round prefills its prompt, as a new editing request would.
+    kwargs = dict(max_model_len=2048, enable_prefix_caching=False, dtype=args.dtype)
+    plain = LLM(path, **kwargs)
+    spec = LLM(path, speculative_config=SPEC, **kwargs)
     jobs = {w: (chat_prompt(plain, text), max_tokens) for w, (text, max_tokens) in WORKLOADS.items()}
     systems = {"pagedserve": lambda: run_pagedserve(plain, jobs), "pagedserve + ngram": lambda: run_pagedserve(spec, jobs)}
     if args.llama_cpp_python:
@@ -176,17 +183,18 @@ def real_model_rows(name: str, args: argparse.Namespace) -> list[dict]:
         row = {"model": name, "workload": workload, "prompt_tokens": len(jobs[workload][0]),
                "acceptance": acceptance.acceptance_rate}
         for system, results in runs.items():
-            rates = [r[workload]["tokens"].__len__() / r[workload]["seconds"] for r in results]
-            row[system] = statistics.median(rates)
+            row[system] = statistics.median(len(r[workload]["tokens"]) / r[workload]["seconds"] for r in results)
+            row[f"{system} decode"] = statistics.median((len(r[workload]["tokens"]) - 1) / r[workload]["decode_seconds"]
+                                                        for r in results)
             row[f"{system} tokens"] = results[0][workload]["tokens"]
         row["output_tokens"] = len(row["pagedserve tokens"])
         row["identical"] = row["pagedserve tokens"] == row["pagedserve + ngram tokens"]
         if args.llama_cpp_python:
             row["llama.cpp identical"] = row["llama.cpp tokens"] == row["llama.cpp + lookup tokens"]
         rows.append(row)
-        print(f"{name} {workload}: " + ", ".join(f"{s} {row[s]:.1f} tok/s" for s in systems)
+        print(f"{name} {workload}: " + ", ".join(f"{s} {row[s]:.1f} ({row[s + ' decode']:.1f} decode) tok/s"
+                                                  for s in systems)
               + f"; identical {row['identical']}", flush=True)
-    del plain, spec
     return rows
 
 
@@ -213,6 +221,7 @@ def random_rows(args: argparse.Namespace) -> list[dict]:
         rates: dict[str, list[float]] = {"pagedserve": [], "pagedserve + ngram": []}
         engines = {"pagedserve": plain, "pagedserve + ngram": spec}
         tokens = {}
+        drafts_before = spec.engine.scheduler.proposer.totals.num_draft_tokens
         for round_index in range(args.rounds):
             for system in rotated(list(engines), round_index):
                 start = time.perf_counter()
@@ -223,7 +232,8 @@ def random_rows(args: argparse.Namespace) -> list[dict]:
         row = {"model": "Qwen2.5-0.5B shape, random", "workload": label,
                **{s: statistics.median(v) for s, v in rates.items()},
                "identical": tokens["pagedserve"] == tokens["pagedserve + ngram"],
-               "acceptance": spec.engine.scheduler.proposer.totals.acceptance_rate}
+               "acceptance": spec.engine.scheduler.proposer.totals.acceptance_rate,
+               "draft_tokens": spec.engine.scheduler.proposer.totals.num_draft_tokens - drafts_before}
         rows.append(row)
         print(f"{label}: " + ", ".join(f"{s} {row[s]:.1f} tok/s" for s in rates) + f"; identical {row['identical']}",
               flush=True)
@@ -242,29 +252,37 @@ def format_report(real: list[dict], random_: list[dict], args: argparse.Namespac
         "# Speculative decoding: n-gram prompt lookup",
         "",
         f"`python benchmarks/speculative.py --rounds {args.rounds}`, CPU class {cpu_class()}, {os.cpu_count()} cores, "
-        f"`--speculative-config '{json.dumps(SPEC)}'`, default dtype; batch 1, greedy, chat template, each request "
-        f"to its natural end; output tokens / wall time of the request (prefill included), medians of {args.rounds} "
+        f"`--speculative-config '{json.dumps(SPEC)}'`, `--dtype {args.dtype}`, no prefix caching; batch 1, greedy, "
+        f"chat template, each request to its natural end or its max_tokens; output tokens / wall time of the request "
+        f"(prefill included), in brackets (output tokens - 1) / time from the first to the last token, medians of "
+        f"{args.rounds} "
         f"interleaved rounds in rotated order ({wall_s / 60:.0f} min in all). The VM drifts by 5-10 % minute to "
         "minute; ratios within a round are what count.",
         "",
-        "| model | workload | prompt / output tokens | pagedserve tok/s | + ngram tok/s | speed-up (goal >= 2) | "
-        "text identical | draft acceptance |" + (" llama.cpp tok/s | + prompt lookup | speed-up | identical |" if peers else ""),
+        "| model | workload | prompt / output tokens | pagedserve tok/s (decode) | + ngram tok/s (decode) | "
+        "speed-up, e2e (decode) | text identical | draft acceptance |"
+        + (" llama.cpp tok/s (decode) | + prompt lookup (decode) | speed-up, e2e (decode) | identical |" if peers else ""),
         "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if peers else ""),
     ]
+
+    def pair(r: dict, base: str, fast: str) -> str:
+        return (f"{r[base]:.1f} ({r[base + ' decode']:.1f}) | {r[fast]:.1f} ({r[fast + ' decode']:.1f}) | "
+                f"{r[fast] / r[base]:.2f}x ({r[fast + ' decode'] / r[base + ' decode']:.2f}x)")
+
     for r in real:
         line = (f"| {r['model']} | {r['workload']} | {r['prompt_tokens']} / {r['output_tokens']} | "
-                f"{r['pagedserve']:.1f} | {r['pagedserve + ngram']:.1f} | "
-                f"{r['pagedserve + ngram'] / r['pagedserve']:.2f}x | {'yes' if r['identical'] else 'NO'} | "
+                f"{pair(r, 'pagedserve', 'pagedserve + ngram')} | {'yes' if r['identical'] else 'NO'} | "
                 f"{r['acceptance']:.0%} |")
         if peers:
-            line += (f" {r['llama.cpp']:.1f} | {r['llama.cpp + lookup']:.1f} | "
-                     f"{r['llama.cpp + lookup'] / r['llama.cpp']:.2f}x | {'yes' if r['llama.cpp identical'] else 'NO'} |")
+            line += f" {pair(r, 'llama.cpp', 'llama.cpp + lookup')} | {'yes' if r['llama.cpp identical'] else 'NO'} |"
         lines.append(line)
     lines += ["", "Where drafts rarely help (goal >= 0.95x of speculation off):", "",
-              "| model | workload | pagedserve tok/s | + ngram tok/s | ratio | identical |", "|---|---|---|---|---|---|"]
+              "| model | workload | pagedserve tok/s | + ngram tok/s | ratio | identical | draft tokens proposed |",
+              "|---|---|---|---|---|---|---|"]
     for r in random_:
         lines.append(f"| {r['model']} | {r['workload']} | {r['pagedserve']:.1f} | {r['pagedserve + ngram']:.1f} | "
-                     f"{r['pagedserve + ngram'] / r['pagedserve']:.2f}x | {'yes' if r['identical'] else 'NO'} |")
+                     f"{r['pagedserve + ngram'] / r['pagedserve']:.2f}x | {'yes' if r['identical'] else 'NO'} | "
+                     f"{r['draft_tokens']} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -272,8 +290,9 @@ def format_report(real: list[dict], random_: list[dict], args: argparse.Namespac
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated; empty: the random rows only")
     parser.add_argument("--skip-random", action="store_true")
+    parser.add_argument("--dtype", default="auto", help="pagedserve's --dtype for the real models (default auto)")
     parser.add_argument("--llama-cpp-python", default=None, help="python of a venv with llama-cpp-python")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "out")
     parser.add_argument("--report", type=Path, default=None, help="write the markdown report here")

@@ -234,7 +234,7 @@ class ModelRunner:
             elif sched.needs_sample[request_id]:
                 sample_rows.append(len(token_ids) - 1)
                 sample_ids.append(request_id)
-            if request_id in decodes:
+            if len(spans) == len(decodes):  # decodes come first: this was the last of them
                 num_decode_rows = len(token_ids)
         pos = torch.tensor(positions, dtype=torch.int64)
         row_t = torch.tensor(rows, dtype=torch.int64)
