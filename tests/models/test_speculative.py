@@ -337,3 +337,31 @@ def test_a_verification_step_runs_the_decode_kernels(tiny_model_dir):
     finally:
         ModelRunner._prepare = original
     assert seen and all(prefills == 0 and decodes == total for decodes, prefills, total in seen)
+
+
+def test_abort_while_verifying_frees_everything_and_the_others_go_on(llama):
+    model_dir, prompts, expected, _ = llama
+    llm = spec_llm(model_dir)
+    engine = llm.engine
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, greedy())
+    verified: set[str] = set()  # requests whose drafts the last step verified
+    execute = engine.runner.execute
+
+    def spy(sched):
+        verified.clear()
+        verified.update(sched.spec_token_ids)
+        return execute(sched)
+
+    engine.runner.execute = spy
+    finished, aborted = {}, False
+    while engine.has_unfinished_requests():  # abort request 0 right after a step that verified its drafts
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+        if not aborted and "0" in verified and "0" not in finished:
+            engine.abort_request(["0"])
+            aborted = True
+    assert aborted
+    assert [finished[str(i)] for i in range(1, len(prompts))] == expected[1:]
+    assert_no_leaks(llm)
