@@ -7,6 +7,23 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class PoolerConfig:
+    """How an embedding model pools (models/pooling_config.py reads it from the model's files)."""
+
+    pooling_type: str  # one of models.pooling_config.POOLING_TYPES
+    normalize: bool
+    source: str  # where the settings came from, for logs and errors
+    # Matryoshka: which `dimensions` a request may ask for. None: the model does not declare support;
+    # () : any size up to the hidden size; otherwise exactly these sizes.
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    @property
+    def needs_all_tokens(self) -> bool:
+        """Whether every token's hidden state counts (so a prefix-cache hit would change the result)."""
+        return self.pooling_type != "lasttoken"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model: str  # resolved local path: a Hugging Face directory or a .gguf file
     served_model_name: str
@@ -15,7 +32,7 @@ class ModelConfig:
     hf_config: Any  # transformers.PretrainedConfig
     architecture: str  # e.g. "LlamaForCausalLM"
     task: str = "generate"  # "generate" | "embed"
-    pooler: Any = None  # models.pooling_config.PoolerConfig when task == "embed"
+    pooler: PoolerConfig | None = None  # when task == "embed"
     seed: int = 0
     quantization: str | None = None
     enforce_eager: bool = False

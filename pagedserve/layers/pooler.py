@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.models.pooling_config import PoolerConfig
+from pagedserve.config import PoolerConfig
 
 
 @dataclass

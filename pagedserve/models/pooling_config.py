@@ -10,9 +10,10 @@ Without those files: BERT-style encoders pool the CLS token, decoders the last t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pagedserve.config import PoolerConfig  # the frozen result, kept with the other configs (layers read it)
 
 # Bidirectional encoders: no KV cache, the whole input in one forward pass.
 ENCODER_ARCHITECTURES = frozenset({"BertModel"})
@@ -33,21 +34,6 @@ _SUPPORTED_MODULES = ("Transformer", "Pooling", "Normalize")
 
 class PoolingConfigError(ValueError):
     """The model's sentence-transformers files ask for something pagedserve cannot do."""
-
-
-@dataclass(frozen=True)
-class PoolerConfig:
-    pooling_type: str  # one of POOLING_TYPES
-    normalize: bool
-    source: str  # where the settings came from, for logs and errors
-    # Matryoshka: which `dimensions` a request may ask for. None: the model does not declare support;
-    # () : any size up to the hidden size; otherwise exactly these sizes.
-    matryoshka_dimensions: tuple[int, ...] | None = None
-
-    @property
-    def needs_all_tokens(self) -> bool:
-        """Whether every token's hidden state counts (so a prefix-cache hit would change the result)."""
-        return self.pooling_type != "lasttoken"
 
 
 def is_encoder(architecture: str) -> bool:
