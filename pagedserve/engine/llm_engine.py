@@ -32,6 +32,7 @@ from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.structured.admission import GrammarAdmission
 from pagedserve.structured.compiler import GrammarCompiler
 from pagedserve.structured.params import StructuredOutputsConfig
+from pagedserve.worker.protocol import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,10 @@ class LLMEngine:
         if config.device.device == "cpu":
             configure_threads(config.device.num_threads)
         startup.enter("loading_weights")
-        self.runner = _make_runner(config, startup.set_progress)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.runner = _make_runner(config, startup.set_progress, self.eos_token_id)
         startup.enter("allocating_kv")
         self.runner.allocate_kv_cache()
-        self.eos_token_id = tokenizer.eos_token_id
-        self.runner.eos_token_id = self.eos_token_id
         self.extra_eos_token_ids = _generation_config_eos_ids(config.model.model, self.eos_token_id)
         kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.faults = FaultInjector()  # armed after warm-up: injected faults are for requests, not start-up
@@ -355,7 +355,7 @@ class LLMEngine:
         return outputs
 
 
-def _make_runner(config: EngineConfig, progress: Any) -> Any:
+def _make_runner(config: EngineConfig, progress: Any, eos_token_id: int | None) -> Runner:
     """The runner for this architecture and task: ModelRunner generates; embedding models get
     worker/pooling_runner.py's (an encoder runner without KV cache, or a decoder one that pools)."""
     if config.model.task == "embed":
@@ -364,7 +364,7 @@ def _make_runner(config: EngineConfig, progress: Any) -> Any:
         return make_pooling_runner(config, config.model.hf_config, progress)
     from pagedserve.worker.model_runner import ModelRunner
 
-    return ModelRunner(config, config.model.hf_config, progress)
+    return ModelRunner(config, config.model.hf_config, progress, eos_token_id=eos_token_id)
 
 
 def _generation_config_eos_ids(model_path: str, eos_token_id: int | None) -> list[int]:

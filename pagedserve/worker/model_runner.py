@@ -95,8 +95,10 @@ def _row_offsets(request_ids: list[str]) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, progress: ProgressFn | None = None) -> None:
+    def __init__(self, config: EngineConfig, hf_config, progress: ProgressFn | None = None,
+                 eos_token_id: int | None = None) -> None:
         self.config = config
+        self.eos_token_id = eos_token_id  # the tokenizer's: min_tokens bans it, a grammar may end on it
         self.device = config.device.device
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
@@ -305,8 +307,6 @@ class ModelRunner:
                 batch.grammars.append((i, grammar))
         batch.penalties = self._penalties(states, offsets, drafts)
         return batch
-
-    eos_token_id: int | None = None  # set by the engine from the tokenizer
 
     def _penalties(self, states: list[RequestState], offsets: list[int], drafts: dict[str, list[int]]
                    ) -> Penalties | None:

@@ -1,0 +1,21 @@
+"""What the engine needs of a model runner; worker/model_runner.py (generation) and worker/pooling_runner.py
+(embeddings) implement it. The engine calls nothing else, so a runner for another device or a sharded model
+only has to provide these."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Runner(Protocol):
+    # One K/V pool per layer (empty for a runner without KV cache); memory/pressure.py gives their unused
+    # pages back to the system.
+    kv_caches: list
+
+    def allocate_kv_cache(self) -> None:
+        """Create the KV pools for config.cache.num_blocks blocks (memory is touched only as they fill)."""
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the scheduled tokens through the model, then sampling (or pooling)."""
