@@ -15,6 +15,7 @@ without d, so the output distribution is the one without speculation, and greedy
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -75,23 +76,12 @@ class _Batch:
 
 def _runs(request_ids: list[str]) -> list[tuple[str, int]]:
     """(request id, consecutive rows) for each request in the sampled rows, in order."""
-    runs: list[tuple[str, int]] = []
-    for request_id in request_ids:
-        if runs and runs[-1][0] == request_id:
-            runs[-1] = (request_id, runs[-1][1] + 1)
-        else:
-            runs.append((request_id, 1))
-    return runs
+    return [(request_id, len(list(rows))) for request_id, rows in itertools.groupby(request_ids)]
 
 
 def _row_offsets(request_ids: list[str]) -> list[int]:
     """For each sampled row, how many rows of the same request come before it (drafts ahead of it)."""
-    offsets, previous, count = [], None, 0
-    for request_id in request_ids:
-        count = count + 1 if request_id == previous else 0
-        offsets.append(count)
-        previous = request_id
-    return offsets
+    return [offset for _, num in _runs(request_ids) for offset in range(num)]
 
 
 class ModelRunner:
