@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.memory.plan import weight_bytes_from_safetensors_dir
+from pagedserve.formats.safetensors import (
+    FLOAT_DTYPES,
+    SAFETENSORS_DTYPE_BYTES,
+    read_safetensors_header,
+    safetensors_files,
+)
 
 # fp8 KV caches also keep one 2-byte scale per token and head (3 % more for head_dim 64), not counted here.
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
@@ -77,3 +83,24 @@ def read_checkpoint_info(model_path: str | Path) -> CheckpointInfo:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{config_path}: cannot read the model config ({exc})") from exc
     return CheckpointInfo(path, config, False)
+
+
+def weight_bytes_from_safetensors_dir(path: str | Path, dtype_bytes: int,
+                                      skip: Callable[[str], bool] | None = None) -> int:
+    """Bytes of all weights in a checkpoint dir once floating-point tensors are cast to the serving dtype.
+
+    Reads only the headers. Integer tensors (quantized weights, index buffers) keep their stored size.
+    Tensors for which `skip(name)` is true (ones the loader drops, such as a tied LM head) are not counted.
+    """
+    files = safetensors_files(Path(path))
+    if not files:
+        raise ValueError(f"{path}: no .safetensors files")
+    total = 0
+    for file in files:
+        for name, info in read_safetensors_header(file).tensors.items():
+            if skip is not None and skip(name):
+                continue
+            num_elements = math.prod(info["shape"])
+            dtype = info["dtype"]
+            total += num_elements * (dtype_bytes if dtype in FLOAT_DTYPES else SAFETENSORS_DTYPE_BYTES[dtype])
+    return total

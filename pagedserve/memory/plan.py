@@ -63,10 +63,8 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from pagedserve.memory.probe import AvailableMemory
 
@@ -118,12 +116,6 @@ CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB
 # imports it from here: one number, and the plan stays free of torch).
 ATTENTION_CHUNK_PAIRS = 1 << 21
 
-# Bytes per element of the dtypes a safetensors header can name.
-SAFETENSORS_DTYPE_BYTES = {
-    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
-}
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
 class InsufficientMemoryError(RuntimeError):
@@ -611,52 +603,3 @@ def format_plan_table(plan: MemoryPlan) -> str:
         else:
             lines.append("no single flag change fits: free memory, or use a smaller model")
     return "\n".join(["memory plan", *lines])
-
-
-# ----------------------------------------------------------------------------------------------- headers
-
-
-def read_safetensors_header(path: str | Path) -> dict:
-    """The JSON header of one .safetensors file (8-byte little-endian length, then JSON), without the data."""
-    path = Path(path)
-    with path.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"{path}: too short to be a safetensors file ({len(prefix)} bytes)")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > path.stat().st_size - 8:
-            raise ValueError(f"{path}: header length {length} exceeds the file size")
-        raw = f.read(length)
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: unreadable safetensors header ({exc})") from exc
-
-
-def _safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return [directory / name for name in sorted(set(weight_map.values()))]
-    return sorted(directory.glob("*.safetensors"))
-
-
-def weight_bytes_from_safetensors_dir(path: str | Path, dtype_bytes: int,
-                                      skip: Callable[[str], bool] | None = None) -> int:
-    """Bytes of all weights in a checkpoint dir once floating-point tensors are cast to the serving dtype.
-
-    Reads only the headers. Integer tensors (quantized weights, index buffers) keep their stored size.
-    Tensors for which `skip(name)` is true (ones the loader drops, such as a tied LM head) are not counted.
-    """
-    files = _safetensors_files(Path(path))
-    if not files:
-        raise ValueError(f"{path}: no .safetensors files")
-    total = 0
-    for file in files:
-        for name, info in read_safetensors_header(file).items():
-            if name == "__metadata__" or (skip is not None and skip(name)):
-                continue
-            num_elements = math.prod(info["shape"])
-            dtype = info["dtype"]
-            total += num_elements * (dtype_bytes if dtype in _FLOAT_DTYPES else SAFETENSORS_DTYPE_BYTES[dtype])
-    return total

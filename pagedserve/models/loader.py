@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.formats.safetensors import read_safetensors_header, safetensors_files
 from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import QuantizedWeight
 from pagedserve.models.registry import model_class
-from pagedserve.models.safetensors_mmap import iter_safetensors, safetensors_files
+from pagedserve.models.safetensors_mmap import iter_safetensors
 from pagedserve.platform import release_free_heap
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,7 @@ def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False
         for path in files:
             yield from iter_safetensors(path)
 
-    from pagedserve.models.safetensors_mmap import read_header
-
-    return sum(len(read_header(p)[0]) for p in files), generate()
+    return sum(len(read_safetensors_header(p).tensors) for p in files), generate()
 
 
 def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.dtype, device: str,

@@ -16,6 +16,9 @@ from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pagedserve.formats.errors import LOCAL_MODEL_HINT, REDOWNLOAD_HINT, ModelValidationError
+from pagedserve.formats.safetensors import read_safetensors_header, read_shard_index, safetensors_files, truncated_error
+
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -43,14 +46,6 @@ SUPPORTED_GGUF_TOKENIZER_PRE: tuple[str, ...] = (
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS: tuple[int, ...] = (2, 3)
 GGUF_DEFAULT_ALIGNMENT = 32
-
-_LOCAL_MODEL_HINT = "Pass --model a Hugging Face model directory (with config.json) or a .gguf file"
-_REDOWNLOAD_HINT = "The download was probably interrupted: delete it and download it again"
-
-
-class ModelValidationError(ValueError):
-    """A model path that cannot be served; the message names the problem and the fix."""
-
 
 # ---------------------------------------------------------------------------------------------------
 # GGUF header parsing
@@ -202,7 +197,7 @@ def _parse_gguf(path: Path, buf: bytes | mmap.mmap, keep_string_arrays: bool) ->
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise ModelValidationError(
             f"{path} is not a GGUF file (it does not start with the bytes 'GGUF'). "
-            f"{_LOCAL_MODEL_HINT}; if this was meant to be a GGUF, it is damaged: download it again."
+            f"{LOCAL_MODEL_HINT}; if this was meant to be a GGUF, it is damaged: download it again."
         )
     cur.pos = 4
     (version,) = cur.unpack("<I")
@@ -244,7 +239,7 @@ def read_gguf_header(path: str | Path, *, keep_string_arrays: bool = True) -> GG
             except _Truncated as exc:
                 raise ModelValidationError(
                     f"GGUF file {path} is truncated inside its header (at byte {exc.pos:,} of {size:,}). "
-                    f"{_REDOWNLOAD_HINT}."
+                    f"{REDOWNLOAD_HINT}."
                 ) from None
             except (ValueError, UnicodeDecodeError) as exc:
                 raise ModelValidationError(
@@ -255,7 +250,7 @@ def read_gguf_header(path: str | Path, *, keep_string_arrays: bool = True) -> GG
 def _truncated_gguf_error(path: Path, required: int, actual: int) -> ModelValidationError:
     return ModelValidationError(
         f"GGUF file {path} is truncated: its tensors need at least {required:,} bytes but the file has "
-        f"{actual:,} bytes ({required - actual:,} missing). {_REDOWNLOAD_HINT}."
+        f"{actual:,} bytes ({required - actual:,} missing). {REDOWNLOAD_HINT}."
     )
 
 
@@ -348,7 +343,7 @@ def _check_config(model_dir: Path) -> dict[str, Any]:
         hint = f" It holds a GGUF file: pass --model {ggufs[0]}." if ggufs else ""
         raise ModelValidationError(
             f"{model_dir} has no config.json, so it is not a Hugging Face model directory.{hint} "
-            f"{_LOCAL_MODEL_HINT}."
+            f"{LOCAL_MODEL_HINT}."
         )
     config = _load_json(config_path, "model config")
     if not isinstance(config, dict):
@@ -362,33 +357,11 @@ def _check_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
-def safetensors_expected_size(path: Path) -> int:
-    """File size a safetensors file must have according to its own header (8 + header + data)."""
-    size = path.stat().st_size
-    with open(path, "rb") as file:
-        prefix = file.read(8)
-        if len(prefix) < 8:
-            return 8
-        (header_len,) = struct.unpack("<Q", prefix)
-        if 8 + header_len > size:
-            return 8 + header_len
-        try:
-            header = json.loads(file.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelValidationError(
-                f"{path} has a damaged safetensors header ({exc}). Download the model again."
-            ) from None
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    return 8 + header_len + max(ends, default=0)
-
-
 def _check_safetensors_file(path: Path) -> None:
-    expected, actual = safetensors_expected_size(path), path.stat().st_size
+    header = read_safetensors_header(path)  # raises when cut inside the header or not JSON
+    expected, actual = header.required_size, header.file_size
     if actual < expected:
-        raise ModelValidationError(
-            f"{path.name} is truncated: its header says {expected:,} bytes, the file has {actual:,} "
-            f"({expected - actual:,} missing). {_REDOWNLOAD_HINT} ({path})."
-        )
+        raise truncated_error(path, expected, actual)
     if actual > expected:
         raise ModelValidationError(
             f"{path.name} is larger than its header says ({actual:,} bytes, expected {expected:,}): "
@@ -397,17 +370,14 @@ def _check_safetensors_file(path: Path) -> None:
 
 
 def _check_weights(model_dir: Path) -> None:
-    index_path = model_dir / "model.safetensors.index.json"
-    if index_path.is_file():
-        index = _load_json(index_path, "safetensors shard index")
-        shards = sorted(set((index.get("weight_map") or {}).values()))
-        missing = [name for name in shards if not (model_dir / name).is_file()]
-        if missing:
-            raise ModelValidationError(
-                f"{model_dir} is missing {len(missing)} of {len(shards)} weight shards named in "
-                f"model.safetensors.index.json: {', '.join(missing)}. Download the missing files."
-            )
-    files = sorted(model_dir.glob("*.safetensors"))
+    shards = read_shard_index(model_dir)
+    missing = [name for name in shards or () if not (model_dir / name).is_file()]
+    if missing:
+        raise ModelValidationError(
+            f"{model_dir} is missing {len(missing)} of {len(shards)} weight shards named in "
+            f"model.safetensors.index.json: {', '.join(missing)}. Download the missing files."
+        )
+    files = safetensors_files(model_dir)  # the shards the loader reads, and only those
     if not files:
         bins = sorted(model_dir.glob("*.bin"))
         hint = " It has only PyTorch .bin weights: convert them to safetensors." if bins else ""
@@ -469,13 +439,13 @@ def validate_model_path(path: str | Path, *, need_chat_template: bool = False) -
     """Raise ModelValidationError if `path` is not a complete, supported model; reads headers only."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise ModelValidationError(f"Model path {path} does not exist. {_LOCAL_MODEL_HINT}, or a known model name.")
+        raise ModelValidationError(f"Model path {path} does not exist. {LOCAL_MODEL_HINT}, or a known model name.")
     if path.is_dir():
         validate_hf_dir(path, need_chat_template=need_chat_template)
     elif path.suffix == ".gguf" or is_gguf_file(path):
         validate_gguf_file(path, need_chat_template=need_chat_template)
     else:
-        raise ModelValidationError(f"{path} is neither a model directory nor a GGUF file. {_LOCAL_MODEL_HINT}.")
+        raise ModelValidationError(f"{path} is neither a model directory nor a GGUF file. {LOCAL_MODEL_HINT}.")
 
 
 def sliding_window_in_use(config: dict[str, Any]) -> tuple[int, str] | None:

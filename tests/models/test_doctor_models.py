@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve.cli import doctor
-from pagedserve.memory.plan import ModelShape, weight_bytes_from_safetensors_dir
+from pagedserve.memory.checkpoint import weight_bytes_from_safetensors_dir
+from pagedserve.memory.plan import ModelShape
 
 
 def free_port() -> int:

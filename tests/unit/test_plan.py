@@ -18,8 +18,8 @@ from pagedserve.memory.plan import (
     PlanRequest,
     format_plan_table,
     make_plan,
-    weight_bytes_from_safetensors_dir,
 )
+from pagedserve.memory.checkpoint import weight_bytes_from_safetensors_dir
 from pagedserve.memory.probe import AvailableMemory
 
 # A tiny decoder: 2 layers, hidden 64, intermediate 128, 4 heads of 16, 2 KV heads, vocab 100.
@@ -212,7 +212,7 @@ def test_weight_bytes_from_safetensors_headers(tmp_path: Path) -> None:
 
 def test_weight_bytes_rejects_a_truncated_header(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 10_000) + b"{}")
-    with pytest.raises(ValueError, match="exceeds the file size"):
+    with pytest.raises(ValueError, match="model.safetensors is truncated: its header says 10,008 bytes"):
         weight_bytes_from_safetensors_dir(tmp_path, dtype_bytes=2)
 
 

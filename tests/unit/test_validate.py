@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from pagedserve.formats.safetensors import read_safetensors_header
 from pagedserve.models.validate import (
     ModelValidationError,
     read_gguf_header,
-    safetensors_expected_size,
     validate_model_path,
 )
 
@@ -103,7 +103,7 @@ def test_truncated_safetensors(tmp_path: Path) -> None:
     model_dir = _hf_dir(tmp_path / "m")
     weights = model_dir / "model.safetensors"
     full_size = weights.stat().st_size
-    assert safetensors_expected_size(weights) == full_size
+    assert read_safetensors_header(weights).required_size == full_size
     os.truncate(weights, full_size - 10)
     message = _message(model_dir)
     assert "model.safetensors is truncated" in message
@@ -132,6 +132,22 @@ def test_missing_shard_is_named(tmp_path: Path) -> None:
     message = _message(model_dir)
     assert "missing 1 of 2 weight shards" in message and "model-00002-of-00002.safetensors" in message
     assert "model-00001-of-00002.safetensors" not in message
+
+
+def test_validation_the_plan_and_the_loader_see_the_same_shards(tmp_path: Path) -> None:
+    from pagedserve.formats.safetensors import safetensors_files
+    from pagedserve.memory.checkpoint import weight_bytes_from_safetensors_dir
+
+    model_dir = _hf_dir(tmp_path / "m")
+    (model_dir / "model.safetensors").rename(model_dir / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    (model_dir / "stale.safetensors").write_bytes(b"\x10")  # not a shard of the index: nobody reads it
+    validate_model_path(model_dir)
+    assert safetensors_files(model_dir) == [model_dir / "model-00001-of-00001.safetensors"]
+    assert weight_bytes_from_safetensors_dir(model_dir, dtype_bytes=4) == (32 + 3) * 4
+    (model_dir / "model.safetensors.index.json").unlink()  # without an index every file is a shard
+    assert "stale.safetensors is truncated" in _message(model_dir)
 
 
 def test_no_weights(tmp_path: Path) -> None:
