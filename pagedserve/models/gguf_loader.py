@@ -1,8 +1,7 @@
 """Read a llama.cpp GGUF file as a Hugging Face checkpoint: config dict, named tensors, tokenizer.
 
-The header (metadata + tensor table) is parsed by `validate.read_gguf_header` (pure Python, ~30x
-faster than gguf.GGUFReader on a 150k-token vocabulary, and it reports truncation clearly); tensor
-data is read through a read-only memory map and dequantized with `gguf.quants.dequantize`.
+The header (metadata + tensor table) is parsed by `formats/gguf.py`; tensor data is read through a
+read-only memory map and dequantized with `gguf.quants.dequantize`.
 
 GGUF stores dimensions fastest-first, so a ggml tensor of dims (in, out) is a numpy array of shape
 (out, in): exactly the Hugging Face [out_features, in_features] layout. llama.cpp's converter
@@ -28,13 +27,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from transformers import PreTrainedTokenizerFast
 
 from pagedserve.layers.linear import QuantizedWeight, quantize_int8_per_channel
-from pagedserve.models.validate import (
-    GGUFHeader,
-    GGUFTensorInfo,
-    ModelValidationError,
-    read_gguf_header,
-    validate_gguf_header,
-)
+from pagedserve.formats.gguf import GGUFHeader, GGUFTensorInfo, forget_gguf_header, shared_gguf_header
+from pagedserve.models.validate import ModelValidationError, validate_gguf_header
 
 # general.architecture -> (HF architecture, HF model_type)
 GGUF_TO_HF_ARCHITECTURE: dict[str, tuple[str, str]] = {
@@ -128,33 +122,12 @@ def _unpermute_rows(rows: Any, num_heads: int) -> Any:
     return rows.reshape(num_heads, head_rows // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-# Start-up opens one GGUF file three times (config and memory plan, tokenizer, weights); its header (with a
-# 150k-token vocabulary and merges: ~0.2 s to parse) is parsed once and shared. Only the last file's header
-# is kept, and iter_tensors() drops it once every weight has been read (loading is the last of the three).
-_header_cache: dict[tuple[str, int, int], GGUFHeader] = {}
-
-
-def _header_key(path: Path) -> tuple[str, int, int]:
-    stat = path.stat()
-    return str(path.resolve()), stat.st_size, stat.st_mtime_ns  # a rewritten file is parsed again
-
-
-def _shared_header(path: Path) -> GGUFHeader:
-    key = _header_key(path)
-    header = _header_cache.get(key)
-    if header is None:
-        header = read_gguf_header(path, keep_string_arrays=True)
-        _header_cache.clear()
-        _header_cache[key] = header
-    return header
-
-
 class GGUFCheckpoint:
     """A GGUF file opened for reading as a Hugging Face checkpoint (memory-mapped, lazy)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.header: GGUFHeader = _shared_header(self.path)
+        self.header: GGUFHeader = shared_gguf_header(self.path)  # parsed once per start
         validate_gguf_header(self.header)  # architecture, tensor types, truncation, tokenizer kind
         self.metadata: dict[str, Any] = self.header.metadata
         # Copy-on-write ("c"): writable views that torch.from_numpy accepts without a warning; nothing
@@ -334,7 +307,7 @@ class GGUFCheckpoint:
             if num_heads:
                 tensor = _unpermute_rows(tensor, num_heads).contiguous()
             yield spec.name, tensor
-        _header_cache.pop(_header_key(self.path), None)  # weights loaded: nobody needs the header again
+        forget_gguf_header(self.path)  # weights loaded: nobody needs the header again
 
     def _read_f32(self, gguf_name: str) -> np.ndarray:
         info = next(info for info in self.header.tensors if info.name == gguf_name)

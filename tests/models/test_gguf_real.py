@@ -13,8 +13,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
+from pagedserve.formats.gguf import read_gguf_header
 from pagedserve.models.gguf_loader import GGUFCheckpoint, build_tokenizer_from_metadata, save_as_hf_dir
-from pagedserve.models.validate import read_gguf_header, validate_model_path
+from pagedserve.models.validate import validate_model_path
 from tests.models.real_models import (
     QWEN_CODER,
     gguf_tokenizer_metadata,

@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from pagedserve.cli.main import main
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import PLAIN_CONFIG_DEFAULTS, create_engine_config, hf_config_from_checkpoint
+from pagedserve.formats import gguf as gguf_format
 from pagedserve.memory.checkpoint import read_checkpoint_info
 from pagedserve.memory.plan import (
     CPU_RUNTIME_BASE_BYTES,
@@ -221,16 +222,16 @@ def test_gguf_header_is_parsed_once_per_start(tmp_path, monkeypatch) -> None:
 
     path = write_test_gguf(tiny_model("llama"), tmp_path / "q.gguf", QType.Q8_0)
     parsed: list[Path] = []
-    real = gguf_loader.read_gguf_header
+    real = gguf_format.read_gguf_header
 
     def counting(path, **kwargs):
         parsed.append(Path(path))
         return real(path, **kwargs)
 
-    monkeypatch.setattr(gguf_loader, "read_gguf_header", counting)
+    monkeypatch.setattr(gguf_format, "read_gguf_header", counting)
     llm = LLM(str(path), dtype="float32", max_model_len=64)
     assert parsed == [path]  # config + plan, tokenizer and weights share one parse
-    assert not gguf_loader._header_cache  # and it is dropped once the weights are in
+    assert not gguf_format._header_cache  # and it is dropped once the weights are in
     assert llm.engine.config.memory_plan.weight_bytes == sum(p.numel() * 4 for p in tiny_model("llama").parameters())
 
 
@@ -240,7 +241,7 @@ def test_gguf_tokenizer_without_the_deep_copy_equals_the_documented_one(tmp_path
     from tests.models.real_models import packaged_model
 
     path = packaged_model("smollm2-135m-instruct")
-    metadata = gguf_loader.read_gguf_header(path).metadata
+    metadata = gguf_format.read_gguf_header(path).metadata
     fast = gguf_loader.build_tokenizer_from_metadata(metadata)
     backend = gguf_loader._backend_tokenizer(metadata, "test")
     kwargs = {"clean_up_tokenization_spaces": False, "model_max_length": fast.model_max_length,

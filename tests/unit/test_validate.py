@@ -11,12 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from pagedserve.formats.gguf import read_gguf_header
 from pagedserve.formats.safetensors import read_safetensors_header
-from pagedserve.models.validate import (
-    ModelValidationError,
-    read_gguf_header,
-    validate_model_path,
-)
+from pagedserve.models.validate import ModelValidationError, validate_model_path
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
