@@ -43,7 +43,7 @@ class CheckpointInfo:
     path: str
     config: dict[str, Any]
     is_gguf: bool
-    gguf: Any = None  # the GGUFCheckpoint (header parsed, data memory-mapped lazily) for .gguf files
+    gguf: Any = None  # the GGUFFile (header parsed, data memory-mapped lazily) for .gguf files
     num_gguf_parameters: int = 0
 
     def weight_bytes(self, serving_dtype_bytes: int) -> int:
@@ -73,9 +73,9 @@ def read_checkpoint_info(model_path: str | Path) -> CheckpointInfo:
     """Config and weight sizes of a Hugging Face directory or a .gguf file, from headers only."""
     path = str(model_path)
     if path.endswith(".gguf"):
-        from pagedserve.models.gguf_loader import GGUFCheckpoint  # numpy/gguf/torch: only for GGUF files
+        from pagedserve.formats.gguf_hf import GGUFFile  # numpy and gguf: only for GGUF files
 
-        checkpoint = GGUFCheckpoint(path)
+        checkpoint = GGUFFile(path)
         return CheckpointInfo(path, checkpoint.hf_config(), True, checkpoint, checkpoint.num_parameters())
     config_path = Path(path) / "config.json"
     try:

@@ -185,7 +185,7 @@ def test_tensor_sizes_and_mixed_types(models: dict, tmp_path: Path) -> None:
     path = write_test_gguf(model, tmp_path / "mixed.gguf", QType.Q4_0, qtype_per_tensor=per_tensor)
     with GGUFCheckpoint(path) as checkpoint:
         specs = {spec.name: spec for spec in checkpoint.tensor_specs()}
-        nbytes = checkpoint.tensor_nbytes_by_name()
+        nbytes = {name: spec.nbytes for name, spec in specs.items()}
         assert checkpoint.num_parameters() == sum(p.numel() for p in model.parameters())
         assert checkpoint.num_tensors == len(model.state_dict())
         data_offset = checkpoint.header.data_offset
@@ -301,3 +301,18 @@ def test_int8_serving_requantizes_gguf_blocks_without_a_bf16_copy(arch: str, tmp
     assert detour_differs  # the check above can tell the two routes apart
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8
+
+
+def test_the_memory_plan_reads_a_gguf_without_torch(models: dict, tmp_path: Path) -> None:
+    """read_checkpoint_info (config, weight bytes, stored types) goes through formats/, never the loader."""
+    import subprocess
+    import sys
+
+    path = write_test_gguf(models["llama"], tmp_path / "m.gguf", QType.Q8_0)
+    code = ("import sys; from pagedserve.memory.checkpoint import read_checkpoint_info; "
+            f"info = read_checkpoint_info({str(path)!r}); "
+            "print(info.config['architectures'][0], info.weight_bytes(4), info.stores_quantized_matmuls(), "
+            "*(m for m in ('torch', 'transformers', 'pagedserve.models') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    num_params = sum(p.numel() for p in models["llama"].parameters())
+    assert done.stdout.split() == ["LlamaForCausalLM", str(num_params * 4), "True"]  # and none of those imported

@@ -95,13 +95,14 @@ def test_plan_refuses_with_the_shortfall_and_what_would_fit(tiny_model_dir, tmp_
 @pytest.mark.parametrize("kind", ["safetensors", "gguf"])
 def test_engine_refuses_before_reading_any_weight(tiny_model_dir, tmp_path, monkeypatch, kind: str) -> None:
     from pagedserve.entrypoints.llm import LLM
+    from pagedserve.formats.gguf_hf import GGUFFile
     from pagedserve.models import loader, safetensors_mmap
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("weights were read although the plan does not fit")
 
     for module, name in ((loader, "iter_checkpoint"), (loader, "load_model"), (safetensors_mmap, "iter_safetensors"),
-                         (gguf_loader.GGUFCheckpoint, "_stored"), (gguf_loader.GGUFCheckpoint, "iter_tensors")):
+                         (GGUFFile, "stored"), (gguf_loader.GGUFCheckpoint, "iter_tensors")):
         monkeypatch.setattr(module, name, must_not_load)
     model = tiny_model_dir("llama")
     if kind == "gguf":

@@ -49,6 +49,15 @@ def test_layers_do_not_import_models():
     assert _breaks(_files("layers"), ("pagedserve.models",)) == []
 
 
+def test_memory_does_not_import_models():
+    """The memory plan reads checkpoints through formats/, below both: it never pulls in the loader (or torch)."""
+    assert _breaks(_files("memory"), ("pagedserve.models",)) == []
+
+
+def test_formats_are_below_memory_and_models_and_import_no_torch():
+    assert _breaks(_files("formats"), ("pagedserve.memory", "pagedserve.models", "torch")) == []
+
+
 def test_the_scheduler_side_imports_no_torch():
     assert _breaks(_files(*NO_TORCH), ("torch", "numpy")) == []
 

@@ -1,0 +1,295 @@
+"""A GGUF file read as a Hugging Face checkpoint, without torch: config, tensor names and shapes, data as stored.
+
+GGUF stores dimensions fastest-first, so a ggml tensor of dims (in, out) is a numpy array of shape
+(out, in): exactly the Hugging Face [out_features, in_features] layout. llama.cpp's converter
+permutes the rows of the llama q/k projections (rotary pairs interleaved instead of split in
+halves); `unpermute_rows` undoes that so that the tensors equal the Hugging Face ones. Llama 3's rope
+scaling is stored as a rope_freqs tensor; `hf_config` recovers HF's rope_scaling from it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from pagedserve.formats.errors import ModelValidationError
+from pagedserve.formats.gguf import GGUFHeader, GGUFTensorInfo, shared_gguf_header
+
+# general.architecture -> (HF architecture, HF model_type)
+GGUF_TO_HF_ARCHITECTURE: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+# Architectures whose converter permutes attn_q / attn_k rows (convert_hf_to_gguf.py LlamaModel.permute).
+_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Stored float encodings and the numpy type to view them as (numpy has no bfloat16: raw bits).
+_FLOAT_VIEWS = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.BF16: np.uint16,
+}
+# Tensors that carry no weights of their own: folded into the config instead.
+_CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face checkpoint name for a GGUF tensor name, or None if it has no counterpart."""
+    if gguf_name in _GLOBAL_TENSOR_NAMES:
+        return _GLOBAL_TENSOR_NAMES[gguf_name]
+    match = _LAYER_TENSOR_RE.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[part]}.{kind}"
+
+
+@dataclass(frozen=True)
+class GGUFTensorSpec:
+    """Where one tensor lives and how big it is, under its Hugging Face name (no data read)."""
+
+    name: str  # Hugging Face name
+    gguf_name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # Hugging Face shape, e.g. [out_features, in_features]
+    nbytes: int  # bytes stored in the file
+    file_offset: int  # absolute offset of the data in the file
+
+    @property
+    def num_elements(self) -> int:
+        """Number of values once dequantized."""
+        return math.prod(self.shape)
+
+
+def _as_decimal(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def unpermute_rows(rows: Any, num_heads: int) -> Any:
+    """Inverse of convert_hf_to_gguf's LlamaModel.permute, on the first dimension (numpy or torch)."""
+    head_rows = rows.shape[0] // num_heads
+    # [num_heads, head_dim/2, 2, ...] -> [num_heads, 2, head_dim/2, ...]
+    return rows.reshape(num_heads, head_rows // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+class GGUFFile:
+    """A GGUF file opened for reading as a Hugging Face checkpoint: config, tensor table under Hugging Face
+    names, each tensor's data as stored (memory-mapped, lazy). `models/gguf_loader.py` turns it into tensors."""
+
+    def __init__(self, path: str | Path, header: GGUFHeader | None = None) -> None:
+        self.path = Path(path)
+        self.header: GGUFHeader = header or shared_gguf_header(self.path)  # parsed once per start
+        self.metadata: dict[str, Any] = self.header.metadata
+        # Copy-on-write ("c"): writable views that torch.from_numpy accepts without a warning; nothing
+        # writes to them, so the pages stay shared with the page cache.
+        self._data: np.ndarray | None = np.memmap(self.path, mode="c", dtype=np.uint8)
+        self._specs = self._build_specs()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the memory map (tensors already returned stay valid: they are copies)."""
+        self._data = None
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- metadata --------------------------------------------------------------------------------
+
+    @property
+    def architecture(self) -> str:
+        """GGUF architecture name: "llama", "qwen2" or "qwen3"."""
+        return self.header.architecture
+
+    def _arch_value(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def _required(self, key: str) -> Any:
+        value = self._arch_value(key)
+        if value is None:
+            raise ModelValidationError(
+                f"GGUF file {self.path} lacks metadata key {self.architecture}.{key}. "
+                "Convert the model again with a current llama.cpp."
+            )
+        return value
+
+    def hf_config(self) -> dict[str, Any]:
+        """A Hugging Face config.json-style dict describing this model."""
+        hf_arch, model_type = GGUF_TO_HF_ARCHITECTURE[self.architecture]
+        hidden_size = int(self._required("embedding_length"))
+        num_heads = int(self._required("attention.head_count"))
+        config: dict[str, Any] = {
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "hidden_size": hidden_size,
+            "intermediate_size": int(self._required("feed_forward_length")),
+            "num_hidden_layers": int(self._required("block_count")),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": int(self._arch_value("attention.head_count_kv", num_heads)),
+            "head_dim": int(self._arch_value("attention.key_length", hidden_size // num_heads)),
+            "rms_norm_eps": _as_decimal(self._required("attention.layer_norm_rms_epsilon")),
+            "rope_theta": _as_decimal(self._arch_value("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._required("context_length")),
+            "vocab_size": self._vocab_size(),
+            "tie_word_embeddings": "output.weight" not in self._gguf_names(),
+            "attention_bias": "blk.0.attn_q.bias" in self._gguf_names(),
+            "hidden_act": "silu",
+        }
+        for key in ("bos_token_id", "eos_token_id"):
+            if f"tokenizer.ggml.{key}" in self.metadata:
+                config[key] = int(self.metadata[f"tokenizer.ggml.{key}"])
+        rope_scaling = self._rope_scaling(config)
+        if rope_scaling is not None:
+            config["rope_scaling"] = rope_scaling
+        return config
+
+    def _gguf_names(self) -> set[str]:
+        return {info.name for info in self.header.tensors}
+
+    def _vocab_size(self) -> int:
+        if self._arch_value("vocab_size") is not None:
+            return int(self._arch_value("vocab_size"))
+        embed = next(info for info in self.header.tensors if info.name == "token_embd.weight")
+        return embed.shape[0]
+
+    def _rope_scaling(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        kind = self._arch_value("rope.scaling.type")
+        factor = self._arch_value("rope.scaling.factor")
+        if "rope_freqs.weight" in self._gguf_names():
+            return _llama3_rope_scaling(self._read_f32("rope_freqs.weight"), config, self.path)
+        if kind in (None, "none") or factor is None:
+            return None
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        original = self._arch_value("rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+
+    # -- tensors ---------------------------------------------------------------------------------
+
+    def _build_specs(self) -> list[GGUFTensorSpec]:
+        unknown = [
+            info.name
+            for info in self.header.tensors
+            if hf_tensor_name(info.name) is None and info.name not in _CONFIG_ONLY_TENSORS
+        ]
+        if unknown:
+            raise ModelValidationError(
+                f"GGUF file {self.path} holds tensors pagedserve does not know ({', '.join(unknown[:5])}"
+                f"{', ...' if len(unknown) > 5 else ''}): it is not a plain {self.architecture} model. "
+                "Use a supported model."
+            )
+        return [self._spec(info) for info in self.header.tensors if info.name not in _CONFIG_ONLY_TENSORS]
+
+    def _spec(self, info: GGUFTensorInfo) -> GGUFTensorSpec:
+        return GGUFTensorSpec(
+            name=str(hf_tensor_name(info.name)),
+            gguf_name=info.name,
+            qtype=GGMLQuantizationType(info.type_id),
+            shape=info.shape,
+            nbytes=info.nbytes,
+            file_offset=self.header.data_offset + info.offset,
+        )
+
+    def tensor_specs(self) -> list[GGUFTensorSpec]:
+        """Every weight tensor, in file order, with its Hugging Face name, type, shape and size."""
+        return list(self._specs)
+
+    @property
+    def num_tensors(self) -> int:
+        """Number of weight tensors `iter_tensors` yields."""
+        return len(self._specs)
+
+    def num_parameters(self) -> int:
+        """Total number of weight values (dequantized)."""
+        return sum(spec.num_elements for spec in self._specs)
+
+    def stored(self, spec: GGUFTensorSpec) -> np.ndarray:
+        """One tensor's data as a memmap view: floats in the logical shape, blocks as [rows, bytes_per_row]."""
+        if self._data is None:
+            raise RuntimeError(f"GGUF checkpoint {self.path} is closed")
+        raw = self._data[spec.file_offset : spec.file_offset + spec.nbytes]
+        if spec.qtype in _FLOAT_VIEWS:
+            return raw.view(_FLOAT_VIEWS[spec.qtype]).reshape(spec.shape)
+        block_size, type_size = GGML_QUANT_SIZES[spec.qtype]
+        return raw.reshape(math.prod(spec.shape[:-1]), spec.shape[-1] // block_size * type_size)
+
+    def permute_heads(self, spec: GGUFTensorSpec) -> int | None:
+        """Number of heads to un-permute over for this tensor, or None."""
+        if self.architecture not in _PERMUTED_ARCHITECTURES:
+            return None
+        if ".self_attn.q_proj." in spec.name:
+            return int(self._required("attention.head_count"))
+        if ".self_attn.k_proj." in spec.name:
+            return int(self._arch_value("attention.head_count_kv", self._required("attention.head_count")))
+        return None
+
+    def _read_f32(self, gguf_name: str) -> np.ndarray:
+        info = next(info for info in self.header.tensors if info.name == gguf_name)
+        if self._data is None:
+            raise RuntimeError(f"GGUF checkpoint {self.path} is closed")
+        start = self.header.data_offset + info.offset
+        return np.array(self._data[start : start + info.nbytes].view(np.float32))
+
+
+# -- rope scaling -------------------------------------------------------------------------------------
+
+
+def _llama3_rope_factors(config: dict[str, Any], scaling: dict[str, Any]) -> np.ndarray:
+    """The rope_freqs tensor convert_hf_to_gguf.py writes for Llama 3.x 'llama3' rope scaling."""
+    dim, base = config["head_dim"], config["rope_theta"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old_len = scaling["original_max_position_embeddings"]
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_len / wavelen - low) / (high - low)
+    middle = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, middle))
+
+
+def _llama3_rope_scaling(rope_freqs: np.ndarray, config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Recover HF's llama3 rope_scaling from the rope_freqs tensor (Llama 3.x constants)."""
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(rope_freqs.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    expected = _llama3_rope_factors(config, scaling)
+    if expected.shape != rope_freqs.shape or not np.allclose(expected, rope_freqs, rtol=1e-4):
+        raise ModelValidationError(
+            f"GGUF file {path} carries rope frequency factors (rope_freqs) that are not Llama 3's "
+            "standard rope scaling; pagedserve cannot reproduce them. Use the Hugging Face model directory."
+        )
+    return scaling
