@@ -68,6 +68,14 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # ranks, each a process holding a shard (pagedserve/distributed)
+    cpu_binding: tuple[tuple[int, ...], ...] = ()  # the cores of each rank (resolved); () with one rank
+    all_reduce: str = "auto"  # "auto" (shared memory where it runs, else gloo), "shm" or "gloo"
+    collective_timeout_s: float = 30.0  # a collective waiting longer for a peer fails the step
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -77,3 +85,4 @@ class EngineConfig:
     fault_injection: str | None = None  # test-only: engine/faults.py's spec of faults to raise; None = off
     structured_outputs: Any = None  # structured.params.StructuredOutputsConfig (None: its defaults)
     speculative: Any = None  # spec_decode.config.SpeculativeConfig; None = no speculative decoding
+    parallel: ParallelConfig = ParallelConfig()

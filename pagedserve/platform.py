@@ -12,7 +12,8 @@ import torch
 # re-exported here so that callers keep importing them from pagedserve.platform.
 from pagedserve.memory.probe import cpu_flags, fast_cpu_dtype, usable_cpu_count
 
-__all__ = ["DTYPES", "canonical_dtype_name", "configure_threads", "cpu_flags", "default_device", "default_quantization",
+__all__ = ["DTYPES", "bind_rank_device", "canonical_dtype_name", "configure_threads", "cpu_flags", "default_device",
+           "default_quantization", "distributed_backend",
            "lazy_zeros", "resolve_dtype", "torch_dtype", "usable_cpu_count"]
 
 DTYPES = {
@@ -68,6 +69,19 @@ def default_quantization(requested_dtype: str, quantization: str | None, stores_
     from pagedserve.kernels import cpu_kernels
 
     return "int8" if cpu_kernels() is not None else None
+
+
+def distributed_backend(device: str) -> str:
+    """The torch.distributed backend for tensor-parallel ranks on `device`: NCCL between GPUs, gloo on CPUs."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def bind_rank_device(device: str, rank: int) -> str:
+    """The device tensor-parallel rank `rank` runs on (on CUDA: GPU `rank`, made this process's current one)."""
+    if device != "cuda":
+        return device
+    torch.cuda.set_device(rank)
+    return f"cuda:{rank}"
 
 
 def configure_threads(num_threads: int) -> None:

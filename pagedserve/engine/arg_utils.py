@@ -45,7 +45,17 @@ class EngineArgs:
     kv_cache_dtype: str = _opt("KV cache dtype: auto (= model dtype), fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit "
                                 "K/V with a scale per token and head, about half the memory.", default="auto")
     quantization: str | None = _opt("Weight quantization: int8 (weight-only, one scale per output channel).")
-    tensor_parallel_size: int = _opt("Tensor-parallel workers (only 1 is supported).", default=1)
+    tensor_parallel_size: int = _opt(
+        "Tensor-parallel ranks (vLLM's -tp): N processes on this host, each holding 1/N of every layer "
+        "(Megatron split; KV heads replicated where there are fewer than N) and running on its own cores; "
+        "one all-reduce after each attention and MLP. Helps where one process cannot use the memory bandwidth "
+        "of every NUMA node (one rank per node). See the README.", default=1, aliases=("-tp",))
+    cpu_binding: str | None = _opt(
+        "Cores of each tensor-parallel rank, '|'-separated lists: \"0-7|8-15\" (vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND). Default: one NUMA node per rank where the usable cores span N nodes, else "
+        "the usable cores split evenly; one thread per core unless --num-threads.")
+    tp_all_reduce: str = _opt("Testing and benchmarks: the tensor-parallel collectives' path: auto (shared "
+                              "memory on one x86 host, else gloo), shm or gloo.", default="auto", hidden=True)
     enforce_eager: bool = _opt("Never compile model graphs; run eagerly (pagedserve always does: its native "
                                 "CPU kernels are a library built once, not graph compilation).", default=False)
     reference_kernels: bool = _opt("Use the plain reference kernels (F.linear) instead of the fast ones "
@@ -93,13 +103,13 @@ class EngineArgs:
 def add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
     """`--name-of-field`, typed and documented by the dataclass field (hidden=True: absent from --help)."""
     meta = f.metadata
-    flag = "--" + f.name.replace("_", "-")
+    flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
     help_text = argparse.SUPPRESS if meta.get("hidden") else meta["help"]
     if f.type in ("bool", bool):
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         return
     kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
-    parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+    parser.add_argument(*flags, type=kind, default=f.default, help=help_text)
 
 
 def from_cli_args(cls: type, args: argparse.Namespace) -> Any:

@@ -178,6 +178,7 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
+                self.engine.check_health()  # at least every 0.5 s while idle: a lost rank ends the engine
                 if not self.engine.has_unfinished_requests():
                     continue
                 outputs = self.engine.step()

@@ -275,6 +275,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or len(self.grammar_admission) > 0
 
+    def check_health(self) -> None:
+        """EngineDeadError once the runner can run no more steps (a tensor-parallel rank died), idle or not."""
+        check = getattr(self.runner, "check_health", None)  # only runners with other processes have one
+        if check is None:
+            return
+        try:
+            check()
+        except Exception as exc:
+            raise EngineDeadError(str(exc)) from exc
+
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One engine step. A fault in one request's scheduling or post-processing fails that request; a

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.distributed.group import TPGroup
+from pagedserve.distributed.layers import VocabParallelEmbedding, gather_logits
+from pagedserve.distributed.sharding import ShardLayout
 from pagedserve.kernels import CpuKernels
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_attention
 from pagedserve.layers.backend import KernelBackend
@@ -43,11 +46,15 @@ def head_dim_of(cfg: Any) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup | None = None,
+                 layout: ShardLayout | None = None) -> None:
+        """With `tp`, this rank's heads of `layout` (distributed/sharding.py) and an all-reduce after o."""
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.num_heads = cfg.num_attention_heads if layout is None else layout.local_heads
+        self.num_kv_heads = (getattr(cfg, "num_key_value_heads", None) or self.num_heads) if layout is None \
+            else layout.local_kv_heads
         self.head_dim = head_dim_of(cfg)
+        self.tp = tp
         self.scale = self.head_dim ** -0.5
         hidden = cfg.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
@@ -65,7 +72,8 @@ class Attention(nn.Module):
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
         self.fused_rope = kernels is not None and not self.qk_norm and self.head_dim % 32 == 0
         self.qkv_proj = backend.make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj))
-        self.o_proj = backend.make_linear(weight_of(self.o_proj), self.o_proj.bias)
+        o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
+        self.o_proj = backend.make_linear(weight_of(self.o_proj), o_bias)
         del self.q_proj, self.k_proj, self.v_proj
         self.q_size = self.num_heads * self.head_dim
 
@@ -86,15 +94,19 @@ class Attention(nn.Module):
             qk = apply_rotary(qk, *rope)  # q and k heads rotated together: [T, Hq + Hkv, D]
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written=kv_written)
-        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)  # the heads' partial sums
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup | None = None, layout: ShardLayout | None = None) -> None:
+        """With `tp`, this rank's slice of the intermediate width and an all-reduce after down."""
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = cfg.intermediate_size if layout is None else layout.local_intermediate
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        self.tp = tp
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
@@ -108,16 +120,19 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)  # [T, 2I]
         if self.kernels is not None:
-            return self.down_proj.forward(self.kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+            out = self.down_proj.forward(self.kernels.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            out = self.down_proj.forward(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)  # the intermediate slices' partial sums
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup | None = None,
+                 layout: ShardLayout | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, qkv_bias, o_bias, qk_norm)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, qkv_bias, o_bias, qk_norm, tp, layout)
+        self.mlp = MLP(cfg, tp, layout)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -132,11 +147,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_position: int) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_position: int,
+                 tp: TPGroup | None = None, layout: ShardLayout | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else \
+            VocabParallelEmbedding(layout, cfg.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, qk_norm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, qk_norm, tp, layout)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.stack: NativeDecodeStack | None = None
@@ -255,18 +272,22 @@ class LlamaForCausalLM(nn.Module):
     o_bias: bool | None = None  # None: follow config.attention_bias, as Llama and Qwen3 do
     qk_norm = False
 
-    def __init__(self, cfg: Any, max_position: int) -> None:
+    def __init__(self, cfg: Any, max_position: int, tp: TPGroup | None = None) -> None:
+        """`tp`: this rank's group; the model then holds the rank's shard (distributed/sharding.py)."""
         super().__init__()
         self.config = cfg
+        self.tp = tp
+        self.layout = None if tp is None else ShardLayout.for_config(cfg, tp.rank, tp.world_size)
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = self.qkv_bias or attention_bias
         o_bias = attention_bias if self.o_bias is None else self.o_bias
         with _skip_init():
-            self.model = DecoderModel(cfg, qkv_bias, o_bias, self.qk_norm, max_position)
+            self.model = DecoderModel(cfg, qkv_bias, o_bias, self.qk_norm, max_position, tp, self.layout)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
+            vocab_rows = cfg.vocab_size if self.layout is None else self.layout.vocab_per_rank
             with _skip_init():
-                self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+                self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
 
     @property
     def num_kv_heads(self) -> int:
@@ -290,7 +311,10 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             del self.lm_head
         elif getattr(self.logits_proj, "native", None) is not None:
-            self.model.embed_tokens = PackedRowsEmbedding(self.logits_proj)
+            if self.tp is None:
+                self.model.embed_tokens = PackedRowsEmbedding(self.logits_proj)
+            else:
+                self.model.embed_tokens.use_rows_of(self.logits_proj)
 
     def prepare_decoder(self, backend: KernelBackend) -> None:
         """The decoder stack's part of prepare(): fused linears from `backend`, and its native CPU kernels
@@ -303,7 +327,9 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.prepare(backend, kernels)
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
         self.model.norm.kernels = kernels
-        self.model.prepare_stack(kernels)
+        # The native stack runs every layer in one call and cannot all-reduce between them: with tensor
+        # parallelism each layer runs on its own (its native kernels still apply to the shard).
+        self.model.prepare_stack(kernels if self.tp is None else None)
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""
@@ -316,11 +342,18 @@ class LlamaForCausalLM(nn.Module):
                 f"norms {'native' if norm.kernels is not None else 'torch'}; SiLU x up {native}; rotary + KV write "
                 f"{'native' if attn.fused_rope else 'torch'}; decode attention {native}; prefill attention torch SDPA",
                 f"decode stack (all layers in one native call for decode-only steps): "
-                f"{'on' if self.model._stack_kernels is not None or self.model.stack is not None else 'off'}"]
+                f"{'on' if self.model._stack_kernels is not None or self.model.stack is not None else 'off'}"
+                + (f" (tensor parallel, rank {self.tp.rank} of {self.tp.world_size}: layers all-reduce between "
+                   "them, so each runs on its own)" if self.tp is not None else "")]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return self.logits_proj(hidden).float()
+        """hidden [N, hidden] -> float32 logits [N, vocab] (with tensor parallelism: on every rank)."""
+        logits = self.logits_proj(hidden).float()
+        return logits if self.tp is None else gather_logits(self.tp, logits, self.config.vocab_size)
+
+    def shard_checkpoint_tensor(self, param_name: str, tensor: Any) -> Any:
+        """This rank's slice of a checkpoint tensor (the whole tensor without tensor parallelism)."""
+        return tensor if self.layout is None else self.layout.shard(param_name, tensor)
 
     def checkpoint_name_to_param(self, name: str) -> str | None:
         """Our parameter name for a checkpoint tensor, or None to skip it."""

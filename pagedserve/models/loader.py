@@ -58,11 +58,12 @@ def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False
 
 def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.dtype, device: str,
                max_position: int, progress: ProgressFn | None = None, quantization: str | None = None,
-               reference_kernels: bool = False, task: str = "generate") -> nn.Module:
-    """Instantiate on the meta device, then bind checkpoint tensors to parameters by name."""
+               reference_kernels: bool = False, task: str = "generate", tp: Any = None) -> nn.Module:
+    """Instantiate on the meta device, then bind checkpoint tensors to parameters by name. `tp`: a
+    distributed TPGroup; the model then holds this rank's shard, sliced from each tensor as it is read."""
     cls = model_class(architecture, task)
     with torch.device("meta"):
-        model = cls(hf_config, max_position)
+        model = cls(hf_config, max_position) if tp is None else cls(hf_config, max_position, tp=tp)
     params = dict(model.named_parameters())
     missing = set(params)
     num_tensors, tensors = iter_checkpoint(model_path, dtype, int8=quantization == "int8")
@@ -72,6 +73,8 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
             continue
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {architecture}")
+        if tp is not None:  # a view of the mapped file where it can: only this rank's pages are read
+            tensor = model.shard_checkpoint_tensor(target, tensor)
         expected = params[target].shape
         if tuple(tensor.shape) != tuple(expected):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

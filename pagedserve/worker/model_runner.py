@@ -86,8 +86,10 @@ def _row_offsets(request_ids: list[str]) -> list[int]:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, progress: ProgressFn | None = None,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, tp=None) -> None:
+        """`tp`: this rank's distributed TPGroup; the model is then its shard (worker/tp_worker.py)."""
         self.config = config
+        self.tp = tp
         self.eos_token_id = eos_token_id  # the tokenizer's: min_tokens bans it, a grammar may end on it
         self.device = config.device.device
         self.dtype = torch_dtype(config.model.dtype)
@@ -95,7 +97,8 @@ class ModelRunner:
         self.model = load_model(hf_config, config.model.architecture, config.model.model, self.dtype,
                                 self.device, config.model.max_model_len, progress,
                                 quantization=config.model.quantization,
-                                reference_kernels=config.model.reference_kernels, task=config.model.task)
+                                reference_kernels=config.model.reference_kernels, task=config.model.task,
+                                tp=tp)
         self.vocab_size = hf_config.vocab_size
         self.kv_caches: list[LayerKVCache] = []
         max_rows = config.scheduler.max_num_seqs

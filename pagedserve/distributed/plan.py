@@ -1,0 +1,75 @@
+"""Tensor parallelism in the engine's set-up: the flags checked, the ranks' cores resolved, and the memory
+plan made per rank (each rank holds 1/N of the weights and of the KV heads, and the N ranks share this
+host's free memory). Pure Python: it runs before anything loads."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from pagedserve.config import ParallelConfig
+from pagedserve.distributed.binding import default_binding, parse_cpu_binding, usable_cores
+from pagedserve.distributed.sharding import ShardLayout, check_tensor_parallel
+
+ALL_REDUCE_KINDS = ("auto", "shm", "gloo")
+
+
+def check_parallel_args(tensor_parallel_size: int, cpu_binding: str | None, all_reduce: str) -> None:
+    """ValueError naming the flag, before the port opens."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    if all_reduce not in ALL_REDUCE_KINDS:
+        raise ValueError(f"--tp-all-reduce must be one of {', '.join(ALL_REDUCE_KINDS)}, got {all_reduce!r}")
+    if cpu_binding is not None:
+        parse_cpu_binding(cpu_binding, tensor_parallel_size)
+
+
+def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, num_usable_cores: int
+                     ) -> tuple[ParallelConfig, int | None]:
+    """(ParallelConfig, torch threads per rank or None to keep the single-process default)."""
+    size = args.tensor_parallel_size
+    if size == 1:
+        return ParallelConfig(), None
+    if task != "generate":
+        raise ValueError(f"--tensor-parallel-size {size}: tensor parallelism serves text generation; this "
+                         f"model embeds (task {task}). Serve it with --tensor-parallel-size 1")
+    if not hasattr(hf_config, "num_attention_heads") or "ForCausalLM" not in architecture:
+        raise ValueError(f"--tensor-parallel-size {size}: {architecture} cannot be split; use 1")
+    check_tensor_parallel(hf_config, size)
+    if args.cpu_binding is not None:
+        binding = parse_cpu_binding(args.cpu_binding, size)
+    else:
+        binding = default_binding(usable_cores(num_usable_cores), size)
+    threads = args.num_threads or min(len(cores) for cores in binding)
+    return ParallelConfig(tensor_parallel_size=size, cpu_binding=tuple(tuple(c) for c in binding),
+                          all_reduce=args.tp_all_reduce), threads
+
+
+def per_rank_shape(shape: Any, hf_config: Any, world_size: int) -> Any:
+    """memory/plan.py's ModelShape of one rank's shard: its heads, KV heads, MLP width and vocabulary rows,
+    and the checkpoint bytes it holds (the split tensors' share; norms are replicated)."""
+    if world_size == 1:
+        return shape
+    layout = ShardLayout.for_config(hf_config, 0, world_size)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    rank = replace(shape, num_attention_heads=layout.local_heads, num_kv_heads=layout.local_kv_heads,
+                   intermediate_size=layout.local_intermediate, vocab_size=layout.vocab_per_rank)
+
+    def split_params(s: Any) -> int:
+        return s.num_linear_params + (1 if tied else 2) * s.vocab_size * s.hidden_size
+
+    bytes_per_param = shape.weight_bytes / max(1, split_params(shape) + _replicated_params(shape))
+    weight_bytes = shape.weight_bytes - round((split_params(shape) - split_params(rank)) * bytes_per_param)
+    return replace(rank, weight_bytes=weight_bytes)
+
+
+def _replicated_params(shape: Any) -> int:
+    return (2 * shape.num_layers + 1) * shape.hidden_size  # the norms
+
+
+def per_rank_available(available: Any, world_size: int) -> Any:
+    """The free memory each of `world_size` ranks on this host may plan with (an equal share)."""
+    if world_size == 1:
+        return available
+    return replace(available, num_bytes=available.num_bytes // world_size,
+                   reason=f"{available.reason}; 1/{world_size} of it per tensor-parallel rank")

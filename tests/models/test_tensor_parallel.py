@@ -1,0 +1,106 @@
+"""Tensor parallelism (--tensor-parallel-size 2, one thread per rank on this box) against one process.
+
+Greedy tokens must be equal and every top-5 logprob within 5e-5 (float32). The shards compute the same
+products as one process, but o, down and the logits are summed in another order (two partial sums of half the
+inner dimension, added by the all-reduce, instead of one run over it): observed differences are a few 1e-6,
+as for the batched-vs-single differences test_correctness.py argues its 5e-5 from. A wrong split (a head on
+the wrong rank, a bias added twice, a vocabulary row off by one) moves logprobs by whole units.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.distributed.sharding import ShardLayout, check_tensor_parallel
+from tests.models.test_correctness import make_prompts
+
+TOLERANCE = 5e-5
+NUM_TOKENS = 24
+TOP_K = 5
+
+# (arch, overrides): what each case covers besides its architecture.
+CASES = {
+    # head_dim 32: the native rotary + KV-write kernel; one KV head for two ranks: replicated; o has a bias
+    "llama-kv1-obias": ("llama", dict(hidden_size=128, intermediate_size=256, num_key_value_heads=1,
+                                      attention_bias=True)),
+    "qwen2-odd-vocab": ("qwen2", dict(vocab_size=515)),  # tied, q/k/v bias, 515 rows: the last rank pads one
+    "qwen3": ("qwen3", {}),  # q/k norms per head
+}
+
+
+def run(model_dir: str, prompts, tp: int, logprobs: int | None = TOP_K, **kwargs):
+    llm = LLM(model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=tp, **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=logprobs)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return llm, [o.outputs[0] for o in outputs]
+    finally:
+        if tp > 1:
+            llm.engine.runner.close()  # the worker, and this thread's cores
+
+
+def assert_same_logprobs(ours, reference) -> None:
+    for position, (step, ref) in enumerate(zip(ours, reference)):
+        top = {t for t, lp in step.items() if lp.rank <= TOP_K}
+        ref_top = {t for t, lp in ref.items() if lp.rank <= TOP_K}
+        assert top == ref_top, f"position {position}: top-{TOP_K} {sorted(top)} vs {sorted(ref_top)}"
+        for token_id in top:
+            diff = abs(step[token_id].logprob - ref[token_id].logprob)
+            assert diff <= TOLERANCE, f"position {position} token {token_id}: |{diff:.3g}| > {TOLERANCE}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_give_one_process_tokens_and_logprobs(tiny_model_dir, case):
+    arch, overrides = CASES[case]
+    model_dir = tiny_model_dir(arch, **overrides)
+    from transformers import AutoTokenizer
+
+    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir))
+    _, expected = run(model_dir, prompts, tp=1)
+    tp_llm, got = run(model_dir, prompts, tp=2)
+    assert tp_llm.engine.runner.group.stats.num_calls > 0  # the collectives really ran
+    for ours, reference in zip(got, expected):
+        assert ours.token_ids == reference.token_ids
+        assert_same_logprobs(ours.logprobs, reference.logprobs)
+
+
+def test_chunked_prefill_prefix_cache_and_preemption_with_two_ranks(tiny_model_dir):
+    """7-token prefill chunks, prompts sharing a 48-token prefix, and a pool too small for all of them: the
+    ranks' KV pools must stay in step through chunking, prefix hits and preemption (recompute)."""
+    model_dir = tiny_model_dir("qwen2", vocab_size=515)
+    prefix = list(range(10, 58))
+    prompts = [prefix + [100 + i, 200 + i, 300 + i] for i in range(6)] + [list(range(60, 90))]
+    _, expected = run(model_dir, prompts, tp=1, logprobs=None, enable_prefix_caching=False)
+    llm, got = run(model_dir, prompts, tp=2, logprobs=None, max_num_batched_tokens=7, num_gpu_blocks_override=12)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions_total > 0
+    assert scheduler.kv.stats.num_hits > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_shard_layout_splits_heads_vocab_and_replicates_kv_heads():
+    class Config:
+        num_attention_heads, num_key_value_heads, hidden_size, intermediate_size, vocab_size = 8, 2, 64, 96, 515
+
+    layouts = [ShardLayout.for_config(Config, rank, 4) for rank in range(4)]
+    assert [lay.local_heads for lay in layouts] == [2] * 4
+    assert [(lay.kv_head_start, lay.local_kv_heads) for lay in layouts] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [lay.vocab_start for lay in layouts] == [0, 129, 258, 387] and layouts[0].vocab_per_rank == 129
+    import torch
+
+    table = torch.arange(515 * 2, dtype=torch.float32).view(515, 2)
+    last = layouts[3].shard("model.embed_tokens.weight", table)
+    assert last.shape == (129, 2) and torch.equal(last[:128], table[387:]) and not last[128].any()
+    down = torch.arange(64 * 96).view(64, 96)
+    assert torch.equal(layouts[1].shard("model.layers.0.mlp.down_proj.weight", down), down[:, 24:48])
+    norm = torch.ones(64)
+    assert layouts[2].shard("model.layers.0.input_layernorm.weight", norm) is norm
+
+
+def test_sizes_that_do_not_divide_are_refused_with_the_sizes_that_do():
+    class Config:
+        num_attention_heads, num_key_value_heads, hidden_size, intermediate_size, vocab_size = 14, 2, 896, 4864, 10
+
+    with pytest.raises(ValueError, match=r"14 attention heads do not divide by 4.*Sizes that work: 1, 2$"):
+        check_tensor_parallel(Config, 4)

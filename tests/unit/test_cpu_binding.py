@@ -1,0 +1,46 @@
+"""--cpu-binding parsing and the default split of the usable cores over tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.distributed.binding import default_binding, format_cores, numa_nodes, parse_cpu_binding
+
+
+def test_binding_lists_one_core_list_per_rank():
+    assert parse_cpu_binding("0-3,8|4-7", 2) == [[0, 1, 2, 3, 8], [4, 5, 6, 7]]
+    assert format_cores([0, 1, 2, 3, 8]) == "0-3,8"
+
+
+@pytest.mark.parametrize("text,size,message", [
+    ("0-7|8-15", 3, "gives 2 core lists for --tensor-parallel-size 3"),
+    ("0-7|7-9", 2, "gives a core to two ranks"),
+    ("0-x|1", 2, "is not a core number"),
+    ("7-3|1", 2, "runs backwards"),
+    ("0,,1|2", 2, "empty entry"),
+])
+def test_bad_bindings_are_refused_naming_the_problem(text, size, message):
+    with pytest.raises(ValueError, match=message):
+        parse_cpu_binding(text, size)
+
+
+def test_default_is_one_numa_node_per_rank_when_the_nodes_match():
+    nodes = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert default_binding(list(range(8)), 2, nodes) == nodes
+    # four ranks on two nodes: equal contiguous groups instead
+    assert default_binding(list(range(8)), 4, nodes) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # only some cores usable (a cgroup cpuset): the nodes' usable parts
+    assert default_binding([2, 3, 4, 5], 2, nodes) == [[2, 3], [4, 5]]
+
+
+def test_default_splits_evenly_and_shares_when_ranks_outnumber_cores():
+    assert default_binding([0, 1], 2, nodes=[]) == [[0], [1]]
+    assert default_binding([0, 1, 2], 2, nodes=[]) == [[0], [1]]
+    assert default_binding([5], 2, nodes=[]) == [[5], [5]]
+
+
+def test_numa_nodes_are_read_from_sysfs(tmp_path):
+    for index, cpus in ((1, "4-7"), (0, "0-3")):
+        (tmp_path / f"node{index}").mkdir()
+        (tmp_path / f"node{index}" / "cpulist").write_text(cpus + "\n")
+    assert numa_nodes(tmp_path) == [[0, 1, 2, 3], [4, 5, 6, 7]]
