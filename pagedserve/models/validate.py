@@ -35,7 +35,7 @@ SUPPORTED_GGUF_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 )
-# Tokenizers that `gguf_loader.build_tokenizer` can rebuild: byte-level BPE with these pre-tokenizers.
+# Tokenizers that `gguf_tokenizer.py` can rebuild: byte-level BPE with these pre-tokenizers.
 SUPPORTED_GGUF_TOKENIZER_MODELS: tuple[str, ...] = ("gpt2",)
 SUPPORTED_GGUF_TOKENIZER_PRE: tuple[str, ...] = (
     "default", "gpt2", "smollm", "starcoder", "refact", "codeshell",

@@ -12,11 +12,8 @@ import transformers
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
-from pagedserve.models.gguf_loader import (
-    _PRE_TOKENIZER_FAMILY,
-    GGUFCheckpoint,
-    save_as_hf_dir,
-)
+from pagedserve.models.gguf_loader import GGUFCheckpoint, save_as_hf_dir
+from pagedserve.models.gguf_tokenizer import _PRE_TOKENIZER_FAMILY
 from pagedserve.models.validate import SUPPORTED_GGUF_TOKENIZER_PRE, ModelValidationError
 from tests.models.gguf_utils import llama_permute, tiny_model, write_test_gguf
 

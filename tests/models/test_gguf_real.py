@@ -14,7 +14,8 @@ import transformers
 from tokenizers import Tokenizer
 
 from pagedserve.formats.gguf import read_gguf_header
-from pagedserve.models.gguf_loader import GGUFCheckpoint, build_tokenizer_from_metadata, save_as_hf_dir
+from pagedserve.models.gguf_loader import GGUFCheckpoint, save_as_hf_dir
+from pagedserve.models.gguf_tokenizer import build_tokenizer_from_metadata
 from pagedserve.models.validate import validate_model_path
 from tests.models.real_models import (
     QWEN_CODER,

@@ -27,7 +27,7 @@ from pagedserve.memory.plan import (
     InsufficientMemoryError,
 )
 from pagedserve.memory.probe import AvailableMemory
-from pagedserve.models import gguf_loader
+from pagedserve.models import gguf_dequant, gguf_loader, gguf_tokenizer
 from tests.models.gguf_utils import tiny_model, write_test_gguf
 
 
@@ -211,8 +211,8 @@ def test_torch_dequantization_equals_gguf_py(qtype: QType, dtype: torch.dtype, m
         scales = rng.standard_normal((rows, blocks_per_row)) * 10.0 ** rng.integers(-7, 3, (rows, blocks_per_row))
         blocks[..., offset:offset + 2] = scales.astype(np.float16)[..., None].view(np.uint8)
     stored = blocks.reshape(rows, blocks_per_row * type_size)
-    monkeypatch.setattr(gguf_loader, "_DEQUANT_CHUNK_VALUES", 16 * 32)  # several chunks and a partial one
-    got = gguf_loader._dequantize_to_torch(stored, qtype, dtype)
+    monkeypatch.setattr(gguf_dequant, "_DEQUANT_CHUNK_VALUES", 16 * 32)  # several chunks and a partial one
+    got = gguf_dequant.dequantize_to_torch(stored, qtype, dtype)
     expected = torch.from_numpy(dequantize(stored, qtype)).to(dtype)
     assert got.shape == (rows, blocks_per_row * block_size) and got.dtype == dtype
     assert torch.equal(got, expected)
@@ -243,8 +243,8 @@ def test_gguf_tokenizer_without_the_deep_copy_equals_the_documented_one(tmp_path
 
     path = packaged_model("smollm2-135m-instruct")
     metadata = gguf_format.read_gguf_header(path).metadata
-    fast = gguf_loader.build_tokenizer_from_metadata(metadata)
-    backend = gguf_loader._backend_tokenizer(metadata, "test")
+    fast = gguf_tokenizer.build_tokenizer_from_metadata(metadata)
+    backend = gguf_tokenizer._backend_tokenizer(metadata, "test")
     kwargs = {"clean_up_tokenization_spaces": False, "model_max_length": fast.model_max_length,
               "bos_token": fast.bos_token, "eos_token": fast.eos_token, "unk_token": fast.unk_token,
               "pad_token": fast.pad_token}

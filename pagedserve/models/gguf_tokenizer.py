@@ -1,0 +1,154 @@
+"""A GGUF's tokenizer rebuilt from its metadata: byte-level BPE vocabularies, as a transformers
+PreTrainedTokenizerFast equal to the model's original tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gguf.constants import TokenType
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from pagedserve.formats.errors import ModelValidationError
+
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> how text is split before BPE (llama.cpp llama-vocab.cpp, HF tokenizer.json).
+_PRE_TOKENIZER_FAMILY: dict[str, str] = {
+    "default": "gpt2",
+    "gpt2": "gpt2",
+    "smollm": "digits+gpt2",
+    "starcoder": "digits+gpt2",
+    "refact": "digits+gpt2",
+    "codeshell": "digits+gpt2",
+    "qwen2": "qwen2",
+    "deepseek-r1-qwen": "qwen2",
+    "llama-bpe": "llama3",
+    "llama3": "llama3",
+    "smaug-bpe": "llama3",
+    "falcon3": "llama3",
+    "dbrx": "llama3",
+}
+
+
+def _pre_tokenizer(family: str) -> pre_tokenizers.PreTokenizer:
+    if family == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if family == "digits+gpt2":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    split = _QWEN2_SPLIT if family == "qwen2" else _LLAMA3_SPLIT
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _flagged_token(metadata: dict[str, Any], flag: str, key: str, tokens: list[str]) -> tuple[str, int] | None:
+    """(token, id) of the BOS/EOS token when the GGUF asks for it to be added, else None."""
+    token_id = metadata.get(f"tokenizer.ggml.{key}")
+    if not metadata.get(f"tokenizer.ggml.{flag}") or token_id is None:
+        return None
+    return tokens[int(token_id)], int(token_id)
+
+
+def _post_processor(metadata: dict[str, Any], tokens: list[str]) -> processors.PostProcessor:
+    """Adds BOS/EOS as the GGUF's add_bos_token / add_eos_token flags say."""
+    bos = _flagged_token(metadata, "add_bos_token", "bos_token_id", tokens)
+    eos = _flagged_token(metadata, "add_eos_token", "eos_token_id", tokens)
+    if bos is None and eos is None:
+        return processors.ByteLevel(trim_offsets=False)
+    head = [bos[0]] if bos else []
+    tail = [eos[0]] if eos else []
+    single = " ".join([*head, "$A", *tail])
+    pair = " ".join([single, *(f"{t}:1" for t in head), "$B:1", *(f"{t}:1" for t in tail)])
+    special = list(dict.fromkeys(t for t in (bos, eos) if t is not None))
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def _added_tokens(tokens: list[str], token_types: list[int]) -> list[AddedToken]:
+    """Control tokens become special added tokens, user-defined ones plain added tokens."""
+    added = []
+    for token, token_type in zip(tokens, token_types, strict=False):
+        if token_type == TokenType.CONTROL:
+            added.append(AddedToken(token, special=True, normalized=False))
+        elif token_type == TokenType.USER_DEFINED:
+            added.append(AddedToken(token, special=False, normalized=False))
+    return added
+
+
+def _backend_tokenizer(metadata: dict[str, Any], source: str) -> Tokenizer:
+    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    family = _PRE_TOKENIZER_FAMILY.get(pre)
+    if metadata.get("tokenizer.ggml.model") != "gpt2" or family is None:
+        raise ModelValidationError(
+            f"{source}: cannot rebuild tokenizer model {metadata.get('tokenizer.ggml.model')!r} with "
+            f"pre-tokenizer {pre!r} from GGUF. Use a Hugging Face model directory with tokenizer.json instead."
+        )
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    # Llama 3's tokenizer emits a whole word that is in the vocabulary without applying merges.
+    bpe = models.BPE(vocab, merges, ignore_merges=(family == "llama3"))
+    tokenizer = Tokenizer(bpe)
+    if family == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()  # as in Qwen's tokenizer.json
+    tokenizer.pre_tokenizer = _pre_tokenizer(family)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = _post_processor(metadata, tokens)
+    tokenizer.add_tokens(_added_tokens(tokens, list(metadata.get("tokenizer.ggml.token_type", []))))
+    return tokenizer
+
+
+def build_tokenizer_from_metadata(
+    metadata: dict[str, Any], source: str = "GGUF metadata"
+) -> PreTrainedTokenizerFast:
+    """A PreTrainedTokenizerFast from GGUF tokenizer metadata (byte-level BPE vocabularies).
+
+    `metadata` is `GGUFHeader.metadata` read with string arrays kept; it may come from the first
+    part of a split GGUF, since only metadata is used.
+    """
+    backend = _backend_tokenizer(metadata, source)
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    special: dict[str, str] = {}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and 0 <= int(token_id) < len(tokens):
+            special[name] = tokens[int(token_id)]
+    context_length = next((v for k, v in metadata.items() if k.endswith(".context_length")), None)
+    tokenizer = wrap_backend_tokenizer(
+        backend,
+        clean_up_tokenization_spaces=False,
+        model_max_length=int(context_length) if context_length else int(1e30),
+        **special,
+    )
+    template = metadata.get("tokenizer.chat_template")
+    if template:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def wrap_backend_tokenizer(backend: Tokenizer, **kwargs: Any) -> PreTrainedTokenizerFast:
+    """PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs) without its deep copy of `backend`.
+
+    The copy is a pickle round trip of the whole vocabulary (0.7 s of start-up for a 150k-token one, more
+    than building it); `backend` is ours alone, so it is used as is: __init__ keeps a backend already set
+    on the instance. Should a transformers version not, the documented constructor is used instead.
+    """
+    tokenizer = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
+    tokenizer._tokenizer = backend
+    try:
+        tokenizer.__init__(**kwargs)
+    except (TypeError, ValueError, AttributeError):
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    if tokenizer.backend_tokenizer is not backend:
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    return tokenizer
