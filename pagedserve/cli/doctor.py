@@ -318,7 +318,7 @@ def check_model(path: str | Path) -> CheckResult:
 def check_memory_plan(engine_args: EngineArgs, available: probe.AvailableMemory | None = None) -> CheckResult:
     """Would `serve` with these flags fit? The plan `serve` computes before loading (create_engine_config,
     its defaults and flags), from headers only; `available` replaces the probe serve would run (tests)."""
-    from pagedserve.engine.llm_engine import create_engine_config
+    from pagedserve.engine.setup import create_engine_config
 
     try:
         config = create_engine_config(engine_args, available=available, check_memory=False)

@@ -41,7 +41,7 @@ def _available_from_paths(args: argparse.Namespace):  # -> AvailableMemory | Non
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedserve.engine.llm_engine import create_engine_config
+    from pagedserve.engine.setup import create_engine_config
     from pagedserve.memory.plan import format_plan_table
 
     try:

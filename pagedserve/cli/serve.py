@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     apply_thread_args(args)
     from pagedserve.engine.startup import StartupTracker
-    from pagedserve.engine.llm_engine import check_engine_args
+    from pagedserve.engine.setup import check_engine_args
     from pagedserve.entrypoints.openai.api_server import ServeOptions, run_server
 
     startup = StartupTracker(t0=process_start_time())

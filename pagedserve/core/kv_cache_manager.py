@@ -36,6 +36,11 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and the hit counters (after warm-up, whose prompts are not users')."""
+        self.pool.reset_prefix_cache()
+        self.stats = PrefixCacheStats()
+
     @property
     def usage(self) -> float:
         return self.pool.usage

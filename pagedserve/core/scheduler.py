@@ -97,6 +97,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def reset_after_warm_up(self) -> None:
+        """Leave no trace of warm-up's requests: no cached prefixes, counters from zero."""
+        self.kv.reset_prefix_cache()
+        self._last_prefix_stats = (0, 0)
+        self._step_preemptions = 0
+        if self.proposer is not None:
+            self.proposer.reset_stats()
+
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished > 0
 

@@ -102,6 +102,10 @@ class NgramProposer:
             index.wait = min(MAX_BACKOFF_STEPS, 1 << index.misses)
             index.misses += 1
 
+    def reset_stats(self) -> None:
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self.totals = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+
     def take_stats(self) -> SpecDecodeStats:
         stats, self.stats = self.stats, SpecDecodeStats(accepted_per_pos=[0] * self.k)
         return stats

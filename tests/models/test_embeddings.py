@@ -26,7 +26,7 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.llm_engine import create_engine_config
+from pagedserve.engine.setup import create_engine_config
 from pagedserve.pooling_params import PoolingParams
 from tests.models.real_models import packaged_model
 

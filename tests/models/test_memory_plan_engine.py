@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 
 from pagedserve.cli.main import main
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.llm_engine import PLAIN_CONFIG_DEFAULTS, create_engine_config, hf_config_from_checkpoint
+from pagedserve.engine.setup import PLAIN_CONFIG_DEFAULTS, create_engine_config, hf_config_from_checkpoint
 from pagedserve.formats import gguf as gguf_format
 from pagedserve.memory.checkpoint import read_checkpoint_info
 from pagedserve.memory.plan import (

@@ -1,0 +1,126 @@
+"""The memory plan as the engine computes it from EngineArgs: sizes from checkpoint headers and the chosen
+kernels' weight format, the free memory probed now, the verdict logged (and refused) before anything loads,
+and after warm-up the measured RSS next to it. The arithmetic itself is memory/plan.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pagedserve.config import ModelConfig, SchedulerConfig
+from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineArgs
+from pagedserve.memory.checkpoint import CheckpointInfo
+from pagedserve.memory.plan import MemoryPlan
+from pagedserve.memory.probe import AvailableMemory
+
+logger = logging.getLogger(__name__)
+
+
+def num_kv_blocks(args: EngineArgs, plan: MemoryPlan) -> int:
+    """KV pool size: --num-gpu-blocks-override (testing), else the plan's blocks + the reserved null block.
+
+    The plan sizes the pool from --kv-cache-memory (or VLLM_CPU_KVCACHE_SPACE), else by the CPU's shared-box
+    default or the GPU's --gpu-memory-utilization rule (memory/plan.py): never below one full max_model_len
+    sequence (else it refuses to start), never above max_num_seqs full sequences.
+    """
+    return args.num_gpu_blocks_override or plan.num_kv_blocks + 1
+
+
+def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig, scheduler: SchedulerConfig,
+                device: str, available: AvailableMemory | None = None) -> MemoryPlan:
+    """The memory plan for serving `checkpoint` with these settings against the memory free now (the host's:
+    cgroup limit - usage and MemAvailable; on a GPU its free memory), from headers only."""
+    from dataclasses import replace
+
+    from pagedserve.memory import plan as memory
+    from pagedserve.memory.checkpoint import dtype_bytes
+
+    if available is None:
+        available = _probe_available_memory(device)
+    weight_dtype_bytes = dtype_bytes(model.dtype)
+    # An 8-bit KV cache (fp8*) stores one byte per value plus a scale per token and head in the model dtype.
+    kv_8bit = args.kv_cache_dtype.startswith("fp8")
+    kv_dtype_bytes, kv_scale_bytes = (1, weight_dtype_bytes) if kv_8bit else (weight_dtype_bytes, 0)
+    shape = memory.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
+    tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
+    backend = _kernel_backend(model, device)
+    weight_bytes = memory.prepared_weight_bytes(shape, weight_dtype_bytes, backend.linear_kind, tied,
+                                                computes_logits=model.task == "generate",
+                                                embedding_shares_packed=backend.native_bf16_linears)
+    shape = replace(shape, weight_bytes=weight_bytes)
+    block_bytes = memory.kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes) * args.block_size
+    kv_cache_bytes = args.kv_cache_memory
+    if args.num_gpu_blocks_override:
+        kv_cache_bytes = max(1, args.num_gpu_blocks_override - 1) * block_bytes  # minus the null block
+    on_cpu = device == "cpu"
+    overhead = memory.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
+                                             on_cpu=on_cpu)
+    request = memory.PlanRequest(
+        dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, max_model_len=model.max_model_len,
+        max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        block_size=args.block_size, available=available,
+        memory_fraction=memory.DEFAULT_MEMORY_FRACTION if args.gpu_memory_utilization is None
+        else args.gpu_memory_utilization,
+        kv_share=memory.CPU_DEFAULT_KV_SHARE if on_cpu and args.gpu_memory_utilization is None else None,
+        kv_cache_bytes=kv_cache_bytes, runtime_overhead_bytes=overhead,
+        host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0, kv_scale_bytes=kv_scale_bytes,
+        quantization=model.quantization)
+    plan = memory.make_plan(shape, request, quantizations=tuple(q for q in SUPPORTED_QUANTIZATION if q),
+                            kv_cache_dtypes=tuple(d for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto"))
+    if args.num_gpu_blocks_override and plan.problems:  # testing: exactly the pool asked for, even a small one
+        fits = plan.total_bytes <= plan.budget_bytes
+        plan = replace(plan, problems=[], fits=fits, suggestions=[] if fits else plan.suggestions)
+    return plan
+
+
+def _kernel_backend(model: ModelConfig, device: str) -> Any:
+    """The KernelBackend the loader will choose (it decides whether weights are copied into another format,
+    and whether a tied embedding shares the packed logits matrix)."""
+    from pagedserve.layers.backend import KernelBackend
+    from pagedserve.platform import torch_dtype
+
+    return KernelBackend.choose(device, torch_dtype(model.dtype), model.quantization, model.reference_kernels)
+
+
+def _probe_available_memory(device: str) -> AvailableMemory:
+    from pagedserve.memory import probe
+
+    if device == "cuda":
+        gpu = probe.cuda_available_memory()
+        if gpu is not None:
+            return gpu
+    return probe.available_memory()
+
+
+def check_memory_plan(plan: MemoryPlan) -> None:
+    """Log the plan; when it does not fit, log it as an error and raise InsufficientMemoryError."""
+    from pagedserve.memory.plan import InsufficientMemoryError, format_plan_table
+
+    if not plan.fits:
+        logger.error("refusing to start, the model does not fit in memory:\n%s", format_plan_table(plan))
+        raise InsufficientMemoryError(plan)
+    logger.info("%s", format_plan_table(plan))
+
+
+def log_memory_vs_plan(plan: MemoryPlan | None, device: str) -> None:
+    """After warm-up: the measured resident memory next to the plan's steady figure (weights + overhead +
+    KV bookkeeping; the lazily allocated KV pool is resident only as written, see memory/plan.py)."""
+    from pagedserve.memory import probe
+
+    if plan is None:
+        return
+    mib = 1 << 20
+    planned = (f"planned steady {plan.steady_bytes / mib:.0f} MiB (weights {plan.weight_bytes / mib:.0f} MiB"
+               f" + overhead {plan.overhead_bytes / mib:.0f} MiB"
+               f" + KV bookkeeping {plan.kv_bookkeeping_bytes / mib:.0f} MiB)")
+    if device == "cuda":
+        info = probe.cuda_free_memory()
+        if info is not None:
+            logger.info("memory: GPU %.0f MiB in use after warm-up; %s", (info[1] - info[0]) / mib, planned)
+        return
+    rss = probe.process_rss_bytes()
+    if rss is not None:
+        error = (rss - plan.steady_bytes) / max(rss, 1)
+        logger.info("memory: RSS %.0f MiB after warm-up, %s: %+.1f %%; worst case with every KV block written"
+                    " %.0f MiB", rss / mib, planned, 100 * error, plan.total_bytes / mib)

@@ -1,0 +1,252 @@
+"""Engine set-up: from EngineArgs to the frozen configs, the model path, the tokenizer and the runner.
+
+`create_engine_config` resolves every "auto" and default (device, dtype, task, context length, budget, the
+kernels' weight format) and plans the memory from checkpoint headers before anything is loaded
+(engine/memory_plan.py); `load_tokenizer`, `make_runner` and `generation_config_eos_ids` are what LLMEngine
+needs to start. Nothing here steps requests: that is engine/llm_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineArgs
+from pagedserve.engine.faults import parse_fault_spec
+from pagedserve.engine.memory_plan import check_memory_plan, num_kv_blocks, plan_memory
+from pagedserve.engine.startup import StartupTracker
+from pagedserve.memory.checkpoint import CheckpointInfo
+from pagedserve.memory.probe import AvailableMemory
+from pagedserve.models.pooling_config import is_encoder
+from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.structured.params import StructuredOutputsConfig
+from pagedserve.worker.protocol import Runner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# --runner (vLLM's name) -> the task it means; "auto" decides from the model.
+RUNNER_TASKS: dict[str, str | None] = {"auto": None, "generate": "generate", "pooling": "embed"}
+
+
+def make_runner(config: EngineConfig, progress: Any, eos_token_id: int | None) -> Runner:
+    """The runner for this architecture and task: ModelRunner generates; embedding models get
+    worker/pooling_runner.py's (an encoder runner without KV cache, or a decoder one that pools)."""
+    if config.model.task == "embed":
+        from pagedserve.worker.pooling_runner import make_pooling_runner
+
+        return make_pooling_runner(config, config.model.hf_config, progress)
+    from pagedserve.worker.model_runner import ModelRunner
+
+    return ModelRunner(config, config.model.hf_config, progress, eos_token_id=eos_token_id)
+
+
+def generation_config_eos_ids(model_path: str, eos_token_id: int | None) -> list[int]:
+    """EOS ids listed in generation_config.json beyond the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    ids = value if isinstance(value, list) else [value] if isinstance(value, int) else []
+    return [i for i in ids if i != eos_token_id]
+
+
+def load_tokenizer(path: str) -> Any:
+    if path.endswith(".gguf"):
+        from pagedserve.models.gguf_loader import GGUFCheckpoint
+
+        return GGUFCheckpoint(path).build_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A local path as given, or a known model name fetched into the cache."""
+    if model is not None and Path(model).exists():
+        return str(Path(model).resolve())
+    from pagedserve.models.fetch import resolve_model
+
+    return str(resolve_model(model))
+
+
+def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None,
+                         available: AvailableMemory | None = None, check_memory: bool = True) -> EngineConfig:
+    """Resolve every 'auto' and default in EngineArgs into frozen configs and plan the memory (no weights are
+    read). When the plan does not fit, raise InsufficientMemoryError after logging the table with the
+    shortfall and the flags that would fit (check_memory=False returns the config with its plan instead).
+    `available` replaces the probe of this host's (or GPU's) free memory."""
+    from pagedserve.memory.checkpoint import read_checkpoint_info
+    from pagedserve.models.validate import check_sliding_window, validate_model_path
+    from pagedserve.platform import default_device, default_quantization, resolve_dtype, usable_cpu_count
+
+    startup = startup or StartupTracker()
+    check_engine_args(args)
+    startup.enter("resolving")
+    model_path = resolve_model_path(args.model)
+    startup.enter("validating")
+    validate_model_path(model_path)
+    startup.enter("planning")
+    checkpoint = read_checkpoint_info(model_path)  # headers only; a GGUF header is parsed once for all users
+    hf_config = hf_config_from_checkpoint(checkpoint)
+    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    device = default_device() if args.device == "auto" else args.device
+    config_dict = hf_config.to_dict()
+    model_dtype = str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "")
+    dtype = resolve_dtype(args.dtype, device, model_dtype.removeprefix("torch.") or None)
+    task = _resolve_task(args, architecture, model_path)
+    pooler = _pooler_config(model_path, architecture, hf_config) if task == "embed" else None
+    max_model_len = _max_model_len(args, hf_config, model_path if task == "embed" else None)
+    check_sliding_window(checkpoint.config, max_model_len)  # refused, never silently wrong past the window
+    # An encoder attends in both directions, so a prompt cannot be split across steps: no chunked prefill,
+    # and a budget that holds the longest prompt. Pooling that reads every token's hidden state cannot
+    # skip a cached prefix; last-token pooling of a causal decoder can (its K/V are what a hit reuses).
+    encoder = task == "embed" and is_encoder(architecture)
+    chunked_prefill = args.enable_chunked_prefill and not encoder
+    prefix_caching = args.enable_prefix_caching and not (pooler is not None and (encoder or pooler.needs_all_tokens))
+    budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if not chunked_prefill:
+        budget = max(budget, max_model_len)
+    from pagedserve.models.fetch import DEFAULT_MODEL
+
+    served_name = args.served_model_name or args.model or DEFAULT_MODEL
+    model = ModelConfig(model=model_path, served_model_name=served_name, dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
+                        architecture=architecture, task=task, pooler=pooler, seed=args.seed,
+                        quantization=default_quantization(args.dtype, args.quantization,
+                                                          checkpoint.stores_quantized_matmuls(), device),
+                        enforce_eager=args.enforce_eager,
+                        reference_kernels=args.reference_kernels)
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                                max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
+                                max_waiting_requests=args.max_waiting_requests)
+    plan = plan_memory(args, checkpoint, model, scheduler, device, available)
+    cache = CacheConfig(block_size=args.block_size, num_blocks=num_kv_blocks(args, plan),
+                        enable_prefix_caching=prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
+    threads = args.num_threads or usable_cpu_count()
+    if check_memory:
+        check_memory_plan(plan)
+    return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan,
+                        fault_injection=args.fault_injection,
+                        structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
+                        speculative=_speculative_config(args, task))
+
+
+def check_engine_args(args: EngineArgs) -> None:
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported yet; "
+                         "use --tensor-parallel-size 1")
+    if args.quantization not in SUPPORTED_QUANTIZATION:
+        raise ValueError(f"--quantization {args.quantization} is not supported; supported: "
+                         f"{', '.join(q for q in SUPPORTED_QUANTIZATION if q)}")
+    if args.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+    if args.task not in ("auto", "generate", "embed"):
+        raise ValueError(f"--task {args.task} is not supported; use auto, generate or embed")
+    if args.runner not in RUNNER_TASKS:
+        raise ValueError(f"--runner {args.runner} is not supported; use {', '.join(RUNNER_TASKS)}")
+    runner_task = RUNNER_TASKS[args.runner]
+    if args.task != "auto" and runner_task is not None and runner_task != args.task:
+        raise ValueError(f"--runner {args.runner} contradicts --task {args.task}; give one of them")
+    if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+        raise ValueError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
+    if args.max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    parse_fault_spec(args.fault_injection)
+    StructuredOutputsConfig.parse(args.structured_outputs_config)
+    SpeculativeConfig.parse(args.speculative_config)
+    if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+
+
+def _speculative_config(args: EngineArgs, task: str) -> SpeculativeConfig | None:
+    speculative = SpeculativeConfig.parse(args.speculative_config)
+    if speculative is not None and task == "embed":
+        raise ValueError("--speculative-config applies to text generation, and this model embeds (task embed); "
+                         "leave it out")
+    return speculative
+
+
+def _resolve_task(args: EngineArgs, architecture: str, model_path: str) -> str:
+    """--task, else --runner, else what the model is (models/pooling_config.py's default_task)."""
+    from pagedserve.models.pooling_config import DECODER_BASE_ARCHITECTURES, default_task
+
+    task = args.task if args.task != "auto" else RUNNER_TASKS.get(args.runner)
+    task = task or default_task(architecture, model_path)
+    if task == "generate" and (is_encoder(architecture) or architecture in DECODER_BASE_ARCHITECTURES):
+        raise ValueError(f"{architecture} is an embedding model without an LM head and cannot generate text; "
+                         "serve it with --task embed (the default for it)")
+    if task == "embed":
+        logger.info("task embed: %s serves /v1/embeddings, not text generation", architecture)
+    return task
+
+
+def _pooler_config(model_path: str, architecture: str, hf_config: Any) -> Any:
+    from pagedserve.models.pooling_config import load_pooler_config
+
+    pooler = load_pooler_config(model_path, architecture, hf_config)
+    logger.info("pooling: %s%s (%s)", pooler.pooling_type, " + normalize" if pooler.normalize else "", pooler.source)
+    return pooler
+
+
+def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str | None = None) -> int:
+    """--max-model-len, else the model's context; embedding models default to sentence-transformers'
+    max_seq_length (the input length they were trained for; vLLM does the same)."""
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if args.max_model_len is None:
+        if embedding_model_path is not None:
+            from pagedserve.models.pooling_config import sentence_transformers_max_seq_length
+
+            return min(model_max, sentence_transformers_max_seq_length(embedding_model_path) or model_max)
+        return model_max
+    if args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    if is_encoder(architecture) and args.max_model_len > model_max:
+        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the {model_max} positions this encoder "
+                         f"has embeddings for; use --max-model-len {model_max} or less")
+    return args.max_model_len
+
+
+# ---- the model config ------------------------------------------------------------------------------
+# Decoders whose transformers config the engine builds as a plain PretrainedConfig: the model-specific classes
+# (LlamaConfig, ...) import ~1.5 s of transformers modules (torch.distributed, sympy) at start-up. Only when
+# every value the model reads is in the checkpoint's config, so transformers' per-model defaults cannot
+# differ; anything else (other models, rope scaling that needs transformers' rope functions) uses AutoConfig.
+_PLAIN_CONFIG_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+_PLAIN_CONFIG_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "num_key_value_heads", "vocab_size", "max_position_embeddings")
+# The same defaults in LlamaConfig, Qwen2Config and Qwen3Config (transformers 5; tests/models compare).
+PLAIN_CONFIG_DEFAULTS = {"tie_word_embeddings": False, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                         "attention_bias": False}
+
+
+def _is_plain_decoder_config(config: dict) -> bool:
+    if config.get("model_type") not in _PLAIN_CONFIG_MODEL_TYPES:
+        return False
+    if any(config.get(key) is None for key in _PLAIN_CONFIG_REQUIRED_KEYS):
+        return False
+    if config["model_type"] == "qwen3" and config.get("head_dim") is None:  # Qwen3Config defaults it to 128
+        return False
+    rope = [config.get("rope_parameters") or {}, config.get("rope_scaling") or {}]
+    return all(r.get("rope_type", r.get("type")) in (None, "default") for r in rope)
+
+
+def hf_config_from_checkpoint(checkpoint: CheckpointInfo) -> Any:
+    """The transformers config of a checkpoint (see _PLAIN_CONFIG_MODEL_TYPES for why it is often plain)."""
+    config = dict(checkpoint.config)
+    if _is_plain_decoder_config(config):
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig(**{**PLAIN_CONFIG_DEFAULTS, **config})
+    from transformers import AutoConfig
+
+    if checkpoint.is_gguf:
+        return AutoConfig.for_model(config.pop("model_type"), **config)
+    return AutoConfig.from_pretrained(checkpoint.path)
