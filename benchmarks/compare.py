@@ -184,7 +184,7 @@ def build_real_model(gguf: Path, out: Path) -> dict[str, Any]:
     if not _is_built(out, stamp):
         import torch
 
-        from pagedserve.models.gguf_loader import save_as_hf_dir
+        from benchmarks.gguf_to_hf import save_as_hf_dir
 
         save_as_hf_dir(gguf, out, dtype=torch.bfloat16)
         _mark_built(out, stamp)

@@ -12,7 +12,9 @@ import transformers
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
-from pagedserve.models.gguf_loader import GGUFCheckpoint, save_as_hf_dir
+from benchmarks.gguf_to_hf import save_as_hf_dir
+from pagedserve.formats.gguf_hf import GGUFTensorSpec, unpermute_rows
+from pagedserve.models.gguf_loader import GGUFCheckpoint
 from pagedserve.models.gguf_tokenizer import _PRE_TOKENIZER_FAMILY
 from pagedserve.models.validate import SUPPORTED_GGUF_TOKENIZER_PRE, ModelValidationError
 from tests.models.gguf_utils import llama_permute, tiny_model, write_test_gguf
@@ -51,6 +53,16 @@ def _model_from_tensors(reference: torch.nn.Module, tensors: dict[str, torch.Ten
     clone = type(reference)(reference.config).eval()
     clone.load_state_dict(tensors, strict=True)
     return clone
+
+
+def _stored_rows(checkpoint: GGUFCheckpoint) -> list[tuple[GGUFTensorSpec, np.ndarray]]:
+    """Every tensor as stored (quantized blocks, uint8 [rows, bytes], or floats) with its rows in Hugging Face
+    order: the llama q/k permutation undone on whole rows of blocks, which is exact."""
+    rows = []
+    for spec in checkpoint.tensor_specs():
+        stored, num_heads = checkpoint.stored(spec), checkpoint.permute_heads(spec)
+        rows.append((spec, np.array(unpermute_rows(stored, num_heads) if num_heads else stored)))
+    return rows
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -92,7 +104,7 @@ def test_llama_attention_biases_are_unpermuted_too(tmp_path: Path) -> None:
     with GGUFCheckpoint(path) as checkpoint:
         assert checkpoint.hf_config()["attention_bias"] is True
         loaded = dict(checkpoint.iter_tensors(torch.float32))
-        raw = {tensor.name: tensor.data for tensor in checkpoint.iter_raw_tensors()}
+        raw = {spec.name: data for spec, data in _stored_rows(checkpoint)}
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded[name], tensor), name
         np.testing.assert_array_equal(raw[name], tensor.numpy(), err_msg=name)
@@ -163,17 +175,17 @@ def test_raw_tensors_are_stored_blocks_in_hf_row_order(models: dict, tmp_path: P
     path = write_test_gguf(models["llama"], tmp_path / "q8.gguf", QType.Q8_0)
     with GGUFCheckpoint(path) as checkpoint:
         dequantized = dict(checkpoint.iter_tensors(torch.float32))
-        raw_tensors = list(checkpoint.iter_raw_tensors())
-    assert [raw.name for raw in raw_tensors] == list(dequantized)
-    for raw in raw_tensors:
-        assert raw.shape == tuple(dequantized[raw.name].shape)
-        if raw.qtype == QType.Q8_0:
-            assert raw.data.dtype == np.uint8 and raw.data.shape == (raw.shape[0], raw.shape[1] // 32 * 34)
-            values = dequantize(raw.data, raw.qtype)
+        stored_rows = _stored_rows(checkpoint)
+    assert [spec.name for spec, _ in stored_rows] == list(dequantized)
+    for spec, data in stored_rows:
+        assert spec.shape == tuple(dequantized[spec.name].shape)
+        if spec.qtype == QType.Q8_0:
+            assert data.dtype == np.uint8 and data.shape == (spec.shape[0], spec.shape[1] // 32 * 34)
+            values = dequantize(data, spec.qtype)
         else:
-            assert raw.qtype == QType.F32 and raw.data.shape == raw.shape
-            values = raw.data
-        np.testing.assert_array_equal(values.reshape(raw.shape), dequantized[raw.name].numpy())
+            assert spec.qtype == QType.F32 and data.shape == spec.shape
+            values = data
+        np.testing.assert_array_equal(values.reshape(spec.shape), dequantized[spec.name].numpy())
 
 
 def test_tensor_sizes_and_mixed_types(models: dict, tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
+from benchmarks.gguf_to_hf import save_as_hf_dir
 from pagedserve.formats.gguf import read_gguf_header
-from pagedserve.models.gguf_loader import GGUFCheckpoint, save_as_hf_dir
+from pagedserve.models.gguf_loader import GGUFCheckpoint
 from pagedserve.models.gguf_tokenizer import build_tokenizer_from_metadata
 from pagedserve.models.validate import validate_model_path
 from tests.models.real_models import (

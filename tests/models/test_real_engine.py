@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.gguf_to_hf import save_as_hf_dir
 from pagedserve import LLM, SamplingParams
-from pagedserve.models.gguf_loader import save_as_hf_dir
 from tests.models.real_models import QWEN_CODER, packaged_model
 from tests.models.test_correctness import assert_logprobs_close, hf_logprobs
 
