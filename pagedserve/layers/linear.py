@@ -116,6 +116,10 @@ class QuantizedWeight:
     def device(self) -> torch.device:
         return self.qweight.device
 
+    def dequantized(self) -> torch.Tensor:
+        """The weight the int8 values stand for, [out, in] in `dtype` (scaled in float32, then rounded once)."""
+        return dequantize_int8(self.qweight, self.scales, self.dtype)
+
 
 def weight_of(linear: nn.Linear) -> torch.Tensor | QuantizedWeight:
     """The loaded weight of `linear`: a tensor, or the QuantizedWeight the loader attached to it."""
@@ -187,9 +191,15 @@ class Int8Linear(_HotPathModule):
         return self.qweight, self.scales
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the int8 values stand for, [out, in] in the model dtype."""
+        """The weight the int8 values stand for, [out, in] in the model dtype (its scales are model-dtype ones)."""
         qweight, scales = self.int8_weight()
-        return qweight.to(scales.dtype) * scales[:, None]
+        return dequantize_int8(qweight, scales, scales.dtype)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W = q * scale[:, None] for int8 [out, in] and per-row scales [out], multiplied in the scales' dtype and
+    returned in `dtype`. The one dequantizer of per-row int8 (Int8Linear, QuantizedWeight)."""
+    return (qweight.to(scales.dtype) * scales[:, None]).to(dtype)
 
 
 def quantize_int8_per_channel(weight: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +239,7 @@ def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor | QuantizedWeight, torc
             torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]), weights[0].dtype)
         dtype = weights[0].dtype
     else:
-        weight = torch.cat([w if isinstance(w, torch.Tensor) else _dequantized(w) for w in weights], dim=0)
+        weight = torch.cat([w if isinstance(w, torch.Tensor) else w.dequantized() for w in weights], dim=0)
         dtype = weight.dtype
     biases = [l.bias for l in linears]
     if all(b is None for b in biases):
@@ -237,7 +247,3 @@ def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor | QuantizedWeight, torc
     filled = [b if b is not None else torch.zeros(l.out_features, dtype=dtype, device=weight.device)
               for b, l in zip(biases, linears)]
     return weight, torch.cat(filled)
-
-
-def _dequantized(weight: QuantizedWeight) -> torch.Tensor:
-    return (weight.qweight.float() * weight.scales[:, None]).to(weight.dtype)

@@ -10,7 +10,15 @@ import torch.nn.functional as F
 
 from pagedserve.layers import attention
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, PrefillSpan, paged_attention
-from pagedserve.layers.linear import PackedLinear, PlainLinear, packing_supported
+from pagedserve.layers.linear import (
+    Int8Linear,
+    PackedLinear,
+    PlainLinear,
+    QuantizedWeight,
+    fuse_rows,
+    packing_supported,
+    quantize_int8_per_channel,
+)
 from pagedserve.layers.norm import RMSNorm, reference_rms_norm
 
 
@@ -23,6 +31,23 @@ def test_rms_norm_bit_exact_with_transformers_formula(dtype):
     norm = norm.to(dtype)
     x = (torch.randn(17, 96) * 3).to(dtype)
     assert torch.equal(norm(x), reference_rms_norm(x, norm.weight, 1e-6))
+
+
+def test_int8_weights_dequantize_with_their_own_scales():
+    """One dequantizer, two roundings: a loaded QuantizedWeight (float32 scales) is scaled in float32 and rounded
+    once to the model dtype (fuse_rows of q/k/v where only some are int8); an Int8Linear uses the model-dtype
+    scales its kernels use."""
+    torch.manual_seed(0)
+    qweight, scales = quantize_int8_per_channel(torch.randn(48, 64))
+    linears = [torch.nn.Linear(64, 16, bias=False).to(torch.bfloat16) for _ in range(2)]
+    linears[1].quantized_weight = QuantizedWeight(qweight[:16], scales[:16], torch.bfloat16)
+    fused, bias = fuse_rows(*linears)
+    assert bias is None and torch.equal(fused[:16], linears[0].weight)
+    assert torch.equal(fused[16:], (qweight[:16].float() * scales[:16, None]).bfloat16())
+    layer = Int8Linear(QuantizedWeight(qweight, scales, torch.bfloat16), None)  # torch's int8 kernel here
+    expected = qweight.bfloat16() * scales.bfloat16()[:, None]
+    assert torch.equal(layer.dequantized(), expected)
+    assert not torch.equal(expected, (qweight.float() * scales[:, None]).bfloat16())  # the two do differ
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
