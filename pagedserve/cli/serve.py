@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
+from typing import TYPE_CHECKING
 
 from pagedserve import envs
 from pagedserve.cli.common import (add_thread_args, apply_thread_args, engine_args_from_cli, fail,
                                    process_start_time, setup_logging)
 from pagedserve.engine.arg_utils import EngineArgs, RequestLimits
 from pagedserve.entrypoints.openai.tool_calls import PARSERS
+from pagedserve.entrypoints.ray_serve.args import ReplicaArgs
+
+if TYPE_CHECKING:
+    from pagedserve.entrypoints.openai.api_server import ServeOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tools.add_argument("--tool-call-parser", default=None, choices=PARSERS,
                        help="How the model writes tool calls: hermes (<tool_call>{json}</tool_call>: Qwen2.5, "
                             "Qwen3, Hermes) or llama3_json (Llama 3.x JSON calls).")
+    ReplicaArgs.add_cli_args(parser.add_argument_group(
+        "replicas on Ray Serve (pip install 'pagedserve[ray]'; --host/--port are then the Ray Serve endpoint's)"))
     add_thread_args(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.set_defaults(func=run)
@@ -59,9 +67,11 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--root-path must start with '/', got {args.root_path!r}")
     engine_args = engine_args_from_cli(args)
     limits = RequestLimits.from_cli_args(args)
+    replica_args = ReplicaArgs.from_cli_args(args)
     try:
         check_engine_args(engine_args)  # unsupported values fail before the port opens
         limits.check()
+        replica_args.check()
     except ValueError as exc:
         return fail(str(exc))
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -73,4 +83,19 @@ def run(args: argparse.Namespace) -> int:
                            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                            root_path=args.root_path, enable_web_ui=not args.disable_web_ui,
                            startup_hold_file=args.startup_hold_file)
+    if replica_args.enabled:
+        return run_replicas(engine_args, options, replica_args)
     return run_server(engine_args, options, startup)
+
+
+def run_replicas(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArgs) -> int:
+    """--replicas N: the engines as Ray Serve replicas behind one endpoint (entrypoints/ray_serve/)."""
+    from pagedserve.entrypoints.ray_serve import RAY_MISSING, ray_is_installed
+
+    if not ray_is_installed():
+        return fail(RAY_MISSING)
+    from pagedserve.entrypoints.ray_serve.app import run
+
+    # Each replica's process reads its OpenMP wait policy before torch loads: hand it the one set here.
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return run(engine_args, options, replica_args, {"OMP_WAIT_POLICY": policy} if policy else None)

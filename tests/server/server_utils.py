@@ -69,7 +69,7 @@ def start_server(model: str, *flags: str, log_dir: Path, env: dict | None = None
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
         try:
             response = httpx.get(f"{server.url}/health", timeout=2.0)
-            phase = response.json().get("phase", "") if response.content else ""
+            phase = _phase(response)
             if not server.health_statuses or server.health_statuses[-1] != (response.status_code, phase):
                 server.health_statuses.append((response.status_code, phase))
             if response.status_code == 200 or not wait_for_ready:
@@ -79,6 +79,14 @@ def start_server(model: str, *flags: str, log_dir: Path, env: dict | None = None
         time.sleep(0.05)
     server.stop()
     raise RuntimeError(f"server not ready after {ready_timeout} s:\n{server.log()}")
+
+
+def _phase(response: httpx.Response) -> str:
+    """/health's phase; "" for a body that is not ours (Ray Serve's proxy answers 404 text before the app is up)."""
+    try:
+        return response.json().get("phase", "") if response.content else ""
+    except ValueError:
+        return ""
 
 
 def module_server(model: str, *flags: str, tmp_path_factory, **kwargs):

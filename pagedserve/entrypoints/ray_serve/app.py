@@ -1,0 +1,99 @@
+"""The Ray Serve application (`build_application`) and the CLI mode that runs it (`run`).
+
+Two deployments: `PagedServeEngine` (EngineReplica x --replicas, each reserving --replica-cpus, routed by
+PrefixAffinityRouter, health-checked through its /health) and `PagedServeIngress` (one, no CPU reserved), the
+route "/" of Ray Serve's HTTP proxy on --host:--port. Ray restarts a replica whose actor dies or whose health
+check fails; the others keep serving meanwhile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import time
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.entrypoints.openai.api_server import ServeOptions
+from pagedserve.entrypoints.ray_serve.args import ReplicaArgs
+from pagedserve.entrypoints.ray_serve.ingress import Ingress
+from pagedserve.entrypoints.ray_serve.replica import EngineReplica
+
+logger = logging.getLogger("pagedserve.ray_serve")
+
+APP_NAME = "pagedserve"
+ENGINE_DEPLOYMENT = "PagedServeEngine"
+INGRESS_DEPLOYMENT = "PagedServeIngress"
+HEALTH_CHECK_PERIOD_S = 5.0
+ROUTING_STATS_PERIOD_S = 2.0
+# Ray imports it and ships router.py by value to every process holding a handle (see routing.py's registry).
+ROUTER_CLASS = "pagedserve.entrypoints.ray_serve.router.PrefixAffinityRouter"
+
+
+def build_application(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArgs,
+                      env_vars: dict[str, str] | None = None) -> serve.Application:
+    """The ingress bound to N engine replicas. `env_vars` are set in each replica's process before it starts
+    (OMP_WAIT_POLICY must be there before torch loads)."""
+    if engine_args.num_threads is None:  # the CPUs Ray reserved for the replica, not every core on its node
+        engine_args = dataclasses.replace(engine_args, num_threads=max(1, int(replica_args.replica_cpus)))
+    actor_options: dict = {"num_cpus": replica_args.replica_cpus}
+    if env_vars:
+        actor_options["runtime_env"] = {"env_vars": env_vars}
+    engine = serve.deployment(
+        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=replica_args.replicas or 1,
+        ray_actor_options=actor_options,
+        max_ongoing_requests=replica_args.max_ongoing_requests_per_replica or engine_args.max_num_seqs,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS,
+                                                  request_routing_stats_period_s=ROUTING_STATS_PERIOD_S))
+    ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=100_000)
+    return ingress.bind(engine.bind(engine_args, options), ENGINE_DEPLOYMENT, replica_args.routing_prefix_chars,
+                        options.max_body_bytes)
+
+
+def run(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArgs,
+        env_vars: dict[str, str] | None = None) -> int:
+    """Start (or join) Ray, deploy, serve until SIGINT/SIGTERM, then take the application down; the exit code."""
+    joined = replica_args.ray_address is not None
+    ray.init(address=replica_args.ray_address or "local")  # "local": a new Ray, never one found on the box
+    try:
+        serve.start(http_options={"host": options.host, "port": options.port})
+        logger.info("starting %d replica(s) of %s on Ray (%s)", replica_args.replicas or 1, engine_args.model,
+                    replica_args.ray_address or "local")
+        serve.run(build_application(engine_args, options, replica_args, env_vars), name=APP_NAME, route_prefix="/")
+        logger.info("serving on http://%s:%d (%d replicas; GET /replicas lists them)", options.host, options.port,
+                    replica_args.replicas or 1)
+        _wait_for_signal()
+        return 0
+    except RuntimeError as exc:  # a deployment that failed (e.g. every replica's start-up): Ray says why
+        logger.error("the Ray Serve application failed: %s", exc)
+        return 1
+    finally:
+        _take_down(joined)
+
+
+def _wait_for_signal() -> None:
+    """Until SIGINT or SIGTERM. The handlers only append to a list (a lock taken in a handler deadlocks the
+    main thread if a second signal lands inside it) and stay installed, so a repeated signal cannot cut the
+    take-down short."""
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, _frame: received.append(number))
+    while not received:
+        time.sleep(0.2)
+    logger.info("%s: taking the application down", signal.Signals(received[0]).name)
+
+
+def _take_down(joined: bool) -> None:
+    """Delete the application; a Ray (and Serve) started here stops with it, a joined cluster keeps running."""
+    try:
+        serve.delete(APP_NAME)
+        if not joined:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
