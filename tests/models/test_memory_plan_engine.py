@@ -19,14 +19,9 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.setup import PLAIN_CONFIG_DEFAULTS, create_engine_config, hf_config_from_checkpoint
 from pagedserve.formats import gguf as gguf_format
 from pagedserve.memory.checkpoint import read_checkpoint_info
-from pagedserve.memory.plan import (
-    CPU_RUNTIME_BASE_BYTES,
-    GIB,
-    HOST_BYTES_PER_KV_BLOCK,
-    TOKENIZER_BYTES_PER_TOKEN,
-    InsufficientMemoryError,
-)
+from pagedserve.memory.plan import GIB, HOST_BYTES_PER_KV_BLOCK, InsufficientMemoryError
 from pagedserve.memory.probe import AvailableMemory
+from pagedserve.memory.sizes import CPU_RUNTIME_BASE_BYTES, TOKENIZER_BYTES_PER_TOKEN
 from pagedserve.models import gguf_dequant, gguf_loader, gguf_tokenizer
 from tests.models.gguf_utils import tiny_model, write_test_gguf
 

@@ -220,7 +220,7 @@ def test_weight_bytes_rejects_a_truncated_header(tmp_path: Path) -> None:
 
 
 def test_kv_bytes_per_token_and_runtime_overhead_by_hand() -> None:
-    from pagedserve.memory.plan import (
+    from pagedserve.memory.sizes import (
         CPU_RUNTIME_BASE_BYTES,
         CUDA_RUNTIME_OVERHEAD_BYTES,
         TOKENIZER_BYTES_PER_TOKEN,
@@ -288,7 +288,7 @@ def test_checkpoint_info_of_a_model_dir_counts_a_tied_head_once(tmp_path: Path) 
 
 
 def test_prepared_weights_by_kernel_by_hand() -> None:
-    from pagedserve.memory.plan import prepared_weight_bytes
+    from pagedserve.memory.sizes import prepared_weight_bytes
 
     # TINY: 73728 linear weights in 2 x (128 qkv + 64 o + 256 gate/up + 64 down) = 1024 output channels;
     # vocab 100 x hidden 64 = 6400 LM-head weights.

@@ -1,0 +1,134 @@
+"""What a model occupies, from its shape and before anything is loaded: the weights as the kernels will hold
+them, the KV cache per token, and the runtime besides (interpreter, tokenizer, tables), with the measurements
+behind the constants. memory/plan.py adds the step's activations and sizes the KV pool against the memory
+available. Pure Python (no torch).
+
+Formulas (M = max_model_len, S = max_num_seqs, L layers, V vocab, kvh KV heads, hd head_dim):
+
+  KV bytes per token = 2 (K and V) x L x kvh x (hd x kv_dtype_bytes + kv_scale_bytes of an 8-bit cache)
+  weights            = the checkpoint's tensors in the serving dtype, re-laid out for the linear kernels
+                       (prepared_weight_bytes: int8 linears, a packed copy of a tied LM head)
+  runtime overhead   = on a CPU: the interpreter with torch, transformers, the HTTP stack and the engine code
+                       (CPU_RUNTIME_BASE_BYTES) + the tokenizer (TOKENIZER_BYTES_PER_TOKEN x V) + the rotary
+                       cos/sin tables (2 x M x hd x 4) + the block table (S x ceil(M / block) x 8);
+                       on a GPU: the CUDA context (CUDA_RUNTIME_OVERHEAD_BYTES) + the rotary tables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# Resident memory of the runtime before any weight is loaded. Measured on the dev box (Python 3.11,
+# torch 2.13.0+cpu, transformers 5.24) with VmRSS from /proc/self/status, three runs each:
+#   python -c "import torch, transformers"                                  245,020 KiB (239 MiB)
+#   + fastapi, uvicorn, safetensors, tokenizers, AutoTokenizer               272,820 KiB (266 MiB)
+#   + a byte-level BPE tokenizer of Qwen2's size (151,643 tokens) loaded
+#     with PreTrainedTokenizerFast and run once                              373,152 KiB (364 MiB)
+# rounded up to 384 MiB for thread stacks and allocator arenas. On a GPU, pass the device-side overhead
+# (CUDA context, cuBLAS workspace) instead, measured with torch.cuda.mem_get_info around initialisation.
+CPU_RUNTIME_OVERHEAD_BYTES = 384 * MIB
+
+# The engine's runtime overhead (runtime_overhead_bytes()), calibrated on `pagedserve serve` after warm-up
+# (VmRSS in the engine's "memory:" log line; default flags: bfloat16 on an AVX512-BF16 CPU, oneDNN-packed
+# linears; torch 2.13.0+cpu, transformers 5.24, Python 3.11), as RSS minus the other steady terms:
+#   model (vocab)                   RSS        weights   rotary + block table   KV bookkeeping   rest
+#   tiny llama dir (512)            383-392    0.3       0.1                    2.3              ~385 MiB
+#   SmolLM2-135M GGUF (49,152)      781-800    311 *     5                      14               ~460 MiB
+#   Qwen2.5-0.5B GGUF (151,936)     1841       1202      20                     21               598 MiB
+#   (* with the packed copy of the tied embedding for the logits; RSS varies by ~20 MiB between runs)
+# The rest grows with the vocabulary (the tokenizer's vocab and merges, the warm-up's logits and sampler
+# buffers that the allocator keeps): 384 MiB + 1600 B per vocabulary token is within 2 % of all three.
+CPU_RUNTIME_BASE_BYTES = 384 * MIB
+TOKENIZER_BYTES_PER_TOKEN = 1600
+# CUDA context and cuBLAS workspace on the device: an estimate (vLLM's profiler typically finds 0.5-1 GiB of
+# non-torch memory); not measured on this project's CPU-only machines.
+CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs to know about a model; weight_bytes is exact, from file headers, in the serving dtype."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    weight_bytes: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict, weight_bytes: int) -> ModelShape:
+        """Build from a Hugging Face config.json dict (text_config for multimodal wrappers)."""
+        config = config.get("text_config", config)
+        num_heads = config["num_attention_heads"]
+        return cls(
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_attention_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            vocab_size=config["vocab_size"],
+            weight_bytes=weight_bytes,
+        )
+
+    @property
+    def num_linear_params(self) -> int:
+        """Parameters of the decoder layers' linear projections (what int8 weight-only quantization shrinks)."""
+        qkv_out = (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
+        attention = self.hidden_size * qkv_out + self.num_attention_heads * self.head_dim * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attention + mlp)
+
+    @property
+    def num_linear_output_channels(self) -> int:
+        """Output channels of the decoder layers' linear projections (fused q/k/v, o, fused gate/up, down)."""
+        qkv_out = (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
+        return self.num_layers * (qkv_out + self.hidden_size + 2 * self.intermediate_size + self.hidden_size)
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int, kv_scale_bytes: int = 0) -> int:
+    """2 (K and V) x layers x KV heads x (head_dim x KV dtype bytes + the scale of an 8-bit cache)."""
+    return 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim * kv_dtype_bytes + kv_scale_bytes)
+
+
+def prepared_weight_bytes(shape: ModelShape, dtype_bytes: int, linear_kind: str, tied_embeddings: bool,
+                          computes_logits: bool = True, embedding_shares_packed: bool = False) -> int:
+    """Weights as the model holds them after prepare() (models/llama.py, layers/linear.py), from the
+    checkpoint's bytes in the serving dtype (shape.weight_bytes).
+
+    "int8" (--quantization int8): every decoder linear and the logits projection hold int8 weights and one
+    scale per output channel in the serving dtype. "packed" (oneDNN) or "int8" with tied embeddings: the
+    logits projection is a second copy of the embedding in the kernel's format (the plain one stays for
+    token lookups), except where `embedding_shares_packed` (the native bf16 kernel: lookups read the packed
+    rows). "plain" (F.linear) shares the checkpoint's tensors.
+    """
+    total = shape.weight_bytes
+    head = shape.vocab_size * shape.hidden_size
+    if linear_kind == "int8":
+        total += shape.num_linear_params * (1 - dtype_bytes) + shape.num_linear_output_channels * dtype_bytes
+    if computes_logits and linear_kind == "int8":
+        int8_head = head + shape.vocab_size * dtype_bytes
+        total += int8_head if tied_embeddings else int8_head - head * dtype_bytes
+    elif computes_logits and linear_kind == "packed" and tied_embeddings and not embedding_shares_packed:
+        total += head * dtype_bytes
+    return total
+
+
+def runtime_overhead_bytes(shape: ModelShape, max_model_len: int, max_num_seqs: int, block_size: int,
+                           on_cpu: bool = True) -> int:
+    """Memory besides weights, KV cache and activations: the runtime, the tokenizer, rotary tables, block table.
+
+    On a GPU the host-side parts do not count against the device; the CUDA context does.
+    """
+    rotary = 2 * max_model_len * shape.head_dim * 4  # float32 cos and sin for every position
+    block_table = max_num_seqs * math.ceil(max_model_len / block_size) * 8  # int64, on the host
+    if not on_cpu:
+        return CUDA_RUNTIME_OVERHEAD_BYTES + rotary
+    return CPU_RUNTIME_BASE_BYTES + TOKENIZER_BYTES_PER_TOKEN * shape.vocab_size + rotary + block_table
