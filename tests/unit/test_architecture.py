@@ -9,8 +9,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pagedserve"
 # Below the engine: nothing here knows HTTP or the API layer.
-BELOW_ENGINE = ("core", "worker", "layers", "models", "memory", "kernels", "structured", "spec_decode", "engine",
-                "distributed")
+BELOW_ENGINE = ("core", "worker", "layers", "models", "memory", "formats", "kernels", "structured", "spec_decode",
+                "engine", "distributed")
 HTTP_MODULES = ("fastapi", "starlette", "uvicorn", "httpx", "pagedserve.entrypoints")
 # Pure Python, so the scheduler and the planners import without torch.
 NO_TORCH = ("core", "spec_decode", "config.py", "request.py", "sampling_params.py")
