@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.entrypoints.ray_serve.routing import rank_replicas
 from tests.server.server_utils import openai_client, start_server
 
 ray = pytest.importorskip("ray", reason="the Ray Serve tests need ray: pip install -e '.[ray]'")
@@ -25,6 +26,8 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
 REPLICA_HEADER = "x-pagedserve-replica"
+# A request id whose model step fails, and so does the engine's retry step (its probe): that replica's engine dies.
+ENGINE_KILLER = "engine-killer"
 SHARED_PREFIX = ("You are the assistant of a shop that sells brown foxes and lazy dogs. Answer in one line, "
                  "politely, and never mention the capital of France or of Germany. ") * 3  # well over 256 chars
 
@@ -43,6 +46,7 @@ def server(ray_address, tiny_model_dir, tmp_path_factory):
     server = start_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "512",
                           "--dtype", "float32", "--replicas", "2", "--ray-address", ray_address,
                           "--replica-cpus", "1", "--num-threads", "1", "--omp-wait-policy", "passive",
+                          "--fault-injection", f"step:{ENGINE_KILLER},step:engine-probe",
                           log_dir=tmp_path_factory.mktemp("logs"), ready_timeout=300)
     try:
         wait_for_replicas(server, 2, timeout=120)
@@ -171,9 +175,22 @@ def stream_outcome(server, prompt: str, started: threading.Event) -> dict:
     return outcome
 
 
+def prompts_routed_to(replica: str, among: list[str], count: int) -> list[str]:
+    """Completion prompts whose routing key (routing.py) ranks `replica` first among these replicas."""
+    prompts = (f"Long answer {i} about the lazy dog" for i in range(1000))
+    return [p for p in prompts if rank_replicas(f"prefix:{p}", among)[0] == replica][:count]
+
+
+def long_completion(server, prompt: str) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+
 def test_a_killed_replica_fails_only_its_requests_and_ray_brings_it_back(server):
     victim, survivor = replicas(server)
-    with ThreadPoolExecutor(8) as pool:
+    to_victim = prompts_routed_to(victim["replica"], [victim["replica"], survivor["replica"]], 2)
+    with ThreadPoolExecutor(10) as pool:
+        whole = [pool.submit(long_completion, server, prompt) for prompt in to_victim]
         events = [threading.Event() for _ in range(8)]
         futures = [pool.submit(stream_outcome, server, f"Stream {i} about the quick brown fox", events[i])
                    for i in range(8)]
@@ -182,13 +199,33 @@ def test_a_killed_replica_fails_only_its_requests_and_ray_brings_it_back(server)
         client = openai_client(server)
         during = [chat(client, f"Asked while a replica is down, {i}")[0] for i in range(6)]
         outcomes = [f.result(timeout=120) for f in futures]
+        whole = [f.result(timeout=120) for f in whole]
     on_victim = [o for o in outcomes if o["replica"] == victim["replica"]]
     on_survivor = [o for o in outcomes if o["replica"] == survivor["replica"]]
     assert on_victim and on_survivor, outcomes  # 2^-7 to land on one
     assert all(o.get("done") and "error" not in o and o["tokens"] == 400 for o in on_survivor), on_survivor
     assert all(o["tokens"] == 400 or o.get("error", {}).get("code") == 503 for o in on_victim), on_victim
     assert any("error" in o and "stopped" in o["error"]["message"] for o in on_victim), on_victim
+    for response in whole:  # in flight on the victim, not streamed: a 503 with an OpenAI-style body
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["type"] == "ServiceUnavailableError" and "stopped" in error["message"]
     assert set(during) == {survivor["replica"]}
     back = wait_for_replicas(server, 2, timeout=120, without=victim["replica"])
     assert survivor["replica"] in {r["replica"] for r in back}
     assert chat(openai_client(server), "And after it came back?")[1].choices
+
+
+def test_a_replica_whose_engine_dies_fails_its_health_check_and_is_replaced(server):
+    before = {r["replica"] for r in replicas(server)}
+    client = openai_client(server)
+    killer = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                        json={"model": MODEL, "prompt": "x", "max_tokens": 4, "request_id": ENGINE_KILLER})
+    assert killer.status_code == 503 and "retry step failed too" in killer.json()["error"]["message"], killer.text
+    dead = killer.headers[REPLICA_HEADER]
+    statuses = {r["replica"]: r["health_status"] for r in replicas(server)}
+    assert statuses[dead] == 503  # the replica's own /health: the engine stopped
+    answered_by = {chat(client, f"While {dead} is dying, {i}")[0] for i in range(6)}
+    assert answered_by == before - {dead}  # it refuses them (engine dead): the next replica answers
+    back = wait_for_replicas(server, 2, timeout=120, without=dead)  # Ray's health check replaced it
+    assert len({r["replica"] for r in back} - before) == 1

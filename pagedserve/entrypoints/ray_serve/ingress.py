@@ -5,9 +5,10 @@ Routes here: `/health` (200 while at least one replica is ready; each replica's 
 `replicas`), `/metrics` (every replica's Prometheus text, each sample labelled `replica="<id>"`), `/replicas`
 (id, Ray actor name, node and /health status of each), `/replicas/{id}/health` and `/replicas/{id}/metrics`
 (one replica's own). Everything else goes to a replica unchanged; its answer comes back with an
-`x-pagedserve-replica` header. A replica that dies (or is unreachable) before answering gives 503 with an
-OpenAI-style body; one that dies in the middle of a stream ends it with an error event, as the server does for
-errors after the headers.
+`x-pagedserve-replica` header. A replica whose engine is dead (or not started) refuses a request before any of it
+runs, and the next replica in the key's order is asked instead. A replica that dies (or is unreachable) before
+answering gives 503 with an OpenAI-style body; one that dies in the middle of a stream ends it with an error event,
+as the server does for errors after the headers.
 
 Two Ray Serve constraints shape this module: no `from __future__ import annotations` (its class-based FastAPI
 views read the route methods' annotations as objects; a string `Request` would be taken for a query parameter),
@@ -18,6 +19,7 @@ that exist when it is decorated).
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -159,9 +161,8 @@ class Ingress:
                                    raw.scope.get("query_string", b""), list(raw.scope["headers"]), await raw.body(),
                                    tuple(raw.client) if raw.client else None)
         key = routing_key(request.path, raw.headers, request.body, self.prefix_chars)
-        stream = self.engine.options(stream=True).handle_http.remote(request, routing_key=key)
         try:
-            start = await stream.__anext__()
+            stream, start = await self._first_answer(request, key)
             if not _is_event_stream(start):  # a whole JSON answer: gathered, so a failure is still a 503
                 body = b"".join([chunk async for chunk in stream])
                 return Response(body, status_code=start.status, headers=_headers(start))
@@ -169,6 +170,21 @@ class Ingress:
             return failure_response(exc)
         return StreamingResponse(_rest_of_stream(stream, start.replica), status_code=start.status,
                                  headers=_headers(start))
+
+    async def _first_answer(self, request: ForwardedRequest, key: Optional[str]) -> tuple[AsyncIterator, ResponseStart]:
+        """The stream and response start of the replica that takes the request. A replica that refuses it (its
+        engine dead or not started: nothing of the request ran) is avoided and the next one asked, once each."""
+        avoid: list[str] = []
+        while True:
+            stream = self.engine.options(stream=True).handle_http.remote(request, routing_key=key, avoid=tuple(avoid))
+            start = await stream.__anext__()
+            if not start.refused or start.replica in avoid or len(avoid) + 1 >= len(self._listing()):
+                return stream, start
+            logger.warning("replica %s refused %s %s (%d): asking the next one", start.replica, request.method,
+                           request.path, start.status)
+            avoid.append(start.replica)
+            async for _ in stream:  # its 503 body, unused
+                pass
 
     def _listing(self) -> list[dict]:
         return known_replicas(self.app_name, self.engine_deployment)

@@ -53,6 +53,7 @@ class ResponseStart:
     status: int
     headers: list[tuple[bytes, bytes]]
     replica: str
+    refused: bool = False  # the replica could not take the request (engine dead or not ready); nothing of it ran
 
 
 async def serve_asgi(app: Any, request: ForwardedRequest, replica: str) -> AsyncIterator[ResponseStart | bytes]:
@@ -122,10 +123,14 @@ class EngineReplica:
             return
         self.state.engine.run_in_this_thread()  # until shutdown or death (then check_health fails)
 
-    async def handle_http(self, request: ForwardedRequest,
-                          routing_key: str | None = None) -> AsyncIterator[ResponseStart | bytes]:
-        """One HTTP request (routing_key is the router's: PrefixAffinityRouter reads it from this call)."""
+    async def handle_http(self, request: ForwardedRequest, routing_key: str | None = None,
+                          avoid: tuple[str, ...] = ()) -> AsyncIterator[ResponseStart | bytes]:
+        """One HTTP request. routing_key and avoid are the router's (PrefixAffinityRouter reads them here)."""
+        engine = self.state.engine
+        refused = engine is None or engine.is_dead  # the app answers 503; the ingress may ask another replica
         async for item in serve_asgi(self.app, request, self.replica):
+            if isinstance(item, ResponseStart):
+                item.refused = refused
             yield item
 
     async def check_health(self) -> None:

@@ -4,7 +4,8 @@ Ray Serve calls `choose_replicas` for every call on a handle to the engine deplo
 order: a rank whose replica is at `max_ongoing_requests` rejects, and the next is tried (with Ray's backoff once
 all have). So a key's requests go to its first replica (routing.rank_replicas) while that replica is healthy and
 not full, then to its second, and so on. Replicas that report themselves unhealthy (record_routing_stats) rank
-last; a request without a key goes to the least loaded of the healthy ones (Ray's own queue-length probe).
+last, and those a request names in `avoid` (they refused it) are left out; a request without a key goes to the
+least loaded of the healthy ones (Ray's own queue-length probe).
 
 The router runs inside the process holding the handle (the ingress); it also publishes the replica set there
 (routing.publish_replicas), so the ingress can ask each replica for its /health and /metrics.
@@ -31,9 +32,13 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        avoid = set(kwargs.get("avoid") or ())  # replicas that refused this request already
+        candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or \
+            candidate_replicas
         healthy = [r for r in candidate_replicas if (r.routing_stats or {}).get("healthy", True)]
         unhealthy = [r for r in candidate_replicas if r not in healthy]
-        key = pending_request.kwargs.get("routing_key") if pending_request is not None else None
+        key = kwargs.get("routing_key")
         if not key:
             return [healthy or candidate_replicas]
         if key.startswith(PINNED_PREFIX):
