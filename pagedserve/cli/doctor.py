@@ -327,6 +327,13 @@ def check_memory_plan(engine_args: EngineArgs, available: probe.AvailableMemory 
     plan = config.memory_plan
     settings = (f"{config.model.dtype}, max_model_len {config.model.max_model_len}, "
                 f"max_num_seqs {config.scheduler.max_num_seqs}")
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        from pagedserve.distributed.binding import format_cores
+
+        settings += (f", tensor parallel {parallel.tensor_parallel_size} (the plan is per rank; cores "
+                     f"{' | '.join(format_cores(list(c)) for c in parallel.cpu_binding)}; per-layer kernels, the "
+                     "native decode stack cannot all-reduce between layers)")
     if plan.fits:
         return CheckResult("memory plan", PASS, f"{settings}: {plan.summary()}")
     fixes = [f"{s.flag} {s.value}" for s in plan.suggestions] or ["free memory or use a smaller model"]

@@ -33,16 +33,19 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     cgroup limit - usage and MemAvailable; on a GPU its free memory), from headers only."""
     from dataclasses import replace
 
+    from pagedserve.distributed.plan import per_rank_available, per_rank_shape
     from pagedserve.memory import plan as memory
     from pagedserve.memory.checkpoint import dtype_bytes
 
     if available is None:
         available = _probe_available_memory(device)
+    available = per_rank_available(available, args.tensor_parallel_size)  # the ranks share this host
     weight_dtype_bytes = dtype_bytes(model.dtype)
     # An 8-bit KV cache (fp8*) stores one byte per value plus a scale per token and head in the model dtype.
     kv_8bit = args.kv_cache_dtype.startswith("fp8")
     kv_dtype_bytes, kv_scale_bytes = (1, weight_dtype_bytes) if kv_8bit else (weight_dtype_bytes, 0)
     shape = memory.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
+    shape = per_rank_shape(shape, model.hf_config, args.tensor_parallel_size)  # one rank's shard
     tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
     backend = _kernel_backend(model, device)
     weight_bytes = memory.prepared_weight_bytes(shape, weight_dtype_bytes, backend.linear_kind, tied,

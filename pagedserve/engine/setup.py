@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.distributed.plan import check_parallel_args, resolve_parallel
 from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineArgs
 from pagedserve.engine.faults import parse_fault_spec
 from pagedserve.engine.memory_plan import check_memory_plan, num_kv_blocks, plan_memory
@@ -39,6 +40,10 @@ def make_runner(config: EngineConfig, progress: Any, eos_token_id: int | None) -
         from pagedserve.worker.pooling_runner import make_pooling_runner
 
         return make_pooling_runner(config, config.model.hf_config, progress)
+    if config.parallel.tensor_parallel_size > 1:  # rank 0 of N: starts and drives the other ranks
+        from pagedserve.worker.tp_worker import TPModelRunner
+
+        return TPModelRunner(config, config.model.hf_config, progress, eos_token_id=eos_token_id)
     from pagedserve.worker.model_runner import ModelRunner
 
     return ModelRunner(config, config.model.hf_config, progress, eos_token_id=eos_token_id)
@@ -101,6 +106,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     model_dtype = str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "")
     dtype = resolve_dtype(args.dtype, device, model_dtype.removeprefix("torch.") or None)
     task = _resolve_task(args, architecture, model_path)
+    parallel, threads_per_rank = resolve_parallel(args, hf_config, task, architecture, usable_cpu_count())
     pooler = _pooler_config(model_path, architecture, hf_config) if task == "embed" else None
     max_model_len = _max_model_len(args, hf_config, model_path if task == "embed" else None)
     check_sliding_window(checkpoint.config, max_model_len)  # refused, never silently wrong past the window
@@ -128,19 +134,17 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     plan = plan_memory(args, checkpoint, model, scheduler, device, available)
     cache = CacheConfig(block_size=args.block_size, num_blocks=num_kv_blocks(args, plan),
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
-    threads = args.num_threads or usable_cpu_count()
+    threads = threads_per_rank or args.num_threads or usable_cpu_count()
     if check_memory:
         check_memory_plan(plan)
     return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan,
                         fault_injection=args.fault_injection,
                         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
-                        speculative=_speculative_config(args, task))
+                        speculative=_speculative_config(args, task), parallel=parallel)
 
 
 def check_engine_args(args: EngineArgs) -> None:
-    if args.tensor_parallel_size != 1:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported yet; "
-                         "use --tensor-parallel-size 1")
+    check_parallel_args(args.tensor_parallel_size, args.cpu_binding, args.tp_all_reduce)
     if args.quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"--quantization {args.quantization} is not supported; supported: "
                          f"{', '.join(q for q in SUPPORTED_QUANTIZATION if q)}")

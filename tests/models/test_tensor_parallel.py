@@ -104,3 +104,26 @@ def test_sizes_that_do_not_divide_are_refused_with_the_sizes_that_do():
 
     with pytest.raises(ValueError, match=r"14 attention heads do not divide by 4.*Sizes that work: 1, 2$"):
         check_tensor_parallel(Config, 4)
+
+
+def test_the_memory_plan_is_per_rank_and_refuses_with_numbers(tiny_model_dir, caplog):
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.setup import create_engine_config
+    from pagedserve.memory.plan import InsufficientMemoryError
+    from pagedserve.memory.probe import AvailableMemory
+
+    model_dir = tiny_model_dir("qwen2", vocab_size=515)
+    available = AvailableMemory(8 << 30, "MemAvailable", "test")
+
+    def plan(tp: int, memory: AvailableMemory = available, **kwargs):
+        args = EngineArgs(model=model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=tp, **kwargs)
+        return create_engine_config(args, available=memory, check_memory=False).memory_plan
+
+    one, two = plan(1), plan(2)
+    assert two.kv_bytes_per_token * 2 == one.kv_bytes_per_token  # 2 KV heads: one per rank
+    assert 0.45 < two.weight_bytes / one.weight_bytes < 0.6  # halves, but for the replicated norms
+    assert two.budget_bytes == pytest.approx(one.budget_bytes / 2, rel=1e-6)  # the ranks share the host
+    with pytest.raises(InsufficientMemoryError, match="short by"):
+        args = EngineArgs(model=model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=2)
+        create_engine_config(args, available=AvailableMemory(int(1.5 * one.total_bytes), "MemAvailable", "test"))
+    assert "per tensor-parallel rank" in caplog.text
