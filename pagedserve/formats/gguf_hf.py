@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -99,6 +99,9 @@ def unpermute_rows(rows: Any, num_heads: int) -> Any:
     return rows.reshape(num_heads, head_rows // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
+_File = TypeVar("_File", bound="GGUFFile")
+
+
 class GGUFFile:
     """A GGUF file opened for reading as a Hugging Face checkpoint: config, tensor table under Hugging Face
     names, each tensor's data as stored (memory-mapped, lazy). `models/gguf_loader.py` turns it into tensors."""
@@ -118,7 +121,7 @@ class GGUFFile:
         """Drop the memory map (tensors already returned stay valid: they are copies)."""
         self._data = None
 
-    def __enter__(self) -> GGUFFile:
+    def __enter__(self: _File) -> _File:
         return self
 
     def __exit__(self, *exc: object) -> None:
