@@ -32,6 +32,9 @@ import torch
 HEADER_BYTES = 4096
 FLAG_STRIDE = 8  # int64s between two ranks' flags: one 64-byte cache line each
 DEFAULT_SLOT_BYTES = 4 << 20
+# Flag reads before a waiting rank starts yielding its core (~20 us of Python loop): ranks in step arrive
+# within that, and on a box with more runnable threads than cores a pure spin starves the peer it waits for.
+SPIN_CHECKS = 200
 
 
 def segment_bytes(world_size: int, slot_bytes: int = DEFAULT_SLOT_BYTES) -> int:
@@ -78,9 +81,10 @@ class ShmCommunicator:
             spins = 0
             while self._flags[peer * FLAG_STRIDE] < seq:
                 spins += 1
-                if spins % 4096 == 0:
-                    deadline = self._check(peer, deadline)
-                    os.sched_yield()  # a descheduled peer needs this core more than the spin does
+                if spins > SPIN_CHECKS:  # the peer is late (descheduled, or still computing): give the core
+                    os.sched_yield()     # away between checks rather than burn it on a shared box
+                    if spins % 1024 == 0:
+                        deadline = self._check(peer, deadline)
 
     def _check(self, peer: int, deadline: float | None) -> float:
         reason = self._is_alive()
