@@ -8,6 +8,8 @@ then python -m pytest -m slow tests/server/test_ray_serve.py.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.entrypoints.ray_serve.routing import rank_replicas
-from tests.server.server_utils import openai_client, start_server
+from tests.server.server_utils import free_port, openai_client, start_server
 
 ray = pytest.importorskip("ray", reason="the Ray Serve tests need ray: pip install -e '.[ray]'")
 serve = pytest.importorskip("ray.serve", reason="the Ray Serve tests need ray[serve]: pip install -e '.[ray]'")
@@ -151,6 +153,29 @@ def test_per_replica_routes_and_errors_pass_through(server):
     bad = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1},
                      timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own 400
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    (["--replicas", "3"], "--replicas 3 x --replica-cpus 1 reserve 3 CPUs and this Ray cluster has 2"),
+    (["--replicas", "1", "--replica-cpus", "4"], "no node of this Ray cluster has that many CPUs"),
+])
+def test_a_deployment_that_cannot_run_is_refused_before_deploying(server, ray_address, tiny_model_dir, flags,
+                                                                  refusal):
+    """Counted before deploying: Ray would wait forever for the CPUs. The application running meanwhile (the
+    module's, under the same name) is left alone."""
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", tiny_model_dir("llama"), "--port",
+                             str(free_port()), "--ray-address", ray_address, *flags],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and refusal in result.stderr, result.stderr[-3000:]
+    assert len(wait_for_replicas(server, 2, timeout=10)) == 2
+
+
+def test_a_second_application_under_the_same_name_is_refused(server, ray_address, tiny_model_dir):
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", tiny_model_dir("llama"), "--port",
+                             str(free_port()), "--ray-address", ray_address, "--replicas", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "already runs on this cluster" in result.stderr, result.stderr[-3000:]
+    assert len(wait_for_replicas(server, 2, timeout=10)) == 2
 
 
 def stream_outcome(server, prompt: str, started: threading.Event) -> dict:

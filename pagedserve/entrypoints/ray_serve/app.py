@@ -61,10 +61,16 @@ def run(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArg
     """Start (or join) Ray, deploy, serve until SIGINT/SIGTERM, then take the application down; the exit code."""
     joined = replica_args.ray_address is not None
     ray.init(address=replica_args.ray_address or "local")  # "local": a new Ray, never one found on the box
+    deployed = False
     try:
         serve.start(http_options={"host": options.host, "port": options.port})
+        problem = refusal(replica_args)
+        if problem is not None:
+            logger.error("%s", problem)
+            return 2
         logger.info("starting %d replica(s) of %s on Ray (%s)", replica_args.replicas or 1, engine_args.model,
                     replica_args.ray_address or "local")
+        deployed = True
         serve.run(build_application(engine_args, options, replica_args, env_vars), name=APP_NAME, route_prefix="/")
         logger.info("serving on http://%s:%d (%d replicas; GET /replicas lists them)", options.host, options.port,
                     replica_args.replicas or 1)
@@ -74,7 +80,25 @@ def run(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArg
         logger.error("the Ray Serve application failed: %s", exc)
         return 1
     finally:
-        _take_down(joined)
+        _take_down(joined, deployed)
+
+
+def refusal(replica_args: ReplicaArgs) -> str | None:
+    """Why the application cannot be deployed on this cluster (problem and fix), or None. Ray would otherwise
+    wait forever for CPUs no node has, or replace another command's application of the same name."""
+    num_replicas, cpus = replica_args.replicas or 1, replica_args.replica_cpus
+    node_cpus = [node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]]
+    if cpus > max(node_cpus, default=0.0):
+        return (f"--replica-cpus {cpus:g}: no node of this Ray cluster has that many CPUs (the largest has "
+                f"{max(node_cpus, default=0.0):g}); lower --replica-cpus")
+    if num_replicas * cpus > sum(node_cpus):
+        return (f"--replicas {num_replicas} x --replica-cpus {cpus:g} reserve {num_replicas * cpus:g} CPUs and this "
+                f"Ray cluster has {sum(node_cpus):g}: lower --replica-cpus (to {sum(node_cpus) / num_replicas:g}) "
+                "or --replicas, or add nodes (ray start --address ...)")
+    if APP_NAME in serve.status().applications:
+        return (f"a Ray Serve application named {APP_NAME!r} already runs on this cluster (another `pagedserve "
+                "serve --replicas`?); stop that one first (Ctrl-C in its terminal, or `serve shutdown`)")
+    return None
 
 
 def _wait_for_signal() -> None:
@@ -89,10 +113,12 @@ def _wait_for_signal() -> None:
     logger.info("%s: taking the application down", signal.Signals(received[0]).name)
 
 
-def _take_down(joined: bool) -> None:
-    """Delete the application; a Ray (and Serve) started here stops with it, a joined cluster keeps running."""
+def _take_down(joined: bool, deployed: bool) -> None:
+    """Delete the application if this command deployed it; a Ray (and Serve) started here stops too, a joined
+    cluster keeps running."""
     try:
-        serve.delete(APP_NAME)
+        if deployed:
+            serve.delete(APP_NAME)
         if not joined:
             serve.shutdown()
     finally:
