@@ -1,6 +1,6 @@
 """The memory plan as the engine computes it from EngineArgs: sizes from checkpoint headers and the chosen
 kernels' weight format, the free memory probed now, the verdict logged (and refused) before anything loads,
-and after warm-up the measured RSS next to it. The arithmetic itself is memory/plan.py's.
+and after warm-up the measured RSS next to it. The arithmetic itself is memory/'s (sizes.py, plan.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
 
     from pagedserve.distributed.plan import per_rank_available, per_rank_shape
     from pagedserve.memory import plan as memory
+    from pagedserve.memory import sizes
     from pagedserve.memory.checkpoint import dtype_bytes
 
     if available is None:
@@ -44,21 +45,21 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     # An 8-bit KV cache (fp8*) stores one byte per value plus a scale per token and head in the model dtype.
     kv_8bit = args.kv_cache_dtype.startswith("fp8")
     kv_dtype_bytes, kv_scale_bytes = (1, weight_dtype_bytes) if kv_8bit else (weight_dtype_bytes, 0)
-    shape = memory.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
+    shape = sizes.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
     shape = per_rank_shape(shape, model.hf_config, args.tensor_parallel_size)  # one rank's shard
     tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
     backend = _kernel_backend(model, device)
-    weight_bytes = memory.prepared_weight_bytes(shape, weight_dtype_bytes, backend.linear_kind, tied,
-                                                computes_logits=model.task == "generate",
-                                                embedding_shares_packed=backend.native_bf16_linears)
+    weight_bytes = sizes.prepared_weight_bytes(shape, weight_dtype_bytes, backend.linear_kind, tied,
+                                               computes_logits=model.task == "generate",
+                                               embedding_shares_packed=backend.native_bf16_linears)
     shape = replace(shape, weight_bytes=weight_bytes)
-    block_bytes = memory.kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes) * args.block_size
+    block_bytes = sizes.kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes) * args.block_size
     kv_cache_bytes = args.kv_cache_memory
     if args.num_gpu_blocks_override:
         kv_cache_bytes = max(1, args.num_gpu_blocks_override - 1) * block_bytes  # minus the null block
     on_cpu = device == "cpu"
-    overhead = memory.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
-                                             on_cpu=on_cpu)
+    overhead = sizes.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
+                                            on_cpu=on_cpu)
     request = memory.PlanRequest(
         dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, max_model_len=model.max_model_len,
         max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,

@@ -67,9 +67,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pagedserve.memory.probe import AvailableMemory
 from pagedserve.memory.sizes import CPU_RUNTIME_OVERHEAD_BYTES, GIB, MIB, ModelShape, kv_bytes_per_token
 
-# engine/memory_plan.py still reads these two as memory.plan's; their home is memory/sizes.py.
-from pagedserve.memory.sizes import prepared_weight_bytes, runtime_overhead_bytes  # noqa: F401
-
 # The block pool's Python objects (KVCacheBlock + its free-queue entry): 277 bytes per block measured with
 # VmRSS around KVCacheManager(100_000, 16, True) on Python 3.11.
 HOST_BYTES_PER_KV_BLOCK = 288
