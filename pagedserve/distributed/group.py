@@ -1,7 +1,7 @@
 """TPGroup: the collectives one tensor-parallel rank calls, and what happens when a peer is lost.
 
-The sharded layers call `all_reduce` (after o and down, and the vocab-parallel embedding) and `all_gather`
-(the logits). Ranks on one CPU host use the shared-memory path (shm.py); otherwise the torch.distributed
+The sharded layers call `all_reduce` (after o and down, and the vocab-parallel embedding) and `gather` (the
+logits, which only rank 0 samples from). Ranks on one CPU host use the shared-memory path (shm.py); otherwise the torch.distributed
 process group (gloo on CPU, NCCL on CUDA: platform.distributed_backend). The group has no default
 torch.distributed state: several engines (and their groups) can live in one process, as tests need.
 
@@ -62,13 +62,8 @@ class TPGroup:
         self._process_group = None
         self._shm = None
         self._store = None
+        self.kind = "not connected"  # which path the collectives take, in words (start-up log, benchmarks)
 
-    @property
-    def kind(self) -> str:
-        """Which path the collectives take, in words (start-up log, benchmarks)."""
-        if self._shm is not None:
-            return "shared memory"
-        return "gloo" if self._process_group is None else self._process_group.name()
 
     def connect(self, address: GroupAddress, store=None) -> None:
         """Join the group; blocks until every rank joined (or the timeout). `store`: rank 0's own TCPStore."""
@@ -88,6 +83,7 @@ class TPGroup:
 
             self._shm = ShmCommunicator(address.shm_path, self.rank, self.world_size, lambda: self.dead,
                                         address.timeout_s)
+        self.kind = "shared memory" if self._shm is not None else address.backend
         self.barrier()
 
     def mark_dead(self, reason: str) -> None:
@@ -120,18 +116,23 @@ class TPGroup:
 
         return self._run("all-reduce", x, gloo)
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[rows, cols] on every rank -> [rows, world_size * cols], rank r's block at columns r * cols."""
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[rows, cols] on every rank -> [rows, world_size * cols] on rank 0 (rank r's block at columns
+        r * cols); None on the others."""
         x = x.contiguous()
         if self._shm is not None:
-            return self._run("all-gather", x, self._shm.all_gather)
+            return self._run("gather", x, lambda t: self._shm.all_gather(t, to_rank0_only=True))
 
-        def gloo(t: torch.Tensor) -> torch.Tensor:
-            parts = [torch.empty_like(t) for _ in range(self.world_size)]
-            self._process_group.allgather([parts], [t]).wait()
-            return torch.cat(parts, dim=-1)
+        def gloo(t: torch.Tensor) -> torch.Tensor | None:
+            import torch.distributed as dist
 
-        return self._run("all-gather", x, gloo)
+            parts = [[torch.empty_like(t) for _ in range(self.world_size)]] if self.rank == 0 else []
+            options = dist.GatherOptions()
+            options.rootRank = 0
+            self._process_group.gather(parts, [t], options).wait()
+            return torch.cat(parts[0], dim=-1) if self.rank == 0 else None
+
+        return self._run("gather", x, gloo)
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))

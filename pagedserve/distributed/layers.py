@@ -36,7 +36,10 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))  # [T, hidden]
 
 
-def gather_logits(group: TPGroup, local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, vocab_per_rank] on every rank -> [N, vocab] on every rank (the padding rows' columns dropped)."""
-    logits = group.all_gather(local_logits)
-    return logits if logits.shape[-1] == vocab_size else logits[:, :vocab_size].contiguous()
+def gather_logits(group: TPGroup, local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """[N, vocab_per_rank] on every rank -> [N, vocab] on rank 0, the one that samples (the padding rows'
+    columns dropped); None on the other ranks."""
+    logits = group.gather(local_logits)
+    if logits is None or logits.shape[-1] == vocab_size:
+        return logits
+    return logits[:, :vocab_size].contiguous()

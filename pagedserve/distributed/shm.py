@@ -117,10 +117,12 @@ class ShmCommunicator:
                 chunk.add_(slot)
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[rows, cols] on each rank -> [rows, world_size * cols], rank r's columns at r * cols."""
+    def all_gather(self, x: torch.Tensor, to_rank0_only: bool = False) -> torch.Tensor | None:
+        """[rows, cols] on each rank -> [rows, world_size * cols], rank r's columns at r * cols (with
+        `to_rank0_only`: on rank 0; the others only hand theirs over and get None)."""
         rows, cols = x.shape
-        out = torch.empty((rows, self.world_size * cols), dtype=x.dtype)
+        reads = not to_rank0_only or self.rank == 0
+        out = torch.empty((rows, self.world_size * cols), dtype=x.dtype) if reads else None
         rows_per_chunk = max(1, self._chunk_elems(x.dtype) // max(cols, 1))
         if cols > self._chunk_elems(x.dtype):
             raise ValueError(f"a row of {cols} values does not fit a {self.slot_bytes}-byte slot")
@@ -130,7 +132,7 @@ class ShmCommunicator:
             n = part.numel()
             self._slot(self._seq, self.rank, x.dtype, n).copy_(part.reshape(-1))
             self._post_and_wait(self._seq)
-            for r in range(self.world_size):
+            for r in range(self.world_size if reads else 0):
                 out[first:first + part.shape[0], r * cols:(r + 1) * cols] = \
                     self._slot(self._seq, r, x.dtype, n).view(part.shape[0], cols)
         return out

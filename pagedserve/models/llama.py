@@ -347,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
                    "them, so each runs on its own)" if self.tp is not None else "")]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab] (with tensor parallelism: on every rank)."""
+        """hidden [N, hidden] -> float32 logits [N, vocab] (with tensor parallelism: on rank 0, None elsewhere)."""
         logits = self.logits_proj(hidden).float()
         return logits if self.tp is None else gather_logits(self.tp, logits, self.config.vocab_size)
 

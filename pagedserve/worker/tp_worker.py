@@ -5,8 +5,8 @@ Rank 0 keeps everything that is not the model: scheduler, tokenizer, HTTP, per-r
 (token ids, positions, attention metadata: what `_prepare` built) to the workers, and each logits call the
 hidden rows it projects; then rank 0 runs its own shard, and the collectives inside the layers keep the
 ranks in step. The workers hold no request state: each one runs the same forward on the same inputs against
-its own shard and its own KV pool (its KV heads), and the logits all-gather leaves the full vocabulary on
-every rank; only rank 0 samples, so nothing comes back but the collectives' data.
+its own shard and its own KV pool (its KV heads); the logits are gathered to rank 0, the only one that
+samples, so nothing comes back but the collectives' data.
 """
 
 from __future__ import annotations

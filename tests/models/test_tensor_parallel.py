@@ -65,14 +65,18 @@ def test_two_ranks_give_one_process_tokens_and_logprobs(tiny_model_dir, case):
         assert_same_logprobs(ours.logprobs, reference.logprobs)
 
 
-def test_chunked_prefill_prefix_cache_and_preemption_with_two_ranks(tiny_model_dir):
+@pytest.mark.parametrize("collectives", ["shm", "gloo"])
+def test_chunked_prefill_prefix_cache_and_preemption_with_two_ranks(tiny_model_dir, collectives):
     """7-token prefill chunks, prompts sharing a 48-token prefix, and a pool too small for all of them: the
-    ranks' KV pools must stay in step through chunking, prefix hits and preemption (recompute)."""
+    ranks' KV pools must stay in step through chunking, prefix hits and preemption (recompute). gloo: the
+    collectives' path where shared memory is not used (other CPUs than x86)."""
     model_dir = tiny_model_dir("qwen2", vocab_size=515)
     prefix = list(range(10, 58))
     prompts = [prefix + [100 + i, 200 + i, 300 + i] for i in range(6)] + [list(range(60, 90))]
     _, expected = run(model_dir, prompts, tp=1, logprobs=None, enable_prefix_caching=False)
-    llm, got = run(model_dir, prompts, tp=2, logprobs=None, max_num_batched_tokens=7, num_gpu_blocks_override=12)
+    llm, got = run(model_dir, prompts, tp=2, logprobs=None, max_num_batched_tokens=7, num_gpu_blocks_override=12,
+                   tp_all_reduce=collectives)
+    assert llm.engine.runner.group.kind == {"shm": "shared memory", "gloo": "gloo"}[collectives]
     scheduler = llm.engine.scheduler
     assert scheduler.num_preemptions_total > 0
     assert scheduler.kv.stats.num_hits > 0
