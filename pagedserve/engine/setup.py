@@ -63,10 +63,17 @@ def generation_config_eos_ids(model_path: str, eos_token_id: int | None) -> list
 
 
 def load_tokenizer(path: str) -> Any:
+    """pagedserve's Tokenizer (tokenizer.py: no transformers import) for a GGUF and for a directory whose
+    tokenizer is tokenizer.json as written; transformers' AutoTokenizer for any other directory."""
     if path.endswith(".gguf"):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 
         return GGUFCheckpoint(path).build_tokenizer()
+    from pagedserve.tokenizer import load_plain_tokenizer
+
+    tokenizer = load_plain_tokenizer(path)
+    if tokenizer is not None:
+        return tokenizer
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
@@ -219,16 +226,30 @@ def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str |
 
 
 # ---- the model config ------------------------------------------------------------------------------
-# Decoders whose transformers config the engine builds as a plain PretrainedConfig: the model-specific classes
-# (LlamaConfig, ...) import ~1.5 s of transformers modules (torch.distributed, sympy) at start-up. Only when
-# every value the model reads is in the checkpoint's config, so transformers' per-model defaults cannot
-# differ; anything else (other models, rope scaling that needs transformers' rope functions) uses AutoConfig.
+# Decoders whose config the engine reads as config.json plus transformers' defaults (PlainDecoderConfig),
+# without importing transformers (~0.8 s of start-up; the model-specific classes, LlamaConfig, ..., import
+# ~1.5 s more). Only when every value the model reads is in the checkpoint's config, so transformers'
+# per-model defaults cannot differ; anything else (other models, rope scaling that needs transformers' rope
+# functions) uses AutoConfig. tests/models/test_memory_plan_engine.py checks both read alike.
 _PLAIN_CONFIG_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 _PLAIN_CONFIG_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                "num_key_value_heads", "vocab_size", "max_position_embeddings")
 # The same defaults in LlamaConfig, Qwen2Config and Qwen3Config (transformers 5; tests/models compare).
 PLAIN_CONFIG_DEFAULTS = {"tie_word_embeddings": False, "hidden_act": "silu", "rms_norm_eps": 1e-6,
                          "attention_bias": False}
+
+
+class PlainDecoderConfig:
+    """A decoder's config.json as attributes, the way the model reads a transformers config (getattr)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__.update(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"PlainDecoderConfig({self.__dict__!r})"
 
 
 def _is_plain_decoder_config(config: dict) -> bool:
@@ -243,12 +264,11 @@ def _is_plain_decoder_config(config: dict) -> bool:
 
 
 def hf_config_from_checkpoint(checkpoint: CheckpointInfo) -> Any:
-    """The transformers config of a checkpoint (see _PLAIN_CONFIG_MODEL_TYPES for why it is often plain)."""
+    """The model's config: a PlainDecoderConfig where that reads the same as transformers' (see above), else
+    transformers' own."""
     config = dict(checkpoint.config)
     if _is_plain_decoder_config(config):
-        from transformers import PretrainedConfig
-
-        return PretrainedConfig(**{**PLAIN_CONFIG_DEFAULTS, **config})
+        return PlainDecoderConfig({**PLAIN_CONFIG_DEFAULTS, **config})
     from transformers import AutoConfig
 
     if checkpoint.is_gguf:

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerFast
 
 from pagedserve.formats.gguf import forget_gguf_header, shared_gguf_header
 from pagedserve.formats.gguf_hf import GGUFFile, unpermute_rows
@@ -19,6 +18,7 @@ from pagedserve.layers.linear import QuantizedWeight
 from pagedserve.models.gguf_dequant import TORCH_BLOCK_TYPES, dequantize_to_torch, requantize_int8
 from pagedserve.models.gguf_tokenizer import build_tokenizer_from_metadata
 from pagedserve.models.validate import validate_gguf_header
+from pagedserve.tokenizer import Tokenizer
 
 
 class GGUFCheckpoint(GGUFFile):
@@ -52,8 +52,9 @@ class GGUFCheckpoint(GGUFFile):
 
     # -- tokenizer -------------------------------------------------------------------------------
 
-    def build_tokenizer(self) -> PreTrainedTokenizerFast:
-        """A transformers PreTrainedTokenizerFast equivalent to the model's original tokenizer."""
+    def build_tokenizer(self) -> Tokenizer:
+        """A tokenizer equivalent to the model's original one (pagedserve.tokenizer; to_transformers() for
+        transformers' PreTrainedTokenizerFast)."""
         return build_tokenizer_from_metadata(self.metadata, source=str(self.path))
 
 

@@ -1,5 +1,5 @@
-"""A GGUF's tokenizer rebuilt from its metadata: byte-level BPE vocabularies, as a transformers
-PreTrainedTokenizerFast equal to the model's original tokenizer."""
+"""A GGUF's tokenizer rebuilt from its metadata: byte-level BPE vocabularies, as a pagedserve Tokenizer equal to
+the model's original tokenizer (without importing transformers; `to_transformers()` gives transformers' one)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 from gguf.constants import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
 
 from pagedserve.formats.errors import ModelValidationError
+from pagedserve.tokenizer import Tokenizer as ServingTokenizer
 
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -108,10 +108,8 @@ def _backend_tokenizer(metadata: dict[str, Any], source: str) -> Tokenizer:
     return tokenizer
 
 
-def build_tokenizer_from_metadata(
-    metadata: dict[str, Any], source: str = "GGUF metadata"
-) -> PreTrainedTokenizerFast:
-    """A PreTrainedTokenizerFast from GGUF tokenizer metadata (byte-level BPE vocabularies).
+def build_tokenizer_from_metadata(metadata: dict[str, Any], source: str = "GGUF metadata") -> ServingTokenizer:
+    """The tokenizer of GGUF tokenizer metadata (byte-level BPE vocabularies).
 
     `metadata` is `GGUFHeader.metadata` read with string arrays kept; it may come from the first
     part of a split GGUF, since only metadata is used.
@@ -124,31 +122,5 @@ def build_tokenizer_from_metadata(
         if token_id is not None and 0 <= int(token_id) < len(tokens):
             special[name] = tokens[int(token_id)]
     context_length = next((v for k, v in metadata.items() if k.endswith(".context_length")), None)
-    tokenizer = wrap_backend_tokenizer(
-        backend,
-        clean_up_tokenization_spaces=False,
-        model_max_length=int(context_length) if context_length else int(1e30),
-        **special,
-    )
-    template = metadata.get("tokenizer.chat_template")
-    if template:
-        tokenizer.chat_template = template
-    return tokenizer
-
-
-def wrap_backend_tokenizer(backend: Tokenizer, **kwargs: Any) -> PreTrainedTokenizerFast:
-    """PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs) without its deep copy of `backend`.
-
-    The copy is a pickle round trip of the whole vocabulary (0.7 s of start-up for a 150k-token one, more
-    than building it); `backend` is ours alone, so it is used as is: __init__ keeps a backend already set
-    on the instance. Should a transformers version not, the documented constructor is used instead.
-    """
-    tokenizer = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
-    tokenizer._tokenizer = backend
-    try:
-        tokenizer.__init__(**kwargs)
-    except (TypeError, ValueError, AttributeError):
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
-    if tokenizer.backend_tokenizer is not backend:
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
-    return tokenizer
+    return ServingTokenizer(backend, special_tokens=special, chat_template=metadata.get("tokenizer.chat_template") or None,
+                            model_max_length=int(context_length) if context_length else None, name_or_path=source)

@@ -80,8 +80,9 @@ class GrammarCompiler:
             import xgrammar as xgr
 
             from pagedserve.structured.utf8 import Utf8Guard
+            from pagedserve.tokenizer import as_transformers
 
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            info = xgr.TokenizerInfo.from_huggingface(as_transformers(self.tokenizer), vocab_size=self.vocab_size)
             self._utf8 = Utf8Guard(info.decoded_vocab, self.vocab_size)
             self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1)
             logger.info("structured outputs: xgrammar loaded and this tokenizer's vocabulary scanned in %.2f s",

@@ -1,0 +1,210 @@
+"""pagedserve.tokenizer.Tokenizer and chat_template.render_chat against transformers on the same tokenizers:
+encode, decode, special tokens, truncation and chat templates must give what transformers gives, so serving
+can start without importing transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+import pytest
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import processors
+
+from pagedserve.chat_template import render_chat
+from pagedserve.engine.setup import load_tokenizer
+from pagedserve.models.gguf_loader import GGUFCheckpoint
+from pagedserve.tokenizer import Tokenizer, load_plain_tokenizer
+from tests.models.real_models import packaged_model, qwen_coder_gguf_head
+from tests.tiny_models import CHATML_TEMPLATE, make_tokenizer
+
+PIECES = list("abc xyz.,!?\n\t0123456789你好😀") + ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "  ", " def"]
+TEXT = st.lists(st.sampled_from(PIECES), max_size=24).map("".join)
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": TEXT})
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "description": "Straße & <tags>"}},
+                                               "required": ["city"]}}}]
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_dir: Path) -> dict[str, tuple[Tokenizer, object]]:
+    """name -> (ours, transformers'): a plain directory, and GGUF tokenizers (transformers' over the same backend
+    is what the server used before; test_gguf_real.py checks those against the models' own tokenizer.json)."""
+    result = {"tiny-dir": (load_plain_tokenizer(tiny_dir), transformers.AutoTokenizer.from_pretrained(tiny_dir))}
+    for name, path in (("smollm2", packaged_model("smollm2-135m-instruct")), ("qwen-coder", qwen_coder_gguf_head())):
+        with GGUFCheckpoint(path) as checkpoint:
+            ours = checkpoint.build_tokenizer()
+        reference = transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend_tokenizer.__class__.from_str(
+            ours.backend_tokenizer.to_str()), **ours.special_tokens_map)
+        reference.chat_template = ours.chat_template
+        result[name] = (ours, reference)
+    return result
+
+
+def test_plain_directories_load_as_ours_and_the_rest_through_transformers(tiny_dir: Path, tmp_path: Path) -> None:
+    assert type(load_tokenizer(str(tiny_dir))) is Tokenizer
+    bert = load_tokenizer(str(packaged_model("all-minilm-l6-v2")))  # BertTokenizer: a class of its own
+    assert isinstance(bert, transformers.PreTrainedTokenizerBase)
+    for name, edit in (("add_bos", {"add_bos_token": True}), ("class", {"tokenizer_class": "LlamaTokenizer"}),
+                       ("cleanup", {"clean_up_tokenization_spaces": True})):
+        copy = tmp_path / name
+        copy.mkdir()
+        for file in tiny_dir.iterdir():
+            (copy / file.name).write_bytes(file.read_bytes())
+        config = json.loads((copy / "tokenizer_config.json").read_text())
+        (copy / "tokenizer_config.json").write_text(json.dumps({**config, **edit}))
+        assert load_plain_tokenizer(copy) is None, name
+
+
+@pytest.mark.parametrize("name", ["tiny-dir", "smollm2", "qwen-coder"])
+def test_special_tokens_and_sizes_equal_transformers(pairs, name: str) -> None:
+    ours, reference = pairs[name]
+    assert ours.eos_token_id == reference.eos_token_id and ours.bos_token_id == reference.bos_token_id
+    assert ours.pad_token_id == reference.pad_token_id
+    assert ours.all_special_ids == reference.all_special_ids
+    assert len(ours) == len(reference)
+    assert ours.chat_template == reference.chat_template
+
+
+@pytest.mark.parametrize("name", ["tiny-dir", "smollm2", "qwen-coder"])
+@SETTINGS
+@given(text=TEXT)
+def test_encode_and_decode_equal_transformers(pairs, name: str, text: str) -> None:
+    ours, reference = pairs[name]
+    for special in (True, False):
+        ids = ours.encode(text, add_special_tokens=special)
+        assert ids == reference.encode(text, add_special_tokens=special)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    assert ours.decode(ids[:1]) == reference.decode(ids[:1])
+
+
+@SETTINGS
+@given(text=TEXT, max_length=st.integers(1, 12), side=st.sampled_from(["right", "left"]))
+def test_truncation_keeps_the_special_tokens_as_transformers_does(pairs, text: str, max_length: int,
+                                                                  side: str) -> None:
+    ours, reference = pairs["tiny-dir"]
+    backend = ours.backend_tokenizer.__class__.from_str(ours.backend_tokenizer.to_str())
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A <|endoftext|>",
+                                                           special_tokens=[("<|im_start|>", 1), ("<|endoftext|>", 0)])
+    ours = Tokenizer(backend, special_tokens=ours.special_tokens_map, truncation_side=side)
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, truncation_side=side,
+                                                     **ours.special_tokens_map)
+    assert ours.encode(text, truncation=True, max_length=max_length) == reference.encode(
+        text, truncation=True, max_length=max_length)
+
+
+@pytest.mark.parametrize("name", ["tiny-dir", "smollm2", "qwen-coder"])
+@SETTINGS
+@given(messages=st.lists(MESSAGE, min_size=1, max_size=4), generation_prompt=st.booleans(),
+       tools=st.sampled_from([None, TOOLS]))
+def test_chat_templates_render_as_transformers(pairs, name: str, messages: list[dict], generation_prompt: bool,
+                                               tools: list | None) -> None:
+    ours, reference = pairs[name]
+    expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                             tools=tools)
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                    tools=tools) == expected
+    assert ours.apply_chat_template(messages, add_generation_prompt=generation_prompt, tools=tools) == \
+        reference.encode(expected, add_special_tokens=False)
+
+
+# Templates reaching the parts of the environment and the data preparation the shipped ones do not.
+TEMPLATES = {
+    "reasoning": "{% for m in messages %}[{{ m.role }}|{{ m.reasoning_content }}|{{ m.thinking }}]{{ m.content }}"
+                 "{% endfor %}",
+    "namespace+dict+tojson": "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+                             "{{ dict(role=m.role, i=ns.n) | tojson }}{% endfor %}{{ tools | tojson(indent=2) }}"
+                             "{{ bos_token }}{{ eos_token }}",
+    "loopcontrols+trim": "{% for m in messages %}\n  {% if loop.index > 2 %}{% break %}{% endif %}\n"
+                         "  {{- m.content -}}\n{% endfor %}\n{% if add_generation_prompt %}<gen>{% endif %}",
+    "chatml": CHATML_TEMPLATE,
+}
+
+
+@pytest.mark.parametrize("template", list(TEMPLATES))
+@SETTINGS
+@given(messages=st.lists(MESSAGE, min_size=1, max_size=4), generation_prompt=st.booleans())
+def test_template_environment_matches_transformers(pairs, template: str, messages: list[dict],
+                                                   generation_prompt: bool) -> None:
+    _, reference = pairs["tiny-dir"]
+    messages = [{**m, "reasoning": "think " + m["content"]} if i % 2 else m for i, m in enumerate(messages)]
+    source = TEMPLATES[template]
+    kwargs = {"add_generation_prompt": generation_prompt, "tools": TOOLS}
+    special = {**reference.special_tokens_map, "bos_token": "<s>"}
+    expected = transformers.utils.chat_template_utils.render_jinja_template(
+        conversations=[messages], chat_template=source, **kwargs, **special)[0][0]
+    assert render_chat(source, messages, special_tokens=special, **kwargs) == expected
+
+
+@pytest.mark.parametrize("name", ["tiny-dir", "smollm2", "qwen-coder"])
+@pytest.mark.parametrize("final", ["The answer is", "trailing space ", ""])
+def test_continue_final_message_cuts_where_transformers_does(pairs, name: str, final: str) -> None:
+    ours, reference = pairs[name]
+    messages = [{"role": "user", "content": "Say something"}, {"role": "assistant", "content": final}]
+    try:
+        expected = reference.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    except ValueError as error:
+        with pytest.raises(ValueError):
+            ours.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        assert "continue_final_message" in str(error)
+        return
+    assert ours.apply_chat_template(messages, tokenize=False, continue_final_message=True) == expected
+
+
+def test_the_sandbox_refuses_what_transformers_refuses() -> None:
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        render_chat("{% set ns = namespace(_x=1) %}", messages)
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        render_chat("{{ messages.__class__.__init__.__globals__ }}", messages)
+    with pytest.raises(jinja2.exceptions.TemplateError, match="no system"):
+        render_chat("{{ raise_exception('no system messages') }}", messages)
+    with pytest.raises(ValueError, match="empty"):
+        render_chat(CHATML_TEMPLATE, [])
+    with pytest.raises(ValueError, match="not compatible"):
+        render_chat(CHATML_TEMPLATE, messages, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_named_templates_pick_tool_use_when_tools_are_given(tiny_dir: Path) -> None:
+    ours = load_plain_tokenizer(tiny_dir)
+    ours.chat_template = {"default": "plain:{{ messages[0].content }}", "tool_use": "tools:{{ tools | length }}"}
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == "plain:hi"
+    assert ours.apply_chat_template(messages, tokenize=False, tools=TOOLS) == "tools:1"
+
+
+def test_to_transformers_is_transformers_tokenizer_over_the_same_vocabulary(pairs) -> None:
+    ours, reference = pairs["smollm2"]
+    converted = ours.to_transformers()
+    assert isinstance(converted, transformers.PreTrainedTokenizerFast) and converted is ours.to_transformers()
+    text = "<|im_start|>user\nHello 12345<|im_end|>"
+    assert converted.encode(text) == ours.encode(text) == reference.encode(text)
+
+
+def test_an_engine_starts_without_importing_transformers(tiny_model_dir) -> None:
+    """The point of the module: ready to serve a GGUF and a plain directory with transformers never imported."""
+    code = ("import sys\nfrom pagedserve.engine.arg_utils import EngineArgs\n"
+            "from pagedserve.engine.llm_engine import LLMEngine\n"
+            "for model in sys.argv[1:]:\n"
+            "    engine = LLMEngine.from_engine_args(EngineArgs(model=model, max_model_len=128))\n"
+            "    engine.tokenizer.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
+    models = [str(packaged_model("smollm2-135m-instruct")), tiny_model_dir("qwen2")]
+    result = subprocess.run([sys.executable, "-c", code, *models], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
