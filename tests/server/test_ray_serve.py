@@ -155,6 +155,27 @@ def test_per_replica_routes_and_errors_pass_through(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own 400
 
 
+def replica_metric(server, replica: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{server.url}/replicas/{replica}/metrics", timeout=30).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_a_client_that_leaves_mid_stream_has_its_request_aborted_on_the_replica(server):
+    body = {"model": MODEL, "prompt": "A stream the client leaves", "max_tokens": 400, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        replica = response.headers[REPLICA_HEADER]
+        aborted = replica_metric(server, replica, "vllm:request_success_total", finished_reason="abort")
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(3)]
+    deadline = time.monotonic() + 30
+    while replica_metric(server, replica, "vllm:request_success_total", finished_reason="abort") == aborted:
+        assert time.monotonic() < deadline, "the request was not aborted on its replica"
+        time.sleep(0.2)
+    assert replica_metric(server, replica, "vllm:num_requests_running") == 0
+
+
 @pytest.mark.parametrize("flags, refusal", [
     (["--replicas", "3"], "--replicas 3 x --replica-cpus 1 reserve 3 CPUs and this Ray cluster has 2"),
     (["--replicas", "1", "--replica-cpus", "4"], "no node of this Ray cluster has that many CPUs"),

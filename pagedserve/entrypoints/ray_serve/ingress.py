@@ -16,9 +16,11 @@ and every helper the class uses is defined above it (serve.ingress captures the 
 that exist when it is decorated).
 """
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -29,7 +31,7 @@ from prometheus_client.samples import Sample
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from pagedserve.entrypoints.openai.errors import error_body
 from pagedserve.entrypoints.ray_serve.replica import ForwardedRequest, ResponseStart
@@ -39,13 +41,16 @@ logger = logging.getLogger("pagedserve.ray_serve")
 
 api = FastAPI(title="pagedserve on Ray Serve")
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+FAN_OUT_TIMEOUT_S = 10.0  # a replica that does not answer /health or /metrics within this is left out
 
 
+@dataclass
 class ReplicaReply:
     """A whole reply of one replica to a pinned GET (health and metrics fan-out)."""
 
-    def __init__(self, replica: str, status: int, body: bytes) -> None:
-        self.replica, self.status, self.body = replica, status, body
+    replica: str
+    status: int
+    body: bytes
 
     def json(self) -> dict:
         try:
@@ -71,8 +76,9 @@ def _failure_message(exc: BaseException) -> str:
     return f"the replica serving this request failed: {type(exc).__name__}: {exc}; retry the request"
 
 
-async def _rest_of_stream(stream: AsyncIterator, replica: str) -> AsyncIterator[bytes]:
-    """The body chunks after the start; a replica lost mid-stream ends it with an SSE error event."""
+async def _rest_of_stream(stream: DeploymentResponseGenerator, replica: str) -> AsyncIterator[bytes]:
+    """The body chunks after the start; a replica lost mid-stream ends it with an SSE error event. A client
+    that leaves closes this iterator: the replica's call is cancelled, and its app aborts the request."""
     try:
         async for chunk in stream:
             yield chunk
@@ -80,6 +86,8 @@ async def _rest_of_stream(stream: AsyncIterator, replica: str) -> AsyncIterator[
         logger.warning("replica %s lost in the middle of a stream: %s", replica, exc)
         error = json.dumps(error_body(_failure_message(exc), 503))
         yield f"data: {error}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        stream.cancel()  # a no-op once the stream has ended
 
 
 def _is_event_stream(start: ResponseStart) -> bool:
@@ -171,7 +179,8 @@ class Ingress:
         return StreamingResponse(_rest_of_stream(stream, start.replica), status_code=start.status,
                                  headers=_headers(start))
 
-    async def _first_answer(self, request: ForwardedRequest, key: Optional[str]) -> tuple[AsyncIterator, ResponseStart]:
+    async def _first_answer(self, request: ForwardedRequest,
+                            key: Optional[str]) -> tuple[DeploymentResponseGenerator, ResponseStart]:
         """The stream and response start of the replica that takes the request. A replica that refuses it (its
         engine dead or not started: nothing of the request ran) is avoided and the next one asked, once each."""
         avoid: list[str] = []
@@ -194,7 +203,11 @@ class Ingress:
         Before the first call through the handle there is no router yet: one unpinned call makes it."""
         replies = {}
         for replica in [info["replica"] for info in self._listing()] or [None]:
-            reply = await self._get(replica, path)
+            try:
+                reply = await asyncio.wait_for(self._get(replica, path), FAN_OUT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("replica %s did not answer %s within %.0f s", replica, path, FAN_OUT_TIMEOUT_S)
+                continue
             if reply is not None:
                 replies.setdefault(reply.replica, reply)
         return list(replies.values())
