@@ -71,8 +71,15 @@ def test_environment_variables_are_read_only_in_envs_and_cli():
     assert breaks == []
 
 
+def test_only_the_ray_serve_entrypoint_imports_ray():
+    """ray is the optional extra [ray]: pagedserve imports and serves without it."""
+    inside = set(_files("entrypoints/ray_serve"))
+    assert _breaks([path for path in PACKAGE.rglob("*.py") if path not in inside], ("ray",)) == []
+
+
 def test_the_rules_can_fail():
     """The checks see real imports: the server itself imports HTTP, and the runner imports torch."""
     assert _breaks(_files("entrypoints"), ("fastapi",))
     assert _breaks(_files("worker"), ("torch",))
+    assert _breaks(_files("entrypoints/ray_serve"), ("ray",))
     assert ENV_READ.search('x = os.environ.get("PAGEDSERVE_X")')
