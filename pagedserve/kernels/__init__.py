@@ -48,6 +48,9 @@ _SIGNATURES = {
     "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
     "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
+    "ps_gguf_block_bytes": ((_INT,), _I64),
+    "ps_requant_gguf_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), _INT),
+    "ps_quantize_rows_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), None),
     "ps_layer_fields": ((), _INT),
     "ps_layer_layout": ((_P, _INT), _INT),
     "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
@@ -148,6 +151,33 @@ class CpuKernels:
         self.lib.ps_linear_bf16(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                 y.data_ptr(), m, out_features, k, self._threads())
         return y
+
+    def quantize_rows_i8(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 or bf16 [N, K] -> (int8 [N, K], float32 scales [N]), exactly as layers/linear.py's
+        quantize_int8_per_channel (scale max|row| / 127, round half to even), every row in one pass."""
+        assert weight.dtype in ACTIVATION_DTYPES and weight.dim() == 2 and weight.device.type == "cpu"
+        weight = weight.contiguous()
+        q = torch.empty(weight.shape, dtype=torch.int8)
+        scales = torch.empty(weight.shape[0], dtype=torch.float32)
+        self.lib.ps_quantize_rows_i8(weight.data_ptr(), int(weight.dtype == torch.bfloat16), weight.shape[0],
+                                     weight.shape[1], q.data_ptr(), scales.data_ptr(), self._threads())
+        return q, scales
+
+    def requant_gguf_i8(self, blocks: torch.Tensor, qtype: int, in_features: int
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """uint8 [N, row bytes] of ggml 32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 by their
+        GGMLQuantizationType number) -> (int8 [N, K], float32 scales [N]) as dequantizing them to float32
+        and quantize_rows_i8 would give; None for another type."""
+        block_bytes = self.lib.ps_gguf_block_bytes(qtype)
+        if block_bytes == 0 or in_features % 32:
+            return None
+        assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.dim() == 2
+        assert blocks.shape[1] == block_bytes * (in_features // 32)
+        q = torch.empty(blocks.shape[0], in_features, dtype=torch.int8)
+        scales = torch.empty(blocks.shape[0], dtype=torch.float32)
+        status = self.lib.ps_requant_gguf_i8(blocks.data_ptr(), qtype, blocks.shape[0], in_features, q.data_ptr(),
+                                             scales.data_ptr(), self._threads())
+        return (q, scales) if status == 0 else None
 
     def linear_i8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor,
                   bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -998,3 +998,149 @@ void ps_decode_stack(const void *x, void *out, const int64_t *layers, int64_t n_
 }
 
 #endif  /* PS_ISA */
+
+/* ---- loading: weights to per-row int8 --------------------------------------------------------------------
+ * --quantization int8 (and a quantized GGUF served as int8) store each weight row as int8 with one float32
+ * scale: scale = max|row| / 127 (at least 1e-12), q = round-half-even(value / scale) clamped to +-127, the
+ * arithmetic of layers/linear.py's quantize_int8_per_channel. The torch path costs most of a GGUF's start-up;
+ * these do the same in one pass per row on every thread, bit for bit (multiply and add rounded separately,
+ * as numpy and torch do: no fused multiply-add, hence the optimize attribute). */
+static float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);  /* inf, nan */
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  /* subnormal half: normalise */
+    uint32_t e = 113, m = mantissa;
+    while (!(m & 0x400)) { m <<= 1; --e; }
+    bits = sign | (e << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline uint32_t read_u32(const uint8_t *p) {
+  return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* ggml's 32-value blocks, by GGMLQuantizationType: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0. */
+enum { PS_Q4_0 = 2, PS_Q4_1 = 3, PS_Q5_0 = 6, PS_Q5_1 = 7, PS_Q8_0 = 8 };
+
+int64_t ps_gguf_block_bytes(int qtype) {
+  switch (qtype) {
+    case PS_Q4_0: return 18;
+    case PS_Q4_1: return 20;
+    case PS_Q5_0: return 22;
+    case PS_Q5_1: return 24;
+    case PS_Q8_0: return 34;
+    default: return 0;
+  }
+}
+
+__attribute__((optimize("fp-contract=off")))
+static void dequant_block(const uint8_t *b, int qtype, float *out) {
+  const float d = half_to_float(read_u16(b));
+  switch (qtype) {
+    case PS_Q8_0:
+      for (int j = 0; j < 32; ++j) out[j] = (float)(int8_t)b[2 + j] * d;
+      break;
+    case PS_Q4_0:
+      for (int j = 0; j < 16; ++j) {
+        out[j] = (float)((b[2 + j] & 0x0F) - 8) * d;
+        out[j + 16] = (float)((b[2 + j] >> 4) - 8) * d;
+      }
+      break;
+    case PS_Q4_1: {
+      const float m = half_to_float(read_u16(b + 2));
+      for (int j = 0; j < 16; ++j) {
+        float lo = (float)(b[4 + j] & 0x0F) * d, hi = (float)(b[4 + j] >> 4) * d;
+        out[j] = lo + m;
+        out[j + 16] = hi + m;
+      }
+      break;
+    }
+    case PS_Q5_0: {
+      const uint32_t qh = read_u32(b + 2);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (b[6 + j] & 0x0F) | (((qh >> j) << 4) & 0x10);
+        const int hi = (b[6 + j] >> 4) | ((qh >> (j + 12)) & 0x10);
+        out[j] = (float)(lo - 16) * d;
+        out[j + 16] = (float)(hi - 16) * d;
+      }
+      break;
+    }
+    case PS_Q5_1: {
+      const float m = half_to_float(read_u16(b + 2));
+      const uint32_t qh = read_u32(b + 4);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (b[8 + j] & 0x0F) | (((qh >> j) << 4) & 0x10);
+        const int hi = (b[8 + j] >> 4) | ((qh >> (j + 12)) & 0x10);
+        float vlo = (float)lo * d, vhi = (float)hi * d;
+        out[j] = vlo + m;
+        out[j + 16] = vhi + m;
+      }
+      break;
+    }
+  }
+}
+
+static void quantize_row(const float *row, int64_t K, int8_t *q, float *scale) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < K; ++k) amax = fmaxf(amax, fabsf(row[k]));
+  float s = amax / 127.0f;
+  if (s < 1e-12f) s = 1e-12f;  /* clamp(min=1e-12) */
+  for (int64_t k = 0; k < K; ++k) {
+    float v = nearbyintf(row[k] / s);  /* the default rounding mode: half to even, as torch.round */
+    v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+    q[k] = (int8_t)v;
+  }
+  *scale = s;
+}
+
+/* blocks: [N, K / 32] ggml blocks of `qtype` -> q [N, K] int8, scales [N] float32. Returns 0, or -1 for a
+ * type it does not decode (the caller keeps the torch path). K is a multiple of 32. */
+int ps_requant_gguf_i8(const uint8_t *blocks, int qtype, int64_t N, int64_t K, int8_t *q, float *scales,
+                       int nthreads) {
+  const int64_t block_bytes = ps_gguf_block_bytes(qtype), row_bytes = block_bytes * (K / 32);
+  if (block_bytes == 0 || K % 32) return -1;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float *row = (float *)malloc((size_t)K * sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const uint8_t *b = blocks + n * row_bytes;
+      for (int64_t c = 0; c < K / 32; ++c) dequant_block(b + c * block_bytes, qtype, row + c * 32);
+      quantize_row(row, K, q + n * K, scales + n);
+    }
+    free(row);
+  }
+  return 0;
+}
+
+/* w: [N, K] float32 (bf16 = 0) or bfloat16 -> q [N, K] int8, scales [N] float32. */
+void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *q, float *scales, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+  {
+    float *row = bf16 ? (float *)malloc((size_t)K * sizeof(float)) : NULL;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float *src = (const float *)w + n * K;
+      if (bf16) {
+        const uint16_t *h = (const uint16_t *)w + n * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const uint32_t bits = (uint32_t)h[k] << 16;
+          memcpy(row + k, &bits, sizeof(float));
+        }
+        src = row;
+      }
+      quantize_row(src, K, q + n * K, scales + n);
+    }
+    free(row);
+  }
+}

@@ -146,7 +146,9 @@ class Int8Linear(_HotPathModule):
         if isinstance(weight, QuantizedWeight):
             qweight, scales, dtype = weight.qweight, weight.scales, weight.dtype
         else:
-            (qweight, scales), dtype = quantize_int8_per_channel(weight), weight.dtype
+            native = kernels is not None and weight.device.type == "cpu" and kernels.supports(weight)
+            (qweight, scales), dtype = (kernels.quantize_rows_i8(weight) if native
+                                        else quantize_int8_per_channel(weight)), weight.dtype
         scales = scales.to(dtype)  # the effective scales are the model-dtype ones on every path
         on_cpu = weight.device.type == "cpu" and self.in_features % 64 == 0
         self.kernels = kernels if kernels is not None and on_cpu and kernels.supports(scales) else None

@@ -15,7 +15,17 @@ _REQUANTIZE_ROWS = 1024
 
 def requantize_int8(stored: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype) -> QuantizedWeight:
     """Blocks [rows, bytes_per_row] -> per-row int8: each chunk of rows is dequantized to float32 (exactly
-    as gguf.quants does) and quantized at once with scale max|row| / 127."""
+    as gguf.quants does) and quantized at once with scale max|row| / 127. The native kernels do both in one
+    pass for the 32-value formats (the same bits; a load-time conversion, so it asks for them directly)."""
+    from pagedserve.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is not None:
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        blocks = torch.from_numpy(np.ascontiguousarray(stored).view(np.uint8).reshape(stored.shape[0], -1))
+        native = kernels.requant_gguf_i8(blocks, int(qtype), blocks.shape[1] // type_size * block_size)
+        if native is not None:
+            return QuantizedWeight(native[0], native[1], dtype)
     parts = [quantize_int8_per_channel(_dequantize_blocks_torch(stored[start:start + _REQUANTIZE_ROWS], qtype,
                                                                 torch.float32))
              for start in range(0, stored.shape[0], _REQUANTIZE_ROWS)]

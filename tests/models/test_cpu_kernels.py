@@ -308,3 +308,54 @@ def test_weight_buffer_is_zeroed_and_starts_on_a_huge_page(kernels, monkeypatch)
     assert big.float().sum().item() == 1.5 * 3 * (1 << 20)
     small = kernels.weight_buffer(4, 8, dtype=torch.int8)  # below one huge page: an ordinary tensor
     assert small.shape == (4, 8) and small.untyped_storage().resizable()
+
+
+# ---- loading: weights to per-row int8 ---------------------------------------------------------------------
+# Exact equality: both sides dequantize each value with the same float32 multiply (and add, rounded
+# separately), divide by the same float32 scale and round half to even; nothing is summed.
+def _random_blocks(qtype, rows: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
+    """Random ggml blocks of `qtype` whose fp16 scale fields hold finite values of mixed magnitudes."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = torch.randint(0, 256, (rows * in_features // block_size, type_size), dtype=torch.uint8,
+                           generator=generator)
+    scale_fields = (0, 2) if qtype in (Q.Q4_1, Q.Q5_1) else (0,)
+    for start in scale_fields:
+        values = torch.randn(blocks.shape[0], generator=generator) * torch.tensor([1e-3, 0.02, 0.5])[
+            torch.randint(0, 3, (blocks.shape[0],), generator=generator)]
+        blocks[:, start:start + 2] = values.half().view(torch.uint8).view(-1, 2)
+    blocks[0, :2] = 0  # a zero scale (fp16 0.0)
+    return blocks.view(rows, -1)
+
+
+@pytest.mark.parametrize("qtype_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_gguf_blocks_requantize_to_the_torch_paths_int8_bit_for_bit(kernels, qtype_name: str) -> None:
+    from gguf.constants import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    from pagedserve.models.gguf_dequant import _dequantize_blocks_torch
+
+    qtype = Q[qtype_name]
+    generator = torch.Generator().manual_seed(int(qtype))
+    for rows, in_features in ((7, 64), (33, 576), (2, 32)):
+        blocks = _random_blocks(qtype, rows, in_features, generator)
+        expected = quantize_int8_per_channel(_dequantize_blocks_torch(blocks.numpy(), qtype, torch.float32))
+        q, scales = kernels.requant_gguf_i8(blocks, int(qtype), in_features)
+        assert torch.equal(q, expected[0]) and torch.equal(scales, expected[1])
+        reference = torch.from_numpy(dequantize(blocks.numpy(), qtype))  # gguf's own numpy decoder
+        assert torch.equal(quantize_int8_per_channel(reference)[0], q)
+    assert kernels.requant_gguf_i8(blocks, int(Q.Q6_K), in_features) is None  # left to the torch path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_matches_quantize_int8_per_channel(kernels, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(67, 320, generator=generator) * torch.rand(67, 1, generator=generator)).to(dtype)
+    weight[3] = 0  # the scale's lower clamp
+    weight[4, :2] = torch.tensor([127.0, 0.5])  # an exact tie: half to even gives 0, not 1
+    weight[5, :3] = torch.tensor([-254.0, 1.0, 3.0])  # ties at +-0.5 and 1.5 steps of a 2.0 scale
+    q, scales = kernels.quantize_rows_i8(weight)
+    expected = quantize_int8_per_channel(weight)
+    assert torch.equal(q, expected[0]) and torch.equal(scales, expected[1])
+    assert q[4, 1] == 0 and q[5, 1] == 0 and q[5, 2] == 2
