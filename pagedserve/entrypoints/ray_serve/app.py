@@ -47,6 +47,7 @@ def build_application(engine_args: EngineArgs, options: ServeOptions, replica_ar
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=replica_args.replicas or 1,
         ray_actor_options=actor_options,
         max_ongoing_requests=replica_args.max_ongoing_requests_per_replica or engine_args.max_num_seqs,
+        max_queued_requests=engine_args.max_waiting_requests,  # beyond: BackPressureError, a 429 as one server's
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS,
                                                   request_routing_stats_period_s=ROUTING_STATS_PERIOD_S))
