@@ -1,4 +1,8 @@
-"""Frozen configuration per subsystem. Pure Python: the scheduler imports it without torch."""
+"""Frozen configuration per subsystem. Pure Python: the scheduler imports it without torch.
+
+The defaults written here are the engine's defaults: EngineArgs (engine/arg_utils.py, the flags and LLM(...)
+keywords) reads each of its defaults from the field of the same setting here, so they are defined once
+(tests/unit/test_defaults.py checks every setting present in both)."""
 
 from __future__ import annotations
 

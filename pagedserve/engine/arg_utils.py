@@ -7,6 +7,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedserve.memory.plan import DEFAULT_MEMORY_FRACTION
+from pagedserve.models.fetch import DEFAULT_MODEL
+from pagedserve.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+from pagedserve.structured.params import DEFAULT_COMPILE_TIMEOUT_S
+
 SUPPORTED_QUANTIZATION = (None, "int8")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -16,10 +22,13 @@ def _opt(help_text: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help_text, **kwargs})
 
 
+# A default is defined once: where a setting is a field of a frozen config (config.py), its EngineArgs
+# default is read from there; where the flag says "auto" or None, engine/setup.py resolves it and the
+# resolved default lives in the config or module named in the help. tests/unit/test_defaults.py checks it.
 @dataclass
 class EngineArgs:
     model: str | None = _opt("Model: a Hugging Face directory, a .gguf file, or a known name "
-                             "(default: smollm2-135m-instruct).", positional=True)
+                             f"(default: {DEFAULT_MODEL}).", positional=True)
     served_model_name: str | None = _opt("Model name in the API (default: the model argument).")
     tokenizer: str | None = _opt("Tokenizer directory (default: the model's).")
     dtype: str = _opt("Weights and activations dtype: auto, float32, bfloat16, float16/half. auto picks "
@@ -27,15 +36,17 @@ class EngineArgs:
                       default="auto")
     max_model_len: int | None = _opt("Longest sequence (prompt + output) in tokens "
                                      "(default: the model's context length).")
-    max_num_seqs: int = _opt("Most requests running at once.", default=256)
-    max_num_batched_tokens: int | None = _opt("Token budget of one engine step (default: 2048, at least "
+    max_num_seqs: int = _opt("Most requests running at once.", default=SchedulerConfig.max_num_seqs)
+    max_num_batched_tokens: int | None = _opt(f"Token budget of one engine step (default: "
+                                              f"{SchedulerConfig.max_num_batched_tokens}, at least "
                                               "max_model_len when chunked prefill is off).")
-    block_size: int = _opt("Tokens per KV-cache block.", default=16)
-    enable_prefix_caching: bool = _opt("Reuse the KV cache of shared prompt prefixes.", default=True)
+    block_size: int = _opt("Tokens per KV-cache block.", default=CacheConfig.block_size)
+    enable_prefix_caching: bool = _opt("Reuse the KV cache of shared prompt prefixes.",
+                                       default=CacheConfig.enable_prefix_caching)
     enable_chunked_prefill: bool = _opt("Split long prompts across steps so decodes keep flowing.",
-                                        default=True)
+                                        default=SchedulerConfig.enable_chunked_prefill)
     gpu_memory_utilization: float | None = _opt(
-        "Fraction of device memory the engine may use (default 0.9). On a CPU, when given, the fraction of "
+        f"Fraction of device memory the engine may use (default {DEFAULT_MEMORY_FRACTION:g}). On a CPU, when given, the fraction of "
         "available RAM the engine may fill, its KV cache taking what the rest leaves (vLLM's GPU meaning); "
         "unset, the CPU KV cache follows the shared-box default: max_num_seqs x max_model_len tokens, at most "
         "25%% of the available RAM.")
@@ -43,41 +54,48 @@ class EngineArgs:
                                        "also set by VLLM_CPU_KVCACHE_SPACE in GiB).")
     num_gpu_blocks_override: int | None = _opt("Exact number of KV blocks (testing).")
     kv_cache_dtype: str = _opt("KV cache dtype: auto (= model dtype), fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit "
-                                "K/V with a scale per token and head, about half the memory.", default="auto")
-    quantization: str | None = _opt("Weight quantization: int8 (weight-only, one scale per output channel).")
+                                "K/V with a scale per token and head, about half the memory.",
+                                default=CacheConfig.kv_cache_dtype)
+    quantization: str | None = _opt("Weight quantization: int8 (weight-only, one scale per output channel).",
+                                    default=ModelConfig.quantization)
     tensor_parallel_size: int = _opt(
         "Tensor-parallel ranks (vLLM's -tp): N processes on this host, each holding 1/N of every layer "
         "(Megatron split; KV heads replicated where there are fewer than N) and running on its own cores; "
         "one all-reduce after each attention and MLP. Helps where one process cannot use the memory bandwidth "
-        "of every NUMA node (one rank per node). See the README.", default=1, aliases=("-tp",))
+        "of every NUMA node (one rank per node). See the README.", default=ParallelConfig.tensor_parallel_size,
+        aliases=("-tp",))
     cpu_binding: str | None = _opt(
         "Cores of each tensor-parallel rank, '|'-separated lists: \"0-7|8-15\" (vLLM's "
         "VLLM_CPU_OMP_THREADS_BIND). Default: one NUMA node per rank where the usable cores span N nodes, else "
         "the usable cores split evenly; one thread per core unless --num-threads.")
     tp_all_reduce: str = _opt("Testing and benchmarks: the tensor-parallel collectives' path: auto (shared "
-                              "memory on one x86 host, else gloo), shm or gloo.", default="auto", hidden=True)
+                              "memory on one x86 host, else gloo), shm or gloo.", default=ParallelConfig.all_reduce,
+                              hidden=True)
     enforce_eager: bool = _opt("Never compile model graphs; run eagerly (pagedserve always does: its native "
-                                "CPU kernels are a library built once, not graph compilation).", default=False)
+                                "CPU kernels are a library built once, not graph compilation).",
+                                default=ModelConfig.enforce_eager)
     reference_kernels: bool = _opt("Use the plain reference kernels (F.linear) instead of the fast ones "
-                                   "(debugging, correctness checks).", default=False)
-    seed: int = _opt("Seed for unseeded random sampling.", default=0)
+                                   "(debugging, correctness checks).", default=ModelConfig.reference_kernels)
+    seed: int = _opt("Seed for unseeded random sampling.", default=ModelConfig.seed)
     device: str = _opt("cpu, cuda or auto.", default="auto")
     num_threads: int | None = _opt("Torch threads on CPU (default: the cores this process may use).")
     task: str = _opt("auto, generate or embed. auto: embed for encoders (BERT), decoders saved without an LM "
                      "head, and models with a sentence-transformers pooling module (modules.json); else "
                      "generate.", default="auto")
     runner: str = _opt("auto, generate or pooling (vLLM's name; pooling = --task embed).", default="auto")
-    max_waiting_requests: int = _opt("Queue bound; the server answers 429 beyond it.", default=1024)
+    max_waiting_requests: int = _opt("Queue bound; the server answers 429 beyond it.",
+                                     default=SchedulerConfig.max_waiting_requests)
     structured_outputs_config: str | None = _opt(
         "Structured outputs, as JSON (vLLM's flag): {\"backend\": \"xgrammar\"} (the one backend; \"auto\" "
         "means it), \"disable_any_whitespace\": true for compact JSON, \"compile_timeout_s\": seconds before a "
-        "grammar still compiling gets a 400 (default 30).")
+        f"grammar still compiling gets a 400 (default {DEFAULT_COMPILE_TIMEOUT_S:g}).")
     speculative_config: str | None = _opt(
         "Speculative decoding, as JSON (vLLM's flag; LLM(speculative_config=dict) takes the same dict): "
         "{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, "
         "\"prompt_lookup_min\": 2} proposes the tokens that followed the latest earlier occurrence of the "
         "output's last 2-4 tokens in the prompt or output, verified in the next step (outputs unchanged); "
-        "\"disable_by_batch_size\": no speculation while more requests run (default 4).")
+        "\"disable_by_batch_size\": no speculation while more requests run "
+        f"(default {DEFAULT_DISABLE_BY_BATCH_SIZE}).")
     fault_injection: str | None = _opt("Testing only: faults to raise inside the engine, as "
                                        "POINT:MATCH[:COUNT] rules (pagedserve/engine/faults.py).", hidden=True)
     memory_pressure_meminfo: str | None = _opt("Testing only: the meminfo file the server's memory-pressure "

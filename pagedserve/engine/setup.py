@@ -28,7 +28,6 @@ from pagedserve.worker.protocol import Runner
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # --runner (vLLM's name) -> the task it means; "auto" decides from the model.
 RUNNER_TASKS: dict[str, str | None] = {"auto": None, "generate": "generate", "pooling": "embed"}
 
@@ -123,7 +122,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     encoder = task == "embed" and is_encoder(architecture)
     chunked_prefill = args.enable_chunked_prefill and not encoder
     prefix_caching = args.enable_prefix_caching and not (pooler is not None and (encoder or pooler.needs_all_tokens))
-    budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    budget = args.max_num_batched_tokens or SchedulerConfig.max_num_batched_tokens
     if not chunked_prefill:
         budget = max(budget, max_model_len)
     from pagedserve.models.fetch import DEFAULT_MODEL
@@ -209,7 +208,7 @@ def _pooler_config(model_path: str, architecture: str, hf_config: Any) -> Any:
 def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str | None = None) -> int:
     """--max-model-len, else the model's context; embedding models default to sentence-transformers'
     max_seq_length (the input length they were trained for; vLLM does the same)."""
-    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    model_max = getattr(hf_config, "max_position_embeddings", None) or SchedulerConfig.max_model_len
     if args.max_model_len is None:
         if embedding_model_path is not None:
             from pagedserve.models.pooling_config import sentence_transformers_max_seq_length
