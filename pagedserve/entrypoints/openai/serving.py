@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.arg_utils import RequestLimits
 from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.prompt_checks import check_not_empty, check_token_ids, generation_max_tokens
 from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_error
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -77,17 +78,8 @@ class OpenAIServing:
 
     def _max_tokens(self, prompt: _Prompt, requested: int | None, param: str = "max_tokens") -> int:
         """max_tokens for this prompt; 400 naming both numbers if prompt + max_tokens is too long."""
-        num_prompt = len(prompt.token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if requested is not None and requested < 1:
-            raise InvalidRequestError(f"{param} must be at least 1, got {requested}", param=param)
-        total = num_prompt + (requested or 1)
-        if total > self.max_model_len:
-            raise InvalidRequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                      f"you requested {total} tokens ({num_prompt} in the prompt, {requested or 1} "
-                                      f"for the completion). Please reduce the prompt or {param}.", param=param)
-        return requested if requested is not None else self.max_model_len - num_prompt
+        check_not_empty(prompt.token_ids)
+        return generation_max_tokens(len(prompt.token_ids), requested, self.max_model_len, param)
 
     def _request_id(self, prefix: str, req: Any) -> str:
         """A fresh id; a client's request_id (vLLM's field) is kept in it, so logs and errors can be matched."""
@@ -396,10 +388,7 @@ class OpenAIServing:
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         self.check_model(req.model)
-        vocab_size = self.engine.engine.config.model.hf_config.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is out of range [0, {vocab_size})", param="tokens")
+        check_token_ids(req.tokens, self.engine.engine.config.model.hf_config.vocab_size, "tokens", label="")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.engine.prompt_checks import check_pooling_prompt
 from pagedserve.entrypoints.openai.protocol import EmbeddingRequest
 from pagedserve.entrypoints.openai.serving import OpenAIServing, _merge, _Prompt, consume_unless_disconnected
 from pagedserve.exceptions import InvalidRequestError
@@ -43,14 +43,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompts = await self._embedding_prompts(req.input, params.truncate_prompt_tokens)
         vocab_size = self.engine.engine.config.model.hf_config.vocab_size
         for index, prompt in enumerate(prompts):
-            bad = [t for t in prompt.token_ids if not 0 <= t < vocab_size]
-            if bad:
-                raise InvalidRequestError(f"input {index}: token id {bad[0]} is out of range [0, {vocab_size})",
-                                          param="input")
-            if len(prompt.token_ids) > self.max_model_len:
-                raise InvalidRequestError(f"This model's maximum context length is {self.max_model_len} tokens. "
-                                          f"However, input {index} has {len(prompt.token_ids)} tokens. Please shorten "
-                                          "it, or pass truncate_prompt_tokens to cut it.", param="input")
+            check_pooling_prompt(prompt.token_ids, self.max_model_len, vocab_size, label=f"input {index}")
         request_id = f"embd-{uuid.uuid4().hex}"
         arrival = time.monotonic()
         streams = _merge([self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
