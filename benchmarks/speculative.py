@@ -9,7 +9,7 @@ fetched from PyPI and verified), greedy, batch 1, chat template, each request ru
 - quote: the prompt holds a ~300-token document and asks for one paragraph quoted verbatim.
 Goal: >= 2x output tokens/s over pagedserve without speculation, text identical. Then random-token workloads where
 drafts can rarely help (goal >= 0.95x): W1 (32 random tokens -> 128, batch 1) and W2 (32 x 128 -> 64, batch 32)
-on the Qwen2.5-0.5B shape with random weights (benchmarks/compare.py builds it).
+on the Qwen2.5-0.5B shape with random weights (benchmarks/comparison/models.py builds it).
 
 Both pagedserve engines live in this process; with --llama-cpp-python, the same GGUF files and prompt tokens run
 through llama.cpp (llama-cpp-python, built by shared/peers/llama-cpp/run.sh) without and with its prompt-lookup
@@ -199,7 +199,7 @@ def real_model_rows(name: str, args: argparse.Namespace) -> list[dict]:
 
 
 def random_rows(args: argparse.Namespace) -> list[dict]:
-    from compare import QWEN05_SHAPE, build_random_model, default_gguf_path
+    from comparison.models import QWEN05_SHAPE, build_random_model, default_gguf_path
 
     from pagedserve import LLM, SamplingParams
 

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, default=None, help="write the markdown table here")
     args = parser.parse_args(argv)
 
-    from compare import QWEN05_SHAPE, build_random_model, default_gguf_path
+    from comparison.models import QWEN05_SHAPE, build_random_model, default_gguf_path
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.structured import StructuredOutputsParams

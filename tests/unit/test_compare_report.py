@@ -1,9 +1,9 @@
-"""benchmarks/compare.py's report on synthetic figures: spread, warm-up apart, ratios, peers (no torch)."""
+"""benchmarks/compare.py's report (benchmarks/comparison/) on synthetic figures: spread, warm-up apart, ratios, peers (no torch)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +11,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def load_compare() -> Any:
-    spec = importlib.util.spec_from_file_location("benchmarks_compare", REPO / "benchmarks" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmarks_compare"] = module  # dataclasses look their module up
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/comparison/ (the package benchmarks/compare.py runs): its report and workloads modules."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    from comparison import report, workloads
+
+    return types.SimpleNamespace(render=report.render, prompt_rng=workloads.prompt_rng)
 
 
 def run(system: str, workload: str, repeat: Any, rate: float, prompt: int, output: int) -> dict[str, Any]:
@@ -138,3 +138,14 @@ def test_importing_compare_does_not_import_torch() -> None:
             f"{str(REPO / 'benchmarks' / 'compare.py')!r}); m = importlib.util.module_from_spec(spec); "
             "sys.modules['c'] = m; spec.loader.exec_module(m); sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_every_target_names_a_figure_the_report_has() -> None:
+    load_compare()
+    from comparison import targets
+
+    ours = {"pagedserve/W1", "pagedserve/W2", "pagedserve-int8/W1", "hf-generate/W1", "hf-generate/W2", "ready", "rss"}
+    for target in targets.load_targets()["target"]:
+        assert target["value"] in ours, target
+        assert "at_least" in target or target["other"] in ours | set(targets.PEER_FIGURES), target
+        assert target.get("peer") in (None, "llama", "vllm"), target
