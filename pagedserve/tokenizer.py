@@ -125,6 +125,17 @@ class Tokenizer:
             encoding = self._backend.post_process(encoding)
         return encoding.ids
 
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, truncation: bool = False,
+                 max_length: int | None = None) -> dict[str, Any]:
+        """transformers' `tokenizer(text)` for what serving uses: {"input_ids": ids, or a list of them for a
+        list of texts (encoded together, in the backend's threads)}."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens, truncation, max_length)}
+        if not truncation or max_length is None:
+            encodings = self._backend.encode_batch(list(text), add_special_tokens=add_special_tokens)
+            return {"input_ids": [encoding.ids for encoding in encodings]}
+        return {"input_ids": [self.encode(t, add_special_tokens, truncation, max_length) for t in text]}
+
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)

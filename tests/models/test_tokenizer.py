@@ -106,6 +106,10 @@ def test_truncation_keeps_the_special_tokens_as_transformers_does(pairs, text: s
                                                      **ours.special_tokens_map)
     assert ours.encode(text, truncation=True, max_length=max_length) == reference.encode(
         text, truncation=True, max_length=max_length)
+    texts = [text, text + " xyz", ""]
+    for kwargs in ({}, {"truncation": True, "max_length": max_length}):  # the batched call embeddings make
+        assert ours(texts, **kwargs)["input_ids"] == reference(texts, **kwargs)["input_ids"]
+        assert ours(text, **kwargs)["input_ids"] == reference(text, **kwargs)["input_ids"]
 
 
 @pytest.mark.parametrize("name", ["tiny-dir", "smollm2", "qwen-coder"])
