@@ -195,9 +195,14 @@ def as_transformers(tokenizer: Any) -> Any:
     return convert() if convert is not None else tokenizer
 
 
-def load_plain_tokenizer(path: str | Path) -> Tokenizer | None:
-    """Our Tokenizer for a model directory whose transformers tokenizer is tokenizer.json as written, else None."""
-    path = Path(path)
+def loads_without_transformers(path: str | Path) -> bool:
+    """Whether engine/setup.py's load_tokenizer gives our Tokenizer for `path` (a GGUF, or a plain directory),
+    from its files alone (the memory plan counts transformers' memory otherwise)."""
+    return str(path).endswith(".gguf") or _plain_tokenizer_files(Path(path)) is not None
+
+
+def _plain_tokenizer_files(path: Path) -> dict[str, Any] | None:
+    """tokenizer_config.json of a directory whose transformers tokenizer is tokenizer.json as written, else None."""
     tokenizer_file, config_file = path / "tokenizer.json", path / "tokenizer_config.json"
     if not tokenizer_file.is_file() or not config_file.is_file():
         return None
@@ -211,10 +216,20 @@ def load_plain_tokenizer(path: str | Path) -> Tokenizer | None:
         return None
     if (path / "special_tokens_map.json").is_file() or _model_type(path).startswith("mistral"):
         return None  # special tokens in two places, or a model transformers patches the regex of
-    special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
     extra = config.get("extra_special_tokens", config.get("additional_special_tokens")) or []
     if isinstance(extra, dict) or any(_token_text(t) is None for t in extra):
         return None  # named extra tokens (multimodal models) are not needed here
+    return config
+
+
+def load_plain_tokenizer(path: str | Path) -> Tokenizer | None:
+    """Our Tokenizer for a model directory whose transformers tokenizer is tokenizer.json as written, else None."""
+    path = Path(path)
+    config = _plain_tokenizer_files(path)
+    if config is None:
+        return None
+    special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    extra = config.get("extra_special_tokens", config.get("additional_special_tokens")) or []
     added = []
     for entry in (config.get("added_tokens_decoder") or {}).values():
         added.append(AddedToken(entry["content"], single_word=entry.get("single_word", False),
@@ -226,7 +241,7 @@ def load_plain_tokenizer(path: str | Path) -> Tokenizer | None:
     template_file = path / "chat_template.jinja"
     if template_file.is_file():
         template = template_file.read_text()
-    return Tokenizer(BackendTokenizer.from_file(str(tokenizer_file)), special_tokens=special,
+    return Tokenizer(BackendTokenizer.from_file(str(path / "tokenizer.json")), special_tokens=special,
                      extra_special_tokens=[_token_text(t) for t in extra], chat_template=template,
                      truncation_side=config.get("truncation_side", "right"),
                      model_max_length=config.get("model_max_length"), name_or_path=str(path), added_tokens=added)

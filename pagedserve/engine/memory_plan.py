@@ -59,7 +59,7 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         kv_cache_bytes = max(1, args.num_gpu_blocks_override - 1) * block_bytes  # minus the null block
     on_cpu = device == "cpu"
     overhead = sizes.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
-                                            on_cpu=on_cpu)
+                                            on_cpu=on_cpu, uses_transformers=_uses_transformers(args, model))
     request = memory.PlanRequest(
         dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, max_model_len=model.max_model_len,
         max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
@@ -76,6 +76,15 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         fits = plan.total_bytes <= plan.budget_bytes
         plan = replace(plan, problems=[], fits=fits, suggestions=[] if fits else plan.suggestions)
     return plan
+
+
+def _uses_transformers(args: EngineArgs, model: ModelConfig) -> bool:
+    """Whether serving imports transformers: a config or a tokenizer pagedserve does not read itself."""
+    from pagedserve.engine.setup import PlainDecoderConfig
+    from pagedserve.tokenizer import loads_without_transformers
+
+    return not isinstance(model.hf_config, PlainDecoderConfig) or not loads_without_transformers(
+        args.tokenizer or model.model)
 
 
 def _kernel_backend(model: ModelConfig, device: str) -> Any:

@@ -8,8 +8,8 @@ Formulas (M = max_model_len, S = max_num_seqs, L layers, V vocab, kvh KV heads, 
   KV bytes per token = 2 (K and V) x L x kvh x (hd x kv_dtype_bytes + kv_scale_bytes of an 8-bit cache)
   weights            = the checkpoint's tensors in the serving dtype, re-laid out for the linear kernels
                        (prepared_weight_bytes: int8 linears, a packed copy of a tied LM head)
-  runtime overhead   = on a CPU: the interpreter with torch, transformers, the HTTP stack and the engine code
-                       (CPU_RUNTIME_BASE_BYTES) + the tokenizer (TOKENIZER_BYTES_PER_TOKEN x V) + the rotary
+  runtime overhead   = on a CPU: the interpreter with torch, the HTTP stack and the engine code
+                       (CPU_RUNTIME_BASE_BYTES; + TRANSFORMERS_RUNTIME_BYTES where it is loaded) + the tokenizer (TOKENIZER_BYTES_PER_TOKEN x V) + the rotary
                        cos/sin tables (2 x M x hd x 4) + the block table (S x ceil(M / block) x 8);
                        on a GPU: the CUDA context (CUDA_RUNTIME_OVERHEAD_BYTES) + the rotary tables.
 """
@@ -33,17 +33,22 @@ MIB = 1 << 20
 CPU_RUNTIME_OVERHEAD_BYTES = 384 * MIB
 
 # The engine's runtime overhead (runtime_overhead_bytes()), calibrated on `pagedserve serve` after warm-up
-# (VmRSS in the engine's "memory:" log line; default flags: bfloat16 on an AVX512-BF16 CPU, oneDNN-packed
-# linears; torch 2.13.0+cpu, transformers 5.24, Python 3.11), as RSS minus the other steady terms:
-#   model (vocab)                   RSS        weights   rotary + block table   KV bookkeeping   rest
-#   tiny llama dir (512)            383-392    0.3       0.1                    2.3              ~385 MiB
-#   SmolLM2-135M GGUF (49,152)      781-800    311 *     5                      14               ~460 MiB
-#   Qwen2.5-0.5B GGUF (151,936)     1841       1202      20                     21               598 MiB
-#   (* with the packed copy of the tied embedding for the logits; RSS varies by ~20 MiB between runs)
+# (VmRSS in the engine's "memory:" log line; default flags on the AVX2 Zen 3 box: int8 for the GGUFs, bf16
+# native-packed linears for the directory; torch 2.13.0+cpu, Python 3.11), as RSS minus the other steady terms:
+#   model (vocab)                        RSS     weights  rotary + block table  KV bookkeeping  rest
+#   tiny llama dir (512)                 275     0.3      0.1                   2               ~273 MiB
+#   SmolLM2-135M GGUF (49,152)           487-489 183      5                     4               ~296 MiB
+#   Qwen2.5-0.5B shape dir (151,936)     1310    942      20                    7               ~341 MiB
+#   Qwen2.5-Coder-0.5B GGUF (151,936)    1101-1105 732    20                    7               ~344 MiB
 # The rest grows with the vocabulary (the tokenizer's vocab and merges, the warm-up's logits and sampler
-# buffers that the allocator keeps): 384 MiB + 1600 B per vocabulary token is within 2 % of all three.
-CPU_RUNTIME_BASE_BYTES = 384 * MIB
-TOKENIZER_BYTES_PER_TOKEN = 1600
+# buffers that the allocator keeps): 272 MiB + 494 B per vocabulary token is within 1 % of all four. A model
+# whose tokenizer or config loads through transformers (AutoTokenizer, AutoConfig: e.g. BERT embedders) adds
+# TRANSFORMERS_RUNTIME_BYTES: all-MiniLM-L6-v2 (30,522) had 491 MiB RSS for 43 MiB of weights, 160 MiB above
+# the rule. (The rule was 384 MiB + 1600 B per token while serving imported transformers and dequantized GGUF
+# weights through torch temporaries.)
+CPU_RUNTIME_BASE_BYTES = 272 * MIB
+TOKENIZER_BYTES_PER_TOKEN = 494
+TRANSFORMERS_RUNTIME_BYTES = 160 * MIB
 # CUDA context and cuBLAS workspace on the device: an estimate (vLLM's profiler typically finds 0.5-1 GiB of
 # non-torch memory); not measured on this project's CPU-only machines.
 CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB
@@ -122,8 +127,9 @@ def prepared_weight_bytes(shape: ModelShape, dtype_bytes: int, linear_kind: str,
 
 
 def runtime_overhead_bytes(shape: ModelShape, max_model_len: int, max_num_seqs: int, block_size: int,
-                           on_cpu: bool = True) -> int:
-    """Memory besides weights, KV cache and activations: the runtime, the tokenizer, rotary tables, block table.
+                           on_cpu: bool = True, uses_transformers: bool = False) -> int:
+    """Memory besides weights, KV cache and activations: the runtime, the tokenizer, rotary tables, block table;
+    `uses_transformers`: the tokenizer or config loads through transformers (TRANSFORMERS_RUNTIME_BYTES).
 
     On a GPU the host-side parts do not count against the device; the CUDA context does.
     """
@@ -131,4 +137,5 @@ def runtime_overhead_bytes(shape: ModelShape, max_model_len: int, max_num_seqs: 
     block_table = max_num_seqs * math.ceil(max_model_len / block_size) * 8  # int64, on the host
     if not on_cpu:
         return CUDA_RUNTIME_OVERHEAD_BYTES + rotary
-    return CPU_RUNTIME_BASE_BYTES + TOKENIZER_BYTES_PER_TOKEN * shape.vocab_size + rotary + block_table
+    runtime = CPU_RUNTIME_BASE_BYTES + (TRANSFORMERS_RUNTIME_BYTES if uses_transformers else 0)
+    return runtime + TOKENIZER_BYTES_PER_TOKEN * shape.vocab_size + rotary + block_table

@@ -19,7 +19,7 @@ from tokenizers import processors
 from pagedserve.chat_template import render_chat
 from pagedserve.engine.setup import load_tokenizer
 from pagedserve.models.gguf_loader import GGUFCheckpoint
-from pagedserve.tokenizer import Tokenizer, load_plain_tokenizer
+from pagedserve.tokenizer import Tokenizer, load_plain_tokenizer, loads_without_transformers
 from tests.models.real_models import packaged_model, qwen_coder_gguf_head
 from tests.tiny_models import CHATML_TEMPLATE, make_tokenizer
 
@@ -56,9 +56,11 @@ def pairs(tiny_dir: Path) -> dict[str, tuple[Tokenizer, object]]:
 
 
 def test_plain_directories_load_as_ours_and_the_rest_through_transformers(tiny_dir: Path, tmp_path: Path) -> None:
-    assert type(load_tokenizer(str(tiny_dir))) is Tokenizer
-    bert = load_tokenizer(str(packaged_model("all-minilm-l6-v2")))  # BertTokenizer: a class of its own
-    assert isinstance(bert, transformers.PreTrainedTokenizerBase)
+    assert type(load_tokenizer(str(tiny_dir))) is Tokenizer and loads_without_transformers(tiny_dir)
+    bert_dir = packaged_model("all-minilm-l6-v2")
+    bert = load_tokenizer(str(bert_dir))  # BertTokenizer: a class of its own
+    assert isinstance(bert, transformers.PreTrainedTokenizerBase) and not loads_without_transformers(bert_dir)
+    assert loads_without_transformers(packaged_model("smollm2-135m-instruct"))
     for name, edit in (("add_bos", {"add_bos_token": True}), ("class", {"tokenizer_class": "LlamaTokenizer"}),
                        ("cleanup", {"clean_up_tokenization_spaces": True})):
         copy = tmp_path / name
@@ -67,7 +69,7 @@ def test_plain_directories_load_as_ours_and_the_rest_through_transformers(tiny_d
             (copy / file.name).write_bytes(file.read_bytes())
         config = json.loads((copy / "tokenizer_config.json").read_text())
         (copy / "tokenizer_config.json").write_text(json.dumps({**config, **edit}))
-        assert load_plain_tokenizer(copy) is None, name
+        assert load_plain_tokenizer(copy) is None and not loads_without_transformers(copy), name
 
 
 @pytest.mark.parametrize("name", ["tiny-dir", "smollm2", "qwen-coder"])

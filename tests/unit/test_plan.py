@@ -224,6 +224,7 @@ def test_kv_bytes_per_token_and_runtime_overhead_by_hand() -> None:
         CPU_RUNTIME_BASE_BYTES,
         CUDA_RUNTIME_OVERHEAD_BYTES,
         TOKENIZER_BYTES_PER_TOKEN,
+        TRANSFORMERS_RUNTIME_BYTES,
         kv_bytes_per_token,
         runtime_overhead_bytes,
     )
@@ -236,6 +237,8 @@ def test_kv_bytes_per_token_and_runtime_overhead_by_hand() -> None:
     assert runtime_overhead_bytes(TINY, 65, 4, 16) - cpu == 2 * 16 * 4 + 4 * 8
     # On a GPU the host-side tokenizer and block table do not count against the device.
     assert runtime_overhead_bytes(TINY, 64, 4, 16, on_cpu=False) == CUDA_RUNTIME_OVERHEAD_BYTES + 8192
+    # A tokenizer or config read through transformers costs its import and its objects.
+    assert runtime_overhead_bytes(TINY, 64, 4, 16, uses_transformers=True) - cpu == TRANSFORMERS_RUNTIME_BYTES
 
 
 def test_block_bookkeeping_is_paid_per_block_and_is_resident() -> None:
