@@ -94,8 +94,8 @@ class WorkerSet:
         return cls(group, address, store, processes, conns)
 
     def connect(self) -> None:
-        """Join the group (rank 0) and wait until every worker has loaded its shard and allocated its KV pool."""
-        self.group.connect(self.address, store=self._store)
+        """Wait until every worker has loaded its shard and allocated its KV pool (a worker that fails or dies
+        meanwhile is reported at once), then join the group with them (rank 0)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         for rank, conn in enumerate(self.conns, start=1):
             while not conn.poll(0.2):
@@ -105,6 +105,7 @@ class WorkerSet:
             kind, detail = self._receive(rank, conn)
             if kind != "ready":
                 raise WorkerLostError(f"tensor-parallel rank {rank} failed to start: {detail}")
+        self.group.connect(self.address, store=self._store)
         if self.address.shm_path is not None:  # every rank has it mapped: the name can go (no leftover file)
             os.unlink(self.address.shm_path)
 

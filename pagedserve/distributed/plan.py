@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from pagedserve.config import ParallelConfig
-from pagedserve.distributed.binding import default_binding, parse_cpu_binding, usable_cores
+from pagedserve.distributed.binding import default_binding, format_cores, parse_cpu_binding, usable_cores
 from pagedserve.distributed.sharding import ShardLayout, check_tensor_parallel
 
 ALL_REDUCE_KINDS = ("auto", "shm", "gloo")
@@ -38,6 +38,11 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, nu
     check_tensor_parallel(hf_config, size)
     if args.cpu_binding is not None:
         binding = parse_cpu_binding(args.cpu_binding, size)
+        allowed = usable_cores(1 << 16)  # every core of this process's affinity
+        outside = sorted({c for cores in binding for c in cores} - set(allowed))
+        if outside:
+            raise ValueError(f"--cpu-binding {args.cpu_binding!r} names cores this process may not run on "
+                             f"({format_cores(outside)}); usable: {format_cores(allowed)}")
     else:
         binding = default_binding(usable_cores(num_usable_cores), size)
     threads = args.num_threads or min(len(cores) for cores in binding)

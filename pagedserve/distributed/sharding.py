@@ -11,15 +11,14 @@
   row and zeros (exact), the logits an all-gather trimmed back to the vocabulary.
 
 Slices of a memory-mapped checkpoint are views: a row slice touches only its own pages; a column slice is
-copied (it is materialised per rank anyway, packed or fused). Nothing here needs a process group.
+copied (it is materialised per rank anyway, packed or fused). Nothing here needs a process group or, until
+a tensor is sliced, torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 # Parameter name suffix -> (how it is split, by which count). Names are the checkpoint's (models/llama.py).
 _RULES: dict[str, tuple[str, str]] = {
@@ -135,8 +134,11 @@ class ShardLayout:
         return _slice(tensor, how, start, length)
 
 
-def _slice(tensor: torch.Tensor, how: str, start: int, length: int) -> torch.Tensor:
-    """Rows (a view, or a zero-padded copy past the end) or columns (a contiguous copy) start..start+length."""
+def _slice(tensor: Any, how: str, start: int, length: int) -> Any:
+    """Rows (a view, or a zero-padded copy past the end) or columns (a contiguous copy) start..start+length of
+    a torch tensor (torch is imported here only: the engine's set-up checks sizes without it)."""
+    import torch
+
     if how == "columns":
         return tensor.narrow(1, start, length).contiguous()
     available = max(0, min(length, tensor.shape[0] - start))

@@ -109,7 +109,8 @@ def worker_main(spec: WorkerSpec, conn: Any) -> None:
     threading.Thread(target=_exit_when_orphaned, args=(spec.parent_pid,), daemon=True).start()
     try:
         runner = _start_worker(spec)
-        conn.send(("ready", ""))
+        conn.send(("ready", ""))  # loaded: rank 0 joins the group once every rank is (a failure is seen at once)
+        runner.tp.connect(spec.address)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which fails start-up with it
         logger.exception("rank %d failed to start", spec.rank)
         _send_quietly(conn, ("error", f"{type(exc).__name__}: {exc}"))
@@ -138,7 +139,6 @@ def _start_worker(spec: WorkerSpec) -> ModelRunner:
     group = TPGroup(spec.rank, spec.world_size, config.device.device)
     runner = ModelRunner(config, config.model.hf_config, tp=group)
     runner.allocate_kv_cache()
-    group.connect(spec.address)
     return runner
 
 

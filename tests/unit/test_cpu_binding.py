@@ -44,3 +44,18 @@ def test_numa_nodes_are_read_from_sysfs(tmp_path):
         (tmp_path / f"node{index}").mkdir()
         (tmp_path / f"node{index}" / "cpulist").write_text(cpus + "\n")
     assert numa_nodes(tmp_path) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_a_binding_to_cores_this_process_cannot_use_is_refused(tmp_path):
+    import os
+
+    from pagedserve.distributed.plan import resolve_parallel
+
+    class Args:
+        tensor_parallel_size, cpu_binding, num_threads, tp_all_reduce = 2, "0|4096", None, "auto"
+
+    class Config:
+        num_attention_heads, num_key_value_heads, intermediate_size = 4, 2, 128
+
+    with pytest.raises(ValueError, match=r"names cores this process may not run on \(4096\)"):
+        resolve_parallel(Args, Config, "generate", "LlamaForCausalLM", len(os.sched_getaffinity(0)))
