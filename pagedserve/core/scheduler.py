@@ -77,7 +77,7 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv.free(request)
         if self.proposer is not None:
-            self.proposer.drop(request.request_id)
+            self.proposer.drop(request.request_id, request.all_token_ids)
         self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]
 
@@ -103,7 +103,7 @@ class Scheduler:
         self._last_prefix_stats = (0, 0)
         self._step_preemptions = 0
         if self.proposer is not None:
-            self.proposer.reset_stats()
+            self.proposer.reset()
 
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished > 0

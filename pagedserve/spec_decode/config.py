@@ -24,6 +24,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5  # vLLM's defaults when neither bound is given
     prompt_lookup_min: int = 5
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # pagedserve's extension: also look the suffix up in the tokens of the last N finished requests (0: off).
+    ngram_cache_requests: int = 0
 
     @classmethod
     def parse(cls, value: str | dict | None) -> "SpeculativeConfig | None":
@@ -64,6 +66,11 @@ class SpeculativeConfig:
         for name, number in values.items():
             if isinstance(number, bool) or not isinstance(number, int) or number < 1:
                 raise ValueError(f"--speculative-config: {name} must be an integer >= 1, got {number!r}: {_EXAMPLE}")
+        cache = spec.get("ngram_cache_requests", 0)
+        if isinstance(cache, bool) or not isinstance(cache, int) or cache < 0:
+            raise ValueError(f"--speculative-config: ngram_cache_requests must be an integer >= 0 (0: off), got "
+                             f"{cache!r}")
+        values["ngram_cache_requests"] = cache
         if values["num_speculative_tokens"] > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"--speculative-config: num_speculative_tokens is at most {MAX_SPECULATIVE_TOKENS}, "
                              f"got {values['num_speculative_tokens']}")

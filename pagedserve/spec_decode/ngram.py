@@ -4,6 +4,10 @@ Each request keeps an index per n-gram length n (prompt_lookup_min .. prompt_loo
 right after their latest occurrence that has a token after it. It is extended by the tokens appended since the
 last call, so a proposal costs a few dictionary lookups whatever the context length.
 
+With `ngram_cache_requests` > 0 a suffix that never occurred earlier in the request is also looked up in the
+tokens of the last finished requests (a cache of their n-grams, built once when each finishes and pruned when
+it leaves): a question asked again, a document quoted by several requests, a template's fixed answer parts.
+
 The proposer also decides when not to speculate (speculation must never make a request slower): a request whose
 drafts were all rejected waits before it proposes again, twice as long after each consecutive miss
 (1, 2, 4 ... MAX_BACKOFF_STEPS steps); one accepted draft resets that.
@@ -11,6 +15,7 @@ drafts were all rejected waits before it proposes again, twice as long after eac
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pagedserve.spec_decode.config import SpeculativeConfig
@@ -47,6 +52,49 @@ class SpecDecodeStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+class _FinishedRequests:
+    """N-gram tables over the tokens of the last `capacity` finished requests: n tokens -> (entry, position after
+    their latest occurrence in that entry's tokens)."""
+
+    def __init__(self, sizes: list[int], capacity: int) -> None:
+        self.capacity = capacity
+        self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # entry -> tokens, oldest first
+        self.tables: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {n: {} for n in sizes}
+        self._next_entry = 0
+
+    def add(self, tokens: list[int]) -> None:
+        if self.capacity == 0 or len(tokens) < 2:
+            return
+        entry, self._next_entry = self._next_entry, self._next_entry + 1
+        self.sequences[entry] = tokens = list(tokens)
+        for p in range(1, len(tokens)):
+            for n, table in self.tables.items():
+                if p >= n:
+                    table[tuple(tokens[p - n:p])] = (entry, p)
+        while len(self.sequences) > self.capacity:
+            self._evict()
+
+    def _evict(self) -> None:
+        entry, tokens = self.sequences.popitem(last=False)
+        for p in range(1, len(tokens)):
+            for n, table in self.tables.items():
+                key = tuple(tokens[p - n:p])
+                if p >= n and table.get(key, (None,))[0] == entry:
+                    del table[key]  # a later request's occurrence, if any, stays
+
+    def lookup(self, n: int, suffix: tuple[int, ...], limit: int) -> list[int]:
+        hit = self.tables[n].get(suffix)
+        if hit is None:
+            return []
+        entry, start = hit
+        return self.sequences[entry][start:start + limit]
+
+    def clear(self) -> None:
+        self.sequences.clear()
+        for table in self.tables.values():
+            table.clear()
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -55,6 +103,7 @@ class NgramProposer:
         self._index: dict[str, _RequestIndex] = {}
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)  # since the last take_stats()
         self.totals = SpecDecodeStats(accepted_per_pos=[0] * self.k)  # since start
+        self.finished = _FinishedRequests(self.sizes, config.ngram_cache_requests)
 
     def propose(self, request_id: str, tokens: list[int], max_tokens: int) -> list[int]:
         """Up to min(k, max_tokens) draft tokens to follow `tokens` (all of the request's tokens so far)."""
@@ -75,10 +124,18 @@ class NgramProposer:
             start = index.ngrams[n].get(tuple(tokens[end - n:end]))
             if start is not None:
                 return _continuation(tokens, start, limit)
+        for n in self.sizes if self.finished.sequences else ():
+            if n <= end:
+                drafts = self.finished.lookup(n, tuple(tokens[end - n:end]), limit)
+                if drafts:
+                    return drafts
         return []
 
-    def drop(self, request_id: str) -> None:
+    def drop(self, request_id: str, tokens: list[int] | None = None) -> None:
+        """Forget a request that left; `tokens` (all of it, when it finished) join the finished-request cache."""
         self._index.pop(request_id, None)
+        if tokens is not None:
+            self.finished.add(tokens)
 
     def _extend(self, index: _RequestIndex, tokens: list[int]) -> None:
         # Position p gets an entry for every n-gram tokens[p - n:p] (the token at p follows it). The latest
@@ -102,9 +159,11 @@ class NgramProposer:
             index.wait = min(MAX_BACKOFF_STEPS, 1 << index.misses)
             index.misses += 1
 
-    def reset_stats(self) -> None:
+    def reset(self) -> None:
+        """Forget warm-up: its counts and its requests' tokens."""
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self.totals = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self.finished.clear()
 
     def take_stats(self) -> SpecDecodeStats:
         stats, self.stats = self.stats, SpecDecodeStats(accepted_per_pos=[0] * self.k)

@@ -365,3 +365,17 @@ def test_abort_while_verifying_frees_everything_and_the_others_go_on(llama):
     assert aborted
     assert [finished[str(i)] for i in range(1, len(prompts))] == expected[1:]
     assert_no_leaks(llm)
+
+
+def test_finished_requests_cache_drafts_repeated_requests_and_outputs_stay_the_same(llama):
+    model_dir, prompts, expected, _ = llama
+    spec = {**SPEC, "prompt_lookup_min": 2, "ngram_cache_requests": 16}
+    llm = LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=spec)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(requests, greedy())] == expected
+    first = totals(llm).num_accepted_tokens
+    assert len(llm.engine.scheduler.proposer.finished.sequences) == len(prompts)  # warm-up's are forgotten
+    assert [o.outputs[0].token_ids for o in llm.generate(requests, greedy())] == expected
+    second = totals(llm).num_accepted_tokens - first
+    assert second > first  # the same requests again: their earlier runs propose what follows
+    assert_no_leaks(llm)

@@ -233,3 +233,33 @@ def test_prefix_cache_registers_only_blocks_of_known_tokens():
     req = sched.requests["a"]
     cached_blocks = sched.kv.num_cached_blocks["a"]
     assert cached_blocks * BS <= req.num_tokens  # no block hashed over draft positions
+
+
+def test_finished_requests_propose_what_followed_in_them_and_leave_the_cache_in_order():
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3,
+                                        ngram_cache_requests=2))
+    assert p.propose("b", [7, 1, 2], 3) == []  # nothing repeats inside "b" and nothing has finished
+    p.drop("a", [1, 2, 3, 4, 5, 6])  # "a" finished
+    assert p.propose("b", [7, 1, 2], 3) == [3, 4, 5]  # (1, 2) was followed by 3, 4, 5 in "a"
+    assert p.propose("c", [9, 8, 4, 5], 3) == [6]  # only what "a" had
+    own = [1, 2, 8, 8, 1, 2]
+    assert p.propose("d", own, 3) == [8, 8, 1]  # the request's own occurrence comes first
+    p.drop("e", [3, 1, 2, 9, 9])  # a later finished request wins for (1, 2)
+    assert p.propose("f", [0, 1, 2], 2) == [9, 9]
+    p.drop("g", [5, 5, 5])  # capacity 2: "a" leaves; its (4, 5) goes with it, "e"'s (1, 2) stays
+    assert p.propose("h", [0, 4, 5], 3) == [] and p.propose("i", [0, 1, 2], 2) == [9, 9]
+    assert p.propose("j", [1, 2, 3, 4], 3) == []  # (3, 4) and (2, 3, 4) were only in "a"
+    p.reset()
+    assert p.propose("k", [0, 1, 2], 2) == [] and not p.finished.sequences
+
+
+def test_without_the_cache_finished_requests_are_forgotten():
+    p = proposer(lo=2)
+    p.drop("a", [1, 2, 3, 4])
+    assert p.propose("b", [7, 1, 2], 3) == [] and not p.finished.sequences
+
+
+@pytest.mark.parametrize("value", [-1, True, "3"])
+def test_cache_size_must_be_a_count(value):
+    with pytest.raises(ValueError, match="ngram_cache_requests must be an integer >= 0"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "ngram_cache_requests": value})
