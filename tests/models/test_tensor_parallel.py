@@ -131,3 +131,34 @@ def test_the_memory_plan_is_per_rank_and_refuses_with_numbers(tiny_model_dir, ca
         args = EngineArgs(model=model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=2)
         create_engine_config(args, available=AvailableMemory(int(1.5 * one.total_bytes), "MemAvailable", "test"))
     assert "per tensor-parallel rank" in caplog.text
+
+
+def test_speculative_decoding_seeded_sampling_and_grammars_with_two_ranks(tiny_model_dir):
+    """Rank-0-only work around the sharded model: drafts verified as extra decode rows, seeded sampling, and a
+    grammar mask, each giving one process's tokens (the workers only see the forward's inputs)."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.structured import StructuredOutputsParams
+    from tests.models.test_speculative import SPEC, WEIGHT_STD
+
+    model_dir = tiny_model_dir("llama", weight_std=WEIGHT_STD)  # small weights: it loops, so drafts get accepted
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(AutoTokenizer.from_pretrained(model_dir))[:4]]
+    params = [SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NUM_TOKENS, ignore_eos=True, seed=7),
+              SamplingParams(temperature=1.0, max_tokens=40, seed=3,
+                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")),
+              SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)]
+
+    def texts(tp: int):
+        llm = LLM(model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=tp, speculative_config=SPEC)
+        try:
+            outputs = llm.generate(prompts, params)
+            return [o.outputs[0].token_ids for o in outputs], llm.engine.scheduler.proposer.totals
+        finally:
+            if tp > 1:
+                llm.engine.runner.close()
+
+    expected, _ = texts(1)
+    got, totals = texts(2)
+    assert totals.num_accepted_tokens > 0
+    assert got == expected
