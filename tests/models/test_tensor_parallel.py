@@ -162,3 +162,22 @@ def test_speculative_decoding_seeded_sampling_and_grammars_with_two_ranks(tiny_m
     got, totals = texts(2)
     assert totals.num_accepted_tokens > 0
     assert got == expected
+
+
+def test_a_gguf_served_from_int8_blocks_splits_its_quantized_rows_and_columns(tmp_path):
+    """Q8_0 matrices arrive as int8 rows with one scale each (QuantizedWeight): q/k/v and gate/up take rows and
+    their scales, o and down take columns and keep the row scales, so each rank's values are exactly its part of
+    one process's; only the summation order differs (float32 activations: the tolerance above)."""
+    from gguf import GGMLQuantizationType
+
+    from tests.models.gguf_utils import tiny_model, write_test_gguf
+
+    path = str(write_test_gguf(tiny_model("qwen2", hidden_size=128, intermediate_size=256), tmp_path / "q8.gguf",
+                               GGMLQuantizationType.Q8_0))
+    prompts = [list(range(5 + i, 30 + i)) for i in range(3)]
+    _, expected = run(path, prompts, tp=1, quantization="int8")
+    llm, got = run(path, prompts, tp=2, quantization="int8")
+    assert llm.engine.config.model.quantization == "int8"
+    for ours, reference in zip(got, expected):
+        assert ours.token_ids == reference.token_ids
+        assert_same_logprobs(ours.logprobs, reference.logprobs)
