@@ -1,0 +1,87 @@
+"""Process start -> /health 200 of `pagedserve serve MODEL`, an older commit against the working tree, taking turns.
+
+Start-up changes are measured against the commit before them in one run, fresh processes alternating (the
+order flips every round), because this VM's speed drifts from minute to minute. The older commit is checked
+out as a git worktree (`git worktree add /tmp/oldtree COMMIT`) and run with PYTHONPATH pointing at it.
+
+    python benchmarks/ready_ab.py --before /tmp/oldtree MODEL [MODEL ...] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ready_seconds(tree: Path, model: str, timeout: float = 120.0) -> float:
+    """Seconds from starting the server in `tree` to its first /health 200; the server is then stopped."""
+    port = free_port()
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", model, "--host", "127.0.0.1",
+                             "--port", str(port)], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while time.monotonic() - start < timeout:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return time.monotonic() - start
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server in {tree} exited with {proc.returncode}")
+            time.sleep(0.02)
+        raise RuntimeError(f"the server in {tree} was not ready within {timeout:.0f} s")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="+", help="models to serve (names or paths)")
+    parser.add_argument("--before", type=Path, required=True, help="worktree of the older commit")
+    parser.add_argument("--after", type=Path, default=REPO, help="tree to compare (default: this one)")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    # Servers run inside their trees: a local path is made absolute, a known name stays a name.
+    args.models = [str(Path(m).resolve()) if Path(m).exists() else m for m in args.models]
+    for model in args.models:  # builds each tree's kernels and warms the page cache; not counted
+        for tree in trees.values():
+            ready_seconds(tree, model)
+    results: dict[tuple[str, str], list[float]] = {}
+    for index in range(args.rounds):
+        order = list(trees.items()) if index % 2 == 0 else list(reversed(trees.items()))
+        for model in args.models:
+            for name, tree in order:
+                seconds = ready_seconds(tree, model)
+                results.setdefault((model, name), []).append(seconds)
+                print(f"round {index + 1} {Path(model).name} {name}: {seconds:.2f} s", flush=True)
+    for (model, name), times in results.items():
+        print(f"{Path(model).name} {name} ({trees[name]}): median {statistics.median(times):.2f} s "
+              f"({' '.join(f'{t:.2f}' for t in times)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
