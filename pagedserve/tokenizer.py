@@ -162,8 +162,8 @@ class Tokenizer:
                 extra = {"extra_special_tokens": self.extra_special_tokens} if self.extra_special_tokens else {}
                 self._transformers = wrap_backend_tokenizer(
                     self._backend, clean_up_tokenization_spaces=False, truncation_side=self.truncation_side,
-                    model_max_length=self.model_max_length, name_or_path=self.name_or_path, **self.special_tokens_map,
-                    **extra)
+                    model_max_length=self.model_max_length, **self.special_tokens_map, **extra)
+                # (no name_or_path: transformers would take a path for a Hub id and ask the Hub about it)
                 self._transformers.chat_template = self.chat_template
             return self._transformers
 
