@@ -66,6 +66,10 @@ def main() -> int:
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     # Servers run inside their trees: a local path is made absolute, a known name stays a name.
     args.models = [str(Path(m).resolve()) if Path(m).exists() else m for m in args.models]
+    for name, tree in trees.items():  # say which commits ran: a stale folder of that name is not the commit
+        head = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
+                              text=True).stdout.strip()
+        print(f"{name}: {tree} at {head[:72] or 'no git checkout'}", flush=True)
     for model in args.models:  # builds each tree's kernels and warms the page cache; not counted
         for tree in trees.values():
             ready_seconds(tree, model)
