@@ -146,7 +146,7 @@ class Int8Linear(_HotPathModule):
         if isinstance(weight, QuantizedWeight):
             qweight, scales, dtype = weight.qweight, weight.scales, weight.dtype
         else:
-            native = kernels is not None and weight.device.type == "cpu" and kernels.supports(weight)
+            native = kernels is not None and kernels.supports(weight)  # a CPU float32/bf16 weight
             (qweight, scales), dtype = (kernels.quantize_rows_i8(weight) if native
                                         else quantize_int8_per_channel(weight)), weight.dtype
         scales = scales.to(dtype)  # the effective scales are the model-dtype ones on every path

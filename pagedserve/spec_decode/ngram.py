@@ -67,19 +67,18 @@ class _FinishedRequests:
             return
         entry, self._next_entry = self._next_entry, self._next_entry + 1
         self.sequences[entry] = tokens = list(tokens)
-        for p in range(1, len(tokens)):
-            for n, table in self.tables.items():
-                if p >= n:
-                    table[tuple(tokens[p - n:p])] = (entry, p)
+        for n, table in self.tables.items():
+            for p in range(n, len(tokens)):
+                table[tuple(tokens[p - n:p])] = (entry, p)
         while len(self.sequences) > self.capacity:
             self._evict()
 
     def _evict(self) -> None:
         entry, tokens = self.sequences.popitem(last=False)
-        for p in range(1, len(tokens)):
-            for n, table in self.tables.items():
+        for n, table in self.tables.items():
+            for p in range(n, len(tokens)):
                 key = tuple(tokens[p - n:p])
-                if p >= n and table.get(key, (None,))[0] == entry:
+                if table.get(key, (None,))[0] == entry:
                     del table[key]  # a later request's occurrence, if any, stays
 
     def lookup(self, n: int, suffix: tuple[int, ...], limit: int) -> list[int]:
