@@ -25,8 +25,8 @@ def test_figures_move_during_a_bench_run(open_page, server, tmp_path):
     page.wait_for_function("document.querySelector('[data-metric=running]').dataset.value === '0'")
 
     bench = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve", "bench", "serve", "--base-url", server.url, "--num-prompts", "24",
-         "--max-concurrency", "4", "--input-len", "64", "--output-len", "96", "--ignore-eos", "--no-progress",
+        [sys.executable, "-m", "pagedserve", "bench", "serve", "--base-url", server.url, "--num-prompts", "48",
+         "--max-concurrency", "4", "--input-len", "64", "--output-len", "192", "--ignore-eos", "--no-progress",
          "--request-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = dict.fromkeys(FIGURES, 0.0)
     try:
