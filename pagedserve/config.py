@@ -89,4 +89,5 @@ class EngineConfig:
     fault_injection: str | None = None  # test-only: engine/faults.py's spec of faults to raise; None = off
     structured_outputs: Any = None  # structured.params.StructuredOutputsConfig (None: its defaults)
     speculative: Any = None  # spec_decode.config.SpeculativeConfig; None = no speculative decoding
+    draft_model: ModelConfig | None = None  # speculative decoding's draft model (method draft_model)
     parallel: ParallelConfig = ParallelConfig()

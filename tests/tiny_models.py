@@ -71,3 +71,20 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
     model.save_pretrained(out_dir)
     make_tokenizer(out_dir)
     return out_dir
+
+
+def make_draft_model(target_dir: Path, out_dir: Path, noise: float, seed: int = 1) -> Path:
+    """A copy of a tiny model with Gaussian noise (std `noise`) added to every weight matrix: a draft model for
+    speculative decoding whose greedy tokens agree with the target's often, but not always."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.add_(torch.randn(param.shape, generator=generator).to(param.dtype) * noise)
+    model.save_pretrained(out_dir)
+    make_tokenizer(out_dir)
+    return out_dir

@@ -67,6 +67,9 @@ class ModelRunnerOutput:
     pooled: dict[str, Any] = field(default_factory=dict)  # request_id -> embedding (list[float])
     # Constrained requests whose grammar ended this step (it accepted a stop token): they finish "stop".
     grammar_finished: set[str] = field(default_factory=set)
+    # request_id -> what a draft model proposes to follow the request's tokens after this step (speculative
+    # decoding with a draft model; spec_decode/draft.py holds them for the next step)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,4 +95,4 @@ class SchedulerStats:
     num_preemptions: int = 0  # this step
     prefix_cache_queries: int = 0  # this step, in tokens
     prefix_cache_hits: int = 0
-    spec_decode: Any = None  # spec_decode.ngram.SpecDecodeStats of this step, when speculating
+    spec_decode: Any = None  # spec_decode.proposer.SpecDecodeStats of this step, when speculating

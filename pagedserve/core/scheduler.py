@@ -24,7 +24,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                           NewRequestData, SchedulerOutput, SchedulerStats)
 from pagedserve.request import Request, RequestStatus
-from pagedserve.spec_decode.ngram import NgramProposer
+from pagedserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def _no_fault(stage: str, request_id: str) -> None:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 fault_hook: FaultHook = _no_fault, proposer: NgramProposer | None = None) -> None:
+                 fault_hook: FaultHook = _no_fault, proposer: Proposer | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.fault_hook = fault_hook
@@ -124,7 +124,7 @@ class Scheduler:
         return min(remaining, budget, self.config.max_model_len - request.num_computed_tokens)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        speculate = self.proposer is not None and len(self.running) <= self.proposer.config.disable_by_batch_size
+        speculate = len(self.running) <= self._speculation_limit()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -135,7 +135,12 @@ class Scheduler:
                     index += 1
                     continue
                 drafts = self._propose(request, budget) if speculate and num_new == 1 else []
-                new_blocks = self.kv.allocate_slots(request, 1 + len(drafts)) if drafts else None
+                # A draft model writes K/V for its next proposals past this step's tokens: room for them too.
+                lookahead = self._lookahead(request, request.num_computed_tokens + num_new + len(drafts)) \
+                    if speculate else 0
+                new_blocks = None
+                if drafts or lookahead:
+                    new_blocks = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead)
                 if new_blocks is None:
                     drafts = []
                     new_blocks = self.kv.allocate_slots(request, num_new)
@@ -154,6 +159,17 @@ class Scheduler:
             budget -= num_new + len(drafts)
             index += 1
         return budget
+
+    def _speculation_limit(self) -> int:
+        """Running requests up to which requests speculate (-1: speculation off)."""
+        return self.proposer.config.disable_by_batch_size if self.proposer is not None else -1
+
+    def _lookahead(self, request: Request, end: int) -> int:
+        """Slots past this step's tokens (which end at `end`) for the proposer's K/V of its next drafts (a draft
+        model's), where this step samples the request; within max_model_len."""
+        if self.proposer is None or not self.proposer.lookahead or request.is_pooling or end < request.num_tokens:
+            return 0
+        return max(0, min(self.proposer.lookahead, self.config.max_model_len - end))
 
     def _propose(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request, bounded so that every one of them could be emitted: by the
@@ -185,7 +201,10 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
                 num_new = min(num_new, budget)
-                if self.kv.allocate_slots(request, num_new, computed) is None:
+                lookahead = self._lookahead(request, computed.num_tokens + num_new) \
+                    if len(self.running) < self._speculation_limit() else 0
+                if (not lookahead or self.kv.allocate_slots(request, num_new + lookahead, computed) is None) \
+                        and self.kv.allocate_slots(request, num_new, computed) is None:
                     break
             except Exception as exc:  # noqa: BLE001 - one request's fault; it leaves `waiting`
                 self.fail_request(request, exc)
@@ -250,6 +269,9 @@ class Scheduler:
                                   first_scheduled_time=request.first_scheduled_time)
         if sched_out.needs_sample[request.request_id]:
             self._append_result(request, runner_out, output)
+            proposed = runner_out.draft_token_ids.get(request.request_id)
+            if proposed and request.status == RequestStatus.RUNNING:
+                self.proposer.offer(request.request_id, request.num_tokens, proposed)
         return output
 
     def _append_result(self, request: Request, runner_out: ModelRunnerOutput,

@@ -24,7 +24,7 @@ from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.spec_decode.ngram import NgramProposer
+from pagedserve.spec_decode import make_proposer
 from pagedserve.structured.admission import GrammarAdmission
 from pagedserve.structured.compiler import GrammarCompiler
 from pagedserve.structured.params import StructuredOutputsConfig
@@ -53,7 +53,7 @@ class LLMEngine:
         self.extra_eos_token_ids = generation_config_eos_ids(config.model.model, self.eos_token_id)
         kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.faults = FaultInjector()  # armed after warm-up: injected faults are for requests, not start-up
-        proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        proposer = make_proposer(config.speculative)
         self.scheduler = Scheduler(config.scheduler, kv, fault_hook=self.faults.check, proposer=proposer)
         self.output_processor = OutputProcessor(tokenizer)
         self.structured_config = config.structured_outputs or StructuredOutputsConfig()

@@ -28,9 +28,11 @@ def num_kv_blocks(args: EngineArgs, plan: MemoryPlan) -> int:
 
 
 def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig, scheduler: SchedulerConfig,
-                device: str, available: AvailableMemory | None = None) -> MemoryPlan:
+                device: str, available: AvailableMemory | None = None,
+                draft: tuple[CheckpointInfo, ModelConfig] | None = None) -> MemoryPlan:
     """The memory plan for serving `checkpoint` with these settings against the memory free now (the host's:
-    cgroup limit - usage and MemAvailable; on a GPU its free memory), from headers only."""
+    cgroup limit - usage and MemAvailable; on a GPU its free memory), from headers only. `draft`: a draft
+    model for speculative decoding, whose weights and K/V come on top."""
     from dataclasses import replace
 
     from pagedserve.distributed.plan import per_rank_available, per_rank_shape
@@ -45,14 +47,21 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     # An 8-bit KV cache (fp8*) stores one byte per value plus a scale per token and head in the model dtype.
     kv_8bit = args.kv_cache_dtype.startswith("fp8")
     kv_dtype_bytes, kv_scale_bytes = (1, weight_dtype_bytes) if kv_8bit else (weight_dtype_bytes, 0)
-    shape = sizes.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
-    shape = per_rank_shape(shape, model.hf_config, args.tensor_parallel_size)  # one rank's shard
-    tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
-    backend = _kernel_backend(model, device)
-    weight_bytes = sizes.prepared_weight_bytes(shape, weight_dtype_bytes, backend.linear_kind, tied,
-                                               computes_logits=model.task == "generate",
-                                               embedding_shares_packed=backend.native_bf16_linears)
-    shape = replace(shape, weight_bytes=weight_bytes)
+
+    def prepared_shape(checkpoint: CheckpointInfo, model: ModelConfig) -> sizes.ModelShape:
+        shape = sizes.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
+        shape = per_rank_shape(shape, model.hf_config, args.tensor_parallel_size)  # one rank's shard
+        tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
+        backend = _kernel_backend(model, device)
+        weight_bytes = sizes.prepared_weight_bytes(shape, weight_dtype_bytes, backend.linear_kind, tied,
+                                                   computes_logits=model.task == "generate",
+                                                   embedding_shares_packed=backend.native_bf16_linears)
+        return replace(shape, weight_bytes=weight_bytes)
+
+    shape = prepared_shape(checkpoint, model)
+    if draft is not None:
+        draft_shape = prepared_shape(*draft)
+        shape = replace(shape, weight_bytes=shape.weight_bytes + draft_shape.weight_bytes, draft=draft_shape)
     block_bytes = sizes.kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes) * args.block_size
     kv_cache_bytes = args.kv_cache_memory
     if args.num_gpu_blocks_override:

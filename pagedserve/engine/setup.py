@@ -137,7 +137,9 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
                                 max_waiting_requests=args.max_waiting_requests)
-    plan = plan_memory(args, checkpoint, model, scheduler, device, available)
+    speculative = _speculative_config(args, task)
+    draft = _draft_model(speculative, model, args, device) if speculative is not None else None
+    plan = plan_memory(args, checkpoint, model, scheduler, device, available, draft)
     cache = CacheConfig(block_size=args.block_size, num_blocks=num_kv_blocks(args, plan),
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
     threads = threads_per_rank or args.num_threads or usable_cpu_count()
@@ -146,7 +148,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan,
                         fault_injection=args.fault_injection,
                         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
-                        speculative=_speculative_config(args, task), parallel=parallel)
+                        speculative=speculative, parallel=parallel, draft_model=draft[1] if draft else None)
 
 
 def check_engine_args(args: EngineArgs) -> None:
@@ -181,6 +183,42 @@ def _speculative_config(args: EngineArgs, task: str) -> SpeculativeConfig | None
         raise ValueError("--speculative-config applies to text generation, and this model embeds (task embed); "
                          "leave it out")
     return speculative
+
+
+def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: EngineArgs,
+                 device: str) -> tuple[CheckpointInfo, ModelConfig] | None:
+    """The draft model of method draft_model, resolved and checked like the target (headers only): it must be a
+    decoder that generates, with the target's vocabulary, and it runs in the target's dtype on one rank."""
+    if speculative.method != "draft_model":
+        return None
+    from pagedserve.memory.checkpoint import read_checkpoint_info
+    from pagedserve.models.pooling_config import default_task
+    from pagedserve.models.validate import validate_model_path
+    from pagedserve.platform import default_quantization
+
+    if args.tensor_parallel_size > 1:
+        raise ValueError("--speculative-config: a draft model runs with one rank; use --tensor-parallel-size 1 or "
+                         "n-gram speculation ({\"method\": \"ngram\", ...})")
+    path = resolve_model_path(speculative.model)
+    validate_model_path(path)
+    checkpoint = read_checkpoint_info(path)
+    hf_config = hf_config_from_checkpoint(checkpoint)
+    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    if default_task(architecture, path) != "generate":
+        raise ValueError(f"--speculative-config: the draft model {speculative.model} ({architecture}) does not "
+                         "generate text; give a causal language model that shares the target's tokenizer")
+    if hf_config.vocab_size != target.hf_config.vocab_size:
+        raise ValueError(f"--speculative-config: the draft model's vocabulary ({hf_config.vocab_size} tokens) is "
+                         f"not the target's ({target.hf_config.vocab_size}); a draft model must share the target's "
+                         "tokenizer (e.g. a smaller model of the same family)")
+    quantization = default_quantization(args.dtype, args.quantization, checkpoint.stores_quantized_matmuls(), device)
+    draft = ModelConfig(model=path, served_model_name=speculative.model, dtype=target.dtype,
+                        max_model_len=target.max_model_len, hf_config=hf_config, architecture=architecture,
+                        seed=target.seed, quantization=quantization, enforce_eager=target.enforce_eager,
+                        reference_kernels=target.reference_kernels)
+    logger.info("speculative decoding: draft model %s (%s, %s), %d tokens a step", path, architecture,
+                draft.dtype, speculative.num_speculative_tokens)
+    return checkpoint, draft
 
 
 def _resolve_task(args: EngineArgs, architecture: str, model_path: str) -> str:

@@ -66,6 +66,9 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     weight_bytes: int
+    # Speculative decoding's draft model: its K/V live in the same blocks (one pool per model, one block table),
+    # so a token's K/V bytes are both models'; weight_bytes then includes the draft's weights.
+    draft: ModelShape | None = None
 
     @classmethod
     def from_hf_config(cls, config: dict, weight_bytes: int) -> ModelShape:
@@ -99,8 +102,10 @@ class ModelShape:
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int, kv_scale_bytes: int = 0) -> int:
-    """2 (K and V) x layers x KV heads x (head_dim x KV dtype bytes + the scale of an 8-bit cache)."""
-    return 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim * kv_dtype_bytes + kv_scale_bytes)
+    """2 (K and V) x layers x KV heads x (head_dim x KV dtype bytes + the scale of an 8-bit cache), plus the
+    draft model's where one speculates."""
+    own = 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim * kv_dtype_bytes + kv_scale_bytes)
+    return own + (kv_bytes_per_token(shape.draft, kv_dtype_bytes, kv_scale_bytes) if shape.draft else 0)
 
 
 def prepared_weight_bytes(shape: ModelShape, dtype_bytes: int, linear_kind: str, tied_embeddings: bool,

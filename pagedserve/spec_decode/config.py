@@ -5,21 +5,26 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 # Past this many running requests no request speculates (vLLM's disable_by_batch_size): a large batch is
 # compute-bound on a CPU, so verifying k extra tokens per request costs about k extra steps' worth of work.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 _EXAMPLE = '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\''
+_DRAFT_EXAMPLE = '\'{"model": "/path/to/small-model", "num_speculative_tokens": 4}\''
+NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min", "ngram_cache_requests")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """N-gram prompt lookup: the longest suffix of a request's tokens (between prompt_lookup_min and
+    """method "ngram" (prompt lookup): the longest suffix of a request's tokens (between prompt_lookup_min and
     prompt_lookup_max tokens long) that occurred earlier in its prompt or output proposes the tokens that
-    followed it there, up to num_speculative_tokens of them."""
+    followed it there, up to num_speculative_tokens of them.
+    method "draft_model" (vLLM's, chosen by giving "model"): a smaller model that shares the target's
+    tokenizer proposes num_speculative_tokens greedy tokens each step (worker/draft_model.py)."""
 
     method: str = "ngram"
+    model: str | None = None  # the draft model (path or packaged name) for method draft_model
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 5  # vLLM's defaults when neither bound is given
     prompt_lookup_min: int = 5
@@ -40,19 +45,21 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config must be a JSON object, e.g. {_EXAMPLE}: {exc}") from None
         if not isinstance(spec, dict):
             raise ValueError(f"--speculative-config must be a JSON object, e.g. {_EXAMPLE}")
-        if "model" in spec and spec.get("method", "draft_model") != "ngram":
-            raise ValueError("--speculative-config: a draft model (\"model\") is not supported yet; use n-gram "
-                             f"prompt lookup: {_EXAMPLE}")
-        method = spec.get("method", "ngram")
+        method = spec.get("method", "draft_model" if "model" in spec else "ngram")
         if method == "[ngram]":  # vLLM's older spelling
             method = "ngram"
         if method not in METHODS:
             raise ValueError(f"--speculative-config: method {method!r} is not supported; pagedserve has "
-                             f"{', '.join(METHODS)}: {_EXAMPLE}")
+                             f"{', '.join(METHODS)}: {_EXAMPLE} or {_DRAFT_EXAMPLE}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(spec) - known - {"model"})
+        unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        if method == "draft_model":
+            return cls._parse_draft(spec)
+        if "model" in spec:
+            raise ValueError(f"--speculative-config: method ngram takes no \"model\"; for a draft model leave "
+                             f"\"method\" out: {_DRAFT_EXAMPLE}")
         lookup_max, lookup_min = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
         if lookup_max is None and lookup_min is None:
             lookup_max = lookup_min = cls.prompt_lookup_max
@@ -78,3 +85,24 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: prompt_lookup_min ({lookup_min}) must be <= prompt_lookup_max "
                              f"({lookup_max})")
         return cls(method=method, **values)
+
+    @classmethod
+    def _parse_draft(cls, spec: dict) -> "SpeculativeConfig":
+        model = spec.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"--speculative-config: method draft_model needs \"model\", the draft model's path or "
+                             f"packaged name: {_DRAFT_EXAMPLE}")
+        given = [key for key in NGRAM_KEYS if key in spec]
+        if given:
+            raise ValueError(f"--speculative-config: {given[0]} applies to method ngram, not to a draft model; "
+                             f"leave it out: {_DRAFT_EXAMPLE}")
+        values = {"num_speculative_tokens": spec.get("num_speculative_tokens"),
+                  "disable_by_batch_size": spec.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)}
+        for name, number in values.items():
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                raise ValueError(f"--speculative-config: {name} must be an integer >= 1, got {number!r}: "
+                                 f"{_DRAFT_EXAMPLE}")
+        if values["num_speculative_tokens"] > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--speculative-config: num_speculative_tokens is at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {values['num_speculative_tokens']}")
+        return cls(method="draft_model", model=model, **values)

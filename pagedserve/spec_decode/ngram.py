@@ -16,9 +16,10 @@ drafts were all rejected waits before it proposes again, twice as long after eac
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.proposer import Proposer
 
 MAX_BACKOFF_STEPS = 64
 
@@ -29,27 +30,6 @@ class _RequestIndex:
     num_indexed: int = 0  # tokens[:num_indexed] are indexed (as continuations: positions < num_indexed)
     misses: int = 0  # consecutive verifications that accepted nothing
     wait: int = 0  # steps left before the next proposal
-
-
-@dataclass
-class SpecDecodeStats:
-    """Verification results since the last take(), for /metrics (vLLM's spec_decode counters)."""
-
-    num_drafts: int = 0  # verifications (requests that carried drafts in a step)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [k] accepted drafts at each draft position
-
-    def add(self, num_drafts: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        for pos in range(num_accepted):
-            self.accepted_per_pos[pos] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 class _FinishedRequests:
@@ -94,14 +74,11 @@ class _FinishedRequests:
             table.clear()
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.config = config
-        self.k = config.num_speculative_tokens
+        super().__init__(config)
         self.sizes = list(range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1))  # longest first
         self._index: dict[str, _RequestIndex] = {}
-        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)  # since the last take_stats()
-        self.totals = SpecDecodeStats(accepted_per_pos=[0] * self.k)  # since start
         self.finished = _FinishedRequests(self.sizes, config.ngram_cache_requests)
 
     def propose(self, request_id: str, tokens: list[int], max_tokens: int) -> list[int]:
@@ -147,8 +124,7 @@ class NgramProposer:
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """The result of verifying one request's drafts."""
-        for stats in (self.stats, self.totals):
-            stats.add(num_drafts, num_accepted)
+        super().record(request_id, num_drafts, num_accepted)
         index = self._index.get(request_id)
         if index is None:
             return
@@ -160,13 +136,8 @@ class NgramProposer:
 
     def reset(self) -> None:
         """Forget warm-up: its counts and its requests' tokens."""
-        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
-        self.totals = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        super().reset()
         self.finished.clear()
-
-    def take_stats(self) -> SpecDecodeStats:
-        stats, self.stats = self.stats, SpecDecodeStats(accepted_per_pos=[0] * self.k)
-        return stats
 
 
 def _continuation(tokens: list[int], start: int, limit: int) -> list[int]:

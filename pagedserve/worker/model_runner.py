@@ -30,6 +30,7 @@ from pagedserve.platform import lazy_zeros, torch_dtype
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.acceptance import accepted_tokens
 from pagedserve.structured.matcher import RequestGrammar
+from pagedserve.worker.draft_model import DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,24 @@ def _row_offsets(request_ids: list[str]) -> list[int]:
     return [offset for _, num in _runs(request_ids) for offset in range(num)]
 
 
+def make_kv_pools(model, num_slots: int, kv_dtype: torch.dtype, dtype: torch.dtype,
+                  device: torch.device) -> list[LayerKVCache]:
+    """One K/V pool per decoder layer of `model`, `num_slots` token slots each (an fp8 pool with its scales)."""
+    shape = (num_slots, model.num_kv_heads, model.head_dim)
+    quantized = kv_dtype in FP8_DTYPES.values()
+    # Masked attention still multiplies unused slots by 0, so every slot must start finite: zeros,
+    # allocated lazily so that the pool costs RAM only as it fills.
+    pools = []
+    for _ in range(len(model.model.layers)):
+        cache = LayerKVCache(lazy_zeros(shape, kv_dtype, device), lazy_zeros(shape, kv_dtype, device))
+        if quantized:
+            scale_shape = (num_slots, model.num_kv_heads, 1)
+            cache.k_scale = lazy_zeros(scale_shape, dtype, device)
+            cache.v_scale = lazy_zeros(scale_shape, dtype, device)
+        pools.append(cache)
+    return pools
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, progress: ProgressFn | None = None,
                  eos_token_id: int | None = None, tp=None) -> None:
@@ -109,6 +128,9 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
+        self.draft: DraftModel | None = None  # speculative decoding's draft model (method draft_model)
+        if config.draft_model is not None:
+            self.draft = DraftModel(config)
 
     # ---- memory ----------------------------------------------------------------------------
     def kv_dtype(self) -> torch.dtype:
@@ -119,19 +141,9 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         num_slots = self.config.cache.num_blocks * self.block_size
-        shape = (num_slots, self.model.num_kv_heads, self.model.head_dim)
-        kv_dtype = self.kv_dtype()
-        quantized = kv_dtype in FP8_DTYPES.values()
-        # Masked attention still multiplies unused slots by 0, so every slot must start finite: zeros,
-        # allocated lazily so that the pool costs RAM only as it fills.
-        self.kv_caches = []
-        for _ in range(len(self.model.model.layers)):
-            cache = LayerKVCache(lazy_zeros(shape, kv_dtype, self.device), lazy_zeros(shape, kv_dtype, self.device))
-            if quantized:
-                scale_shape = (num_slots, self.model.num_kv_heads, 1)
-                cache.k_scale = lazy_zeros(scale_shape, self.dtype, self.device)
-                cache.v_scale = lazy_zeros(scale_shape, self.dtype, self.device)
-            self.kv_caches.append(cache)
+        self.kv_caches = make_kv_pools(self.model, num_slots, self.kv_dtype(), self.dtype, self.device)
+        if self.draft is not None:  # its pools are indexed by the same block table
+            self.draft.kv_caches = make_kv_pools(self.draft.model, num_slots, self.kv_dtype(), self.dtype, self.device)
 
     # ---- request state ---------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -188,6 +200,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, H]
+        if self.draft is not None:  # the draft model's K/V follow the target's: the same tokens, slots
+            self.draft.follow(batch.input_ids, batch.positions, batch.meta)
         out = ModelRunnerOutput()
         self._prompt_logprobs(sched, batch, hidden, out)
         if batch.sample_rows:
@@ -195,7 +209,35 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])  # [rows, V] float32
             sampling = self._sampling_batch(batch.sample_request_ids, batch.drafts)
             self._collect_samples(batch, self.sampler(logits, sampling), out)
+            if self.draft is not None:
+                self._propose_drafts(batch, out)
         return out
+
+    def _propose_drafts(self, batch: _Batch, out: ModelRunnerOutput) -> None:
+        """The draft model's next tokens for each request sampled this step, where its blocks have room for
+        the draft model's K/V of them (the scheduler's lookahead)."""
+        starts = []  # (request_id, block-table row, last token, its position)
+        for request_id, (_, num, start) in batch.spans.items():
+            tokens = out.sampled_token_ids.get(request_id)
+            state = self.states[request_id]
+            if not tokens or request_id in out.grammar_finished:
+                continue
+            if state.num_output_tokens >= state.sampling_params.max_tokens:
+                continue  # it ends with this step
+            # The rows whose K/V hold known tokens: all of them, or a verification's accepted part.
+            position = start + (len(tokens) if request_id in batch.drafts else num)
+            if not self.draft.has_room(position, len(state.block_ids) * self.block_size):
+                continue
+            starts.append((request_id, state.row, tokens[-1], position))
+        if starts and len(starts) <= self.config.speculative.disable_by_batch_size:
+            out.draft_token_ids = self.draft.propose(starts, self._decode_step_meta)
+
+    def _decode_step_meta(self, rows: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
+        """Metadata of a decode-only batch: block-table rows `rows`, one token each at `positions`."""
+        slots = self.block_table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        meta = AttentionMetadata(slot_mapping=slots.to(self.device), num_decodes=int(rows.shape[0]))
+        self._decode_meta(meta, rows, positions + 1)
+        return meta
 
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
         # Decode rows: single-token decodes and verifications (a request's last token and its drafts).

@@ -1,15 +1,18 @@
-"""Speculative decoding (n-gram prompt lookup) changes nothing a user sees: greedy tokens equal transformers'
-and the plain path's, logprobs agree, stops land where they would, sampling keeps its distribution.
+"""Speculative decoding (n-gram prompt lookup, and a draft model) changes nothing a user sees: greedy tokens equal
+transformers' and the plain path's, logprobs agree, stops land where they would, sampling keeps its distribution.
 
 The tiny random models here have small weights (std 0.06), which makes them fall into loops within a few tokens
-(with the default std they rarely repeat), so n-gram drafts get proposed, accepted and rejected; every test
-checks that speculation really ran (accepted drafts > 0) so that it cannot pass by never speculating.
+(with the default std they rarely repeat), so n-gram drafts get proposed, accepted and rejected. The draft model
+is the target with a little noise on its weights (DRAFT_NOISE), whose greedy tokens are the target's about 60 %
+of the time. Every test checks that speculation really ran (accepted drafts > 0) so that it cannot pass by never
+speculating; the tests that `method` parametrizes run with both proposers.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -23,8 +26,21 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, 
         "disable_by_batch_size": 10_000}
 
 
-def spec_llm(model_dir: str, dtype: str = "float32", **kwargs) -> LLM:
-    return LLM(model_dir, dtype=dtype, max_model_len=256, speculative_config=SPEC, **kwargs)
+DRAFT_NOISE = 0.003
+
+
+def draft_spec(draft_dir: str) -> dict:
+    return {"model": draft_dir, "num_speculative_tokens": 4, "disable_by_batch_size": 10_000}
+
+
+def spec_llm(model_dir: str, dtype: str = "float32", spec: dict | None = None, **kwargs) -> LLM:
+    return LLM(model_dir, dtype=dtype, max_model_len=256, speculative_config=spec or SPEC, **kwargs)
+
+
+def make_draft(model_dir: str, tmp_path_factory) -> str:
+    from tests.tiny_models import make_draft_model
+
+    return str(make_draft_model(Path(model_dir), tmp_path_factory.mktemp("draft"), DRAFT_NOISE))
 
 
 def totals(llm: LLM):
@@ -34,17 +50,28 @@ def totals(llm: LLM):
 def assert_no_leaks(llm: LLM) -> None:
     pool = llm.engine.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks - 1  # block 0 is the null block
-    assert not llm.engine.scheduler.proposer._index  # per-request proposer state dropped at finish
+    proposer = llm.engine.scheduler.proposer  # per-request proposer state dropped at finish
+    assert not getattr(proposer, "_index", None) and not getattr(proposer, "_drafts", None)
 
 
 def greedy(max_tokens: int = NUM_TOKENS, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
+def assert_greedy_tokens(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """The batch's greedy tokens are `expected`, drafts were accepted, and nothing leaked."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert totals(llm).num_accepted_tokens > 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_batch_matches_transformers(tiny_model_dir, arch):
+def test_greedy_batch_matches_transformers(tiny_model_dir, tmp_path_factory, arch, proposer):
     model_dir = tiny_model_dir(arch, weight_std=WEIGHT_STD)
-    llm = spec_llm(model_dir)
+    spec = SPEC if proposer == "ngram" else draft_spec(make_draft(model_dir, tmp_path_factory))
+    llm = spec_llm(model_dir, spec=spec)
     prompts = make_prompts(llm.get_tokenizer())
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(logprobs=5))
     hf_model, hf_tokens = hf_reference(model_dir, "float32", prompts)
@@ -55,8 +82,10 @@ def test_greedy_batch_matches_transformers(tiny_model_dir, arch):
         assert_logprobs_close(completion.logprobs, hf_logprobs(hf_model, prompt, completion.token_ids),
                               TOLERANCE["float32"])
     stats = totals(llm)
-    assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts both accepted and rejected
     assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    if proposer == "draft_model":
+        assert len(llm.engine.runner.draft.kv_caches) == 2  # the draft model's own pools
     assert_no_leaks(llm)
 
 
@@ -94,28 +123,48 @@ def llama(tiny_model_dir):
     return model_dir, prompts, [o.outputs[0].token_ids for o in outputs], plain
 
 
-def test_chunked_prefill_with_a_7_token_budget(llama):
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def method(request, llama, tmp_path_factory):
+    """The speculative config of each proposer for the tiny llama (a draft model: its noisy copy)."""
+    return SPEC if request.param == "ngram" else draft_spec(make_draft(llama[0], tmp_path_factory))
+
+
+def test_the_target_as_its_own_draft_model_has_every_draft_accepted(llama):
+    """Its K/V follow the target's exactly (prefill chunks, verification rows, its own proposals' slots), so it
+    proposes the target's own greedy tokens: a draft K/V written to a wrong slot or skipped would show here."""
     model_dir, prompts, expected, _ = llama
-    llm = spec_llm(model_dir, max_num_batched_tokens=7)  # drafts share the budget with prefill chunks
+    llm = spec_llm(model_dir, spec=draft_spec(model_dir), max_num_batched_tokens=7)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert totals(llm).num_accepted_tokens > 0
+    stats = totals(llm)
+    assert stats.num_draft_tokens > 100 and stats.num_accepted_tokens >= 0.98 * stats.num_draft_tokens, stats
     assert_no_leaks(llm)
 
 
-def test_forced_preemption(llama):
+def test_a_draft_model_of_another_shape_and_architecture(llama, tiny_model_dir):
+    """A one-layer Qwen2 (tied embeddings, other weights) drafting for the Llama: few drafts survive, the
+    tokens are the plain path's."""
     model_dir, prompts, expected, _ = llama
-    llm = spec_llm(model_dir, num_gpu_blocks_override=21)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
+    draft = tiny_model_dir("qwen2", weight_std=WEIGHT_STD, seed=3, num_hidden_layers=1, num_key_value_heads=4)
+    assert_greedy_tokens(spec_llm(model_dir, spec=draft_spec(draft)), prompts, expected)
+
+
+def test_chunked_prefill_with_a_7_token_budget(llama, method):
+    model_dir, prompts, expected, _ = llama
+    # drafts share the budget with prefill chunks
+    assert_greedy_tokens(spec_llm(model_dir, spec=method, max_num_batched_tokens=7), prompts, expected)
+
+
+def test_forced_preemption(llama, method):
+    model_dir, prompts, expected, _ = llama
+    llm = spec_llm(model_dir, spec=method, num_gpu_blocks_override=21)
+    assert_greedy_tokens(llm, prompts, expected)
     assert llm.engine.scheduler.num_preemptions_total > 0
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert totals(llm).num_accepted_tokens > 0
-    assert_no_leaks(llm)
 
 
-def test_requests_joining_mid_flight(llama):
+def test_requests_joining_mid_flight(llama, method):
     model_dir, prompts, expected, _ = llama
-    llm = spec_llm(model_dir)
+    llm = spec_llm(model_dir, spec=method)
     engine = llm.engine
     finished, pending, steps = {}, list(enumerate(prompts)), 0
     while pending or engine.has_unfinished_requests():
@@ -138,11 +187,11 @@ def _same(outputs, expected) -> None:
                                                                          b.stop_reason)
 
 
-def test_stops_inside_accepted_runs_cut_where_the_plain_path_does(llama):
+def test_stops_inside_accepted_runs_cut_where_the_plain_path_does(llama, method):
     """max_tokens, stop token ids (with and without min_tokens), EOS and stop strings at every position of the
     looping outputs, where most tokens arrive several per step."""
     model_dir, prompts, expected, plain = llama
-    llm = spec_llm(model_dir)
+    llm = spec_llm(model_dir, spec=method)
     requests = [{"prompt_token_ids": p} for p in prompts]
     cases = [greedy(max_tokens=n) for n in (1, 2, 3, 5, 8, 13, 21)]
     for tokens in expected[:4]:
@@ -174,9 +223,9 @@ def test_stops_inside_accepted_runs_cut_where_the_plain_path_does(llama):
     assert_no_leaks(llm)
 
 
-def test_penalties_and_logit_bias(llama):
+def test_penalties_and_logit_bias(llama, method):
     model_dir, prompts, _, plain = llama
-    llm = spec_llm(model_dir)
+    llm = spec_llm(model_dir, spec=method)
     requests = [{"prompt_token_ids": p} for p in prompts]
     for params in (greedy(repetition_penalty=1.05), greedy(frequency_penalty=0.02, presence_penalty=0.01),
                    greedy(logit_bias={7: 0.5, 11: -2.0}, logprobs=3)):
@@ -190,7 +239,7 @@ def test_penalties_and_logit_bias(llama):
                     assert abs(x[token_id].logprob - y[token_id].logprob) <= TOLERANCE["float32"]
 
 
-def test_structured_outputs_mask_every_verification_row(llama):
+def test_structured_outputs_mask_every_verification_row(llama, method):
     """A regex whose text repeats: drafts are proposed inside the grammar and each verification row is masked
     by the grammar state after the drafts before it (the matcher rolled back afterwards)."""
     import re
@@ -198,7 +247,7 @@ def test_structured_outputs_mask_every_verification_row(llama):
     from pagedserve.structured.params import StructuredOutputsParams
 
     model_dir, prompts, _, plain = llama
-    llm = spec_llm(model_dir)
+    llm = spec_llm(model_dir, spec=method)
     requests = [{"prompt_token_ids": p} for p in prompts]
     pattern = r"(ab|cd|the ){3,40}!"
     for structured in (StructuredOutputsParams(regex=pattern), StructuredOutputsParams(choice=["yes", "no"]),
@@ -216,11 +265,11 @@ def test_structured_outputs_mask_every_verification_row(llama):
     assert_no_leaks(llm)
 
 
-def test_seeded_sampling_draws_as_without_speculation(llama):
+def test_seeded_sampling_draws_as_without_speculation(llama, method):
     """A seeded request's generator is rewound to its last emitted row, so it yields exactly the plain path's
     tokens (float32: logits equal to rounding, far from the exponential race's ties)."""
     model_dir, prompts, _, plain = llama
-    llm = spec_llm(model_dir)
+    llm = spec_llm(model_dir, spec=method)
     requests = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0.8, top_k=3, max_tokens=NUM_TOKENS, ignore_eos=True, seed=100 + i)
               for i in range(len(prompts))]
@@ -297,6 +346,18 @@ def test_sampled_distribution_is_unchanged(sampling_setup, monkeypatch):
     assert _chi_square_p(_continuations(biased_llm, prompt, num, seed0=20 * num), without) < SIGNIFICANCE
 
 
+def test_draft_model_sampled_distribution_is_unchanged(sampling_setup, tmp_path_factory):
+    """As above with a draft model's (greedy, one-hot) drafts."""
+    model_dir, prompt, plain = sampling_setup
+    num = 1500
+    llm = spec_llm(model_dir, spec=draft_spec(make_draft(model_dir, tmp_path_factory)))
+    without = _continuations(plain, prompt, num, seed0=0)
+    with_spec = _continuations(llm, prompt, num, seed0=10 * num)
+    stats = totals(llm)
+    assert stats.num_accepted_tokens > num // 10 and stats.num_draft_tokens > stats.num_accepted_tokens, stats
+    assert _chi_square_p(with_spec, without) > SIGNIFICANCE
+
+
 def test_acceptance_rule_is_rejection_sampling():
     """The rule on its own, against the exact distribution: p over 3 tokens, one-hot draft d; the first emitted
     token must be distributed as p (accepting d with probability p(d), else the residual)."""
@@ -339,9 +400,9 @@ def test_a_verification_step_runs_the_decode_kernels(tiny_model_dir):
     assert seen and all(prefills == 0 and decodes == total for decodes, prefills, total in seen)
 
 
-def test_abort_while_verifying_frees_everything_and_the_others_go_on(llama):
+def test_abort_while_verifying_frees_everything_and_the_others_go_on(llama, method):
     model_dir, prompts, expected, _ = llama
-    llm = spec_llm(model_dir)
+    llm = spec_llm(model_dir, spec=method)
     engine = llm.engine
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), {"prompt_token_ids": prompt}, greedy())
@@ -379,3 +440,41 @@ def test_finished_requests_cache_drafts_repeated_requests_and_outputs_stay_the_s
     second = totals(llm).num_accepted_tokens - first
     assert second > first  # the same requests again: their earlier runs propose what follows
     assert_no_leaks(llm)
+
+
+# ---- a draft model's configuration ------------------------------------------------------------------------
+def test_the_memory_plan_holds_the_draft_models_weights_and_kv(llama, tiny_model_dir, tmp_path, capsys):
+    """`pagedserve plan` with a draft model: its weights on top of the target's, and each token's K/V bytes
+    both models' (the two pools share the blocks), so the pool holds fewer tokens in the same memory."""
+    import json
+
+    from pagedserve.cli.main import main
+    from tests.models.test_memory_plan_engine import fake_host
+
+    model_dir = llama[0]
+    draft = tiny_model_dir("qwen2", weight_std=WEIGHT_STD, seed=3, num_hidden_layers=1, num_key_value_heads=4)
+    common = ["--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4", "--kv-cache-memory", "1048576",
+              *fake_host(tmp_path, available_kib=1 << 20), "--json"]
+
+    def plan(model: str, *extra: str) -> dict:
+        assert main(["plan", model, *common, *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    target, alone = plan(model_dir), plan(draft)
+    both = plan(model_dir, "--speculative-config", json.dumps(draft_spec(draft)))
+    assert both["weight_bytes"] == target["weight_bytes"] + alone["weight_bytes"]
+    # Qwen2 draft: 1 layer x 4 KV heads x 16 dims x K and V x 4 B = 512; the Llama's 2 x 2 x 16 x 2 x 4 = 512.
+    assert both["kv_bytes_per_token"] == target["kv_bytes_per_token"] + alone["kv_bytes_per_token"] == 1024
+    assert both["num_kv_blocks"] * 2 <= target["num_kv_blocks"] + 1
+
+
+def test_draft_model_errors_name_the_problem_and_the_fix(llama, tiny_model_dir):
+    model_dir = llama[0]
+    other_vocab = tiny_model_dir("llama", weight_std=WEIGHT_STD, vocab_size=640)
+    with pytest.raises(ValueError, match=r"draft model's vocabulary \(640 tokens\) is not the target's \(512\)"):
+        LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=draft_spec(other_vocab))
+    with pytest.raises(ValueError, match="a draft model runs with one rank"):
+        LLM(model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=2,
+            speculative_config=draft_spec(model_dir))
+    with pytest.raises(Exception, match="no-such-draft"):
+        LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=draft_spec("/tmp/no-such-draft"))

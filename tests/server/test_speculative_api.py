@@ -1,5 +1,6 @@
 """`pagedserve serve --speculative-config` (vLLM's flag) with the openai client: the same text as a server
-without speculation, streamed or not, and vLLM's spec_decode counters on /metrics."""
+without speculation, streamed or not, and vLLM's spec_decode counters on /metrics; with n-gram lookup and with
+a draft model (the target itself, the simplest draft that shares its tokenizer)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir("llama", weight_std=0.06)  # loops soon: drafts are accepted (tests/models/test_speculative.py)
 
 
-@pytest.fixture(scope="module")
-def spec_server(model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def spec_server(model_dir, tmp_path_factory, request):
+    spec = SPEC if request.param == "ngram" else {"model": model_dir, "num_speculative_tokens": 4}
     yield from module_server(model_dir, "--served-model-name", MODEL, "--max-model-len", "512", "--dtype", "float32",
-                             "--speculative-config", json.dumps(SPEC), tmp_path_factory=tmp_path_factory)
+                             "--speculative-config", json.dumps(spec), tmp_path_factory=tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,22 @@ def test_config_parses_vllms_json_and_dict():
     assert SpeculativeConfig.parse({"method": "[ngram]", "num_speculative_tokens": 3}).prompt_lookup_min == 5
     assert SpeculativeConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_max": 3}).prompt_lookup_min == 3
     assert SpeculativeConfig.parse(None) is None
+    draft = SpeculativeConfig.parse('{"model": "/models/small", "num_speculative_tokens": 4}')  # vLLM's draft form
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/small", 4)
+    assert SpeculativeConfig.parse({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
+                                    "disable_by_batch_size": 8}).disable_by_batch_size == 8
 
 
 @pytest.mark.parametrize("value, words", [
     ("not json", "must be a JSON object"),
     ("[1, 2]", "must be a JSON object"),
     ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle' is not supported"),
-    ({"model": "/path/to/draft", "num_speculative_tokens": 3}, "draft model"),
+    ({"model": "/path/to/draft"}, "num_speculative_tokens must be an integer >= 1"),
+    ({"model": "", "num_speculative_tokens": 3}, "draft_model needs \"model\""),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "draft_model needs \"model\""),
+    ({"model": "/path/to/draft", "num_speculative_tokens": 3, "prompt_lookup_max": 3}, "applies to method ngram"),
+    ({"method": "ngram", "model": "/path/to/draft", "num_speculative_tokens": 3}, "method ngram takes no"),
+    ({"model": "/path/to/draft", "num_speculative_tokens": 17}, "at most 16"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be an integer >= 1"),
@@ -122,8 +131,8 @@ def test_acceptance_keeps_drafts_up_to_the_first_mismatch_and_adds_the_target_to
 
 
 def test_spec_decode_does_not_import_torch():
-    code = ("import sys, pagedserve.spec_decode.ngram, pagedserve.spec_decode.acceptance, pagedserve.core.scheduler; "
-            "sys.exit('torch' in sys.modules)")
+    code = ("import sys, pagedserve.spec_decode.ngram, pagedserve.spec_decode.acceptance, pagedserve.core.scheduler, "
+            "pagedserve.spec_decode.draft; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -158,7 +167,9 @@ def cycle_model(out: SchedulerOutput, period: list[int], sched: Scheduler) -> Mo
     return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
-def run(sched: Scheduler, period: list[int], max_steps=200):
+def run(sched: Scheduler, period: list[int], max_steps=200, after_step=None):
+    """Step until done; `after_step(runner_out)` may add to each step's runner output before the scheduler
+    reads it."""
     outputs: dict[str, list[int]] = {}
     steps = []
     for _ in range(max_steps):
@@ -166,7 +177,10 @@ def run(sched: Scheduler, period: list[int], max_steps=200):
             break
         out = sched.schedule()
         steps.append(out)
-        for core in sched.update_from_output(out, cycle_model(out, period, sched)):
+        runner_out = cycle_model(out, period, sched)
+        if after_step is not None:
+            after_step(runner_out)
+        for core in sched.update_from_output(out, runner_out):
             outputs.setdefault(core.request_id, []).extend(core.new_token_ids)
     return outputs, steps
 
@@ -263,3 +277,81 @@ def test_without_the_cache_finished_requests_are_forgotten():
 def test_cache_size_must_be_a_count(value):
     with pytest.raises(ValueError, match="ngram_cache_requests must be an integer >= 0"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "ngram_cache_requests": value})
+
+
+# ---- a draft model's drafts (runner-proposed) ---------------------------------------------------
+def draft_scheduler(num_blocks=64, budget=32, max_model_len=64, k=3, disable_by_batch_size=8) -> Scheduler:
+    from pagedserve.spec_decode.draft import DraftModelProposer
+
+    kv = KVCacheManager(num_blocks, BS, enable_caching=True)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=max_model_len)
+    spec = SpeculativeConfig.parse({"model": "draft", "num_speculative_tokens": k,
+                                    "disable_by_batch_size": disable_by_batch_size})
+    return Scheduler(config, kv, proposer=DraftModelProposer(spec))
+
+
+def draft_model_run(sched: Scheduler, period: list[int], guess, max_steps=200, check_room=True):
+    """cycle_model's target; after each step the 'draft model' offers guess(tokens so far) for every sampled
+    request, as the runner does. Checks that every step that samples a request leaves it room for the draft
+    model's K/V of its next proposals (the lookahead), within max_model_len."""
+    def offer(runner_out: ModelRunnerOutput) -> None:
+        for rid, tokens in runner_out.sampled_token_ids.items():
+            known = sched.requests[rid].all_token_ids + tokens
+            runner_out.draft_token_ids[rid] = guess(known)
+            room = min(len(known) - 1 + sched.proposer.k, sched.config.max_model_len)
+            assert not check_room or len(sched.kv.block_ids(rid)) * BS >= room, (rid, known)
+
+    return run(sched, period, max_steps, offer)
+
+
+def test_draft_model_drafts_are_scheduled_the_next_step_and_outputs_are_unchanged():
+    period = [10, 11, 12, 13]
+
+    def right(tokens):  # a draft model that knows the cycle
+        return [period[(period.index(tokens[-1]) + 1 + i) % 4] for i in range(3)]
+
+    def wrong(tokens):  # one that is always a token ahead
+        return [period[(period.index(tokens[-1]) + 2 + i) % 4] for i in range(3)]
+
+    expected = [period[(1 + i) % 4] for i in range(15)]
+    for guess, accepted in ((right, True), (wrong, False)):
+        sched = draft_scheduler()
+        sched.add_request(request("a", [10, 11, 12, 13, 10], max_tokens=15))
+        outputs, steps = draft_model_run(sched, period, guess)
+        assert outputs["a"] == expected
+        spec_steps = [s for s in steps if s.spec_token_ids]
+        assert spec_steps and all(s.scheduled_token_ids["a"][1:] == s.spec_token_ids["a"] for s in spec_steps)
+        assert (sched.proposer.totals.num_accepted_tokens > 0) == accepted
+        assert (len(steps) < 10) == accepted  # up to 4 tokens a step when the drafts are right
+        assert not sched.kv.req_to_blocks and sched.kv.pool.num_free_blocks == sched.kv.pool.num_blocks - 1
+        assert not sched.proposer._drafts
+
+
+def test_draft_model_drafts_for_other_tokens_are_dropped():
+    """Drafts offered for a token count the request no longer has (stale) are never scheduled."""
+    from pagedserve.spec_decode.draft import DraftModelProposer
+
+    proposer = DraftModelProposer(SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 3}))
+    proposer.offer("a", 5, [1, 2, 3])
+    assert proposer.propose("a", [0] * 6, 3) == []  # proposed after 5 tokens, asked after 6
+    proposer.offer("a", 6, [1, 2, 3])
+    assert proposer.propose("a", [0] * 6, 2) == [1, 2]  # trimmed to the room the scheduler has
+    assert proposer.propose("a", [0] * 6, 2) == []  # used once
+
+
+def test_draft_model_lookahead_stays_within_max_model_len_and_never_preempts():
+    period = [3, 4]
+
+    def right(tokens):
+        return [period[(period.index(tokens[-1]) + 1 + i) % 2] for i in range(3)]
+
+    sched = draft_scheduler(max_model_len=14)
+    sched.add_request(request("a", [3, 4, 3, 4], max_tokens=40))
+    outputs, _ = draft_model_run(sched, period, right)
+    assert len(outputs["a"]) == 10
+    sched = draft_scheduler(num_blocks=9)  # as test_drafts_never_preempt...: no room for drafts or lookahead
+    sched.add_request(request("a", [3, 4, 3, 4], max_tokens=12))
+    sched.add_request(request("b", [4, 3, 4, 3], max_tokens=12))
+    outputs, _ = draft_model_run(sched, period, right, check_room=False)
+    assert sched.num_preemptions_total == 0
+    assert len(outputs["a"]) == len(outputs["b"]) == 12
