@@ -55,6 +55,9 @@ _SIGNATURES = {
     "ps_layer_layout": ((_P, _INT), _INT),
     "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                          _F32, _F32, _INT, _INT), None),
+    "ps_layer_attention": ((_P, _P, _P, _INT, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
+                            _F32, _INT, _INT), None),
+    "ps_layer_mlp": ((_P, _P, _P, _P, _I64, _I64, _I64, _F32, _INT, _INT), None),
 }
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 ISA_NAMES = {512: "avx512", 256: "avx2"}  # ps_isa() -> name; 0: neither, the torch path runs
@@ -260,6 +263,48 @@ class CpuKernels:
             raise RuntimeError("the kernel library's decode-stack layout has other fields than this wrapper")
         return dict(zip(names, values))
 
+    def _check_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                    ctx_slots: torch.Tensor, lens: torch.Tensor, head_dim: int) -> None:
+        """What a decode-only step's native calls rely on: x [B, H] contiguous in the model dtype, cos/sin
+        [B, D], int64 slots [B], ctx_slots [B, L] and lens [B]."""
+        b = x.shape[0]
+        assert x.is_contiguous() and x.dtype in ACTIVATION_DTYPES
+        assert cos.numel() == sin.numel() == b * head_dim and cos.is_contiguous() and sin.is_contiguous()
+        assert slots.shape == (b,) and ctx_slots.shape[0] == lens.shape[0] == b
+        assert all(t.dtype == torch.int64 and t.is_contiguous() for t in (slots, ctx_slots, lens))
+
+    def _check_layer(self, row: torch.Tensor) -> None:
+        assert row.dtype == torch.int64 and row.is_contiguous() and row.shape == (self.layer_fields,)
+
+    def layer_attention(self, row: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, first: bool,
+                        cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, ctx_slots: torch.Tensor,
+                        lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                        scale: float) -> torch.Tensor:
+        """One decoder layer's attention half for a decode-only step (cpu_kernels.c, ps_layer_attention):
+        `row` is the layer's row of the decode-stack table; `residual` [B, H] is updated in place (set to x
+        on the `first` layer). Returns the o projection's output [B, H]."""
+        self._check_step(x, cos, sin, slots, ctx_slots, lens, head_dim)
+        self._check_layer(row)
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+        y = torch.empty_like(x)
+        b, h = x.shape
+        self.lib.ps_layer_attention(row.data_ptr(), x.data_ptr(), residual.data_ptr(), int(first), y.data_ptr(),
+                                    cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), ctx_slots.data_ptr(),
+                                    lens.data_ptr(), b, ctx_slots.shape[1], h, num_heads, num_kv_heads, head_dim,
+                                    eps, scale, x.dtype == torch.bfloat16, self._threads())
+        return y
+
+    def layer_mlp(self, row: torch.Tensor, y: torch.Tensor, residual: torch.Tensor, intermediate: int,
+                  eps: float) -> torch.Tensor:
+        """One decoder layer's MLP half (ps_layer_mlp): post-norm of y + residual (updated in place), SiLU MLP."""
+        self._check_layer(row)
+        assert y.is_contiguous() and y.dtype in ACTIVATION_DTYPES
+        assert residual.shape == y.shape and residual.dtype == y.dtype and residual.is_contiguous()
+        out = torch.empty_like(y)
+        self.lib.ps_layer_mlp(row.data_ptr(), y.data_ptr(), residual.data_ptr(), out.data_ptr(), y.shape[0],
+                              y.shape[1], intermediate, eps, y.dtype == torch.bfloat16, self._threads())
+        return out
+
     def decode_stack(self, x: torch.Tensor, table: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, slots: torch.Tensor, ctx_slots: torch.Tensor, lens: torch.Tensor,
                      num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
@@ -268,11 +313,9 @@ class CpuKernels:
         output [B, H]. `table` [layers, layer_fields] int64 holds each layer's pointers (see
         cpu_kernels.c, ps_decode_stack); cos/sin [B, D]; slots [B]; ctx_slots [B, L]; lens [B] (int64)."""
         b, h = x.shape
-        assert x.is_contiguous() and x.dtype in ACTIVATION_DTYPES and final_norm.dtype == x.dtype
+        self._check_step(x, cos, sin, slots, ctx_slots, lens, head_dim)
+        assert final_norm.dtype == x.dtype
         assert table.dtype == torch.int64 and table.is_contiguous() and table.shape[1] == self.layer_fields
-        assert cos.numel() == sin.numel() == b * head_dim and cos.is_contiguous() and sin.is_contiguous()
-        assert slots.shape == (b,) and ctx_slots.shape[0] == lens.shape[0] == b
-        assert all(t.dtype == torch.int64 and t.is_contiguous() for t in (slots, ctx_slots, lens))
         out = torch.empty_like(x)
         self.lib.ps_decode_stack(x.data_ptr(), out.data_ptr(), table.data_ptr(), table.shape[0],
                                  final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),

@@ -963,13 +963,15 @@ void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, c
 
 /* ---- the whole decoder stack for a decode-only batch ------------------------------------------------ */
 
-/* One decode step of a Llama-style decoder (pre-norm, fused qkv with rotary, paged attention, SiLU MLP)
- * in one call: the same kernels, in the same order and with the same roundings as the per-layer path
- * (models/llama.py), without ~10 Python calls and their tensors per layer.
- * layers: n_layers rows of PS_LAYER_FIELDS int64 (pointers and kinds, laid out as the PS_L_* below; each
- * of the 4 linears is {kind (0 bf16 packed, 1 int8), weight, bias or 0, scales (int8), row sums (int8)}).
- * x: [B, H] embeddings; out: [B, H] = final_norm(last hidden + residual); cos/sin [B, D]; slots [B];
- * ctx_slots [B, max_len] and lens [B] as ps_decode_attention. int8 linears need B <= 32 (the caller checks). */
+/* One decode step of a Llama-style decoder (pre-norm, fused qkv with rotary, paged attention, SiLU MLP):
+ * the decoder layer is written once, as its two halves below (ps_layer_attention, ps_layer_mlp), with the
+ * same kernels, order and roundings as the per-layer path (models/llama.py); ps_decode_stack loops over them
+ * in one call, without ~10 Python calls and their tensors per layer, and with tensor parallelism
+ * models/llama.py calls the halves itself, all-reducing after each.
+ * A layer is one row of PS_LAYER_FIELDS int64 (pointers and kinds, laid out as the PS_L_* below; each of the
+ * 4 linears is {kind (0 bf16 packed, 1 int8), weight, bias or 0, scales (int8), row sums (int8)}).
+ * cos/sin [B, D]; slots [B]; ctx_slots [B, max_len] and lens [B] as ps_decode_attention. int8 linears need
+ * B <= 32 where the caller says so (KernelBackend: CPUs with bf16 dot products). */
 enum { PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O = PS_L_QKV + 5, PS_L_GATE_UP = PS_L_O + 5,
        PS_L_DOWN = PS_L_GATE_UP + 5, PS_L_K_CACHE = PS_L_DOWN + 5, PS_L_V_CACHE, PS_LAYER_FIELDS };
 
@@ -996,32 +998,58 @@ static void stack_linear(const int64_t *lin, const void *x, void *y, int64_t M, 
                    M, N, K, nthreads);
 }
 
+/* The attention half of decoder layer `layer`: h = in_norm(x + residual) (the sum kept in `residual`; on
+ * the first layer, `first`, residual = x), qkv = h W_qkv, rotary + K/V write, paged attention, y = attn W_o
+ * (with tensor parallelism this rank's partial sum). x, y, residual: [B, H]. */
+void ps_layer_attention(const int64_t *layer, const void *x, void *residual, int first, void *y, const void *cos,
+                        const void *sin, const int64_t *slots, const int64_t *ctx_slots, const int64_t *lens,
+                        int64_t B, int64_t max_len, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, float eps,
+                        float scale, int bf16, int nthreads) {
+  const size_t es = bf16 ? 2 : 4, qkv_n = (size_t)((Hq + 2 * Hkv) * D);
+  char *h = (char *)aligned_alloc(64, (es * (size_t)B * ((size_t)H + qkv_n + (size_t)(Hq * D)) + 63) / 64 * 64);
+  char *qkv = h + es * B * H, *attn = qkv + es * B * qkv_n;
+  if (first) {
+    memcpy(residual, x, es * B * H);
+    ps_rms_norm(x, NULL, NULL, (const void *)layer[PS_L_IN_NORM], h, B, H, eps, bf16, nthreads);
+  } else {
+    ps_rms_norm(x, residual, residual, (const void *)layer[PS_L_IN_NORM], h, B, H, eps, bf16, nthreads);
+  }
+  stack_linear(layer + PS_L_QKV, h, qkv, B, (int64_t)qkv_n, H, bf16, nthreads);
+  ps_rope_kv_write(qkv, cos, sin, (void *)layer[PS_L_K_CACHE], (void *)layer[PS_L_V_CACHE], slots, B, Hq, Hkv, D,
+                   bf16, nthreads);
+  ps_decode_attention(qkv, (int64_t)qkv_n, (const void *)layer[PS_L_K_CACHE], (const void *)layer[PS_L_V_CACHE],
+                      ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, bf16, nthreads);
+  stack_linear(layer + PS_L_O, attn, y, B, H, Hq * D, bf16, nthreads);
+  free(h);
+}
+
+/* The MLP half: h = post_norm(y + residual) (the sum kept in `residual`), out = SiLU(h W_gate) * (h W_up)
+ * W_down (with tensor parallelism this rank's partial sum). y, out, residual: [B, H]. */
+void ps_layer_mlp(const int64_t *layer, const void *y, void *residual, void *out, int64_t B, int64_t H, int64_t I,
+                  float eps, int bf16, int nthreads) {
+  const size_t es = bf16 ? 2 : 4;
+  char *h = (char *)aligned_alloc(64, (es * (size_t)B * ((size_t)H + 3 * (size_t)I) + 63) / 64 * 64);
+  char *gate_up = h + es * B * H, *act = gate_up + es * B * 2 * I;
+  ps_rms_norm(y, residual, residual, (const void *)layer[PS_L_POST_NORM], h, B, H, eps, bf16, nthreads);
+  stack_linear(layer + PS_L_GATE_UP, h, gate_up, B, 2 * I, H, bf16, nthreads);
+  ps_silu_mul(gate_up, act, B, I, bf16, nthreads);
+  stack_linear(layer + PS_L_DOWN, act, out, B, H, I, bf16, nthreads);
+  free(h);
+}
+
+/* Every layer of a decode-only step: x [B, H] embeddings -> out [B, H] = final_norm(last output + residual). */
 void ps_decode_stack(const void *x, void *out, const int64_t *layers, int64_t n_layers, const void *final_norm,
                      const void *cos, const void *sin, const int64_t *slots, const int64_t *ctx_slots,
                      const int64_t *lens, int64_t B, int64_t max_len, int64_t H, int64_t Hq, int64_t Hkv,
                      int64_t D, int64_t I, float eps, float scale, int bf16, int nthreads) {
-  const size_t es = bf16 ? 2 : 4, qkv_n = (size_t)((Hq + 2 * Hkv) * D);
-  const size_t bytes = es * (size_t)B * ((size_t)H * 3 + qkv_n + (size_t)(Hq * D + 3 * I));
-  char *residual = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
-  char *h = residual + es * B * H, *y = h + es * B * H, *qkv = y + es * B * H;
-  char *attn = qkv + es * B * qkv_n, *gate_up = attn + es * B * Hq * D, *act = gate_up + es * B * 2 * I;
-  memcpy(residual, x, es * B * H);
+  const size_t es = bf16 ? 2 : 4;
+  char *residual = (char *)aligned_alloc(64, (3 * es * (size_t)(B * H) + 63) / 64 * 64);
+  char *a = residual + es * B * H, *y = a + es * B * H;
   for (int64_t l = 0; l < n_layers; ++l) {
     const int64_t *p = layers + l * PS_LAYER_FIELDS;
-    if (l == 0)
-      ps_rms_norm(x, NULL, NULL, (const void *)p[PS_L_IN_NORM], h, B, H, eps, bf16, nthreads);
-    else
-      ps_rms_norm(y, residual, residual, (const void *)p[PS_L_IN_NORM], h, B, H, eps, bf16, nthreads);
-    stack_linear(p + PS_L_QKV, h, qkv, B, (int64_t)qkv_n, H, bf16, nthreads);
-    ps_rope_kv_write(qkv, cos, sin, (void *)p[PS_L_K_CACHE], (void *)p[PS_L_V_CACHE], slots, B, Hq, Hkv, D, bf16,
-                     nthreads);
-    ps_decode_attention(qkv, (int64_t)qkv_n, (const void *)p[PS_L_K_CACHE], (const void *)p[PS_L_V_CACHE],
-                        ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, bf16, nthreads);
-    stack_linear(p + PS_L_O, attn, y, B, H, Hq * D, bf16, nthreads);
-    ps_rms_norm(y, residual, residual, (const void *)p[PS_L_POST_NORM], h, B, H, eps, bf16, nthreads);
-    stack_linear(p + PS_L_GATE_UP, h, gate_up, B, 2 * I, H, bf16, nthreads);
-    ps_silu_mul(gate_up, act, B, I, bf16, nthreads);
-    stack_linear(p + PS_L_DOWN, act, y, B, H, I, bf16, nthreads);
+    ps_layer_attention(p, l == 0 ? x : (const void *)y, residual, l == 0, a, cos, sin, slots, ctx_slots, lens, B,
+                       max_len, H, Hq, Hkv, D, eps, scale, bf16, nthreads);
+    ps_layer_mlp(p, a, residual, y, B, H, I, eps, bf16, nthreads);
   }
   ps_rms_norm(y, residual, residual, final_norm, out, B, H, eps, bf16, nthreads);
   free(residual);

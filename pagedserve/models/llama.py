@@ -156,6 +156,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, qk_norm, tp, layout)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp = tp
         self.stack: NativeDecodeStack | None = None
         self._stack_kernels: CpuKernels | None = None  # set: build the stack at the next forward
 
@@ -198,14 +199,17 @@ class PackedRowsEmbedding(nn.Module):
 
 
 class NativeDecodeStack:
-    """All decoder layers of a decode-only step in one native call (kernels.decode_stack): the per-layer
-    path's kernels in the same order, without ~10 Python calls and their tensors per layer (about 3 ms of
-    a 30 ms bf16 step on the 2-core Zen 5; see benchmarks/PROFILE.md). Used where every layer runs native
-    kernels with rotary fused into the KV write (no q/k norm) and the KV pool is in the model dtype."""
+    """All decoder layers of a decode-only step on the native kernels: the C decoder layer (its attention and
+    MLP halves, cpu_kernels.c) over every layer, the per-layer path's kernels in the same order. Without
+    tensor parallelism in one native call (kernels.decode_stack), without ~10 Python calls and their tensors
+    per layer (about 3 ms of a 30 ms bf16 step on the 2-core Zen 5; see benchmarks/PROFILE.md); with it, two
+    calls per layer with this rank's all-reduce after each half. Used where every layer runs native kernels
+    with rotary fused into the KV write (no q/k norm) and the KV pool is in the model dtype."""
 
     def __init__(self, kernels: CpuKernels, model: DecoderModel, table: torch.Tensor, int8: bool,
                  tensors: list[torch.Tensor]) -> None:
         self.kernels = kernels
+        self.tp = model.tp
         self.table = table  # [layers, kernels.layer_fields] int64; the K/V pool columns filled per pool
         self._tensors = tensors  # what the table points at, kept alive with it
         self.max_rows = kernels.int8_max_rows if int8 else None
@@ -260,9 +264,20 @@ class NativeDecodeStack:
                 meta: AttentionMetadata) -> torch.Tensor:
         self._bind_pools(kv_caches)
         cos, sin = rope
-        return self.kernels.decode_stack(x.contiguous(), self.table, self.final_norm, cos.contiguous(),
-                                         sin.contiguous(), meta.slot_mapping.contiguous(), meta.decode_kv_slots,
-                                         meta.decode_context_lens, *self.dims, self.eps, self.scale)
+        step = (cos.contiguous(), sin.contiguous(), meta.slot_mapping.contiguous(), meta.decode_kv_slots,
+                meta.decode_context_lens)
+        if self.tp is None:
+            return self.kernels.decode_stack(x.contiguous(), self.table, self.final_norm, *step, *self.dims,
+                                             self.eps, self.scale)
+        heads, kv_heads, head_dim, intermediate = self.dims
+        h, residual = x.contiguous(), torch.empty_like(x)
+        for index in range(self.table.shape[0]):
+            row = self.table[index]
+            y = self.kernels.layer_attention(row, h, residual, index == 0, *step, heads, kv_heads, head_dim,
+                                             self.eps, self.scale)
+            y = self.tp.all_reduce(y)  # the heads' partial sums
+            h = self.tp.all_reduce(self.kernels.layer_mlp(row, y, residual, intermediate, self.eps))
+        return self.kernels.rms_norm(h, self.final_norm, self.eps, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -327,9 +342,7 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.prepare(backend, kernels)
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
         self.model.norm.kernels = kernels
-        # The native stack runs every layer in one call and cannot all-reduce between them: with tensor
-        # parallelism each layer runs on its own (its native kernels still apply to the shard).
-        self.model.prepare_stack(kernels if self.tp is None else None)
+        self.model.prepare_stack(kernels)  # with tensor parallelism: layer by layer, all-reducing between
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""
@@ -341,10 +354,10 @@ class LlamaForCausalLM(nn.Module):
         return [f"{len(self.model.layers)} decoder layers: " + ", ".join(f"{k} {v}" for k, v in linears.items()),
                 f"norms {'native' if norm.kernels is not None else 'torch'}; SiLU x up {native}; rotary + KV write "
                 f"{'native' if attn.fused_rope else 'torch'}; decode attention {native}; prefill attention torch SDPA",
-                f"decode stack (all layers in one native call for decode-only steps): "
+                f"decode stack (every layer's C attention and MLP halves for decode-only steps): "
                 f"{'on' if self.model._stack_kernels is not None or self.model.stack is not None else 'off'}"
-                + (f" (tensor parallel, rank {self.tp.rank} of {self.tp.world_size}: layers all-reduce between "
-                   "them, so each runs on its own)" if self.tp is not None else "")]
+                + (f" (tensor parallel, rank {self.tp.rank} of {self.tp.world_size}: two native calls per layer, "
+                   "all-reducing after each)" if self.tp is not None else ", one native call")]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (with tensor parallelism: on rank 0, None elsewhere)."""

@@ -181,3 +181,31 @@ def test_a_gguf_served_from_int8_blocks_splits_its_quantized_rows_and_columns(tm
     for ours, reference in zip(got, expected):
         assert ours.token_ids == reference.token_ids
         assert_same_logprobs(ours.logprobs, reference.logprobs)
+
+
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", None), ("float32", "int8")])
+def test_the_decode_stack_runs_layer_by_layer_with_two_ranks_and_changes_nothing(tiny_model_dir, dtype,
+                                                                                 quantization):
+    """With two ranks a decode-only step runs every layer's C attention and MLP halves (cpu_kernels.c), all-
+    reducing after each, where the native kernels run: rank 0's tokens and logprobs are bit for bit those of
+    its per-layer path (the same kernels and collectives in the same order; rank 1 keeps its stack)."""
+    from pagedserve.kernels import cpu_kernels
+    from tests.models.test_decode_stack import _generate
+
+    if cpu_kernels() is None:
+        pytest.skip("no native kernels on this CPU: the per-layer torch path runs (the other tests)")
+    arch, overrides = CASES["llama-kv1-obias"]
+    model_dir = tiny_model_dir(arch, dtype, **overrides)
+    kwargs = {"quantization": quantization} if quantization else {}
+    llm = LLM(model_dir, dtype=dtype, max_model_len=256, tensor_parallel_size=2, enable_prefix_caching=False,
+              **kwargs)
+    try:
+        with_stack, stack_steps = _generate(llm, stack_enabled=True)
+        without, no_stack_steps = _generate(llm, stack_enabled=False)
+        assert any("two native calls per layer" in line for line in llm.engine.runner.model.kernel_report())
+    finally:
+        llm.engine.runner.close()
+    assert stack_steps >= 11 and no_stack_steps == 0
+    for a, b in zip(with_stack, without):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # exact
