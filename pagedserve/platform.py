@@ -1,74 +1,112 @@
-"""Device handling in one place: which device, which dtype, how many threads."""
+"""Device handling in one place: which device, which dtype, how many threads.
+
+torch is imported where a function needs it, not with the module: engine set-up resolves the device, dtype
+and quantization here, and `pagedserve plan` does that without torch (with `kernels_from_flags`).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import math
 import mmap
+import sys
+from typing import TYPE_CHECKING
 
-import torch
+from pagedserve import envs
 
 # The host probes live in memory/probe.py (torch-free, paths as arguments, cgroup v1/v2 and ARM aware);
 # re-exported here so that callers keep importing them from pagedserve.platform.
 from pagedserve.memory.probe import cpu_flags, fast_cpu_dtype, usable_cpu_count
+from pagedserve.memory.weight_format import native_kernels_expected
 
-__all__ = ["DTYPES", "bind_rank_device", "canonical_dtype_name", "configure_threads", "cpu_flags", "default_device",
-           "default_quantization", "distributed_backend",
-           "lazy_zeros", "resolve_dtype", "torch_dtype", "usable_cpu_count"]
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {
-    "float32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16,
+__all__ = ["DTYPE_NAMES", "bind_rank_device", "canonical_dtype_name", "configure_threads", "cpu_flags",
+           "default_device", "default_quantization", "distributed_backend", "lazy_zeros", "native_kernels_run",
+           "resolve_dtype", "torch_dtype", "usable_cpu_count"]
+
+# The dtype names accepted, each -> the torch dtype's name.
+DTYPE_NAMES = {
+    "float32": "float32", "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16", "half": "float16",
 }
 
 
 def default_device() -> str:
+    """"cuda" where torch sees a GPU, else "cpu". A CPU-only torch wheel (version "+cpu") never does: that
+    is known from its metadata, without importing torch."""
+    if "torch" not in sys.modules and _torch_is_cpu_only_build():
+        return "cpu"
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def _torch_is_cpu_only_build() -> bool:
+    from importlib import metadata
+
     try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of auto, {', '.join(sorted(DTYPES))}; got {name!r}") from None
+        return metadata.version("torch").endswith("+cpu")
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, canonical_dtype_name(name))
 
 
 def canonical_dtype_name(name: str) -> str:
-    return str(torch_dtype(name)).removeprefix("torch.")
+    try:
+        return DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of auto, {', '.join(sorted(DTYPE_NAMES))}; got {name!r}") from None
 
 
-def resolve_dtype(requested: str, device: str, model_dtype: str | None) -> str:
+def native_kernels_run(kernels_from_flags: bool = False) -> bool:
+    """Whether pagedserve's native CPU kernels run in this process: built (once per machine) and loaded by
+    pagedserve.kernels, which imports torch; with `kernels_from_flags`, told from the CPU's flags alone
+    (memory/weight_format.native_kernels_expected: nothing built, loaded or imported; it assumes the
+    library builds where the CPU has an ISA it is written for). `pagedserve plan` asks the latter."""
+    if kernels_from_flags:
+        return native_kernels_expected(cpu_flags(), envs.cpu_kernels_enabled())
+    from pagedserve.kernels import cpu_kernels
+
+    return cpu_kernels() is not None
+
+
+def resolve_dtype(requested: str, device: str, model_dtype: str | None, kernels_from_flags: bool = False) -> str:
     """Pick the serving dtype; `auto` means the fastest one that is numerically safe here.
 
     On a CPU: the rule of `memory.probe.choose_cpu_dtype` (bfloat16 where the CPU has bf16 dot products
     or pagedserve's native kernels run, which compute bf16 weights in float32; else float32; measured per
     CPU class in benchmarks/RESULTS.md). On CUDA: the checkpoint's 16-bit dtype, float16 for float32
-    checkpoints (bfloat16 where the device supports it).
+    checkpoints (bfloat16 where the device supports it). `kernels_from_flags`: see native_kernels_run.
     """
     if requested != "auto":
         return canonical_dtype_name(requested)
     if device == "cuda":
         if model_dtype in ("bfloat16", "float16"):
             return model_dtype
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    from pagedserve.kernels import cpu_kernels
+        import torch
 
-    return fast_cpu_dtype(cpu_flags(), native_kernels=cpu_kernels() is not None)
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return fast_cpu_dtype(cpu_flags(), native_kernels=native_kernels_run(kernels_from_flags))
 
 
 def default_quantization(requested_dtype: str, quantization: str | None, stores_quantized: bool,
-                         device: str) -> str | None:
+                         device: str, kernels_from_flags: bool = False) -> str | None:
     """The weight quantization to serve with: the user's, or "int8" for a checkpoint whose matrices are
     stored block-quantized (a Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels.
     As every GGUF runner does, such a file is served from its quantized weights (requantized per row to
     int8: 1 byte a weight) instead of being widened to bf16 or float32 (2-4x the bytes read per token).
-    An explicit --dtype still dequantizes to that dtype."""
+    An explicit --dtype still dequantizes to that dtype. `kernels_from_flags`: see native_kernels_run."""
     if quantization is not None or requested_dtype != "auto" or not stores_quantized or device != "cpu":
         return quantization
-    from pagedserve.kernels import cpu_kernels
-
-    return "int8" if cpu_kernels() is not None else None
+    return "int8" if native_kernels_run(kernels_from_flags) else None
 
 
 def distributed_backend(device: str) -> str:
@@ -80,12 +118,16 @@ def bind_rank_device(device: str, rank: int) -> str:
     """The device tensor-parallel rank `rank` runs on (on CUDA: GPU `rank`, made this process's current one)."""
     if device != "cuda":
         return device
+    import torch
+
     torch.cuda.set_device(rank)
     return f"cuda:{rank}"
 
 
 def configure_threads(num_threads: int) -> None:
     """Set torch's intra-op thread count (CPU) once per process."""
+    import torch
+
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
 
@@ -105,6 +147,8 @@ def release_free_heap() -> None:
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     """A zero tensor that costs memory only where it is written (CPU: an anonymous mmap, whose pages the
     OS zero-fills on first touch); on a GPU an ordinary torch.zeros."""
+    import torch
+
     if device != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * dtype.itemsize

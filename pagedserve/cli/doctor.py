@@ -26,6 +26,7 @@ from pathlib import Path
 from pagedserve import envs
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.memory import probe
+from pagedserve.memory.weight_format import native_kernels_expected
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 GIB = 1 << 30
@@ -200,7 +201,7 @@ def check_cpu(flags: set[str], native_kernels: bool = True) -> CheckResult:
 
 
 def _native_kernels_load(flags: set[str]) -> bool:
-    if platform.machine() not in ("x86_64", "AMD64") or probe.native_kernel_isa(flags) is None:
+    if not native_kernels_expected(flags, envs.cpu_kernels_enabled()):  # what `pagedserve plan` assumes
         return False
     from pagedserve.kernels import load_status
 

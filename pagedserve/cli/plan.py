@@ -1,8 +1,11 @@
 """`pagedserve plan [MODEL] [serve flags] [--json]`: the memory budget `serve` would check, without loading.
 
 The plan is the one `serve` computes in its "planning" phase (the same function, the same flags and
-environment variables), so what this prints is what `serve` would accept or refuse. Exit code 0 when it fits,
-1 when it does not, 2 for bad flags or a model that cannot be read.
+environment variables), so what this prints is what `serve` would accept or refuse. One difference: it does
+not import torch, so whether pagedserve's native kernels run (for --dtype auto and a GGUF's default int8) is
+told from the CPU's flags without building them; where they would fail to build (no C compiler), `serve`
+decides otherwise (`pagedserve doctor` reports that). Exit code 0 when it fits, 1 when it does not, 2 for bad
+flags or a model that cannot be read.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine_args = engine_args_from_cli(args)
-        config = create_engine_config(engine_args, available=_available_from_paths(args), check_memory=False)
+        config = create_engine_config(engine_args, available=_available_from_paths(args), check_memory=False,
+                                      kernels_from_flags=True)  # no torch: the kernels as the CPU's flags promise
     except (ValueError, OSError) as exc:
         return fail(str(exc))
     plan = config.memory_plan

@@ -13,7 +13,6 @@ from pagedserve.models.fetch import DEFAULT_MODEL
 from pagedserve.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 from pagedserve.structured.params import DEFAULT_COMPILE_TIMEOUT_S
 
-SUPPORTED_QUANTIZATION = (None, "int8")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 

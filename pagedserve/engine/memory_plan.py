@@ -6,13 +6,15 @@ and after warm-up the measured RSS next to it. The arithmetic itself is memory/'
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from pagedserve import envs
 from pagedserve.config import ModelConfig, SchedulerConfig
-from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineArgs
+from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, EngineArgs
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.plan import MemoryPlan
-from pagedserve.memory.probe import AvailableMemory
+from pagedserve.memory.probe import AvailableMemory, cpu_flags
+from pagedserve.memory.weight_format import (SUPPORTED_QUANTIZATION, WeightFormat, expected_weight_format,
+                                             native_kernels_expected)
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +98,14 @@ def _uses_transformers(args: EngineArgs, model: ModelConfig) -> bool:
         args.tokenizer or model.model)
 
 
-def _kernel_backend(model: ModelConfig, device: str) -> Any:
-    """The KernelBackend the loader will choose (it decides whether weights are copied into another format,
-    and whether a tied embedding shares the packed logits matrix)."""
-    from pagedserve.layers.backend import KernelBackend
-    from pagedserve.platform import torch_dtype
-
-    return KernelBackend.choose(device, torch_dtype(model.dtype), model.quantization, model.reference_kernels)
+def _kernel_backend(model: ModelConfig, device: str) -> WeightFormat:
+    """The weight format the loader's KernelBackend.choose will pick (it decides whether weights are copied
+    into another format, and whether a tied embedding shares the packed logits matrix): the same rule
+    (memory/weight_format.py), told from the CPU's flags without torch. Where choose needs the native library
+    to load, this assumes it does when the CPU has an ISA it is written for (nothing is compiled here; a
+    failed build is predicted wrongly), and that oneDNN packs where choose would probe it."""
+    native = native_kernels_expected(cpu_flags(), envs.cpu_kernels_enabled())
+    return expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels, native)
 
 
 def _probe_available_memory(device: str) -> AvailableMemory:

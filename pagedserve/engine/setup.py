@@ -15,12 +15,13 @@ from typing import Any
 
 from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedserve.distributed.plan import check_parallel_args, resolve_parallel
-from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineArgs
+from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, EngineArgs
 from pagedserve.engine.faults import parse_fault_spec
 from pagedserve.engine.memory_plan import check_memory_plan, num_kv_blocks, plan_memory
 from pagedserve.engine.startup import StartupTracker
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.probe import AvailableMemory
+from pagedserve.memory.weight_format import SUPPORTED_QUANTIZATION
 from pagedserve.models.pooling_config import is_encoder
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.structured.params import StructuredOutputsConfig
@@ -88,11 +89,14 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None,
-                         available: AvailableMemory | None = None, check_memory: bool = True) -> EngineConfig:
+                         available: AvailableMemory | None = None, check_memory: bool = True,
+                         kernels_from_flags: bool = False) -> EngineConfig:
     """Resolve every 'auto' and default in EngineArgs into frozen configs and plan the memory (no weights are
     read). When the plan does not fit, raise InsufficientMemoryError after logging the table with the
     shortfall and the flags that would fit (check_memory=False returns the config with its plan instead).
-    `available` replaces the probe of this host's (or GPU's) free memory."""
+    `available` replaces the probe of this host's (or GPU's) free memory. `kernels_from_flags` (`pagedserve
+    plan`): whether the native kernels run (for --dtype auto and a GGUF's quantization) is told from the CPU's
+    flags instead of building and loading them (platform.native_kernels_run), so no torch is imported."""
     from pagedserve.memory.checkpoint import read_checkpoint_info
     from pagedserve.models.validate import check_sliding_window, validate_model_path
     from pagedserve.platform import default_device, default_quantization, resolve_dtype, usable_cpu_count
@@ -110,7 +114,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     device = default_device() if args.device == "auto" else args.device
     config_dict = hf_config.to_dict()
     model_dtype = str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "")
-    dtype = resolve_dtype(args.dtype, device, model_dtype.removeprefix("torch.") or None)
+    dtype = resolve_dtype(args.dtype, device, model_dtype.removeprefix("torch.") or None, kernels_from_flags)
     task = _resolve_task(args, architecture, model_path)
     parallel, threads_per_rank = resolve_parallel(args, hf_config, task, architecture, usable_cpu_count())
     pooler = _pooler_config(model_path, architecture, hf_config) if task == "embed" else None
@@ -131,14 +135,16 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     model = ModelConfig(model=model_path, served_model_name=served_name, dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
                         architecture=architecture, task=task, pooler=pooler, seed=args.seed,
                         quantization=default_quantization(args.dtype, args.quantization,
-                                                          checkpoint.stores_quantized_matmuls(), device),
+                                                          checkpoint.stores_quantized_matmuls(), device,
+                                                          kernels_from_flags),
                         enforce_eager=args.enforce_eager,
                         reference_kernels=args.reference_kernels)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
                                 max_waiting_requests=args.max_waiting_requests)
     speculative = _speculative_config(args, task)
-    draft = _draft_model(speculative, model, args, device) if speculative is not None else None
+    draft = (_draft_model(speculative, model, args, device, kernels_from_flags) if speculative is not None
+             else None)
     plan = plan_memory(args, checkpoint, model, scheduler, device, available, draft)
     cache = CacheConfig(block_size=args.block_size, num_blocks=num_kv_blocks(args, plan),
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
@@ -185,8 +191,8 @@ def _speculative_config(args: EngineArgs, task: str) -> SpeculativeConfig | None
     return speculative
 
 
-def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: EngineArgs,
-                 device: str) -> tuple[CheckpointInfo, ModelConfig] | None:
+def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: EngineArgs, device: str,
+                 kernels_from_flags: bool = False) -> tuple[CheckpointInfo, ModelConfig] | None:
     """The draft model of method draft_model, resolved and checked like the target (headers only): it must be a
     decoder that generates, with the target's vocabulary, and it runs in the target's dtype on one rank."""
     if speculative.method != "draft_model":
@@ -211,7 +217,8 @@ def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: Engi
         raise ValueError(f"--speculative-config: the draft model's vocabulary ({hf_config.vocab_size} tokens) is "
                          f"not the target's ({target.hf_config.vocab_size}); a draft model must share the target's "
                          "tokenizer (e.g. a smaller model of the same family)")
-    quantization = default_quantization(args.dtype, args.quantization, checkpoint.stores_quantized_matmuls(), device)
+    quantization = default_quantization(args.dtype, args.quantization, checkpoint.stores_quantized_matmuls(), device,
+                                        kernels_from_flags)
     draft = ModelConfig(model=path, served_model_name=speculative.model, dtype=target.dtype,
                         max_model_len=target.max_model_len, hf_config=hf_config, architecture=architecture,
                         seed=target.seed, quantization=quantization, enforce_eager=target.enforce_eager,

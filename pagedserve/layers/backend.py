@@ -2,7 +2,8 @@
 
 - Linears (`linear_kind`, the vocabulary the memory plan sizes weights by): "packed" (bf16 on pagedserve's
   native kernel where it runs, else oneDNN's blocked layout), "int8" (weight-only int8: the native kernel
-  where it runs, else torch's `_weight_int8pack_mm`), "plain" (`F.linear`: the reference path, GPUs).
+  where it runs, else torch's `_weight_int8pack_mm`), "plain" (`F.linear`: the reference path, GPUs). The
+  rule is memory/weight_format.py's, which the memory plan applies too, without torch.
 - `native`: pagedserve's C kernels for this CPU's ISA (pagedserve/kernels), or None (torch ops). Besides
   the linears they run RMSNorm (+ residual), SiLU x up, rotary + KV write, paged decode attention and the
   decode stack, for models whose sizes their vectors fit (`decoder_kernels`).
@@ -16,10 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedserve.kernels import ACTIVATION_DTYPES, CpuKernels, cpu_kernels
+from pagedserve.kernels import CpuKernels, cpu_kernels
 from pagedserve.layers.linear import Int8Linear, PackedLinear, PlainLinear, QuantizedWeight, packing_supported
-
-SUPPORTED_QUANTIZATION = (None, "int8")
+from pagedserve.memory import weight_format
 
 
 @dataclass(frozen=True)
@@ -32,26 +32,19 @@ class KernelBackend:
     @classmethod
     def choose(cls, device: str, dtype: torch.dtype, quantization: str | None = None,
                reference: bool = False) -> KernelBackend:
-        """The backend for weights on `device` in `dtype`; `reference` forces torch ops with F.linear."""
-        if quantization not in SUPPORTED_QUANTIZATION:
-            raise ValueError(f"quantization {quantization!r} is not supported; supported: int8")
-        native = None
-        if not reference and device == "cpu" and dtype in ACTIVATION_DTYPES:
-            native = cpu_kernels()
-        if quantization == "int8":
-            kind = "int8"
-        elif reference:
-            kind = "plain"
-        elif (native is not None and dtype == torch.bfloat16) or packing_supported(device, dtype):
-            kind = "packed"
-        else:
-            kind = "plain"
+        """The backend for weights on `device` in `dtype`; `reference` forces torch ops with F.linear.
+        memory/weight_format.py's rule, on the kernels this process loads and oneDNN's probe."""
+        weight_format.check_quantization(quantization)
+        name = _dtype_name(dtype)
+        native = cpu_kernels() if weight_format.wants_native_kernels(device, name, reference) else None
+        kind = weight_format.linear_kind(name, quantization, reference, native is not None,
+                                         lambda: packing_supported(device, dtype))
         return cls(device, dtype, kind, native)
 
     @property
     def native_bf16_linears(self) -> bool:
         """bf16 linears run pagedserve's kernel (its packed layout; a tied embedding reads rows from it)."""
-        return self.linear_kind == "packed" and self.native is not None and self.dtype == torch.bfloat16
+        return weight_format.native_bf16_linears(self.linear_kind, self.native is not None, _dtype_name(self.dtype))
 
     def make_linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
         """The linear layer this backend runs for `weight` [out, in] (+ bias)."""
@@ -78,4 +71,8 @@ class KernelBackend:
     def describe(self) -> str:
         """One line for the start-up log and doctor."""
         where = f"native {self.native.isa} kernels" if self.native is not None else "torch ops"
-        return f"{where}, {self.linear_kind} linears, {str(self.dtype).removeprefix('torch.')} on {self.device}"
+        return f"{where}, {self.linear_kind} linears, {_dtype_name(self.dtype)} on {self.device}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import CpuKernels
+from pagedserve.memory.weight_format import onednn_may_pack
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +219,10 @@ def quantize_int8_per_channel(weight: torch.Tensor, rows_per_chunk: int = 4096) 
 
 
 def packing_supported(device: str, dtype: torch.dtype) -> bool:
-    """oneDNN packing works here and reproduces F.linear on a probe matmul."""
-    if device != "cpu" or dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
+    """oneDNN packing works here and reproduces F.linear on a probe matmul (where memory/weight_format.py
+    tries it: the memory plan assumes it works there)."""
+    tried = onednn_may_pack(device, str(dtype).removeprefix("torch."))
+    if not tried or not torch.backends.mkldnn.is_available():
         return False
     try:
         weight = torch.randn(48, 32).to(dtype)

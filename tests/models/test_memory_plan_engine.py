@@ -87,6 +87,73 @@ def test_plan_refuses_with_the_shortfall_and_what_would_fit(tiny_model_dir, tmp_
     assert code == 1 and "DOES NOT FIT" in out and "no single flag change fits" in out
 
 
+def test_plan_imports_no_torch_and_agrees_with_the_loaded_kernels(tiny_model_dir, tmp_path) -> None:
+    """`pagedserve plan` (default flags: device, dtype and a GGUF's quantization auto) runs without importing
+    torch or building the kernels, and on this host, where the kernels load, its plan is the one the engine
+    computes after loading them (dtype and quantization from cpu_kernels())."""
+    import subprocess
+    import sys
+
+    import pagedserve
+    from pagedserve.memory import probe
+
+    models = [tiny_model_dir("qwen2", "bfloat16"),  # tied embeddings: the packed head's copy depends on the kernels
+              str(write_test_gguf(tiny_model("qwen2"), tmp_path / "q8.gguf", QType.Q8_0))]  # int8 by default
+    for index, model in enumerate(models):
+        host = fake_host(tmp_path / f"host{index}", available_kib=1 << 22)
+        code = ("import json, sys\nfrom pagedserve.cli.main import main\n"
+                f"code = main(['plan', {model!r}, '--json', *{host!r}])\n"
+                "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules,"
+                " 'kernels': 'pagedserve.kernels' in sys.modules}))")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             cwd=Path(pagedserve.__file__).parents[1])
+        assert run.returncode == 0, run.stderr
+        plan_text, _, last = run.stdout.rstrip().rpartition("\n")
+        assert json.loads(last) == {"code": 0, "torch": False, "kernels": False}
+        data = json.loads(plan_text)
+        available = probe.available_memory(host[1], host[3])  # the fake host, as `plan` reads it
+        config = create_engine_config(EngineArgs(model=model), available=available, check_memory=False)
+        assert (data["settings"]["dtype"], data["request"]["quantization"]) == (config.model.dtype,
+                                                                                config.model.quantization)
+        assert {k: v for k, v in data.items() if k != "settings"} == config.memory_plan.to_dict()
+
+
+def test_the_plans_weight_format_is_the_kernel_backends(tiny_model_dir) -> None:
+    """The plan's weight format (engine/memory_plan.py, from the CPU's flags, memory/weight_format.py's rule)
+    is KernelBackend.choose's linear kind and native bf16 linears for every device, dtype, quantization and
+    reference setting."""
+    from dataclasses import replace
+
+    from pagedserve import envs
+    from pagedserve.engine.memory_plan import _kernel_backend
+    from pagedserve.kernels import ACTIVATION_DTYPES, cpu_kernels
+    from pagedserve.layers.backend import KernelBackend
+    from pagedserve.memory import weight_format
+    from pagedserve.memory.probe import cpu_flags
+
+    assert weight_format.NATIVE_DTYPES == tuple(str(d).removeprefix("torch.") for d in ACTIVATION_DTYPES)
+    expected_native = weight_format.native_kernels_expected(cpu_flags(), envs.cpu_kernels_enabled())
+    if expected_native and cpu_kernels() is None:
+        pytest.skip("the kernels failed to build here (the plan assumes they build)")
+    assert expected_native == (cpu_kernels() is not None)
+    model = engine_config(tiny_model_dir("llama")).model
+    for device in ("cpu", "cuda"):
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            for quantization in (None, "int8"):
+                for reference in (False, True):
+                    backend = KernelBackend.choose(device, dtype, quantization, reference)
+                    planned = _kernel_backend(replace(model, dtype=str(dtype).removeprefix("torch."),
+                                                      quantization=quantization, reference_kernels=reference),
+                                              device)
+                    assert (backend.linear_kind, backend.native_bf16_linears) == (
+                        planned.linear_kind, planned.native_bf16_linears), (device, dtype, quantization, reference)
+    assert KernelBackend.choose("cpu", torch.bfloat16).native_bf16_linears == expected_native
+    for choose in (lambda: KernelBackend.choose("cpu", torch.bfloat16, "int4"),
+                   lambda: _kernel_backend(replace(model, quantization="int4"), "cpu")):
+        with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
+            choose()
+
+
 @pytest.mark.parametrize("kind", ["safetensors", "gguf"])
 def test_engine_refuses_before_reading_any_weight(tiny_model_dir, tmp_path, monkeypatch, kind: str) -> None:
     from pagedserve.entrypoints.llm import LLM

@@ -239,7 +239,7 @@ def test_platform_reexports_the_probes() -> None:
     import subprocess
     import sys
 
-    # platform imports torch, so check in a child that the names are the probe's and still importable there.
+    # In a fresh child process: the names are the probe's, and importable from platform there.
     code = ("from pagedserve import platform; from pagedserve.memory import probe; "
             "assert platform.usable_cpu_count is probe.usable_cpu_count; assert platform.cpu_flags is probe.cpu_flags")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

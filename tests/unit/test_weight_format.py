@@ -1,0 +1,51 @@
+"""memory/weight_format.py: the linear kind rule KernelBackend.choose and the memory plan share (the two are
+compared on real kernels in tests/models/test_memory_plan_engine.py), and the prediction from CPU flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.memory.weight_format import WeightFormat, expected_weight_format, native_kernels_expected
+
+AVX2 = {"avx2", "fma", "f16c", "sse4_2"}
+AVX512 = {"avx512f", "avx512bw", "avx512_vnni", *AVX2}
+
+
+def test_native_kernels_are_expected_where_an_isa_they_are_written_for_runs() -> None:
+    assert native_kernels_expected(AVX2, machine="x86_64") and native_kernels_expected(AVX512, machine="AMD64")
+    assert not native_kernels_expected(AVX2, enabled=False, machine="x86_64")  # PAGEDSERVE_CPU_KERNELS=0
+    assert not native_kernels_expected({"avx2", "fma"}, machine="x86_64")  # no F16C
+    assert not native_kernels_expected(set(), machine="x86_64")
+    assert not native_kernels_expected({"fp", "asimd", "avx2", "fma", "f16c"}, machine="aarch64")
+
+
+@pytest.mark.parametrize(("device", "dtype", "quantization", "reference", "native", "expected"), [
+    ("cpu", "bfloat16", None, False, True, WeightFormat("packed", True)),  # the native bf16 kernel
+    ("cpu", "bfloat16", None, False, False, WeightFormat("packed", False)),  # oneDNN
+    ("cpu", "float32", None, False, True, WeightFormat("packed", False)),  # float32 linears stay on oneDNN
+    ("cpu", "float16", None, False, True, WeightFormat("plain", False)),
+    ("cpu", "bfloat16", None, True, True, WeightFormat("plain", False)),  # the reference path
+    ("cpu", "bfloat16", "int8", True, True, WeightFormat("int8", False)),
+    ("cpu", "float32", "int8", False, True, WeightFormat("int8", False)),
+    ("cuda", "bfloat16", None, False, True, WeightFormat("plain", False)),
+    ("cuda", "float16", "int8", False, False, WeightFormat("int8", False)),
+])
+def test_expected_weight_format(device, dtype, quantization, reference, native, expected) -> None:
+    assert expected_weight_format(device, dtype, quantization, reference, native) == expected
+
+
+def test_unsupported_quantization_is_refused() -> None:
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported; supported: int8"):
+        expected_weight_format("cpu", "bfloat16", "int4", False, True)
+
+
+def test_platform_and_the_plan_modules_import_without_torch() -> None:
+    """`pagedserve plan` resolves device, dtype and quantization in platform.py and plans in
+    engine/memory_plan.py: neither imports torch (or builds the kernels) when imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import pagedserve.platform, pagedserve.engine.memory_plan, pagedserve.engine.setup; "
+            "assert 'torch' not in sys.modules and 'pagedserve.kernels' not in sys.modules, 'torch imported'; "
+            "from pagedserve.platform import canonical_dtype_name; assert canonical_dtype_name('half') == 'float16'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
