@@ -13,6 +13,7 @@ from pagedserve.benchmarks.metrics import BenchSummary, RequestRecord, Stats
 from pagedserve.benchmarks.serve import ServeBenchResult
 from pagedserve.benchmarks.startup import StartupResult
 from pagedserve.benchmarks.throughput import GenerateRun, ThroughputResult
+from pagedserve.memory.sizes import GIB
 
 _WIDTH = 50
 _LABEL_WIDTH = 40
@@ -164,7 +165,7 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
 
 
 def _gib(num_bytes: int) -> float:
-    return num_bytes / 2**30
+    return num_bytes / GIB
 
 
 def format_startup_table(result: StartupResult) -> str:

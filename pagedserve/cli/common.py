@@ -9,6 +9,7 @@ import sys
 
 from pagedserve import envs
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.memory.sizes import GIB
 
 
 def add_thread_args(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     if engine_args.kv_cache_memory is None:
         kv_gib = envs.vllm_cpu_kvcache_space_gib()
         if kv_gib:
-            engine_args.kv_cache_memory = int(kv_gib * (1 << 30))
+            engine_args.kv_cache_memory = int(kv_gib * GIB)
     return engine_args
 
 

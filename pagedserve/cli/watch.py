@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagedserve.memory.sizes import GIB
+
 if TYPE_CHECKING:  # httpx is imported when the command runs: `pagedserve serve` imports every sub-command
     import httpx
 
@@ -256,9 +258,9 @@ def format_sample(sample: Sample, verdict: Verdict) -> str:
 def format_rss(sample: Sample) -> str:
     """"0.95GiB", or against the plan: "0.95GiB/plan 1.10GiB (-14%)"."""
     rss = sample.tree_rss_bytes or 0
-    text = f"{rss / (1 << 30):.2f}GiB"
+    text = f"{rss / GIB:.2f}GiB"
     if sample.planned_rss_bytes:
-        text += f"/plan {sample.planned_rss_bytes / (1 << 30):.2f}GiB ({rss / sample.planned_rss_bytes - 1:+.0%})"
+        text += f"/plan {sample.planned_rss_bytes / GIB:.2f}GiB ({rss / sample.planned_rss_bytes - 1:+.0%})"
     return text
 
 

@@ -13,6 +13,7 @@ from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, EngineArgs
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.plan import MemoryPlan
 from pagedserve.memory.probe import AvailableMemory, cpu_flags
+from pagedserve.memory.sizes import MIB
 from pagedserve.memory.weight_format import (SUPPORTED_QUANTIZATION, WeightFormat, expected_weight_format,
                                              native_kernels_expected)
 
@@ -135,17 +136,16 @@ def log_memory_vs_plan(plan: MemoryPlan | None, device: str) -> None:
 
     if plan is None:
         return
-    mib = 1 << 20
-    planned = (f"planned steady {plan.steady_bytes / mib:.0f} MiB (weights {plan.weight_bytes / mib:.0f} MiB"
-               f" + overhead {plan.overhead_bytes / mib:.0f} MiB"
-               f" + KV bookkeeping {plan.kv_bookkeeping_bytes / mib:.0f} MiB)")
+    planned = (f"planned steady {plan.steady_bytes / MIB:.0f} MiB (weights {plan.weight_bytes / MIB:.0f} MiB"
+               f" + overhead {plan.overhead_bytes / MIB:.0f} MiB"
+               f" + KV bookkeeping {plan.kv_bookkeeping_bytes / MIB:.0f} MiB)")
     if device == "cuda":
         info = probe.cuda_free_memory()
         if info is not None:
-            logger.info("memory: GPU %.0f MiB in use after warm-up; %s", (info[1] - info[0]) / mib, planned)
+            logger.info("memory: GPU %.0f MiB in use after warm-up; %s", (info[1] - info[0]) / MIB, planned)
         return
     rss = probe.process_rss_bytes()
     if rss is not None:
         error = (rss - plan.steady_bytes) / max(rss, 1)
         logger.info("memory: RSS %.0f MiB after warm-up, %s: %+.1f %%; worst case with every KV block written"
-                    " %.0f MiB", rss / mib, planned, 100 * error, plan.total_bytes / mib)
+                    " %.0f MiB", rss / MIB, planned, 100 * error, plan.total_bytes / MIB)

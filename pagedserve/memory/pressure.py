@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.memory.probe import AvailableMemory, available_memory
+from pagedserve.memory.sizes import MIB
 
 logger = logging.getLogger(__name__)
 
-MIB = 1 << 20
 PRESSURE_MIN_BYTES = 256 * MIB
 PRESSURE_FRACTION = 0.05
 CHECK_INTERVAL_S = 0.5  # read the headroom at most this often

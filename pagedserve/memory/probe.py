@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-GIB = 1 << 30
+from pagedserve.memory.sizes import GIB
 
 # cgroup v1 writes "no limit" as a page-rounded LONG_MAX (9223372036854771712); anything this large is no limit.
 _V1_NO_LIMIT_THRESHOLD = 1 << 60

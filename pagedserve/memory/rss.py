@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from pagedserve.memory.plan import MemoryPlan
 from pagedserve.memory.probe import process_rss_bytes
+from pagedserve.memory.sizes import MIB
 
 logger = logging.getLogger(__name__)
 
-MIB = 1 << 20
 RSS_TOLERANCE = 0.10  # warn when RSS exceeds the expected figure by more than this
 LARGE_STEP_TOKENS = 256  # a step of at least this many tokens leaves activation buffers worth trimming
 TRIM_INTERVAL_S = 5.0  # while busy, trim at most this often

