@@ -562,35 +562,85 @@ static void bf16_tile_rows(const uint32_t *wb, const float *xt, int64_t K, int64
   }
 }
 
+/* One row of x against BF16_G weight blocks at once: the same sums as bf16_tile's one-row copy, in the same
+ * order, but 2 BF16_G independent ones instead of 2: a single row's two sums are each a chain of dependent
+ * FMAs (4 cycles apiece), which held batch-1 decode below the memory's speed. */
+#define BF16_G 4
+static inline __attribute__((always_inline)) void bf16_tile_blocks(const uint32_t *const wb[BF16_G], const float *x,
+                                                                   int64_t K, vf acc[BF16_G][2]) {
+  vf sum[BF16_G][2];
+  for (int g = 0; g < BF16_G; ++g) sum[g][0] = sum[g][1] = vzero();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    const vf be = vset1(x[2 * kp]);
+    for (int g = 0; g < BF16_G; ++g) {
+      const uint32_t *wk = wb[g] + kp * BF16_NB;
+      sum[g][0] = vfma(widen_even(wk), be, sum[g][0]);
+      sum[g][1] = vfma(widen_even(wk + VL), be, sum[g][1]);
+    }
+    const vf bo = vset1(x[2 * kp + 1]);
+    for (int g = 0; g < BF16_G; ++g) {
+      const uint32_t *wk = wb[g] + kp * BF16_NB;
+      sum[g][0] = vfma(widen_odd(wk), bo, sum[g][0]);
+      sum[g][1] = vfma(widen_odd(wk + VL), bo, sum[g][1]);
+    }
+  }
+  for (int g = 0; g < BF16_G; ++g) acc[g][0] = sum[g][0], acc[g][1] = sum[g][1];
+}
+
+/* Row m's outputs of weight block nb (+ bias b), rounded to bf16. */
+static inline void bf16_store_block(uint16_t *y, int64_t m, int64_t nb, int64_t N, vf s0, vf s1, const float *b) {
+  uint16_t *out = y + m * N + nb * BF16_NB;
+  s0 = vadd(s0, vloadf(b));
+  s1 = vadd(s1, vloadf(b + VL));
+  const int64_t valid = N - nb * BF16_NB < BF16_NB ? N - nb * BF16_NB : BF16_NB;
+  if (valid == BF16_NB) {
+    vstore(out, s0, 1);
+    vstore(out + VL, s1, 1);
+  } else {  /* the last, partial block */
+    float tmp[BF16_NB];
+    vstoref(tmp, s0);
+    vstoref(tmp + VL, s1);
+    for (int64_t j = 0; j < valid; ++j) store1(out, j, scalar_round(tmp[j], 1), 1);
+  }
+}
+
+static void bf16_block_bias(const uint16_t *bias, int64_t nb, int64_t N, float b[BF16_NB]) {
+  for (int j = 0; j < BF16_NB; ++j) {
+    const int64_t n = nb * BF16_NB + j;
+    b[j] = bias && n < N ? load1(bias, n, 1) : 0.0f;
+  }
+}
+
 static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                       int64_t M, int64_t N, int64_t K, int nthreads) {
   const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
   float *xf = bf16_tile_x(x, M, K, 1);
-  #pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t nb = 0; nb < blocks; ++nb) {
-    const uint32_t *wb = (const uint32_t *)(w + nb * BF16_NB * K);
-    float b[BF16_NB];
-    for (int j = 0; j < BF16_NB; ++j) {
-      const int64_t n = nb * BF16_NB + j;
-      b[j] = bias && n < N ? load1(bias, n, 1) : 0.0f;
+  /* One row: BF16_G blocks per tile while whole groups last, then block by block. */
+  const int64_t grouped = M == 1 ? blocks / BF16_G * BF16_G : 0;
+  #pragma omp parallel num_threads(nthreads)
+  {
+    #pragma omp for schedule(static) nowait
+    for (int64_t nb = 0; nb < grouped; nb += BF16_G) {
+      const uint32_t *wb[BF16_G];
+      for (int g = 0; g < BF16_G; ++g) wb[g] = (const uint32_t *)(w + (nb + g) * BF16_NB * K);
+      vf acc[BF16_G][2];
+      bf16_tile_blocks(wb, xf, K, acc);
+      for (int g = 0; g < BF16_G; ++g) {
+        float b[BF16_NB];
+        bf16_block_bias(bias, nb + g, N, b);
+        bf16_store_block(y, 0, nb + g, N, acc[g][0], acc[g][1], b);
+      }
     }
-    const int64_t valid = N - nb * BF16_NB < BF16_NB ? N - nb * BF16_NB : BF16_NB;
-    for (int64_t m = 0; m < M; m += BF16_MT) {
-      const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
-      vf acc[BF16_MT][2];
-      bf16_tile_rows(wb, xf + m * K, K, rows, acc);
-      for (int64_t r = 0; r < rows; ++r) {
-        uint16_t *out = y + (m + r) * N + nb * BF16_NB;
-        const vf s0 = vadd(acc[r][0], vloadf(b)), s1 = vadd(acc[r][1], vloadf(b + VL));
-        if (valid == BF16_NB) {
-          vstore(out, s0, 1);
-          vstore(out + VL, s1, 1);
-        } else {  /* the last, partial block */
-          float tmp[BF16_NB];
-          vstoref(tmp, s0);
-          vstoref(tmp + VL, s1);
-          for (int64_t j = 0; j < valid; ++j) store1(out, j, scalar_round(tmp[j], 1), 1);
-        }
+    #pragma omp for schedule(static)
+    for (int64_t nb = grouped; nb < blocks; ++nb) {
+      const uint32_t *wb = (const uint32_t *)(w + nb * BF16_NB * K);
+      float b[BF16_NB];
+      bf16_block_bias(bias, nb, N, b);
+      for (int64_t m = 0; m < M; m += BF16_MT) {
+        const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
+        vf acc[BF16_MT][2];
+        bf16_tile_rows(wb, xf + m * K, K, rows, acc);
+        for (int64_t r = 0; r < rows; ++r) bf16_store_block(y, m + r, nb, N, acc[r][0], acc[r][1], b);
       }
     }
   }
