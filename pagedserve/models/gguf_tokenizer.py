@@ -18,8 +18,9 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
-# tokenizer.ggml.pre -> how text is split before BPE (llama.cpp llama-vocab.cpp, HF tokenizer.json).
-_PRE_TOKENIZER_FAMILY: dict[str, str] = {
+# tokenizer.ggml.pre -> how text is split before BPE (llama.cpp llama-vocab.cpp, HF tokenizer.json): the
+# pre-tokenizers pagedserve supports (models/validate.py refuses any other GGUF before loading).
+PRE_TOKENIZER_FAMILY: dict[str, str] = {
     "default": "gpt2",
     "gpt2": "gpt2",
     "smollm": "digits+gpt2",
@@ -87,7 +88,7 @@ def _added_tokens(tokens: list[str], token_types: list[int]) -> list[AddedToken]
 
 def _backend_tokenizer(metadata: dict[str, Any], source: str) -> Tokenizer:
     pre = str(metadata.get("tokenizer.ggml.pre", "default"))
-    family = _PRE_TOKENIZER_FAMILY.get(pre)
+    family = PRE_TOKENIZER_FAMILY.get(pre)
     if metadata.get("tokenizer.ggml.model") != "gpt2" or family is None:
         raise ModelValidationError(
             f"{source}: cannot rebuild tokenizer model {metadata.get('tokenizer.ggml.model')!r} with "

@@ -35,12 +35,9 @@ SUPPORTED_GGUF_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 )
-# Tokenizers that `gguf_tokenizer.py` can rebuild: byte-level BPE with these pre-tokenizers.
+# Tokenizers that `gguf_tokenizer.py` can rebuild: byte-level BPE, with the pre-tokenizers (tokenizer.ggml.pre)
+# of its PRE_TOKENIZER_FAMILY table.
 SUPPORTED_GGUF_TOKENIZER_MODELS: tuple[str, ...] = ("gpt2",)
-SUPPORTED_GGUF_TOKENIZER_PRE: tuple[str, ...] = (
-    "default", "gpt2", "smollm", "starcoder", "refact", "codeshell",
-    "qwen2", "deepseek-r1-qwen", "llama-bpe", "llama3", "smaug-bpe", "falcon3", "dbrx",
-)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -70,6 +67,9 @@ def _check_gguf_tensors(header: GGUFHeader) -> None:
 
 
 def _check_gguf_tokenizer(header: GGUFHeader, need_chat_template: bool) -> None:
+    # Lazily: it imports tokenizers (no torch, no transformers), which a directory's validation does not need.
+    from pagedserve.models.gguf_tokenizer import PRE_TOKENIZER_FAMILY
+
     meta = header.metadata
     model = meta.get("tokenizer.ggml.model")
     pre = meta.get("tokenizer.ggml.pre", "default")
@@ -81,10 +81,10 @@ def _check_gguf_tokenizer(header: GGUFHeader, need_chat_template: bool) -> None:
             f"GGUF file {header.path} uses tokenizer model {model!r}; pagedserve rebuilds only "
             f"{SUPPORTED_GGUF_TOKENIZER_MODELS} (byte-level BPE) tokenizers from GGUF. {fix}."
         )
-    if pre not in SUPPORTED_GGUF_TOKENIZER_PRE:
+    if pre not in PRE_TOKENIZER_FAMILY:
         raise ModelValidationError(
             f"GGUF file {header.path} uses pre-tokenizer {pre!r}, which pagedserve does not know "
-            f"(known: {', '.join(SUPPORTED_GGUF_TOKENIZER_PRE)}). {fix}."
+            f"(known: {', '.join(PRE_TOKENIZER_FAMILY)}). {fix}."
         )
     if need_chat_template and not meta.get("tokenizer.chat_template"):
         raise ModelValidationError(

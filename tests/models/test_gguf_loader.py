@@ -15,8 +15,8 @@ from gguf.quants import dequantize
 from benchmarks.gguf_to_hf import save_as_hf_dir
 from pagedserve.formats.gguf_hf import GGUFTensorSpec, unpermute_rows
 from pagedserve.models.gguf_loader import GGUFCheckpoint
-from pagedserve.models.gguf_tokenizer import _PRE_TOKENIZER_FAMILY
-from pagedserve.models.validate import SUPPORTED_GGUF_TOKENIZER_PRE, ModelValidationError
+from pagedserve.models.gguf_tokenizer import PRE_TOKENIZER_FAMILY
+from pagedserve.models.validate import ModelValidationError
 from tests.models.gguf_utils import llama_permute, tiny_model, write_test_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -270,7 +270,9 @@ def test_tiny_tokenizer_keeps_special_tokens_whole(models: dict, tmp_path: Path)
 
 
 def test_every_known_pre_tokenizer_has_a_split_rule() -> None:
-    assert set(_PRE_TOKENIZER_FAMILY) == set(SUPPORTED_GGUF_TOKENIZER_PRE)
+    """Each family in the table (which validate.py accepts) is one _pre_tokenizer builds by name (any other
+    name would fall through to Llama 3's split)."""
+    assert set(PRE_TOKENIZER_FAMILY.values()) == {"gpt2", "digits+gpt2", "qwen2", "llama3"}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama: q/k rows are un-permuted after quantization

@@ -253,6 +253,23 @@ def test_unsupported_gguf_tokenizers(tmp_path: Path) -> None:
     assert "pre-tokenizer 'chameleon'" in message and "qwen2" in message
 
 
+def test_every_pre_tokenizer_the_tokenizer_rebuilds_is_accepted_and_torch_stays_unimported(tmp_path: Path) -> None:
+    """validate.py accepts exactly gguf_tokenizer.py's table (one list), and validating a GGUF imports neither
+    torch nor transformers."""
+    import subprocess
+    import sys
+
+    from pagedserve.models.gguf_tokenizer import PRE_TOKENIZER_FAMILY
+
+    for pre in PRE_TOKENIZER_FAMILY:
+        validate_model_path(_write_gguf(tmp_path / f"{pre}.gguf", pre=pre))
+    path = _write_gguf(tmp_path / "fresh.gguf", pre="qwen2")
+    code = ("import sys; from pagedserve.models.validate import validate_model_path; "
+            f"validate_model_path({str(path)!r}); print(*(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split() == []
+
+
 def test_gguf_without_chat_template(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "m.gguf", chat=False)
     validate_model_path(path)
