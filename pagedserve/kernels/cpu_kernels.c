@@ -360,6 +360,19 @@ static void i8_prepare(const void *x, int64_t M, int64_t K, int bf16, uint8_t *p
   }
 }
 
+/* acc += madd(x, w), kept in its register and in program order: with the sums as plain values GCC
+ * reassociated them into trees and spilled half of them every step. */
+static inline __attribute__((always_inline)) void i8_madd(__m256i *acc, __m256i x, __m256i w) {
+  *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(x, w));
+  __asm__("" : "+x"(*acc));
+}
+
+/* Prefetch the weight block's stream 1 KiB ahead of p (one 64-column chunk of its 4 rows a call): +10 % at
+ * batch 1 and +15-30 % at 2-5 rows on the 2-core Zen 3, whose prefetchers alone fell behind. */
+static inline void i8_prefetch(const int8_t *p) {
+  for (int i = 0; i < 256; i += 64) _mm_prefetch((const char *)(p + 1024 + i), _MM_HINT_T0);
+}
+
 static inline int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -379,12 +392,13 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_si256();
     for (int64_t k = k0; k < k1; k += 64) {
+      i8_prefetch(w + k * 4);
       for (int g = 0; g < 64; g += 16) {
         __m256i wv[4];
         for (int r = 0; r < 4; ++r) wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k * 4 + r * 64 + g)));
         for (int c = 0; c < C; ++c) {
           const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr[c] + k + g));
-          for (int r = 0; r < 4; ++r) a[r][c] = _mm256_add_epi32(a[r][c], _mm256_madd_epi16(xv, wv[r]));
+          for (int r = 0; r < 4; ++r) i8_madd(&a[r][c], xv, wv[r]);
         }
       }
     }
