@@ -333,8 +333,8 @@ def check_memory_plan(engine_args: EngineArgs, available: probe.AvailableMemory 
         from pagedserve.distributed.binding import format_cores
 
         settings += (f", tensor parallel {parallel.tensor_parallel_size} (the plan is per rank; cores "
-                     f"{' | '.join(format_cores(list(c)) for c in parallel.cpu_binding)}; per-layer kernels, the "
-                     "native decode stack cannot all-reduce between layers)")
+                     f"{' | '.join(format_cores(list(c)) for c in parallel.cpu_binding)}; decode steps run each "
+                     "layer's native halves with an all-reduce after each)")
     if plan.fits:
         return CheckResult("memory plan", PASS, f"{settings}: {plan.summary()}")
     fixes = [f"{s.flag} {s.value}" for s in plan.suggestions] or ["free memory or use a smaller model"]
