@@ -3,7 +3,6 @@ naming the problem (tests/models/test_structured_outputs.py checks the accepted 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
