@@ -142,7 +142,7 @@ class Scheduler:
                 if drafts or lookahead:
                     new_blocks = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead)
                 if new_blocks is None:
-                    drafts = []
+                    drafts, lookahead = [], 0
                     new_blocks = self.kv.allocate_slots(request, num_new)
                 while new_blocks is None:
                     victim = self.running.pop()  # newest first
@@ -156,6 +156,8 @@ class Scheduler:
             out.cached_requests.append(CachedRequestData(
                 request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
             self._record(out, request, num_new, drafts)
+            if lookahead:
+                out.lookahead_request_ids.add(request.request_id)
             budget -= num_new + len(drafts)
             index += 1
         return budget
@@ -203,8 +205,9 @@ class Scheduler:
                 num_new = min(num_new, budget)
                 lookahead = self._lookahead(request, computed.num_tokens + num_new) \
                     if len(self.running) < self._speculation_limit() else 0
-                if (not lookahead or self.kv.allocate_slots(request, num_new + lookahead, computed) is None) \
-                        and self.kv.allocate_slots(request, num_new, computed) is None:
+                if lookahead and self.kv.allocate_slots(request, num_new + lookahead, computed) is None:
+                    lookahead = 0
+                if not lookahead and self.kv.allocate_slots(request, num_new, computed) is None:
                     break
             except Exception as exc:  # noqa: BLE001 - one request's fault; it leaves `waiting`
                 self.fail_request(request, exc)
@@ -227,6 +230,8 @@ class Scheduler:
                 grammar=request.grammar,
             ))
             self._record(out, request, num_new)
+            if lookahead:
+                out.lookahead_request_ids.add(request.request_id)
             budget -= num_new
 
     def _record(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] | None = None) -> None:

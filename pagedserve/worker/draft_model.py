@@ -53,12 +53,13 @@ class DraftModel:
         rows = torch.tensor([row for _, row, _, _ in starts], dtype=torch.int64)
         tokens = torch.tensor([token for _, _, token, _ in starts], dtype=torch.int64)
         positions = torch.tensor([position for *_, position in starts], dtype=torch.int64)
+        tokens = tokens.to(self.device)
         proposed = []
         for _ in range(self.k):
-            meta = decode_meta(rows, positions)
-            hidden = self.model(tokens.to(self.device), positions.to(self.device), self.kv_caches, meta)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1).cpu()
+            meta = decode_meta(rows, positions)  # from the host's block table
+            hidden = self.model(tokens, positions.to(self.device), self.kv_caches, meta)
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)  # stays on the device
             proposed.append(tokens)
             positions = positions + 1
-        drafts = torch.stack(proposed, dim=1).tolist()  # [requests, k]
+        drafts = torch.stack(proposed, dim=1).tolist()  # [requests, k]: one transfer
         return {request_id: row for (request_id, *_), row in zip(starts, drafts)}

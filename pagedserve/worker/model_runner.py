@@ -210,17 +210,17 @@ class ModelRunner:
             sampling = self._sampling_batch(batch.sample_request_ids, batch.drafts)
             self._collect_samples(batch, self.sampler(logits, sampling), out)
             if self.draft is not None:
-                self._propose_drafts(batch, out)
+                self._propose_drafts(sched, batch, out)
         return out
 
-    def _propose_drafts(self, batch: _Batch, out: ModelRunnerOutput) -> None:
-        """The draft model's next tokens for each request sampled this step, where its blocks have room for
-        the draft model's K/V of them (the scheduler's lookahead)."""
+    def _propose_drafts(self, sched: SchedulerOutput, batch: _Batch, out: ModelRunnerOutput) -> None:
+        """The draft model's next tokens for each request sampled this step that the scheduler gave lookahead
+        slots (its decision of who speculates), where they hold the K/V of all k of them."""
         starts = []  # (request_id, block-table row, last token, its position)
-        for request_id, (_, num, start) in batch.spans.items():
+        for request_id, (_, num, start) in batch.spans.items():  # batch order: the same rows every run
             tokens = out.sampled_token_ids.get(request_id)
             state = self.states[request_id]
-            if not tokens or request_id in out.grammar_finished:
+            if request_id not in sched.lookahead_request_ids or not tokens or request_id in out.grammar_finished:
                 continue
             if state.num_output_tokens >= state.sampling_params.max_tokens:
                 continue  # it ends with this step
@@ -229,13 +229,17 @@ class ModelRunner:
             if not self.draft.has_room(position, len(state.block_ids) * self.block_size):
                 continue
             starts.append((request_id, state.row, tokens[-1], position))
-        if starts and len(starts) <= self.config.speculative.disable_by_batch_size:
+        if starts:
             out.draft_token_ids = self.draft.propose(starts, self._decode_step_meta)
+
+    def _slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The KV slot of each (block-table row, position)."""
+        return self.block_table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _decode_step_meta(self, rows: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
         """Metadata of a decode-only batch: block-table rows `rows`, one token each at `positions`."""
-        slots = self.block_table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        meta = AttentionMetadata(slot_mapping=slots.to(self.device), num_decodes=int(rows.shape[0]))
+        meta = AttentionMetadata(slot_mapping=self._slot_mapping(rows, positions).to(self.device),
+                                 num_decodes=int(rows.shape[0]))
         self._decode_meta(meta, rows, positions + 1)
         return meta
 
@@ -275,8 +279,8 @@ class ModelRunner:
                 num_decode_rows = len(token_ids)
         pos = torch.tensor(positions, dtype=torch.int64)
         row_t = torch.tensor(rows, dtype=torch.int64)
-        slot_mapping = self.block_table[row_t, pos // self.block_size] * self.block_size + pos % self.block_size
-        meta = AttentionMetadata(slot_mapping=slot_mapping.to(self.device), num_decodes=num_decode_rows)
+        meta = AttentionMetadata(slot_mapping=self._slot_mapping(row_t, pos).to(self.device),
+                                 num_decodes=num_decode_rows)
         if decodes:  # each decode row attends to its own position and those before it
             self._decode_meta(meta, row_t[:num_decode_rows], pos[:num_decode_rows] + 1)
         for request_id in prefills:

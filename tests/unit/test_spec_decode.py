@@ -355,3 +355,22 @@ def test_draft_model_lookahead_stays_within_max_model_len_and_never_preempts():
     outputs, _ = draft_model_run(sched, period, right, check_room=False)
     assert sched.num_preemptions_total == 0
     assert len(outputs["a"]) == len(outputs["b"]) == 12
+
+
+def test_the_scheduler_names_who_gets_lookahead_and_none_above_the_batch_size_limit():
+    """The runner's draft model proposes only for lookahead_request_ids: the scheduler's one decision."""
+    period = [3, 4]
+
+    def right(tokens):
+        return [period[(period.index(tokens[-1]) + 1 + i) % 2] for i in range(3)]
+
+    for limit, expect in ((8, True), (1, False)):
+        sched = draft_scheduler(disable_by_batch_size=limit)
+        for rid in "ab":
+            sched.add_request(request(rid, [3, 4, 3, 4], max_tokens=10))
+        _, steps = draft_model_run(sched, period, right, check_room=expect)
+        named = set().union(*(s.lookahead_request_ids for s in steps))
+        # Above the limit only the first admission (then alone) gets lookahead; its drafts are never scheduled.
+        assert named == {"a", "b"} if expect else named <= {"a"}
+        assert any(s.spec_token_ids for s in steps) == expect
+        assert all(s.lookahead_request_ids <= {r for r, need in s.needs_sample.items() if need} for s in steps)
