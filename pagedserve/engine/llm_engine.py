@@ -274,7 +274,7 @@ class LLMEngine:
         engine goes on (EngineDeadError if the probe fails too). take_failed() reports the failed requests."""
         self._admit_compiled_grammars()
         if self.memory_pressure is not None:
-            give_way(self.memory_pressure, self.scheduler, self.runner.kv_caches)
+            give_way(self.memory_pressure, self.scheduler, self.runner.kv_pools())
         sched_out = self.scheduler.schedule()
         self._fail_children(self.scheduler.take_failed())
         try:

@@ -145,6 +145,10 @@ class ModelRunner:
         if self.draft is not None:  # its pools are indexed by the same block table
             self.draft.kv_caches = make_kv_pools(self.draft.model, num_slots, self.kv_dtype(), self.dtype, self.device)
 
+    def kv_pools(self) -> list[LayerKVCache]:
+        """The target's pools, then the draft model's (the same block ids index both)."""
+        return self.kv_caches + (self.draft.kv_caches if self.draft is not None else [])
+
     # ---- request state ---------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids:

@@ -63,6 +63,10 @@ class EncoderRunner:
 
     @property
     def kv_caches(self) -> list:
+        """No KV pool: an encoder's attention reads only the step's own tokens."""
+        return []
+
+    def kv_pools(self) -> list:
         """No KV pool (so no pages for memory/pressure.py to release)."""
         return []
 

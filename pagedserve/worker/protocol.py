@@ -10,12 +10,12 @@ from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 
 class Runner(Protocol):
-    # One K/V pool per layer (empty for a runner without KV cache); memory/pressure.py gives their unused
-    # pages back to the system.
-    kv_caches: list
-
     def allocate_kv_cache(self) -> None:
         """Create the KV pools for config.cache.num_blocks blocks (memory is touched only as they fill)."""
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the scheduled tokens through the model, then sampling (or pooling)."""
+
+    def kv_pools(self) -> list:
+        """Every layer's K/V pool that the scheduler's block ids index (the model's and a draft model's; empty
+        for a runner without KV cache): memory/pressure.py gives their free blocks' pages back to the system."""

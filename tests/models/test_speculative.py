@@ -442,6 +442,28 @@ def test_finished_requests_cache_drafts_repeated_requests_and_outputs_stay_the_s
     assert_no_leaks(llm)
 
 
+def test_memory_pressure_releases_the_draft_models_pages_too(llama, method):
+    """Under memory pressure the free blocks' pages go back to the OS in every pool their ids index: the draft
+    model's K/V (same block ids) read back as zeros like the target's, and generation afterwards is unchanged."""
+    from pagedserve.memory.pressure import MemoryPressure, PressureThresholds
+    from pagedserve.memory.probe import AvailableMemory
+
+    model_dir, prompts, expected, _ = llama
+    llm = spec_llm(model_dir, spec=method, block_size=128)  # 128 tokens x 2 heads x 16 x 4 B: whole pages
+    assert llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())[0].outputs[0].token_ids == expected[0]
+    pools = llm.engine.runner.kv_pools()
+    assert len(pools) == (4 if "model" in method else 2)  # 2 layers each, target first
+    assert all(bool(pool.k.abs().sum() > 0) for pool in pools)  # every pool was written
+    available, now = [AvailableMemory(1 << 20, "MemAvailable", "simulated", total_bytes=1 << 34)], [0.0]
+    llm.engine.memory_pressure = MemoryPressure(lambda: available[0], PressureThresholds.for_memory(1 << 34),
+                                                clock=lambda: now[0])
+    llm.engine.step()  # gives way before scheduling: every block is free, so every whole page goes
+    for pool in pools:
+        assert not bool(pool.k.any()) and not bool(pool.v.any())
+    available[0], now[0] = AvailableMemory(1 << 33, "MemAvailable", "simulated", total_bytes=1 << 34), 1.0
+    assert_greedy_tokens(llm, prompts, expected)
+
+
 # ---- a draft model's configuration ------------------------------------------------------------------------
 def test_the_memory_plan_holds_the_draft_models_weights_and_kv(llama, tiny_model_dir, tmp_path, capsys):
     """`pagedserve plan` with a draft model: its weights on top of the target's, and each token's K/V bytes
