@@ -9,7 +9,6 @@ import argparse
 import statistics
 import time
 
-import torch
 
 from pagedserve import LLM, SamplingParams
 
