@@ -22,12 +22,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedserve import envs
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.memory import probe
 from pagedserve.memory.sizes import GIB, MIB
-from pagedserve.memory.weight_format import native_kernels_expected
+from pagedserve.memory.weight_format import (expected_layer_kernels, expected_weight_format, native_kernels_expected,
+                                             onednn_may_pack, wants_native_kernels)
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 
@@ -342,6 +347,37 @@ def check_memory_plan(engine_args: EngineArgs, available: probe.AvailableMemory 
                        "any one of: " + ", ".join(fixes))
 
 
+def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | None:
+    """What each kind of decoder layer will run (the start-up log's lines, predicted from the config by the
+    loader's rule, memory/weight_format.py); `isa`: the native kernels' where they load here, else None.
+    WARN where the native kernels load but part of the model falls back to torch ops."""
+    from pagedserve.models.registry import model_class
+
+    model = config.model
+    qk_norm = getattr(model_class(model.architecture, model.task), "qk_norm", None)
+    if qk_norm is None:
+        return None  # not a decoder of the Llama family (an encoder): no per-layer kernels to tell
+    if config.device.device != "cpu":
+        isa = None
+    device, flags = config.device.device, probe.cpu_flags()
+    fmt = expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels, isa is not None,
+                                 flags)
+    layers = expected_layer_kernels(fmt, isa if wants_native_kernels(device, model.dtype, model.reference_kernels)
+                                    else None, model.hf_config, qk_norm, onednn_may_pack(device, model.dtype, flags),
+                                    config.parallel.tensor_parallel_size, logits=model.task == "generate")
+    detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
+    if isa is None or layers.stack or model.reference_kernels:
+        return CheckResult("layers", PASS, detail)
+    if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:
+        fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
+    elif qk_norm:
+        fix = "q/k norms (Qwen3) keep rotary and the decode stack on torch ops; nothing to change"
+    else:
+        fix = ("this model's sizes are not the multiples the native kernels take (memory/weight_format.py): "
+               "the parts named torch run torch ops")
+    return CheckResult("layers", WARN, detail, fix)
+
+
 # ----------------------------------------------------------------------------------------------- command
 
 
@@ -389,7 +425,19 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
 
             return check_memory_plan(replace(engine_args or EngineArgs(), model=model))
 
-        checks += [model_check, plan_check]
+        def kernels_check() -> CheckResult | None:
+            if model_results and model_results[-1].status == FAIL:
+                return None
+            from dataclasses import replace
+
+            from pagedserve.engine.setup import create_engine_config
+            from pagedserve.kernels import load_status
+
+            config = create_engine_config(replace(engine_args or EngineArgs(), model=model), check_memory=False)
+            kernels = load_status()[0] if _native_kernels_load(flags) else None
+            return check_layer_kernels(config, kernels.isa if kernels is not None else None)
+
+        checks += [model_check, plan_check, kernels_check]
     return checks
 
 

@@ -105,8 +105,9 @@ def _kernel_backend(model: ModelConfig, device: str) -> WeightFormat:
     (memory/weight_format.py), told from the CPU's flags without torch. Where choose needs the native library
     to load, this assumes it does when the CPU has an ISA it is written for (nothing is compiled here; a
     failed build is predicted wrongly), and that oneDNN packs where choose would probe it."""
-    native = native_kernels_expected(cpu_flags(), envs.cpu_kernels_enabled())
-    return expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels, native)
+    flags = cpu_flags()
+    native = native_kernels_expected(flags, envs.cpu_kernels_enabled())
+    return expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels, native, flags)
 
 
 def _probe_available_memory(device: str) -> AvailableMemory:

@@ -27,6 +27,7 @@ import torch
 
 from pagedserve import envs
 from pagedserve.kernels.builder import SOURCE, KernelBuildError, build
+from pagedserve.memory import weight_format
 
 __all__ = ["SOURCE", "CpuKernels", "KernelBuildError", "build", "cpu_kernels", "load_status"]
 
@@ -59,7 +60,7 @@ _SIGNATURES = {
                             _F32, _INT, _INT), None),
     "ps_layer_mlp": ((_P, _P, _P, _P, _I64, _I64, _I64, _F32, _INT, _INT), None),
 }
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+ACTIVATION_DTYPES = tuple(getattr(torch, name) for name in weight_format.NATIVE_DTYPES)  # the rule's, as torch dtypes
 ISA_NAMES = {512: "avx512", 256: "avx2"}  # ps_isa() -> name; 0: neither, the torch path runs
 HUGE_PAGE = 2 << 20
 

@@ -1089,13 +1089,14 @@ int ps_layer_fields(void) { return PS_LAYER_FIELDS; }
 
 /* The table's layout for the Python side, which builds rows by these names (NativeDecodeStack):
  * offsets of in_norm, post_norm, qkv, o, gate_up, down, k_cache, v_cache; then the fields per linear and
- * per layer. Returns how many values it wrote (at most n). */
+ * per layer. Writes at most n values and returns how many the layout has (the caller checks it expected
+ * exactly that many: a field added here must be added there). */
 int ps_layer_layout(int64_t *out, int n) {
   const int64_t layout[] = {PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O, PS_L_GATE_UP, PS_L_DOWN, PS_L_K_CACHE,
                             PS_L_V_CACHE, PS_L_O - PS_L_QKV, PS_LAYER_FIELDS};
   const int count = (int)(sizeof(layout) / sizeof(layout[0]));
   for (int i = 0; i < count && i < n; ++i) out[i] = layout[i];
-  return count < n ? count : n;
+  return count;
 }
 
 static void stack_linear(const int64_t *lin, const void *x, void *y, int64_t M, int64_t N, int64_t K, int bf16,

@@ -12,6 +12,7 @@ Layers receive what they run from here (`make_linear`, `decoder_kernels`); none 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ class KernelBackend:
         name = _dtype_name(dtype)
         native = cpu_kernels() if weight_format.wants_native_kernels(device, name, reference) else None
         kind = weight_format.linear_kind(name, quantization, reference, native is not None,
-                                         lambda: packing_supported(device, dtype))
+                                         lambda: onednn_packs(device, dtype))
         return cls(device, dtype, kind, native)
 
     @property
@@ -52,26 +53,32 @@ class KernelBackend:
         in_features = weight.shape[1]
         if isinstance(weight, QuantizedWeight) and self.linear_kind != "int8":
             raise ValueError(f"an int8 weight cannot back a {self.linear_kind!r} linear")
+        native = self.native if weight_format.native_linear(self.linear_kind, self.native_bf16_linears,
+                                                            self.native is not None, in_features) else None
         if self.linear_kind == "int8":
-            return Int8Linear(weight, bias, self.native if in_features % 64 == 0 else None)
+            return Int8Linear(weight, bias, native)
         weight = weight.detach()
-        if self.linear_kind == "plain":
-            return PlainLinear(weight, bias)
-        return PackedLinear(weight, bias, self.native if self.native_bf16_linears and in_features % 16 == 0 else None)
+        if self.linear_kind == "plain" or (native is None and not onednn_packs(self.device, self.dtype)):
+            return PlainLinear(weight, bias)  # (a bf16 linear the native kernel does not take, on AVX2)
+        return PackedLinear(weight, bias, native)
 
     def decoder_kernels(self, hidden: int, intermediate: int, head_dim: int) -> CpuKernels | None:
         """The native kernels for a decoder's norms, SiLU, rotary and attention, where its sizes fit them
-        (multiples of 16 for their vectors, head_dim <= 256); the reference path ("plain") uses none."""
+        (weight_format.decoder_kernels_fit); the reference path ("plain") uses none."""
         if self.native is None or self.linear_kind == "plain":
             return None
-        if any(d % 16 for d in (hidden, intermediate, head_dim)) or head_dim > 256:
-            return None
-        return self.native
+        return self.native if weight_format.decoder_kernels_fit(hidden, intermediate, head_dim) else None
 
     def describe(self) -> str:
         """One line for the start-up log and doctor."""
         where = f"native {self.native.isa} kernels" if self.native is not None else "torch ops"
         return f"{where}, {self.linear_kind} linears, {_dtype_name(self.dtype)} on {self.device}"
+
+
+@functools.cache
+def onednn_packs(device: str, dtype: torch.dtype) -> bool:
+    """packing_supported, probed once per process for each device and dtype."""
+    return packing_supported(device, dtype)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import CpuKernels
-from pagedserve.memory.weight_format import onednn_may_pack
+from pagedserve.memory import weight_format
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Int8Linear(_HotPathModule):
 
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
                  kernels: CpuKernels | None = None) -> None:
-        """`kernels`: the native kernels to run on (layers/backend.py decides; in_features % 64 == 0);
+        """`kernels`: the native kernels to run on (layers/backend.py decides, weight_format.native_linear);
         None: torch's `_weight_int8pack_mm`."""
         super().__init__()
         self.in_features = weight.shape[1]
@@ -151,7 +151,7 @@ class Int8Linear(_HotPathModule):
             (qweight, scales), dtype = (kernels.quantize_rows_i8(weight) if native
                                         else quantize_int8_per_channel(weight)), weight.dtype
         scales = scales.to(dtype)  # the effective scales are the model-dtype ones on every path
-        on_cpu = weight.device.type == "cpu" and self.in_features % 64 == 0
+        on_cpu = weight.device.type == "cpu" and self.in_features % weight_format.INT8_K_MULTIPLE == 0
         self.kernels = kernels if kernels is not None and on_cpu and kernels.supports(scales) else None
         self.max_kernel_rows = self.kernels.int8_max_rows if self.kernels is not None else None
         if self.kernels is not None:
@@ -221,7 +221,9 @@ def quantize_int8_per_channel(weight: torch.Tensor, rows_per_chunk: int = 4096) 
 def packing_supported(device: str, dtype: torch.dtype) -> bool:
     """oneDNN packing works here and reproduces F.linear on a probe matmul (where memory/weight_format.py
     tries it: the memory plan assumes it works there)."""
-    tried = onednn_may_pack(device, str(dtype).removeprefix("torch."))
+    from pagedserve.memory.probe import cpu_flags
+
+    tried = weight_format.onednn_may_pack(device, str(dtype).removeprefix("torch."), cpu_flags())
     if not tried or not torch.backends.mkldnn.is_available():
         return False
     try:

@@ -1,8 +1,12 @@
-"""Which format a model's linear weights take, the rule written once and without torch.
+"""Which format a model's linear weights take and which kernel each kind of layer runs: the rule written once
+and without torch.
 
 `layers/backend.py`'s `KernelBackend.choose` applies it to what this process has (the native kernels it
 loaded, oneDNN's probe matmul); the memory plan (engine/memory_plan.py, `pagedserve plan`) applies it to what
-the CPU's flags promise, before anything is built or loaded, so the two cannot follow different rules.
+the CPU's flags promise, before anything is built or loaded, so the two cannot follow different rules. The
+layers take the size rules (`native_linear`, `decoder_kernels_fit`, `fused_rotary`) from here through the
+backend; `LayerKernels` says what a model's layers run, in the same words for the start-up log (from the
+loaded modules, models/llama.py) and `pagedserve doctor` (from the config, `expected_layer_kernels`).
 
 Linear kinds (the vocabulary of memory/sizes.prepared_weight_bytes): "packed" (bf16 on pagedserve's native
 kernel where it runs, else oneDNN's blocked layout), "int8" (weight-only int8: the native kernel where it
@@ -18,10 +22,19 @@ from dataclasses import dataclass
 from pagedserve.memory.probe import native_kernel_isa
 
 SUPPORTED_QUANTIZATION = (None, "int8")
-# The activation dtypes pagedserve's native kernels take (pagedserve.kernels.ACTIVATION_DTYPES, by name).
+# What the native kernels need of a model's sizes (their vector loops and weight blocks).
+INT8_K_MULTIPLE = 64  # an int8 linear's in_features
+BF16_K_MULTIPLE = 16  # a bf16 linear's in_features
+VECTOR_MULTIPLE = 16  # hidden, intermediate and head_dim, for the norms, SiLU x up and decode attention
+MAX_HEAD_DIM = 256
+ROTARY_MULTIPLE = 32  # head_dim, for rotary fused into the KV write
+# The activation dtypes pagedserve's native kernels take (pagedserve.kernels.ACTIVATION_DTYPES is this, in torch).
 NATIVE_DTYPES = ("bfloat16", "float32")
 # The dtypes oneDNN's packed linear is tried for (layers/linear.py's packing_supported).
 ONEDNN_PACKED_DTYPES = ("bfloat16", "float32")
+# On x86, oneDNN reorders a bf16 weight only with one of these flag sets (its error message names them): not on
+# AVX2-only CPUs, where it raises instead.
+ONEDNN_BF16_FLAGS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
 
 
 def check_quantization(quantization: str | None) -> None:
@@ -35,9 +48,15 @@ def wants_native_kernels(device: str, dtype: str, reference: bool) -> bool:
     return not reference and device == "cpu" and dtype in NATIVE_DTYPES
 
 
-def onednn_may_pack(device: str, dtype: str) -> bool:
-    """Whether oneDNN's packed linear is tried at all; where it is, packing_supported probes it."""
-    return device == "cpu" and dtype in ONEDNN_PACKED_DTYPES
+def onednn_may_pack(device: str, dtype: str, flags: set[str]) -> bool:
+    """Whether oneDNN's packed linear is tried at all (where it is, packing_supported probes it): float32 on a
+    CPU, and bf16 where the CPU's flags (probe.cpu_flags) let oneDNN convert bf16 (x86; other CPUs: the probe
+    decides)."""
+    if device != "cpu" or dtype not in ONEDNN_PACKED_DTYPES:
+        return False
+    if dtype == "float32" or "sse2" not in flags:  # not an x86 CPU's flags
+        return True
+    return any(needed <= flags for needed in ONEDNN_BF16_FLAGS)
 
 
 def linear_kind(dtype: str, quantization: str | None, reference: bool, native: bool,
@@ -74,11 +93,100 @@ class WeightFormat:
 
 
 def expected_weight_format(device: str, dtype: str, quantization: str | None, reference: bool,
-                           native_kernels: bool) -> WeightFormat:
+                           native_kernels: bool, flags: set[str]) -> WeightFormat:
     """The format KernelBackend.choose picks, for the memory plan: `native_kernels` as
-    native_kernels_expected says, and oneDNN assumed to pack wherever it is tried (choose also checks a
-    probe matmul, which needs torch; it fails only on a torch built without oneDNN)."""
+    native_kernels_expected says, and oneDNN assumed to pack wherever it is tried on a CPU with `flags` (choose
+    also checks a probe matmul, which needs torch; it fails only on a torch built without oneDNN)."""
     check_quantization(quantization)
     native = native_kernels and wants_native_kernels(device, dtype, reference)
-    kind = linear_kind(dtype, quantization, reference, native, lambda: onednn_may_pack(device, dtype))
+    kind = linear_kind(dtype, quantization, reference, native, lambda: onednn_may_pack(device, dtype, flags))
     return WeightFormat(kind, native_bf16_linears(kind, native, dtype))
+
+
+# ---- which kernel each kind of layer runs --------------------------------------------------------------
+
+
+def native_linear(kind: str, native_bf16: bool, native: bool, in_features: int) -> bool:
+    """Whether a linear of `kind` with `in_features` runs the native kernel (`native_bf16`: bf16 linears do,
+    native_bf16_linears; `native`: the kernels run for this model)."""
+    if kind == "int8":
+        return native and in_features % INT8_K_MULTIPLE == 0
+    return kind == "packed" and native_bf16 and in_features % BF16_K_MULTIPLE == 0
+
+
+def linear_kernel(kind: str, isa: str | None, onednn_packs: bool = True) -> str:
+    """A linear's kernel in words: `isa` where it runs the native kernel, else None; a "packed" linear off the
+    native kernel runs oneDNN where it packs this dtype here (`onednn_packs`), else F.linear."""
+    if isa is not None:
+        return f"native {'int8' if kind == 'int8' else 'bf16'} ({isa})"
+    if kind == "packed" and not onednn_packs:
+        return "F.linear"
+    return {"int8": "torch int8", "packed": "oneDNN packed"}.get(kind, "F.linear")
+
+
+def decoder_kernels_fit(hidden: int, intermediate: int, head_dim: int) -> bool:
+    """Whether a decoder's sizes fit the native norms, SiLU x up, rotary and decode attention."""
+    return not any(d % VECTOR_MULTIPLE for d in (hidden, intermediate, head_dim)) and head_dim <= MAX_HEAD_DIM
+
+
+def fused_rotary(decoder_native: bool, qk_norm: bool, head_dim: int) -> bool:
+    """Rotary runs fused with the KV write (one native call): not where q/k are normalised first (Qwen3)."""
+    return decoder_native and not qk_norm and head_dim % ROTARY_MULTIPLE == 0
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    name: str  # qkv | o | gate_up | down | logits
+    words: str  # linear_kernel's
+    native: bool  # on pagedserve's native kernel
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """What every decoder layer of a model runs (they are alike), in the words of the start-up log and doctor."""
+
+    num_layers: int
+    linears: tuple[LinearKernel, ...]
+    decoder_native: bool  # norms, SiLU x up and decode attention on the native kernels
+    rotary_fused: bool
+    tp: tuple[int, int] | None = None  # (rank, world size) with tensor parallelism
+
+    @property
+    def stack(self) -> bool:
+        """Decode-only steps run every layer on the C decoder layer: it needs every part of a layer native."""
+        return self.decoder_native and self.rotary_fused and all(
+            linear.native for linear in self.linears if linear.name != "logits")
+
+    def lines(self) -> list[str]:
+        native = "native" if self.decoder_native else "torch"
+        stack = "off"
+        if self.stack:
+            stack = "on, one native call" if self.tp is None else (
+                f"on (tensor parallel, rank {self.tp[0]} of {self.tp[1]}: two native calls per layer, all-reducing "
+                "after each)")
+        return [f"{self.num_layers} decoder layers: " + ", ".join(f"{l.name} {l.words}" for l in self.linears),
+                f"norms {native}; SiLU x up {native}; rotary + KV write {'native' if self.rotary_fused else 'torch'}; "
+                f"decode attention {native}; prefill attention torch SDPA",
+                f"decode stack (every layer's C attention and MLP halves for decode-only steps): {stack}"]
+
+
+def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, qk_norm: bool,
+                           onednn_packs: bool, tp_size: int = 1, logits: bool = True) -> LayerKernels:
+    """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
+    ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
+    onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
+    o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
+    the model has an LM head (not an embedding model)."""
+    cfg = hf_config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    hidden, intermediate = cfg.hidden_size, cfg.intermediate_size // tp_size  # this rank's MLP width
+    kind = fmt.linear_kind
+    decoder_native = isa is not None and kind != "plain" and decoder_kernels_fit(hidden, intermediate, head_dim)
+    inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),
+              ("down", intermediate)) + ((("logits", hidden),) if logits else ())
+    runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}
+    linears = tuple(LinearKernel(name, linear_kernel(kind, isa if runs[name] else None, onednn_packs), runs[name])
+                    for name, _ in inputs)
+    return LayerKernels(cfg.num_hidden_layers, linears, decoder_native, fused_rotary(decoder_native, qk_norm, head_dim),
+                        None if tp_size == 1 else (0, tp_size))

@@ -24,6 +24,7 @@ from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import fuse_rows, weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedserve.memory.weight_format import LayerKernels, LinearKernel, fused_rotary, linear_kernel
 
 
 
@@ -70,7 +71,7 @@ class Attention(nn.Module):
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
-        self.fused_rope = kernels is not None and not self.qk_norm and self.head_dim % 32 == 0
+        self.fused_rope = fused_rotary(kernels is not None, self.qk_norm, self.head_dim)
         self.qkv_proj = backend.make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj))
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
         self.o_proj = backend.make_linear(weight_of(self.o_proj), o_bias)
@@ -342,22 +343,21 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.prepare(backend, kernels)
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
         self.model.norm.kernels = kernels
-        self.model.prepare_stack(kernels)  # with tensor parallelism: layer by layer, all-reducing between
+        # with tensor parallelism: layer by layer, all-reducing between
+        self.model.prepare_stack(kernels if self.layer_kernels().stack else None)
+
+    def layer_kernels(self) -> LayerKernels:
+        """What the prepared layers run (the same rule and words as `pagedserve doctor`'s prediction)."""
+        attn, mlp, norm = self.model.layers[0].self_attn, self.model.layers[0].mlp, self.model.layers[0].input_layernorm
+        linears = tuple(linear_kernel_of(name, module) for name, module in
+                        (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                         ("down", mlp.down_proj), ("logits", getattr(self, "logits_proj", None))) if module is not None)
+        return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, attn.fused_rope,
+                            None if self.tp is None else (self.tp.rank, self.tp.world_size))
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""
-        attn, mlp, norm = self.model.layers[0].self_attn, self.model.layers[0].mlp, self.model.layers[0].input_layernorm
-        native = "native" if attn.kernels is not None else "torch"
-        linears = {name: linear_kernel_name(module) for name, module in
-                   (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                    ("down", mlp.down_proj), ("logits", getattr(self, "logits_proj", None))) if module is not None}
-        return [f"{len(self.model.layers)} decoder layers: " + ", ".join(f"{k} {v}" for k, v in linears.items()),
-                f"norms {'native' if norm.kernels is not None else 'torch'}; SiLU x up {native}; rotary + KV write "
-                f"{'native' if attn.fused_rope else 'torch'}; decode attention {native}; prefill attention torch SDPA",
-                f"decode stack (every layer's C attention and MLP halves for decode-only steps): "
-                f"{'on' if self.model._stack_kernels is not None or self.model.stack is not None else 'off'}"
-                + (f" (tensor parallel, rank {self.tp.rank} of {self.tp.world_size}: two native calls per layer, "
-                   "all-reducing after each)" if self.tp is not None else ", one native call")]
+        return self.layer_kernels().lines()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (with tensor parallelism: on rank 0, None elsewhere)."""
@@ -377,14 +377,11 @@ class LlamaForCausalLM(nn.Module):
         return name
 
 
-def linear_kernel_name(module: nn.Module) -> str:
-    """The kernel a prepared linear runs, in words."""
-    if getattr(module, "native", None) is not None:
-        return f"native bf16 ({module.native.isa})"
-    if getattr(module, "kernels", None) is not None:
-        return f"native int8 ({module.kernels.isa})"
-    return {"PackedLinear": "oneDNN packed", "Int8Linear": "torch int8", "PlainLinear": "F.linear"}.get(
-        type(module).__name__, type(module).__name__)
+def linear_kernel_of(name: str, module: nn.Module) -> LinearKernel:
+    """The kernel a prepared linear runs."""
+    native = getattr(module, "native", None) or getattr(module, "kernels", None)
+    kind = {"PackedLinear": "packed", "Int8Linear": "int8"}.get(type(module).__name__, "plain")
+    return LinearKernel(name, linear_kernel(kind, native.isa if native is not None else None), native is not None)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -359,3 +359,14 @@ def test_quantize_rows_matches_quantize_int8_per_channel(kernels, dtype: torch.d
     expected = quantize_int8_per_channel(weight)
     assert torch.equal(q, expected[0]) and torch.equal(scales, expected[1])
     assert q[4, 1] == 0 and q[5, 1] == 0 and q[5, 2] == 2
+
+
+def test_the_decode_stack_layout_reports_every_field_it_has(kernels):
+    """ps_layer_layout returns how many fields the library's layout has even when asked for fewer, so a field
+    added in C and not in the wrapper makes layer_layout refuse instead of passing unnoticed."""
+    import ctypes
+
+    names = len(kernels.layer_layout)
+    few = (ctypes.c_int64 * 3)()
+    assert kernels.lib.ps_layer_layout(few, 3) == names
+    assert list(few) == [kernels.layer_layout[name] for name in ("in_norm", "post_norm", "qkv")]

@@ -126,12 +126,11 @@ def test_the_plans_weight_format_is_the_kernel_backends(tiny_model_dir) -> None:
 
     from pagedserve import envs
     from pagedserve.engine.memory_plan import _kernel_backend
-    from pagedserve.kernels import ACTIVATION_DTYPES, cpu_kernels
+    from pagedserve.kernels import cpu_kernels
     from pagedserve.layers.backend import KernelBackend
     from pagedserve.memory import weight_format
     from pagedserve.memory.probe import cpu_flags
 
-    assert weight_format.NATIVE_DTYPES == tuple(str(d).removeprefix("torch.") for d in ACTIVATION_DTYPES)
     expected_native = weight_format.native_kernels_expected(cpu_flags(), envs.cpu_kernels_enabled())
     if expected_native and cpu_kernels() is None:
         pytest.skip("the kernels failed to build here (the plan assumes they build)")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.memory.weight_format import WeightFormat, expected_weight_format, native_kernels_expected
+from pagedserve.memory.weight_format import WeightFormat, expected_weight_format, native_kernels_expected, onednn_may_pack
 
-AVX2 = {"avx2", "fma", "f16c", "sse4_2"}
+AVX2 = {"sse2", "avx2", "fma", "f16c", "sse4_2"}
 AVX512 = {"avx512f", "avx512bw", "avx512_vnni", *AVX2}
 
 
@@ -19,24 +19,36 @@ def test_native_kernels_are_expected_where_an_isa_they_are_written_for_runs() ->
     assert not native_kernels_expected({"fp", "asimd", "avx2", "fma", "f16c"}, machine="aarch64")
 
 
-@pytest.mark.parametrize(("device", "dtype", "quantization", "reference", "native", "expected"), [
-    ("cpu", "bfloat16", None, False, True, WeightFormat("packed", True)),  # the native bf16 kernel
-    ("cpu", "bfloat16", None, False, False, WeightFormat("packed", False)),  # oneDNN
-    ("cpu", "float32", None, False, True, WeightFormat("packed", False)),  # float32 linears stay on oneDNN
-    ("cpu", "float16", None, False, True, WeightFormat("plain", False)),
-    ("cpu", "bfloat16", None, True, True, WeightFormat("plain", False)),  # the reference path
-    ("cpu", "bfloat16", "int8", True, True, WeightFormat("int8", False)),
-    ("cpu", "float32", "int8", False, True, WeightFormat("int8", False)),
-    ("cuda", "bfloat16", None, False, True, WeightFormat("plain", False)),
-    ("cuda", "float16", "int8", False, False, WeightFormat("int8", False)),
+AVX512_DQ = {"avx512vl", "avx512dq", *AVX512}
+
+
+@pytest.mark.parametrize(("device", "dtype", "quantization", "reference", "native", "flags", "expected"), [
+    ("cpu", "bfloat16", None, False, True, AVX2, WeightFormat("packed", True)),  # the native bf16 kernel
+    ("cpu", "bfloat16", None, False, False, AVX512_DQ, WeightFormat("packed", False)),  # oneDNN
+    ("cpu", "bfloat16", None, False, False, AVX2, WeightFormat("plain", False)),  # oneDNN refuses bf16 on AVX2
+    ("cpu", "float32", None, False, True, AVX2, WeightFormat("packed", False)),  # float32 linears stay on oneDNN
+    ("cpu", "float16", None, False, True, AVX2, WeightFormat("plain", False)),
+    ("cpu", "bfloat16", None, True, True, AVX2, WeightFormat("plain", False)),  # the reference path
+    ("cpu", "bfloat16", "int8", True, True, AVX2, WeightFormat("int8", False)),
+    ("cpu", "float32", "int8", False, True, AVX2, WeightFormat("int8", False)),
+    ("cuda", "bfloat16", None, False, True, AVX2, WeightFormat("plain", False)),
+    ("cuda", "float16", "int8", False, False, AVX2, WeightFormat("int8", False)),
 ])
-def test_expected_weight_format(device, dtype, quantization, reference, native, expected) -> None:
-    assert expected_weight_format(device, dtype, quantization, reference, native) == expected
+def test_expected_weight_format(device, dtype, quantization, reference, native, flags, expected) -> None:
+    assert expected_weight_format(device, dtype, quantization, reference, native, flags) == expected
+
+
+def test_onednn_packs_bf16_only_where_the_cpu_converts_it() -> None:
+    assert onednn_may_pack("cpu", "float32", AVX2) and onednn_may_pack("cpu", "bfloat16", AVX512_DQ)
+    assert onednn_may_pack("cpu", "bfloat16", AVX2 | {"avx_ne_convert"})
+    assert not onednn_may_pack("cpu", "bfloat16", AVX2) and not onednn_may_pack("cpu", "bfloat16", AVX512)
+    assert onednn_may_pack("cpu", "bfloat16", {"fp", "asimd", "bf16"})  # not x86: the probe decides
+    assert not onednn_may_pack("cuda", "float32", AVX2) and not onednn_may_pack("cpu", "float16", AVX512_DQ)
 
 
 def test_unsupported_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization 'int4' is not supported; supported: int8"):
-        expected_weight_format("cpu", "bfloat16", "int4", False, True)
+        expected_weight_format("cpu", "bfloat16", "int4", False, True, AVX2)
 
 
 def test_platform_and_the_plan_modules_import_without_torch() -> None:

@@ -1,0 +1,74 @@
+"""`pagedserve doctor` says what each kind of layer will run before anything loads, by the rule the loader
+applies (memory/weight_format.py): its prediction from the config equals what the loaded model's layers run
+(the start-up log's lines), and the decode stack it announces is the one the first decode step builds.
+Runs on whichever ISA this machine has (without native kernels both sides say torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.cli.doctor import PASS, WARN, check_layer_kernels
+from pagedserve.kernels import cpu_kernels
+from pagedserve.memory.probe import cpu_flags
+from pagedserve.memory.weight_format import (LayerKernels, LinearKernel, expected_layer_kernels, expected_weight_format,
+                                             onednn_may_pack)
+
+HEAD_32 = {"num_attention_heads": 2}  # head_dim 32: rotary fuses into the KV write (16, the default here, does not)
+CASES = [  # (arch, dtype, quantization, config overrides, what must hold where native kernels run)
+    ("llama", "bfloat16", None, HEAD_32, "stack"),
+    ("llama", "float32", None, HEAD_32, "oneDNN linears, native norms"),
+    ("qwen2", "bfloat16", "int8", HEAD_32, "stack"),
+    ("llama", "bfloat16", None, {}, "head_dim 16: rotary on torch, no stack"),
+    ("qwen3", "bfloat16", None, {}, "q/k norm: rotary on torch, no stack"),
+    ("llama", "bfloat16", None, {**HEAD_32, "intermediate_size": 72}, "down off the native kernel, norms on torch"),
+    ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
+]
+
+
+@pytest.mark.parametrize("arch,dtype,quantization,overrides,what", CASES, ids=[c[-1] for c in CASES])
+def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, dtype, quantization, overrides,
+                                                         what):
+    model_dir = tiny_model_dir(arch, dtype, **overrides)
+    llm = LLM(model_dir, dtype=dtype, quantization=quantization, max_model_len=128)
+    model, config = llm.engine.runner.model, llm.engine.config
+    kernels = cpu_kernels()
+    isa = kernels.isa if kernels is not None else None
+
+    loaded = model.layer_kernels()
+    fmt = expected_weight_format("cpu", dtype, quantization, False, isa is not None, cpu_flags())
+    predicted = expected_layer_kernels(fmt, isa, config.model.hf_config, model.qk_norm,
+                                       onednn_may_pack("cpu", dtype, cpu_flags()))
+    assert predicted == loaded
+    result = check_layer_kernels(config, isa)
+    assert result.detail.endswith("; ".join(model.kernel_report()))
+    assert result.status == (PASS if isa is None or loaded.stack else WARN)
+
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert (model.model.stack is not None) == loaded.stack  # the stack the report announced is the one built
+    if isa is None:
+        assert not loaded.decoder_native and not loaded.stack
+        return
+    words = {linear.name: linear.words for linear in loaded.linears}
+    if what == "stack":
+        assert loaded.stack and all(w.startswith("native") for w in words.values())
+    elif what.startswith("oneDNN"):
+        assert set(words.values()) == {"oneDNN packed"} and loaded.decoder_native and not loaded.stack
+    elif what.startswith(("q/k", "head_dim")):
+        assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
+    elif what.startswith("down off"):  # oneDNN where it packs bf16 (AVX-512), else F.linear (AVX2)
+        onednn = onednn_may_pack("cpu", dtype, cpu_flags())
+        assert words["down"] == ("oneDNN packed" if onednn else "F.linear") and words["qkv"].startswith("native")
+        assert not loaded.decoder_native
+    else:
+        assert words["down"] == "torch int8" and words["o"].startswith("native int8") and not loaded.stack
+
+
+def test_the_report_words_and_the_stack_rule():
+    bf16 = LinearKernel("qkv", "native bf16 (avx2)", True)
+    native = LayerKernels(2, (bf16, LinearKernel("logits", "F.linear", False)), True, True)
+    assert native.stack  # the logits projection is not part of the stack
+    assert native.lines()[-1].endswith(": on, one native call")
+    assert not LayerKernels(2, native.linears, True, False).stack
+    assert not LayerKernels(2, (LinearKernel("o", "torch int8", False),), True, True).stack
+    assert "rank 1 of 2" in LayerKernels(2, native.linears, True, True, tp=(1, 2)).lines()[-1]
