@@ -18,7 +18,8 @@ from tokenizers import processors
 
 from pagedserve.chat_template import render_chat
 from pagedserve.engine.setup import load_tokenizer
-from pagedserve.models.gguf_loader import GGUFCheckpoint
+from pagedserve.formats.gguf import read_gguf_header
+from pagedserve.models.gguf_tokenizer import build_tokenizer_from_metadata
 from pagedserve.tokenizer import Tokenizer, load_plain_tokenizer, loads_without_transformers
 from tests.models.real_models import packaged_model, qwen_coder_gguf_head
 from tests.tiny_models import CHATML_TEMPLATE, make_tokenizer
@@ -46,8 +47,8 @@ def pairs(tiny_dir: Path) -> dict[str, tuple[Tokenizer, object]]:
     is what the server used before; test_gguf_real.py checks those against the models' own tokenizer.json)."""
     result = {"tiny-dir": (load_plain_tokenizer(tiny_dir), transformers.AutoTokenizer.from_pretrained(tiny_dir))}
     for name, path in (("smollm2", packaged_model("smollm2-135m-instruct")), ("qwen-coder", qwen_coder_gguf_head())):
-        with GGUFCheckpoint(path) as checkpoint:
-            ours = checkpoint.build_tokenizer()
+        # from the header's metadata: the Qwen file may be only the model's first part (real_models.py)
+        ours = build_tokenizer_from_metadata(read_gguf_header(path).metadata, source=str(path))
         reference = transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend_tokenizer.__class__.from_str(
             ours.backend_tokenizer.to_str()), **ours.special_tokens_map)
         reference.chat_template = ours.chat_template
