@@ -139,12 +139,6 @@ class CpuKernels:
         self.lib.ps_pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k, self._threads())
         return packed
 
-    @staticmethod
-    def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        """The inverse of `pack_bf16`: [N, K]."""
-        blocks, pairs, nb = packed.shape[:3]
-        return packed.permute(0, 2, 1, 3).reshape(blocks * nb, pairs * 2)[:out_features]
-
     def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                     out_features: int) -> torch.Tensor:
         """bf16 x [M, K] (contiguous) @ W^T (+ bias) -> [M, N]; W packed by `pack_bf16`."""

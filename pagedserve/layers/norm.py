@@ -35,9 +35,3 @@ class RMSNorm(nn.Module):
             return self.kernels.rms_norm(x, self.weight, self.eps, residual)
         residual = x + residual
         return self.forward(residual), residual
-
-
-def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The explicit formula transformers uses (kept for tests)."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

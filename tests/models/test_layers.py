@@ -19,7 +19,8 @@ from pagedserve.layers.linear import (
     packing_supported,
     quantize_int8_per_channel,
 )
-from pagedserve.layers.norm import RMSNorm, reference_rms_norm
+from pagedserve.layers.norm import RMSNorm
+from tests.models.kernel_reference import reference_rms_norm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -160,7 +160,7 @@ def test_summary_in_gib_and_error_carries_plan() -> None:
     assert error.plan is plan and str(error).startswith(plan.summary())
     fixes = ", ".join(f"{s.flag} {s.value}" for s in plan.suggestions)
     assert plan.suggestions and str(error).endswith(f"; any one of these would fit: {fixes}")
-    data = json.loads(plan.to_json())
+    data = json.loads(json.dumps(plan.to_dict()))
     assert data["fits"] is False
     assert data["shortfall_bytes"] == plan.shortfall_bytes
     assert data["activations"]["total"] == plan.activation_bytes
