@@ -65,9 +65,26 @@ ISA_NAMES = {512: "avx512", 256: "avx2"}  # ps_isa() -> name; 0: neither, the to
 HUGE_PAGE = 2 << 20
 
 
+def check(name: str, t: torch.Tensor, dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
+          shape: tuple[int | None, ...] | None = None, contiguous: bool = True) -> None:
+    """Raise ValueError unless tensor `name` is a CPU tensor of `dtype` (one of them, for a tuple), of
+    `shape` (None: any size on that axis) and contiguous: what the C code reads through a raw pointer."""
+    problems = []
+    if t.device.type != "cpu":
+        problems.append(f"on {t.device}, not the CPU")
+    if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+        problems.append(f"dtype {t.dtype}, expected {dtype}")
+    if shape is not None and (t.dim() != len(shape) or any(w is not None and w != n for w, n in zip(shape, t.shape))):
+        problems.append(f"shape {tuple(t.shape)}, expected {tuple('*' if w is None else w for w in shape)}")
+    if contiguous and not t.is_contiguous():
+        problems.append("not contiguous")
+    if problems:
+        raise ValueError(f"native kernel argument {name}: {'; '.join(problems)}")
+
+
 class CpuKernels:
-    """Typed entry points over the C library; each takes torch CPU tensors and asserts the dtypes, shapes
-    and contiguity the C code relies on (internal invariants: the layers pass what these expect)."""
+    """Typed entry points over the C library; each takes torch CPU tensors and checks the dtypes, shapes
+    and contiguity the C code relies on (`check`: a ValueError naming the argument, never a wild read)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.lib = lib
@@ -110,7 +127,10 @@ class CpuKernels:
         """int8 [N, K] -> `ps_linear_i8`'s layout: blocks of 4 rows, column chunks of 64 interleaved
         ([N/4, K/64, 4, 64], zero rows padding N), so each block streams as one sequential run.
         K must be a multiple of 64."""
+        check("weight", weight, torch.int8, (None, None), contiguous=False)
         n, k = weight.shape
+        if k % 64:
+            raise ValueError(f"pack_rows: in_features {k} is not a multiple of 64")
         padded = weight
         if n % 4:
             padded = torch.zeros(-(-n // 4) * 4, k, dtype=weight.dtype)
@@ -132,7 +152,10 @@ class CpuKernels:
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
         """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/NB, K/2, NB, 2] (zero rows pad N), NB =
         `bf16_block` (64 with AVX512-BF16, 16 on AVX2). K must be a multiple of 16."""
+        check("weight", weight, torch.bfloat16, (None, None), contiguous=False)
         n, k = weight.shape
+        if k % 16:
+            raise ValueError(f"pack_bf16: in_features {k} is not a multiple of 16")
         weight = weight.contiguous()
         nb = self.bf16_block
         packed = self.weight_buffer(-(-n // nb), k // 2, nb, 2, dtype=weight.dtype)
@@ -142,9 +165,13 @@ class CpuKernels:
     def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                     out_features: int) -> torch.Tensor:
         """bf16 x [M, K] (contiguous) @ W^T (+ bias) -> [M, N]; W packed by `pack_bf16`."""
+        check("x", x, torch.bfloat16, (None, None))
         m, k = x.shape
-        assert x.dtype == packed.dtype == torch.bfloat16 and x.is_contiguous() and k == 2 * packed.shape[1]
-        assert packed.shape[2] == self.bf16_block and packed.shape[0] * self.bf16_block >= out_features
+        check("packed", packed, torch.bfloat16, (-(-out_features // self.bf16_block), k // 2, self.bf16_block, 2))
+        if k % 16:
+            raise ValueError(f"linear_bf16: in_features {k} is not a multiple of 16")
+        if bias is not None:
+            check("bias", bias, torch.bfloat16, (out_features,))
         y = torch.empty(m, out_features, dtype=x.dtype)
         self.lib.ps_linear_bf16(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                 y.data_ptr(), m, out_features, k, self._threads())
@@ -153,7 +180,7 @@ class CpuKernels:
     def quantize_rows_i8(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 or bf16 [N, K] -> (int8 [N, K], float32 scales [N]), exactly as layers/linear.py's
         quantize_int8_per_channel (scale max|row| / 127, round half to even), every row in one pass."""
-        assert weight.dtype in ACTIVATION_DTYPES and weight.dim() == 2 and weight.device.type == "cpu"
+        check("weight", weight, ACTIVATION_DTYPES, (None, None), contiguous=False)
         weight = weight.contiguous()
         q = torch.empty(weight.shape, dtype=torch.int8)
         scales = torch.empty(weight.shape[0], dtype=torch.float32)
@@ -169,8 +196,7 @@ class CpuKernels:
         block_bytes = self.lib.ps_gguf_block_bytes(qtype)
         if block_bytes == 0 or in_features % 32:
             return None
-        assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.dim() == 2
-        assert blocks.shape[1] == block_bytes * (in_features // 32)
+        check("blocks", blocks, torch.uint8, (None, block_bytes * (in_features // 32)))
         q = torch.empty(blocks.shape[0], in_features, dtype=torch.int8)
         scales = torch.empty(blocks.shape[0], dtype=torch.float32)
         status = self.lib.ps_requant_gguf_i8(blocks.data_ptr(), qtype, blocks.shape[0], in_features, q.data_ptr(),
@@ -181,9 +207,15 @@ class CpuKernels:
                   bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         """x [M, K] (contiguous, model dtype) @ (W [N, K] int8, packed by `pack_rows`, * scales [N] float32)^T
         (+ bias [N]). x is widened to int16 per row (see cpu_kernels.c)."""
+        check("x", x, ACTIVATION_DTYPES, (None, None))
         m, k = x.shape
-        assert x.dtype in ACTIVATION_DTYPES and x.is_contiguous() and packed.dtype == torch.int8
-        assert k == 64 * packed.shape[1] and scales.dtype == torch.float32 and row_sums.dtype == torch.int32
+        if k % 64:
+            raise ValueError(f"linear_i8: in_features {k} is not a multiple of 64")
+        check("packed", packed, torch.int8, (-(-out_features // 4), k // 64, 4, 64))
+        check("scales", scales, torch.float32, (out_features,))
+        check("row_sums", row_sums, torch.int32, (out_features,))
+        if bias is not None:
+            check("bias", bias, x.dtype, (out_features,))
         y = torch.empty(m, out_features, dtype=x.dtype)
         self.lib.ps_linear_i8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), row_sums.data_ptr(),
                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, out_features, k,
@@ -193,9 +225,13 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(norm(x + residual), x + residual) or (norm(x), None); x/residual [M, H] contiguous."""
+        check("x", x, ACTIVATION_DTYPES, (None, None))
         m, h = x.shape
-        assert x.is_contiguous() and h % 16 == 0 and weight.dtype == x.dtype and weight.shape == (h,)
-        assert residual is None or (residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype)
+        if h % 16:
+            raise ValueError(f"rms_norm: hidden size {h} is not a multiple of 16")
+        check("weight", weight, x.dtype, (h,))
+        if residual is not None:
+            check("residual", residual, x.dtype, (m, h))
         out = torch.empty_like(x)
         new_residual = torch.empty_like(x) if residual is not None else None
         self.lib.ps_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
@@ -205,8 +241,10 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [M, 2I] contiguous -> silu(gate) * up [M, I]."""
+        check("gate_up", gate_up, ACTIVATION_DTYPES, (None, None))
         m, two_i = gate_up.shape
-        assert gate_up.is_contiguous() and two_i % 32 == 0
+        if two_i % 32:
+            raise ValueError(f"silu_mul: 2 x intermediate size {two_i} is not a multiple of 32")
         out = torch.empty(m, two_i // 2, dtype=gate_up.dtype)
         self.lib.ps_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2,
                              gate_up.dtype == torch.bfloat16, self._threads())
@@ -216,11 +254,18 @@ class CpuKernels:
                       v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> None:
         """In place: rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] (contiguous) with cos/sin
         [T, D], then write K and V of every token to the pool [S, Hkv, D] at slots [T] (int64)."""
+        check("qkv", qkv, ACTIVATION_DTYPES, (None, None, None))
         t, h, d = qkv.shape
         hkv = (h - num_heads) // 2
-        assert qkv.is_contiguous() and d % 32 == 0 and cos.numel() == sin.numel() == t * d
-        assert k_cache.shape[1:] == v_cache.shape[1:] == (hkv, d) and k_cache.dtype == qkv.dtype
-        assert slots.dtype == torch.int64 and slots.numel() == t
+        if d % 32 or h != num_heads + 2 * hkv:
+            raise ValueError(f"rope_kv_write: head_dim {d} (a multiple of 32?) or {h} heads for {num_heads} query heads")
+        for name, table in (("cos", cos), ("sin", sin)):
+            check(name, table, qkv.dtype)
+            if table.numel() != t * d:
+                raise ValueError(f"rope_kv_write: {name} has {table.numel()} values, expected {t} x {d}")
+        check("k_cache", k_cache, qkv.dtype, (None, hkv, d))
+        check("v_cache", v_cache, qkv.dtype, tuple(k_cache.shape))
+        check("slots", slots, torch.int64, (t,), contiguous=False)
         self.lib.ps_rope_kv_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                   v_cache.data_ptr(), slots.contiguous().data_ptr(), t, num_heads, hkv, d,
                                   qkv.dtype == torch.bfloat16, self._threads())
@@ -229,10 +274,16 @@ class CpuKernels:
                          slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D] (rows of D contiguous, heads adjacent); caches [S, Hkv, D]; slots [B, L] int64;
         lens [B] int64 -> [B, Hq, D]."""
+        check("q", q, ACTIVATION_DTYPES, (None, None, None), contiguous=False)
         b, hq, d = q.shape
+        check("k_cache", k_cache, q.dtype, (None, None, d))
         hkv = k_cache.shape[1]
-        assert d % 16 == 0 and d <= 256 and hq % hkv == 0 and k_cache.shape[2] == d and k_cache.dtype == q.dtype
-        assert slots.dtype == lens.dtype == torch.int64 and slots.shape[0] == lens.shape[0] == b
+        if d % 16 or d > 256 or hq % hkv:
+            raise ValueError(f"decode_attention: head_dim {d} (a multiple of 16 up to 256?) or {hq} query heads "
+                             f"for {hkv} KV heads")
+        check("v_cache", v_cache, q.dtype, tuple(k_cache.shape))
+        check("slots", slots, torch.int64, (b, None), contiguous=False)
+        check("lens", lens, torch.int64, (b,), contiguous=False)
         slots, lens = slots.contiguous(), lens.contiguous()  # no-ops for the runner's tensors
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
@@ -262,14 +313,18 @@ class CpuKernels:
                     ctx_slots: torch.Tensor, lens: torch.Tensor, head_dim: int) -> None:
         """What a decode-only step's native calls rely on: x [B, H] contiguous in the model dtype, cos/sin
         [B, D], int64 slots [B], ctx_slots [B, L] and lens [B]."""
+        check("x", x, ACTIVATION_DTYPES, (None, None))
         b = x.shape[0]
-        assert x.is_contiguous() and x.dtype in ACTIVATION_DTYPES
-        assert cos.numel() == sin.numel() == b * head_dim and cos.is_contiguous() and sin.is_contiguous()
-        assert slots.shape == (b,) and ctx_slots.shape[0] == lens.shape[0] == b
-        assert all(t.dtype == torch.int64 and t.is_contiguous() for t in (slots, ctx_slots, lens))
+        for name, table in (("cos", cos), ("sin", sin)):
+            check(name, table, x.dtype)
+            if table.numel() != b * head_dim:
+                raise ValueError(f"decode step: {name} has {table.numel()} values, expected {b} x {head_dim}")
+        check("slots", slots, torch.int64, (b,))
+        check("ctx_slots", ctx_slots, torch.int64, (b, None))
+        check("lens", lens, torch.int64, (b,))
 
     def _check_layer(self, row: torch.Tensor) -> None:
-        assert row.dtype == torch.int64 and row.is_contiguous() and row.shape == (self.layer_fields,)
+        check("row", row, torch.int64, (self.layer_fields,))
 
     def layer_attention(self, row: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, first: bool,
                         cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, ctx_slots: torch.Tensor,
@@ -280,7 +335,7 @@ class CpuKernels:
         on the `first` layer). Returns the o projection's output [B, H]."""
         self._check_step(x, cos, sin, slots, ctx_slots, lens, head_dim)
         self._check_layer(row)
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+        check("residual", residual, x.dtype, tuple(x.shape))
         y = torch.empty_like(x)
         b, h = x.shape
         self.lib.ps_layer_attention(row.data_ptr(), x.data_ptr(), residual.data_ptr(), int(first), y.data_ptr(),
@@ -293,8 +348,8 @@ class CpuKernels:
                   eps: float) -> torch.Tensor:
         """One decoder layer's MLP half (ps_layer_mlp): post-norm of y + residual (updated in place), SiLU MLP."""
         self._check_layer(row)
-        assert y.is_contiguous() and y.dtype in ACTIVATION_DTYPES
-        assert residual.shape == y.shape and residual.dtype == y.dtype and residual.is_contiguous()
+        check("y", y, ACTIVATION_DTYPES, (None, None))
+        check("residual", residual, y.dtype, tuple(y.shape))
         out = torch.empty_like(y)
         self.lib.ps_layer_mlp(row.data_ptr(), y.data_ptr(), residual.data_ptr(), out.data_ptr(), y.shape[0],
                               y.shape[1], intermediate, eps, y.dtype == torch.bfloat16, self._threads())
@@ -307,10 +362,10 @@ class CpuKernels:
         """Every decoder layer of a decode-only step in one call: x [B, H] embeddings -> the final norm's
         output [B, H]. `table` [layers, layer_fields] int64 holds each layer's pointers (see
         cpu_kernels.c, ps_decode_stack); cos/sin [B, D]; slots [B]; ctx_slots [B, L]; lens [B] (int64)."""
-        b, h = x.shape
         self._check_step(x, cos, sin, slots, ctx_slots, lens, head_dim)
-        assert final_norm.dtype == x.dtype
-        assert table.dtype == torch.int64 and table.is_contiguous() and table.shape[1] == self.layer_fields
+        b, h = x.shape
+        check("final_norm", final_norm, x.dtype, (h,))
+        check("table", table, torch.int64, (None, self.layer_fields))
         out = torch.empty_like(x)
         self.lib.ps_decode_stack(x.data_ptr(), out.data_ptr(), table.data_ptr(), table.shape[0],
                                  final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),

@@ -1,0 +1,113 @@
+"""The native kernel wrappers refuse arguments the C code would misread (kernels/__init__.py, `check`):
+every wrapper is called once with what it expects, then with one argument wrong at a time, and must raise
+a ValueError that says what is wrong before any native code runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import cpu_kernels
+
+F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C on this CPU: no native kernels to call")
+    return k
+
+
+def _calls(k):
+    """(wrapper name, its valid keyword arguments) for each wrapper."""
+    torch.manual_seed(0)
+    w_i8 = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    w_bf16 = torch.randn(16, 32).to(BF16)
+    hq, hkv, d, slots_total = 2, 1, 32, 8
+    step = dict(cos=torch.randn(1, d), sin=torch.randn(1, d), slots=torch.tensor([3]),
+                ctx_slots=torch.tensor([[0, 1, 2, 3]]), lens=torch.tensor([4]))
+    return {
+        "pack_rows": dict(weight=w_i8),
+        "pack_bf16": dict(weight=w_bf16),
+        "linear_bf16": dict(x=torch.randn(2, 32).to(BF16), packed=k.pack_bf16(w_bf16), bias=torch.randn(16).to(BF16),
+                            out_features=16),
+        "linear_i8": dict(x=torch.randn(2, 64), packed=k.pack_rows(w_i8), scales=torch.rand(8),
+                          row_sums=k.row_sums(w_i8), bias=torch.randn(8), out_features=8),
+        "rms_norm": dict(x=torch.randn(2, 16), weight=torch.rand(16), eps=1e-6, residual=torch.randn(2, 16)),
+        "silu_mul": dict(gate_up=torch.randn(2, 64)),
+        "rope_kv_write": dict(qkv=torch.randn(2, hq + 2 * hkv, d), cos=torch.randn(2, d), sin=torch.randn(2, d),
+                              k_cache=torch.zeros(slots_total, hkv, d), v_cache=torch.zeros(slots_total, hkv, d),
+                              slots=torch.tensor([1, 5]), num_heads=hq),
+        "decode_attention": dict(q=torch.randn(1, hq, d), k_cache=torch.randn(slots_total, hkv, d),
+                                 v_cache=torch.randn(slots_total, hkv, d), slots=step["ctx_slots"], lens=step["lens"],
+                                 scale=d ** -0.5),
+        # never run with these (the table holds no pointers): only the refusals are exercised
+        "decode_stack": dict(x=torch.randn(1, 64), table=torch.zeros(2, k.layer_fields, dtype=I64),
+                             final_norm=torch.rand(64), **step, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             intermediate=128, eps=1e-6, scale=d ** -0.5),
+    }
+
+
+RUNNABLE = ["pack_rows", "pack_bf16", "linear_bf16", "linear_i8", "rms_norm", "silu_mul", "rope_kv_write",
+            "decode_attention"]
+
+WRONG = [  # (wrapper, argument, wrong value or a function of the valid one)
+    ("pack_rows", "weight", lambda w: w.float()),
+    ("pack_rows", "weight", lambda w: w[:, :32]),
+    ("pack_bf16", "weight", lambda w: w.float()),
+    ("pack_bf16", "weight", lambda w: w[:, :8]),
+    ("linear_bf16", "x", lambda x: x.float()),
+    ("linear_bf16", "x", lambda x: x.t().contiguous().t()),
+    ("linear_bf16", "x", lambda x: torch.cat([x, x], 1)),
+    ("linear_bf16", "bias", lambda b: b.float()),
+    ("linear_bf16", "bias", lambda b: b[:15]),
+    ("linear_bf16", "packed", lambda p: p.float()),
+    ("linear_bf16", "out_features", lambda n: 100),
+    ("linear_i8", "x", lambda x: x[:, :32].contiguous()),
+    ("linear_i8", "x", lambda x: x.double()),
+    ("linear_i8", "scales", lambda s: s[:7]),
+    ("linear_i8", "scales", lambda s: s.double()),
+    ("linear_i8", "row_sums", lambda r: r.long()),
+    ("linear_i8", "bias", lambda b: b.to(BF16)),
+    ("linear_i8", "out_features", lambda n: 9),
+    ("rms_norm", "weight", lambda w: w.to(BF16)),
+    ("rms_norm", "weight", lambda w: w[:8]),
+    ("rms_norm", "residual", lambda r: r[:1]),
+    ("rms_norm", "residual", lambda r: r.t().contiguous().t()),
+    ("rms_norm", "x", lambda x: x[:, :8].contiguous()),
+    ("silu_mul", "gate_up", lambda g: g[:, :48].contiguous()),
+    ("silu_mul", "gate_up", lambda g: g[:, :32]),
+    ("rope_kv_write", "cos", lambda c: c.to(BF16)),
+    ("rope_kv_write", "sin", lambda s: s[:1]),
+    ("rope_kv_write", "v_cache", lambda v: v.to(BF16)),
+    ("rope_kv_write", "v_cache", lambda v: v[:4]),
+    ("rope_kv_write", "k_cache", lambda c: torch.zeros(8, 2, 32)),
+    ("rope_kv_write", "slots", lambda s: s.int()),
+    ("rope_kv_write", "qkv", lambda q: q[..., :16].contiguous()),
+    ("decode_attention", "v_cache", lambda v: v[..., :16].contiguous()),
+    ("decode_attention", "k_cache", lambda c: c.to(BF16)),
+    ("decode_attention", "lens", lambda n: n.int()),
+    ("decode_attention", "slots", lambda s: torch.cat([s, s])),
+    ("decode_stack", "final_norm", lambda w: w[:32]),
+    ("decode_stack", "final_norm", lambda w: w.to(BF16)),
+    ("decode_stack", "table", lambda t: t[:, :-1].contiguous()),
+    ("decode_stack", "table", lambda t: t.int()),
+    ("decode_stack", "cos", lambda c: c.to(BF16)),
+    ("decode_stack", "slots", lambda s: torch.tensor([3, 4])),
+    ("decode_stack", "ctx_slots", lambda s: s.int()),
+]
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_each_wrapper_runs_with_what_it_expects(kernels, name):
+    getattr(kernels, name)(**_calls(kernels)[name])
+
+
+@pytest.mark.parametrize(("name", "argument", "wrong"), WRONG, ids=[f"{n}-{a}-{i}" for i, (n, a, _) in enumerate(WRONG)])
+def test_each_wrapper_refuses_a_wrong_argument(kernels, name, argument, wrong):
+    arguments = _calls(kernels)[name]
+    arguments[argument] = wrong(arguments[argument])
+    with pytest.raises(ValueError, match="native kernel argument|not a multiple|heads|values, expected"):
+        getattr(kernels, name)(**arguments)
