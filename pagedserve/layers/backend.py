@@ -53,14 +53,16 @@ class KernelBackend:
         in_features = weight.shape[1]
         if isinstance(weight, QuantizedWeight) and self.linear_kind != "int8":
             raise ValueError(f"an int8 weight cannot back a {self.linear_kind!r} linear")
-        native = self.native if weight_format.native_linear(self.linear_kind, self.native_bf16_linears,
-                                                            self.native is not None, in_features) else None
+        runs_native = weight_format.native_linear(self.linear_kind, self.native_bf16_linears, self.native is not None,
+                                                  in_features)
+        native = self.native if runs_native else None
+        implementation = weight_format.linear_implementation(self.linear_kind, runs_native,
+                                                             lambda: onednn_packs(self.device, self.dtype))
         if self.linear_kind == "int8":
             return Int8Linear(weight, bias, native)
-        weight = weight.detach()
-        if self.linear_kind == "plain" or (native is None and not onednn_packs(self.device, self.dtype)):
-            return PlainLinear(weight, bias)  # (a bf16 linear the native kernel does not take, on AVX2)
-        return PackedLinear(weight, bias, native)
+        if implementation == "plain":
+            return PlainLinear(weight.detach(), bias)
+        return PackedLinear(weight.detach(), bias, native)
 
     def decoder_kernels(self, hidden: int, intermediate: int, head_dim: int) -> CpuKernels | None:
         """The native kernels for a decoder's norms, SiLU, rotary and attention, where its sizes fit them

@@ -45,11 +45,12 @@ class PackedLinear(_HotPathModule):
     rows). Otherwise (float32, other CPUs): oneDNN's blocked layout."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: CpuKernels | None = None) -> None:
-        """`native`: the kernels to run a bf16 weight on (layers/backend.py decides); None: oneDNN."""
+        """`native`: the kernels to run a bf16 CPU weight on (layers/backend.py decides); None: oneDNN."""
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.native = native if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" else None
+        self.native = native
+        self.implementation = "onednn" if native is None else "native-bf16"  # weight_format.LINEAR_IMPLEMENTATIONS
         if self.native is not None:
             self.register_buffer("packed_weight", self.native.pack_bf16(weight))
         else:
@@ -87,6 +88,9 @@ class PackedLinear(_HotPathModule):
 
 class PlainLinear(nn.Module):
     """F.linear on an inference-only weight (used where packing is unavailable: GPUs, other CPUs)."""
+
+    implementation = "plain"  # weight_format.LINEAR_IMPLEMENTATIONS
+    native = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -138,25 +142,24 @@ class Int8Linear(_HotPathModule):
     `aten._weight_int8pack_mm` dequantizes on the fly."""
 
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
-                 kernels: CpuKernels | None = None) -> None:
-        """`kernels`: the native kernels to run on (layers/backend.py decides, weight_format.native_linear);
-        None: torch's `_weight_int8pack_mm`."""
+                 native: CpuKernels | None = None) -> None:
+        """`native`: the native kernels to run on, for a CPU weight in float32 or bf16 (layers/backend.py
+        decides, weight_format.native_linear); None: torch's `_weight_int8pack_mm`."""
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
+        self.native = native
+        self.implementation = "torch-int8" if native is None else "native-int8"  # weight_format.LINEAR_IMPLEMENTATIONS
         if isinstance(weight, QuantizedWeight):
             qweight, scales, dtype = weight.qweight, weight.scales, weight.dtype
         else:
-            native = kernels is not None and kernels.supports(weight)  # a CPU float32/bf16 weight
-            (qweight, scales), dtype = (kernels.quantize_rows_i8(weight) if native
+            (qweight, scales), dtype = (native.quantize_rows_i8(weight) if native is not None
                                         else quantize_int8_per_channel(weight)), weight.dtype
         scales = scales.to(dtype)  # the effective scales are the model-dtype ones on every path
-        on_cpu = weight.device.type == "cpu" and self.in_features % weight_format.INT8_K_MULTIPLE == 0
-        self.kernels = kernels if kernels is not None and on_cpu and kernels.supports(scales) else None
-        self.max_kernel_rows = self.kernels.int8_max_rows if self.kernels is not None else None
-        if self.kernels is not None:
-            self.register_buffer("qweight_packed", self.kernels.pack_rows(qweight))
-            self.register_buffer("row_sums", self.kernels.row_sums(qweight))
+        self.max_kernel_rows = native.int8_max_rows if native is not None else None
+        if native is not None:
+            self.register_buffer("qweight_packed", native.pack_rows(qweight))
+            self.register_buffer("row_sums", native.row_sums(qweight))
             self.register_buffer("scales32", scales.float())
         else:
             self.register_buffer("qweight", qweight)  # [out, in] int8
@@ -173,15 +176,15 @@ class Int8Linear(_HotPathModule):
     def native_fields(self) -> list[int] | None:
         """As PackedLinear.native_fields: [1 = int8, weight, bias or 0, float32 scales, row sums]; the
         stack runs it for up to `max_kernel_rows` rows."""
-        if self.kernels is None:
+        if self.native is None:
             return None
         bias = 0 if self._bias is None else self._bias.data_ptr()
         return [1, self._packed.data_ptr(), bias, self._scales32.data_ptr(), self._row_sums.data_ptr()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
+        if self.native is not None:
             if self.max_kernel_rows is None or x.shape[0] <= self.max_kernel_rows:
-                return self.kernels.linear_i8(x.contiguous(), self._packed, self._scales32, self._row_sums,
+                return self.native.linear_i8(x.contiguous(), self._packed, self._scales32, self._row_sums,
                                               self._bias, self.out_features)
             return F.linear(x, self.dequantized(), self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -189,8 +192,8 @@ class Int8Linear(_HotPathModule):
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 [out, in], scales [out] in the model dtype), whatever the layout they are kept in."""
-        if self.kernels is not None:
-            return self.kernels.unpack_rows(self.qweight_packed, self.out_features), self.scales
+        if self.native is not None:
+            return self.native.unpack_rows(self.qweight_packed, self.out_features), self.scales
         return self.qweight, self.scales
 
     def dequantized(self) -> torch.Tensor:

@@ -114,14 +114,29 @@ def native_linear(kind: str, native_bf16: bool, native: bool, in_features: int) 
     return kind == "packed" and native_bf16 and in_features % BF16_K_MULTIPLE == 0
 
 
-def linear_kernel(kind: str, isa: str | None, onednn_packs: bool = True) -> str:
-    """A linear's kernel in words: `isa` where it runs the native kernel, else None; a "packed" linear off the
-    native kernel runs oneDNN where it packs this dtype here (`onednn_packs`), else F.linear."""
-    if isa is not None:
-        return f"native {'int8' if kind == 'int8' else 'bf16'} ({isa})"
-    if kind == "packed" and not onednn_packs:
-        return "F.linear"
-    return {"int8": "torch int8", "packed": "oneDNN packed"}.get(kind, "F.linear")
+# What a linear runs (layers/linear.py: each class says which of these it is, as `implementation`).
+LINEAR_IMPLEMENTATIONS = {"native-bf16": "native bf16", "native-int8": "native int8", "onednn": "oneDNN packed",
+                          "torch-int8": "torch int8", "plain": "F.linear"}  # -> words of the log and doctor
+
+
+def linear_implementation(kind: str, native: bool, onednn_packs: Callable[[], bool]) -> str:
+    """What a linear of `kind` runs (a key of LINEAR_IMPLEMENTATIONS): `native` where native_linear says the
+    native kernel takes it; a "packed" linear off the native kernel runs oneDNN where it packs this dtype
+    here (`onednn_packs`, asked only then), else F.linear (a bf16 linear the AVX2 kernel does not take)."""
+    if kind == "int8":
+        return "native-int8" if native else "torch-int8"
+    if kind == "packed":
+        if native:
+            return "native-bf16"
+        if onednn_packs():
+            return "onednn"
+    return "plain"
+
+
+def linear_words(implementation: str, isa: str | None) -> str:
+    """A linear's kernel in the start-up log's and doctor's words; `isa` names the native kernels' ISA."""
+    words = LINEAR_IMPLEMENTATIONS[implementation]
+    return f"{words} ({isa})" if implementation.startswith("native") else words
 
 
 def decoder_kernels_fit(hidden: int, intermediate: int, head_dim: int) -> bool:
@@ -186,7 +201,7 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),
               ("down", intermediate)) + ((("logits", hidden),) if logits else ())
     runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}
-    linears = tuple(LinearKernel(name, linear_kernel(kind, isa if runs[name] else None, onednn_packs), runs[name])
-                    for name, _ in inputs)
+    linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
+                                 runs[name]) for name, _ in inputs)
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native, fused_rotary(decoder_native, qk_norm, head_dim),
                         None if tp_size == 1 else (0, tp_size))

@@ -8,18 +8,17 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from pagedserve.kernels import CpuKernels
 from pagedserve.layers.linear import QuantizedWeight, quantize_int8_per_channel
 
 _REQUANTIZE_ROWS = 1024
 
 
-def requantize_int8(stored: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype) -> QuantizedWeight:
+def requantize_int8(stored: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype,
+                    kernels: CpuKernels | None = None) -> QuantizedWeight:
     """Blocks [rows, bytes_per_row] -> per-row int8: each chunk of rows is dequantized to float32 (exactly
-    as gguf.quants does) and quantized at once with scale max|row| / 127. The native kernels do both in one
-    pass for the 32-value formats (the same bits; a load-time conversion, so it asks for them directly)."""
-    from pagedserve.kernels import cpu_kernels
-
-    kernels = cpu_kernels()
+    as gguf.quants does) and quantized at once with scale max|row| / 127. `kernels` (the model's
+    KernelBackend.native) do both in one pass for the 32-value formats, with the same bits."""
     if kernels is not None:
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         blocks = torch.from_numpy(np.ascontiguousarray(stored).view(np.uint8).reshape(stored.shape[0], -1))

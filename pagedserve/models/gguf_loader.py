@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.formats.gguf import forget_gguf_header, shared_gguf_header
 from pagedserve.formats.gguf_hf import GGUFFile, unpermute_rows
+from pagedserve.kernels import CpuKernels
 from pagedserve.layers.linear import QuantizedWeight
 from pagedserve.models.gguf_dequant import TORCH_BLOCK_TYPES, dequantize_to_torch, requantize_int8
 from pagedserve.models.gguf_tokenizer import build_tokenizer_from_metadata
@@ -30,15 +31,16 @@ class GGUFCheckpoint(GGUFFile):
         validate_gguf_header(header)
         super().__init__(path, header)
 
-    def iter_tensors(self, dtype: torch.dtype = torch.float32, int8_matmuls: bool = False
-                     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def iter_tensors(self, dtype: torch.dtype = torch.float32, int8_matmuls: bool = False,
+                     kernels: CpuKernels | None = None) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Every weight dequantized to `dtype`, under its Hugging Face name and shape. With `int8_matmuls`,
         block-quantized matmul weights (`*_proj.weight`, `lm_head.weight`) come instead as per-row int8
-        (QuantizedWeight), requantized from their float32 values a few rows at a time: no `dtype` copy."""
+        (QuantizedWeight), requantized from their float32 values a few rows at a time (by `kernels`, the
+        model's native kernels, where given): no `dtype` copy."""
         for spec in self._specs:
             num_heads = self.permute_heads(spec)
             if int8_matmuls and spec.qtype in TORCH_BLOCK_TYPES and _is_matmul_weight(spec.name):
-                weight = requantize_int8(self.stored(spec), spec.qtype, dtype)
+                weight = requantize_int8(self.stored(spec), spec.qtype, dtype, kernels)
                 if num_heads:
                     weight = QuantizedWeight(unpermute_rows(weight.qweight, num_heads).contiguous(),
                                              unpermute_rows(weight.scales, num_heads).contiguous(), dtype)

@@ -24,7 +24,7 @@ from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import fuse_rows, weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedserve.memory.weight_format import LayerKernels, LinearKernel, fused_rotary, linear_kernel
+from pagedserve.memory.weight_format import LayerKernels, LinearKernel, fused_rotary, linear_words
 
 
 
@@ -326,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
         self.logits_proj = backend.make_linear(weight, None)
         if not self.tie_word_embeddings:
             del self.lm_head
-        elif getattr(self.logits_proj, "native", None) is not None:
+        elif self.logits_proj.implementation == "native-bf16":  # rows readable from its packed layout
             if self.tp is None:
                 self.model.embed_tokens = PackedRowsEmbedding(self.logits_proj)
             else:
@@ -378,10 +378,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 def linear_kernel_of(name: str, module: nn.Module) -> LinearKernel:
-    """The kernel a prepared linear runs."""
-    native = getattr(module, "native", None) or getattr(module, "kernels", None)
-    kind = {"PackedLinear": "packed", "Int8Linear": "int8"}.get(type(module).__name__, "plain")
-    return LinearKernel(name, linear_kernel(kind, native.isa if native is not None else None), native is not None)
+    """The kernel a prepared linear (layers/linear.py) runs, as it says."""
+    native = module.native
+    return LinearKernel(name, linear_words(module.implementation, None if native is None else native.isa),
+                        native is not None)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

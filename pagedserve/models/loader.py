@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedserve.formats.safetensors import read_safetensors_header, safetensors_files
+from pagedserve.kernels import CpuKernels
 from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import QuantizedWeight
 from pagedserve.models.registry import model_class
@@ -36,15 +37,16 @@ def load_hf_config(model_path: str) -> Any:
     return AutoConfig.from_pretrained(model_path)
 
 
-def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False
+def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False, kernels: CpuKernels | None = None
                     ) -> tuple[int, Iterator[tuple[str, torch.Tensor | QuantizedWeight]]]:
     """(number of tensors, iterator of (checkpoint name, tensor)) for a directory or a GGUF file. With
-    `int8`, a GGUF's block-quantized matmul weights come as QuantizedWeight (no bf16 copy on the way)."""
+    `int8`, a GGUF's block-quantized matmul weights come as QuantizedWeight (no bf16 copy on the way),
+    requantized by `kernels` (the model's native kernels) where given."""
     if model_path.endswith(".gguf"):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(model_path)
-        return checkpoint.num_tensors, checkpoint.iter_tensors(dtype, int8_matmuls=int8)
+        return checkpoint.num_tensors, checkpoint.iter_tensors(dtype, int8_matmuls=int8, kernels=kernels)
     files = safetensors_files(Path(model_path))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path}")
@@ -66,7 +68,8 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         model = cls(hf_config, max_position) if tp is None else cls(hf_config, max_position, tp=tp)
     params = dict(model.named_parameters())
     missing = set(params)
-    num_tensors, tensors = iter_checkpoint(model_path, dtype, int8=quantization == "int8")
+    backend = KernelBackend.choose(device, dtype, quantization, reference_kernels)  # the one decision
+    num_tensors, tensors = iter_checkpoint(model_path, dtype, int8=quantization == "int8", kernels=backend.native)
     for index, (name, tensor) in enumerate(tensors):
         target = model.checkpoint_name_to_param(name)
         if target is None:
@@ -91,7 +94,6 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     _move_buffers(model, device)
-    backend = KernelBackend.choose(device, dtype, quantization, reference_kernels)  # the one decision
     model.prepare(backend)
     logger.info("kernels: %s", backend.describe())
     for line in model.kernel_report() if hasattr(model, "kernel_report") else ():

@@ -173,7 +173,7 @@ def test_int8_linear_layer_on_both_paths(kernels, rows):
     torch.manual_seed(rows)
     weight, bias = torch.randn(70, 64).bfloat16(), torch.randn(70).bfloat16()
     layer = Int8Linear(weight, bias, kernels)
-    assert layer.kernels is not None
+    assert layer.native is not None
     x = torch.randn(rows, 64).bfloat16()
     expected = torch.nn.functional.linear(x.float(), layer.dequantized().float()).bfloat16() + bias
     # int16 activations and bf16 roundings (of the product, then of the bias add): well within 2^-6 of the scale
@@ -246,8 +246,8 @@ def test_the_backend_gives_bf16_linears_the_native_kernel(kernels):
     reference = KernelBackend.choose("cpu", torch.bfloat16, reference=True)
     assert reference.native is None and type(reference.make_linear(weight, None)).__name__ == "PlainLinear"
     int8 = KernelBackend.choose("cpu", torch.bfloat16, "int8").make_linear(weight, None)
-    assert int8.kernels is kernels
-    assert KernelBackend.choose("cpu", torch.bfloat16, "int8").make_linear(weight[:, :48], None).kernels is None
+    assert int8.native is kernels
+    assert KernelBackend.choose("cpu", torch.bfloat16, "int8").make_linear(weight[:, :48], None).native is None
     with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
         KernelBackend.choose("cpu", torch.bfloat16, "int4")
 
