@@ -55,10 +55,10 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         shape = sizes.ModelShape.from_hf_config(checkpoint.config, checkpoint.weight_bytes(weight_dtype_bytes))
         shape = per_rank_shape(shape, model.hf_config, args.tensor_parallel_size)  # one rank's shard
         tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
-        backend = _kernel_backend(model, device)
-        weight_bytes = sizes.prepared_weight_bytes(shape, weight_dtype_bytes, backend.linear_kind, tied,
-                                                   computes_logits=model.task == "generate",
-                                                   embedding_shares_packed=backend.native_bf16_linears)
+        fmt = _weight_format(model, device)
+        weight_bytes = sizes.prepared_weight_bytes(shape, weight_dtype_bytes, fmt.int8_linears,
+                                                   fmt.logits_head(tied, computes_logits=model.task == "generate"),
+                                                   tied)
         return replace(shape, weight_bytes=weight_bytes)
 
     shape = prepared_shape(checkpoint, model)
@@ -99,7 +99,7 @@ def _uses_transformers(args: EngineArgs, model: ModelConfig) -> bool:
         args.tokenizer or model.model)
 
 
-def _kernel_backend(model: ModelConfig, device: str) -> WeightFormat:
+def _weight_format(model: ModelConfig, device: str) -> WeightFormat:
     """The weight format the loader's KernelBackend.choose will pick (it decides whether weights are copied
     into another format, and whether a tied embedding shares the packed logits matrix): the same rule
     (memory/weight_format.py), told from the CPU's flags without torch. Where choose needs the native library

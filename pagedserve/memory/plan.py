@@ -64,7 +64,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from pagedserve.memory.probe import AvailableMemory
-from pagedserve.memory.sizes import CPU_RUNTIME_OVERHEAD_BYTES, GIB, MIB, ModelShape, kv_bytes_per_token
+from pagedserve.memory.sizes import (CPU_RUNTIME_OVERHEAD_BYTES, GIB, MIB, ModelShape, int8_linear_delta_bytes,
+                                     kv_bytes_per_token)
 
 # The block pool's Python objects (KVCacheBlock + its free-queue entry): 277 bytes per block measured with
 # VmRSS around KVCacheManager(100_000, 16, True) on Python 3.11.
@@ -381,14 +382,6 @@ def _largest_fitting(low: int, high: int, fits: Callable[[int], bool]) -> int | 
     return low
 
 
-def _int8_weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
-    # Weight-only int8 of the decoder's linear layers: 1 byte per weight plus one scale per output channel
-    # in the serving dtype. Embeddings, the LM head and norms stay in the serving dtype (conservative).
-    linear = shape.num_linear_params
-    return (max(0, shape.weight_bytes - linear * dtype_bytes) + linear
-            + shape.num_linear_output_channels * dtype_bytes)
-
-
 def _largest_setting(shape: ModelShape, request: PlanRequest, name: str, step: int) -> int | None:
     """Largest multiple of `step` below the requested value of `name` with which the plan fits."""
     current = getattr(request, name)
@@ -428,7 +421,8 @@ def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, .
         fitting("--dtype", "bfloat16", half, replace(request, dtype_bytes=2, kv_dtype_bytes=kv),
                 note="fast only on CPUs with AVX512-BF16 or AMX; see `pagedserve doctor`")
     if request.quantization is None and "int8" in quantizations:
-        int8_bytes = _int8_weight_bytes(shape, request.dtype_bytes)
+        # The decoder's linears only; the plan's LM head stays as it is (conservative).
+        int8_bytes = shape.weight_bytes + int8_linear_delta_bytes(shape, request.dtype_bytes)
         if int8_bytes < shape.weight_bytes:
             fitting("--quantization", "int8", replace(shape, weight_bytes=int8_bytes), request,
                     note="weight-only int8 for the linear layers")

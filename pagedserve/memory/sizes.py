@@ -7,7 +7,7 @@ Formulas (M = max_model_len, S = max_num_seqs, L layers, V vocab, kvh KV heads, 
 
   KV bytes per token = 2 (K and V) x L x kvh x (hd x kv_dtype_bytes + kv_scale_bytes of an 8-bit cache)
   weights            = the checkpoint's tensors in the serving dtype, re-laid out for the linear kernels
-                       (prepared_weight_bytes: int8 linears, a packed copy of a tied LM head)
+                       (prepared_weight_bytes: int8 linears, the logits head's layout)
   runtime overhead   = on a CPU: the interpreter with torch, the HTTP stack and the engine code
                        (CPU_RUNTIME_BASE_BYTES; + TRANSFORMERS_RUNTIME_BYTES where it is loaded) + the tokenizer (TOKENIZER_BYTES_PER_TOKEN x V) + the rotary
                        cos/sin tables (2 x M x hd x 4) + the block table (S x ceil(M / block) x 8);
@@ -108,25 +108,32 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int, kv_scale_bytes: i
     return own + (kv_bytes_per_token(shape.draft, kv_dtype_bytes, kv_scale_bytes) if shape.draft else 0)
 
 
-def prepared_weight_bytes(shape: ModelShape, dtype_bytes: int, linear_kind: str, tied_embeddings: bool,
-                          computes_logits: bool = True, embedding_shares_packed: bool = False) -> int:
-    """Weights as the model holds them after prepare() (models/llama.py, layers/linear.py), from the
-    checkpoint's bytes in the serving dtype (shape.weight_bytes).
+# How prepare() holds the logits projection (weight_format.WeightFormat.logits_head says which, by kernel):
+LOGITS_HEADS = ("none",    # no logits (an embedding model)
+                "shared",  # reads tensors already counted: the checkpoint's, or its untied lm_head repacked
+                "copy",    # a second copy of a tied embedding in the serving dtype (the plain one stays for lookups)
+                "int8")    # int8 weights and one scale per row (for a tied embedding, beside the plain one)
 
-    "int8" (--quantization int8): every decoder linear and the logits projection hold int8 weights and one
-    scale per output channel in the serving dtype. "packed" (oneDNN) or "int8" with tied embeddings: the
-    logits projection is a second copy of the embedding in the kernel's format (the plain one stays for
-    token lookups), except where `embedding_shares_packed` (the native bf16 kernel: lookups read the packed
-    rows). "plain" (F.linear) shares the checkpoint's tensors.
-    """
-    total = shape.weight_bytes
+
+def int8_linear_delta_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+    """What weight-only int8 changes in the decoder's linears: 1 byte per weight instead of dtype_bytes, plus
+    one scale per output channel in the serving dtype (a negative number: the bytes saved)."""
+    return shape.num_linear_params * (1 - dtype_bytes) + shape.num_linear_output_channels * dtype_bytes
+
+
+def prepared_weight_bytes(shape: ModelShape, dtype_bytes: int, int8_linears: bool, logits_head: str,
+                          tied_embeddings: bool) -> int:
+    """Weights as the model holds them after prepare() (models/llama.py, layers/linear.py), from the
+    checkpoint's bytes in the serving dtype (shape.weight_bytes): the decoder's linears in int8 or as stored,
+    and the logits projection as `logits_head` (one of LOGITS_HEADS) says."""
+    if logits_head not in LOGITS_HEADS:
+        raise ValueError(f"logits_head {logits_head!r} is not one of {LOGITS_HEADS}")
+    total = shape.weight_bytes + (int8_linear_delta_bytes(shape, dtype_bytes) if int8_linears else 0)
     head = shape.vocab_size * shape.hidden_size
-    if linear_kind == "int8":
-        total += shape.num_linear_params * (1 - dtype_bytes) + shape.num_linear_output_channels * dtype_bytes
-    if computes_logits and linear_kind == "int8":
+    if logits_head == "int8":
         int8_head = head + shape.vocab_size * dtype_bytes
         total += int8_head if tied_embeddings else int8_head - head * dtype_bytes
-    elif computes_logits and linear_kind == "packed" and tied_embeddings and not embedding_shares_packed:
+    elif logits_head == "copy":
         total += head * dtype_bytes
     return total
 

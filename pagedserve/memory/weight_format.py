@@ -8,7 +8,7 @@ layers take the size rules (`native_linear`, `decoder_kernels_fit`, `fused_rotar
 backend; `LayerKernels` says what a model's layers run, in the same words for the start-up log (from the
 loaded modules, models/llama.py) and `pagedserve doctor` (from the config, `expected_layer_kernels`).
 
-Linear kinds (the vocabulary of memory/sizes.prepared_weight_bytes): "packed" (bf16 on pagedserve's native
+Linear kinds (WeightFormat.logits_head turns them into memory/sizes' layouts): "packed" (bf16 on pagedserve's native
 kernel where it runs, else oneDNN's blocked layout), "int8" (weight-only int8: the native kernel where it
 runs, else torch's `_weight_int8pack_mm`), "plain" (`F.linear`: the reference path, GPUs).
 """
@@ -48,15 +48,19 @@ def wants_native_kernels(device: str, dtype: str, reference: bool) -> bool:
     return not reference and device == "cpu" and dtype in NATIVE_DTYPES
 
 
-def onednn_may_pack(device: str, dtype: str, flags: set[str]) -> bool:
+def onednn_may_pack(device: str, dtype: str, flags: set[str], machine: str | None = None) -> bool:
     """Whether oneDNN's packed linear is tried at all (where it is, packing_supported probes it): float32 on a
-    CPU, and bf16 where the CPU's flags (probe.cpu_flags) let oneDNN convert bf16 (x86; other CPUs: the probe
+    CPU, and bf16 where an x86 CPU's flags (probe.cpu_flags) let oneDNN convert bf16 (other CPUs: the probe
     decides)."""
     if device != "cpu" or dtype not in ONEDNN_PACKED_DTYPES:
         return False
-    if dtype == "float32" or "sse2" not in flags:  # not an x86 CPU's flags
+    if dtype == "float32" or not _is_x86(machine):
         return True
     return any(needed <= flags for needed in ONEDNN_BF16_FLAGS)
+
+
+def _is_x86(machine: str | None) -> bool:
+    return (platform.machine() if machine is None else machine).lower() in ("x86_64", "amd64")
 
 
 def linear_kind(dtype: str, quantization: str | None, reference: bool, native: bool,
@@ -82,14 +86,29 @@ def native_kernels_expected(flags: set[str], enabled: bool = True, machine: str 
     enabled (PAGEDSERVE_CPU_KERNELS, envs.cpu_kernels_enabled()), an x86-64 machine and an ISA they are
     written for (probe.native_kernel_isa). It assumes the library then builds and loads: nothing is
     compiled or loaded here, so a host without a C compiler (or a failed build) is predicted wrongly."""
-    machine = platform.machine() if machine is None else machine
-    return enabled and machine.lower() in ("x86_64", "amd64") and native_kernel_isa(flags) is not None
+    return enabled and _is_x86(machine) and native_kernel_isa(flags) is not None
 
 
 @dataclass(frozen=True)
 class WeightFormat:
     linear_kind: str  # "packed", "int8" or "plain"
     native_bf16_linears: bool
+
+    @property
+    def int8_linears(self) -> bool:
+        return self.linear_kind == "int8"
+
+    def logits_head(self, tied_embeddings: bool, computes_logits: bool = True) -> str:
+        """How prepare() holds the logits projection, in memory/sizes.LOGITS_HEADS' words: int8 with the
+        linears; a tied embedding packed for oneDNN gets a second copy, unless the native bf16 kernel's lookups
+        read the packed rows; everything else reads tensors the checkpoint already has."""
+        if not computes_logits:
+            return "none"
+        if self.linear_kind == "int8":
+            return "int8"
+        if self.linear_kind == "packed" and tied_embeddings and not self.native_bf16_linears:
+            return "copy"
+        return "shared"
 
 
 def expected_weight_format(device: str, dtype: str, quantization: str | None, reference: bool,

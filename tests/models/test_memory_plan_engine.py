@@ -118,14 +118,14 @@ def test_plan_imports_no_torch_and_agrees_with_the_loaded_kernels(tiny_model_dir
         assert {k: v for k, v in data.items() if k != "settings"} == config.memory_plan.to_dict()
 
 
-def test_the_plans_weight_format_is_the_kernel_backends(tiny_model_dir) -> None:
+def test_the_plans_weight_format_is_the_weight_formats(tiny_model_dir) -> None:
     """The plan's weight format (engine/memory_plan.py, from the CPU's flags, memory/weight_format.py's rule)
     is KernelBackend.choose's linear kind and native bf16 linears for every device, dtype, quantization and
     reference setting."""
     from dataclasses import replace
 
     from pagedserve import envs
-    from pagedserve.engine.memory_plan import _kernel_backend
+    from pagedserve.engine.memory_plan import _weight_format
     from pagedserve.kernels import cpu_kernels
     from pagedserve.layers.backend import KernelBackend
     from pagedserve.memory import weight_format
@@ -141,14 +141,14 @@ def test_the_plans_weight_format_is_the_kernel_backends(tiny_model_dir) -> None:
             for quantization in (None, "int8"):
                 for reference in (False, True):
                     backend = KernelBackend.choose(device, dtype, quantization, reference)
-                    planned = _kernel_backend(replace(model, dtype=str(dtype).removeprefix("torch."),
+                    planned = _weight_format(replace(model, dtype=str(dtype).removeprefix("torch."),
                                                       quantization=quantization, reference_kernels=reference),
                                               device)
                     assert (backend.linear_kind, backend.native_bf16_linears) == (
                         planned.linear_kind, planned.native_bf16_linears), (device, dtype, quantization, reference)
     assert KernelBackend.choose("cpu", torch.bfloat16).native_bf16_linears == expected_native
     for choose in (lambda: KernelBackend.choose("cpu", torch.bfloat16, "int4"),
-                   lambda: _kernel_backend(replace(model, quantization="int4"), "cpu")):
+                   lambda: _weight_format(replace(model, quantization="int4"), "cpu")):
         with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
             choose()
 

@@ -290,20 +290,32 @@ def test_checkpoint_info_of_a_model_dir_counts_a_tied_head_once(tmp_path: Path) 
         read_checkpoint_info(tmp_path)
 
 
-def test_prepared_weights_by_kernel_by_hand() -> None:
+def test_prepared_weights_by_layout_by_hand() -> None:
     from pagedserve.memory.sizes import prepared_weight_bytes
 
     # TINY: 73728 linear weights in 2 x (128 qkv + 64 o + 256 gate/up + 64 down) = 1024 output channels;
     # vocab 100 x hidden 64 = 6400 LM-head weights.
     assert TINY.num_linear_output_channels == 1024
-    assert prepared_weight_bytes(TINY, 4, "plain", tied_embeddings=True) == 346112  # shares the tensors
-    assert prepared_weight_bytes(TINY, 4, "packed", tied_embeddings=False) == 346112  # lm_head repacked
-    assert prepared_weight_bytes(TINY, 4, "packed", tied_embeddings=True) == 346112 + 6400 * 4  # a copy
+    assert prepared_weight_bytes(TINY, 4, False, "shared", tied_embeddings=True) == 346112  # shares the tensors
+    assert prepared_weight_bytes(TINY, 4, False, "none", tied_embeddings=True) == 346112  # embedders
+    assert prepared_weight_bytes(TINY, 4, False, "copy", tied_embeddings=True) == 346112 + 6400 * 4
     # int8: linears 346112 - 73728 x 3 + 1024 x 4 = 129024; the head becomes 6400 + 100 x 4 scales = 6800.
-    assert prepared_weight_bytes(TINY, 4, "int8", tied_embeddings=False) == 129024 - 6400 * 4 + 6800
-    assert prepared_weight_bytes(TINY, 4, "int8", tied_embeddings=True) == 129024 + 6800
-    assert prepared_weight_bytes(TINY, 4, "packed", True, computes_logits=False) == 346112  # embedders
-    assert prepared_weight_bytes(TINY, 2, "packed", True, embedding_shares_packed=True) == TINY.weight_bytes
+    assert prepared_weight_bytes(TINY, 4, True, "int8", tied_embeddings=False) == 129024 - 6400 * 4 + 6800
+    assert prepared_weight_bytes(TINY, 4, True, "int8", tied_embeddings=True) == 129024 + 6800
+    with pytest.raises(ValueError, match="logits_head"):
+        prepared_weight_bytes(TINY, 4, False, "packed", tied_embeddings=True)
+
+
+def test_logits_head_layout_by_kernel() -> None:
+    from pagedserve.memory.weight_format import WeightFormat
+
+    onednn, native_bf16 = WeightFormat("packed", False), WeightFormat("packed", True)
+    assert onednn.logits_head(tied_embeddings=True) == "copy"  # oneDNN's blocks beside the lookup rows
+    assert onednn.logits_head(tied_embeddings=False) == "shared"  # the lm_head repacked in place
+    assert native_bf16.logits_head(tied_embeddings=True) == "shared"  # lookups read the packed rows
+    assert onednn.logits_head(tied_embeddings=True, computes_logits=False) == "none"
+    assert WeightFormat("int8", False).logits_head(True) == "int8" and WeightFormat("int8", True).int8_linears
+    assert WeightFormat("plain", False).logits_head(True) == "shared" and not onednn.int8_linears
 
 
 # ----------------------------------------------------------------------------------------------- CPU default

@@ -39,11 +39,15 @@ def test_expected_weight_format(device, dtype, quantization, reference, native, 
 
 
 def test_onednn_packs_bf16_only_where_the_cpu_converts_it() -> None:
-    assert onednn_may_pack("cpu", "float32", AVX2) and onednn_may_pack("cpu", "bfloat16", AVX512_DQ)
-    assert onednn_may_pack("cpu", "bfloat16", AVX2 | {"avx_ne_convert"})
-    assert not onednn_may_pack("cpu", "bfloat16", AVX2) and not onednn_may_pack("cpu", "bfloat16", AVX512)
-    assert onednn_may_pack("cpu", "bfloat16", {"fp", "asimd", "bf16"})  # not x86: the probe decides
-    assert not onednn_may_pack("cuda", "float32", AVX2) and not onednn_may_pack("cpu", "float16", AVX512_DQ)
+    def packs(device: str, dtype: str, flags: set[str], machine: str = "x86_64") -> bool:
+        return onednn_may_pack(device, dtype, flags, machine=machine)
+
+    assert packs("cpu", "float32", AVX2) and packs("cpu", "bfloat16", AVX512_DQ)
+    assert packs("cpu", "bfloat16", AVX2 | {"avx_ne_convert"})
+    assert not packs("cpu", "bfloat16", AVX2) and not packs("cpu", "bfloat16", AVX512)
+    assert packs("cpu", "bfloat16", {"fp", "asimd", "bf16"}, machine="aarch64")  # not x86: the probe decides
+    assert packs("cpu", "bfloat16", set(), machine="aarch64") and not packs("cpu", "bfloat16", set())
+    assert not packs("cuda", "float32", AVX2) and not packs("cpu", "float16", AVX512_DQ)
 
 
 def test_unsupported_quantization_is_refused() -> None:
