@@ -45,6 +45,15 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    @property
+    def num_blocks_written(self) -> int:
+        """Blocks whose pages hold K/V (memory/rss.py's expectation of the pool's resident bytes)."""
+        return self.pool.num_blocks_written
+
+    def release_free_blocks(self) -> list[int]:
+        """Mark every free block unwritten and return their ids: the caller gives their pages back."""
+        return self.pool.release_free_blocks()
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

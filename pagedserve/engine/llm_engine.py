@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pagedserve.config import EngineConfig
@@ -51,10 +52,11 @@ class LLMEngine:
         startup.enter("allocating_kv")
         self.runner.allocate_kv_cache()
         self.extra_eos_token_ids = generation_config_eos_ids(config.model.model, self.eos_token_id)
-        kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        # The scheduler allocates from it; the engine reads its written blocks (RSS) and releases free pages.
+        self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.faults = FaultInjector()  # armed after warm-up: injected faults are for requests, not start-up
         proposer = make_proposer(config.speculative)
-        self.scheduler = Scheduler(config.scheduler, kv, fault_hook=self.faults.check, proposer=proposer)
+        self.scheduler = Scheduler(config.scheduler, self.kv, fault_hook=self.faults.check, proposer=proposer)
         self.output_processor = OutputProcessor(tokenizer)
         self.structured_config = config.structured_outputs or StructuredOutputsConfig()
         self.grammar_compiler = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size,
@@ -65,14 +67,14 @@ class LLMEngine:
         self._failed: dict[str, str | BaseException] = {}  # request id -> reason, not yet told to the caller
         self._is_probing = False
         self.resident_memory: ResidentMemory | None = None  # RSS against the plan, from the first served step
-        self.memory_pressure: MemoryPressure | None = None  # set by the server: give way when the box is short
+        self.memory_pressure: MemoryPressure | None = None  # give_way_under(): give way when the box is short
         if warm_up:
             startup.enter("warming_up")
             self.warm_up()
         self.faults.rules = parse_fault_spec(config.fault_injection)
         log_memory_vs_plan(config.memory_plan, config.device.device)
         self.resident_memory = resident_memory_for(config.memory_plan, config.device.device,
-                                                   self.scheduler.kv.pool.num_blocks_written)
+                                                   self.kv.num_blocks_written)
         startup.enter("ready")
 
     @classmethod
@@ -252,20 +254,30 @@ class LLMEngine:
         """Current running/waiting/KV usage outside a step (after aborts); per-step counters reset to 0."""
         scheduler = self.scheduler
         self.stats = SchedulerStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-                                    kv_cache_usage=scheduler.kv.usage)
+                                    kv_cache_usage=self.kv.usage)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or len(self.grammar_admission) > 0
 
     def check_health(self) -> None:
         """EngineDeadError once the runner can run no more steps (a tensor-parallel rank died), idle or not."""
-        check = getattr(self.runner, "check_health", None)  # only runners with other processes have one
-        if check is None:
-            return
         try:
-            check()
+            self.runner.check_health()
         except Exception as exc:
             raise EngineDeadError(str(exc)) from exc
+
+    def kernel_report(self) -> list[str]:
+        """What the model's layers run, one line per kind of layer."""
+        return self.runner.kernel_report()
+
+    def give_way_under(self, pressure: MemoryPressure | None) -> None:
+        """Before each step, give KV pages back and hold admissions while `pressure` says the box is short
+        (the server's, memory/pressure.py); None stops that."""
+        self.memory_pressure = pressure
+
+    def observe_grammar_compiles(self, callback: Callable[[float], None] | None) -> None:
+        """`callback(seconds)` after each grammar compilation (the server's metrics)."""
+        self.grammar_compiler.on_compiled = callback
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
@@ -274,7 +286,7 @@ class LLMEngine:
         engine goes on (EngineDeadError if the probe fails too). take_failed() reports the failed requests."""
         self._admit_compiled_grammars()
         if self.memory_pressure is not None:
-            give_way(self.memory_pressure, self.scheduler, self.runner.kv_pools())
+            give_way(self.memory_pressure, self.scheduler, self.kv, self.runner.kv_pools())
         sched_out = self.scheduler.schedule()
         self._fail_children(self.scheduler.take_failed())
         try:
@@ -297,7 +309,7 @@ class LLMEngine:
         self.stats = self.scheduler.make_stats()
         if self.resident_memory is not None:
             self.resident_memory.after_step(sched_out.total_num_scheduled_tokens,
-                                            self.scheduler.kv.pool.num_blocks_written, not self.has_unfinished_requests())
+                                            self.kv.num_blocks_written, not self.has_unfinished_requests())
         return outputs
 
     def take_failed(self) -> dict[str, str | BaseException]:

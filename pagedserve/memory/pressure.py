@@ -109,14 +109,15 @@ class MemoryPressure:
                 "episodes": self.num_episodes}
 
 
-def give_way(pressure: MemoryPressure, scheduler: Any, kv_caches: list[Any]) -> None:
-    """Before an engine step: while under pressure, hold the waiting queue and free the pages of every free
-    KV block (the pool marks them unwritten, so the RSS expectation drops with them)."""
+def give_way(pressure: MemoryPressure, scheduler: Any, kv: Any, kv_caches: list[Any]) -> None:
+    """Before an engine step: while under pressure, hold the scheduler's waiting queue and free the pages of
+    every free KV block (`kv`, the KVCacheManager, marks them unwritten, so the RSS expectation drops with
+    them; `kv_caches`: the runner's pools)."""
     scheduler.hold_waiting = pressure.check()
     if pressure.take_release_turn():
-        block_ids = scheduler.kv.pool.release_free_blocks()
+        block_ids = kv.release_free_blocks()
         if block_ids:
-            release_block_pages(kv_caches, block_ids, scheduler.kv.block_size)
+            release_block_pages(kv_caches, block_ids, kv.block_size)
 
 
 def page_ranges(block_ids: Iterable[int], block_bytes: int) -> list[tuple[int, int]]:

@@ -306,6 +306,10 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
 
     @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
     def num_kv_heads(self) -> int:
         return self.model.layers[0].self_attn.num_kv_heads
 

@@ -93,7 +93,7 @@ def make_kv_pools(model, num_slots: int, kv_dtype: torch.dtype, dtype: torch.dty
     # Masked attention still multiplies unused slots by 0, so every slot must start finite: zeros,
     # allocated lazily so that the pool costs RAM only as it fills.
     pools = []
-    for _ in range(len(model.model.layers)):
+    for _ in range(model.num_layers):
         cache = LayerKVCache(lazy_zeros(shape, kv_dtype, device), lazy_zeros(shape, kv_dtype, device))
         if quantized:
             scale_shape = (num_slots, model.num_kv_heads, 1)
@@ -113,11 +113,7 @@ class ModelRunner:
         self.device = config.device.device
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
-        self.model = load_model(hf_config, config.model.architecture, config.model.model, self.dtype,
-                                self.device, config.model.max_model_len, progress,
-                                quantization=config.model.quantization,
-                                reference_kernels=config.model.reference_kernels, task=config.model.task,
-                                tp=tp)
+        self.model = self._load_model(hf_config, progress)
         self.vocab_size = hf_config.vocab_size
         self.kv_caches: list[LayerKVCache] = []
         max_rows = config.scheduler.max_num_seqs
@@ -131,6 +127,19 @@ class ModelRunner:
         self.draft: DraftModel | None = None  # speculative decoding's draft model (method draft_model)
         if config.draft_model is not None:
             self.draft = DraftModel(config)
+
+    def _load_model(self, hf_config, progress: ProgressFn | None):
+        """This process's model (rank 0's shard under tensor parallelism; worker/tp_worker.py wraps it)."""
+        config = self.config
+        return load_model(hf_config, config.model.architecture, config.model.model, self.dtype, self.device,
+                          config.model.max_model_len, progress, quantization=config.model.quantization,
+                          reference_kernels=config.model.reference_kernels, task=config.model.task, tp=self.tp)
+
+    def check_health(self) -> None:
+        """Nothing to check: the model runs in this process."""
+
+    def kernel_report(self) -> list[str]:
+        return self.model.kernel_report()
 
     # ---- memory ----------------------------------------------------------------------------
     def kv_dtype(self) -> torch.dtype:

@@ -46,8 +46,6 @@ class DecoderPoolingRunner(ModelRunner):
 class EncoderRunner:
     """A bidirectional encoder (BertModel): each request's whole prompt in one step, no KV cache."""
 
-    eos_token_id: int | None = None  # set by the engine; unused (nothing is generated)
-
     def __init__(self, config: EngineConfig, hf_config, progress: ProgressFn | None = None) -> None:
         assert config.model.pooler is not None and not config.scheduler.enable_chunked_prefill
         self.config = config
@@ -69,6 +67,12 @@ class EncoderRunner:
     def kv_pools(self) -> list:
         """No KV pool (so no pages for memory/pressure.py to release)."""
         return []
+
+    def check_health(self) -> None:
+        """Nothing to check: the model runs in this process."""
+
+    def kernel_report(self) -> list[str]:
+        return []  # the encoder's layers run torch ops only
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

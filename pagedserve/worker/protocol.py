@@ -19,3 +19,10 @@ class Runner(Protocol):
     def kv_pools(self) -> list:
         """Every layer's K/V pool that the scheduler's block ids index (the model's and a draft model's; empty
         for a runner without KV cache): memory/pressure.py gives their free blocks' pages back to the system."""
+
+    def check_health(self) -> None:
+        """Raise once the runner can run no more steps (a tensor-parallel rank died); a runner in this process
+        only returns."""
+
+    def kernel_report(self) -> list[str]:
+        """What the model's layers run, one line per kind of layer (the start-up log's and the dashboard's)."""

@@ -34,7 +34,7 @@ class DriverModel:
     """Rank 0's model: the shard, plus sending every forward's and logits call's inputs to the workers."""
 
     def __init__(self, shard: torch.nn.Module, workers: WorkerSet) -> None:
-        self.shard = shard  # not `model`: the runner reads the shard's own `.model` (its DecoderModel) through us
+        self.shard = shard  # the runner reads the shard's num_layers, num_kv_heads, ... through us
         self.workers = workers
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: Any) -> torch.Tensor:
@@ -72,10 +72,13 @@ class TPModelRunner(ModelRunner):
         except BaseException:
             self.close()
             raise
-        self.model = DriverModel(self.model, workers)
         logger.info("tensor parallel: %d ranks, collectives over %s, cores %s, %d thread(s) each", world_size,
                     group.kind, " | ".join(format_cores(c) for c in binding) or "unbound",
                     config.device.num_threads)
+
+    def _load_model(self, hf_config: Any, progress: Any) -> DriverModel:
+        """Rank 0's shard, driving the workers' shards in every forward and logits call."""
+        return DriverModel(super()._load_model(hf_config, progress), self.workers)
 
     @property
     def group(self) -> TPGroup:

@@ -455,8 +455,8 @@ def test_memory_pressure_releases_the_draft_models_pages_too(llama, method):
     assert len(pools) == (4 if "model" in method else 2)  # 2 layers each, target first
     assert all(bool(pool.k.abs().sum() > 0) for pool in pools)  # every pool was written
     available, now = [AvailableMemory(1 << 20, "MemAvailable", "simulated", total_bytes=1 << 34)], [0.0]
-    llm.engine.memory_pressure = MemoryPressure(lambda: available[0], PressureThresholds.for_memory(1 << 34),
-                                                clock=lambda: now[0])
+    llm.engine.give_way_under(MemoryPressure(lambda: available[0], PressureThresholds.for_memory(1 << 34),
+                                             clock=lambda: now[0]))
     llm.engine.step()  # gives way before scheduling: every block is free, so every whole page goes
     for pool in pools:
         assert not bool(pool.k.any()) and not bool(pool.v.any())

@@ -261,7 +261,6 @@ def _add_web_routes(app: FastAPI) -> None:
 def describe_server(llm_engine: Any) -> dict:
     """What the dashboard shows about the server: model, dtype, kernels in use, the memory plan's summary."""
     config = llm_engine.config
-    model = getattr(llm_engine.runner, "model", None)
     plan = config.memory_plan
     info = {
         "model": {"name": config.model.served_model_name, "path": config.model.model,
@@ -274,7 +273,7 @@ def describe_server(llm_engine: Any) -> dict:
                   "enable_prefix_caching": config.cache.enable_prefix_caching},
         "scheduler": {"max_num_seqs": config.scheduler.max_num_seqs,
                       "max_num_batched_tokens": config.scheduler.max_num_batched_tokens},
-        "kernels": model.kernel_report() if hasattr(model, "kernel_report") else [],
+        "kernels": llm_engine.kernel_report(),
     }
     if plan is not None:
         info["memory_plan"] = {"summary": plan.summary(), "weight_bytes": plan.weight_bytes,
@@ -296,14 +295,14 @@ def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | N
     config = llm_engine.config
     name = config.model.served_model_name
     metrics = EngineMetrics(name)
-    llm_engine.grammar_compiler.on_compiled = metrics.observe_grammar_compile
+    llm_engine.observe_grammar_compiles(metrics.observe_grammar_compile)
     # The engine loop runs on this thread, which warmed the model up (AsyncEngine.run_in_this_thread).
     state.engine = AsyncEngine(llm_engine, observer=metrics.observe_step, start_thread=False)
     state.metrics = metrics
     state.served_model_names = [name]
     state.memory_plan = config.memory_plan
     state.memory_pressure = memory_pressure_for(config.device.device, config.memory_plan, args.memory_pressure_meminfo)
-    llm_engine.memory_pressure = state.memory_pressure
+    llm_engine.give_way_under(state.memory_pressure)
     state.max_model_len = config.model.max_model_len
     state.model_path = config.model.model
     state.task = config.model.task
