@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from pagedserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedserve.memory.plan import DEFAULT_MEMORY_FRACTION
@@ -17,21 +17,60 @@ SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _opt(help_text: str, **kwargs: Any) -> Any:
-    default = kwargs.pop("default", None)
-    return field(default=default, metadata={"help": help_text, **kwargs})
+    """A documented field: `default` or `default_factory`, and metadata (positional, aliases, choices, hidden,
+    flag) for add_field_flag."""
+    if "default_factory" in kwargs:
+        return field(default_factory=kwargs.pop("default_factory"), metadata={"help": help_text, **kwargs})
+    return field(default=kwargs.pop("default", None), metadata={"help": help_text, **kwargs})
+
+
+class FlagArgs:
+    """A dataclass of _opt fields whose command-line flags are generated from the fields: `--name-of-field`,
+    typed and documented by the field. A field with flag=False in its metadata gets no flag; one with
+    group=KEY goes into the --help section titled group_titles[KEY]."""
+
+    group_titles: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        groups = {key: parser.add_argument_group(title) for key, title in cls.group_titles.items()}
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("flag", True):
+                add_field_flag(groups.get(f.metadata.get("group"), parser), f)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **others: Any) -> Any:
+        """An instance from the parsed flags (`others`: the fields that have none)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names}, **others)
+
+
+def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    """`--name-of-field` (and the field's aliases), typed and documented by the dataclass field: a bool is
+    --x/--no-x; choices=(...) in the metadata limits the values; hidden=True leaves it out of --help."""
+    meta = f.metadata
+    flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
+    help_text = argparse.SUPPRESS if meta.get("hidden") else meta["help"]
+    if f.type in ("bool", bool):
+        parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        return
+    kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
+    parser.add_argument(*flags, type=kind, default=f.default, help=help_text, choices=meta.get("choices"))
 
 
 # A default is defined once: where a setting is a field of a frozen config (config.py), its EngineArgs
 # default is read from there; where the flag says "auto" or None, engine/setup.py resolves it and the
 # resolved default lives in the config or module named in the help. tests/unit/test_defaults.py checks it.
 @dataclass
-class EngineArgs:
+class EngineArgs(FlagArgs):
     model: str | None = _opt("Model: a Hugging Face directory, a .gguf file, or a known name "
                              f"(default: {DEFAULT_MODEL}).", positional=True)
     served_model_name: str | None = _opt("Model name in the API (default: the model argument).")
     tokenizer: str | None = _opt("Tokenizer directory (default: the model's).")
     dtype: str = _opt("Weights and activations dtype: auto, float32, bfloat16, float16/half. auto picks "
-                      "the fastest on this device (CPU: bfloat16 with AVX512-BF16/AMX, else float32).",
+                      "the fastest on this device (CPU: bfloat16 weights where pagedserve's native kernels run, AVX2 "
+                      "or AVX-512, or the CPU has bf16 dot products; else float32; `pagedserve doctor` says "
+                      "which and why).",
                       default="auto")
     max_model_len: int | None = _opt("Longest sequence (prompt + output) in tokens "
                                      "(default: the model's context length).")
@@ -101,42 +140,21 @@ class EngineArgs:
                                                "monitor reads (a simulated MemAvailable).", hidden=True)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, include_model: bool = True) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                     include_model: bool = True) -> None:
         for f in dataclasses.fields(cls):
-            meta = f.metadata
-            if meta.get("positional"):
+            if f.metadata.get("positional"):
                 if include_model:
-                    parser.add_argument(f.name, nargs="?", default=f.default, help=meta["help"])
+                    parser.add_argument(f.name, nargs="?", default=f.default, help=f.metadata["help"])
                     parser.add_argument("--model", dest=f.name, default=argparse.SUPPRESS,
                                         help="Same as the positional MODEL.")
                 continue
             add_field_flag(parser, f)
 
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        return from_cli_args(cls, args)
-
-
-def add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
-    """`--name-of-field`, typed and documented by the dataclass field (hidden=True: absent from --help)."""
-    meta = f.metadata
-    flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
-    help_text = argparse.SUPPRESS if meta.get("hidden") else meta["help"]
-    if f.type in ("bool", bool):
-        parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        return
-    kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
-    parser.add_argument(*flags, type=kind, default=f.default, help=help_text)
-
-
-def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
-    """An instance of the dataclass `cls` from the parsed flags that add_field_flag made for its fields."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
 @dataclass
-class RequestLimits:
+class RequestLimits(FlagArgs):
     """Per-request bounds the server enforces (HTTP 400 naming the field beyond them), so that no single
     request can occupy the engine for long. Defaults follow the OpenAI API's limits where it has one."""
 
@@ -151,15 +169,6 @@ class RequestLimits:
                                    "completions (n x prompts) of prompt + max_tokens; at least max_model_len "
                                    "is always allowed.", default=131072)
     max_request_id_chars: int = _opt("Longest client-chosen request_id.", default=128)
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            add_field_flag(parser, f)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "RequestLimits":
-        return from_cli_args(cls, args)
 
     def check(self) -> None:
         """ValueError naming the flag for a bound below 1."""

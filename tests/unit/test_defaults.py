@@ -53,3 +53,41 @@ def test_the_resolved_list_names_only_shared_settings():
     engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for name in RESOLVED_AT_SET_UP:
         assert name in engine_fields and name in configs, f"{name} is no longer in both EngineArgs and a config"
+
+
+def test_the_serve_command_s_flags_are_its_dataclasses_fields():
+    """`pagedserve serve` with no flags builds exactly the default ServeOptions, RequestLimits and ReplicaArgs
+    (the flags carry the fields' defaults, so no default is written twice), and each flag sets its field."""
+    import argparse
+
+    from pagedserve.cli import serve
+    from pagedserve.engine.arg_utils import RequestLimits
+    from pagedserve.entrypoints.openai.options import ServeOptions
+    from pagedserve.entrypoints.ray_serve.args import ReplicaArgs
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    defaults = parser.parse_args(["serve"])
+    assert ServeOptions.from_cli_args(defaults, limits=RequestLimits.from_cli_args(defaults)) == ServeOptions()
+    assert ReplicaArgs.from_cli_args(defaults) == ReplicaArgs()
+    assert EngineArgs.from_cli_args(defaults) == EngineArgs()
+    given = parser.parse_args(["serve", "--port", "9001", "--disable-web-ui", "--enable-auto-tool-choice",
+                               "--tool-call-parser", "hermes", "--max-request-body-bytes", "100", "--max-n", "3"])
+    options = ServeOptions.from_cli_args(given, limits=RequestLimits.from_cli_args(given))
+    assert (options.port, options.enable_web_ui, options.active_tool_call_parser) == (9001, False, "hermes")
+    assert options.max_request_body_bytes == 100 and options.limits.max_n == 3
+    assert ServeOptions(tool_call_parser="hermes").active_tool_call_parser is None  # without auto tool choice
+
+
+def test_serve_options_name_the_flag_they_refuse():
+    import pytest
+
+    from pagedserve.entrypoints.openai.options import ServeOptions
+
+    for options, message in ((ServeOptions(port=0), "--port must be in 1..65535"),
+                             (ServeOptions(root_path="llm"), "--root-path must start with '/'"),
+                             (ServeOptions(enable_auto_tool_choice=True), "needs --tool-call-parser"),
+                             (ServeOptions(limits=dataclasses.replace(ServeOptions().limits, max_n=0)),
+                              "--max-n must be >= 1")):
+        with pytest.raises(ValueError, match=message):
+            options.check()

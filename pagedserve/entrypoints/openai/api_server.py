@@ -30,6 +30,7 @@ from pagedserve.engine.arg_utils import EngineArgs, RequestLimits
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.startup import StartupTracker
 from pagedserve.entrypoints.openai.errors import APIError, error_body, install_error_handlers
+from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     EmbeddingRequest, TokenizeRequest)
 from pagedserve.entrypoints.openai.serving import OpenAIServing
@@ -316,21 +317,6 @@ def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | N
                                       tool_call_parser)
 
 
-@dataclass
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    shutdown_grace_s: float = 30.0
-    uvicorn_log_level: str = "warning"
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    tool_call_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser NAME: "auto" tool choice
-    root_path: str = ""  # --root-path: the prefix a proxy serves us under
-    enable_web_ui: bool = True  # the page at / (--disable-web-ui: / is a 404)
-    startup_hold_file: str | None = None  # testing only: start-up waits in "starting" while this file exists
-
-
 def _make_uvicorn_server(config: Any) -> Any:
     import uvicorn
 
@@ -370,7 +356,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     import uvicorn
 
     state = ServerState(startup)
-    app = build_app(state, options.api_key, options.max_body_bytes, options.root_path, options.enable_web_ui)
+    app = build_app(state, options.api_key, options.max_request_body_bytes, options.root_path, options.enable_web_ui)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
                             timeout_graceful_shutdown=options.shutdown_grace_s, access_log=False)
     server = _make_uvicorn_server(config)
@@ -383,7 +369,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     def load() -> None:
         try:
             _hold_startup(options.startup_hold_file)
-            start_engine(state, args, options.limits, options.tool_call_parser)
+            start_engine(state, args, options.limits, options.active_tool_call_parser)
         except BaseException as exc:  # noqa: BLE001 - any start-up failure ends the process, visibly
             log_startup_failure(exc)
             startup.fail(f"{type(exc).__name__}: {exc}")

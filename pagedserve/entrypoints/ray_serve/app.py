@@ -18,7 +18,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.entrypoints.openai.api_server import ServeOptions
+from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.entrypoints.ray_serve.args import ReplicaArgs
 from pagedserve.entrypoints.ray_serve.ingress import Ingress
 from pagedserve.entrypoints.ray_serve.replica import EngineReplica
@@ -54,7 +54,7 @@ def build_application(engine_args: EngineArgs, options: ServeOptions, replica_ar
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000)
     return ingress.bind(engine.bind(engine_args, options), ENGINE_DEPLOYMENT, replica_args.routing_prefix_chars,
-                        options.max_body_bytes)
+                        options.max_request_body_bytes)
 
 
 def run(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArgs,

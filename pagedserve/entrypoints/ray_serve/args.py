@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 from dataclasses import dataclass, field
 
-from pagedserve.engine.arg_utils import add_field_flag, from_cli_args
+from pagedserve.engine.arg_utils import FlagArgs
 
 
 @dataclass
-class ReplicaArgs:
+class ReplicaArgs(FlagArgs):
     replicas: int | None = field(default=None, metadata={"help": (
         "Run N engines as Ray Serve replicas behind this one endpoint (needs pagedserve[ray]); requests sharing "
         "a session id, user or prompt prefix go to the replica that has it cached.")})
@@ -29,15 +27,6 @@ class ReplicaArgs:
     @property
     def enabled(self) -> bool:
         return self.replicas is not None or self.ray_address is not None
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-        for f in dataclasses.fields(cls):
-            add_field_flag(parser, f)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ReplicaArgs":
-        return from_cli_args(cls, args)
 
     def check(self) -> None:
         """ValueError naming the flag for a value out of range."""

@@ -21,8 +21,8 @@ from ray import serve
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.startup import StartupTracker
-from pagedserve.entrypoints.openai.api_server import (ServeOptions, ServerState, build_app, log_startup_failure,
-                                                      start_engine)
+from pagedserve.entrypoints.openai.api_server import ServerState, build_app, log_startup_failure, start_engine
+from pagedserve.entrypoints.openai.options import ServeOptions
 
 logger = logging.getLogger("pagedserve.ray_serve")
 
@@ -102,7 +102,7 @@ class EngineReplica:
         _log_to_stderr()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.state = ServerState(StartupTracker())
-        self.app = build_app(self.state, options.api_key, options.max_body_bytes, options.root_path,
+        self.app = build_app(self.state, options.api_key, options.max_request_body_bytes, options.root_path,
                              options.enable_web_ui)
         loader = threading.Thread(target=self._load_and_run, args=(engine_args, options), name="pagedserve-engine",
                                   daemon=True)
@@ -116,7 +116,7 @@ class EngineReplica:
 
     def _load_and_run(self, engine_args: EngineArgs, options: ServeOptions) -> None:
         try:
-            start_engine(self.state, engine_args, options.limits, options.tool_call_parser)
+            start_engine(self.state, engine_args, options.limits, options.active_tool_call_parser)
         except BaseException as exc:  # noqa: BLE001 - the constructor raises it; Ray retries the replica
             log_startup_failure(exc)
             self.state.startup.fail(f"{type(exc).__name__}: {exc}")
