@@ -2,8 +2,8 @@
 
 Each check returns PASS, WARN or FAIL. The exit code is 1 when any check FAILs. The checks take their
 inputs as arguments (paths, flags, limits) so tests feed fake hosts; torch is imported only inside the
-accelerator and memory-plan checks, and only when the command runs them. The memory plan is the one `serve`
-and `pagedserve plan` compute (create_engine_config, from the same serve flags), so the verdicts agree.
+accelerator and memory-plan checks, and only when the command runs them. The host's checks are here; a
+model's (its files, the memory plan `serve` would compute, what its layers run) in cli/doctor_model.py.
 """
 
 from __future__ import annotations
@@ -19,22 +19,18 @@ import shutil
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pagedserve import envs
+from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.memory import probe
 from pagedserve.memory.sizes import GIB, MIB
-from pagedserve.memory.weight_format import (expected_layer_kernels, expected_weight_format, native_kernels_expected,
-                                             onednn_may_pack, wants_native_kernels)
+from pagedserve.memory.weight_format import native_kernels_expected
 
-if TYPE_CHECKING:
-    from pagedserve.config import EngineConfig
-
-PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+__all__ = ["FAIL", "PASS", "WARN", "CheckResult"]  # the results' vocabulary, with the checks
 
 # Minimum versions, as in pyproject.toml.
 MIN_PYTHON = (3, 10)
@@ -44,17 +40,6 @@ MIN_FREE_DISK_BYTES = 1 * GIB
 WARN_FREE_DISK_BYTES = 10 * GIB
 WARN_AVAILABLE_MEMORY_BYTES = 2 * GIB
 CPU_FEATURES = (("avx2", "AVX2"), ("avx512f", "AVX512F"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"))
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    status: str  # PASS, WARN or FAIL
-    detail: str
-    fix: str = ""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # ----------------------------------------------------------------------------------------------- versions
@@ -205,12 +190,14 @@ def check_cpu(flags: set[str], native_kernels: bool = True) -> CheckResult:
     return CheckResult("cpu", PASS, detail, fix)
 
 
-def _native_kernels_load(flags: set[str]) -> bool:
+def _native_kernels_isa(flags: set[str]) -> str | None:
+    """The ISA of the native kernels where they load here, else None."""
     if not native_kernels_expected(flags, envs.cpu_kernels_enabled()):  # what `pagedserve plan` assumes
-        return False
+        return None
     from pagedserve.kernels import load_status
 
-    return load_status()[0] is not None
+    kernels = load_status()[0]
+    return kernels.isa if kernels is not None else None
 
 
 def check_native_kernels(flags: set[str]) -> CheckResult | None:
@@ -307,77 +294,6 @@ def check_port(port: int, host: str = "0.0.0.0") -> CheckResult:
     return CheckResult("port", PASS, f"port {port} is free")
 
 
-# ----------------------------------------------------------------------------------------------- model
-
-
-def check_model(path: str | Path) -> CheckResult:
-    """Config, weights (complete, not truncated) and tokenizer present: headers only, no weights read."""
-    from pagedserve.models.validate import ModelValidationError, validate_model_path
-
-    try:
-        validate_model_path(path)
-    except ModelValidationError as exc:
-        return CheckResult("model", FAIL, str(exc))  # the message names the fix
-    return CheckResult("model", PASS, f"{path}: config, weights and tokenizer are complete")
-
-
-def check_memory_plan(engine_args: EngineArgs, available: probe.AvailableMemory | None = None) -> CheckResult:
-    """Would `serve` with these flags fit? The plan `serve` computes before loading (create_engine_config,
-    its defaults and flags), from headers only; `available` replaces the probe serve would run (tests)."""
-    from pagedserve.engine.setup import create_engine_config
-
-    try:
-        config = create_engine_config(engine_args, available=available, check_memory=False)
-    except (OSError, ValueError, KeyError) as exc:
-        return CheckResult("memory plan", WARN, f"cannot size the model: {exc}")
-    plan = config.memory_plan
-    settings = (f"{config.model.dtype}, max_model_len {config.model.max_model_len}, "
-                f"max_num_seqs {config.scheduler.max_num_seqs}")
-    parallel = config.parallel
-    if parallel.tensor_parallel_size > 1:
-        from pagedserve.distributed.binding import format_cores
-
-        settings += (f", tensor parallel {parallel.tensor_parallel_size} (the plan is per rank; cores "
-                     f"{' | '.join(format_cores(list(c)) for c in parallel.cpu_binding)}; decode steps run each "
-                     "layer's native halves with an all-reduce after each)")
-    if plan.fits:
-        return CheckResult("memory plan", PASS, f"{settings}: {plan.summary()}")
-    fixes = [f"{s.flag} {s.value}" for s in plan.suggestions] or ["free memory or use a smaller model"]
-    return CheckResult("memory plan", FAIL, f"{settings}: {plan.summary()}",
-                       "any one of: " + ", ".join(fixes))
-
-
-def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | None:
-    """What each kind of decoder layer will run (the start-up log's lines, predicted from the config by the
-    loader's rule, memory/weight_format.py); `isa`: the native kernels' where they load here, else None.
-    WARN where the native kernels load but part of the model falls back to torch ops."""
-    from pagedserve.models.registry import model_class
-
-    model = config.model
-    qk_norm = getattr(model_class(model.architecture, model.task), "qk_norm", None)
-    if qk_norm is None:
-        return None  # not a decoder of the Llama family (an encoder): no per-layer kernels to tell
-    if config.device.device != "cpu":
-        isa = None
-    device, flags = config.device.device, probe.cpu_flags()
-    fmt = expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels, isa is not None,
-                                 flags)
-    layers = expected_layer_kernels(fmt, isa if wants_native_kernels(device, model.dtype, model.reference_kernels)
-                                    else None, model.hf_config, qk_norm, onednn_may_pack(device, model.dtype, flags),
-                                    config.parallel.tensor_parallel_size, logits=model.task == "generate")
-    detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
-    if isa is None or layers.stack or model.reference_kernels:
-        return CheckResult("layers", PASS, detail)
-    if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:
-        fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
-    elif qk_norm:
-        fix = "q/k norms (Qwen3) keep rotary and the decode stack on torch ops; nothing to change"
-    else:
-        fix = ("this model's sizes are not the multiples the native kernels take (memory/weight_format.py): "
-               "the parts named torch run torch ops")
-    return CheckResult("layers", WARN, detail, fix)
-
-
 # ----------------------------------------------------------------------------------------------- command
 
 
@@ -390,7 +306,7 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
         check_python,
         check_packages,
         check_accelerator_now,
-        lambda: check_cpu(flags, native_kernels=_native_kernels_load(flags)),
+        lambda: check_cpu(flags, native_kernels=_native_kernels_isa(flags) is not None),
         lambda: check_native_kernels(flags),
         lambda: check_cores(probe.usable_cpu_count(), os.cpu_count(), probe.cgroup_cpu_quota()),
         lambda: check_memory(available),
@@ -412,32 +328,9 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
             engine_args = engine_args or EngineArgs()
             model = str(cached)
     if model:
-        model_results: list[CheckResult] = []
+        from pagedserve.cli.doctor_model import model_checks
 
-        def model_check() -> CheckResult:
-            model_results.append(check_model(model))
-            return model_results[-1]
-
-        def plan_check() -> CheckResult | None:
-            if model_results and model_results[-1].status == FAIL:
-                return None  # planning needs readable headers
-            from dataclasses import replace
-
-            return check_memory_plan(replace(engine_args or EngineArgs(), model=model))
-
-        def kernels_check() -> CheckResult | None:
-            if model_results and model_results[-1].status == FAIL:
-                return None
-            from dataclasses import replace
-
-            from pagedserve.engine.setup import create_engine_config
-            from pagedserve.kernels import load_status
-
-            config = create_engine_config(replace(engine_args or EngineArgs(), model=model), check_memory=False)
-            kernels = load_status()[0] if _native_kernels_load(flags) else None
-            return check_layer_kernels(config, kernels.isa if kernels is not None else None)
-
-        checks += [model_check, plan_check, kernels_check]
+        checks += model_checks(model, engine_args or EngineArgs(), lambda: _native_kernels_isa(flags))
     return checks
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cli import doctor
+from pagedserve.cli import doctor, doctor_model
 from pagedserve.memory.checkpoint import weight_bytes_from_safetensors_dir
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.memory.plan import ModelShape
 
 
@@ -46,6 +47,16 @@ def test_doctor_command_on_a_good_model(tiny_model_dir, capsys: pytest.CaptureFi
     assert code == (1 if any(r["status"] == "FAIL" for r in results.values()) else 0)
 
 
+def test_the_model_checks_resolve_the_engine_config_once(tiny_model_dir, monkeypatch) -> None:
+    calls = []
+    resolve = doctor_model.engine_config
+    monkeypatch.setattr(doctor_model, "engine_config", lambda *args: calls.append(args) or resolve(*args))
+    checks = doctor_model.model_checks(tiny_model_dir("llama"), EngineArgs(dtype="float32"), lambda: None)
+    results = [check() for check in checks]
+    assert [r.name for r in results] == ["model", "memory plan", "layers"] and len(calls) == 1
+    assert "F.linear" in results[2].detail or "oneDNN" in results[2].detail  # float32 linears, no native isa
+
+
 def test_torch_build_info_is_consistent() -> None:
     import torch
 
@@ -76,13 +87,12 @@ def test_doctor_command_fails_on_a_damaged_model(tiny_model_dir, tmp_path, capsy
 
 
 def test_memory_plan_check_with_fake_available_memory(tiny_model_dir) -> None:
-    from pagedserve.engine.arg_utils import EngineArgs
     from pagedserve.memory.probe import GIB, AvailableMemory
 
     args = EngineArgs(model=tiny_model_dir("llama"), max_model_len=512, dtype="float32")
-    roomy = doctor.check_memory_plan(args, AvailableMemory(8 * GIB, "MemAvailable", "x"))
+    roomy = doctor_model.check_memory_plan(args, AvailableMemory(8 * GIB, "MemAvailable", "x"))
     assert roomy.status == "PASS" and "max_model_len 512" in roomy.detail, roomy
-    tight = doctor.check_memory_plan(args, AvailableMemory(100 << 20, "cgroup", "x"))
+    tight = doctor_model.check_memory_plan(args, AvailableMemory(100 << 20, "cgroup", "x"))
     assert tight.status == "FAIL" and "short by" in tight.detail and tight.fix, tight
 
 

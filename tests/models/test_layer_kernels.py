@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.cli.doctor import PASS, WARN, check_layer_kernels
+from pagedserve.cli.check_result import PASS, WARN
+from pagedserve.cli.doctor_model import check_layer_kernels
 from pagedserve.kernels import cpu_kernels
 from pagedserve.memory.probe import cpu_flags
 from pagedserve.memory.weight_format import (LayerKernels, LinearKernel, expected_layer_kernels, expected_weight_format,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cli import doctor
+from pagedserve.cli import doctor, doctor_model
 from pagedserve.cli.doctor import FAIL, PASS, WARN, CheckResult, TorchBuildInfo
 from pagedserve.memory.probe import GIB, AvailableMemory
 
@@ -131,16 +131,16 @@ def write_safetensors(path: Path, num_floats: int, truncate_by: int = 0) -> None
 def test_model_check_names_truncated_weights_then_missing_tokenizer(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     write_safetensors(tmp_path / "model.safetensors", num_floats=1000, truncate_by=1500)
-    result = doctor.check_model(tmp_path)
+    result = doctor_model.check_model(tmp_path)
     assert result.status == FAIL and "truncated" in result.detail and "1,500" in result.detail
 
     write_safetensors(tmp_path / "model.safetensors", num_floats=1000)
-    result = doctor.check_model(tmp_path)
+    result = doctor_model.check_model(tmp_path)
     assert result.status == FAIL and "tokenizer" in result.detail
 
     (tmp_path / "tokenizer.json").write_text("{}")
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    assert doctor.check_model(tmp_path).status == PASS
+    assert doctor_model.check_model(tmp_path).status == PASS
 
 
 def test_report_exit_code_and_json(capsys: pytest.CaptureFixture[str]) -> None:

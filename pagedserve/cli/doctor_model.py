@@ -1,0 +1,139 @@
+"""`pagedserve doctor MODEL`'s model checks: the files, the memory plan `serve` would compute with the same
+flags (create_engine_config, from headers only: the verdicts agree with `serve` and `pagedserve plan`), and what
+each kind of decoder layer will run. The engine's configuration is resolved once and shared by the last two."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.memory import probe
+from pagedserve.memory.weight_format import (expected_layer_kernels, expected_weight_format, onednn_may_pack,
+                                             wants_native_kernels)
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
+
+SIZING_ERRORS = (OSError, ValueError, KeyError)  # what create_engine_config raises for a model it cannot size
+
+
+def check_model(path: str | Path) -> CheckResult:
+    """Config, weights (complete, not truncated) and tokenizer present: headers only, no weights read."""
+    from pagedserve.models.validate import ModelValidationError, validate_model_path
+
+    try:
+        validate_model_path(path)
+    except ModelValidationError as exc:
+        return CheckResult("model", FAIL, str(exc))  # the message names the fix
+    return CheckResult("model", PASS, f"{path}: config, weights and tokenizer are complete")
+
+
+def engine_config(engine_args: EngineArgs, available: probe.AvailableMemory | None = None) -> EngineConfig:
+    """The configuration `serve` resolves from these flags, its memory plan included, without the memory
+    check that would refuse to start; `available` replaces the probe serve would run (tests)."""
+    from pagedserve.engine.setup import create_engine_config
+
+    return create_engine_config(engine_args, available=available, check_memory=False)
+
+
+def check_memory_plan(engine_args: EngineArgs, available: probe.AvailableMemory | None = None) -> CheckResult:
+    """Would `serve` with these flags fit? (engine_config, then memory_plan_result.)"""
+    try:
+        config = engine_config(engine_args, available)
+    except SIZING_ERRORS as exc:
+        return _cannot_size(exc)
+    return memory_plan_result(config)
+
+
+def _cannot_size(exc: BaseException) -> CheckResult:
+    return CheckResult("memory plan", WARN, f"cannot size the model: {exc}")
+
+
+def memory_plan_result(config: EngineConfig) -> CheckResult:
+    """The plan's verdict, with the settings it was computed for and, where it does not fit, the flags that
+    would make it fit."""
+    plan = config.memory_plan
+    settings = (f"{config.model.dtype}, max_model_len {config.model.max_model_len}, "
+                f"max_num_seqs {config.scheduler.max_num_seqs}")
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        from pagedserve.distributed.binding import format_cores
+
+        settings += (f", tensor parallel {parallel.tensor_parallel_size} (the plan is per rank; cores "
+                     f"{' | '.join(format_cores(list(c)) for c in parallel.cpu_binding)}; decode steps run each "
+                     "layer's native halves with an all-reduce after each)")
+    if plan.fits:
+        return CheckResult("memory plan", PASS, f"{settings}: {plan.summary()}")
+    fixes = [f"{s.flag} {s.value}" for s in plan.suggestions] or ["free memory or use a smaller model"]
+    return CheckResult("memory plan", FAIL, f"{settings}: {plan.summary()}",
+                       "any one of: " + ", ".join(fixes))
+
+
+def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | None:
+    """What each kind of decoder layer will run (the start-up log's lines, predicted from the config by the
+    loader's rule, memory/weight_format.py); `isa`: the native kernels' where they load here, else None.
+    WARN where the native kernels run for this model but part of it falls back to torch ops."""
+    from pagedserve.models.registry import model_class
+
+    model = config.model
+    qk_norm = getattr(model_class(model.architecture, model.task), "qk_norm", None)
+    if qk_norm is None:
+        return None  # not a decoder of the Llama family (an encoder): no per-layer kernels to tell
+    device, flags = config.device.device, probe.cpu_flags()
+    native = isa if wants_native_kernels(device, model.dtype, model.reference_kernels) else None
+    fmt = expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels,
+                                 native is not None, flags)
+    layers = expected_layer_kernels(fmt, native, model.hf_config, qk_norm, onednn_may_pack(device, model.dtype, flags),
+                                    config.parallel.tensor_parallel_size, logits=model.task == "generate")
+    detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
+    if native is None or layers.stack:
+        return CheckResult("layers", PASS, detail)
+    if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:
+        fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
+    elif qk_norm:
+        fix = "q/k norms (Qwen3) keep rotary and the decode stack on torch ops; nothing to change"
+    else:
+        fix = ("this model's sizes are not the multiples the native kernels take (memory/weight_format.py): "
+               "the parts named torch run torch ops")
+    return CheckResult("layers", WARN, detail, fix)
+
+
+def model_checks(model: str, engine_args: EngineArgs, native_isa: Callable[[], str | None]
+                 ) -> list[Callable[[], CheckResult | None]]:
+    """The model's checks, in order: files, memory plan, layers (the last two skipped where the files fail;
+    `native_isa`: the native kernels' ISA where they load here)."""
+    args = replace(engine_args, model=model)
+    file_results: list[CheckResult] = []
+
+    def files_failed() -> bool:
+        return bool(file_results) and file_results[-1].status == FAIL
+
+    @functools.cache
+    def config() -> EngineConfig | Exception:
+        try:
+            return engine_config(args)
+        except SIZING_ERRORS as exc:
+            return exc
+
+    def check_files() -> CheckResult:
+        file_results.append(check_model(model))
+        return file_results[-1]
+
+    def check_plan() -> CheckResult | None:
+        if files_failed():
+            return None  # planning needs readable headers
+        resolved = config()
+        return _cannot_size(resolved) if isinstance(resolved, Exception) else memory_plan_result(resolved)
+
+    def check_layers() -> CheckResult | None:
+        resolved = None if files_failed() else config()
+        if resolved is None or isinstance(resolved, Exception):
+            return None
+        return check_layer_kernels(resolved, native_isa())
+
+    return [check_files, check_plan, check_layers]
