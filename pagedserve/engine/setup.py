@@ -88,6 +88,23 @@ def resolve_model_path(model: str | None) -> str:
     return str(resolve_model(model))
 
 
+def read_model(model: str | None, startup: StartupTracker | None = None) -> tuple[str, CheckpointInfo, Any, str]:
+    """A model (path or known name) resolved, validated and read from its headers only (the target and a
+    draft model alike): (path, checkpoint, Hugging Face config, architecture). `startup`: its phases."""
+    from pagedserve.memory.checkpoint import read_checkpoint_info
+    from pagedserve.models.validate import validate_model_path
+
+    startup = startup or StartupTracker()
+    startup.enter("resolving")
+    path = resolve_model_path(model)
+    startup.enter("validating")
+    validate_model_path(path)
+    startup.enter("planning")
+    checkpoint = read_checkpoint_info(path)  # headers only; a GGUF header is parsed once for all users
+    hf_config = hf_config_from_checkpoint(checkpoint)
+    return path, checkpoint, hf_config, (getattr(hf_config, "architectures", None) or ["?"])[0]
+
+
 def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None,
                          available: AvailableMemory | None = None, check_memory: bool = True,
                          kernels_from_flags: bool = False) -> EngineConfig:
@@ -97,20 +114,11 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     `available` replaces the probe of this host's (or GPU's) free memory. `kernels_from_flags` (`pagedserve
     plan`): whether the native kernels run (for --dtype auto and a GGUF's quantization) is told from the CPU's
     flags instead of building and loading them (platform.native_kernels_run), so no torch is imported."""
-    from pagedserve.memory.checkpoint import read_checkpoint_info
-    from pagedserve.models.validate import check_sliding_window, validate_model_path
+    from pagedserve.models.validate import check_sliding_window
     from pagedserve.platform import default_device, default_quantization, resolve_dtype, usable_cpu_count
 
-    startup = startup or StartupTracker()
     check_engine_args(args)
-    startup.enter("resolving")
-    model_path = resolve_model_path(args.model)
-    startup.enter("validating")
-    validate_model_path(model_path)
-    startup.enter("planning")
-    checkpoint = read_checkpoint_info(model_path)  # headers only; a GGUF header is parsed once for all users
-    hf_config = hf_config_from_checkpoint(checkpoint)
-    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    model_path, checkpoint, hf_config, architecture = read_model(args.model, startup)
     device = default_device() if args.device == "auto" else args.device
     config_dict = hf_config.to_dict()
     model_dtype = str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "")
@@ -197,19 +205,13 @@ def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: Engi
     decoder that generates, with the target's vocabulary, and it runs in the target's dtype on one rank."""
     if speculative.method != "draft_model":
         return None
-    from pagedserve.memory.checkpoint import read_checkpoint_info
     from pagedserve.models.pooling_config import default_task
-    from pagedserve.models.validate import validate_model_path
     from pagedserve.platform import default_quantization
 
     if args.tensor_parallel_size > 1:
         raise ValueError("--speculative-config: a draft model runs with one rank; use --tensor-parallel-size 1 or "
                          "n-gram speculation ({\"method\": \"ngram\", ...})")
-    path = resolve_model_path(speculative.model)
-    validate_model_path(path)
-    checkpoint = read_checkpoint_info(path)
-    hf_config = hf_config_from_checkpoint(checkpoint)
-    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    path, checkpoint, hf_config, architecture = read_model(speculative.model)
     if default_task(architecture, path) != "generate":
         raise ValueError(f"--speculative-config: the draft model {speculative.model} ({architecture}) does not "
                          "generate text; give a causal language model that shares the target's tokenizer")
