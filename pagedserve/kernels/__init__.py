@@ -52,6 +52,7 @@ _SIGNATURES = {
     "ps_gguf_block_bytes": ((_INT,), _I64),
     "ps_requant_gguf_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), _INT),
     "ps_quantize_rows_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), None),
+    "ps_row_sums_i8": ((_P, _I64, _I64, _P, _INT), None),
     "ps_layer_fields": ((), _INT),
     "ps_layer_layout": ((_P, _INT), _INT),
     "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
@@ -144,10 +145,13 @@ class CpuKernels:
         blocks, chunks = packed.shape[:2]
         return packed.permute(0, 2, 1, 3).reshape(blocks * 4, chunks * 64)[:out_features]
 
-    @staticmethod
-    def row_sums(qweight: torch.Tensor) -> torch.Tensor:
+    def row_sums(self, qweight: torch.Tensor) -> torch.Tensor:
         """int32 [N]: each row's sum of int8 values (the kernel's correction for its unsigned bytes)."""
-        return qweight.sum(dim=1, dtype=torch.int32)
+        check("qweight", qweight, torch.int8, (None, None))
+        sums = torch.empty(qweight.shape[0], dtype=torch.int32)
+        self.lib.ps_row_sums_i8(qweight.data_ptr(), qweight.shape[0], qweight.shape[1], sums.data_ptr(),
+                                self._threads())
+        return sums
 
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
         """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/NB, K/2, NB, 2] (zero rows pad N), NB =

@@ -111,6 +111,8 @@ static inline void vstore(void *p, vf v, int bf16) {
 static inline vf vround(vf v, int bf16) { return bf16 ? vbf16(to_bf16(v)) : v; }
 
 static inline vf vround_int(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* VL integral values in [-127, 127] -> VL int8 at p. */
+static inline void vstore_i8(int8_t *p, vf v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
 static inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  /* p * 2^n */
 #define EXP_HI 88.3762626647949f
 
@@ -195,6 +197,11 @@ static inline vf vround(vf v, int bf16) {
 }
 
 static inline vf vround_int(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline void vstore_i8(int8_t *p, vf v) {  /* VL integral values in [-127, 127] -> VL int8 at p */
+  const __m256i i = _mm256_cvtps_epi32(v);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(w, w));
+}
 static inline vf vscale2(vf p, vf n) {  /* p * 2^n for integral n in [-126, 127]: n added to the exponent */
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -1259,17 +1266,35 @@ static void dequant_block(const uint8_t *b, int qtype, float *out) {
   }
 }
 
+/* As layers/linear.py's quantize_int8_per_channel: s = max|row| / 127 (at least 1e-12), q = round(row / s)
+ * half to even, clamped to +-127. Vectors, then the K % VL tail one by one: the same operations on each
+ * value (max is exact in any order; an IEEE division and round-to-nearest-even per value). */
 static void quantize_row(const float *row, int64_t K, int8_t *q, float *scale) {
-  float amax = 0.0f;
-  for (int64_t k = 0; k < K; ++k) amax = fmaxf(amax, fabsf(row[k]));
+  const int64_t KV = K / VL * VL;
+  vf mx = vzero();
+  for (int64_t k = 0; k < KV; k += VL) mx = vmax(mx, vabs(vloadf(row + k)));
+  float amax = vmaxr(mx);
+  for (int64_t k = KV; k < K; ++k) amax = fmaxf(amax, fabsf(row[k]));
   float s = amax / 127.0f;
   if (s < 1e-12f) s = 1e-12f;  /* clamp(min=1e-12) */
-  for (int64_t k = 0; k < K; ++k) {
+  const vf vs = vset1(s), hi = vset1(127.0f), lo = vset1(-127.0f);
+  for (int64_t k = 0; k < KV; k += VL) vstore_i8(q + k, vmin(vmax(vround_int(vdiv(vloadf(row + k), vs)), lo), hi));
+  for (int64_t k = KV; k < K; ++k) {
     float v = nearbyintf(row[k] / s);  /* the default rounding mode: half to even, as torch.round */
     v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
     q[k] = (int8_t)v;
   }
   *scale = s;
+}
+
+/* q: [N, K] int8 -> sums [N] int32 (the AVX-512 int8 kernel's correction for its unsigned x bytes). */
+void ps_row_sums_i8(const int8_t *q, int64_t N, int64_t K, int32_t *sums, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t n = 0; n < N; ++n) {
+    int32_t total = 0;
+    for (int64_t k = 0; k < K; ++k) total += q[n * K + k];
+    sums[n] = total;
+  }
 }
 
 /* blocks: [N, K / 32] ggml blocks of `qtype` -> q [N, K] int8, scales [N] float32. Returns 0, or -1 for a

@@ -98,7 +98,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     logger.info("kernels: %s", backend.describe())
     for line in model.kernel_report() if hasattr(model, "kernel_report") else ():
         logger.info("kernels: %s", line)
-    if backend.linear_kind != "plain":
+    if backend.linear_kind != "plain" and not model_path.endswith(".gguf"):  # GGUF tensors are decoded copies
         _release_checkpoint_mapping(model)
     release_free_heap()
     return model.eval()

@@ -359,6 +359,19 @@ def test_quantize_rows_matches_quantize_int8_per_channel(kernels, dtype: torch.d
     expected = quantize_int8_per_channel(weight)
     assert torch.equal(q, expected[0]) and torch.equal(scales, expected[1])
     assert q[4, 1] == 0 and q[5, 1] == 0 and q[5, 2] == 2
+    # K not a multiple of the vector width: the tail runs one value at a time, the maximum in it too.
+    tail = (torch.randn(9, 333, generator=generator)).to(dtype)
+    tail[2, 330] = 40.0
+    q, scales = kernels.quantize_rows_i8(tail)
+    expected = quantize_int8_per_channel(tail)
+    assert torch.equal(q, expected[0]) and torch.equal(scales, expected[1]) and q[2, 330] == 127
+
+
+def test_row_sums_are_torchs(kernels) -> None:
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randint(-127, 128, (37, 577), dtype=torch.int8, generator=generator)
+    q[0] = 127  # 577 x 127 needs more than 16 bits
+    assert torch.equal(kernels.row_sums(q), q.sum(dim=1, dtype=torch.int32))
 
 
 def test_the_decode_stack_layout_reports_every_field_it_has(kernels):
