@@ -153,18 +153,34 @@ class CpuKernels:
                                 self._threads())
         return sums
 
-    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack_bf16(self, weight: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """bf16 [N, K] -> `ps_linear_bf16`'s layout [N/NB, K/2, NB, 2] (zero rows pad N), NB =
-        `bf16_block` (64 with AVX512-BF16, 16 on AVX2). K must be a multiple of 16."""
-        check("weight", weight, torch.bfloat16, (None, None), contiguous=False)
-        n, k = weight.shape
+        `bf16_block` (64 with AVX512-BF16, 16 on AVX2). K must be a multiple of 16. A list of [N_i, K]
+        parts (q/k/v, gate/up) packs as their rows stacked, straight into the one packed buffer, where every
+        part but the last holds whole blocks (see can_pack_parts); no stacked copy is made."""
+        parts = weight if isinstance(weight, list) else [weight]
+        for i, part in enumerate(parts):
+            check(f"weight[{i}]" if len(parts) > 1 else "weight", part, torch.bfloat16,
+                  (None, parts[0].shape[1]), contiguous=False)
+        k = parts[0].shape[1]
         if k % 16:
             raise ValueError(f"pack_bf16: in_features {k} is not a multiple of 16")
-        weight = weight.contiguous()
+        if not self.can_pack_parts([p.shape[0] for p in parts]):
+            raise ValueError(f"pack_bf16: parts of {[p.shape[0] for p in parts]} rows do not all hold whole "
+                             f"blocks of {self.bf16_block}")
         nb = self.bf16_block
-        packed = self.weight_buffer(-(-n // nb), k // 2, nb, 2, dtype=weight.dtype)
-        self.lib.ps_pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k, self._threads())
+        n = sum(p.shape[0] for p in parts)
+        packed = self.weight_buffer(-(-n // nb), k // 2, nb, 2, dtype=torch.bfloat16)
+        first = 0
+        for part in parts:
+            part = part.contiguous()
+            self.lib.ps_pack_bf16(part.data_ptr(), packed[first:].data_ptr(), part.shape[0], k, self._threads())
+            first += part.shape[0] // nb
         return packed
+
+    def can_pack_parts(self, rows: list[int]) -> bool:
+        """Whether parts of these row counts pack one after another: all but the last whole blocks."""
+        return all(n % self.bf16_block == 0 for n in rows[:-1])
 
     def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                     out_features: int) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import CpuKernels, cpu_kernels
-from pagedserve.layers.linear import Int8Linear, PackedLinear, PlainLinear, QuantizedWeight, packing_supported
+from pagedserve.layers.linear import (Int8Linear, PackedLinear, PlainLinear, QuantizedWeight, fuse_biases, fuse_rows,
+                                     packing_supported, weight_of)
 from pagedserve.memory import weight_format
 
 
@@ -47,22 +48,37 @@ class KernelBackend:
         """bf16 linears run pagedserve's kernel (its packed layout; a tied embedding reads rows from it)."""
         return weight_format.native_bf16_linears(self.linear_kind, self.native is not None, _dtype_name(self.dtype))
 
+    def _implementation(self, in_features: int) -> tuple[str, bool]:
+        """(what a linear with `in_features` runs, whether that is the native kernel)."""
+        runs_native = weight_format.native_linear(self.linear_kind, self.native_bf16_linears, self.native is not None,
+                                                  in_features)
+        return weight_format.linear_implementation(self.linear_kind, runs_native,
+                                                   lambda: onednn_packs(self.device, self.dtype)), runs_native
+
     def make_linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
         """The linear layer this backend runs for `weight` [out, in] (+ bias)."""
         bias = None if bias is None else bias.detach()
-        in_features = weight.shape[1]
         if isinstance(weight, QuantizedWeight) and self.linear_kind != "int8":
             raise ValueError(f"an int8 weight cannot back a {self.linear_kind!r} linear")
-        runs_native = weight_format.native_linear(self.linear_kind, self.native_bf16_linears, self.native is not None,
-                                                  in_features)
+        implementation, runs_native = self._implementation(weight.shape[1])
         native = self.native if runs_native else None
-        implementation = weight_format.linear_implementation(self.linear_kind, runs_native,
-                                                             lambda: onednn_packs(self.device, self.dtype))
         if self.linear_kind == "int8":
             return Int8Linear(weight, bias, native)
         if implementation == "plain":
             return PlainLinear(weight.detach(), bias)
         return PackedLinear(weight.detach(), bias, native)
+
+    def make_fused_linear(self, *linears: nn.Linear) -> nn.Module:
+        """One linear for several that read the same input (q/k/v, gate/up), their rows stacked as fuse_rows
+        stacks them. The native bf16 kernel packs the parts straight into one packed weight: a stacked copy
+        in between cost ~0.6 s of a 0.5B model's start on the AVX2 box (fresh pages, written twice)."""
+        weights = [weight_of(linear) for linear in linears]
+        if (self.native is not None and all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in weights)
+                and self._implementation(weights[0].shape[1])[0] == "native-bf16"
+                and self.native.can_pack_parts([w.shape[0] for w in weights])):
+            bias = fuse_biases(*linears)
+            return PackedLinear([w.detach() for w in weights], None if bias is None else bias.detach(), self.native)
+        return self.make_linear(*fuse_rows(*linears))
 
     def decoder_kernels(self, hidden: int, intermediate: int, head_dim: int) -> CpuKernels | None:
         """The native kernels for a decoder's norms, SiLU, rotary and attention, where its sizes fit them

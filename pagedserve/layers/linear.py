@@ -44,17 +44,22 @@ class PackedLinear(_HotPathModule):
     2-core Zen 5: 0.99 GB of Qwen2.5-0.5B weights at batch 1 in 33 ms vs oneDNN's 49; equal at 32-512
     rows). Otherwise (float32, other CPUs): oneDNN's blocked layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: CpuKernels | None = None) -> None:
-        """`native`: the kernels to run a bf16 CPU weight on (layers/backend.py decides); None: oneDNN."""
+    def __init__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None,
+                 native: CpuKernels | None = None) -> None:
+        """`native`: the kernels to run a bf16 CPU weight on (layers/backend.py decides); None: oneDNN.
+        `weight` may be a list of row parts (a fused q/k/v or gate/up): the native kernel packs them as
+        they are (CpuKernels.pack_bf16), oneDNN gets them stacked."""
         super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
+        parts = weight if isinstance(weight, list) else [weight]
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
         self.native = native
         self.implementation = "onednn" if native is None else "native-bf16"  # weight_format.LINEAR_IMPLEMENTATIONS
         if self.native is not None:
-            self.register_buffer("packed_weight", self.native.pack_bf16(weight))
+            self.register_buffer("packed_weight", self.native.pack_bf16(parts))
         else:
-            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
+            stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(stacked, None))
         self.register_buffer("bias", bias)
         self._alias_buffers()
 
@@ -247,13 +252,17 @@ def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor | QuantizedWeight, torc
     if all(isinstance(w, QuantizedWeight) for w in weights):
         weight: torch.Tensor | QuantizedWeight = QuantizedWeight(
             torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]), weights[0].dtype)
-        dtype = weights[0].dtype
     else:
         weight = torch.cat([w if isinstance(w, torch.Tensor) else w.dequantized() for w in weights], dim=0)
-        dtype = weight.dtype
+    return weight, fuse_biases(*linears)
+
+
+def fuse_biases(*linears: nn.Linear) -> torch.Tensor | None:
+    """The biases of linears stacked as fuse_rows stacks their weights (zeros for one without), or None."""
     biases = [l.bias for l in linears]
     if all(b is None for b in biases):
-        return weight, None
-    filled = [b if b is not None else torch.zeros(l.out_features, dtype=dtype, device=weight.device)
+        return None
+    known = next(b for b in biases if b is not None)
+    filled = [b if b is not None else torch.zeros(l.out_features, dtype=known.dtype, device=known.device)
               for b, l in zip(biases, linears)]
-    return weight, torch.cat(filled)
+    return torch.cat(filled)

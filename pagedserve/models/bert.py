@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.layers.backend import KernelBackend
-from pagedserve.layers.linear import fuse_rows
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -139,7 +138,7 @@ class BertSelfAttention(nn.Module):
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
     def prepare(self, backend: KernelBackend) -> None:
-        self.qkv_proj = backend.make_linear(*fuse_rows(self.query, self.key, self.value))
+        self.qkv_proj = backend.make_fused_linear(self.query, self.key, self.value)
         del self.query, self.key, self.value
 
     def forward(self, x: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:

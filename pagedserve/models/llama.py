@@ -21,7 +21,7 @@ from pagedserve.distributed.sharding import ShardLayout
 from pagedserve.kernels import CpuKernels
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_attention
 from pagedserve.layers.backend import KernelBackend
-from pagedserve.layers.linear import fuse_rows, weight_of
+from pagedserve.layers.linear import weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedserve.memory.weight_format import LayerKernels, LinearKernel, fused_rotary, linear_words
@@ -72,7 +72,7 @@ class Attention(nn.Module):
         self.kernels = kernels
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
         self.fused_rope = fused_rotary(kernels is not None, self.qk_norm, self.head_dim)
-        self.qkv_proj = backend.make_linear(*fuse_rows(self.q_proj, self.k_proj, self.v_proj))
+        self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
         self.o_proj = backend.make_linear(weight_of(self.o_proj), o_bias)
         del self.q_proj, self.k_proj, self.v_proj
@@ -114,7 +114,7 @@ class MLP(nn.Module):
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
         self.intermediate_size = self.gate_proj.out_features
-        self.gate_up_proj = backend.make_linear(*fuse_rows(self.gate_proj, self.up_proj))
+        self.gate_up_proj = backend.make_fused_linear(self.gate_proj, self.up_proj)
         self.down_proj = backend.make_linear(weight_of(self.down_proj), None)
         del self.gate_proj, self.up_proj
 

@@ -181,6 +181,21 @@ def test_int8_linear_layer_on_both_paths(kernels, rows):
     assert (layer.dequantized().float() - weight.float()).abs().max() <= weight.float().abs().amax() / 127
 
 
+def test_bf16_parts_pack_as_their_rows_stacked(kernels):
+    """q/k/v (or gate/up) packed part by part straight into one buffer equal the stacked weight packed, the
+    last part's padding included; parts that do not hold whole blocks are refused, never mis-packed."""
+    nb = kernels.bf16_block
+    generator = torch.Generator().manual_seed(8)
+    parts = [torch.randn(rows, 96, generator=generator).bfloat16() for rows in (4 * nb, nb, nb + 3)]
+    packed = kernels.pack_bf16(parts)
+    assert torch.equal(packed, kernels.pack_bf16(torch.cat(parts)))
+    assert kernels.can_pack_parts([nb, nb + 3]) and not kernels.can_pack_parts([nb + 1, nb])
+    with pytest.raises(ValueError, match="whole blocks"):
+        kernels.pack_bf16([parts[2], parts[0]])
+    with pytest.raises(ValueError, match=r"weight\[1\]"):
+        kernels.pack_bf16([parts[0], parts[1][:, :80]])
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_linear_matches_torch(kernels, rows, with_bias):
