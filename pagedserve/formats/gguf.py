@@ -237,17 +237,19 @@ def is_gguf_file(path: Path) -> bool:
 _header_cache: dict[tuple[str, int, int], GGUFHeader] = {}
 
 
-def _header_key(path: Path) -> tuple[str, int, int]:
+def file_key(path: Path) -> tuple[str, int, int]:
     stat = path.stat()
     return str(path.resolve()), stat.st_size, stat.st_mtime_ns  # a rewritten file is parsed again
 
 
 def shared_gguf_header(path: Path) -> GGUFHeader:
-    """read_gguf_header(path) with string arrays, parsed once while the file is unchanged."""
-    key = _header_key(path)
+    """read_gguf_header(path) without string arrays (a vocabulary's ~100k strings are the slow part; only the
+    tokenizer needs them, and it reads its own copy: models/gguf_loader.py), parsed once while the file is
+    unchanged."""
+    key = file_key(path)
     header = _header_cache.get(key)
     if header is None:
-        header = read_gguf_header(path, keep_string_arrays=True)
+        header = read_gguf_header(path, keep_string_arrays=False)
         _header_cache.clear()
         _header_cache[key] = header
     return header
@@ -255,4 +257,4 @@ def shared_gguf_header(path: Path) -> GGUFHeader:
 
 def forget_gguf_header(path: Path) -> None:
     """Drop the shared header of `path` (its last user is done with it)."""
-    _header_cache.pop(_header_key(path), None)
+    _header_cache.pop(file_key(path), None)

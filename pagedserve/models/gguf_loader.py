@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.formats.gguf import forget_gguf_header, shared_gguf_header
+from pagedserve import envs
+from pagedserve.formats.gguf import file_key, forget_gguf_header, read_gguf_header, shared_gguf_header
 from pagedserve.formats.gguf_hf import GGUFFile, unpermute_rows
 from pagedserve.kernels import CpuKernels
 from pagedserve.layers.linear import QuantizedWeight
 from pagedserve.models.gguf_dequant import TORCH_BLOCK_TYPES, dequantize_to_torch, requantize_int8
-from pagedserve.models.gguf_tokenizer import build_tokenizer_from_metadata
+from pagedserve.models.gguf_tokenizer import build_tokenizer_from_metadata, cached_tokenizer
 from pagedserve.models.validate import validate_gguf_header
 from pagedserve.tokenizer import Tokenizer
 
@@ -56,8 +57,13 @@ class GGUFCheckpoint(GGUFFile):
 
     def build_tokenizer(self) -> Tokenizer:
         """A tokenizer equivalent to the model's original one (pagedserve.tokenizer; to_transformers() for
-        transformers' PreTrainedTokenizerFast)."""
-        return build_tokenizer_from_metadata(self.metadata, source=str(self.path))
+        transformers' PreTrainedTokenizerFast), rebuilt from the metadata's string arrays (which the shared
+        header skips) once per file and then read from the cache directory (gguf_tokenizer.cached_tokenizer)."""
+        def build() -> Tokenizer:
+            metadata = read_gguf_header(self.path, keep_string_arrays=True).metadata
+            return build_tokenizer_from_metadata(metadata, source=str(self.path))
+
+        return cached_tokenizer(file_key(Path(self.path)), envs.cache_dir() / "tokenizers", build)
 
 
 def _is_matmul_weight(hf_name: str) -> bool:

@@ -269,6 +269,38 @@ def test_tiny_tokenizer_keeps_special_tokens_whole(models: dict, tmp_path: Path)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_the_rebuilt_tokenizer_is_cached_per_file_and_rebuilt_when_stale(models: dict, tmp_path: Path,
+                                                                           monkeypatch) -> None:
+    """The first build writes the tokenizer to the cache; the next one reads it (no string arrays decoded)
+    and behaves the same; a changed file or a damaged entry is rebuilt, never read wrongly."""
+    from pagedserve.models import gguf_loader
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    path = write_test_gguf(models["qwen2"], tmp_path / "t.gguf")
+    builds = []
+    real_read = gguf_loader.read_gguf_header
+    monkeypatch.setattr(gguf_loader, "read_gguf_header", lambda *a, **k: builds.append(a) or real_read(*a, **k))
+
+    def tokenizer():
+        with GGUFCheckpoint(path) as checkpoint:
+            return checkpoint.build_tokenizer()
+
+    text = "<|im_start|>user\n the weather in Zürich 🌧<|im_end|>"
+    built = tokenizer()
+    entries = list((tmp_path / "cache" / "tokenizers").glob("*.json"))
+    assert len(builds) == 1 and len(entries) == 1
+    cached = tokenizer()
+    assert len(builds) == 1  # read from the cache
+    assert cached.encode(text) == built.encode(text) and cached.decode(cached.encode(text)) == text
+    assert (cached.eos_token, cached.bos_token, cached.chat_template) == (built.eos_token, built.bos_token,
+                                                                         built.chat_template)
+    assert cached.model_max_length == built.model_max_length and cached.name_or_path == built.name_or_path
+    entries[0].write_text("{not json")
+    assert tokenizer().encode(text) == built.encode(text) and len(builds) == 2  # damaged: rebuilt
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
+    assert tokenizer().encode(text) == built.encode(text) and len(builds) == 3
+
+
 def test_every_known_pre_tokenizer_has_a_split_rule() -> None:
     """Each family in the table (which validate.py accepts) is one _pre_tokenizer builds by name (any other
     name would fall through to Llama 3's split)."""
