@@ -184,7 +184,7 @@ def check_cpu(flags: set[str], native_kernels: bool = True) -> CheckResult:
     detail = f"{', '.join(present) or 'none of ' + ', '.join(label for _, label in CPU_FEATURES)}"
     detail += f" (no {', '.join(missing)})" if missing and present else ""
     detail += f"; --dtype auto picks {choice.dtype}: {choice.reason}"
-    if "avx2" not in flags and platform.machine() in ("x86_64", "AMD64"):
+    if "avx2" not in flags and probe.is_x86():
         return CheckResult("cpu", WARN, detail, "this CPU lacks AVX2: expect very slow matmuls; use a newer host")
     fix = "" if choice.dtype == "bfloat16" else "keep --dtype auto (resolves to float32 here) or pass --dtype float32"
     return CheckResult("cpu", PASS, detail, fix)
@@ -202,7 +202,7 @@ def _native_kernels_isa(flags: set[str]) -> str | None:
 
 def check_native_kernels(flags: set[str]) -> CheckResult | None:
     """pagedserve's C kernels (decode matmuls, attention, norms): built with the system compiler once."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not probe.is_x86():
         return None
     from pagedserve.kernels import load_status
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import platform as host_platform
 import time
 from dataclasses import dataclass
 
 import torch
+
+from pagedserve.memory.probe import is_x86
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class GroupAddress:
 
 def shm_supported(device: str) -> bool:
     """The shared-memory path runs here: CPU tensors on x86 (its flags rely on x86's store order)."""
-    return device == "cpu" and host_platform.machine().lower() in ("x86_64", "amd64")
+    return device == "cpu" and is_x86()
 
 
 class TPGroup:

@@ -28,6 +28,7 @@ import torch
 from pagedserve import envs
 from pagedserve.kernels.builder import SOURCE, KernelBuildError, build
 from pagedserve.memory import weight_format
+from pagedserve.memory.probe import is_x86
 
 __all__ = ["SOURCE", "CpuKernels", "KernelBuildError", "build", "cpu_kernels", "load_status"]
 
@@ -408,7 +409,7 @@ def load_status() -> tuple[CpuKernels | None, str]:
 def _load() -> tuple[CpuKernels | None, str]:
     if not envs.cpu_kernels_enabled():
         return None, "disabled by PAGEDSERVE_CPU_KERNELS=0"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not is_x86():
         return None, f"written for x86-64 (AVX-512 or AVX2); this is {platform.machine()}"
     try:
         path = build()  # a cache that cannot be made or trusted: a private directory for this process

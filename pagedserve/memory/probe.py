@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,6 +345,12 @@ def cpu_flags(path: str | Path = "/proc/cpuinfo") -> set[str]:
 NATIVE_ISA_FLAGS = (("avx512", frozenset({"avx512f", "avx512bw", "avx512_vnni"})),
                     ("avx2", frozenset({"avx2", "fma", "f16c"})))
 BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def is_x86(machine: str | None = None) -> bool:
+    """Whether `machine` (default: this host's, platform.machine()) is x86-64: what the native kernels and
+    the shared-memory all-reduce are written for, and where CPU flags decide oneDNN's bf16 support."""
+    return (platform.machine() if machine is None else machine).lower() in ("x86_64", "amd64")
 
 
 def native_kernel_isa(flags: set[str]) -> str | None:

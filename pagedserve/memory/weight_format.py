@@ -15,11 +15,10 @@ runs, else torch's `_weight_int8pack_mm`), "plain" (`F.linear`: the reference pa
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.memory.probe import native_kernel_isa
+from pagedserve.memory.probe import is_x86, native_kernel_isa
 
 SUPPORTED_QUANTIZATION = (None, "int8")
 # What the native kernels need of a model's sizes (their vector loops and weight blocks).
@@ -54,13 +53,9 @@ def onednn_may_pack(device: str, dtype: str, flags: set[str], machine: str | Non
     decides)."""
     if device != "cpu" or dtype not in ONEDNN_PACKED_DTYPES:
         return False
-    if dtype == "float32" or not _is_x86(machine):
+    if dtype == "float32" or not is_x86(machine):
         return True
     return any(needed <= flags for needed in ONEDNN_BF16_FLAGS)
-
-
-def _is_x86(machine: str | None) -> bool:
-    return (platform.machine() if machine is None else machine).lower() in ("x86_64", "amd64")
 
 
 def linear_kind(dtype: str, quantization: str | None, reference: bool, native: bool,
@@ -86,7 +81,7 @@ def native_kernels_expected(flags: set[str], enabled: bool = True, machine: str 
     enabled (PAGEDSERVE_CPU_KERNELS, envs.cpu_kernels_enabled()), an x86-64 machine and an ISA they are
     written for (probe.native_kernel_isa). It assumes the library then builds and loads: nothing is
     compiled or loaded here, so a host without a C compiler (or a failed build) is predicted wrongly."""
-    return enabled and _is_x86(machine) and native_kernel_isa(flags) is not None
+    return enabled and is_x86(machine) and native_kernel_isa(flags) is not None
 
 
 @dataclass(frozen=True)
