@@ -16,7 +16,7 @@ from pagedserve.structured.params import DEFAULT_COMPILE_TIMEOUT_S
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-def _opt(help_text: str, **kwargs: Any) -> Any:
+def setting(help_text: str, **kwargs: Any) -> Any:
     """A documented field: `default` or `default_factory`, and metadata (positional, aliases, choices, hidden,
     flag) for add_field_flag."""
     if "default_factory" in kwargs:
@@ -25,7 +25,7 @@ def _opt(help_text: str, **kwargs: Any) -> Any:
 
 
 class FlagArgs:
-    """A dataclass of _opt fields whose command-line flags are generated from the fields: `--name-of-field`,
+    """A dataclass of `setting` fields whose command-line flags are generated from the fields: `--name-of-field`,
     typed and documented by the field. A field with flag=False in its metadata gets no flag; one with
     group=KEY goes into the --help section titled group_titles[KEY]."""
 
@@ -63,80 +63,80 @@ def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f:
 # resolved default lives in the config or module named in the help. tests/unit/test_defaults.py checks it.
 @dataclass
 class EngineArgs(FlagArgs):
-    model: str | None = _opt("Model: a Hugging Face directory, a .gguf file, or a known name "
+    model: str | None = setting("Model: a Hugging Face directory, a .gguf file, or a known name "
                              f"(default: {DEFAULT_MODEL}).", positional=True)
-    served_model_name: str | None = _opt("Model name in the API (default: the model argument).")
-    tokenizer: str | None = _opt("Tokenizer directory (default: the model's).")
-    dtype: str = _opt("Weights and activations dtype: auto, float32, bfloat16, float16/half. auto picks "
+    served_model_name: str | None = setting("Model name in the API (default: the model argument).")
+    tokenizer: str | None = setting("Tokenizer directory (default: the model's).")
+    dtype: str = setting("Weights and activations dtype: auto, float32, bfloat16, float16/half. auto picks "
                       "the fastest on this device (CPU: bfloat16 weights where pagedserve's native kernels run, AVX2 "
                       "or AVX-512, or the CPU has bf16 dot products; else float32; `pagedserve doctor` says "
                       "which and why).",
                       default="auto")
-    max_model_len: int | None = _opt("Longest sequence (prompt + output) in tokens "
+    max_model_len: int | None = setting("Longest sequence (prompt + output) in tokens "
                                      "(default: the model's context length).")
-    max_num_seqs: int = _opt("Most requests running at once.", default=SchedulerConfig.max_num_seqs)
-    max_num_batched_tokens: int | None = _opt(f"Token budget of one engine step (default: "
+    max_num_seqs: int = setting("Most requests running at once.", default=SchedulerConfig.max_num_seqs)
+    max_num_batched_tokens: int | None = setting(f"Token budget of one engine step (default: "
                                               f"{SchedulerConfig.max_num_batched_tokens}, at least "
                                               "max_model_len when chunked prefill is off).")
-    block_size: int = _opt("Tokens per KV-cache block.", default=CacheConfig.block_size)
-    enable_prefix_caching: bool = _opt("Reuse the KV cache of shared prompt prefixes.",
+    block_size: int = setting("Tokens per KV-cache block.", default=CacheConfig.block_size)
+    enable_prefix_caching: bool = setting("Reuse the KV cache of shared prompt prefixes.",
                                        default=CacheConfig.enable_prefix_caching)
-    enable_chunked_prefill: bool = _opt("Split long prompts across steps so decodes keep flowing.",
+    enable_chunked_prefill: bool = setting("Split long prompts across steps so decodes keep flowing.",
                                         default=SchedulerConfig.enable_chunked_prefill)
-    gpu_memory_utilization: float | None = _opt(
+    gpu_memory_utilization: float | None = setting(
         f"Fraction of device memory the engine may use (default {DEFAULT_MEMORY_FRACTION:g}). On a CPU, when given, the fraction of "
         "available RAM the engine may fill, its KV cache taking what the rest leaves (vLLM's GPU meaning); "
         "unset, the CPU KV cache follows the shared-box default: max_num_seqs x max_model_len tokens, at most "
         "25%% of the available RAM.")
-    kv_cache_memory: int | None = _opt("Bytes of KV cache (overrides the fraction and the CPU default; on CPU "
+    kv_cache_memory: int | None = setting("Bytes of KV cache (overrides the fraction and the CPU default; on CPU "
                                        "also set by VLLM_CPU_KVCACHE_SPACE in GiB).")
-    num_gpu_blocks_override: int | None = _opt("Exact number of KV blocks (testing).")
-    kv_cache_dtype: str = _opt("KV cache dtype: auto (= model dtype), fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit "
+    num_gpu_blocks_override: int | None = setting("Exact number of KV blocks (testing).")
+    kv_cache_dtype: str = setting("KV cache dtype: auto (= model dtype), fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit "
                                 "K/V with a scale per token and head, about half the memory.",
                                 default=CacheConfig.kv_cache_dtype)
-    quantization: str | None = _opt("Weight quantization: int8 (weight-only, one scale per output channel).",
+    quantization: str | None = setting("Weight quantization: int8 (weight-only, one scale per output channel).",
                                     default=ModelConfig.quantization)
-    tensor_parallel_size: int = _opt(
+    tensor_parallel_size: int = setting(
         "Tensor-parallel ranks (vLLM's -tp): N processes on this host, each holding 1/N of every layer "
         "(Megatron split; KV heads replicated where there are fewer than N) and running on its own cores; "
         "one all-reduce after each attention and MLP. Helps where one process cannot use the memory bandwidth "
         "of every NUMA node (one rank per node). See the README.", default=ParallelConfig.tensor_parallel_size,
         aliases=("-tp",))
-    cpu_binding: str | None = _opt(
+    cpu_binding: str | None = setting(
         "Cores of each tensor-parallel rank, '|'-separated lists: \"0-7|8-15\" (vLLM's "
         "VLLM_CPU_OMP_THREADS_BIND). Default: one NUMA node per rank where the usable cores span N nodes, else "
         "the usable cores split evenly; one thread per core unless --num-threads.")
-    tp_all_reduce: str = _opt("Testing and benchmarks: the tensor-parallel collectives' path: auto (shared "
+    tp_all_reduce: str = setting("Testing and benchmarks: the tensor-parallel collectives' path: auto (shared "
                               "memory on one x86 host, else gloo), shm or gloo.", default=ParallelConfig.all_reduce,
                               hidden=True)
-    enforce_eager: bool = _opt("Never compile model graphs; run eagerly (pagedserve always does: its native "
+    enforce_eager: bool = setting("Never compile model graphs; run eagerly (pagedserve always does: its native "
                                 "CPU kernels are a library built once, not graph compilation).",
                                 default=ModelConfig.enforce_eager)
-    reference_kernels: bool = _opt("Use the plain reference kernels (F.linear) instead of the fast ones "
+    reference_kernels: bool = setting("Use the plain reference kernels (F.linear) instead of the fast ones "
                                    "(debugging, correctness checks).", default=ModelConfig.reference_kernels)
-    seed: int = _opt("Seed for unseeded random sampling.", default=ModelConfig.seed)
-    device: str = _opt("cpu, cuda or auto.", default="auto")
-    num_threads: int | None = _opt("Torch threads on CPU (default: the cores this process may use).")
-    task: str = _opt("auto, generate or embed. auto: embed for encoders (BERT), decoders saved without an LM "
+    seed: int = setting("Seed for unseeded random sampling.", default=ModelConfig.seed)
+    device: str = setting("cpu, cuda or auto.", default="auto")
+    num_threads: int | None = setting("Torch threads on CPU (default: the cores this process may use).")
+    task: str = setting("auto, generate or embed. auto: embed for encoders (BERT), decoders saved without an LM "
                      "head, and models with a sentence-transformers pooling module (modules.json); else "
                      "generate.", default="auto")
-    runner: str = _opt("auto, generate or pooling (vLLM's name; pooling = --task embed).", default="auto")
-    max_waiting_requests: int = _opt("Queue bound; the server answers 429 beyond it.",
+    runner: str = setting("auto, generate or pooling (vLLM's name; pooling = --task embed).", default="auto")
+    max_waiting_requests: int = setting("Queue bound; the server answers 429 beyond it.",
                                      default=SchedulerConfig.max_waiting_requests)
-    structured_outputs_config: str | None = _opt(
+    structured_outputs_config: str | None = setting(
         "Structured outputs, as JSON (vLLM's flag): {\"backend\": \"xgrammar\"} (the one backend; \"auto\" "
         "means it), \"disable_any_whitespace\": true for compact JSON, \"compile_timeout_s\": seconds before a "
         f"grammar still compiling gets a 400 (default {DEFAULT_COMPILE_TIMEOUT_S:g}).")
-    speculative_config: str | None = _opt(
+    speculative_config: str | None = setting(
         "Speculative decoding, as JSON (vLLM's flag; LLM(speculative_config=dict) takes the same dict): "
         "{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, "
         "\"prompt_lookup_min\": 2} proposes the tokens that followed the latest earlier occurrence of the "
         "output's last 2-4 tokens in the prompt or output, verified in the next step (outputs unchanged); "
         "\"disable_by_batch_size\": no speculation while more requests run "
         f"(default {DEFAULT_DISABLE_BY_BATCH_SIZE}).")
-    fault_injection: str | None = _opt("Testing only: faults to raise inside the engine, as "
+    fault_injection: str | None = setting("Testing only: faults to raise inside the engine, as "
                                        "POINT:MATCH[:COUNT] rules (pagedserve/engine/faults.py).", hidden=True)
-    memory_pressure_meminfo: str | None = _opt("Testing only: the meminfo file the server's memory-pressure "
+    memory_pressure_meminfo: str | None = setting("Testing only: the meminfo file the server's memory-pressure "
                                                "monitor reads (a simulated MemAvailable).", hidden=True)
 
     @classmethod
@@ -158,17 +158,17 @@ class RequestLimits(FlagArgs):
     """Per-request bounds the server enforces (HTTP 400 naming the field beyond them), so that no single
     request can occupy the engine for long. Defaults follow the OpenAI API's limits where it has one."""
 
-    max_n: int = _opt("Most completions a request may ask for with n (OpenAI's limit: 128).", default=128)
-    max_prompts_per_request: int = _opt("Most prompts in one /v1/completions request (a list of prompts).",
+    max_n: int = setting("Most completions a request may ask for with n (OpenAI's limit: 128).", default=128)
+    max_prompts_per_request: int = setting("Most prompts in one /v1/completions request (a list of prompts).",
                                         default=256)
-    max_stop_sequences: int = _opt("Most stop strings per request (OpenAI's limit: 4).", default=4)
-    max_stop_sequence_chars: int = _opt("Longest stop string, in characters.", default=1024)
-    max_stop_token_ids: int = _opt("Most stop_token_ids per request.", default=64)
-    max_logit_bias_entries: int = _opt("Most logit_bias entries per request (OpenAI's limit: 300).", default=300)
-    max_request_tokens: int = _opt("Most tokens one request may ask the engine for: the sum over its "
+    max_stop_sequences: int = setting("Most stop strings per request (OpenAI's limit: 4).", default=4)
+    max_stop_sequence_chars: int = setting("Longest stop string, in characters.", default=1024)
+    max_stop_token_ids: int = setting("Most stop_token_ids per request.", default=64)
+    max_logit_bias_entries: int = setting("Most logit_bias entries per request (OpenAI's limit: 300).", default=300)
+    max_request_tokens: int = setting("Most tokens one request may ask the engine for: the sum over its "
                                    "completions (n x prompts) of prompt + max_tokens; at least max_model_len "
                                    "is always allowed.", default=131072)
-    max_request_id_chars: int = _opt("Longest client-chosen request_id.", default=128)
+    max_request_id_chars: int = setting("Longest client-chosen request_id.", default=128)
 
     def check(self) -> None:
         """ValueError naming the flag for a bound below 1."""

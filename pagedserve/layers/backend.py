@@ -72,9 +72,8 @@ class KernelBackend:
         """One linear for several that read the same input (q/k/v, gate/up), their rows stacked as fuse_rows
         stacks them. The native bf16 kernel packs the parts straight into one packed weight: a stacked copy
         in between cost ~0.6 s of a 0.5B model's start on the AVX2 box (fresh pages, written twice)."""
-        weights = [weight_of(linear) for linear in linears]
-        if (self.native is not None and all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in weights)
-                and self._implementation(weights[0].shape[1])[0] == "native-bf16"
+        weights = [weight_of(linear) for linear in linears]  # "native-bf16": bf16 tensors, native kernels
+        if (self._implementation(weights[0].shape[1])[0] == "native-bf16"
                 and self.native.can_pack_parts([w.shape[0] for w in weights])):
             bias = fuse_biases(*linears)
             return PackedLinear([w.detach() for w in weights], None if bias is None else bias.detach(), self.native)

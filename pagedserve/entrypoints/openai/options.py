@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pagedserve.engine.arg_utils import FlagArgs, RequestLimits, _opt
+from pagedserve.engine.arg_utils import FlagArgs, RequestLimits, setting
 from pagedserve.entrypoints.openai.tool_calls import PARSERS
 
 
@@ -14,24 +14,24 @@ from pagedserve.entrypoints.openai.tool_calls import PARSERS
 class ServeOptions(FlagArgs):
     group_titles: ClassVar[dict[str, str]] = {"tools": "tool calling"}
 
-    host: str = _opt("Address to bind (0.0.0.0 exposes the server).", default="127.0.0.1")
-    port: int = _opt("Port to listen on.", default=8000)
-    api_key: str | None = _opt("Require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY).")
-    max_request_body_bytes: int = _opt("Larger request bodies get HTTP 413.", default=8 << 20)
-    shutdown_grace_s: float = _opt("On SIGTERM/SIGINT, seconds in-flight requests get to finish.", default=30.0)
-    uvicorn_log_level: str = _opt("uvicorn's log level.", default="warning",
+    host: str = setting("Address to bind (0.0.0.0 exposes the server).", default="127.0.0.1")
+    port: int = setting("Port to listen on.", default=8000)
+    api_key: str | None = setting("Require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY).")
+    max_request_body_bytes: int = setting("Larger request bodies get HTTP 413.", default=8 << 20)
+    shutdown_grace_s: float = setting("On SIGTERM/SIGINT, seconds in-flight requests get to finish.", default=30.0)
+    uvicorn_log_level: str = setting("uvicorn's log level.", default="warning",
                                   choices=("critical", "error", "warning", "info", "debug", "trace"))
-    root_path: str = _opt("The path prefix a reverse proxy serves this server under (e.g. /llm); API and web "
+    root_path: str = setting("The path prefix a reverse proxy serves this server under (e.g. /llm); API and web "
                           "page then work at that prefix.", default="")
-    disable_web_ui: bool = _opt("Do not serve the chat and dashboard page at / (then / is a 404).", default=False)
-    enable_auto_tool_choice: bool = _opt('Let tool_choice "auto" (the default with tools) parse the calls the '
+    disable_web_ui: bool = setting("Do not serve the chat and dashboard page at / (then / is a 404).", default=False)
+    enable_auto_tool_choice: bool = setting('Let tool_choice "auto" (the default with tools) parse the calls the '
                                          "model writes; needs --tool-call-parser.", default=False, group="tools")
-    tool_call_parser: str | None = _opt("How the model writes tool calls: hermes (<tool_call>{json}</tool_call>: "
+    tool_call_parser: str | None = setting("How the model writes tool calls: hermes (<tool_call>{json}</tool_call>: "
                                         "Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.x JSON calls).",
                                         choices=PARSERS, group="tools")
-    startup_hold_file: str | None = _opt("Testing only: start-up waits in phase starting while this file exists "
+    startup_hold_file: str | None = setting("Testing only: start-up waits in phase starting while this file exists "
                                          "(the web page's start-up view).", hidden=True)
-    limits: RequestLimits = _opt("Per-request limits (their own flags).", default_factory=RequestLimits,
+    limits: RequestLimits = setting("Per-request limits (their own flags).", default_factory=RequestLimits,
                                  flag=False)
 
     @property
