@@ -30,8 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedserve.engine.startup import StartupTracker, pause_garbage_collection, resume_garbage_collection
+
+    pause_garbage_collection()  # until ready: before the imports below, which are most of start-up
     apply_thread_args(args)
-    from pagedserve.engine.startup import StartupTracker
     from pagedserve.engine.setup import check_engine_args
     from pagedserve.entrypoints.openai.api_server import run_server
 
@@ -48,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     if replica_args.enabled:
+        resume_garbage_collection()  # the replicas start their own processes; this one only waits
         return run_replicas(engine_args, options, replica_args)
     return run_server(engine_args, options, startup)
 

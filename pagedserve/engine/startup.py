@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
 logger = logging.getLogger("pagedserve.startup")
+
+_collection_paused = False
+
+
+def pause_garbage_collection() -> None:
+    """Called first thing by `serve`: start-up builds millions of objects (importing torch alone) and frees
+    few, so the collector's passes over them are wasted; they cost ~0.4 s of a ~2.5 s import of torch and
+    fastapi on the 2-core AVX2 box (8 interleaved runs). Collection resumes when start-up ends."""
+    global _collection_paused
+    if gc.isenabled():
+        gc.disable()
+        _collection_paused = True
+
+
+def resume_garbage_collection() -> None:
+    """After a paused start-up: what it built is kept out of every later pass (gc.freeze: shorter pauses
+    while serving), and collection resumes. Nothing happens if start-up did not pause it."""
+    global _collection_paused
+    if _collection_paused:
+        _collection_paused = False
+        gc.freeze()
+        gc.enable()
+
 
 PHASES = ("starting", "resolving", "validating", "planning", "loading_weights", "allocating_kv",
           "warming_up", "ready")
@@ -48,6 +72,7 @@ class StartupTracker:
             self.history.append(PhaseRecord(phase, now))
             self.phase, self.progress = phase, None
         if phase == "ready":
+            resume_garbage_collection()
             logger.info("ready %.2f s after process start", now)
         else:
             logger.info("phase %s (%.2f s after process start)", phase, now)
@@ -64,6 +89,7 @@ class StartupTracker:
         with self._lock:
             self.error = message
             self.phase = "failed"
+        resume_garbage_collection()
         logger.error("start-up failed in %.2f s: %s", self.elapsed(), message)
 
     @property
