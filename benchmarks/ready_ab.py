@@ -2,7 +2,9 @@
 
 Start-up changes are measured against the commit before them in one run, fresh processes alternating (the
 order flips every round), because this VM's speed drifts from minute to minute. The older commit is checked
-out as a git worktree (`git worktree add /tmp/oldtree COMMIT`) and run with PYTHONPATH pointing at it.
+out as a git worktree (`git worktree add /tmp/oldtree COMMIT`) and run with PYTHONPATH pointing at it. Both
+trees' modules are byte-compiled first: where PYTHONDONTWRITEBYTECODE is set (as on this project's VMs) a tree
+without bytecode compiles every module at every start (~0.3 s), which would be measured as start-up.
 
     python benchmarks/ready_ab.py --before /tmp/oldtree MODEL [MODEL ...] [--rounds 3]
 """
@@ -70,6 +72,8 @@ def main() -> int:
         head = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
                               text=True).stdout.strip()
         print(f"{name}: {tree} at {head[:72] or 'no git checkout'}", flush=True)
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "pagedserve")], check=True,
+                       stdout=subprocess.DEVNULL)
     for model in args.models:  # builds each tree's kernels and warms the page cache; not counted
         for tree in trees.values():
             ready_seconds(tree, model)

@@ -97,6 +97,22 @@ def test_open_files_limit() -> None:
     assert doctor.check_open_files((65536, 65536)).status == PASS
 
 
+def test_bytecode_that_every_start_would_compile(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    for name in ("a.py", "sub/b.py"):
+        (package / name).write_text("X = 1\n")
+    result = doctor.check_bytecode(package, dont_write=True)
+    assert result.status == WARN and "2 of 2 modules" in result.detail and "compileall" in result.fix
+    assert doctor.check_bytecode(package, dont_write=False).status == PASS  # the first import writes them
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], check=True)
+    result = doctor.check_bytecode(package, dont_write=True)
+    assert result.status == PASS and "all 2 modules" in result.detail
+    (package / "sub" / "b.py").write_text("X = 22\n")  # edited: its bytecode is stale
+    result = doctor.check_bytecode(package, dont_write=True)
+    assert result.status == WARN and "1 of 2 modules" in result.detail
+
+
 def test_disk_space_in_cache_dir(tmp_path: Path) -> None:
     missing_dir = tmp_path / "not" / "yet"  # measured at the nearest existing parent
     seen = []
