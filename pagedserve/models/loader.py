@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,16 +37,23 @@ def load_hf_config(model_path: str) -> Any:
     return AutoConfig.from_pretrained(model_path)
 
 
+class CheckpointTensors(NamedTuple):
+    num_tensors: int  # for progress
+    tensors: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]  # (checkpoint name, tensor)
+    views_file: bool  # whether the tensors are views of the memory-mapped file (safetensors), not copies (GGUF)
+
+
 def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False, kernels: CpuKernels | None = None
-                    ) -> tuple[int, Iterator[tuple[str, torch.Tensor | QuantizedWeight]]]:
-    """(number of tensors, iterator of (checkpoint name, tensor)) for a directory or a GGUF file. With
-    `int8`, a GGUF's block-quantized matmul weights come as QuantizedWeight (no bf16 copy on the way),
-    requantized by `kernels` (the model's native kernels) where given."""
+                    ) -> CheckpointTensors:
+    """The tensors of a directory or a GGUF file. With `int8`, a GGUF's block-quantized matmul weights come
+    as QuantizedWeight (no bf16 copy on the way), requantized by `kernels` (the model's native kernels) where
+    given; every GGUF tensor is decoded into memory of its own."""
     if model_path.endswith(".gguf"):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(model_path)
-        return checkpoint.num_tensors, checkpoint.iter_tensors(dtype, int8_matmuls=int8, kernels=kernels)
+        return CheckpointTensors(checkpoint.num_tensors, checkpoint.iter_tensors(dtype, int8_matmuls=int8,
+                                                                                 kernels=kernels), False)
     files = safetensors_files(Path(model_path))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path}")
@@ -55,7 +62,7 @@ def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False, ker
         for path in files:
             yield from iter_safetensors(path)
 
-    return sum(len(read_safetensors_header(p).tensors) for p in files), generate()
+    return CheckpointTensors(sum(len(read_safetensors_header(p).tensors) for p in files), generate(), True)
 
 
 def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.dtype, device: str,
@@ -69,8 +76,9 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     params = dict(model.named_parameters())
     missing = set(params)
     backend = KernelBackend.choose(device, dtype, quantization, reference_kernels)  # the one decision
-    num_tensors, tensors = iter_checkpoint(model_path, dtype, int8=quantization == "int8", kernels=backend.native)
-    for index, (name, tensor) in enumerate(tensors):
+    checkpoint = iter_checkpoint(model_path, dtype, int8=quantization == "int8", kernels=backend.native)
+    num_tensors = checkpoint.num_tensors
+    for index, (name, tensor) in enumerate(checkpoint.tensors):
         target = model.checkpoint_name_to_param(name)
         if target is None:
             continue
@@ -98,7 +106,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     logger.info("kernels: %s", backend.describe())
     for line in model.kernel_report() if hasattr(model, "kernel_report") else ():
         logger.info("kernels: %s", line)
-    if backend.linear_kind != "plain" and not model_path.endswith(".gguf"):  # GGUF tensors are decoded copies
+    if backend.linear_kind != "plain" and checkpoint.views_file:
         _release_checkpoint_mapping(model)
     release_free_heap()
     return model.eval()
