@@ -2,10 +2,15 @@
 
 A smaller model with the target's tokenizer, loaded beside it in the same dtype, with its own K/V pools of the
 same number of blocks: the target's block table indexes both, so the scheduler's blocks (prefix cache,
-preemption, freeing) hold the two models' K/V together and nothing else is bookkept.
+preemption, freeing) hold the two models' K/V together.
 
-Every step the draft model runs the batch the target ran (`follow`: the same tokens at the same slots, prefill
-chunks and verification rows included), so its K/V hold what the target's hold. After sampling, `propose`
+Every step in which some request speculates, the draft model runs the batch the target ran (`follow`: the same
+tokens at the same slots, prefill chunks and verification rows included), so its K/V hold what the target's hold.
+A step in which nobody speculates (the batch is above disable_by_batch_size) is not followed: the draft model's
+forward would be pure cost there. `DraftKV` keeps what that leaves behind, per request the positions whose draft
+K/V are right and the tokens after them, and per block whether the target wrote it unfollowed; before the next
+followed step the runner runs the draft model over each lagging request's missing positions (`DraftKV.catch_up`),
+and a request admitted onto cached blocks trusts only those the draft model followed. After sampling, `propose`
 feeds each sampled request's last token and then its own greedy guesses, k decode steps of the draft model, and
 returns the k guesses; their K/V go in the request's blocks past its known tokens (the scheduler's lookahead
 slots), and the next step's `follow` writes them again from the tokens the target really computes there.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +44,7 @@ class DraftModel:
                                 quantization=draft.quantization, reference_kernels=draft.reference_kernels)
         logger.info("draft model %s loaded", draft.model)
         self.kv_caches: list[LayerKVCache] = []  # allocated by the runner, beside the target's
+        self.kv = DraftKV(config.cache.block_size)
 
     def has_room(self, position: int, num_slots: int) -> bool:
         """Whether a request holding `num_slots` slots can take the K/V of k proposals from `position` on."""
@@ -63,3 +70,63 @@ class DraftModel:
             positions = positions + 1
         drafts = torch.stack(proposed, dim=1).tolist()  # [requests, k]: one transfer
         return {request_id: row for (request_id, *_), row in zip(starts, drafts)}
+
+
+@dataclass
+class DraftKV:
+    """Where the draft model's K/V follow the target's, so that steps nobody speculates in can skip it.
+
+    `valid[r]`: request r's leading positions whose draft K/V were computed from its real tokens; `tokens[r]`:
+    its tokens, at least up to the positions the target has computed; `stale_blocks`: blocks the target wrote
+    while the draft model did not follow (a later request that finds one in the prefix cache must recompute
+    the draft's K/V from there). Positions a step recomputes (`start` on) stop counting as valid first: the
+    target rewrites them, e.g. after rejected drafts."""
+
+    block_size: int
+    valid: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    stale_blocks: set[int] = field(default_factory=set)
+    num_followed_tokens: int = 0
+    num_skipped_tokens: int = 0
+
+    def admit(self, request_id: str, token_ids: list[int], num_computed: int, block_ids: list[int]) -> None:
+        """A request given blocks (first schedule, or resumed): its first `num_computed` positions come from
+        the prefix cache, valid for the draft model up to the first stale block among them."""
+        valid = num_computed
+        for index in range(num_computed // self.block_size):
+            if block_ids[index] in self.stale_blocks:
+                valid = index * self.block_size
+                break
+        self.valid[request_id] = valid
+        self.tokens[request_id] = list(token_ids)
+
+    def forget(self, request_id: str) -> None:
+        self.valid.pop(request_id, None)
+        self.tokens.pop(request_id, None)
+
+    def step(self, request_id: str, start: int, chunk: list[int]) -> None:
+        """The target computes `chunk` at positions start.. this step."""
+        tokens = self.tokens[request_id]
+        del tokens[start:]
+        tokens.extend(chunk)
+        self.valid[request_id] = min(self.valid[request_id], start)
+
+    def catch_up(self, request_id: str, start: int) -> tuple[int, list[int]]:
+        """(first position, tokens) the draft model must compute before following a step that starts at
+        `start`: (start, []) when it is up to date."""
+        valid = self.valid[request_id]
+        return valid, self.tokens[request_id][valid:start]
+
+    def followed(self, request_id: str, first: int, end: int, block_ids: list[int]) -> None:
+        """The draft model computed positions first..end-1 from the real tokens (a catch-up and this step):
+        the whole blocks among them hold its K/V again."""
+        self.valid[request_id] = end
+        self.num_followed_tokens += end - first
+        for index in range(first // self.block_size, end // self.block_size):
+            self.stale_blocks.discard(block_ids[index])
+
+    def skipped(self, request_id: str, start: int, end: int, block_ids: list[int]) -> None:
+        """The target computed positions start..end-1 and the draft model did not."""
+        self.num_skipped_tokens += end - start
+        for index in range(start // self.block_size, (end - 1) // self.block_size + 1):
+            self.stale_blocks.add(block_ids[index])

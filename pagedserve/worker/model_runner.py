@@ -164,12 +164,18 @@ class ModelRunner:
             state = self.states.pop(request_id, None)
             if state is not None and state.row >= 0:
                 self.free_rows.append(state.row)
+            if self.draft is not None:
+                self.draft.kv.forget(request_id)
         for request_id in sched.preempted_request_ids:
             state = self.states[request_id]
             self.free_rows.append(state.row)
             state.row, state.block_ids = -1, []
+            if self.draft is not None:
+                self.draft.kv.forget(request_id)
         for new in sched.new_requests:
             self._add_request(new)
+            if self.draft is not None:
+                self.draft.kv.admit(new.request_id, new.token_ids, new.num_computed_tokens, new.block_ids)
         for cached in sched.cached_requests:
             state = self.states[cached.request_id]
             if cached.new_block_ids:
@@ -213,8 +219,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, H]
-        if self.draft is not None:  # the draft model's K/V follow the target's: the same tokens, slots
-            self.draft.follow(batch.input_ids, batch.positions, batch.meta)
+        if self.draft is not None:
+            self._follow_draft(sched, batch)
         out = ModelRunnerOutput()
         self._prompt_logprobs(sched, batch, hidden, out)
         if batch.sample_rows:
@@ -225,6 +231,41 @@ class ModelRunner:
             if self.draft is not None:
                 self._propose_drafts(sched, batch, out)
         return out
+
+    def _follow_draft(self, sched: SchedulerOutput, batch: _Batch) -> None:
+        """The draft model's K/V follow the target's (the same tokens at the same slots) in every step where a
+        request speculates; a step where none does is skipped, and each lagging request of the next followed
+        step is caught up first (worker/draft_model.py)."""
+        kv = self.draft.kv
+        spans = [(request_id, start, start + num) for request_id, (_, num, start) in batch.spans.items()]
+        for request_id, start, _ in spans:
+            kv.step(request_id, start, sched.scheduled_token_ids[request_id])
+        if not sched.lookahead_request_ids:
+            for request_id, start, end in spans:
+                kv.skipped(request_id, start, end, self.states[request_id].block_ids)
+            return
+        firsts = {}
+        for request_id, start, _ in spans:
+            firsts[request_id], missing = kv.catch_up(request_id, start)
+            if missing:
+                self._draft_prefill(self.states[request_id].row, firsts[request_id], missing)
+        self.draft.follow(batch.input_ids, batch.positions, batch.meta)
+        for request_id, _, end in spans:
+            kv.followed(request_id, firsts[request_id], end, self.states[request_id].block_ids)
+
+    def _draft_prefill(self, row: int, first: int, tokens: list[int]) -> None:
+        """The draft model's K/V of `tokens` at positions first.. of block-table row `row`, in chunks of at most
+        max_num_batched_tokens (a request's catch-up after steps that did not follow)."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        for offset in range(0, len(tokens), budget):
+            chunk = tokens[offset:offset + budget]
+            start = first + offset
+            positions = torch.arange(start, start + len(chunk), dtype=torch.int64)
+            meta = AttentionMetadata(slot_mapping=self._slot_mapping(torch.full_like(positions, row), positions)
+                                     .to(self.device))
+            meta.prefills.append(self._prefill_span(row, 0, len(chunk), start))
+            self.draft.follow(torch.tensor(chunk, dtype=torch.int64, device=self.device), positions.to(self.device),
+                              meta)
 
     def _propose_drafts(self, sched: SchedulerOutput, batch: _Batch, out: ModelRunnerOutput) -> None:
         """The draft model's next tokens for each request sampled this step that the scheduler gave lookahead

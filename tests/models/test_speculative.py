@@ -15,6 +15,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedserve import LLM, SamplingParams
 from tests.models.test_correctness import (ARCHS, NUM_TOKENS, TOLERANCE, assert_logprobs_close, hf_logprobs,
@@ -139,6 +140,83 @@ def test_the_target_as_its_own_draft_model_has_every_draft_accepted(llama):
     stats = totals(llm)
     assert stats.num_draft_tokens > 100 and stats.num_accepted_tokens >= 0.98 * stats.num_draft_tokens, stats
     assert_no_leaks(llm)
+
+
+def _run_staggered(llm: LLM, requests: list[tuple[list[int], int]]) -> list[list[int]]:
+    """Greedy tokens of (prompt, max_tokens) requests added together: the batch shrinks as they end."""
+    for index, (prompt, max_tokens) in enumerate(requests):
+        llm.engine.add_request(str(index), {"prompt_token_ids": prompt}, greedy(max_tokens))
+    finished = {}
+    while llm.engine.has_unfinished_requests():
+        for output in llm.engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = output.outputs[0].token_ids
+    return [finished[i] for i in range(len(requests))]
+
+
+def _assert_every_draft_accepted(llm: LLM) -> None:
+    stats = totals(llm)
+    assert stats.num_draft_tokens > 30 and stats.num_accepted_tokens >= 0.98 * stats.num_draft_tokens, stats
+
+
+def _assert_draft_kv_is_the_targets(llm: LLM, request_id: str) -> None:
+    """With the target as its own draft model, the draft's K/V at every position it counts as valid are the
+    target's (within float32 rounding: a catch-up runs them as prefill, the target may have run them as decodes)."""
+    runner = llm.engine.runner
+    state, valid = runner.states[request_id], runner.draft.kv.valid[request_id]
+    block_size = runner.block_size
+    slots = torch.tensor([state.block_ids[p // block_size] * block_size + p % block_size for p in range(valid)])
+    assert valid > 64
+    for target, draft in zip(runner.kv_caches, runner.draft.kv_caches):
+        torch.testing.assert_close(draft.k[slots], target.k[slots], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(draft.v[slots], target.v[slots], atol=1e-4, rtol=1e-4)
+
+
+def test_steps_nobody_speculates_in_skip_the_draft_model_and_lagging_requests_catch_up(llama):
+    """Above disable_by_batch_size (2) the draft model does not run; as requests end and the batch shrinks,
+    speculation resumes and each request's missing draft K/V are computed first: with the target as its own
+    draft model, a position left out or computed from a wrong token would cost accepted drafts."""
+    model_dir, prompts, _, plain = llama
+    spec = {**draft_spec(model_dir), "disable_by_batch_size": 2}
+    llm = spec_llm(model_dir, spec=spec, max_num_batched_tokens=16)  # catch-ups longer than one chunk
+    lengths = [4 + 8 * i for i in range(len(prompts) - 1)] + [96]  # one ends every few steps; the last alone
+    longest = plain.generate([{"prompt_token_ids": p} for p in prompts], greedy(max(lengths)))
+    expected = [o.outputs[0].token_ids[:n] for o, n in zip(longest, lengths)]  # greedy: a prefix of the longest
+    assert _run_staggered(llm, list(zip(prompts, lengths))) == expected
+    kv = llm.engine.runner.draft.kv
+    assert kv.num_skipped_tokens > 100 and kv.num_followed_tokens > 0, kv
+    _assert_every_draft_accepted(llm)
+    assert_no_leaks(llm)
+    _assert_draft_kv_is_the_targets(llm, "7")  # the last to finish: the runner still holds it
+    runner_states = set(llm.engine.runner.states)  # dropped when the next schedule reports the finish
+    assert set(kv.valid) == set(kv.tokens) == runner_states and len(runner_states) <= 1
+
+
+def test_cached_blocks_the_draft_model_did_not_follow_are_recomputed_for_it(llama):
+    """Four requests with one long prefix run beside three others, above disable_by_batch_size (2), so the draft
+    model never follows them; a request that comes later alone finds that prefix cached for the target, but
+    the draft model's K/V there were never written: they are computed before it speculates."""
+    model_dir, prompts, _, plain = llama
+    spec = {**draft_spec(model_dir), "disable_by_batch_size": 2}
+    llm = spec_llm(model_dir, spec=spec, enable_prefix_caching=True, max_num_batched_tokens=16)
+    engine = llm.engine
+    for index in range(3):  # the crowd around them
+        engine.add_request(f"filler-{index}", {"prompt_token_ids": prompts[index]}, greedy(40))
+    for _ in range(3):
+        engine.step()
+    prefix = prompts[-1][:64]
+    for index in range(4):
+        engine.add_request(f"shared-{index}", {"prompt_token_ids": prefix + [7 + index]}, greedy(2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert totals(llm).num_draft_tokens == 0  # nobody speculated
+    alone = prefix + [3]
+    want = plain.generate([{"prompt_token_ids": alone}], greedy(48))[0].outputs[0].token_ids
+    hits = engine.scheduler.kv.stats.num_hits
+    assert _run_staggered(llm, [(alone, 48)]) == [want]
+    assert engine.scheduler.kv.stats.num_hits - hits >= 48  # the target found the prefix cached
+    _assert_every_draft_accepted(llm)
+    _assert_draft_kv_is_the_targets(llm, "0")
 
 
 def test_a_draft_model_of_another_shape_and_architecture(llama, tiny_model_dir):
