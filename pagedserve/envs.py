@@ -24,6 +24,12 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def cpu_amx_enabled() -> bool:
+    """$PAGEDSERVE_CPU_AMX=0 keeps bf16 linears off AMX tiles on CPUs that have them (the AVX-512 vector
+    kernel runs instead); default on."""
+    return os.environ.get("PAGEDSERVE_CPU_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def huge_pages_enabled() -> bool:
     """$PAGEDSERVE_HUGE_PAGES=1 puts packed CPU weights on transparent huge pages: a few per cent faster
     batch-1 decoding, but ~1 s longer start-up for a 1 GB model where the kernel must compact memory to

@@ -209,7 +209,7 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
 
     kernels, why = load_status()
     if kernels is not None:
-        bf16 = f"{kernels.isa}: bf16 and int8 linears"
+        bf16 = f"{kernels.isa}: bf16 linears{' on AMX tiles' if kernels.amx else ''}, int8 linears"
         thp = probe.transparent_hugepages()
         fix = ""
         if not envs.huge_pages_enabled():

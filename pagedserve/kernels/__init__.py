@@ -42,6 +42,7 @@ _SIGNATURES = {
     "ps_isa": ((), _INT),
     "ps_bf16_block": ((), _INT),
     "ps_has_bf16_dot": ((), _INT),
+    "ps_amx_init": ((_INT,), _INT),
     "ps_advise_huge": ((_P, _I64), _I64),
     "ps_linear_i8": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
     "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), None),
@@ -96,6 +97,9 @@ class CpuKernels:
             fn.argtypes = args
             fn.restype = result
         self.isa = ISA_NAMES[lib.ps_isa()]
+        # bf16 linears on AMX tiles where the library was built with them and Linux grants the tile state
+        # (every batch size, so a row's result never depends on the rows beside it); else vdpbf16ps / FMAs.
+        self.amx = bool(lib.ps_amx_init(int(envs.cpu_amx_enabled())))
         self.bf16_block = lib.ps_bf16_block()  # outputs per block of the packed bf16 layout
         # Rows up to which int8 linears run the int8 kernel (None: every batch size); above it they
         # dequantize and run one dense bf16 matmul, faster only where the CPU has bf16 dot products.
@@ -417,7 +421,7 @@ def _load() -> tuple[CpuKernels | None, str]:
         if lib.ps_isa() not in ISA_NAMES:
             return None, "this CPU has neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C"
         kernels = CpuKernels(lib, path)
-        return kernels, f"loaded {path} ({kernels.isa})"
+        return kernels, f"loaded {path} ({kernels.isa}{', AMX' if kernels.amx else ''})"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"could not build or load them: {exc}"
 

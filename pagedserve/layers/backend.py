@@ -88,7 +88,9 @@ class KernelBackend:
 
     def describe(self) -> str:
         """One line for the start-up log and doctor."""
-        where = f"native {self.native.isa} kernels" if self.native is not None else "torch ops"
+        where = "torch ops"
+        if self.native is not None:
+            where = f"native {self.native.isa} kernels" + (" (bf16 linears on AMX tiles)" if self.native.amx else "")
         return f"{where}, {self.linear_kind} linears, {_dtype_name(self.dtype)} on {self.device}"
 
 

@@ -345,6 +345,7 @@ def cpu_flags(path: str | Path = "/proc/cpuinfo") -> set[str]:
 NATIVE_ISA_FLAGS = (("avx512", frozenset({"avx512f", "avx512bw", "avx512_vnni"})),
                     ("avx2", frozenset({"avx2", "fma", "f16c"})))
 BF16_DOT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+AMX_BF16_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 
 
 def is_x86(machine: str | None = None) -> bool:
@@ -359,8 +360,11 @@ def native_kernel_isa(flags: set[str]) -> str | None:
 
 
 def cpu_class(flags: set[str]) -> str:
-    """The CPU class benchmarks keep figures for: "avx512-bf16", "avx512", "avx2" or "other"."""
+    """The CPU class benchmarks keep figures for: "avx512-amx" (AMX tiles: bf16 matmuls ~8x the vector
+    units'), "avx512-bf16", "avx512", "avx2" or "other"."""
     isa = native_kernel_isa(flags)
+    if isa == "avx512" and AMX_BF16_FLAGS <= flags:
+        return "avx512-amx"
     if isa == "avx512" and flags & BF16_DOT_FLAGS:
         return "avx512-bf16"
     return isa or "other"

@@ -232,6 +232,29 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, dtype):
             assert torch.equal(kernels.linear_bf16(x[:rows], packed, None, n)[:1], alone), rows
 
 
+@pytest.mark.parametrize("k", [96, 128, 896])  # 96: not whole AMX tiles of columns (the vector kernel runs)
+def test_bf16_linear_on_amx_tiles(kernels, k):
+    """Where the CPU has AMX (Sapphire Rapids and later Xeons) bf16 linears run on its tiles at every batch
+    size: each row of x must equal what it gets alone, in full tiles of 16 rows, in the zero-padded last
+    group and in batches under 16 rows (shorter tiles), and agree with torch as the vector kernel does."""
+    from pagedserve.memory.probe import AMX_BF16_FLAGS, cpu_flags
+
+    if not AMX_BF16_FLAGS <= cpu_flags():
+        pytest.skip(f"no AMX here (needs the CPU flags {sorted(AMX_BF16_FLAGS)}): the vector kernel runs")
+    assert kernels.amx, "the CPU has AMX but the kernels did not turn it on (no tile state from Linux?)"
+    torch.manual_seed(k)
+    n = 200  # three 64-output blocks and a partial one
+    weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    x = torch.randn(45, k).bfloat16()
+    packed = kernels.pack_bf16(weight)
+    y = kernels.linear_bf16(x, packed, bias, n)
+    _close(y, torch.nn.functional.linear(x, weight, bias), torch.bfloat16, f"linear_bf16 on AMX, K={k}")
+    for rows in (1, 3, 15, 16, 17, 33):
+        for start in (0, 5, 45 - rows):
+            part = kernels.linear_bf16(x[start:start + rows].contiguous(), packed, bias, n)
+            assert torch.equal(part, y[start:start + rows]), (rows, start)
+
+
 def test_bf16_linear_takes_prefill_rows_in_chunks_with_the_same_sums(kernels):
     """Above 512 rows (K <= 1024) the kernel walks the rows in chunks: every output row must equal the
     one computed alone (same sums, same order), including the last, partial chunk."""

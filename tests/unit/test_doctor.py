@@ -213,7 +213,7 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
 
     setting = tmp_path / "enabled"
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    fake = type("Fake", (), {"isa": "avx512"})()
+    fake = type("Fake", (), {"isa": "avx512", "amx": False})()
     monkeypatch.setattr(kernels, "load_status", lambda: (fake, "loaded /x.so"))
     original = probe.transparent_hugepages
     monkeypatch.setattr(probe, "transparent_hugepages", lambda: original(setting))
@@ -230,6 +230,8 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
     assert "transparent huge pages never: 4 KiB pages" in result.detail and "madvise >" in result.fix
     setting.unlink()
     assert probe.transparent_hugepages() is None
+    fake.amx = True  # a Xeon with AMX: doctor says the bf16 linears run on its tiles
+    assert "bf16 linears on AMX tiles" in check_native_kernels({"avx512f", "avx512_vnni"}).detail
 
 
 def test_a_packaged_model_name_is_checked_in_the_cache_and_never_downloaded(monkeypatch, tmp_path):

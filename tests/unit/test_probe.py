@@ -206,22 +206,24 @@ def test_cpu_flags_and_fast_dtype(tmp_path: Path) -> None:
 
 
 # One CPU class a row: (flags, native kernels usable) -> what `--dtype auto` picks and the kernels' ISA.
-AUTO_RULE_CASES = [
-    ({"avx2", "fma", "f16c"}, True, "bfloat16", "avx2"),  # Zen 3, Haswell..: widened bf16 beats float32
-    ({"avx2", "fma", "f16c"}, False, "float32", "avx2"),  # no compiler / PAGEDSERVE_CPU_KERNELS=0
-    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}, True, "bfloat16", "avx512"),  # Ice Lake
-    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}, False, "bfloat16", "avx512"),
-    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}, True, "bfloat16", "avx512"),
-    ({"avx", "sse4_2"}, True, "float32", None),  # Sandy Bridge: nothing to run the kernels on
-    ({"asimd", "fp"}, True, "float32", None),  # ARM (no NEON kernels yet)
+AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}
+AUTO_RULE_CASES = [  # flags, native kernels, --dtype auto, native ISA, CPU class of the benchmarks
+    ({"avx2", "fma", "f16c"}, True, "bfloat16", "avx2", "avx2"),  # Zen 3, Haswell..: widened bf16 beats float32
+    ({"avx2", "fma", "f16c"}, False, "float32", "avx2", "avx2"),  # no compiler / PAGEDSERVE_CPU_KERNELS=0
+    (AVX512, True, "bfloat16", "avx512", "avx512"),  # Ice Lake
+    (AVX512 | {"avx512_bf16"}, False, "bfloat16", "avx512", "avx512-bf16"),
+    (AVX512 | {"avx512_bf16"}, True, "bfloat16", "avx512", "avx512-bf16"),  # Zen 4/5
+    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}, True, "bfloat16", "avx512", "avx512-amx"),  # SPR
+    ({"avx", "sse4_2"}, True, "float32", None, "other"),  # Sandy Bridge: nothing to run the kernels on
+    ({"asimd", "fp"}, True, "float32", None, "other"),  # ARM (no NEON kernels yet)
 ]
 
 
-@pytest.mark.parametrize("flags,native,dtype,isa", AUTO_RULE_CASES)
-def test_auto_dtype_rule_per_cpu_class(flags, native, dtype, isa) -> None:
+@pytest.mark.parametrize("flags,native,dtype,isa,cls", AUTO_RULE_CASES)
+def test_auto_dtype_rule_per_cpu_class(flags, native, dtype, isa, cls) -> None:
     choice = choose_cpu_dtype(flags, native)
     assert (choice.dtype, native_kernel_isa(flags)) == (dtype, isa)
-    assert cpu_class(flags) == ("avx512-bf16" if "avx512_bf16" in flags else isa or "other")
+    assert cpu_class(flags) == cls
     assert choice.reason  # doctor prints it
 
 
