@@ -127,6 +127,20 @@ class WorkerSet:
             self.check_health()
             raise
 
+    def ask(self, message: Any, timeout_s: float = 60.0) -> list[Any]:
+        """Send a command every worker answers outside the collectives, and return their answers (rank 1 first);
+        WorkerLostError where a rank dies or stays silent for `timeout_s`."""
+        self.send(message)
+        answers = []
+        for rank, conn in enumerate(self.conns, start=1):
+            deadline = time.monotonic() + timeout_s
+            while not conn.poll(0.05):
+                self.check_health()
+                if time.monotonic() > deadline:
+                    raise WorkerLostError(f"tensor-parallel rank {rank} did not answer {message[0]!r} in {timeout_s:.0f} s")
+            answers.append(self._receive(rank, conn)[1])
+        return answers
+
     def check_health(self) -> None:
         """WorkerLostError once any rank has died (or the group failed)."""
         if self.group.dead is not None:

@@ -286,7 +286,9 @@ class LLMEngine:
         engine goes on (EngineDeadError if the probe fails too). take_failed() reports the failed requests."""
         self._admit_compiled_grammars()
         if self.memory_pressure is not None:
-            give_way(self.memory_pressure, self.scheduler, self.kv, self.runner.kv_pools())
+            released = give_way(self.memory_pressure, self.scheduler, self.kv, self.runner.release_kv_pages)
+            if released and self.resident_memory is not None:  # /health shows it now, not a step later (idle)
+                self.resident_memory.measure(self.kv.num_blocks_written)
         sched_out = self.scheduler.schedule()
         self._fail_children(self.scheduler.take_failed())
         try:

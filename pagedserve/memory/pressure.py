@@ -109,15 +109,19 @@ class MemoryPressure:
                 "episodes": self.num_episodes}
 
 
-def give_way(pressure: MemoryPressure, scheduler: Any, kv: Any, kv_caches: list[Any]) -> None:
+def give_way(pressure: MemoryPressure, scheduler: Any, kv: Any, release: Callable[[list[int], int], int]) -> int:
     """Before an engine step: while under pressure, hold the scheduler's waiting queue and free the pages of
     every free KV block (`kv`, the KVCacheManager, marks them unwritten, so the RSS expectation drops with
-    them; `kv_caches`: the runner's pools)."""
+    them; `release(block_ids, block_size)`: the runner's Runner.release_kv_pages, every pool on every rank).
+    Returns the number of blocks released."""
     scheduler.hold_waiting = pressure.check()
-    if pressure.take_release_turn():
-        block_ids = kv.release_free_blocks()
-        if block_ids:
-            release_block_pages(kv_caches, block_ids, kv.block_size)
+    if not pressure.take_release_turn():
+        return 0
+    block_ids = kv.release_free_blocks()
+    if block_ids:
+        released = release(block_ids, kv.block_size)
+        logger.info("memory_pressure: gave back %.1f MiB of %d free KV blocks", released / MIB, len(block_ids))
+    return len(block_ids)
 
 
 def page_ranges(block_ids: Iterable[int], block_bytes: int) -> list[tuple[int, int]]:

@@ -25,6 +25,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedserve.layers.attention import FP8_DTYPES, AttentionMetadata, LayerKVCache, PrefillSpan
 from pagedserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
+from pagedserve.memory.pressure import release_block_pages
 from pagedserve.models.loader import ProgressFn, load_model
 from pagedserve.platform import lazy_zeros, torch_dtype
 from pagedserve.sampling_params import SamplingParams
@@ -157,6 +158,10 @@ class ModelRunner:
     def kv_pools(self) -> list[LayerKVCache]:
         """The target's pools, then the draft model's (the same block ids index both)."""
         return self.kv_caches + (self.draft.kv_caches if self.draft is not None else [])
+
+    def release_kv_pages(self, block_ids: list[int], block_size: int) -> int:
+        """Runner protocol: these free blocks' pages in every pool of this process."""
+        return release_block_pages(self.kv_pools(), block_ids, block_size)
 
     # ---- request state ---------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:

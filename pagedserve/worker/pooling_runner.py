@@ -64,9 +64,9 @@ class EncoderRunner:
         """No KV pool: an encoder's attention reads only the step's own tokens."""
         return []
 
-    def kv_pools(self) -> list:
-        """No KV pool (so no pages for memory/pressure.py to release)."""
-        return []
+    def release_kv_pages(self, block_ids: list[int], block_size: int) -> int:
+        """No KV pool, so no pages to release."""
+        return 0
 
     def check_health(self) -> None:
         """Nothing to check: the model runs in this process."""

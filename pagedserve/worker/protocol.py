@@ -16,9 +16,10 @@ class Runner(Protocol):
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the scheduled tokens through the model, then sampling (or pooling)."""
 
-    def kv_pools(self) -> list:
-        """Every layer's K/V pool that the scheduler's block ids index (the model's and a draft model's; empty
-        for a runner without KV cache): memory/pressure.py gives their free blocks' pages back to the system."""
+    def release_kv_pages(self, block_ids: list[int], block_size: int) -> int:
+        """Give the whole pages of these free blocks back to the system in every K/V pool the scheduler's block
+        ids index (the model's and a draft model's, on every tensor-parallel rank; memory/pressure.py asks under
+        memory pressure); they read back as zeros. Returns the bytes released (0 for a runner without KV)."""
 
     def check_health(self) -> None:
         """Raise once the runner can run no more steps (a tensor-parallel rank died); a runner in this process

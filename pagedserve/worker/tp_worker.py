@@ -88,6 +88,11 @@ class TPModelRunner(ModelRunner):
         """Raises WorkerLostError once a rank has died: the engine cannot run another step."""
         self.workers.check_health()
 
+    def release_kv_pages(self, block_ids: list[int], block_size: int) -> int:
+        """Every rank gives these free blocks' pages back (each holds its own KV heads of them)."""
+        replies = self.workers.ask(("release", (block_ids, block_size)))
+        return super().release_kv_pages(block_ids, block_size) + sum(replies)
+
     def close(self) -> None:
         """Stop the workers and give the calling thread its cores back."""
         self._finalizer()
@@ -158,6 +163,8 @@ def _serve(runner: ModelRunner, conn: Any) -> None:
                 runner.model(input_ids, positions, runner.kv_caches, meta)
             elif kind == "logits":
                 runner.model.compute_logits(from_wire(message[1], device))
+            elif kind == "release":  # memory pressure: this rank's pages of free blocks; rank 0 waits for the count
+                conn.send(("released", runner.release_kv_pages(*message[1])))
             elif kind == "stop":
                 return
             else:

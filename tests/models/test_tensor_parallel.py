@@ -29,14 +29,15 @@ CASES = {
 }
 
 
-def run(model_dir: str, prompts, tp: int, logprobs: int | None = TOP_K, **kwargs):
+def run(model_dir: str, prompts, tp: int, logprobs: int | None = TOP_K, keep_workers: bool = False, **kwargs):
+    """`keep_workers`: the caller closes the runner (it goes on using the engine)."""
     llm = LLM(model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=tp, **kwargs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=logprobs)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return llm, [o.outputs[0] for o in outputs]
     finally:
-        if tp > 1:
+        if tp > 1 and not keep_workers:
             llm.engine.runner.close()  # the worker, and this thread's cores
 
 
@@ -81,6 +82,44 @@ def test_chunked_prefill_prefix_cache_and_preemption_with_two_ranks(tiny_model_d
     assert scheduler.num_preemptions_total > 0
     assert scheduler.kv.stats.num_hits > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_memory_pressure_gives_back_every_ranks_pages(tiny_model_dir):
+    """Under memory pressure free KV blocks' pages go back on every rank, not only rank 0's: each rank holds its
+    own KV heads of the same blocks, so the workers release as many bytes as rank 0 (their RSS drops), and
+    generation afterwards gives the same tokens (released pages read back as zeros on every rank)."""
+    import psutil
+
+    from pagedserve.memory.pressure import MemoryPressure, PressureThresholds, release_block_pages
+    from pagedserve.memory.probe import AvailableMemory
+
+    model_dir = tiny_model_dir("llama", hidden_size=128, intermediate_size=256, num_key_value_heads=2)
+    prompts = [list(range(5 + i, 205 + i)) for i in range(8)]  # 8 x 200 tokens: 16 blocks of 128 written per rank
+    llm, first = run(model_dir, prompts, tp=2, logprobs=None, block_size=128, keep_workers=True)
+    try:
+        runner = llm.engine.runner
+        worker = psutil.Process(runner.workers.processes[0].pid)
+        pools = runner.kv_pools()
+        block_bytes = 128 * pools[0].k.stride(0) * pools[0].k.element_size()
+        written = sum(int(pool.k.view(-1, 128 * pools[0].k.stride(0)).any(dim=1).sum()) for pool in pools)
+        assert written >= 2 * 16  # 2 layers x 16 blocks, the same blocks on every rank
+        rss = worker.memory_info().rss
+        available, now = [AvailableMemory(1 << 20, "MemAvailable", "simulated", total_bytes=1 << 34)], [0.0]
+        llm.engine.give_way_under(MemoryPressure(lambda: available[0], PressureThresholds.for_memory(1 << 34),
+                                                 clock=lambda: now[0]))
+        llm.engine.step()  # every block is free: the engine gives way on both ranks
+        assert all(not bool(pool.k.any()) and not bool(pool.v.any()) for pool in pools)
+        dropped = rss - worker.memory_info().rss  # the worker's K and V pages of those blocks went back
+        assert dropped >= 0.8 * 2 * written * block_bytes, (dropped, written, block_bytes)
+        block_ids = list(range(llm.engine.config.cache.num_blocks))
+        rank0 = release_block_pages(pools, block_ids, 128)
+        assert runner.release_kv_pages(block_ids, 128) == 2 * rank0  # each rank counts its own share
+        available[0], now[0] = AvailableMemory(1 << 33, "MemAvailable", "simulated", total_bytes=1 << 34), 1.0
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in again] == [o.token_ids for o in first]
+    finally:
+        llm.engine.runner.close()
 
 
 def test_shard_layout_splits_heads_vocab_and_replicates_kv_heads():
