@@ -168,8 +168,11 @@ class Scheduler:
 
     def _lookahead(self, request: Request, end: int) -> int:
         """Slots past this step's tokens (which end at `end`) for the proposer's K/V of its next drafts (a draft
-        model's), where this step samples the request; within max_model_len."""
+        model's), where this step samples the request and it is not backing off after missed drafts; within
+        max_model_len."""
         if self.proposer is None or not self.proposer.lookahead or request.is_pooling or end < request.num_tokens:
+            return 0
+        if self.proposer.waits(request.request_id):
             return 0
         return max(0, min(self.proposer.lookahead, self.config.max_model_len - end))
 

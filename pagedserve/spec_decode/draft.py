@@ -28,6 +28,7 @@ class DraftModelProposer(Proposer):
         return drafts[:max(0, max_tokens)] if num_tokens == len(tokens) else []
 
     def drop(self, request_id: str, tokens: list[int] | None = None) -> None:
+        super().drop(request_id, tokens)
         self._drafts.pop(request_id, None)
 
     def reset(self) -> None:

@@ -8,9 +8,8 @@ With `ngram_cache_requests` > 0 a suffix that never occurred earlier in the requ
 tokens of the last finished requests (a cache of their n-grams, built once when each finishes and pruned when
 it leaves): a question asked again, a document quoted by several requests, a template's fixed answer parts.
 
-The proposer also decides when not to speculate (speculation must never make a request slower): a request whose
-drafts were all rejected waits before it proposes again, twice as long after each consecutive miss
-(1, 2, 4 ... MAX_BACKOFF_STEPS steps); one accepted draft resets that.
+A request whose drafts were all rejected waits before it proposes again (Proposer.waits: the backoff every
+proposer shares).
 """
 
 from __future__ import annotations
@@ -21,15 +20,11 @@ from dataclasses import dataclass
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.proposer import Proposer
 
-MAX_BACKOFF_STEPS = 64
-
 
 @dataclass
 class _RequestIndex:
     ngrams: dict[int, dict[tuple[int, ...], int]]  # n -> n tokens -> position after their latest occurrence
     num_indexed: int = 0  # tokens[:num_indexed] are indexed (as continuations: positions < num_indexed)
-    misses: int = 0  # consecutive verifications that accepted nothing
-    wait: int = 0  # steps left before the next proposal
 
 
 class _FinishedRequests:
@@ -87,8 +82,7 @@ class NgramProposer(Proposer):
         if index is None:
             index = self._index[request_id] = _RequestIndex({n: {} for n in self.sizes})
         self._extend(index, tokens)
-        if index.wait > 0:
-            index.wait -= 1
+        if self.waits(request_id):
             return []
         limit = min(self.k, max_tokens)
         if limit <= 0:
@@ -109,6 +103,7 @@ class NgramProposer(Proposer):
 
     def drop(self, request_id: str, tokens: list[int] | None = None) -> None:
         """Forget a request that left; `tokens` (all of it, when it finished) join the finished-request cache."""
+        super().drop(request_id, tokens)
         self._index.pop(request_id, None)
         if tokens is not None:
             self.finished.add(tokens)
@@ -121,18 +116,6 @@ class NgramProposer(Proposer):
                 if p >= n:
                     table[tuple(tokens[p - n:p])] = p
         index.num_indexed = max(index.num_indexed, len(tokens))
-
-    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """The result of verifying one request's drafts."""
-        super().record(request_id, num_drafts, num_accepted)
-        index = self._index.get(request_id)
-        if index is None:
-            return
-        if num_accepted:
-            index.misses = 0
-        else:
-            index.wait = min(MAX_BACKOFF_STEPS, 1 << index.misses)
-            index.misses += 1
 
     def reset(self) -> None:
         """Forget warm-up: its counts and its requests' tokens."""

@@ -16,7 +16,8 @@ from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.acceptance import accepted_tokens
 from pagedserve.spec_decode.config import SpeculativeConfig
-from pagedserve.spec_decode.ngram import MAX_BACKOFF_STEPS, NgramProposer
+from pagedserve.spec_decode.ngram import NgramProposer
+from pagedserve.spec_decode.proposer import MAX_BACKOFF_STEPS
 
 BS = 4
 
@@ -106,7 +107,7 @@ def test_a_request_whose_drafts_fail_backs_off_and_one_hit_resets_it():
     assert waits == [0, 1, 2, 4, 8, 16, 32, 64, 64]  # doubling, capped
     assert waits[-1] == MAX_BACKOFF_STEPS
     p.record("r", 2, 1)
-    p._index["r"].wait = 0
+    p._backoff["r"].wait = 0
     assert p.propose("r", tokens, 2)
     p.record("r", 2, 0)  # after a hit, a miss waits 1 step again
     assert p.propose("r", tokens, 2) == [] and p.propose("r", tokens, 2)
@@ -168,7 +169,7 @@ def cycle_model(out: SchedulerOutput, period: list[int], sched: Scheduler) -> Mo
 
 
 def run(sched: Scheduler, period: list[int], max_steps=200, after_step=None):
-    """Step until done; `after_step(runner_out)` may add to each step's runner output before the scheduler
+    """Step until done; `after_step(out, runner_out)` may add to each step's runner output before the scheduler
     reads it."""
     outputs: dict[str, list[int]] = {}
     steps = []
@@ -179,7 +180,7 @@ def run(sched: Scheduler, period: list[int], max_steps=200, after_step=None):
         steps.append(out)
         runner_out = cycle_model(out, period, sched)
         if after_step is not None:
-            after_step(runner_out)
+            after_step(out, runner_out)
         for core in sched.update_from_output(out, runner_out):
             outputs.setdefault(core.request_id, []).extend(core.new_token_ids)
     return outputs, steps
@@ -294,8 +295,10 @@ def draft_model_run(sched: Scheduler, period: list[int], guess, max_steps=200, c
     """cycle_model's target; after each step the 'draft model' offers guess(tokens so far) for every sampled
     request, as the runner does. Checks that every step that samples a request leaves it room for the draft
     model's K/V of its next proposals (the lookahead), within max_model_len."""
-    def offer(runner_out: ModelRunnerOutput) -> None:
+    def offer(out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
         for rid, tokens in runner_out.sampled_token_ids.items():
+            if rid not in out.lookahead_request_ids:  # the runner's draft model proposes only for these
+                continue
             known = sched.requests[rid].all_token_ids + tokens
             runner_out.draft_token_ids[rid] = guess(known)
             room = min(len(known) - 1 + sched.proposer.k, sched.config.max_model_len)
@@ -325,6 +328,31 @@ def test_draft_model_drafts_are_scheduled_the_next_step_and_outputs_are_unchange
         assert (len(steps) < 10) == accepted  # up to 4 tokens a step when the drafts are right
         assert not sched.kv.req_to_blocks and sched.kv.pool.num_free_blocks == sched.kv.pool.num_blocks - 1
         assert not sched.proposer._drafts
+
+
+def test_a_draft_model_whose_drafts_keep_failing_stops_running_for_that_request():
+    """The backoff every proposer shares: after each verification that accepted nothing the request gets no
+    lookahead (so the runner's draft model does not run for it) for 1, 2, 4 ... steps; a right draft model
+    keeps it on every step. Outputs are the target's either way."""
+    period = [10, 11, 12, 13]
+
+    def right(tokens):
+        return [period[(period.index(tokens[-1]) + 1 + i) % 4] for i in range(3)]
+
+    def wrong(tokens):
+        return [period[(period.index(tokens[-1]) + 2 + i) % 4] for i in range(3)]
+
+    expected = [period[(1 + i) % 4] for i in range(80)]
+    named = {}
+    for name, guess in (("right", right), ("wrong", wrong)):
+        sched = draft_scheduler(max_model_len=256)
+        sched.add_request(request("a", [10, 11, 12, 13, 10], max_tokens=80))
+        outputs, steps = draft_model_run(sched, period, guess, max_steps=400)
+        assert outputs["a"] == expected
+        decode_steps = steps[1:]
+        named[name] = sum("a" in s.lookahead_request_ids for s in decode_steps) / len(decode_steps)
+    assert named["right"] == 1.0
+    assert named["wrong"] < 0.15  # 80 steps: tries after waits of 1, 2, 4, 8, 16, 32 steps
 
 
 def test_draft_model_drafts_for_other_tokens_are_dropped():
