@@ -13,7 +13,11 @@ fresh processes and back to back, every pair of the CPU-speed targets (the setti
   ready (--ready): process start to /health 200 of `pagedserve serve` on the default model and on the
      0.5B shape.
 The order flips every round. Needs the peer installed by ../shared/peers/llama-cpp/run.sh (its venv and
-GGUF files). --report writes the table, with the CPU class and flags, into benchmarks/RESULTS.md's
+GGUF files). On a CPU with AMX (class avx512-amx) that build's ggml AMX path crashes on Q8_0 files
+(ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36): put a venv built without it in its place, e.g.
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+pip install llama-cpp-python==0.3.36 into a new venv, linked as PEER_DIR/venv. --report writes the table, with the CPU class and flags, into benchmarks/RESULTS.md's
 section for this CPU class (one section per class; other classes' sections are kept).
 
     python benchmarks/interleaved.py MODEL_DIR [--peer-dir /tmp/llama-cpp-peer] [--rounds 3] [--w2] [--real]
