@@ -137,7 +137,8 @@ class WorkerSet:
             while not conn.poll(0.05):
                 self.check_health()
                 if time.monotonic() > deadline:
-                    raise WorkerLostError(f"tensor-parallel rank {rank} did not answer {message[0]!r} in {timeout_s:.0f} s")
+                    raise WorkerLostError(
+                        f"tensor-parallel rank {rank} did not answer {message[0]!r} in {timeout_s:.0f} s")
             answers.append(self._receive(rank, conn)[1])
         return answers
 
