@@ -237,10 +237,13 @@ def test_bf16_linear_on_amx_tiles(kernels, k):
     """Where the CPU has AMX (Sapphire Rapids and later Xeons) bf16 linears run on its tiles at every batch
     size: each row of x must equal what it gets alone, in full tiles of 16 rows, in the zero-padded last
     group and in batches under 16 rows (shorter tiles), and agree with torch as the vector kernel does."""
+    from pagedserve import envs
     from pagedserve.memory.probe import AMX_BF16_FLAGS, cpu_flags
 
     if not AMX_BF16_FLAGS <= cpu_flags():
         pytest.skip(f"no AMX here (needs the CPU flags {sorted(AMX_BF16_FLAGS)}): the vector kernel runs")
+    if not envs.cpu_amx_enabled():
+        pytest.skip("PAGEDSERVE_CPU_AMX=0: the vector kernel runs")
     assert kernels.amx, "the CPU has AMX but the kernels did not turn it on (no tile state from Linux?)"
     torch.manual_seed(k)
     n = 200  # three 64-output blocks and a partial one
