@@ -21,20 +21,20 @@ def cache_dir() -> Path:
 
 def cpu_kernels_enabled() -> bool:
     """$PAGEDSERVE_CPU_KERNELS=0 turns the native CPU kernels off (torch ops everywhere); default on."""
-    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switch("PAGEDSERVE_CPU_KERNELS", default=True)
 
 
 def cpu_amx_enabled() -> bool:
     """$PAGEDSERVE_CPU_AMX=0 keeps bf16 linears off AMX tiles on CPUs that have them (the AVX-512 vector
     kernel runs instead); default on."""
-    return os.environ.get("PAGEDSERVE_CPU_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switch("PAGEDSERVE_CPU_AMX", default=True)
 
 
 def huge_pages_enabled() -> bool:
     """$PAGEDSERVE_HUGE_PAGES=1 puts packed CPU weights on transparent huge pages: a few per cent faster
     batch-1 decoding, but ~1 s longer start-up for a 1 GB model where the kernel must compact memory to
     find 2 MiB pages (benchmarks/PROFILE.md); default off."""
-    return os.environ.get("PAGEDSERVE_HUGE_PAGES", "0").strip().lower() in ("1", "true", "yes", "on")
+    return _switch("PAGEDSERVE_HUGE_PAGES", default=False)
 
 
 def api_key() -> str | None:
@@ -52,3 +52,13 @@ def vllm_cpu_kvcache_space_gib() -> float | None:
     except ValueError as exc:
         raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {raw!r}") from exc
     return value if value > 0 else None
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An on/off variable: 0/false/no/off turn it off, 1/true/yes/on on; unset (or anything else) keeps `default`."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    return default

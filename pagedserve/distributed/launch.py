@@ -98,23 +98,25 @@ class WorkerSet:
         meanwhile is reported at once), then join the group with them (rank 0)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         for rank, conn in enumerate(self.conns, start=1):
-            while not conn.poll(0.2):
-                self.check_health()
-                if time.monotonic() > deadline:
-                    raise WorkerLostError(f"tensor-parallel rank {rank} was not ready after {READY_TIMEOUT_S:.0f} s")
-            kind, detail = self._receive(rank, conn)
+            kind, detail = self._next_message(rank, conn, deadline, "start-up")
             if kind != "ready":
                 raise WorkerLostError(f"tensor-parallel rank {rank} failed to start: {detail}")
         self.group.connect(self.address, store=self._store)
         if self.address.shm_path is not None:  # every rank has it mapped: the name can go (no leftover file)
             os.unlink(self.address.shm_path)
 
-    def _receive(self, rank: int, conn: Any) -> tuple[str, str]:
+    def _next_message(self, rank: int, conn: Any, deadline: float, waiting_for: str) -> tuple[str, Any]:
+        """Rank `rank`'s next (kind, detail) on its pipe; WorkerLostError where it dies, or sends nothing by
+        `deadline` (time.monotonic), while rank 0 waits for `waiting_for`."""
+        while not conn.poll(0.05):
+            self.check_health()
+            if time.monotonic() > deadline:
+                raise WorkerLostError(f"tensor-parallel rank {rank} did not answer (waiting for {waiting_for})")
         try:
             return conn.recv()
         except (EOFError, OSError) as exc:
-            raise WorkerLostError(f"tensor-parallel rank {rank} exited while starting "
-                                  f"(exit code {self.processes[rank - 1].exitcode})") from exc
+            raise WorkerLostError(f"tensor-parallel rank {rank} exited (waiting for {waiting_for}; exit code "
+                                  f"{self.processes[rank - 1].exitcode})") from exc
 
     def send(self, message: Any) -> None:
         """One command to every worker (pickled once)."""
@@ -131,16 +133,9 @@ class WorkerSet:
         """Send a command every worker answers outside the collectives, and return their answers (rank 1 first);
         WorkerLostError where a rank dies or stays silent for `timeout_s`."""
         self.send(message)
-        answers = []
-        for rank, conn in enumerate(self.conns, start=1):
-            deadline = time.monotonic() + timeout_s
-            while not conn.poll(0.05):
-                self.check_health()
-                if time.monotonic() > deadline:
-                    raise WorkerLostError(
-                        f"tensor-parallel rank {rank} did not answer {message[0]!r} in {timeout_s:.0f} s")
-            answers.append(self._receive(rank, conn)[1])
-        return answers
+        deadline = time.monotonic() + timeout_s
+        return [self._next_message(rank, conn, deadline, repr(message[0]))[1]
+                for rank, conn in enumerate(self.conns, start=1)]
 
     def check_health(self) -> None:
         """WorkerLostError once any rank has died (or the group failed)."""

@@ -603,15 +603,16 @@ static inline void amx_block(const uint16_t *x, int64_t ldx, const uint16_t *wb,
 static void bf16_rows_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                           int64_t M, int64_t N, int64_t K, int nthreads) {
   const int64_t blocks = (N + BF16_NB - 1) / BF16_NB, full = M / 16 * 16;
-  uint16_t *tail = NULL;  /* the last M % 16 rows, zero-padded to 16 (fewer than 16 rows in all: tiles that short) */
-  if (full < M && M > 16) {
+  const int short_batch = M < 16;  /* then the x and sum tiles are M rows high: no padding */
+  uint16_t *tail = NULL;  /* else the last M % 16 rows, zero-padded to 16 */
+  if (!short_batch && full < M) {
     tail = calloc(16 * K, 2);
     if (!tail) abort();
     memcpy(tail, x + full * K, (size_t)((M - full) * K * 2));
   }
   #pragma omp parallel num_threads(nthreads)
   {
-    amx_configure(M < 16 ? (int)M : 16);
+    amx_configure(short_batch ? (int)M : 16);
     float out[16][BF16_NB] __attribute__((aligned(64)));
     #pragma omp for schedule(static)
     for (int64_t nb = 0; nb < blocks; ++nb) {
@@ -621,7 +622,7 @@ static void bf16_rows_amx(const uint16_t *x, const uint16_t *w, const uint16_t *
       bf16_block_bias(bias, nb, N, b, keep);
       for (int64_t m = 0; m < M; m += 16) {
         const int64_t rows = M - m < 16 ? M - m : 16;
-        amx_block(rows == 16 || M < 16 ? x + m * K : tail, K, wb, K, out);
+        amx_block(rows == 16 || short_batch ? x + m * K : tail, K, wb, K, out);
         for (int64_t r = 0; r < rows; ++r)
           for (int j = 0; j < 4; ++j)
             _mm256_mask_storeu_epi16(y + (m + r) * N + nb * BF16_NB + j * 16, keep[j],
