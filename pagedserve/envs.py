@@ -30,6 +30,20 @@ def cpu_amx_enabled() -> bool:
     return _switch("PAGEDSERVE_CPU_AMX", default=True)
 
 
+CPU_ISAS = ("native", "avx2")
+
+
+def cpu_isa() -> str:
+    """$PAGEDSERVE_CPU_ISA: which build of the native CPU kernels to run. "native" (default): the best
+    this CPU has; "avx2": the AVX2 + FMA + F16C kernels, also on an AVX-512 CPU (to test or compare them
+    on any x86 machine). Raises ValueError for anything else."""
+    value = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower() or "native"
+    if value not in CPU_ISAS:
+        raise ValueError(f"PAGEDSERVE_CPU_ISA={value!r} is not one of {', '.join(CPU_ISAS)}; unset it for the best "
+                         "instruction set this CPU has")
+    return value
+
+
 def huge_pages_enabled() -> bool:
     """$PAGEDSERVE_HUGE_PAGES=1 puts packed CPU weights on transparent huge pages: a few per cent faster
     batch-1 decoding, but ~1 s longer start-up for a 1 GB model where the kernel must compact memory to

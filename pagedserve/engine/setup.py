@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pagedserve import envs
 from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedserve.distributed.plan import check_parallel_args, resolve_parallel
 from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, EngineArgs
@@ -189,6 +190,7 @@ def check_engine_args(args: EngineArgs) -> None:
     SpeculativeConfig.parse(args.speculative_config)
     if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    envs.cpu_isa()  # a PAGEDSERVE_CPU_ISA the kernels cannot be built for fails here, not at the first forward
 
 
 def _speculative_config(args: EngineArgs, task: str) -> SpeculativeConfig | None:

@@ -4,7 +4,8 @@
 here: not an x86 CPU with AVX-512 (F, BW, VNNI) or AVX2 + FMA + F16C, no C compiler, or
 PAGEDSERVE_CPU_KERNELS=0. Callers then keep the torch path, which is also the reference the tests
 compare these kernels against. The instruction set is chosen once, where the library is compiled
-(`-march=native`), and reported by `CpuKernels.isa`.
+(`-march=native`; PAGEDSERVE_CPU_ISA=avx2 builds the AVX2 kernels on an AVX-512 CPU too), and reported
+by `CpuKernels.isa`.
 
 The build (kernels/builder.py) is `cc -O3 -march=native -fopenmp -shared` on one small C file (under a
 second); the result is cached in a private directory under the pagedserve cache, keyed by the source, the
@@ -30,7 +31,7 @@ from pagedserve.kernels.builder import SOURCE, KernelBuildError, build
 from pagedserve.memory import weight_format
 from pagedserve.memory.probe import is_x86
 
-__all__ = ["SOURCE", "CpuKernels", "KernelBuildError", "build", "cpu_kernels", "load_status"]
+__all__ = ["SOURCE", "CpuKernels", "KernelBuildError", "build", "cpu_kernels", "load", "load_status"]
 
 logger = logging.getLogger(__name__)
 
@@ -402,26 +403,37 @@ class CpuKernels:
 
 @functools.lru_cache(maxsize=1)
 def load_status() -> tuple[CpuKernels | None, str]:
-    """(the native kernels or None, why not / what was loaded), decided once per process."""
-    kernels, why = _load()
+    """(the native kernels or None, why not / what was loaded), decided once per process: the build
+    PAGEDSERVE_CPU_ISA asks for (envs.cpu_isa; default the best this CPU has)."""
+    try:
+        isa = envs.cpu_isa()
+    except ValueError as exc:  # the engine's argument check reports it first; here the torch path just runs
+        kernels, why = None, str(exc)
+    else:
+        kernels, why = load(isa)
     if kernels is None:
         log = logger.warning if why.startswith("could not") else logger.info
         log("native CPU kernels not used (%s); using torch ops", why)
     return kernels, why
 
 
-def _load() -> tuple[CpuKernels | None, str]:
+@functools.lru_cache(maxsize=None)
+def load(isa: str = "native") -> tuple[CpuKernels | None, str]:
+    """The kernels built for `isa` (builder.ISA_MARCH: "native", or "avx2" on any CPU that runs AVX2),
+    or None and why not. Each ISA's library loads once; two can be loaded side by side (the tests run
+    the AVX2 kernels next to the AVX-512 ones on an AVX-512 CPU)."""
     if not envs.cpu_kernels_enabled():
         return None, "disabled by PAGEDSERVE_CPU_KERNELS=0"
     if not is_x86():
         return None, f"written for x86-64 (AVX-512 or AVX2); this is {platform.machine()}"
     try:
-        path = build()  # a cache that cannot be made or trusted: a private directory for this process
+        path = build(isa=isa)  # a cache that cannot be made or trusted: a private directory for this process
         lib = ctypes.CDLL(str(path))
         if lib.ps_isa() not in ISA_NAMES:
             return None, "this CPU has neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C"
         kernels = CpuKernels(lib, path)
-        return kernels, f"loaded {path} ({kernels.isa}{', AMX' if kernels.amx else ''})"
+        asked = "" if isa == "native" else f", PAGEDSERVE_CPU_ISA={isa}"
+        return kernels, f"loaded {path} ({kernels.isa}{', AMX' if kernels.amx else ''}{asked})"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"could not build or load them: {exc}"
 

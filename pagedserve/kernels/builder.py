@@ -1,6 +1,7 @@
 """Building the native kernel library once per machine, and a cache that nobody else can plant code in.
 
-The library is `cc -O3 -march=native -fopenmp -shared` on one C file (under a second). It is cached under
+The library is `cc -O3 -march=native -fopenmp -shared` on one C file (under a second), or with
+`-march=x86-64-v3` for the AVX2 kernels on any x86 CPU (ISA_MARCH). It is cached under
 the pagedserve cache directory, keyed by everything that changes the binary: the source, the compiler's
 version, the compile flags and the CPU's flags. Because the server then runs whatever library it finds
 there, the cache is treated like code:
@@ -33,6 +34,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LINK_FLAGS = ("-lm",)
+# The instruction sets a build can be asked for: "native" is the best this CPU runs (-march=native);
+# "avx2" is AVX2 + FMA + F16C only (x86-64-v3, what a Zen 3 or Haswell has), also on an AVX-512 CPU, so
+# that those kernels are tested and measured on any x86 machine of ours (PAGEDSERVE_CPU_ISA=avx2).
+ISA_MARCH = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native")}
 COMPILE_TIMEOUT_S = 120.0  # one small file: seconds on a loaded 2-core box; a hung compiler must not hang start-up
 KEEP_BUILDS = 3
 
@@ -88,23 +93,31 @@ def cache_directory(cache_root: Path | None = None) -> Path:
     return root if why is None else _fresh_private_dir(f"{root} {why}")
 
 
-def library_name(source: Path, cc: str) -> str:
+def compile_flags(isa: str = "native") -> tuple[str, ...]:
+    """The compiler flags of a build for `isa` (a key of ISA_MARCH)."""
+    if isa not in ISA_MARCH:
+        raise KernelBuildError(f"no build for instruction set {isa!r}; one of {sorted(ISA_MARCH)}")
+    return tuple(flag for flag in COMPILE_FLAGS if flag != "-march=native") + ISA_MARCH[isa]
+
+
+def library_name(source: Path, cc: str, isa: str = "native") -> str:
     """`<stem>-<key>.so`, the key covering the source, compiler version, flags and CPU flags."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False,
                              timeout=COMPILE_TIMEOUT_S).stdout
-    parts = (source.read_bytes(), version.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
+    parts = (source.read_bytes(), version.encode(), " ".join(compile_flags(isa) + LINK_FLAGS).encode(),
              _cpu_fingerprint().encode())
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return f"{source.stem}-{key}.so"
 
 
-def build(source: Path = SOURCE, cache_root: Path | None = None) -> Path:
-    """The path of a trusted build of `source`: the cached one, or a new one; raises KernelBuildError."""
+def build(source: Path = SOURCE, cache_root: Path | None = None, isa: str = "native") -> Path:
+    """The path of a trusted build of `source` for `isa`: the cached one, or a new one; raises
+    KernelBuildError."""
     cc = _compiler()
     if cc is None:
         raise KernelBuildError("no C compiler (cc/gcc) on PATH")
     try:
-        name = library_name(source, cc)
+        name = library_name(source, cc, isa)
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"{cc} --version failed: {exc}") from exc
     out_dir = cache_directory(cache_root)
@@ -118,15 +131,15 @@ def build(source: Path = SOURCE, cache_root: Path | None = None) -> Path:
             return target
         out_dir = _fresh_private_dir(f"{target} {why}")
         target, failed = out_dir / name, out_dir / f"{name}.failed"
-    _compile(cc, source, target, failed)
+    _compile(cc, compile_flags(isa), source, target, failed)
     _prune(out_dir, source.stem, keep=target)
     return target
 
 
-def _compile(cc: str, source: Path, target: Path, failed: Path) -> None:
+def _compile(cc: str, flags: tuple[str, ...], source: Path, target: Path, failed: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        command = [cc, *COMPILE_FLAGS, str(source), "-o", str(partial), *LINK_FLAGS]
+        command = [cc, *flags, str(source), "-o", str(partial), *LINK_FLAGS]
         try:
             done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:  # not remembered: a busy box may finish it next time

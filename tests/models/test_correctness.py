@@ -173,15 +173,14 @@ def test_requests_added_mid_generation(llama_reference):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_head_dim_32_takes_the_fused_rotary_path_and_matches_transformers(tiny_model_dir, dtype):
+def test_head_dim_32_takes_the_fused_rotary_path_and_matches_transformers(tiny_model_dir, kernel_build, dtype):
     """The tiny models above have head_dim 16; with 32 the native rotary + KV-write kernel runs (where
-    the CPU has the native kernels), and must still agree with transformers."""
-    from pagedserve.kernels import cpu_kernels
-
+    the CPU has the native kernels; each ISA build this CPU runs, see conftest.py), and must still agree
+    with transformers."""
     model_dir = tiny_model_dir("llama", dtype, hidden_size=128, intermediate_size=256)  # 4 heads of 32
     llm, _ = generate(model_dir, dtype, [[1]], max_model_len=256)
     attention = llm.engine.runner.model.model.layers[0].self_attn
-    assert attention.head_dim == 32 and attention.fused_rope == (cpu_kernels() is not None)
+    assert attention.head_dim == 32 and attention.fused_rope == (kernel_build is not None)
     prompts = make_prompts(llm.get_tokenizer())
     _, outputs = generate(model_dir, dtype, prompts, max_model_len=256)
     hf_model, hf_tokens = hf_reference(model_dir, dtype, prompts)

@@ -13,21 +13,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import SOURCE, build, cpu_kernels
+from pagedserve import envs
+from pagedserve.kernels import SOURCE, build, load_status
 from pagedserve.layers.linear import quantize_int8_per_channel
 from tests.models.kernel_reference import reference_rms_norm, unpack_bf16
 
 
 def _native_isa() -> str | None:
     """The ISA the library must build for on this CPU, from its flags (what the compiler's -march=native
-    sees), or None where neither applies."""
+    sees) and PAGEDSERVE_CPU_ISA, or None where neither applies."""
     try:
         flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
     except (OSError, StopIteration):
         return None
     if platform.machine() != "x86_64":
         return None
-    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags and envs.cpu_isa() == "native":
         return "avx512"
     if {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
@@ -36,10 +37,11 @@ def _native_isa() -> str | None:
 
 def test_kernels_load_wherever_the_cpu_has_a_native_isa(tmp_path):
     isa = _native_isa()
+    kernels = load_status()[0]  # what cpu_kernels() gives the engine (this module's fixture patches that name)
     if isa is None:
-        assert cpu_kernels() is None
+        assert kernels is None
         return
-    assert cpu_kernels() is not None and cpu_kernels().isa == isa
+    assert kernels is not None and kernels.isa == isa
     first = build(cache_root=tmp_path)
     assert build(cache_root=tmp_path) == first  # cached: the second start does not rebuild
     assert list((tmp_path / "kernels").glob("*.so")) == [first]
@@ -47,15 +49,6 @@ def test_kernels_load_wherever_the_cpu_has_a_native_isa(tmp_path):
     changed.write_text(SOURCE.read_text() + "\n/* changed */\n")
     second = build(changed, cache_root=tmp_path)
     assert second != first and sorted((tmp_path / "kernels").glob("*.so")) == sorted([first, second])
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels()
-    if k is None:
-        pytest.skip("neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C on this CPU: the torch path is used "
-                    "(covered by the other tests)")
-    return k
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
@@ -237,13 +230,14 @@ def test_bf16_linear_on_amx_tiles(kernels, k):
     """Where the CPU has AMX (Sapphire Rapids and later Xeons) bf16 linears run on its tiles at every batch
     size: each row of x must equal what it gets alone, in full tiles of 16 rows, in the zero-padded last
     group and in batches under 16 rows (shorter tiles), and agree with torch as the vector kernel does."""
-    from pagedserve import envs
     from pagedserve.memory.probe import AMX_BF16_FLAGS, cpu_flags
 
     if not AMX_BF16_FLAGS <= cpu_flags():
         pytest.skip(f"no AMX here (needs the CPU flags {sorted(AMX_BF16_FLAGS)}): the vector kernel runs")
     if not envs.cpu_amx_enabled():
         pytest.skip("PAGEDSERVE_CPU_AMX=0: the vector kernel runs")
+    if kernels.isa != "avx512":
+        pytest.skip(f"the {kernels.isa} build has no AMX path (it is built for AVX-512 CPUs)")
     assert kernels.amx, "the CPU has AMX but the kernels did not turn it on (no tile state from Linux?)"
     torch.manual_seed(k)
     n = 200  # three 64-output blocks and a partial one

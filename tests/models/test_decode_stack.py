@@ -9,22 +9,12 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.kernels import cpu_kernels
 from pagedserve.layers.attention import AttentionMetadata
 
 # head_dim 32 (4 heads over 128): the shapes where the native rotary + KV-write kernel, and so the
 # stack, can run; in_features are multiples of 64 for the int8 kernel.
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 PROMPT_LENGTHS = (3, 17, 40)  # one decode batch of 3 with different context lengths (padded slots)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels()
-    if k is None:
-        pytest.skip("neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C on this CPU: the per-layer torch "
-                    "path is used (covered by the other tests)")
-    return k
 
 
 def _generate(llm: LLM, stack_enabled: bool) -> tuple[list, int]:
@@ -71,6 +61,7 @@ def test_stack_points_at_the_live_parameters(kernels, tiny_model_dir):
     loader replaces checkpoint-mapped norms after prepare(); a stale pointer would read freed memory)."""
     llm = LLM(tiny_model_dir("qwen2", "bfloat16", **SHAPE), dtype="bfloat16", max_model_len=128)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
+    assert f"qkv native bf16 ({kernels.isa})" in llm.engine.runner.model.kernel_report()[0]  # this ISA's build
     model = llm.engine.runner.model.model
     table = model.stack.table
     layout = kernels.layer_layout  # the columns as the C library defines them (PS_L_* in cpu_kernels.c)

@@ -7,17 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_kernels
 
 F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels()
-    if k is None:
-        pytest.skip("neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C on this CPU: no native kernels to call")
-    return k
 
 
 def _calls(k):

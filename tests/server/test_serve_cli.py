@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import os
 import subprocess
 import sys
 import threading
@@ -79,6 +80,14 @@ def test_unsupported_flags_fail_at_start(tiny_model_dir, flags, word):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert word in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_unknown_kernel_isa_fails_at_start(tiny_model_dir):
+    env = {**os.environ, "PAGEDSERVE_CPU_ISA": "neon"}
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", tiny_model_dir("llama")], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "PAGEDSERVE_CPU_ISA='neon' is not one of native, avx2" in result.stderr
     assert "Traceback" not in result.stderr
 
 

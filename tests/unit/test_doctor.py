@@ -196,12 +196,17 @@ def test_native_kernels_check_names_the_fix_when_the_cpu_could_run_them(monkeypa
     import pagedserve.kernels as kernels
     from pagedserve.cli.doctor import FAIL, WARN, check_native_kernels
 
+    real_load_status = kernels.load_status
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(kernels, "load_status", lambda: (None, "could not build or load them: no C compiler"))
     result = check_native_kernels({"avx512f", "avx512bw", "avx512_vnni"})
     assert result.status == WARN and "no C compiler" in result.detail and "gcc" in result.fix
     quiet = check_native_kernels({"avx2"})  # no FMA/F16C: a CPU that cannot run them, nothing to fix
     assert quiet.status != FAIL and quiet.fix == "" and "torch ops" in quiet.detail
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "sve")
+    monkeypatch.setattr(kernels, "load_status", real_load_status.__wrapped__)  # the real one, uncached
+    bad = check_native_kernels({"avx2", "fma", "f16c"})
+    assert bad.status == FAIL and "'sve' is not one of" in bad.detail and "unset PAGEDSERVE_CPU_ISA" in bad.fix
 
 
 def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path):

@@ -104,6 +104,29 @@ def test_flags_are_part_of_the_cache_key(tmp_path, monkeypatch):
     assert kb.library_name(src, kb._compiler()) != plain
 
 
+def test_an_avx2_build_is_its_own_library_for_x86_64_v3(tmp_path):
+    """PAGEDSERVE_CPU_ISA=avx2 builds the AVX2 kernels on any x86 CPU: AVX2 + FMA + F16C (x86-64-v3) instead of
+    -march=native, cached under its own name beside the native build."""
+    src = source(tmp_path)
+    flags = kb.compile_flags("avx2")
+    assert "-march=x86-64-v3" in flags and "-march=native" not in flags
+    assert "-march=native" in kb.compile_flags("native")
+    assert kb.library_name(src, kb._compiler(), "avx2") != kb.library_name(src, kb._compiler())
+    with pytest.raises(kb.KernelBuildError, match="avx1024"):
+        kb.compile_flags("avx1024")
+
+
+def test_the_isa_variable_takes_native_or_avx2_and_names_the_fix(monkeypatch):
+    from pagedserve import envs
+
+    for value, isa in (("", "native"), ("AVX2", "avx2"), ("native", "native")):
+        monkeypatch.setenv("PAGEDSERVE_CPU_ISA", value)
+        assert envs.cpu_isa() == isa
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx512")  # the best ISA is what "native" already picks
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA='avx512' is not one of native, avx2; unset it"):
+        envs.cpu_isa()
+
+
 def test_the_most_recent_builds_are_kept(tmp_path):
     built = []
     for i in range(kb.KEEP_BUILDS + 2):
