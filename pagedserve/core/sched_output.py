@@ -43,9 +43,9 @@ class SchedulerOutput:
     needs_sample: dict[str, bool] = field(default_factory=dict)
     # request_id -> draft tokens to verify (speculative decoding): the last entries of scheduled_token_ids.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # Requests that hold the proposer's lookahead slots past this step's tokens: a draft model proposes for
-    # these after the step (the scheduler's one decision of who speculates next).
-    lookahead_request_ids: set[str] = field(default_factory=set)
+    # request_id -> the proposer's lookahead slots it holds past this step's tokens: a draft model proposes
+    # that many tokens for it after the step (the scheduler's one decision of who speculates next, and how far).
+    lookahead: dict[str, int] = field(default_factory=dict)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops their state
 

@@ -115,6 +115,8 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids and not self.hold_waiting:
             self._schedule_waiting(out, budget)
+        if out.lookahead and len(self.running) > self._speculation_limit():
+            out.lookahead.clear()  # admissions took the batch above disable_by_batch_size: nobody speculates next
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []
         return out
@@ -157,7 +159,7 @@ class Scheduler:
                 request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
             self._record(out, request, num_new, drafts)
             if lookahead:
-                out.lookahead_request_ids.add(request.request_id)
+                out.lookahead[request.request_id] = lookahead
             budget -= num_new + len(drafts)
             index += 1
         return budget
@@ -170,11 +172,12 @@ class Scheduler:
         """Slots past this step's tokens (which end at `end`) for the proposer's K/V of its next drafts (a draft
         model's), where this step samples the request and it is not backing off after missed drafts; within
         max_model_len."""
-        if self.proposer is None or not self.proposer.lookahead or request.is_pooling or end < request.num_tokens:
+        if self.proposer is None or request.is_pooling or end < request.num_tokens:
             return 0
-        if self.proposer.waits(request.request_id):
+        wanted = self.proposer.lookahead(request.request_id)
+        if not wanted or self.proposer.waits(request.request_id):
             return 0
-        return max(0, min(self.proposer.lookahead, self.config.max_model_len - end))
+        return max(0, min(wanted, self.config.max_model_len - end))
 
     def _propose(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request, bounded so that every one of them could be emitted: by the
@@ -234,7 +237,7 @@ class Scheduler:
             ))
             self._record(out, request, num_new)
             if lookahead:
-                out.lookahead_request_ids.add(request.request_id)
+                out.lookahead[request.request_id] = lookahead
             budget -= num_new
 
     def _record(self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] | None = None) -> None:

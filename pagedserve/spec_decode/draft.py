@@ -5,7 +5,8 @@ expects next; they wait here until the scheduler schedules that request's next s
 Drafts count only if the request still has exactly the tokens they were proposed after (a stop, a preemption
 or an abort in between makes them stale). The runner writes the draft model's K/V for its proposals in the
 request's own blocks, past its known tokens: `lookahead` slots that the scheduler allocates with each step that
-samples the request (without them the runner does not propose for it).
+samples the request (without them the runner does not propose for it); their number is how many drafts the
+runner proposes (`draft_length`: fewer after drafts that failed).
 """
 
 from __future__ import annotations
@@ -15,12 +16,20 @@ from pagedserve.spec_decode.proposer import Proposer
 
 
 class DraftModelProposer(Proposer):
+    adapts_length = True  # each draft token is a forward pass of the draft model
+    backoff_growth = 4  # a try costs ~half a target step on a small-vocabulary-heavy draft (its logits, catch-up)
+
     def __init__(self, config: SpeculativeConfig) -> None:
         super().__init__(config)
-        self.lookahead = self.k
         self._drafts: dict[str, tuple[int, list[int]]] = {}  # request_id -> (its token count, drafts)
 
+    def lookahead(self, request_id: str) -> int:
+        return self.draft_length(request_id)
+
     def offer(self, request_id: str, num_tokens: int, drafts: list[int]) -> None:
+        track = self._tracks.get(request_id)
+        if track is not None and track.wait > 0:
+            return  # proposed while this step's miss was unknown: the request sits the next step out
         self._drafts[request_id] = (num_tokens, drafts)
 
     def propose(self, request_id: str, tokens: list[int], max_tokens: int) -> list[int]:

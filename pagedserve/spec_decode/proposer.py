@@ -7,8 +7,14 @@ that writes K/V ahead of the target (a draft model writes its own proposals' K/V
 
 Every proposer also decides when a request should not speculate (speculation must never make a request slower):
 after a verification that accepted nothing the request sits out (`waits`) 1 step, then 2, 4 ... MAX_BACKOFF_STEPS
-after each further miss; one accepted draft resets that. An n-gram proposer then proposes nothing; a draft model
+after each further miss (a draft model, whose tries cost compute: 1, 4, 16 ...); one accepted draft resets that. An n-gram proposer then proposes nothing; a draft model
 is given no lookahead, so it does not run for that request (and catches up when the request speculates again).
+
+A draft model also pays one forward pass per draft token, so it proposes as many as the request has lately
+accepted (`draft_length`): 1 after a miss, then the accepted count + 1 after a partial run, doubling (up to k)
+while every draft is accepted. A model whose drafts keep failing then costs one draft step and a 2-row
+verification per try instead of k draft steps and a (1 + k)-row verification. n-gram drafts are free lookups
+and keep their length.
 """
 
 from __future__ import annotations
@@ -42,28 +48,42 @@ class SpecDecodeStats:
 
 
 @dataclass
-class _Backoff:
+class _Track:
+    """What a request's recent verifications decide about its next drafts."""
+
     misses: int = 0  # consecutive verifications that accepted nothing
     wait: int = 0  # steps left before the request speculates again
+    length: int | None = None  # drafts to propose next (proposers that adapt it); None: k
 
 
 class Proposer:
-    lookahead = 0
+    adapts_length = False  # whether draft_length follows acceptance (proposers that pay per draft token)
+    backoff_growth = 2  # each further miss multiplies the wait by this much
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)  # since the last take_stats()
         self.totals = SpecDecodeStats(accepted_per_pos=[0] * self.k)  # since start
-        self._backoff: dict[str, _Backoff] = {}
+        self._tracks: dict[str, _Track] = {}
 
     def waits(self, request_id: str) -> bool:
         """Whether the request sits this step out (asked once per step it decodes in; see the module docstring)."""
-        backoff = self._backoff.get(request_id)
-        if backoff is None or backoff.wait <= 0:
+        track = self._tracks.get(request_id)
+        if track is None or track.wait <= 0:
             return False
-        backoff.wait -= 1
+        track.wait -= 1
         return True
+
+    def draft_length(self, request_id: str) -> int:
+        """How many drafts the request's next try proposes at most (k, or what acceptance left it)."""
+        track = self._tracks.get(request_id)
+        return self.k if track is None or track.length is None else track.length
+
+    def lookahead(self, request_id: str) -> int:
+        """Slots past a step's tokens that the request's next drafts need for their K/V: a draft model writes
+        its proposals' K/V in the request's blocks; 0 for proposers that compute nothing."""
+        return 0
 
     def propose(self, request_id: str, tokens: list[int], max_tokens: int) -> list[int]:
         """Up to min(k, max_tokens) draft tokens to follow `tokens` (all of the request's tokens so far)."""
@@ -74,24 +94,27 @@ class Proposer:
 
     def drop(self, request_id: str, tokens: list[int] | None = None) -> None:
         """Forget a request that left (`tokens`: all of it, when it finished)."""
-        self._backoff.pop(request_id, None)
+        self._tracks.pop(request_id, None)
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """The result of verifying one request's drafts."""
         for stats in (self.stats, self.totals):
             stats.add(num_drafts, num_accepted)
-        backoff = self._backoff.setdefault(request_id, _Backoff())
+        track = self._tracks.setdefault(request_id, _Track())
         if num_accepted:
-            backoff.misses = 0
+            track.misses = 0
         else:
-            backoff.wait = min(MAX_BACKOFF_STEPS, 1 << backoff.misses)
-            backoff.misses += 1
+            track.wait = min(MAX_BACKOFF_STEPS, self.backoff_growth ** track.misses)
+            track.misses += 1
+        if self.adapts_length:
+            grown = 2 * num_drafts if num_accepted == num_drafts else num_accepted + 1
+            track.length = max(1, min(self.k, grown))
 
     def reset(self) -> None:
         """Forget warm-up's counts."""
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self.totals = SpecDecodeStats(accepted_per_pos=[0] * self.k)
-        self._backoff.clear()
+        self._tracks.clear()
 
     def take_stats(self) -> SpecDecodeStats:
         stats, self.stats = self.stats, SpecDecodeStats(accepted_per_pos=[0] * self.k)

@@ -11,8 +11,9 @@ forward would be pure cost there. `DraftKV` keeps what that leaves behind, per r
 K/V are right and the tokens after them, and per block whether the target wrote it unfollowed; before the next
 followed step the runner runs the draft model over each lagging request's missing positions (`DraftKV.catch_up`),
 and a request admitted onto cached blocks trusts only those the draft model followed. After sampling, `propose`
-feeds each sampled request's last token and then its own greedy guesses, k decode steps of the draft model, and
-returns the k guesses; their K/V go in the request's blocks past its known tokens (the scheduler's lookahead
+feeds each sampled request's last token and then its own greedy guesses, up to k decode steps of the draft model
+(as many as the scheduler gave the request lookahead slots: fewer after drafts that failed), and returns the
+guesses; their K/V go in the request's blocks past its known tokens (the scheduler's lookahead
 slots), and the next step's `follow` writes them again from the tokens the target really computes there.
 Greedy drafts are one-hot proposals, so verification keeps the target's output distribution exactly
 (spec_decode/acceptance.py).
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 class DraftModel:
     def __init__(self, config: EngineConfig) -> None:
         draft = config.draft_model
-        self.k = config.speculative.num_speculative_tokens
         self.device = torch.device(config.device.device)
         self.model = load_model(draft.hf_config, draft.architecture, draft.model, torch_dtype(draft.dtype),
                                 config.device.device, draft.max_model_len,
@@ -46,30 +46,37 @@ class DraftModel:
         self.kv_caches: list[LayerKVCache] = []  # allocated by the runner, beside the target's
         self.kv = DraftKV(config.cache.block_size)
 
-    def has_room(self, position: int, num_slots: int) -> bool:
-        """Whether a request holding `num_slots` slots can take the K/V of k proposals from `position` on."""
-        return position + self.k <= num_slots
-
     def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Run the target's batch through the draft model for its K/V (its outputs are not needed)."""
         self.model(input_ids, positions, self.kv_caches, meta)
 
-    def propose(self, starts: list[tuple[str, int, int, int]],
+    def propose(self, starts: list[tuple[str, int, int, int, int]],
                 decode_meta: Callable[[torch.Tensor, torch.Tensor], AttentionMetadata]) -> dict[str, list[int]]:
-        """k greedy tokens for each (request_id, block-table row, last token, its position) of `starts`."""
-        rows = torch.tensor([row for _, row, _, _ in starts], dtype=torch.int64)
-        tokens = torch.tensor([token for _, _, token, _ in starts], dtype=torch.int64)
-        positions = torch.tensor([position for *_, position in starts], dtype=torch.int64)
-        tokens = tokens.to(self.device)
+        """`length` greedy tokens for each (request_id, block-table row, last token, its position, length) of
+        `starts`: decode steps of the draft model, each over the requests that still want a token (longest
+        first, so a step's batch is the leading rows of the one before)."""
+        starts = sorted(starts, key=lambda start: -start[4])  # stable: batch order among equal lengths
+        lengths = [length for *_, length in starts]
+        rows = torch.tensor([row for _, row, *_ in starts], dtype=torch.int64)
+        tokens = torch.tensor([token for _, _, token, *_ in starts], dtype=torch.int64).to(self.device)
+        positions = torch.tensor([position for *_, position, _ in starts], dtype=torch.int64)
         proposed = []
-        for _ in range(self.k):
+        for step in range(lengths[0]):
+            active = sum(length > step for length in lengths)
+            rows, tokens, positions = rows[:active], tokens[:active], positions[:active]
             meta = decode_meta(rows, positions)  # from the host's block table
             hidden = self.model(tokens, positions.to(self.device), self.kv_caches, meta)
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)  # stays on the device
             proposed.append(tokens)
             positions = positions + 1
-        drafts = torch.stack(proposed, dim=1).tolist()  # [requests, k]: one transfer
-        return {request_id: row for (request_id, *_), row in zip(starts, drafts)}
+        flat = torch.cat(proposed).tolist()  # one transfer; step by step, each step's rows in order
+        drafts: dict[str, list[int]] = {request_id: [] for request_id, *_ in starts}
+        offset = 0
+        for step_tokens in proposed:
+            for (request_id, *_), token in zip(starts, flat[offset:offset + len(step_tokens)]):
+                drafts[request_id].append(token)
+            offset += len(step_tokens)
+        return drafts
 
 
 @dataclass

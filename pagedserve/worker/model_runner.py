@@ -245,7 +245,7 @@ class ModelRunner:
         spans = [(request_id, start, start + num) for request_id, (_, num, start) in batch.spans.items()]
         for request_id, start, _ in spans:
             kv.step(request_id, start, sched.scheduled_token_ids[request_id])
-        if not sched.lookahead_request_ids:
+        if not sched.lookahead:
             for request_id, start, end in spans:
                 kv.skipped(request_id, start, end, self.states[request_id].block_ids)
             return
@@ -274,20 +274,24 @@ class ModelRunner:
 
     def _propose_drafts(self, sched: SchedulerOutput, batch: _Batch, out: ModelRunnerOutput) -> None:
         """The draft model's next tokens for each request sampled this step that the scheduler gave lookahead
-        slots (its decision of who speculates), where they hold the K/V of all k of them."""
-        starts = []  # (request_id, block-table row, last token, its position)
+        slots (its decision of who speculates, and how many drafts: one per slot)."""
+        starts = []  # (request_id, block-table row, last token, its position, drafts to propose)
         for request_id, (_, num, start) in batch.spans.items():  # batch order: the same rows every run
             tokens = out.sampled_token_ids.get(request_id)
             state = self.states[request_id]
-            if request_id not in sched.lookahead_request_ids or not tokens or request_id in out.grammar_finished:
+            length = sched.lookahead.get(request_id, 0)
+            if not length or not tokens or request_id in out.grammar_finished:
                 continue
             if state.num_output_tokens >= state.sampling_params.max_tokens:
                 continue  # it ends with this step
+            verified = request_id in batch.drafts
+            if verified and len(tokens) == 1:
+                continue  # none of its drafts accepted: the scheduler backs it off and would drop these drafts
             # The rows whose K/V hold known tokens: all of them, or a verification's accepted part.
-            position = start + (len(tokens) if request_id in batch.drafts else num)
-            if not self.draft.has_room(position, len(state.block_ids) * self.block_size):
-                continue
-            starts.append((request_id, state.row, tokens[-1], position))
+            position = start + (len(tokens) if verified else num)
+            length = min(length, len(state.block_ids) * self.block_size - position)  # room for their K/V
+            if length > 0:
+                starts.append((request_id, state.row, tokens[-1], position, length))
         if starts:
             out.draft_token_ids = self.draft.propose(starts, self._decode_step_meta)
 

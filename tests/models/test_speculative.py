@@ -142,6 +142,22 @@ def test_the_target_as_its_own_draft_model_has_every_draft_accepted(llama):
     assert_no_leaks(llm)
 
 
+def test_draft_lengths_differ_per_request_in_one_batch(llama, monkeypatch):
+    """The draft model proposes as many tokens as the scheduler gave each request lookahead slots (fewer after
+    misses): here 1, 2, 3 or 4 by request, in one batch whose draft steps shrink as the short ones finish. With
+    the target as its own draft model every draft must still be accepted: a row given another request's token
+    or position would be rejected."""
+    model_dir, prompts, expected, _ = llama
+    llm = spec_llm(model_dir, spec=draft_spec(model_dir))
+    proposer = llm.engine.scheduler.proposer
+    monkeypatch.setattr(proposer, "draft_length", lambda request_id: 1 + int(request_id) % 4)
+    assert _run_staggered(llm, [(p, NUM_TOKENS) for p in prompts]) == expected
+    _assert_every_draft_accepted(llm)
+    per_pos = totals(llm).accepted_per_pos  # drafts at position i come from the requests given more than i
+    assert per_pos[0] > per_pos[1] > per_pos[2] > per_pos[3] > 0, per_pos
+    assert_no_leaks(llm)
+
+
 def _run_staggered(llm: LLM, requests: list[tuple[list[int], int]]) -> list[list[int]]:
     """Greedy tokens of (prompt, max_tokens) requests added together: the batch shrinks as they end."""
     for index, (prompt, max_tokens) in enumerate(requests):

@@ -107,10 +107,29 @@ def test_a_request_whose_drafts_fail_backs_off_and_one_hit_resets_it():
     assert waits == [0, 1, 2, 4, 8, 16, 32, 64, 64]  # doubling, capped
     assert waits[-1] == MAX_BACKOFF_STEPS
     p.record("r", 2, 1)
-    p._backoff["r"].wait = 0
+    p._tracks["r"].wait = 0
     assert p.propose("r", tokens, 2)
     p.record("r", 2, 0)  # after a hit, a miss waits 1 step again
     assert p.propose("r", tokens, 2) == [] and p.propose("r", tokens, 2)
+
+
+def test_a_draft_model_proposes_as_many_tokens_as_the_request_lately_accepted():
+    """A draft model pays a forward pass per draft token: after a miss it proposes 1, after a partial run the
+    accepted count + 1, and doubles (up to k) while all are accepted. Free n-gram drafts keep k."""
+    from pagedserve.spec_decode.draft import DraftModelProposer
+
+    draft = DraftModelProposer(SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 5}))
+    ngram = proposer(k=5)
+    lengths = [draft.draft_length("r")]
+    for num_drafts, accepted in ((5, 0), (1, 1), (2, 2), (4, 4), (5, 5), (5, 2), (3, 0), (1, 0)):
+        for p in (draft, ngram):
+            p.record("r", num_drafts, accepted)
+        lengths.append(draft.draft_length("r"))
+        assert ngram.draft_length("r") == 5 and ngram.lookahead("r") == 0
+    assert lengths == [5, 1, 2, 4, 5, 5, 3, 1, 1]
+    assert draft.lookahead("r") == 1 and draft.lookahead("other") == 5
+    draft.drop("r")
+    assert draft.draft_length("r") == 5
 
 
 def test_stats_count_drafts_and_accepted_per_position():
@@ -297,11 +316,12 @@ def draft_model_run(sched: Scheduler, period: list[int], guess, max_steps=200, c
     model's K/V of its next proposals (the lookahead), within max_model_len."""
     def offer(out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
         for rid, tokens in runner_out.sampled_token_ids.items():
-            if rid not in out.lookahead_request_ids:  # the runner's draft model proposes only for these
+            length = out.lookahead.get(rid, 0)  # the runner's draft model proposes only for these, this many
+            if not length:
                 continue
             known = sched.requests[rid].all_token_ids + tokens
-            runner_out.draft_token_ids[rid] = guess(known)
-            room = min(len(known) - 1 + sched.proposer.k, sched.config.max_model_len)
+            runner_out.draft_token_ids[rid] = guess(known)[:length]
+            room = min(len(known) - 1 + length, sched.config.max_model_len)
             assert not check_room or len(sched.kv.block_ids(rid)) * BS >= room, (rid, known)
 
     return run(sched, period, max_steps, offer)
@@ -332,8 +352,9 @@ def test_draft_model_drafts_are_scheduled_the_next_step_and_outputs_are_unchange
 
 def test_a_draft_model_whose_drafts_keep_failing_stops_running_for_that_request():
     """The backoff every proposer shares: after each verification that accepted nothing the request gets no
-    lookahead (so the runner's draft model does not run for it) for 1, 2, 4 ... steps; a right draft model
-    keeps it on every step. Outputs are the target's either way."""
+    lookahead (so the runner's draft model does not run for it) for 1, 4, 16 ... steps (a draft model's tries
+    cost compute, so it backs off faster than n-gram lookup); a right draft model keeps it on every step.
+    Outputs are the target's either way."""
     period = [10, 11, 12, 13]
 
     def right(tokens):
@@ -343,16 +364,22 @@ def test_a_draft_model_whose_drafts_keep_failing_stops_running_for_that_request(
         return [period[(period.index(tokens[-1]) + 2 + i) % 4] for i in range(3)]
 
     expected = [period[(1 + i) % 4] for i in range(80)]
-    named = {}
+    named, lengths, tries = {}, {}, {}
     for name, guess in (("right", right), ("wrong", wrong)):
         sched = draft_scheduler(max_model_len=256)
         sched.add_request(request("a", [10, 11, 12, 13, 10], max_tokens=80))
         outputs, steps = draft_model_run(sched, period, guess, max_steps=400)
         assert outputs["a"] == expected
         decode_steps = steps[1:]
-        named[name] = sum("a" in s.lookahead_request_ids for s in decode_steps) / len(decode_steps)
+        named[name] = sum("a" in s.lookahead for s in decode_steps) / len(decode_steps)
+        lengths[name] = [s.lookahead["a"] for s in decode_steps if "a" in s.lookahead]
+        tries[name] = [i for i, s in enumerate(decode_steps) if "a" in s.spec_token_ids]
     assert named["right"] == 1.0
-    assert named["wrong"] < 0.15  # 80 steps: tries after waits of 1, 2, 4, 8, 16, 32 steps
+    assert named["wrong"] < 0.1
+    # Between verifications: the missed one, 1, 4 then 16 steps out, the step after which the draft model proposes.
+    assert [b - a for a, b in zip(tries["wrong"], tries["wrong"][1:])] == [3, 6, 18]
+    # ... and each try after a miss asks the draft model for 1 token, not k: one draft step per try
+    assert lengths["right"] == [3] * len(lengths["right"]) and lengths["wrong"][1:] == [1] * (len(lengths["wrong"]) - 1)
 
 
 def test_draft_model_drafts_for_other_tokens_are_dropped():
@@ -386,7 +413,7 @@ def test_draft_model_lookahead_stays_within_max_model_len_and_never_preempts():
 
 
 def test_the_scheduler_names_who_gets_lookahead_and_none_above_the_batch_size_limit():
-    """The runner's draft model proposes only for lookahead_request_ids: the scheduler's one decision."""
+    """The runner's draft model proposes only for the requests given lookahead: the scheduler's one decision."""
     period = [3, 4]
 
     def right(tokens):
@@ -397,8 +424,8 @@ def test_the_scheduler_names_who_gets_lookahead_and_none_above_the_batch_size_li
         for rid in "ab":
             sched.add_request(request(rid, [3, 4, 3, 4], max_tokens=10))
         _, steps = draft_model_run(sched, period, right, check_room=expect)
-        named = set().union(*(s.lookahead_request_ids for s in steps))
-        # Above the limit only the first admission (then alone) gets lookahead; its drafts are never scheduled.
-        assert named == {"a", "b"} if expect else named <= {"a"}
+        named = set().union(*(s.lookahead for s in steps))
+        # Above the limit nobody gets lookahead, not even the first admission of a step that admits both.
+        assert named == ({"a", "b"} if expect else set())
         assert any(s.spec_token_ids for s in steps) == expect
-        assert all(s.lookahead_request_ids <= {r for r, need in s.needs_sample.items() if need} for s in steps)
+        assert all(s.lookahead.keys() <= {r for r, need in s.needs_sample.items() if need} for s in steps)
