@@ -173,14 +173,19 @@ def test_requests_added_mid_generation(llama_reference):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_head_dim_32_takes_the_fused_rotary_path_and_matches_transformers(tiny_model_dir, kernel_build, dtype):
-    """The tiny models above have head_dim 16; with 32 the native rotary + KV-write kernel runs (where
-    the CPU has the native kernels; each ISA build this CPU runs, see conftest.py), and must still agree
-    with transformers."""
+def test_head_dim_32_takes_the_fused_rotary_path_and_matches_transformers(tiny_model_dir, kernel_build_of, dtype):
+    """The tiny models above have head_dim 16; with 32 the native rotary + KV-write kernel runs (each ISA's
+    kernels this CPU runs, see conftest.py; the torch path where it runs none), and must still agree with
+    transformers."""
+    from pagedserve.memory.probe import cpu_flags, native_kernel_isa
+
+    isa, kernels, why = kernel_build_of
+    if kernels is None and native_kernel_isa(cpu_flags()) is not None:
+        pytest.skip(f"{isa}: {why}")
     model_dir = tiny_model_dir("llama", dtype, hidden_size=128, intermediate_size=256)  # 4 heads of 32
     llm, _ = generate(model_dir, dtype, [[1]], max_model_len=256)
     attention = llm.engine.runner.model.model.layers[0].self_attn
-    assert attention.head_dim == 32 and attention.fused_rope == (kernel_build is not None)
+    assert attention.head_dim == 32 and attention.fused_rope == (kernels is not None)
     prompts = make_prompts(llm.get_tokenizer())
     _, outputs = generate(model_dir, dtype, prompts, max_model_len=256)
     hf_model, hf_tokens = hf_reference(model_dir, dtype, prompts)
