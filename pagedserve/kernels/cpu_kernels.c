@@ -377,8 +377,9 @@ static inline __attribute__((always_inline)) void i8_madd(__m256i *acc, __m256i 
 
 /* Prefetch the weight block's stream 1 KiB ahead of p (one 64-column chunk of its 4 rows a call): +10 % at
  * batch 1 and +15-30 % at 2-5 rows on the 2-core Zen 3, whose prefetchers alone fell behind. */
+#define I8_AHEAD 1024
 static inline void i8_prefetch(const int8_t *p) {
-  for (int i = 0; i < 256; i += 64) _mm_prefetch((const char *)(p + 1024 + i), _MM_HINT_T0);
+  for (int i = 0; i < 256; i += 64) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
 }
 
 static inline int32_t hsum_epi32(__m256i v) {
@@ -400,7 +401,7 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_si256();
     for (int64_t k = k0; k < k1; k += 64) {
-      i8_prefetch(w + k * 4);
+      i8_prefetch(w + k * 4 + I8_AHEAD);
       for (int g = 0; g < 64; g += 16) {
         __m256i wv[4];
         for (int r = 0; r < 4; ++r) wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k * 4 + r * 64 + g)));
@@ -417,14 +418,19 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
     for (int c = 0; c < C; ++c) acc[r][c] = (float)total[r][c];
 }
 
-/* One row of x against two weight blocks (8 weight rows) far apart in memory: batch-1 decode then streams
- * two runs per thread (one run per thread held the 2-core Zen 3 at ~20 GB/s of its ~30, with the kernel able
- * to take 30 GB/s a core from cache). Each sum as i8_block's, in the same order (bit-equal). */
+/* One row of x against two weight blocks (8 weight rows) far apart in memory: decode then streams two runs
+ * per thread (one run per thread held the 2-core Zen 3 at ~20 GB/s of its ~30, with the kernel able to take
+ * 30 GB/s a core from cache). Exact integer sums, as i8_block's (bit-equal). With more rows of x the pair is
+ * run once per row: the first run brings the blocks in (1 KiB ahead), the second fetches the thread's next pair
+ * (`next0`, `next1`) while the later rows compute on blocks already in L1; without that, the rows after the
+ * first ran with no memory traffic (5 rows took 2.5x one row's time where computing them takes 1.3x). */
 #define I8_PAIRS 1
+#define I8_PAIR_ROWS 16  /* above, widening the weights once per row costs more than the streams gain (measured
+                          * on the AVX2 build of an AMX Xeon: 5 rows 2.7x -> 1.8x one row, 24 rows 10 % slower) */
 static inline __attribute__((always_inline)) void i8_block_pair(const int8_t *w0, const int8_t *w1,
-                                                                const uint8_t *planes, int64_t K,
+                                                                const int16_t *x, int64_t K,
+                                                                const int8_t *next0, const int8_t *next1,
                                                                 float acc[2][4]) {
-  const int16_t *x = (const int16_t *)planes;
   const int8_t *ws[2] = {w0, w1};
   int64_t total[2][4] = {{0}};
   for (int64_t k0 = 0; k0 < K; k0 += I8_SEGMENT) {
@@ -433,8 +439,8 @@ static inline __attribute__((always_inline)) void i8_block_pair(const int8_t *w0
     for (int b = 0; b < 2; ++b)
       for (int r = 0; r < 4; ++r) a[b][r] = _mm256_setzero_si256();
     for (int64_t k = k0; k < k1; k += 64) {
-      i8_prefetch(w0 + k * 4);
-      i8_prefetch(w1 + k * 4);
+      i8_prefetch(next0 + k * 4);
+      i8_prefetch(next1 + k * 4);
       for (int g = 0; g < 64; g += 16) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + k + g));
         for (int b = 0; b < 2; ++b)
@@ -918,14 +924,19 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
   i8_prepare(x, M, K, bf16, planes, xs);
   int64_t first = 0;  /* the rows before it were done in pairs of blocks */
 #ifdef I8_PAIRS
-  if (M == 1) {  /* block i with block i + half */
+  if (M <= I8_PAIR_ROWS) {  /* block i with block i + half, one row of x at a time */
     const int64_t half = N / 8;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < half; ++i) {
-      float acc[2][4];
-      i8_block_pair(q + i * 4 * K, q + (i + half) * 4 * K, planes, K, acc);
-      for (int b = 0; b < 2; ++b)
-        for (int r = 0; r < 4; ++r) i8_store(y, bias, scale, xs[0], acc[b][r], 0, (i + b * half) * 4 + r, N, bf16);
+      const int8_t *w0 = q + i * 4 * K, *w1 = q + (i + half) * 4 * K;
+      const int64_t next = i + 1 < half ? 4 * K : 0;  /* the thread's next pair (static schedule) */
+      for (int64_t m = 0; m < M; ++m) {
+        float acc[2][4];
+        if (m == 1) i8_block_pair(w0, w1, (const int16_t *)planes + K, K, w0 + next, w1 + next, acc);
+        else i8_block_pair(w0, w1, (const int16_t *)planes + m * K, K, w0 + I8_AHEAD, w1 + I8_AHEAD, acc);
+        for (int b = 0; b < 2; ++b)
+          for (int r = 0; r < 4; ++r) i8_store(y, bias, scale, xs[m], acc[b][r], m, (i + b * half) * 4 + r, N, bf16);
+      }
     }
     first = 8 * half;
   }
