@@ -7,8 +7,10 @@ that writes K/V ahead of the target (a draft model writes its own proposals' K/V
 
 Every proposer also decides when a request should not speculate (speculation must never make a request slower):
 after a verification that accepted nothing the request sits out (`waits`) 1 step, then 2, 4 ... MAX_BACKOFF_STEPS
-after each further miss (a draft model, whose tries cost compute: 1, 4, 16 ...); one accepted draft resets that. An n-gram proposer then proposes nothing; a draft model
-is given no lookahead, so it does not run for that request (and catches up when the request speculates again).
+after each further miss (a draft model, whose tries cost compute: 1, 4, 16 ...); one accepted draft resets that.
+An n-gram proposer then proposes nothing; a draft model is given no lookahead, so it does not run for that
+request (and catches up when the request speculates again), and drafts it proposed in the step of the miss are
+dropped (`backing_off`).
 
 A draft model also pays one forward pass per draft token, so it proposes as many as the request has lately
 accepted (`draft_length`): 1 after a miss, then the accepted count + 1 after a partial run, doubling (up to k)
@@ -74,6 +76,11 @@ class Proposer:
             return False
         track.wait -= 1
         return True
+
+    def backing_off(self, request_id: str) -> bool:
+        """Whether the request is sitting steps out after a miss (without counting a step, as `waits` does)."""
+        track = self._tracks.get(request_id)
+        return track is not None and track.wait > 0
 
     def draft_length(self, request_id: str) -> int:
         """How many drafts the request's next try proposes at most (k, or what acceptance left it)."""
