@@ -66,7 +66,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 70])  # 64+: bf16 panels (AVX2)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 17, 70])  # AVX2: pairs of blocks to 16 rows, panels from 64
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_i8_matches_dequantized_matmul(kernels, dtype, m, with_bias):
     torch.manual_seed(m)
