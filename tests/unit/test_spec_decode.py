@@ -394,6 +394,20 @@ def test_draft_model_drafts_for_other_tokens_are_dropped():
     assert proposer.propose("a", [0] * 6, 2) == []  # used once
 
 
+def test_drafts_offered_in_the_step_of_a_miss_are_dropped():
+    """The runner proposes after a verification before the scheduler has counted its result: where it accepted
+    nothing, the request sits the next step out, so those drafts must not be verified then."""
+    from pagedserve.spec_decode.draft import DraftModelProposer
+
+    proposer = DraftModelProposer(SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 3}))
+    proposer.record("a", 3, 0)  # a miss: wait 1 step
+    proposer.offer("a", 6, [1])
+    assert proposer.backing_off("a") and proposer.propose("a", [0] * 6, 3) == []
+    assert proposer.waits("a") and not proposer.backing_off("a")  # the step sat out
+    proposer.offer("a", 7, [1])
+    assert proposer.propose("a", [0] * 7, 3) == [1]
+
+
 def test_draft_model_lookahead_stays_within_max_model_len_and_never_preempts():
     period = [3, 4]
 
