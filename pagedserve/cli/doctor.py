@@ -221,8 +221,11 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
             fix = ("as root, `echo madvise > /sys/kernel/mm/transparent_hugepage/enabled` lets packed weights use "
                    "2 MiB pages (a few per cent faster batch-1 decoding)") if thp == "never" else ""
         return CheckResult("native kernels", PASS, f"{bf16}, norms, SiLU, decode attention; {pages}; {why}", fix)
-    if "PAGEDSERVE_CPU_ISA" in why:
-        return CheckResult("native kernels", FAIL, why, "unset PAGEDSERVE_CPU_ISA (or set native or avx2)")
+    try:
+        envs.cpu_isa()
+    except ValueError as exc:  # load_status ran the torch path for it
+        return CheckResult("native kernels", FAIL, str(exc),
+                           f"unset PAGEDSERVE_CPU_ISA (or set {' or '.join(envs.CPU_ISAS)})")
     if probe.native_kernel_isa(flags) is None:
         return CheckResult("native kernels", PASS, f"not used here ({why}); torch ops run instead")
     return CheckResult("native kernels", WARN, f"not used: {why}",

@@ -931,9 +931,9 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
       const int8_t *w0 = q + i * 4 * K, *w1 = q + (i + half) * 4 * K;
       const int64_t next = i + 1 < half ? 4 * K : 0;  /* the thread's next pair (static schedule) */
       for (int64_t m = 0; m < M; ++m) {
+        const int64_t ahead = m == 1 ? next : I8_AHEAD;  /* where this row's pass prefetches */
         float acc[2][4];
-        if (m == 1) i8_block_pair(w0, w1, (const int16_t *)planes + K, K, w0 + next, w1 + next, acc);
-        else i8_block_pair(w0, w1, (const int16_t *)planes + m * K, K, w0 + I8_AHEAD, w1 + I8_AHEAD, acc);
+        i8_block_pair(w0, w1, (const int16_t *)planes + m * K, K, w0 + ahead, w1 + ahead, acc);
         for (int b = 0; b < 2; ++b)
           for (int r = 0; r < 4; ++r) i8_store(y, bias, scale, xs[m], acc[b][r], m, (i + b * half) * 4 + r, N, bf16);
       }
