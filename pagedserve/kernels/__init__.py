@@ -102,9 +102,14 @@ class CpuKernels:
         # (every batch size, so a row's result never depends on the rows beside it); else vdpbf16ps / FMAs.
         self.amx = bool(lib.ps_amx_init(int(envs.cpu_amx_enabled())))
         self.bf16_block = lib.ps_bf16_block()  # outputs per block of the packed bf16 layout
-        # Rows up to which int8 linears run the int8 kernel (None: every batch size); above it they
-        # dequantize and run one dense bf16 matmul, faster only where the CPU has bf16 dot products.
-        self.int8_max_rows = 32 if lib.ps_has_bf16_dot() else None
+        self._bf16_dot = bool(lib.ps_has_bf16_dot())
+
+    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
+        """Rows up to which int8 linears with activations of `dtype` run the native kernel (None: every batch
+        size; prefill-sized batches run it on exact bf16 panels of the weights, see cpu_kernels.c). Only float32
+        activations on a CPU with bf16 dot products stop, at 32 rows: above, they dequantize and run one dense
+        float32 matmul."""
+        return 32 if self._bf16_dot and dtype == torch.float32 else None
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:

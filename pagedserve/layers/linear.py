@@ -142,9 +142,9 @@ class Int8Linear(_HotPathModule):
 
     Halves weight memory against bf16. Where the native kernels run (AVX-512 VNNI, AVX2) the weights are
     kept in the native kernel's blocked layout (pagedserve/kernels): decode batches stream them at memory
-    speed (2x `aten._weight_int8pack_mm` at batch 1 on the 2-core Zen 5). Batches above
-    `kernels.int8_max_rows` (32 where the CPU has AVX512-BF16; no limit on AVX2) dequantize to the
-    model dtype and use one dense matmul, faster there at prefill sizes. Elsewhere
+    speed (2x `aten._weight_int8pack_mm` at batch 1 on the 2-core Zen 5), and prefill-sized batches run on
+    exact bf16 panels of them. Batches above `kernels.int8_max_rows(dtype)` (only float32 activations on a CPU
+    with AVX512-BF16: 32) dequantize to the model dtype and use one dense matmul. Elsewhere
     `aten._weight_int8pack_mm` dequantizes on the fly."""
 
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
@@ -162,7 +162,7 @@ class Int8Linear(_HotPathModule):
             (qweight, scales), dtype = (native.quantize_rows_i8(weight) if native is not None
                                         else quantize_int8_per_channel(weight)), weight.dtype
         scales = scales.to(dtype)  # the effective scales are the model-dtype ones on every path
-        self.max_kernel_rows = native.int8_max_rows if native is not None else None
+        self.max_kernel_rows = native.int8_max_rows(dtype) if native is not None else None
         if native is not None:
             self.register_buffer("qweight_packed", native.pack_rows(qweight))
             self.register_buffer("row_sums", native.row_sums(qweight))

@@ -213,7 +213,7 @@ class NativeDecodeStack:
         self.tp = model.tp
         self.table = table  # [layers, kernels.layer_fields] int64; the K/V pool columns filled per pool
         self._tensors = tensors  # what the table points at, kept alive with it
-        self.max_rows = kernels.int8_max_rows if int8 else None
+        self.max_rows = kernels.int8_max_rows(model.norm.weight.dtype) if int8 else None
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         self.dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
         self.eps, self.scale = model.norm.eps, attn.scale

@@ -66,11 +66,24 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 17, 70])  # AVX2: pairs of blocks to 16 rows, panels from 64
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 17, 32, 33, 70])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_i8_matches_dequantized_matmul(kernels, dtype, m, with_bias):
+    """AVX2: pairs of blocks up to 16 rows, bf16 panels from 64; AVX512-BF16: panels above 32 rows for bf16
+    activations (on AMX tiles where granted; 70 rows leave a 6-row tail)."""
+    _check_linear_i8(kernels, dtype, m, with_bias, n=37, k=8192 + 128)  # N not a multiple of the 4-row block; K
+    # spans two int32 flush segments
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [64, 100])
+def test_linear_i8_panels_cover_every_block(kernels, dtype, m):
+    """Several panel blocks, the last one partial, each filled from every 4-row block and 64-column chunk."""
+    _check_linear_i8(kernels, dtype, m, True, n=3 * kernels.bf16_block + 11, k=192)
+
+
+def _check_linear_i8(kernels, dtype: torch.dtype, m: int, with_bias: bool, n: int, k: int) -> None:
     torch.manual_seed(m)
-    n, k = 37, 8192 + 128  # N not a multiple of the 4-row block; K spans two int32 flush segments
     qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
     x = torch.randn(m, k).to(dtype)
     x[0, 0] = 40.0  # an outlier sets the row's int16 step
@@ -158,19 +171,22 @@ def test_decode_attention_matches_sdpa_over_gathered_context(kernels, dtype, hq,
     _close(out, _reference_decode(q, k_cache, v_cache, slots, lens, scale), dtype, "decode_attention")
 
 
-# decode batches take the kernel; above kernels.int8_max_rows (AVX512-BF16 only) the dequantized matmul
-@pytest.mark.parametrize("rows", [1, 3, 40])
-def test_int8_linear_layer_on_both_paths(kernels, rows):
+# decode batches take the integer kernel, prefill-sized bf16 ones its bf16 panels; float32 ones above
+# kernels.int8_max_rows (AVX512-BF16 only: 32) the dequantized matmul
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 40, 80])
+def test_int8_linear_layer_on_both_paths(kernels, dtype, rows):
     from pagedserve.layers.linear import Int8Linear
 
     torch.manual_seed(rows)
-    weight, bias = torch.randn(70, 64).bfloat16(), torch.randn(70).bfloat16()
+    weight, bias = torch.randn(70, 64).to(dtype), torch.randn(70).to(dtype)
     layer = Int8Linear(weight, bias, kernels)
     assert layer.native is not None
-    x = torch.randn(rows, 64).bfloat16()
-    expected = torch.nn.functional.linear(x.float(), layer.dequantized().float()).bfloat16() + bias
+    assert layer.max_kernel_rows == kernels.int8_max_rows(dtype)
+    x = torch.randn(rows, 64).to(dtype)
+    expected = (torch.nn.functional.linear(x.float(), layer.dequantized().float()).to(dtype) + bias).float()
     # int16 activations and bf16 roundings (of the product, then of the bias add): well within 2^-6 of the scale
-    assert (layer(x).float() - expected.float()).abs().max() <= expected.float().abs().max() * 2 ** -6
+    assert (layer(x).float() - expected).abs().max() <= expected.abs().max() * 2 ** -6
     assert (layer.dequantized().float() - weight.float()).abs().max() <= weight.float().abs().amax() / 127
 
 

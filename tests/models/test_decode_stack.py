@@ -88,8 +88,8 @@ def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
               kv_cache_dtype="fp8")
     _, steps = _generate(fp8, stack_enabled=True)
     assert steps == 0
-    # int8 linears run the kernel up to kernels.int8_max_rows rows (32 with AVX512-BF16, every batch on
-    # AVX2): a larger decode batch goes layer by layer
+    # bf16 int8 linears run the kernel at every batch size (bf16 panels for prefill-sized ones); float32 ones
+    # up to kernels.int8_max_rows (32 with AVX512-BF16, every batch on AVX2): a larger batch goes layer by layer
     int8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", max_model_len=128,
                quantization="int8")
     int8.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
@@ -102,4 +102,11 @@ def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
                                  decode_context_lens=torch.ones(rows, dtype=torch.int64))
 
     assert stack.runs(torch.zeros(32, 128), caches, meta(32))
-    assert stack.runs(torch.zeros(33, 128), caches, meta(33)) == (kernels.int8_max_rows is None)
+    assert stack.runs(torch.zeros(33, 128), caches, meta(33))
+    int8_f32 = LLM(tiny_model_dir("llama", "float32", **SHAPE), dtype="float32", max_model_len=128,
+                   quantization="int8")
+    int8_f32.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
+    stack = int8_f32.engine.runner.model.model.stack
+    caches = int8_f32.engine.runner.kv_caches
+    assert stack.runs(torch.zeros(32, 128), caches, meta(32))
+    assert stack.runs(torch.zeros(33, 128), caches, meta(33)) == (kernels.int8_max_rows(torch.float32) is None)
