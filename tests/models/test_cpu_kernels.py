@@ -241,6 +241,33 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, dtype):
             assert torch.equal(kernels.linear_bf16(x[:rows], packed, None, n)[:1], alone), rows
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_linear_on_amx_tiles_is_bit_equal_to_the_vector_kernel(kernels, dtype):
+    """Where the CPU has AMX-INT8 the int8 kernel's batches of 6-63 rows run on its tiles (TDPBUSD) with the same
+    exact integer sums as vpdpbusd: every row equals what it gets alone (one row: the vector kernel), in whole
+    groups of 16 rows, in the last, partly garbage-filled group and in batches under 16 rows; K spans two int32
+    flush segments and N leaves a partial group of 32 outputs."""
+    from pagedserve.memory.probe import cpu_flags
+
+    AMX_INT8_FLAGS = {"amx_tile", "amx_int8"}
+    if not AMX_INT8_FLAGS <= cpu_flags():
+        pytest.skip(f"no AMX-INT8 here (needs the CPU flags {sorted(AMX_INT8_FLAGS)}): the vector kernel runs")
+    if not envs.cpu_amx_enabled():
+        pytest.skip("PAGEDSERVE_CPU_AMX=0: the vector kernel runs")
+    if kernels.isa != "avx512":
+        pytest.skip(f"the {kernels.isa} build has no AMX path (it is built for AVX-512 CPUs)")
+    assert kernels.amx
+    torch.manual_seed(3)
+    n, k = 70, 8192 + 128
+    qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
+    packed, sums = kernels.pack_rows(qweight), kernels.row_sums(qweight)
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(63, k).to(dtype)
+    alone = torch.cat([kernels.linear_i8(x[i:i + 1], packed, scales, sums, bias, n) for i in range(63)])
+    for rows in (6, 7, 15, 16, 17, 40, 63):
+        assert torch.equal(kernels.linear_i8(x[:rows], packed, scales, sums, bias, n), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("k", [96, 128, 896])  # 96: not whole AMX tiles of columns (the vector kernel runs)
 def test_bf16_linear_on_amx_tiles(kernels, k):
     """Where the CPU has AMX (Sapphire Rapids and later Xeons) bf16 linears run on its tiles at every batch
