@@ -647,15 +647,16 @@ typedef struct {
   uint8_t rows[16];
 } amx_config;
 
-/* Tiles of 64 bytes a row; `rows` rows in the sums (0-3) and x (4) tiles, 16 in the W tiles (5, 6). Tile state
- * is per thread: each thread configures its own. */
-static void amx_configure(int rows) {
+/* Eight tiles of 64 bytes a row: `rows` rows in tiles 0 .. x_tiles - 1 (the sums and x), 16 in the rest (W). The
+ * bf16 linear uses 0-3 for sums, 4 for x and 5-6 for W (x_tiles 5). Tile state is per thread: each thread
+ * configures its own. */
+static void amx_configure(int rows, int x_tiles) {
   amx_config c;
   memset(&c, 0, sizeof c);
   c.palette = 1;
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < 8; ++t) {
     c.colsb[t] = 64;
-    c.rows[t] = t < 5 ? rows : 16;
+    c.rows[t] = t < x_tiles ? rows : 16;
   }
   _tile_loadconfig(&c);
 }
@@ -702,7 +703,7 @@ static void bf16_rows_amx(const uint16_t *x, const uint16_t *w, const uint16_t *
   uint16_t *tail = amx_tail(x, M, K);
   #pragma omp parallel num_threads(nthreads)
   {
-    amx_configure(short_batch ? (int)M : 16);
+    amx_configure(short_batch ? (int)M : 16, 5);
     float out[16][BF16_NB] __attribute__((aligned(64)));
     #pragma omp for schedule(static)
     for (int64_t nb = 0; nb < blocks; ++nb) {
@@ -1016,7 +1017,7 @@ static void i8_panels(const void *x, const int8_t *q, const float *scale, const 
     uint32_t *panel = i8_panel_alloc(K);
     float sums[16][BF16_NB] __attribute__((aligned(64)));
 #ifdef PS_AMX
-    if (amx) amx_configure(16);
+    if (amx) amx_configure(16, 5);
 #endif
     #pragma omp for schedule(static)
     for (int64_t nb = 0; nb < blocks; ++nb) {
@@ -1067,17 +1068,6 @@ static void i8_panels(const void *x, const int8_t *q, const float *scale, const 
 #define I8_AMX_ROWS 6
 #define I8_AMX_NB 32
 
-static void amx_i8_configure(int rows) {
-  amx_config c;
-  memset(&c, 0, sizeof c);
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = t < 6 ? rows : 16;
-  }
-  _tile_loadconfig(&c);
-}
-
 /* Outputs n0 .. n0 + 31 as weight tiles, b[K / 64][2][16 column groups][16 outputs][4]: each output's 64 bytes of
  * a column chunk are 16 groups of 4, so one 16 x 16 transpose of 32-bit lanes per tile (outputs past N: zeros). */
 static void i8_fill_amx(const int8_t *q, int64_t n0, int64_t N, int64_t K, int8_t *b) {
@@ -1102,7 +1092,7 @@ static void i8_rows_amx(const int8_t *q, const uint8_t *planes, const float *xs,
   const int64_t blocks = (N + I8_AMX_NB - 1) / I8_AMX_NB;
   #pragma omp parallel num_threads(nthreads)
   {
-    amx_i8_configure(M < 16 ? (int)M : 16);
+    amx_configure(M < 16 ? (int)M : 16, 6);
     int8_t *b = (int8_t *)aligned_alloc(64, (size_t)(K / 64 * 2048));
     if (!b) abort();
     int32_t c[4][16][16] __attribute__((aligned(64)));

@@ -241,22 +241,27 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, dtype):
             assert torch.equal(kernels.linear_bf16(x[:rows], packed, None, n)[:1], alone), rows
 
 
+def _require_amx(kernels, flags: set[str] | frozenset[str]) -> None:
+    """Skip unless this CPU has the AMX `flags`, AMX is not turned off and this build has the AMX paths; then the
+    kernels must have turned AMX on."""
+    from pagedserve.memory.probe import cpu_flags
+
+    if not flags <= cpu_flags():
+        pytest.skip(f"no AMX here (needs the CPU flags {sorted(flags)}): the vector kernel runs")
+    if not envs.cpu_amx_enabled():
+        pytest.skip("PAGEDSERVE_CPU_AMX=0: the vector kernel runs")
+    if kernels.isa != "avx512":
+        pytest.skip(f"the {kernels.isa} build has no AMX path (it is built for AVX-512 CPUs)")
+    assert kernels.amx, "the CPU has AMX but the kernels did not turn it on (no tile state from Linux?)"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_linear_on_amx_tiles_is_bit_equal_to_the_vector_kernel(kernels, dtype):
     """Where the CPU has AMX-INT8 the int8 kernel's batches of 6-63 rows run on its tiles (TDPBUSD) with the same
     exact integer sums as vpdpbusd: every row equals what it gets alone (one row: the vector kernel), in whole
     groups of 16 rows, in the last, partly garbage-filled group and in batches under 16 rows; K spans two int32
     flush segments and N leaves a partial group of 32 outputs."""
-    from pagedserve.memory.probe import cpu_flags
-
-    AMX_INT8_FLAGS = {"amx_tile", "amx_int8"}
-    if not AMX_INT8_FLAGS <= cpu_flags():
-        pytest.skip(f"no AMX-INT8 here (needs the CPU flags {sorted(AMX_INT8_FLAGS)}): the vector kernel runs")
-    if not envs.cpu_amx_enabled():
-        pytest.skip("PAGEDSERVE_CPU_AMX=0: the vector kernel runs")
-    if kernels.isa != "avx512":
-        pytest.skip(f"the {kernels.isa} build has no AMX path (it is built for AVX-512 CPUs)")
-    assert kernels.amx
+    _require_amx(kernels, {"amx_tile", "amx_int8"})
     torch.manual_seed(3)
     n, k = 70, 8192 + 128
     qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
@@ -273,15 +278,9 @@ def test_bf16_linear_on_amx_tiles(kernels, k):
     """Where the CPU has AMX (Sapphire Rapids and later Xeons) bf16 linears run on its tiles at every batch
     size: each row of x must equal what it gets alone, in full tiles of 16 rows, in the zero-padded last
     group and in batches under 16 rows (shorter tiles), and agree with torch as the vector kernel does."""
-    from pagedserve.memory.probe import AMX_BF16_FLAGS, cpu_flags
+    from pagedserve.memory.probe import AMX_BF16_FLAGS
 
-    if not AMX_BF16_FLAGS <= cpu_flags():
-        pytest.skip(f"no AMX here (needs the CPU flags {sorted(AMX_BF16_FLAGS)}): the vector kernel runs")
-    if not envs.cpu_amx_enabled():
-        pytest.skip("PAGEDSERVE_CPU_AMX=0: the vector kernel runs")
-    if kernels.isa != "avx512":
-        pytest.skip(f"the {kernels.isa} build has no AMX path (it is built for AVX-512 CPUs)")
-    assert kernels.amx, "the CPU has AMX but the kernels did not turn it on (no tile state from Linux?)"
+    _require_amx(kernels, AMX_BF16_FLAGS)
     torch.manual_seed(k)
     n = 200  # three 64-output blocks and a partial one
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
