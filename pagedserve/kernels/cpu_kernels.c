@@ -1054,7 +1054,7 @@ static void i8_panels(const void *x, const int8_t *q, const float *scale, const 
 }
 #endif
 
-#if defined(PS_AMX) && defined(__AMX_INT8__)
+#if defined(PS_AMX) && defined(__AMX_INT8__) && defined(__AVX512DQ__)
 /* The integer kernel on AMX-INT8 tiles, for batches of I8_AMX_ROWS rows and more below the panels' size: TDPBUSD
  * multiplies a 16-row x 64-byte tile of unsigned bytes (a byte plane of x, as i8_prepare writes them for
  * vpdpbusd) with a tile of signed weight bytes, 16 groups of 4 columns x 16 outputs, into 16 x 16 int32 sums.
@@ -1083,6 +1083,16 @@ static void i8_fill_amx(const int8_t *q, int64_t n0, int64_t N, int64_t K, int8_
     }
 }
 
+/* total[j] += 256 * hi[j] + lo[j] for 16 outputs: one tile row of each byte plane's sums, in 64-bit lanes. */
+static inline void amx_i8_add(int64_t *total, const int32_t *hi, const int32_t *lo) {
+  for (int h = 0; h < 16; h += 8) {
+    const __m512i wide_hi = _mm512_cvtepi32_epi64(_mm256_loadu_si256((const __m256i *)(hi + h)));
+    const __m512i wide_lo = _mm512_cvtepi32_epi64(_mm256_loadu_si256((const __m256i *)(lo + h)));
+    const __m512i t = _mm512_add_epi64(_mm512_slli_epi64(wide_hi, 8), wide_lo);
+    _mm512_storeu_si512(total + h, _mm512_add_epi64(_mm512_loadu_si512(total + h), t));
+  }
+}
+
 /* planes: i8_prepare's hi and lo planes, with 16 rows of K bytes readable past the lo plane (the last group of
  * rows loads whole tiles; its rows past M are computed and dropped). */
 static void i8_rows_amx(const int8_t *q, const uint8_t *planes, const float *xs, const float *scale,
@@ -1100,6 +1110,8 @@ static void i8_rows_amx(const int8_t *q, const uint8_t *planes, const float *xs,
     for (int64_t nb = 0; nb < blocks; ++nb) {
       const int64_t n0 = nb * I8_AMX_NB, valid = N - n0 < I8_AMX_NB ? N - n0 : I8_AMX_NB;
       i8_fill_amx(q, n0, N, K, b);
+      int64_t ws[I8_AMX_NB];  /* 256 * 128 * sum(w) per output, zeros past N */
+      for (int j = 0; j < I8_AMX_NB; ++j) ws[j] = j < valid ? 32768 * (int64_t)wsum[n0 + j] : 0;
       for (int64_t m = 0; m < M; m += 16) {
         const int64_t rows = M - m < 16 ? M - m : 16;
         int64_t total[16][I8_AMX_NB] = {{0}};
@@ -1123,15 +1135,16 @@ static void i8_rows_amx(const int8_t *q, const uint8_t *planes, const float *xs,
           _tile_stored(1, c[1], 64);
           _tile_stored(2, c[2], 64);
           _tile_stored(3, c[3], 64);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int j = 0; j < 16; ++j) {
-              total[r][j] += 256 * (int64_t)c[0][r][j] + c[1][r][j];
-              total[r][16 + j] += 256 * (int64_t)c[2][r][j] + c[3][r][j];
-            }
+          for (int64_t r = 0; r < rows; ++r) {
+            amx_i8_add(total[r], c[0][r], c[1][r]);
+            amx_i8_add(total[r] + 16, c[2][r], c[3][r]);
+          }
         }
         for (int64_t r = 0; r < rows; ++r) {
           float sums[I8_AMX_NB];
-          for (int64_t j = 0; j < valid; ++j) sums[j] = (float)(total[r][j] - 32768 * (int64_t)wsum[n0 + j]);
+          for (int j = 0; j < I8_AMX_NB; j += 8)  /* as i8_block: (float)(total - 256 * 128 * sum(w)), rounded once */
+            _mm256_storeu_ps(sums + j, _mm512_cvtepi64_ps(_mm512_sub_epi64(_mm512_loadu_si512(total[r] + j),
+                                                                             _mm512_loadu_si512(ws + j))));
           i8_store_row(y, bias, scale, xs[m + r], sums, m + r, n0, valid, N, bf16);
         }
       }

@@ -29,6 +29,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache
+from pagedserve.layers.sampler import argmax_rows
 from pagedserve.models.loader import load_model
 from pagedserve.platform import torch_dtype
 
@@ -66,7 +67,7 @@ class DraftModel:
             rows, tokens, positions = rows[:active], tokens[:active], positions[:active]
             meta = decode_meta(rows, positions)  # from the host's block table
             hidden = self.model(tokens, positions.to(self.device), self.kv_caches, meta)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)  # stays on the device
+            tokens = argmax_rows(self.model.compute_logits(hidden))  # stays on the device
             proposed.append(tokens)
             positions = positions + 1
         flat = torch.cat(proposed).tolist()  # one transfer; step by step, each step's rows in order
