@@ -1174,13 +1174,19 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
                 bf16, nthreads);
     return;
   }
-  uint8_t *planes = (uint8_t *)malloc((size_t)((2 * M + 16) * K));  /* + 16 rows that AMX tiles may load */
+#ifdef PS_AMX_I8
+  const int amx = amx_ready && M >= I8_AMX_ROWS;
+#else
+  const int amx = 0;
+#endif
+  const int64_t pad = amx ? 16 * K : 0;  /* rows that the AMX tiles of the last group may load past the planes */
+  uint8_t *planes = (uint8_t *)malloc((size_t)(2 * M * K + pad));
   float *xs = (float *)malloc(sizeof(float) * (size_t)M);
   if (!planes || !xs) abort();
-  memset(planes + 2 * M * K, 0, (size_t)(16 * K));
+  memset(planes + 2 * M * K, 0, (size_t)pad);
   i8_prepare(x, M, K, bf16, planes, xs);
 #ifdef PS_AMX_I8
-  if (amx_ready && M >= I8_AMX_ROWS) {
+  if (amx) {
     i8_rows_amx(q, planes, xs, scale, wsum, bias, y, M, N, K, bf16, nthreads);
     free(planes);
     free(xs);
