@@ -460,8 +460,9 @@ static inline __attribute__((always_inline)) void i8_block_pair(const int8_t *w0
 /* int8 weights as exact bf16 for the panels of prefill-sized batches (i8_fill_panel below). i8_bf16_pairs: one
  * output's 2 VL int8 weights at p (columns k .. k + 2 VL - 1) as VL 32-bit pairs of bf16, the even column in the
  * low half (the packed bf16 layout's pairs); an int8 value is exact in float32 and in bf16, so the top half of
- * its float32 is its bf16. transpose_pairs: VL such vectors (one per output) become VL vectors of one column
- * pair each, lane r holding output r's (a VL x VL transpose of 32-bit lanes). */
+ * its float32 is its bf16. transpose_lanes: VL such vectors (one per output) become VL vectors of one column
+ * pair each, lane r holding output r's (a VL x VL transpose of 32-bit lanes; the AMX-INT8 path transposes groups
+ * of 4 int8 columns with it). */
 #if PS_ISA == 512
 typedef __m512i vpairs;
 static inline vpairs pairs_zero(void) { return _mm512_setzero_si512(); }
@@ -473,7 +474,7 @@ static inline vpairs i8_bf16_pairs(const int8_t *p) {
   return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
                          _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32((int)0xFFFF0000u)));
 }
-static inline void transpose_pairs(vpairs r[VL]) {
+static inline void transpose_lanes(vpairs r[VL]) {
   vpairs t[16], u[16];
   for (int i = 0; i < 8; ++i) {  /* per 128-bit lane L: columns 4L, 4L + 1 (lo) / 4L + 2, 4L + 3 (hi) of two rows */
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -506,7 +507,7 @@ static inline vpairs i8_bf16_pairs(const int8_t *p) {
   return _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(even), 16),
                          _mm256_and_si256(_mm256_castps_si256(odd), _mm256_set1_epi32((int)0xFFFF0000u)));
 }
-static inline void transpose_pairs(vpairs r[VL]) {
+static inline void transpose_lanes(vpairs r[VL]) {
   vpairs t[8], u[8];
   for (int i = 0; i < 4; ++i) {
     t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -940,7 +941,7 @@ static inline void i8_store(void *y, const void *bias, const float *scale, float
  * every row of x over it: the widening is paid once per block instead of once per tile of rows, and the
  * outer-product tile needs few loads (an inner-product tile widening int8 per tile of rows was load- and
  * shuffle-bound at ~120 GFLOP/s on Zen 3). Exact products, float32 sums, one scale per output.
- * The panel is filled VL outputs x VL column pairs at a time (i8_bf16_pairs + transpose_pairs): filled one
+ * The panel is filled VL outputs x VL column pairs at a time (i8_bf16_pairs + transpose_lanes): filled one
  * weight at a time it cost about a sixth of the AVX2 tile's time. */
 static void i8_fill_panel(const int8_t *q, int64_t nb, int64_t N, int64_t K, uint32_t *panel) {
   for (int64_t j0 = 0; j0 < BF16_NB; j0 += VL)
@@ -950,7 +951,7 @@ static void i8_fill_panel(const int8_t *q, int64_t nb, int64_t N, int64_t K, uin
         const int64_t n = nb * BF16_NB + j0 + r;  /* q_packed[n / 4][k / 64][n % 4][k % 64] */
         rows[r] = n < N ? i8_bf16_pairs(q + (n / 4) * 4 * K + (k / 64) * 256 + (n % 4) * 64 + k % 64) : pairs_zero();
       }
-      transpose_pairs(rows);
+      transpose_lanes(rows);
       for (int i = 0; i < VL; ++i) pairs_store(panel + (k / 2 + i) * BF16_NB + j0, rows[i]);
     }
 }
@@ -1029,7 +1030,8 @@ static void i8_panels(const void *x, const int8_t *q, const float *scale, const 
         for (int64_t m = 0; m < M; m += 16) {
           const int64_t rows = M - m < 16 ? M - m : 16;
           amx_block(rows == 16 ? xb + m * K : tail, K, (const uint16_t *)panel, K, sums);
-          for (int64_t r = 0; r < rows; ++r) i8_store_row(y, bias, scale, 1.0f, sums[r], m + r, nb * BF16_NB, valid, N, bf16);
+          for (int64_t r = 0; r < rows; ++r)
+            i8_store_row(y, bias, scale, 1.0f, sums[r], m + r, nb * BF16_NB, valid, N, bf16);
         }
         continue;
       }
@@ -1077,9 +1079,10 @@ static void i8_fill_amx(const int8_t *q, int64_t n0, int64_t N, int64_t K, int8_
       __m512i rows[16];
       for (int r = 0; r < 16; ++r) {
         const int64_t n = n0 + t * 16 + r;  /* q_packed[n / 4][k / 64][n % 4][k % 64] */
-        rows[r] = n < N ? _mm512_loadu_si512(q + (n / 4) * 4 * K + (k / 64) * 256 + (n % 4) * 64) : _mm512_setzero_si512();
+        rows[r] = n < N ? _mm512_loadu_si512(q + (n / 4) * 4 * K + (k / 64) * 256 + (n % 4) * 64)
+                        : _mm512_setzero_si512();
       }
-      transpose_pairs(rows);
+      transpose_lanes(rows);
       for (int i = 0; i < 16; ++i) _mm512_store_si512(b + (k / 64) * 2048 + t * 1024 + i * 64, rows[i]);
     }
 }
