@@ -5,7 +5,9 @@ same number of blocks: the target's block table indexes both, so the scheduler's
 preemption, freeing) hold the two models' K/V together.
 
 Every step in which some request speculates, the draft model runs the batch the target ran (`follow`: the same
-tokens at the same slots, prefill chunks and verification rows included), so its K/V hold what the target's hold.
+tokens at the same slots, prefill chunks and verification rows included), so its K/V hold what the target's hold;
+in a decode-only step it runs only the rows its last proposal did not already feed it (`DraftKV.held`: of a
+verification, only the last draft).
 A step in which nobody speculates (the batch is above disable_by_batch_size) is not followed: the draft model's
 forward would be pure cost there. `DraftKV` keeps what that leaves behind, per request the positions whose draft
 K/V are right and the tokens after them, and per block whether the target wrote it unfollowed; before the next
@@ -77,6 +79,8 @@ class DraftModel:
             for (request_id, *_), token in zip(starts, flat[offset:offset + len(step_tokens)]):
                 drafts[request_id].append(token)
             offset += len(step_tokens)
+        for request_id, _, token, position, _ in starts:  # the K/V these steps wrote: the last token, then guesses
+            self.kv.proposed[request_id] = (position, [token] + drafts[request_id][:-1])
         return drafts
 
 
@@ -94,8 +98,13 @@ class DraftKV:
     valid: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     stale_blocks: set[int] = field(default_factory=set)
+    # The last proposal's K/V, until the next step: request -> (first position, the tokens fed there).
+    proposed: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    # This step: request -> end of the leading positions of its chunk whose draft K/V that proposal already wrote.
+    held: dict[str, int] = field(default_factory=dict)
     num_followed_tokens: int = 0
     num_skipped_tokens: int = 0
+    num_held_tokens: int = 0  # positions a step's follow left out: the proposal had written them
 
     def admit(self, request_id: str, token_ids: list[int], num_computed: int, block_ids: list[int]) -> None:
         """A request given blocks (first schedule, or resumed): its first `num_computed` positions come from
@@ -107,17 +116,27 @@ class DraftKV:
                 break
         self.valid[request_id] = valid
         self.tokens[request_id] = list(token_ids)
+        self.proposed.pop(request_id, None)  # resumed: its blocks may be others now
 
     def forget(self, request_id: str) -> None:
         self.valid.pop(request_id, None)
         self.tokens.pop(request_id, None)
+        self.proposed.pop(request_id, None)
 
     def step(self, request_id: str, start: int, chunk: list[int]) -> None:
-        """The target computes `chunk` at positions start.. this step."""
+        """The target computes `chunk` at positions start.. this step. Where the request's last proposal fed
+        the draft model the same tokens from `start` on (a verification's inputs are the last token and the
+        drafts: all but the last draft were fed), those positions' draft K/V are already written: `held`."""
         tokens = self.tokens[request_id]
         del tokens[start:]
         tokens.extend(chunk)
         self.valid[request_id] = min(self.valid[request_id], start)
+        position, fed = self.proposed.pop(request_id, (None, []))
+        held = 0
+        if position == start and self.valid[request_id] == start:
+            while held < min(len(fed), len(chunk)) and fed[held] == chunk[held]:
+                held += 1
+        self.held[request_id] = start + held
 
     def catch_up(self, request_id: str, start: int) -> tuple[int, list[int]]:
         """(first position, tokens) the draft model must compute before following a step that starts at

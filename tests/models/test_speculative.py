@@ -142,6 +142,23 @@ def test_the_target_as_its_own_draft_model_has_every_draft_accepted(llama):
     assert_no_leaks(llm)
 
 
+def test_decode_steps_follow_only_the_rows_the_proposal_did_not_write(llama):
+    """In a decode-only step the draft model runs only the rows whose K/V its last proposal did not write (the
+    last draft of each verification, a plain decode's token): the rest were fed the same tokens at the same
+    positions. With the target as its own draft model every draft is still accepted, and its K/V at every valid
+    position are the target's."""
+    model_dir, prompts, expected, plain = llama
+    llm = spec_llm(model_dir, spec=draft_spec(model_dir))
+    longest = plain.generate([{"prompt_token_ids": prompts[0]}], greedy(96))[0].outputs[0].token_ids
+    assert _run_staggered(llm, [(prompts[0], 96)]) == [longest]
+    kv = llm.engine.runner.draft.kv
+    _assert_every_draft_accepted(llm)
+    # k = 4 drafts a verification, 4 of its 5 rows held: most of what the steps computed was left out
+    assert kv.num_held_tokens > 0.6 * (96 - 1), kv
+    _assert_draft_kv_is_the_targets(llm, "0")
+    assert_no_leaks(llm)
+
+
 def test_draft_lengths_differ_per_request_in_one_batch(llama, monkeypatch):
     """The draft model proposes as many tokens as the scheduler gave each request lookahead slots (fewer after
     misses): here 1, 2, 3 or 4 by request, in one batch whose draft steps shrink as the short ones finish. With
