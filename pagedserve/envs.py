@@ -25,8 +25,8 @@ def cpu_kernels_enabled() -> bool:
 
 
 def cpu_amx_enabled() -> bool:
-    """$PAGEDSERVE_CPU_AMX=0 keeps bf16 linears off AMX tiles on CPUs that have them (the AVX-512 vector
-    kernel runs instead); default on."""
+    """$PAGEDSERVE_CPU_AMX=0 keeps linears off AMX tiles on CPUs that have them: bf16 ones, int8 prefill panels
+    and int8 decode batches (the AVX-512 vector kernels run instead); default on."""
     return _switch("PAGEDSERVE_CPU_AMX", default=True)
 
 

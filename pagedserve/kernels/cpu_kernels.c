@@ -1166,6 +1166,15 @@ static void i8_rows_amx(const int8_t *q, const uint8_t *planes, const float *xs,
 }
 #endif
 
+/* 1 where int8 linears run their 6-63-row batches on AMX-INT8 tiles (built with them, and Linux granted AMX). */
+int ps_amx_int8(void) {
+#ifdef PS_AMX_I8
+  return amx_ready;
+#else
+  return 0;
+#endif
+}
+
 void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
                   void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
   if (M >= I8_PANEL_ROWS && (I8_WIDEN || bf16)) {

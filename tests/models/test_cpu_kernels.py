@@ -262,6 +262,7 @@ def test_int8_linear_on_amx_tiles_is_bit_equal_to_the_vector_kernel(kernels, dty
     groups of 16 rows, in the last, partly garbage-filled group and in batches under 16 rows; K spans two int32
     flush segments and N leaves a partial group of 32 outputs."""
     _require_amx(kernels, {"amx_tile", "amx_int8"})
+    assert kernels.amx_int8, "the CPU has AMX-INT8 but the int8 kernel was built without it"
     torch.manual_seed(3)
     n, k = 70, 8192 + 128
     qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
