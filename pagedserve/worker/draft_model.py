@@ -6,7 +6,7 @@ preemption, freeing) hold the two models' K/V together.
 
 Every step in which some request speculates, the draft model runs the batch the target ran (`follow`: the same
 tokens at the same slots, prefill chunks and verification rows included), so its K/V hold what the target's hold;
-in a decode-only step it runs only the rows its last proposal did not already feed it (`DraftKV.held`: of a
+in a decode-only step it runs only the rows its last proposal did not already feed it (`DraftKV.step`: of a
 verification, only the last draft).
 A step in which nobody speculates (the batch is above disable_by_batch_size) is not followed: the draft model's
 forward would be pure cost there. `DraftKV` keeps what that leaves behind, per request the positions whose draft
@@ -16,7 +16,7 @@ and a request admitted onto cached blocks trusts only those the draft model foll
 feeds each sampled request's last token and then its own greedy guesses, up to k decode steps of the draft model
 (as many as the scheduler gave the request lookahead slots: fewer after drafts that failed), and returns the
 guesses; their K/V go in the request's blocks past its known tokens (the scheduler's lookahead
-slots), and the next step's `follow` writes them again from the tokens the target really computes there.
+slots); the next step's `follow` computes those whose token the target does not confirm there.
 Greedy drafts are one-hot proposals, so verification keeps the target's output distribution exactly
 (spec_decode/acceptance.py).
 """
@@ -100,8 +100,6 @@ class DraftKV:
     stale_blocks: set[int] = field(default_factory=set)
     # The last proposal's K/V, until the next step: request -> (first position, the tokens fed there).
     proposed: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
-    # This step: request -> end of the leading positions of its chunk whose draft K/V that proposal already wrote.
-    held: dict[str, int] = field(default_factory=dict)
     num_followed_tokens: int = 0
     num_skipped_tokens: int = 0
     num_held_tokens: int = 0  # positions a step's follow left out: the proposal had written them
@@ -123,10 +121,10 @@ class DraftKV:
         self.tokens.pop(request_id, None)
         self.proposed.pop(request_id, None)
 
-    def step(self, request_id: str, start: int, chunk: list[int]) -> None:
-        """The target computes `chunk` at positions start.. this step. Where the request's last proposal fed
-        the draft model the same tokens from `start` on (a verification's inputs are the last token and the
-        drafts: all but the last draft were fed), those positions' draft K/V are already written: `held`."""
+    def step(self, request_id: str, start: int, chunk: list[int]) -> int:
+        """The target computes `chunk` at positions start.. this step. Returns where the positions whose draft
+        K/V are already written end: the request's last proposal fed the draft model the same tokens from `start`
+        on (a verification's inputs are the last token and the drafts: all but the last draft were fed)."""
         tokens = self.tokens[request_id]
         del tokens[start:]
         tokens.extend(chunk)
@@ -136,7 +134,7 @@ class DraftKV:
         if position == start and self.valid[request_id] == start:
             while held < min(len(fed), len(chunk)) and fed[held] == chunk[held]:
                 held += 1
-        self.held[request_id] = start + held
+        return start + held
 
     def catch_up(self, request_id: str, start: int) -> tuple[int, list[int]]:
         """(first position, tokens) the draft model must compute before following a step that starts at

@@ -243,9 +243,8 @@ class ModelRunner:
         step is caught up first (worker/draft_model.py)."""
         kv = self.draft.kv
         spans = [(request_id, start, start + num) for request_id, (_, num, start) in batch.spans.items()]
-        kv.held.clear()
-        for request_id, start, _ in spans:
-            kv.step(request_id, start, sched.scheduled_token_ids[request_id])
+        held = {request_id: kv.step(request_id, start, sched.scheduled_token_ids[request_id])
+                for request_id, start, _ in spans}
         kv.proposed.clear()  # a proposal holds only for its request's next step
         if not sched.lookahead:
             for request_id, start, end in spans:
@@ -256,25 +255,24 @@ class ModelRunner:
             firsts[request_id], missing = kv.catch_up(request_id, start)
             if missing:
                 self._draft_prefill(self.states[request_id].row, firsts[request_id], missing)
-        self._follow_rows(batch)
+        self._follow_rows(batch, held)
         for request_id, _, end in spans:
             kv.followed(request_id, firsts[request_id], end, self.states[request_id].block_ids)
 
-    def _follow_rows(self, batch: _Batch) -> None:
+    def _follow_rows(self, batch: _Batch, held: dict[str, int]) -> None:
         """The draft model's forward over this step's batch, or, in a decode-only step, over the rows whose draft
-        K/V the last proposal did not write (`DraftKV.held`): a verification's rows but the last are the last
-        token and the drafts, which the proposal fed at the same positions, so following them again cost one
-        draft forward of 1 + k rows a step for nothing."""
-        kv = self.draft.kv
+        K/V the last proposal did not write (`held`: each request's first such position, from DraftKV.step): a
+        verification's rows but the last are the last token and the drafts, which the proposal fed at the same
+        positions, so following them again cost one draft forward of 1 + k rows a step for nothing."""
         if batch.meta.prefills:
             self.draft.follow(batch.input_ids, batch.positions, batch.meta)
             return
         index, rows = [], []
         for request_id, (first, num, start) in batch.spans.items():
-            held = kv.held.get(request_id, start) - start
-            kv.num_held_tokens += held
-            index += range(first + held, first + num)
-            rows += [self.states[request_id].row] * (num - held)
+            skip = held[request_id] - start
+            self.draft.kv.num_held_tokens += skip
+            index += range(first + skip, first + num)
+            rows += [self.states[request_id].row] * (num - skip)
         if len(index) == batch.input_ids.shape[0]:
             self.draft.follow(batch.input_ids, batch.positions, batch.meta)
         elif index:
