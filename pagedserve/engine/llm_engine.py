@@ -92,17 +92,23 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Pay the first request's costs now: page in every weight, build the kernels for prefill, batched
         decode with padding, greedy and random sampling and logprobs (for an embedding model: a batch of
-        two prompts of different lengths, padded). Leaves no trace in caches or stats."""
+        two prompts of different lengths, padded). Leaves no trace in caches or stats.
+
+        Two steps (a prefill, then a decode; a draft model's proposal and verification take two more) of two
+        short prompts, unless a linear switches paths above some batch size (runner.warm_up_rows): then the
+        prefill holds more rows than that, since the path above (a dense oneDNN matmul) compiles on its first
+        call. Every other path has no first-call cost that grows with the rows; a 41-row prefill and four
+        steps were 0.5 s of the 0.5B model's start on the AVX2 box."""
         vocab_size = self.config.model.hf_config.vocab_size
-        # 24 + 17 = 41 prefill rows in the first step: past the 32 above which AVX512-BF16 int8 linears switch to
-        # a dense oneDNN matmul (JIT-compiled on its first call); every other path has no first-call cost
-        # that grows with the rows, and warm-up's prefill is most of its time (twice as long with 97 rows).
-        length = max(1, min(24, self.max_model_len - 8))
-        prompts = [[(7 * i + 3) % vocab_size for i in range(length)],
-                   [(5 * i + 1) % vocab_size for i in range(max(1, min(17, self.max_model_len - 8)))]]
+        rows = self.runner.warm_up_rows()
+        steps = 4 if self.config.draft_model is not None else 2
+        longest = max(1, self.max_model_len - steps)
+        lengths = [min(longest, max(4, rows // 2 + 4)), min(longest, max(3, rows - rows // 2 + 1))]
+        prompts = [[(7 * i + 3) % vocab_size for i in range(lengths[0])],
+                   [(5 * i + 1) % vocab_size for i in range(lengths[1])]]
         params: list[SamplingParams | PoolingParams] = [
-            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1),
-            SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=4, ignore_eos=True, seed=0)]
+            SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1),
+            SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=steps, ignore_eos=True, seed=0)]
         if self.is_pooling:
             params = [PoolingParams(), PoolingParams()]
         for index, (prompt, param) in enumerate(zip(prompts, params)):

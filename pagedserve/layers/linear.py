@@ -137,6 +137,14 @@ def weight_of(linear: nn.Linear) -> torch.Tensor | QuantizedWeight:
     return getattr(linear, "quantized_weight", None) or linear.weight
 
 
+def warm_up_rows(model: nn.Module) -> int:
+    """Rows a warm-up prefill needs for every linear of `model` to run each of its paths: one more than the
+    largest batch up to which a linear keeps its kernel before switching to a dense matmul
+    (Int8Linear.max_kernel_rows), 0 where none switches."""
+    limits = [m.max_kernel_rows for m in model.modules() if getattr(m, "max_kernel_rows", None) is not None]
+    return max(limits) + 1 if limits else 0
+
+
 class Int8Linear(_HotPathModule):
     """Weight-only int8 with one scale per output channel (symmetric): W ~= q * scale[:, None].
 

@@ -24,6 +24,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedserve.layers.attention import FP8_DTYPES, AttentionMetadata, LayerKVCache, PrefillSpan
+from pagedserve.layers.linear import warm_up_rows
 from pagedserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
 from pagedserve.memory.pressure import release_block_pages
 from pagedserve.models.loader import ProgressFn, load_model
@@ -135,6 +136,9 @@ class ModelRunner:
         return load_model(hf_config, config.model.architecture, config.model.model, self.dtype, self.device,
                           config.model.max_model_len, progress, quantization=config.model.quantization,
                           reference_kernels=config.model.reference_kernels, task=config.model.task, tp=self.tp)
+
+    def warm_up_rows(self) -> int:
+        return warm_up_rows(self.model)
 
     def check_health(self) -> None:
         """Nothing to check: the model runs in this process."""

@@ -16,6 +16,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.layers.pooler import ChunkSpan, Pooler
+from pagedserve.layers.linear import warm_up_rows
 from pagedserve.models.bert import encoder_metadata
 from pagedserve.models.loader import ProgressFn, load_model
 from pagedserve.platform import torch_dtype
@@ -70,6 +71,9 @@ class EncoderRunner:
 
     def check_health(self) -> None:
         """Nothing to check: the model runs in this process."""
+
+    def warm_up_rows(self) -> int:
+        return warm_up_rows(self.model)
 
     def kernel_report(self) -> list[str]:
         return []  # the encoder's layers run torch ops only

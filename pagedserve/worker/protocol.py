@@ -25,5 +25,9 @@ class Runner(Protocol):
         """Raise once the runner can run no more steps (a tensor-parallel rank died); a runner in this process
         only returns."""
 
+    def warm_up_rows(self) -> int:
+        """Rows the warm-up's first step must hold for every layer to run each of its paths (0: any will do);
+        layers/linear.py's warm_up_rows."""
+
     def kernel_report(self) -> list[str]:
         """What the model's layers run, one line per kind of layer (the start-up log's and the dashboard's)."""
