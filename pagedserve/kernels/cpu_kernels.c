@@ -1370,9 +1370,10 @@ void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache
  * accumulators stay in registers. */
 static inline __attribute__((always_inline)) void weighted_sum(const float *weights, int64_t len, const void *v_cache,
                                                                const int64_t *slot, int64_t Hkv, int64_t kvh,
-                                                               int64_t D, int bf16, float *acc, const int NV) {
-  vf a[MAX_HEAD_VECS];
-  for (int i = 0; i < NV; ++i) a[i] = vzero();
+                                                               int64_t D, int bf16, float *acc, const int NV,
+                                                               int resume) {
+  vf a[MAX_HEAD_VECS];  /* resume: go on from the sums in acc (a later chunk of positions), in the same order */
+  for (int i = 0; i < NV; ++i) a[i] = resume ? vloadf(acc + i * VL) : vzero();
   for (int64_t l = 0; l < len; ++l) {
     const void *vp = at(v_cache, (slot[l] * Hkv + kvh) * D, bf16);
     const vf w = vset1(weights[l]);
@@ -1382,12 +1383,22 @@ static inline __attribute__((always_inline)) void weighted_sum(const float *weig
 }
 
 static void weighted_sum_any(const float *weights, int64_t len, const void *v_cache, const int64_t *slot,
-                             int64_t Hkv, int64_t kvh, int64_t D, int bf16, float *acc) {
+                             int64_t Hkv, int64_t kvh, int64_t D, int bf16, float *acc, int resume) {
   for (int64_t i = 0; i < D; i += VL) {
-    vf a = vzero();
+    vf a = resume ? vloadf(acc + i) : vzero();
     for (int64_t l = 0; l < len; ++l)
       a = vfma(vset1(weights[l]), vload(at(v_cache, (slot[l] * Hkv + kvh) * D + i, bf16), bf16), a);
     vstoref(acc + i, a);
+  }
+}
+
+/* weighted_sum for any D; the common head sizes keep their accumulators in registers. */
+static void weighted_sum_d(const float *weights, int64_t len, const void *v_cache, const int64_t *slot, int64_t Hkv,
+                           int64_t kvh, int64_t D, int bf16, float *acc, int resume) {
+  switch (D) {
+    case 64: weighted_sum(weights, len, v_cache, slot, Hkv, kvh, D, bf16, acc, 64 / VL, resume); break;
+    case 128: weighted_sum(weights, len, v_cache, slot, Hkv, kvh, D, bf16, acc, 128 / VL, resume); break;
+    default: weighted_sum_any(weights, len, v_cache, slot, Hkv, kvh, D, bf16, acc, resume); break;
   }
 }
 
@@ -1419,6 +1430,34 @@ static float attention_scores(const vf *qv, int64_t nv, const void *k_cache, con
   return mx;
 }
 
+/* attention_scores over widened rows [n, D] (float32, contiguous), NV = D / VL constant when inlined: the same
+ * operations in the same order (so the same scores), without the slot lookups and dtype branches. */
+static inline __attribute__((always_inline)) float row_scores(const vf *qv, const float *rows, int64_t n, float scale,
+                                                              float *s, const int NV) {
+  vf mxv = vset1(-INFINITY);
+  int64_t l0 = 0;
+  for (; l0 + VL <= n; l0 += VL) {
+    vf d[VL];
+    for (int j = 0; j < VL; ++j) {
+      const float *kp = rows + (l0 + j) * NV * VL;
+      d[j] = vmul(qv[0], vloadf(kp));
+      for (int i = 1; i < NV; ++i) d[j] = vfma(qv[i], vloadf(kp + i * VL), d[j]);
+    }
+    const vf block = vmul(vhsum_lanes(d), vset1(scale));
+    vstoref(s + l0, block);
+    mxv = vmax(mxv, block);
+  }
+  float mx = vmaxr(mxv);
+  for (int64_t l = l0; l < n; ++l) {
+    const float *kp = rows + l * NV * VL;
+    vf d = vzero();
+    for (int i = 0; i < NV; ++i) d = vfma(qv[i], vloadf(kp + i * VL), d);
+    s[l] = vsum(d) * scale;
+    mx = s[l] > mx ? s[l] : mx;
+  }
+  return mx;
+}
+
 /* s[l] = exp(s[l] - mx) in place; returns 1 / sum. As torch's CPU flash attention: the weights meet V
  * rounded to the activation dtype and still unnormalised; the float32 sum of the unrounded ones
  * divides at the end. */
@@ -1444,11 +1483,88 @@ static float softmax_weights(float *s, int64_t len, float mx, int bf16) {
   return inv_sum;
 }
 
+/* Positions per chunk that the query heads of one KV head share (grouped-query attention): a chunk's K (then
+ * V) rows are read from the pool and widened to float32 once, into a buffer every head of the group then
+ * reads from L1, instead of each head gathering and widening them again (7 heads per KV head in Qwen2.5-0.5B).
+ * A multiple of VL, so that each position takes the same path through attention_scores (a VL-position
+ * block or the tail) as without chunks, and every sum keeps its order: the results are bit-identical. */
+#define ATTN_CHUNK 64
+
+#define ATTN_AHEAD 16  /* rows prefetched ahead of widen_rows: the pool is read once a step, from memory */
+
+static void widen_rows(const void *cache, const int64_t *slot, int64_t n, int64_t Hkv, int64_t kvh, int64_t D,
+                       int bf16, float *rows) {
+  const int64_t row_bytes = D * (bf16 ? 2 : 4);
+  for (int64_t l = 0; l < n; ++l) {
+    if (l + ATTN_AHEAD < n) {
+      const char *ahead = at(cache, (slot[l + ATTN_AHEAD] * Hkv + kvh) * D, bf16);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    }
+    const void *p = at(cache, (slot[l] * Hkv + kvh) * D, bf16);
+    for (int64_t i = 0; i < D; i += VL) vstoref(rows + l * D + i, vload(at(p, i, bf16), bf16));
+  }
+}
+
+/* The weighted sums of G query heads at once over widened rows [n, D] (float32, contiguous): head g's
+ * acc[g * D ..] (+)= sum over l of w[g * w_stride + l] * rows[l]. Each row is loaded once for the G heads, and
+ * the G * NV accumulators are independent chains (one head's NV = 4 on AVX-512 at D = 64 wait on the FMA
+ * latency); each head still sums over l in weighted_sum's order, so its result is the same. */
+#define ACC_REGS (PS_ISA == 512 ? 28 : 12)  /* accumulators kept in vector registers (32 / 16 of them) */
+#define MAX_GROUP 7
+static inline __attribute__((always_inline)) void weighted_sum_group(const float *w, int64_t w_stride, int64_t n,
+                                                                     const float *rows, int64_t D, float *acc,
+                                                                     const int NV, const int G, int resume) {
+  vf a[MAX_GROUP][MAX_HEAD_VECS];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) a[g][i] = resume ? vloadf(acc + g * D + i * VL) : vzero();
+  for (int64_t l = 0; l < n; ++l)
+    for (int i = 0; i < NV; ++i) {
+      const vf v = vloadf(rows + l * D + i * VL);
+      for (int g = 0; g < G; ++g) a[g][i] = vfma(vset1(w[g * w_stride + l]), v, a[g][i]);
+    }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) vstoref(acc + g * D + i * VL, a[g][i]);
+}
+
+/* weighted_sum_group over `group` heads, as many at a time as their accumulators fit in registers. */
+static inline __attribute__((always_inline)) void weighted_sums_nv(const float *w, int64_t w_stride, int64_t n,
+                                                                   const float *rows, int64_t D, float *acc,
+                                                                   int64_t group, int resume, const int NV) {
+  const int most = ACC_REGS / NV < 1 ? 1 : (ACC_REGS / NV > MAX_GROUP ? MAX_GROUP : ACC_REGS / NV);
+  for (int64_t g = 0; g < group;) {
+    const int G = group - g < most ? (int)(group - g) : most;
+    const float *wg = w + g * w_stride;
+    float *ag = acc + g * D;
+    switch (G) {
+      case 1: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 1, resume); break;
+      case 2: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 2, resume); break;
+      case 3: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 3, resume); break;
+      case 4: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 4, resume); break;
+      case 5: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 5, resume); break;
+      case 6: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 6, resume); break;
+      default: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, MAX_GROUP, resume); break;
+    }
+    g += G;
+  }
+}
+
+static void weighted_sums(const float *w, int64_t w_stride, int64_t n, const float *rows, const int64_t *iota,
+                          int64_t D, float *acc, int64_t group, int resume) {
+  switch (D) {
+    case 64: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 64 / VL); break;
+    case 128: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 128 / VL); break;
+    default:
+      for (int64_t g = 0; g < group; ++g)
+        weighted_sum_any(w + g * w_stride, n, rows, iota, 1, 0, D, 0, acc + g * D, resume);
+  }
+}
+
 /* One query token per sequence attends over its context in the paged KV pool.
  * q: [B, Hq, D] with row stride q_stride (elements) between sequences; k_cache/v_cache: [S, Hkv, D];
  * slots: [B, max_len] int64 (slot of each context position); lens: [B]; out: [B, Hq, D] contiguous.
  * Scores, softmax and the weighted sum run in float32, with torch's roundings in bf16 (see
- * softmax_weights), so greedy tokens stay those of transformers' SDPA path. D % 16 == 0, D <= 256. */
+ * softmax_weights), so greedy tokens stay those of transformers' SDPA path. D % 16 == 0, D <= 256.
+ * Where several query heads share a KV head, they share each chunk of its rows (ATTN_CHUNK). */
 void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *slots, const int64_t *lens, void *out, int64_t B, int64_t Hq,
                          int64_t Hkv, int64_t D, int64_t max_len, float scale, int bf16, int nthreads) {
@@ -1458,34 +1574,56 @@ void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, c
     float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_len + VL));
     float *acc = (float *)malloc(sizeof(float) * (size_t)(group * D));
     float *inv_sum = (float *)malloc(sizeof(float) * (size_t)group);
+    float *mx = (float *)malloc(sizeof(float) * (size_t)group);
+    float *rows = group > 1 ? (float *)malloc(sizeof(float) * (size_t)(ATTN_CHUNK * D)) : NULL;
+    int64_t iota[ATTN_CHUNK];  /* the widened rows' own "slots" */
+    for (int64_t l = 0; l < ATTN_CHUNK; ++l) iota[l] = l;
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * Hkv; ++task) {
       const int64_t b = task / Hkv, kvh = task % Hkv, len = lens[b];
       const int64_t *slot = slots + b * max_len;
-      for (int64_t g = 0; g < group; ++g) {
-        vf qv[MAX_HEAD_VECS];  /* one query head at a time */
-        const int64_t h = kvh * group + g;
-        for (int64_t i = 0; i < nv; ++i) qv[i] = vload(at(q, b * q_stride + h * D + i * VL, bf16), bf16);
-        float *s = scores + g * max_len;
-        const float mx = attention_scores(qv, nv, k_cache, slot, len, Hkv, kvh, D, scale, bf16, s);
-        inv_sum[g] = softmax_weights(s, len, mx, bf16);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float *weights = scores + g * max_len;
-        float *a = acc + g * D;
-        switch (D) {  /* the common head sizes keep their accumulators in registers */
-          case 64: weighted_sum(weights, len, v_cache, slot, Hkv, kvh, D, bf16, a, 64 / VL); break;
-          case 128: weighted_sum(weights, len, v_cache, slot, Hkv, kvh, D, bf16, a, 128 / VL); break;
-          default: weighted_sum_any(weights, len, v_cache, slot, Hkv, kvh, D, bf16, a); break;
+      /* scores (group 1: straight from the pool; else chunk by chunk from the widened rows) */
+      const int64_t chunk = group > 1 ? ATTN_CHUNK : len;
+      for (int64_t c0 = 0; c0 < len; c0 += chunk) {
+        const int64_t n = len - c0 < chunk ? len - c0 : chunk;
+        if (group > 1) widen_rows(k_cache, slot + c0, n, Hkv, kvh, D, bf16, rows);
+        for (int64_t g = 0; g < group; ++g) {
+          vf qv[MAX_HEAD_VECS];
+          const int64_t h = kvh * group + g;
+          for (int64_t i = 0; i < nv; ++i) qv[i] = vload(at(q, b * q_stride + h * D + i * VL, bf16), bf16);
+          float *s = scores + g * max_len + c0;
+          float m;
+          if (group == 1)
+            m = attention_scores(qv, nv, k_cache, slot, n, Hkv, kvh, D, scale, bf16, s);
+          else if (D == 64)
+            m = row_scores(qv, rows, n, scale, s, 64 / VL);
+          else if (D == 128)
+            m = row_scores(qv, rows, n, scale, s, 128 / VL);
+          else
+            m = attention_scores(qv, nv, rows, iota, n, 1, 0, D, scale, 0, s);
+          mx[g] = c0 == 0 || m > mx[g] ? m : mx[g];
         }
+      }
+      for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_weights(scores + g * max_len, len, mx[g], bf16);
+      /* the weighted sums of V, chunk by chunk as the scores */
+      for (int64_t c0 = 0; c0 < len; c0 += chunk) {
+        const int64_t n = len - c0 < chunk ? len - c0 : chunk;
+        if (group > 1) widen_rows(v_cache, slot + c0, n, Hkv, kvh, D, bf16, rows);
+        if (group > 1)
+          weighted_sums(scores + c0, max_len, n, rows, iota, D, acc, group, c0 > 0);
+        else
+          weighted_sum_d(scores + c0, n, v_cache, slot, Hkv, kvh, D, bf16, acc, c0 > 0);
+      }
+      for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < nv; ++i)
           vstore((void *)at(out, (b * Hq + kvh * group + g) * D + i * VL, bf16),
-                 vmul(vloadf(a + i * VL), vset1(inv_sum[g])), bf16);
-      }
+                 vmul(vloadf(acc + g * D + i * VL), vset1(inv_sum[g])), bf16);
     }
     free(scores);
     free(acc);
     free(inv_sum);
+    free(mx);
+    free(rows);
   }
 }
 

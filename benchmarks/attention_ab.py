@@ -1,0 +1,94 @@
+"""Decode attention alone (`ps_decode_attention`), an older commit's kernel against the working tree's, taking turns.
+
+Both versions of pagedserve/kernels/cpu_kernels.c are compiled here with the flags pagedserve builds with
+(-O3 -march=native, or -march=x86-64-v3 with --avx2 for the AVX2 kernels) and called through ctypes on the same
+inputs: a batch of sequences with the Qwen2.5-0.5B attention shape (14 query heads, 2 KV heads, head size 64,
+bf16), a paged pool (blocks of 16 slots, shuffled), contexts of the given lengths. The outputs must be
+bit-identical (the check fails otherwise); the time is the median of interleaved repeats, per layer call.
+
+    python benchmarks/attention_ab.py --before COMMIT [--avx2] [--batch 32] [--contexts 100 1000 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = "pagedserve/kernels/cpu_kernels.c"
+P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def build(source: str, march: str, out: Path) -> ctypes.CDLL:
+    c_file = out.with_suffix(".c")
+    c_file.write_text(source)
+    subprocess.run(["gcc", "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", str(c_file), "-o", str(out),
+                    "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.ps_decode_attention.argtypes = [P, I64, P, P, P, P, P, I64, I64, I64, I64, I64, F32, INT, INT]
+    lib.ps_decode_attention.restype = None
+    return lib
+
+
+def attend(lib: ctypes.CDLL, q, k_cache, v_cache, slots, lens, threads: int) -> torch.Tensor:
+    b, hq, d = q.shape
+    out = torch.empty(b, hq, d, dtype=q.dtype)
+    lib.ps_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                            lens.data_ptr(), out.data_ptr(), b, hq, k_cache.shape[1], d, slots.shape[1], d ** -0.5,
+                            int(q.dtype == torch.bfloat16), threads)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, help="older commit (its cpu_kernels.c via git show)")
+    parser.add_argument("--avx2", action="store_true", help="build both for x86-64-v3 (the AVX2 kernels)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[100, 1000, 2000])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    march = "x86-64-v3" if args.avx2 else "native"
+    threads = torch.get_num_threads()
+    old_source = subprocess.run(["git", "-C", str(REPO), "show", f"{args.before}:{SOURCE}"], check=True,
+                                capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"before": build(old_source, march, Path(tmp) / "before.so"),
+                "after": build((REPO / SOURCE).read_text(), march, Path(tmp) / "after.so")}
+        print(f"-march={march}, {threads} threads, batch {args.batch}, 14 query / 2 KV heads of 64, bf16")
+        for context in args.contexts:
+            torch.manual_seed(context)
+            hq, hkv, d, block = 14, 2, 64, 16
+            blocks_per_seq = -(-context // block)
+            num_slots = args.batch * blocks_per_seq * block
+            k_cache, v_cache = (torch.randn(num_slots, hkv, d).bfloat16() for _ in range(2))
+            order = torch.randperm(args.batch * blocks_per_seq).view(args.batch, blocks_per_seq)
+            slots = (order[:, :, None] * block + torch.arange(block)).reshape(args.batch, -1).contiguous()
+            lens = torch.full((args.batch,), context, dtype=torch.int64)
+            q = torch.randn(args.batch, hq, d).bfloat16()
+            outs = {name: attend(lib, q, k_cache, v_cache, slots, lens, threads) for name, lib in libs.items()}
+            if not torch.equal(outs["before"], outs["after"]):
+                raise SystemExit(f"context {context}: the two kernels' outputs differ")
+            times: dict[str, list[float]] = {name: [] for name in libs}
+            calls = max(3, 60_000 // context)
+            for _ in range(args.repeats):
+                for name, lib in libs.items():
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        attend(lib, q, k_cache, v_cache, slots, lens, threads)
+                    times[name].append((time.perf_counter() - start) / calls)
+            before, after = statistics.median(times["before"]), statistics.median(times["after"])
+            print(f"context {context}: before {before * 1e3:.3f} ms, after {after * 1e3:.3f} ms a layer, "
+                  f"{before / after:.2f}x (outputs bit-identical)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Decode tok/s of an older commit against the working tree, at a given batch and context, taking turns.
+
+For kernel changes that matter only at some batch sizes or context lengths (decode attention grows with the
+context): B prompts of L random tokens, greedy, EOS ignored; the decode rate is B * N / (time to generate N + 1
+tokens - time to generate 1), so the prefill is not counted. Each tree runs in a fresh process (PYTHONPATH
+pointing at it), the order flipping every round, because this VM's speed drifts from minute to minute. The
+older commit is a git worktree (`git worktree add /tmp/oldtree COMMIT`).
+
+    python benchmarks/decode_ab.py --before /tmp/oldtree MODEL --batch 8 --context 1536 --tokens 64 [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys, time
+from pagedserve import LLM, SamplingParams
+model, batch, context, tokens, repeats = sys.argv[1], *map(int, sys.argv[2:6])
+llm = LLM(model, max_model_len=context + tokens + 8, **json.loads(sys.argv[6]))
+def prompts(seed):
+    return [{"prompt_token_ids": [(seed * 977 + b * 131 + i * 7) % 5000 + 10 for i in range(context)]}
+            for b in range(batch)]
+def seconds(n, seed):
+    start = time.perf_counter()
+    llm.generate(prompts(seed), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return time.perf_counter() - start
+seconds(2, 0)
+rates = [batch * tokens / (seconds(tokens + 1, 20 + r) - seconds(1, 10 + r)) for r in range(repeats)]
+print("RESULT " + json.dumps(max(rates)))
+"""
+
+
+def decode_rate(tree: Path, args: argparse.Namespace) -> float:
+    out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.batch), str(args.context),
+                          str(args.tokens), str(args.repeats), json.dumps(args.engine_kwargs)],
+                         cwd="/tmp", env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"the run in {tree} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="model path")
+    parser.add_argument("--before", type=Path, required=True, help="worktree of the older commit")
+    parser.add_argument("--after", type=Path, default=REPO, help="tree to compare (default: this one)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per sequence")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per process (the best is kept)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--engine-kwargs", type=json.loads, default={}, help='e.g. \'{"quantization": "int8"}\'')
+    args = parser.parse_args()
+    args.model = str(Path(args.model).resolve())
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    for name, tree in trees.items():
+        head = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
+                              text=True).stdout.strip()
+        print(f"{name}: {tree} at {head[:72] or 'no git checkout'}", flush=True)
+    rates: dict[str, list[float]] = {name: [] for name in trees}
+    for index in range(args.rounds):
+        order = list(trees.items()) if index % 2 == 0 else list(reversed(trees.items()))
+        for name, tree in order:
+            rates[name].append(decode_rate(tree, args))
+            print(f"round {index + 1} {name}: {rates[name][-1]:.1f} tok/s", flush=True)
+    before, after = statistics.median(rates["before"]), statistics.median(rates["after"])
+    print(f"batch {args.batch}, context {args.context}: before {before:.1f} tok/s, after {after:.1f} tok/s, "
+          f"ratio {after / before:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
