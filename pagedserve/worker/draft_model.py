@@ -6,8 +6,9 @@ preemption, freeing) hold the two models' K/V together.
 
 Every step in which some request speculates, the draft model runs the batch the target ran (`follow`: the same
 tokens at the same slots, prefill chunks and verification rows included), so its K/V hold what the target's hold;
-in a decode-only step it runs only the rows its last proposal did not already feed it (`DraftKV.step`: of a
-verification, only the last draft).
+in a decode-only step it runs, after sampling, only the rows its last proposal did not already feed it and
+whose tokens the target kept (`DraftKV.step`: of a verification, only the last draft, and only when every draft
+was accepted).
 A step in which nobody speculates (the batch is above disable_by_batch_size) is not followed: the draft model's
 forward would be pure cost there. `DraftKV` keeps what that leaves behind, per request the positions whose draft
 K/V are right and the tokens after them, and per block whether the target wrote it unfollowed; before the next
@@ -103,6 +104,7 @@ class DraftKV:
     num_followed_tokens: int = 0
     num_skipped_tokens: int = 0
     num_held_tokens: int = 0  # positions a step's follow left out: the proposal had written them
+    num_dropped_tokens: int = 0  # positions it left out as past what the target kept (rejected drafts)
 
     def admit(self, request_id: str, token_ids: list[int], num_computed: int, block_ids: list[int]) -> None:
         """A request given blocks (first schedule, or resumed): its first `num_computed` positions come from

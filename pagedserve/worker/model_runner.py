@@ -228,8 +228,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, H]
-        if self.draft is not None:
-            self._follow_draft(sched, batch)
+        held = self._follow_draft(sched, batch) if self.draft is not None else None
         out = ModelRunnerOutput()
         self._prompt_logprobs(sched, batch, hidden, out)
         if batch.sample_rows:
@@ -237,14 +236,18 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])  # [rows, V] float32
             sampling = self._sampling_batch(batch.sample_request_ids, batch.drafts)
             self._collect_samples(batch, self.sampler(logits, sampling), out)
-            if self.draft is not None:
-                self._propose_drafts(sched, batch, out)
+        if held is not None:  # a decode-only step's follow, once the target has said which rows it keeps
+            self._follow_rows(batch, held, out.sampled_token_ids)
+        if batch.sample_rows and self.draft is not None:
+            self._propose_drafts(sched, batch, out)
         return out
 
-    def _follow_draft(self, sched: SchedulerOutput, batch: _Batch) -> None:
+    def _follow_draft(self, sched: SchedulerOutput, batch: _Batch) -> dict[str, int] | None:
         """The draft model's K/V follow the target's (the same tokens at the same slots) in every step where a
         request speculates; a step where none does is skipped, and each lagging request of the next followed
-        step is caught up first (worker/draft_model.py)."""
+        step is caught up first (worker/draft_model.py). A step with prefills is followed here; a decode-only
+        step's rows are left to `_follow_rows` after sampling: returns where each request's held positions end
+        for it (None: nothing left to follow)."""
         kv = self.draft.kv
         spans = [(request_id, start, start + num) for request_id, (_, num, start) in batch.spans.items()]
         held = {request_id: kv.step(request_id, start, sched.scheduled_token_ids[request_id])
@@ -253,30 +256,35 @@ class ModelRunner:
         if not sched.lookahead:
             for request_id, start, end in spans:
                 kv.skipped(request_id, start, end, self.states[request_id].block_ids)
-            return
+            return None
         firsts = {}
         for request_id, start, _ in spans:
             firsts[request_id], missing = kv.catch_up(request_id, start)
             if missing:
                 self._draft_prefill(self.states[request_id].row, firsts[request_id], missing)
-        self._follow_rows(batch, held)
-        for request_id, _, end in spans:
+        for request_id, _, end in spans:  # a decode-only step's rows are computed after sampling, in this step
             kv.followed(request_id, firsts[request_id], end, self.states[request_id].block_ids)
-
-    def _follow_rows(self, batch: _Batch, held: dict[str, int]) -> None:
-        """The draft model's forward over this step's batch, or, in a decode-only step, over the rows whose draft
-        K/V the last proposal did not write (`held`: each request's first such position, from DraftKV.step): a
-        verification's rows but the last are the last token and the drafts, which the proposal fed at the same
-        positions, so following them again cost one draft forward of 1 + k rows a step for nothing."""
         if batch.meta.prefills:
             self.draft.follow(batch.input_ids, batch.positions, batch.meta)
-            return
+            return None
+        return held
+
+    def _follow_rows(self, batch: _Batch, held: dict[str, int], sampled: dict[str, list[int]]) -> None:
+        """A decode-only step's follow: the draft model runs only the rows whose K/V the next proposal needs and
+        the last one did not write.
+        - Held rows (`held`: where each request's run of them ends, DraftKV.step) are left out: a verification's
+          rows but the last are the last token and the drafts, which the proposal fed at the same positions.
+        - Rows past the tokens the target kept (`sampled`: a rejected draft's position, with the first rejected
+          draft as input) are left out too: the next step starts there, and DraftKV.step then stops counting
+          them as valid. So after a partial acceptance nothing is left to run."""
         index, rows = [], []
         for request_id, (first, num, start) in batch.spans.items():
             skip = held[request_id] - start
+            kept = min(num, len(sampled[request_id])) if request_id in sampled else num
             self.draft.kv.num_held_tokens += skip
-            index += range(first + skip, first + num)
-            rows += [self.states[request_id].row] * (num - skip)
+            self.draft.kv.num_dropped_tokens += max(0, num - max(skip, kept))
+            index += range(first + skip, first + kept)
+            rows += [self.states[request_id].row] * max(0, kept - skip)
         if len(index) == batch.input_ids.shape[0]:
             self.draft.follow(batch.input_ids, batch.positions, batch.meta)
         elif index:

@@ -159,6 +159,48 @@ def test_decode_steps_follow_only_the_rows_the_proposal_did_not_write(llama):
     assert_no_leaks(llm)
 
 
+def test_after_a_partial_acceptance_the_follow_runs_nothing_and_the_draft_kv_stay_right(llama, tmp_path_factory):
+    """A draft that is often wrong: after a verification that rejects a draft, the row of the last draft is not
+    followed (the next step starts at or before it). Outputs stay the target's, and the draft's K/V at every
+    position it counts as valid are what the draft model computes for those tokens from scratch."""
+    model_dir, prompts, _, plain = llama
+    draft_dir = make_draft(model_dir, tmp_path_factory)
+    llm = spec_llm(model_dir, spec=draft_spec(draft_dir))
+    want = plain.generate([{"prompt_token_ids": prompts[0]}], greedy(96))[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request("0", {"prompt_token_ids": prompts[0]}, greedy(96))
+    tokens = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens = output.outputs[0].token_ids
+        runner = engine.runner
+        if "0" in runner.states and runner.draft.kv.num_dropped_tokens and runner.draft.kv.valid["0"] > 64:
+            valid = runner.draft.kv.valid["0"]
+            known = runner.draft.kv.tokens["0"][:valid]
+            block_ids = list(runner.states["0"].block_ids)
+            break
+    stats = totals(llm)
+    assert runner.draft.kv.num_dropped_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    # the draft model alone, prefilling the same tokens: its K/V at each position
+    alone = LLM(draft_dir, dtype="float32", max_model_len=256)
+    alone.engine.add_request("ref", {"prompt_token_ids": known}, greedy(1))
+    alone.engine.step()
+    ref_state = alone.engine.runner.states["ref"]
+    size = runner.block_size
+    ours = torch.tensor([block_ids[p // size] * size + p % size for p in range(valid)])
+    theirs = torch.tensor([ref_state.block_ids[p // size] * size + p % size for p in range(valid)])
+    for mine, ref in zip(runner.draft.kv_caches, alone.engine.runner.kv_caches):
+        torch.testing.assert_close(mine.k[ours], ref.k[theirs], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.v[ours], ref.v[theirs], atol=1e-4, rtol=1e-4)
+    while engine.has_unfinished_requests():  # and the outputs are the target's
+        for output in engine.step():
+            if output.finished:
+                tokens = output.outputs[0].token_ids
+    assert tokens == want
+    assert_no_leaks(llm)
+
+
 def test_draft_lengths_differ_per_request_in_one_batch(llama, monkeypatch):
     """The draft model proposes as many tokens as the scheduler gave each request lookahead slots (fewer after
     misses): here 1, 2, 3 or 4 by request, in one batch whose draft steps shrink as the short ones finish. With
