@@ -4,7 +4,8 @@ Both versions of pagedserve/kernels/cpu_kernels.c are compiled here with the fla
 (-O3 -march=native, or -march=x86-64-v3 with --avx2 for the AVX2 kernels) and called through ctypes on the same
 inputs: a batch of sequences with the Qwen2.5-0.5B attention shape (14 query heads, 2 KV heads, head size 64,
 bf16), a paged pool (blocks of 16 slots, shuffled), contexts of the given lengths. The outputs must be
-bit-identical (the check fails otherwise); the time is the median of interleaved repeats, per layer call.
+bit-identical (the check fails otherwise); the time is the median of repeats taking turns (the order
+flipped every repeat), per layer call.
 
     python benchmarks/attention_ab.py --before COMMIT [--avx2] [--batch 32] [--contexts 100 1000 2000]
 """
@@ -22,7 +23,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from ready_ab import REPO, in_turns  # noqa: E402
+
 SOURCE = "pagedserve/kernels/cpu_kernels.c"
 P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -78,8 +83,8 @@ def main() -> int:
                 raise SystemExit(f"context {context}: the two kernels' outputs differ")
             times: dict[str, list[float]] = {name: [] for name in libs}
             calls = max(3, 60_000 // context)
-            for _ in range(args.repeats):
-                for name, lib in libs.items():
+            for index in range(args.repeats):
+                for name, lib in in_turns(libs, index):
                     start = time.perf_counter()
                     for _ in range(calls):
                         attend(lib, q, k_cache, v_cache, slots, lens, threads)

@@ -3,8 +3,8 @@
 For kernel changes that matter only at some batch sizes or context lengths (decode attention grows with the
 context): B prompts of L random tokens, greedy, EOS ignored; the decode rate is B * N / (time to generate N + 1
 tokens - time to generate 1), so the prefill is not counted. Each tree runs in a fresh process (PYTHONPATH
-pointing at it), the order flipping every round, because this VM's speed drifts from minute to minute. The
-older commit is a git worktree (`git worktree add /tmp/oldtree COMMIT`).
+pointing at it, both trees byte-compiled), the order flipping every round (ready_ab.py's helpers), because this
+VM's speed drifts from minute to minute. The older commit is a git worktree (`git worktree add /tmp/oldtree COMMIT`).
 
     python benchmarks/decode_ab.py --before /tmp/oldtree MODEL --batch 8 --context 1536 --tokens 64 [--rounds 2]
 """
@@ -19,7 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from ready_ab import REPO, in_turns, prepare_trees  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -62,15 +65,10 @@ def main() -> int:
     parser.add_argument("--engine-kwargs", type=json.loads, default={}, help='e.g. \'{"quantization": "int8"}\'')
     args = parser.parse_args()
     args.model = str(Path(args.model).resolve())
-    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    for name, tree in trees.items():
-        head = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
-                              text=True).stdout.strip()
-        print(f"{name}: {tree} at {head[:72] or 'no git checkout'}", flush=True)
+    trees = prepare_trees(args.before, args.after)
     rates: dict[str, list[float]] = {name: [] for name in trees}
     for index in range(args.rounds):
-        order = list(trees.items()) if index % 2 == 0 else list(reversed(trees.items()))
-        for name, tree in order:
+        for name, tree in in_turns(trees, index):
             rates[name].append(decode_rate(tree, args))
             print(f"round {index + 1} {name}: {rates[name][-1]:.1f} tok/s", flush=True)
     before, after = statistics.median(rates["before"]), statistics.median(rates["after"])

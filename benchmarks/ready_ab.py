@@ -58,6 +58,24 @@ def ready_seconds(tree: Path, model: str, timeout: float = 120.0) -> float:
             proc.kill()
 
 
+def prepare_trees(before: Path, after: Path) -> dict[str, Path]:
+    """{"before": ..., "after": ...}, resolved; says which commit each holds (a stale folder of that name is not
+    the commit) and byte-compiles both (see the top)."""
+    trees = {"before": before.resolve(), "after": after.resolve()}
+    for name, tree in trees.items():
+        head = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
+                              text=True).stdout.strip()
+        print(f"{name}: {tree} at {head[:72] or 'no git checkout'}", flush=True)
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "pagedserve")], check=True,
+                       stdout=subprocess.DEVNULL)
+    return trees
+
+
+def in_turns(contenders: dict, index: int) -> list[tuple]:
+    """(name, contender) pairs in round `index`'s order: flipped every round, so neither always runs first."""
+    return list(contenders.items()) if index % 2 == 0 else list(reversed(contenders.items()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="+", help="models to serve (names or paths)")
@@ -65,23 +83,16 @@ def main() -> int:
     parser.add_argument("--after", type=Path, default=REPO, help="tree to compare (default: this one)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    trees = prepare_trees(args.before, args.after)
     # Servers run inside their trees: a local path is made absolute, a known name stays a name.
     args.models = [str(Path(m).resolve()) if Path(m).exists() else m for m in args.models]
-    for name, tree in trees.items():  # say which commits ran: a stale folder of that name is not the commit
-        head = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
-                              text=True).stdout.strip()
-        print(f"{name}: {tree} at {head[:72] or 'no git checkout'}", flush=True)
-        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "pagedserve")], check=True,
-                       stdout=subprocess.DEVNULL)
     for model in args.models:  # builds each tree's kernels and warms the page cache; not counted
         for tree in trees.values():
             ready_seconds(tree, model)
     results: dict[tuple[str, str], list[float]] = {}
     for index in range(args.rounds):
-        order = list(trees.items()) if index % 2 == 0 else list(reversed(trees.items()))
         for model in args.models:
-            for name, tree in order:
+            for name, tree in in_turns(trees, index):
                 seconds = ready_seconds(tree, model)
                 results.setdefault((model, name), []).append(seconds)
                 print(f"round {index + 1} {Path(model).name} {name}: {seconds:.2f} s", flush=True)

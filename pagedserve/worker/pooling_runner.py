@@ -15,8 +15,8 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.layers.pooler import ChunkSpan, Pooler
 from pagedserve.layers.linear import warm_up_rows
+from pagedserve.layers.pooler import ChunkSpan, Pooler
 from pagedserve.models.bert import encoder_metadata
 from pagedserve.models.loader import ProgressFn, load_model
 from pagedserve.platform import torch_dtype
