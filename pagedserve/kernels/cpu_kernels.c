@@ -1582,7 +1582,8 @@ void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, c
     for (int64_t task = 0; task < B * Hkv; ++task) {
       const int64_t b = task / Hkv, kvh = task % Hkv, len = lens[b];
       const int64_t *slot = slots + b * max_len;
-      /* scores (group 1: straight from the pool; else chunk by chunk from the widened rows) */
+      /* scores (group 1: straight from the pool, since a widened copy read by one head only cost 1.19x at
+       * 32 x 1000 positions; else chunk by chunk from the widened rows) */
       const int64_t chunk = group > 1 ? ATTN_CHUNK : len;
       for (int64_t c0 = 0; c0 < len; c0 += chunk) {
         const int64_t n = len - c0 < chunk ? len - c0 : chunk;
