@@ -39,10 +39,12 @@ def streamed_calls(stream) -> tuple[list[tuple[str, str]], str | None]:
     """(name, arguments) per call as the openai client's chunks add up, and the finish reason."""
     calls: dict[int, list] = {}
     finish = None
-    for chunk in stream:
+    for number, chunk in enumerate(stream):
         if not chunk.choices:
             continue
         choice = chunk.choices[0]
+        # after the opening role chunk, every chunk carries something (no empty deltas while a call is read)
+        assert number == 0 or choice.delta.content or choice.delta.tool_calls or choice.finish_reason, chunk
         for delta in choice.delta.tool_calls or []:
             entry = calls.setdefault(delta.index, [None, ""])
             if delta.id is not None:

@@ -361,8 +361,8 @@ class OpenAIServing:
                 events = reader.feed(completion.text)
                 if completion.finish_reason is not None:
                     events += reader.finish()
-                if not completion.token_ids and not completion.finish_reason and not events:
-                    continue
+                if not completion.finish_reason and not events and not (req.logprobs and completion.token_ids):
+                    continue  # nothing to show yet (e.g. a tool call still being read): no empty delta
                 logprobs = None
                 if req.logprobs and completion.logprobs is not None:
                     logprobs = chat_logprobs(completion.token_ids, completion.logprobs, req.top_logprobs or 0)
