@@ -500,6 +500,8 @@ static inline void transpose_lanes(vpairs r[VL]) {
 typedef __m256i vpairs;
 static inline vpairs pairs_zero(void) { return _mm256_setzero_si256(); }
 static inline void pairs_store(uint32_t *p, vpairs v) { _mm256_storeu_si256((__m256i *)p, v); }
+/* The int8 weights as int16 pairs (the even column in the low half), for vpmaddwd: the integer tile's panels. */
+static inline vpairs i8_i16_pairs(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
 static inline vpairs i8_bf16_pairs(const int8_t *p) {
   const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));  /* lane: even | odd << 16 */
   const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
@@ -530,14 +532,21 @@ static inline void transpose_lanes(vpairs r[VL]) {
  * run the bf16 linear's tile over it (i8_panels below); every smaller batch takes the integer kernel above, so a
  * row's result does not depend on how many rows run with it (a decode step, a speculative verification's rows
  * and a batch of a few requests give every row the same bits).
- * - Without bf16 dot products (AVX2, AVX-512 without BF16; I8_WIDEN) the tile widens to float32 and takes
- *   activations of either dtype. Measured on the 2-core Zen 3 for Qwen2.5-0.5B's gate/up and down shapes,
+ * - AVX2 runs an integer tile over int16 panels instead (i8_gemm, I8_GEMM_ROWS), whose rows keep their exact sums:
+ *   there every batch size gives a row the same bits.
+ * - AVX-512 without BF16 (I8_WIDEN) widens the panels to float32 and takes activations of either dtype. Measured on the 2-core Zen 3 for Qwen2.5-0.5B's gate/up and down shapes,
  *   streamed from memory: the integer kernel was as fast as float32 tiles at 1-48 rows (e.g. 9 rows 14.6 vs
  *   15.6 ms, 32 rows 51-58 vs 70-79 ms for 10 of them), so the tiles (widening int8 to float32 per 3 rows)
  *   were dropped.
  * - With them (AVX512-BF16; AMX tiles where Linux grants them) bf16 activations take the panels; float32 ones
  *   keep the integer kernel here and dequantize above 32 rows (Int8Linear). */
 #define I8_PANEL_ROWS 64
+#if PS_ISA == 256
+/* AVX2: prefill-sized batches take the integer tile (i8_gemm) instead of float32 panels: 1.3-1.4x on Qwen2.5-0.5B's
+ * shapes (AVX2 build on an AMX Xeon). Below, the block kernel stays: at 17-56 rows the tile was 1.1x faster for
+ * gate/up but 0.8-0.9x for the down projection (K = 4864). */
+#define I8_GEMM_ROWS I8_PANEL_ROWS
+#endif
 #if PS_ISA == 256 || !defined(__AVX512BF16__)
 #define I8_WIDEN 1
 #else
@@ -928,10 +937,15 @@ static int64_t bf16_chunk_rows(int64_t M, int64_t K) {
  * q_packed[n / 4][k / 64][n % 4][k % 64] (rows padded to a multiple of 4 with zeros), so a block streams
  * from memory as one sequential run (4 short rows read side by side left the prefetchers idle: 17 GB/s
  * instead of ~30). Made for small M (decode). K % 64 == 0. */
-/* out[m, n] = round(xs * scale[n] * acc) (+ bias[n], rounded again). */
+/* out[m, n] = round(xs * scale[n] * acc) (+ bias[n], rounded again). The product is rounded to float32 before the
+ * bias is added (the register barriers), in the scalar and the vector store alike: left to the compiler, a float32
+ * product and its bias add were fused into one FMA in one of them and not in the other (AVX2 build), and rows
+ * stored by the two then differed in the last bit. */
 static inline void i8_store(void *y, const void *bias, const float *scale, float xs, float acc, int64_t m,
                             int64_t n, int64_t N, int bf16) {
-  float v = scalar_round(xs * scale[n] * acc, bf16);
+  float product = xs * scale[n] * acc;
+  __asm__("" : "+v"(product));
+  float v = scalar_round(product, bf16);
   if (bias) v = scalar_round(v + load1(bias, n, bf16), bf16);
   store1(y, m * N + n, v, bf16);
 }
@@ -943,13 +957,20 @@ static inline void i8_store(void *y, const void *bias, const float *scale, float
  * shuffle-bound at ~120 GFLOP/s on Zen 3). Exact products, float32 sums, one scale per output.
  * The panel is filled VL outputs x VL column pairs at a time (i8_bf16_pairs + transpose_lanes): filled one
  * weight at a time it cost about a sixth of the AVX2 tile's time. */
-static void i8_fill_panel(const int8_t *q, int64_t nb, int64_t N, int64_t K, uint32_t *panel) {
+static inline __attribute__((always_inline)) void i8_fill_panel(const int8_t *q, int64_t nb, int64_t N,
+                                                                int64_t K, uint32_t *panel, const int int16) {
   for (int64_t j0 = 0; j0 < BF16_NB; j0 += VL)
     for (int64_t k = 0; k < K; k += 2 * VL) {  /* 2 VL columns never cross a 64-column chunk */
       vpairs rows[VL];
       for (int r = 0; r < VL; ++r) {
         const int64_t n = nb * BF16_NB + j0 + r;  /* q_packed[n / 4][k / 64][n % 4][k % 64] */
-        rows[r] = n < N ? i8_bf16_pairs(q + (n / 4) * 4 * K + (k / 64) * 256 + (n % 4) * 64 + k % 64) : pairs_zero();
+        const int8_t *p = q + (n / 4) * 4 * K + (k / 64) * 256 + (n % 4) * 64 + k % 64;
+#ifdef I8_GEMM_ROWS
+        rows[r] = n >= N ? pairs_zero() : int16 ? i8_i16_pairs(p) : i8_bf16_pairs(p);
+#else
+        (void)int16;
+        rows[r] = n < N ? i8_bf16_pairs(p) : pairs_zero();
+#endif
       }
       transpose_lanes(rows);
       for (int i = 0; i < VL; ++i) pairs_store(panel + (k / 2 + i) * BF16_NB + j0, rows[i]);
@@ -961,7 +982,9 @@ static inline void i8_store_row(void *y, const void *bias, const float *scale, f
                                 int64_t m, int64_t n0, int64_t valid, int64_t N, int bf16) {
   int64_t j = 0;
   for (; j + VL <= valid; j += VL) {
-    vf v = vround(vmul(vmul(vset1(xs), vloadf(scale + n0 + j)), vloadf(sums + j)), bf16);
+    vf product = vmul(vmul(vset1(xs), vloadf(scale + n0 + j)), vloadf(sums + j));
+    __asm__("" : "+v"(product));
+    vf v = vround(product, bf16);
     if (bias) v = vround(vadd(v, vload(at(bias, n0 + j, bf16), bf16)), bf16);
     vstore((void *)at(y, m * N + n0 + j, bf16), v, bf16);
   }
@@ -974,7 +997,123 @@ static uint32_t *i8_panel_alloc(int64_t K) {
   return panel;
 }
 
-#if I8_WIDEN
+#ifdef I8_GEMM_ROWS
+/* AVX2, prefill-sized batches (I8_GEMM_ROWS rows and more): the integer kernel's products in a tile. Each block of
+ * BF16_NB outputs is widened once into a panel of int16 pairs, p[K / 2][BF16_NB] (i8_fill_panel), and the tile runs
+ * I8_MT rows of x over it, one broadcast pair of int16 columns a row and step: vpmaddwd multiplies 16 pairs and
+ * adds each pair's two products, so a step is 2 I8_MT vpmaddwd + as many vpaddd for 32 I8_MT products, where the
+ * float32 tile over widened panels took 4 I8_MT FMAs at the FMA peak (1.3-1.4x on the AVX2 build of an AMX Xeon;
+ * how much more on a Zen 3 depends on its vpmaddwd rate, unmeasured).
+ * Exact: an int32 lane takes at most I8_FLUSH pairs (I8_FLUSH * 2 * 32767 * 128 < 2^31), then goes into int64
+ * totals, so a row's sums are the exact integers the pair and block kernels give it, and its result is the one
+ * it gets alone (bit for bit) whatever the batch: a prompt's prefill and its decode steps see the same linears. */
+#define I8_MT 6       /* rows of x per tile: 12 sums, 2 weight registers and a broadcast (15 of 16) */
+#define I8_FLUSH 256  /* pairs of columns per int32 run */
+
+/* x's int16 rows (i8_prepare) as the tile reads them: xt[tile][K / 2][rows] pairs, so a step's broadcasts come
+ * from one sequential stream. */
+static int32_t *i8_tile_x(const int16_t *xq, int64_t M, int64_t K) {
+  int32_t *xt = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 2));
+  if (!xt) abort();
+  for (int64_t m0 = 0; m0 < M; m0 += I8_MT) {
+    const int64_t rows = M - m0 < I8_MT ? M - m0 : I8_MT;
+    int32_t *t = xt + m0 * K / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int16_t *row = xq + (m0 + r) * K;
+      for (int64_t p = 0; p < K / 2; ++p) memcpy(t + p * rows + r, row + 2 * p, sizeof(int32_t));
+    }
+  }
+  return xt;
+}
+
+/* One run of at most I8_FLUSH pairs of columns for MT rows: the 2 MT sums as named locals (in arrays, GCC kept
+ * half of them on the stack whatever the loop's shape), one half of the outputs, then the other, each row's pair
+ * broadcast twice from L1: 12 sums, one weight register, a broadcast and the madd's result (15 of 16). */
+#define I8_ROW(r, acc, w) \
+  if (MT > r) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(i8_broadcast(xp + r), w))
+/* A row's pair of columns in every lane, loaded again for each half: as a plain set1, GCC kept the MT broadcasts of
+ * the first half for the second and spilled sums to make room. */
+static inline __m256i i8_broadcast(const int32_t *p) {
+  __m256i v;
+  __asm__ volatile("vpbroadcastd %1, %0" : "=x"(v) : "m"(*p));
+  return v;
+}
+static inline __attribute__((always_inline)) void i8_gemm_run(const uint32_t *panel, const int32_t *xt, int64_t p0,
+                                                              int64_t p1, const int MT, int32_t out[I8_MT][BF16_NB]) {
+  __m256i a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
+  a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = _mm256_setzero_si256();
+  for (int64_t p = p0; p < p1; ++p) {
+    const int32_t *xp = xt + p * MT;
+    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(panel + p * BF16_NB));
+    I8_ROW(0, a0, w0); I8_ROW(1, a1, w0); I8_ROW(2, a2, w0); I8_ROW(3, a3, w0); I8_ROW(4, a4, w0); I8_ROW(5, a5, w0);
+    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(panel + p * BF16_NB + VL));
+    I8_ROW(0, b0, w1); I8_ROW(1, b1, w1); I8_ROW(2, b2, w1); I8_ROW(3, b3, w1); I8_ROW(4, b4, w1); I8_ROW(5, b5, w1);
+  }
+  const __m256i a[I8_MT] = {a0, a1, a2, a3, a4, a5}, b[I8_MT] = {b0, b1, b2, b3, b4, b5};
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_si256((__m256i *)out[m], a[m]);
+    _mm256_storeu_si256((__m256i *)(out[m] + VL), b[m]);
+  }
+}
+#undef I8_ROW
+
+/* i8_gemm_run for `rows` (1..I8_MT) rows, each count its own copy so the sums stay in registers (kept out of the
+ * OpenMP body, where GCC spilled them). */
+static __attribute__((noinline)) void i8_gemm_rows(const uint32_t *panel, const int32_t *xt, int64_t p0, int64_t p1,
+                                                   int64_t rows, int32_t out[I8_MT][BF16_NB]) {
+  switch (rows) {
+    case 1: i8_gemm_run(panel, xt, p0, p1, 1, out); break;
+    case 2: i8_gemm_run(panel, xt, p0, p1, 2, out); break;
+    case 3: i8_gemm_run(panel, xt, p0, p1, 3, out); break;
+    case 4: i8_gemm_run(panel, xt, p0, p1, 4, out); break;
+    case 5: i8_gemm_run(panel, xt, p0, p1, 5, out); break;
+    default: i8_gemm_run(panel, xt, p0, p1, I8_MT, out); break;
+  }
+}
+
+static void i8_gemm(const void *x, const int8_t *q, const float *scale, const void *bias, void *y, int64_t M,
+                    int64_t N, int64_t K, int bf16, int nthreads) {
+  const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
+  int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
+  float *xs = (float *)malloc(sizeof(float) * (size_t)M);
+  if (!xq || !xs) abort();
+  i8_prepare(x, M, K, bf16, (uint8_t *)xq, xs);
+  int32_t *xt = i8_tile_x(xq, M, K);
+  free(xq);
+  #pragma omp parallel num_threads(nthreads)
+  {
+    uint32_t *panel = i8_panel_alloc(K);
+    int64_t *total = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M * BF16_NB));
+    if (!total) abort();
+    #pragma omp for schedule(static)
+    for (int64_t nb = 0; nb < blocks; ++nb) {
+      i8_fill_panel(q, nb, N, K, panel, 1);
+      const int64_t valid = N - nb * BF16_NB < BF16_NB ? N - nb * BF16_NB : BF16_NB;
+      /* A run of columns at a time for every tile of rows: the run's part of the panel (16 KiB) stays in L1. */
+      memset(total, 0, sizeof(int64_t) * (size_t)(M * BF16_NB));
+      for (int64_t p0 = 0; p0 < K / 2; p0 += I8_FLUSH) {
+        const int64_t p1 = K / 2 - p0 < I8_FLUSH ? K / 2 : p0 + I8_FLUSH;
+        for (int64_t m = 0; m < M; m += I8_MT) {
+          const int64_t rows = M - m < I8_MT ? M - m : I8_MT;
+          int32_t run[I8_MT][BF16_NB];
+          i8_gemm_rows(panel, xt + m * K / 2, p0, p1, rows, run);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int j = 0; j < BF16_NB; ++j) total[(m + r) * BF16_NB + j] += run[r][j];
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        float sums[BF16_NB];
+        for (int j = 0; j < BF16_NB; ++j) sums[j] = (float)total[m * BF16_NB + j];
+        i8_store_row(y, bias, scale, xs[m], sums, m, nb * BF16_NB, valid, N, bf16);
+      }
+    }
+    free(total);
+    free(panel);
+  }
+  free(xt);
+  free(xs);
+}
+#elif I8_WIDEN
 /* x of either dtype, widened to float32 once (bf16_tile_x); the float32 tile over each panel. */
 static void i8_panels(const void *x, const int8_t *q, const float *scale, const void *bias, void *y, int64_t M,
                       int64_t N, int64_t K, int bf16, int nthreads) {
@@ -985,7 +1124,7 @@ static void i8_panels(const void *x, const int8_t *q, const float *scale, const 
     uint32_t *panel = i8_panel_alloc(K);
     #pragma omp for schedule(static)
     for (int64_t nb = 0; nb < blocks; ++nb) {
-      i8_fill_panel(q, nb, N, K, panel);
+      i8_fill_panel(q, nb, N, K, panel, 0);
       const int64_t valid = N - nb * BF16_NB < BF16_NB ? N - nb * BF16_NB : BF16_NB;
       for (int64_t m = 0; m < M; m += BF16_MT) {
         const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
@@ -1023,7 +1162,7 @@ static void i8_panels(const void *x, const int8_t *q, const float *scale, const 
 #endif
     #pragma omp for schedule(static)
     for (int64_t nb = 0; nb < blocks; ++nb) {
-      i8_fill_panel(q, nb, N, K, panel);
+      i8_fill_panel(q, nb, N, K, panel, 0);
       const int64_t valid = N - nb * BF16_NB < BF16_NB ? N - nb * BF16_NB : BF16_NB;
 #ifdef PS_AMX
       if (amx) {
@@ -1177,6 +1316,17 @@ int ps_amx_int8(void) {
 
 void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
                   void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
+#ifdef I8_GEMM_ROWS
+  if (M >= I8_GEMM_ROWS) {
+    /* In chunks of rows whose int16 copy stays in L2 while the panels pass over it, at least I8_PANEL_ROWS. */
+    const int64_t fit = ((int64_t)256 << 10) / (2 * K) / I8_MT * I8_MT;
+    const int64_t chunk = fit < I8_PANEL_ROWS ? I8_PANEL_ROWS : fit;
+    for (int64_t m = 0; m < M; m += chunk)
+      i8_gemm(at(x, m * K, bf16), q, scale, bias, (void *)at(y, m * N, bf16), M - m < chunk ? M - m : chunk, N, K,
+              bf16, nthreads);
+    return;
+  }
+#else
   if (M >= I8_PANEL_ROWS && (I8_WIDEN || bf16)) {
     /* In chunks of rows that stay in L2, as ps_linear_bf16, but at least I8_PANEL_ROWS, each panel's fill paid
      * over that many (AVX2's 12-row chunks at K = 4864 made the down projection 1.3x slower). */
@@ -1186,6 +1336,7 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
                 bf16, nthreads);
     return;
   }
+#endif
 #ifdef PS_AMX_I8
   const int amx = amx_ready && M >= I8_AMX_ROWS;
 #else
@@ -1250,7 +1401,7 @@ int ps_bf16_block(void) { return BF16_NB; }
 
 /* 1 where the CPU multiplies bf16 natively (AVX512-BF16): there a dense bf16 matmul beats the int8
  * kernel at prefill sizes, so int8 layers dequantize above a few rows; elsewhere the int8 kernel takes
- * every batch size (AVX2: its float32 panels for prefill run at the bf16 linear's speed, where oneDNN's
+ * every batch size (AVX2: its integer tile for prefill runs faster than the bf16 linear, where oneDNN's
  * emulated bf16 would be several times slower). */
 int ps_has_bf16_dot(void) {
 #ifdef __AVX512BF16__
