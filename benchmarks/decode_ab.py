@@ -1,12 +1,14 @@
-"""Decode tok/s of an older commit against the working tree, at a given batch and context, taking turns.
+"""Decode (or prefill) tok/s of an older commit against the working tree, at a given batch and context, taking turns.
 
 For kernel changes that matter only at some batch sizes or context lengths (decode attention grows with the
 context): B prompts of L random tokens, greedy, EOS ignored; the decode rate is B * N / (time to generate N + 1
-tokens - time to generate 1), so the prefill is not counted. Each tree runs in a fresh process (PYTHONPATH
+tokens - time to generate 1), so the prefill is not counted. With --prefill the rate is instead B * L / (time to
+generate 1 token): the prompts' prefill, prefix caching off. Each tree runs in a fresh process (PYTHONPATH
 pointing at it, both trees byte-compiled), the order flipping every round (ready_ab.py's helpers), because this
 VM's speed drifts from minute to minute. The older commit is a git worktree (`git worktree add /tmp/oldtree COMMIT`).
 
     python benchmarks/decode_ab.py --before /tmp/oldtree MODEL --batch 8 --context 1536 --tokens 64 [--rounds 2]
+    python benchmarks/decode_ab.py --before /tmp/oldtree MODEL --prefill --batch 1 --context 428
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from ready_ab import REPO, in_turns, prepare_trees  # noqa: E402
 CHILD = r"""
 import json, sys, time
 from pagedserve import LLM, SamplingParams
-model, batch, context, tokens, repeats = sys.argv[1], *map(int, sys.argv[2:6])
-llm = LLM(model, max_model_len=context + tokens + 8, **json.loads(sys.argv[6]))
+model, batch, context, tokens, repeats, prefill = sys.argv[1], *map(int, sys.argv[2:7])
+llm = LLM(model, max_model_len=context + tokens + 8, **json.loads(sys.argv[7]))
 def prompts(seed):
     return [{"prompt_token_ids": [(seed * 977 + b * 131 + i * 7) % 5000 + 10 for i in range(context)]}
             for b in range(batch)]
@@ -37,14 +39,17 @@ def seconds(n, seed):
     llm.generate(prompts(seed), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     return time.perf_counter() - start
 seconds(2, 0)
-rates = [batch * tokens / (seconds(tokens + 1, 20 + r) - seconds(1, 10 + r)) for r in range(repeats)]
+if prefill:
+    rates = [batch * context / seconds(1, 10 + r) for r in range(repeats)]
+else:
+    rates = [batch * tokens / (seconds(tokens + 1, 20 + r) - seconds(1, 10 + r)) for r in range(repeats)]
 print("RESULT " + json.dumps(max(rates)))
 """
 
 
 def decode_rate(tree: Path, args: argparse.Namespace) -> float:
     out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.batch), str(args.context),
-                          str(args.tokens), str(args.repeats), json.dumps(args.engine_kwargs)],
+                          str(args.tokens), str(args.repeats), str(int(args.prefill)), json.dumps(args.engine_kwargs)],
                          cwd="/tmp", env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -63,8 +68,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per process (the best is kept)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--engine-kwargs", type=json.loads, default={}, help='e.g. \'{"quantization": "int8"}\'')
+    parser.add_argument("--prefill", action="store_true", help="time the prompts' prefill instead of decoding")
     args = parser.parse_args()
     args.model = str(Path(args.model).resolve())
+    if args.prefill:
+        args.engine_kwargs = {"enable_prefix_caching": False, **args.engine_kwargs}  # every repeat prefills again
     trees = prepare_trees(args.before, args.after)
     rates: dict[str, list[float]] = {name: [] for name in trees}
     for index in range(args.rounds):
@@ -72,7 +80,8 @@ def main() -> int:
             rates[name].append(decode_rate(tree, args))
             print(f"round {index + 1} {name}: {rates[name][-1]:.1f} tok/s", flush=True)
     before, after = statistics.median(rates["before"]), statistics.median(rates["after"])
-    print(f"batch {args.batch}, context {args.context}: before {before:.1f} tok/s, after {after:.1f} tok/s, "
+    what = "prefill" if args.prefill else "decode"
+    print(f"{what}, batch {args.batch}, context {args.context}: before {before:.1f} tok/s, after {after:.1f} tok/s, "
           f"ratio {after / before:.3f}")
     return 0
 
