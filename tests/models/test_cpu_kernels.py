@@ -248,6 +248,8 @@ def test_bf16_parts_pack_as_their_rows_stacked(kernels):
         kernels.pack_bf16([parts[2], parts[0]])
     with pytest.raises(ValueError, match=r"weight\[1\]"):
         kernels.pack_bf16([parts[0], parts[1][:, :80]])
+    odd = torch.randn(nb + 5, 80, generator=generator).bfloat16()  # 40 column pairs: the last tile of 16 is partial
+    assert torch.equal(unpack_bf16(kernels.pack_bf16(odd), nb + 5), odd)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40])
