@@ -361,8 +361,11 @@ class OpenAIServing:
                 events = reader.feed(completion.text)
                 if completion.finish_reason is not None:
                     events += reader.finish()
-                if not completion.finish_reason and not events and not (req.logprobs and completion.token_ids):
-                    continue  # nothing to show yet (e.g. a tool call still being read): no empty delta
+                if not completion.finish_reason and not events and (
+                        not completion.token_ids or (tool_choice is not None and not req.logprobs)):
+                    # Nothing new; with tools, nothing to show until the reader knows what the text is (a tool
+                    # call still being read sends no empty deltas). Plain text keeps one chunk per token, as vLLM.
+                    continue
                 logprobs = None
                 if req.logprobs and completion.logprobs is not None:
                     logprobs = chat_logprobs(completion.token_ids, completion.logprobs, req.top_logprobs or 0)
