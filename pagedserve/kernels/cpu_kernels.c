@@ -421,13 +421,13 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
 
 /* One row of x against two weight blocks (8 weight rows) far apart in memory: decode then streams two runs
  * per thread (one run per thread held the 2-core Zen 3 at ~20 GB/s of its ~30, with the kernel able to take
- * 30 GB/s a core from cache). Exact integer sums, as i8_block's (bit-equal). With 2-16 rows of x the pair is
- * run in passes (i8_pair_half below): the first brings the blocks in (1 KiB ahead), the second fetches the
- * thread's next pair while the later ones compute on blocks already in L1; without that, the rows after the
+ * 30 GB/s a core from cache). Exact integer sums, as i8_block's (bit-equal). With more rows of x the pair is
+ * run once per row: the first run brings the blocks in (1 KiB ahead), the second fetches the thread's next pair
+ * (`next0`, `next1`) while the later rows compute on blocks already in L1; without that, the rows after the
  * first ran with no memory traffic (5 rows took 2.5x one row's time where computing them takes 1.3x). */
 #define I8_PAIRS 1
-#define I8_PAIR_ROWS 16  /* above, the block kernel is as fast (AVX2 build of an AMX Xeon: 24-48 rows within 5 %) and
-                          * keeps one stream per thread */
+#define I8_PAIR_ROWS 16  /* above, widening the weights once per row costs more than the streams gain (measured
+                          * on the AVX2 build of an AMX Xeon: 5 rows 2.7x -> 1.8x one row, 24 rows 10 % slower) */
 static inline __attribute__((always_inline)) void i8_block_pair(const int8_t *w0, const int8_t *w1,
                                                                 const int16_t *x, int64_t K,
                                                                 const int8_t *next0, const int8_t *next1,
