@@ -455,43 +455,6 @@ static inline __attribute__((always_inline)) void i8_block_pair(const int8_t *w0
   for (int b = 0; b < 2; ++b)
     for (int r = 0; r < 4; ++r) acc[b][r] = (float)total[b][r];
 }
-
-/* 2-16 rows of x (a speculative verification, a few requests): two rows of x (C = 2; C = 1 for the last of an odd
- * count) against weight rows r0 and r0 + 1 of both blocks of the pair, so each weight widened to int16 serves two
- * rows of x (in i8_block_pair it served one, and at 5 rows the kernel was compute-bound on widening: 1.84x one
- * row's time). 8 sums, two x registers, one weight. Columns k0 .. k1 - 1 (at most I8_SEGMENT: exact in int32),
- * added to `total`, so the caller can run every pass over one chunk of columns while it is in L1. `pf0`, `pf1`:
- * where this pass prefetches (NULL: nowhere). */
-static inline __attribute__((always_inline)) void i8_pair_half(const int8_t *w0, const int8_t *w1, int r0,
-                                                               const int16_t *x0, const int16_t *x1, const int C,
-                                                               int64_t k0, int64_t k1, const int8_t *pf0,
-                                                               const int8_t *pf1, int64_t total[2][2][2]) {
-  const int8_t *ws[2] = {w0 + r0 * 64, w1 + r0 * 64};
-  const int16_t *xr[2] = {x0, x1};
-  __m256i a[2][2][2];
-  for (int b = 0; b < 2; ++b)
-    for (int r = 0; r < 2; ++r)
-      for (int c = 0; c < C; ++c) a[b][r][c] = _mm256_setzero_si256();
-  for (int64_t k = k0; k < k1; k += 64) {
-    if (pf0) {
-      i8_prefetch(pf0 + k * 4);
-      i8_prefetch(pf1 + k * 4);
-    }
-    for (int g = 0; g < 64; g += 16) {
-      __m256i xv[2];
-      for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_si256((const __m256i *)(xr[c] + k + g));
-      for (int b = 0; b < 2; ++b)
-        for (int r = 0; r < 2; ++r) {
-          const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(ws[b] + k * 4 + r * 64 + g)));
-          for (int c = 0; c < C; ++c) i8_madd(&a[b][r][c], xv[c], wv);
-        }
-    }
-  }
-  for (int b = 0; b < 2; ++b)
-    for (int r = 0; r < 2; ++r)
-      for (int c = 0; c < C; ++c) total[b][r][c] += hsum_epi32(a[b][r][c]);
-}
-#define I8_PAIR_CHUNK 1024  /* columns per chunk of the 2-16-row passes: the pair's 8 rows of it, 8 KiB, stay in L1 */
 #endif
 
 /* int8 weights as exact bf16 for the panels of prefill-sized batches (i8_fill_panel below). i8_bf16_pairs: one
@@ -1401,37 +1364,13 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
     for (int64_t i = 0; i < half; ++i) {
       const int8_t *w0 = q + i * 4 * K, *w1 = q + (i + half) * 4 * K;
       const int64_t next = i + 1 < half ? 4 * K : 0;  /* the thread's next pair (static schedule) */
-      if (M == 1) {
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t ahead = m == 1 ? next : I8_AHEAD;  /* where this row's pass prefetches */
         float acc[2][4];
-        i8_block_pair(w0, w1, (const int16_t *)planes, K, w0 + I8_AHEAD, w1 + I8_AHEAD, acc);
+        i8_block_pair(w0, w1, (const int16_t *)planes + m * K, K, w0 + ahead, w1 + ahead, acc);
         for (int b = 0; b < 2; ++b)
-          for (int r = 0; r < 4; ++r) i8_store(y, bias, scale, xs[0], acc[b][r], 0, (i + b * half) * 4 + r, N, bf16);
-        continue;
+          for (int r = 0; r < 4; ++r) i8_store(y, bias, scale, xs[m], acc[b][r], m, (i + b * half) * 4 + r, N, bf16);
       }
-      /* A chunk of columns at a time, passes of two rows of x over half of each block's rows: the first pass
-       * streams the chunk in (prefetching 1 KiB ahead), the second fetches the thread's next pair's chunk, the
-       * rest compute on the chunk in L1. */
-      int64_t total[I8_PAIR_ROWS / 2][2][4][2] = {{{{0}}}};  /* [row pair][block][weight row][row of the pair] */
-      for (int64_t k0 = 0; k0 < K; k0 += I8_PAIR_CHUNK) {
-        const int64_t k1 = K - k0 < I8_PAIR_CHUNK ? K : k0 + I8_PAIR_CHUNK;
-        int pass = 0;
-        for (int64_t m = 0; m < M; m += 2)
-          for (int r0 = 0; r0 < 4; r0 += 2, ++pass) {
-            const int64_t ahead = pass == 0 ? I8_AHEAD : pass == 1 ? next : -1;
-            const int8_t *pf0 = ahead < 0 ? NULL : w0 + ahead, *pf1 = ahead < 0 ? NULL : w1 + ahead;
-            const int16_t *x0 = (const int16_t *)planes + m * K;
-            int64_t part[2][2][2] = {{{0}}};
-            if (M - m > 1) i8_pair_half(w0, w1, r0, x0, x0 + K, 2, k0, k1, pf0, pf1, part);
-            else i8_pair_half(w0, w1, r0, x0, x0, 1, k0, k1, pf0, pf1, part);
-            for (int b = 0; b < 2; ++b)
-              for (int r = 0; r < 2; ++r)
-                for (int c = 0; c < 2; ++c) total[m / 2][b][r0 + r][c] += part[b][r][c];
-          }
-      }
-      for (int64_t m = 0; m < M; ++m)
-        for (int b = 0; b < 2; ++b)
-          for (int r = 0; r < 4; ++r)
-            i8_store(y, bias, scale, xs[m], (float)total[m / 2][b][r][m % 2], m, (i + b * half) * 4 + r, N, bf16);
     }
     first = 8 * half;
   }
