@@ -534,9 +534,10 @@ static inline void transpose_lanes(vpairs r[VL]) {
  * and a batch of a few requests give every row the same bits).
  * - AVX2 runs an integer tile over int16 panels instead (i8_gemm, I8_GEMM_ROWS), whose rows keep their exact sums:
  *   there every batch size gives a row the same bits.
- * - AVX-512 without BF16 (I8_WIDEN) widens the panels to float32 and takes activations of either dtype. Measured on the 2-core Zen 3 for Qwen2.5-0.5B's gate/up and down shapes,
- *   streamed from memory: the integer kernel was as fast as float32 tiles at 1-48 rows (e.g. 9 rows 14.6 vs
- *   15.6 ms, 32 rows 51-58 vs 70-79 ms for 10 of them), so the tiles (widening int8 to float32 per 3 rows)
+ * - AVX-512 without BF16 (I8_WIDEN) widens the panels to float32 and takes activations of either dtype.
+ * - Below I8_PANEL_ROWS the integer kernel runs on every ISA. Measured on the 2-core Zen 3 for Qwen2.5-0.5B's
+ *   gate/up and down shapes, streamed from memory: it was as fast as float32 tiles at 1-48 rows (e.g. 9 rows 14.6
+ *   vs 15.6 ms, 32 rows 51-58 vs 70-79 ms for 10 of them), so the tiles (widening int8 to float32 per 3 rows)
  *   were dropped.
  * - With them (AVX512-BF16; AMX tiles where Linux grants them) bf16 activations take the panels; float32 ones
  *   keep the integer kernel here and dequantize above 32 rows (Int8Linear). */
@@ -560,6 +561,7 @@ static inline void transpose_lanes(vpairs r[VL]) {
 /* AVX512-BF16: vdpbf16ps multiplies bf16 pairs and accumulates in float32, 32 weights an instruction. */
 #define BF16_NB 64  /* outputs per weight block: 4 vectors of 16 */
 #define BF16_MT 6   /* rows of x per register tile: 24 accumulators */
+#define BF16_AHEAD 512  /* uint32 pairs ahead that the tile prefetches its weights (2 KiB: 8 steps of 256 bytes) */
 
 /* One weight block (64 outputs, all of K) against MT rows of x: acc[m][j] collects outputs j*16..j*16+15.
  * Per pair of columns: 4 weight vectors (each 16 outputs x 2 columns, as vdpbf16ps pairs them) meet one
@@ -570,6 +572,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *wb, 
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const uint16_t *wk = wb + kp * 2 * BF16_NB;
+    for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)(wk + 2 * BF16_AHEAD + l * 32), _MM_HINT_T0);
     __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
     __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
     for (int m = 0; m < MT; ++m) {
@@ -792,6 +795,11 @@ static float *bf16_tile_x(const void *x, int64_t M, int64_t K, int bf16) {
   return xt;
 }
 
+/* How far ahead (uint32 pairs; 1 KiB with AVX2's 64-byte steps) the tile prefetches its block's weights. A batch of
+ * 2-16 rows runs one tile per block, one stream per thread, which the hardware prefetchers alone kept far below
+ * the memory's speed: with it, 1.3-1.5x for 2-16 rows of Qwen2.5-0.5B's shapes streamed from memory (AVX2 build
+ * of an AMX Xeon, benchmarks/linear_ab.py; 1.15-1.5x for vdpbf16ps's tile, whose AVX-512 BF16_AHEAD is below). */
+#define BF16_AHEAD 256
 /* acc[m][j] = the MT rows of x (one tile of bf16_tile_x) against the weight block's outputs j * VL ... */
 static inline __attribute__((always_inline)) void bf16_tile(const uint32_t *wb, const float *xt, int64_t K,
                                                             const int MT, vf acc[BF16_MT][2]) {
@@ -802,6 +810,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint32_t *wb, 
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const uint32_t *wk = wb + kp * BF16_NB;
     const float *xk = xt + kp * 2 * MT;
+    for (int l = 0; l < BF16_NB / 16; ++l) _mm_prefetch((const char *)(wk + BF16_AHEAD + 16 * l), _MM_HINT_T0);
     /* The even k of the pair, then the odd one: two weight registers, one broadcast and the 2 MT sums
      * (15 of the 16 registers; both halves at once spilled sums to the stack). */
     const vf e0 = widen_even(wk), e1 = widen_even(wk + VL);

@@ -1,0 +1,113 @@
+"""One linear kernel (`ps_linear_bf16` or `ps_linear_i8`), an older commit's against the working tree's, taking turns.
+
+Both versions of pagedserve/kernels/cpu_kernels.c are compiled side by side (attention_ab.build: -O3
+-march=native, or x86-64-v3 with --avx2; AMX stays off unless --amx) and called through ctypes on the same inputs: Qwen2.5-0.5B's linear
+shapes (gate/up 9728x896, down 896x4864, q/k/v 1152x896), random weights packed once by this tree's kernels (the
+layouts must not have changed between the two commits), in enough copies to stream from memory as a model's
+layers do, bf16 activations, M rows of x. The outputs must be bit-identical (the check fails otherwise); the time
+is the median of repeats taking turns (the order flipped every repeat), per call.
+
+    python benchmarks/linear_ab.py --before COMMIT [--avx2 | --amx] [--kind bf16|int8] [--rows 1 2 5 9 16] [--mib 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+SHAPES = [(9728, 896), (896, 4864), (1152, 896)]
+P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, help="older commit (its cpu_kernels.c via git show)")
+    parser.add_argument("--avx2", action="store_true", help="build both for x86-64-v3 (the AVX2 kernels)")
+    parser.add_argument("--kind", choices=["bf16", "int8"], default="bf16")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 9, 16])
+    parser.add_argument("--mib", type=int, default=200, help="weight copies per shape, in MiB (past the caches)")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--amx", action="store_true", help="turn AMX on in both (ps_amx_init), where the CPU has it")
+    args = parser.parse_args()
+    if args.avx2:  # pack in the AVX2 build's layout (its bf16 blocks hold 16 outputs, not 64)
+        os.environ["PAGEDSERVE_CPU_ISA"] = "avx2"
+    import torch
+
+    from attention_ab import SOURCE, build
+    from ready_ab import REPO, in_turns
+    from pagedserve.kernels import cpu_kernels
+    from pagedserve.layers.linear import quantize_int8_per_channel
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise SystemExit("no native kernels on this machine")
+    march = "x86-64-v3" if args.avx2 else "native"
+    threads = torch.get_num_threads()
+    old_source = subprocess.run(["git", "-C", str(REPO), "show", f"{args.before}:{SOURCE}"], check=True,
+                                capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"before": build(old_source, march, Path(tmp) / "before.so"),
+                "after": build((REPO / SOURCE).read_text(), march, Path(tmp) / "after.so")}
+        for lib in libs.values():
+            lib.ps_linear_bf16.argtypes = [P, P, P, P, I64, I64, I64, INT]
+            lib.ps_linear_i8.argtypes = [P, P, P, P, P, P, I64, I64, I64, INT, INT]
+            if args.amx and not lib.ps_amx_init(1):
+                raise SystemExit("--amx: this CPU or kernel grants no AMX tiles")
+        print(f"-march={march} ({kernels.isa} layout{', AMX' if args.amx else ''}), {threads} threads, "
+              f"{args.kind} weights, bf16 x")
+        for n, k in SHAPES:
+            torch.manual_seed(n + k)
+            bytes_per_copy = n * k * (2 if args.kind == "bf16" else 1)
+            copies = max(1, (args.mib << 20) // bytes_per_copy)
+            weight = torch.randn(n, k)
+            if args.kind == "bf16":
+                packed = kernels.pack_bf16(weight.bfloat16())
+                weights = [packed.clone() for _ in range(copies)]
+            else:
+                qweight, scales = quantize_int8_per_channel(weight)
+                sums = kernels.row_sums(qweight)
+                packed = kernels.pack_rows(qweight)
+                weights = [packed.clone() for _ in range(copies)]
+
+            def call(lib: ctypes.CDLL, w, x, y) -> None:
+                m = x.shape[0]
+                if args.kind == "bf16":
+                    lib.ps_linear_bf16(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), m, n, k, threads)
+                else:
+                    lib.ps_linear_i8(x.data_ptr(), w.data_ptr(), scales.data_ptr(), sums.data_ptr(), None,
+                                     y.data_ptr(), m, n, k, 1, threads)
+
+            for rows in args.rows:
+                x = torch.randn(rows, k).bfloat16()
+                outs = {}
+                for name, lib in libs.items():
+                    outs[name] = torch.empty(rows, n, dtype=torch.bfloat16)
+                    call(lib, weights[0], x, outs[name])
+                if not torch.equal(outs["before"], outs["after"]):
+                    raise SystemExit(f"{n}x{k}, {rows} rows: the two kernels' outputs differ")
+                y = torch.empty(rows, n, dtype=torch.bfloat16)
+                times: dict[str, list[float]] = {name: [] for name in libs}
+                for index in range(args.repeats):
+                    for name, lib in in_turns(libs, index):
+                        start = time.perf_counter()
+                        for w in weights:
+                            call(lib, w, x, y)
+                        times[name].append((time.perf_counter() - start) / len(weights))
+                before, after = statistics.median(times["before"]), statistics.median(times["after"])
+                print(f"{n}x{k}, {rows} rows: before {before * 1e3:.3f} ms, after {after * 1e3:.3f} ms, "
+                      f"{before / after:.2f}x (outputs bit-identical)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
