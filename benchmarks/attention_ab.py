@@ -13,12 +13,14 @@ flipped every repeat), per layer call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -37,10 +39,18 @@ def build(source: str, march: str, out: Path) -> ctypes.CDLL:
     c_file.write_text(source)
     subprocess.run(["gcc", "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", str(c_file), "-o", str(out),
                     "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    lib.ps_decode_attention.argtypes = [P, I64, P, P, P, P, P, I64, I64, I64, I64, I64, F32, INT, INT]
-    lib.ps_decode_attention.restype = None
-    return lib
+    return ctypes.CDLL(str(out))
+
+
+@contextlib.contextmanager
+def side_by_side(before: str, avx2: bool) -> Iterator[tuple[str, dict[str, ctypes.CDLL]]]:
+    """The older commit's cpu_kernels.c (git show) and this tree's, compiled alike: (-march, {"before", "after"})."""
+    march = "x86-64-v3" if avx2 else "native"
+    old_source = subprocess.run(["git", "-C", str(REPO), "show", f"{before}:{SOURCE}"], check=True,
+                                capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        yield march, {"before": build(old_source, march, Path(tmp) / "before.so"),
+                      "after": build((REPO / SOURCE).read_text(), march, Path(tmp) / "after.so")}
 
 
 def attend(lib: ctypes.CDLL, q, k_cache, v_cache, slots, lens, threads: int) -> torch.Tensor:
@@ -60,13 +70,10 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[100, 1000, 2000])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    march = "x86-64-v3" if args.avx2 else "native"
     threads = torch.get_num_threads()
-    old_source = subprocess.run(["git", "-C", str(REPO), "show", f"{args.before}:{SOURCE}"], check=True,
-                                capture_output=True, text=True).stdout
-    with tempfile.TemporaryDirectory() as tmp:
-        libs = {"before": build(old_source, march, Path(tmp) / "before.so"),
-                "after": build((REPO / SOURCE).read_text(), march, Path(tmp) / "after.so")}
+    with side_by_side(args.before, args.avx2) as (march, libs):
+        for lib in libs.values():
+            lib.ps_decode_attention.argtypes = [P, I64, P, P, P, P, P, I64, I64, I64, I64, I64, F32, INT, INT]
         print(f"-march={march}, {threads} threads, batch {args.batch}, 14 query / 2 KV heads of 64, bf16")
         for context in args.contexts:
             torch.manual_seed(context)

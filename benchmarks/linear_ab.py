@@ -1,6 +1,6 @@
 """One linear kernel (`ps_linear_bf16` or `ps_linear_i8`), an older commit's against the working tree's, taking turns.
 
-Both versions of pagedserve/kernels/cpu_kernels.c are compiled side by side (attention_ab.build: -O3
+Both versions of pagedserve/kernels/cpu_kernels.c are compiled side by side (attention_ab.side_by_side: -O3
 -march=native, or x86-64-v3 with --avx2; AMX stays off unless --amx) and called through ctypes on the same inputs: Qwen2.5-0.5B's linear
 shapes (gate/up 9728x896, down 896x4864, q/k/v 1152x896), random weights packed once by this tree's kernels (the
 layouts must not have changed between the two commits), in enough copies to stream from memory as a model's
@@ -16,9 +16,7 @@ import argparse
 import ctypes
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,21 +41,16 @@ def main() -> int:
         os.environ["PAGEDSERVE_CPU_ISA"] = "avx2"
     import torch
 
-    from attention_ab import SOURCE, build
-    from ready_ab import REPO, in_turns
+    from attention_ab import side_by_side
+    from ready_ab import in_turns
     from pagedserve.kernels import cpu_kernels
     from pagedserve.layers.linear import quantize_int8_per_channel
 
     kernels = cpu_kernels()
     if kernels is None:
         raise SystemExit("no native kernels on this machine")
-    march = "x86-64-v3" if args.avx2 else "native"
     threads = torch.get_num_threads()
-    old_source = subprocess.run(["git", "-C", str(REPO), "show", f"{args.before}:{SOURCE}"], check=True,
-                                capture_output=True, text=True).stdout
-    with tempfile.TemporaryDirectory() as tmp:
-        libs = {"before": build(old_source, march, Path(tmp) / "before.so"),
-                "after": build((REPO / SOURCE).read_text(), march, Path(tmp) / "after.so")}
+    with side_by_side(args.before, args.avx2) as (march, libs):
         for lib in libs.values():
             lib.ps_linear_bf16.argtypes = [P, P, P, P, I64, I64, I64, INT]
             lib.ps_linear_i8.argtypes = [P, P, P, P, P, P, I64, I64, I64, INT, INT]
