@@ -1021,18 +1021,13 @@ static uint32_t *i8_panel_alloc(int64_t K) {
 
 /* x's int16 rows (i8_prepare) as the tile reads them: xt[tile][K / 2][rows] pairs, so a step's broadcasts come
  * from one sequential stream. */
-static int32_t *i8_tile_x(const int16_t *xq, int64_t M, int64_t K) {
-  int32_t *xt = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 2));
-  if (!xt) abort();
-  for (int64_t m0 = 0; m0 < M; m0 += I8_MT) {
-    const int64_t rows = M - m0 < I8_MT ? M - m0 : I8_MT;
-    int32_t *t = xt + m0 * K / 2;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int16_t *row = xq + (m0 + r) * K;
-      for (int64_t p = 0; p < K / 2; ++p) memcpy(t + p * rows + r, row + 2 * p, sizeof(int32_t));
-    }
+static void i8_tile_x(const int16_t *xq, int64_t m0, int64_t M, int64_t K, int32_t *xt) {
+  const int64_t rows = M - m0 < I8_MT ? M - m0 : I8_MT;
+  int32_t *t = xt + m0 * K / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int16_t *row = xq + (m0 + r) * K;
+    for (int64_t p = 0; p < K / 2; ++p) memcpy(t + p * rows + r, row + 2 * p, sizeof(int32_t));
   }
-  return xt;
 }
 
 /* One run of at most I8_FLUSH pairs of columns for MT rows: the 2 MT sums as named locals (in arrays, GCC kept
@@ -1085,12 +1080,17 @@ static void i8_gemm(const void *x, const int8_t *q, const float *scale, const vo
   const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
   int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
   float *xs = (float *)malloc(sizeof(float) * (size_t)M);
-  if (!xq || !xs) abort();
-  i8_prepare(x, M, K, bf16, (uint8_t *)xq, xs);
-  int32_t *xt = i8_tile_x(xq, M, K);
-  free(xq);
+  int32_t *xt = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 2));
+  if (!xq || !xs || !xt) abort();
   #pragma omp parallel num_threads(nthreads)
   {
+    /* x's int16 rows and their tiles, a tile of rows per thread at a time (serially they were ~2 % of prefill) */
+    #pragma omp for schedule(static)
+    for (int64_t m0 = 0; m0 < M; m0 += I8_MT) {
+      const int64_t rows = M - m0 < I8_MT ? M - m0 : I8_MT;
+      i8_prepare(at(x, m0 * K, bf16), rows, K, bf16, (uint8_t *)(xq + m0 * K), xs + m0);
+      i8_tile_x(xq, m0, M, K, xt);
+    }
     uint32_t *panel = i8_panel_alloc(K);
     int64_t *total = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M * BF16_NB));
     if (!total) abort();
@@ -1119,6 +1119,7 @@ static void i8_gemm(const void *x, const int8_t *q, const float *scale, const vo
     free(total);
     free(panel);
   }
+  free(xq);
   free(xt);
   free(xs);
 }
