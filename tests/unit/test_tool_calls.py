@@ -127,3 +127,14 @@ def test_template_messages_turn_argument_strings_into_objects():
     assert rendered[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert rendered[1] == messages[1]
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the request is not changed
+
+
+def test_only_readers_that_may_hold_text_back_say_so():
+    """A stream sends one chunk per token for text passed through (tool_choice "none", no tools) and skips the empty
+    deltas of readers that hold text back until they know what it is."""
+    assert make_reader(None, None).passes_text_through
+    assert make_reader(choice("none"), "hermes").passes_text_through
+    for reader in (make_reader(choice("auto"), "hermes"), make_reader(choice("auto", parser="llama3_json"),
+                                                                      "llama3_json"),
+                   make_reader(choice("required"), None)):
+        assert not reader.passes_text_through, type(reader).__name__

@@ -362,10 +362,8 @@ class OpenAIServing:
                 if completion.finish_reason is not None:
                     events += reader.finish()
                 if not completion.finish_reason and not events and (
-                        not completion.token_ids or (tool_choice is not None and not req.logprobs)):
-                    # Nothing new; with tools, nothing to show until the reader knows what the text is (a tool
-                    # call still being read sends no empty deltas). Plain text keeps one chunk per token, as vLLM.
-                    continue
+                        not completion.token_ids or (not reader.passes_text_through and not req.logprobs)):
+                    continue  # nothing new, or a reader holding text (e.g. a tool call being read): no empty delta
                 logprobs = None
                 if req.logprobs and completion.logprobs is not None:
                     logprobs = chat_logprobs(completion.token_ids, completion.logprobs, req.top_logprobs or 0)

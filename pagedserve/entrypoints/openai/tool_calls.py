@@ -156,6 +156,10 @@ def new_call_id() -> str:
 class ToolCallReader:
     """Base: text passes through as content."""
 
+    # Every token's text leaves as it comes (a stream sends a chunk per token, even an empty one, as vLLM); readers
+    # that may hold text back until they know what it is set False, and their streams skip the empty deltas.
+    passes_text_through = True
+
     def __init__(self) -> None:
         self.num_calls = 0
 
@@ -175,6 +179,8 @@ class ToolCallReader:
 class NamedFunctionReader(ToolCallReader):
     """tool_choice names a function: the whole output is its arguments, streamed as they are generated."""
 
+    passes_text_through = False
+
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
@@ -190,6 +196,8 @@ class NamedFunctionReader(ToolCallReader):
 
 class BufferedReader(ToolCallReader):
     """Formats read whole at the end (a JSON array of calls; llama3_json)."""
+
+    passes_text_through = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -258,6 +266,7 @@ class HermesReader(ToolCallReader):
     (possibly in a ``` code fence) is those calls too (held until the end, as it may turn out to be text)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    passes_text_through = False
 
     def __init__(self, tool_names: list[str]) -> None:
         super().__init__()
