@@ -532,7 +532,7 @@ static inline void transpose_lanes(vpairs r[VL]) {
  * run the bf16 linear's tile over it (i8_panels below); every smaller batch takes the integer kernel above, so a
  * row's result does not depend on how many rows run with it (a decode step, a speculative verification's rows
  * and a batch of a few requests give every row the same bits).
- * - AVX2 runs an integer tile over int16 panels instead (i8_gemm, I8_GEMM_ROWS), whose rows keep their exact sums:
+ * - AVX2 runs an integer tile over int16 panels instead (i8_gemm, I8_GEMM), whose rows keep their exact sums:
  *   there every batch size gives a row the same bits.
  * - AVX-512 without BF16 (I8_WIDEN) widens the panels to float32 and takes activations of either dtype.
  * - Below I8_PANEL_ROWS the integer kernel runs on every ISA. Measured on the 2-core Zen 3 for Qwen2.5-0.5B's
@@ -546,7 +546,7 @@ static inline void transpose_lanes(vpairs r[VL]) {
 /* AVX2: prefill-sized batches take the integer tile (i8_gemm) instead of float32 panels: 1.3-1.4x on Qwen2.5-0.5B's
  * shapes (AVX2 build on an AMX Xeon). Below, the block kernel stays: at 17-56 rows the tile was 1.1x faster for
  * gate/up but 0.8-0.9x for the down projection (K = 4864). */
-#define I8_GEMM_ROWS I8_PANEL_ROWS
+#define I8_GEMM 1
 #endif
 #if PS_ISA == 256 || !defined(__AVX512BF16__)
 #define I8_WIDEN 1
@@ -974,7 +974,7 @@ static inline __attribute__((always_inline)) void i8_fill_panel(const int8_t *q,
       for (int r = 0; r < VL; ++r) {
         const int64_t n = nb * BF16_NB + j0 + r;  /* q_packed[n / 4][k / 64][n % 4][k % 64] */
         const int8_t *p = q + (n / 4) * 4 * K + (k / 64) * 256 + (n % 4) * 64 + k % 64;
-#ifdef I8_GEMM_ROWS
+#ifdef I8_GEMM
         rows[r] = n >= N ? pairs_zero() : int16 ? i8_i16_pairs(p) : i8_bf16_pairs(p);
 #else
         (void)int16;
@@ -1006,8 +1006,8 @@ static uint32_t *i8_panel_alloc(int64_t K) {
   return panel;
 }
 
-#ifdef I8_GEMM_ROWS
-/* AVX2, prefill-sized batches (I8_GEMM_ROWS rows and more): the integer kernel's products in a tile. Each block of
+#ifdef I8_GEMM
+/* AVX2, prefill-sized batches (I8_PANEL_ROWS rows and more): the integer kernel's products in a tile. Each block of
  * BF16_NB outputs is widened once into a panel of int16 pairs, p[K / 2][BF16_NB] (i8_fill_panel), and the tile runs
  * I8_MT rows of x over it, one broadcast pair of int16 columns a row and step: vpmaddwd multiplies 16 pairs and
  * adds each pair's two products, so a step is 2 I8_MT vpmaddwd + as many vpaddd for 32 I8_MT products, where the
@@ -1019,8 +1019,8 @@ static uint32_t *i8_panel_alloc(int64_t K) {
 #define I8_MT 6       /* rows of x per tile: 12 sums, 2 weight registers and a broadcast (15 of 16) */
 #define I8_FLUSH 256  /* pairs of columns per int32 run */
 
-/* x's int16 rows (i8_prepare) as the tile reads them: xt[tile][K / 2][rows] pairs, so a step's broadcasts come
- * from one sequential stream. */
+/* The tile of rows from m0 of x's int16 rows (i8_prepare) as the tile reads it, into xt[tile][K / 2][rows] pairs, so
+ * a step's broadcasts come from one sequential stream. */
 static void i8_tile_x(const int16_t *xq, int64_t m0, int64_t M, int64_t K, int32_t *xt) {
   const int64_t rows = M - m0 < I8_MT ? M - m0 : I8_MT;
   int32_t *t = xt + m0 * K / 2;
@@ -1123,6 +1123,13 @@ static void i8_gemm(const void *x, const int8_t *q, const float *scale, const vo
   free(xt);
   free(xs);
 }
+#define i8_prefill i8_gemm
+/* Rows whose int16 copy stays in L2 while the panels pass over it, at least I8_PANEL_ROWS. */
+static int64_t i8_prefill_chunk(int64_t M, int64_t K) {
+  const int64_t fit = ((int64_t)256 << 10) / (2 * K) / I8_MT * I8_MT;
+  (void)M;
+  return fit < I8_PANEL_ROWS ? I8_PANEL_ROWS : fit;
+}
 #elif I8_WIDEN
 /* x of either dtype, widened to float32 once (bf16_tile_x); the float32 tile over each panel. */
 static void i8_panels(const void *x, const int8_t *q, const float *scale, const void *bias, void *y, int64_t M,
@@ -1203,6 +1210,14 @@ static void i8_panels(const void *x, const int8_t *q, const float *scale, const 
 #ifdef PS_AMX
   free(tail);
 #endif
+}
+#endif
+#ifndef I8_GEMM
+#define i8_prefill i8_panels
+/* Rows that stay in L2, as ps_linear_bf16's, but at least I8_PANEL_ROWS, each panel's fill paid over that many
+ * (AVX2's 12-row chunks at K = 4864 made the down projection 1.3x slower). */
+static int64_t i8_prefill_chunk(int64_t M, int64_t K) {
+  return bf16_chunk_rows(M, K) < I8_PANEL_ROWS ? I8_PANEL_ROWS : bf16_chunk_rows(M, K);
 }
 #endif
 
@@ -1326,27 +1341,13 @@ int ps_amx_int8(void) {
 
 void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
                   void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
-#ifdef I8_GEMM_ROWS
-  if (M >= I8_GEMM_ROWS) {
-    /* In chunks of rows whose int16 copy stays in L2 while the panels pass over it, at least I8_PANEL_ROWS. */
-    const int64_t fit = ((int64_t)256 << 10) / (2 * K) / I8_MT * I8_MT;
-    const int64_t chunk = fit < I8_PANEL_ROWS ? I8_PANEL_ROWS : fit;
+  if (M >= I8_PANEL_ROWS && (I8_WIDEN || bf16)) {  /* prefill: the integer tile (AVX2) or the panels */
+    const int64_t chunk = i8_prefill_chunk(M, K);
     for (int64_t m = 0; m < M; m += chunk)
-      i8_gemm(at(x, m * K, bf16), q, scale, bias, (void *)at(y, m * N, bf16), M - m < chunk ? M - m : chunk, N, K,
-              bf16, nthreads);
+      i8_prefill(at(x, m * K, bf16), q, scale, bias, (void *)at(y, m * N, bf16), M - m < chunk ? M - m : chunk, N, K,
+                 bf16, nthreads);
     return;
   }
-#else
-  if (M >= I8_PANEL_ROWS && (I8_WIDEN || bf16)) {
-    /* In chunks of rows that stay in L2, as ps_linear_bf16, but at least I8_PANEL_ROWS, each panel's fill paid
-     * over that many (AVX2's 12-row chunks at K = 4864 made the down projection 1.3x slower). */
-    const int64_t chunk = bf16_chunk_rows(M, K) < I8_PANEL_ROWS ? I8_PANEL_ROWS : bf16_chunk_rows(M, K);
-    for (int64_t m = 0; m < M; m += chunk)
-      i8_panels(at(x, m * K, bf16), q, scale, bias, (void *)at(y, m * N, bf16), M - m < chunk ? M - m : chunk, N, K,
-                bf16, nthreads);
-    return;
-  }
-#endif
 #ifdef PS_AMX_I8
   const int amx = amx_ready && M >= I8_AMX_ROWS;
 #else
