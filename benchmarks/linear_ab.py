@@ -1,11 +1,11 @@
 """One linear kernel (`ps_linear_bf16` or `ps_linear_i8`), an older commit's against the working tree's, taking turns.
 
 Both versions of pagedserve/kernels/cpu_kernels.c are compiled side by side (attention_ab.side_by_side: -O3
--march=native, or x86-64-v3 with --avx2; AMX stays off unless --amx) and called through ctypes on the same inputs: Qwen2.5-0.5B's linear
-shapes (gate/up 9728x896, down 896x4864, q/k/v 1152x896), random weights packed once by this tree's kernels (the
-layouts must not have changed between the two commits), in enough copies to stream from memory as a model's
-layers do, bf16 activations, M rows of x. The outputs must be bit-identical (the check fails otherwise); the time
-is the median of repeats taking turns (the order flipped every repeat), per call.
+-march=native, or x86-64-v3 with --avx2; AMX stays off unless --amx) and called through ctypes on the same inputs:
+Qwen2.5-0.5B's linear shapes (gate/up 9728x896, down 896x4864, q/k/v 1152x896), random weights packed once by this
+tree's kernels (the layouts must not have changed between the two commits), in enough copies to stream from memory
+as a model's layers do, bf16 activations, M rows of x. The outputs must be bit-identical (the check fails
+otherwise); the time is the median of repeats taking turns (the order flipped every repeat), per call.
 
     python benchmarks/linear_ab.py --before COMMIT [--avx2 | --amx] [--kind bf16|int8] [--rows 1 2 5 9 16] [--mib 200]
 """
@@ -65,12 +65,11 @@ def main() -> int:
             weight = torch.randn(n, k)
             if args.kind == "bf16":
                 packed = kernels.pack_bf16(weight.bfloat16())
-                weights = [packed.clone() for _ in range(copies)]
             else:
                 qweight, scales = quantize_int8_per_channel(weight)
                 sums = kernels.row_sums(qweight)
                 packed = kernels.pack_rows(qweight)
-                weights = [packed.clone() for _ in range(copies)]
+            weights = [packed.clone() for _ in range(copies)]
 
             def call(lib: ctypes.CDLL, w, x, y) -> None:
                 m = x.shape[0]
