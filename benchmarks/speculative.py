@@ -144,8 +144,8 @@ def run_pagedserve(llm, jobs: dict[str, tuple[list[int], int]]) -> dict[str, dic
     return out
 
 
-def run_llama_cpp(python: str, path: str, mode: str, jobs: dict) -> dict[str, dict]:
-    result = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT, path, mode, str(SPEC["num_speculative_tokens"]),
+def run_llama_cpp(python: str, path: str, mode: str, jobs: dict, k: int) -> dict[str, dict]:
+    result = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT, path, mode, str(k),
                              json.dumps(jobs)], capture_output=True, text=True, timeout=1800)
     for line in result.stdout.splitlines():
         if line.startswith("### RESULTS "):
@@ -166,12 +166,13 @@ def real_model_rows(name: str, args: argparse.Namespace) -> list[dict]:
     # No prefix caching: every round prefills its prompt, as a new editing request would.
     kwargs = dict(max_model_len=2048, enable_prefix_caching=False, dtype=args.dtype)
     plain = LLM(path, **kwargs)
-    spec = LLM(path, speculative_config=SPEC, **kwargs)
+    spec = LLM(path, speculative_config=args.spec, **kwargs)
     jobs = {w: (chat_prompt(plain, text), max_tokens) for w, (text, max_tokens) in WORKLOADS.items()}
     systems = {"pagedserve": lambda: run_pagedserve(plain, jobs), "pagedserve + ngram": lambda: run_pagedserve(spec, jobs)}
+    k = args.spec["num_speculative_tokens"]
     if args.llama_cpp_python:
-        systems["llama.cpp"] = lambda: run_llama_cpp(args.llama_cpp_python, path, "plain", jobs)
-        systems["llama.cpp + lookup"] = lambda: run_llama_cpp(args.llama_cpp_python, path, "lookup", jobs)
+        systems["llama.cpp"] = lambda: run_llama_cpp(args.llama_cpp_python, path, "plain", jobs, k)
+        systems["llama.cpp + lookup"] = lambda: run_llama_cpp(args.llama_cpp_python, path, "lookup", jobs, k)
     runs: dict[str, list[dict]] = {system: [] for system in systems}
     for round_index in range(args.rounds):
         for system in rotated(list(systems), round_index):
@@ -206,7 +207,7 @@ def random_rows(args: argparse.Namespace) -> list[dict]:
     model = build_random_model("qwen2.5-0.5b-shape-random", QWEN05_SHAPE,
                                args.out_dir / "models" / "qwen2.5-0.5b-shape-random", default_gguf_path())
     plain = LLM(model["path"], max_model_len=1024)
-    spec = LLM(model["path"], max_model_len=1024, speculative_config=SPEC)
+    spec = LLM(model["path"], max_model_len=1024, speculative_config=args.spec)
     vocab = plain.engine.config.model.hf_config.vocab_size
     import random
 
@@ -252,7 +253,7 @@ def format_report(real: list[dict], random_: list[dict], args: argparse.Namespac
         "# Speculative decoding: n-gram prompt lookup",
         "",
         f"`python benchmarks/speculative.py --rounds {args.rounds}`, CPU class {cpu_class()}, {os.cpu_count()} cores, "
-        f"`--speculative-config '{json.dumps(SPEC)}'`, `--dtype {args.dtype}`, no prefix caching; batch 1, greedy, "
+        f"`--speculative-config '{json.dumps(args.spec)}'`, `--dtype {args.dtype}`, no prefix caching; batch 1, greedy, "
         f"chat template, each request to its natural end or its max_tokens; output tokens / wall time of the request "
         f"(prefill included), in brackets (output tokens - 1) / time from the first to the last token, medians of "
         f"{args.rounds} "
@@ -296,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp-python", default=None, help="python of a venv with llama-cpp-python")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "out")
     parser.add_argument("--report", type=Path, default=None, help="write the markdown report here")
+    parser.add_argument("--speculative-config", dest="spec", type=json.loads, default=SPEC,
+                        help=f"the speculative engine's config (default {json.dumps(SPEC)})")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     real = [row for name in args.models.split(",") if name for row in real_model_rows(name, args)]

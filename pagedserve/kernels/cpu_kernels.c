@@ -389,12 +389,13 @@ static inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const uint8_t *planes, int64_t M,
-                                                           int64_t m, const int C, const int32_t *wsum,
-                                                           int64_t K, float acc[4][2]) {
-  (void)M; (void)wsum;
+/* i8_block's sums with the prefetches aimed at `ahead` (k * 4 bytes on as the block streams): each weight is widened
+ * once for the C rows of x from row m. */
+static inline __attribute__((always_inline)) void i8_block_ahead(const int8_t *w, const int16_t *x, int64_t m,
+                                                                 const int C, int64_t K, const int8_t *ahead,
+                                                                 float acc[4][2]) {
   const int16_t *xr[2];
-  for (int c = 0; c < 2; ++c) xr[c] = (const int16_t *)planes + (m + (c < C ? c : 0)) * K;
+  for (int c = 0; c < 2; ++c) xr[c] = x + (m + (c < C ? c : 0)) * K;
   int64_t total[4][2] = {{0}};
   for (int64_t k0 = 0; k0 < K; k0 += I8_SEGMENT) {
     const int64_t k1 = K - k0 < I8_SEGMENT ? K : k0 + I8_SEGMENT;
@@ -402,7 +403,7 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_si256();
     for (int64_t k = k0; k < k1; k += 64) {
-      i8_prefetch(w + k * 4 + I8_AHEAD);
+      i8_prefetch(ahead + k * 4);
       for (int g = 0; g < 64; g += 16) {
         __m256i wv[4];
         for (int r = 0; r < 4; ++r) wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k * 4 + r * 64 + g)));
@@ -419,15 +420,24 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
     for (int c = 0; c < C; ++c) acc[r][c] = (float)total[r][c];
 }
 
+static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const uint8_t *planes, int64_t M,
+                                                           int64_t m, const int C, const int32_t *wsum,
+                                                           int64_t K, float acc[4][2]) {
+  (void)M; (void)wsum;
+  i8_block_ahead(w, (const int16_t *)planes, m, C, K, w + I8_AHEAD, acc);
+}
+
 /* One row of x against two weight blocks (8 weight rows) far apart in memory: decode then streams two runs
  * per thread (one run per thread held the 2-core Zen 3 at ~20 GB/s of its ~30, with the kernel able to take
- * 30 GB/s a core from cache). Exact integer sums, as i8_block's (bit-equal). With more rows of x the pair is
- * run once per row: the first run brings the blocks in (1 KiB ahead), the second fetches the thread's next pair
- * (`next0`, `next1`) while the later rows compute on blocks already in L1; without that, the rows after the
- * first ran with no memory traffic (5 rows took 2.5x one row's time where computing them takes 1.3x). */
+ * 30 GB/s a core from cache). Exact integer sums, as i8_block's (bit-equal). Every batch below the prefill tile
+ * takes the pair (I8_PAIRS): the first row's run brings the blocks in (1 KiB ahead); the later rows then run
+ * i8_block_ahead on each block of the pair, now in L1/L2, two rows per widened weight, and the first of those
+ * passes fetches the thread's next pair. Without that fetch the later rows ran with no memory traffic (5 rows
+ * took 2.5x one row's time where computing them takes 1.3x); with a run of the pair per row (each weight
+ * widened once per row) 5 rows took 1.8x, and 17-63 rows took the block loop below (AVX2 build of an AMX Xeon,
+ * weights streamed: 5 rows 1.12x, 9 rows 1.16-1.44x, 17 rows 1.07-1.28x faster now). A batch of two rows keeps
+ * a run per row: its second run fetches the next pair. */
 #define I8_PAIRS 1
-#define I8_PAIR_ROWS 16  /* above, widening the weights once per row costs more than the streams gain (measured
-                          * on the AVX2 build of an AMX Xeon: 5 rows 2.7x -> 1.8x one row, 24 rows 10 % slower) */
 static inline __attribute__((always_inline)) void i8_block_pair(const int8_t *w0, const int8_t *w1,
                                                                 const int16_t *x, int64_t K,
                                                                 const int8_t *next0, const int8_t *next1,
@@ -1369,18 +1379,31 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
 #endif
   int64_t first = 0;  /* the rows before it were done in pairs of blocks */
 #ifdef I8_PAIRS
-  if (M <= I8_PAIR_ROWS) {  /* block i with block i + half, one row of x at a time */
+  {  /* block i with block i + half */
     const int64_t half = N / 8;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < half; ++i) {
       const int8_t *w0 = q + i * 4 * K, *w1 = q + (i + half) * 4 * K;
       const int64_t next = i + 1 < half ? 4 * K : 0;  /* the thread's next pair (static schedule) */
-      for (int64_t m = 0; m < M; ++m) {
+      const int64_t single = M == 2 ? 2 : 1;  /* rows that stream the pair one row at a time */
+      for (int64_t m = 0; m < single; ++m) {
         const int64_t ahead = m == 1 ? next : I8_AHEAD;  /* where this row's pass prefetches */
         float acc[2][4];
         i8_block_pair(w0, w1, (const int16_t *)planes + m * K, K, w0 + ahead, w1 + ahead, acc);
         for (int b = 0; b < 2; ++b)
           for (int r = 0; r < 4; ++r) i8_store(y, bias, scale, xs[m], acc[b][r], m, (i + b * half) * 4 + r, N, bf16);
+      }
+      for (int64_t m = single; m < M; m += 2) {  /* the pair is in cache now: one widened weight, two rows */
+        for (int b = 0; b < 2; ++b) {
+          const int8_t *w = b ? w1 : w0, *ahead = m == 1 ? w + next : w;  /* the first pass fetches the next pair */
+          float acc[4][2];
+          const int C = M - m > 1 ? 2 : 1;
+          if (C == 2) i8_block_ahead(w, (const int16_t *)planes, m, 2, K, ahead, acc);  /* C a constant: the */
+          else i8_block_ahead(w, (const int16_t *)planes, m, 1, K, ahead, acc);  /* sums stay in registers */
+          for (int c = 0; c < C; ++c)
+            for (int r = 0; r < 4; ++r)
+              i8_store(y, bias, scale, xs[m + c], acc[r][c], m + c, (i + b * half) * 4 + r, N, bf16);
+        }
       }
     }
     first = 8 * half;
