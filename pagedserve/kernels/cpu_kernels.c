@@ -1747,66 +1747,122 @@ static void weighted_sums(const float *w, int64_t w_stride, int64_t n, const flo
   }
 }
 
+/* Rows that read the same context: row b joins the run of row b - 1 when its context is that row's plus one
+ * position (lens[b] == lens[b - 1] + 1, the same slots before it), as the 1 + k rows of a speculative
+ * verification are. run[b] = the run's length at its first row, 0 inside a run; a run is cut into pieces so
+ * that the batch gives each thread about two tasks (one per piece and KV head), and at MAX_RUN rows. */
+#define MAX_RUN 16
+static void context_runs(const int64_t *slots, const int64_t *lens, int64_t B, int64_t Hkv, int64_t max_len,
+                         int nthreads, int64_t *run) {
+  int64_t runs = 0;
+  for (int64_t b = 0, first = 0; b < B; ++b) {
+    const int joins = b > 0 && lens[b] == lens[b - 1] + 1 &&
+                      !memcmp(slots + b * max_len, slots + (b - 1) * max_len, sizeof(int64_t) * (size_t)lens[b - 1]);
+    if (!joins) {
+      first = b;
+      ++runs;
+    }
+    run[b] = 0;
+    ++run[first];
+  }
+  const int64_t tasks = runs * Hkv, want = 2 * (int64_t)nthreads;
+  const int64_t pieces = tasks >= want ? 1 : (want + tasks - 1) / tasks;  /* per run */
+  for (int64_t b = 0; b < B;) {
+    const int64_t n = run[b];
+    int64_t piece = (n + pieces - 1) / pieces;
+    piece = piece > MAX_RUN ? MAX_RUN : piece;
+    for (int64_t r = 0; r < n; ++r) run[b + r] = r % piece ? 0 : (n - r < piece ? n - r : piece);
+    b += n;
+  }
+}
+
 /* One query token per sequence attends over its context in the paged KV pool.
  * q: [B, Hq, D] with row stride q_stride (elements) between sequences; k_cache/v_cache: [S, Hkv, D];
  * slots: [B, max_len] int64 (slot of each context position); lens: [B]; out: [B, Hq, D] contiguous.
  * Scores, softmax and the weighted sum run in float32, with torch's roundings in bf16 (see
  * softmax_weights), so greedy tokens stay those of transformers' SDPA path. D % 16 == 0, D <= 256.
- * Where several query heads share a KV head, they share each chunk of its rows (ATTN_CHUNK). */
+ * Where several query heads share a KV head, they share each chunk of its rows (ATTN_CHUNK), and so do the rows
+ * of a run (context_runs: a verification's 1 + k rows read one widened copy of the context, not 1 + k). Each row
+ * and head takes the same operations in the same order as it would alone (its own chunk lengths, hence its own
+ * blocks and tail), so its result does not depend on the rows beside it. */
 void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *slots, const int64_t *lens, void *out, int64_t B, int64_t Hq,
                          int64_t Hkv, int64_t D, int64_t max_len, float scale, int bf16, int nthreads) {
   const int64_t group = Hq / Hkv, nv = D / VL;
+  int64_t *run = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
+  if (!run) abort();
+  context_runs(slots, lens, B, Hkv, max_len, nthreads, run);
+  int64_t most = 1;  /* rows in the longest piece */
+  for (int64_t b = 0; b < B; ++b) most = run[b] > most ? run[b] : most;
   #pragma omp parallel num_threads(nthreads)
   {
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_len + VL));
-    float *acc = (float *)malloc(sizeof(float) * (size_t)(group * D));
-    float *inv_sum = (float *)malloc(sizeof(float) * (size_t)group);
-    float *mx = (float *)malloc(sizeof(float) * (size_t)group);
-    float *rows = group > 1 ? (float *)malloc(sizeof(float) * (size_t)(ATTN_CHUNK * D)) : NULL;
+    const size_t heads = (size_t)(most * group);  /* (row of the run, head of the group) */
+    float *scores = (float *)malloc(sizeof(float) * (heads * (size_t)max_len + VL));
+    float *acc = (float *)malloc(sizeof(float) * heads * (size_t)D);
+    float *inv_sum = (float *)malloc(sizeof(float) * heads);
+    float *mx = (float *)malloc(sizeof(float) * heads);
+    float *rows = (float *)malloc(sizeof(float) * (size_t)(ATTN_CHUNK * D));
+    if (!scores || !acc || !inv_sum || !mx || !rows) abort();
     int64_t iota[ATTN_CHUNK];  /* the widened rows' own "slots" */
     for (int64_t l = 0; l < ATTN_CHUNK; ++l) iota[l] = l;
     #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * Hkv; ++task) {
-      const int64_t b = task / Hkv, kvh = task % Hkv, len = lens[b];
-      const int64_t *slot = slots + b * max_len;
-      /* scores (group 1: straight from the pool, since a widened copy read by one head only cost 1.19x at
-       * 32 x 1000 positions; else chunk by chunk from the widened rows) */
-      const int64_t chunk = group > 1 ? ATTN_CHUNK : len;
-      for (int64_t c0 = 0; c0 < len; c0 += chunk) {
-        const int64_t n = len - c0 < chunk ? len - c0 : chunk;
-        if (group > 1) widen_rows(k_cache, slot + c0, n, Hkv, kvh, D, bf16, rows);
-        for (int64_t g = 0; g < group; ++g) {
-          vf qv[MAX_HEAD_VECS];
-          const int64_t h = kvh * group + g;
-          for (int64_t i = 0; i < nv; ++i) qv[i] = vload(at(q, b * q_stride + h * D + i * VL, bf16), bf16);
-          float *s = scores + g * max_len + c0;
-          float m;
-          if (group == 1)
-            m = attention_scores(qv, nv, k_cache, slot, n, Hkv, kvh, D, scale, bf16, s);
-          else if (D == 64)
-            m = row_scores(qv, rows, n, scale, s, 64 / VL);
-          else if (D == 128)
-            m = row_scores(qv, rows, n, scale, s, 128 / VL);
-          else
-            m = attention_scores(qv, nv, rows, iota, n, 1, 0, D, scale, 0, s);
-          mx[g] = c0 == 0 || m > mx[g] ? m : mx[g];
+      const int64_t b0 = task / Hkv, kvh = task % Hkv, R = run[b0];
+      if (R == 0) continue;  /* a row inside a run: its first row's task does it */
+      const int64_t len_max = lens[b0 + R - 1], *slot = slots + (b0 + R - 1) * max_len;  /* the longest row */
+      /* Widened rows unless one head alone reads them (group 1 and one row: straight from the pool, since a
+       * widened copy read by one head only cost 1.19x at 32 x 1000 positions); chunk by chunk */
+      const int widen = group > 1 || R > 1;
+      const int64_t chunk = widen ? ATTN_CHUNK : len_max;
+      for (int64_t c0 = 0; c0 < len_max; c0 += chunk) {
+        const int64_t n_max = len_max - c0 < chunk ? len_max - c0 : chunk;
+        if (widen) widen_rows(k_cache, slot + c0, n_max, Hkv, kvh, D, bf16, rows);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t b = b0 + r, len = lens[b];
+          if (c0 >= len) continue;
+          const int64_t n = len - c0 < chunk ? len - c0 : chunk;  /* this row's own chunk, as alone */
+          for (int64_t g = 0; g < group; ++g) {
+            vf qv[MAX_HEAD_VECS];
+            const int64_t h = kvh * group + g, rg = r * group + g;
+            for (int64_t i = 0; i < nv; ++i) qv[i] = vload(at(q, b * q_stride + h * D + i * VL, bf16), bf16);
+            float *sc = scores + rg * max_len + c0;
+            float m;
+            if (!widen)
+              m = attention_scores(qv, nv, k_cache, slot, n, Hkv, kvh, D, scale, bf16, sc);
+            else if (D == 64)
+              m = row_scores(qv, rows, n, scale, sc, 64 / VL);
+            else if (D == 128)
+              m = row_scores(qv, rows, n, scale, sc, 128 / VL);
+            else
+              m = attention_scores(qv, nv, rows, iota, n, 1, 0, D, scale, 0, sc);
+            mx[rg] = c0 == 0 || m > mx[rg] ? m : mx[rg];
+          }
         }
       }
-      for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_weights(scores + g * max_len, len, mx[g], bf16);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < group; ++g)
+          inv_sum[r * group + g] = softmax_weights(scores + (r * group + g) * max_len, lens[b0 + r],
+                                                   mx[r * group + g], bf16);
       /* the weighted sums of V, chunk by chunk as the scores */
-      for (int64_t c0 = 0; c0 < len; c0 += chunk) {
-        const int64_t n = len - c0 < chunk ? len - c0 : chunk;
-        if (group > 1) widen_rows(v_cache, slot + c0, n, Hkv, kvh, D, bf16, rows);
-        if (group > 1)
-          weighted_sums(scores + c0, max_len, n, rows, iota, D, acc, group, c0 > 0);
-        else
-          weighted_sum_d(scores + c0, n, v_cache, slot, Hkv, kvh, D, bf16, acc, c0 > 0);
+      for (int64_t c0 = 0; c0 < len_max; c0 += chunk) {
+        const int64_t n_max = len_max - c0 < chunk ? len_max - c0 : chunk;
+        if (widen) widen_rows(v_cache, slot + c0, n_max, Hkv, kvh, D, bf16, rows);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t len = lens[b0 + r];
+          if (c0 >= len) continue;
+          const int64_t n = len - c0 < chunk ? len - c0 : chunk;
+          float *sc = scores + r * group * max_len + c0, *ar = acc + r * group * D;
+          if (widen)
+            weighted_sums(sc, max_len, n, rows, iota, D, ar, group, c0 > 0);
+          else
+            weighted_sum_d(sc, n, v_cache, slot, Hkv, kvh, D, bf16, ar, c0 > 0);
+        }
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < nv; ++i)
-          vstore((void *)at(out, (b * Hq + kvh * group + g) * D + i * VL, bf16),
-                 vmul(vloadf(acc + g * D + i * VL), vset1(inv_sum[g])), bf16);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t i = 0; i < nv; ++i)
+            vstore((void *)at(out, ((b0 + r) * Hq + kvh * group + g) * D + i * VL, bf16),
+                   vmul(vloadf(acc + (r * group + g) * D + i * VL), vset1(inv_sum[r * group + g])), bf16);
     }
     free(scores);
     free(acc);
@@ -1814,6 +1870,7 @@ void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, c
     free(mx);
     free(rows);
   }
+  free(run);
 }
 
 /* ---- the whole decoder stack for a decode-only batch ------------------------------------------------ */

@@ -216,6 +216,31 @@ def test_decode_attention_grouped_heads_equal_each_head_alone(kernels, dtype, hq
         assert torch.equal(alone[:, 0], grouped[:, h]), f"query head {h}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (4, 4, 64), (6, 2, 128), (4, 2, 96)])
+def test_decode_attention_rows_of_one_context_equal_each_row_alone(kernels, dtype, hq, hkv, d):
+    """Rows whose contexts are one another's plus a position (a speculative verification's 1 + k rows) share
+    each widened chunk of it; each row's output must be bit-equal to the row attending alone. Runs that cross
+    chunk borders (63 .. 67, 127 .. 145: longer than one piece of MAX_RUN rows), a run of one, a row with the
+    same length but other slots (not in the run), one query head per KV head (4, 4) and the generic D = 96."""
+    torch.manual_seed(hq * d + 1)
+    num_slots, max_len = 400, 160
+    k_cache = torch.randn(num_slots, hkv, d).to(dtype)
+    v_cache = torch.randn(num_slots, hkv, d).to(dtype)
+    shared, other = torch.randperm(num_slots)[:max_len], torch.randperm(num_slots)[:max_len]
+    lens = list(range(63, 68)) + [30] + list(range(127, 146)) + [146]
+    tables = [shared] * (len(lens) - 1) + [other]  # the last row: one more position, but another context
+    slots = torch.stack(tables)
+    lens = torch.tensor(lens, dtype=torch.int64)
+    q = torch.randn(len(lens), hq, d).to(dtype)
+    scale = d ** -0.5
+    together = kernels.decode_attention(q, k_cache, v_cache, slots, lens, scale)
+    _close(together, _reference_decode(q, k_cache, v_cache, slots, lens, scale), dtype, "decode_attention")
+    for b in range(len(lens)):
+        alone = kernels.decode_attention(q[b:b + 1], k_cache, v_cache, slots[b:b + 1], lens[b:b + 1], scale)
+        assert torch.equal(alone[0], together[b]), f"row {b} (context {int(lens[b])})"
+
+
 # decode batches take the integer kernel, prefill-sized bf16 ones its bf16 panels; float32 ones above
 # kernels.int8_max_rows (AVX512-BF16 only: 32) the dequantized matmul
 @pytest.mark.parametrize("dtype", DTYPES)
