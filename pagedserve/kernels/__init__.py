@@ -102,7 +102,7 @@ class CpuKernels:
         # bf16 linears on AMX tiles where the library was built with them and Linux grants the tile state
         # (every batch size, so a row's result never depends on the rows beside it); else vdpbf16ps / FMAs.
         self.amx = bool(lib.ps_amx_init(int(envs.cpu_amx_enabled())))
-        self.amx_int8 = bool(lib.ps_amx_int8())  # int8 linears' 6-63-row batches on AMX-INT8 tiles too
+        self.amx_int8 = bool(lib.ps_amx_int8())  # int8 linears' 2-63-row batches on AMX-INT8 tiles too
         self.bf16_block = lib.ps_bf16_block()  # outputs per block of the packed bf16 layout
         self._bf16_dot = bool(lib.ps_has_bf16_dot())
 

@@ -1237,12 +1237,14 @@ static int64_t i8_prefill_chunk(int64_t M, int64_t K) {
  * vpdpbusd) with a tile of signed weight bytes, 16 groups of 4 columns x 16 outputs, into 16 x 16 int32 sums.
  * The products and sums are the same exact integers as vpdpbusd's, flushed at the same I8_SEGMENT, so a row's
  * result is bit for bit the one the vector kernel gives it (rows still never depend on the batch), at several
- * times its rate from ~6 rows (the vector kernel is compute-bound there: on the 2-core AMX Xeon, Qwen2.5-0.5B's
- * linears at 32 rows took 2.4 ms a layer, 1.1 on AMX, 0.7 for the bf16 linear on AMX; equal at 6 rows).
+ * times its rate at larger batches (the vector kernel is compute-bound there: on the 2-core AMX Xeon, Qwen2.5-0.5B's
+ * linears at 32 rows took 2.4 ms a layer, 1.1 on AMX, 0.7 for the bf16 linear on AMX) and from 2 rows on already
+ * ahead of it with the weights streamed from memory (Qwen2.5-0.5B's shapes, 3-5 rows: 1.05-1.17x; 2 rows
+ * 0.99-1.10x), which a speculative verification's 1 + k rows gain from.
  * Outputs come 32 at a time (two weight tiles); tiles: 0-3 the hi/lo sums of the two groups of 16 outputs,
  * 4-5 the hi/lo planes of x, 6-7 the weights. */
 #define PS_AMX_I8 1
-#define I8_AMX_ROWS 6
+#define I8_AMX_ROWS 2
 #define I8_AMX_NB 32
 
 /* Outputs n0 .. n0 + 31 as weight tiles, b[K / 64][2][16 column groups][16 outputs][4]: each output's 64 bytes of
@@ -1340,7 +1342,7 @@ static void i8_rows_amx(const int8_t *q, const uint8_t *planes, const float *xs,
 }
 #endif
 
-/* 1 where int8 linears run their 6-63-row batches on AMX-INT8 tiles (built with them, and Linux granted AMX). */
+/* 1 where int8 linears run their 2-63-row batches on AMX-INT8 tiles (built with them, and Linux granted AMX). */
 int ps_amx_int8(void) {
 #ifdef PS_AMX_I8
   return amx_ready;
