@@ -91,9 +91,10 @@ class CpuKernels:
     """Typed entry points over the C library; each takes torch CPU tensors and checks the dtypes, shapes
     and contiguity the C code relies on (`check`: a ValueError naming the argument, never a wild read)."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: ctypes.CDLL, path: Path, build: str = "native") -> None:
         self.lib = lib
         self.path = path
+        self.build = build  # the build asked for (builder.ISA_MARCH: "native", "avx2", "avx512-vnni")
         for name, (args, result) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = args
@@ -426,7 +427,8 @@ def load_status() -> tuple[CpuKernels | None, str]:
 
 @functools.lru_cache(maxsize=None)
 def load(isa: str = "native") -> tuple[CpuKernels | None, str]:
-    """The kernels built for `isa` (builder.ISA_MARCH: "native", or "avx2" on any CPU that runs AVX2),
+    """The kernels built for `isa` (builder.ISA_MARCH: "native", "avx2" on any CPU that runs AVX2, or
+    "avx512-vnni" on any AVX-512 VNNI CPU),
     or None and why not. Each ISA's library loads once; two can be loaded side by side (the tests run
     the AVX2 kernels next to the AVX-512 ones on an AVX-512 CPU)."""
     if not envs.cpu_kernels_enabled():
@@ -438,7 +440,7 @@ def load(isa: str = "native") -> tuple[CpuKernels | None, str]:
         lib = ctypes.CDLL(str(path))
         if lib.ps_isa() not in ISA_NAMES:
             return None, "this CPU has neither AVX-512 (F, BW, VNNI) nor AVX2 + FMA + F16C"
-        kernels = CpuKernels(lib, path)
+        kernels = CpuKernels(lib, path, isa)
         asked = "" if isa == "native" else f", PAGEDSERVE_CPU_ISA={isa}"
         return kernels, f"loaded {path} ({kernels.isa}{', AMX' if kernels.amx else ''}{asked})"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

@@ -36,8 +36,11 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LINK_FLAGS = ("-lm",)
 # The instruction sets a build can be asked for: "native" is the best this CPU runs (-march=native);
 # "avx2" is AVX2 + FMA + F16C only (x86-64-v3, what a Zen 3 or Haswell has), also on an AVX-512 CPU, so
-# that those kernels are tested and measured on any x86 machine of ours (PAGEDSERVE_CPU_ISA=avx2).
-ISA_MARCH = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native")}
+# that those kernels are tested and measured on any x86 machine of ours (PAGEDSERVE_CPU_ISA=avx2);
+# "avx512-vnni" is AVX-512 F/BW/VNNI without BF16 or AMX (Cascade Lake, Ice Lake: the AVX-512 kernels with
+# their float32 paths for bf16), runnable on any AVX-512 VNNI CPU (PAGEDSERVE_CPU_ISA=avx512-vnni).
+ISA_MARCH = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native"),
+             "avx512-vnni": ("-march=cascadelake", "-mtune=native")}
 COMPILE_TIMEOUT_S = 120.0  # one small file: seconds on a loaded 2-core box; a hung compiler must not hang start-up
 KEEP_BUILDS = 3
 

@@ -2,10 +2,11 @@
 
 The AVX-512 tests need an AVX-512 CPU (F, BW, VNNI); the AVX2 ones run on any CPU with AVX2 + FMA + F16C,
 AVX-512 CPUs included (the library is then built for x86-64-v3), so a CI run on either kind of machine
-compiles and checks the AVX2 C, and an AVX-512 machine checks both. A test of an ISA this CPU cannot run skips
-with a message naming the flags it lacks. The fixture loads that ISA's library (pagedserve.kernels.load) and,
-while the tests of a module run, makes `cpu_kernels()` answer with it, so models built in those tests (layers,
-decode stack) run that ISA too.
+compiles and checks the AVX2 C, and an AVX-512 machine checks both. An AVX-512 CPU with BF16 or AMX also runs
+the AVX-512 kernels built without them ("avx512-vnni", -march=cascadelake: the float32 paths of a Cascade Lake
+or Ice Lake). A test of a build this CPU cannot run skips with a message naming the flags it lacks. The fixture
+loads that build's library (pagedserve.kernels.load) and, while the tests of a module run, makes
+`cpu_kernels()` answer with it, so models built in those tests (layers, decode stack) run that build too.
 """
 
 from __future__ import annotations
@@ -14,25 +15,37 @@ import pytest
 
 import pagedserve.kernels
 from pagedserve import envs
-from pagedserve.memory.probe import NATIVE_ISA_FLAGS, cpu_flags, is_x86, native_kernel_isa
+from pagedserve.memory.probe import (AMX_BF16_FLAGS, BF16_DOT_FLAGS, NATIVE_ISA_FLAGS, cpu_flags, is_x86,
+                                     native_kernel_isa)
 
-ISAS = tuple(name for name, _ in NATIVE_ISA_FLAGS)  # ("avx512", "avx2")
+# The builds each kernel test runs: the kernels' two ISAs, and the AVX-512 kernels built without BF16 and AMX
+# (the paths of a Cascade Lake or Ice Lake), which an AVX-512 CPU with them also checks.
+BUILD_ISA = {"avx512": "avx512", "avx512-vnni": "avx512", "avx2": "avx2"}  # build -> the kernels' ISA
+BUILDS = tuple(BUILD_ISA)
 
 
-def kernel_build(isa: str) -> tuple[str | None, str]:
-    """(the build that runs `isa`'s kernels here, or None; why not)."""
+def kernel_build(build: str) -> tuple[str | None, str]:
+    """(the pagedserve.kernels.load build that runs `build` here, or None; why not)."""
     if not is_x86():
         return None, "the native kernels are written for x86-64"
+    isa = BUILD_ISA[build]
     missing = sorted(dict(NATIVE_ISA_FLAGS)[isa] - cpu_flags())
     if missing:
         return None, f"the {isa} kernels need the CPU flags {', '.join(missing)}, which this CPU lacks"
     chosen = envs.cpu_isa()
-    if chosen != "native" and chosen != isa:
-        return None, f"PAGEDSERVE_CPU_ISA={chosen} runs the {chosen} kernels only"
-    return ("native" if native_kernel_isa(cpu_flags()) == isa else isa), ""
+    if chosen != "native":  # a build PAGEDSERVE_CPU_ISA asks for runs its own tests, and only those
+        if chosen != build:
+            return None, f"PAGEDSERVE_CPU_ISA={chosen} runs the {chosen} build only"
+        return chosen, ""
+    native = native_kernel_isa(cpu_flags())
+    if build == "avx512-vnni":
+        if not cpu_flags() & (BF16_DOT_FLAGS | AMX_BF16_FLAGS):
+            return None, "this CPU has no BF16 or AMX: its avx512 build is this one"
+        return build, ""
+    return ("native" if native == isa else isa), ""
 
 
-@pytest.fixture(scope="module", params=ISAS)
+@pytest.fixture(scope="module", params=BUILDS)
 def kernel_build_of(request):
     """(isa, its native kernels or None where this CPU cannot run them, why not); `cpu_kernels()` returns
     those kernels for the rest of the module's tests that use this fixture."""
@@ -48,8 +61,8 @@ def kernel_build_of(request):
 @pytest.fixture(scope="module")
 def kernels(kernel_build_of):
     """The native kernels of one ISA; the test skips where this CPU cannot run that ISA (naming the flags)."""
-    isa, kernels, why = kernel_build_of
+    build, kernels, why = kernel_build_of
     if kernels is None:
-        pytest.skip(f"{isa}: {why}")
-    assert kernels.isa == isa
+        pytest.skip(f"{build}: {why}")
+    assert kernels.isa == BUILD_ISA[build]
     return kernels

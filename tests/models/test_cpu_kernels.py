@@ -28,7 +28,7 @@ def _native_isa() -> str | None:
         return None
     if platform.machine() != "x86_64":
         return None
-    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags and envs.cpu_isa() == "native":
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags and envs.cpu_isa() in ("native", "avx512-vnni"):
         return "avx512"
     if {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
@@ -326,6 +326,8 @@ def _require_amx(kernels, flags: set[str] | frozenset[str]) -> None:
         pytest.skip("PAGEDSERVE_CPU_AMX=0: the vector kernel runs")
     if kernels.isa != "avx512":
         pytest.skip(f"the {kernels.isa} build has no AMX path (it is built for AVX-512 CPUs)")
+    if kernels.build == "avx512-vnni":
+        pytest.skip("the avx512-vnni build is for AVX-512 CPUs without BF16 or AMX")
     assert kernels.amx, "the CPU has AMX but the kernels did not turn it on (no tile state from Linux?)"
 
 

@@ -116,14 +116,15 @@ def test_an_avx2_build_is_its_own_library_for_x86_64_v3(tmp_path):
         kb.compile_flags("avx1024")
 
 
-def test_the_isa_variable_takes_native_or_avx2_and_names_the_fix(monkeypatch):
+def test_the_isa_variable_takes_native_avx2_or_avx512_vnni_and_names_the_fix(monkeypatch):
     from pagedserve import envs
 
-    for value, isa in (("", "native"), ("AVX2", "avx2"), ("native", "native")):
+    for value, isa in (("", "native"), ("AVX2", "avx2"), ("native", "native"), ("avx512-VNNI", "avx512-vnni")):
         monkeypatch.setenv("PAGEDSERVE_CPU_ISA", value)
         assert envs.cpu_isa() == isa
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx512")  # the best ISA is what "native" already picks
-    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA='avx512' is not one of native, avx2; unset it"):
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA='avx512' is not one of native, avx2, avx512-vnni; "
+                                         "unset it"):
         envs.cpu_isa()
 
 
