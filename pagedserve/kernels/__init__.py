@@ -106,6 +106,9 @@ class CpuKernels:
         self.amx_int8 = bool(lib.ps_amx_int8())  # int8 linears' 2-63-row batches on AMX-INT8 tiles too
         self.bf16_block = lib.ps_bf16_block()  # outputs per block of the packed bf16 layout
         self._bf16_dot = bool(lib.ps_has_bf16_dot())
+        # prefill-sized int8 batches: an integer tile with the decode kernel's exact sums (AVX2, AVX-512 without
+        # BF16: a prompt's row gets the bits it gets alone), else exact bf16 panels with float32 sums
+        self.int8_prefill_exact = not self._bf16_dot
 
     def int8_max_rows(self, dtype: torch.dtype) -> int | None:
         """Rows up to which int8 linears with activations of `dtype` run the native kernel (None: every batch

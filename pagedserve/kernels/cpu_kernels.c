@@ -290,6 +290,29 @@ static inline void i8_prefetch(const int8_t *p) {
   for (int i = 0; i < 256; i += 64) _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
 }
 
+/* x [M, K] rounded to int16 per row, as the integer kernels read it: xs[m] = the row's step (its largest magnitude
+ * / 32767), each value x / xs[m] to the nearest integer. AVX2's vpmaddwd and the int16 tiles (i8_gemm) take these
+ * rows; AVX-512's vpdpbusd takes the same integers split into byte planes (i8_prepare). */
+static inline void vstore_i16(int16_t *p, vf v) {  /* nearest, as the float-to-int conversions round */
+#if PS_ISA == 512
+  _mm256_storeu_si256((__m256i *)p, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v)));
+#else
+  const __m256i a = _mm256_cvtps_epi32(v);
+  _mm_storeu_si128((__m128i *)p, _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
+#endif
+}
+
+static inline void i8_rows_i16(const void *x, int64_t M, int64_t K, int bf16, int16_t *xq, float *xs) {
+  for (int64_t m = 0; m < M; ++m) {
+    vf mx = vzero();
+    for (int64_t k = 0; k < K; k += VL) mx = vmax(mx, vabs(vload(at(x, m * K + k, bf16), bf16)));
+    const float amax = vmaxr(mx);
+    xs[m] = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    const vf inv = vset1(1.0f / xs[m]);
+    for (int64_t k = 0; k < K; k += VL) vstore_i16(xq + m * K + k, vmul(vload(at(x, m * K + k, bf16), bf16), inv));
+  }
+}
+
 #if PS_ISA == 512
 /* AVX-512 VNNI: the int16 values are split into bytes, x = 256 * hi + lo (lo in 0..255, hi in -128..127),
  * and each byte plane meets the int8 weights in vpdpbusd (unsigned x signed bytes, 64 weights per
@@ -359,21 +382,7 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
 #define I8_SEGMENT 2048
 
 static void i8_prepare(const void *x, int64_t M, int64_t K, int bf16, uint8_t *planes, float *xs) {
-  int16_t *xq = (int16_t *)planes;
-  for (int64_t m = 0; m < M; ++m) {
-    vf mx = vzero();
-    for (int64_t k = 0; k < K; k += VL) mx = vmax(mx, vabs(vload(at(x, m * K + k, bf16), bf16)));
-    const float amax = vmaxr(mx);
-    xs[m] = amax > 0.0f ? amax / 32767.0f : 1.0f;
-    const vf inv = vset1(1.0f / xs[m]);
-    for (int64_t k = 0; k < K; k += 16) {
-      const __m256i a = _mm256_cvtps_epi32(vmul(vload(at(x, m * K + k, bf16), bf16), inv));  /* nearest */
-      const __m256i b = _mm256_cvtps_epi32(vmul(vload(at(x, m * K + k + 8, bf16), bf16), inv));
-      /* packs works per 128-bit half: restore the order of the 16 values */
-      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-      _mm256_storeu_si256((__m256i *)(xq + m * K + k), packed);
-    }
-  }
+  i8_rows_i16(x, M, K, bf16, (int16_t *)planes, xs);
 }
 
 /* acc += madd(x, w), kept in its register and in program order: with the sums as plain values GCC
@@ -477,6 +486,8 @@ static inline __attribute__((always_inline)) void i8_block_pair(const int8_t *w0
 typedef __m512i vpairs;
 static inline vpairs pairs_zero(void) { return _mm512_setzero_si512(); }
 static inline void pairs_store(uint32_t *p, vpairs v) { _mm512_storeu_si512(p, v); }
+/* The int8 weights as int16 pairs (the even column in the low half), for vpdpwssd: the integer tile's panels. */
+static inline vpairs i8_i16_pairs(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
 static inline vpairs i8_bf16_pairs(const int8_t *p) {
   const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));  /* lane: even | odd << 16 */
   const __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16));
@@ -542,9 +553,9 @@ static inline void transpose_lanes(vpairs r[VL]) {
  * run the bf16 linear's tile over it (i8_panels below); every smaller batch takes the integer kernel above, so a
  * row's result does not depend on how many rows run with it (a decode step, a speculative verification's rows
  * and a batch of a few requests give every row the same bits).
- * - AVX2 runs an integer tile over int16 panels instead (i8_gemm, I8_GEMM), whose rows keep their exact sums:
- *   there every batch size gives a row the same bits.
- * - AVX-512 without BF16 (I8_WIDEN) widens the panels to float32 and takes activations of either dtype.
+ * - AVX2 and AVX-512 without BF16 run an integer tile over int16 panels instead (i8_gemm, I8_GEMM), whose rows
+ *   keep their exact sums: there every batch size gives a row the same bits, and activations of either dtype
+ *   take it.
  * - Below I8_PANEL_ROWS the integer kernel runs on every ISA. Measured on the 2-core Zen 3 for Qwen2.5-0.5B's
  *   gate/up and down shapes, streamed from memory: it was as fast as float32 tiles at 1-48 rows (e.g. 9 rows 14.6
  *   vs 15.6 ms, 32 rows 51-58 vs 70-79 ms for 10 of them), so the tiles (widening int8 to float32 per 3 rows)
@@ -552,16 +563,12 @@ static inline void transpose_lanes(vpairs r[VL]) {
  * - With them (AVX512-BF16; AMX tiles where Linux grants them) bf16 activations take the panels; float32 ones
  *   keep the integer kernel here and dequantize above 32 rows (Int8Linear). */
 #define I8_PANEL_ROWS 64
-#if PS_ISA == 256
-/* AVX2: prefill-sized batches take the integer tile (i8_gemm) instead of float32 panels: 1.3-1.4x on Qwen2.5-0.5B's
- * shapes (AVX2 build on an AMX Xeon). Below, the block kernel stays: at 17-56 rows the tile was 1.1x faster for
- * gate/up but 0.8-0.9x for the down projection (K = 4864). */
-#define I8_GEMM 1
-#endif
 #if PS_ISA == 256 || !defined(__AVX512BF16__)
-#define I8_WIDEN 1
-#else
-#define I8_WIDEN 0
+/* Prefill-sized batches take the integer tile (i8_gemm) instead of float32 panels: on AVX2 1.3-1.4x on
+ * Qwen2.5-0.5B's shapes (AVX2 build on an AMX Xeon); on AVX-512 without BF16, vpdpwssd (32 products an
+ * instruction, the sums' adds included) against 16 float32 FMAs. Below, the block kernel stays: on AVX2 at 17-56
+ * rows the tile was 1.1x faster for gate/up but 0.8-0.9x for the down projection (K = 4864). */
+#define I8_GEMM 1
 #endif
 
 /* bf16 linear (ps_linear_bf16 below): W packed as w[N/NB][K/2][NB][2] (outputs padded to NB with zeros),
@@ -1017,17 +1024,33 @@ static uint32_t *i8_panel_alloc(int64_t K) {
 }
 
 #ifdef I8_GEMM
-/* AVX2, prefill-sized batches (I8_PANEL_ROWS rows and more): the integer kernel's products in a tile. Each block of
- * BF16_NB outputs is widened once into a panel of int16 pairs, p[K / 2][BF16_NB] (i8_fill_panel), and the tile runs
- * I8_MT rows of x over it, one broadcast pair of int16 columns a row and step: vpmaddwd multiplies 16 pairs and
- * adds each pair's two products, so a step is 2 I8_MT vpmaddwd + as many vpaddd for 32 I8_MT products, where the
- * float32 tile over widened panels took 4 I8_MT FMAs at the FMA peak (1.3-1.4x on the AVX2 build of an AMX Xeon;
- * how much more on a Zen 3 depends on its vpmaddwd rate, unmeasured).
+/* Prefill-sized batches (I8_PANEL_ROWS rows and more) on AVX2 and on AVX-512 without BF16: the integer kernel's
+ * products in a tile. Each block of BF16_NB outputs is widened once into a panel of int16 pairs, p[K / 2][BF16_NB]
+ * (i8_fill_panel), and the tile runs I8_MT rows of x (i8_rows_i16) over it, one broadcast pair of int16 columns a
+ * row and step, into 2 I8_MT vectors of int32 sums (i8_dot):
+ * - AVX2: vpmaddwd multiplies 16 pairs and adds each pair's two products, and vpaddd adds them to the sums: a step
+ *   is 2 I8_MT of each for 32 I8_MT products, where the float32 tile over widened panels took 4 I8_MT FMAs at the
+ *   FMA peak (1.3-1.4x on the AVX2 build of an AMX Xeon; how much more on a Zen 3 depends on its vpmaddwd rate,
+ *   unmeasured);
+ * - AVX-512 VNNI: vpdpwssd does both for 32 pairs: 2 I8_MT instructions for 64 I8_MT products.
  * Exact: an int32 lane takes at most I8_FLUSH pairs (I8_FLUSH * 2 * 32767 * 128 < 2^31), then goes into int64
  * totals, so a row's sums are the exact integers the pair and block kernels give it, and its result is the one
  * it gets alone (bit for bit) whatever the batch: a prompt's prefill and its decode steps see the same linears. */
-#define I8_MT 6       /* rows of x per tile: 12 sums, 2 weight registers and a broadcast (15 of 16) */
+#define I8_MT 6       /* rows of x per tile: 12 sums, 2 weight registers and a broadcast (15 of AVX2's 16) */
 #define I8_FLUSH 256  /* pairs of columns per int32 run */
+#if PS_ISA == 512
+typedef __m512i vi;
+static inline vi vi_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline void vi_store(void *p, vi v) { _mm512_storeu_si512(p, v); }
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi i8_dot(vi acc, vi x, vi w) { return _mm512_dpwssd_epi32(acc, x, w); }
+#else
+typedef __m256i vi;
+static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void vi_store(void *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vi i8_dot(vi acc, vi x, vi w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
+#endif
 
 /* The tile of rows from m0 of x's int16 rows (i8_prepare) as the tile reads it, into xt[tile][K / 2][rows] pairs, so
  * a step's broadcasts come from one sequential stream. */
@@ -1044,29 +1067,29 @@ static void i8_tile_x(const int16_t *xq, int64_t m0, int64_t M, int64_t K, int32
  * half of them on the stack whatever the loop's shape), one half of the outputs, then the other, each row's pair
  * broadcast twice from L1: 12 sums, one weight register, a broadcast and the madd's result (15 of 16). */
 #define I8_ROW(r, acc, w) \
-  if (MT > r) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(i8_broadcast(xp + r), w))
+  if (MT > r) acc = i8_dot(acc, i8_broadcast(xp + r), w)
 /* A row's pair of columns in every lane, loaded again for each half: as a plain set1, GCC kept the MT broadcasts of
  * the first half for the second and spilled sums to make room. */
-static inline __m256i i8_broadcast(const int32_t *p) {
-  __m256i v;
-  __asm__ volatile("vpbroadcastd %1, %0" : "=x"(v) : "m"(*p));
+static inline vi i8_broadcast(const int32_t *p) {
+  vi v;
+  __asm__ volatile("vpbroadcastd %1, %0" : "=v"(v) : "m"(*p));
   return v;
 }
 static inline __attribute__((always_inline)) void i8_gemm_run(const uint32_t *panel, const int32_t *xt, int64_t p0,
                                                               int64_t p1, const int MT, int32_t out[I8_MT][BF16_NB]) {
-  __m256i a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
-  a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = _mm256_setzero_si256();
+  vi a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
+  a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = vi_zero();
   for (int64_t p = p0; p < p1; ++p) {
     const int32_t *xp = xt + p * MT;
-    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(panel + p * BF16_NB));
+    const vi w0 = vi_load(panel + p * BF16_NB);
     I8_ROW(0, a0, w0); I8_ROW(1, a1, w0); I8_ROW(2, a2, w0); I8_ROW(3, a3, w0); I8_ROW(4, a4, w0); I8_ROW(5, a5, w0);
-    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(panel + p * BF16_NB + VL));
+    const vi w1 = vi_load(panel + p * BF16_NB + VL);
     I8_ROW(0, b0, w1); I8_ROW(1, b1, w1); I8_ROW(2, b2, w1); I8_ROW(3, b3, w1); I8_ROW(4, b4, w1); I8_ROW(5, b5, w1);
   }
-  const __m256i a[I8_MT] = {a0, a1, a2, a3, a4, a5}, b[I8_MT] = {b0, b1, b2, b3, b4, b5};
+  const vi a[I8_MT] = {a0, a1, a2, a3, a4, a5}, b[I8_MT] = {b0, b1, b2, b3, b4, b5};
   for (int m = 0; m < MT; ++m) {
-    _mm256_storeu_si256((__m256i *)out[m], a[m]);
-    _mm256_storeu_si256((__m256i *)(out[m] + VL), b[m]);
+    vi_store(out[m], a[m]);
+    vi_store(out[m] + VL, b[m]);
   }
 }
 #undef I8_ROW
@@ -1098,7 +1121,7 @@ static void i8_gemm(const void *x, const int8_t *q, const float *scale, const vo
     #pragma omp for schedule(static)
     for (int64_t m0 = 0; m0 < M; m0 += I8_MT) {
       const int64_t rows = M - m0 < I8_MT ? M - m0 : I8_MT;
-      i8_prepare(at(x, m0 * K, bf16), rows, K, bf16, (uint8_t *)(xq + m0 * K), xs + m0);
+      i8_rows_i16(at(x, m0 * K, bf16), rows, K, bf16, xq + m0 * K, xs + m0);
       i8_tile_x(xq, m0, M, K, xt);
     }
     uint32_t *panel = i8_panel_alloc(K);
@@ -1139,35 +1162,6 @@ static int64_t i8_prefill_chunk(int64_t M, int64_t K) {
   const int64_t fit = ((int64_t)256 << 10) / (2 * K) / I8_MT * I8_MT;
   (void)M;
   return fit < I8_PANEL_ROWS ? I8_PANEL_ROWS : fit;
-}
-#elif I8_WIDEN
-/* x of either dtype, widened to float32 once (bf16_tile_x); the float32 tile over each panel. */
-static void i8_panels(const void *x, const int8_t *q, const float *scale, const void *bias, void *y, int64_t M,
-                      int64_t N, int64_t K, int bf16, int nthreads) {
-  const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
-  float *xf = bf16_tile_x(x, M, K, bf16);
-  #pragma omp parallel num_threads(nthreads)
-  {
-    uint32_t *panel = i8_panel_alloc(K);
-    #pragma omp for schedule(static)
-    for (int64_t nb = 0; nb < blocks; ++nb) {
-      i8_fill_panel(q, nb, N, K, panel, 0);
-      const int64_t valid = N - nb * BF16_NB < BF16_NB ? N - nb * BF16_NB : BF16_NB;
-      for (int64_t m = 0; m < M; m += BF16_MT) {
-        const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
-        vf acc[BF16_MT][2];
-        bf16_tile_rows(panel, xf + m * K, K, rows, acc);
-        for (int64_t r = 0; r < rows; ++r) {
-          float sums[BF16_NB];
-          vstoref(sums, acc[r][0]);
-          vstoref(sums + VL, acc[r][1]);
-          i8_store_row(y, bias, scale, 1.0f, sums, m + r, nb * BF16_NB, valid, N, bf16);
-        }
-      }
-    }
-    free(panel);
-  }
-  free(xf);
 }
 #else
 /* bf16 x only (ps_linear_i8 checks): the AMX tiles where granted, else the vdpbf16ps tile, over each panel;
@@ -1353,7 +1347,12 @@ int ps_amx_int8(void) {
 
 void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
                   void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
-  if (M >= I8_PANEL_ROWS && (I8_WIDEN || bf16)) {  /* prefill: the integer tile (AVX2) or the panels */
+#ifdef I8_GEMM
+  const int any_x = 1;  /* the integer tile takes float32 activations too */
+#else
+  const int any_x = 0;  /* the bf16 panels take bf16 ones; float32 ones dequantize in Int8Linear above 32 rows */
+#endif
+  if (M >= I8_PANEL_ROWS && (any_x || bf16)) {  /* prefill: the integer tile or the panels */
     const int64_t chunk = i8_prefill_chunk(M, K);
     for (int64_t m = 0; m < M; m += chunk)
       i8_prefill(at(x, m * K, bf16), q, scale, bias, (void *)at(y, m * N, bf16), M - m < chunk ? M - m : chunk, N, K,

@@ -83,13 +83,13 @@ def test_linear_i8_panels_cover_every_block(kernels, dtype, m):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_avx2_int8_prefill_rows_equal_the_rows_alone(kernels, dtype):
-    """AVX2: prefill-sized batches run an integer tile over int16 panels with the decode kernel's exact sums, so
-    every row of a prompt gets the bits it gets alone (a decode step): across tiles of 6 rows and their tail, chunks
-    of rows (K = 4864: 64-row chunks), int32 runs of 512 columns with a partial last one, and a partial last block of
-    outputs."""
-    if kernels.isa != "avx2":
-        pytest.skip(f"the {kernels.isa} build's prefill runs bf16 panels (float32 sums), not the AVX2 integer tile")
+def test_int8_prefill_rows_equal_the_rows_alone(kernels, dtype):
+    """AVX2 and AVX-512 without BF16: prefill-sized batches run an integer tile over int16 panels (vpmaddwd,
+    vpdpwssd) with the decode kernel's exact sums, so every row of a prompt gets the bits it gets alone (a decode
+    step): across tiles of 6 rows and their tail, chunks of rows (K = 4864: 64-row chunks), int32 runs of 512
+    columns with a partial last one, and a partial last block of outputs."""
+    if not kernels.int8_prefill_exact:
+        pytest.skip(f"the {kernels.build} build's prefill runs bf16 panels (float32 sums), not the integer tile")
     torch.manual_seed(4)
     n, k = 2 * kernels.bf16_block + 5, 4864
     qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
