@@ -1052,7 +1052,7 @@ static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
 static inline vi i8_dot(vi acc, vi x, vi w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
 #endif
 
-/* The tile of rows from m0 of x's int16 rows (i8_prepare) as the tile reads it, into xt[tile][K / 2][rows] pairs, so
+/* The tile of rows from m0 of x's int16 rows (i8_rows_i16) as the tile reads it, into xt[tile][K / 2][rows] pairs, so
  * a step's broadcasts come from one sequential stream. */
 static void i8_tile_x(const int16_t *xq, int64_t m0, int64_t M, int64_t K, int32_t *xt) {
   const int64_t rows = M - m0 < I8_MT ? M - m0 : I8_MT;
