@@ -41,6 +41,7 @@ LINK_FLAGS = ("-lm",)
 # their float32 paths for bf16), runnable on any AVX-512 VNNI CPU (PAGEDSERVE_CPU_ISA=avx512-vnni).
 ISA_MARCH = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native"),
              "avx512-vnni": ("-march=cascadelake", "-mtune=native")}
+BUILD_ISA = {"avx2": "avx2", "avx512-vnni": "avx512"}  # the kernels' ISA (ps_isa) each fixed -march build gives
 COMPILE_TIMEOUT_S = 120.0  # one small file: seconds on a loaded 2-core box; a hung compiler must not hang start-up
 KEEP_BUILDS = 3
 

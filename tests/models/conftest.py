@@ -15,12 +15,13 @@ import pytest
 
 import pagedserve.kernels
 from pagedserve import envs
+from pagedserve.kernels import builder
 from pagedserve.memory.probe import (AMX_BF16_FLAGS, BF16_DOT_FLAGS, NATIVE_ISA_FLAGS, cpu_flags, is_x86,
                                      native_kernel_isa)
 
 # The builds each kernel test runs: the kernels' two ISAs, and the AVX-512 kernels built without BF16 and AMX
 # (the paths of a Cascade Lake or Ice Lake), which an AVX-512 CPU with them also checks.
-BUILD_ISA = {"avx512": "avx512", "avx512-vnni": "avx512", "avx2": "avx2"}  # build -> the kernels' ISA
+BUILD_ISA = {"avx512": "avx512", **builder.BUILD_ISA}  # build -> the kernels' ISA
 BUILDS = tuple(BUILD_ISA)
 
 
@@ -37,12 +38,11 @@ def kernel_build(build: str) -> tuple[str | None, str]:
         if chosen != build:
             return None, f"PAGEDSERVE_CPU_ISA={chosen} runs the {chosen} build only"
         return chosen, ""
-    native = native_kernel_isa(cpu_flags())
     if build == "avx512-vnni":
         if not cpu_flags() & (BF16_DOT_FLAGS | AMX_BF16_FLAGS):
             return None, "this CPU has no BF16 or AMX: its avx512 build is this one"
         return build, ""
-    return ("native" if native == isa else isa), ""
+    return ("native" if native_kernel_isa(cpu_flags()) == isa else isa), ""
 
 
 @pytest.fixture(scope="module", params=BUILDS)
