@@ -795,18 +795,18 @@ static inline vf widen_odd(const uint32_t *p) {  /* the second bf16 of each pair
 #endif
 }
 
-/* x for the tiles: float32, each tile of MT rows (the last one `rows`) stored pair-interleaved,
+/* bf16 x for the tiles: float32, each tile of MT rows (the last one `rows`) stored pair-interleaved,
  * xt[tile][K/2][rows][2], so the 2 MT broadcasts of a step come from one sequential stream (read as rows
  * K floats apart, x missed L1 and the tile ran at ~55 % of the FMA peak on Zen 3). */
-static float *bf16_tile_x(const void *x, int64_t M, int64_t K, int bf16) {
+static float *bf16_tile_x(const uint16_t *x, int64_t M, int64_t K) {
   float *xt = (float *)malloc(sizeof(float) * (size_t)(M * K));
   for (int64_t m0 = 0; m0 < M; m0 += BF16_MT) {
     const int64_t rows = M - m0 < BF16_MT ? M - m0 : BF16_MT;
     float *t = xt + m0 * K;
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t k = 0; k < K; k += 2) {
-        t[k * rows + 2 * r] = load1(x, (m0 + r) * K + k, bf16);
-        t[k * rows + 2 * r + 1] = load1(x, (m0 + r) * K + k + 1, bf16);
+        t[k * rows + 2 * r] = load1(x, (m0 + r) * K + k, 1);
+        t[k * rows + 2 * r + 1] = load1(x, (m0 + r) * K + k + 1, 1);
       }
   }
   return xt;
@@ -912,7 +912,7 @@ static void bf16_block_bias(const uint16_t *bias, int64_t nb, int64_t N, float b
 static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                       int64_t M, int64_t N, int64_t K, int nthreads) {
   const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
-  float *xf = bf16_tile_x(x, M, K, 1);
+  float *xf = bf16_tile_x(x, M, K);
   /* One row: BF16_G blocks per tile while whole groups last, then block by block. */
   const int64_t grouped = M == 1 ? blocks / BF16_G * BF16_G : 0;
   #pragma omp parallel num_threads(nthreads)
