@@ -81,11 +81,28 @@ def test_stop_aborts_the_request_and_frees_its_kv_blocks(open_page, server):
     stopped_at = len(reply.locator(".body").text_content())
     time.sleep(0.5)
     assert len(reply.locator(".body").text_content()) == stopped_at  # nothing arrives after Stop
-    # Escape in the message box stops a reply too.
+    # Escape in the message box stops a reply too. A new conversation, so the prompt does not carry the stopped
+    # reply: how long that got depends on the machine's speed, and with it 3500 more tokens may not fit.
+    page.click("#new-chat")
     send(page, "Another long one")
     page.wait_for_function("document.querySelector('.message.assistant.pending .body').textContent.length > 50")
     page.press("#prompt", "Escape")
     assert "stopped" in wait_reply_done(page, timeout=10_000).locator(".stats").text_content()
+
+
+def test_a_reply_that_cannot_fit_shows_the_servers_error_and_keeps_the_conversation(open_page, server):
+    page = ready_page(open_page, server, allow_statuses=(400,))  # the browser logs the refused request
+    set_settings(page, max_tokens="5000", extra="")  # more than --max-model-len 4096
+    send(page, "Too long a reply")
+    reply = wait_reply_done(page)
+    error = reply.locator(".error-text").text_content()
+    assert "max_tokens" in error or "context length" in error, error
+    assert metric(server, "vllm:num_requests_running") == 0
+    # The user can lower max_tokens and go on in the same conversation.
+    set_settings(page, max_tokens="8")
+    send(page, "A short one")
+    assert not wait_reply_done(page).locator(".error-text").count()
+    assert page.locator(".message.user").count() == 2
 
 
 def test_regenerate_and_edit_and_resend(open_page, server):
