@@ -34,23 +34,25 @@ SOURCE = "pagedserve/kernels/cpu_kernels.c"
 P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
-def build(source: str, march: str, out: Path) -> ctypes.CDLL:
+def build(source: str, march: str, out: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
     c_file = out.with_suffix(".c")
     c_file.write_text(source)
-    subprocess.run(["gcc", "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", str(c_file), "-o", str(out),
-                    "-lm"], check=True)
+    subprocess.run(["gcc", "-O3", f"-march={march}", *extra, "-fopenmp", "-shared", "-fPIC", str(c_file), "-o",
+                    str(out), "-lm"], check=True)
     return ctypes.CDLL(str(out))
 
 
 @contextlib.contextmanager
-def side_by_side(before: str, avx2: bool) -> Iterator[tuple[str, dict[str, ctypes.CDLL]]]:
-    """The older commit's cpu_kernels.c (git show) and this tree's, compiled alike: (-march, {"before", "after"})."""
+def side_by_side(before: str, avx2: bool, after_flags: tuple[str, ...] = ()
+                 ) -> Iterator[tuple[str, dict[str, ctypes.CDLL]]]:
+    """The older commit's cpu_kernels.c (git show) and this tree's, compiled alike (the tree's with `after_flags`
+    added): (-march, {"before", "after"})."""
     march = "x86-64-v3" if avx2 else "native"
     old_source = subprocess.run(["git", "-C", str(REPO), "show", f"{before}:{SOURCE}"], check=True,
                                 capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
         yield march, {"before": build(old_source, march, Path(tmp) / "before.so"),
-                      "after": build((REPO / SOURCE).read_text(), march, Path(tmp) / "after.so")}
+                      "after": build((REPO / SOURCE).read_text(), march, Path(tmp) / "after.so", after_flags)}
 
 
 def attend(lib: ctypes.CDLL, q, k_cache, v_cache, slots, lens, threads: int) -> torch.Tensor:

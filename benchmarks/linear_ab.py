@@ -7,7 +7,8 @@ tree's kernels (the layouts must not have changed between the two commits), in e
 as a model's layers do, bf16 activations, M rows of x. The outputs must be bit-identical (the check fails
 otherwise); the time is the median of repeats taking turns (the order flipped every repeat), per call.
 
-    python benchmarks/linear_ab.py --before COMMIT [--avx2 | --amx] [--kind bf16|int8] [--rows 1 2 5 9 16] [--mib 200]
+    python benchmarks/linear_ab.py --before COMMIT [--avx2 [--vnni] | --amx] [--kind bf16|int8] [--rows 1 2 5 9 16]
+        [--mib 200]
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=200, help="weight copies per shape, in MiB (past the caches)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--amx", action="store_true", help="turn AMX on in both (ps_amx_init), where the CPU has it")
+    parser.add_argument("--vnni", action="store_true",
+                        help="with --avx2: the working tree's side adds -mavxvnni (AVX-VNNI's int8 sums; needs a CPU "
+                             "with it), so --before HEAD measures what AVX-VNNI gives")
     args = parser.parse_args()
+    if args.vnni and not args.avx2:
+        parser.error("--vnni compares AVX2 builds: add --avx2")
     if args.avx2:  # pack in the AVX2 build's layout (its bf16 blocks hold 16 outputs, not 64)
         os.environ["PAGEDSERVE_CPU_ISA"] = "avx2"
     import torch
@@ -50,13 +56,14 @@ def main() -> int:
     if kernels is None:
         raise SystemExit("no native kernels on this machine")
     threads = torch.get_num_threads()
-    with side_by_side(args.before, args.avx2) as (march, libs):
+    with side_by_side(args.before, args.avx2, ("-mavxvnni",) if args.vnni else ()) as (march, libs):
         for lib in libs.values():
             lib.ps_linear_bf16.argtypes = [P, P, P, P, I64, I64, I64, INT]
             lib.ps_linear_i8.argtypes = [P, P, P, P, P, P, I64, I64, I64, INT, INT]
             if args.amx and not lib.ps_amx_init(1):
                 raise SystemExit("--amx: this CPU or kernel grants no AMX tiles")
-        print(f"-march={march} ({kernels.isa} layout{', AMX' if args.amx else ''}), {threads} threads, "
+        print(f"-march={march} ({kernels.isa} layout{', AMX' if args.amx else ''}"
+              f"{', after: -mavxvnni' if args.vnni else ''}), {threads} threads, "
               f"{args.kind} weights, bf16 x")
         for n, k in SHAPES:
             torch.manual_seed(n + k)

@@ -30,14 +30,16 @@ def cpu_amx_enabled() -> bool:
     return _switch("PAGEDSERVE_CPU_AMX", default=True)
 
 
-CPU_ISAS = ("native", "avx2", "avx512-vnni")
+CPU_ISAS = ("native", "avx2", "avx2-vnni", "avx512-vnni")
 
 
 def cpu_isa() -> str:
     """$PAGEDSERVE_CPU_ISA: which build of the native CPU kernels to run. "native" (default): the best
     this CPU has; "avx2": the AVX2 + FMA + F16C kernels, also on an AVX-512 CPU (to test or compare them
-    on any x86 machine); "avx512-vnni": the AVX-512 kernels built without BF16 and AMX (the paths of a Cascade
-    Lake or Ice Lake), on any AVX-512 VNNI CPU. Raises ValueError for anything else."""
+    on any x86 machine); "avx2-vnni": those with AVX-VNNI's int8 sums (the paths of an Alder Lake or later
+    Intel core), on any CPU with AVX-VNNI; "avx512-vnni": the AVX-512 kernels built without BF16 and AMX (the
+    paths of a Cascade Lake or Ice Lake), on any AVX-512 VNNI CPU. Raises ValueError for anything else; a build
+    this CPU cannot run is refused when the kernels load (builder.BUILD_FLAGS)."""
     value = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower() or "native"
     if value not in CPU_ISAS:
         raise ValueError(f"PAGEDSERVE_CPU_ISA={value!r} is not one of {', '.join(CPU_ISAS)}; unset it for the best "

@@ -209,8 +209,9 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
 
     kernels, why = load_status()
     if kernels is not None:
-        amx_int8 = " (AMX-INT8 tiles for 2-63 rows)" if kernels.amx and kernels.amx_int8 else ""
-        bf16 = f"{kernels.isa}: bf16 linears{' on AMX tiles' if kernels.amx else ''}, int8 linears{amx_int8}"
+        int8_note = (" (sums on AVX-VNNI)" if kernels.avx_vnni else
+                     " (AMX-INT8 tiles for 2-63 rows)" if kernels.amx and kernels.amx_int8 else "")
+        bf16 = f"{kernels.isa}: bf16 linears{' on AMX tiles' if kernels.amx else ''}, int8 linears{int8_note}"
         thp = probe.transparent_hugepages()
         fix = ""
         if not envs.huge_pages_enabled():

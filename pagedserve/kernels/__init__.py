@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from pagedserve import envs
-from pagedserve.kernels.builder import SOURCE, KernelBuildError, build
+from pagedserve.kernels.builder import BUILD_FLAGS, SOURCE, KernelBuildError, build
 from pagedserve.memory import weight_format
-from pagedserve.memory.probe import is_x86
+from pagedserve.memory.probe import cpu_flags, is_x86
 
 __all__ = ["SOURCE", "CpuKernels", "KernelBuildError", "build", "cpu_kernels", "load", "load_status"]
 
@@ -45,6 +45,7 @@ _SIGNATURES = {
     "ps_has_bf16_dot": ((), _INT),
     "ps_amx_init": ((_INT,), _INT),
     "ps_amx_int8": ((), _INT),
+    "ps_avx_vnni": ((), _INT),
     "ps_advise_huge": ((_P, _I64), _I64),
     "ps_linear_i8": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
     "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), None),
@@ -94,7 +95,7 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL, path: Path, build: str = "native") -> None:
         self.lib = lib
         self.path = path
-        self.build = build  # the build asked for (builder.ISA_MARCH: "native", "avx2", "avx512-vnni")
+        self.build = build  # the build asked for (a key of builder.ISA_MARCH)
         for name, (args, result) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = args
@@ -104,6 +105,7 @@ class CpuKernels:
         # (every batch size, so a row's result never depends on the rows beside it); else vdpbf16ps / FMAs.
         self.amx = bool(lib.ps_amx_init(int(envs.cpu_amx_enabled())))
         self.amx_int8 = bool(lib.ps_amx_int8())  # int8 linears' 2-63-row batches on AMX-INT8 tiles too
+        self.avx_vnni = bool(lib.ps_avx_vnni())  # the AVX2 kernels' int8 sums in one AVX-VNNI instruction
         self.bf16_block = lib.ps_bf16_block()  # outputs per block of the packed bf16 layout
         self._bf16_dot = bool(lib.ps_has_bf16_dot())
         # prefill-sized int8 batches: an integer tile with the decode kernel's exact sums (AVX2, AVX-512 without
@@ -430,14 +432,17 @@ def load_status() -> tuple[CpuKernels | None, str]:
 
 @functools.lru_cache(maxsize=None)
 def load(isa: str = "native") -> tuple[CpuKernels | None, str]:
-    """The kernels built for `isa` (builder.ISA_MARCH: "native", "avx2" on any CPU that runs AVX2, or
-    "avx512-vnni" on any AVX-512 VNNI CPU),
-    or None and why not. Each ISA's library loads once; two can be loaded side by side (the tests run
+    """The kernels built for `isa` (builder.ISA_MARCH: "native", or a fixed build on a CPU with the flags it
+    needs, builder.BUILD_FLAGS), or None and why not. Each ISA's library loads once; two can be loaded side by side (the tests run
     the AVX2 kernels next to the AVX-512 ones on an AVX-512 CPU)."""
     if not envs.cpu_kernels_enabled():
         return None, "disabled by PAGEDSERVE_CPU_KERNELS=0"
     if not is_x86():
         return None, f"written for x86-64 (AVX-512 or AVX2); this is {platform.machine()}"
+    missing = sorted(BUILD_FLAGS.get(isa, frozenset()) - cpu_flags())
+    if missing:  # it would die on its first instruction this CPU lacks
+        return None, (f"PAGEDSERVE_CPU_ISA={isa} needs the CPU flags {', '.join(missing)}, which this CPU lacks; "
+                      "unset it for the best build this CPU runs")
     try:
         path = build(isa=isa)  # a cache that cannot be made or trusted: a private directory for this process
         lib = ctypes.CDLL(str(path))

@@ -37,11 +37,19 @@ LINK_FLAGS = ("-lm",)
 # The instruction sets a build can be asked for: "native" is the best this CPU runs (-march=native);
 # "avx2" is AVX2 + FMA + F16C only (x86-64-v3, what a Zen 3 or Haswell has), also on an AVX-512 CPU, so
 # that those kernels are tested and measured on any x86 machine of ours (PAGEDSERVE_CPU_ISA=avx2);
+# "avx2-vnni" is that plus AVX-VNNI (Alder Lake and later Intel cores, the E-core Xeons: the AVX2 kernels' int8
+# sums in one vpdpwssd instead of vpmaddwd + vpaddd; -march=native gives it there);
 # "avx512-vnni" is AVX-512 F/BW/VNNI without BF16 or AMX (Cascade Lake, Ice Lake: the AVX-512 kernels with
 # their float32 paths for bf16), runnable on any AVX-512 VNNI CPU (PAGEDSERVE_CPU_ISA=avx512-vnni).
 ISA_MARCH = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native"),
+             "avx2-vnni": ("-march=x86-64-v3", "-mavxvnni", "-mtune=native"),
              "avx512-vnni": ("-march=cascadelake", "-mtune=native")}
-BUILD_ISA = {"avx2": "avx2", "avx512-vnni": "avx512"}  # the kernels' ISA (ps_isa) each fixed -march build gives
+BUILD_ISA = {"avx2": "avx2", "avx2-vnni": "avx2", "avx512-vnni": "avx512"}  # the kernels' ISA (ps_isa) of each
+# The CPU flags (/proc/cpuinfo names) a fixed build's instructions need: without them it would die on the first
+# instruction it lacks (SIGILL), so pagedserve.kernels.load refuses it and says why.
+BUILD_FLAGS = {"avx2": frozenset({"avx2", "fma", "f16c"}),
+               "avx2-vnni": frozenset({"avx2", "fma", "f16c", "avx_vnni"}),
+               "avx512-vnni": frozenset({"avx512f", "avx512bw", "avx512_vnni"})}
 COMPILE_TIMEOUT_S = 120.0  # one small file: seconds on a loaded 2-core box; a hung compiler must not hang start-up
 KEEP_BUILDS = 3
 

@@ -385,10 +385,22 @@ static void i8_prepare(const void *x, int64_t M, int64_t K, int bf16, uint8_t *p
   i8_rows_i16(x, M, K, bf16, (int16_t *)planes, xs);
 }
 
-/* acc += madd(x, w), kept in its register and in program order: with the sums as plain values GCC
+/* acc + x0 w0 + x1 w1 in each int32 lane (16 pairs of int16). With AVX-VNNI (Alder Lake and later Intel cores, the
+ * E-core Xeons, Zen 5; -mavxvnni, which -march=native gives there) one vpdpwssd, else vpmaddwd then vpaddd: the
+ * same integers (no lane overflows: |x| <= 32767, |w| <= 127, and the callers flush their sums before 2^31), so
+ * the same results bit for bit, for one instruction instead of two. */
+static inline __attribute__((always_inline)) __m256i dot_i16(__m256i acc, __m256i x, __m256i w) {
+#ifdef __AVXVNNI__
+  return _mm256_dpwssd_avx_epi32(acc, x, w);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w));
+#endif
+}
+
+/* acc = dot_i16(acc, x, w), kept in its register and in program order: with the sums as plain values GCC
  * reassociated them into trees and spilled half of them every step. */
 static inline __attribute__((always_inline)) void i8_madd(__m256i *acc, __m256i x, __m256i w) {
-  *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(x, w));
+  *acc = dot_i16(*acc, x, w);
   __asm__("" : "+x"(*acc));
 }
 
@@ -1049,7 +1061,7 @@ typedef __m256i vi;
 static inline vi vi_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void vi_store(void *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
 static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
-static inline vi i8_dot(vi acc, vi x, vi w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
+static inline vi i8_dot(vi acc, vi x, vi w) { return dot_i16(acc, x, w); }
 #endif
 
 /* The tile of rows from m0 of x's int16 rows (i8_rows_i16) as the tile reads it, into xt[tile][K / 2][rows] pairs, so
@@ -1335,6 +1347,16 @@ static void i8_rows_amx(const int8_t *q, const uint8_t *planes, const float *xs,
   }
 }
 #endif
+
+/* 1 where the AVX2 kernels' int8 sums run on AVX-VNNI (dot_i16: built with -mavxvnni, as -march=native is on a CPU
+ * that has it). */
+int ps_avx_vnni(void) {
+#if PS_ISA == 256 && defined(__AVXVNNI__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 /* 1 where int8 linears run their 2-63-row batches on AMX-INT8 tiles (built with them, and Linux granted AMX). */
 int ps_amx_int8(void) {

@@ -90,12 +90,14 @@ class KernelBackend:
         """One line for the start-up log and doctor."""
         where = "torch ops"
         if self.native is not None:
-            where = f"native {self.native.isa} kernels" + amx_note(self.native)
+            where = f"native {self.native.isa} kernels" + kernel_note(self.native)
         return f"{where}, {self.linear_kind} linears, {_dtype_name(self.dtype)} on {self.device}"
 
 
-def amx_note(native: CpuKernels) -> str:
-    """What of the linears runs on AMX tiles, for the start-up log ("" where none does)."""
+def kernel_note(native: CpuKernels) -> str:
+    """What of the linears runs on AMX tiles or AVX-VNNI, for the start-up log ("" where none does)."""
+    if native.avx_vnni:
+        return " (int8 linears on AVX-VNNI)"
     if not native.amx:
         return ""
     return " (bf16 and int8 linears on AMX tiles)" if native.amx_int8 else " (bf16 linears on AMX tiles)"

@@ -4,7 +4,8 @@ The AVX-512 tests need an AVX-512 CPU (F, BW, VNNI); the AVX2 ones run on any CP
 AVX-512 CPUs included (the library is then built for x86-64-v3), so a CI run on either kind of machine
 compiles and checks the AVX2 C, and an AVX-512 machine checks both. An AVX-512 CPU with BF16 or AMX also runs
 the AVX-512 kernels built without them ("avx512-vnni", -march=cascadelake: the float32 paths of a Cascade Lake
-or Ice Lake). A test of a build this CPU cannot run skips with a message naming the flags it lacks. The fixture
+or Ice Lake), and a CPU with AVX-VNNI runs the AVX2 kernels both with and without it ("avx2-vnni"). A test of a
+build this CPU cannot run skips with a message naming the flags it lacks. The fixture
 loads that build's library (pagedserve.kernels.load) and, while the tests of a module run, makes
 `cpu_kernels()` answer with it, so models built in those tests (layers, decode stack) run that build too.
 """
@@ -19,8 +20,9 @@ from pagedserve.kernels import builder
 from pagedserve.memory.probe import (AMX_BF16_FLAGS, BF16_DOT_FLAGS, NATIVE_ISA_FLAGS, cpu_flags, is_x86,
                                      native_kernel_isa)
 
-# The builds each kernel test runs: the kernels' two ISAs, and the AVX-512 kernels built without BF16 and AMX
-# (the paths of a Cascade Lake or Ice Lake), which an AVX-512 CPU with them also checks.
+# The builds each kernel test runs: the kernels' two ISAs, the AVX-512 kernels built without BF16 and AMX
+# (the paths of a Cascade Lake or Ice Lake), which an AVX-512 CPU with them also checks, and the AVX2 kernels with
+# AVX-VNNI's int8 sums, wherever the CPU has it.
 BUILD_ISA = {"avx512": "avx512", **builder.BUILD_ISA}  # build -> the kernels' ISA
 BUILDS = tuple(BUILD_ISA)
 
@@ -29,20 +31,23 @@ def kernel_build(build: str) -> tuple[str | None, str]:
     """(the pagedserve.kernels.load build that runs `build` here, or None; why not)."""
     if not is_x86():
         return None, "the native kernels are written for x86-64"
-    isa = BUILD_ISA[build]
-    missing = sorted(dict(NATIVE_ISA_FLAGS)[isa] - cpu_flags())
+    isa, flags = BUILD_ISA[build], cpu_flags()
+    missing = sorted((dict(NATIVE_ISA_FLAGS)[isa] | builder.BUILD_FLAGS.get(build, frozenset())) - flags)
     if missing:
-        return None, f"the {isa} kernels need the CPU flags {', '.join(missing)}, which this CPU lacks"
+        return None, f"the {build} kernels need the CPU flags {', '.join(missing)}, which this CPU lacks"
     chosen = envs.cpu_isa()
     if chosen != "native":  # a build PAGEDSERVE_CPU_ISA asks for runs its own tests, and only those
         if chosen != build:
             return None, f"PAGEDSERVE_CPU_ISA={chosen} runs the {chosen} build only"
         return chosen, ""
+    native = native_kernel_isa(flags) == isa
     if build == "avx512-vnni":
-        if not cpu_flags() & (BF16_DOT_FLAGS | AMX_BF16_FLAGS):
+        if not flags & (BF16_DOT_FLAGS | AMX_BF16_FLAGS):
             return None, "this CPU has no BF16 or AMX: its avx512 build is this one"
         return build, ""
-    return ("native" if native_kernel_isa(cpu_flags()) == isa else isa), ""
+    if build == "avx2" and native and "avx_vnni" in flags:
+        return build, ""  # x86-64-v3: the native build is the avx2-vnni one
+    return ("native" if native else build), ""
 
 
 @pytest.fixture(scope="module", params=BUILDS)

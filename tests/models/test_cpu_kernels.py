@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve import envs
-from pagedserve.kernels import SOURCE, build, load_status
+from pagedserve.kernels import SOURCE, build, load, load_status
 from pagedserve.layers.linear import quantize_int8_per_channel
 from tests.models.kernel_reference import reference_rms_norm, unpack_bf16
 
@@ -313,6 +313,30 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, dtype):
         alone = kernels.linear_bf16(x[:1], packed, None, n)
         for rows in (2, 5, 9, 17, 63):
             assert torch.equal(kernels.linear_bf16(x[:rows], packed, None, n)[:1], alone), rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avx_vnni_int8_sums_are_the_plain_avx2_ones_bit_for_bit(kernel_build_of, kernels, dtype):
+    """The avx2-vnni build (one vpdpwssd where the AVX2 build runs vpmaddwd + vpaddd) gives every int8 path the
+    same integers, so the same outputs bit for bit: batch 1 and the block pairs, the two-row passes of 3-63 rows,
+    the prefill tile from 64 rows, across int32 flushes (every 2048 columns; the tile's every 512)."""
+    build = kernel_build_of[0]
+    assert kernels.avx_vnni == (build == "avx2-vnni")
+    if not kernels.avx_vnni:
+        pytest.skip(f"the {build} build has no AVX-VNNI sums")
+    plain, why = load("avx2")
+    assert plain is not None and not plain.avx_vnni, why
+    torch.manual_seed(5)
+    n, k = 2 * kernels.bf16_block + 13, 2 * 2048 + 320
+    qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
+    packed, sums = kernels.pack_rows(qweight), kernels.row_sums(qweight)
+    assert torch.equal(packed, plain.pack_rows(qweight))
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(131, k).to(dtype)
+    x[3, 7] = 80.0  # one row with a large step
+    for rows in (1, 2, 3, 5, 9, 63, 64, 131):
+        assert torch.equal(kernels.linear_i8(x[:rows], packed, scales, sums, bias, n),
+                           plain.linear_i8(x[:rows], packed, scales, sums, bias, n)), rows
 
 
 def _require_amx(kernels, flags: set[str] | frozenset[str]) -> None:

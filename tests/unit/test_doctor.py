@@ -218,7 +218,7 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
 
     setting = tmp_path / "enabled"
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    fake = type("Fake", (), {"isa": "avx512", "amx": False, "amx_int8": False})()
+    fake = type("Fake", (), {"isa": "avx512", "amx": False, "amx_int8": False, "avx_vnni": False})()
     monkeypatch.setattr(kernels, "load_status", lambda: (fake, "loaded /x.so"))
     original = probe.transparent_hugepages
     monkeypatch.setattr(probe, "transparent_hugepages", lambda: original(setting))
@@ -239,6 +239,8 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
     assert "bf16 linears on AMX tiles, int8 linears," in check_native_kernels({"avx512f", "avx512_vnni"}).detail
     fake.amx_int8 = True  # and int8 decode batches, where the library was built with AMX-INT8
     assert "int8 linears (AMX-INT8 tiles for 2-63 rows)" in check_native_kernels({"avx512f", "avx512_vnni"}).detail
+    fake.isa, fake.amx, fake.amx_int8, fake.avx_vnni = "avx2", False, False, True  # an Alder Lake
+    assert "avx2: bf16 linears, int8 linears (sums on AVX-VNNI)" in check_native_kernels({"avx2", "avx_vnni"}).detail
 
 
 def test_a_packaged_model_name_is_checked_in_the_cache_and_never_downloaded(monkeypatch, tmp_path):

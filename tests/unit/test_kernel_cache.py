@@ -116,16 +116,33 @@ def test_an_avx2_build_is_its_own_library_for_x86_64_v3(tmp_path):
         kb.compile_flags("avx1024")
 
 
-def test_the_isa_variable_takes_native_avx2_or_avx512_vnni_and_names_the_fix(monkeypatch):
+def test_the_isa_variable_takes_native_or_a_fixed_build_and_names_the_fix(monkeypatch):
     from pagedserve import envs
 
-    for value, isa in (("", "native"), ("AVX2", "avx2"), ("native", "native"), ("avx512-VNNI", "avx512-vnni")):
+    assert set(envs.CPU_ISAS) == set(kb.ISA_MARCH) == {"native", *kb.BUILD_ISA} == {"native", *kb.BUILD_FLAGS}
+    for value, isa in (("", "native"), ("AVX2", "avx2"), ("native", "native"), ("avx512-VNNI", "avx512-vnni"),
+                       ("avx2-vnni", "avx2-vnni")):
         monkeypatch.setenv("PAGEDSERVE_CPU_ISA", value)
         assert envs.cpu_isa() == isa
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx512")  # the best ISA is what "native" already picks
-    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA='avx512' is not one of native, avx2, avx512-vnni; "
-                                         "unset it"):
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA='avx512' is not one of native, avx2, avx2-vnni, "
+                                         "avx512-vnni; unset it"):
         envs.cpu_isa()
+
+
+def test_a_fixed_build_this_cpu_cannot_run_is_refused_before_it_is_built(monkeypatch):
+    """It would die (SIGILL) on its first instruction the CPU lacks; the torch path runs instead, and the reason
+    names the missing flags and the fix."""
+    import pagedserve.kernels as kernels_module
+
+    monkeypatch.setattr(kernels_module, "is_x86", lambda: True)
+    monkeypatch.setattr(kernels_module, "cpu_flags", lambda: {"avx2", "fma", "f16c", "sse4_2"})  # a Zen 3
+    monkeypatch.setattr(kernels_module, "build", lambda **_: pytest.fail("built a library this CPU cannot run"))
+    for isa, missing in (("avx2-vnni", "avx_vnni"), ("avx512-vnni", "avx512_vnni, avx512bw, avx512f")):
+        kernels, why = kernels_module.load.__wrapped__(isa)
+        assert kernels is None
+        assert why == (f"PAGEDSERVE_CPU_ISA={isa} needs the CPU flags {missing}, which this CPU lacks; unset it for "
+                       "the best build this CPU runs")
 
 
 def test_the_most_recent_builds_are_kept(tmp_path):
