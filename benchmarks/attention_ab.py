@@ -3,11 +3,11 @@
 Both versions of pagedserve/kernels/cpu_kernels.c are compiled here with the flags pagedserve builds with
 (-O3 -march=native, or -march=x86-64-v3 with --avx2 for the AVX2 kernels) and called through ctypes on the same
 inputs: a batch of sequences with the Qwen2.5-0.5B attention shape (14 query heads, 2 KV heads, head size 64,
-bf16), a paged pool (blocks of 16 slots, shuffled), contexts of the given lengths. The outputs must be
+bf16; --heads 9 3 for SmolLM2-135M's), a paged pool (blocks of 16 slots, shuffled), contexts of the given lengths. The outputs must be
 bit-identical (the check fails otherwise); the time is the median of repeats taking turns (the order
 flipped every repeat), per layer call.
 
-    python benchmarks/attention_ab.py --before COMMIT [--avx2] [--batch 32] [--contexts 100 1000 2000]
+    python benchmarks/attention_ab.py --before COMMIT [--avx2] [--batch 32] [--contexts 100 1000 2000] [--heads 9 3]
 """
 
 from __future__ import annotations
@@ -71,15 +71,18 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--contexts", type=int, nargs="+", default=[100, 1000, 2000])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--heads", type=int, nargs=2, default=[14, 2], metavar=("HQ", "HKV"),
+                        help="query and KV heads (default Qwen2.5-0.5B's 14 2; SmolLM2-135M: 9 3)")
     args = parser.parse_args()
     threads = torch.get_num_threads()
     with side_by_side(args.before, args.avx2) as (march, libs):
         for lib in libs.values():
             lib.ps_decode_attention.argtypes = [P, I64, P, P, P, P, P, I64, I64, I64, I64, I64, F32, INT, INT]
-        print(f"-march={march}, {threads} threads, batch {args.batch}, 14 query / 2 KV heads of 64, bf16")
+        print(f"-march={march}, {threads} threads, batch {args.batch}, {args.heads[0]} query / {args.heads[1]} KV heads "
+              "of 64, bf16")
         for context in args.contexts:
             torch.manual_seed(context)
-            hq, hkv, d, block = 14, 2, 64, 16
+            (hq, hkv), d, block = args.heads, 64, 16
             blocks_per_seq = -(-context // block)
             num_slots = args.batch * blocks_per_seq * block
             k_cache, v_cache = (torch.randn(num_slots, hkv, d).bfloat16() for _ in range(2))
