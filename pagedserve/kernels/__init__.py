@@ -433,8 +433,8 @@ def load_status() -> tuple[CpuKernels | None, str]:
 @functools.lru_cache(maxsize=None)
 def load(isa: str = "native") -> tuple[CpuKernels | None, str]:
     """The kernels built for `isa` (builder.ISA_MARCH: "native", or a fixed build on a CPU with the flags it
-    needs, builder.BUILD_FLAGS), or None and why not. Each ISA's library loads once; two can be loaded side by side (the tests run
-    the AVX2 kernels next to the AVX-512 ones on an AVX-512 CPU)."""
+    needs, builder.BUILD_FLAGS), or None and why not. Each ISA's library loads once; two can be loaded side by
+    side (the tests run the AVX2 kernels next to the AVX-512 ones on an AVX-512 CPU)."""
     if not envs.cpu_kernels_enabled():
         return None, "disabled by PAGEDSERVE_CPU_KERNELS=0"
     if not is_x86():

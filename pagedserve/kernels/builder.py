@@ -44,7 +44,8 @@ LINK_FLAGS = ("-lm",)
 ISA_MARCH = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native"),
              "avx2-vnni": ("-march=x86-64-v3", "-mavxvnni", "-mtune=native"),
              "avx512-vnni": ("-march=cascadelake", "-mtune=native")}
-BUILD_ISA = {"avx2": "avx2", "avx2-vnni": "avx2", "avx512-vnni": "avx512"}  # the kernels' ISA (ps_isa) of each
+# The kernels' ISA (ps_isa) each fixed -march build gives.
+BUILD_ISA = {"avx2": "avx2", "avx2-vnni": "avx2", "avx512-vnni": "avx512"}
 # The CPU flags (/proc/cpuinfo names) a fixed build's instructions need: without them it would die on the first
 # instruction it lacks (SIGILL), so pagedserve.kernels.load refuses it and says why.
 BUILD_FLAGS = {"avx2": frozenset({"avx2", "fma", "f16c"}),

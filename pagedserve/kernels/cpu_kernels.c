@@ -386,7 +386,7 @@ static void i8_prepare(const void *x, int64_t M, int64_t K, int bf16, uint8_t *p
 }
 
 /* acc + x0 w0 + x1 w1 in each int32 lane (16 pairs of int16). With AVX-VNNI (Alder Lake and later Intel cores, the
- * E-core Xeons, Zen 5; -mavxvnni, which -march=native gives there) one vpdpwssd, else vpmaddwd then vpaddd: the
+ * E-core Xeons; -mavxvnni, which -march=native gives there) one vpdpwssd, else vpmaddwd then vpaddd: the
  * same integers (no lane overflows: |x| <= 32767, |w| <= 127, and the callers flush their sums before 2^31), so
  * the same results bit for bit, for one instruction instead of two. */
 static inline __attribute__((always_inline)) __m256i dot_i16(__m256i acc, __m256i x, __m256i w) {
