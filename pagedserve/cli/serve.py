@@ -7,7 +7,7 @@ import os
 from dataclasses import replace
 
 from pagedserve import envs
-from pagedserve.cli.common import (add_thread_args, apply_thread_args, engine_args_from_cli, fail,
+from pagedserve.cli.common import (WAIT_VARIABLES, add_thread_args, apply_thread_args, engine_args_from_cli, fail,
                                    process_start_time, setup_logging)
 from pagedserve.engine.arg_utils import EngineArgs, RequestLimits
 from pagedserve.entrypoints.openai.options import ServeOptions
@@ -63,6 +63,6 @@ def run_replicas(engine_args: EngineArgs, options: ServeOptions, replica_args: R
         return fail(RAY_MISSING)
     from pagedserve.entrypoints.ray_serve.app import run
 
-    # Each replica's process reads its OpenMP wait policy before torch loads: hand it the one set here.
-    policy = os.environ.get("OMP_WAIT_POLICY")
-    return run(engine_args, options, replica_args, {"OMP_WAIT_POLICY": policy} if policy else None)
+    # Each replica's process reads how its OpenMP threads wait before torch loads: hand it what is set here.
+    waits = {name: os.environ[name] for name in WAIT_VARIABLES if name in os.environ}
+    return run(engine_args, options, replica_args, waits or None)

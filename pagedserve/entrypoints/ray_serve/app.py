@@ -37,7 +37,7 @@ ROUTER_CLASS = "pagedserve.entrypoints.ray_serve.router.PrefixAffinityRouter"
 def build_application(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArgs,
                       env_vars: dict[str, str] | None = None) -> serve.Application:
     """The ingress bound to N engine replicas. `env_vars` are set in each replica's process before it starts
-    (OMP_WAIT_POLICY must be there before torch loads)."""
+    (OMP_WAIT_POLICY and GOMP_SPINCOUNT must be there before torch loads)."""
     if engine_args.num_threads is None:  # the CPUs Ray reserved for the replica, not every core on its node
         engine_args = dataclasses.replace(engine_args, num_threads=max(1, int(replica_args.replica_cpus)))
     actor_options: dict = {"num_cpus": replica_args.replica_cpus}
