@@ -19,13 +19,14 @@ import resource
 import shutil
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 from pagedserve import envs
 from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
+from pagedserve.cli.common import DEFAULT_WAIT_POLICY, WAIT_VARIABLES
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.memory import probe
 from pagedserve.memory.sizes import GIB, MIB
@@ -234,10 +235,19 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
                        "install a C compiler (e.g. `apt install gcc`): batch-1 decoding is faster with them (int8 about 2x)")
 
 
-def check_cores(usable: int, online: int | None, quota: float | None) -> CheckResult:
-    """Cores really usable (affinity and cgroup quota), which is what the engine sizes its threads by."""
+def check_cores(usable: int, online: int | None, quota: float | None,
+                environ: Mapping[str, str] | None = None) -> CheckResult:
+    """Cores really usable (affinity and cgroup quota), which is what the engine sizes its threads by, and how
+    `serve` without --omp-wait-policy would have its idle threads wait (in this environment)."""
     limit = f"cgroup quota {quota:g} cores" if quota is not None else "no cgroup CPU quota"
     detail = f"{usable} usable of {online or '?'} online ({limit}); torch will use {usable} threads"
+    environ = os.environ if environ is None else environ
+    chosen = {name: environ[name] for name in WAIT_VARIABLES if name in environ}
+    if chosen:
+        detail += "; idle threads wait as the environment says (" + ", ".join(f"{k}={v}" for k, v in chosen.items())
+        detail += "; --omp-wait-policy overrides it)"
+    else:
+        detail += f"; idle threads spin briefly, then sleep (--omp-wait-policy {DEFAULT_WAIT_POLICY})"
     if usable == 1:
         return CheckResult("cores", WARN, detail, "one core serves one slow stream; give the container more CPUs")
     return CheckResult("cores", PASS, detail)

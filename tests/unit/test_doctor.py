@@ -82,8 +82,11 @@ def test_cpu_flags_decide_the_fast_dtype() -> None:
 
 
 def test_cores_and_memory() -> None:
-    result = doctor.check_cores(usable=4, online=64, quota=4.0)
+    result = doctor.check_cores(usable=4, online=64, quota=4.0, environ={})
     assert result.status == PASS and "4 usable of 64" in result.detail and "quota 4 cores" in result.detail
+    assert "idle threads spin briefly, then sleep (--omp-wait-policy brief)" in result.detail
+    result = doctor.check_cores(usable=4, online=64, quota=None, environ={"OMP_WAIT_POLICY": "ACTIVE"})
+    assert "as the environment says (OMP_WAIT_POLICY=ACTIVE; --omp-wait-policy overrides it)" in result.detail
     assert doctor.check_cores(usable=1, online=8, quota=0.5).status == WARN
     low = AvailableMemory(GIB, "cgroup", "cgroup v2 limit 2.00 GiB - used 1.00 GiB = 1.00 GiB")
     result = doctor.check_memory(low)
