@@ -32,7 +32,7 @@ def add_thread_args(parser: argparse.ArgumentParser) -> None:
         help="How idle CPU worker threads wait between kernels. brief (default): spin ~30 us, then sleep; spin: "
              "libgomp's own ~3 ms; passive: sleep at once. Waiting long only pays on a quiet box: on 2 cores with "
              "another process busy on one, Qwen2.5-Coder-0.5B decodes at 17 tok/s brief, 4 spin, 20 passive "
-             "(SmolLM2: 30, 2-10, 52); quiet, brief is ~3 % behind spin and passive ~30 %. Default: brief, "
+             "(SmolLM2: 30, 2-10, 52); quiet, brief is ~3 %% behind spin and passive ~30 %%. Default: brief, "
              "unless $OMP_WAIT_POLICY or $GOMP_SPINCOUNT is set.")
 
 
