@@ -42,6 +42,8 @@ REPO = HERE.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from pagedserve.cli.common import set_thread_environment  # noqa: E402
+
 PAGEDSERVE_W1 = """
 import json, random, sys, time
 from pagedserve import LLM, SamplingParams
@@ -94,9 +96,14 @@ print("RESULT " + json.dumps([gen(128) for _ in range(3)]))
 
 
 def run(python: str, code: str | Path, *argv: str) -> list[float]:
-    """Rates from a fresh process: `code` is a -c program or a script path."""
+    """Rates from a fresh process: `code` is a -c program or a script path. pagedserve's processes wait on OpenMP
+    as `pagedserve serve` does by default (cli.common.set_thread_environment: a brief spin, unless this environment
+    chooses), so that `LLM(...)` is measured as the server runs."""
     command = [python, str(code)] if isinstance(code, Path) else [python, "-c", code]
-    done = subprocess.run([*command, *argv], capture_output=True, text=True, check=False)
+    env = dict(os.environ)
+    if python == sys.executable:
+        set_thread_environment(None, env)
+    done = subprocess.run([*command, *argv], capture_output=True, text=True, check=False, env=env)
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"{argv}: no result\n{done.stderr[-2000:]}")

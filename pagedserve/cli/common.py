@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 from pagedserve import envs
 from pagedserve.engine.arg_utils import EngineArgs
@@ -46,15 +46,19 @@ def thread_environment(policy: str | None, environ: Mapping[str, str]) -> dict[s
     return dict(WAIT_POLICIES[policy])
 
 
+def set_thread_environment(policy: str | None, environ: MutableMapping[str, str]) -> None:
+    """Apply thread_environment(policy, environ) to `environ` (os.environ, or a child process's copy)."""
+    for name, value in thread_environment(policy, environ).items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+
+
 def apply_thread_args(args: argparse.Namespace) -> None:
     """Must run before torch is imported: OpenMP reads how its threads wait once, when it loads."""
-    if "torch" in sys.modules:
-        return
-    for name, value in thread_environment(getattr(args, "omp_wait_policy", None), os.environ).items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    if "torch" not in sys.modules:
+        set_thread_environment(getattr(args, "omp_wait_policy", None), os.environ)
 
 
 def setup_logging(verbose: bool = False) -> None:
