@@ -23,7 +23,12 @@ WAIT_POLICIES = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None},  # sleep at once
 }
 DEFAULT_WAIT_POLICY = "brief"
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+WAIT_VARIABLES = tuple(sorted({name for variables in WAIT_POLICIES.values() for name in variables}))
+
+
+def wait_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The wait variables `environ` sets (the user's choice, or what a parent process passed on)."""
+    return {name: environ[name] for name in WAIT_VARIABLES if name in environ}
 
 
 def add_thread_args(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +45,7 @@ def thread_environment(policy: str | None, environ: Mapping[str, str]) -> dict[s
     """The variables to set (None: remove) before torch loads for --omp-wait-policy `policy` (None: the flag was
     not given, so the default policy unless `environ` already chooses one)."""
     if policy is None:
-        if any(name in environ for name in WAIT_VARIABLES):
+        if wait_settings(environ):
             return {}
         policy = DEFAULT_WAIT_POLICY
     return dict(WAIT_POLICIES[policy])

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pagedserve import envs
 from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
-from pagedserve.cli.common import DEFAULT_WAIT_POLICY, WAIT_VARIABLES
+from pagedserve.cli.common import DEFAULT_WAIT_POLICY, wait_settings
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.memory import probe
 from pagedserve.memory.sizes import GIB, MIB
@@ -242,7 +242,7 @@ def check_cores(usable: int, online: int | None, quota: float | None,
     limit = f"cgroup quota {quota:g} cores" if quota is not None else "no cgroup CPU quota"
     detail = f"{usable} usable of {online or '?'} online ({limit}); torch will use {usable} threads"
     environ = os.environ if environ is None else environ
-    chosen = {name: environ[name] for name in WAIT_VARIABLES if name in environ}
+    chosen = wait_settings(environ)
     if chosen:
         detail += "; idle threads wait as the environment says (" + ", ".join(f"{k}={v}" for k, v in chosen.items())
         detail += "; --omp-wait-policy overrides it)"

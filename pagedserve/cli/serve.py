@@ -7,8 +7,8 @@ import os
 from dataclasses import replace
 
 from pagedserve import envs
-from pagedserve.cli.common import (WAIT_VARIABLES, add_thread_args, apply_thread_args, engine_args_from_cli, fail,
-                                   process_start_time, setup_logging)
+from pagedserve.cli.common import (add_thread_args, apply_thread_args, engine_args_from_cli, fail,
+                                   process_start_time, setup_logging, wait_settings)
 from pagedserve.engine.arg_utils import EngineArgs, RequestLimits
 from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.entrypoints.ray_serve.args import ReplicaArgs
@@ -64,5 +64,4 @@ def run_replicas(engine_args: EngineArgs, options: ServeOptions, replica_args: R
     from pagedserve.entrypoints.ray_serve.app import run
 
     # Each replica's process reads how its OpenMP threads wait before torch loads: hand it what is set here.
-    waits = {name: os.environ[name] for name in WAIT_VARIABLES if name in os.environ}
-    return run(engine_args, options, replica_args, waits or None)
+    return run(engine_args, options, replica_args, wait_settings(os.environ) or None)

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from pagedserve import envs
+from pagedserve.memory.probe import NATIVE_ISA_FLAGS
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +47,11 @@ ISA_MARCH = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=
              "avx512-vnni": ("-march=cascadelake", "-mtune=native")}
 # The kernels' ISA (ps_isa) each fixed -march build gives.
 BUILD_ISA = {"avx2": "avx2", "avx2-vnni": "avx2", "avx512-vnni": "avx512"}
-# The CPU flags (/proc/cpuinfo names) a fixed build's instructions need: without them it would die on the first
-# instruction it lacks (SIGILL), so pagedserve.kernels.load refuses it and says why.
-BUILD_FLAGS = {"avx2": frozenset({"avx2", "fma", "f16c"}),
-               "avx2-vnni": frozenset({"avx2", "fma", "f16c", "avx_vnni"}),
-               "avx512-vnni": frozenset({"avx512f", "avx512bw", "avx512_vnni"})}
+# The CPU flags (/proc/cpuinfo names) a fixed build's instructions need: its kernels' ISA's, plus what its -march
+# adds. Without them it would die on the first instruction it lacks (SIGILL), so pagedserve.kernels.load refuses it
+# and says why.
+BUILD_FLAGS = {build: dict(NATIVE_ISA_FLAGS)[isa] | ({"avx_vnni"} if build == "avx2-vnni" else set())
+               for build, isa in BUILD_ISA.items()}
 COMPILE_TIMEOUT_S = 120.0  # one small file: seconds on a loaded 2-core box; a hung compiler must not hang start-up
 KEEP_BUILDS = 3
 

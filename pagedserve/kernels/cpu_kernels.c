@@ -1233,7 +1233,8 @@ static void i8_panels(const void *x, const int8_t *q, const float *scale, const 
 /* Rows that stay in L2, as ps_linear_bf16's, but at least I8_PANEL_ROWS, each panel's fill paid over that many
  * (AVX2's 12-row chunks at K = 4864 made the down projection 1.3x slower). */
 static int64_t i8_prefill_chunk(int64_t M, int64_t K) {
-  return bf16_chunk_rows(M, K) < I8_PANEL_ROWS ? I8_PANEL_ROWS : bf16_chunk_rows(M, K);
+  const int64_t fit = bf16_chunk_rows(M, K);
+  return fit < I8_PANEL_ROWS ? I8_PANEL_ROWS : fit;
 }
 #endif
 

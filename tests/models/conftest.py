@@ -32,7 +32,7 @@ def kernel_build(build: str) -> tuple[str | None, str]:
     if not is_x86():
         return None, "the native kernels are written for x86-64"
     isa, flags = BUILD_ISA[build], cpu_flags()
-    missing = sorted((dict(NATIVE_ISA_FLAGS)[isa] | builder.BUILD_FLAGS.get(build, frozenset())) - flags)
+    missing = sorted(builder.BUILD_FLAGS.get(build, dict(NATIVE_ISA_FLAGS)[isa]) - flags)
     if missing:
         return None, f"the {build} kernels need the CPU flags {', '.join(missing)}, which this CPU lacks"
     chosen = envs.cpu_isa()

@@ -15,11 +15,11 @@ def _environment_after(argv: list[str], env: dict[str, str]) -> dict[str, str]:
     """OMP_WAIT_POLICY and GOMP_SPINCOUNT as a fresh process's flags leave them, checked to be set before torch."""
     code = (
         "import argparse, json, os, sys\n"
-        "from pagedserve.cli.common import WAIT_VARIABLES, add_thread_args, apply_thread_args\n"
+        "from pagedserve.cli.common import add_thread_args, apply_thread_args, wait_settings\n"
         "parser = argparse.ArgumentParser(); add_thread_args(parser)\n"
         f"apply_thread_args(parser.parse_args({argv!r}))\n"
         "assert 'torch' not in sys.modules\n"
-        "print(json.dumps({name: os.environ[name] for name in WAIT_VARIABLES if name in os.environ}))\n")
+        "print(json.dumps(wait_settings(os.environ)))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PATH": "/usr/bin:/bin", **env})
     return json.loads(out.stdout)
