@@ -48,6 +48,9 @@ def test_models_and_version(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == 256
+    assert client.models.retrieve(MODEL).model_dump() == models[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="`nope/tiny` does not exist"):
+        client.models.retrieve("nope/tiny")
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 

@@ -213,13 +213,20 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         state.ready_serving()
         return {"version": __version__, **state.info}
 
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
+                "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
         state.ready_serving()
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
-             "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}
-            for name in state.served_model_names]}
+        return {"object": "list", "data": [card(name) for name in state.served_model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        """OpenAI's retrieve (`client.models.retrieve`); names may hold '/' (e.g. Qwen/Qwen2.5-0.5B)."""
+        state.ready_serving().check_model(model)
+        return card(model)
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
