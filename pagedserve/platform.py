@@ -16,7 +16,7 @@ from pagedserve import envs
 
 # The host probes live in memory/probe.py (torch-free, paths as arguments, cgroup v1/v2 and ARM aware);
 # re-exported here so that callers keep importing them from pagedserve.platform.
-from pagedserve.memory.probe import cpu_flags, fast_cpu_dtype, usable_cpu_count
+from pagedserve.memory.probe import cpu_flags, fast_cpu_dtype, read_cores, usable_cpu_count
 from pagedserve.memory.weight_format import native_kernels_expected
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DTYPE_NAMES", "bind_rank_device", "canonical_dtype_name", "configure_threads", "cpu_flags",
            "default_device", "default_quantization", "distributed_backend", "lazy_zeros", "native_kernels_run",
-           "resolve_dtype", "torch_dtype", "usable_cpu_count"]
+           "read_cores", "resolve_dtype", "torch_dtype", "usable_cpu_count"]
 
 # The dtype names accepted, each -> the torch dtype's name.
 DTYPE_NAMES = {

@@ -235,12 +235,24 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
                        "install a C compiler (e.g. `apt install gcc`): batch-1 decoding is faster with them (int8 about 2x)")
 
 
-def check_cores(usable: int, online: int | None, quota: float | None,
-                environ: Mapping[str, str] | None = None) -> CheckResult:
-    """Cores really usable (affinity and cgroup quota), which is what the engine sizes its threads by, and how
-    `serve` without --omp-wait-policy would have its idle threads wait (in this environment)."""
+def check_cores(cores: probe.Cores, online: int | None, environ: Mapping[str, str] | None = None) -> CheckResult:
+    """CPUs really usable (affinity and cgroup quota), the physical cores among them, which is what the engine
+    sizes its threads by, and how `serve` without --omp-wait-policy would have its idle threads wait (in this
+    environment)."""
+    quota = cores.quota
     limit = f"cgroup quota {quota:g} cores" if quota is not None else "no cgroup CPU quota"
-    detail = f"{usable} usable of {online or '?'} online ({limit}); torch will use {usable} threads"
+    logical = len(cores.logical)
+    threads = len(cores.thread_cpus)
+    detail = f"{logical} logical CPUs usable of {online or '?'} online ({limit})"
+    if len(cores.cores) < logical:
+        detail += f", {len(cores.cores)} physical cores (SMT)"
+    efficiency = len(cores.cores) - len(cores.performance_cores)
+    if efficiency:
+        detail += f", {efficiency} of them efficiency cores (left out: they finish each parallel split last)"
+    detail += f"; torch will use {threads} thread{'s' if threads != 1 else ''}"
+    if threads < logical:
+        detail += " (one per physical core" + (" within the quota" if quota is not None else "") + \
+            "; --num-threads to change)"
     environ = os.environ if environ is None else environ
     chosen = wait_settings(environ)
     if chosen:
@@ -248,7 +260,7 @@ def check_cores(usable: int, online: int | None, quota: float | None,
         detail += "; --omp-wait-policy overrides it)"
     else:
         detail += f"; idle threads spin briefly, then sleep (--omp-wait-policy {DEFAULT_WAIT_POLICY})"
-    if usable == 1:
+    if threads == 1:
         return CheckResult("cores", WARN, detail, "one core serves one slow stream; give the container more CPUs")
     return CheckResult("cores", PASS, detail)
 
@@ -361,7 +373,7 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
         check_accelerator_now,
         lambda: check_cpu(flags, native_kernels=_native_kernels_isa(flags) is not None),
         lambda: check_native_kernels(flags),
-        lambda: check_cores(probe.usable_cpu_count(), os.cpu_count(), probe.cgroup_cpu_quota()),
+        lambda: check_cores(probe.read_cores(), os.cpu_count()),
         lambda: check_memory(available),
         check_open_files,
         check_bytecode,

@@ -12,26 +12,9 @@ import logging
 import os
 from pathlib import Path
 
+from pagedserve.memory.probe import parse_cpu_list
+
 logger = logging.getLogger(__name__)
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]; ValueError for anything else."""
-    cores: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            raise ValueError(f"empty entry in the core list {text!r}")
-        first, _, last = part.partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
-            raise ValueError(f"{part!r} in {text!r} is not a core number or a range like 0-7")
-        low, high = int(first), int(last or first)
-        if high < low:
-            raise ValueError(f"the range {part!r} in {text!r} runs backwards")
-        cores.extend(range(low, high + 1))
-    if len(set(cores)) != len(cores):
-        raise ValueError(f"the core list {text!r} names a core twice")
-    return cores
 
 
 def parse_cpu_binding(text: str, world_size: int) -> list[list[int]]:
@@ -71,15 +54,6 @@ def default_binding(usable: list[int], world_size: int, nodes: list[list[int]] |
         return [[usable[r % len(usable)]] for r in range(world_size)]
     size = len(usable) // world_size
     return [usable[r * size:(r + 1) * size] for r in range(world_size)]
-
-
-def usable_cores(count: int) -> list[int]:
-    """The first `count` cores of this process's affinity (count: after the cgroup quota)."""
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = list(range(os.cpu_count() or 1))
-    return cores[:max(1, count)]
 
 
 def bind_this_thread(cores: list[int]) -> set[int] | None:

@@ -8,8 +8,9 @@ from dataclasses import replace
 from typing import Any
 
 from pagedserve.config import ParallelConfig
-from pagedserve.distributed.binding import default_binding, format_cores, parse_cpu_binding, usable_cores
+from pagedserve.distributed.binding import default_binding, format_cores, parse_cpu_binding
 from pagedserve.distributed.sharding import ShardLayout, check_tensor_parallel
+from pagedserve.memory.probe import Cores
 
 ALL_REDUCE_KINDS = ("auto", "shm", "gloo")
 
@@ -24,9 +25,10 @@ def check_parallel_args(tensor_parallel_size: int, cpu_binding: str | None, all_
         parse_cpu_binding(cpu_binding, tensor_parallel_size)
 
 
-def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, num_usable_cores: int
+def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, cores: Cores
                      ) -> tuple[ParallelConfig, int | None]:
-    """(ParallelConfig, torch threads per rank or None to keep the single-process default)."""
+    """(ParallelConfig, torch threads per rank or None to keep the single-process default). By default the
+    ranks split `cores.thread_cpus` (one logical CPU per physical core), so no two ranks share a core."""
     size = args.tensor_parallel_size
     if size == 1:
         return ParallelConfig(), None
@@ -38,13 +40,13 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, nu
     check_tensor_parallel(hf_config, size)
     if args.cpu_binding is not None:
         binding = parse_cpu_binding(args.cpu_binding, size)
-        allowed = usable_cores(1 << 16)  # every core of this process's affinity
+        allowed = cores.logical  # every CPU of this process's affinity
         outside = sorted({c for cores in binding for c in cores} - set(allowed))
         if outside:
             raise ValueError(f"--cpu-binding {args.cpu_binding!r} names cores this process may not run on "
                              f"({format_cores(outside)}); usable: {format_cores(allowed)}")
     else:
-        binding = default_binding(usable_cores(num_usable_cores), size)
+        binding = default_binding(cores.thread_cpus, size)
     threads = args.num_threads or min(len(cores) for cores in binding)
     return ParallelConfig(tensor_parallel_size=size, cpu_binding=tuple(tuple(c) for c in binding),
                           all_reduce=args.tp_all_reduce), threads

@@ -105,7 +105,8 @@ class EngineArgs(FlagArgs):
     cpu_binding: str | None = setting(
         "Cores of each tensor-parallel rank, '|'-separated lists: \"0-7|8-15\" (vLLM's "
         "VLLM_CPU_OMP_THREADS_BIND). Default: one NUMA node per rank where the usable cores span N nodes, else "
-        "the usable cores split evenly; one thread per core unless --num-threads.")
+        "the usable physical cores split evenly; one thread per physical core (one CPU of each) unless "
+        "--num-threads.")
     tp_all_reduce: str = setting("Testing and benchmarks: the tensor-parallel collectives' path: auto (shared "
                               "memory on one x86 host, else gloo), shm or gloo.", default=ParallelConfig.all_reduce,
                               hidden=True)
@@ -116,7 +117,9 @@ class EngineArgs(FlagArgs):
                                    "(debugging, correctness checks).", default=ModelConfig.reference_kernels)
     seed: int = setting("Seed for unseeded random sampling.", default=ModelConfig.seed)
     device: str = setting("cpu, cuda or auto.", default="auto")
-    num_threads: int | None = setting("Torch threads on CPU (default: the cores this process may use).")
+    num_threads: int | None = setting("Torch threads on CPU. Default: one per physical core this process may "
+                                      "use, within the cgroup CPU quota: SMT siblings are left out, and on a "
+                                      "hybrid CPU the efficiency cores (as torch, llama.cpp and vLLM do).")
     task: str = setting("auto, generate or embed. auto: embed for encoders (BERT), decoders saved without an LM "
                      "head, and models with a sentence-transformers pooling module (modules.json); else "
                      "generate.", default="auto")

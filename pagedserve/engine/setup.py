@@ -116,7 +116,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     plan`): whether the native kernels run (for --dtype auto and a GGUF's quantization) is told from the CPU's
     flags instead of building and loading them (platform.native_kernels_run), so no torch is imported."""
     from pagedserve.models.validate import check_sliding_window
-    from pagedserve.platform import default_device, default_quantization, resolve_dtype, usable_cpu_count
+    from pagedserve.platform import default_device, default_quantization, read_cores, resolve_dtype
 
     check_engine_args(args)
     model_path, checkpoint, hf_config, architecture = read_model(args.model, startup)
@@ -125,7 +125,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     model_dtype = str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "")
     dtype = resolve_dtype(args.dtype, device, model_dtype.removeprefix("torch.") or None, kernels_from_flags)
     task = _resolve_task(args, architecture, model_path)
-    parallel, threads_per_rank = resolve_parallel(args, hf_config, task, architecture, usable_cpu_count())
+    cores = read_cores()
+    parallel, threads_per_rank = resolve_parallel(args, hf_config, task, architecture, cores)
     pooler = _pooler_config(model_path, architecture, hf_config) if task == "embed" else None
     max_model_len = _max_model_len(args, hf_config, model_path if task == "embed" else None)
     check_sliding_window(checkpoint.config, max_model_len)  # refused, never silently wrong past the window
@@ -157,7 +158,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     plan = plan_memory(args, checkpoint, model, scheduler, device, available, draft)
     cache = CacheConfig(block_size=args.block_size, num_blocks=num_kv_blocks(args, plan),
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
-    threads = threads_per_rank or args.num_threads or usable_cpu_count()
+    threads = threads_per_rank or args.num_threads or len(cores.thread_cpus)
     if check_memory:
         check_memory_plan(plan)
     return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan,

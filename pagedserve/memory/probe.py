@@ -5,7 +5,7 @@ feed fake trees. Nothing here reads environment variables. torch is imported laz
 
 A container sees the whole host in /proc/meminfo and os.cpu_count(); its real limits are in the cgroup:
 the binding memory figure is min(MemAvailable, cgroup limit - cgroup usage), and the binding core count
-is min(CPU affinity, cgroup CPU quota).
+is min(CPU affinity, cgroup CPU quota); the engine runs a thread per physical core of those (`Cores`).
 """
 
 from __future__ import annotations
@@ -195,18 +195,104 @@ def cgroup_cpu_quota(
     return min(quotas) if quotas else None
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format); ValueError for anything else."""
+    cores: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"empty entry in the core list {text!r}")
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{part!r} in {text!r} is not a core number or a range like 0-7")
+        low, high = int(first), int(last or first)
+        if high < low:
+            raise ValueError(f"the range {part!r} in {text!r} runs backwards")
+        cores.extend(range(low, high + 1))
+    if len(set(cores)) != len(cores):
+        raise ValueError(f"the core list {text!r} names a core twice")
+    return cores
+
+
+def _read_cpu_list(path: Path) -> list[int] | None:
+    try:
+        return parse_cpu_list(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _affinity() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class Cores:
+    """The logical CPUs this process may run on, grouped into physical cores, and where the threads go.
+
+    Parallel loops run in lockstep (a static split, ~250 regions a decode step, each waiting for its slowest
+    thread), so the engine runs one thread per physical core, as torch, llama.cpp and vLLM's CPU backend do by
+    default: a second thread on an SMT sibling shares the core's vector units and caches, and while it waits
+    at a region's end its spinning takes issue slots from the thread doing the work. On a hybrid CPU (Intel
+    P + E cores) the threads go on the performance cores only, where this process has any (llama.cpp's
+    default): an efficiency core's share of each split arrives last."""
+
+    cores: tuple[tuple[int, ...], ...]  # each physical core's usable logical CPUs, cores in order of their first
+    efficiency: frozenset[int] = frozenset()  # logical CPUs of efficiency cores (hybrid CPUs); else empty
+    quota: float | None = None  # the cgroup CPU quota in cores, None if unlimited
+
+    @property
+    def logical(self) -> list[int]:
+        return sorted(cpu for core in self.cores for cpu in core)
+
+    @property
+    def performance_cores(self) -> list[tuple[int, ...]]:
+        """The cores threads may go on: all of them, or only the performance ones of a hybrid CPU (where this
+        process has any)."""
+        fast = [core for core in self.cores if core[0] not in self.efficiency]
+        return fast or list(self.cores)
+
+    @property
+    def thread_cpus(self) -> list[int]:
+        """One logical CPU per core the threads go on (its first), at most ceil(quota) of them, at least one."""
+        cpus = [core[0] for core in self.performance_cores]
+        if self.quota is not None:
+            cpus = cpus[:max(1, math.ceil(self.quota))]
+        return cpus
+
+
+def read_cores(
+    affinity: set[int] | None = None,
+    cpu_root: str | Path = "/sys/devices/system/cpu",
+    devices_root: str | Path = "/sys/devices",
+    cgroup_root: str | Path = "/sys/fs/cgroup",
+    proc_self_cgroup: str | Path = "/proc/self/cgroup",
+) -> Cores:
+    """This process's CPUs by physical core (topology/core_cpus_list, or thread_siblings_list on older kernels;
+    a CPU whose topology the system does not tell is a core of its own), the efficiency cores of an Intel
+    hybrid CPU (Linux lists them in /sys/devices/cpu_atom/cpus), and the cgroup CPU quota."""
+    affinity = _affinity() if affinity is None else affinity
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for cpu in sorted(affinity):
+        topology = Path(cpu_root) / f"cpu{cpu}" / "topology"
+        siblings = _read_cpu_list(topology / "core_cpus_list") or _read_cpu_list(topology / "thread_siblings_list")
+        key = tuple(siblings) if siblings and cpu in siblings else (cpu,)
+        groups.setdefault(key, []).append(cpu)
+    efficiency = _read_cpu_list(Path(devices_root) / "cpu_atom" / "cpus") or []
+    return Cores(tuple(tuple(cpus) for cpus in groups.values()), frozenset(efficiency),
+                 cgroup_cpu_quota(cgroup_root, proc_self_cgroup))
+
+
 def usable_cpu_count(
     cgroup_root: str | Path = "/sys/fs/cgroup",
     proc_self_cgroup: str | Path = "/proc/self/cgroup",
     affinity: set[int] | None = None,
 ) -> int:
-    """Cores this process can really keep busy: min(CPU affinity, ceil(cgroup quota)), at least 1."""
-    if affinity is None:
-        try:
-            affinity = os.sched_getaffinity(0)
-        except AttributeError:  # not Linux
-            affinity = set(range(os.cpu_count() or 1))
-    count = len(affinity)
+    """Logical CPUs this process can really keep busy: min(CPU affinity, ceil(cgroup quota)), at least 1 (what a
+    CPU share is out of; the engine's threads are `default_thread_count`)."""
+    count = len(_affinity() if affinity is None else affinity)
     quota = cgroup_cpu_quota(cgroup_root, proc_self_cgroup)
     if quota is not None:
         count = min(count, math.ceil(quota))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.distributed.binding import default_binding, format_cores, numa_nodes, parse_cpu_binding
+from pagedserve.memory.probe import Cores, read_cores
 
 
 def test_binding_lists_one_core_list_per_rank():
@@ -47,8 +48,6 @@ def test_numa_nodes_are_read_from_sysfs(tmp_path):
 
 
 def test_a_binding_to_cores_this_process_cannot_use_is_refused(tmp_path):
-    import os
-
     from pagedserve.distributed.plan import resolve_parallel
 
     class Args:
@@ -58,4 +57,21 @@ def test_a_binding_to_cores_this_process_cannot_use_is_refused(tmp_path):
         num_attention_heads, num_key_value_heads, intermediate_size = 4, 2, 128
 
     with pytest.raises(ValueError, match=r"names cores this process may not run on \(4096\)"):
-        resolve_parallel(Args, Config, "generate", "LlamaForCausalLM", len(os.sched_getaffinity(0)))
+        resolve_parallel(Args, Config, "generate", "LlamaForCausalLM", read_cores())
+
+
+def test_ranks_split_physical_cores_never_two_threads_of_one_core():
+    from pagedserve.distributed.plan import resolve_parallel
+
+    class Args:
+        tensor_parallel_size, cpu_binding, num_threads, tp_all_reduce = 2, None, None, "auto"
+
+    class Config:
+        num_attention_heads, num_key_value_heads, intermediate_size = 4, 2, 128
+
+    smt = Cores(tuple((core, core + 8) for core in range(8)))  # 16 CPUs, CPU n and n + 8 share core n
+    parallel, threads = resolve_parallel(Args, Config, "generate", "LlamaForCausalLM", smt)
+    assert parallel.cpu_binding == ((0, 1, 2, 3), (4, 5, 6, 7)) and threads == 4
+    Args.cpu_binding = "0-7|8-15"  # the user's binding is taken as given: every CPU is this process's
+    parallel, threads = resolve_parallel(Args, Config, "generate", "LlamaForCausalLM", smt)
+    assert parallel.cpu_binding == (tuple(range(8)), tuple(range(8, 16))) and threads == 8

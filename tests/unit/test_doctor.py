@@ -14,7 +14,7 @@ import pytest
 
 from pagedserve.cli import doctor, doctor_model
 from pagedserve.cli.doctor import FAIL, PASS, WARN, CheckResult, TorchBuildInfo
-from pagedserve.memory.probe import GIB, AvailableMemory
+from pagedserve.memory.probe import GIB, AvailableMemory, Cores
 
 
 def test_python_and_package_versions() -> None:
@@ -82,12 +82,22 @@ def test_cpu_flags_decide_the_fast_dtype() -> None:
 
 
 def test_cores_and_memory() -> None:
-    result = doctor.check_cores(usable=4, online=64, quota=4.0, environ={})
-    assert result.status == PASS and "4 usable of 64" in result.detail and "quota 4 cores" in result.detail
+    smt = tuple((core, core + 32) for core in range(32))  # 64 CPUs, two threads a core
+    result = doctor.check_cores(Cores(smt, quota=4.0), online=64, environ={})
+    assert result.status == PASS and "64 logical CPUs usable of 64 online (cgroup quota 4 cores)" in result.detail
+    assert "32 physical cores (SMT); torch will use 4 threads (one per physical core within the quota" in result.detail
     assert "idle threads spin briefly, then sleep (--omp-wait-policy brief)" in result.detail
-    result = doctor.check_cores(usable=4, online=64, quota=None, environ={"OMP_WAIT_POLICY": "ACTIVE"})
+    result = doctor.check_cores(Cores(smt), online=64, environ={"OMP_WAIT_POLICY": "ACTIVE"})
+    assert "torch will use 32 threads (one per physical core;" in result.detail
     assert "as the environment says (OMP_WAIT_POLICY=ACTIVE; --omp-wait-policy overrides it)" in result.detail
-    assert doctor.check_cores(usable=1, online=8, quota=0.5).status == WARN
+    hybrid = Cores(tuple((2 * i, 2 * i + 1) for i in range(6)) + tuple((c,) for c in range(12, 20)),
+                   efficiency=frozenset(range(12, 20)))
+    result = doctor.check_cores(hybrid, online=20)
+    assert "14 physical cores (SMT), 8 of them efficiency cores (left out" in result.detail
+    assert "torch will use 6 threads" in result.detail
+    plain = doctor.check_cores(Cores(((0,), (1,))), online=2)
+    assert "2 logical CPUs usable of 2 online (no cgroup CPU quota); torch will use 2 threads;" in plain.detail
+    assert doctor.check_cores(Cores(((0,), (1,)), quota=0.5), online=8).status == WARN
     low = AvailableMemory(GIB, "cgroup", "cgroup v2 limit 2.00 GiB - used 1.00 GiB = 1.00 GiB")
     result = doctor.check_memory(low)
     assert result.status == WARN and "1.00 GiB available, bound by cgroup" in result.detail

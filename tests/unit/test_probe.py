@@ -16,6 +16,7 @@ from pagedserve.memory.probe import (
     fast_cpu_dtype,
     native_kernel_isa,
     read_cgroup_memory,
+    read_cores,
     read_meminfo,
     usable_cpu_count,
 )
@@ -190,6 +191,59 @@ def test_tiny_quota_still_gives_one_core(tmp_path: Path) -> None:
     root, proc_self = cgroup_v2(tmp_path)
     write(root / "user.slice" / "app.scope" / "cpu.max", "10000 100000\n")
     assert usable_cpu_count(root, proc_self, affinity={0, 1, 2, 3}) == 1
+
+
+def cpu_tree(tmp_path: Path, siblings: dict[int, str], efficiency: str | None = None,
+             name: str = "core_cpus_list") -> tuple[Path, Path]:
+    """A fake /sys/devices/system/cpu (each CPU's sibling list) and /sys/devices (cpu_atom/cpus on hybrids)."""
+    cpu_root, devices = tmp_path / "cpu", tmp_path / "devices"
+    for cpu, text in siblings.items():
+        write(cpu_root / f"cpu{cpu}" / "topology" / name, text + "\n")
+    devices.mkdir(exist_ok=True)
+    if efficiency is not None:
+        write(devices / "cpu_atom" / "cpus", efficiency + "\n")
+    return cpu_root, devices
+
+
+def cores_of(tmp_path: Path, affinity: set[int], cpu_root: Path, devices: Path, quota: str | None = None):
+    root, proc_self = cgroup_v2(tmp_path)
+    write(root / "user.slice" / "app.scope" / "cpu.max", (quota or "max 100000") + "\n")
+    return read_cores(affinity, cpu_root, devices, root, proc_self)
+
+
+def test_one_thread_per_physical_core_smt_siblings_left_out(tmp_path: Path) -> None:
+    # Intel's numbering: CPU n and n + 4 are the two threads of core n
+    smt = {cpu: f"{cpu % 4},{cpu % 4 + 4}" for cpu in range(8)}
+    cpu_root, devices = cpu_tree(tmp_path, smt)
+    cores = cores_of(tmp_path, set(range(8)), cpu_root, devices)
+    assert cores.cores == ((0, 4), (1, 5), (2, 6), (3, 7)) and cores.logical == list(range(8))
+    assert cores.thread_cpus == [0, 1, 2, 3]
+    assert cores_of(tmp_path, {4, 5, 6, 7}, cpu_root, devices).thread_cpus == [4, 5, 6, 7]  # one of each core
+    assert cores_of(tmp_path, {1, 5}, cpu_root, devices).thread_cpus == [1]  # two threads of one core
+    assert cores_of(tmp_path, set(range(8)), cpu_root, devices, quota="250000 100000").thread_cpus == [0, 1, 2]
+    assert cores_of(tmp_path, set(range(8)), cpu_root, devices, quota="10000 100000").thread_cpus == [0]
+    # AMD's numbering (siblings adjacent), told by the older thread_siblings_list
+    adjacent = {cpu: f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}" for cpu in range(8)}
+    cpu_root, devices = cpu_tree(tmp_path / "amd", adjacent, name="thread_siblings_list")
+    assert cores_of(tmp_path, set(range(8)), cpu_root, devices).thread_cpus == [0, 2, 4, 6]
+
+
+def test_without_topology_every_cpu_is_a_core(tmp_path: Path) -> None:
+    cpu_root, devices = cpu_tree(tmp_path, {0: "0"})  # CPU 1 says nothing; CPU 2 says something unreadable
+    write(cpu_root / "cpu2" / "topology" / "core_cpus_list", "garbage\n")
+    cores = cores_of(tmp_path, {0, 1, 2}, cpu_root, devices)
+    assert cores.cores == ((0,), (1,), (2,)) and cores.thread_cpus == [0, 1, 2]
+
+
+def test_hybrid_cpus_thread_on_performance_cores_only(tmp_path: Path) -> None:
+    # an Alder Lake: 6 P-cores with two threads each (CPUs 0-11, siblings adjacent), 8 E-cores (12-19)
+    hybrid = {cpu: (f"{cpu - cpu % 2}-{cpu - cpu % 2 + 1}" if cpu < 12 else str(cpu)) for cpu in range(20)}
+    cpu_root, devices = cpu_tree(tmp_path, hybrid, efficiency="12-19")
+    cores = cores_of(tmp_path, set(range(20)), cpu_root, devices)
+    assert len(cores.cores) == 14 and len(cores.performance_cores) == 6
+    assert cores.thread_cpus == [0, 2, 4, 6, 8, 10]
+    assert cores_of(tmp_path, set(range(12, 20)), cpu_root, devices).thread_cpus == list(range(12, 20))  # only E
+    assert cores_of(tmp_path, {3, 12, 13}, cpu_root, devices).thread_cpus == [3]
 
 
 def test_cpu_flags_and_fast_dtype(tmp_path: Path) -> None:
