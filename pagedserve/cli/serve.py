@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import replace
 
 from pagedserve import envs
 from pagedserve.cli.common import (add_thread_args, apply_thread_args, engine_args_from_cli, fail,
                                    process_start_time, setup_logging, wait_settings)
+from pagedserve.engine import vllm_compat
 from pagedserve.engine.arg_utils import EngineArgs, RequestLimits
 from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.entrypoints.ray_serve.args import ReplicaArgs
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ReplicaArgs.add_cli_args(parser.add_argument_group(
         "replicas on Ray Serve (pip install 'pagedserve[ray]'; --host/--port are then the Ray Serve endpoint's)"))
     add_thread_args(parser)
+    vllm_compat.add_cli_args(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.set_defaults(func=run)
 
@@ -44,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     options = replace(options, api_key=options.api_key or envs.api_key())
     replica_args = ReplicaArgs.from_cli_args(args)
     try:
+        for note in vllm_compat.check(vars(args)):
+            logger.info("%s", note)
         check_engine_args(engine_args)  # unsupported values fail before the port opens
         options.check()
         replica_args.check()

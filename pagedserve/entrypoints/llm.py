@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.engine import vllm_compat
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.exceptions import request_error
@@ -13,11 +15,18 @@ from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 Conversation = list[dict[str, Any]]
 
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs`: EngineArgs' fields, and vLLM's that pagedserve takes without effect (trust_remote_code,
+        swap_space, ...; engine/vllm_compat.py: logged) or refuses with a reason (ValueError)."""
+        kwargs, notes = vllm_compat.split_keywords(kwargs)
+        for note in notes:
+            logger.info("%s", note)
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
     def get_tokenizer(self) -> Any:

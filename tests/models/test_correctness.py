@@ -147,7 +147,9 @@ def test_shared_prefix_hits_cache(tiny_model_dir):
     stats = llm.engine.scheduler.kv.stats
     assert stats.num_hits >= 3 * 48
     assert all(o.num_cached_tokens == 48 for o in rest)
-    fresh = LLM(model_dir, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    # vLLM's keywords that have no effect here are taken (engine/vllm_compat.py), as a vLLM script passes them
+    fresh = LLM(model_dir, dtype="float32", max_model_len=256, enable_prefix_caching=False, trust_remote_code=True,
+                swap_space=4)
     expected = fresh.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in expected]
 

@@ -1,0 +1,150 @@
+"""vLLM settings that pagedserve takes without a setting of its own, so that a `vllm serve ...` command line (or
+`LLM(..., trust_remote_code=True)`) runs unchanged, and says what it did with each.
+
+One table, read by `pagedserve serve` (the flags, in their own --help section) and by `LLM(...)` (the same names
+as keyword arguments). Three kinds:
+- ignored: the setting exists for something pagedserve does not have or always does its own way (CUDA graphs,
+  swap space, a checkpoint's remote code); it is taken, and start-up logs why it has no effect;
+- only: accepted at the values that describe what pagedserve does (`--pipeline-parallel-size 1`); another value is
+  refused before anything loads, naming what to do instead;
+- unsupported: a feature pagedserve does not have (LoRA, reasoning parsers, hub revisions); refused, with the way
+  to get what was meant where there is one.
+A vLLM flag pagedserve implements is an ordinary setting (EngineArgs, ServeOptions), never listed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+IGNORED, ONLY, UNSUPPORTED = "ignored", "only", "unsupported"
+
+_NO_HUB = ("pagedserve serves a local checkpoint (or a packaged model name) and does not download from the "
+           "Hugging Face hub: download it first (`huggingface-cli download MODEL --revision R --local-dir DIR`) "
+           "and serve DIR")
+
+
+@dataclass(frozen=True)
+class CompatSetting:
+    flags: tuple[str, ...]  # the first is the long flag; its name with '_' is the LLM(...) keyword
+    kind: str
+    reason: str  # why it has no effect (ignored), what pagedserve does (only), or what to do instead (unsupported)
+    takes_value: bool = True  # False: a switch (--x / --no-x)
+    allowed: tuple[str, ...] = ()  # kind "only": the values that match pagedserve (compared case-insensitively)
+
+    @property
+    def name(self) -> str:
+        return self.flags[0].removeprefix("--").replace("-", "_")
+
+
+COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
+    # ignored
+    CompatSetting(("--trust-remote-code",), IGNORED, "pagedserve runs its own model code for the architectures it "
+                  "supports and never imports a checkpoint's Python files", takes_value=False),
+    CompatSetting(("--disable-log-requests",), IGNORED, "requests are not logged", takes_value=False),
+    CompatSetting(("--disable-log-stats",), IGNORED, "no periodic stats lines are logged (/metrics and `pagedserve "
+                  "watch` show them)", takes_value=False),
+    CompatSetting(("--disable-uvicorn-access-log",), IGNORED, "no access log is written", takes_value=False),
+    CompatSetting(("--disable-frontend-multiprocessing",), IGNORED, "the HTTP server and the engine share one "
+                  "process", takes_value=False),
+    CompatSetting(("--swap-space",), IGNORED, "a preempted request's KV cache is recomputed when it resumes, not "
+                  "swapped to host memory"),
+    CompatSetting(("--cpu-offload-gb",), IGNORED, "weights stay on the device that runs them; the memory plan "
+                  "refuses a model that does not fit"),
+    CompatSetting(("--max-seq-len-to-capture",), IGNORED, "no CUDA graphs are captured: every forward runs eagerly"),
+    CompatSetting(("--compilation-config", "-O"), IGNORED, "models are not graph-compiled (the native CPU kernels are "
+                  "a library built once)"),
+    CompatSetting(("--disable-custom-all-reduce",), IGNORED, "there is no custom CUDA all-reduce", takes_value=False),
+    CompatSetting(("--num-scheduler-steps",), IGNORED, "the scheduler runs once per forward"),
+    CompatSetting(("--async-scheduling",), IGNORED, "the scheduler runs between forwards", takes_value=False),
+    CompatSetting(("--max-parallel-loading-workers",), IGNORED, "weights load in this process, as one stream"),
+    CompatSetting(("--calculate-kv-scales",), IGNORED, "fp8 KV caches keep a scale per token and head, computed as "
+                  "they are written", takes_value=False),
+    CompatSetting(("--prefix-caching-hash-algo",), IGNORED, "prefix-cache blocks are keyed by their token ids and "
+                  "their prefix's key"),
+    # only
+    CompatSetting(("--pipeline-parallel-size", "-pp"), ONLY, "pipeline parallelism is not supported: split a model "
+                  "with --tensor-parallel-size N", allowed=("1",)),
+    CompatSetting(("--data-parallel-size", "-dp"), ONLY, "data-parallel engines are replicas here: "
+                  "--replicas N (Ray Serve)", allowed=("1",)),
+    CompatSetting(("--api-server-count",), ONLY, "one HTTP server process serves every request", allowed=("1",)),
+    CompatSetting(("--distributed-executor-backend",), ONLY, "tensor-parallel ranks are processes of this host",
+                  allowed=("mp", "uni")),
+    CompatSetting(("--tokenizer-mode",), ONLY, "the checkpoint's own tokenizer is used (tokenizer.json or the "
+                  "GGUF's vocabulary)", allowed=("auto", "hf")),
+    CompatSetting(("--load-format",), ONLY, "the format is told from the files (safetensors or GGUF)",
+                  allowed=("auto", "safetensors", "gguf")),
+    CompatSetting(("--config-format",), ONLY, "the model's config is read from config.json (or the GGUF's "
+                  "metadata)", allowed=("auto", "hf")),
+    CompatSetting(("--scheduling-policy",), ONLY, "requests are scheduled first come, first served",
+                  allowed=("fcfs",)),
+    CompatSetting(("--guided-decoding-backend",), ONLY, "structured outputs run on xgrammar "
+                  "(--structured-outputs-config for its settings)", allowed=("auto", "xgrammar")),
+    # unsupported
+    CompatSetting(("--enable-lora",), UNSUPPORTED, "LoRA adapters are not supported: merge the adapter into the "
+                  "weights (peft's merge_and_unload) and serve the merged checkpoint", takes_value=False),
+    CompatSetting(("--lora-modules",), UNSUPPORTED, "LoRA adapters are not supported: merge the adapter into the "
+                  "weights (peft's merge_and_unload) and serve the merged checkpoint"),
+    CompatSetting(("--reasoning-parser",), UNSUPPORTED, "reasoning parsers are not supported: a model's thinking "
+                  "stays in the content (Qwen3: chat_template_kwargs {\"enable_thinking\": false} turns it off)"),
+    CompatSetting(("--logits-processors",), UNSUPPORTED, "custom logits processors are not supported (logit_bias, "
+                  "penalties and structured outputs are)"),
+    CompatSetting(("--tool-server",), UNSUPPORTED, "built-in tool servers are not supported: give tools in the "
+                  "request (--enable-auto-tool-choice --tool-call-parser NAME)"),
+    CompatSetting(("--kv-transfer-config",), UNSUPPORTED, "disaggregated prefill (KV transfer) is not supported"),
+    CompatSetting(("--enable-sleep-mode",), UNSUPPORTED, "sleep mode is not supported: stop the server to free its "
+                  "memory", takes_value=False),
+    CompatSetting(("--limit-mm-per-prompt",), UNSUPPORTED, "multimodal inputs are not supported (text models only)"),
+    CompatSetting(("--revision",), UNSUPPORTED, _NO_HUB),
+    CompatSetting(("--tokenizer-revision",), UNSUPPORTED, _NO_HUB),
+    CompatSetting(("--code-revision",), UNSUPPORTED, _NO_HUB),
+    CompatSetting(("--download-dir",), UNSUPPORTED, "packaged models are cached under $PAGEDSERVE_CACHE (set it to "
+                  "choose where); " + _NO_HUB[0].lower() + _NO_HUB[1:]),
+)
+
+_BY_NAME = {setting.name: setting for setting in COMPAT_SETTINGS}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The table's flags, in a --help section of their own (one line each)."""
+    group = parser.add_argument_group(
+        "vLLM flags taken for compatibility (a `vllm serve` command line runs unchanged)")
+    labels = {IGNORED: "no effect", UNSUPPORTED: "refused"}
+    for setting in COMPAT_SETTINGS:
+        label = labels.get(setting.kind) or f"only {' or '.join(setting.allowed)}"
+        help_text = f"{label}: {setting.reason}".replace("%", "%%")
+        if setting.takes_value:
+            group.add_argument(*setting.flags, dest=setting.name, default=None, metavar="VALUE", help=help_text)
+        else:
+            group.add_argument(*setting.flags, dest=setting.name, default=None, action="store_const", const=True,
+                               help=help_text)
+
+
+def given(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The table's settings among `values` (parsed flags or keyword arguments) that were given."""
+    return {name: value for name, value in values.items() if name in _BY_NAME and value is not None}
+
+
+def check(values: Mapping[str, Any], keyword: bool = False) -> list[str]:
+    """ValueError for the first refused setting among `values`; else one line per ignored one, for the log.
+    `keyword`: name them as LLM(...) keyword arguments instead of flags."""
+    notes = []
+    for name, value in given(values).items():
+        setting = _BY_NAME[name]
+        shown = f"{name}={value!r}" if keyword else setting.flags[0] + ("" if value is True or value is False
+                                                                        else f" {value}")
+        if setting.kind == UNSUPPORTED and value is not False:
+            raise ValueError(f"{shown}: {setting.reason}")
+        if setting.kind == ONLY and str(value).strip().lower() not in setting.allowed:
+            raise ValueError(f"{shown}: {setting.reason} (accepted: {', '.join(setting.allowed)})")
+        if setting.kind == IGNORED:
+            notes.append(f"{shown} has no effect: {setting.reason}")
+    return notes
+
+
+def split_keywords(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """LLM(...)'s keyword arguments without the table's (checked: ValueError for a refused one), and the notes."""
+    notes = check(kwargs, keyword=True)
+    return {k: v for k, v in kwargs.items() if k not in _BY_NAME}, notes
