@@ -15,6 +15,7 @@ import json
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -95,6 +96,25 @@ def compile_template(source: str) -> jinja2.Template:
     environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
                                namespace=_TemplateNamespace)
     return environment.from_string(source)
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's value as a template (vLLM's rule): a file's path, else the template itself if it looks
+    like one (holds '{' or a line break; a one-line template's \\n and \\t are read as escapes). Compiled here,
+    so a broken template fails at start; ValueError naming the problem."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        source = path.read_text(encoding="utf-8")
+    elif "{" in value or "\n" in value:
+        source = value if "\n" in value else value.replace("\\n", "\n").replace("\\t", "\t")
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file (a template given inline holds '{{')")
+    try:
+        compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: the template does not compile (line {exc.lineno}: {exc.message})") \
+            from None
+    return source
 
 
 def plain_data(value: Any) -> Any:

@@ -52,22 +52,29 @@ class LLM:
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation (with `tools`, OpenAI-shaped, as vLLM's
-        LLM.chat), then generate. Tool calls are not parsed here: force one with
-        SamplingParams(structured_outputs=...) or read the model's format from the text."""
+             tools: list[dict] | None = None, chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or `chat_template`: a template, or a file's path as serve's
+        --chat-template) to each conversation (with `tools`, OpenAI-shaped, as vLLM's LLM.chat), then generate.
+        Tool calls are not parsed here: force one with SamplingParams(structured_outputs=...) or read the
+        model's format from the text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, chat_template)
                    for c in conversations]
         return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
+                            chat_template_kwargs: dict | None = None, chat_template: str | None = None
+                            ) -> list[int]:
         tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        if chat_template is not None:
+            from pagedserve.chat_template import load_chat_template
+
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "chat_template": load_chat_template(chat_template)}
+        elif not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt "
+                             "or give chat_template")
         from pagedserve.entrypoints.openai.chat_format import template_messages
 
         text = tokenizer.apply_chat_template(template_messages(conversation), tokenize=False,

@@ -8,10 +8,11 @@ from fastapi.testclient import TestClient
 
 from pagedserve.engine.startup import StartupTracker
 from pagedserve.entrypoints.openai.api_server import WEB_DIR, ServerState, build_app
+from pagedserve.entrypoints.openai.options import ServeOptions
 
 
-def client(**kwargs) -> TestClient:
-    return TestClient(build_app(ServerState(StartupTracker()), **kwargs))
+def client(enable_web_ui: bool = True, **kwargs) -> TestClient:
+    return TestClient(build_app(ServerState(StartupTracker()), ServeOptions(disable_web_ui=not enable_web_ui, **kwargs)))
 
 
 def test_page_and_assets_while_starting():

@@ -132,3 +132,14 @@ def test_chat_applies_template(llm):
     expected_prompt = tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
                                        add_special_tokens=False)
     assert outputs[0].prompt_token_ids == expected_prompt
+
+
+def test_chat_takes_another_template(llm, tmp_path):
+    tokenizer = llm.get_tokenizer()
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    expected = tokenizer.encode("[user] Hi\n", add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    assert llm.chat([{"role": "user", "content": "Hi"}], params, chat_template=template)[0].prompt_token_ids == expected
+    path = tmp_path / "t.jinja"
+    path.write_text(template)  # or a file's path, as serve's --chat-template
+    assert llm.chat([{"role": "user", "content": "Hi"}], params, chat_template=str(path))[0].prompt_token_ids == expected

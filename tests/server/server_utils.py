@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -26,10 +27,11 @@ class ServerProcess:
     port: int
     log_path: Path
     health_statuses: list[tuple[int, str]] = field(default_factory=list)  # (status, phase) seen while starting
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -52,9 +54,16 @@ def openai_client(server: ServerProcess, api_key: str = "unused", **kwargs):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, **kwargs)
 
 
+def tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """What httpx verifies a server with: the default CAs, or this file's."""
+    return ssl.create_default_context(cafile=ca_file)
+
+
 def start_server(model: str, *flags: str, log_dir: Path, env: dict | None = None,
-                 ready_timeout: float = 120.0, wait_for_ready: bool = True) -> ServerProcess:
-    """The server once /health says ready (200), or, with wait_for_ready=False, once its port answers."""
+                 ready_timeout: float = 120.0, wait_for_ready: bool = True, ca_file: str | None = None
+                 ) -> ServerProcess:
+    """The server once /health says ready (200), or, with wait_for_ready=False, once its port answers.
+    `ca_file`: the server serves https (its flags give --ssl-keyfile/--ssl-certfile), verified with this file."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     command = [sys.executable, "-m", "pagedserve", "serve", model, "--host", "127.0.0.1", "--port", str(port),
@@ -62,13 +71,13 @@ def start_server(model: str, *flags: str, log_dir: Path, env: dict | None = None
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    server = ServerProcess(process, port, log_path)
+    server = ServerProcess(process, port, log_path, scheme="https" if ca_file else "http")
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
         try:
-            response = httpx.get(f"{server.url}/health", timeout=2.0)
+            response = httpx.get(f"{server.url}/health", timeout=2.0, verify=tls_context(ca_file))
             phase = _phase(response)
             if not server.health_statuses or server.health_statuses[-1] != (response.status_code, phase):
                 server.health_statuses.append((response.status_code, phase))
@@ -94,5 +103,6 @@ def module_server(model: str, *flags: str, tmp_path_factory, **kwargs):
     checks it stopped cleanly (exit 0) and never handled a client's error as a crash."""
     server = start_server(model, *flags, log_dir=tmp_path_factory.mktemp("logs"), **kwargs)
     yield server
-    assert server.stop() == 0, server.log()
+    code = server.stop()
+    assert code == 0, f"exit {code}:\n{server.log()}"
     assert "Exception in ASGI application" not in server.log(), "a client error was handled as a crash"

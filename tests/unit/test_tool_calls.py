@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from pagedserve.entrypoints.openai.chat_format import template_messages
+from pagedserve.entrypoints.openai.chat_format import template_message, template_messages
+from pagedserve.entrypoints.openai.protocol import ChatMessage
 from pagedserve.entrypoints.openai.tool_calls import ReadResult, make_reader, read_all, resolve_tool_choice
 from pagedserve.exceptions import InvalidRequestError
 
@@ -138,3 +139,12 @@ def test_only_readers_that_may_hold_text_back_say_so():
                                                                       "llama3_json"),
                    make_reader(choice("required"), None)):
         assert not reader.passes_text_through, type(reader).__name__
+
+
+def test_content_reaches_the_template_as_text_or_as_openai_parts():
+    parts = ChatMessage(role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
+    plain = ChatMessage(role="user", content="ab")
+    assert template_message(parts)["content"] == template_message(plain, "auto")["content"] == "ab"
+    assert template_message(parts, "openai")["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert template_message(plain, "openai")["content"] == [{"type": "text", "text": "ab"}]
+    assert template_message(ChatMessage(role="assistant", content=None), "openai")["content"] == ""

@@ -8,6 +8,7 @@ API key: it carries no secret, and asks the user for the key the API wants.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import html
@@ -15,8 +16,10 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from pagedserve import __version__
-from pagedserve.engine.arg_utils import EngineArgs, RequestLimits
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.startup import StartupTracker
 from pagedserve.entrypoints.openai.errors import APIError, error_body, install_error_handlers
@@ -172,19 +175,52 @@ async def _send_error(send: Any, message: str, status: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(state: ServerState, api_key: str | None = None, max_body_bytes: int = 8 << 20, root_path: str = "",
-              enable_web_ui: bool = True) -> FastAPI:
-    app = FastAPI(title="pagedserve", version=__version__)
+def build_app(state: ServerState, options: ServeOptions | None = None) -> FastAPI:
+    options = options or ServeOptions()
+    docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if options.disable_fastapi_docs else {}
+    app = FastAPI(title="pagedserve", version=__version__, **docs)
     install_error_handlers(app)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
-    if enable_web_ui:
+    if options.enable_web_ui:
         _add_web_routes(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, open_web_ui=enable_web_ui)
-    if root_path.rstrip("/"):
-        app.add_middleware(RootPathMiddleware, root_path=root_path.rstrip("/"))
+    # Middleware added last runs first: the root path is stripped, then CORS answers preflights (which carry
+    # no API key), then the key and body size are checked.
+    app.add_middleware(GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes,
+                       open_web_ui=options.enable_web_ui)
+    if options.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    cors = options.cors()
+    if cors is not None:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, **cors)
+    root_path = options.root_path.rstrip("/")
+    if root_path:
+        app.add_middleware(RootPathMiddleware, root_path=root_path)
     app.state.server_state = state
     return app
+
+
+class RequestIdMiddleware:
+    """--enable-request-id-headers: every response carries X-Request-Id, the client's or a new one."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or ()).get(b"x-request-id")
+        request_id = given if given and len(given) <= 256 and given.isascii() else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -293,13 +329,17 @@ def describe_server(llm_engine: Any) -> dict:
 
 
 # ---- process lifecycle -------------------------------------------------------------------------------
-def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | None = None,
-                 tool_call_parser: str | None = None) -> None:
+def start_engine(state: ServerState, args: EngineArgs, options: ServeOptions | None = None) -> None:
     """Build the engine (phases tracked on `state.startup`); raises on failure."""
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.metrics import EngineMetrics
 
+    options = options or ServeOptions()
     llm_engine = LLMEngine.from_engine_args(args, state.startup)
+    if options.chat_template is not None:  # --chat-template replaces the model's, for every use of it
+        from pagedserve.chat_template import load_chat_template
+
+        llm_engine.tokenizer.chat_template = load_chat_template(options.chat_template)
     config = llm_engine.config
     name = config.model.served_model_name
     metrics = EngineMetrics(name)
@@ -318,10 +358,18 @@ def start_engine(state: ServerState, args: EngineArgs, limits: RequestLimits | N
     if state.task == "embed":
         from pagedserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
-        state.serving = OpenAIServingEmbedding(state.engine, state.served_model_names, state.max_model_len, limits)
+        state.serving = OpenAIServingEmbedding(state.engine, state.served_model_names, state.max_model_len, options)
     else:
-        state.serving = OpenAIServing(state.engine, state.served_model_names, state.max_model_len, limits,
-                                      tool_call_parser)
+        state.serving = OpenAIServing(state.engine, state.served_model_names, state.max_model_len, options)
+
+
+def _socket_of(connection: Any) -> Any:
+    """The socket under a uvicorn connection (None if its transport no longer says)."""
+    transport = getattr(connection, "transport", None)
+    try:
+        return transport.get_extra_info("socket") if transport is not None else None
+    except AttributeError:  # a TLS transport already closed twice
+        return None
 
 
 def _make_uvicorn_server(config: Any) -> Any:
@@ -338,6 +386,24 @@ def _make_uvicorn_server(config: Any) -> Any:
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            # The open connections' sockets, taken before uvicorn asks each connection to close: a TLS transport
+            # closed a second time lets go of its socket.
+            self.open_sockets = [sock for sock in map(_socket_of, list(self.server_state.connections)) if sock]
+            await super().shutdown(sockets)
+
+        async def _wait_tasks_to_complete(self) -> None:
+            """As uvicorn's, but once no request is running the connections left open are shut, not waited for:
+            closing a TLS connection waits for the client's close_notify (asyncio allows 30 s), and a client
+            idling on a keep-alive connection never sends one, so an https server took the whole grace period
+            to stop."""
+            while self.server_state.tasks and not self.force_exit:
+                await asyncio.sleep(0.05)
+            for sock in getattr(self, "open_sockets", ()):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            await super()._wait_tasks_to_complete()
 
     return Server(config)
 
@@ -363,9 +429,10 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     import uvicorn
 
     state = ServerState(startup)
-    app = build_app(state, options.api_key, options.max_request_body_bytes, options.root_path, options.enable_web_ui)
+    app = build_app(state, options)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
-                            timeout_graceful_shutdown=options.shutdown_grace_s, access_log=False)
+                            timeout_graceful_shutdown=options.shutdown_grace_s, access_log=False,
+                            **options.uvicorn_tls())
     server = _make_uvicorn_server(config)
     outcome = {"exit_code": 0}
 
@@ -376,14 +443,15 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     def load() -> None:
         try:
             _hold_startup(options.startup_hold_file)
-            start_engine(state, args, options.limits, options.active_tool_call_parser)
+            start_engine(state, args, options)
         except BaseException as exc:  # noqa: BLE001 - any start-up failure ends the process, visibly
             log_startup_failure(exc)
             startup.fail(f"{type(exc).__name__}: {exc}")
             stop(1)
             return
         state.engine.on_death = lambda exc: stop(1)
-        logger.info("serving %s on http://%s:%d", state.served_model_names[0], options.host, options.port)
+        scheme = "https" if options.ssl_keyfile else "http"
+        logger.info("serving %s on %s://%s:%d", state.served_model_names[0], scheme, options.host, options.port)
         state.engine.run_in_this_thread()  # until shutdown
 
     loader = threading.Thread(target=load, name="pagedserve-engine", daemon=True)  # loads, then runs the loop

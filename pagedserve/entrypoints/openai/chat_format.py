@@ -35,9 +35,17 @@ def _template_call(call: dict) -> dict:
     return {**call, "function": function}
 
 
-def template_message(message: ChatMessage) -> dict:
-    """A message as the chat template sees it: role, text content, and the tool fields it may carry."""
-    result = {"role": message.role, "content": message_text(message)}
+def template_message(message: ChatMessage, content_format: str = "string") -> dict:
+    """A message as the chat template sees it: role, content, and the tool fields it may carry. Content is text
+    (content_format string or auto), or for "openai" a list of {type: text, text} parts (a string is one part)."""
+    text = message_text(message)
+    content: str | list[dict] = text
+    if content_format == "openai" and message.content is not None:
+        if isinstance(message.content, list):
+            content = [{"type": "text", "text": part.get("text", "")} for part in message.content]
+        else:
+            content = [{"type": "text", "text": text}]
+    result = {"role": message.role, "content": content}
     for key in ("tool_calls", "tool_call_id", "name"):
         value = (message.model_extra or {}).get(key)
         if value is not None:

@@ -3,6 +3,8 @@ the flags are generated from these fields. No FastAPI here, so the command line 
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -10,9 +12,13 @@ from pagedserve.engine.arg_utils import FlagArgs, RequestLimits, setting
 from pagedserve.entrypoints.openai.tool_calls import PARSERS
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
 @dataclass
 class ServeOptions(FlagArgs):
-    group_titles: ClassVar[dict[str, str]] = {"tools": "tool calling"}
+    group_titles: ClassVar[dict[str, str]] = {"tools": "tool calling", "chat": "chat template",
+                                              "http": "HTTP: TLS, CORS, headers"}
 
     host: str = setting("Address to bind (0.0.0.0 exposes the server).", default="127.0.0.1")
     port: int = setting("Port to listen on.", default=8000)
@@ -29,6 +35,33 @@ class ServeOptions(FlagArgs):
     tool_call_parser: str | None = setting("How the model writes tool calls: hermes (<tool_call>{json}</tool_call>: "
                                         "Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.x JSON calls).",
                                         choices=PARSERS, group="tools")
+    chat_template: str | None = setting("The chat template to use instead of the model's: a file's path, or the "
+                                        "template itself (vLLM's rule: a value that holds '{' or a line break is a "
+                                        "template).", group="chat")
+    chat_template_content_format: str = setting(
+        "How a message's content reaches the template: string (text parts joined), openai (a list of "
+        "{type: text, text} parts, for templates that loop over parts), or auto (string: text models' "
+        "templates take strings).", default="auto", choices=CONTENT_FORMATS, group="chat")
+    response_role: str = setting("The role of the replies /v1/chat/completions returns.", default="assistant",
+                                 group="chat")
+    ssl_keyfile: str | None = setting("TLS: the private key file (with --ssl-certfile: serve https).", group="http")
+    ssl_certfile: str | None = setting("TLS: the certificate file.", group="http")
+    ssl_ca_certs: str | None = setting("TLS: CA certificates to verify clients with (and --ssl-cert-reqs 2).",
+                                       group="http")
+    ssl_cert_reqs: int = setting("TLS: whether clients must show a certificate (Python's ssl.CERT_*: 0 none, "
+                                 "1 optional, 2 required).", default=0, group="http")
+    allowed_origins: str | None = setting(
+        'CORS: the origins whose web pages may call this server, a JSON list (\'["https://app.example"]\' or '
+        '\'["*"]\'). Default: none, so only pages this server serves can (vLLM allows every origin; a server on '
+        "127.0.0.1 would then answer any web page the user opens).", group="http")
+    allowed_methods: str = setting("CORS: allowed methods, a JSON list.", default='["*"]', group="http")
+    allowed_headers: str = setting("CORS: allowed request headers, a JSON list.", default='["*"]', group="http")
+    allow_credentials: bool = setting("CORS: allow credentials (cookies, Authorization).", default=False,
+                                      group="http")
+    enable_request_id_headers: bool = setting("Answer every request with an X-Request-Id header (the client's, "
+                                              "or a new one).", default=False, group="http")
+    disable_fastapi_docs: bool = setting("Do not serve the API's OpenAPI schema and docs pages (/openapi.json, "
+                                         "/docs, /redoc).", default=False, group="http")
     startup_hold_file: str | None = setting("Testing only: start-up waits in phase starting while this file exists "
                                          "(the web page's start-up view).", hidden=True)
     limits: RequestLimits = setting("Per-request limits (their own flags).", default_factory=RequestLimits,
@@ -49,7 +82,46 @@ class ServeOptions(FlagArgs):
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
+        if self.chat_template is not None:
+            from pagedserve.chat_template import load_chat_template  # jinja2: not for every command's --help
+
+            load_chat_template(self.chat_template)
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both to serve https")
+        for path in (self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"TLS file {path!r} does not exist")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        self.cors()
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser NAME ({', '.join(PARSERS)}): the "
                              "format in which this model writes its tool calls")
         self.limits.check()
+
+    def cors(self) -> dict | None:
+        """CORSMiddleware's settings from the --allowed-* flags (None: no CORS); ValueError naming a bad flag."""
+        if self.allowed_origins is None:
+            return None
+        lists = {}
+        for flag, text in (("allowed-origins", self.allowed_origins), ("allowed-methods", self.allowed_methods),
+                           ("allowed-headers", self.allowed_headers)):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                value = None
+            if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+                raise ValueError(f"--{flag} must be a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+            lists[flag.replace("-", "_")] = value
+        if self.allow_credentials and "*" in lists["allowed_origins"]:
+            raise ValueError("--allow-credentials with --allowed-origins '[\"*\"]' would let every web page use a "
+                             "signed-in user's credentials: name the origins")
+        return {"allow_origins": lists["allowed_origins"], "allow_methods": lists["allowed_methods"],
+                "allow_headers": lists["allowed_headers"], "allow_credentials": self.allow_credentials}
+
+    def uvicorn_tls(self) -> dict:
+        """uvicorn.Config's TLS settings (empty without --ssl-keyfile)."""
+        if self.ssl_keyfile is None:
+            return {}
+        return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
+                "ssl_cert_reqs": self.ssl_cert_reqs}

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedserve.engine.arg_utils import RequestLimits
+from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.prompt_checks import check_not_empty, check_token_ids, generation_max_tokens
 from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_error
@@ -54,13 +54,16 @@ class _Choice:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_model_len: int,
-                 limits: RequestLimits | None = None, tool_call_parser: str | None = None) -> None:
+                 options: ServeOptions | None = None) -> None:
+        options = options or ServeOptions()
         self.engine = engine
-        self.tool_call_parser = tool_call_parser  # set by --enable-auto-tool-choice --tool-call-parser
+        self.tool_call_parser = options.active_tool_call_parser  # --enable-auto-tool-choice --tool-call-parser
+        self.content_format = options.chat_template_content_format
+        self.response_role = options.response_role
         self.tokenizer = engine.engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
-        self.limits = limits or RequestLimits()
+        self.limits = options.limits
         # Tokenizing runs off the event loop, on threads started here: a first tokenization here also starts
         # the tokenizer library's own thread pool, so the first request starts no thread (no cold request 1).
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedserve-tokenize")
@@ -291,7 +294,7 @@ class OpenAIServing:
                           tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-        conversation = template_messages([template_message(m) for m in messages])
+        conversation = template_messages([template_message(m, self.content_format) for m in messages])
         if tools:
             kwargs = {**(kwargs or {}), "tools": tools}
         try:
@@ -331,7 +334,7 @@ class OpenAIServing:
         choices = []
         for index, choice in sorted(finals[0].items()):
             read = read_all(make_reader(tool_choice, self.tool_call_parser), choice.text)
-            message: dict[str, Any] = {"role": "assistant", "content": read.content}
+            message: dict[str, Any] = {"role": self.response_role, "content": read.content}
             if read.calls:
                 message.update(content=read.content or None, tool_calls=read.calls)
             choices.append({"index": index, "message": message,
@@ -350,7 +353,7 @@ class OpenAIServing:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_names[0]}
         for index in range(req.n):
-            yield _chunk({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+            yield _chunk({**base, "choices": [{"index": index, "delta": {"role": self.response_role, "content": ""},
                                                "logprobs": None, "finish_reason": None}]})
         num_completion = 0
         readers = [make_reader(tool_choice, self.tool_call_parser) for _ in range(req.n)]

@@ -102,8 +102,7 @@ class EngineReplica:
         _log_to_stderr()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.state = ServerState(StartupTracker())
-        self.app = build_app(self.state, options.api_key, options.max_request_body_bytes, options.root_path,
-                             options.enable_web_ui)
+        self.app = build_app(self.state, options)
         loader = threading.Thread(target=self._load_and_run, args=(engine_args, options), name="pagedserve-engine",
                                   daemon=True)
         loader.start()
@@ -116,7 +115,7 @@ class EngineReplica:
 
     def _load_and_run(self, engine_args: EngineArgs, options: ServeOptions) -> None:
         try:
-            start_engine(self.state, engine_args, options.limits, options.active_tool_call_parser)
+            start_engine(self.state, engine_args, options)
         except BaseException as exc:  # noqa: BLE001 - the constructor raises it; Ray retries the replica
             log_startup_failure(exc)
             self.state.startup.fail(f"{type(exc).__name__}: {exc}")

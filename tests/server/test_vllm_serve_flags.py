@@ -1,0 +1,122 @@
+"""vLLM's `serve` flags for the chat template, the reply role and HTTP (TLS, CORS, X-Request-Id, docs), on one
+real server started as a vLLM user would start it (with flags that have no effect here, which it logs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.server.server_utils import free_port, module_server, start_server, tls_context
+
+MODEL = "tiny"
+TEMPLATE = "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\\n{% endfor %}{% if add_generation_prompt %}<<bot>>{% endif %}"
+ORIGIN = "https://app.example"
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 (openssl's command line)."""
+    directory = tmp_path_factory.mktemp("tls")
+    key, crt = directory / "key.pem", directory / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(crt),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return str(key), str(crt)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory, cert):
+    key, crt = cert
+    yield from module_server(
+        tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "256", "--dtype", "float32",
+        "--chat-template", TEMPLATE, "--response-role", "bot", "--enable-request-id-headers",
+        "--allowed-origins", json.dumps([ORIGIN]), "--disable-fastapi-docs", "--ssl-keyfile", key,
+        "--ssl-certfile", crt, "--trust-remote-code", "--swap-space", "4", "--disable-log-requests",
+        tmp_path_factory=tmp_path_factory, ca_file=crt)
+
+
+@pytest.fixture
+def http(server, cert):
+    with httpx.Client(base_url=server.url, verify=tls_context(cert[1]), timeout=60) as client:
+        yield client
+
+
+def test_the_chat_template_flag_replaces_the_model_s(http):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    rendered = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    text = "<<system>>Be brief.\n<<user>>Hi\n<<bot>>"
+    expected = http.post("/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False}).json()
+    assert rendered == expected["tokens"]
+
+
+def test_replies_carry_the_response_role_streamed_or_not(server, cert):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                           http_client=httpx.Client(verify=tls_context(cert[1])))
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert client.chat.completions.create(**kwargs).choices[0].message.role == "bot"
+    first = next(iter(client.chat.completions.create(stream=True, **kwargs)))
+    assert first.choices[0].delta.role == "bot"
+
+
+def test_every_response_carries_an_x_request_id(http):
+    given = http.get("/v1/models", headers={"X-Request-Id": "trace-42"})
+    assert given.headers["x-request-id"] == "trace-42"
+    fresh = [http.get("/health").headers["x-request-id"] for _ in range(2)]
+    assert fresh[0] != fresh[1] and all(len(value) == 32 for value in fresh)
+    assert http.get("/nope").headers["x-request-id"]  # errors too
+
+
+def test_cors_answers_the_allowed_origin_only(http):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    allowed = http.options("/v1/chat/completions", headers={"Origin": ORIGIN, **preflight})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    other = http.options("/v1/chat/completions", headers={"Origin": "https://other.example", **preflight})
+    assert "access-control-allow-origin" not in other.headers
+    simple = http.get("/v1/models", headers={"Origin": ORIGIN})
+    assert simple.status_code == 200 and simple.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_docs_can_be_turned_off_and_plain_http_is_not_served(server, http):
+    assert [http.get(path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404, 404, 404]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
+
+
+def test_flags_without_effect_are_logged_with_why(server):
+    log = server.log()
+    assert "--trust-remote-code has no effect: pagedserve runs its own model code" in log
+    assert "--swap-space 4 has no effect" in log and "--disable-log-requests has no effect" in log
+    assert "serving tiny on https://127.0.0.1" in log
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--chat-template", "missing.jinja"], "--chat-template 'missing.jinja': no such file"),
+    (["--chat-template", "{% for m in messages %}"], "--chat-template: the template does not compile"),
+    (["--allowed-origins", "https://app.example"], "--allowed-origins must be a JSON list of strings"),
+    (["--allowed-origins", '["*"]', "--allow-credentials"], "name the origins"),
+    (["--ssl-keyfile", "key.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["-pp", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not supported"),
+])
+def test_a_bad_flag_fails_before_the_port_opens(tiny_model_dir, flags, message):
+    port = free_port()
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", tiny_model_dir("llama"), "--port", str(port),
+                             *flags], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert "loading_weights" not in result.stderr
+
+
+def test_an_https_server_stops_at_once_with_a_client_idling_on_keep_alive(tiny_model_dir, tmp_path, cert):
+    """Closing a TLS connection waits for the client's close_notify (asyncio allows 30 s); an idle keep-alive
+    client never sends one. The server drops such connections once no request runs, so SIGTERM ends it well
+    within the grace period (60 s here; server.stop kills it after 20 s, which would give exit -9)."""
+    key, crt = cert
+    server = start_server(tiny_model_dir("llama"), "--dtype", "float32", "--max-model-len", "256", "--ssl-keyfile",
+                          key, "--ssl-certfile", crt, "--shutdown-grace-s", "60", log_dir=tmp_path, ca_file=crt)
+    with httpx.Client(base_url=server.url, verify=tls_context(crt)) as idle:
+        assert idle.get("/v1/models").status_code == 200  # the connection stays open, idle
+        assert server.stop(timeout=20) == 0, server.log()
