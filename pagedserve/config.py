@@ -6,7 +6,7 @@ keywords) reads each of its defaults from the field of the same setting here, so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -42,6 +42,8 @@ class ModelConfig:
     enforce_eager: bool = False
     reference_kernels: bool = False  # plain F.linear everywhere (correctness checks)
     trust_remote_code: bool = False
+    # Sampling defaults for requests that do not set them (--generation-config): SamplingParams' field names
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_gguf(self) -> bool:

@@ -115,6 +115,14 @@ class EngineArgs(FlagArgs):
                                 default=ModelConfig.enforce_eager)
     reference_kernels: bool = setting("Use the plain reference kernels (F.linear) instead of the fast ones "
                                    "(debugging, correctness checks).", default=ModelConfig.reference_kernels)
+    generation_config: str = setting(
+        "Sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, repetition_penalty; "
+        "max_new_tokens caps max_tokens where a chat request gives none), as vLLM: auto (the model's "
+        "generation_config.json, its authors' recommendation), vllm (none: temperature 1, no top-p/top-k), or a "
+        "folder holding a generation_config.json.", default="auto")
+    override_generation_config: str | None = setting(
+        "Those defaults as a JSON object, over --generation-config's: '{\"temperature\": 0.5}' (names as in "
+        "generation_config.json).")
     seed: int = setting("Seed for unseeded random sampling.", default=ModelConfig.seed)
     device: str = setting("cpu, cuda or auto.", default="auto")
     num_threads: int | None = setting("Torch threads on CPU. Default: one per physical core this process may "

@@ -24,6 +24,7 @@ from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.probe import AvailableMemory
 from pagedserve.memory.weight_format import SUPPORTED_QUANTIZATION
 from pagedserve.models.pooling_config import is_encoder
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.structured.params import StructuredOutputsConfig
 from pagedserve.worker.protocol import Runner
@@ -50,17 +51,61 @@ def make_runner(config: EngineConfig, progress: Any, eos_token_id: int | None) -
     return ModelRunner(config, config.model.hf_config, progress, eos_token_id=eos_token_id)
 
 
+def _generation_config(directory: str | Path) -> dict:
+    """A directory's generation_config.json ({} where there is none, or for a GGUF file)."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def generation_config_eos_ids(model_path: str, eos_token_id: int | None) -> list[int]:
     """EOS ids listed in generation_config.json beyond the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
-    path = Path(model_path) / "generation_config.json"
-    if not path.is_file():
-        return []
-    try:
-        value = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError):
-        return []
+    value = _generation_config(model_path).get("eos_token_id")
     ids = value if isinstance(value, list) else [value] if isinstance(value, int) else []
     return [i for i in ids if i != eos_token_id]
+
+
+# generation_config.json's sampling fields -> SamplingParams' (vLLM's list; do_sample is not among them)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def parse_generation_overrides(text: str | None) -> dict[str, Any]:
+    """--override-generation-config's JSON object; ValueError naming what is wrong."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--override-generation-config must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--override-generation-config must be a JSON object, got {text!r}")
+    unknown = sorted(set(value) - set(GENERATION_DEFAULTS))
+    if unknown:
+        raise ValueError(f"--override-generation-config: {', '.join(unknown)} cannot be set there; it takes "
+                         f"{', '.join(GENERATION_DEFAULTS)}")
+    return value
+
+
+def default_sampling(model_path: str, source: str = "auto", overrides: dict[str, Any] | None = None
+                     ) -> dict[str, Any]:
+    """The sampling defaults of requests that leave them out, as SamplingParams' fields (vLLM's
+    --generation-config): the model's generation_config.json (auto), none (vllm) or a folder's, then
+    `overrides`; checked by building SamplingParams from them (ValueError naming the value)."""
+    found = {} if source == "vllm" else _generation_config(model_path if source == "auto" else source)
+    found = {k: v for k, v in found.items() if k in GENERATION_DEFAULTS and isinstance(v, (int, float))
+             and not isinstance(v, bool)}
+    defaults = {GENERATION_DEFAULTS[k]: v for k, v in {**found, **(overrides or {})}.items()}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"--generation-config / --override-generation-config: {exc}") from None
+    return defaults
 
 
 def load_tokenizer(path: str) -> Any:
@@ -148,7 +193,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                                                           checkpoint.stores_quantized_matmuls(), device,
                                                           kernels_from_flags),
                         enforce_eager=args.enforce_eager,
-                        reference_kernels=args.reference_kernels)
+                        reference_kernels=args.reference_kernels,
+                        default_sampling=_default_sampling(model_path, args))
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
                                 max_waiting_requests=args.max_waiting_requests)
@@ -167,6 +213,17 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                         speculative=speculative, parallel=parallel, draft_model=draft[1] if draft else None)
 
 
+def _default_sampling(model_path: str, args: EngineArgs) -> dict[str, Any]:
+    defaults = default_sampling(model_path, args.generation_config,
+                                parse_generation_overrides(args.override_generation_config))
+    if defaults:
+        where = "the model's generation_config.json" if args.generation_config == "auto" else args.generation_config
+        logger.info("requests that leave them out sample with %s (from %s%s; --generation-config vllm for none)",
+                    ", ".join(f"{k} {v}" for k, v in defaults.items()), where,
+                    " and --override-generation-config" if args.override_generation_config else "")
+    return defaults
+
+
 def check_engine_args(args: EngineArgs) -> None:
     check_parallel_args(args.tensor_parallel_size, args.cpu_binding, args.tp_all_reduce)
     if args.quantization not in SUPPORTED_QUANTIZATION:
@@ -175,6 +232,10 @@ def check_engine_args(args: EngineArgs) -> None:
     if args.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported; supported: "
                          f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+    default_sampling("", "vllm", parse_generation_overrides(args.override_generation_config))  # values checked
+    if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config, "generation_config.json").is_file():
+        raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json there; give auto "
+                         "(the model's), vllm (none) or a folder that holds one")
     if args.task not in ("auto", "generate", "embed"):
         raise ValueError(f"--task {args.task} is not supported; use auto, generate or embed")
     if args.runner not in RUNNER_TASKS:

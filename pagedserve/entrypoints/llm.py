@@ -32,6 +32,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() sample with when given no SamplingParams: the model's recommended
+        defaults (generation_config.json, --generation-config), else SamplingParams()'s."""
+        return SamplingParams(**self.engine.config.model.default_sampling)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
@@ -39,7 +44,8 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         # Only final outputs are returned: skip building intermediate ones every step.
         params_list = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                       for p in _as_params_list(sampling_params, len(prompt_list))]
+                       for p in _as_params_list(sampling_params or self.get_default_sampling_params(),
+                                                len(prompt_list))]
         request_ids: list[str] = []
         try:
             for prompt, params in zip(prompt_list, params_list):

@@ -143,3 +143,13 @@ def test_chat_takes_another_template(llm, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(template)  # or a file's path, as serve's --chat-template
     assert llm.chat([{"role": "user", "content": "Hi"}], params, chat_template=str(path))[0].prompt_token_ids == expected
+
+
+def test_generate_without_params_samples_with_the_model_s_defaults(tiny_model_dir, llm):
+    tuned = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=256,
+                override_generation_config='{"temperature": 0.0, "max_new_tokens": 3}')
+    assert (tuned.get_default_sampling_params().temperature, tuned.get_default_sampling_params().max_tokens) == (0.0, 3)
+    out = tuned.generate(["Hello there"])[0].outputs[0]
+    greedy = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0]
+    assert out.token_ids == greedy.token_ids and len(out.token_ids) <= 3
+    assert llm.get_default_sampling_params() == SamplingParams()  # no generation_config defaults: the neutral ones

@@ -4,6 +4,7 @@ real server started as a vLLM user would start it (with flags that have no effec
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -30,10 +31,21 @@ def cert(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory, cert):
+def model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model, its generation_config.json recommending greedy sampling (as a model's authors would
+    recommend temperature 0.7)."""
+    directory = tmp_path_factory.mktemp("model") / "tiny"
+    shutil.copytree(tiny_model_dir("llama"), directory)
+    path = directory / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "temperature": 0.0, "top_k": 5, "do_sample": True}))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory, cert):
     key, crt = cert
     yield from module_server(
-        tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "256", "--dtype", "float32",
+        model_dir, "--override-generation-config", '{"max_new_tokens": 5}', "--served-model-name", MODEL, "--max-model-len", "256", "--dtype", "float32",
         "--chat-template", TEMPLATE, "--response-role", "bot", "--enable-request-id-headers",
         "--allowed-origins", json.dumps([ORIGIN]), "--disable-fastapi-docs", "--ssl-keyfile", key,
         "--ssl-certfile", crt, "--trust-remote-code", "--swap-space", "4", "--disable-log-requests",
@@ -61,6 +73,23 @@ def test_replies_carry_the_response_role_streamed_or_not(server, cert):
     assert client.chat.completions.create(**kwargs).choices[0].message.role == "bot"
     first = next(iter(client.chat.completions.create(stream=True, **kwargs)))
     assert first.choices[0].delta.role == "bot"
+
+
+def test_requests_that_leave_sampling_out_take_the_model_s_generation_config(http):
+    """temperature 0 from generation_config.json (so the text is the greedy one), max_new_tokens 5 from
+    --override-generation-config (capping a chat request that gives no max_tokens); a request's own values win."""
+    def chat(**fields):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count"}], **fields}
+        return http.post("/v1/chat/completions", json={**body, "ignore_eos": True}).json()
+
+    left_out = [chat() for _ in range(2)]
+    greedy = chat(temperature=0, max_tokens=5)
+    assert [r["usage"]["completion_tokens"] for r in left_out] == [5, 5]
+    assert left_out[0]["choices"][0]["message"]["content"] == left_out[1]["choices"][0]["message"]["content"] \
+        == greedy["choices"][0]["message"]["content"]
+    assert chat(max_tokens=9)["usage"]["completion_tokens"] == 9
+    sampled = {chat(temperature=1.0, top_k=0, seed=s)["choices"][0]["message"]["content"] for s in range(6)}
+    assert len(sampled) > 1  # the request's temperature, not the default's 0
 
 
 def test_every_response_carries_an_x_request_id(http):
@@ -92,6 +121,8 @@ def test_flags_without_effect_are_logged_with_why(server):
     assert "--trust-remote-code has no effect: pagedserve runs its own model code" in log
     assert "--swap-space 4 has no effect" in log and "--disable-log-requests has no effect" in log
     assert "serving tiny on https://127.0.0.1" in log
+    assert ("requests that leave them out sample with temperature 0.0, top_k 5, max_tokens 5 (from the model's "
+            "generation_config.json and --override-generation-config") in log
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -101,6 +132,9 @@ def test_flags_without_effect_are_logged_with_why(server):
     (["--allowed-origins", '["*"]', "--allow-credentials"], "name the origins"),
     (["--ssl-keyfile", "key.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["-pp", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not supported"),
+    (["--override-generation-config", '{"do_sample": true}'], "do_sample cannot be set there"),
+    (["--override-generation-config", '{"top_p": 7}'], "top_p must be in (0, 1], got 7"),
+    (["--generation-config", "/nonexistent"], "no generation_config.json there"),
 ])
 def test_a_bad_flag_fails_before_the_port_opens(tiny_model_dir, flags, message):
     port = free_port()

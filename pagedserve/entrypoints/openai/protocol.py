@@ -31,7 +31,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -62,17 +62,22 @@ class _SamplingFields(BaseModel):
             return StructuredOutputsParams.from_response_format(self.response_format)
         return None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-                        ) -> SamplingParams:
-        """Raises InvalidRequestError naming the field for values out of range."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Raises InvalidRequestError naming the field for values out of range. `defaults`: the server's sampling
+        defaults (--generation-config) for the fields this request leaves out; else SamplingParams' own."""
+        defaults = defaults or {}
+
+        def pick(name: str, neutral: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=self.seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,  # keys checked by SamplingParams
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),

@@ -60,6 +60,7 @@ class OpenAIServing:
         self.tool_call_parser = options.active_tool_call_parser  # --enable-auto-tool-choice --tool-call-parser
         self.content_format = options.chat_template_content_format
         self.response_role = options.response_role
+        self.default_sampling = engine.engine.config.model.default_sampling  # --generation-config
         self.tokenizer = engine.engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
@@ -82,7 +83,9 @@ class OpenAIServing:
     def _max_tokens(self, prompt: _Prompt, requested: int | None, param: str = "max_tokens") -> int:
         """max_tokens for this prompt; 400 naming both numbers if prompt + max_tokens is too long."""
         check_not_empty(prompt.token_ids)
-        return generation_max_tokens(len(prompt.token_ids), requested, self.max_model_len, param)
+        max_tokens = generation_max_tokens(len(prompt.token_ids), requested, self.max_model_len, param)
+        default = self.default_sampling.get("max_tokens")  # the model's max_new_tokens (--generation-config)
+        return min(max_tokens, default) if requested is None and default is not None else max_tokens
 
     def _request_id(self, prefix: str, req: Any) -> str:
         """A fresh id; a client's request_id (vLLM's field) is kept in it, so logs and errors can be matched."""
@@ -186,7 +189,7 @@ class OpenAIServing:
 
     def _params(self, req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                 ) -> SamplingParams:
-        params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)  # InvalidRequestError -> 400
+        params = req.sampling_params(max_tokens, logprobs, prompt_logprobs, self.default_sampling)  # 400s
         params.output_kind = RequestOutputKind.DELTA
         return params
 

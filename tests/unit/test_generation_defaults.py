@@ -1,0 +1,53 @@
+"""--generation-config / --override-generation-config (engine/setup.py's default_sampling): the sampling defaults a
+request that leaves them out takes, read from generation_config.json as vLLM reads them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.engine.setup import default_sampling, parse_generation_overrides
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+
+QWEN = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+        "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_new_tokens": 2048}
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(QWEN))
+    return str(tmp_path)
+
+
+def test_auto_takes_the_model_s_sampling_fields_and_nothing_else(model_dir, tmp_path):
+    assert default_sampling(model_dir) == {"repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                           "max_tokens": 2048}
+    assert default_sampling(model_dir, "vllm") == {}
+    assert default_sampling(str(tmp_path / "model.gguf")) == {}  # a GGUF file: no generation_config.json
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"temperature": 0.3}')
+    assert default_sampling(model_dir, str(other)) == {"temperature": 0.3}  # a folder's, instead of the model's
+    assert default_sampling(model_dir, "auto", {"temperature": 0.0})["temperature"] == 0.0  # overrides win
+
+
+def test_overrides_are_checked_by_name_and_value():
+    assert parse_generation_overrides(None) == {} and parse_generation_overrides('{"top_k": 5}') == {"top_k": 5}
+    for text, message in (("[1]", "must be a JSON object"), ("{", "must be a JSON object"),
+                          ('{"do_sample": false}', "do_sample cannot be set there")):
+        with pytest.raises(ValueError, match=message):
+            parse_generation_overrides(text)
+    with pytest.raises(ValueError, match="temperature must be"):
+        default_sampling("", "vllm", {"temperature": -1})
+
+
+def test_a_request_s_own_values_win_over_the_defaults():
+    defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    left_out = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).sampling_params(8, None, None, defaults)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.repetition_penalty) == (0.7, 0.8, 20, 1.05)
+    given = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], temperature=0, top_p=1.0, top_k=0,
+                                  repetition_penalty=1.0).sampling_params(8, None, None, defaults)
+    assert (given.temperature, given.top_p, given.top_k, given.repetition_penalty) == (0, 1.0, 0, 1.0)
+    neutral = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).sampling_params(8, None)
+    assert (neutral.temperature, neutral.top_p, neutral.top_k, neutral.repetition_penalty) == (1.0, 1.0, 0, 1.0)
