@@ -71,6 +71,21 @@ def vllm_cpu_kvcache_space_gib() -> float | None:
     return value if value > 0 else None
 
 
+def log_stats_interval_s() -> float:
+    """Seconds between the server's stats lines: $PAGEDSERVE_LOG_STATS_INTERVAL, else vLLM's
+    $VLLM_LOG_STATS_INTERVAL, else 10 (vLLM's default)."""
+    for name in ("PAGEDSERVE_LOG_STATS_INTERVAL", "VLLM_LOG_STATS_INTERVAL"):
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError as exc:
+                raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from exc
+            if value > 0:
+                return value
+    return 10.0
+
+
 def _switch(name: str, default: bool) -> bool:
     """An on/off variable: 0/false/no/off turn it off, 1/true/yes/on on; unset (or anything else) keeps `default`."""
     value = os.environ.get(name, "").strip().lower()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -19,6 +21,63 @@ class _RequestTiming:
     last_token_time: float | None = None
     seen_first_token: bool = False
     num_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens seen
+
+
+@dataclass
+class _Window:
+    """What happened since the last stats line."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+class StatsLog:
+    """vLLM's periodic stats line ("Avg prompt throughput: ... tokens/s, ... Running: N reqs, ..."), for a server
+    log read by people (the numbers are /metrics' too). The engine thread adds to the window after each step;
+    `line` (from a timer) reads and resets it: None when nothing happened since an idle line was written."""
+
+    def __init__(self, now: float) -> None:
+        self._lock = threading.Lock()
+        self._window = _Window()
+        self._since = now
+        self._running = self._waiting = 0
+        self._kv_usage = 0.0
+        self._idle_written = True
+
+    def add_step(self, stats: Any, prompt_tokens: int, generation_tokens: int) -> None:
+        with self._lock:
+            window = self._window
+            window.prompt_tokens += prompt_tokens
+            window.generation_tokens += generation_tokens
+            window.prefix_queries += stats.prefix_cache_queries
+            window.prefix_hits += stats.prefix_cache_hits
+            if stats.spec_decode is not None:
+                window.draft_tokens += stats.spec_decode.num_draft_tokens
+                window.accepted_tokens += stats.spec_decode.num_accepted_tokens
+            self._running, self._waiting, self._kv_usage = stats.num_running, stats.num_waiting, stats.kv_cache_usage
+
+    def line(self, now: float) -> str | None:
+        with self._lock:
+            window, since = self._window, self._since
+            self._window, self._since = _Window(), now
+            running, waiting, kv_usage = self._running, self._waiting, self._kv_usage
+        busy = bool(window.prompt_tokens or window.generation_tokens or running or waiting)
+        if not busy and self._idle_written:
+            return None
+        self._idle_written = not busy
+        elapsed = max(now - since, 1e-9)
+        text = (f"Avg prompt throughput: {window.prompt_tokens / elapsed:.1f} tokens/s, Avg generation throughput: "
+                f"{window.generation_tokens / elapsed:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} "
+                f"reqs, KV cache usage: {100 * kv_usage:.1f}%")
+        if window.prefix_queries:
+            text += f", Prefix cache hit rate: {100 * window.prefix_hits / window.prefix_queries:.1f}%"
+        if window.draft_tokens:
+            text += f", Draft acceptance rate: {100 * window.accepted_tokens / window.draft_tokens:.1f}%"
+        return text
 
 
 class EngineMetrics:
@@ -68,6 +127,7 @@ class EngineMetrics:
                                              "Draft tokens accepted at each draft position.", labels + ["position"],
                                              registry=r)
         self.model_name = model_name
+        self.stats_log = StatsLog(time.monotonic())
         self._timings: dict[str, _RequestTiming] = {}
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
@@ -96,8 +156,12 @@ class EngineMetrics:
             self._observe_spec_decode(stats.spec_decode)
         self._observe_memory(engine.resident_memory)
         now = time.monotonic()
+        prompt_tokens = generation_tokens = 0
         for output in outputs:
-            self._observe_output(output, now)
+            new_prompt, new_generated = self._observe_output(output, now)
+            prompt_tokens += new_prompt
+            generation_tokens += new_generated
+        self.stats_log.add_step(stats, prompt_tokens, generation_tokens)
 
     def _observe_spec_decode(self, spec) -> None:
         name = self.model_name
@@ -117,11 +181,12 @@ class EngineMetrics:
         self.planned_rss.labels(self.model_name).set(reading.expected_bytes)
         self.rss_over_plan.labels(self.model_name).set(reading.over_plan)
 
-    def _observe_output(self, output: RequestOutput | PoolingRequestOutput, now: float) -> None:
+    def _observe_output(self, output: RequestOutput | PoolingRequestOutput, now: float) -> tuple[int, int]:
+        """Records one output; returns (prompt tokens, generated tokens) it accounts for."""
         if isinstance(output, PoolingRequestOutput):
-            self._observe_pooling(output, now)
-            return
+            return self._observe_pooling(output, now), 0
         name = self.model_name
+        num_prompt = 0
         timing = self._timings.setdefault(output.request_id, _RequestTiming())
         metrics = output.metrics
         num_new = 0
@@ -134,7 +199,8 @@ class EngineMetrics:
             self.generation_tokens.labels(name).inc(num_new)
             if not timing.seen_first_token:
                 timing.seen_first_token = True
-                self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+                num_prompt = len(output.prompt_token_ids)
+                self.prompt_tokens.labels(name).inc(num_prompt)
                 if metrics is not None:
                     self.ttft.labels(name).observe(now - metrics.arrival_time)
                     if metrics.first_scheduled_time is not None:
@@ -148,9 +214,10 @@ class EngineMetrics:
                 self.success.labels(name, completion.finish_reason or "abort").inc()
             if metrics is not None:
                 self.e2e.labels(name).observe(now - metrics.arrival_time)
+        return num_prompt, num_new
 
-    def _observe_pooling(self, output: PoolingRequestOutput, now: float) -> None:
-        """An embedding request: prompt tokens, queue time and latency; it generates no tokens."""
+    def _observe_pooling(self, output: PoolingRequestOutput, now: float) -> int:
+        """An embedding request: prompt tokens (returned), queue time and latency; it generates no tokens."""
         name = self.model_name
         embedded = bool(output.outputs.embedding)  # empty: aborted before its prompt ran
         self.success.labels(name, "stop" if embedded else "abort").inc()
@@ -161,3 +228,4 @@ class EngineMetrics:
             self.e2e.labels(name).observe(now - metrics.arrival_time)
             if embedded and metrics.first_scheduled_time is not None:
                 self.queue_time.labels(name).observe(metrics.first_scheduled_time - metrics.arrival_time)
+        return len(output.prompt_token_ids) if embedded else 0

@@ -18,7 +18,8 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     yield from module_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "256",
-                             "--dtype", "float32", "--max-waiting-requests", "64", tmp_path_factory=tmp_path_factory)
+                             "--dtype", "float32", "--max-waiting-requests", "64", "--disable-log-stats",
+                             tmp_path_factory=tmp_path_factory, env={"PAGEDSERVE_LOG_STATS_INTERVAL": "0.1"})
 
 
 @pytest.fixture
@@ -201,3 +202,9 @@ def test_metrics_parse_and_move(server, client):
                  "vllm:request_success", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
                  "vllm:request_queue_time_seconds"):
         assert name in names
+
+
+def test_disable_log_stats_keeps_the_stats_line_out_of_the_log(server, client):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=8)
+    time.sleep(0.5)  # five periods of the stats line (PAGEDSERVE_LOG_STATS_INTERVAL)
+    assert "Avg generation throughput" not in server.log()

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -49,7 +50,7 @@ def server(model_dir, tmp_path_factory, cert):
         "--chat-template", TEMPLATE, "--response-role", "bot", "--enable-request-id-headers",
         "--allowed-origins", json.dumps([ORIGIN]), "--disable-fastapi-docs", "--ssl-keyfile", key,
         "--ssl-certfile", crt, "--trust-remote-code", "--swap-space", "4", "--disable-log-requests",
-        tmp_path_factory=tmp_path_factory, ca_file=crt)
+        tmp_path_factory=tmp_path_factory, ca_file=crt, env={"PAGEDSERVE_LOG_STATS_INTERVAL": "0.2"})
 
 
 @pytest.fixture
@@ -154,3 +155,12 @@ def test_an_https_server_stops_at_once_with_a_client_idling_on_keep_alive(tiny_m
     with httpx.Client(base_url=server.url, verify=tls_context(crt)) as idle:
         assert idle.get("/v1/models").status_code == 200  # the connection stays open, idle
         assert server.stop(timeout=20) == 0, server.log()
+
+
+def test_the_stats_line_is_logged_while_there_is_work(server, http):
+    http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 8, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while "Avg generation throughput" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = next(line for line in server.log().splitlines() if "Avg generation throughput" in line)
+    assert "Avg prompt throughput: " in line and " reqs, KV cache usage: " in line

@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from pagedserve import __version__
+from pagedserve import __version__, envs
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.startup import StartupTracker
@@ -343,6 +343,8 @@ def start_engine(state: ServerState, args: EngineArgs, options: ServeOptions | N
     config = llm_engine.config
     name = config.model.served_model_name
     metrics = EngineMetrics(name)
+    if not options.disable_log_stats:
+        _start_stats_log(metrics.stats_log, envs.log_stats_interval_s())
     llm_engine.observe_grammar_compiles(metrics.observe_grammar_compile)
     # The engine loop runs on this thread, which warmed the model up (AsyncEngine.run_in_this_thread).
     state.engine = AsyncEngine(llm_engine, observer=metrics.observe_step, start_thread=False)
@@ -361,6 +363,18 @@ def start_engine(state: ServerState, args: EngineArgs, options: ServeOptions | N
         state.serving = OpenAIServingEmbedding(state.engine, state.served_model_names, state.max_model_len, options)
     else:
         state.serving = OpenAIServing(state.engine, state.served_model_names, state.max_model_len, options)
+
+
+def _start_stats_log(stats_log: Any, interval_s: float) -> None:
+    """vLLM's periodic stats line (metrics.StatsLog), from a daemon thread, every `interval_s` while there is work."""
+    def run() -> None:
+        while True:
+            time.sleep(interval_s)
+            line = stats_log.line(time.monotonic())
+            if line:
+                logger.info("%s", line)
+
+    threading.Thread(target=run, name="pagedserve-stats-log", daemon=True).start()
 
 
 def _socket_of(connection: Any) -> Any:
@@ -401,8 +415,9 @@ def _make_uvicorn_server(config: Any) -> Any:
             while self.server_state.tasks and not self.force_exit:
                 await asyncio.sleep(0.05)
             for sock in getattr(self, "open_sockets", ()):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):  # on a duplicate: uvloop's transport sockets refuse shutdown()
+                    with socket.fromfd(sock.fileno(), sock.family, sock.type) as duplicate:
+                        duplicate.shutdown(socket.SHUT_RDWR)
             await super()._wait_tasks_to_complete()
 
     return Server(config)

@@ -62,6 +62,9 @@ class ServeOptions(FlagArgs):
                                               "or a new one).", default=False, group="http")
     disable_fastapi_docs: bool = setting("Do not serve the API's OpenAPI schema and docs pages (/openapi.json, "
                                          "/docs, /redoc).", default=False, group="http")
+    disable_log_stats: bool = setting("Do not log the stats line (throughput, running and waiting requests, KV "
+                                      "cache use) every 10 s while there is work ($PAGEDSERVE_LOG_STATS_INTERVAL "
+                                      "or vLLM's $VLLM_LOG_STATS_INTERVAL: another period).", default=False)
     startup_hold_file: str | None = setting("Testing only: start-up waits in phase starting while this file exists "
                                          "(the web page's start-up view).", hidden=True)
     limits: RequestLimits = setting("Per-request limits (their own flags).", default_factory=RequestLimits,
