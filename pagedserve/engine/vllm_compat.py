@@ -43,7 +43,8 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     # ignored
     CompatSetting(("--trust-remote-code",), IGNORED, "pagedserve runs its own model code for the architectures it "
                   "supports and never imports a checkpoint's Python files", takes_value=False),
-    CompatSetting(("--disable-log-requests",), IGNORED, "requests are not logged", takes_value=False),
+    CompatSetting(("--disable-log-requests",), IGNORED, "requests are logged only with --enable-log-requests",
+                  takes_value=False),
     CompatSetting(("--disable-uvicorn-access-log",), IGNORED, "no access log is written", takes_value=False),
     CompatSetting(("--disable-frontend-multiprocessing",), IGNORED, "the HTTP server and the engine share one "
                   "process", takes_value=False),

@@ -50,6 +50,7 @@ def server(model_dir, tmp_path_factory, cert):
         "--chat-template", TEMPLATE, "--response-role", "bot", "--enable-request-id-headers",
         "--allowed-origins", json.dumps([ORIGIN]), "--disable-fastapi-docs", "--ssl-keyfile", key,
         "--ssl-certfile", crt, "--trust-remote-code", "--swap-space", "4", "--disable-log-requests",
+        "--enable-log-requests", "--max-log-len", "12",
         tmp_path_factory=tmp_path_factory, ca_file=crt, env={"PAGEDSERVE_LOG_STATS_INTERVAL": "0.2"})
 
 
@@ -164,3 +165,11 @@ def test_the_stats_line_is_logged_while_there_is_work(server, http):
         time.sleep(0.1)
     line = next(line for line in server.log().splitlines() if "Avg generation throughput" in line)
     assert "Avg prompt throughput: " in line and " reqs, KV cache usage: " in line
+
+
+def test_requests_are_logged_with_their_prompt_cut_to_max_log_len(server, http):
+    http.post("/v1/completions", json={"model": MODEL, "prompt": "A prompt longer than twelve characters",
+                                       "max_tokens": 2, "request_id": "logme"})
+    line = next(line for line in server.log().splitlines() if "Received request cmpl-logme" in line)
+    assert "prompt: 'A prompt lon', params: SamplingParams(" in line and "max_tokens=2" in line
+    assert "tokens)" in line

@@ -62,6 +62,11 @@ class ServeOptions(FlagArgs):
                                               "or a new one).", default=False, group="http")
     disable_fastapi_docs: bool = setting("Do not serve the API's OpenAPI schema and docs pages (/openapi.json, "
                                          "/docs, /redoc).", default=False, group="http")
+    enable_log_requests: bool = setting("Log each request as it arrives: its id, prompt, token ids and sampling "
+                                        "parameters (vLLM's; off by default: prompts can be private).",
+                                        default=False)
+    max_log_len: int | None = setting("With --enable-log-requests: at most this many prompt characters and token "
+                                      "ids per line (default: all).")
     disable_log_stats: bool = setting("Do not log the stats line (throughput, running and waiting requests, KV "
                                       "cache use) every 10 s while there is work ($PAGEDSERVE_LOG_STATS_INTERVAL "
                                       "or vLLM's $VLLM_LOG_STATS_INTERVAL: another period).", default=False)
@@ -94,6 +99,8 @@ class ServeOptions(FlagArgs):
         for path in (self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"TLS file {path!r} does not exist")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
         self.cors()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,8 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 _DONE = object()
 # apply_chat_template arguments the server sets itself: a client's chat_template_kwargs may not replace them.
+logger = logging.getLogger(__name__)
+
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
                                        "return_dict", "return_tensors", "tools", "documents", "chat_template"})
 
@@ -61,6 +64,8 @@ class OpenAIServing:
         self.content_format = options.chat_template_content_format
         self.response_role = options.response_role
         self.default_sampling = engine.engine.config.model.default_sampling  # --generation-config
+        self.log_requests = options.enable_log_requests
+        self.max_log_len = options.max_log_len
         self.tokenizer = engine.engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
@@ -196,10 +201,21 @@ class OpenAIServing:
     def _start(self, request_id: str, prompts: list[_Prompt], params_list: list[SamplingParams]
                ) -> AsyncIterator[tuple[int, RequestOutput]]:
         arrival = time.monotonic()
+        if self.log_requests:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                self._log_request(f"{request_id}-{i}", prompt, params)
         generators = [self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
                                            params, arrival)
                       for i, (p, params) in enumerate(zip(prompts, params_list))]
         return _merge(generators)
+
+    def _log_request(self, request_id: str, prompt: _Prompt, params: SamplingParams) -> None:
+        """--enable-log-requests (vLLM's line), prompt text and token ids cut to --max-log-len."""
+        limit = self.max_log_len
+        text = prompt.text if prompt.text is None or limit is None else prompt.text[:limit]
+        ids = prompt.token_ids if limit is None else prompt.token_ids[:limit]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens)", request_id, text,
+                    params, ids, len(prompt.token_ids))
 
     def _completion_response(self, request_id: str, req: CompletionRequest, prompts: list[_Prompt],
                              finals: dict[int, dict[int, _Choice]]) -> dict:
