@@ -30,7 +30,7 @@ class PoolerConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # resolved local path: a Hugging Face directory or a .gguf file
-    served_model_name: str
+    served_model_name: str  # the name replies carry
     dtype: str  # "float32" | "bfloat16" | "float16" (resolved, never "auto")
     max_model_len: int
     hf_config: Any  # transformers.PretrainedConfig
@@ -44,6 +44,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     # Sampling defaults for requests that do not set them (--generation-config): SamplingParams' field names
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    served_model_aliases: tuple[str, ...] = ()  # more names requests may use (--served-model-name A B ...)
 
     @property
     def is_gguf(self) -> bool:

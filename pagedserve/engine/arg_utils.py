@@ -47,7 +47,8 @@ class FlagArgs:
 
 def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     """`--name-of-field` (and the field's aliases), typed and documented by the dataclass field: a bool is
-    --x/--no-x; choices=(...) in the metadata limits the values; hidden=True leaves it out of --help."""
+    --x/--no-x; choices=(...) in the metadata limits the values; nargs="+" takes a list; hidden=True leaves it
+    out of --help."""
     meta = f.metadata
     flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
     help_text = argparse.SUPPRESS if meta.get("hidden") else meta["help"]
@@ -55,7 +56,8 @@ def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f:
         parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         return
     kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
-    parser.add_argument(*flags, type=kind, default=f.default, help=help_text, choices=meta.get("choices"))
+    extra = {"nargs": meta["nargs"]} if "nargs" in meta else {}
+    parser.add_argument(*flags, type=kind, default=f.default, help=help_text, choices=meta.get("choices"), **extra)
 
 
 # A default is defined once: where a setting is a field of a frozen config (config.py), its EngineArgs
@@ -65,7 +67,9 @@ def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f:
 class EngineArgs(FlagArgs):
     model: str | None = setting("Model: a Hugging Face directory, a .gguf file, or a known name "
                              f"(default: {DEFAULT_MODEL}).", positional=True)
-    served_model_name: str | None = setting("Model name in the API (default: the model argument).")
+    served_model_name: str | list[str] | None = setting(
+        "Model name in the API (default: the model argument). Several names (vLLM's): requests may use any, "
+        "replies carry the first.", nargs="+")
     tokenizer: str | None = setting("Tokenizer directory (default: the model's).")
     dtype: str = setting("Weights and activations dtype: auto, float32, bfloat16, float16/half. auto picks "
                       "the fastest on this device (CPU: bfloat16 weights where pagedserve's native kernels run, AVX2 "

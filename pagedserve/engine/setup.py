@@ -186,8 +186,9 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
         budget = max(budget, max_model_len)
     from pagedserve.models.fetch import DEFAULT_MODEL
 
-    served_name = args.served_model_name or args.model or DEFAULT_MODEL
-    model = ModelConfig(model=model_path, served_model_name=served_name, dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
+    names = args.served_model_name or args.model or DEFAULT_MODEL
+    names = [names] if isinstance(names, str) else list(names)
+    model = ModelConfig(model=model_path, served_model_name=names[0], served_model_aliases=tuple(names[1:]), dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
                         architecture=architecture, task=task, pooler=pooler, seed=args.seed,
                         quantization=default_quantization(args.dtype, args.quantization,
                                                           checkpoint.stores_quantized_matmuls(), device,

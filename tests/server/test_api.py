@@ -13,11 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.server.server_utils import module_server, openai_client
 
 MODEL = "tiny"
+ALIAS = "tiny-alias"  # a second --served-model-name: requests may use it, replies carry the first
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    yield from module_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "256",
+    yield from module_server(tiny_model_dir("llama"), "--served-model-name", MODEL, ALIAS, "--max-model-len", "256",
                              "--dtype", "float32", "--max-waiting-requests", "64", "--disable-log-stats",
                              tmp_path_factory=tmp_path_factory, env={"PAGEDSERVE_LOG_STATS_INTERVAL": "0.1"})
 
@@ -47,7 +48,8 @@ def test_health_went_503_then_200(server):
 
 def test_models_and_version(server, client):
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == [MODEL, ALIAS]
+    assert client.completions.create(model=ALIAS, prompt="Hi", max_tokens=2).model == MODEL
     assert models[0].model_extra["max_model_len"] == 256
     assert client.models.retrieve(MODEL).model_dump() == models[0].model_dump()
     with pytest.raises(openai.NotFoundError, match="`nope/tiny` does not exist"):

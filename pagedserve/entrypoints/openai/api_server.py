@@ -349,7 +349,7 @@ def start_engine(state: ServerState, args: EngineArgs, options: ServeOptions | N
     # The engine loop runs on this thread, which warmed the model up (AsyncEngine.run_in_this_thread).
     state.engine = AsyncEngine(llm_engine, observer=metrics.observe_step, start_thread=False)
     state.metrics = metrics
-    state.served_model_names = [name]
+    state.served_model_names = [name, *config.model.served_model_aliases]
     state.memory_plan = config.memory_plan
     state.memory_pressure = memory_pressure_for(config.device.device, config.memory_plan, args.memory_pressure_meminfo)
     llm_engine.give_way_under(state.memory_pressure)
