@@ -50,7 +50,7 @@ def server(model_dir, tmp_path_factory, cert):
         "--chat-template", TEMPLATE, "--response-role", "bot", "--enable-request-id-headers",
         "--allowed-origins", json.dumps([ORIGIN]), "--disable-fastapi-docs", "--ssl-keyfile", key,
         "--ssl-certfile", crt, "--trust-remote-code", "--swap-space", "4", "--disable-log-requests",
-        "--enable-log-requests", "--max-log-len", "12",
+        "--enable-log-requests", "--max-log-len", "12", "--enable-prompt-tokens-details",
         tmp_path_factory=tmp_path_factory, ca_file=crt, env={"PAGEDSERVE_LOG_STATS_INTERVAL": "0.2"})
 
 
@@ -173,3 +173,18 @@ def test_requests_are_logged_with_their_prompt_cut_to_max_log_len(server, http):
     line = next(line for line in server.log().splitlines() if "Received request cmpl-logme" in line)
     assert "prompt: 'A prompt lon', params: SamplingParams(" in line and "max_tokens=2" in line
     assert "tokens)" in line
+
+
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_served(http):
+    prompt = list(range(10, 60))  # 50 token ids: three full 16-token blocks to hit
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    first = http.post("/v1/completions", json=body).json()["usage"]
+    assert "prompt_tokens_details" not in first  # nothing cached yet: left out, as vLLM does
+    again = http.post("/v1/completions", json=body).json()["usage"]
+    assert again["prompt_tokens_details"] == {"cached_tokens": 48}
+    messages = [{"role": "user", "content": " ".join(["word"] * 40)}]
+    http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    chunks = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                     "stream": True, "stream_options": {"include_usage": True}})
+    usage = [json.loads(line[6:]) for line in chunks.text.splitlines() if line.startswith("data: {")][-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16

@@ -65,6 +65,7 @@ class OpenAIServing:
         self.response_role = options.response_role
         self.default_sampling = engine.engine.config.model.default_sampling  # --generation-config
         self.log_requests = options.enable_log_requests
+        self.prompt_tokens_details = options.enable_prompt_tokens_details
         self.max_log_len = options.max_log_len
         self.tokenizer = engine.engine.tokenizer
         self.served_model_names = served_model_names
@@ -189,8 +190,9 @@ class OpenAIServing:
         streams = self._start(request_id, prompts, params_list)
         if req.stream:
             return _sse(self._completion_stream(request_id, req, prompts, streams))
-        finals = await _collect(streams, raw, len(prompts))
-        return JSONResponse(self._completion_response(request_id, req, prompts, finals))
+        cached: dict[int, int] = {}
+        finals = await _collect(streams, raw, len(prompts), cached)
+        return JSONResponse(self._completion_response(request_id, req, prompts, finals, cached))
 
     def _params(self, req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                 ) -> SamplingParams:
@@ -209,6 +211,14 @@ class OpenAIServing:
                       for i, (p, params) in enumerate(zip(prompts, params_list))]
         return _merge(generators)
 
+    def _usage(self, num_prompt: int, num_completion: int, cached: dict[int, int]) -> dict:
+        """OpenAI's usage; with --enable-prompt-tokens-details, the prompt tokens the prefix cache served
+        (`cached`: per prompt, from its outputs' num_cached_tokens), where there were any."""
+        usage = _usage(num_prompt, num_completion)
+        if self.prompt_tokens_details and sum(cached.values()):
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+        return usage
+
     def _log_request(self, request_id: str, prompt: _Prompt, params: SamplingParams) -> None:
         """--enable-log-requests (vLLM's line), prompt text and token ids cut to --max-log-len."""
         limit = self.max_log_len
@@ -218,7 +228,7 @@ class OpenAIServing:
                     params, ids, len(prompt.token_ids))
 
     def _completion_response(self, request_id: str, req: CompletionRequest, prompts: list[_Prompt],
-                             finals: dict[int, dict[int, _Choice]]) -> dict:
+                             finals: dict[int, dict[int, _Choice]], cached: dict[int, int]) -> dict:
         choices = []
         num_completion = 0
         for prompt_index, prompt in enumerate(prompts):
@@ -235,7 +245,7 @@ class OpenAIServing:
         num_prompt = sum(len(p.token_ids) for p in prompts)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.served_model_names[0], "choices": choices,
-                "usage": _usage(num_prompt, num_completion)}
+                "usage": self._usage(num_prompt, num_completion, cached)}
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[LogprobsDict], num_top: int,
                              offset: int) -> dict:
@@ -258,7 +268,9 @@ class OpenAIServing:
         num_completion = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
+        cached: dict[int, int] = {}
         async for prompt_index, output in streams:
+            cached[prompt_index] = output.num_cached_tokens
             for completion in output.outputs:
                 index = prompt_index * req.n + completion.index
                 text = completion.text
@@ -283,7 +295,7 @@ class OpenAIServing:
             num_prompt = sum(len(p.token_ids) for p in prompts)
             yield _chunk({"id": request_id, "object": "text_completion", "created": created,
                           "model": self.served_model_names[0], "choices": [],
-                          "usage": _usage(num_prompt, num_completion)})
+                          "usage": self._usage(num_prompt, num_completion, cached)})
 
     # ---- /v1/chat/completions ---------------------------------------------------------------------
     def _check_chat_fields(self, req: ChatCompletionRequest) -> None:
@@ -349,7 +361,8 @@ class OpenAIServing:
         streams = self._start(request_id, [prompt], [params])
         if req.stream:
             return _sse(self._chat_stream(request_id, req, prompt, streams, tool_choice))
-        finals = await _collect(streams, raw, 1)
+        cached: dict[int, int] = {}
+        finals = await _collect(streams, raw, 1, cached)
         choices = []
         for index, choice in sorted(finals[0].items()):
             read = read_all(make_reader(tool_choice, self.tool_call_parser), choice.text)
@@ -363,7 +376,7 @@ class OpenAIServing:
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
                              "model": self.served_model_names[0], "choices": choices,
-                             "usage": _usage(len(prompt_ids), num_completion)})
+                             "usage": self._usage(len(prompt_ids), num_completion, cached)})
 
     async def _chat_stream(self, request_id: str, req: ChatCompletionRequest, prompt: _Prompt,
                            streams: AsyncIterator[tuple[int, RequestOutput]], tool_choice: ToolChoice | None = None
@@ -376,7 +389,9 @@ class OpenAIServing:
                                                "logprobs": None, "finish_reason": None}]})
         num_completion = 0
         readers = [make_reader(tool_choice, self.tool_call_parser) for _ in range(req.n)]
-        async for _, output in streams:
+        cached: dict[int, int] = {}
+        async for prompt_index, output in streams:
+            cached[prompt_index] = output.num_cached_tokens
             for completion in output.outputs:
                 num_completion += len(completion.token_ids)
                 reader = readers[completion.index]
@@ -396,7 +411,7 @@ class OpenAIServing:
                                                    "logprobs": logprobs, "finish_reason": finish_reason,
                                                    "stop_reason": completion.stop_reason}]})
         if req.stream_options and req.stream_options.include_usage:
-            yield _chunk({**base, "choices": [], "usage": _usage(len(prompt.token_ids), num_completion)})
+            yield _chunk({**base, "choices": [], "usage": self._usage(len(prompt.token_ids), num_completion, cached)})
 
     # ---- /tokenize, /detokenize ------------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> dict:
@@ -472,13 +487,16 @@ async def _merge(generators: list[AsyncIterator[RequestOutput]]) -> AsyncIterato
             task.cancel()
 
 
-async def _collect(streams: AsyncIterator[tuple[int, RequestOutput]], raw: Request, num_prompts: int
-                   ) -> dict[int, dict[int, _Choice]]:
-    """Accumulate DELTA outputs into whole choices; abort if the client goes away meanwhile."""
+async def _collect(streams: AsyncIterator[tuple[int, RequestOutput]], raw: Request, num_prompts: int,
+                   cached: dict[int, int] | None = None) -> dict[int, dict[int, _Choice]]:
+    """Accumulate DELTA outputs into whole choices (and each prompt's cached tokens into `cached`); abort if the
+    client goes away meanwhile."""
     choices: dict[int, dict[int, _Choice]] = {i: {} for i in range(num_prompts)}
+    cached = {} if cached is None else cached
 
     async def consume() -> None:
         async for prompt_index, output in streams:
+            cached[prompt_index] = output.num_cached_tokens
             for completion in output.outputs:
                 _accumulate(choices[prompt_index].setdefault(completion.index, _Choice()), completion)
 
