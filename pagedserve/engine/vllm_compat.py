@@ -25,6 +25,9 @@ _NO_HUB = ("pagedserve serves a local checkpoint (or a packaged model name) and 
            "Hugging Face hub: download it first (`huggingface-cli download MODEL --revision R --local-dir DIR`) "
            "and serve DIR")
 
+_NO_LORA = ("LoRA adapters are not supported: merge the adapter into the weights (peft's merge_and_unload) and serve "
+            "the merged checkpoint")
+
 
 @dataclass(frozen=True)
 class CompatSetting:
@@ -82,10 +85,8 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     CompatSetting(("--guided-decoding-backend",), ONLY, "structured outputs run on xgrammar "
                   "(--structured-outputs-config for its settings)", allowed=("auto", "xgrammar")),
     # unsupported
-    CompatSetting(("--enable-lora",), UNSUPPORTED, "LoRA adapters are not supported: merge the adapter into the "
-                  "weights (peft's merge_and_unload) and serve the merged checkpoint", takes_value=False),
-    CompatSetting(("--lora-modules",), UNSUPPORTED, "LoRA adapters are not supported: merge the adapter into the "
-                  "weights (peft's merge_and_unload) and serve the merged checkpoint"),
+    CompatSetting(("--enable-lora",), UNSUPPORTED, _NO_LORA, takes_value=False),
+    CompatSetting(("--lora-modules",), UNSUPPORTED, _NO_LORA),
     CompatSetting(("--reasoning-parser",), UNSUPPORTED, "reasoning parsers are not supported: a model's thinking "
                   "stays in the content (Qwen3: chat_template_kwargs {\"enable_thinking\": false} turns it off)"),
     CompatSetting(("--logits-processors",), UNSUPPORTED, "custom logits processors are not supported (logit_bias, "
