@@ -40,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -53,6 +54,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # The output must match this grammar (JSON schema, regex, choice, EBNF): see pagedserve/structured/.
     structured_outputs: StructuredOutputsParams | None = None
+    # Prefix-cache isolation (vLLM's cache_salt): blocks are reused only between requests with the same salt.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +105,14 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and 0 <= t <= MAX_INT64 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(isinstance(ids, list) and len(ids) > 0 and all(isinstance(t, int) and 0 <= t <= MAX_INT64
+                                                                   for t in ids),
+                   "allowed_token_ids", "must be a non-empty list of token ids (non-negative integers)")
+        if self.cache_salt is not None:
+            _check(isinstance(self.cache_salt, str) and self.cache_salt != "", "cache_salt",
+                   "must be a non-empty string")
         if self.logit_bias:
             _check(all(0 <= k <= MAX_INT64 for k in self.logit_bias), "logit_bias",
                    "keys must be token ids (non-negative integers)")

@@ -11,6 +11,8 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
+
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -27,6 +29,15 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...]) -> B
     """Hash of a full block given its parent's hash; ints hash deterministically across processes."""
     parent_value = parent.hash_value if parent is not None else 0
     return BlockHash(hash((parent_value, token_ids)), token_ids)
+
+
+def salt_hash(salt: str | None) -> BlockHash | None:
+    """The parent of a salted request's first block (vLLM's cache_salt), so that its blocks' keys differ from
+    every other salt's and from unsalted ones; a stable digest, as block keys must agree across processes."""
+    if salt is None:
+        return None
+    digest = hashlib.sha256(salt.encode()).digest()
+    return BlockHash(int.from_bytes(digest[:8], "little"), ())
 
 
 @dataclass(eq=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from pagedserve.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens, salt_hash
 from pagedserve.request import Request
 
 
@@ -61,8 +61,9 @@ class KVCacheManager:
         """Extend request.block_hashes to cover every full block of its known tokens (incremental)."""
         bs = self.block_size
         hashes = request.block_hashes
+        salt = salt_hash(request.sampling_params.cache_salt)
         for start in range(len(hashes) * bs, request.num_tokens - bs + 1, bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt
             hashes.append(hash_block_tokens(parent, tuple(request.all_token_ids[start:start + bs])))
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:

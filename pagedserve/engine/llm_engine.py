@@ -244,6 +244,7 @@ class LLMEngine:
         vocab_size = self.config.model.hf_config.vocab_size
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
         check_token_ids(list(params.logit_bias or ()), vocab_size, "logit_bias")
+        check_token_ids(list(params.allowed_token_ids or ()), vocab_size, "allowed_token_ids")
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
         finals = []

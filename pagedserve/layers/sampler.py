@@ -40,6 +40,7 @@ class SamplingBatch:
     checkpoint_rows: set[int] = field(default_factory=set)
     logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     banned: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # min_tokens: ids to mask
+    allowed: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # allowed_token_ids: all else masked
     penalties: Penalties | None = None
     max_num_logprobs: int = -1  # -1 = no row wants logprobs
     grammars: list[tuple[int, Any]] = field(default_factory=list)  # row -> structured.matcher.RequestGrammar
@@ -82,8 +83,12 @@ class Sampler:
         return out
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if batch.logit_bias or batch.banned or batch.penalties is not None or batch.grammars:
+        if batch.logit_bias or batch.banned or batch.allowed or batch.penalties is not None or batch.grammars:
             logits = logits.clone()
+        for row, ids in batch.allowed:
+            kept = logits[row, ids]
+            logits[row] = float("-inf")
+            logits[row, ids] = kept
         for row, ids, values in batch.logit_bias:
             logits[row, ids] += values
         if batch.penalties is not None:

@@ -431,6 +431,8 @@ class ModelRunner:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=self.device)
                 values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device)
                 batch.logit_bias.append((i, ids, values))
+            if p.allowed_token_ids:
+                batch.allowed.append((i, torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=self.device)))
             if state.num_output_tokens + offset < p.min_tokens:
                 banned = list(p.stop_token_ids)
                 if not p.ignore_eos and self.eos_token_id is not None:

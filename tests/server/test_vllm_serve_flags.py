@@ -39,6 +39,15 @@ def model_dir(tiny_model_dir, tmp_path_factory):
     shutil.copytree(tiny_model_dir("llama"), directory)
     path = directory / "generation_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "temperature": 0.0, "top_k": 5, "do_sample": True}))
+    # a BOS token before every text prompt (as Llama's tokenizer adds), so add_special_tokens shows
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = {"type": "TemplateProcessing",
+                                   "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                                              {"Sequence": {"id": "A", "type_id": 0}}],
+                                   "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                                   "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1],
+                                                                       "tokens": ["<|im_start|>"]}}}
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
     return str(directory)
 
 
@@ -188,3 +197,41 @@ def test_usage_says_how_many_prompt_tokens_the_prefix_cache_served(http):
                                                      "stream": True, "stream_options": {"include_usage": True}})
     usage = [json.loads(line[6:]) for line in chunks.text.splitlines() if line.startswith("data: {")][-1]["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 16
+
+
+def test_vllm_request_fields_act_or_are_refused_by_name(server, http):
+    def complete(**fields):
+        return http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 4,
+                                                 "ignore_eos": True, **fields})
+
+    only = complete(allowed_token_ids=[42], temperature=1.0, top_k=0).json()  # sampled, yet only token 42 is allowed
+    assert only["choices"][0]["text"] == http.post("/detokenize", json={"model": MODEL, "tokens": [42] * 4}).json()["prompt"]
+    assert complete(allowed_token_ids=[10 ** 6]).json()["error"]["param"] == "allowed_token_ids"
+    with_bos, without = complete().json()["usage"], complete(add_special_tokens=False).json()["usage"]
+    assert with_bos["prompt_tokens"] == without["prompt_tokens"] + 1
+    assert complete(truncate_prompt_tokens=2).json()["usage"]["prompt_tokens"] == 2
+    assert complete(truncate_prompt_tokens=0).json()["error"]["param"] == "truncate_prompt_tokens"
+    for field, value in (("use_beam_search", True), ("bad_words", ["x"]), ("priority", 3), ("length_penalty", 2.0),
+                         ("return_tokens_as_token_ids", True), ("modalities", ["audio"])):
+        response = complete(**{field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, field
+    assert complete(use_beam_search=False, bad_words=[], priority=0, modalities=["text"]).status_code == 200
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json={**chat, "echo": True}).json()["error"]["param"] == "echo"
+    assert http.post("/v1/chat/completions", json={**chat, "frobnicate": 1, "store": True}).status_code == 200
+    assert server.log().count("request field 'frobnicate' is not one pagedserve knows") == 1
+    http.post("/v1/chat/completions", json={**chat, "frobnicate": 2})
+    assert server.log().count("request field 'frobnicate'") == 1  # once per field, not per request
+
+
+def test_cache_salt_keeps_prefix_cache_blocks_apart(http):
+    body = {"model": MODEL, "prompt": list(range(100, 150)), "max_tokens": 2}
+
+    def cached(**fields):
+        usage = http.post("/v1/completions", json={**body, **fields}).json()["usage"]
+        return usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") == 48  # the same salt shares
+    assert cached(cache_salt="tenant-b") == 0 and cached() == 0  # another salt, or none, does not
+    assert cached() == 48

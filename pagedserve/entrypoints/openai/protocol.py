@@ -1,8 +1,10 @@
-"""Request bodies of the OpenAI-compatible API (pydantic). Unknown fields are accepted and ignored,
-as OpenAI clients send extras; fields we cannot honour are rejected by name in the serving layer."""
+"""Request bodies of the OpenAI-compatible API (pydantic). Fields OpenAI or vLLM define that pagedserve cannot
+honour are refused by name when set (`_REFUSED`); other unknown fields are logged once and ignored, as OpenAI
+clients send extras."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,6 +12,24 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
+
+
+logger = logging.getLogger(__name__)
+
+# Fields OpenAI or vLLM define that pagedserve does not honour -> their value with no effect (None: left out; a
+# tuple: any of those). A request that sets another value gets a 400 naming the field, never output that ignores it.
+_REFUSED: dict[str, Any] = {
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "priority": (None, 0),
+    "bad_words": (None, []), "return_tokens_as_token_ids": (None, False), "logits_processors": None,
+    "mm_processor_kwargs": None, "kv_transfer_params": None, "vllm_xargs": None, "audio": None,
+    "modalities": (None, ["text"]), "web_search_options": None, "documents": None,
+}
+_REFUSED_WHY = {"use_beam_search": "no beam search: sample n > 1 instead", "length_penalty": "it applies to beam search",
+                "priority": "requests are served first come, first served", "bad_words": "use logit_bias to ban tokens",
+                "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages"}
+# Fields OpenAI or vLLM define that change nothing pagedserve generates: taken without a word.
+_ACCEPTED_EXTRAS = frozenset({"store", "metadata", "service_tier", "prediction", "reasoning_effort"})
+_WARNED: set[str] = set()
 
 
 class StreamOptions(BaseModel):
@@ -39,12 +59,31 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_id: str | None = None  # vLLM's: becomes part of the engine's request id (logs, errors)
     response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens (-1: max_model_len)
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with the same salt
+
+    def check_fields(self, refused: dict[str, Any]) -> None:
+        """A 400 naming a field OpenAI or vLLM define that pagedserve does not honour, where the request sets it
+        to anything but its no-effect value (`refused`: name -> that value; also `_REFUSED`); other unknown
+        fields are logged once each and ignored, as vLLM does."""
+        extra = self.model_extra or {}
+        for name, inert in {**_REFUSED, **refused}.items():
+            value = extra.get(name, getattr(self, name, inert))
+            if value != inert and not (isinstance(inert, tuple) and value in inert):
+                why = _REFUSED_WHY.get(name, "leave it out")
+                raise InvalidRequestError(f"{name} is not supported by this server ({why})", param=name)
+        for name in sorted(set(extra) - set(_REFUSED) - set(refused) - _ACCEPTED_EXTRAS):
+            if name not in _WARNED and not name.startswith("guided_"):
+                _WARNED.add(name)
+                logger.warning("request field %r is not one pagedserve knows; it is ignored (logged once)", name)
 
     def structured_params(self) -> StructuredOutputsParams | None:
         """The grammar the output must match, from response_format or structured_outputs (400 for both)."""
@@ -84,13 +123,15 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured_params())
+            structured_outputs=self.structured_params(), allowed_token_ids=self.allowed_token_ids,
+            cache_salt=self.cache_salt, spaces_between_special_tokens=self.spaces_between_special_tokens)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (etc.) before a text prompt
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = None
     suffix: str | None = None
@@ -117,6 +158,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # vLLM's: the template already writes BOS; True adds the tokenizer's too
 
 
 class TokenizeRequest(BaseModel):

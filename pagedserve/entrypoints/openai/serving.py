@@ -156,9 +156,22 @@ class OpenAIServing:
         return await self.in_tokenizer_pool(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     # ---- /v1/completions --------------------------------------------------------------------------
-    async def _completion_prompts(self, prompt: Any) -> list[_Prompt]:
+    def _truncate(self, prompt: _Prompt, keep: int | None) -> _Prompt:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len of them)."""
+        if keep is None:
+            return prompt
+        if keep == -1:
+            keep = self.max_model_len
+        if not 1 <= keep <= self.max_model_len:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] (the "
+                                      f"model's maximum context length), got {keep}", param="truncate_prompt_tokens")
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        return _Prompt(None, prompt.token_ids[-keep:])  # its text no longer matches: echo decodes the ids
+
+    async def _completion_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[_Prompt]:
         if isinstance(prompt, str):
-            return [_Prompt(prompt, await self._tokenize(prompt))]
+            return [_Prompt(prompt, await self._tokenize(prompt, add_special_tokens))]
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
@@ -167,7 +180,7 @@ class OpenAIServing:
             raise InvalidRequestError(f"at most {self.limits.max_prompts_per_request} prompts per request "
                                       f"(--max-prompts-per-request), got {len(prompt)}", param="prompt")
         if all(isinstance(p, str) for p in prompt):
-            return [_Prompt(p, await self._tokenize(p)) for p in prompt]
+            return [_Prompt(p, await self._tokenize(p, add_special_tokens)) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
             return [_Prompt(None, list(p)) for p in prompt]
         raise InvalidRequestError("prompt must be a string, a list of strings, token ids, or lists of token ids",
@@ -179,7 +192,9 @@ class OpenAIServing:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequestError("best_of is not supported (only best_of == n)", param="best_of")
-        prompts = await self._completion_prompts(req.prompt)
+        req.check_fields({})
+        prompts = await self._completion_prompts(req.prompt, req.add_special_tokens)
+        prompts = [self._truncate(p, req.truncate_prompt_tokens) for p in prompts]
         max_tokens = [self._max_tokens(prompt, req.max_tokens) for prompt in prompts]
         self._check_limits(req, prompts, max_tokens)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
@@ -306,6 +321,7 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        req.check_fields({"echo": (None, False), "prompt_logprobs": None})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ()))
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)",
@@ -322,7 +338,7 @@ class OpenAIServing:
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict | None = None,
-                          tools: list[dict] | None = None) -> list[int]:
+                          tools: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
         conversation = template_messages([template_message(m, self.content_format) for m in messages])
@@ -334,15 +350,17 @@ class OpenAIServing:
                 continue_final_message=continue_final_message, **(kwargs or {}))
         except Exception as exc:  # template errors (e.g. roles it rejects) are the client's to fix
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
-        return await self._tokenize(text, add_special_tokens=False)
+        return await self._tokenize(text, add_special_tokens=add_special_tokens)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
         self._check_chat_fields(req)
         tool_choice = self._tool_choice(req)
         prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                            req.chat_template_kwargs, tools=req.tools)
-        prompt = _Prompt(None, prompt_ids)
+                                            req.chat_template_kwargs, tools=req.tools,
+                                            add_special_tokens=req.add_special_tokens)
+        prompt = self._truncate(_Prompt(None, prompt_ids), req.truncate_prompt_tokens)
+        prompt_ids = prompt.token_ids
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(prompt, getattr(req, param), param)
         self._check_limits(req, [prompt], [max_tokens])
