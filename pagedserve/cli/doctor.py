@@ -449,7 +449,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         " disk, the port and, with MODEL, the model files and whether it fits in memory (the plan `serve` would"
         " compute with the same flags, which doctor takes too). Exit code 1 on any FAIL.",
     )
-    EngineArgs.add_cli_args(parser)
-    parser.add_argument("--port", type=int, default=8000, help="port the server will listen on (default 8000)")
+    from pagedserve.cli.serve import add_serve_flags
+
+    add_serve_flags(parser)  # a serve command line pastes in unchanged (--port: the port it would listen on)
     parser.add_argument("--json", action="store_true", help="print the results as a JSON list")
     parser.set_defaults(func=run)

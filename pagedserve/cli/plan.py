@@ -14,7 +14,8 @@ import argparse
 import json
 
 from pagedserve.cli.common import engine_args_from_cli, fail
-from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.cli.serve import add_serve_flags
+from pagedserve.engine import vllm_compat
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "--gpu-memory-utilization fraction, VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory, or free GPU "
                     "memory); the verdict, and the flags that would fit. Takes the same flags as `serve`. "
                     "Exit code 1 when it does not fit.")
-    EngineArgs.add_cli_args(parser)
+    add_serve_flags(parser)  # a serve command line pastes in unchanged; only the engine's flags count here
     parser.add_argument("--json", action="store_true", help="Print the plan as JSON (every figure in bytes).")
     # Test-only: read the memory probes from a fake tree instead of /proc and /sys.
     parser.add_argument("--meminfo", default=None, help=argparse.SUPPRESS)
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.memory.plan import format_plan_table
 
     try:
+        vllm_compat.check(vars(args))  # what serve refuses, plan refuses too
         engine_args = engine_args_from_cli(args)
         config = create_engine_config(engine_args, available=_available_from_paths(args), check_memory=False,
                                       kernels_from_flags=True)  # no torch: the kernels as the CPU's flags promise

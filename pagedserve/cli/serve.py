@@ -23,6 +23,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="Start the OpenAI-compatible server.",
         description="Start the OpenAI-compatible server. Binds 127.0.0.1 by default; use --host 0.0.0.0 "
                     "to accept connections from other machines.")
+    add_serve_flags(parser)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.set_defaults(func=run)
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag of `serve`: also taken by `plan` and `doctor`, so a serve command line pastes into them."""
     EngineArgs.add_cli_args(parser)
     RequestLimits.add_cli_args(parser.add_argument_group("per-request limits (HTTP 400 beyond them)"))
     ServeOptions.add_cli_args(parser)
@@ -30,8 +37,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "replicas on Ray Serve (pip install 'pagedserve[ray]'; --host/--port are then the Ray Serve endpoint's)"))
     add_thread_args(parser)
     vllm_compat.add_cli_args(parser)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -318,3 +318,15 @@ def test_gguf_tokenizer_without_the_deep_copy_equals_the_documented_one(tmp_path
         assert fast.decode(fast.encode(text)) == reference.decode(reference.encode(text))
     fast.save_pretrained(tmp_path)  # still a complete, serializable transformers tokenizer
     assert PreTrainedTokenizerFast.from_pretrained(tmp_path).encode("Hello world") == reference.encode("Hello world")
+
+
+def test_plan_takes_a_serve_command_line_unchanged(tiny_model_dir, tmp_path, capsys) -> None:
+    model = tiny_model_dir("llama")
+    host = fake_host(tmp_path, 1 << 22)
+    _, plain = plan_json(capsys, model, "--max-model-len", "64", *host)
+    code, pasted = plan_json(capsys, model, "--max-model-len", "64", "--port", "8001", "--api-key", "k",
+                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-remote-code",
+                             "--swap-space", "4", *host)
+    assert code == 0 and pasted == plain  # the server's own flags change no figure
+    assert main(["plan", model, "-pp", "2", *host]) == 2  # what serve refuses, plan refuses
+    assert "--pipeline-parallel-size 2: pipeline parallelism is not supported" in capsys.readouterr().err
