@@ -212,7 +212,7 @@ def test_vllm_request_fields_act_or_are_refused_by_name(server, http):
     assert complete(truncate_prompt_tokens=2).json()["usage"]["prompt_tokens"] == 2
     assert complete(truncate_prompt_tokens=0).json()["error"]["param"] == "truncate_prompt_tokens"
     for field, value in (("use_beam_search", True), ("bad_words", ["x"]), ("priority", 3), ("length_penalty", 2.0),
-                         ("return_tokens_as_token_ids", True), ("modalities", ["audio"])):
+                         ("modalities", ["audio"])):
         response = complete(**{field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, field
     assert complete(use_beam_search=False, bad_words=[], priority=0, modalities=["text"]).status_code == 200
@@ -235,3 +235,18 @@ def test_cache_salt_keeps_prefix_cache_blocks_apart(http):
     assert cached(cache_salt="tenant-a") == 48  # the same salt shares
     assert cached(cache_salt="tenant-b") == 0 and cached() == 0  # another salt, or none, does not
     assert cached() == 48
+
+
+def test_logprobs_can_name_tokens_by_id(http):
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "logprobs": 2, "temperature": 0}
+    named = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    ids = http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]
+    token_ids = [int(token.removeprefix("token_id:")) for token in ids["tokens"]]
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": token_ids}).json()["prompt"] == "".join(named["tokens"])
+    assert ids["text_offset"] == named["text_offset"] and ids["token_logprobs"] == named["token_logprobs"]
+    assert all(key.startswith("token_id:") for top in ids["top_logprobs"] for key in top)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True,
+            "top_logprobs": 1, "return_tokens_as_token_ids": True}
+    content = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert all(item["token"].startswith("token_id:") and item["top_logprobs"][0]["token"].startswith("token_id:")
+               for item in content)

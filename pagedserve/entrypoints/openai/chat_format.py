@@ -81,13 +81,18 @@ def message_text(message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[LogprobsDict], num_top: int) -> dict:
-    def item(lp) -> dict:
-        token = lp.decoded_token or ""
+def token_text(token_id: int, decoded: str | None, as_ids: bool = False) -> str:
+    """A token as logprobs show it: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_ids else decoded or ""
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[LogprobsDict], num_top: int, as_ids: bool = False) -> dict:
+    def item(token_id: int, lp) -> dict:
+        token = token_text(token_id, lp.decoded_token, as_ids)
         return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
 
     content = []
     for token_id, step in zip(token_ids, logprobs):
-        top = sorted((lp for lp in step.values() if lp.rank <= num_top), key=lambda lp: lp.rank)
-        content.append({**item(step[token_id]), "top_logprobs": [item(lp) for lp in top]})
+        top = sorted(((i, lp) for i, lp in step.items() if lp.rank <= num_top), key=lambda pair: pair[1].rank)
+        content.append({**item(token_id, step[token_id]), "top_logprobs": [item(i, lp) for i, lp in top]})
     return {"content": content}

@@ -62,6 +62,9 @@ class ServeOptions(FlagArgs):
                                               "or a new one).", default=False, group="http")
     disable_fastapi_docs: bool = setting("Do not serve the API's OpenAPI schema and docs pages (/openapi.json, "
                                          "/docs, /redoc).", default=False, group="http")
+    return_tokens_as_token_ids: bool = setting("Logprobs give each token as \"token_id:N\" instead of its text "
+                                               "(a request's return_tokens_as_token_ids overrides it).",
+                                               default=False)
     enable_prompt_tokens_details: bool = setting("Give usage.prompt_tokens_details.cached_tokens: the prompt tokens "
                                                  "the prefix cache served (where there were any).", default=False)
     enable_log_requests: bool = setting("Log each request as it arrives: its id, prompt, token ids and sampling "

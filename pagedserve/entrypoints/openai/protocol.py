@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 # tuple: any of those). A request that sets another value gets a 400 naming the field, never output that ignores it.
 _REFUSED: dict[str, Any] = {
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "priority": (None, 0),
-    "bad_words": (None, []), "return_tokens_as_token_ids": (None, False), "logits_processors": None,
+    "bad_words": (None, []), "logits_processors": None,
     "mm_processor_kwargs": None, "kv_transfer_params": None, "vllm_xargs": None, "audio": None,
     "modalities": (None, ["text"]), "web_search_options": None, "documents": None,
 }
@@ -69,6 +69,7 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens (-1: max_model_len)
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with the same salt
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N" (None: the server's)
 
     def check_fields(self, refused: dict[str, Any]) -> None:
         """A 400 naming a field OpenAI or vLLM define that pagedserve does not honour, where the request sets it

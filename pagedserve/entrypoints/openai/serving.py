@@ -23,7 +23,7 @@ from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_er
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest)
-from pagedserve.entrypoints.openai.chat_format import (chat_delta, chat_finish_reason, chat_logprobs,
+from pagedserve.entrypoints.openai.chat_format import (chat_delta, chat_finish_reason, chat_logprobs, token_text,
                                                        template_message, template_messages)
 from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
 from pagedserve.structured.admission import compile_timeout_error
@@ -66,6 +66,7 @@ class OpenAIServing:
         self.default_sampling = engine.engine.config.model.default_sampling  # --generation-config
         self.log_requests = options.enable_log_requests
         self.prompt_tokens_details = options.enable_prompt_tokens_details
+        self.tokens_as_ids = options.return_tokens_as_token_ids
         self.max_log_len = options.max_log_len
         self.tokenizer = engine.engine.tokenizer
         self.served_model_names = served_model_names
@@ -226,6 +227,12 @@ class OpenAIServing:
                       for i, (p, params) in enumerate(zip(prompts, params_list))]
         return _merge(generators)
 
+    def _as_ids(self, req: Any) -> bool:
+        """Logprobs' tokens as "token_id:N" (vLLM's return_tokens_as_token_ids: the request's, else the server's
+        --return-tokens-as-token-ids), for clients that need the exact ids (text can merge or split tokens)."""
+        asked = req.return_tokens_as_token_ids
+        return self.tokens_as_ids if asked is None else asked
+
     def _usage(self, num_prompt: int, num_completion: int, cached: dict[int, int]) -> dict:
         """OpenAI's usage; with --enable-prompt-tokens-details, the prompt tokens the prefix cache served
         (`cached`: per prompt, from its outputs' num_cached_tokens), where there were any."""
@@ -252,7 +259,8 @@ class OpenAIServing:
                 text = choice.text
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self._completion_logprobs(choice.token_ids, choice.logprobs, req.logprobs, 0)
+                    logprobs, _ = self._completion_logprobs(choice.token_ids, choice.logprobs, req.logprobs, 0,
+                                                            self._as_ids(req))
                 if req.echo:
                     text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)) + text
                 choices.append({"index": prompt_index * req.n + index, "text": text, "logprobs": logprobs,
@@ -263,19 +271,21 @@ class OpenAIServing:
                 "usage": self._usage(num_prompt, num_completion, cached)}
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[LogprobsDict], num_top: int,
-                             offset: int) -> dict:
-        """OpenAI's legacy completions logprobs format."""
+                             offset: int, as_ids: bool = False) -> tuple[dict, int]:
+        """OpenAI's legacy completions logprobs format, and the text offset after these tokens. `as_ids`
+        (vLLM's return_tokens_as_token_ids): tokens written "token_id:N"; offsets still count the text."""
         tokens, token_logprobs, top, text_offset = [], [], [], []
         for token_id, step in zip(token_ids, logprobs):
             entry = step.get(token_id) if step else None
-            token = entry.decoded_token if entry else self.tokenizer.decode([token_id])
-            tokens.append(token)
+            text = entry.decoded_token if entry else self.tokenizer.decode([token_id])
+            tokens.append(token_text(token_id, text, as_ids))
             token_logprobs.append(entry.logprob if entry else None)
-            top.append({lp.decoded_token: lp.logprob for lp in step.values() if lp.rank <= num_top}
-                       if step else None)
+            top.append({token_text(i, lp.decoded_token, as_ids): lp.logprob for i, lp in step.items()
+                        if lp.rank <= num_top} if step else None)
             text_offset.append(offset)
-            offset += len(token)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
+            offset += len(text or "")
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": text_offset}, offset
 
     async def _completion_stream(self, request_id: str, req: CompletionRequest, prompts: list[_Prompt],
                                  streams: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
@@ -298,9 +308,9 @@ class OpenAIServing:
                     continue
                 logprobs = None
                 if req.logprobs is not None and completion.logprobs is not None:
-                    logprobs = self._completion_logprobs(completion.token_ids, completion.logprobs, req.logprobs,
-                                                         offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+                    logprobs, offsets[index] = self._completion_logprobs(
+                        completion.token_ids, completion.logprobs, req.logprobs, offsets.get(index, 0),
+                        self._as_ids(req))
                 yield _chunk({"id": request_id, "object": "text_completion", "created": created,
                               "model": self.served_model_names[0],
                               "choices": [{"index": index, "text": text, "logprobs": logprobs,
@@ -388,7 +398,8 @@ class OpenAIServing:
             if read.calls:
                 message.update(content=read.content or None, tool_calls=read.calls)
             choices.append({"index": index, "message": message,
-                            "logprobs": chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0) if req.logprobs else None,
+                            "logprobs": chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0,
+                                                      self._as_ids(req)) if req.logprobs else None,
                             "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls)),
                             "stop_reason": choice.stop_reason})
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
@@ -421,7 +432,8 @@ class OpenAIServing:
                     continue  # nothing new, or a reader holding text (e.g. a tool call being read): no empty delta
                 logprobs = None
                 if req.logprobs and completion.logprobs is not None:
-                    logprobs = chat_logprobs(completion.token_ids, completion.logprobs, req.top_logprobs or 0)
+                    logprobs = chat_logprobs(completion.token_ids, completion.logprobs, req.top_logprobs or 0,
+                                             self._as_ids(req))
                 finish_reason = completion.finish_reason
                 if finish_reason is not None:
                     finish_reason = chat_finish_reason(finish_reason, reader.num_calls > 0)
