@@ -45,6 +45,7 @@ class ModelConfig:
     # Sampling defaults for requests that do not set them (--generation-config): SamplingParams' field names
     default_sampling: dict[str, Any] = field(default_factory=dict)
     served_model_aliases: tuple[str, ...] = ()  # more names requests may use (--served-model-name A B ...)
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary)
 
     @property
     def is_gguf(self) -> bool:

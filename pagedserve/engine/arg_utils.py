@@ -127,6 +127,9 @@ class EngineArgs(FlagArgs):
     override_generation_config: str | None = setting(
         "Those defaults as a JSON object, over --generation-config's: '{\"temperature\": 0.5}' (names as in "
         "generation_config.json).")
+    max_logprobs: int = setting("The most logprobs (top_logprobs) or prompt_logprobs a request may ask for; -1: "
+                                "as many as the vocabulary holds (vLLM's; OpenAI allows 20).",
+                                default=ModelConfig.max_logprobs)
     seed: int = setting("Seed for unseeded random sampling.", default=ModelConfig.seed)
     device: str = setting("cpu, cuda or auto.", default="auto")
     num_threads: int | None = setting("Torch threads on CPU. Default: one per physical core this process may "

@@ -245,6 +245,12 @@ class LLMEngine:
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
         check_token_ids(list(params.logit_bias or ()), vocab_size, "logit_bias")
         check_token_ids(list(params.allowed_token_ids or ()), vocab_size, "allowed_token_ids")
+        most = self.config.model.max_logprobs
+        most = vocab_size if most == -1 else most
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > most:
+                raise InvalidRequestError(f"{name} must be at most {most} (--max-logprobs), got {value}", param=name)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
         finals = []

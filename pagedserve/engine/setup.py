@@ -195,7 +195,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                                                           kernels_from_flags),
                         enforce_eager=args.enforce_eager,
                         reference_kernels=args.reference_kernels,
-                        default_sampling=_default_sampling(model_path, args))
+                        default_sampling=_default_sampling(model_path, args), max_logprobs=args.max_logprobs)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
                                 max_waiting_requests=args.max_waiting_requests)
@@ -237,6 +237,8 @@ def check_engine_args(args: EngineArgs) -> None:
     if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config, "generation_config.json").is_file():
         raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json there; give auto "
                          "(the model's), vllm (none) or a folder that holds one")
+    if args.max_logprobs < -1:
+        raise ValueError(f"--max-logprobs must be -1 (the vocabulary) or >= 0, got {args.max_logprobs}")
     if args.task not in ("auto", "generate", "embed"):
         raise ValueError(f"--task {args.task} is not supported; use auto, generate or embed")
     if args.runner not in RUNNER_TASKS:

@@ -114,10 +114,12 @@ def test_min_tokens_blocks_eos(llm):
 
 def test_invalid_parameters_raise(llm):
     for bad in (dict(temperature=-0.1), dict(top_p=1.5), dict(top_k=-3), dict(min_p=2.0),
-                dict(presence_penalty=3.0), dict(max_tokens=0), dict(logprobs=25), dict(n=0),
+                dict(presence_penalty=3.0), dict(max_tokens=0), dict(logprobs=-1), dict(n=0),
                 dict(repetition_penalty=0.0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    with pytest.raises(ValueError, match=r"logprobs must be at most 20 \(--max-logprobs\)"):  # the engine's cap
+        llm.generate(["Hi"], SamplingParams(logprobs=25))
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate([{"prompt_token_ids": [1] * 300}], SamplingParams())
     with pytest.raises(ValueError, match="out of range"):

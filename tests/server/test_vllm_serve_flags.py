@@ -59,7 +59,7 @@ def server(model_dir, tmp_path_factory, cert):
         "--chat-template", TEMPLATE, "--response-role", "bot", "--enable-request-id-headers",
         "--allowed-origins", json.dumps([ORIGIN]), "--disable-fastapi-docs", "--ssl-keyfile", key,
         "--ssl-certfile", crt, "--trust-remote-code", "--swap-space", "4", "--disable-log-requests",
-        "--enable-log-requests", "--max-log-len", "12", "--enable-prompt-tokens-details",
+        "--enable-log-requests", "--max-log-len", "12", "--enable-prompt-tokens-details", "--max-logprobs", "30",
         tmp_path_factory=tmp_path_factory, ca_file=crt, env={"PAGEDSERVE_LOG_STATS_INTERVAL": "0.2"})
 
 
@@ -250,3 +250,11 @@ def test_logprobs_can_name_tokens_by_id(http):
     content = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
     assert all(item["token"].startswith("token_id:") and item["top_logprobs"][0]["token"].startswith("token_id:")
                for item in content)
+
+
+def test_max_logprobs_raises_the_cap(http):
+    # tokens by id: the legacy format keys top_logprobs by token text, which two byte-level tokens can share
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "logprobs": 25, "return_tokens_as_token_ids": True}
+    top = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(len(step) >= 25 for step in top)
+    assert http.post("/v1/completions", json={**body, "logprobs": 31}).json()["error"]["param"] == "logprobs"

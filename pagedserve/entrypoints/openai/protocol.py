@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.exceptions import InvalidRequestError
-from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 
 
@@ -133,7 +133,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (etc.) before a text prompt
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs
     prompt_logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
@@ -151,7 +151,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
