@@ -26,10 +26,13 @@ _REFUSED: dict[str, Any] = {
 }
 _REFUSED_WHY = {"use_beam_search": "no beam search: sample n > 1 instead", "length_penalty": "it applies to beam search",
                 "priority": "requests are served first come, first served", "bad_words": "use logit_bias to ban tokens",
-                "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages"}
+                "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages",
+                "echo": "chat replies do not repeat the prompt; /v1/completions does",
+                "prompt_logprobs": "in chat; /v1/completions gives them"}
 # Fields OpenAI or vLLM define that change nothing pagedserve generates: taken without a word.
 _ACCEPTED_EXTRAS = frozenset({"store", "metadata", "service_tier", "prediction", "reasoning_effort"})
-_WARNED: set[str] = set()
+_WARNED: set[str] = set()  # unknown field names logged so far (at most _MAX_WARNED: clients choose the names)
+_MAX_WARNED = 64
 
 
 class StreamOptions(BaseModel):
@@ -82,7 +85,7 @@ class _SamplingFields(BaseModel):
                 why = _REFUSED_WHY.get(name, "leave it out")
                 raise InvalidRequestError(f"{name} is not supported by this server ({why})", param=name)
         for name in sorted(set(extra) - set(_REFUSED) - set(refused) - _ACCEPTED_EXTRAS):
-            if name not in _WARNED and not name.startswith("guided_"):
+            if name not in _WARNED and len(_WARNED) < _MAX_WARNED and not name.startswith("guided_"):
                 _WARNED.add(name)
                 logger.warning("request field %r is not one pagedserve knows; it is ignored (logged once)", name)
 
