@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -218,3 +219,15 @@ def test_logprobs_past_max_logprobs_are_a_400_naming_the_flag(client):
     with pytest.raises(openai.BadRequestError, match="at most 20"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                        logprobs=True, top_logprobs=25)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions",
+                                                               {"messages": [{"role": "user", "content": "Hi"}]})):
+        response = httpx.post(f"{server.url}{path}", json={"model": MODEL, "max_tokens": 5, "ignore_eos": True,
+                                                           "stream": True, "stream_options": options, **body})
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        counts = [c["usage"]["completion_tokens"] for c in chunks if c.get("choices") and "usage" in c]
+        assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 5, (path, counts)
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5

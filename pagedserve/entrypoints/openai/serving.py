@@ -311,11 +311,14 @@ class OpenAIServing:
                     logprobs, offsets[index] = self._completion_logprobs(
                         completion.token_ids, completion.logprobs, req.logprobs, offsets.get(index, 0),
                         self._as_ids(req))
-                yield _chunk({"id": request_id, "object": "text_completion", "created": created,
-                              "model": self.served_model_names[0],
-                              "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                           "finish_reason": completion.finish_reason,
-                                           "stop_reason": completion.stop_reason}]})
+                chunk = {"id": request_id, "object": "text_completion", "created": created,
+                         "model": self.served_model_names[0],
+                         "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                      "finish_reason": completion.finish_reason,
+                                      "stop_reason": completion.stop_reason}]}
+                if _continuous_usage(req):
+                    chunk["usage"] = self._usage(sum(len(p.token_ids) for p in prompts), num_completion, cached)
+                yield _chunk(chunk)
         if req.stream_options and req.stream_options.include_usage:
             num_prompt = sum(len(p.token_ids) for p in prompts)
             yield _chunk({"id": request_id, "object": "text_completion", "created": created,
@@ -437,9 +440,12 @@ class OpenAIServing:
                 finish_reason = completion.finish_reason
                 if finish_reason is not None:
                     finish_reason = chat_finish_reason(finish_reason, reader.num_calls > 0)
-                yield _chunk({**base, "choices": [{"index": completion.index, "delta": chat_delta(events),
-                                                   "logprobs": logprobs, "finish_reason": finish_reason,
-                                                   "stop_reason": completion.stop_reason}]})
+                chunk = {**base, "choices": [{"index": completion.index, "delta": chat_delta(events),
+                                              "logprobs": logprobs, "finish_reason": finish_reason,
+                                              "stop_reason": completion.stop_reason}]}
+                if _continuous_usage(req):
+                    chunk["usage"] = self._usage(len(prompt.token_ids), num_completion, cached)
+                yield _chunk(chunk)
         if req.stream_options and req.stream_options.include_usage:
             yield _chunk({**base, "choices": [], "usage": self._usage(len(prompt.token_ids), num_completion, cached)})
 
@@ -461,6 +467,12 @@ class OpenAIServing:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+def _continuous_usage(req: Any) -> bool:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): usage so far in every chunk."""
+    options = req.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)
+
+
 def _usage(num_prompt: int, num_completion: int) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
             "total_tokens": num_prompt + num_completion}
