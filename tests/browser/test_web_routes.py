@@ -42,6 +42,8 @@ def test_api_key_guards_the_api_not_the_page():
     assert app.get("/server_info").status_code == 401
     assert app.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 503  # still starting
     assert client(api_key="s3cret", enable_web_ui=False).get("/").status_code == 401
+    assert app.get("/ping").status_code == app.get("/health").status_code == 503  # health checks need no key
+    assert app.post("/invocations", json={"prompt": "x"}).status_code == 401
 
 
 @pytest.mark.parametrize("path", ["/llm/", "/llm"])

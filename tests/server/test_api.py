@@ -231,3 +231,18 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
         counts = [c["usage"]["completion_tokens"] for c in chunks if c.get("choices") and "usage" in c]
         assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 5, (path, counts)
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_sagemaker_ping_and_invocations(server):
+    assert httpx.get(f"{server.url}/ping").status_code == 200 and httpx.post(f"{server.url}/ping").status_code == 200
+    chat = httpx.post(f"{server.url}/invocations", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 2}).json()
+    assert chat["object"] == "chat.completion" and chat["model"] == MODEL
+    completion = httpx.post(f"{server.url}/invocations", json={"prompt": "Hi", "max_tokens": 2}).json()
+    assert completion["object"] == "text_completion"
+    embedding = httpx.post(f"{server.url}/invocations", json={"input": "Hi"})
+    assert embedding.status_code == 400 and "not embeddings" in embedding.json()["error"]["message"]
+    bad = httpx.post(f"{server.url}/invocations", json={"prompt": "Hi", "max_tokens": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    neither = httpx.post(f"{server.url}/invocations", json={"text": "Hi"})
+    assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]

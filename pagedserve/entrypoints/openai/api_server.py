@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
@@ -42,7 +44,7 @@ from pagedserve.memory.pressure import RETRY_AFTER_S, MemoryPressure, memory_pre
 
 logger = logging.getLogger("pagedserve.server")
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # /ping: SageMaker's health check
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # index.html, *.js, *.css: no build step
 WEB_ASSETS_PREFIX = "/web/"
 
@@ -225,6 +227,8 @@ class RequestIdMiddleware:
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
+    @app.get("/ping")  # SageMaker's health check (vLLM answers it too)
+    @app.post("/ping")
     async def health() -> JSONResponse:
         if state.engine is not None and state.engine.is_dead:
             return JSONResponse({"status": "error", "phase": "dead", "error": str(state.engine.error)}, 503)
@@ -286,6 +290,25 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Any:
         return await state.serving_for("embed", "/v1/embeddings", body.model).create_embedding(body, raw)
+
+    routes = {"messages": (ChatCompletionRequest, chat), "prompt": (CompletionRequest, completions),
+              "input": (EmbeddingRequest, embeddings)}
+
+    @app.post("/invocations")
+    async def invocations(raw: Request) -> Any:
+        """SageMaker's one endpoint (as vLLM's): `messages` is a chat request, `prompt` a completion, `input` an
+        embedding request."""
+        body = await raw.json()
+        kind = next((key for key in routes if isinstance(body, dict) and key in body), None)
+        if kind is None:
+            raise InvalidRequestError("/invocations takes a chat (messages), completion (prompt) or embedding "
+                                      "(input) request body")
+        request_class, handler = routes[kind]
+        try:
+            request = request_class.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        return await handler(request, raw)
 
 
 def _add_web_routes(app: FastAPI) -> None:
