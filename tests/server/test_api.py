@@ -246,3 +246,27 @@ def test_sagemaker_ping_and_invocations(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     neither = httpx.post(f"{server.url}/invocations", json={"text": "Hi"})
     assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
+
+
+def test_echo_with_logprobs_covers_the_prompt_as_lm_eval_reads_it(server):
+    """lm-evaluation-harness's loglikelihood: echo, logprobs 1, max_tokens 1; it sums token_logprobs over the
+    prompt's continuation tokens, so they must be there, the first one null, offsets over the echoed text."""
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 1, "logprobs": 1, "echo": True,
+            "temperature": 0}
+    prompt_ids = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": body["prompt"]}).json()["tokens"]
+    choice = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt_ids) + 1 and "".join(logprobs["tokens"]) == choice["text"]
+    assert logprobs["token_logprobs"][0] is None and all(lp <= 0 for lp in logprobs["token_logprobs"][1:])
+    assert logprobs["top_logprobs"][0] is None
+    assert logprobs["text_offset"] == [len("".join(logprobs["tokens"][:i])) for i in range(len(logprobs["tokens"]))]
+    # the prompt's logprobs are the model's: the same as prompt_logprobs gives them, and streamed the same
+    with_prompt = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": False, "prompt_logprobs": 1})
+    steps = with_prompt.json()["choices"][0]["prompt_logprobs"]
+    assert steps[0] is None and len(steps) == len(prompt_ids)
+    assert [steps[i][str(t)]["logprob"] for i, t in enumerate(prompt_ids) if i] == logprobs["token_logprobs"][1:-1]
+    streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    merged = {key: sum((c["choices"][0]["logprobs"][key] for c in chunks if c["choices"][0]["logprobs"]), [])
+              for key in ("tokens", "token_logprobs", "text_offset")}
+    assert merged == {key: logprobs[key] for key in merged}

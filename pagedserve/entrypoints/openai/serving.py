@@ -207,8 +207,9 @@ class OpenAIServing:
         if req.stream:
             return _sse(self._completion_stream(request_id, req, prompts, streams))
         cached: dict[int, int] = {}
-        finals = await _collect(streams, raw, len(prompts), cached)
-        return JSONResponse(self._completion_response(request_id, req, prompts, finals, cached))
+        prompt_lps: dict[int, list[LogprobsDict | None]] = {}
+        finals = await _collect(streams, raw, len(prompts), cached, prompt_lps)
+        return JSONResponse(self._completion_response(request_id, req, prompts, finals, cached, prompt_lps))
 
     def _params(self, req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                 ) -> SamplingParams:
@@ -250,7 +251,8 @@ class OpenAIServing:
                     params, ids, len(prompt.token_ids))
 
     def _completion_response(self, request_id: str, req: CompletionRequest, prompts: list[_Prompt],
-                             finals: dict[int, dict[int, _Choice]], cached: dict[int, int]) -> dict:
+                             finals: dict[int, dict[int, _Choice]], cached: dict[int, int],
+                             prompt_lps: dict[int, list[LogprobsDict | None]]) -> dict:
         choices = []
         num_completion = 0
         for prompt_index, prompt in enumerate(prompts):
@@ -259,16 +261,34 @@ class OpenAIServing:
                 text = choice.text
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs, _ = self._completion_logprobs(choice.token_ids, choice.logprobs, req.logprobs, 0,
-                                                            self._as_ids(req))
+                    logprobs, _ = self._choice_logprobs(req, prompt, prompt_lps.get(prompt_index, []),
+                                                        choice.token_ids, choice.logprobs)
                 if req.echo:
-                    text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)) + text
-                choices.append({"index": prompt_index * req.n + index, "text": text, "logprobs": logprobs,
-                                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+                    text = self._prompt_text(prompt) + text
+                body = {"index": prompt_index * req.n + index, "text": text, "logprobs": logprobs,
+                        "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+                if req.prompt_logprobs is not None:
+                    body["prompt_logprobs"] = prompt_logprobs_json(prompt_lps.get(prompt_index, []))
+                choices.append(body)
         num_prompt = sum(len(p.token_ids) for p in prompts)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.served_model_names[0], "choices": choices,
                 "usage": self._usage(num_prompt, num_completion, cached)}
+
+    def _prompt_text(self, prompt: _Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+
+    def _choice_logprobs(self, req: CompletionRequest, prompt: _Prompt, prompt_lps: list[LogprobsDict | None],
+                         token_ids: list[int], logprobs: list[LogprobsDict]) -> tuple[dict, int]:
+        """A choice's legacy logprobs, and the text offset after them; with echo, the prompt's tokens come first
+        (the first one has no logprob), as OpenAI's API and vLLM give them, and text offsets run over the whole
+        echoed text (what lm-evaluation-harness reads for loglikelihoods)."""
+        as_ids = self._as_ids(req)
+        if not req.echo:
+            return self._completion_logprobs(token_ids, logprobs, req.logprobs, 0, as_ids)
+        echoed, offset = self._completion_logprobs(prompt.token_ids, prompt_lps, req.logprobs, 0, as_ids)
+        generated, offset = self._completion_logprobs(token_ids, logprobs, req.logprobs, offset, as_ids)
+        return {key: echoed[key] + generated[key] for key in echoed}, offset
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[LogprobsDict], num_top: int,
                              offset: int, as_ids: bool = False) -> tuple[dict, int]:
@@ -294,28 +314,37 @@ class OpenAIServing:
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
         cached: dict[int, int] = {}
+        prompt_lps: dict[int, list[LogprobsDict | None]] = {}
         async for prompt_index, output in streams:
             cached[prompt_index] = output.num_cached_tokens
+            prompt_lps.setdefault(prompt_index, []).extend(output.prompt_logprobs or [])
             for completion in output.outputs:
                 index = prompt_index * req.n + completion.index
                 text = completion.text
-                if req.echo and index not in echoed:
-                    echoed.add(index)
-                    prompt = prompts[prompt_index]
-                    text = (prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)) + text
                 num_completion += len(completion.token_ids)
                 if not completion.token_ids and not completion.finish_reason and not text:
-                    continue
+                    continue  # (a prompt's logprobs arrive before its first token: the echo waits for them)
                 logprobs = None
+                echo = req.echo and index not in echoed
+                if echo:
+                    echoed.add(index)
+                    text = self._prompt_text(prompts[prompt_index]) + text
                 if req.logprobs is not None and completion.logprobs is not None:
-                    logprobs, offsets[index] = self._completion_logprobs(
-                        completion.token_ids, completion.logprobs, req.logprobs, offsets.get(index, 0),
-                        self._as_ids(req))
+                    if echo:
+                        logprobs, offsets[index] = self._choice_logprobs(
+                            req, prompts[prompt_index], prompt_lps[prompt_index], completion.token_ids,
+                            completion.logprobs)
+                    else:
+                        logprobs, offsets[index] = self._completion_logprobs(
+                            completion.token_ids, completion.logprobs, req.logprobs, offsets.get(index, 0),
+                            self._as_ids(req))
                 chunk = {"id": request_id, "object": "text_completion", "created": created,
                          "model": self.served_model_names[0],
                          "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                       "finish_reason": completion.finish_reason,
                                       "stop_reason": completion.stop_reason}]}
+                if echo and req.prompt_logprobs is not None:
+                    chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[prompt_index])
                 if _continuous_usage(req):
                     chunk["usage"] = self._usage(sum(len(p.token_ids) for p in prompts), num_completion, cached)
                 yield _chunk(chunk)
@@ -467,6 +496,13 @@ class OpenAIServing:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+def prompt_logprobs_json(steps: list[LogprobsDict | None]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token (the first has none), {token id: {logprob, rank, decoded_token}}."""
+    return [None if step is None else {str(token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                                       "decoded_token": lp.decoded_token}
+                                       for token_id, lp in step.items()} for step in steps]
+
+
 def _continuous_usage(req: Any) -> bool:
     """vLLM's stream_options.continuous_usage_stats (with include_usage): usage so far in every chunk."""
     options = req.stream_options
@@ -530,15 +566,18 @@ async def _merge(generators: list[AsyncIterator[RequestOutput]]) -> AsyncIterato
 
 
 async def _collect(streams: AsyncIterator[tuple[int, RequestOutput]], raw: Request, num_prompts: int,
-                   cached: dict[int, int] | None = None) -> dict[int, dict[int, _Choice]]:
-    """Accumulate DELTA outputs into whole choices (and each prompt's cached tokens into `cached`); abort if the
-    client goes away meanwhile."""
+                   cached: dict[int, int] | None = None,
+                   prompt_logprobs: dict[int, list[LogprobsDict | None]] | None = None) -> dict[int, dict[int, _Choice]]:
+    """Accumulate DELTA outputs into whole choices (each prompt's cached tokens into `cached`, its prompt
+    logprobs into `prompt_logprobs`); abort if the client goes away meanwhile."""
     choices: dict[int, dict[int, _Choice]] = {i: {} for i in range(num_prompts)}
     cached = {} if cached is None else cached
+    prompt_logprobs = {} if prompt_logprobs is None else prompt_logprobs
 
     async def consume() -> None:
         async for prompt_index, output in streams:
             cached[prompt_index] = output.num_cached_tokens
+            prompt_logprobs.setdefault(prompt_index, []).extend(output.prompt_logprobs or [])
             for completion in output.outputs:
                 _accumulate(choices[prompt_index].setdefault(completion.index, _Choice()), completion)
 
