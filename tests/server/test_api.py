@@ -270,3 +270,14 @@ def test_echo_with_logprobs_covers_the_prompt_as_lm_eval_reads_it(server):
     merged = {key: sum((c["choices"][0]["logprobs"][key] for c in chunks if c["choices"][0]["logprobs"]), [])
               for key in ("tokens", "token_logprobs", "text_offset")}
     assert merged == {key: logprobs[key] for key in merged}
+
+
+def test_chat_prompt_logprobs_cover_the_rendered_prompt(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 2, "prompt_logprobs": 2}
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=body).json()
+    rendered = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": body["messages"]}).json()["tokens"]
+    steps = reply["prompt_logprobs"]
+    assert steps[0] is None and len(steps) == len(rendered) == reply["usage"]["prompt_tokens"]
+    assert all(str(token) in step and len(step) >= 2 for token, step in zip(rendered[1:], steps[1:]))
+    streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"

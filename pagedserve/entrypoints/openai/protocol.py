@@ -27,8 +27,7 @@ _REFUSED: dict[str, Any] = {
 _REFUSED_WHY = {"use_beam_search": "no beam search: sample n > 1 instead", "length_penalty": "it applies to beam search",
                 "priority": "requests are served first come, first served", "bad_words": "use logit_bias to ban tokens",
                 "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages",
-                "echo": "chat replies do not repeat the prompt; /v1/completions does",
-                "prompt_logprobs": "in chat; /v1/completions gives them"}
+                "echo": "chat replies do not repeat the prompt; /v1/completions does"}
 # Fields OpenAI or vLLM define that change nothing pagedserve generates: taken without a word.
 _ACCEPTED_EXTRAS = frozenset({"store", "metadata", "service_tier", "prediction", "reasoning_effort"})
 _WARNED: set[str] = set()  # unknown field names logged so far (at most _MAX_WARNED: clients choose the names)
@@ -163,6 +162,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # vLLM's: the template already writes BOS; True adds the tokenizer's too
+    prompt_logprobs: int | None = None  # vLLM's: the rendered prompt's logprobs, in the (non-streamed) response
 
 
 class TokenizeRequest(BaseModel):

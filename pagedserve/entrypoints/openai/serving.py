@@ -363,7 +363,10 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        req.check_fields({"echo": (None, False), "prompt_logprobs": None})
+        req.check_fields({"echo": (None, False)})
+        if req.prompt_logprobs is not None and req.stream:
+            raise InvalidRequestError("prompt_logprobs are given in a chat response that is not streamed; set "
+                                      "stream to false", param="prompt_logprobs")
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ()))
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)",
@@ -407,7 +410,7 @@ class OpenAIServing:
         max_tokens = self._max_tokens(prompt, getattr(req, param), param)
         self._check_limits(req, [prompt], [max_tokens])
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._params(req, max_tokens, logprobs)
+        params = self._params(req, max_tokens, logprobs, req.prompt_logprobs)
         if tool_choice is not None and tool_choice.grammar is not None:
             if params.structured_outputs is not None:
                 raise InvalidRequestError(f"tool_choice {tool_choice.mode!r} is enforced by a grammar, which cannot be "
@@ -422,7 +425,8 @@ class OpenAIServing:
         if req.stream:
             return _sse(self._chat_stream(request_id, req, prompt, streams, tool_choice))
         cached: dict[int, int] = {}
-        finals = await _collect(streams, raw, 1, cached)
+        prompt_lps: dict[int, list[LogprobsDict | None]] = {}
+        finals = await _collect(streams, raw, 1, cached, prompt_lps)
         choices = []
         for index, choice in sorted(finals[0].items()):
             read = read_all(make_reader(tool_choice, self.tool_call_parser), choice.text)
@@ -435,9 +439,12 @@ class OpenAIServing:
                             "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls)),
                             "stop_reason": choice.stop_reason})
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
-        return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": self.served_model_names[0], "choices": choices,
-                             "usage": self._usage(len(prompt_ids), num_completion, cached)})
+        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.served_model_names[0], "choices": choices,
+                "usage": self._usage(len(prompt_ids), num_completion, cached)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(prompt_lps.get(0, []))
+        return JSONResponse(body)
 
     async def _chat_stream(self, request_id: str, req: ChatCompletionRequest, prompt: _Prompt,
                            streams: AsyncIterator[tuple[int, RequestOutput]], tool_choice: ToolChoice | None = None
