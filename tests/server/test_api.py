@@ -281,3 +281,18 @@ def test_chat_prompt_logprobs_cover_the_rendered_prompt(server):
     assert all(str(token) in step and len(step) >= 2 for token, step in zip(rendered[1:], steps[1:]))
     streamed = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": True})
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_only(server):
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 0, "logprobs": 1, "echo": True}
+    prompt_ids = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": body["prompt"]}).json()["tokens"]
+    reply = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    choice = reply["choices"][0]
+    assert choice["text"] == body["prompt"] and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(prompt_ids) and choice["logprobs"]["token_logprobs"][0] is None
+    assert reply["usage"]["completion_tokens"] == 0
+    streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == body["prompt"]
+    without_echo = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": False})
+    assert without_echo.status_code == 400 and without_echo.json()["error"]["param"] == "max_tokens"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -196,7 +197,9 @@ class OpenAIServing:
         req.check_fields({})
         prompts = await self._completion_prompts(req.prompt, req.add_special_tokens)
         prompts = [self._truncate(p, req.truncate_prompt_tokens) for p in prompts]
-        max_tokens = [self._max_tokens(prompt, req.max_tokens) for prompt in prompts]
+        # echo with max_tokens 0 (vLLM's): the prompt alone, with its logprobs; one token is generated and dropped
+        prompt_only = req.echo and req.max_tokens == 0
+        max_tokens = [self._max_tokens(prompt, 1 if prompt_only else req.max_tokens) for prompt in prompts]
         self._check_limits(req, prompts, max_tokens)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
         params_list = [self._params(req, m, req.logprobs, prompt_logprobs) for m in max_tokens]
@@ -204,6 +207,8 @@ class OpenAIServing:
         await self._compile_grammars(params_list)
         request_id = self._request_id("cmpl", req)
         streams = self._start(request_id, prompts, params_list)
+        if prompt_only:
+            streams = _without_generated(streams)
         if req.stream:
             return _sse(self._completion_stream(request_id, req, prompts, streams))
         cached: dict[int, int] = {}
@@ -503,6 +508,19 @@ class OpenAIServing:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+async def _without_generated(streams: AsyncIterator[tuple[int, RequestOutput]]
+                             ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs with their generated tokens dropped (echo with max_tokens 0): prompt logprobs and the finish
+    ("length") remain."""
+    try:
+        async for prompt_index, output in streams:
+            outputs = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                           cumulative_logprob=None) for c in output.outputs]
+            yield prompt_index, dataclasses.replace(output, outputs=outputs)
+    finally:
+        await streams.aclose()  # a client gone: its requests are aborted through the streams
+
+
 def prompt_logprobs_json(steps: list[LogprobsDict | None]) -> list[dict | None]:
     """vLLM's prompt_logprobs: per prompt token (the first has none), {token id: {logprob, rank, decoded_token}}."""
     return [None if step is None else {str(token_id): {"logprob": lp.logprob, "rank": lp.rank,
