@@ -15,6 +15,7 @@ SUBCOMMANDS = [
     "serve",
     "plan",
     "generate",
+    "run_batch",
     "bench",
     "doctor",
     "watch",

@@ -1,0 +1,155 @@
+"""`pagedserve run-batch -i INPUT.jsonl -o OUTPUT.jsonl [MODEL] [serve flags]`: a file of OpenAI Batch API
+requests run through the server's own routes, in-process (vLLM's `vllm run-batch`).
+
+Each input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
+"/v1/embeddings", "body": {...}}; each output line, in input order, is {"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error"}: the body the server would have answered, errors included (a
+line that is not a request gets status 400 and an `error`). The requests go to the app through httpx's ASGI
+transport, so a batch gets exactly what the HTTP API gives, with every request in one continuous batch (at most
+--max-concurrency in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import threading
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from pagedserve.cli.common import USER_FACING_ERRORS, apply_thread_args, engine_args_from_cli, fail, setup_logging
+
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from pagedserve.cli.serve import add_serve_flags
+
+    parser = subparsers.add_parser(
+        "run-batch", help="Run a file of OpenAI Batch API requests (vLLM's run-batch).",
+        description="Run a JSONL file of OpenAI Batch API requests (chat, completions, embeddings) through the "
+                    "server's routes in-process and write one response line per request, in input order. "
+                    "Takes serve's flags for the model and engine.")
+    parser.add_argument("-i", "--input-file", required=True, help="JSONL requests ('-' for standard input).")
+    parser.add_argument("-o", "--output-file", required=True, help="JSONL responses ('-' for standard output).")
+    parser.add_argument("--max-concurrency", type=int, default=256, help="Requests in flight at once (default 256).")
+    add_serve_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def parse_line(number: int, text: str) -> dict:
+    """One input line as a request; ValueError naming the line and what is wrong."""
+    try:
+        request = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"line {number}: not JSON ({exc})") from None
+    if not isinstance(request, dict):
+        raise ValueError(f"line {number}: not a JSON object")
+    if request.get("method", "POST") != "POST":
+        raise ValueError(f"line {number}: method must be POST, got {request.get('method')!r}")
+    if request.get("url") not in URLS:
+        raise ValueError(f"line {number}: url must be one of {', '.join(URLS)}, got {request.get('url')!r}")
+    if not isinstance(request.get("body"), dict):
+        raise ValueError(f"line {number}: body must be a JSON object")
+    if request["body"].get("stream"):
+        raise ValueError(f"line {number}: stream is not available in a batch")
+    return request
+
+
+def _custom_id(text: str) -> Any:
+    """A line's custom_id where it is a JSON object that has one, even if it is not a valid request."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value.get("custom_id") if isinstance(value, dict) else None
+
+
+def output_line(custom_id: Any, status: int, body: Any, error: str | None = None) -> dict:
+    return {"id": f"batch-{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": f"batch-req-{uuid.uuid4().hex}", "body": body},
+            "error": None if error is None else {"message": error}}
+
+
+async def run_lines(app: Any, lines: list[str], max_concurrency: int) -> list[dict]:
+    """Every line through `app`, at most `max_concurrency` at a time; the output lines in input order."""
+    import httpx
+
+    gate = asyncio.Semaphore(max(1, max_concurrency))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
+        async def one(number: int, text: str) -> dict:
+            try:
+                request = parse_line(number, text)
+            except ValueError as exc:
+                return output_line(_custom_id(text), 400, None, str(exc))
+            custom_id = request.get("custom_id")
+            async with gate:
+                response = await client.post(request["url"], json=request["body"])
+            body = response.json()
+            error = body.get("error", {}).get("message") if response.status_code >= 400 else None
+            return output_line(custom_id, response.status_code, body, error)
+
+        return list(await asyncio.gather(*(one(i + 1, line) for i, line in enumerate(lines))))
+
+
+def run(args: argparse.Namespace) -> int:
+    apply_thread_args(args)
+    setup_logging()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    from pagedserve.engine import vllm_compat
+    from pagedserve.engine.arg_utils import RequestLimits
+    from pagedserve.engine.setup import check_engine_args
+    from pagedserve.engine.startup import StartupTracker
+    from pagedserve.entrypoints.openai.api_server import ServerState, build_app, start_engine
+    from pagedserve.entrypoints.openai.options import ServeOptions
+
+    try:
+        vllm_compat.check(vars(args))
+        engine_args = engine_args_from_cli(args)
+        check_engine_args(engine_args)
+        options = ServeOptions.from_cli_args(args, limits=RequestLimits.from_cli_args(args))
+        options = replace(options, api_key=None, disable_log_stats=True)  # in-process: no key, no stats line
+        options.check()
+        source = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
+        with source:
+            lines = [line for line in source.read().splitlines() if line.strip()]
+    except (ValueError, OSError) as exc:
+        return fail(str(exc))
+    state = ServerState(StartupTracker())
+    started = threading.Event()
+    failure: list[BaseException] = []
+
+    def load_and_run() -> None:  # the engine's loop runs on the thread that built and warmed it up
+        try:
+            start_engine(state, engine_args, options)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failure.append(exc)
+            return
+        finally:
+            started.set()
+        state.engine.run_in_this_thread()
+
+    threading.Thread(target=load_and_run, name="pagedserve-engine", daemon=True).start()
+    started.wait()
+    if failure:
+        if isinstance(failure[0], (ValueError, *USER_FACING_ERRORS)):
+            return fail(str(failure[0]))
+        raise failure[0]
+    try:
+        results = asyncio.run(run_lines(build_app(state, options), lines, args.max_concurrency))
+    finally:
+        state.engine.shutdown()
+    text = "".join(json.dumps(result, ensure_ascii=False) + "\n" for result in results)
+    if args.output_file == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.output_file, "w", encoding="utf-8") as out:
+            out.write(text)
+    failed = sum(1 for result in results if result["error"] is not None)
+    print(f"run-batch: {len(results)} requests, {failed} failed", file=sys.stderr)
+    return 0
