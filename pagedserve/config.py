@@ -67,6 +67,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     max_waiting_requests: int = 1024  # the server answers 429 past this
+    policy: str = "fcfs"  # "fcfs" | "priority": lower `priority` first, then arrival (vLLM's --scheduling-policy)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Prefix-cache isolation (vLLM's cache_salt): blocks are reused only between requests with the same salt.
     cache_salt: str | None = None
+    # With --scheduling-policy priority: lower values are scheduled first (and preempted last); vLLM's.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,7 +77,7 @@ class SamplingParams:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and math.isfinite(value), name,
                    f"must be a finite number, got {value!r}")
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed", "priority"):
             value = getattr(self, name)
             if value is not None:
                 _check(isinstance(value, int) and MIN_INT64 <= value <= MAX_INT64, name,

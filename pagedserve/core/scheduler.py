@@ -59,7 +59,20 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _order(self, request: Request) -> tuple[int, float]:
+        """Where a request stands in --scheduling-policy priority: lower priority value first, then arrival."""
+        return request.sampling_params.priority, request.arrival_time
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into `waiting`: at the back (fcfs; a preempted request at the front), or in priority order."""
+        if self.config.policy != "priority":
+            self.waiting.appendleft(request) if front else self.waiting.append(request)
+            return
+        key = self._order(request)
+        position = next((i for i, other in enumerate(self.waiting) if self._order(other) > key), len(self.waiting))
+        self.waiting.insert(position, request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string); unknown ids are ignored."""
@@ -112,6 +125,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.config.policy == "priority":  # highest priority first, so the tail (victims) is the lowest
+            self.running.sort(key=self._order)
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids and not self.hold_waiting:
             self._schedule_waiting(out, budget)
@@ -195,8 +210,9 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self._step_preemptions += 1
-        self.waiting.appendleft(request)
-        # Victims come from the tail of `running`, which this step has not reached yet.
+        self._enqueue(request, front=True)
+        # Victims come from the tail of `running`, which this step has not reached yet (in priority order when
+        # the policy is priority: schedule() sorts it, so the lowest priority is preempted first).
         out.preempted_request_ids.append(request.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:

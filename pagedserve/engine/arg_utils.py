@@ -141,6 +141,9 @@ class EngineArgs(FlagArgs):
     runner: str = setting("auto, generate or pooling (vLLM's name; pooling = --task embed).", default="auto")
     max_waiting_requests: int = setting("Queue bound; the server answers 429 beyond it.",
                                      default=SchedulerConfig.max_waiting_requests)
+    scheduling_policy: str = setting("fcfs (first come, first served) or priority: requests with a lower "
+                                     "`priority` field are scheduled first and preempted last, ties by arrival "
+                                     "(vLLM's).", default=SchedulerConfig.policy, choices=("fcfs", "priority"))
     structured_outputs_config: str | None = setting(
         "Structured outputs, as JSON (vLLM's flag): {\"backend\": \"xgrammar\"} (the one backend; \"auto\" "
         "means it), \"disable_any_whitespace\": true for compact JSON, \"compile_timeout_s\": seconds before a "

@@ -198,7 +198,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                         default_sampling=_default_sampling(model_path, args), max_logprobs=args.max_logprobs)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
-                                max_waiting_requests=args.max_waiting_requests)
+                                max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy)
     speculative = _speculative_config(args, task)
     draft = (_draft_model(speculative, model, args, device, kernels_from_flags) if speculative is not None
              else None)

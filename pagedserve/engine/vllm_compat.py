@@ -80,8 +80,6 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
                   allowed=("auto", "safetensors", "gguf")),
     CompatSetting(("--config-format",), ONLY, "the model's config is read from config.json (or the GGUF's "
                   "metadata)", allowed=("auto", "hf")),
-    CompatSetting(("--scheduling-policy",), ONLY, "requests are scheduled first come, first served",
-                  allowed=("fcfs",)),
     CompatSetting(("--guided-decoding-backend",), ONLY, "structured outputs run on xgrammar "
                   "(--structured-outputs-config for its settings)", allowed=("auto", "xgrammar")),
     # unsupported

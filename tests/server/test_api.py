@@ -21,6 +21,7 @@ ALIAS = "tiny-alias"  # a second --served-model-name: requests may use it, repli
 def server(tiny_model_dir, tmp_path_factory):
     yield from module_server(tiny_model_dir("llama"), "--served-model-name", MODEL, ALIAS, "--max-model-len", "256",
                              "--dtype", "float32", "--max-waiting-requests", "64", "--disable-log-stats",
+                             "--scheduling-policy", "priority",
                              tmp_path_factory=tmp_path_factory, env={"PAGEDSERVE_LOG_STATS_INTERVAL": "0.1"})
 
 
@@ -296,3 +297,9 @@ def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_only(server):
     assert "".join(c["choices"][0]["text"] for c in chunks) == body["prompt"]
     without_echo = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": False})
     assert without_echo.status_code == 400 and without_echo.json()["error"]["param"] == "max_tokens"
+
+
+def test_priority_is_taken_where_the_policy_is_priority(client):
+    """(Scheduling order itself: tests/unit/test_scheduler.py; a fcfs server refuses a priority: the flags test.)"""
+    reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": -5})
+    assert reply.usage.completion_tokens == 2

@@ -11,7 +11,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 
 CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
 # EngineArgs field -> the config field it becomes, where the names differ.
-RENAMED = {"tp_all_reduce": "all_reduce"}
+RENAMED = {"tp_all_reduce": "all_reduce", "scheduling_policy": "policy"}
 # EngineArgs says None / "auto" and engine/setup.py resolves it; the configs hold only resolved values.
 RESOLVED_AT_SET_UP = {
     "max_num_batched_tokens": "SchedulerConfig's default (at least max_model_len without chunked prefill)",

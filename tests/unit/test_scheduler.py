@@ -324,3 +324,38 @@ def test_sampling_params_validation():
         SamplingParams(n=0)
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+def test_priority_policy_schedules_lower_values_first_and_preempts_the_lowest_priority():
+    kv = KVCacheManager(6, BS, enable_caching=False)
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256, max_model_len=256, policy="priority")
+    sched = Scheduler(config, kv)
+    for rid, priority in (("late-low", 5), ("mid", 1), ("urgent", 0)):
+        sched.add_request(make_request(rid, range(10), priority=priority))
+    assert [r.request_id for r in sched.waiting] == ["urgent", "mid", "late-low"]
+    out = sched.schedule()
+    assert [n.request_id for n in out.new_requests] == ["urgent"]  # one seat: the lowest value takes it
+    # Preemption takes the lowest priority running request, not the newest: 6 blocks of 4 tokens hold both
+    # 8-token prompts, not both grown to 24 tokens.
+    kv = KVCacheManager(6, BS, enable_caching=False)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, policy="priority")
+    sched = Scheduler(config, kv)
+    sched.add_request(make_request("low", range(8), max_tokens=16, priority=9))
+    out = sched.schedule()  # "low" runs first, alone; "high" arrives after it (the newest: fcfs's victim)
+    sched.update_from_output(out, fake_runner(out))
+    sched.add_request(make_request("high", range(8), max_tokens=16, priority=0))
+    preempted = []
+    for _ in range(30):
+        out = sched.schedule()
+        preempted += out.preempted_request_ids
+        if preempted:
+            break
+        sched.update_from_output(out, fake_runner(out))
+    assert preempted == ["low"]
+
+
+def test_fcfs_keeps_arrival_order_whatever_the_priority():
+    sched = make_scheduler(max_num_seqs=1)
+    for rid, priority in (("first", 5), ("second", 0)):
+        sched.add_request(make_request(rid, range(10), priority=priority))
+    assert [n.request_id for n in sched.schedule().new_requests] == ["first"]

@@ -19,13 +19,13 @@ logger = logging.getLogger(__name__)
 # Fields OpenAI or vLLM define that pagedserve does not honour -> their value with no effect (None: left out; a
 # tuple: any of those). A request that sets another value gets a 400 naming the field, never output that ignores it.
 _REFUSED: dict[str, Any] = {
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "priority": (None, 0),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0),
     "bad_words": (None, []), "logits_processors": None,
     "mm_processor_kwargs": None, "kv_transfer_params": None, "vllm_xargs": None, "audio": None,
     "modalities": (None, ["text"]), "web_search_options": None, "documents": None,
 }
 _REFUSED_WHY = {"use_beam_search": "no beam search: sample n > 1 instead", "length_penalty": "it applies to beam search",
-                "priority": "requests are served first come, first served", "bad_words": "use logit_bias to ban tokens",
+                "bad_words": "use logit_bias to ban tokens",
                 "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages",
                 "echo": "chat replies do not repeat the prompt; /v1/completions does"}
 # Fields OpenAI or vLLM define that change nothing pagedserve generates: taken without a word.
@@ -72,6 +72,7 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens (-1: max_model_len)
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with the same salt
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N" (None: the server's)
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is served first
 
     def check_fields(self, refused: dict[str, Any]) -> None:
         """A 400 naming a field OpenAI or vLLM define that pagedserve does not honour, where the request sets it
@@ -127,7 +128,8 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_params(), allowed_token_ids=self.allowed_token_ids,
-            cache_salt=self.cache_salt, spaces_between_special_tokens=self.spaces_between_special_tokens)
+            cache_salt=self.cache_salt, spaces_between_special_tokens=self.spaces_between_special_tokens,
+            priority=self.priority)
 
 
 class CompletionRequest(_SamplingFields):
