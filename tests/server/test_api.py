@@ -253,7 +253,7 @@ def test_echo_with_logprobs_covers_the_prompt_as_lm_eval_reads_it(server):
     """lm-evaluation-harness's loglikelihood: echo, logprobs 1, max_tokens 1; it sums token_logprobs over the
     prompt's continuation tokens, so they must be there, the first one null, offsets over the echoed text."""
     body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 1, "logprobs": 1, "echo": True,
-            "temperature": 0}
+            "temperature": 0, "ignore_eos": True}
     prompt_ids = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": body["prompt"]}).json()["tokens"]
     choice = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
     logprobs = choice["logprobs"]
@@ -301,5 +301,5 @@ def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_only(server):
 
 def test_priority_is_taken_where_the_policy_is_priority(client):
     """(Scheduling order itself: tests/unit/test_scheduler.py; a fcfs server refuses a priority: the flags test.)"""
-    reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": -5})
+    reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": -5, "ignore_eos": True})
     assert reply.usage.completion_tokens == 2
