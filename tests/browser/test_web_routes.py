@@ -61,3 +61,13 @@ def test_root_path_stripped_by_the_proxy():
     app = client(root_path="/llm")
     assert '<base href="/llm/">' in app.get("/").text
     assert app.get("/web/app.js").status_code == 200
+
+
+def test_health_never_says_ready_with_a_503():
+    """The engine enters "ready" a moment before the serving layer exists: /health says warming_up until then
+    (a client polling it saw 503 "ready" once in CI)."""
+    state = ServerState(StartupTracker())
+    for phase in ("starting", "warming_up", "ready"):
+        state.startup.enter(phase)
+    body = TestClient(build_app(state)).get("/health")
+    assert body.status_code == 503 and body.json()["phase"] == "warming_up" and body.json()["status"] == "starting"

@@ -234,7 +234,11 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "error", "phase": "dead", "error": str(state.engine.error)}, 503)
         snap = state.startup.snapshot()
         snap.update(state.memory_report())
-        return JSONResponse(snap, status_code=200 if snap["status"] == "ready" and state.serving else 503)
+        if snap["status"] == "ready" and state.serving is None:
+            # The engine is ready; the serving layer is still being set up (metrics, its tokenizer pool warmed):
+            # still warming up, so a 503 never says "ready".
+            snap.update(status="starting", phase="warming_up")
+        return JSONResponse(snap, status_code=200 if snap["status"] == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
