@@ -61,9 +61,8 @@ class KVCacheManager:
         """Extend request.block_hashes to cover every full block of its known tokens (incremental)."""
         bs = self.block_size
         hashes = request.block_hashes
-        salt = salt_hash(request.sampling_params.cache_salt)
         for start in range(len(hashes) * bs, request.num_tokens - bs + 1, bs):
-            parent = hashes[-1] if hashes else salt
+            parent = hashes[-1] if hashes else salt_hash(request.sampling_params.cache_salt)  # the first block's
             hashes.append(hash_block_tokens(parent, tuple(request.all_token_ids[start:start + bs])))
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
