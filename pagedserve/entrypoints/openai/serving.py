@@ -46,6 +46,23 @@ class _Prompt:
 
 
 @dataclass
+class _PromptTally:
+    """Per prompt of a request, from its outputs: the prompt tokens the prefix cache served and the prompt's
+    logprobs (they arrive as deltas, before its first generated token)."""
+
+    cached: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, list[LogprobsDict | None]] = field(default_factory=dict)
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        self.cached[prompt_index] = output.num_cached_tokens
+        self.logprobs.setdefault(prompt_index, []).extend(output.prompt_logprobs or [])
+
+    @property
+    def num_cached(self) -> int:
+        return sum(self.cached.values())
+
+
+@dataclass
 class _Choice:
     """A completion being accumulated from DELTA outputs."""
 
@@ -62,13 +79,8 @@ class OpenAIServing:
         options = options or ServeOptions()
         self.engine = engine
         self.tool_call_parser = options.active_tool_call_parser  # --enable-auto-tool-choice --tool-call-parser
-        self.content_format = options.chat_template_content_format
-        self.response_role = options.response_role
+        self.options = options
         self.default_sampling = engine.engine.config.model.default_sampling  # --generation-config
-        self.log_requests = options.enable_log_requests
-        self.prompt_tokens_details = options.enable_prompt_tokens_details
-        self.tokens_as_ids = options.return_tokens_as_token_ids
-        self.max_log_len = options.max_log_len
         self.tokenizer = engine.engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
@@ -211,10 +223,9 @@ class OpenAIServing:
             streams = _without_generated(streams)
         if req.stream:
             return _sse(self._completion_stream(request_id, req, prompts, streams))
-        cached: dict[int, int] = {}
-        prompt_lps: dict[int, list[LogprobsDict | None]] = {}
-        finals = await _collect(streams, raw, len(prompts), cached, prompt_lps)
-        return JSONResponse(self._completion_response(request_id, req, prompts, finals, cached, prompt_lps))
+        tally = _PromptTally()
+        finals = await _collect(streams, raw, len(prompts), tally)
+        return JSONResponse(self._completion_response(request_id, req, prompts, finals, tally))
 
     def _params(self, req: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                 ) -> SamplingParams:
@@ -225,7 +236,7 @@ class OpenAIServing:
     def _start(self, request_id: str, prompts: list[_Prompt], params_list: list[SamplingParams]
                ) -> AsyncIterator[tuple[int, RequestOutput]]:
         arrival = time.monotonic()
-        if self.log_requests:
+        if self.options.enable_log_requests:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 self._log_request(f"{request_id}-{i}", prompt, params)
         generators = [self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
@@ -237,27 +248,26 @@ class OpenAIServing:
         """Logprobs' tokens as "token_id:N" (vLLM's return_tokens_as_token_ids: the request's, else the server's
         --return-tokens-as-token-ids), for clients that need the exact ids (text can merge or split tokens)."""
         asked = req.return_tokens_as_token_ids
-        return self.tokens_as_ids if asked is None else asked
+        return self.options.return_tokens_as_token_ids if asked is None else asked
 
-    def _usage(self, num_prompt: int, num_completion: int, cached: dict[int, int]) -> dict:
-        """OpenAI's usage; with --enable-prompt-tokens-details, the prompt tokens the prefix cache served
-        (`cached`: per prompt, from its outputs' num_cached_tokens), where there were any."""
+    def _usage(self, num_prompt: int, num_completion: int, tally: _PromptTally) -> dict:
+        """OpenAI's usage; with --enable-prompt-tokens-details, the prompt tokens the prefix cache served, where
+        there were any."""
         usage = _usage(num_prompt, num_completion)
-        if self.prompt_tokens_details and sum(cached.values()):
-            usage["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+        if self.options.enable_prompt_tokens_details and tally.num_cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": tally.num_cached}
         return usage
 
     def _log_request(self, request_id: str, prompt: _Prompt, params: SamplingParams) -> None:
         """--enable-log-requests (vLLM's line), prompt text and token ids cut to --max-log-len."""
-        limit = self.max_log_len
+        limit = self.options.max_log_len
         text = prompt.text if prompt.text is None or limit is None else prompt.text[:limit]
         ids = prompt.token_ids if limit is None else prompt.token_ids[:limit]
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens)", request_id, text,
                     params, ids, len(prompt.token_ids))
 
     def _completion_response(self, request_id: str, req: CompletionRequest, prompts: list[_Prompt],
-                             finals: dict[int, dict[int, _Choice]], cached: dict[int, int],
-                             prompt_lps: dict[int, list[LogprobsDict | None]]) -> dict:
+                             finals: dict[int, dict[int, _Choice]], tally: _PromptTally) -> dict:
         choices = []
         num_completion = 0
         for prompt_index, prompt in enumerate(prompts):
@@ -266,19 +276,19 @@ class OpenAIServing:
                 text = choice.text
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs, _ = self._choice_logprobs(req, prompt, prompt_lps.get(prompt_index, []),
+                    logprobs, _ = self._choice_logprobs(req, prompt, tally.logprobs.get(prompt_index, []),
                                                         choice.token_ids, choice.logprobs)
                 if req.echo:
                     text = self._prompt_text(prompt) + text
                 body = {"index": prompt_index * req.n + index, "text": text, "logprobs": logprobs,
                         "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
                 if req.prompt_logprobs is not None:
-                    body["prompt_logprobs"] = prompt_logprobs_json(prompt_lps.get(prompt_index, []))
+                    body["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs.get(prompt_index, []))
                 choices.append(body)
         num_prompt = sum(len(p.token_ids) for p in prompts)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.served_model_names[0], "choices": choices,
-                "usage": self._usage(num_prompt, num_completion, cached)}
+                "usage": self._usage(num_prompt, num_completion, tally)}
 
     def _prompt_text(self, prompt: _Prompt) -> str:
         return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
@@ -318,11 +328,9 @@ class OpenAIServing:
         num_completion = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
-        cached: dict[int, int] = {}
-        prompt_lps: dict[int, list[LogprobsDict | None]] = {}
+        tally = _PromptTally()
         async for prompt_index, output in streams:
-            cached[prompt_index] = output.num_cached_tokens
-            prompt_lps.setdefault(prompt_index, []).extend(output.prompt_logprobs or [])
+            tally.add(prompt_index, output)
             for completion in output.outputs:
                 index = prompt_index * req.n + completion.index
                 text = completion.text
@@ -337,7 +345,7 @@ class OpenAIServing:
                 if req.logprobs is not None and completion.logprobs is not None:
                     if echo:
                         logprobs, offsets[index] = self._choice_logprobs(
-                            req, prompts[prompt_index], prompt_lps[prompt_index], completion.token_ids,
+                            req, prompts[prompt_index], tally.logprobs[prompt_index], completion.token_ids,
                             completion.logprobs)
                     else:
                         logprobs, offsets[index] = self._completion_logprobs(
@@ -349,15 +357,15 @@ class OpenAIServing:
                                       "finish_reason": completion.finish_reason,
                                       "stop_reason": completion.stop_reason}]}
                 if echo and req.prompt_logprobs is not None:
-                    chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[prompt_index])
+                    chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs[prompt_index])
                 if _continuous_usage(req):
-                    chunk["usage"] = self._usage(sum(len(p.token_ids) for p in prompts), num_completion, cached)
+                    chunk["usage"] = self._usage(sum(len(p.token_ids) for p in prompts), num_completion, tally)
                 yield _chunk(chunk)
         if req.stream_options and req.stream_options.include_usage:
             num_prompt = sum(len(p.token_ids) for p in prompts)
             yield _chunk({"id": request_id, "object": "text_completion", "created": created,
                           "model": self.served_model_names[0], "choices": [],
-                          "usage": self._usage(num_prompt, num_completion, cached)})
+                          "usage": self._usage(num_prompt, num_completion, tally)})
 
     # ---- /v1/chat/completions ---------------------------------------------------------------------
     def _check_chat_fields(self, req: ChatCompletionRequest) -> None:
@@ -391,7 +399,7 @@ class OpenAIServing:
                           tools: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-        conversation = template_messages([template_message(m, self.content_format) for m in messages])
+        conversation = template_messages([template_message(m, self.options.chat_template_content_format) for m in messages])
         if tools:
             kwargs = {**(kwargs or {}), "tools": tools}
         try:
@@ -429,13 +437,12 @@ class OpenAIServing:
         streams = self._start(request_id, [prompt], [params])
         if req.stream:
             return _sse(self._chat_stream(request_id, req, prompt, streams, tool_choice))
-        cached: dict[int, int] = {}
-        prompt_lps: dict[int, list[LogprobsDict | None]] = {}
-        finals = await _collect(streams, raw, 1, cached, prompt_lps)
+        tally = _PromptTally()
+        finals = await _collect(streams, raw, 1, tally)
         choices = []
         for index, choice in sorted(finals[0].items()):
             read = read_all(make_reader(tool_choice, self.tool_call_parser), choice.text)
-            message: dict[str, Any] = {"role": self.response_role, "content": read.content}
+            message: dict[str, Any] = {"role": self.options.response_role, "content": read.content}
             if read.calls:
                 message.update(content=read.content or None, tool_calls=read.calls)
             choices.append({"index": index, "message": message,
@@ -446,9 +453,9 @@ class OpenAIServing:
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_model_names[0], "choices": choices,
-                "usage": self._usage(len(prompt_ids), num_completion, cached)}
+                "usage": self._usage(len(prompt_ids), num_completion, tally)}
         if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(prompt_lps.get(0, []))
+            body["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs.get(0, []))
         return JSONResponse(body)
 
     async def _chat_stream(self, request_id: str, req: ChatCompletionRequest, prompt: _Prompt,
@@ -458,13 +465,13 @@ class OpenAIServing:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_names[0]}
         for index in range(req.n):
-            yield _chunk({**base, "choices": [{"index": index, "delta": {"role": self.response_role, "content": ""},
+            yield _chunk({**base, "choices": [{"index": index, "delta": {"role": self.options.response_role, "content": ""},
                                                "logprobs": None, "finish_reason": None}]})
         num_completion = 0
         readers = [make_reader(tool_choice, self.tool_call_parser) for _ in range(req.n)]
-        cached: dict[int, int] = {}
+        tally = _PromptTally()
         async for prompt_index, output in streams:
-            cached[prompt_index] = output.num_cached_tokens
+            tally.add(prompt_index, output)
             for completion in output.outputs:
                 num_completion += len(completion.token_ids)
                 reader = readers[completion.index]
@@ -485,10 +492,10 @@ class OpenAIServing:
                                               "logprobs": logprobs, "finish_reason": finish_reason,
                                               "stop_reason": completion.stop_reason}]}
                 if _continuous_usage(req):
-                    chunk["usage"] = self._usage(len(prompt.token_ids), num_completion, cached)
+                    chunk["usage"] = self._usage(len(prompt.token_ids), num_completion, tally)
                 yield _chunk(chunk)
         if req.stream_options and req.stream_options.include_usage:
-            yield _chunk({**base, "choices": [], "usage": self._usage(len(prompt.token_ids), num_completion, cached)})
+            yield _chunk({**base, "choices": [], "usage": self._usage(len(prompt.token_ids), num_completion, tally)})
 
     # ---- /tokenize, /detokenize ------------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> dict:
@@ -591,18 +598,15 @@ async def _merge(generators: list[AsyncIterator[RequestOutput]]) -> AsyncIterato
 
 
 async def _collect(streams: AsyncIterator[tuple[int, RequestOutput]], raw: Request, num_prompts: int,
-                   cached: dict[int, int] | None = None,
-                   prompt_logprobs: dict[int, list[LogprobsDict | None]] | None = None) -> dict[int, dict[int, _Choice]]:
-    """Accumulate DELTA outputs into whole choices (each prompt's cached tokens into `cached`, its prompt
-    logprobs into `prompt_logprobs`); abort if the client goes away meanwhile."""
+                   tally: _PromptTally | None = None) -> dict[int, dict[int, _Choice]]:
+    """Accumulate DELTA outputs into whole choices (and each prompt's cached tokens and logprobs into `tally`);
+    abort if the client goes away meanwhile."""
     choices: dict[int, dict[int, _Choice]] = {i: {} for i in range(num_prompts)}
-    cached = {} if cached is None else cached
-    prompt_logprobs = {} if prompt_logprobs is None else prompt_logprobs
+    tally = _PromptTally() if tally is None else tally
 
     async def consume() -> None:
         async for prompt_index, output in streams:
-            cached[prompt_index] = output.num_cached_tokens
-            prompt_logprobs.setdefault(prompt_index, []).extend(output.prompt_logprobs or [])
+            tally.add(prompt_index, output)
             for completion in output.outputs:
                 _accumulate(choices[prompt_index].setdefault(completion.index, _Choice()), completion)
 
