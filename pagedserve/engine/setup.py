@@ -89,7 +89,19 @@ def parse_generation_overrides(text: str | None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"--override-generation-config: {', '.join(unknown)} cannot be set there; it takes "
                          f"{', '.join(GENERATION_DEFAULTS)}")
+    _sampling_fields(value)  # their values too
     return value
+
+
+def _sampling_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json's sampling fields as SamplingParams' fields, checked by building SamplingParams
+    from them (ValueError naming the value)."""
+    fields = {GENERATION_DEFAULTS[k]: v for k, v in config.items()}
+    try:
+        SamplingParams(**fields)
+    except ValueError as exc:
+        raise ValueError(f"--generation-config / --override-generation-config: {exc}") from None
+    return fields
 
 
 def default_sampling(model_path: str, source: str = "auto", overrides: dict[str, Any] | None = None
@@ -100,12 +112,7 @@ def default_sampling(model_path: str, source: str = "auto", overrides: dict[str,
     found = {} if source == "vllm" else _generation_config(model_path if source == "auto" else source)
     found = {k: v for k, v in found.items() if k in GENERATION_DEFAULTS and isinstance(v, (int, float))
              and not isinstance(v, bool)}
-    defaults = {GENERATION_DEFAULTS[k]: v for k, v in {**found, **(overrides or {})}.items()}
-    try:
-        SamplingParams(**defaults)
-    except ValueError as exc:
-        raise ValueError(f"--generation-config / --override-generation-config: {exc}") from None
-    return defaults
+    return _sampling_fields({**found, **(overrides or {})})
 
 
 def load_tokenizer(path: str) -> Any:
@@ -233,7 +240,7 @@ def check_engine_args(args: EngineArgs) -> None:
     if args.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported; supported: "
                          f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
-    default_sampling("", "vllm", parse_generation_overrides(args.override_generation_config))  # values checked
+    parse_generation_overrides(args.override_generation_config)
     if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config, "generation_config.json").is_file():
         raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json there; give auto "
                          "(the model's), vllm (none) or a folder that holds one")
