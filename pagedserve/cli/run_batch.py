@@ -21,7 +21,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from pagedserve.cli.common import USER_FACING_ERRORS, apply_thread_args, engine_args_from_cli, fail, setup_logging
+from pagedserve.cli.common import USER_FACING_ERRORS, apply_thread_args, fail, setup_logging
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -101,20 +101,13 @@ def run(args: argparse.Namespace) -> int:
     apply_thread_args(args)
     setup_logging()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    from pagedserve.engine import vllm_compat
-    from pagedserve.engine.arg_utils import RequestLimits
-    from pagedserve.engine.setup import check_engine_args
+    from pagedserve.cli.serve import checked_settings
     from pagedserve.engine.startup import StartupTracker
     from pagedserve.entrypoints.openai.api_server import ServerState, build_app, start_engine
-    from pagedserve.entrypoints.openai.options import ServeOptions
 
     try:
-        vllm_compat.check(vars(args))
-        engine_args = engine_args_from_cli(args)
-        check_engine_args(engine_args)
-        options = ServeOptions.from_cli_args(args, limits=RequestLimits.from_cli_args(args))
+        engine_args, options = checked_settings(args)
         options = replace(options, api_key=None, disable_log_stats=True)  # in-process: no key, no stats line
-        options.check()
         source = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
         with source:
             lines = [line for line in source.read().splitlines() if line.strip()]

@@ -44,20 +44,13 @@ def run(args: argparse.Namespace) -> int:
 
     pause_garbage_collection()  # until ready: before the imports below, which are most of start-up
     apply_thread_args(args)
-    from pagedserve.engine.setup import check_engine_args
     from pagedserve.entrypoints.openai.api_server import run_server
 
     startup = StartupTracker(t0=process_start_time())
     setup_logging(args.verbose)
-    engine_args = engine_args_from_cli(args)
-    options = ServeOptions.from_cli_args(args, limits=RequestLimits.from_cli_args(args))
-    options = replace(options, api_key=options.api_key or envs.api_key())
     replica_args = ReplicaArgs.from_cli_args(args)
     try:
-        for note in vllm_compat.check(vars(args)):
-            logger.info("%s", note)
-        check_engine_args(engine_args)  # unsupported values fail before the port opens
-        options.check()
+        engine_args, options = checked_settings(args)  # unsupported values fail before the port opens
         replica_args.check()
     except ValueError as exc:
         return fail(str(exc))
@@ -65,6 +58,21 @@ def run(args: argparse.Namespace) -> int:
         resume_garbage_collection()  # the replicas start their own processes; this one only waits
         return run_replicas(engine_args, options, replica_args)
     return run_server(engine_args, options, startup)
+
+
+def checked_settings(args: argparse.Namespace) -> tuple[EngineArgs, ServeOptions]:
+    """The engine's and the server's settings from serve's flags, checked (ValueError naming the flag); the vLLM
+    flags that have no effect here are logged with why."""
+    from pagedserve.engine.setup import check_engine_args
+
+    for note in vllm_compat.check(vars(args)):
+        logger.info("%s", note)
+    engine_args = engine_args_from_cli(args)
+    check_engine_args(engine_args)
+    options = ServeOptions.from_cli_args(args, limits=RequestLimits.from_cli_args(args))
+    options = replace(options, api_key=options.api_key or envs.api_key())
+    options.check()
+    return engine_args, options
 
 
 def run_replicas(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArgs) -> int:
