@@ -596,7 +596,11 @@ static inline void transpose_lanes(vpairs r[VL]) {
  * Per pair of columns: 4 weight vectors (each 16 outputs x 2 columns, as vdpbf16ps pairs them) meet one
  * broadcast pair of x per row. Inlined with MT constant so the tile stays in registers. */
 static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *wb, const uint16_t *x, int64_t K,
-                                                            const int MT, __m512 acc[BF16_MT][4]) {
+                                                            const int MT, __m512 out[BF16_MT][4]) {
+  /* The sums live in this local tile and reach `out` once at the end: read through a char-typed copy (memcpy),
+   * x may alias `out` as far as the compiler knows, which made it store all 24 sums on every step (1.5 KiB of
+   * stores per 24 vdpbf16ps; 2.4x slower at prefill sizes on a Zen 5). */
+  __m512 acc[BF16_MT][4];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
@@ -614,6 +618,8 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *wb, 
       acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, xb);
     }
   }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) out[m][j] = acc[m][j];
 }
 
 /* bf16_tile for `rows` (1..BF16_MT) rows, each count its own inlined copy so the tile stays in registers. */
@@ -666,7 +672,8 @@ static int64_t bf16_chunk_rows(int64_t M, int64_t K) { return K <= 1024 ? 512 : 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 /* AMX (Xeons from Sapphire Rapids on): TDPBF16PS adds a 16-row x 32-column bf16 tile of x times a 32 x 16 tile
  * of W to 16 x 16 float32 sums, pair of columns by pair of columns as vdpbf16ps does, at ~8x its rate (oneDNN
- * measured 1.6-2.1 TFLOP/s at prefill sizes on 2 cores of such a Xeon, the vdpbf16ps tile ~0.2). The packed
+ * measured 1.6-2.1 TFLOP/s at prefill sizes on 2 cores of such a Xeon, the vdpbf16ps tile ~0.2 before its sums
+ * were kept in registers; ~0.85 on 2 Zen 5 cores since). The packed
  * layout is already made of W tiles: outputs j*16..j*16+15 of block nb over column pairs kp..kp+15 are 16 rows
  * of 64 bytes, 256 bytes apart, at wb + (kp * NB + j * 16) * 2. Tiles: 0-3 the sums of the block's four groups
  * of 16 outputs, 4 a tile of x, 5 and 6 tiles of W. Rows of x come 16 at a time; a last, shorter group is
