@@ -22,9 +22,9 @@ from pagedserve.memory.weight_format import native_kernels_expected
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPE_NAMES", "bind_rank_device", "canonical_dtype_name", "configure_threads", "cpu_flags",
-           "default_device", "default_quantization", "distributed_backend", "lazy_zeros", "native_kernels_run",
-           "read_cores", "resolve_dtype", "torch_dtype", "usable_cpu_count"]
+__all__ = ["DTYPE_NAMES", "bind_rank_device", "canonical_dtype_name", "check_ranks_fit_device", "configure_threads",
+           "cpu_flags", "default_device", "default_quantization", "distributed_backend", "lazy_zeros",
+           "native_kernels_run", "read_cores", "resolve_device", "resolve_dtype", "torch_dtype", "usable_cpu_count"]
 
 # The dtype names accepted, each -> the torch dtype's name.
 DTYPE_NAMES = {
@@ -42,6 +42,25 @@ def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(requested: str) -> str:
+    """--device: "auto" -> default_device(); "cpu" or "cuda" as given, where it exists (ValueError naming the fix
+    otherwise)."""
+    if requested == "auto":
+        return default_device()
+    if requested not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {requested!r}")
+    if requested == "cuda" and default_device() != "cuda":
+        from importlib import metadata
+
+        try:
+            build = f"torch {metadata.version('torch')}"
+        except metadata.PackageNotFoundError:
+            build = "torch"
+        raise ValueError(f"--device cuda: {build} sees no GPU here (a CPU-only build, or no driver); use --device "
+                         "cpu (or auto), or install the torch build for your CUDA version")
+    return requested
 
 
 def _torch_is_cpu_only_build() -> bool:
@@ -112,6 +131,19 @@ def default_quantization(requested_dtype: str, quantization: str | None, stores_
 def distributed_backend(device: str) -> str:
     """The torch.distributed backend for tensor-parallel ranks on `device`: NCCL between GPUs, gloo on CPUs."""
     return "nccl" if device == "cuda" else "gloo"
+
+
+def check_ranks_fit_device(device: str, ranks: int) -> None:
+    """ValueError naming the fix when `ranks` tensor-parallel ranks need more GPUs than this machine has (each
+    rank runs on its own GPU, bind_rank_device); CPU ranks split the cores and always fit."""
+    if device != "cuda" or ranks <= 1:
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if ranks > gpus:
+        raise ValueError(f"--tensor-parallel-size {ranks} runs one rank per GPU and this machine has {gpus}; use "
+                         f"--tensor-parallel-size {gpus} or fewer, or --device cpu to split the model over CPU cores")
 
 
 def bind_rank_device(device: str, rank: int) -> str:

@@ -168,11 +168,13 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     plan`): whether the native kernels run (for --dtype auto and a GGUF's quantization) is told from the CPU's
     flags instead of building and loading them (platform.native_kernels_run), so no torch is imported."""
     from pagedserve.models.validate import check_sliding_window
-    from pagedserve.platform import default_device, default_quantization, read_cores, resolve_dtype
+    from pagedserve.platform import (check_ranks_fit_device, default_quantization, read_cores, resolve_device,
+                                     resolve_dtype)
 
     check_engine_args(args)
     model_path, checkpoint, hf_config, architecture = read_model(args.model, startup)
-    device = default_device() if args.device == "auto" else args.device
+    device = resolve_device(args.device)
+    check_ranks_fit_device(device, args.tensor_parallel_size)
     config_dict = hf_config.to_dict()
     model_dtype = str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "")
     dtype = resolve_dtype(args.dtype, device, model_dtype.removeprefix("torch.") or None, kernels_from_flags)
@@ -233,7 +235,11 @@ def _default_sampling(model_path: str, args: EngineArgs) -> dict[str, Any]:
 
 
 def check_engine_args(args: EngineArgs) -> None:
+    from pagedserve.platform import resolve_device
+
     check_parallel_args(args.tensor_parallel_size, args.cpu_binding, args.tp_all_reduce)
+    if args.device != "auto":  # a name, or cuda where there is none (auto is resolved with the config, lazily)
+        resolve_device(args.device)
     if args.quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"--quantization {args.quantization} is not supported; supported: "
                          f"{', '.join(q for q in SUPPORTED_QUANTIZATION if q)}")

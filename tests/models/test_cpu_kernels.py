@@ -436,7 +436,7 @@ def test_packed_rows_are_the_embedding_rows(kernels, tiny_model_dir):
     weight = torch.randn(130, 64).bfloat16()  # 130 rows: the last block of 64 is partly padding
     ids = torch.tensor([[0, 63, 64], [129, 5, 64]])
     assert torch.equal(PackedLinear(weight, None, kernels).rows(ids), weight[ids])
-    llm = LLM(tiny_model_dir("qwen2", "bfloat16"), dtype="bfloat16", max_model_len=64)  # tied embeddings
+    llm = LLM(tiny_model_dir("qwen2", "bfloat16"), dtype="bfloat16", device="cpu", max_model_len=64)  # tied embeddings
     model = llm.engine.runner.model
     assert type(model.model.embed_tokens).__name__ == "PackedRowsEmbedding"
     assert "model.embed_tokens.weight" not in dict(model.named_parameters())  # one copy of the table

@@ -47,7 +47,7 @@ def test_stack_equals_the_per_layer_path(kernels, tiny_model_dir, arch, dtype, q
     model_dir = tiny_model_dir(arch, dtype, **SHAPE)
     kwargs = {"quantization": quantization} if quantization else {}
     # No prefix caching: the second run must compute the same prefills as the first.
-    llm = LLM(model_dir, dtype=dtype, max_model_len=256, enable_prefix_caching=False, **kwargs)
+    llm = LLM(model_dir, dtype=dtype, device="cpu", max_model_len=256, enable_prefix_caching=False, **kwargs)
     with_stack, stack_steps = _generate(llm, stack_enabled=True)
     without, no_stack_steps = _generate(llm, stack_enabled=False)
     assert stack_steps >= 11 and no_stack_steps == 0  # 12 tokens: 1 from the prefill, the rest decoded
@@ -59,7 +59,7 @@ def test_stack_equals_the_per_layer_path(kernels, tiny_model_dir, arch, dtype, q
 def test_stack_points_at_the_live_parameters(kernels, tiny_model_dir):
     """The table holds raw pointers: they must be those of the tensors the model uses after loading (the
     loader replaces checkpoint-mapped norms after prepare(); a stale pointer would read freed memory)."""
-    llm = LLM(tiny_model_dir("qwen2", "bfloat16", **SHAPE), dtype="bfloat16", max_model_len=128)
+    llm = LLM(tiny_model_dir("qwen2", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     assert f"qkv native bf16 ({kernels.isa})" in llm.engine.runner.model.kernel_report()[0]  # this ISA's build
     model = llm.engine.runner.model.model
@@ -80,17 +80,17 @@ def test_stack_points_at_the_live_parameters(kernels, tiny_model_dir):
 def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
     # q/k RMSNorm (Qwen3) is not in the stack: the per-layer path runs
     qwen3 = LLM(tiny_model_dir("qwen3", "bfloat16", hidden_size=128, intermediate_size=256), dtype="bfloat16",
-                max_model_len=128)
+                device="cpu", max_model_len=128)
     qwen3.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     assert qwen3.engine.runner.model.model.stack is None
     # an fp8 KV cache is read by the torch path
-    fp8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", max_model_len=128,
+    fp8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128,
               kv_cache_dtype="fp8")
     _, steps = _generate(fp8, stack_enabled=True)
     assert steps == 0
     # bf16 int8 linears run the kernel at every batch size (bf16 panels for prefill-sized ones); float32 ones
     # up to kernels.int8_max_rows (32 with AVX512-BF16, every batch on AVX2): a larger batch goes layer by layer
-    int8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", max_model_len=128,
+    int8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128,
                quantization="int8")
     int8.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     stack = int8.engine.runner.model.model.stack
@@ -103,7 +103,7 @@ def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
 
     assert stack.runs(torch.zeros(32, 128), caches, meta(32))
     assert stack.runs(torch.zeros(33, 128), caches, meta(33))
-    int8_f32 = LLM(tiny_model_dir("llama", "float32", **SHAPE), dtype="float32", max_model_len=128,
+    int8_f32 = LLM(tiny_model_dir("llama", "float32", **SHAPE), dtype="float32", device="cpu", max_model_len=128,
                    quantization="int8")
     int8_f32.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     stack = int8_f32.engine.runner.model.model.stack

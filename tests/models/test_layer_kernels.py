@@ -31,7 +31,7 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
 def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, dtype, quantization, overrides,
                                                          what):
     model_dir = tiny_model_dir(arch, dtype, **overrides)
-    llm = LLM(model_dir, dtype=dtype, quantization=quantization, max_model_len=128)
+    llm = LLM(model_dir, dtype=dtype, quantization=quantization, device="cpu", max_model_len=128)
     model, config = llm.engine.runner.model, llm.engine.config
     kernels = cpu_kernels()
     isa = kernels.isa if kernels is not None else None

@@ -37,7 +37,7 @@ def fake_host(tmp_path: Path, available_kib: int) -> list[str]:
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
-    code = main(["plan", *argv, "--json"])
+    code = main(["plan", *argv, "--device", "cpu", "--json"])  # the host rules (on a GPU the fraction rule)
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -82,7 +82,7 @@ def test_plan_refuses_with_the_shortfall_and_what_would_fit(tiny_model_dir, tmp_
     assert code == 1 and data["fits"] is False
     assert data["shortfall_bytes"] == data["total_bytes"] - data["budget_bytes"] > 0
     assert "short by" in data["summary"]
-    code = main(["plan", model, "--max-model-len", "64", *fake_host(tmp_path / "again", 300 * 1024)])
+    code = main(["plan", model, "--max-model-len", "64", "--device", "cpu", *fake_host(tmp_path / "again", 300 * 1024)])
     out = capsys.readouterr().out
     assert code == 1 and "DOES NOT FIT" in out and "no single flag change fits" in out
 
@@ -102,7 +102,7 @@ def test_plan_imports_no_torch_and_agrees_with_the_loaded_kernels(tiny_model_dir
     for index, model in enumerate(models):
         host = fake_host(tmp_path / f"host{index}", available_kib=1 << 22)
         code = ("import json, sys\nfrom pagedserve.cli.main import main\n"
-                f"code = main(['plan', {model!r}, '--json', *{host!r}])\n"
+                f"code = main(['plan', {model!r}, '--device', 'cpu', '--json', *{host!r}])\n"
                 "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules,"
                 " 'kernels': 'pagedserve.kernels' in sys.modules}))")
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -112,7 +112,7 @@ def test_plan_imports_no_torch_and_agrees_with_the_loaded_kernels(tiny_model_dir
         assert json.loads(last) == {"code": 0, "torch": False, "kernels": False}
         data = json.loads(plan_text)
         available = probe.available_memory(host[1], host[3])  # the fake host, as `plan` reads it
-        config = create_engine_config(EngineArgs(model=model), available=available, check_memory=False)
+        config = create_engine_config(EngineArgs(model=model, device="cpu"), available=available, check_memory=False)
         assert (data["settings"]["dtype"], data["request"]["quantization"]) == (config.model.dtype,
                                                                                 config.model.quantization)
         assert {k: v for k, v in data.items() if k != "settings"} == config.memory_plan.to_dict()
@@ -175,7 +175,7 @@ def test_engine_refuses_before_reading_any_weight(tiny_model_dir, tmp_path, monk
 
 def engine_config(model: str, available_bytes: int = 8 * GIB, **kwargs):
     available = AvailableMemory(available_bytes, "MemAvailable", "test")
-    return create_engine_config(EngineArgs(model=model, dtype="float32", **kwargs), available=available)
+    return create_engine_config(EngineArgs(model=model, dtype="float32", device="cpu", **kwargs), available=available)
 
 
 def test_kv_pool_is_sized_by_the_plan(tiny_model_dir) -> None:

@@ -31,7 +31,7 @@ CASES = {
 
 def run(model_dir: str, prompts, tp: int, logprobs: int | None = TOP_K, keep_workers: bool = False, **kwargs):
     """`keep_workers`: the caller closes the runner (it goes on using the engine)."""
-    llm = LLM(model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=tp, **kwargs)
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=256, tensor_parallel_size=tp, **kwargs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=logprobs)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -189,7 +189,8 @@ def test_speculative_decoding_seeded_sampling_and_grammars_with_two_ranks(tiny_m
               SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)]
 
     def texts(tp: int):
-        llm = LLM(model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=tp, speculative_config=SPEC)
+        llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=256, tensor_parallel_size=tp,
+                  speculative_config=SPEC)
         try:
             outputs = llm.generate(prompts, params)
             return [o.outputs[0].token_ids for o in outputs], llm.engine.scheduler.proposer.totals
@@ -236,8 +237,8 @@ def test_the_decode_stack_runs_layer_by_layer_with_two_ranks_and_changes_nothing
     arch, overrides = CASES["llama-kv1-obias"]
     model_dir = tiny_model_dir(arch, dtype, **overrides)
     kwargs = {"quantization": quantization} if quantization else {}
-    llm = LLM(model_dir, dtype=dtype, max_model_len=256, tensor_parallel_size=2, enable_prefix_caching=False,
-              **kwargs)
+    llm = LLM(model_dir, dtype=dtype, device="cpu", max_model_len=256, tensor_parallel_size=2,
+              enable_prefix_caching=False, **kwargs)
     try:
         with_stack, stack_steps = _generate(llm, stack_enabled=True)
         without, no_stack_steps = _generate(llm, stack_enabled=False)

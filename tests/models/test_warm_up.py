@@ -27,7 +27,7 @@ def warm_up_steps(engine) -> list[int]:
 
 
 def test_warm_up_is_two_short_steps_where_no_linear_switches(tiny_model_dir):
-    engine = LLM(tiny_model_dir("qwen2"), dtype="float32", max_model_len=256).engine
+    engine = LLM(tiny_model_dir("qwen2"), dtype="float32", device="cpu", max_model_len=256).engine
     assert engine.runner.warm_up_rows() == 0
     steps = warm_up_steps(engine)
     assert len(steps) == 2 and steps[0] <= 8 and steps[1] == 2  # prefill of two prompts, then one decode step
@@ -35,7 +35,7 @@ def test_warm_up_is_two_short_steps_where_no_linear_switches(tiny_model_dir):
 
 
 def test_warm_up_prefill_crosses_the_rows_where_a_linear_switches(tiny_model_dir, monkeypatch):
-    engine = LLM(tiny_model_dir("qwen2"), dtype="float32", quantization="int8", max_model_len=256).engine
+    engine = LLM(tiny_model_dir("qwen2"), dtype="float32", quantization="int8", device="cpu", max_model_len=256).engine
     # int8 linears with float32 activations keep the native kernel up to kernels.int8_max_rows (32 where the
     # CPU has bf16 dot products, every batch elsewhere), then run a dense matmul that compiles on first call.
     kernels = cpu_kernels()

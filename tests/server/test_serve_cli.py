@@ -67,6 +67,7 @@ def test_api_key_enforced(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("flags,word", [
     (["--tensor-parallel-size", "0"], "tensor-parallel-size"),
+    (["--device", "tpu"], "--device must be auto, cpu or cuda"),
     (["-tp", "2", "--cpu-binding", "0|1|2"], "--cpu-binding '0|1|2' gives 3 core lists"),
     (["--quantization", "awq"], "quantization"),
     (["--kv-cache-dtype", "fp4"], "kv-cache-dtype"),

@@ -15,7 +15,7 @@ from pagedserve import LLM, SamplingParams
 from tests.server.server_utils import module_server, openai_client, start_server
 from tests.server.test_api import metric_value
 
-FLAGS = ("-tp", "2", "--dtype", "float32", "--max-model-len", "512", "--omp-wait-policy", "passive")
+FLAGS = ("-tp", "2", "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--omp-wait-policy", "passive")
 PROMPT = "The quick brown fox"
 
 

@@ -16,7 +16,7 @@ RENAMED = {"tp_all_reduce": "all_reduce", "scheduling_policy": "policy"}
 RESOLVED_AT_SET_UP = {
     "max_num_batched_tokens": "SchedulerConfig's default (at least max_model_len without chunked prefill)",
     "max_model_len": "the model's context length (SchedulerConfig's default when it names none)",
-    "device": "platform.default_device()",
+    "device": "platform.resolve_device() (auto: a GPU where torch sees one, else the CPU)",
     "num_threads": "one per physical core this process may use (memory/probe.py's Cores)",
     "task": "what the model is (models/pooling_config.py's default_task)",
     "cpu_binding": "distributed/plan.py's resolve_parallel (one NUMA node per rank, else the cores split)",
