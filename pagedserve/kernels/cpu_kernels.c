@@ -575,6 +575,15 @@ static inline void transpose_lanes(vpairs r[VL]) {
  * - With them (AVX512-BF16; AMX tiles where Linux grants them) bf16 activations take the panels; float32 ones
  *   keep the integer kernel here and dequantize above 32 rows (Int8Linear). */
 #define I8_PANEL_ROWS 64
+#if PS_ISA == 512
+/* AVX-512 batches of I8_TILE_ROWS .. I8_PANEL_ROWS - 1 rows (decode batches, where no AMX-INT8 takes them) with
+ * K <= I8_TILE_MAX_K run the integer tile (i8_gemm) instead of the row kernel: its exact sums give every row the
+ * bits it gets alone. 2 Zen 5 cores, Qwen2.5-0.5B's shapes streamed from memory (benchmarks/linear_ab.py --kind
+ * int8): 9728x896 and 1152x896 0.97-1.04x at 16 rows, 1.1-1.2x at 20-24, 1.22-1.34x at 32, 1.37-1.5x at 63; the
+ * tile was 0.75-0.9x for 896x4864 (its 4864-column panel and x outgrow L2), hence the K bound. */
+#define I8_TILE_ROWS 16
+#define I8_TILE_MAX_K 1024
+#endif
 #if PS_ISA == 256 || !defined(__AVX512BF16__)
 /* Prefill-sized batches take the integer tile (i8_gemm) instead of float32 panels: on AVX2 1.3-1.4x on
  * Qwen2.5-0.5B's shapes (AVX2 build on an AMX Xeon); on AVX-512 without BF16, vpdpwssd (32 products an
@@ -1010,12 +1019,7 @@ static inline __attribute__((always_inline)) void i8_fill_panel(const int8_t *q,
       for (int r = 0; r < VL; ++r) {
         const int64_t n = nb * BF16_NB + j0 + r;  /* q_packed[n / 4][k / 64][n % 4][k % 64] */
         const int8_t *p = q + (n / 4) * 4 * K + (k / 64) * 256 + (n % 4) * 64 + k % 64;
-#ifdef I8_GEMM
         rows[r] = n >= N ? pairs_zero() : int16 ? i8_i16_pairs(p) : i8_bf16_pairs(p);
-#else
-        (void)int16;
-        rows[r] = n < N ? i8_bf16_pairs(p) : pairs_zero();
-#endif
       }
       transpose_lanes(rows);
       for (int i = 0; i < VL; ++i) pairs_store(panel + (k / 2 + i) * BF16_NB + j0, rows[i]);
@@ -1042,8 +1046,8 @@ static uint32_t *i8_panel_alloc(int64_t K) {
   return panel;
 }
 
-#ifdef I8_GEMM
-/* Prefill-sized batches (I8_PANEL_ROWS rows and more) on AVX2 and on AVX-512 without BF16: the integer kernel's
+/* Prefill-sized batches (I8_PANEL_ROWS rows and more) on AVX2 and on AVX-512 without BF16, and on AVX-512 batches of
+ * I8_TILE_ROWS..I8_PANEL_ROWS - 1 rows with K <= I8_TILE_MAX_K (ps_linear_i8): the integer kernel's
  * products in a tile. Each block of BF16_NB outputs is widened once into a panel of int16 pairs, p[K / 2][BF16_NB]
  * (i8_fill_panel), and the tile runs I8_MT rows of x (i8_rows_i16) over it, one broadcast pair of int16 columns a
  * row and step, into 2 I8_MT vectors of int32 sums (i8_dot):
@@ -1095,7 +1099,8 @@ static inline vi i8_broadcast(const int32_t *p) {
   return v;
 }
 static inline __attribute__((always_inline)) void i8_gemm_run(const uint32_t *panel, const int32_t *xt, int64_t p0,
-                                                              int64_t p1, const int MT, int32_t out[I8_MT][BF16_NB]) {
+                                                              int64_t p1, const int MT, int32_t out[I8_MT][BF16_NB],
+                                                              const int c0) {
   vi a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
   a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = vi_zero();
   for (int64_t p = p0; p < p1; ++p) {
@@ -1107,24 +1112,26 @@ static inline __attribute__((always_inline)) void i8_gemm_run(const uint32_t *pa
   }
   const vi a[I8_MT] = {a0, a1, a2, a3, a4, a5}, b[I8_MT] = {b0, b1, b2, b3, b4, b5};
   for (int m = 0; m < MT; ++m) {
-    vi_store(out[m], a[m]);
-    vi_store(out[m] + VL, b[m]);
+    vi_store(out[m] + c0, a[m]);
+    vi_store(out[m] + c0 + VL, b[m]);
   }
 }
 #undef I8_ROW
 
 /* i8_gemm_run for `rows` (1..I8_MT) rows, each count its own copy so the sums stay in registers (kept out of the
- * OpenMP body, where GCC spilled them). */
+ * OpenMP body, where GCC spilled them). A block of 4 VL outputs (BF16_NB with AVX512-BF16) runs as two halves of
+ * 2 VL, each over its own columns of the panel (whose rows stay BF16_NB apart). */
 static __attribute__((noinline)) void i8_gemm_rows(const uint32_t *panel, const int32_t *xt, int64_t p0, int64_t p1,
                                                    int64_t rows, int32_t out[I8_MT][BF16_NB]) {
-  switch (rows) {
-    case 1: i8_gemm_run(panel, xt, p0, p1, 1, out); break;
-    case 2: i8_gemm_run(panel, xt, p0, p1, 2, out); break;
-    case 3: i8_gemm_run(panel, xt, p0, p1, 3, out); break;
-    case 4: i8_gemm_run(panel, xt, p0, p1, 4, out); break;
-    case 5: i8_gemm_run(panel, xt, p0, p1, 5, out); break;
-    default: i8_gemm_run(panel, xt, p0, p1, I8_MT, out); break;
-  }
+  for (int c0 = 0; c0 < BF16_NB; c0 += 2 * VL)
+    switch (rows) {
+      case 1: i8_gemm_run(panel + c0, xt, p0, p1, 1, out, c0); break;
+      case 2: i8_gemm_run(panel + c0, xt, p0, p1, 2, out, c0); break;
+      case 3: i8_gemm_run(panel + c0, xt, p0, p1, 3, out, c0); break;
+      case 4: i8_gemm_run(panel + c0, xt, p0, p1, 4, out, c0); break;
+      case 5: i8_gemm_run(panel + c0, xt, p0, p1, 5, out, c0); break;
+      default: i8_gemm_run(panel + c0, xt, p0, p1, I8_MT, out, c0); break;
+    }
 }
 
 static void i8_gemm(const void *x, const int8_t *q, const float *scale, const void *bias, void *y, int64_t M,
@@ -1175,6 +1182,7 @@ static void i8_gemm(const void *x, const int8_t *q, const float *scale, const vo
   free(xt);
   free(xs);
 }
+#ifdef I8_GEMM
 #define i8_prefill i8_gemm
 /* Rows whose int16 copy stays in L2 while the panels pass over it, at least I8_PANEL_ROWS. */
 static int64_t i8_prefill_chunk(int64_t M, int64_t K) {
@@ -1393,6 +1401,12 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
   const int amx = amx_ready && M >= I8_AMX_ROWS;
 #else
   const int amx = 0;
+#endif
+#ifdef I8_TILE_ROWS
+  if (!amx && M >= I8_TILE_ROWS && K <= I8_TILE_MAX_K) {  /* the integer tile: the same exact sums */
+    i8_gemm(x, q, scale, bias, y, M, N, K, bf16, nthreads);
+    return;
+  }
 #endif
   const int64_t pad = amx ? 16 * K : 0;  /* rows that the AMX tiles of the last group may load past the planes */
   uint8_t *planes = (uint8_t *)malloc((size_t)(2 * M * K + pad));

@@ -102,6 +102,25 @@ def test_int8_prefill_rows_equal_the_rows_alone(kernels, dtype):
         assert torch.equal(kernels.linear_i8(x[:rows], packed, scales, sums, bias, n), alone[:rows]), rows
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [896, 1024 + 64])
+def test_int8_decode_batches_give_every_row_the_bits_it_gets_alone(kernels, dtype, k):
+    """Batches of 16-63 rows: on AVX-512 (without AMX-INT8 tiles taking them) those with K <= 1024 run the integer
+    tile (i8_gemm) instead of the row kernel, with the same exact sums; K = 1088 keeps the row kernel. Every row
+    must equal what it gets alone (a decode step, a speculative verification), across tiles of 6 rows, both
+    halves of a 64-output block and a partial last block."""
+    torch.manual_seed(5)
+    n = 2 * kernels.bf16_block + 5
+    qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
+    packed, sums = kernels.pack_rows(qweight), kernels.row_sums(qweight)
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(63, k).to(dtype)
+    x[7, 5] = 60.0  # one row with a large step
+    alone = torch.cat([kernels.linear_i8(x[i:i + 1], packed, scales, sums, bias, n) for i in range(63)])
+    for rows in (15, 16, 17, 22, 40, 63):
+        assert torch.equal(kernels.linear_i8(x[:rows], packed, scales, sums, bias, n), alone[:rows]), rows
+
+
 def _check_linear_i8(kernels, dtype: torch.dtype, m: int, with_bias: bool, n: int, k: int) -> None:
     torch.manual_seed(m)
     qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
