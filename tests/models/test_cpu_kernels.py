@@ -90,16 +90,7 @@ def test_int8_prefill_rows_equal_the_rows_alone(kernels, dtype):
     columns with a partial last one, and a partial last block of outputs."""
     if not kernels.int8_prefill_exact:
         pytest.skip(f"the {kernels.build} build's prefill runs bf16 panels (float32 sums), not the integer tile")
-    torch.manual_seed(4)
-    n, k = 2 * kernels.bf16_block + 5, 4864
-    qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
-    packed, sums = kernels.pack_rows(qweight), kernels.row_sums(qweight)
-    bias = torch.randn(n).to(dtype)
-    x = torch.randn(131, k).to(dtype)
-    x[7, 5] = 60.0  # one row with a large step
-    alone = torch.cat([kernels.linear_i8(x[i:i + 1], packed, scales, sums, bias, n) for i in range(131)])
-    for rows in (64, 65, 70, 131):
-        assert torch.equal(kernels.linear_i8(x[:rows], packed, scales, sums, bias, n), alone[:rows]), rows
+    _check_rows_alone(kernels, dtype, k=4864, batches=(64, 65, 70, 131), seed=4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -109,15 +100,21 @@ def test_int8_decode_batches_give_every_row_the_bits_it_gets_alone(kernels, dtyp
     tile (i8_gemm) instead of the row kernel, with the same exact sums; K = 1088 keeps the row kernel. Every row
     must equal what it gets alone (a decode step, a speculative verification), across tiles of 6 rows, both
     halves of a 64-output block and a partial last block."""
-    torch.manual_seed(5)
+    _check_rows_alone(kernels, dtype, k=k, batches=(15, 16, 17, 22, 40, 63), seed=5)
+
+
+def _check_rows_alone(kernels, dtype: torch.dtype, k: int, batches: tuple[int, ...], seed: int) -> None:
+    """Each batch of the first rows of x gives every row the bits it gets alone (int8 linear, a partial last block of
+    outputs, one row with a large int16 step)."""
+    torch.manual_seed(seed)
     n = 2 * kernels.bf16_block + 5
     qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
     packed, sums = kernels.pack_rows(qweight), kernels.row_sums(qweight)
     bias = torch.randn(n).to(dtype)
-    x = torch.randn(63, k).to(dtype)
-    x[7, 5] = 60.0  # one row with a large step
-    alone = torch.cat([kernels.linear_i8(x[i:i + 1], packed, scales, sums, bias, n) for i in range(63)])
-    for rows in (15, 16, 17, 22, 40, 63):
+    x = torch.randn(max(batches), k).to(dtype)
+    x[7, 5] = 60.0
+    alone = torch.cat([kernels.linear_i8(x[i:i + 1], packed, scales, sums, bias, n) for i in range(len(x))])
+    for rows in batches:
         assert torch.equal(kernels.linear_i8(x[:rows], packed, scales, sums, bias, n), alone[:rows]), rows
 
 
