@@ -6,8 +6,23 @@ keywords) reads each of its defaults from the field of the same setting here, so
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def json_object(value: str | Mapping[str, Any], what: str, example: str = "") -> dict[str, Any]:
+    """A flag's (or an input line's) JSON object, from its text or as a mapping given as is; ValueError
+    "<what> must be a JSON object[, e.g. <example>]" with why."""
+    hint = f", e.g. {example}" if example else ""
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else dict(value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{what} must be a JSON object{hint}: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{what} must be a JSON object{hint}, got {value!r}")
+    return parsed
 
 
 @dataclass(frozen=True)

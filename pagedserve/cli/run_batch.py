@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from pagedserve.cli.common import USER_FACING_ERRORS, apply_thread_args, fail, setup_logging
+from pagedserve.config import json_object
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -43,12 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def parse_line(number: int, text: str) -> dict:
     """One input line as a request; ValueError naming the line and what is wrong."""
-    try:
-        request = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"line {number}: not JSON ({exc})") from None
-    if not isinstance(request, dict):
-        raise ValueError(f"line {number}: not a JSON object")
+    request = json_object(text, f"line {number}")
     if request.get("method", "POST") != "POST":
         raise ValueError(f"line {number}: method must be POST, got {request.get('method')!r}")
     if request.get("url") not in URLS:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve import envs
-from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig, json_object
 from pagedserve.distributed.plan import check_parallel_args, resolve_parallel
 from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, EngineArgs
 from pagedserve.engine.faults import parse_fault_spec
@@ -79,12 +79,7 @@ def parse_generation_overrides(text: str | None) -> dict[str, Any]:
     """--override-generation-config's JSON object; ValueError naming what is wrong."""
     if text is None:
         return {}
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--override-generation-config must be a JSON object: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--override-generation-config must be a JSON object, got {text!r}")
+    value = json_object(text, "--override-generation-config")
     unknown = sorted(set(value) - set(GENERATION_DEFAULTS))
     if unknown:
         raise ValueError(f"--override-generation-config: {', '.join(unknown)} cannot be set there; it takes "

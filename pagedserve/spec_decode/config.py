@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from pagedserve.config import json_object
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -39,12 +40,7 @@ class SpeculativeConfig:
             return None
         if isinstance(value, SpeculativeConfig):
             return value
-        try:
-            spec = json.loads(value) if isinstance(value, str) else dict(value)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"--speculative-config must be a JSON object, e.g. {_EXAMPLE}: {exc}") from None
-        if not isinstance(spec, dict):
-            raise ValueError(f"--speculative-config must be a JSON object, e.g. {_EXAMPLE}")
+        spec = json_object(value, "--speculative-config", _EXAMPLE)
         method = spec.get("method", "draft_model" if "model" in spec else "ngram")
         if method == "[ngram]":  # vLLM's older spelling
             method = "ngram"

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.config import json_object
 from pagedserve.exceptions import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -136,13 +137,7 @@ class StructuredOutputsConfig:
         """From the flag's JSON (ValueError naming the problem and the fix)."""
         if text is None:
             return cls()
-        try:
-            value = json.loads(text) if isinstance(text, str) else dict(text)
-        except ValueError as exc:
-            raise ValueError(f"--structured-outputs-config must be a JSON object, e.g. "
-                             f"'{{\"backend\": \"xgrammar\"}}': {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--structured-outputs-config must be a JSON object, e.g. '{\"backend\": \"xgrammar\"}'")
+        value = json_object(text, "--structured-outputs-config", '\'{"backend": "xgrammar"}\'')
         fields = {"backend", "disable_any_whitespace", "compile_timeout_s"}
         unknown = sorted(set(value) - fields)
         if unknown:

@@ -34,5 +34,6 @@ def test_a_batch_file_gets_one_answer_per_line_in_order(tiny_model_dir, tmp_path
     assert [c["index"] for c in cmpl["choices"]] == [0, 1] and cmpl["usage"]["completion_tokens"] == 4
     assert lines[0]["error"] is None and "url must be one of" in lines[2]["error"]["message"]
     assert lines[3]["response"]["body"]["error"]["param"] == "top_p" and "top_p" in lines[3]["error"]["message"]
-    assert "stream is not available" in lines[4]["error"]["message"] and "not JSON" in lines[5]["error"]["message"]
+    assert "stream is not available" in lines[4]["error"]["message"]
+    assert "line 6 must be a JSON object" in lines[5]["error"]["message"]
     assert len({line["id"] for line in lines}) == 6
