@@ -12,7 +12,6 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple

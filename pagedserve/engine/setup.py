@@ -192,7 +192,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
 
     names = args.served_model_name or args.model or DEFAULT_MODEL
     names = [names] if isinstance(names, str) else list(names)
-    model = ModelConfig(model=model_path, served_model_name=names[0], served_model_aliases=tuple(names[1:]), dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
+    model = ModelConfig(model=model_path, served_model_name=names[0], served_model_aliases=tuple(names[1:]),
+                        dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
                         architecture=architecture, task=task, pooler=pooler, seed=args.seed,
                         quantization=default_quantization(args.dtype, args.quantization,
                                                           checkpoint.stores_quantized_matmuls(), device,
@@ -242,7 +243,8 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported; supported: "
                          f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
     parse_generation_overrides(args.override_generation_config)
-    if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config, "generation_config.json").is_file():
+    if (args.generation_config not in ("auto", "vllm")
+            and not Path(args.generation_config, "generation_config.json").is_file()):
         raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json there; give auto "
                          "(the model's), vllm (none) or a folder that holds one")
     if args.max_logprobs < -1:

@@ -24,7 +24,8 @@ _REFUSED: dict[str, Any] = {
     "mm_processor_kwargs": None, "kv_transfer_params": None, "vllm_xargs": None, "audio": None,
     "modalities": (None, ["text"]), "web_search_options": None, "documents": None,
 }
-_REFUSED_WHY = {"use_beam_search": "no beam search: sample n > 1 instead", "length_penalty": "it applies to beam search",
+_REFUSED_WHY = {"use_beam_search": "no beam search: sample n > 1 instead",
+                "length_penalty": "it applies to beam search",
                 "bad_words": "use logit_bias to ban tokens",
                 "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages",
                 "echo": "chat replies do not repeat the prompt; /v1/completions does"}

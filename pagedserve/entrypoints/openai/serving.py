@@ -399,7 +399,8 @@ class OpenAIServing:
                           tools: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-        conversation = template_messages([template_message(m, self.options.chat_template_content_format) for m in messages])
+        content_format = self.options.chat_template_content_format
+        conversation = template_messages([template_message(m, content_format) for m in messages])
         if tools:
             kwargs = {**(kwargs or {}), "tools": tools}
         try:
@@ -465,8 +466,9 @@ class OpenAIServing:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_names[0]}
         for index in range(req.n):
-            yield _chunk({**base, "choices": [{"index": index, "delta": {"role": self.options.response_role, "content": ""},
-                                               "logprobs": None, "finish_reason": None}]})
+            delta = {"role": self.options.response_role, "content": ""}
+            yield _chunk({**base, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                               "finish_reason": None}]})
         num_completion = 0
         readers = [make_reader(tool_choice, self.tool_call_parser) for _ in range(req.n)]
         tally = _PromptTally()
