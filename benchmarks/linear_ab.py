@@ -5,10 +5,13 @@ Both versions of pagedserve/kernels/cpu_kernels.c are compiled side by side (att
 Qwen2.5-0.5B's linear shapes (gate/up 9728x896, down 896x4864, q/k/v 1152x896), random weights packed once by this
 tree's kernels (the layouts must not have changed between the two commits), in enough copies to stream from memory
 as a model's layers do, bf16 activations, M rows of x. The outputs must be bit-identical (the check fails
-otherwise); the time is the median of repeats taking turns (the order flipped every repeat), per call.
+otherwise); the time is the median of repeats taking turns (the order flipped every repeat), per call; "paired" is
+the median of each repeat's own ratio (steadier where the VM's bandwidth drifts).
 
     python benchmarks/linear_ab.py --before COMMIT [--avx2 [--vnni] | --amx] [--kind bf16|int8] [--rows 1 2 5 9 16]
-        [--mib 200]
+        [--mib 200] [--shapes 960x576 576x576 3072x576 576x1536]
+
+--shapes replaces the default shapes (outputs x inputs; the example is SmolLM2-135M's qkv, o, gate/up and down).
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 9, 16])
     parser.add_argument("--mib", type=int, default=200, help="weight copies per shape, in MiB (past the caches)")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="NxK",
+                        help="outputs x inputs of each linear (default: Qwen2.5-0.5B's)")
     parser.add_argument("--amx", action="store_true", help="turn AMX on in both (ps_amx_init), where the CPU has it")
     parser.add_argument("--vnni", action="store_true",
                         help="with --avx2: the working tree's side adds -mavxvnni (AVX-VNNI's int8 sums; needs a CPU "
                              "with it), so --before HEAD measures what AVX-VNNI gives")
     args = parser.parse_args()
+    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     if args.vnni and not args.avx2:
         parser.error("--vnni compares AVX2 builds: add --avx2")
     if args.avx2:  # pack in the AVX2 build's layout (its bf16 blocks hold 16 outputs, not 64)
@@ -65,7 +71,7 @@ def main() -> int:
         print(f"-march={march} ({kernels.isa} layout{', AMX' if args.amx else ''}"
               f"{', after: -mavxvnni' if args.vnni else ''}), {threads} threads, "
               f"{args.kind} weights, bf16 x")
-        for n, k in SHAPES:
+        for n, k in shapes:
             torch.manual_seed(n + k)
             bytes_per_copy = n * k * (2 if args.kind == "bf16" else 1)
             copies = max(1, (args.mib << 20) // bytes_per_copy)
@@ -103,8 +109,10 @@ def main() -> int:
                             call(lib, w, x, y)
                         times[name].append((time.perf_counter() - start) / len(weights))
                 before, after = statistics.median(times["before"]), statistics.median(times["after"])
-                print(f"{n}x{k}, {rows} rows: before {before * 1e3:.3f} ms, after {after * 1e3:.3f} ms, "
-                      f"{before / after:.2f}x (outputs bit-identical)", flush=True)
+                paired = statistics.median(b / a for b, a in zip(times["before"], times["after"]))
+                print(f"{n}x{k}, {rows} rows: before {before * 1e3:.3f} ms, after {after * 1e3:.3f} ms "
+                      f"({bytes_per_copy / after / 1e9:.1f} GB/s of weights), {before / after:.2f}x, paired "
+                      f"{paired:.2f}x (outputs bit-identical)", flush=True)
     return 0
 
 
