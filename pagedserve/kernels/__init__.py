@@ -54,6 +54,8 @@ _SIGNATURES = {
     "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
     "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
+    "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _INT, _INT),
+                             None),
     "ps_gguf_block_bytes": ((_INT,), _I64),
     "ps_requant_gguf_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), _INT),
     "ps_quantize_rows_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), None),
@@ -313,24 +315,50 @@ class CpuKernels:
                          slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D] (rows of D contiguous, heads adjacent); caches [S, Hkv, D]; slots [B, L] int64;
         lens [B] int64 -> [B, Hq, D]."""
-        check("q", q, ACTIVATION_DTYPES, (None, None, None), contiguous=False)
+        q, hkv = self._check_attention("decode_attention", q, k_cache, v_cache)
         b, hq, d = q.shape
-        check("k_cache", k_cache, q.dtype, (None, None, d))
-        hkv = k_cache.shape[1]
-        if d % 16 or d > 256 or hq % hkv:
-            raise ValueError(f"decode_attention: head_dim {d} (a multiple of 16 up to 256?) or {hq} query heads "
-                             f"for {hkv} KV heads")
-        check("v_cache", v_cache, q.dtype, tuple(k_cache.shape))
         check("slots", slots, torch.int64, (b, None), contiguous=False)
         check("lens", lens, torch.int64, (b,), contiguous=False)
         slots, lens = slots.contiguous(), lens.contiguous()  # no-ops for the runner's tensors
-        if q.stride(2) != 1 or q.stride(1) != d:
-            q = q.contiguous()
         out = torch.empty(b, hq, d, dtype=q.dtype)
         self.lib.ps_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                      slots.data_ptr(), lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
                                      slots.shape[1], scale, q.dtype == torch.bfloat16, self._threads())
         return out
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slots: torch.Tensor, start: int, scale: float, scratch_bytes: int) -> torch.Tensor:
+        """A prefill chunk's queries q [T, Hq, D] at positions start .. start + T - 1 attending causally over the
+        start + T positions at `slots` (int64, [start + T]; the chunk's own K/V already written there) -> [T, Hq,
+        D]: each row as a decode row with its context (ps_prefill_attention). The threads' score buffers stay
+        within `scratch_bytes` (fewer rows share one widened context where it is long)."""
+        q, hkv = self._check_attention("prefill_attention", q, k_cache, v_cache)
+        t, hq, d = q.shape
+        check("slots", slots, torch.int64, (start + t,), contiguous=False)
+        threads = self._threads()
+        max_run = scratch_bytes // max(1, threads * (hq // hkv) * (start + t) * 4)
+        out = torch.empty(t, hq, d, dtype=q.dtype)
+        self.lib.ps_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                      slots.contiguous().data_ptr(), start, t, out.data_ptr(), hq, hkv, d, max_run,
+                                      scale, q.dtype == torch.bfloat16, threads)
+        return out
+
+    @staticmethod
+    def _check_attention(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                         ) -> tuple[torch.Tensor, int]:
+        """The attention kernels' shared checks: q [rows, Hq, D] (copied unless its heads are adjacent rows of D
+        contiguous values) and its KV heads."""
+        check("q", q, ACTIVATION_DTYPES, (None, None, None), contiguous=False)
+        _, hq, d = q.shape
+        check("k_cache", k_cache, q.dtype, (None, None, d))
+        hkv = k_cache.shape[1]
+        if d % 16 or d > 256 or hq % hkv:
+            raise ValueError(f"{what}: head_dim {d} (a multiple of 16 up to 256?) or {hq} query heads "
+                             f"for {hkv} KV heads")
+        check("v_cache", v_cache, q.dtype, tuple(k_cache.shape))
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        return q, hkv
 
     @property
     def layer_fields(self) -> int:

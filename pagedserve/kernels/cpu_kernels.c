@@ -1797,12 +1797,13 @@ static void weighted_sums(const float *w, int64_t w_stride, int64_t n, const flo
  * verification are. run[b] = the run's length at its first row, 0 inside a run; a run is cut into pieces so
  * that the batch gives each thread about two tasks (one per piece and KV head), and at MAX_RUN rows. */
 #define MAX_RUN 16
-static void context_runs(const int64_t *slots, const int64_t *lens, int64_t B, int64_t Hkv, int64_t max_len,
-                         int nthreads, int64_t *run) {
+static void context_runs(const int64_t *slots, int64_t slot_stride, const int64_t *lens, int64_t B, int64_t Hkv,
+                         int64_t max_run, int nthreads, int64_t *run) {
   int64_t runs = 0;
   for (int64_t b = 0, first = 0; b < B; ++b) {
     const int joins = b > 0 && lens[b] == lens[b - 1] + 1 &&
-                      !memcmp(slots + b * max_len, slots + (b - 1) * max_len, sizeof(int64_t) * (size_t)lens[b - 1]);
+                      (slot_stride == 0 || !memcmp(slots + b * slot_stride, slots + (b - 1) * slot_stride,
+                                                   sizeof(int64_t) * (size_t)lens[b - 1]));
     if (!joins) {
       first = b;
       ++runs;
@@ -1815,11 +1816,21 @@ static void context_runs(const int64_t *slots, const int64_t *lens, int64_t B, i
   for (int64_t b = 0; b < B;) {
     const int64_t n = run[b];
     int64_t piece = (n + pieces - 1) / pieces;
-    piece = piece > MAX_RUN ? MAX_RUN : piece;
+    piece = piece > max_run ? max_run : piece;
     for (int64_t r = 0; r < n; ++r) run[b + r] = r % piece ? 0 : (n - r < piece ? n - r : piece);
     b += n;
   }
 }
+
+/* Rows of queries, each attending over its own context in the paged KV pool (attend_rows below).
+ * q: [B, Hq, D] with row stride q_stride (elements) between rows; k_cache/v_cache: [S, Hkv, D];
+ * row b's context is lens[b] positions whose slots are slots[b * slot_stride ..] (int64; slot_stride 0: every
+ * row reads the same list, as a prefill chunk's rows do); out: [B, Hq, D] contiguous. Runs of rows that read
+ * the same context take at most max_run rows at a time (context_runs). */
+static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                        const int64_t *slots, int64_t slot_stride, const int64_t *lens, void *out, int64_t B,
+                        int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, int64_t max_run, float scale,
+                        int bf16, int nthreads);
 
 /* One query token per sequence attends over its context in the paged KV pool.
  * q: [B, Hq, D] with row stride q_stride (elements) between sequences; k_cache/v_cache: [S, Hkv, D];
@@ -1833,10 +1844,35 @@ static void context_runs(const int64_t *slots, const int64_t *lens, int64_t B, i
 void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *slots, const int64_t *lens, void *out, int64_t B, int64_t Hq,
                          int64_t Hkv, int64_t D, int64_t max_len, float scale, int bf16, int nthreads) {
+  attend_rows(q, q_stride, k_cache, v_cache, slots, max_len, lens, out, B, Hq, Hkv, D, max_len, MAX_RUN, scale,
+              bf16, nthreads);
+}
+
+/* A prefill chunk of T query rows at positions start .. start + T - 1 attends causally over its sequence's
+ * start + T positions, whose slots are slots[0 .. start + T - 1]: row i is a decode row with start + i + 1
+ * positions of context, and the chunk one run of rows (the decode path's operations and roundings, row by row),
+ * cut into pieces of at most max_run rows, each widening the context once per KV head. The scores buffer of a
+ * thread holds max_run x (Hq / Hkv) x (start + T) floats: the caller keeps it within its budget with max_run.
+ * Against torch's SDPA (2 cores of a Zen 5, 428 queries, 14/2 heads of 64): 1.5 ms instead of 5.3. */
+void ps_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                          const int64_t *slots, int64_t start, int64_t T, void *out, int64_t Hq, int64_t Hkv,
+                          int64_t D, int64_t max_run, float scale, int bf16, int nthreads) {
+  int64_t *lens = (int64_t *)malloc(sizeof(int64_t) * (size_t)T);
+  if (!lens) abort();
+  for (int64_t i = 0; i < T; ++i) lens[i] = start + i + 1;
+  attend_rows(q, q_stride, k_cache, v_cache, slots, 0, lens, out, T, Hq, Hkv, D, start + T,
+              max_run < 1 ? 1 : (max_run > MAX_RUN ? MAX_RUN : max_run), scale, bf16, nthreads);
+  free(lens);
+}
+
+static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                        const int64_t *slots, int64_t slot_stride, const int64_t *lens, void *out, int64_t B,
+                        int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, int64_t max_run, float scale,
+                        int bf16, int nthreads) {
   const int64_t group = Hq / Hkv, nv = D / VL;
   int64_t *run = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
   if (!run) abort();
-  context_runs(slots, lens, B, Hkv, max_len, nthreads, run);
+  context_runs(slots, slot_stride, lens, B, Hkv, max_run, nthreads, run);
   int64_t most = 1;  /* rows in the longest piece */
   for (int64_t b = 0; b < B; ++b) most = run[b] > most ? run[b] : most;
   #pragma omp parallel num_threads(nthreads)
@@ -1851,10 +1887,10 @@ void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, c
     int64_t iota[ATTN_CHUNK];  /* the widened rows' own "slots" */
     for (int64_t l = 0; l < ATTN_CHUNK; ++l) iota[l] = l;
     #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * Hkv; ++task) {
+    for (int64_t task = B * Hkv - 1; task >= 0; --task) {  /* last rows first: a prefill's longest contexts */
       const int64_t b0 = task / Hkv, kvh = task % Hkv, R = run[b0];
       if (R == 0) continue;  /* a row inside a run: its first row's task does it */
-      const int64_t len_max = lens[b0 + R - 1], *slot = slots + (b0 + R - 1) * max_len;  /* the longest row */
+      const int64_t len_max = lens[b0 + R - 1], *slot = slots + (b0 + R - 1) * slot_stride;  /* the longest row */
       /* Widened rows unless one head alone reads them (group 1 and one row: straight from the pool, since a
        * widened copy read by one head only cost 1.19x at 32 x 1000 positions); chunk by chunk */
       const int widen = group > 1 || R > 1;

@@ -43,6 +43,9 @@ weights and the runtime overhead are memory/sizes.py's):
                                         materialises them (not torch's SDPA on CPU, which is tiled: for nh=14,
                                         2048 queries x 8192 keys the peak RSS grew 59 MiB (fp32), not the 896 MiB
                                         of scores (ru_maxrss, torch 2.13.0+cpu), hence the default False).
+                                        A chunk on the native kernels reads its context in place and keeps its
+                                        threads' scores within this term and the one above (fewer rows share a
+                                        widened context where it is long).
     decode slots 16 x min(S, T) x M     the int64 slot of every decode's context position, padded to the
                                         longest (built once per step: the table and its contiguous copy)
     logits      2 x min(S, T) x V x 4   fp32 logits of each sequence's last position + the sampler's probs

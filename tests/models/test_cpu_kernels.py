@@ -257,6 +257,39 @@ def test_decode_attention_rows_of_one_context_equal_each_row_alone(kernels, dtyp
         assert torch.equal(alone[0], together[b]), f"row {b} (context {int(lens[b])})"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (4, 4, 64), (6, 2, 128), (4, 2, 96)])
+@pytest.mark.parametrize("start,num", [(0, 70), (37, 70), (130, 1)])
+@pytest.mark.parametrize("scratch", [1 << 30, 0])
+def test_prefill_attention_rows_equal_decode_rows_alone(kernels, dtype, hq, hkv, d, start, num, scratch):
+    """A prefill chunk's rows at positions start .. start + num - 1 attend causally over start + num paged positions:
+    each row must be bit-equal to a decode row with its context alone, and close to torch's roundings. A fresh
+    chunk (start 0), one after prior context (chunked prefill, a prefix hit), a single row; pieces of 16 rows
+    sharing a widened context, and of 1 row where the scratch allows no more (scratch 0)."""
+    torch.manual_seed(hq * d + start + num)
+    num_slots, context = 400, start + num
+    k_cache = torch.randn(num_slots, hkv, d).to(dtype)
+    v_cache = torch.randn(num_slots, hkv, d).to(dtype)
+    slots = torch.randperm(num_slots)[:context]  # paged: the sequence's positions anywhere in the pool
+    qkv = torch.randn(num, hq + 2 * hkv, d).to(dtype)  # q as the model passes it: a view, rows not contiguous
+    q = qkv[:, :hq]
+    scale = d ** -0.5
+    out = kernels.prefill_attention(q, k_cache, v_cache, slots, start, scale, scratch)
+    lens = torch.arange(start + 1, context + 1)
+    table = slots.expand(num, context)
+    expected = _reference_decode(q, k_cache, v_cache, table, lens, scale).float()
+    # The float32 sums run in another order than torch's, and a weighted sum that cancels to a small value keeps
+    # the error of its large terms: within a bf16 step of the largest output (each row's equality with the decode
+    # kernel, whose closeness to torch is tested above, is the strict part)
+    tolerance = expected.abs().max() * (2 ** -7 if dtype == torch.bfloat16 else 1e-5)
+    assert (out.float() - expected).abs().max() <= tolerance
+    if dtype == torch.bfloat16:
+        assert (out.float() != expected).float().mean() < 0.05
+    for i in range(num):
+        alone = kernels.decode_attention(q[i:i + 1], k_cache, v_cache, table[i:i + 1], lens[i:i + 1], scale)
+        assert torch.equal(alone[0], out[i]), f"row {i} (position {start + i})"
+
+
 # decode batches take the integer kernel, prefill-sized bf16 ones its bf16 panels; float32 ones above
 # kernels.int8_max_rows (AVX512-BF16 only: 32) the dequantized matmul
 @pytest.mark.parametrize("dtype", DTYPES)
