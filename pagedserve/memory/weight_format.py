@@ -195,7 +195,7 @@ class LayerKernels:
                 "after each)")
         return [f"{self.num_layers} decoder layers: " + ", ".join(f"{l.name} {l.words}" for l in self.linears),
                 f"norms {native}; SiLU x up {native}; rotary + KV write {'native' if self.rotary_fused else 'torch'}; "
-                f"decode attention {native}; prefill attention torch SDPA",
+                f"decode attention {native}; prefill attention {'native' if self.decoder_native else 'torch SDPA'}",
                 f"decode stack (every layer's C attention and MLP halves for decode-only steps): {stack}"]
 
 
