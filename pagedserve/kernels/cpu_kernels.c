@@ -1384,10 +1384,11 @@ int ps_amx_int8(void) {
 #endif
 }
 
-/* Outputs per chunk of the block loop below: their sums are gathered, then stored a row at a time, VL at once
- * (i8_store_row, the same roundings). One i8_store per output had cost about a third of a block's time at K = 576
- * (SmolLM2's layers) and 5 rows: AVX-512 build on the 2-core Zen 5, 1.04-1.29x at 5 rows (weights streamed or in
- * cache, Qwen2.5-0.5B's and SmolLM2's shapes), SmolLM2's batch-5 decode 1.09x. Reducing the 4 rows' sums
+/* Outputs per chunk of the block loops below (and of each block of AVX2's pairs): their sums are gathered, then
+ * stored a row at a time, VL at once (i8_store_row, the same roundings). One i8_store per output had cost about a
+ * third of a block's time at K = 576 (SmolLM2's layers) and 5 rows. On the 2-core Zen 5, Qwen2.5-0.5B's and
+ * SmolLM2's shapes: AVX-512 build 1.04-1.29x at 5 rows (weights streamed or in cache), SmolLM2's batch-5 decode
+ * 1.09x; AVX2 build 1.0-1.15x at 3-5 rows, 1.05-1.17x at 9-17. Reducing the 4 rows' sums
  * together too (unpacks instead of _mm512_reduce_add_epi32) made GCC shuffle the sums between registers in the
  * loop (2 moves per vpdpbusd; 0.9x in the model): check the loop with objdump after touching i8_block. */
 #define I8_CHUNK 32
@@ -1435,30 +1436,43 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
 #ifdef I8_PAIRS
   {  /* block i with block i + half */
     const int64_t half = N / 8;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t i = 0; i < half; ++i) {
-      const int8_t *w0 = q + i * 4 * K, *w1 = q + (i + half) * 4 * K;
-      const int64_t next = i + 1 < half ? 4 * K : 0;  /* the thread's next pair (static schedule) */
-      const int64_t single = M == 2 ? 2 : 1;  /* rows that stream the pair one row at a time */
-      for (int64_t m = 0; m < single; ++m) {
-        const int64_t ahead = m == 1 ? next : I8_AHEAD;  /* where this row's pass prefetches */
-        float acc[2][4];
-        i8_block_pair(w0, w1, (const int16_t *)planes + m * K, K, w0 + ahead, w1 + ahead, acc);
-        for (int b = 0; b < 2; ++b)
-          for (int r = 0; r < 4; ++r) i8_store(y, bias, scale, xs[m], acc[b][r], m, (i + b * half) * 4 + r, N, bf16);
-      }
-      for (int64_t m = single; m < M; m += 2) {  /* the pair is in cache now: one widened weight, two rows */
-        for (int b = 0; b < 2; ++b) {
-          const int8_t *w = b ? w1 : w0, *ahead = m == 1 ? w + next : w;  /* the first pass fetches the next pair */
-          float acc[4][2];
-          const int C = M - m > 1 ? 2 : 1;
-          if (C == 2) i8_block_ahead(w, (const int16_t *)planes, m, 2, K, ahead, acc);  /* C a constant: the */
-          else i8_block_ahead(w, (const int16_t *)planes, m, 1, K, ahead, acc);  /* sums stay in registers */
-          for (int c = 0; c < C; ++c)
-            for (int r = 0; r < 4; ++r)
-              i8_store(y, bias, scale, xs[m + c], acc[r][c], m + c, (i + b * half) * 4 + r, N, bf16);
+    #pragma omp parallel num_threads(nthreads)
+    {  /* each thread a run of pairs (as a static schedule), I8_CHUNK outputs of each block at a time */
+      const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+      float *out = (float *)malloc(sizeof(float) * (size_t)(2 * M * I8_CHUNK));  /* [block of the pair][row][..] */
+      if (!out) abort();
+      for (int64_t c0 = half * t / threads, c1 = half * (t + 1) / threads; c0 < c1; c0 += I8_CHUNK / 4) {
+        const int64_t e = c1 - c0 > I8_CHUNK / 4 ? c0 + I8_CHUNK / 4 : c1;
+        for (int64_t i = c0; i < e; ++i) {
+          const int8_t *w0 = q + i * 4 * K, *w1 = q + (i + half) * 4 * K;
+          const int64_t next = i + 1 < c1 ? 4 * K : 0;  /* the thread's next pair */
+          const int64_t single = M == 2 ? 2 : 1;  /* rows that stream the pair one row at a time */
+          float *o = out + (i - c0) * 4;
+          for (int64_t m = 0; m < single; ++m) {
+            const int64_t ahead = m == 1 ? next : I8_AHEAD;  /* where this row's pass prefetches */
+            float acc[2][4];
+            i8_block_pair(w0, w1, (const int16_t *)planes + m * K, K, w0 + ahead, w1 + ahead, acc);
+            for (int b = 0; b < 2; ++b)
+              for (int r = 0; r < 4; ++r) o[(b * M + m) * I8_CHUNK + r] = acc[b][r];
+          }
+          for (int64_t m = single; m < M; m += 2) {  /* the pair is in cache now: one widened weight, two rows */
+            for (int b = 0; b < 2; ++b) {
+              const int8_t *w = b ? w1 : w0, *ahead = m == 1 ? w + next : w;  /* the first pass fetches the next */
+              float acc[4][2];
+              const int C = M - m > 1 ? 2 : 1;
+              if (C == 2) i8_block_ahead(w, (const int16_t *)planes, m, 2, K, ahead, acc);  /* C a constant: the */
+              else i8_block_ahead(w, (const int16_t *)planes, m, 1, K, ahead, acc);  /* sums stay in registers */
+              for (int c = 0; c < C; ++c)
+                for (int r = 0; r < 4; ++r) o[(b * M + m + c) * I8_CHUNK + r] = acc[r][c];
+            }
+          }
         }
+        for (int b = 0; b < 2; ++b)
+          for (int64_t m = 0; m < M; ++m)
+            i8_store_row(y, bias, scale, xs[m], out + (b * M + m) * I8_CHUNK, m, (c0 + b * half) * 4, (e - c0) * 4, N,
+                         bf16);
       }
+      free(out);
     }
     first = 8 * half;
   }
