@@ -1388,9 +1388,9 @@ int ps_amx_int8(void) {
  * stored a row at a time, VL at once (i8_store_row, the same roundings). One i8_store per output had cost about a
  * third of a block's time at K = 576 (SmolLM2's layers) and 5 rows. On the 2-core Zen 5, Qwen2.5-0.5B's and
  * SmolLM2's shapes: AVX-512 build 1.04-1.29x at 5 rows (weights streamed or in cache), SmolLM2's batch-5 decode
- * 1.09x; AVX2 build 1.0-1.15x at 3-5 rows, 1.05-1.17x at 9-17. Reducing the 4 rows' sums
- * together too (unpacks instead of _mm512_reduce_add_epi32) made GCC shuffle the sums between registers in the
- * loop (2 moves per vpdpbusd; 0.9x in the model): check the loop with objdump after touching i8_block. */
+ * 1.09x; AVX2 build 1.0-1.15x at 3-5 rows, 1.05-1.17x at 9-17. Reducing the 4 rows' sums together too (unpacks
+ * instead of _mm512_reduce_add_epi32) made GCC shuffle the sums between registers in the loop (2 moves per
+ * vpdpbusd; 0.9x in the model): check the loop with objdump after touching i8_block. */
 #define I8_CHUNK 32
 
 void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
