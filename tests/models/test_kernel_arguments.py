@@ -34,6 +34,9 @@ def _calls(k):
         "decode_attention": dict(q=torch.randn(1, hq, d), k_cache=torch.randn(slots_total, hkv, d),
                                  v_cache=torch.randn(slots_total, hkv, d), slots=step["ctx_slots"], lens=step["lens"],
                                  scale=d ** -0.5),
+        "prefill_attention": dict(q=torch.randn(3, hq, d), k_cache=torch.randn(slots_total, hkv, d),
+                                  v_cache=torch.randn(slots_total, hkv, d), slots=torch.tensor([6, 0, 2, 4, 1]),
+                                  start=2, scale=d ** -0.5, scratch_bytes=1 << 20),
         # never run with these (the table holds no pointers): only the refusals are exercised
         "decode_stack": dict(x=torch.randn(1, 64), table=torch.zeros(2, k.layer_fields, dtype=I64),
                              final_norm=torch.rand(64), **step, num_heads=hq, num_kv_heads=hkv, head_dim=d,
@@ -42,7 +45,7 @@ def _calls(k):
 
 
 RUNNABLE = ["pack_rows", "pack_bf16", "linear_bf16", "linear_i8", "rms_norm", "silu_mul", "rope_kv_write",
-            "decode_attention"]
+            "decode_attention", "prefill_attention"]
 
 WRONG = [  # (wrapper, argument, wrong value or a function of the valid one)
     ("pack_rows", "weight", lambda w: w.float()),
@@ -81,6 +84,11 @@ WRONG = [  # (wrapper, argument, wrong value or a function of the valid one)
     ("decode_attention", "k_cache", lambda c: c.to(BF16)),
     ("decode_attention", "lens", lambda n: n.int()),
     ("decode_attention", "slots", lambda s: torch.cat([s, s])),
+    ("prefill_attention", "q", lambda q: q.double()),
+    ("prefill_attention", "k_cache", lambda c: c.to(BF16)),
+    ("prefill_attention", "v_cache", lambda v: v[:4]),
+    ("prefill_attention", "slots", lambda s: s[:4]),  # start + 3 rows need 5
+    ("prefill_attention", "slots", lambda s: s.int()),
     ("decode_stack", "final_norm", lambda w: w[:32]),
     ("decode_stack", "final_norm", lambda w: w.to(BF16)),
     ("decode_stack", "table", lambda t: t[:, :-1].contiguous()),
