@@ -11,7 +11,9 @@ Goal: >= 2x output tokens/s over pagedserve without speculation, text identical.
 drafts can rarely help (goal >= 0.95x): W1 (32 random tokens -> 128, batch 1) and W2 (32 x 128 -> 64, batch 32)
 on the Qwen2.5-0.5B shape with random weights (benchmarks/comparison/models.py builds it).
 
-Both pagedserve engines live in this process; with --llama-cpp-python, the same GGUF files and prompt tokens run
+The table also gives what a verification step (1 + k rows) costs in plain decode steps of the same engine (median
+step times): the speed-up is about the tokens a verification emits over that cost. Both pagedserve engines live in
+this process; with --llama-cpp-python, the same GGUF files and prompt tokens run
 through llama.cpp (llama-cpp-python, built by shared/peers/llama-cpp/run.sh) without and with its prompt-lookup
 decoding (LlamaPromptLookupDecoding), in a subprocess per round. Rounds interleave every system in rotated
 order; medians are reported.
@@ -144,6 +146,31 @@ def run_pagedserve(llm, jobs: dict[str, tuple[list[int], int]]) -> dict[str, dic
     return out
 
 
+class StepTimes:
+    """Wall time of each of an engine's model steps by its row count (its runner's execute, wrapped on the
+    instance): at batch 1 a 1-row step is a plain decode and a (1 + k)-row step a verification, so their ratio is
+    what a verification costs in plain steps (compute-bound int8 rows make it grow; see RESULTS_speculative.md)."""
+
+    def __init__(self, llm) -> None:
+        self.seconds: dict[int, list[float]] = {}
+        runner = llm.engine.runner
+        execute = runner.execute
+
+        def timed(sched):
+            start = time.perf_counter()
+            out = execute(sched)
+            self.seconds.setdefault(sched.total_num_scheduled_tokens, []).append(time.perf_counter() - start)
+            return out
+
+        runner.execute = timed
+
+    def cost(self, rows: int) -> float | None:
+        """Median `rows`-row step over the median 1-row step, or None without both."""
+        if not self.seconds.get(1) or not self.seconds.get(rows):
+            return None
+        return statistics.median(self.seconds[rows]) / statistics.median(self.seconds[1])
+
+
 def run_llama_cpp(python: str, path: str, mode: str, jobs: dict, k: int) -> dict[str, dict]:
     result = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT, path, mode, str(k),
                              json.dumps(jobs)], capture_output=True, text=True, timeout=1800)
@@ -167,6 +194,7 @@ def real_model_rows(name: str, args: argparse.Namespace) -> list[dict]:
     kwargs = dict(max_model_len=2048, enable_prefix_caching=False, dtype=args.dtype)
     plain = LLM(path, **kwargs)
     spec = LLM(path, speculative_config=args.spec, **kwargs)
+    steps = StepTimes(spec)
     jobs = {w: (chat_prompt(plain, text), max_tokens) for w, (text, max_tokens) in WORKLOADS.items()}
     systems = {"pagedserve": lambda: run_pagedserve(plain, jobs), "pagedserve + ngram": lambda: run_pagedserve(spec, jobs)}
     k = args.spec["num_speculative_tokens"]
@@ -179,10 +207,11 @@ def real_model_rows(name: str, args: argparse.Namespace) -> list[dict]:
             runs[system].append(systems[system]())
         print(f"{name}: round {round_index + 1} done", flush=True)
     acceptance = spec.engine.scheduler.proposer.totals
+    verify_cost = steps.cost(1 + k)
     rows = []
     for workload in jobs:
         row = {"model": name, "workload": workload, "prompt_tokens": len(jobs[workload][0]),
-               "acceptance": acceptance.acceptance_rate}
+               "acceptance": acceptance.acceptance_rate, "verify_cost": verify_cost}
         for system, results in runs.items():
             row[system] = statistics.median(len(r[workload]["tokens"]) / r[workload]["seconds"] for r in results)
             row[f"{system} decode"] = statistics.median((len(r[workload]["tokens"]) - 1) / r[workload]["decode_seconds"]
@@ -247,6 +276,10 @@ def cpu_class() -> str:
     return probe(cpu_flags())
 
 
+def _cost(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def format_report(real: list[dict], random_: list[dict], args: argparse.Namespace, wall_s: float) -> str:
     peers = bool(args.llama_cpp_python)
     lines = [
@@ -261,9 +294,9 @@ def format_report(real: list[dict], random_: list[dict], args: argparse.Namespac
         "minute; ratios within a round are what count.",
         "",
         "| model | workload | prompt / output tokens | pagedserve tok/s (decode) | + ngram tok/s (decode) | "
-        "speed-up, e2e (decode) | text identical | draft acceptance |"
+        "speed-up, e2e (decode) | text identical | draft acceptance | verification step / plain step |"
         + (" llama.cpp tok/s (decode) | + prompt lookup (decode) | speed-up, e2e (decode) | identical |" if peers else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if peers else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if peers else ""),
     ]
 
     def pair(r: dict, base: str, fast: str) -> str:
@@ -273,7 +306,7 @@ def format_report(real: list[dict], random_: list[dict], args: argparse.Namespac
     for r in real:
         line = (f"| {r['model']} | {r['workload']} | {r['prompt_tokens']} / {r['output_tokens']} | "
                 f"{pair(r, 'pagedserve', 'pagedserve + ngram')} | {'yes' if r['identical'] else 'NO'} | "
-                f"{r['acceptance']:.0%} |")
+                f"{r['acceptance']:.0%} | {_cost(r['verify_cost'])} |")
         if peers:
             line += f" {pair(r, 'llama.cpp', 'llama.cpp + lookup')} | {'yes' if r['llama.cpp identical'] else 'NO'} |"
         lines.append(line)
