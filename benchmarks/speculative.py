@@ -11,8 +11,8 @@ Goal: >= 2x output tokens/s over pagedserve without speculation, text identical.
 drafts can rarely help (goal >= 0.95x): W1 (32 random tokens -> 128, batch 1) and W2 (32 x 128 -> 64, batch 32)
 on the Qwen2.5-0.5B shape with random weights (benchmarks/comparison/models.py builds it).
 
-The table also gives what a verification step (1 + k rows) costs in plain decode steps of the same engine (median
-step times): the speed-up is about the tokens a verification emits over that cost. Both pagedserve engines live in
+The table also gives what a verification step (1 + k rows) costs in plain decode steps (median step times of the
+two engines): the decode speed-up is about the tokens a verification emits over that cost. Both pagedserve engines live in
 this process; with --llama-cpp-python, the same GGUF files and prompt tokens run
 through llama.cpp (llama-cpp-python, built by shared/peers/llama-cpp/run.sh) without and with its prompt-lookup
 decoding (LlamaPromptLookupDecoding), in a subprocess per round. Rounds interleave every system in rotated
@@ -148,8 +148,7 @@ def run_pagedserve(llm, jobs: dict[str, tuple[list[int], int]]) -> dict[str, dic
 
 class StepTimes:
     """Wall time of each of an engine's model steps by its row count (its runner's execute, wrapped on the
-    instance): at batch 1 a 1-row step is a plain decode and a (1 + k)-row step a verification, so their ratio is
-    what a verification costs in plain steps (compute-bound int8 rows make it grow; see RESULTS_speculative.md)."""
+    instance): at batch 1 a 1-row step is a plain decode and a (1 + k)-row step a verification."""
 
     def __init__(self, llm) -> None:
         self.seconds: dict[int, list[float]] = {}
@@ -164,11 +163,15 @@ class StepTimes:
 
         runner.execute = timed
 
-    def cost(self, rows: int) -> float | None:
-        """Median `rows`-row step over the median 1-row step, or None without both."""
-        if not self.seconds.get(1) or not self.seconds.get(rows):
-            return None
-        return statistics.median(self.seconds[rows]) / statistics.median(self.seconds[1])
+    def median(self, rows: int) -> float | None:
+        return statistics.median(self.seconds[rows]) if self.seconds.get(rows) else None
+
+
+def verification_cost(plain: StepTimes, spec: StepTimes, k: int) -> float | None:
+    """What a verification (1 + k rows, the speculating engine) costs in plain decode steps (1 row, the plain
+    engine), by median step times: compute-bound int8 rows make it grow (see RESULTS_speculative.md)."""
+    one, verify = plain.median(1), spec.median(1 + k)
+    return None if one is None or verify is None else verify / one
 
 
 def run_llama_cpp(python: str, path: str, mode: str, jobs: dict, k: int) -> dict[str, dict]:
@@ -194,7 +197,7 @@ def real_model_rows(name: str, args: argparse.Namespace) -> list[dict]:
     kwargs = dict(max_model_len=2048, enable_prefix_caching=False, dtype=args.dtype)
     plain = LLM(path, **kwargs)
     spec = LLM(path, speculative_config=args.spec, **kwargs)
-    steps = StepTimes(spec)
+    plain_steps, spec_steps = StepTimes(plain), StepTimes(spec)
     jobs = {w: (chat_prompt(plain, text), max_tokens) for w, (text, max_tokens) in WORKLOADS.items()}
     systems = {"pagedserve": lambda: run_pagedserve(plain, jobs), "pagedserve + ngram": lambda: run_pagedserve(spec, jobs)}
     k = args.spec["num_speculative_tokens"]
@@ -207,7 +210,7 @@ def real_model_rows(name: str, args: argparse.Namespace) -> list[dict]:
             runs[system].append(systems[system]())
         print(f"{name}: round {round_index + 1} done", flush=True)
     acceptance = spec.engine.scheduler.proposer.totals
-    verify_cost = steps.cost(1 + k)
+    verify_cost = verification_cost(plain_steps, spec_steps, k)
     rows = []
     for workload in jobs:
         row = {"model": name, "workload": workload, "prompt_tokens": len(jobs[workload][0]),
