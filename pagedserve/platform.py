@@ -52,24 +52,25 @@ def resolve_device(requested: str) -> str:
     if requested not in ("cpu", "cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {requested!r}")
     if requested == "cuda" and default_device() != "cuda":
-        from importlib import metadata
-
-        try:
-            build = f"torch {metadata.version('torch')}"
-        except metadata.PackageNotFoundError:
-            build = "torch"
+        version = _torch_version()
+        build = f"torch {version}" if version else "torch"
         raise ValueError(f"--device cuda: {build} sees no GPU here (a CPU-only build, or no driver); use --device "
                          "cpu (or auto), or install the torch build for your CUDA version")
     return requested
 
 
-def _torch_is_cpu_only_build() -> bool:
+def _torch_version() -> str | None:
+    """The installed torch's version (from its package metadata, without importing it), or None."""
     from importlib import metadata
 
     try:
-        return metadata.version("torch").endswith("+cpu")
+        return metadata.version("torch")
     except metadata.PackageNotFoundError:
-        return False
+        return None
+
+
+def _torch_is_cpu_only_build() -> bool:
+    return (_torch_version() or "").endswith("+cpu")
 
 
 def torch_dtype(name: str) -> torch.dtype:
