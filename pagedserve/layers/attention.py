@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import CpuKernels
-from pagedserve.memory.plan import ATTENTION_CHUNK_PAIRS  # query x key pairs per SDPA call: a 4 MiB bf16 mask
+# ATTENTION_CHUNK_PAIRS: query x key pairs per SDPA call (a 4 MiB bf16 mask)
+from pagedserve.memory.plan import ATTENTION_CHUNK_PAIRS, prefill_scratch_bytes
 
 
 @dataclass
@@ -171,9 +172,7 @@ def _native_prefill_attention(q: torch.Tensor, cache: LayerKVCache, meta: Attent
     num = span.end - span.start
     context_len = span.context_start + num
     slots = span.kv_slots if span.kv_slots is not None else meta.slot_mapping[span.start:span.end]
-    d = q.element_size()
-    scratch = (min(ATTENTION_CHUNK_PAIRS, num * context_len) * (1 + d)
-               + 2 * context_len * cache.k.shape[1] * cache.k.shape[2] * d)
+    scratch = prefill_scratch_bytes(num, context_len, cache.k.shape[1], cache.k.shape[2], q.element_size())
     return kernels.prefill_attention(q[span.start:span.end], cache.k, cache.v, slots, span.context_start, scale,
                                      scratch)
 

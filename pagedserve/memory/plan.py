@@ -266,6 +266,14 @@ def _gib(num_bytes: int) -> str:
 # ----------------------------------------------------------------------------------------------- the plan
 
 
+def prefill_scratch_bytes(chunk: int, context_len: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """What one prefill chunk's attention may hold beyond q/k/v: the "gathered kv" and "scores" terms of the module
+    docstring for a chunk of `chunk` queries over `context_len` positions (the torch path's gathered K/V and SDPA
+    mask; the native kernel's score buffers are kept within it, layers/attention.py)."""
+    return (min(ATTENTION_CHUNK_PAIRS, chunk * context_len) * (1 + dtype_bytes)
+            + 2 * context_len * kv_heads * head_dim * dtype_bytes)
+
+
 def activation_bytes(shape: ModelShape, request: PlanRequest) -> ActivationBytes:
     """Peak activations of one step of max_num_batched_tokens tokens (formulas in the module docstring)."""
     tokens, d = request.max_num_batched_tokens, request.dtype_bytes
