@@ -1393,6 +1393,13 @@ int ps_amx_int8(void) {
  * vpdpbusd; 0.9x in the model): check the loop with objdump after touching i8_block. */
 #define I8_CHUNK 32
 
+/* This OpenMP thread's share of `total` items, [*first, *end): contiguous runs, as a static schedule gives them. */
+static inline void thread_share(int64_t total, int64_t *first, int64_t *end) {
+  const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+  *first = total * t / threads;
+  *end = total * (t + 1) / threads;
+}
+
 void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int32_t *wsum, const void *bias,
                   void *y, int64_t M, int64_t N, int64_t K, int bf16, int nthreads) {
 #ifdef I8_GEMM
@@ -1438,10 +1445,11 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
     const int64_t half = N / 8;
     #pragma omp parallel num_threads(nthreads)
     {  /* each thread a run of pairs (as a static schedule), I8_CHUNK outputs of each block at a time */
-      const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+      int64_t c0, c1;
+      thread_share(half, &c0, &c1);
       float *out = (float *)malloc(sizeof(float) * (size_t)(2 * M * I8_CHUNK));  /* [block of the pair][row][..] */
       if (!out) abort();
-      for (int64_t c0 = half * t / threads, c1 = half * (t + 1) / threads; c0 < c1; c0 += I8_CHUNK / 4) {
+      for (; c0 < c1; c0 += I8_CHUNK / 4) {
         const int64_t e = c1 - c0 > I8_CHUNK / 4 ? c0 + I8_CHUNK / 4 : c1;
         for (int64_t i = c0; i < e; ++i) {
           const int8_t *w0 = q + i * 4 * K, *w1 = q + (i + half) * 4 * K;
@@ -1480,10 +1488,11 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
   const int64_t blocks = (N - first + 3) / 4;
   #pragma omp parallel num_threads(nthreads)
   {  /* each thread a run of blocks (as a static schedule), I8_CHUNK outputs at a time */
-    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    int64_t c0, c1;
+    thread_share(blocks, &c0, &c1);
     float *out = (float *)malloc(sizeof(float) * (size_t)(M * I8_CHUNK));  /* the chunk's sums, row by row */
     if (!out) abort();
-    for (int64_t c0 = blocks * t / threads, c1 = blocks * (t + 1) / threads; c0 < c1; c0 += I8_CHUNK / 4) {
+    for (; c0 < c1; c0 += I8_CHUNK / 4) {
       const int64_t n0 = first + 4 * c0, n1 = c1 - c0 > I8_CHUNK / 4 ? n0 + I8_CHUNK : first + 4 * c1;
       for (int64_t n = n0; n < n1; n += 4) {
         const int64_t rows = N - n < 4 ? N - n : 4;
