@@ -56,6 +56,7 @@ _SIGNATURES = {
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
     "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _INT, _INT),
                              None),
+    "ps_argmax_rows": ((_P, _I64, _I64, _P, _INT), None),
     "ps_gguf_block_bytes": ((_INT,), _I64),
     "ps_requant_gguf_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), _INT),
     "ps_quantize_rows_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), None),
@@ -289,6 +290,17 @@ class CpuKernels:
         out = torch.empty(m, two_i // 2, dtype=gate_up.dtype)
         self.lib.ps_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2,
                              gate_up.dtype == torch.bfloat16, self._threads())
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, V] float32 -> [M] int64: each row's first largest value's index (a NaN counts as the largest),
+        as torch.max(x, dim=-1).indices."""
+        check("x", x, torch.float32, (None, None))
+        m, v = x.shape
+        if v == 0:
+            raise ValueError("argmax_rows: rows of no values")
+        out = torch.empty(m, dtype=torch.int64)
+        self.lib.ps_argmax_rows(x.data_ptr(), m, v, out.data_ptr(), self._threads())
         return out
 
     def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

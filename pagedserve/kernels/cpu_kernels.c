@@ -85,6 +85,9 @@ static inline __mmask16 first_lanes(int64_t n) { return (__mmask16)((1u << n) - 
 static inline vf vloadf_part(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
 static inline void vstoref_part(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
 static inline vf vkeep(vf v, int64_t n) { return _mm512_maskz_mov_ps(first_lanes(n), v); }  /* lanes >= n -> 0 */
+/* Lanes of v that are NaN / equal to a, as a bit mask (lane i: bit i). */
+static inline unsigned vnan_bits(vf v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+static inline unsigned veq_bits(vf v, vf a) { return _mm512_cmp_ps_mask(v, a, _CMP_EQ_OQ); }
 
 static inline vf vbf16(__m256i h) {  /* 16 bf16 -> float32 */
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -167,6 +170,8 @@ static inline __m256i first_lanes(int64_t n) {
 static inline vf vloadf_part(const float *p, int64_t n) { return _mm256_maskload_ps(p, first_lanes(n)); }
 static inline void vstoref_part(float *p, vf v, int64_t n) { _mm256_maskstore_ps(p, first_lanes(n), v); }
 static inline vf vkeep(vf v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(first_lanes(n))); }
+static inline unsigned vnan_bits(vf v) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)); }
+static inline unsigned veq_bits(vf v, vf a) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, a, _CMP_EQ_OQ)); }
 
 static inline vf vbf16(__m128i h) {  /* 8 bf16 -> float32 */
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -2107,6 +2112,66 @@ void ps_decode_stack(const void *x, void *out, const int64_t *layers, int64_t n_
 }
 
 #endif  /* PS_ISA */
+
+/* ---- greedy sampling: each row's argmax ------------------------------------------------------------- */
+
+/* The first index of the largest of x[0 .. n - 1] (a NaN counts as the largest: the first NaN), in *value the
+ * value there. Two passes: the maximum (and whether a NaN is there), then the first lane equal to it. */
+static int64_t argmax_run(const float *x, int64_t n, float *value) {
+  vf mx = vset1(-INFINITY);  /* vmax(v, mx) keeps mx where v is NaN: NaNs are seen through nan alone */
+  unsigned nan = 0;
+  int64_t i = 0;
+  for (; i + VL <= n; i += VL) {
+    const vf v = vloadf(x + i);
+    nan |= vnan_bits(v);
+    mx = vmax(v, mx);
+  }
+  float m = vmaxr(mx);
+  for (; i < n; ++i) {
+    if (x[i] != x[i]) nan = 1;
+    else if (x[i] > m) m = x[i];
+  }
+  const vf target = vset1(m);
+  for (i = 0; i + VL <= n; i += VL) {
+    const vf v = vloadf(x + i);
+    const unsigned hit = nan ? vnan_bits(v) : veq_bits(v, target);
+    if (hit) {
+      *value = x[i + __builtin_ctz(hit)];
+      return i + __builtin_ctz(hit);
+    }
+  }
+  for (; i < n; ++i)
+    if (nan ? x[i] != x[i] : x[i] == m) break;
+  *value = x[i];
+  return i;
+}
+
+/* out[m] = the index of the largest value of row m of x [M, V] (float32, contiguous): the first one on ties, the
+ * first NaN where there is one, as torch.max(x, dim=-1).indices (greedy sampling's token). Rows fewer than the
+ * threads are cut into runs that combine in order. Against torch.max's (2 threads of a Zen 5): 1 x 49152 logits
+ * 4.8 us instead of 27, 5 x 49152 11 instead of 77, 1 x 151936 6.8 instead of 78, 32 x 151936 142 instead of 1269. */
+#define ARGMAX_MAX_PARTS 64
+void ps_argmax_rows(const float *x, int64_t M, int64_t V, int64_t *out, int nthreads) {
+  int64_t parts = M >= nthreads ? 1 : (nthreads + M - 1) / M;
+  parts = parts > ARGMAX_MAX_PARTS ? ARGMAX_MAX_PARTS : parts;
+  parts = parts > V / 4096 ? (V / 4096 > 1 ? V / 4096 : 1) : parts;  /* runs of at least 4096 values */
+  int64_t *index = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M * parts));
+  float *value = (float *)malloc(sizeof(float) * (size_t)(M * parts));
+  if (!index || !value) abort();
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * V >= 16384)
+  for (int64_t t = 0; t < M * parts; ++t) {
+    const int64_t m = t / parts, p = t % parts, v0 = V * p / parts, v1 = V * (p + 1) / parts;
+    index[t] = v0 + argmax_run(x + m * V + v0, v1 - v0, &value[t]);
+  }
+  for (int64_t m = 0; m < M; ++m) {  /* in order: a later run wins only with a larger value, or the first NaN */
+    int64_t best = m * parts;
+    for (int64_t t = best + 1; t < (m + 1) * parts && value[best] == value[best]; ++t)
+      if (value[t] > value[best] || value[t] != value[t]) best = t;
+    out[m] = index[best];
+  }
+  free(index);
+  free(value);
+}
 
 /* ---- loading: weights to per-row int8 --------------------------------------------------------------------
  * --quantization int8 (and a quantized GGUF served as int8) store each weight row as int8 with one float32

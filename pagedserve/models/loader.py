@@ -103,6 +103,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     _move_buffers(model, device)
     model.prepare(backend)
+    model.kernel_backend = backend  # what else runs on this model's outputs (the sampler's argmax) reads it
     logger.info("kernels: %s", backend.describe())
     for line in model.kernel_report() if hasattr(model, "kernel_report") else ():
         logger.info("kernels: %s", line)

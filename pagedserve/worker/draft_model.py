@@ -70,7 +70,7 @@ class DraftModel:
             rows, tokens, positions = rows[:active], tokens[:active], positions[:active]
             meta = decode_meta(rows, positions)  # from the host's block table
             hidden = self.model(tokens, positions.to(self.device), self.kv_caches, meta)
-            tokens = argmax_rows(self.model.compute_logits(hidden))  # stays on the device
+            tokens = argmax_rows(self.model.compute_logits(hidden), self.model.kernel_backend.native)  # on the device
             proposed.append(tokens)
             positions = positions + 1
         flat = torch.cat(proposed).tolist()  # one transfer; step by step, each step's rows in order

@@ -125,7 +125,7 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, native=self.model.kernel_backend.native)
         self.draft: DraftModel | None = None  # speculative decoding's draft model (method draft_model)
         if config.draft_model is not None:
             self.draft = DraftModel(config)

@@ -183,6 +183,35 @@ def _reference_decode(q, k_cache, v_cache, slots, lens, scale):
     return out
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_argmax_rows_picks_what_torch_max_picks(kernels, threads):
+    """Greedy sampling's argmax: ties (the first), NaN (the first NaN), -inf and inf, tails past the vectors, and
+    rows cut into runs (fewer rows than threads, 4096+ values) whose results combine in order."""
+    generator = torch.Generator().manual_seed(threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 2, 3, 5):
+            for width in (1, 7, 16, 17, 4099, 3 * 4096 + 5, 49152):
+                x = torch.randint(-3, 4, (m, width), generator=generator).float()  # many ties per row
+                if width > 20:
+                    x[0, width // 2 + 1:] += 1.0  # the largest value first appears in a later run of row 0
+                if m > 1:
+                    x[1] = float("-inf")
+                    x[1, width - 1] = float("inf") if width > 1 else x[1, 0]
+                if m > 2 and width > 9:
+                    x[2, width - 3] = float("nan")  # in the last run, maybe in the tail: counts as the largest
+                    x[2, width - 1] = float("nan")
+                if m > 3 and width > 9000:
+                    x[3, 4100] = float("nan")
+                    x[3, width - 2] = 10.0
+                assert torch.equal(kernels.argmax_rows(x), torch.max(x, dim=-1).indices), (m, width)
+        logits = torch.randn(5, 151936, generator=generator)  # a verification's rows of Qwen2.5's vocabulary
+        assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_reference_decode_is_torch_sdpa_rounding():
     torch.manual_seed(1)
     q, k, v = (torch.randn(1, 1, n, 64).bfloat16() for n in (1, 33, 33))

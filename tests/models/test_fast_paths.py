@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import cpu_kernels
 from tests.models.test_correctness import make_prompts
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
@@ -135,3 +136,14 @@ def test_real_model_agreement_with_bf16(variant):
              "Explain what a hash table is.", "SELECT name FROM users WHERE", "1, 1, 2, 3, 5, 8,"]
     share, median = agreement(reference, other, [tokenizer.encode(t) for t in texts], max_tokens=32)
     assert share >= 0.95, share
+
+
+def test_sampling_takes_the_models_native_argmax(tiny_model_dir):
+    """The sampler's argmax is the model's backend's: native where the layers are (the greedy tokens above are
+    then its picks), torch's with the reference kernels."""
+    model_dir = tiny_model_dir("llama")
+    fast = LLM(model_dir, max_model_len=256, dtype="float32").engine.runner
+    reference = LLM(model_dir, max_model_len=256, dtype="float32", reference_kernels=True).engine.runner
+    assert fast.sampler.native is fast.model.kernel_backend.native
+    assert (fast.sampler.native is None) == (cpu_kernels() is None)
+    assert reference.sampler.native is None

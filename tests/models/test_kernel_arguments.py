@@ -37,6 +37,7 @@ def _calls(k):
         "prefill_attention": dict(q=torch.randn(3, hq, d), k_cache=torch.randn(slots_total, hkv, d),
                                   v_cache=torch.randn(slots_total, hkv, d), slots=torch.tensor([6, 0, 2, 4, 1]),
                                   start=2, scale=d ** -0.5, scratch_bytes=1 << 20),
+        "argmax_rows": dict(x=torch.randn(3, 40)),
         # never run with these (the table holds no pointers): only the refusals are exercised
         "decode_stack": dict(x=torch.randn(1, 64), table=torch.zeros(2, k.layer_fields, dtype=I64),
                              final_norm=torch.rand(64), **step, num_heads=hq, num_kv_heads=hkv, head_dim=d,
@@ -45,7 +46,7 @@ def _calls(k):
 
 
 RUNNABLE = ["pack_rows", "pack_bf16", "linear_bf16", "linear_i8", "rms_norm", "silu_mul", "rope_kv_write",
-            "decode_attention", "prefill_attention"]
+            "decode_attention", "prefill_attention", "argmax_rows"]
 
 WRONG = [  # (wrapper, argument, wrong value or a function of the valid one)
     ("pack_rows", "weight", lambda w: w.float()),
@@ -89,6 +90,9 @@ WRONG = [  # (wrapper, argument, wrong value or a function of the valid one)
     ("prefill_attention", "v_cache", lambda v: v[:4]),
     ("prefill_attention", "slots", lambda s: s[:4]),  # start + 3 rows need 5
     ("prefill_attention", "slots", lambda s: s.int()),
+    ("argmax_rows", "x", lambda x: x.to(BF16)),
+    ("argmax_rows", "x", lambda x: x[0]),
+    ("argmax_rows", "x", lambda x: x.t()),
     ("decode_stack", "final_norm", lambda w: w[:32]),
     ("decode_stack", "final_norm", lambda w: w.to(BF16)),
     ("decode_stack", "table", lambda t: t[:, :-1].contiguous()),
