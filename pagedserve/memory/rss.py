@@ -14,8 +14,11 @@ and stay):
     expected = steady_bytes (weights + overhead + KV bookkeeping)
              + KV blocks written so far x block_bytes
              + activation_bytes (one step's peak: between trims the allocator may still hold it)
-A warning is logged when RSS exceeds it by more than RSS_TOLERANCE, once per excursion; /metrics and /health
-carry the last reading.
+RSS is the process's, so where other engines live in the same process (a second `LLM` in a notebook, a benchmark
+that compares two engines in one process) their weights, KV bookkeeping and blocks written (as of their last reading) are
+added, and the runtime overhead and one step's activations count once (the largest): a lone engine's figure is the
+one above. A warning is logged when RSS exceeds it by more than RSS_TOLERANCE, once per excursion; /metrics and
+/health carry the last reading.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +40,8 @@ RSS_TOLERANCE = 0.10  # warn when RSS exceeds the expected figure by more than t
 LARGE_STEP_TOKENS = 256  # a step of at least this many tokens leaves activation buffers worth trimming
 TRIM_INTERVAL_S = 5.0  # while busy, trim at most this often
 MEASURE_INTERVAL_S = 1.0  # read VmRSS at most this often (and after each trim)
+
+ENGINES: weakref.WeakSet[ResidentMemory] = weakref.WeakSet()  # every live engine's, this process's RSS holds all
 
 
 def libc_malloc_trim() -> Callable[[], object] | None:
@@ -68,8 +74,12 @@ class ResidentMemory:
     """Trims the heap after large steps and keeps the last RSS reading against the plan (see the module docstring)."""
 
     def __init__(self, plan: MemoryPlan, read_rss: Callable[[], int | None] = process_rss_bytes,
-                 trim: Callable[[], object] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 trim: Callable[[], object] | None = None, clock: Callable[[], float] = time.monotonic,
+                 engines: weakref.WeakSet[ResidentMemory] | None = None) -> None:
         self.plan = plan
+        self.engines = ENGINES if engines is None else engines  # this one's and the process's other engines'
+        self.engines.add(self)
+        self.kv_blocks_written = 0  # as of the last reading
         self.read_rss = read_rss
         self.trim = trim
         self.clock = clock
@@ -80,8 +90,21 @@ class ResidentMemory:
         self._warned = False
 
     def expected_bytes(self, kv_blocks_written: int) -> int:
+        """The process's expected RSS with `kv_blocks_written` blocks of this engine's pool written."""
+        plans = [self.plan] + [m.plan for m in self.others()]
+        return (self._held_bytes(kv_blocks_written) + self.others_bytes()
+                + max(p.overhead_bytes for p in plans) + max(p.activation_bytes for p in plans))
+
+    def others(self) -> list[ResidentMemory]:
+        return [m for m in list(self.engines) if m is not self]
+
+    def others_bytes(self) -> int:
+        """The other engines' weights, KV bookkeeping and KV blocks written, as of their last readings."""
+        return sum(m._held_bytes(m.kv_blocks_written) for m in self.others())
+
+    def _held_bytes(self, kv_blocks_written: int) -> int:
         plan = self.plan
-        return plan.steady_bytes + kv_blocks_written * plan.block_bytes + plan.activation_bytes
+        return plan.weight_bytes + plan.kv_bookkeeping_bytes + kv_blocks_written * plan.block_bytes
 
     def after_step(self, num_tokens: int, kv_blocks_written: int, is_idle: bool) -> None:
         now = self.clock()
@@ -99,13 +122,17 @@ class ResidentMemory:
         rss = self.read_rss()
         if rss is None:
             return None
+        self.kv_blocks_written = kv_blocks_written
         self.last = RSSReading(rss, self.expected_bytes(kv_blocks_written), kv_blocks_written)
         over = self.last.over_plan > RSS_TOLERANCE
         if over and not self._warned:
+            others = self.others()
+            also = (f" + {len(others)} other engine(s) in this process {self.others_bytes() / MIB:.0f} MiB"
+                    if others else "")
             logger.warning("memory: RSS %.0f MiB is %.0f %% above the plan's %.0f MiB (steady %.0f MiB + %d KV"
-                           " blocks written + one step's activations %.0f MiB)", rss / MIB,
+                           " blocks written + one step's activations %.0f MiB%s)", rss / MIB,
                            100 * self.last.over_plan, self.last.expected_bytes / MIB, self.plan.steady_bytes / MIB,
-                           kv_blocks_written, self.plan.activation_bytes / MIB)
+                           kv_blocks_written, self.plan.activation_bytes / MIB, also)
         self._warned = over
         return self.last
 

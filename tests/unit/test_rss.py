@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 
@@ -28,8 +30,9 @@ class Fake:
     def trim(self) -> None:
         self.trims += 1
 
-    def memory(self) -> rss.ResidentMemory:
-        return rss.ResidentMemory(PLAN, read_rss=self.read, trim=self.trim, clock=lambda: self.now)
+    def memory(self, plan=PLAN, engines=None) -> rss.ResidentMemory:
+        engines = weakref.WeakSet() if engines is None else engines  # not the engines other tests left alive
+        return rss.ResidentMemory(plan, read_rss=self.read, trim=self.trim, clock=lambda: self.now, engines=engines)
 
 
 def test_expected_figure_is_steady_plus_written_blocks_plus_one_step() -> None:
@@ -87,6 +90,32 @@ def test_warns_once_per_excursion_above_the_tolerance(caplog: pytest.LogCaptureF
     memory.measure(0)
     assert len(caplog.records) == 2
     assert memory.last.to_dict()["over_plan"] == pytest.approx(0.3, abs=1e-3)
+
+
+def test_other_engines_in_the_process_count_their_weights_and_kv_once_overhead_and_activations_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """RSS is the process's: a second engine's weights, bookkeeping and KV blocks written (at its last reading)
+    add to the expected figure, the runtime and one step's activations do not; gone, it no longer counts."""
+    small = make_plan(SHAPE, PlanRequest(dtype_bytes=4, kv_dtype_bytes=4, max_model_len=64, max_num_seqs=2,
+                                         max_num_batched_tokens=16, block_size=16, runtime_overhead_bytes=50 * MIB,
+                                         available=AvailableMemory(8 << 30, "MemAvailable", "test")))
+    engines = weakref.WeakSet()
+    fake = Fake(0)
+    first, second = fake.memory(engines=engines), fake.memory(small, engines)
+    second.measure(3)
+    second_held = small.weight_bytes + small.kv_bookkeeping_bytes + 3 * small.block_bytes
+    expected = (PLAN.steady_bytes + 10 * PLAN.block_bytes + PLAN.activation_bytes + second_held
+                + max(0, small.activation_bytes - PLAN.activation_bytes))
+    assert first.expected_bytes(10) == expected
+    caplog.set_level(logging.WARNING, logger="pagedserve.memory.rss")
+    fake.rss_bytes = int(expected * 1.05)  # both engines' weights resident: within the process's figure
+    assert first.measure(10).over_plan == pytest.approx(0.05, abs=1e-6)
+    fake.rss_bytes = int(expected * 1.5)
+    first.measure(10)
+    assert "1 other engine(s) in this process" in caplog.records[-1].getMessage()
+    del second
+    gc.collect()
+    assert first.expected_bytes(10) == PLAN.steady_bytes + 10 * PLAN.block_bytes + PLAN.activation_bytes
 
 
 def test_glibc_trim_is_found_and_runs() -> None:
