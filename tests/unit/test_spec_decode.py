@@ -78,6 +78,23 @@ def test_longest_suffix_match_proposes_what_followed_its_latest_occurrence():
     assert p.propose("r", tokens, 2) == [5, 7]  # bounded by the caller
 
 
+def test_while_the_text_follows_the_last_drafts_source_the_next_drafts_continue_it():
+    """A copy of the prompt's first line (10 .. 17) whose suffix (13, 14) also occurs later, before 99: the
+    latest occurrence would propose 99, 31; the cursor continues the line being copied, and once the text strays
+    from it the suffix's latest occurrence is back."""
+    p = proposer(k=2, lo=2, hi=2)
+    #         0   1   2   3   4   5   6   7   8   9  10  11  12
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 30, 13, 14, 99, 31]
+    tokens = prompt + [10, 11]
+    assert p.propose("r", tokens, 2) == [12, 13]  # (10, 11): only at 0..1
+    tokens += [12, 13, 14]  # both drafts accepted, and the target's next token
+    assert p.propose("r", tokens, 2) == [15, 16]  # (13, 14)'s latest occurrence (9..10) would give 99, 31
+    assert p.propose("r", tokens, 2) == [15, 16]  # asked again with nothing new: the same place
+    assert proposer(k=2, lo=2, hi=2).propose("s", list(tokens), 2) == [99, 31]  # a fresh index: latest occurrence
+    tokens += [13, 14]  # the text strays from the line (15 was expected)
+    assert p.propose("r", tokens, 2) == [13, 14]  # the latest occurrence of (13, 14) again: 16..17, then 13, 14
+
+
 def test_matches_beyond_the_end_repeat_their_period():
     p = proposer(k=5)
     assert p.propose("a", [4, 7, 7], 5) == [7, 7, 7, 7, 7]
