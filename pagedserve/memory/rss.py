@@ -15,9 +15,9 @@ and stay):
              + KV blocks written so far x block_bytes
              + activation_bytes (one step's peak: between trims the allocator may still hold it)
 RSS is the process's, so where other engines live in the same process (a second `LLM` in a notebook, a benchmark
-that compares two engines in one process) their weights, KV bookkeeping and blocks written (as of their last reading) are
-added, and the runtime overhead and one step's activations count once (the largest): a lone engine's figure is the
-one above. A warning is logged when RSS exceeds it by more than RSS_TOLERANCE, once per excursion; /metrics and
+that compares two engines in one process) their weights, KV bookkeeping and blocks written (as of their last
+reading) are added, and the runtime overhead and one step's activations count once (the largest): a lone engine's
+figure is the one above. A warning is logged when RSS exceeds it by more than RSS_TOLERANCE, once per excursion; /metrics and
 /health carry the last reading.
 """
 
