@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 RSS_TOLERANCE = 0.10  # warn when RSS exceeds the expected figure by more than this
 LARGE_STEP_TOKENS = 256  # a step of at least this many tokens leaves activation buffers worth trimming
 TRIM_INTERVAL_S = 5.0  # while busy, trim at most this often
-MEASURE_INTERVAL_S = 1.0  # read VmRSS at most this often (and after each trim)
+MEASURE_INTERVAL_S = 1.0  # read VmRSS at most this often while busy (and after each trim, and going idle)
 
 ENGINES: weakref.WeakSet[ResidentMemory] = weakref.WeakSet()  # every live engine's, this process's RSS holds all
 
@@ -114,7 +114,7 @@ class ResidentMemory:
             self.trim()
             self.num_trims += 1
             self._untrimmed, self._last_trim = False, now
-        if trimmed or now - self._last_measure >= MEASURE_INTERVAL_S:
+        if trimmed or is_idle or now - self._last_measure >= MEASURE_INTERVAL_S:  # idle: /health at rest is current
             self._last_measure = now
             self.measure(kv_blocks_written)
 

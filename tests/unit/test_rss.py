@@ -69,8 +69,22 @@ def test_rss_is_read_at_most_every_interval_and_after_trims() -> None:
     fake.now += rss.MEASURE_INTERVAL_S
     memory.after_step(num_tokens=1, kv_blocks_written=3, is_idle=False)
     assert fake.reads == 2 and memory.last.expected_bytes == memory.expected_bytes(3)
-    memory.after_step(num_tokens=500, kv_blocks_written=3, is_idle=True)
-    assert fake.reads == 3  # measured right after the trim
+    memory.after_step(num_tokens=500, kv_blocks_written=3, is_idle=False)
+    assert fake.reads == 3 and fake.trims == 1  # measured right after the trim
+    memory.after_step(num_tokens=500, kv_blocks_written=3, is_idle=False)
+    assert fake.reads == 3 and fake.trims == 1  # within both intervals: neither
+
+
+def test_the_step_before_idle_is_always_read() -> None:
+    """A burst that ends within the interval still leaves /health a current reading (the engine then stops
+    stepping, so a later reading would never come)."""
+    fake = Fake(PLAN.steady_bytes)
+    memory = fake.memory()
+    memory.after_step(num_tokens=1, kv_blocks_written=0, is_idle=False)
+    memory.after_step(num_tokens=1, kv_blocks_written=7, is_idle=False)
+    assert memory.last.kv_blocks_written == 0  # within the interval: not read
+    memory.after_step(num_tokens=1, kv_blocks_written=9, is_idle=True)
+    assert fake.reads == 2 and memory.last.kv_blocks_written == 9
 
 
 def test_warns_once_per_excursion_above_the_tolerance(caplog: pytest.LogCaptureFixture) -> None:
