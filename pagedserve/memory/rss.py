@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -42,6 +43,7 @@ TRIM_INTERVAL_S = 5.0  # while busy, trim at most this often
 MEASURE_INTERVAL_S = 1.0  # read VmRSS at most this often while busy (and after each trim, and going idle)
 
 ENGINES: weakref.WeakSet[ResidentMemory] = weakref.WeakSet()  # every live engine's, this process's RSS holds all
+_ENGINES_LOCK = threading.Lock()  # engines may start in other threads while one reads the set
 
 
 def libc_malloc_trim() -> Callable[[], object] | None:
@@ -78,7 +80,8 @@ class ResidentMemory:
                  engines: weakref.WeakSet[ResidentMemory] | None = None) -> None:
         self.plan = plan
         self.engines = ENGINES if engines is None else engines  # this one's and the process's other engines'
-        self.engines.add(self)
+        with _ENGINES_LOCK:
+            self.engines.add(self)
         self.kv_blocks_written = 0  # as of the last reading
         self.read_rss = read_rss
         self.trim = trim
@@ -96,7 +99,9 @@ class ResidentMemory:
                 + max(p.overhead_bytes for p in plans) + max(p.activation_bytes for p in plans))
 
     def others(self) -> list[ResidentMemory]:
-        return [m for m in list(self.engines) if m is not self]
+        with _ENGINES_LOCK:
+            engines = list(self.engines)
+        return [m for m in engines if m is not self]
 
     def others_bytes(self) -> int:
         """The other engines' weights, KV bookkeeping and KV blocks written, as of their last readings."""
