@@ -46,6 +46,14 @@ class _RequestIndex:
             return None
         return start
 
+    def latest(self, tokens: list[int]) -> int | None:
+        """The position after the latest earlier occurrence of the longest indexed suffix of `tokens`, or None."""
+        end = len(tokens)
+        for n, table in self.ngrams.items():  # longest first
+            if n <= end and (start := table.get(tuple(tokens[end - n:end]))) is not None:
+                return start
+        return None
+
 
 class _FinishedRequests:
     """N-gram tables over the tokens of the last `capacity` finished requests: n tokens -> (entry, position after
@@ -109,11 +117,8 @@ class NgramProposer(Proposer):
             return []
         end = len(tokens)
         start = index.follow(tokens)
-        for n in self.sizes if start is None else ():
-            if n <= end:
-                start = index.ngrams[n].get(tuple(tokens[end - n:end]))
-                if start is not None:
-                    break
+        if start is None:
+            start = index.latest(tokens)
         index.cursor, index.cursor_at = start, end
         if start is not None:
             return _continuation(tokens, start, limit)
