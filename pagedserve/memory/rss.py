@@ -17,8 +17,8 @@ and stay):
 RSS is the process's, so where other engines live in the same process (a second `LLM` in a notebook, a benchmark
 that compares two engines in one process) their weights, KV bookkeeping and blocks written (as of their last
 reading) are added, and the runtime overhead and one step's activations count once (the largest): a lone engine's
-figure is the one above. A warning is logged when RSS exceeds it by more than RSS_TOLERANCE, once per excursion; /metrics and
-/health carry the last reading.
+figure is the one above. A warning is logged when RSS exceeds it by more than RSS_TOLERANCE, once per excursion;
+/metrics and /health carry the last reading.
 """
 
 from __future__ import annotations
@@ -92,10 +92,12 @@ class ResidentMemory:
         self._last_trim = self._last_measure = float("-inf")
         self._warned = False
 
-    def expected_bytes(self, kv_blocks_written: int) -> int:
-        """The process's expected RSS with `kv_blocks_written` blocks of this engine's pool written."""
-        plans = [self.plan] + [m.plan for m in self.others()]
-        return (self._held_bytes(kv_blocks_written) + self.others_bytes()
+    def expected_bytes(self, kv_blocks_written: int, others: list[ResidentMemory] | None = None) -> int:
+        """The process's expected RSS with `kv_blocks_written` blocks of this engine's pool written (`others`: the
+        process's other engines, listed here when not given)."""
+        others = self.others() if others is None else others
+        plans = [self.plan] + [m.plan for m in others]
+        return (self._held_bytes(kv_blocks_written) + self.others_bytes(others)
                 + max(p.overhead_bytes for p in plans) + max(p.activation_bytes for p in plans))
 
     def others(self) -> list[ResidentMemory]:
@@ -103,9 +105,10 @@ class ResidentMemory:
             engines = list(self.engines)
         return [m for m in engines if m is not self]
 
-    def others_bytes(self) -> int:
-        """The other engines' weights, KV bookkeeping and KV blocks written, as of their last readings."""
-        return sum(m._held_bytes(m.kv_blocks_written) for m in self.others())
+    @staticmethod
+    def others_bytes(others: list[ResidentMemory]) -> int:
+        """Other engines' weights, KV bookkeeping and KV blocks written, as of their last readings."""
+        return sum(m._held_bytes(m.kv_blocks_written) for m in others)
 
     def _held_bytes(self, kv_blocks_written: int) -> int:
         plan = self.plan
@@ -128,11 +131,11 @@ class ResidentMemory:
         if rss is None:
             return None
         self.kv_blocks_written = kv_blocks_written
-        self.last = RSSReading(rss, self.expected_bytes(kv_blocks_written), kv_blocks_written)
+        others = self.others()
+        self.last = RSSReading(rss, self.expected_bytes(kv_blocks_written, others), kv_blocks_written)
         over = self.last.over_plan > RSS_TOLERANCE
         if over and not self._warned:
-            others = self.others()
-            also = (f" + {len(others)} other engine(s) in this process {self.others_bytes() / MIB:.0f} MiB"
+            also = (f" + {len(others)} other engine(s) in this process {self.others_bytes(others) / MIB:.0f} MiB"
                     if others else "")
             logger.warning("memory: RSS %.0f MiB is %.0f %% above the plan's %.0f MiB (steady %.0f MiB + %d KV"
                            " blocks written + one step's activations %.0f MiB%s)", rss / MIB,
