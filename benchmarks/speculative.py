@@ -12,8 +12,8 @@ drafts can rarely help (goal >= 0.95x): W1 (32 random tokens -> 128, batch 1) an
 on the Qwen2.5-0.5B shape with random weights (benchmarks/comparison/models.py builds it).
 
 The table also gives what a verification step (1 + k rows) costs in plain decode steps (median step times of the
-two engines): the decode speed-up is about the tokens a verification emits over that cost. Both pagedserve engines live in
-this process; with --llama-cpp-python, the same GGUF files and prompt tokens run
+two engines): the decode speed-up is about the tokens a verification emits over that cost. Both pagedserve engines
+live in this process; with --llama-cpp-python, the same GGUF files and prompt tokens run
 through llama.cpp (llama-cpp-python, built by shared/peers/llama-cpp/run.sh) without and with its prompt-lookup
 decoding (LlamaPromptLookupDecoding), in a subprocess per round. Rounds interleave every system in rotated
 order; medians are reported.
@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# The (#14) example configuration. k = 5 proposes one more draft than the k = 4 used before 2026-12-04 23:45:
-# replaying the greedy outputs, k = 5 took fewer verification-weighted steps on every workload, and measured
-# back to back it ran Qwen's rows 1.05-1.15x faster (RESULTS_speculative.md).
+# The (#14) example configuration. Earlier runs used k = 4; replaying the greedy outputs, k = 5 took fewer
+# verification-weighted steps on every workload, and back to back it ran Qwen's rows 1.05-1.15x faster
+# (RESULTS_speculative.md).
 SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MODELS = ("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
 
