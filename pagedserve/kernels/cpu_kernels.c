@@ -1795,10 +1795,14 @@ static void widen_rows(const void *cache, const int64_t *slot, int64_t n, int64_
 }
 
 /* The weighted sums of G query heads at once over widened rows [n, D] (float32, contiguous): head g's
- * acc[g * D ..] (+)= sum over l of w[g * w_stride + l] * rows[l]. Each row is loaded once for the G heads, and
- * the G * NV accumulators are independent chains (one head's NV = 4 on AVX-512 at D = 64 wait on the FMA
- * latency); each head still sums over l in weighted_sum's order, so its result is the same. */
-#define ACC_REGS (PS_ISA == 512 ? 28 : 12)  /* accumulators kept in vector registers (32 / 16 of them) */
+ * acc[g * D ..] (+)= sum over l of w[g * w_stride + l] * rows[l], for NV vectors of each row. Each row is loaded once
+ * for the G heads, and the G * NV accumulators are independent chains (one head's NV = 4 on AVX-512 at D = 64 wait
+ * on the FMA latency); each head still sums over l in weighted_sum's order, so its result is the same.
+ * The row's NV vectors are held in registers beside the sums (ROW_HELD): left to itself GCC folds the row's loads
+ * into every FMA, G loads per vector, and the loop waited on loads (2 Zen 5 cores, KV from memory, a 6-row
+ * verification: 9/3 heads of 64 1.15x, 12/2 and 32/8 of 128 1.15-1.18x a layer; one row up to 1.07x). */
+#define VREGS (PS_ISA == 512 ? 32 : 16)  /* vector registers */
+#define ROW_HELD(G, NV) ((G) > 1 && ((G) + 1) * (NV) + 1 <= VREGS)  /* sums, the row and a weight fit */
 #define MAX_GROUP 7
 static inline __attribute__((always_inline)) void weighted_sum_group(const float *w, int64_t w_stride, int64_t n,
                                                                      const float *rows, int64_t D, float *acc,
@@ -1806,35 +1810,58 @@ static inline __attribute__((always_inline)) void weighted_sum_group(const float
   vf a[MAX_GROUP][MAX_HEAD_VECS];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) a[g][i] = resume ? vloadf(acc + g * D + i * VL) : vzero();
-  for (int64_t l = 0; l < n; ++l)
+  for (int64_t l = 0; l < n; ++l) {
+    vf v[MAX_HEAD_VECS];
     for (int i = 0; i < NV; ++i) {
-      const vf v = vloadf(rows + l * D + i * VL);
-      for (int g = 0; g < G; ++g) a[g][i] = vfma(vset1(w[g * w_stride + l]), v, a[g][i]);
+      v[i] = vloadf(rows + l * D + i * VL);
+      if (ROW_HELD(G, NV)) __asm__("" : "+x"(v[i]));
     }
+    for (int g = 0; g < G; ++g) {
+      const vf wg = vset1(w[g * w_stride + l]);
+      for (int i = 0; i < NV; ++i) a[g][i] = vfma(wg, v[i], a[g][i]);
+    }
+  }
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) vstoref(acc + g * D + i * VL, a[g][i]);
 }
 
-/* weighted_sum_group over `group` heads, as many at a time as their accumulators fit in registers. */
+/* weighted_sum_group over `group` heads, `most` at a time, the parts as even as they go, over slices of NVT of the
+ * row's NV vectors (each slice's sums are those lanes' own: the same result). */
+static inline __attribute__((always_inline)) void weighted_sums_sliced(const float *w, int64_t w_stride, int64_t n,
+                                                                       const float *rows, int64_t D, float *acc,
+                                                                       int64_t group, int resume, const int NV,
+                                                                       const int NVT, int most) {
+  most = most < 1 ? 1 : (most > MAX_GROUP ? MAX_GROUP : most);
+  const int64_t parts = (group + most - 1) / most;
+  for (int i0 = 0; i0 < NV; i0 += NVT)
+    for (int64_t g = 0, p = 0; g < group; ++p) {
+      const int G = (int)((group - g + (parts - p) - 1) / (parts - p));
+      const float *wg = w + g * w_stride, *rs = rows + i0 * VL;
+      float *ag = acc + g * D + i0 * VL;
+      switch (G) {
+        case 1: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 1, resume); break;
+        case 2: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 2, resume); break;
+        case 3: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 3, resume); break;
+        case 4: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 4, resume); break;
+        case 5: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 5, resume); break;
+        case 6: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 6, resume); break;
+        default: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, MAX_GROUP, resume); break;
+      }
+      g += G;
+    }
+}
+
+/* Shared heads: the whole row (AVX-512) or the widest slice of it (AVX2: half of D = 64, a quarter of D = 128) that
+ * leaves room for the sums of two heads or more beside it; AVX2 build at D = 128, 12/2 heads: 1.15-1.19x. */
+#define ROW_SLICE(NV) (ROW_HELD(2, NV) ? (NV) : ROW_HELD(2, (NV) / 2) ? (NV) / 2 : (NV) / 4)
 static inline __attribute__((always_inline)) void weighted_sums_nv(const float *w, int64_t w_stride, int64_t n,
                                                                    const float *rows, int64_t D, float *acc,
                                                                    int64_t group, int resume, const int NV) {
-  const int most = ACC_REGS / NV < 1 ? 1 : (ACC_REGS / NV > MAX_GROUP ? MAX_GROUP : ACC_REGS / NV);
-  for (int64_t g = 0; g < group;) {
-    const int G = group - g < most ? (int)(group - g) : most;
-    const float *wg = w + g * w_stride;
-    float *ag = acc + g * D;
-    switch (G) {
-      case 1: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 1, resume); break;
-      case 2: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 2, resume); break;
-      case 3: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 3, resume); break;
-      case 4: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 4, resume); break;
-      case 5: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 5, resume); break;
-      case 6: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, 6, resume); break;
-      default: weighted_sum_group(wg, w_stride, n, rows, D, ag, NV, MAX_GROUP, resume); break;
-    }
-    g += G;
-  }
+  if (group == 1)
+    weighted_sums_sliced(w, w_stride, n, rows, D, acc, group, resume, NV, NV, 1);
+  else
+    weighted_sums_sliced(w, w_stride, n, rows, D, acc, group, resume, NV, ROW_SLICE(NV),
+                         (VREGS - 1) / ROW_SLICE(NV) - 1);
 }
 
 static void weighted_sums(const float *w, int64_t w_stride, int64_t n, const float *rows, const int64_t *iota,

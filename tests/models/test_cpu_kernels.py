@@ -239,11 +239,13 @@ def test_decode_attention_matches_sdpa_over_gathered_context(kernels, dtype, hq,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (6, 2, 128), (4, 2, 96)])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (6, 2, 128), (12, 2, 128), (16, 2, 64), (4, 2, 96)])
 def test_decode_attention_grouped_heads_equal_each_head_alone(kernels, dtype, hq, hkv, d):
     """Query heads that share a KV head read its rows widened once, chunk by chunk (64 positions); each head's
     output must still be bit-equal to that head attending alone (one query head per KV head: straight from
-    the pool, no chunks). Contexts of 1 to 3 chunks, with tails of every kind; D = 96 takes the generic path."""
+    the pool, no chunks). Contexts of 1 to 3 chunks, with tails of every kind; D = 96 takes the generic path.
+    Groups of 3-8 heads: the weighted sums take them in parts (7 -> 4 + 3 on AVX-512), and AVX2 over slices of
+    the head size."""
     torch.manual_seed(hq * d)
     num_slots, max_len = 400, 200
     k_cache = torch.randn(num_slots, hkv, d).to(dtype)
