@@ -346,6 +346,10 @@ static void i8_prepare(const void *x, int64_t M, int64_t K, int bf16, uint8_t *p
   }
 }
 
+/* The passes after the first (m > 0) read the block from cache and are compute-bound: there each weight vector is
+ * held in a register for its 2 C vpdpbusd, which GCC otherwise gives a load apiece (2 Zen 5 cores, Qwen2.5-0.5B's and
+ * SmolLM2-135M's shapes: 5 rows 1.03-1.14x, 6 rows 1.08-1.28x, 9 rows 1.05-1.12x). The first pass streams the block
+ * from memory and keeps the folded loads (held there, 2 rows ran 0.9x). */
 static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const uint8_t *planes, int64_t M,
                                                            int64_t m, const int C, const int32_t *wsum,
                                                            int64_t K, float acc[4][2]) {
@@ -363,7 +367,10 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
       for (int c = 0; c < C; ++c) hi[r][c] = lo[r][c] = _mm512_setzero_si512();
     for (int64_t k = k0; k < k1; k += 64) {
       __m512i wv[4];
-      for (int r = 0; r < 4; ++r) wv[r] = _mm512_loadu_si512(w + k * 4 + r * 64);
+      for (int r = 0; r < 4; ++r) {
+        wv[r] = _mm512_loadu_si512(w + k * 4 + r * 64);
+        if (m > 0) __asm__("" : "+v"(wv[r]));  /* see above */
+      }
       for (int c = 0; c < C; ++c) {
         const __m512i h = _mm512_loadu_si512(xhi[c] + k), l = _mm512_loadu_si512(xlo[c] + k);
         for (int r = 0; r < 4; ++r) {
@@ -586,8 +593,10 @@ static inline void transpose_lanes(vpairs r[VL]) {
  * K <= I8_TILE_MAX_K run the integer tile (i8_gemm) instead of the row kernel: its exact sums give every row the
  * bits it gets alone. 2 Zen 5 cores, Qwen2.5-0.5B's shapes streamed from memory (benchmarks/linear_ab.py --kind
  * int8): 9728x896 and 1152x896 0.97-1.04x at 16 rows, 1.1-1.2x at 20-24, 1.22-1.34x at 32, 1.37-1.5x at 63; the
- * tile was 0.75-0.9x for 896x4864 (its 4864-column panel and x outgrow L2), hence the K bound. */
-#define I8_TILE_ROWS 16
+ * tile was 0.75-0.9x for 896x4864 (its 4864-column panel and x outgrow L2), hence the K bound. Since the row
+ * kernel's later passes hold the weights in registers (i8_block) it beats the tile below 32 rows: at 16 rows
+ * 1.3-1.5x on Qwen2.5-0.5B's and SmolLM2-135M's shapes, at 24 1.0-1.18x, at 32 0.94-1.11x. */
+#define I8_TILE_ROWS 32
 #define I8_TILE_MAX_K 1024
 #endif
 #if PS_ISA == 256 || !defined(__AVX512BF16__)
