@@ -595,7 +595,9 @@ static inline void transpose_lanes(vpairs r[VL]) {
  * int8): 9728x896 and 1152x896 0.97-1.04x at 16 rows, 1.1-1.2x at 20-24, 1.22-1.34x at 32, 1.37-1.5x at 63; the
  * tile was 0.75-0.9x for 896x4864 (its 4864-column panel and x outgrow L2), hence the K bound. Since the row
  * kernel's later passes hold the weights in registers (i8_block) it beats the tile below 32 rows: at 16 rows
- * 1.3-1.5x on Qwen2.5-0.5B's and SmolLM2-135M's shapes, at 24 1.0-1.18x, at 32 0.94-1.11x. */
+ * 1.3-1.5x on Qwen2.5-0.5B's and SmolLM2-135M's shapes, at 24 1.0-1.18x, at 32 0.94-1.11x; against the tile that
+ * runs the whole block at once (i8_gemm_block, 1.11-1.21x the two halves) 1.2-1.5x at 16 rows, 0.96-1.2x at 24,
+ * 0.9-1.04x at 28. */
 #define I8_TILE_ROWS 32
 #define I8_TILE_MAX_K 1024
 #endif
@@ -1133,6 +1135,60 @@ static inline __attribute__((always_inline)) void i8_gemm_run(const uint32_t *pa
 }
 #undef I8_ROW
 
+#if PS_ISA == 512
+/* AVX-512 has room for the whole block in one run: its I8_NW weight vectors (4 with AVX512-BF16's 64-output blocks, 2
+ * without) loaded once a pair of columns, and each row's pair broadcast once for all of them: 6 rows x 4 vectors =
+ * 24 sums, 4 weights and a broadcast (29 of 32 registers). The two-halves run above loads a broadcast per
+ * instruction (1.17 loads per vpdpwssd at 4 vectors; 0.42 here). */
+#define I8_NW (BF16_NB / VL)
+#define I8_ROW_ALL(r, s0, s1, s2, s3) \
+  if (MT > r) { \
+    const vi x = i8_broadcast(xp + r); \
+    s0 = i8_dot(s0, x, w0); \
+    s1 = i8_dot(s1, x, w1); \
+    if (I8_NW > 2) { s2 = i8_dot(s2, x, w2); s3 = i8_dot(s3, x, w3); } \
+  }
+static inline __attribute__((always_inline)) void i8_gemm_block(const uint32_t *panel, const int32_t *xt, int64_t p0,
+                                                                int64_t p1, const int MT,
+                                                                int32_t out[I8_MT][BF16_NB]) {
+  vi a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5, e0, e1, e2, e3, e4, e5, f0, f1, f2, f3, f4, f5;
+  a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = vi_zero();
+  e0 = e1 = e2 = e3 = e4 = e5 = f0 = f1 = f2 = f3 = f4 = f5 = vi_zero();
+  for (int64_t p = p0; p < p1; ++p) {
+    const int32_t *xp = xt + p * MT;
+    const uint32_t *wp = panel + p * BF16_NB;
+    const vi w0 = vi_load(wp), w1 = vi_load(wp + VL);
+    const vi w2 = I8_NW > 2 ? vi_load(wp + 2 * VL) : w0, w3 = I8_NW > 2 ? vi_load(wp + 3 * VL) : w1;
+    I8_ROW_ALL(0, a0, b0, e0, f0); I8_ROW_ALL(1, a1, b1, e1, f1); I8_ROW_ALL(2, a2, b2, e2, f2);
+    I8_ROW_ALL(3, a3, b3, e3, f3); I8_ROW_ALL(4, a4, b4, e4, f4); I8_ROW_ALL(5, a5, b5, e5, f5);
+  }
+  const vi a[I8_MT] = {a0, a1, a2, a3, a4, a5}, b[I8_MT] = {b0, b1, b2, b3, b4, b5};
+  const vi e[I8_MT] = {e0, e1, e2, e3, e4, e5}, f[I8_MT] = {f0, f1, f2, f3, f4, f5};
+  for (int m = 0; m < MT; ++m) {
+    vi_store(out[m], a[m]);
+    vi_store(out[m] + VL, b[m]);
+    if (I8_NW > 2) {
+      vi_store(out[m] + 2 * VL, e[m]);
+      vi_store(out[m] + 3 * VL, f[m]);
+    }
+  }
+}
+#undef I8_ROW_ALL
+
+/* i8_gemm_block for `rows` (1..I8_MT) rows, each count its own copy so the sums stay in registers (kept out of the
+ * OpenMP body, where GCC spilled them). */
+static __attribute__((noinline)) void i8_gemm_rows(const uint32_t *panel, const int32_t *xt, int64_t p0, int64_t p1,
+                                                   int64_t rows, int32_t out[I8_MT][BF16_NB]) {
+  switch (rows) {
+    case 1: i8_gemm_block(panel, xt, p0, p1, 1, out); break;
+    case 2: i8_gemm_block(panel, xt, p0, p1, 2, out); break;
+    case 3: i8_gemm_block(panel, xt, p0, p1, 3, out); break;
+    case 4: i8_gemm_block(panel, xt, p0, p1, 4, out); break;
+    case 5: i8_gemm_block(panel, xt, p0, p1, 5, out); break;
+    default: i8_gemm_block(panel, xt, p0, p1, I8_MT, out); break;
+  }
+}
+#else
 /* i8_gemm_run for `rows` (1..I8_MT) rows, each count its own copy so the sums stay in registers (kept out of the
  * OpenMP body, where GCC spilled them). A block of 4 VL outputs (BF16_NB with AVX512-BF16) runs as two halves of
  * 2 VL, each over its own columns of the panel (whose rows stay BF16_NB apart). */
@@ -1148,6 +1204,7 @@ static __attribute__((noinline)) void i8_gemm_rows(const uint32_t *panel, const 
       default: i8_gemm_run(panel + c0, xt, p0, p1, I8_MT, out, c0); break;
     }
 }
+#endif
 
 static void i8_gemm(const void *x, const int8_t *q, const float *scale, const void *bias, void *y, int64_t M,
                     int64_t N, int64_t K, int bf16, int nthreads) {
