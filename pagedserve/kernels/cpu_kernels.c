@@ -1190,8 +1190,7 @@ static __attribute__((noinline)) void i8_gemm_rows(const uint32_t *panel, const 
 }
 #else
 /* i8_gemm_run for `rows` (1..I8_MT) rows, each count its own copy so the sums stay in registers (kept out of the
- * OpenMP body, where GCC spilled them). A block of 4 VL outputs (BF16_NB with AVX512-BF16) runs as two halves of
- * 2 VL, each over its own columns of the panel (whose rows stay BF16_NB apart). */
+ * OpenMP body, where GCC spilled them). AVX2's blocks are 2 VL outputs: one run each. */
 static __attribute__((noinline)) void i8_gemm_rows(const uint32_t *panel, const int32_t *xt, int64_t p0, int64_t p1,
                                                    int64_t rows, int32_t out[I8_MT][BF16_NB]) {
   for (int c0 = 0; c0 < BF16_NB; c0 += 2 * VL)
