@@ -99,8 +99,8 @@ def test_int8_decode_batches_give_every_row_the_bits_it_gets_alone(kernels, dtyp
     """Batches of 32-63 rows: on AVX-512 (without AMX-INT8 tiles taking them) those with K <= 1024 run the integer
     tile (i8_gemm) instead of the row kernel, with the same exact sums; K = 1088 keeps the row kernel; below 32 rows
     the row kernel's passes (the first streaming the block, the later ones holding it in registers). Every row
-    must equal what it gets alone (a decode step, a speculative verification), across tiles of 6 rows, both
-    halves of a 64-output block and a partial last block."""
+    must equal what it gets alone (a decode step, a speculative verification), across tiles of 6 rows, every
+    weight vector of a 64-output block (one run of the tile) and a partial last block."""
     _check_rows_alone(kernels, dtype, k=k, batches=(5, 6, 15, 16, 17, 22, 31, 32, 33, 40, 63), seed=5)
 
 
