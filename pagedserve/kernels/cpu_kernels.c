@@ -1108,6 +1108,8 @@ static void i8_tile_x(const int16_t *xq, int64_t m0, int64_t M, int64_t K, int32
  * broadcast twice from L1: 12 sums, one weight register, a broadcast and the madd's result (15 of 16). */
 #define I8_ROW(r, acc, w) \
   if (MT > r) acc = i8_dot(acc, i8_broadcast(xp + r), w)
+#define I8_ROW2(r, s0, s1) \
+  if (MT > r) { const vi x = i8_broadcast(xp + r); s0 = i8_dot(s0, x, w0); s1 = i8_dot(s1, x, w1); }  /* AVX-VNNI */
 /* A row's pair of columns in every lane, loaded again for each half: as a plain set1, GCC kept the MT broadcasts of
  * the first half for the second and spilled sums to make room. */
 static inline vi i8_broadcast(const int32_t *p) {
@@ -1122,10 +1124,18 @@ static inline __attribute__((always_inline)) void i8_gemm_run(const uint32_t *pa
   a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = vi_zero();
   for (int64_t p = p0; p < p1; ++p) {
     const int32_t *xp = xt + p * MT;
+#ifdef __AVXVNNI__
+    /* vpdpwssd needs no register for the product: both weight vectors fit beside the sums and one broadcast, so each
+     * row's pair is broadcast once (AVX-VNNI build on the Zen 5: 64-128 rows 1.14-1.33x) */
+    const vi w0 = vi_load(panel + p * BF16_NB), w1 = vi_load(panel + p * BF16_NB + VL);
+    I8_ROW2(0, a0, b0); I8_ROW2(1, a1, b1); I8_ROW2(2, a2, b2); I8_ROW2(3, a3, b3); I8_ROW2(4, a4, b4);
+    I8_ROW2(5, a5, b5);
+#else
     const vi w0 = vi_load(panel + p * BF16_NB);
     I8_ROW(0, a0, w0); I8_ROW(1, a1, w0); I8_ROW(2, a2, w0); I8_ROW(3, a3, w0); I8_ROW(4, a4, w0); I8_ROW(5, a5, w0);
     const vi w1 = vi_load(panel + p * BF16_NB + VL);
     I8_ROW(0, b0, w1); I8_ROW(1, b1, w1); I8_ROW(2, b2, w1); I8_ROW(3, b3, w1); I8_ROW(4, b4, w1); I8_ROW(5, b5, w1);
+#endif
   }
   const vi a[I8_MT] = {a0, a1, a2, a3, a4, a5}, b[I8_MT] = {b0, b1, b2, b3, b4, b5};
   for (int m = 0; m < MT; ++m) {
