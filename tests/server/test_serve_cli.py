@@ -57,8 +57,8 @@ def test_api_key_enforced(tiny_model_dir, tmp_path):
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert httpx.get(f"{server.url}/metrics").status_code == 200
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
-        assert client.completions.create(model=client.models.list().data[0].id, prompt="hi",
-                                         max_tokens=2).usage.completion_tokens == 2
+        assert client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=2,
+                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="bad", max_retries=0).models.list()
     finally:
