@@ -596,8 +596,8 @@ static inline void transpose_lanes(vpairs r[VL]) {
  * tile was 0.75-0.9x for 896x4864 (its 4864-column panel and x outgrow L2), hence the K bound. Since the row
  * kernel's later passes hold the weights in registers (i8_block) it beats the tile below 32 rows: at 16 rows
  * 1.3-1.5x on Qwen2.5-0.5B's and SmolLM2-135M's shapes, at 24 1.0-1.18x, at 32 0.94-1.11x; against the tile that
- * runs the whole block at once (i8_gemm_block, 1.11-1.21x the two halves) 1.2-1.5x at 16 rows, 0.96-1.2x at 24,
- * 0.9-1.04x at 28. */
+ * runs the whole block at once (i8_gemm_run, 1.11-1.21x the two halves it ran before) 1.2-1.5x at 16 rows,
+ * 0.96-1.2x at 24, 0.9-1.04x at 28. */
 #define I8_TILE_ROWS 32
 #define I8_TILE_MAX_K 1024
 #endif
@@ -1103,53 +1103,21 @@ static void i8_tile_x(const int16_t *xq, int64_t m0, int64_t M, int64_t K, int32
   }
 }
 
-/* One run of at most I8_FLUSH pairs of columns for MT rows: the 2 MT sums as named locals (in arrays, GCC kept
- * half of them on the stack whatever the loop's shape), one half of the outputs, then the other, each row's pair
- * broadcast twice from L1: 12 sums, one weight register, a broadcast and the madd's result (15 of 16). */
-#define I8_ROW(r, acc, w) \
-  if (MT > r) acc = i8_dot(acc, i8_broadcast(xp + r), w)
-#define I8_ROW2(r, s0, s1) \
-  if (MT > r) { const vi x = i8_broadcast(xp + r); s0 = i8_dot(s0, x, w0); s1 = i8_dot(s1, x, w1); }  /* AVX-VNNI */
-/* A row's pair of columns in every lane, loaded again for each half: as a plain set1, GCC kept the MT broadcasts of
- * the first half for the second and spilled sums to make room. */
+/* A row's pair of columns in every lane, loaded for each use where the tile broadcasts per instruction: as a plain
+ * set1, GCC kept the MT broadcasts of the first weight vector for the second and spilled sums to make room. */
 static inline vi i8_broadcast(const int32_t *p) {
   vi v;
   __asm__ volatile("vpbroadcastd %1, %0" : "=v"(v) : "m"(*p));
   return v;
 }
-static inline __attribute__((always_inline)) void i8_gemm_run(const uint32_t *panel, const int32_t *xt, int64_t p0,
-                                                              int64_t p1, const int MT, int32_t out[I8_MT][BF16_NB],
-                                                              const int c0) {
-  vi a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
-  a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = vi_zero();
-  for (int64_t p = p0; p < p1; ++p) {
-    const int32_t *xp = xt + p * MT;
-#ifdef __AVXVNNI__
-    /* vpdpwssd needs no register for the product: both weight vectors fit beside the sums and one broadcast, so each
-     * row's pair is broadcast once (AVX-VNNI build on the Zen 5: 64-128 rows 1.14-1.33x) */
-    const vi w0 = vi_load(panel + p * BF16_NB), w1 = vi_load(panel + p * BF16_NB + VL);
-    I8_ROW2(0, a0, b0); I8_ROW2(1, a1, b1); I8_ROW2(2, a2, b2); I8_ROW2(3, a3, b3); I8_ROW2(4, a4, b4);
-    I8_ROW2(5, a5, b5);
-#else
-    const vi w0 = vi_load(panel + p * BF16_NB);
-    I8_ROW(0, a0, w0); I8_ROW(1, a1, w0); I8_ROW(2, a2, w0); I8_ROW(3, a3, w0); I8_ROW(4, a4, w0); I8_ROW(5, a5, w0);
-    const vi w1 = vi_load(panel + p * BF16_NB + VL);
-    I8_ROW(0, b0, w1); I8_ROW(1, b1, w1); I8_ROW(2, b2, w1); I8_ROW(3, b3, w1); I8_ROW(4, b4, w1); I8_ROW(5, b5, w1);
-#endif
-  }
-  const vi a[I8_MT] = {a0, a1, a2, a3, a4, a5}, b[I8_MT] = {b0, b1, b2, b3, b4, b5};
-  for (int m = 0; m < MT; ++m) {
-    vi_store(out[m] + c0, a[m]);
-    vi_store(out[m] + c0 + VL, b[m]);
-  }
-}
-#undef I8_ROW
 
-#if PS_ISA == 512
-/* AVX-512 has room for the whole block in one run: its I8_NW weight vectors (4 with AVX512-BF16's 64-output blocks, 2
- * without) loaded once a pair of columns, and each row's pair broadcast once for all of them: 6 rows x 4 vectors =
- * 24 sums, 4 weights and a broadcast (29 of 32 registers). The two-halves run above loads a broadcast per
- * instruction (1.17 loads per vpdpwssd at 4 vectors; 0.42 here). */
+#if PS_ISA == 512 || defined(__AVXVNNI__)
+/* One run of at most I8_FLUSH pairs of columns for MT rows over the whole block: its I8_NW weight vectors (4 with
+ * AVX512-BF16's 64-output blocks, 2 without BF16 and on AVX2) loaded once a pair of columns, each row's pair
+ * broadcast once for all of them, the sums as named locals (in arrays, GCC kept half of them on the stack whatever
+ * the loop's shape). AVX-512: 24 sums, 4 weights and a broadcast (29 of 32 registers); AVX-VNNI: 12, 2 and 1 (15 of
+ * 16: vpdpwssd needs no register for the product). Against a broadcast per instruction (1.17 loads per vpdpwssd at
+ * 4 vectors; 0.42 here): AVX-512 1.11-1.21x, AVX-VNNI build 1.14-1.33x (2 Zen 5 cores). */
 #define I8_NW (BF16_NB / VL)
 #define I8_ROW_ALL(r, s0, s1, s2, s3) \
   if (MT > r) { \
@@ -1158,9 +1126,8 @@ static inline __attribute__((always_inline)) void i8_gemm_run(const uint32_t *pa
     s1 = i8_dot(s1, x, w1); \
     if (I8_NW > 2) { s2 = i8_dot(s2, x, w2); s3 = i8_dot(s3, x, w3); } \
   }
-static inline __attribute__((always_inline)) void i8_gemm_block(const uint32_t *panel, const int32_t *xt, int64_t p0,
-                                                                int64_t p1, const int MT,
-                                                                int32_t out[I8_MT][BF16_NB]) {
+static inline __attribute__((always_inline)) void i8_gemm_run(const uint32_t *panel, const int32_t *xt, int64_t p0,
+                                                              int64_t p1, const int MT, int32_t out[I8_MT][BF16_NB]) {
   vi a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5, e0, e1, e2, e3, e4, e5, f0, f1, f2, f3, f4, f5;
   a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = vi_zero();
   e0 = e1 = e2 = e3 = e4 = e5 = f0 = f1 = f2 = f3 = f4 = f5 = vi_zero();
@@ -1184,36 +1151,46 @@ static inline __attribute__((always_inline)) void i8_gemm_block(const uint32_t *
   }
 }
 #undef I8_ROW_ALL
+#else
+/* Plain AVX2 (a block is 2 VL outputs): one weight vector at a time, each row's pair broadcast for every
+ * instruction: 12 sums, one weight register, a broadcast and the madd's result (15 of 16). Both weight vectors at
+ * once need all 16 (1.09-1.16x with GCC 12 on the Zen 5's AVX2 build, one shape 0.95x), and users compile this
+ * with their own GCC, which has spilled such loops before. */
+#define I8_ROW(r, acc, w) \
+  if (MT > r) acc = i8_dot(acc, i8_broadcast(xp + r), w)
+static inline __attribute__((always_inline)) void i8_gemm_run(const uint32_t *panel, const int32_t *xt, int64_t p0,
+                                                              int64_t p1, const int MT, int32_t out[I8_MT][BF16_NB]) {
+  vi a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5;
+  a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = vi_zero();
+  for (int64_t p = p0; p < p1; ++p) {
+    const int32_t *xp = xt + p * MT;
+    const vi w0 = vi_load(panel + p * BF16_NB);
+    I8_ROW(0, a0, w0); I8_ROW(1, a1, w0); I8_ROW(2, a2, w0); I8_ROW(3, a3, w0); I8_ROW(4, a4, w0); I8_ROW(5, a5, w0);
+    const vi w1 = vi_load(panel + p * BF16_NB + VL);
+    I8_ROW(0, b0, w1); I8_ROW(1, b1, w1); I8_ROW(2, b2, w1); I8_ROW(3, b3, w1); I8_ROW(4, b4, w1); I8_ROW(5, b5, w1);
+  }
+  const vi a[I8_MT] = {a0, a1, a2, a3, a4, a5}, b[I8_MT] = {b0, b1, b2, b3, b4, b5};
+  for (int m = 0; m < MT; ++m) {
+    vi_store(out[m], a[m]);
+    vi_store(out[m] + VL, b[m]);
+  }
+}
+#undef I8_ROW
+#endif
 
-/* i8_gemm_block for `rows` (1..I8_MT) rows, each count its own copy so the sums stay in registers (kept out of the
+/* i8_gemm_run for `rows` (1..I8_MT) rows, each count its own copy so the sums stay in registers (kept out of the
  * OpenMP body, where GCC spilled them). */
 static __attribute__((noinline)) void i8_gemm_rows(const uint32_t *panel, const int32_t *xt, int64_t p0, int64_t p1,
                                                    int64_t rows, int32_t out[I8_MT][BF16_NB]) {
   switch (rows) {
-    case 1: i8_gemm_block(panel, xt, p0, p1, 1, out); break;
-    case 2: i8_gemm_block(panel, xt, p0, p1, 2, out); break;
-    case 3: i8_gemm_block(panel, xt, p0, p1, 3, out); break;
-    case 4: i8_gemm_block(panel, xt, p0, p1, 4, out); break;
-    case 5: i8_gemm_block(panel, xt, p0, p1, 5, out); break;
-    default: i8_gemm_block(panel, xt, p0, p1, I8_MT, out); break;
+    case 1: i8_gemm_run(panel, xt, p0, p1, 1, out); break;
+    case 2: i8_gemm_run(panel, xt, p0, p1, 2, out); break;
+    case 3: i8_gemm_run(panel, xt, p0, p1, 3, out); break;
+    case 4: i8_gemm_run(panel, xt, p0, p1, 4, out); break;
+    case 5: i8_gemm_run(panel, xt, p0, p1, 5, out); break;
+    default: i8_gemm_run(panel, xt, p0, p1, I8_MT, out); break;
   }
 }
-#else
-/* i8_gemm_run for `rows` (1..I8_MT) rows, each count its own copy so the sums stay in registers (kept out of the
- * OpenMP body, where GCC spilled them). AVX2's blocks are 2 VL outputs: one run each. */
-static __attribute__((noinline)) void i8_gemm_rows(const uint32_t *panel, const int32_t *xt, int64_t p0, int64_t p1,
-                                                   int64_t rows, int32_t out[I8_MT][BF16_NB]) {
-  for (int c0 = 0; c0 < BF16_NB; c0 += 2 * VL)
-    switch (rows) {
-      case 1: i8_gemm_run(panel + c0, xt, p0, p1, 1, out, c0); break;
-      case 2: i8_gemm_run(panel + c0, xt, p0, p1, 2, out, c0); break;
-      case 3: i8_gemm_run(panel + c0, xt, p0, p1, 3, out, c0); break;
-      case 4: i8_gemm_run(panel + c0, xt, p0, p1, 4, out, c0); break;
-      case 5: i8_gemm_run(panel + c0, xt, p0, p1, 5, out, c0); break;
-      default: i8_gemm_run(panel + c0, xt, p0, p1, I8_MT, out, c0); break;
-    }
-}
-#endif
 
 static void i8_gemm(const void *x, const int8_t *q, const float *scale, const void *bias, void *y, int64_t M,
                     int64_t N, int64_t K, int bf16, int nthreads) {
