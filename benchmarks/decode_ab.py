@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ready_ab import REPO, in_turns, prepare_trees  # noqa: E402
+from ready_ab import REPO, in_turns, prepare_trees, run_in_tree  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -48,13 +46,8 @@ print("RESULT " + json.dumps(max(rates)))
 
 
 def decode_rate(tree: Path, args: argparse.Namespace) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.batch), str(args.context),
-                          str(args.tokens), str(args.repeats), str(int(args.prefill)), json.dumps(args.engine_kwargs)],
-                         cwd="/tmp", env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"the run in {tree} failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_in_tree(tree, CHILD, args.model, str(args.batch), str(args.context), str(args.tokens),
+                       str(args.repeats), str(int(args.prefill)), json.dumps(args.engine_kwargs))
 
 
 def main() -> int:

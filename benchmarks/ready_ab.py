@@ -12,6 +12,7 @@ without bytecode compiles every module at every start (~0.3 s), which would be m
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -69,6 +70,17 @@ def prepare_trees(before: Path, after: Path) -> dict[str, Path]:
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "pagedserve")], check=True,
                        stdout=subprocess.DEVNULL)
     return trees
+
+
+def run_in_tree(tree: Path, code: str, *args: str) -> object:
+    """Run `code` (python -c, args after it) in a fresh process importing pagedserve from `tree`; the JSON it printed
+    on its last "RESULT " line."""
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd="/tmp", env={**os.environ, "PYTHONPATH": str(tree)},
+                         capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"the run in {tree} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def in_turns(contenders: dict, index: int) -> list[tuple]:

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ready_ab import REPO, in_turns, prepare_trees  # noqa: E402
+from ready_ab import REPO, in_turns, prepare_trees, run_in_tree  # noqa: E402
 from speculative import MODELS, SPEC  # noqa: E402
 
 CHILD = r"""
@@ -56,15 +54,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_tree(tree: Path, model: str, spec: dict) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, model, json.dumps(spec), str(HERE)], cwd="/tmp",
-                         env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"the run in {tree} failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, required=True, help="worktree of the older commit")
@@ -78,7 +67,7 @@ def main() -> int:
         runs: dict[str, list[dict]] = {name: [] for name in trees}
         for index in range(args.rounds):
             for name, tree in in_turns(trees, index):
-                runs[name].append(run_tree(tree, model, args.spec))
+                runs[name].append(run_in_tree(tree, CHILD, model, json.dumps(args.spec), str(HERE)))
                 print(f"{model} round {index + 1} {name}: {json.dumps(runs[name][-1])}", flush=True)
         for workload in runs["before"][0]:
             def median(name: str, key: str) -> float:
