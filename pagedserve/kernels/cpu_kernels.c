@@ -1792,6 +1792,69 @@ static inline __attribute__((always_inline)) float row_scores(const vf *qv, cons
   return mx;
 }
 
+#if PS_ISA == 512 && defined(__AVX512BF16__)
+/* Scores of bf16 K rows by vdpbf16ps: each instruction multiplies 32 bf16 pairs of q and a K row and adds
+ * them into 16 float32 lanes, so a row of D = 64 takes 2 instructions instead of 4 FMAs on rows widened to
+ * float32 first, and K is not widened at all (only copied, for the heads of a group to share). The products
+ * are exact in float32 either way; the lane sums round in another order than the FMA path's, so every
+ * path that scores bf16 K rows of D % 32 == 0 on such a CPU takes this one (BF16_DOT_SCORES below):
+ * decode rows, runs, prefill rows and heads alone all keep the same bits.
+ * s[0..n) = scale * q . row(l) with row(l) at cache + (slot[l] * Hkv + kvh) * D; NP = D / 32 constant
+ * when inlined. VL positions at a time, summed horizontally as row_scores does. */
+#define BF16_DOT_SCORES 1
+static inline __m512bh bf16_pairs(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
+static inline __attribute__((always_inline)) float dot_scores_np(const uint16_t *q, const uint16_t *cache,
+                                                                 const int64_t *slot, int64_t n, int64_t Hkv,
+                                                                 int64_t kvh, int64_t D, float scale, float *s,
+                                                                 const int NP) {
+#define DOT_ROW(l) (slot ? cache + (slot[l] * Hkv + kvh) * D : cache + (l) * D)  /* slot NULL: rows [n, D] */
+  __m512bh qp[MAX_HEAD_VECS / 2];
+  for (int i = 0; i < NP; ++i) qp[i] = bf16_pairs(q + i * 32);
+  vf mxv = vset1(-INFINITY);
+  int64_t l0 = 0;
+  for (; l0 + VL <= n; l0 += VL) {
+    vf d[VL];
+    for (int j = 0; j < VL; ++j) {
+      const uint16_t *kp = DOT_ROW(l0 + j);
+      d[j] = _mm512_dpbf16_ps(vzero(), qp[0], bf16_pairs(kp));
+      for (int i = 1; i < NP; ++i) d[j] = _mm512_dpbf16_ps(d[j], qp[i], bf16_pairs(kp + i * 32));
+    }
+    const vf block = vmul(vhsum_lanes(d), vset1(scale));
+    vstoref(s + l0, block);
+    mxv = vmax(mxv, block);
+  }
+  float mx = vmaxr(mxv);
+  for (int64_t l = l0; l < n; ++l) {
+    const uint16_t *kp = DOT_ROW(l);
+    vf d = _mm512_dpbf16_ps(vzero(), qp[0], bf16_pairs(kp));
+    for (int i = 1; i < NP; ++i) d = _mm512_dpbf16_ps(d, qp[i], bf16_pairs(kp + i * 32));
+    s[l] = vsum(d) * scale;
+    mx = s[l] > mx ? s[l] : mx;
+  }
+  return mx;
+#undef DOT_ROW
+}
+
+/* dot_scores_np for any D % 32 == 0; slot NULL: the rows are contiguous (a chunk copied for a group). */
+static float dot_scores(const uint16_t *q, const uint16_t *cache, const int64_t *slot, int64_t n, int64_t Hkv,
+                        int64_t kvh, int64_t D, float scale, float *s) {
+  if (!slot) {
+    switch (D) {
+      case 64: return dot_scores_np(q, cache, NULL, n, 1, 0, D, scale, s, 2);
+      case 128: return dot_scores_np(q, cache, NULL, n, 1, 0, D, scale, s, 4);
+      default: return dot_scores_np(q, cache, NULL, n, 1, 0, D, scale, s, (int)(D / 32));
+    }
+  }
+  switch (D) {
+    case 64: return dot_scores_np(q, cache, slot, n, Hkv, kvh, D, scale, s, 2);
+    case 128: return dot_scores_np(q, cache, slot, n, Hkv, kvh, D, scale, s, 4);
+    default: return dot_scores_np(q, cache, slot, n, Hkv, kvh, D, scale, s, (int)(D / 32));
+  }
+}
+#else
+#define BF16_DOT_SCORES 0
+#endif
+
 /* s[l] = exp(s[l] - mx) in place; returns 1 / sum. As torch's CPU flash attention: the weights meet V
  * rounded to the activation dtype and still unnormalised; the float32 sum of the unrounded ones
  * divides at the end. */
@@ -1818,8 +1881,9 @@ static float softmax_weights(float *s, int64_t len, float mx, int bf16) {
 }
 
 /* Positions per chunk that the query heads of one KV head share (grouped-query attention): a chunk's K (then
- * V) rows are read from the pool and widened to float32 once, into a buffer every head of the group then
- * reads from L1, instead of each head gathering and widening them again (7 heads per KV head in Qwen2.5-0.5B).
+ * V) rows are read from the pool and widened to float32 once (K copied as bf16 for dot_scores), into a buffer
+ * every head of the group then reads from L1, instead of each head gathering and widening them again (7 heads
+ * per KV head in Qwen2.5-0.5B).
  * A multiple of VL, so that each position takes the same path through attention_scores (a VL-position
  * block or the tail) as without chunks, and every sum keeps its order: the results are bit-identical. */
 #define ATTN_CHUNK 64
@@ -1836,13 +1900,17 @@ static void prefetch_row(const void *cache, int64_t slot, int64_t Hkv, int64_t k
   for (int64_t b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-/* Widen rows 0 .. n - 1 of slot[] to float32; rows up to avail (> n) are the context's next ones. */
+/* Widen rows 0 .. n - 1 of slot[] to float32 (or copy them as they are: `copy`, bf16 rows for dot_scores);
+ * rows up to avail (> n) are the context's next ones. */
 static void widen_rows(const void *cache, const int64_t *slot, int64_t n, int64_t avail, int64_t Hkv, int64_t kvh,
-                       int64_t D, int bf16, float *rows) {
+                       int64_t D, int bf16, int copy, float *rows) {
   for (int64_t l = 0; l < n; ++l) {
     if (l + ATTN_AHEAD < avail) prefetch_row(cache, slot[l + ATTN_AHEAD], Hkv, kvh, D, bf16);
     const void *p = at(cache, (slot[l] * Hkv + kvh) * D, bf16);
-    for (int64_t i = 0; i < D; i += VL) vstoref(rows + l * D + i, vload(at(p, i, bf16), bf16));
+    if (copy)  /* bf16 rows (D % 32 == 0), moved as float32 vectors of pairs */
+      for (int64_t i = 0; i < D / 2; i += VL) vstoref(rows + l * (D / 2) + i, vloadf((const float *)p + i));
+    else
+      for (int64_t i = 0; i < D; i += VL) vstoref(rows + l * D + i, vload(at(p, i, bf16), bf16));
   }
 }
 
@@ -1927,6 +1995,26 @@ static void weighted_sums(const float *w, int64_t w_stride, int64_t n, const flo
   }
 }
 
+/* One query head's scores over a chunk of n positions and their maximum: from the pool (slot[0..n)), or from
+ * the chunk's rows widened to float32 (`widen`), or copied as bf16 when dot_scores takes them (`dot`). */
+static float head_scores(const void *q, const void *k_cache, const int64_t *slot, const float *rows,
+                         const int64_t *iota, int64_t n, int64_t Hkv, int64_t kvh, int64_t D, float scale, int bf16,
+                         int dot, int widen, float *sc) {
+#if BF16_DOT_SCORES
+  if (dot)
+    return widen ? dot_scores(q, (const uint16_t *)rows, NULL, n, 1, 0, D, scale, sc)
+                 : dot_scores(q, k_cache, slot, n, Hkv, kvh, D, scale, sc);
+#endif
+  (void)dot;
+  vf qv[MAX_HEAD_VECS];
+  const int64_t nv = D / VL;
+  for (int64_t i = 0; i < nv; ++i) qv[i] = vload(at(q, i * VL, bf16), bf16);
+  if (!widen) return attention_scores(qv, nv, k_cache, slot, n, Hkv, kvh, D, scale, bf16, sc);
+  if (D == 64) return row_scores(qv, rows, n, scale, sc, 64 / VL);
+  if (D == 128) return row_scores(qv, rows, n, scale, sc, 128 / VL);
+  return attention_scores(qv, nv, rows, iota, n, 1, 0, D, scale, 0, sc);
+}
+
 /* Rows that read the same context: row b joins the run of row b - 1 when its context is that row's plus one
  * position (lens[b] == lens[b - 1] + 1, the same slots before it), as the 1 + k rows of a speculative
  * verification are. run[b] = the run's length at its first row, 0 inside a run. A task is one piece of a run and
@@ -1975,7 +2063,8 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * q: [B, Hq, D] with row stride q_stride (elements) between sequences; k_cache/v_cache: [S, Hkv, D];
  * slots: [B, max_len] int64 (slot of each context position); lens: [B]; out: [B, Hq, D] contiguous.
  * Scores, softmax and the weighted sum run in float32, with torch's roundings in bf16 (see
- * softmax_weights), so greedy tokens stay those of transformers' SDPA path. D % 16 == 0, D <= 256.
+ * softmax_weights), so greedy tokens stay those of transformers' SDPA path (bf16 scores by vdpbf16ps where the
+ * CPU has it: dot_scores). D % 16 == 0, D <= 256.
  * Where several query heads share a KV head, they share each chunk of its rows (ATTN_CHUNK), and so do the rows
  * of a run (context_runs: a verification's 1 + k rows read one widened copy of the context, not 1 + k). Each row
  * and head takes the same operations in the same order as it would alone (its own chunk lengths, hence its own
@@ -2009,6 +2098,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
                         int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, int64_t max_run, float scale,
                         int bf16, int nthreads) {
   const int64_t group = Hq / Hkv, nv = D / VL;
+  const int dot = BF16_DOT_SCORES && bf16 && D % 32 == 0;  /* scores by dot_scores, K rows kept in bf16 */
   int64_t *run = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
   if (!run) abort();
   context_runs(slots, slot_stride, lens, B, Hkv, max_run, nthreads, run);
@@ -2036,25 +2126,15 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
       const int64_t chunk = widen ? ATTN_CHUNK : len_max;
       for (int64_t c0 = 0; c0 < len_max; c0 += chunk) {
         const int64_t n_max = len_max - c0 < chunk ? len_max - c0 : chunk;
-        if (widen) widen_rows(k_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, rows);
+        if (widen) widen_rows(k_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, dot, rows);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t b = b0 + r, len = lens[b];
           if (c0 >= len) continue;
           const int64_t n = len - c0 < chunk ? len - c0 : chunk;  /* this row's own chunk, as alone */
           for (int64_t g = 0; g < group; ++g) {
-            vf qv[MAX_HEAD_VECS];
             const int64_t h = kvh * group + g, rg = r * group + g;
-            for (int64_t i = 0; i < nv; ++i) qv[i] = vload(at(q, b * q_stride + h * D + i * VL, bf16), bf16);
-            float *sc = scores + rg * max_len + c0;
-            float m;
-            if (!widen)
-              m = attention_scores(qv, nv, k_cache, slot, n, Hkv, kvh, D, scale, bf16, sc);
-            else if (D == 64)
-              m = row_scores(qv, rows, n, scale, sc, 64 / VL);
-            else if (D == 128)
-              m = row_scores(qv, rows, n, scale, sc, 128 / VL);
-            else
-              m = attention_scores(qv, nv, rows, iota, n, 1, 0, D, scale, 0, sc);
+            const float m = head_scores(at(q, b * q_stride + h * D, bf16), k_cache, slot + c0, rows, iota, n,
+                                        Hkv, kvh, D, scale, bf16, dot, widen, scores + rg * max_len + c0);
             mx[rg] = c0 == 0 || m > mx[rg] ? m : mx[rg];
           }
         }
@@ -2068,7 +2148,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
       /* the weighted sums of V, chunk by chunk as the scores */
       for (int64_t c0 = 0; c0 < len_max; c0 += chunk) {
         const int64_t n_max = len_max - c0 < chunk ? len_max - c0 : chunk;
-        if (widen) widen_rows(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, rows);
+        if (widen) widen_rows(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, 0, rows);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t len = lens[b0 + r];
           if (c0 >= len) continue;

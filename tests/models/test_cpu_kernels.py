@@ -322,6 +322,36 @@ def test_prefill_attention_rows_equal_decode_rows_alone(kernels, dtype, hq, hkv,
         assert torch.equal(alone[0], out[i]), f"row {i} (position {start + i})"
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (4, 2, 128)])
+def test_every_attention_path_scores_bf16_rows_alike(kernels, hq, hkv, d):
+    """Where the CPU has bf16 dot products, bf16 scores take them (dot_scores), and their lane sums round in
+    another order than float32 FMAs: every path must then take them alike, or a verification row, a prefill row
+    or a head of a group would differ from the decode row alone. Such a difference is one last bit of a score,
+    which the bf16 outputs seldom show: here the scores are large (q scaled by 32) and the contexts long, and a
+    head alone left on the FMA scores fails this (tried; with q unscaled it passed). Paths: heads of a group
+    against one head alone (read straight from the pool), a run of rows against each row alone, a prefill chunk
+    against decode rows. On other builds every path is on the FMA scores, and this checks the same equalities."""
+    torch.manual_seed(7)
+    num_slots, context, num = 1200, 1000, 6
+    k_cache, v_cache = (torch.randn(num_slots, hkv, d).bfloat16() for _ in range(2))
+    slots = torch.randperm(num_slots)[:context]
+    q = (torch.randn(num, hq, d) * 32).bfloat16()
+    scale = d ** -0.5
+    lens = torch.arange(context - num + 1, context + 1)
+    table = slots.expand(num, context).contiguous()
+    together = kernels.decode_attention(q, k_cache, v_cache, table, lens, scale)
+    prefill = kernels.prefill_attention(q, k_cache, v_cache, slots, context - num, scale, 1 << 30)
+    group = hq // hkv
+    for b in range(num):
+        alone = kernels.decode_attention(q[b:b + 1], k_cache, v_cache, table[b:b + 1], lens[b:b + 1], scale)
+        assert torch.equal(alone[0], together[b]), f"row {b} in a run"
+        assert torch.equal(alone[0], prefill[b]), f"prefill row {b}"
+        for h in range(hq):
+            k_one, v_one = (c[:, h // group:h // group + 1].contiguous() for c in (k_cache, v_cache))
+            head = kernels.decode_attention(q[b:b + 1, h:h + 1], k_one, v_one, table[b:b + 1], lens[b:b + 1], scale)
+            assert torch.equal(head[0, 0], alone[0, h]), f"row {b}, query head {h} alone"
+
+
 # decode batches take the integer kernel, prefill-sized bf16 ones its bf16 panels; float32 ones above
 # kernels.int8_max_rows (AVX512-BF16 only: 32) the dequantized matmul
 @pytest.mark.parametrize("dtype", DTYPES)
