@@ -1851,6 +1851,18 @@ static float dot_scores(const uint16_t *q, const uint16_t *cache, const int64_t 
     default: return dot_scores_np(q, cache, slot, n, Hkv, kvh, D, scale, s, (int)(D / 32));
   }
 }
+
+/* n weights (float32 values that bf16 holds exactly: softmax_weights rounded them) as bf16 pairs
+ * (w[2p], w[2p + 1]) in out[p], a missing second one 0; n <= 64. */
+static inline void weight_pairs(const float *w, int64_t n, uint32_t *out) {
+  for (int64_t k = 0; k < n; k += 32) {
+    const int64_t m = n - k;
+    const __mmask16 lo = m >= 16 ? 0xFFFF : (__mmask16)((1u << m) - 1);
+    const __mmask16 hi = m >= 32 ? 0xFFFF : m <= 16 ? 0 : (__mmask16)((1u << (m - 16)) - 1);
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, w + k + 16), _mm512_maskz_loadu_ps(lo, w + k));
+    _mm512_storeu_si512((void *)(out + k / 2), (__m512i)pairs);
+  }
+}
 #else
 #define BF16_DOT_SCORES 0
 #endif
@@ -1914,6 +1926,80 @@ static void widen_rows(const void *cache, const int64_t *slot, int64_t n, int64_
   }
 }
 
+#if BF16_DOT_SCORES
+/* vpermt2w indices that pair two rows x, y of bf16 for vdpbf16ps: (x[d], y[d]) as one 32-bit lane, for d 0-15
+ * (idx[0]) and 16-31 (idx[1]) of 32 values. */
+static inline void pair_index(__m512i idx[2]) {
+  int16_t lanes[2][32];
+  for (int k = 0; k < 32; ++k) {
+    lanes[0][k] = (int16_t)(k / 2 + (k % 2) * 32);
+    lanes[1][k] = (int16_t)(16 + k / 2 + (k % 2) * 32);
+  }
+  idx[0] = _mm512_loadu_si512((const void *)lanes[0]);
+  idx[1] = _mm512_loadu_si512((const void *)lanes[1]);
+}
+
+/* V rows 0 .. n - 1 of slot[] as pairs of rows for vdpbf16ps: pair p holds, for each d, (V[2p][d], V[2p + 1][d])
+ * (0 past row n - 1) as one 32-bit lane, D lanes in order (so D / 16 vectors a pair, as a float32 row has);
+ * prefetching as widen_rows. */
+static void pair_rows(const void *cache, const int64_t *slot, int64_t n, int64_t avail, int64_t Hkv, int64_t kvh,
+                      int64_t D, float *rows) {
+  __m512i idx[2];
+  pair_index(idx);
+  for (int64_t l = 0; l < n; l += 2) {
+    for (int64_t j = l; j < l + 2; ++j)
+      if (j + ATTN_AHEAD < avail) prefetch_row(cache, slot[j + ATTN_AHEAD], Hkv, kvh, D, 1);
+    const uint16_t *a = (const uint16_t *)cache + (slot[l] * Hkv + kvh) * D;
+    const uint16_t *b = l + 1 < n ? (const uint16_t *)cache + (slot[l + 1] * Hkv + kvh) * D : NULL;
+    uint16_t *out = (uint16_t *)(rows + (l / 2) * D);
+    for (int64_t h = 0; h < D; h += 32) {
+      const __m512i x = _mm512_loadu_si512((const void *)(a + h));
+      const __m512i y = b ? _mm512_loadu_si512((const void *)(b + h)) : _mm512_setzero_si512();
+      _mm512_storeu_si512((void *)(out + 2 * h), _mm512_permutex2var_epi16(x, idx[0], y));
+      _mm512_storeu_si512((void *)(out + 2 * h + 32), _mm512_permutex2var_epi16(x, idx[1], y));
+    }
+  }
+}
+
+/* One head's weighted sums straight from the pool (no group or run to share a copy with): the operations of
+ * weighted_sum_group's pairs (G = 1) over chunks of ATTN_CHUNK positions, the rows paired in registers. */
+static inline __attribute__((always_inline)) void pool_pair_sums_nv(const float *w, int64_t len, const void *v_cache,
+                                                                    const int64_t *slot, int64_t Hkv, int64_t kvh,
+                                                                    int64_t D, float *acc, const int NV) {
+  __m512i idx[2];
+  pair_index(idx);
+  vf a[MAX_HEAD_VECS];
+  for (int i = 0; i < NV; ++i) a[i] = vzero();
+  for (int64_t c0 = 0; c0 < len; c0 += ATTN_CHUNK) {
+    const int64_t n = len - c0 < ATTN_CHUNK ? len - c0 : ATTN_CHUNK;
+    uint32_t wp[ATTN_CHUNK / 2];
+    weight_pairs(w + c0, n, wp);
+    for (int64_t l = 0; l < n; l += 2) {
+      if (c0 + l + ATTN_AHEAD < len) prefetch_row(v_cache, slot[c0 + l + ATTN_AHEAD], Hkv, kvh, D, 1);
+      if (c0 + l + 1 + ATTN_AHEAD < len) prefetch_row(v_cache, slot[c0 + l + 1 + ATTN_AHEAD], Hkv, kvh, D, 1);
+      const uint16_t *x = (const uint16_t *)v_cache + (slot[c0 + l] * Hkv + kvh) * D;
+      const uint16_t *y = l + 1 < n ? (const uint16_t *)v_cache + (slot[c0 + l + 1] * Hkv + kvh) * D : NULL;
+      const __m512bh wg = (__m512bh)_mm512_set1_epi32((int)wp[l / 2]);
+      for (int i = 0; i < NV; i += 2) {
+        const __m512i xv = _mm512_loadu_si512((const void *)(x + i * 16));
+        const __m512i yv = y ? _mm512_loadu_si512((const void *)(y + i * 16)) : _mm512_setzero_si512();
+        a[i] = _mm512_dpbf16_ps(a[i], wg, (__m512bh)_mm512_permutex2var_epi16(xv, idx[0], yv));
+        a[i + 1] = _mm512_dpbf16_ps(a[i + 1], wg, (__m512bh)_mm512_permutex2var_epi16(xv, idx[1], yv));
+      }
+    }
+  }
+  for (int i = 0; i < NV; ++i) vstoref(acc + i * VL, a[i]);
+}
+
+static void pool_pair_sums(const float *w, int64_t len, const void *v_cache, const int64_t *slot, int64_t Hkv,
+                           int64_t kvh, int64_t D, float *acc) {
+  if (D == 64)
+    pool_pair_sums_nv(w, len, v_cache, slot, Hkv, kvh, D, acc, 64 / VL);
+  else
+    pool_pair_sums_nv(w, len, v_cache, slot, Hkv, kvh, D, acc, 128 / VL);
+}
+#endif
+
 /* The weighted sums of G query heads at once over widened rows [n, D] (float32, contiguous): head g's
  * acc[g * D ..] (+)= sum over l of w[g * w_stride + l] * rows[l], for NV vectors of each row. Each row is loaded once
  * for the G heads, and the G * NV accumulators are independent chains (one head's NV = 4 on AVX-512 at D = 64 wait
@@ -1926,10 +2012,28 @@ static void widen_rows(const void *cache, const int64_t *slot, int64_t n, int64_
 #define MAX_GROUP 7
 static inline __attribute__((always_inline)) void weighted_sum_group(const float *w, int64_t w_stride, int64_t n,
                                                                      const float *rows, int64_t D, float *acc,
-                                                                     const int NV, const int G, int resume) {
+                                                                     const int NV, const int G, int resume,
+                                                                     const int DOT) {
   vf a[MAX_GROUP][MAX_HEAD_VECS];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) a[g][i] = resume ? vloadf(acc + g * D + i * VL) : vzero();
+#if BF16_DOT_SCORES
+  if (DOT) {  /* rows: pairs of positions (pair_rows); each head's weights as bf16 pairs */
+    uint32_t wp[MAX_GROUP][ATTN_CHUNK / 2];
+    for (int g = 0; g < G; ++g) weight_pairs(w + g * w_stride, n, wp[g]);
+    for (int64_t p = 0; p < (n + 1) / 2; ++p) {
+      __m512bh v[MAX_HEAD_VECS];
+      for (int i = 0; i < NV; ++i) {
+        v[i] = bf16_pairs((const uint16_t *)(rows + p * D + i * VL));
+        if (ROW_HELD(G, NV)) __asm__("" : "+v"(v[i]));
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512bh wg = (__m512bh)_mm512_set1_epi32((int)wp[g][p]);
+        for (int i = 0; i < NV; ++i) a[g][i] = _mm512_dpbf16_ps(a[g][i], wg, v[i]);
+      }
+    }
+  } else
+#endif
   for (int64_t l = 0; l < n; ++l) {
     vf v[MAX_HEAD_VECS];
     for (int i = 0; i < NV; ++i) {
@@ -1941,6 +2045,7 @@ static inline __attribute__((always_inline)) void weighted_sum_group(const float
       for (int i = 0; i < NV; ++i) a[g][i] = vfma(wg, v[i], a[g][i]);
     }
   }
+  (void)DOT;
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) vstoref(acc + g * D + i * VL, a[g][i]);
 }
@@ -1950,7 +2055,7 @@ static inline __attribute__((always_inline)) void weighted_sum_group(const float
 static inline __attribute__((always_inline)) void weighted_sums_sliced(const float *w, int64_t w_stride, int64_t n,
                                                                        const float *rows, int64_t D, float *acc,
                                                                        int64_t group, int resume, const int NV,
-                                                                       const int NVT, int most) {
+                                                                       const int NVT, int most, const int DOT) {
   most = most < 1 ? 1 : (most > MAX_GROUP ? MAX_GROUP : most);
   const int64_t parts = (group + most - 1) / most;
   for (int i0 = 0; i0 < NV; i0 += NVT)
@@ -1959,13 +2064,13 @@ static inline __attribute__((always_inline)) void weighted_sums_sliced(const flo
       const float *wg = w + g * w_stride, *rs = rows + i0 * VL;
       float *ag = acc + g * D + i0 * VL;
       switch (G) {
-        case 1: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 1, resume); break;
-        case 2: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 2, resume); break;
-        case 3: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 3, resume); break;
-        case 4: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 4, resume); break;
-        case 5: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 5, resume); break;
-        case 6: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 6, resume); break;
-        default: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, MAX_GROUP, resume); break;
+        case 1: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 1, resume, DOT); break;
+        case 2: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 2, resume, DOT); break;
+        case 3: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 3, resume, DOT); break;
+        case 4: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 4, resume, DOT); break;
+        case 5: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 5, resume, DOT); break;
+        case 6: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, 6, resume, DOT); break;
+        default: weighted_sum_group(wg, w_stride, n, rs, D, ag, NVT, MAX_GROUP, resume, DOT); break;
       }
       g += G;
     }
@@ -1976,19 +2081,25 @@ static inline __attribute__((always_inline)) void weighted_sums_sliced(const flo
 #define ROW_SLICE(NV) (ROW_HELD(2, NV) ? (NV) : ROW_HELD(2, (NV) / 2) ? (NV) / 2 : (NV) / 4)
 static inline __attribute__((always_inline)) void weighted_sums_nv(const float *w, int64_t w_stride, int64_t n,
                                                                    const float *rows, int64_t D, float *acc,
-                                                                   int64_t group, int resume, const int NV) {
+                                                                   int64_t group, int resume, const int NV,
+                                                                   const int DOT) {
   if (group == 1)
-    weighted_sums_sliced(w, w_stride, n, rows, D, acc, group, resume, NV, NV, 1);
+    weighted_sums_sliced(w, w_stride, n, rows, D, acc, group, resume, NV, NV, 1, DOT);
   else
     weighted_sums_sliced(w, w_stride, n, rows, D, acc, group, resume, NV, ROW_SLICE(NV),
-                         (VREGS - 1) / ROW_SLICE(NV) - 1);
+                         (VREGS - 1) / ROW_SLICE(NV) - 1, DOT);
 }
 
+/* rows: float32 rows, or pairs of bf16 rows for `dot` (dot_sums: D 64 or 128) */
 static void weighted_sums(const float *w, int64_t w_stride, int64_t n, const float *rows, const int64_t *iota,
-                          int64_t D, float *acc, int64_t group, int resume) {
-  switch (D) {
-    case 64: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 64 / VL); break;
-    case 128: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 128 / VL); break;
+                          int64_t D, float *acc, int64_t group, int resume, int dot) {
+  switch (D * 2 + (dot != 0)) {
+    case 128: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 64 / VL, 0); break;
+    case 256: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 128 / VL, 0); break;
+#if BF16_DOT_SCORES
+    case 129: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 64 / VL, 1); break;
+    case 257: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 128 / VL, 1); break;
+#endif
     default:
       for (int64_t g = 0; g < group; ++g)
         weighted_sum_any(w + g * w_stride, n, rows, iota, 1, 0, D, 0, acc + g * D, resume);
@@ -2099,6 +2210,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
                         int bf16, int nthreads) {
   const int64_t group = Hq / Hkv, nv = D / VL;
   const int dot = BF16_DOT_SCORES && bf16 && D % 32 == 0;  /* scores by dot_scores, K rows kept in bf16 */
+  const int dot_v = dot && (D == 64 || D == 128);  /* V's weighted sums by vdpbf16ps too (pair_rows) */
   int64_t *run = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
   if (!run) abort();
   context_runs(slots, slot_stride, lens, B, Hkv, max_run, nthreads, run);
@@ -2148,6 +2260,11 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
       /* the weighted sums of V, chunk by chunk as the scores */
       for (int64_t c0 = 0; c0 < len_max; c0 += chunk) {
         const int64_t n_max = len_max - c0 < chunk ? len_max - c0 : chunk;
+#if BF16_DOT_SCORES
+        if (widen && dot_v)
+          pair_rows(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, rows);
+        else
+#endif
         if (widen) widen_rows(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, 0, rows);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t len = lens[b0 + r];
@@ -2155,7 +2272,11 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
           const int64_t n = len - c0 < chunk ? len - c0 : chunk;
           float *sc = scores + r * group * max_len + c0, *ar = acc + r * group * D;
           if (widen)
-            weighted_sums(sc, max_len, n, rows, iota, D, ar, group, c0 > 0);
+            weighted_sums(sc, max_len, n, rows, iota, D, ar, group, c0 > 0, dot_v);
+#if BF16_DOT_SCORES
+          else if (dot_v)  /* one head alone: the pool paired in registers (widening it ran at 0.5x, 8 / 8 heads) */
+            pool_pair_sums(sc, n, v_cache, slot, Hkv, kvh, D, ar);
+#endif
           else
             weighted_sum_d(sc, n, v_cache, slot, Hkv, kvh, D, bf16, ar, c0 > 0);
         }
