@@ -2061,6 +2061,7 @@ static inline __attribute__((always_inline)) void weighted_sums_sliced(const flo
   for (int i0 = 0; i0 < NV; i0 += NVT)
     for (int64_t g = 0, p = 0; g < group; ++p) {
       const int G = (int)((group - g + (parts - p) - 1) / (parts - p));
+      if (G > most) __builtin_unreachable();  /* (even parts of at most `most`): no code for larger groups */
       const float *wg = w + g * w_stride, *rs = rows + i0 * VL;
       float *ag = acc + g * D + i0 * VL;
       switch (G) {
