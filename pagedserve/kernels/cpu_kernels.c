@@ -2091,7 +2091,7 @@ static inline __attribute__((always_inline)) void weighted_sums_nv(const float *
                          (VREGS - 1) / ROW_SLICE(NV) - 1, DOT);
 }
 
-/* rows: float32 rows, or pairs of bf16 rows for `dot` (dot_sums: D 64 or 128) */
+/* rows: float32 rows, or pairs of bf16 rows for `dot` (pair_rows: D 64 or 128) */
 static void weighted_sums(const float *w, int64_t w_stride, int64_t n, const float *rows, const int64_t *iota,
                           int64_t D, float *acc, int64_t group, int resume, int dot) {
   switch (D * 2 + (dot != 0)) {
@@ -2175,8 +2175,8 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * q: [B, Hq, D] with row stride q_stride (elements) between sequences; k_cache/v_cache: [S, Hkv, D];
  * slots: [B, max_len] int64 (slot of each context position); lens: [B]; out: [B, Hq, D] contiguous.
  * Scores, softmax and the weighted sum run in float32, with torch's roundings in bf16 (see
- * softmax_weights), so greedy tokens stay those of transformers' SDPA path (bf16 scores by vdpbf16ps where the
- * CPU has it: dot_scores). D % 16 == 0, D <= 256.
+ * softmax_weights), so greedy tokens stay those of transformers' SDPA path (bf16 by vdpbf16ps where the CPU has
+ * it: scores by dot_scores, V's sums over pair_rows or pool_pair_sums). D % 16 == 0, D <= 256.
  * Where several query heads share a KV head, they share each chunk of its rows (ATTN_CHUNK), and so do the rows
  * of a run (context_runs: a verification's 1 + k rows read one widened copy of the context, not 1 + k). Each row
  * and head takes the same operations in the same order as it would alone (its own chunk lengths, hence its own
@@ -2275,7 +2275,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
           if (widen)
             weighted_sums(sc, max_len, n, rows, iota, D, ar, group, c0 > 0, dot_v);
 #if BF16_DOT_SCORES
-          else if (dot_v)  /* one head alone: the pool paired in registers (widening it ran at 0.5x, 8 / 8 heads) */
+          else if (dot_v)  /* one head alone: paired in registers (through pair_rows' buffer: 0.67-0.91x, 8/8 heads) */
             pool_pair_sums(sc, n, v_cache, slot, Hkv, kvh, D, ar);
 #endif
           else
