@@ -20,6 +20,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pagedserve.chat_template import render_chat, select_template
+from pagedserve.exceptions import InvalidRequestError
 
 # transformers' named special tokens, in its order (SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -111,13 +112,19 @@ class Tokenizer:
             return self._backend.token_to_id(tokens)
         return [self._backend.token_to_id(t) for t in tokens]
 
+    def _encode(self, text: str, add_special_tokens: bool) -> Any:
+        """The backend's Encoding of one text. Through encode_batch, which lets go of the GIL while it works
+        (encode holds it: a megabyte prompt froze the server's event loop for seconds); as fast for one text."""
+        check_text(text)
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
     def encode(self, text: str, add_special_tokens: bool = True, truncation: bool = False,
                max_length: int | None = None) -> list[int]:
         if not truncation or max_length is None:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return self._encode(text, add_special_tokens).ids
         # As the backend's own truncation: the text's tokens are cut to leave room for the special ones (none
         # are cut when max_length cannot even hold those), then the special tokens are added.
-        encoding = self._backend.encode(text, add_special_tokens=False)
+        encoding = self._encode(text, add_special_tokens=False)
         num_special = self._backend.num_special_tokens_to_add(False) if add_special_tokens else 0
         if max_length >= num_special:
             encoding.truncate(max_length - num_special, direction=self.truncation_side)
@@ -132,6 +139,8 @@ class Tokenizer:
         if isinstance(text, str):
             return {"input_ids": self.encode(text, add_special_tokens, truncation, max_length)}
         if not truncation or max_length is None:
+            for one in text:
+                check_text(one)
             encodings = self._backend.encode_batch(list(text), add_special_tokens=add_special_tokens)
             return {"input_ids": [encoding.ids for encoding in encodings]}
         return {"input_ids": [self.encode(t, add_special_tokens, truncation, max_length) for t in text]}
@@ -166,6 +175,18 @@ class Tokenizer:
                 # (no name_or_path: transformers would take a path for a Hub id and ask the Hub about it)
                 self._transformers.chat_template = self.chat_template
             return self._transformers
+
+
+def check_text(text: str) -> None:
+    """Raises InvalidRequestError for text that is not Unicode a tokenizer can take: a lone surrogate, which
+    JSON lets a client write ("\\ud800") and the backend refuses with a TypeError."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(f"the text holds a lone surrogate ({text[error.start]!r} at character "
+                                  f"{error.start}), which is not Unicode: send surrogates in pairs") from None
 
 
 def wrap_backend_tokenizer(backend: BackendTokenizer, **kwargs: Any) -> Any:

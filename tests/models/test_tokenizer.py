@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jinja2
@@ -18,6 +20,7 @@ from tokenizers import processors
 
 from pagedserve.chat_template import render_chat
 from pagedserve.engine.setup import load_tokenizer
+from pagedserve.exceptions import InvalidRequestError
 from pagedserve.formats.gguf import read_gguf_header
 from pagedserve.models.gguf_tokenizer import build_tokenizer_from_metadata
 from pagedserve.tokenizer import Tokenizer, load_plain_tokenizer, loads_without_transformers
@@ -215,3 +218,31 @@ def test_an_engine_starts_without_importing_transformers(tiny_model_dir) -> None
     result = subprocess.run([sys.executable, "-c", code, *models], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_encoding_a_long_text_lets_other_threads_run(pairs) -> None:
+    """The server tokenizes on a thread pool: the event loop must keep running while a large prompt is encoded
+    (the backend's encode holds the GIL throughout; a 4 MB prompt froze every request for seconds)."""
+    ours, _ = pairs["smollm2"]
+    text = "The quick brown fox jumps over the lazy dog. " * 20_000
+    finished = threading.Event()
+    ticks = 0
+    worker = threading.Thread(target=lambda: (ours.encode(text), finished.set()))
+    worker.start()
+    while not finished.is_set():
+        time.sleep(0.001)
+        ticks += 1
+    worker.join()
+    assert ticks >= 20, f"the main thread ran {ticks} times while the text was encoded"
+
+
+@pytest.mark.parametrize("text", ["\ud800", "ok \udfff then", "a\ud83d"])
+def test_lone_surrogates_are_the_callers_error(pairs, text: str) -> None:
+    """JSON can carry a lone surrogate ("\\ud800"), which is not Unicode: a 400 naming it, not the backend's
+    TypeError (a 500); a surrogate pair is one character and encodes as it."""
+    ours, reference = pairs["smollm2"]
+    for encode in (ours.encode, lambda t: ours(t), lambda t: ours([t, "fine"])):
+        with pytest.raises(InvalidRequestError, match="lone surrogate"):
+            encode(text)
+    paired = "\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16")
+    assert ours.encode(paired) == reference.encode(paired)

@@ -172,6 +172,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x" * (9 << 20)}, 413, "exceeds"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800"}', 400, "surrogate"),  # JSON allows it
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "surrogate"),
+    ("/tokenize", b'{"model": "tiny", "prompt": "x\\ud800"}', 400, "surrogate"),
     ("/v1/embeddings", {"model": MODEL, "input": "x"}, 400, "embed"),
     ("/detokenize", {"model": MODEL, "tokens": [-5]}, 400, "out of range"),
 ]
@@ -189,6 +193,29 @@ def test_bad_request_gets_error_body(server, client, path, body, status, word):
     assert word.lower() in error["message"].lower()
     ok = client.completions.create(model=MODEL, prompt="still fine", max_tokens=3, extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 3  # EOS ignored: a sampled EOS ended it at 2 once
+
+
+def test_a_chunked_body_past_the_limit_is_a_413_before_it_is_read_whole(server, client):
+    """A chunked body has no Content-Length: the limit is enforced as it arrives (it was read whole, 30 MB of
+    prompt tokenized for a minute, then a 400 for its length), and a body within the limit still works."""
+    sent = 0
+
+    def chunks(total: int, piece: bytes):
+        nonlocal sent
+        yield b'{"model": "tiny", "max_tokens": 2, "prompt": "'
+        while sent < total:
+            sent += len(piece)
+            yield piece
+        yield b'"}'
+    response = httpx.post(f"{server.url}/v1/completions", content=chunks(64 << 20, b"ab " * 20000), timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text
+    assert "exceeds the limit" in response.json()["error"]["message"]
+    sent = 0
+    response = httpx.post(f"{server.url}/v1/completions", content=chunks(30, b"ab "), timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2, response.text
+    assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=2).usage.completion_tokens >= 1
 
 
 def test_metrics_parse_and_move(server, client):

@@ -139,7 +139,38 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await _send_error(send, f"request body of {int(length)} bytes exceeds the limit of "
                                            f"{self.max_body_bytes} bytes", 413)
+        if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            # A chunked body says its size only as it arrives: read it here, within the limit, and hand it on
+            receive = await self._read_limited(receive, send)
+            if receive is None:
+                return None
         await self.app(scope, receive, send)
+
+    async def _read_limited(self, receive: Any, send: Any) -> Any:
+        """A receive that replays a body of unstated length read whole (then the client's own receive, which
+        tells a streaming response that the client left); None after a 413 when the body outgrew the limit."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before it finished sending
+                return _replay([message], receive)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                await _send_error(send, f"request body of more than {self.max_body_bytes} bytes (sent without "
+                                        "Content-Length) exceeds the limit", 413)
+                return None
+            if not message.get("more_body", False):
+                return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+
+
+def _replay(messages: list[dict], receive: Any) -> Any:
+    """An ASGI receive that returns `messages` first, then whatever `receive` returns."""
+    pending = list(messages)
+
+    async def replayed() -> dict:
+        return pending.pop(0) if pending else await receive()
+    return replayed
 
 
 class RootPathMiddleware:

@@ -90,6 +90,21 @@ async def _rest_of_stream(stream: DeploymentResponseGenerator, replica: str) -> 
         stream.cancel()  # a no-op once the stream has ended
 
 
+async def _body_within(raw: Request, limit: int) -> Optional[bytes]:
+    """The request's body, or None when it is larger than `limit` bytes: by its Content-Length, or (a chunked
+    body, which says its size only as it arrives) once more than that has arrived."""
+    length = raw.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _is_event_stream(start: ResponseStart) -> bool:
     return any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
                for name, value in start.headers)
@@ -161,12 +176,12 @@ class Ingress:
 
     @api.api_route("/{path:path}", methods=_METHODS)
     async def forward(self, raw: Request) -> Response:
-        length = raw.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            message = f"request body of {int(length)} bytes exceeds the limit of {self.max_body_bytes} bytes"
+        body = await _body_within(raw, self.max_body_bytes)
+        if body is None:
+            message = f"request body exceeds the limit of {self.max_body_bytes} bytes"
             return JSONResponse(error_body(message, 413), 413)
         request = ForwardedRequest(raw.method, raw.url.path, raw.scope.get("raw_path") or raw.url.path.encode(),
-                                   raw.scope.get("query_string", b""), list(raw.scope["headers"]), await raw.body(),
+                                   raw.scope.get("query_string", b""), list(raw.scope["headers"]), body,
                                    tuple(raw.client) if raw.client else None)
         key = routing_key(request.path, raw.headers, request.body, self.prefix_chars)
         try:
