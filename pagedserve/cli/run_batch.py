@@ -71,12 +71,14 @@ def output_line(custom_id: Any, status: int, body: Any, error: str | None = None
             "error": None if error is None else {"message": error}}
 
 
-async def run_lines(app: Any, lines: list[str], max_concurrency: int) -> list[dict]:
-    """Every line through `app`, at most `max_concurrency` at a time; the output lines in input order."""
+async def run_lines(app: Any, lines: list[tuple[int, str]], max_concurrency: int) -> list[dict]:
+    """Every (line number, line) through `app`, at most `max_concurrency` at a time; the output lines in input
+    order. A line that fails in any way is an output line with its error, never the end of the batch."""
     import httpx
 
     gate = asyncio.Semaphore(max(1, max_concurrency))
-    transport = httpx.ASGITransport(app=app)
+    # raise_app_exceptions=False: a server fault answers that line with a 500, as it would over HTTP
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
         async def one(number: int, text: str) -> dict:
             try:
@@ -84,13 +86,29 @@ async def run_lines(app: Any, lines: list[str], max_concurrency: int) -> list[di
             except ValueError as exc:
                 return output_line(_custom_id(text), 400, None, str(exc))
             custom_id = request.get("custom_id")
-            async with gate:
-                response = await client.post(request["url"], json=request["body"])
-            body = response.json()
-            error = body.get("error", {}).get("message") if response.status_code >= 400 else None
-            return output_line(custom_id, response.status_code, body, error)
+            # The body as an HTTP client sends it: JSON with \u escapes, so a lone surrogate reaches the server
+            content = json.dumps(request["body"]).encode()
+            try:
+                async with gate:
+                    response = await client.post(request["url"], content=content,
+                                                 headers={"content-type": "application/json"})
+            except Exception as exc:  # noqa: BLE001 - this line's failure, written to its output line
+                return output_line(custom_id, 500, None, f"line {number}: {type(exc).__name__}: {exc}")
+            return _response_line(custom_id, response)
 
-        return list(await asyncio.gather(*(one(i + 1, line) for i, line in enumerate(lines))))
+        return list(await asyncio.gather(*(one(number, line) for number, line in lines)))
+
+
+def _response_line(custom_id: Any, response: Any) -> dict:
+    try:
+        body = response.json()
+    except ValueError:  # a fault's plain-text 500
+        return output_line(custom_id, response.status_code, None, response.text or f"HTTP {response.status_code}")
+    error = None
+    if response.status_code >= 400:
+        error = body.get("error", {}).get("message") if isinstance(body, dict) else None
+        error = error or f"HTTP {response.status_code}"
+    return output_line(custom_id, response.status_code, body, error)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         options = replace(options, api_key=None, disable_log_stats=True)  # in-process: no key, no stats line
         source = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
         with source:
-            lines = [line for line in source.read().splitlines() if line.strip()]
+            # numbered as the file's lines, blank ones skipped
+            lines = [(i + 1, line) for i, line in enumerate(source.read().splitlines()) if line.strip()]
     except (ValueError, OSError) as exc:
         return fail(str(exc))
     state = ServerState(StartupTracker())

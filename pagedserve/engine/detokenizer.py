@@ -17,6 +17,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens  # stop strings count from the token after these (vLLM's rule)
+        self.num_output_tokens = 0
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -29,16 +31,18 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string if one now appears (the text is cut before it)."""
+        """Append tokens; returns the stop string if one now appears (the text is cut before it): in the text of
+        a token past the first min_tokens, or spanning into it."""
         for token_id in new_token_ids:
             self.ids.append(token_id)
+            self.num_output_tokens += 1
             prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full_text = self._decode(self.ids[self.prefix_offset:])
             if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
                 new_text = full_text[len(prefix_text):]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
                 self.output_text += new_text
-                stop = self._find_stop(len(new_text))
+                stop = self._find_stop(len(new_text)) if self.num_output_tokens > self.min_tokens else None
                 if stop is not None:
                     return stop
         return None

@@ -51,3 +51,18 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(tokenizer):
     assert found == stop
     assert streamed == "The quick brown "
     assert detok.output_text == "The quick brown "
+
+
+@pytest.mark.parametrize("min_tokens", [0, 3, 6])
+def test_stop_strings_count_only_past_min_tokens(tokenizer, min_tokens):
+    """vLLM's rule: a stop string is looked for once more than min_tokens tokens are out (in the new text, and
+    the stop string's length before it), so the first "b" inside the first min_tokens tokens does not stop."""
+    ids = tokenizer.encode("a b a b a b a b a b")
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["b"], min_tokens=min_tokens))
+    stopped_at = next((n for n, token_id in enumerate(ids, 1) if detok.update([token_id]) is not None), None)
+    text = tokenizer.decode(ids[:stopped_at])
+    first_b_after = next(n for n in range(min_tokens + 1, len(ids) + 1) if tokenizer.decode(ids[:n]).endswith("b"))
+    assert stopped_at == first_b_after, (stopped_at, text)
+    assert detok.output_text == text[:text.rindex("b")]
+    if min_tokens:
+        assert detok.output_text.count("b") >= 1  # a "b" inside the first min_tokens stayed in the text

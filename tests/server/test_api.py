@@ -176,6 +176,13 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
      "surrogate"),
     ("/tokenize", b'{"model": "tiny", "prompt": "x\\ud800"}', 400, "surrogate"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "chat_template": "{{ 'x' }}"}, 400, "--chat-template"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "only allowed when stream is true"),
+    *[("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"},
+                                                            {"role": "assistant", "tool_calls": calls}]}, 400,
+       "tool_calls") for calls in ("x", ["x"], [{"function": "f"}], 5, [{"function": {"name": "f", "arguments": 1}}])],
     ("/v1/embeddings", {"model": MODEL, "input": "x"}, 400, "embed"),
     ("/detokenize", {"model": MODEL, "tokens": [-5]}, 400, "out of range"),
 ]

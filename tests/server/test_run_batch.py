@@ -3,6 +3,7 @@ input line in input order, errors as lines (vLLM's run-batch)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -17,23 +18,52 @@ def test_a_batch_file_gets_one_answer_per_line_in_order(tiny_model_dir, tmp_path
         {"custom_id": "bad-url", "method": "POST", "url": "/v1/nope", "body": {}},
         {"custom_id": "bad-value", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "top_p": 7}},
         {"custom_id": "streamed", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "stream": True}},
+        {"custom_id": "surrogate", "url": "/v1/completions", "body": {"prompt": "x\ud800"}},  # a 500 ended the run
+        {"custom_id": "bad-call", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": "x"}]}},
     ]
     source = tmp_path / "in.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in requests) + "not json\n")
+    source.write_text("".join(json.dumps(r) + "\n" for r in requests) + "\nnot json\n")  # line 9, after a blank one
     target = tmp_path / "out.jsonl"
     run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(source), "-o", str(target),
                           tiny_model_dir("llama"), "--dtype", "float32", "--max-model-len", "256"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "run-batch: 6 requests, 4 failed" in run.stderr
+    assert "run-batch: 8 requests, 6 failed" in run.stderr
     lines = [json.loads(line) for line in target.read_text().splitlines()]
-    assert [line["custom_id"] for line in lines] == ["chat", "cmpl", "bad-url", "bad-value", "streamed", None]
-    assert [line["response"]["status_code"] for line in lines] == [200, 200, 400, 400, 400, 400]
+    assert [line["custom_id"] for line in lines] == ["chat", "cmpl", "bad-url", "bad-value", "streamed", "surrogate",
+                                                     "bad-call", None]
+    assert [line["response"]["status_code"] for line in lines] == [200, 200, 400, 400, 400, 400, 400, 400]
     chat, cmpl = lines[0]["response"]["body"], lines[1]["response"]["body"]
     assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] == 3
     assert [c["index"] for c in cmpl["choices"]] == [0, 1] and cmpl["usage"]["completion_tokens"] == 4
     assert lines[0]["error"] is None and "url must be one of" in lines[2]["error"]["message"]
     assert lines[3]["response"]["body"]["error"]["param"] == "top_p" and "top_p" in lines[3]["error"]["message"]
     assert "stream is not available" in lines[4]["error"]["message"]
-    assert "line 6 must be a JSON object" in lines[5]["error"]["message"]
-    assert len({line["id"] for line in lines}) == 6
+    assert "surrogate" in lines[5]["error"]["message"] and "tool_calls" in lines[6]["error"]["message"]
+    assert "line 9 must be a JSON object" in lines[7]["error"]["message"]
+    assert len({line["id"] for line in lines}) == 8
+
+
+def test_a_line_the_server_fails_on_is_a_500_line_and_the_rest_run():
+    """A fault in the app while it answers one line (an exception out of a route) is that line's 500, with the
+    other lines answered: it ended the whole batch, with no output file, before."""
+    from fastapi import FastAPI
+
+    from pagedserve.cli.run_batch import run_lines
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict) -> dict:
+        if body.get("prompt") == "boom":
+            raise RuntimeError("a fault")
+        return {"echo": body["prompt"]}
+
+    lines = [(n, json.dumps({"custom_id": p, "url": "/v1/completions", "body": {"prompt": p}}))
+             for n, p in ((1, "a"), (3, "boom"), (4, "b"))]
+    results = asyncio.run(run_lines(app, lines, 2))
+    assert [r["custom_id"] for r in results] == ["a", "boom", "b"]
+    assert [r["response"]["status_code"] for r in results] == [200, 500, 200]
+    assert results[2]["response"]["body"] == {"echo": "b"} and results[2]["error"] is None
+    assert results[1]["response"]["body"] is None and results[1]["error"]["message"]

@@ -16,7 +16,7 @@ import pytest
 from tests.server.server_utils import free_port, module_server, start_server, tls_context
 
 MODEL = "tiny"
-TEMPLATE = "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\\n{% endfor %}{% if add_generation_prompt %}<<bot>>{% endif %}"
+TEMPLATE = "{% if tools %}<<tools:{{ tools | length }}>>{% endif %}{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\\n{% endfor %}{% if add_generation_prompt %}<<bot>>{% endif %}"
 ORIGIN = "https://app.example"
 
 
@@ -75,6 +75,25 @@ def test_the_chat_template_flag_replaces_the_model_s(http):
     text = "<<system>>Be brief.\n<<user>>Hi\n<<bot>>"
     expected = http.post("/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False}).json()
     assert rendered == expected["tokens"]
+
+
+@pytest.mark.parametrize("fields", [{"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+                                    {"continue_final_message": True, "add_generation_prompt": False},
+                                    {"chat_template_kwargs": {"unused": 1}}])
+def test_tokenize_renders_messages_as_a_chat_completion_does(http, fields):
+    """/tokenize with messages takes the fields that shape a chat prompt (it dropped tools and the rest)."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello th"}]
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1, **fields})
+    tokenized = http.post("/tokenize", json={"model": MODEL, "messages": messages, "return_token_strs": True,
+                                             **fields}).json()
+    assert tokenized["count"] == chat.json()["usage"]["prompt_tokens"] == len(tokenized["token_strs"])
+    plain = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert (plain["tokens"] != tokenized["tokens"]) == ("chat_template_kwargs" not in fields)
+    refused = http.post("/tokenize", json={"model": MODEL, "messages": messages, "chat_template": "{{ 'x' }}"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    reserved = http.post("/tokenize", json={"model": MODEL, "messages": messages,
+                                            "chat_template_kwargs": {"tools": []}})
+    assert reserved.status_code == 400 and "may not set tools" in reserved.json()["error"]["message"]
 
 
 def test_replies_carry_the_response_role_streamed_or_not(server, cert):

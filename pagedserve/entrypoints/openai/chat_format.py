@@ -14,24 +14,40 @@ from pagedserve.outputs import LogprobsDict
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: an assistant's tool_calls with arguments as objects (the
-    API carries them as JSON strings; templates write them with `| tojson`)."""
+    API carries them as JSON strings; templates write them with `| tojson`). Raises InvalidRequestError for
+    tool fields of the wrong shape, which a template would fail on."""
     result = []
-    for message in messages:
+    for index, message in enumerate(messages):
         calls = message.get("tool_calls")
-        if calls:
-            message = {**message, "tool_calls": [_template_call(c) for c in calls]}
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise InvalidRequestError(f"messages[{index}].tool_calls must be a list of tool calls, got "
+                                          f"{type(calls).__name__}", param="messages")
+            message = {**message, "tool_calls": [_template_call(c, f"messages[{index}].tool_calls[{i}]")
+                                                 for i, c in enumerate(calls)]}
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise InvalidRequestError(f"messages[{index}].{key} must be a string", param="messages")
         result.append(message)
     return result
 
 
-def _template_call(call: dict) -> dict:
-    function = dict(call.get("function") or {})
+def _template_call(call: Any, where: str) -> dict:
+    """One call as {"id", "type", "function": {"name", "arguments"}} (OpenAI's shape), arguments parsed."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(f"{where} must be {{\"id\": ..., \"type\": \"function\", \"function\": "
+                                  "{\"name\": string, \"arguments\": JSON string}}", param="messages")
+    function = dict(function)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
             function["arguments"] = json.loads(arguments)
         except ValueError:
             pass
+    elif arguments is not None and not isinstance(arguments, dict):
+        raise InvalidRequestError(f"{where}.function.arguments must be a JSON string (or an object)",
+                                  param="messages")
     return {**call, "function": function}
 
 

@@ -28,7 +28,8 @@ _REFUSED_WHY = {"use_beam_search": "no beam search: sample n > 1 instead",
                 "length_penalty": "it applies to beam search",
                 "bad_words": "use logit_bias to ban tokens",
                 "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages",
-                "echo": "chat replies do not repeat the prompt; /v1/completions does"}
+                "echo": "chat replies do not repeat the prompt; /v1/completions does",
+                "chat_template": "a template from a request is not run: start the server with --chat-template"}
 # Fields OpenAI or vLLM define that change nothing pagedserve generates: taken without a word.
 _ACCEPTED_EXTRAS = frozenset({"store", "metadata", "service_tier", "prediction", "reasoning_effort"})
 _WARNED: set[str] = set()  # unknown field names logged so far (at most _MAX_WARNED: clients choose the names)
@@ -80,6 +81,8 @@ class _SamplingFields(BaseModel):
         to anything but its no-effect value (`refused`: name -> that value; also `_REFUSED`); other unknown
         fields are logged once each and ignored, as vLLM does."""
         extra = self.model_extra or {}
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         for name, inert in {**_REFUSED, **refused}.items():
             value = extra.get(name, getattr(self, name, inert))
             if value != inert and not (isinstance(inert, tuple) and value in inert):
@@ -169,13 +172,18 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages with the chat fields that shape their prompt (tools included)."""
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (the template's own)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):

@@ -376,14 +376,10 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        req.check_fields({"echo": (None, False)})
+        req.check_fields({"echo": (None, False), "chat_template": None})
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs are given in a chat response that is not streamed; set "
                                       "stream to false", param="prompt_logprobs")
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ()))
-        if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)",
-                                      param="chat_template_kwargs")
 
     @property
     def template_has_tools(self) -> bool:
@@ -399,6 +395,10 @@ class OpenAIServing:
                           tools: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs or ()))
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)",
+                                      param="chat_template_kwargs")
         content_format = self.options.chat_template_content_format
         conversation = template_messages([template_message(m, content_format) for m in messages])
         if tools:
@@ -502,13 +502,22 @@ class OpenAIServing:
     # ---- /tokenize, /detokenize ------------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)
-        if req.messages is not None:
-            tokens = await self.render_chat(req.messages, req.add_generation_prompt)
+        if req.messages is not None:  # the prompt a chat completion with these fields would get
+            if (req.model_extra or {}).get("chat_template") is not None:
+                raise InvalidRequestError("chat_template is not supported by this server (a template from a "
+                                          "request is not run: start the server with --chat-template)",
+                                          param="chat_template")
+            tokens = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                            req.chat_template_kwargs, tools=req.tools,
+                                            add_special_tokens=bool(req.add_special_tokens))
         elif req.prompt is not None:
-            tokens = await self._tokenize(req.prompt, req.add_special_tokens)
+            tokens = await self._tokenize(req.prompt, req.add_special_tokens is not False)
         else:
             raise InvalidRequestError("give either prompt or messages", param="prompt")
-        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+        result = {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+        if req.return_token_strs:
+            result["token_strs"] = self.tokenizer.convert_ids_to_tokens(tokens)
+        return result
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         self.check_model(req.model)
