@@ -71,6 +71,13 @@ def vllm_cpu_kvcache_space_gib() -> float | None:
     return value if value > 0 else None
 
 
+def allow_long_max_model_len() -> bool:
+    """$PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's $VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) lets --max-model-len go
+    past the context the model was trained for (with a warning): refused otherwise, as vLLM does."""
+    return _switch("PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN", default=False) or _switch("VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+                                                                                   default=False)
+
+
 def log_stats_interval_s() -> float:
     """Seconds between the server's stats lines: $PAGEDSERVE_LOG_STATS_INTERVAL, else vLLM's
     $VLLM_LOG_STATS_INTERVAL, else 10 (vLLM's default)."""

@@ -14,7 +14,7 @@ QWEN05_SHAPE = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, 
                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
                     eos_token_id=151645, sliding_window=None, use_sliding_window=False)
 TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+                  num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
                   tie_word_embeddings=True, bos_token_id=None, eos_token_id=2)
 
 

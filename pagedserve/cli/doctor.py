@@ -435,9 +435,24 @@ def report(results: list[CheckResult], as_json: bool) -> int:
     return 1 if any(r.status == FAIL for r in results) else 0
 
 
+def check_flags(args: argparse.Namespace) -> CheckResult | None:
+    """serve's own checks of its flags (cli/serve.checked_settings): FAIL naming the flag and its fix; not listed
+    when they pass."""
+    from pagedserve.cli.serve import checked_settings
+
+    try:
+        checked_settings(args)
+    except ValueError as exc:
+        return CheckResult("flags", FAIL, f"serve would refuse to start: {exc}")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from pagedserve.cli.common import engine_args_from_cli
 
+    flags = check_flags(args)
+    if flags is not None:  # the model's checks read the flags: they wait until these are fixed
+        return report([flags, *run_checks(default_checks(None, args.port))], args.json)
     engine_args = engine_args_from_cli(args)  # serve's flags and environment variables, for the memory plan
     return report(run_checks(default_checks(args.model, args.port, engine_args)), args.json)
 

@@ -51,6 +51,10 @@ def check_memory_plan(engine_args: EngineArgs, available: probe.AvailableMemory 
 
 
 def _cannot_size(exc: BaseException) -> CheckResult:
+    """A ValueError is what serve would refuse to start with (a setting the model cannot take, e.g. a
+    --max-model-len past its trained context): a FAIL; a file doctor could not read, a warning."""
+    if isinstance(exc, ValueError):
+        return CheckResult("memory plan", FAIL, f"serve would refuse to start: {exc}")
     return CheckResult("memory plan", WARN, f"cannot size the model: {exc}")
 
 

@@ -54,6 +54,11 @@ class KVCacheManager:
         """Mark every free block unwritten and return their ids: the caller gives their pages back."""
         return self.pool.release_free_blocks()
 
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole pool holds (the null block excepted): one request never grows past it."""
+        return (self.pool.num_blocks - 1) * self.block_size
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

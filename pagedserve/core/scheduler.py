@@ -9,7 +9,9 @@ tokens, counted in the budget, and afterwards advances by as many tokens as the 
 for rejected drafts lie past num_computed_tokens and are overwritten later). Drafts never cause a preemption.
 
 A fault while scheduling or updating one request fails that request alone (its blocks freed, its id
-in `take_failed()`), so the step goes on for the others.
+in `take_failed()`), so the step goes on for the others. So does a request that outgrows the whole KV pool on
+its own (possible only with a pool smaller than max_model_len, --num-gpu-blocks-override): it would wait, or
+preempt itself, forever.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                           NewRequestData, SchedulerOutput, SchedulerStats)
+from pagedserve.exceptions import InvalidRequestError
 from pagedserve.request import Request, RequestStatus
 from pagedserve.spec_decode.proposer import Proposer
 
@@ -44,7 +47,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.fault_hook = fault_hook
         self.proposer = proposer  # speculative decoding's draft tokens; None = off
-        self._failed: dict[str, str] = {}  # request id -> reason, since the last take_failed()
+        self._failed: dict[str, str | BaseException] = {}  # request id -> reason, since the last take_failed()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -96,13 +99,18 @@ class Scheduler:
 
     def fail_request(self, request: Request, exc: BaseException) -> None:
         """End one request after a fault in its own processing; the step goes on for the others."""
-        logger.error("request %s failed: %s: %s", request.request_id, type(exc).__name__, exc, exc_info=exc)
-        self._failed[request.request_id] = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, InvalidRequestError):  # the request's own doing (it outgrew the pool): no traceback
+            logger.warning("request %s failed: %s", request.request_id, exc)
+            self._failed[request.request_id] = exc
+        else:
+            logger.error("request %s failed: %s: %s", request.request_id, type(exc).__name__, exc, exc_info=exc)
+            self._failed[request.request_id] = f"{type(exc).__name__}: {exc}"
         if request.request_id in self.requests and not request.is_finished:
             self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
 
-    def take_failed(self) -> dict[str, str]:
-        """Requests failed since the last call (id -> reason), for the engine to report."""
+    def take_failed(self) -> dict[str, str | BaseException]:
+        """Requests failed since the last call (id -> reason: a string for a fault, an InvalidRequestError for a
+        request that cannot be served), for the engine to report."""
         failed, self._failed = self._failed, {}
         return failed
 
@@ -162,6 +170,8 @@ class Scheduler:
                     drafts, lookahead = [], 0
                     new_blocks = self.kv.allocate_slots(request, num_new)
                 while new_blocks is None:
+                    if self.running == [request]:
+                        raise self._outgrows_pool(request, num_new)
                     victim = self.running.pop()  # newest first
                     self._preempt(victim, out)
                     if victim is request:
@@ -178,6 +188,13 @@ class Scheduler:
             budget -= num_new + len(drafts)
             index += 1
         return budget
+
+    def _outgrows_pool(self, request: Request, num_new: int) -> InvalidRequestError:
+        """The error of a request that alone needs more KV blocks than the pool has."""
+        return InvalidRequestError(
+            f"the request needs the K/V of {request.num_computed_tokens + num_new} tokens, more than the whole KV "
+            f"cache holds ({self.kv.capacity_tokens} tokens); give a shorter prompt or max_tokens, or start the "
+            "server with a larger KV cache", param="max_tokens" if request.num_output_tokens else "prompt")
 
     def _speculation_limit(self) -> int:
         """Running requests up to which requests speculate (-1: speculation off)."""
@@ -230,6 +247,8 @@ class Scheduler:
                 if lookahead and self.kv.allocate_slots(request, num_new + lookahead, computed) is None:
                     lookahead = 0
                 if not lookahead and self.kv.allocate_slots(request, num_new, computed) is None:
+                    if not self.running:
+                        raise self._outgrows_pool(request, num_new)
                     break
             except Exception as exc:  # noqa: BLE001 - one request's fault; it leaves `waiting`
                 self.fail_request(request, exc)

@@ -238,6 +238,11 @@ class LLMEngine:
             check_pooling_prompt(prompt_ids, self.max_model_len, vocab_size)
         else:
             check_generation_prompt(prompt_ids, self.max_model_len, vocab_size)
+        capacity = self.kv.capacity_tokens  # below max_model_len only with --num-gpu-blocks-override
+        if len(prompt_ids) > capacity:
+            raise InvalidRequestError(f"the prompt has {len(prompt_ids)} tokens, more than the whole KV cache holds "
+                                      f"({capacity} tokens); give a shorter prompt, or start the server with a "
+                                      "larger KV cache", param="prompt")
 
     def validate_token_params(self, params: SamplingParams) -> None:
         """Token ids in sampling parameters must be in the vocabulary (they index the logits)."""

@@ -231,7 +231,7 @@ def _default_sampling(model_path: str, args: EngineArgs) -> dict[str, Any]:
 
 
 def check_engine_args(args: EngineArgs) -> None:
-    from pagedserve.platform import resolve_device
+    from pagedserve.platform import canonical_dtype_name, resolve_device
 
     check_parallel_args(args.tensor_parallel_size, args.cpu_binding, args.tp_all_reduce)
     if args.device != "auto":  # a name, or cuda where there is none (auto is resolved with the config, lazily)
@@ -260,6 +260,13 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ValueError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
     if args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    if args.dtype != "auto":
+        try:
+            canonical_dtype_name(args.dtype)
+        except ValueError as exc:
+            raise ValueError(f"--{exc}") from None
     parse_fault_spec(args.fault_injection)
     StructuredOutputsConfig.parse(args.structured_outputs_config)
     SpeculativeConfig.parse(args.speculative_config)
@@ -345,7 +352,28 @@ def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str |
     if is_encoder(architecture) and args.max_model_len > model_max:
         raise ValueError(f"--max-model-len {args.max_model_len} exceeds the {model_max} positions this encoder "
                          f"has embeddings for; use --max-model-len {model_max} or less")
+    trained = trained_context_length(hf_config)
+    if trained is not None and args.max_model_len > trained:
+        message = (f"--max-model-len {args.max_model_len} is more than the {trained} positions the model was trained "
+                   "for (max_position_embeddings, times a rope scaling factor): past them its output is not to be "
+                   "trusted")
+        if not envs.allow_long_max_model_len():
+            raise ValueError(f"{message}. Use --max-model-len {trained} or less, or set "
+                             "PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to go on")
+        logger.warning("%s; going on as PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN asks", message)
     return args.max_model_len
+
+
+def trained_context_length(hf_config: Any) -> int | None:
+    """The positions a decoder was trained for, as vLLM derives them: max_position_embeddings, or with a linear,
+    dynamic or YaRN rope scaling its factor times the original length."""
+    base = getattr(hf_config, "max_position_embeddings", None)
+    rope = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if base and kind in ("linear", "dynamic", "yarn") and rope.get("factor"):
+        original = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+        return max(base, int((original or base) * float(rope["factor"])))
+    return base
 
 
 # ---- the model config ------------------------------------------------------------------------------

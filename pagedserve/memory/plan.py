@@ -68,7 +68,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from pagedserve.memory.probe import AvailableMemory
 from pagedserve.memory.sizes import (CPU_RUNTIME_OVERHEAD_BYTES, GIB, MIB, ModelShape, int8_linear_delta_bytes,
-                                     kv_bytes_per_token)
+                                     kv_bytes_per_token, sequence_overhead_bytes)
 
 # The block pool's Python objects (KVCacheBlock + its free-queue entry): 277 bytes per block measured with
 # VmRSS around KVCacheManager(100_000, 16, True) on Python 3.11.
@@ -120,6 +120,7 @@ class PlanRequest:
     quantization: str | None = None  # weight quantization already applied to weight_bytes (e.g. "int8")
     host_bytes_per_block: int = 0  # resident bookkeeping per KV block (the block pool's Python objects)
     kv_scale_bytes: int = 0  # 8-bit KV caches: one scale per token, head and K/V, of this many bytes
+    on_cpu: bool = True  # where the runtime overhead's parts count (sizes.sequence_overhead_bytes)
 
     def __post_init__(self) -> None:
         for name in ("dtype_bytes", "kv_dtype_bytes", "max_model_len", "max_num_seqs",
@@ -393,10 +394,24 @@ def _largest_fitting(low: int, high: int, fits: Callable[[int], bool]) -> int | 
     return low
 
 
+def _with_setting(shape: ModelShape, request: PlanRequest, name: str, value: int) -> PlanRequest:
+    """`request` with one setting changed, and the runtime overhead with it where it grows with that setting
+    (max_model_len, max_num_seqs: the rotary tables and block table)."""
+    changed = replace(request, **{name: value})
+    if name not in ("max_model_len", "max_num_seqs"):
+        return changed
+
+    def sequences(r: PlanRequest) -> int:
+        return sequence_overhead_bytes(shape, r.max_model_len, r.max_num_seqs, r.block_size, r.on_cpu)
+    overhead = request.runtime_overhead_bytes - sequences(request) + sequences(changed)
+    return replace(changed, runtime_overhead_bytes=max(0, overhead))
+
+
 def _largest_setting(shape: ModelShape, request: PlanRequest, name: str, step: int) -> int | None:
     """Largest multiple of `step` below the requested value of `name` with which the plan fits."""
     current = getattr(request, name)
-    n = _largest_fitting(1, (current - 1) // step, lambda k: _plan(shape, replace(request, **{name: k * step})).fits)
+    n = _largest_fitting(1, (current - 1) // step,
+                         lambda k: _plan(shape, _with_setting(shape, request, name, k * step)).fits)
     return None if n is None else n * step
 
 
@@ -418,7 +433,8 @@ def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, .
     ):
         value = _largest_setting(shape, request, name, step)
         if value is not None:
-            fitting("--" + name.replace("_", "-"), str(value), shape, replace(request, **{name: value}), note)
+            fitting("--" + name.replace("_", "-"), str(value), shape, _with_setting(shape, request, name, value),
+                    note)
     if request.kv_cache_bytes is not None:
         base = _plan(shape, request)
         room = base.budget_bytes - (base.total_bytes - base.kv_pool_bytes - base.kv_bookkeeping_bytes)

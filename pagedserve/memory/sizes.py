@@ -145,9 +145,17 @@ def runtime_overhead_bytes(shape: ModelShape, max_model_len: int, max_num_seqs: 
 
     On a GPU the host-side parts do not count against the device; the CUDA context does.
     """
+    sequences = sequence_overhead_bytes(shape, max_model_len, max_num_seqs, block_size, on_cpu)
+    if not on_cpu:
+        return CUDA_RUNTIME_OVERHEAD_BYTES + sequences
+    runtime = CPU_RUNTIME_BASE_BYTES + (TRANSFORMERS_RUNTIME_BYTES if uses_transformers else 0)
+    return runtime + TOKENIZER_BYTES_PER_TOKEN * shape.vocab_size + sequences
+
+
+def sequence_overhead_bytes(shape: ModelShape, max_model_len: int, max_num_seqs: int, block_size: int,
+                            on_cpu: bool = True) -> int:
+    """The part of the runtime overhead that grows with max_model_len and max_num_seqs: the rotary tables, and
+    on a CPU the block table (host memory, which does not count against a GPU)."""
     rotary = 2 * max_model_len * shape.head_dim * 4  # float32 cos and sin for every position
     block_table = max_num_seqs * math.ceil(max_model_len / block_size) * 8  # int64, on the host
-    if not on_cpu:
-        return CUDA_RUNTIME_OVERHEAD_BYTES + rotary
-    runtime = CPU_RUNTIME_BASE_BYTES + (TRANSFORMERS_RUNTIME_BYTES if uses_transformers else 0)
-    return runtime + TOKENIZER_BYTES_PER_TOKEN * shape.vocab_size + rotary + block_table
+    return rotary + (block_table if on_cpu else 0)

@@ -65,3 +65,9 @@ def metric(server, name: str) -> float:
     if not values:
         raise KeyError(name)
     return sum(values)
+
+
+def browser_model(tiny_model_dir) -> str:
+    """The tiny model, trained (as its config says) for the 4096 positions of SERVER_FLAGS' --max-model-len:
+    a longer context than a model was trained for is refused."""
+    return tiny_model_dir("llama", max_position_embeddings=4096)

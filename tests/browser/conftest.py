@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser.browser_utils import CHROMIUM_ARGS, SERVER_FLAGS, PageErrors, chromium_path, screenshot
+from tests.browser.browser_utils import (CHROMIUM_ARGS, SERVER_FLAGS, PageErrors, browser_model, chromium_path,
+                                         screenshot)
 from tests.server.server_utils import module_server
 
 
@@ -53,5 +54,5 @@ def open_page(browser, request):
 @pytest.fixture(scope="package")
 def server(tiny_model_dir, tmp_path_factory):
     """One plain server for the chat and dashboard modules."""
-    yield from module_server(tiny_model_dir("llama"), *SERVER_FLAGS, tmp_path_factory=tmp_path_factory)
+    yield from module_server(browser_model(tiny_model_dir), *SERVER_FLAGS, tmp_path_factory=tmp_path_factory)
 

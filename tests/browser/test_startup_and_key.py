@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.browser.browser_utils import SERVER_FLAGS, screenshot
+from tests.browser.browser_utils import SERVER_FLAGS, browser_model, screenshot
 from tests.server.server_utils import module_server
 
 KEY = "s3cret-key"
@@ -16,7 +16,7 @@ KEY = "s3cret-key"
 def held_server(tiny_model_dir, tmp_path_factory):
     hold = tmp_path_factory.mktemp("hold") / "hold"
     hold.touch()
-    for server in module_server(tiny_model_dir("llama"), *SERVER_FLAGS, "--startup-hold-file", str(hold),
+    for server in module_server(browser_model(tiny_model_dir), *SERVER_FLAGS, "--startup-hold-file", str(hold),
                                 tmp_path_factory=tmp_path_factory, wait_for_ready=False):
         server.hold = hold
         yield server
@@ -62,7 +62,7 @@ def test_progress_of_a_phase(open_page, held_server):
 
 @pytest.fixture(scope="module")
 def key_server(tiny_model_dir, tmp_path_factory):
-    yield from module_server(tiny_model_dir("llama"), *SERVER_FLAGS, "--api-key", KEY, "--root-path", "/llm",
+    yield from module_server(browser_model(tiny_model_dir), *SERVER_FLAGS, "--api-key", KEY, "--root-path", "/llm",
                              tmp_path_factory=tmp_path_factory)
 
 

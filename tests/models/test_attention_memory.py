@@ -50,7 +50,8 @@ def run_long_context_batch(model: str, max_model_len: int, monkeypatch: pytest.M
 
 
 def test_long_context_step_allocates_nothing_proportional_to_max_model_len(tiny_model_dir, monkeypatch):
-    model = tiny_model_dir("llama")  # 2 layers, 2 KV heads of 16, fp32: 128 B per K (or V) position
+    # 2 layers, 2 KV heads of 16, fp32: 128 B per K (or V) position; trained (its config says) for 8192
+    model = tiny_model_dir("llama", max_position_embeddings=8192)
     short = run_long_context_batch(model, 1024, monkeypatch)
     long = run_long_context_batch(model, 8192, monkeypatch)
     assert long["tokens"] == short["tokens"]

@@ -157,3 +157,20 @@ def test_serve_refuses_a_sliding_window_model_unless_the_window_covers_max_model
     assert "sliding_window = 64" in refused.stderr and "--max-model-len 64" in refused.stderr
     accepted = plan("--max-model-len", "64")
     assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+
+
+@pytest.mark.parametrize("flags,check,words", [
+    (["--max-model-len", "0"], "flags", "--max-model-len must be >= 2"),
+    (["--dtype", "nonsense"], "flags", "--dtype must be one of"),
+    (["--block-size", "7"], "flags", "--block-size must be a power of two"),
+    (["--max-model-len", "1024"], "memory plan", "more than the 512 positions the model was trained for"),
+])
+def test_doctor_fails_on_the_flags_serve_would_refuse(tiny_model_dir, capsys, flags, check, words) -> None:
+    """doctor takes serve's command line: what serve refuses to start with is a FAIL (exit 1), not a pass (flags
+    doctor did not check) or a warning (the model's plan)."""
+    from pagedserve.cli.main import main
+
+    code = main(["doctor", tiny_model_dir("llama"), "--port", str(free_port()), "--json", *flags])
+    results = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert code == 1 and results[check]["status"] == "FAIL" and words in results[check]["detail"]
+    assert [name for name, r in results.items() if r["status"] == "FAIL"] == [check]

@@ -179,7 +179,7 @@ def engine_config(model: str, available_bytes: int = 8 * GIB, **kwargs):
 
 
 def test_kv_pool_is_sized_by_the_plan(tiny_model_dir) -> None:
-    model = tiny_model_dir("llama")
+    model = tiny_model_dir("llama", max_position_embeddings=8192)  # room for the long case below
     capped = engine_config(model, max_model_len=64, max_num_seqs=4)
     assert (capped.memory_plan.kv_rule, capped.memory_plan.kv_sizing) == ("shared-box", "workload")
     assert capped.cache.num_blocks == 4 * 4 + 1
@@ -216,6 +216,33 @@ def test_kv_pool_is_sized_by_the_plan(tiny_model_dir) -> None:
     # Never more than the box has: a pool that does not fit the budget is refused, not swapped.
     with pytest.raises(InsufficientMemoryError, match="short by"):
         engine_config(model, max_model_len=64, kv_cache_memory=16 * GIB)
+
+
+def test_max_model_len_past_the_trained_context_is_refused_unless_allowed(tiny_model_dir, monkeypatch,
+                                                                          caplog) -> None:
+    """As vLLM: a --max-model-len past max_position_embeddings (512 here) is refused, naming the limit and the
+    variable that allows it; with the variable set it is taken, with a warning. A rope scaling factor raises the
+    limit as vLLM derives it."""
+    model = tiny_model_dir("llama")
+    monkeypatch.delenv("PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    assert engine_config(model, max_model_len=512).model.max_model_len == 512
+    with pytest.raises(ValueError, match="more than the 512 positions .* --max-model-len 512 or less, or set "
+                                         "PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        engine_config(model, max_model_len=513)
+    for name in ("PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        monkeypatch.setenv(name, "1")
+        assert engine_config(model, max_model_len=1024).model.max_model_len == 1024
+        assert "more than the 512 positions" in caplog.text
+        monkeypatch.delenv(name)
+    from pagedserve.engine.setup import trained_context_length
+
+    class Config:
+        max_position_embeddings = 32768
+        rope_scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert trained_context_length(Config()) == 131072
+    Config.rope_scaling = {"rope_type": "llama3", "factor": 8.0}  # already in max_position_embeddings
+    assert trained_context_length(Config()) == 32768
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.entrypoints.llm import LLM
-from pagedserve.exceptions import RequestFailedError
+from pagedserve.exceptions import InvalidRequestError, RequestFailedError
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -19,3 +19,22 @@ def test_failed_model_step_raises_and_the_next_call_works(tiny_model_dir):
     assert llm.engine.scheduler.kv.usage == 0  # the failed step's blocks were freed
     outputs = llm.generate(["hello", "world"], params)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_request_larger_than_the_whole_kv_pool_fails_instead_of_waiting_forever(tiny_model_dir, chunked):
+    """With a pool smaller than max_model_len (--num-gpu-blocks-override), a prompt past the pool is refused when
+    it is added, and a request that outgrows the pool alone while decoding fails: both waited, or preempted
+    themselves, forever. A request that fits still runs beside them."""
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=256, num_gpu_blocks_override=5,
+              enable_chunked_prefill=chunked, max_num_batched_tokens=256)  # 4 blocks of 16: 64 tokens
+    assert llm.engine.scheduler.kv.capacity_tokens == 64
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="more than the whole KV cache holds"):
+        llm.generate([{"prompt_token_ids": list(range(10, 75))}], params)
+    growing = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match=r"K/V of 65 tokens, more than the whole KV cache holds \(64"):
+        llm.generate([{"prompt_token_ids": list(range(10, 40))}], growing)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv.usage == 0
+    outputs = llm.generate([{"prompt_token_ids": list(range(10, 40))}], params)
+    assert len(outputs[0].outputs[0].token_ids) == 8

@@ -52,7 +52,8 @@ def stream_tokens(server: ServerProcess, received: list[str], done: threading.Ev
 def test_server_gives_way_under_memory_pressure_and_resumes(tiny_model_dir, tmp_path):
     meminfo = tmp_path / "meminfo"
     write_meminfo(meminfo, 16 * GIB)
-    server = start_server(tiny_model_dir("llama"), "--max-model-len", "4096", "--memory-pressure-meminfo",
+    model = tiny_model_dir("llama", max_position_embeddings=4096)
+    server = start_server(model, "--max-model-len", "4096", "--memory-pressure-meminfo",
                           str(meminfo), log_dir=tmp_path)
     try:
         # A long prompt leaves more free (cached) blocks behind than the streamed request below ever holds, so

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.server_utils import start_server
+from tests.server.server_utils import free_port, start_server
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 
@@ -75,12 +75,28 @@ def test_api_key_enforced(tiny_model_dir, tmp_path):
     (["--no-such-flag"], "unrecognized arguments"),
     (["--max-n", "0"], "--max-n must be >= 1"),
     (["--fault-injection", "nowhere:x"], "--fault-injection rule"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 2"),
+    (["--dtype", "nonsense"], "--dtype must be one of auto, bfloat16"),
 ])
 def test_unsupported_flags_fail_at_start(tiny_model_dir, flags, word):
     result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", tiny_model_dir("llama"), *flags],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert word in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("model,flags,words", [
+    ("/nonexistent/model", [], ["unknown model '/nonexistent/model'", "A local path works too"]),
+    ("tiny", ["--max-model-len", "513"], ["more than the 512 positions the model was trained for",
+                                          "PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1"]),
+])
+def test_what_loading_finds_wrong_fails_the_start_with_the_fix(tiny_model_dir, model, flags, words):
+    """Found once the port is open (resolving the model, reading its config): one line with the fix, exit 1."""
+    model = tiny_model_dir("llama") if model == "tiny" else model
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", model, *flags, "--host", "127.0.0.1",
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and all(word in result.stderr for word in words), result.stderr[-3000:]
     assert "Traceback" not in result.stderr
 
 

@@ -22,7 +22,8 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    yield from module_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "1024",
+    yield from module_server(tiny_model_dir("llama", max_position_embeddings=1024), "--served-model-name", MODEL,
+                             "--max-model-len", "1024",
                              "--dtype", "float32", tmp_path_factory=tmp_path_factory)
 
 

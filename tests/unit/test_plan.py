@@ -114,14 +114,16 @@ def test_does_not_fit_with_shortfall_and_suggestions() -> None:
     found = {s.flag: (s.value, s.needs_bytes) for s in plan.suggestions}
     # max_model_len 48: gathered kv 2x48x2x16x4 = 12288, 32x48 = 1536 pairs: scores 1536x5 + 4x1536x4 =
     # 32256, decode slots 16x4x48 = 3072 -> activations 16384 + 24576 + 49152 + 12288 + 32256 + 3072 + 3200 =
-    # 140928; fixed 346112 + 140928 + 1048576 = 1535616; left 46884 -> 5 blocks (one sequence needs 3).
-    assert found["--max-model-len"] == ("48", 1535616 + 5 * 8192)
+    # 140928; fixed 346112 + 140928 + 1048576 = 1535616, less the runtime overhead's rotary tables for 16
+    # positions (2 x 16 x 16 x 4 = 2048) and a block-table column (4 x 8 = 32): 1533536; left 48964 -> 5 blocks
+    # (one sequence needs 3).
+    assert found["--max-model-len"] == ("48", 1535616 - 2048 - 32 + 5 * 8192)
     # 16 batched tokens: 8192 + 12288 + 24576 + 16384 (max(64, 16) positions) + 1024 pairs x 5 + 4x1024x4
     # + 4096 + 3200 = 90240; fixed 1484928; left 97572 -> 11 blocks.
     assert found["--max-num-batched-tokens"] == ("16", 1484928 + 11 * 8192)
-    # 3 seqs: decode slots 3072, logits 2400 -> 154976; fixed 1549664; left 32836 -> 4 blocks, one sequence.
-    # (Fewer sequences save only their slot-table rows and logits.)
-    assert found["--max-num-seqs"] == ("3", 1549664 + 4 * 8192)
+    # 3 seqs: decode slots 3072, logits 2400 -> 154976; fixed 1549664, less a block-table row (4 x 8 = 32);
+    # left 32868 -> 4 blocks, one sequence. (Fewer sequences save only their slot-table rows and logits.)
+    assert found["--max-num-seqs"] == ("3", 1549664 - 32 + 4 * 8192)
     # bf16 halves weights, KV and the dtype-sized activations (the scores and logits stay fp32, the mask's
     # copy is bf16): 173056 + (8192 + 12288 + 24576 + 8192 + 2048 x 3 + 32768 + 4096 + 3200) + 1048576 =
     # 1321088, KV capped at 16 x 4096.
@@ -409,3 +411,25 @@ def test_shared_box_default_never_exceeds_what_the_budget_leaves(tmp_path) -> No
     assert left // PER_BLOCK < int(0.25 * 3 * GIB) // PER_BLOCK == 2182
     assert (plan.kv_sizing, plan.num_kv_blocks) == ("budget", left // PER_BLOCK)
     assert plan.fits and plan.total_bytes <= plan.budget_bytes
+
+
+def test_a_suggested_max_model_len_fits_with_its_own_runtime_overhead() -> None:
+    """The rotary tables and block table grow with max_model_len: a plan asked for 100M positions carries tens
+    of GiB of them, and the suggested length must be judged with its own (it was judged with the 100M one, so
+    no length was suggested at all, or one that moved with the length asked for)."""
+    from pagedserve.memory.sizes import runtime_overhead_bytes
+
+    shape = replace(TINY, head_dim=64)
+
+    def asked(max_model_len: int) -> PlanRequest:
+        overhead = runtime_overhead_bytes(shape, max_model_len, 4, 16)
+        return request(budget_bytes=2 * GIB, max_model_len=max_model_len, runtime_overhead_bytes=overhead)
+
+    values = set()
+    for length in (10**6, 10**7, 10**8):
+        plan = make_plan(shape, asked(length))
+        assert not plan.fits
+        value = int({s.flag: s.value for s in plan.suggestions}["--max-model-len"])
+        assert make_plan(shape, asked(value)).fits and not make_plan(shape, asked(value + 16)).fits
+        values.add(value)
+    assert len(values) == 1  # the largest length that fits, whatever length was asked for

@@ -481,12 +481,17 @@ def _make_uvicorn_server(config: Any) -> Any:
     return Server(config)
 
 
-def log_startup_failure(exc: BaseException) -> None:
-    """The type and message; the traceback too, unless it is a refusal whose table and fix were logged already."""
-    from pagedserve.memory.plan import InsufficientMemoryError
+def log_startup_failure(exc: BaseException, phase: str | None = None) -> None:
+    """The type and message; the traceback too, unless the message is the whole story: a refusal whose table
+    and fix were logged already, or a ValueError about the settings or the model found before any weight is
+    read (`phase` up to planning: an unknown model, a flag the model cannot take). Those log their traceback
+    at debug level."""
+    from pagedserve.cli.common import USER_FACING_ERRORS
 
-    if isinstance(exc, InsufficientMemoryError):
+    before_loading = phase in ("starting", "resolving", "validating", "planning")
+    if isinstance(exc, USER_FACING_ERRORS) or (before_loading and isinstance(exc, ValueError)):
         logger.error("start-up failed: %s: %s", type(exc).__name__, exc)
+        logger.debug("where it failed:", exc_info=exc)
     else:
         logger.error("start-up failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
 
@@ -518,7 +523,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
             _hold_startup(options.startup_hold_file)
             start_engine(state, args, options)
         except BaseException as exc:  # noqa: BLE001 - any start-up failure ends the process, visibly
-            log_startup_failure(exc)
+            log_startup_failure(exc, startup.phase)
             startup.fail(f"{type(exc).__name__}: {exc}")
             stop(1)
             return

@@ -117,7 +117,7 @@ class EngineReplica:
         try:
             start_engine(self.state, engine_args, options)
         except BaseException as exc:  # noqa: BLE001 - the constructor raises it; Ray retries the replica
-            log_startup_failure(exc)
+            log_startup_failure(exc, self.state.startup.phase)
             self.state.startup.fail(f"{type(exc).__name__}: {exc}")
             return
         self.state.engine.run_in_this_thread()  # until shutdown or death (then check_health fails)
