@@ -42,3 +42,16 @@ def request_error(request_id: str, reason: "str | BaseException") -> Exception:
     if isinstance(reason, BaseException):
         reason = f"{type(reason).__name__}: {reason}"
     return RequestFailedError(request_id, reason)
+
+
+def check_text(text: str, what: str = "the text", param: str | None = None) -> None:
+    """Raises InvalidRequestError for text that is not Unicode: a lone surrogate, which JSON lets a client write
+    ("\\ud800") and which tokenizers and grammar compilers refuse with errors of their own."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(f"{what} holds a lone surrogate ({text[error.start]!r} at character "
+                                  f"{error.start}), which is not Unicode: send surrogates in pairs",
+                                  param=param) from None

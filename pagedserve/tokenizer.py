@@ -20,7 +20,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pagedserve.chat_template import render_chat, select_template
-from pagedserve.exceptions import InvalidRequestError
+from pagedserve.exceptions import check_text
 
 # transformers' named special tokens, in its order (SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -175,18 +175,6 @@ class Tokenizer:
                 # (no name_or_path: transformers would take a path for a Hub id and ask the Hub about it)
                 self._transformers.chat_template = self.chat_template
             return self._transformers
-
-
-def check_text(text: str) -> None:
-    """Raises InvalidRequestError for text that is not Unicode a tokenizer can take: a lone surrogate, which
-    JSON lets a client write ("\\ud800") and the backend refuses with a TypeError."""
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise InvalidRequestError(f"the text holds a lone surrogate ({text[error.start]!r} at character "
-                                  f"{error.start}), which is not Unicode: send surrogates in pairs") from None
 
 
 def wrap_backend_tokenizer(backend: BackendTokenizer, **kwargs: Any) -> Any:

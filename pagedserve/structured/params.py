@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import json_object
-from pagedserve.exceptions import InvalidRequestError
+from pagedserve.exceptions import InvalidRequestError, check_text
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # Whitespace the grammar allows between JSON tokens: at most this many characters in a row, so a model
@@ -61,6 +61,8 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"{self.param}: {name} must be a non-empty string", param=self.param)
+        source = json.dumps(getattr(self, self.kind), ensure_ascii=False) if self.kind != "json_object" else ""
+        check_text(source, f"{self.param}'s {self.kind}", self.param)  # the compiler's own error names its internals
 
     @property
     def kind(self) -> str:

@@ -85,3 +85,13 @@ def test_wrong_types_are_invalid_requests_not_crashes():
         StructuredOutputsParams.from_request({"choice": {"a": 1}})
     with pytest.raises(InvalidRequestError, match=r"\$schema must be a URI string"):
         check_json_schema({"$schema": {}}, "response_format")
+
+
+@pytest.mark.parametrize("kind,value", [("json", {"type": "string", "enum": ["a\ud800"]}), ("regex", "a\udfff"),
+                                        ("choice", ["x", "\ud800"]), ("grammar", 'root ::= "\ud800"')])
+def test_a_lone_surrogate_is_named_not_left_to_the_compiler(kind, value):
+    """Valid JSON, not Unicode: a 400 naming it (xgrammar's own error named its internals); a pair is fine."""
+    with pytest.raises(InvalidRequestError, match=f"structured_outputs's {kind} holds a lone surrogate"):
+        StructuredOutputsParams(**{kind: value})
+    paired = "\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16")
+    assert StructuredOutputsParams(regex=paired).spec == paired
