@@ -30,6 +30,7 @@ class _Sample:
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0  # for DELTA outputs
     num_sent_logprobs: int = 0
+    sent_finish: bool = False  # DELTA: its last output (with the finish reason) went out; it is not sent again
 
 
 @dataclass
@@ -233,7 +234,12 @@ class OutputProcessor:
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA
-        completions = [self._completion(s, delta) for s in state.samples]
+        # DELTA: a sample that finished earlier has nothing more to say (n > 1: its finish reason went out once)
+        samples = [s for s in state.samples if not s.sent_finish] if delta else state.samples
+        completions = [self._completion(s, delta) for s in samples]
+        if delta:
+            for sample in samples:
+                sample.sent_finish = sample.finish_reason is not None
         prompt_logprobs = state.prompt_logprobs
         if delta and prompt_logprobs is not None:
             prompt_logprobs = prompt_logprobs[state.num_sent_prompt_logprobs:]

@@ -225,6 +225,34 @@ def test_a_chunked_body_past_the_limit_is_a_413_before_it_is_read_whole(server, 
     assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=2).usage.completion_tokens >= 1
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_choices_that_finish_early_finish_once(server, path):
+    """n > 1, streamed: a choice that stops before the others sends its finish reason once (it was sent again
+    every step after, and a required tool call's arguments with it); the streamed text is the whole answer's."""
+    prompt = {"prompt": "The quick brown"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "The quick brown"}]}
+    body = {"model": MODEL, **prompt, "n": 3, "temperature": 1.0, "seed": 3, "max_tokens": 12, "stop": ["e"]}
+    whole = httpx.post(f"{server.url}{path}", json=body, timeout=60).json()
+    streamed = httpx.post(f"{server.url}{path}", json={**body, "stream": True}, timeout=60)
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    finishes: dict[int, list[str]] = {}
+    texts: dict[int, str] = {}
+    last_chunk: dict[int, int] = {}
+    for number, chunk in enumerate(chunks):
+        for choice in chunk["choices"]:
+            index = choice["index"]
+            texts[index] = texts.get(index, "") + (choice.get("text") or (choice.get("delta") or {}).get("content")
+                                                   or "")
+            if choice["finish_reason"]:
+                finishes.setdefault(index, []).append(choice["finish_reason"])
+            last_chunk[index] = number
+    assert {i: len(f) for i, f in finishes.items()} == {0: 1, 1: 1, 2: 1}
+    assert len(set(last_chunk.values())) > 1  # (the choices did end at different steps)
+    for choice in whole["choices"]:
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert texts[choice["index"]] == text and finishes[choice["index"]] == [choice["finish_reason"]]
+
+
 def test_metrics_parse_and_move(server, client):
     before = metric_value(server, "vllm:generation_tokens_total", model_name=MODEL)
     prompts_before = metric_value(server, "vllm:prompt_tokens_total", model_name=MODEL)
