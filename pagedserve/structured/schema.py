@@ -3,13 +3,16 @@ as xgrammar is given it.
 
 xgrammar compiles most schemas, but it silently ignores some keywords (`not`, `if`/`then`/`else`,
 `uniqueItems`, `contains`, `dependentRequired`, `multipleOf` on non-integers, `allOf` of several schemas,
-most non-standard formats; checked one by one against its matcher, see tests/unit/test_structured_schema.py).
+most non-standard formats, `multipleOf` beside a range, keywords beside a `$ref`, non-local `$ref`s, and it writes
+a `pattern`'s literal quotes, backslashes and control characters unescaped; checked one by one against its
+matcher, see tests/unit/test_structured_schema.py).
 A schema using any of them gets a 400 naming the keyword and where it is, never output that quietly breaks
 the schema. The schema is also checked against its JSON-Schema metaschema (jsonschema) first.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pagedserve.exceptions import InvalidRequestError
@@ -27,6 +30,12 @@ SUBSCHEMAS = {"properties": "map", "$defs": "map", "definitions": "map", "additi
               "propertyNames": "one"}
 # Keywords accepted only with the value that asks for nothing.
 NO_OP_VALUES = {"uniqueItems": False}
+# A `pattern` whose literal characters need escaping inside a JSON string: xgrammar writes literals as they are
+# (a quote, a backslash, a tab or newline unescaped: invalid JSON that ends with "stop"). Character classes are
+# safe (it keeps quotes and control characters out of them).
+_UNESCAPED_LITERAL = re.compile(r'["\x00-\x1f]|\\\\|\\[nrtfv0]|\\x(?:[01][0-9a-fA-F]|22|5[cC])|'
+                                r'\\u(?:00[01][0-9a-fA-F]|0022|005[cC])')
+_RANGE_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
                      "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
 
@@ -93,6 +102,22 @@ def _check_values(schema: dict, path: str, param: str) -> None:
         raise _unsupported(param, path, f"format '{fmt}' (enforced formats: {', '.join(sorted(FORMATS))})")
     if "multipleOf" in schema and (schema.get("type") != "integer" or not isinstance(schema["multipleOf"], int)):
         raise _unsupported(param, path, "'multipleOf' on a non-integer")
+    if "multipleOf" in schema and any(key in schema for key in _RANGE_KEYWORDS):
+        raise _unsupported(param, path, "'multipleOf' together with a minimum or maximum")
+    if isinstance(schema.get("pattern"), str) and _UNESCAPED_LITERAL.search(schema["pattern"]):
+        raise _unsupported(param, path, "a 'pattern' that writes a quote, a backslash or a control character "
+                                        "(JSON strings escape them)")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise _unsupported(param, path, f"the non-local '$ref' {ref!r} (only references into the schema itself)")
+    if isinstance(ref, str) and any(key not in ANNOTATIONS and key not in ("$ref", "$defs", "definitions")
+                                    for key in schema):
+        raise _unsupported(param, path, "keywords beside '$ref' (only the referenced schema is enforced)")
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    missing = [name for name in schema.get("required") or () if name not in properties]
+    if missing:
+        raise _unsupported(param, path, f"'required' naming {missing[0]!r}, which 'properties' does not define "
+                                        "(only defined properties are written)")
     if schema.get("unevaluatedProperties", False) is not False:
         raise _unsupported(param, path, "'unevaluatedProperties' other than false")
     if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):

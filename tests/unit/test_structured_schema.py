@@ -61,6 +61,14 @@ def test_config_flag():
     ({"type": "string", "format": "idn-email"}, "format 'idn-email'"),
     ({"type": "string", "pattern": "a+", "maxLength": 3}, "together with 'pattern'"),
     ({"type": "object", "patternProperties": {"^x": {}}}, "'patternProperties'"),
+    # Each of these gave output that breaks the schema, with finish_reason "stop" (xgrammar 0.2.9):
+    ({"type": "integer", "multipleOf": 7, "minimum": 10}, "'multipleOf' together with a minimum"),
+    ({"type": "string", "pattern": '^a\\\\b"c$'}, "writes a quote, a backslash"),
+    ({"type": "string", "pattern": "^a\\tb$"}, "writes a quote, a backslash"),
+    ({"type": "string", "pattern": "^(x\"y|q)$"}, "writes a quote, a backslash"),
+    ({"$ref": "#/$defs/a", "minimum": 1000, "$defs": {"a": {"type": "integer"}}}, "keywords beside '$ref'"),
+    ({"$ref": "http://example.com/schema.json"}, "non-local '$ref'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, "'required' naming 'b'"),
 ])
 def test_unenforceable_features_are_named(schema, named):
     with pytest.raises(InvalidRequestError, match="cannot enforce") as info:
@@ -95,3 +103,13 @@ def test_a_lone_surrogate_is_named_not_left_to_the_compiler(kind, value):
         StructuredOutputsParams(**{kind: value})
     paired = "\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16")
     assert StructuredOutputsParams(regex=paired).spec == paired
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "pattern": "^\\d{3}-[a-z]+\\.com\\s?$"},  # classes keep quotes and control characters out
+    {"$ref": "#/$defs/a", "description": "x", "$defs": {"a": {"type": "integer"}}},
+    {"type": "integer", "multipleOf": 7},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+])
+def test_their_safe_neighbours_are_accepted(schema):
+    check_json_schema(schema, "response_format")
