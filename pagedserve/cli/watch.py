@@ -275,8 +275,13 @@ def sample_to_json(sample: Sample, verdict: Verdict) -> str:
 
 def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
     """Sample every --interval seconds; exit code 1 if the last verdict was STUCK (for scripts with --count)."""
+    from pagedserve.cli.common import fail
     from pagedserve.memory.probe import usable_cpu_count
 
+    if not args.interval >= 0:
+        return fail(f"--interval must be a number of seconds >= 0, got {args.interval}")
+    if args.count is not None and args.count < 1:
+        return fail(f"--count must be >= 1 (or left out: until Ctrl-C), got {args.count}")
     num_cpus = usable_cpu_count()
     samples: list[Sample] = []
     verdict = Verdict("OK", "no samples yet")

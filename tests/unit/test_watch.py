@@ -180,3 +180,11 @@ def test_register_parses_the_flags() -> None:
     args = parser.parse_args(["watch", "--pid", "12", "--interval", "15", "--count", "3", "--json"])
     assert (args.pid, args.interval, args.count, args.json, args.func) == (12, 15.0, 3, True, watch.run)
     assert args.url == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize("interval,count,word", [(-1.0, 2, "--interval must be"), (1.0, 0, "--count must be")])
+def test_bad_interval_or_count_is_a_message_not_a_traceback(tmp_path: Path, capsys, interval, count, word) -> None:
+    root = make_proc(tmp_path / "proc", 0.2, {1: (0, "init", "S", 1000)})
+    args = argparse.Namespace(pid=1, url="", interval=interval, count=count, json=True)
+    assert watch.watch(args, proc_root=root) == 2
+    assert word in capsys.readouterr().err
