@@ -148,3 +148,16 @@ def test_content_reaches_the_template_as_text_or_as_openai_parts():
     assert template_message(parts, "openai")["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert template_message(plain, "openai")["content"] == [{"type": "text", "text": "ab"}]
     assert template_message(ChatMessage(role="assistant", content=None), "openai")["content"] == ""
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", HERMES_TEXT),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "add", "parameters": {"a": 1}}'),
+])
+@pytest.mark.parametrize("piece", [1, 1000])
+def test_parallel_tool_calls_false_under_auto_keeps_the_first_call(parser, text, piece):
+    """No grammar limits "auto": with parallel_tool_calls false the answer has the first call the model wrote
+    (it had every one)."""
+    assert len(streamed(make_reader(choice("auto", parser), parser), text, piece).calls) == 2
+    result = streamed(make_reader(choice("auto", parser, parallel=False), parser), text, piece)
+    assert [c["function"]["name"] for c in result.calls] == ["get_weather"]

@@ -360,9 +360,28 @@ def make_reader(choice: ToolChoice | None, parser: str | None) -> ToolCallReader
         return NamedFunctionReader(choice.function_name)
     if choice.mode == "required":
         return RequiredReader()
-    if parser == "hermes":
-        return HermesReader([t["function"]["name"] for t in choice.tools])
-    return Llama3JsonReader()
+    reader = HermesReader([t["function"]["name"] for t in choice.tools]) if parser == "hermes" else Llama3JsonReader()
+    return reader if choice.parallel else FirstCallReader(reader)
+
+
+class FirstCallReader(ToolCallReader):
+    """parallel_tool_calls false under "auto" (where no grammar limits the calls): the first call the model wrote;
+    later ones are dropped, as OpenAI answers with at most one."""
+
+    def __init__(self, reader: ToolCallReader) -> None:
+        super().__init__()
+        self.reader = reader
+        self.passes_text_through = reader.passes_text_through
+
+    def feed(self, text: str) -> list[str | ToolCallDelta]:
+        return self._first(self.reader.feed(text))
+
+    def finish(self) -> list[str | ToolCallDelta]:
+        return self._first(self.reader.finish())
+
+    @staticmethod
+    def _first(events: list[str | ToolCallDelta]) -> list[str | ToolCallDelta]:
+        return [e for e in events if not isinstance(e, ToolCallDelta) or e.index == 0]
 
 
 def read_all(reader: ToolCallReader, text: str) -> ReadResult:
