@@ -358,8 +358,8 @@ def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str |
                    "for (max_position_embeddings, times a rope scaling factor): past them its output is not to be "
                    "trusted")
         if not envs.allow_long_max_model_len():
-            raise ValueError(f"{message}. Use --max-model-len {trained} or less, or set "
-                             "PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to go on")
+            raise ValueError(f"{message}. Use --max-model-len {trained} or less, or set PAGEDSERVE_ALLOW_LONG_"
+                             "MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to go on")
         logger.warning("%s; going on as PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN asks", message)
     return args.max_model_len
 
