@@ -170,7 +170,7 @@ class Scheduler:
                     drafts, lookahead = [], 0
                     new_blocks = self.kv.allocate_slots(request, num_new)
                 while new_blocks is None:
-                    if self.running == [request]:
+                    if len(self.running) == 1 and self.running[0] is request:  # alone: it never fits
                         raise self._outgrows_pool(request, num_new)
                     victim = self.running.pop()  # newest first
                     self._preempt(victim, out)
