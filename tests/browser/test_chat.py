@@ -146,6 +146,22 @@ def test_settings_go_into_the_request(open_page, server):
     assert page.input_value("[data-setting=seed]") == "7" and page.is_checked("#set-json")  # settings are kept
 
 
+def test_extra_fields_that_do_not_parse_keep_the_message_in_the_box(open_page, server):
+    """The message was taken from the box and dropped (then sent again with the next one, two user turns in a
+    row); it now waits there until the fields parse, and the settings say why."""
+    page = ready_page(open_page, server)
+    set_settings(page, max_tokens="4", extra="{bad")
+    send(page, "first")
+    assert page.input_value("#prompt") == "first" and page.locator(".message.user").count() == 0
+    assert "Extra request fields" in page.text_content("#settings-error")
+    set_settings(page, extra="")
+    with page.expect_request("**/v1/chat/completions") as request:
+        page.press("#prompt", "Enter")
+    assert json.loads(request.value.post_data)["messages"] == [{"role": "user", "content": "first"}]
+    wait_reply_done(page)
+    assert page.text_content("#settings-error") == ""
+
+
 def test_conversations_new_rename_delete_export(open_page, server):
     page = ready_page(open_page, server)
     set_settings(page, max_tokens="8", extra="")

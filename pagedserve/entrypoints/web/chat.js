@@ -361,9 +361,21 @@
     }
   }
 
+  // Whether the extra request fields parse; if not, says why where they are set (and the message waits in the box).
+  function extraFieldsParse() {
+    try {
+      requestBody(current());
+    } catch (error) {
+      $("settings-error").textContent = `Extra request fields: ${error.message}`;
+      return false;
+    }
+    $("settings-error").textContent = "";
+    return true;
+  }
+
   function send() {
     const text = $("prompt").value;
-    if (!text.trim() || streaming || !PS.server.ready) return;
+    if (!text.trim() || streaming || !PS.server.ready || !extraFieldsParse()) return;
     const conversation = current();
     if (conversation.title === "New chat") conversation.title = text.trim().split("\n")[0].slice(0, 40);
     conversation.messages.push({ role: "user", content: text });
