@@ -70,6 +70,8 @@ class ModelRunnerOutput:
     pooled: dict[str, Any] = field(default_factory=dict)  # request_id -> embedding (list[float])
     # Constrained requests whose grammar ended this step (it accepted a stop token): they finish "stop".
     grammar_finished: set[str] = field(default_factory=set)
+    # Constrained requests whose grammar allowed no token at all (a dead end: it cannot be completed): they fail.
+    grammar_dead_ends: set[str] = field(default_factory=set)
     # request_id -> what a draft model proposes to follow the request's tokens after this step (speculative
     # decoding with a draft model; spec_decode/draft.py holds them for the next step)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

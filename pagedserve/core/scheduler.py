@@ -326,6 +326,10 @@ class Scheduler:
             output.pooled = runner_out.pooled[request.request_id]
             self._finish(request, RequestStatus.FINISHED_STOPPED, output)
             return
+        if request.request_id in runner_out.grammar_dead_ends:
+            raise InvalidRequestError("the grammar (structured outputs or a tool's schema) allows no token after the "
+                                      f"{request.num_output_tokens} tokens generated so far: it cannot be completed; "
+                                      "check that every rule can end", param="structured_outputs")
         token_ids = runner_out.sampled_token_ids[request.request_id]
         logprobs = runner_out.logprobs.get(request.request_id)
         status = None

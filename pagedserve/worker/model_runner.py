@@ -508,11 +508,13 @@ class ModelRunner:
 
     @staticmethod
     def _advance_grammar(state: RequestState, token_id: int, out: ModelRunnerOutput) -> None:
-        """Move the matcher past the sampled token; a finished grammar (or, never expected since the token was
-        masked by it, a token it rejects) ends the request."""
+        """Move the matcher past the sampled token; a finished grammar ends the request. A token it rejects can
+        only come from a row it masked whole (no token allowed: the grammar cannot be completed from here), and
+        fails the request rather than end it as if the text were complete."""
         if not state.grammar.accept(token_id):
-            logger.error("request %s: the grammar rejected token %d it had allowed; ending the request",
-                         state.request_id, token_id)
+            logger.warning("request %s: the grammar allows no token after the output so far; failing the request",
+                           state.request_id)
+            out.grammar_dead_ends.add(state.request_id)
             out.grammar_finished.add(state.request_id)
         elif state.grammar.is_terminated:
             out.grammar_finished.add(state.request_id)

@@ -208,6 +208,16 @@ def test_bad_grammars_are_invalid_requests(llm):
     assert llm.generate("x", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # the engine goes on
 
 
+def test_a_grammar_that_dead_ends_fails_instead_of_passing_its_cut_text_as_complete(llm):
+    """After "a" this grammar allows no token (an empty character class): the request fails with a 400 naming
+    it (it ended "stop" with the text "a", which breaks the grammar); the engine goes on, no blocks left."""
+    spec = StructuredOutputsParams(grammar='root ::= "a" [^\\x00-\\U0010FFFF]')
+    with pytest.raises(InvalidRequestError, match="allows no token after the 1 tokens generated so far"):
+        llm.generate("x", constrained(spec, temperature=0.0))
+    assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv.usage == 0
+    assert llm.generate("x", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
 def test_a_request_waits_for_its_grammar_without_kv_blocks(llm):
     """A grammar still compiling holds its request outside the scheduler (no blocks); the others run."""
     engine = llm.engine
