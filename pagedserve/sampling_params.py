@@ -61,8 +61,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name) or []
+            _check(isinstance(value, (list, tuple)), name, f"must be a list, got {type(value).__name__}")
+            setattr(self, name, list(value))
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:

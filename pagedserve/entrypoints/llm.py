@@ -64,6 +64,8 @@ class LLM:
         Tool calls are not parsed here: force one with SamplingParams(structured_outputs=...) or read the
         model's format from the text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        for conversation in conversations if isinstance(conversations, list) else [conversations]:
+            _check_conversation(conversation)
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, chat_template)
@@ -155,12 +157,30 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     return prompts
 
 
+def _check_conversation(conversation: Any) -> None:
+    """ValueError naming what is wrong with a conversation, as the server's 400 would (a template's own error
+    otherwise: jinja's UndefinedError for a message without a role)."""
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError("messages must be a list of {\"role\": ..., \"content\": ...} dicts (or a list of such "
+                         f"conversations), got {type(conversation).__name__}")
+    for index, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{index}] must be a dict with a string \"role\"")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{index}].content must be a string, a list of parts or None, got "
+                             f"{type(content).__name__}")
+
+
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int
                     ) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                        f"{type(params).__name__}: SamplingParams(max_tokens=..., ...)")
     params = list(params)
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; give one or one per prompt")

@@ -38,3 +38,20 @@ def test_a_request_larger_than_the_whole_kv_pool_fails_instead_of_waiting_foreve
     assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv.usage == 0
     outputs = llm.generate([{"prompt_token_ids": list(range(10, 40))}], params)
     assert len(outputs[0].outputs[0].token_ids) == 8
+
+
+def test_misused_offline_calls_name_the_argument(tiny_model_dir):
+    """Mistakes in LLM calls are errors that say what to give (they were AttributeErrors and jinja's own)."""
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=128)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
+        llm.generate("Hi", {"max_tokens": 3})
+    with pytest.raises(InvalidRequestError, match="stop must be a list"):
+        SamplingParams(stop=5)
+    with pytest.raises(ValueError, match="messages must be a list"):
+        llm.chat("hello")
+    with pytest.raises(ValueError, match=r"messages\[0\] must be a dict with a string \"role\""):
+        llm.chat([{"content": "hi"}])
+    with pytest.raises(ValueError, match=r"messages\[1\].content must be a string"):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": "user", "content": 5}])
+    reply = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(reply[0].outputs[0].token_ids) == 2
