@@ -133,7 +133,8 @@ class EngineMetrics:
             self.success.labels(model_name, reason)
         # Exported from the start (0 running, no tokens yet), not only after the first engine step.
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
-                       self.ttft, self.itl, self.e2e):
+                       self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e,
+                       self.queue_time):
             metric.labels(model_name)
 
     def observe_grammar_compile(self, seconds: float) -> None:

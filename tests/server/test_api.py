@@ -262,6 +262,9 @@ def test_metrics_parse_and_move(server, client):
     assert metric_value(server, "vllm:generation_tokens_total", model_name=MODEL) == before + 7
     assert metric_value(server, "vllm:prompt_tokens_total", model_name=MODEL) > prompts_before
     assert metric_value(server, "vllm:time_to_first_token_seconds_count", model_name=MODEL) == ttft_before + 1
+    # Counters that have not moved yet are exported as 0 from the start, as vLLM's (they had no sample)
+    assert metric_value(server, "vllm:num_preemptions_total", model_name=MODEL) == 0
+    assert metric_value(server, "vllm:prefix_cache_hits_total", model_name=MODEL) >= 0
     names = {f.name for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
