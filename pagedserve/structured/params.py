@@ -94,6 +94,9 @@ class StructuredOutputsParams:
         if unknown:
             raise InvalidRequestError(f"{param}: unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}",
                                       param=param)
+        if value.get("backend") not in (None, "auto", "xgrammar"):
+            raise InvalidRequestError(f"{param}.backend {value['backend']!r} is not available: pagedserve compiles "
+                                      "grammars with xgrammar (give auto or xgrammar, or leave it out)", param=param)
         for name in ("whitespace_pattern", "disable_additional_properties"):
             if value.get(name):
                 raise InvalidRequestError(f"{param}.{name} is not supported (whitespace is bounded to "

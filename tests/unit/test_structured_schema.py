@@ -113,3 +113,10 @@ def test_a_lone_surrogate_is_named_not_left_to_the_compiler(kind, value):
 ])
 def test_their_safe_neighbours_are_accepted(schema):
     check_json_schema(schema, "response_format")
+
+
+def test_a_backend_other_than_xgrammar_is_refused_not_ignored():
+    for backend in (None, "auto", "xgrammar"):
+        assert StructuredOutputsParams.from_request({"regex": "a+", "backend": backend}).kind == "regex"
+    with pytest.raises(InvalidRequestError, match="backend 'guidance' is not available"):
+        StructuredOutputsParams.from_request({"regex": "a+", "backend": "guidance"})
