@@ -162,6 +162,18 @@ def test_extra_fields_that_do_not_parse_keep_the_message_in_the_box(open_page, s
     assert page.text_content("#settings-error") == ""
 
 
+def test_a_reply_with_n_choices_shows_the_first_one(open_page, server):
+    """extra {"n": 2}: the bubble is choice 0's text (both choices' deltas were interleaved into it)."""
+    page = ready_page(open_page, server)
+    set_settings(page, max_tokens="12", temperature="0", extra='{"ignore_eos": true}')
+    send(page, "Count")
+    single = wait_reply_done(page).locator(".body").text_content()
+    page.click("#new-chat")
+    set_settings(page, extra='{"ignore_eos": true, "n": 2}')
+    send(page, "Count")
+    assert wait_reply_done(page).locator(".body").text_content() == single
+
+
 def test_conversations_new_rename_delete_export(open_page, server):
     page = ready_page(open_page, server)
     set_settings(page, max_tokens="8", extra="")

@@ -278,7 +278,8 @@
       if (data === "[DONE]") return true;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
-      const choice = chunk.choices && chunk.choices[0];
+      // The first choice only: with n > 1 in the extra fields, the other choices' deltas are not this reply's
+      const choice = chunk.choices && chunk.choices.find((c) => c.index === 0);
       if (choice && choice.delta && choice.delta.content) {
         if (timing.first === null) timing.first = performance.now();
         message.content += choice.delta.content;
