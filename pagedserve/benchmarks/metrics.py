@@ -166,6 +166,8 @@ class BenchSummary:
             notes.append(f"{self.num_failed} steady request(s) failed; they are excluded from throughput")
         if self.cold.num_warmup_failed:
             notes.append(f"{self.cold.num_warmup_failed} warm-up request(s) failed")
+        for error, count in sorted(self.errors.items(), key=lambda item: -item[1])[:3]:  # what the server said
+            notes.append(f"{count} request(s) failed with: {error[:300]}")
         return notes
 
 

@@ -98,6 +98,7 @@ def test_summary_counts_only_successful_steady_requests() -> None:
     assert summary.itl.count == 3 and summary.itl.median == pytest.approx(0.2)
     assert summary.errors == {"HTTP 500: boom": 1}
     assert any("failed" in note for note in summary.warnings)
+    assert "1 request(s) failed with: HTTP 500: boom" in summary.warnings  # what the server said, in the table
 
 
 def test_warmup_is_excluded_from_steady_figures_and_reported_cold() -> None:
