@@ -40,13 +40,14 @@ FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "
                      "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
 
 
-def check_json_schema(schema: Any, param: str) -> None:
-    """InvalidRequestError naming the problem: not a valid JSON schema, or a feature nothing enforces."""
-    _check_metaschema(schema, param)
-    _check_features(schema, "#", param)
+def check_json_schema(schema: Any, param: str, root: str = "#") -> None:
+    """InvalidRequestError naming the problem: not a valid JSON schema, or a feature nothing enforces, at a path
+    under `root` (a tool's parameters: "tools[0].function.parameters#")."""
+    _check_metaschema(schema, param, root)
+    _check_features(schema, root, param)
 
 
-def _check_metaschema(schema: Any, param: str) -> None:
+def _check_metaschema(schema: Any, param: str, root: str = "#") -> None:
     import jsonschema
 
     dialect = schema.get("$schema") if isinstance(schema, dict) else None
@@ -57,6 +58,7 @@ def _check_metaschema(schema: Any, param: str) -> None:
         validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "(top level)"
+        where = where if root == "#" else f"{root}/{where}"
         raise InvalidRequestError(f"{param}: invalid JSON schema at {where}: {exc.message}", param=param) from None
 
 

@@ -161,3 +161,17 @@ def test_parallel_tool_calls_false_under_auto_keeps_the_first_call(parser, text,
     assert len(streamed(make_reader(choice("auto", parser), parser), text, piece).calls) == 2
     result = streamed(make_reader(choice("auto", parser, parallel=False), parser), text, piece)
     assert [c["function"]["name"] for c in result.calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+def test_an_unenforceable_parameters_schema_is_named_where_the_request_has_it(tool_choice):
+    """The 400 points at tools[i].function.parameters, not into the grammar's wrapper schema (#/items/...)."""
+    tools = TOOLS + [{"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "object", "properties": {"city": {"not": {"type": "string"}}}}}}]
+    resolved = resolve_tool_choice(tools, tool_choice, None, "hermes", True)
+    with pytest.raises(InvalidRequestError, match=r"'not' at tools\[2\]\.function\.parameters#/properties/city") \
+            as info:
+        resolved.grammar
+    assert info.value.param == "tools"
+    assert resolve_tool_choice(tools, {"type": "function", "function": {"name": "add"}}, None, "hermes",
+                               True).grammar.json == TOOLS[1]["function"]["parameters"]  # only the named one

@@ -25,6 +25,7 @@ from typing import Any
 
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.structured.params import StructuredOutputsParams
+from pagedserve.structured.schema import check_json_schema
 
 PARSERS = ("hermes", "llama3_json")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -39,7 +40,11 @@ class ToolChoice:
 
     @property
     def grammar(self) -> StructuredOutputsParams | None:
-        """The grammar that enforces this choice (required, named), else None."""
+        """The grammar that enforces this choice (required, named), else None. A parameters schema it cannot
+        enforce is named where the request has it (tools[i].function.parameters), not inside the grammar's."""
+        for index, tool in enumerate(self.tools):
+            if self.mode == "required" or (self.mode == "named" and tool["function"]["name"] == self.function_name):
+                check_json_schema(_parameters(tool["function"]), "tools", root=f"tools[{index}].function.parameters#")
         if self.mode == "named":
             return StructuredOutputsParams(json=_parameters(self._function(self.function_name)), param="tool_choice")
         if self.mode == "required":
