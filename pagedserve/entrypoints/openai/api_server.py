@@ -539,6 +539,28 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     finally:
         if state.engine is not None:
             state.engine.shutdown()
-    if not server.started and outcome["exit_code"] == 0:
-        return 1  # the port could not be opened (uvicorn logged why)
-    return outcome["exit_code"]
+    code = 1 if not server.started and outcome["exit_code"] == 0 else outcome["exit_code"]  # 1: no port (logged)
+    if loader.is_alive() and state.engine is None:
+        _leave_during_startup(startup.phase, code)
+    return code
+
+
+def _leave_during_startup(phase: str, code: int) -> None:
+    """Stopped (SIGTERM/SIGINT) while the engine loads: the loader thread may be inside native code (a GGUF's
+    dequantization, torch's thread pool), and finalizing the interpreter under it aborted the process (SIGABRT,
+    exit 134). Nothing is served yet: stop any rank processes and leave at once with `code`."""
+    import sys
+
+    import psutil
+
+    logger.info("stopped during start-up (phase %s)", phase)
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=5)
+    for child in alive:
+        child.kill()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
