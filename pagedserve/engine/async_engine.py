@@ -90,6 +90,21 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     # ---- caller side (asyncio) -------------------------------------------------------------------
+    def check_room(self, num_requests: int) -> None:
+        """Before a response starts (a stream's 200 and headers): InvalidRequestError if `num_requests` alone are
+        more than the server ever takes at once (a retry would never help), QueueFullError (429) if they do not
+        fit now. generate() checks again as it registers each one."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error}")
+        capacity = self.max_waiting + self.engine.config.scheduler.max_num_seqs
+        if num_requests > capacity:
+            raise InvalidRequestError(f"this request holds {num_requests} prompts; the server takes at most "
+                                      f"{capacity} at once (--max-num-seqs plus --max-waiting-requests): send fewer "
+                                      "per request", param="prompt")
+        with self._lock:
+            if len(self._streams) + num_requests > capacity:
+                raise QueueFullError(f"{len(self._streams)} requests are already queued or running")
+
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Yield outputs until the request finishes; closing the iterator early aborts the request.

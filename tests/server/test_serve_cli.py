@@ -146,8 +146,11 @@ def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
                     assert time.monotonic() < deadline, "the two requests never filled the queue"
                     time.sleep(0.05)
                 results: list = []
-                threads = [threading.Thread(target=lambda: results.append(
-                    http.post(f"{server.url}/v1/completions", json={**body, "stream": False}))) for _ in range(4)]
+                # streamed ones too: a 429 before the stream's 200 (it was a 200 with an error event in it)
+                bodies = [("/v1/completions", {**body, "stream": False})] * 2 + [("/v1/completions", body), (
+                    "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True})]
+                threads = [threading.Thread(target=lambda path=path, b=b: results.append(
+                    http.post(f"{server.url}{path}", json=b))) for path, b in bodies]
                 for thread in threads:
                     thread.start()
                 for thread in threads:
@@ -162,6 +165,8 @@ def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
                     server, "vllm:num_requests_waiting") > 0:
                 assert time.monotonic() < deadline, "closing the streams did not abort their requests"
                 time.sleep(0.05)
+            too_many = http.post(f"{server.url}/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 3})
+            assert too_many.status_code == 400 and "takes at most 2 at once" in too_many.json()["error"]["message"]
             ok = http.post(f"{server.url}/v1/completions", json={"prompt": "again", "max_tokens": 3})
             assert ok.status_code == 200
     finally:

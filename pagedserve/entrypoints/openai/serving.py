@@ -235,6 +235,7 @@ class OpenAIServing:
 
     def _start(self, request_id: str, prompts: list[_Prompt], params_list: list[SamplingParams]
                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        self.engine.check_room(len(prompts))  # a 429 (or 400) before a stream's headers are out
         arrival = time.monotonic()
         if self.options.enable_log_requests:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
