@@ -86,6 +86,8 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {architecture}")
         if tp is not None:  # a view of the mapped file where it can: only this rank's pages are read
             tensor = model.shard_checkpoint_tensor(target, tensor)
+            if not checkpoint.views_file and isinstance(tensor, torch.Tensor) and tensor._base is not None:
+                tensor = tensor.clone()  # a GGUF tensor is decoded whole: a view of its rows kept all of it alive
         expected = params[target].shape
         if tuple(tensor.shape) != tuple(expected):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
