@@ -56,7 +56,8 @@ class AsyncEngine:
         """start_thread=False: the caller runs the loop itself with run_in_this_thread() (see there why)."""
         self.engine = engine
         self.observer = observer
-        self.max_waiting = engine.config.scheduler.max_waiting_requests
+        # requests the server holds at once (running plus waiting); past it a request gets QueueFullError (429)
+        self.capacity = engine.config.scheduler.max_waiting_requests + engine.config.scheduler.max_num_seqs
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -96,7 +97,7 @@ class AsyncEngine:
         fit now. generate() checks again as it registers each one."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}")
-        capacity = self.max_waiting + self.engine.config.scheduler.max_num_seqs
+        capacity = self.capacity
         if num_requests > capacity:
             raise InvalidRequestError(f"this request holds {num_requests} prompts; the server takes at most "
                                       f"{capacity} at once (--max-num-seqs plus --max-waiting-requests): send fewer "
@@ -113,7 +114,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped: {self.error}")
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if len(self._streams) >= self.max_waiting + self.engine.config.scheduler.max_num_seqs:
+            if len(self._streams) >= self.capacity:
                 raise QueueFullError(f"{len(self._streams)} requests are already queued or running")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")

@@ -33,7 +33,7 @@ from fastapi.staticfiles import StaticFiles
 from pagedserve import __version__, envs
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncEngine
-from pagedserve.engine.startup import StartupTracker
+from pagedserve.engine.startup import PHASES, StartupTracker
 from pagedserve.entrypoints.openai.errors import APIError, error_body, install_error_handlers
 from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -488,7 +488,7 @@ def log_startup_failure(exc: BaseException, phase: str | None = None) -> None:
     at debug level."""
     from pagedserve.cli.common import USER_FACING_ERRORS
 
-    before_loading = phase in ("starting", "resolving", "validating", "planning")
+    before_loading = phase in PHASES[:PHASES.index("loading_weights")]
     if isinstance(exc, USER_FACING_ERRORS) or (before_loading and isinstance(exc, ValueError)):
         logger.error("start-up failed: %s: %s", type(exc).__name__, exc)
         logger.debug("where it failed:", exc_info=exc)

@@ -74,7 +74,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         if not value:
             raise InvalidRequestError("input must not be empty", param="input")
         # Each input is one engine request: past the queue bound a request could never be admitted whole.
-        limit = min(MAX_INPUTS, self.engine.max_waiting + self.engine.engine.config.scheduler.max_num_seqs)
+        limit = min(MAX_INPUTS, self.engine.capacity)
         if len(value) > limit:
             raise InvalidRequestError(f"input has {len(value)} items; this server takes at most {limit} per request "
                                       "(OpenAI's limit is 2048; --max-waiting-requests and --max-num-seqs bound it "
