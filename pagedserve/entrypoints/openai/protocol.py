@@ -36,6 +36,12 @@ _WARNED: set[str] = set()  # unknown field names logged so far (at most _MAX_WAR
 _MAX_WARNED = 64
 
 
+def refused_field(name: str) -> InvalidRequestError:
+    """The 400 for a field OpenAI or vLLM define that pagedserve does not honour, saying what to do instead."""
+    return InvalidRequestError(f"{name} is not supported by this server ({_REFUSED_WHY.get(name, 'leave it out')})",
+                               param=name)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -86,8 +92,7 @@ class _SamplingFields(BaseModel):
         for name, inert in {**_REFUSED, **refused}.items():
             value = extra.get(name, getattr(self, name, inert))
             if value != inert and not (isinstance(inert, tuple) and value in inert):
-                why = _REFUSED_WHY.get(name, "leave it out")
-                raise InvalidRequestError(f"{name} is not supported by this server ({why})", param=name)
+                raise refused_field(name)
         for name in sorted(set(extra) - set(_REFUSED) - set(refused) - _ACCEPTED_EXTRAS):
             if name not in _WARNED and len(_WARNED) < _MAX_WARNED and not name.startswith("guided_"):
                 _WARNED.add(name)

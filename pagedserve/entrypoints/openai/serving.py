@@ -23,7 +23,7 @@ from pagedserve.engine.prompt_checks import check_not_empty, check_token_ids, ge
 from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_error
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                                    DetokenizeRequest, TokenizeRequest)
+                                                    DetokenizeRequest, TokenizeRequest, refused_field)
 from pagedserve.entrypoints.openai.chat_format import (chat_delta, chat_finish_reason, chat_logprobs, token_text,
                                                        template_message, template_messages)
 from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
@@ -505,9 +505,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.messages is not None:  # the prompt a chat completion with these fields would get
             if (req.model_extra or {}).get("chat_template") is not None:
-                raise InvalidRequestError("chat_template is not supported by this server (a template from a "
-                                          "request is not run: start the server with --chat-template)",
-                                          param="chat_template")
+                raise refused_field("chat_template")
             tokens = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                             req.chat_template_kwargs, tools=req.tools,
                                             add_special_tokens=bool(req.add_special_tokens))
