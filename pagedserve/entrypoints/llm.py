@@ -58,23 +58,25 @@ class LLM:
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None, chat_template: str | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template: str | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or `chat_template`: a template, or a file's path as serve's
         --chat-template) to each conversation (with `tools`, OpenAI-shaped, as vLLM's LLM.chat), then generate.
         Tool calls are not parsed here: force one with SamplingParams(structured_outputs=...) or read the
-        model's format from the text."""
+        model's format from the text. continue_final_message leaves the final (assistant) message open for the
+        model to go on with; it needs add_generation_prompt=False, as in vLLM."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         for conversation in conversations if isinstance(conversations, list) else [conversations]:
             _check_conversation(conversation)
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, chat_template)
-                   for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, chat_template,
+                                            continue_final_message) for c in conversations]
         return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict | None = None, chat_template: str | None = None
-                            ) -> list[int]:
+                            chat_template_kwargs: dict | None = None, chat_template: str | None = None,
+                            continue_final_message: bool = False) -> list[int]:
         tokenizer = self.engine.tokenizer
         if chat_template is not None:
             from pagedserve.chat_template import load_chat_template
@@ -87,6 +89,7 @@ class LLM:
 
         text = tokenizer.apply_chat_template(template_messages(conversation), tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
                                              **(chat_template_kwargs or {}))
         # The template already holds any BOS token: do not add special tokens again.
         return tokenizer.encode(text, add_special_tokens=False)

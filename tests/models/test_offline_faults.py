@@ -55,3 +55,15 @@ def test_misused_offline_calls_name_the_argument(tiny_model_dir):
         llm.chat([{"role": "user", "content": "hi"}, {"role": "user", "content": 5}])
     reply = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(reply[0].outputs[0].token_ids) == 2
+
+
+def test_offline_chat_continues_the_final_message_as_vllm_s(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=128)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello th"}]
+    open_ended = llm.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert llm.engine.tokenizer.decode(open_ended).endswith("Hello th")
+    reply = llm.chat(messages, SamplingParams(max_tokens=2, ignore_eos=True), add_generation_prompt=False,
+                     continue_final_message=True)
+    assert reply[0].prompt_token_ids == open_ended
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(messages, continue_final_message=True)  # add_generation_prompt defaults to True, as in vLLM

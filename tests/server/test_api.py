@@ -185,6 +185,9 @@ BAD_REQUESTS = [
        "tool_calls") for calls in ("x", ["x"], [{"function": "f"}], 5, [{"function": {"name": "f", "arguments": 1}}])],
     ("/v1/embeddings", {"model": MODEL, "input": "x"}, 400, "embed"),
     ("/detokenize", {"model": MODEL, "tokens": [-5]}, 400, "out of range"),
+    *[(path, {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+              "continue_final_message": True, "add_generation_prompt": True}, 400, "add_generation_prompt to false")
+      for path in ("/v1/chat/completions", "/tokenize")],
 ]
 
 
@@ -368,3 +371,16 @@ def test_priority_is_taken_where_the_policy_is_priority(client):
     """(Scheduling order itself: tests/unit/test_scheduler.py; a fcfs server refuses a priority: the flags test.)"""
     reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": -5, "ignore_eos": True})
     assert reply.usage.completion_tokens == 2
+
+
+def test_continue_final_message_alone_leaves_the_final_message_open(server):
+    """add_generation_prompt defaults to true, so continue_final_message alone must not need it set false (vLLM's
+    rule: only both set true is refused); the prompt then ends with the final message's text."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello th"}]
+    for fields in ({}, {"add_generation_prompt": False}):
+        body = {"model": MODEL, "messages": messages, "continue_final_message": True, **fields}
+        tokens = httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
+        text = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
+        assert text.endswith("Hello th"), text
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 1}).json()
+        assert reply["usage"]["prompt_tokens"] == len(tokens)

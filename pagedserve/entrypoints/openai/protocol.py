@@ -42,6 +42,19 @@ def refused_field(name: str) -> InvalidRequestError:
                                param=name)
 
 
+def generation_prompt(req: ChatCompletionRequest | TokenizeRequest) -> bool:
+    """Whether the rendered chat ends with the assistant's generation prompt. continue_final_message leaves the
+    final message open instead; asking for both is refused, as vLLM does (add_generation_prompt defaults to true,
+    so only a request that sets it to true is)."""
+    if not req.continue_final_message:
+        return req.add_generation_prompt
+    if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: set "
+                                  "add_generation_prompt to false to continue the final message",
+                                  param="continue_final_message")
+    return False
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False

@@ -23,7 +23,8 @@ from pagedserve.engine.prompt_checks import check_not_empty, check_token_ids, ge
 from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_error
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                                    DetokenizeRequest, TokenizeRequest, refused_field)
+                                                    DetokenizeRequest, TokenizeRequest, generation_prompt,
+                                                    refused_field)
 from pagedserve.entrypoints.openai.chat_format import (chat_delta, chat_finish_reason, chat_logprobs, token_text,
                                                        template_message, template_messages)
 from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
@@ -406,7 +407,7 @@ class OpenAIServing:
             kwargs = {**(kwargs or {}), "tools": tools}
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **(kwargs or {}))
         except Exception as exc:  # template errors (e.g. roles it rejects) are the client's to fix
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
@@ -416,7 +417,7 @@ class OpenAIServing:
         self.check_model(req.model)
         self._check_chat_fields(req)
         tool_choice = self._tool_choice(req)
-        prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+        prompt_ids = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
                                             req.chat_template_kwargs, tools=req.tools,
                                             add_special_tokens=req.add_special_tokens)
         prompt = self._truncate(_Prompt(None, prompt_ids), req.truncate_prompt_tokens)
@@ -506,7 +507,7 @@ class OpenAIServing:
         if req.messages is not None:  # the prompt a chat completion with these fields would get
             if (req.model_extra or {}).get("chat_template") is not None:
                 raise refused_field("chat_template")
-            tokens = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+            tokens = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
                                             req.chat_template_kwargs, tools=req.tools,
                                             add_special_tokens=bool(req.add_special_tokens))
         elif req.prompt is not None:
