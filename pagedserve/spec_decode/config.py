@@ -41,7 +41,10 @@ class SpeculativeConfig:
         if isinstance(value, SpeculativeConfig):
             return value
         spec = json_object(value, "--speculative-config", _EXAMPLE)
-        method = spec.get("method", "draft_model" if "model" in spec else "ngram")
+        method = spec.get("method", "draft_model" if "model" in spec else None)
+        if method is None:  # vLLM refuses this too ("num_speculative_tokens was provided but without ... model")
+            raise ValueError(f"--speculative-config: give \"method\": \"ngram\" for prompt lookup, or a draft "
+                             f"\"model\": {_EXAMPLE} or {_DRAFT_EXAMPLE}")
         if method == "[ngram]":  # vLLM's older spelling
             method = "ngram"
         if method not in METHODS:

@@ -28,7 +28,8 @@ def test_config_parses_vllms_json_and_dict():
     config = SpeculativeConfig.parse(text)
     assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (5, 4, 2)
     assert SpeculativeConfig.parse({"method": "[ngram]", "num_speculative_tokens": 3}).prompt_lookup_min == 5
-    assert SpeculativeConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_max": 3}).prompt_lookup_min == 3
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                    "prompt_lookup_max": 3}).prompt_lookup_min == 3
     assert SpeculativeConfig.parse(None) is None
     draft = SpeculativeConfig.parse('{"model": "/models/small", "num_speculative_tokens": 4}')  # vLLM's draft form
     assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/small", 4)
@@ -40,6 +41,7 @@ def test_config_parses_vllms_json_and_dict():
     ("not json", "must be a JSON object"),
     ("[1, 2]", "must be a JSON object"),
     ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle' is not supported"),
+    ({"num_speculative_tokens": 3, "prompt_lookup_max": 3}, 'give "method": "ngram" for prompt lookup, or a draft'),
     ({"model": "/path/to/draft"}, "num_speculative_tokens must be an integer >= 1"),
     ({"model": "", "num_speculative_tokens": 3}, "draft_model needs \"model\""),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "draft_model needs \"model\""),
