@@ -139,6 +139,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def fail_all(self, message: str) -> int:
+        """End every open request with EngineDeadError(message) (a 503, or a stream's error event), from any
+        thread: the server's shutdown grace ran out. Each caller's generate() then aborts its request.
+        Returns how many there were."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver(request_id, EngineDeadError(message))
+        return len(request_ids)
+
     # ---- engine thread ---------------------------------------------------------------------------
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._lock:
@@ -206,9 +216,6 @@ class AsyncEngine:
         except BaseException as exc:  # the engine is unusable now: fail every caller, report death
             logger.exception("engine thread died")
             self.error = exc
-            with self._lock:
-                request_ids = list(self._streams)
-            for request_id in request_ids:
-                self._deliver(request_id, EngineDeadError(f"the engine stopped: {exc}"))
+            self.fail_all(f"the engine stopped: {exc}")
             if self.on_death is not None:
                 self.on_death(exc)

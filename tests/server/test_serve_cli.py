@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import signal
+import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -125,6 +126,32 @@ def test_sigterm_lets_in_flight_request_finish(tiny_model_dir, tmp_path):
     assert server.process.wait(30) == 0
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{server.url}/health", timeout=2)
+
+
+def test_requests_outlasting_the_shutdown_grace_get_a_503_body_or_an_error_event(long_context_model, tmp_path):
+    """When --shutdown-grace-s runs out, requests still open get a 503 with an OpenAI error body, and a stream
+    an error event and [DONE] (uvicorn's cancellation gave a plain-text 500 and cut the stream)."""
+    server = start_server(long_context_model, "--max-model-len", "8192", "--dtype", "float32",
+                          "--shutdown-grace-s", "2", log_dir=tmp_path)
+    body = {"prompt": "go", "max_tokens": 8000, "ignore_eos": True}  # many seconds
+    replies = {}
+    plain = threading.Thread(target=lambda: replies.update(
+        plain=httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)))
+    plain.start()
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # generating
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    plain.join(30)
+    assert server.process.wait(30) == 0
+    assert time.monotonic() - started < 10
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "--shutdown-grace-s (2 s)" in error["message"]
+    assert replies["plain"].status_code == 503
+    assert "shutting down" in replies["plain"].json()["error"]["message"]
 
 
 def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):

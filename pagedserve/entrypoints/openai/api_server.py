@@ -47,6 +47,9 @@ logger = logging.getLogger("pagedserve.server")
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # /ping: SageMaker's health check
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # index.html, *.js, *.css: no build step
 WEB_ASSETS_PREFIX = "/web/"
+# Seconds before the shutdown grace period ends at which the requests still open are failed with a 503, leaving
+# time to send it (at most half the grace period).
+_ANSWER_TIME_S = 1.0
 
 
 @dataclass
@@ -466,11 +469,19 @@ def _make_uvicorn_server(config: Any) -> Any:
             await super().shutdown(sockets)
 
         async def _wait_tasks_to_complete(self) -> None:
-            """As uvicorn's, but once no request is running the connections left open are shut, not waited for:
-            closing a TLS connection waits for the client's close_notify (asyncio allows 30 s), and a client
-            idling on a keep-alive connection never sends one, so an https server took the whole grace period
-            to stop."""
+            """As uvicorn's (which cancels what is left when the grace period ends: a plain-text 500, or a
+            stream cut short), but:
+            - shortly before the grace period ends, `on_grace_expired` fails the requests still open, so each
+              gets a 503 with an error body (a stream: an error event and [DONE]) while there is time to send it;
+            - once no request is running the connections left open are shut, not waited for: closing a TLS
+              connection waits for the client's close_notify (asyncio allows 30 s), and a client idling on a
+              keep-alive connection never sends one, so an https server took the whole grace period to stop."""
+            grace = self.config.timeout_graceful_shutdown
+            fail_at = None if grace is None else time.monotonic() + grace - min(_ANSWER_TIME_S, grace / 2)
             while self.server_state.tasks and not self.force_exit:
+                if fail_at is not None and time.monotonic() >= fail_at:
+                    fail_at = None
+                    self.on_grace_expired()
                 await asyncio.sleep(0.05)
             for sock in getattr(self, "open_sockets", ()):
                 with contextlib.suppress(OSError):  # on a duplicate: uvloop's transport sockets refuse shutdown()
@@ -478,7 +489,9 @@ def _make_uvicorn_server(config: Any) -> Any:
                         duplicate.shutdown(socket.SHUT_RDWR)
             await super()._wait_tasks_to_complete()
 
-    return Server(config)
+    server = Server(config)
+    server.on_grace_expired = lambda: None
+    return server
 
 
 def log_startup_failure(exc: BaseException, phase: str | None = None) -> None:
@@ -513,6 +526,16 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
                             **options.uvicorn_tls())
     server = _make_uvicorn_server(config)
     outcome = {"exit_code": 0}
+
+    def grace_expired() -> None:
+        engine = state.engine
+        failed = engine.fail_all(f"the server is shutting down: this request did not finish within "
+                                 f"--shutdown-grace-s ({options.shutdown_grace_s:g} s)") if engine else 0
+        if failed:
+            logger.warning("shutdown grace period (%g s) ran out: %d request(s) still open get a 503",
+                           options.shutdown_grace_s, failed)
+
+    server.on_grace_expired = grace_expired
 
     def stop(code: int) -> None:
         outcome["exit_code"] = code
