@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # httpx is imported when the command runs: `pagedserve serve`
 STUCK_MIN_BLOCKED = 5  # D-state threads at or above this, and rising, mean stuck
 STUCK_WINDOW = 3  # samples over which D must be non-decreasing with a net rise
 HEALTH_TIMEOUT_S = 2.0
+FAULTS = ("STUCK", "DOWN")  # verdicts that make the exit code 1
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Health:
 
 @dataclass(frozen=True)
 class Verdict:
-    state: str  # "OK", "BUSY" or "STUCK"
+    state: str  # "OK", "BUSY", "STUCK" or "DOWN"
     reason: str
 
 
@@ -220,7 +221,8 @@ def is_rising(series: list[int], window: int = STUCK_WINDOW, threshold: int = ST
 
 
 def classify(samples: list[Sample], num_cpus: int = 1) -> Verdict:
-    """STUCK only when D-state threads pile up (never on load alone); BUSY for high load; else OK."""
+    """STUCK only when D-state threads pile up (never on load alone); DOWN when the watched server is gone or
+    /health has not answered for STUCK_WINDOW samples; BUSY for high load; else OK."""
     if not samples:
         return Verdict("OK", "no samples yet")
     series = [("system", [s.system.blocked for s in samples])]
@@ -232,6 +234,13 @@ def classify(samples: list[Sample], num_cpus: int = 1) -> Verdict:
             return Verdict("STUCK", f"{label} D-state threads {trail}: piling up in uninterruptible I/O"
                                     " (memory pressure or a stalled disk; see dmesg, free -h)")
     latest = samples[-1]
+    if latest.pid is not None and latest.tree is None:
+        return Verdict("DOWN", f"the server (pid {latest.pid}) is gone")
+    recent = samples[-STUCK_WINDOW:]
+    if len(recent) == STUCK_WINDOW and all(s.health == "unreachable" for s in recent):
+        return Verdict("DOWN", f"/health unreachable over the last {STUCK_WINDOW} samples: the server is not "
+                               "listening at --url, or does not answer within "
+                               f"{HEALTH_TIMEOUT_S:g} s (see its log)")
     d_now = latest.system.blocked
     if d_now >= STUCK_MIN_BLOCKED:
         return Verdict("OK", f"D={d_now} but not rising over {STUCK_WINDOW} samples: waiting on I/O, watch")
@@ -274,7 +283,8 @@ def sample_to_json(sample: Sample, verdict: Verdict) -> str:
 
 
 def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
-    """Sample every --interval seconds; exit code 1 if the last verdict was STUCK (for scripts with --count)."""
+    """Sample every --interval seconds; exit code 1 if the last verdict was STUCK or DOWN (for scripts with
+    --count)."""
     from pagedserve.cli.common import fail
     from pagedserve.memory.probe import usable_cpu_count
 
@@ -298,10 +308,10 @@ def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
             verdict = classify(samples, num_cpus)
             line = sample_to_json(samples[-1], verdict) if args.json else format_sample(samples[-1], verdict)
             print(line, flush=True)
-            if not args.json and (verdict.state != previous or verdict.state == "STUCK"):
+            if not args.json and (verdict.state != previous or verdict.state in FAULTS):
                 print(f"  {verdict.state}: {verdict.reason}", flush=True)  # on changes, not every line
             previous = verdict.state
-    return 1 if verdict.state == "STUCK" else 0
+    return 1 if verdict.state in FAULTS else 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -119,6 +119,20 @@ def test_classify_recorded_system_samples(blocked: list[int], state: str) -> Non
     assert classify(recorded(blocked), num_cpus=2).state == state
 
 
+def test_a_server_gone_or_not_answering_is_down() -> None:
+    def health(texts: list[str], tree: bool = True) -> list[Sample]:
+        return [Sample(time=float(i), load1=0.1, system=ThreadCounts(1, 0), pid=500,
+                       tree=ThreadCounts(1, 0) if tree else None, health=text) for i, text in enumerate(texts)]
+
+    assert classify(health(["ready", "unreachable", "unreachable"]), num_cpus=2).state == "OK"  # not yet
+    assert classify(health(["unreachable"] * 3), num_cpus=2).state == "DOWN"
+    assert "/health unreachable" in classify(health(["unreachable"] * 3), num_cpus=2).reason
+    assert classify(health(["unreachable", "unreachable", "ready"]), num_cpus=2).state == "OK"
+    assert classify(health(["ready", "-"]), num_cpus=2).state == "OK"
+    gone = classify(health(["ready"], tree=False), num_cpus=2)
+    assert (gone.state, gone.reason) == ("DOWN", "the server (pid 500) is gone")
+
+
 def test_load_alone_never_makes_stuck() -> None:
     assert classify(recorded([0, 0, 0], load1=300.0), num_cpus=2).state == "BUSY"
     assert classify(recorded([0, 0, 0], load1=0.5), num_cpus=2).state == "OK"
@@ -172,6 +186,9 @@ def test_watch_command_json_lines_and_exit_code(tmp_path: Path, capsys: pytest.C
     assert len(lines) == 2
     assert lines[0]["tree"] == {"running": 1, "blocked": 0} and lines[0]["tree_rss_bytes"] == 2048 * 1024
     assert lines[0]["health"] == "-" and lines[0]["verdict"] == "OK"
+    args = argparse.Namespace(pid=None, url="http://127.0.0.1:9", interval=0.0, count=3, json=False)
+    assert watch.watch(args, proc_root=root) == 1  # nothing listens on port 9 (discard): DOWN
+    assert "DOWN: /health unreachable over the last 3 samples" in capsys.readouterr().out
 
 
 def test_register_parses_the_flags() -> None:
