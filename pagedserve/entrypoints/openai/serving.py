@@ -443,6 +443,7 @@ class OpenAIServing:
         tally = _PromptTally()
         finals = await _collect(streams, raw, 1, tally)
         choices = []
+        named = tool_choice is not None and tool_choice.mode == "named"
         for index, choice in sorted(finals[0].items()):
             read = read_all(make_reader(tool_choice, self.tool_call_parser), choice.text)
             message: dict[str, Any] = {"role": self.options.response_role, "content": read.content}
@@ -451,7 +452,7 @@ class OpenAIServing:
             choices.append({"index": index, "message": message,
                             "logprobs": chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0,
                                                       self._as_ids(req)) if req.logprobs else None,
-                            "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls)),
+                            "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls), named),
                             "stop_reason": choice.stop_reason})
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
@@ -491,7 +492,8 @@ class OpenAIServing:
                                              self._as_ids(req))
                 finish_reason = completion.finish_reason
                 if finish_reason is not None:
-                    finish_reason = chat_finish_reason(finish_reason, reader.num_calls > 0)
+                    finish_reason = chat_finish_reason(finish_reason, reader.num_calls > 0,
+                                                       tool_choice is not None and tool_choice.mode == "named")
                 chunk = {**base, "choices": [{"index": completion.index, "delta": chat_delta(events),
                                               "logprobs": logprobs, "finish_reason": finish_reason,
                                               "stop_reason": completion.stop_reason}]}
