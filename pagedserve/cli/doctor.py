@@ -223,7 +223,10 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
             pages = f"PAGEDSERVE_HUGE_PAGES=1 but transparent huge pages {thp or 'unknown'}: 4 KiB pages"
             fix = ("as root, `echo madvise > /sys/kernel/mm/transparent_hugepage/enabled` lets packed weights use "
                    "2 MiB pages (a few per cent faster batch-1 decoding)") if thp == "never" else ""
-        return CheckResult("native kernels", PASS, f"{bf16}, norms, SiLU, decode attention; {pages}; {why}", fix)
+        invariant = ("; batch-invariant (PAGEDSERVE_BATCH_INVARIANT): int8 prefill on exact integer sums"
+                     if kernels.batch_invariant else "")
+        return CheckResult("native kernels", PASS, f"{bf16}, norms, SiLU, decode attention; {pages}{invariant}; "
+                                                   f"{why}", fix)
     try:
         envs.cpu_isa()
     except ValueError as exc:  # load_status ran the torch path for it

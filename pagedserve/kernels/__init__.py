@@ -47,6 +47,7 @@ _SIGNATURES = {
     "ps_amx_int8": ((), _INT),
     "ps_avx_vnni": ((), _INT),
     "ps_advise_huge": ((_P, _I64), _I64),
+    "ps_set_batch_invariant": ((_INT,), None),
     "ps_linear_i8": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
     "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), None),
     "ps_pack_bf16": ((_P, _P, _I64, _I64, _INT), None),
@@ -111,16 +112,25 @@ class CpuKernels:
         self.avx_vnni = bool(lib.ps_avx_vnni())  # the AVX2 kernels' int8 sums in one AVX-VNNI instruction
         self.bf16_block = lib.ps_bf16_block()  # outputs per block of the packed bf16 layout
         self._bf16_dot = bool(lib.ps_has_bf16_dot())
+        self.set_batch_invariant(envs.batch_invariant())
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """on: every batch size of an int8 linear takes a kernel with the decode kernel's exact integer sums, so a
+        row's result never depends on the rows beside it (PAGEDSERVE_BATCH_INVARIANT). Process-wide: call it
+        before a model is built (Int8Linear reads int8_max_rows once)."""
+        self.batch_invariant = bool(on)
+        self.lib.ps_set_batch_invariant(int(self.batch_invariant))
         # prefill-sized int8 batches: an integer tile with the decode kernel's exact sums (AVX2, AVX-512 without
-        # BF16: a prompt's row gets the bits it gets alone), else exact bf16 panels with float32 sums
-        self.int8_prefill_exact = not self._bf16_dot
+        # BF16, or batch-invariant mode: a prompt's row gets the bits it gets alone), else exact bf16 panels with
+        # float32 sums
+        self.int8_prefill_exact = not self._bf16_dot or self.batch_invariant
 
     def int8_max_rows(self, dtype: torch.dtype) -> int | None:
         """Rows up to which int8 linears with activations of `dtype` run the native kernel (None: every batch
         size; prefill-sized batches run it on exact bf16 panels of the weights, see cpu_kernels.c). Only float32
         activations on a CPU with bf16 dot products stop, at 32 rows: above, they dequantize and run one dense
-        float32 matmul."""
-        return 32 if self._bf16_dot and dtype == torch.float32 else None
+        float32 matmul (not in batch-invariant mode)."""
+        return 32 if self._bf16_dot and dtype == torch.float32 and not self.batch_invariant else None
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:

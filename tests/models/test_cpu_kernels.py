@@ -94,6 +94,24 @@ def test_int8_prefill_rows_equal_the_rows_alone(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [896, 4864])
+def test_batch_invariant_mode_gives_prefill_rows_the_bits_they_get_alone(kernels, dtype, k):
+    """PAGEDSERVE_BATCH_INVARIANT: where prefill batches take the bf16 panels (AVX512-BF16, AMX), the integer tile
+    runs instead at every K, so a prompt's rows get the bits they get alone; float32 activations keep the kernel
+    at every batch size instead of dequantizing above 32 rows."""
+    was = kernels.batch_invariant
+    kernels.set_batch_invariant(True)
+    try:
+        assert kernels.int8_prefill_exact and kernels.int8_max_rows(torch.float32) is None
+        _check_rows_alone(kernels, dtype, k=k, batches=(64, 65, 70, 131), seed=6)
+    finally:
+        kernels.set_batch_invariant(was)
+    if not kernels.int8_prefill_exact and dtype == torch.bfloat16:  # the panels' float32 sums give other bits
+        with pytest.raises(AssertionError):
+            _check_rows_alone(kernels, dtype, k=k, batches=(64,), seed=6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [896, 1024 + 64])
 def test_int8_decode_batches_give_every_row_the_bits_it_gets_alone(kernels, dtype, k):
     """Batches of 32-63 rows: on AVX-512 (without AMX-INT8 tiles taking them) those with K <= 1024 run the integer

@@ -1,0 +1,58 @@
+"""PAGEDSERVE_BATCH_INVARIANT (vLLM's VLLM_BATCH_INVARIANT): a request's greedy tokens and logprobs do not depend on
+which requests share its steps. By default a prompt prefilled in a batch of 64+ rows takes the int8 linears' bf16
+panels on AVX512-BF16 and AMX CPUs (float32 sums), alone the integer kernel (exact sums): near-ties then break
+differently. In the mode, every batch size takes the exact sums."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import envs
+from pagedserve.entrypoints.llm import LLM
+from pagedserve.kernels import cpu_kernels
+from pagedserve.sampling_params import SamplingParams
+
+PROMPTS = [[(7 * i + 13 * j) % 250 + 3 for j in range(20)] for i in range(8)]  # 8 x 20 rows: alone < 64, batched 160
+
+
+def _alone_and_batched(model_dir: str) -> tuple[list, list]:
+    llm = LLM(model_dir, dtype="bfloat16", quantization="int8", max_model_len=256, max_num_batched_tokens=256,
+              enable_prefix_caching=False)  # the batch prefills all 160 rows, not what the alone runs left
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
+
+    def result(output) -> tuple:
+        sample = output.outputs[0]
+        return sample.token_ids, [{t: p.logprob for t, p in step.items()} for step in sample.logprobs]
+
+    alone = [result(llm.generate([{"prompt_token_ids": p}], params)[0]) for p in PROMPTS]
+    batched = [result(o) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    return alone, batched
+
+
+def test_alone_and_batched_agree_bit_for_bit_in_batch_invariant_mode(tiny_model_dir):
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no native CPU kernels here: the mode concerns their int8 linears")
+    model_dir = tiny_model_dir("llama")
+    was = kernels.batch_invariant
+    try:
+        kernels.set_batch_invariant(True)
+        alone, batched = _alone_and_batched(model_dir)
+        assert alone == batched  # token ids and logprobs, exactly
+        kernels.set_batch_invariant(False)
+        if not kernels.int8_prefill_exact:  # without the mode this CPU prefills on the panels: other bits
+            alone, batched = _alone_and_batched(model_dir)
+            assert [a[1] for a in alone] != [b[1] for b in batched]
+    finally:
+        kernels.set_batch_invariant(was)
+
+
+@pytest.mark.parametrize("env, on", [({}, False), ({"PAGEDSERVE_BATCH_INVARIANT": "1"}, True),
+                                     ({"VLLM_BATCH_INVARIANT": "1"}, True),
+                                     ({"VLLM_BATCH_INVARIANT": "1", "PAGEDSERVE_BATCH_INVARIANT": "0"}, False)])
+def test_the_mode_is_read_from_pagedserve_s_or_vllm_s_variable(monkeypatch, env, on):
+    for name in ("PAGEDSERVE_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert envs.batch_invariant() is on
