@@ -187,7 +187,8 @@ class OutputProcessor:
         state.num_cached_tokens = max(state.num_cached_tokens, core_out.num_cached_tokens)
         if state.metrics.first_scheduled_time is None:
             state.metrics.first_scheduled_time = core_out.first_scheduled_time
-        if core_out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+        # n > 1: every child prefills the same prompt; its logprobs are taken once, from the first
+        if core_out.new_prompt_logprobs is not None and state.prompt_logprobs is not None and sample.index == 0:
             state.prompt_logprobs.extend(self._to_logprobs_dict(x) for x in core_out.new_prompt_logprobs)
         if sample.finish_reason is not None:
             return False

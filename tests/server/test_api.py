@@ -92,6 +92,9 @@ def test_n_and_logprobs(client):
         # OpenAI keys top_logprobs by token text; byte-fragment tokens that decode alike share a key.
         assert all(1 <= len(top) <= 4 for top in choice.logprobs.top_logprobs)
         assert any(len(top) >= 3 for top in choice.logprobs.top_logprobs)
+        # the chosen token is always among them (OpenAI: up to logprobs + 1), sampled outside the top 3 or not
+        assert all(top[token] == lp for token, lp, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs,
+                                                              choice.logprobs.top_logprobs))
     assert out.usage.completion_tokens == 12
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           logprobs=True, top_logprobs=2, temperature=0)
@@ -99,6 +102,41 @@ def test_n_and_logprobs(client):
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
     assert all(c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy
+
+
+def test_logprobs_0_gives_the_chosen_token_alone(client):
+    out = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=5, temperature=2.0, seed=3, logprobs=0)
+    logprobs = out.choices[0].logprobs
+    assert logprobs.top_logprobs == [{t: lp} for t, lp in zip(logprobs.tokens, logprobs.token_logprobs)]
+
+
+def test_prompt_logprobs_come_once_whatever_n(server):
+    """n > 1 runs n sequences of one prompt: its logprobs were given once per sequence (n times as many)."""
+    prompt_ids = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Paris is big"}).json()["tokens"]
+    chat = [{"role": "user", "content": "Hi there"}]
+    rendered = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": chat}).json()["tokens"]
+    for n in (1, 3):
+        body = {"model": MODEL, "max_tokens": 2, "n": n, "temperature": 1.0, "prompt_logprobs": 1}
+        completion = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "Paris is big"}).json()
+        assert [len(c["prompt_logprobs"]) for c in completion["choices"]] == [len(prompt_ids)] * n
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "messages": chat}).json()
+        assert len(reply["prompt_logprobs"]) == len(rendered)
+    echoed = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Paris is big", "n": 2,
+                                                              "max_tokens": 2, "echo": True, "logprobs": 1,
+                                                              "stream": True})
+    chunks = [json.loads(line[6:]) for line in echoed.text.splitlines() if line.startswith("data: {")]
+    for index in (0, 1):
+        tokens = sum((c["choices"][0]["logprobs"]["tokens"] for c in chunks if c["choices"][0]["index"] == index), [])
+        assert len(tokens) == len(prompt_ids) + 2
+
+
+def test_text_parts_of_a_message_are_joined_by_newlines_as_vllm_does(server):
+    def tokens(content) -> list[int]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+        return httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
+
+    parts = [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]
+    assert tokens(parts) == tokens("part one\npart two") != tokens("part onepart two")
 
 
 def test_prompt_forms_and_echo(client):

@@ -96,7 +96,7 @@ def message_text(message: ChatMessage) -> str:
             raise InvalidRequestError(f"content part type {part.get('type')!r} is not supported (text only)",
                                       param="messages")
         parts.append(part.get("text", ""))
-    return "".join(parts)
+    return "\n".join(parts)  # as vLLM joins a message's text parts for a template that reads strings
 
 
 def token_text(token_id: int, decoded: str | None, as_ids: bool = False) -> str:

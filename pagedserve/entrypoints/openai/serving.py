@@ -317,8 +317,11 @@ class OpenAIServing:
             text = entry.decoded_token if entry else self.tokenizer.decode([token_id])
             tokens.append(token_text(token_id, text, as_ids))
             token_logprobs.append(entry.logprob if entry else None)
-            top.append({token_text(i, lp.decoded_token, as_ids): lp.logprob for i, lp in step.items()
-                        if lp.rank <= num_top} if step else None)
+            # the top num_top and the chosen token, as OpenAI's legacy format has them (up to logprobs + 1); the
+            # chosen one last, so that where two tokens read alike (byte fragments) the key holds its logprob
+            top.append({token_text(i, lp.decoded_token, as_ids): lp.logprob
+                        for i, lp in sorted(step.items(), key=lambda item: item[0] == token_id)
+                        if lp.rank <= num_top or i == token_id} if step else None)
             text_offset.append(offset)
             offset += len(text or "")
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
