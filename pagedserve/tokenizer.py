@@ -177,6 +177,50 @@ class Tokenizer:
             return self._transformers
 
 
+def _byte_level_bytes() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode inverted: the printable character a byte-level BPE vocabulary writes for each byte
+    (printable Latin-1 bytes as themselves, the others as the characters from U+0100 on, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+class TokenBytes:
+    """A token's raw bytes, as OpenAI's logprobs give them (`bytes`: joined, they rebuild a character that spans
+    tokens, whose pieces decode to U+FFFD alone). Read from the vocabulary entry for the two byte encodings
+    tokenizers use: byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2: one printable character per byte) and
+    SentencePiece's byte fallback (<0xNN> tokens, U+2581 for a space). Added tokens, and tokens of other
+    tokenizers, are their decoded text's UTF-8. For transformers' tokenizers too (through their backend)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        backend = getattr(tokenizer, "_backend", None) or getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        state = json.dumps(json.loads(decoder.__getstate__())) if decoder is not None else ""
+        self._byte_level = _byte_level_bytes() if '"ByteLevel"' in state else None
+        self._byte_fallback = '"ByteFallback"' in state
+        self._added = set(backend.get_added_tokens_decoder()) if backend is not None else set()
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._read(token_id)
+        return found
+
+    def _read(self, token_id: int) -> bytes:
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if piece is not None and token_id not in self._added:
+            if self._byte_level is not None and all(c in self._byte_level for c in piece):
+                return bytes(self._byte_level[c] for c in piece)
+            if self._byte_fallback:
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    return bytes([int(piece[3:5], 16)])
+                return piece.replace("\u2581", " ").encode()
+        return self._tokenizer.decode([token_id]).encode()
+
+
 def wrap_backend_tokenizer(backend: BackendTokenizer, **kwargs: Any) -> Any:
     """PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs) without its deep copy of `backend`.
 

@@ -246,3 +246,40 @@ def test_lone_surrogates_are_the_callers_error(pairs, text: str) -> None:
             encode(text)
     paired = "\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16")
     assert ours.encode(paired) == reference.encode(paired)
+
+
+@pytest.mark.parametrize("name", ["tiny-dir", "smollm2", "qwen-coder"])
+@pytest.mark.parametrize("side", [0, 1], ids=["ours", "transformers"])
+def test_token_bytes_rebuild_text_whose_characters_span_tokens(pairs, name: str, side: int) -> None:
+    """Logprobs' `bytes` (OpenAI): each token's raw bytes, joined, give the text back, though a token holding part
+    of a character decodes to U+FFFD alone; from ours and from transformers' tokenizer alike."""
+    from pagedserve.tokenizer import TokenBytes
+
+    tokenizer = pairs[name][side]
+    token_bytes = TokenBytes(tokenizer)
+    text = "日本語 🐶 test\r\n\tcafé  ẞ 😀😀 x"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(token_bytes(i) for i in ids) == text.encode()
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # the case that needs the bytes: a split character
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert token_bytes(eos) == b"<|im_end|>"  # an added token: its text
+
+
+def test_token_bytes_of_a_byte_fallback_tokenizer() -> None:
+    """SentencePiece-style vocabularies (Llama 2, Mistral, Gemma): <0xNN> pieces for bytes, U+2581 for spaces."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers
+
+    from pagedserve.tokenizer import TokenBytes
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581hi": 257, "\u2581": 258, "x": 259}
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tokenizer = Tokenizer(backend)
+    ids = tokenizer.encode("hi 🐶x", add_special_tokens=False)
+    pieces = [tokenizer.convert_ids_to_tokens(i) for i in ids]
+    assert "\u2581" in pieces and "<0xF0>" in pieces  # a space piece, and the emoji's bytes
+    token_bytes = TokenBytes(tokenizer)
+    assert b"".join(token_bytes(i) for i in ids) == " hi 🐶x".encode()

@@ -422,3 +422,28 @@ def test_continue_final_message_alone_leaves_the_final_message_open(server):
         assert text.endswith("Hello th"), text
         reply = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 1}).json()
         assert reply["usage"]["prompt_tokens"] == len(tokens)
+
+
+def test_logprob_bytes_and_offsets_follow_characters_split_across_tokens(server):
+    """A character split across tokens: each piece's token text is U+FFFD, but its `bytes` are its own (joined,
+    the text), and completions' text_offset counts the characters of the text (a split one where it ends)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "pets?"}], "logprobs": True, "top_logprobs": 1,
+            "structured_outputs": {"choice": ["🐶🐱 ok"]}}
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=body).json()["choices"][0]
+    content = reply["logprobs"]["content"]
+    assert reply["message"]["content"] == "🐶🐱 ok" and any(c["token"] == "\ufffd" for c in content)
+    assert content[-1]["token"] == "<|im_end|>"  # the stop token has its logprob, as in vLLM (not its text)
+    assert b"".join(bytes(c["bytes"]) for c in content[:-1]) == "🐶🐱 ok".encode()
+    assert all(t["bytes"] == c["bytes"] for c in content for t in c["top_logprobs"] if t["token"] == c["token"]
+               and t["logprob"] == c["logprob"])
+    body = {"model": MODEL, "prompt": "日本語 🐶 test", "max_tokens": 3, "echo": True, "logprobs": 1,
+            "temperature": 0, "ignore_eos": True}
+    choice = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
+    text, tokens, offsets = choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert "\ufffd" in tokens[:len(tokens) - 3]  # the prompt's emoji is split
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    whole = [(token, offset) for token, offset in zip(tokens, offsets) if "\ufffd" not in token]
+    assert all(text[offset:offset + len(token)] == token for token, offset in whole), list(zip(tokens, offsets))
+    streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert sum((c["choices"][0]["logprobs"]["text_offset"] for c in chunks), []) == offsets

@@ -4,6 +4,7 @@ tool calls, logprobs, finish reason) are shaped for /v1/chat/completions."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from pagedserve.entrypoints.openai.protocol import ChatMessage
@@ -104,10 +105,13 @@ def token_text(token_id: int, decoded: str | None, as_ids: bool = False) -> str:
     return f"token_id:{token_id}" if as_ids else decoded or ""
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[LogprobsDict], num_top: int, as_ids: bool = False) -> dict:
+def chat_logprobs(token_ids: list[int], logprobs: list[LogprobsDict], num_top: int,
+                  token_bytes: Callable[[int], bytes], as_ids: bool = False) -> dict:
+    """OpenAI's chat logprobs. `bytes` are each token's raw bytes (tokenizer.TokenBytes): joined, they rebuild a
+    character split across tokens, whose pieces read U+FFFD as text."""
     def item(token_id: int, lp) -> dict:
-        token = token_text(token_id, lp.decoded_token, as_ids)
-        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+        return {"token": token_text(token_id, lp.decoded_token, as_ids), "logprob": lp.logprob,
+                "bytes": list(token_bytes(token_id))}
 
     content = []
     for token_id, step in zip(token_ids, logprobs):

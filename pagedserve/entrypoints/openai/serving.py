@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import functools
 import json
@@ -31,6 +32,7 @@ from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, re
 from pagedserve.structured.admission import compile_timeout_error
 from pagedserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.tokenizer import TokenBytes
 
 _DONE = object()
 # apply_chat_template arguments the server sets itself: a client's chat_template_kwargs may not replace them.
@@ -63,6 +65,22 @@ class _PromptTally:
         return sum(self.cached.values())
 
 
+class _TextOffsets:
+    """Legacy logprobs' text_offset of a choice's tokens: the characters of its text before each token, a
+    character split across tokens counted once, at the token that completes it (the text shows it whole)."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self.token_bytes = token_bytes
+        self.offset = 0
+        self._characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, token_id: int) -> int:
+        """The offset of this token, which then counts as read."""
+        offset = self.offset
+        self.offset += len(self._characters.decode(self.token_bytes(token_id)))
+        return offset
+
+
 @dataclass
 class _Choice:
     """A completion being accumulated from DELTA outputs."""
@@ -83,6 +101,7 @@ class OpenAIServing:
         self.options = options
         self.default_sampling = engine.engine.config.model.default_sampling  # --generation-config
         self.tokenizer = engine.engine.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer)  # logprobs' raw bytes of each token
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self.limits = options.limits
@@ -278,8 +297,9 @@ class OpenAIServing:
                 text = choice.text
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs, _ = self._choice_logprobs(req, prompt, tally.logprobs.get(prompt_index, []),
-                                                        choice.token_ids, choice.logprobs)
+                    logprobs = self._choice_logprobs(req, prompt, tally.logprobs.get(prompt_index, []),
+                                                     choice.token_ids, choice.logprobs,
+                                                     _TextOffsets(self.token_bytes))
                 if req.echo:
                     text = self._prompt_text(prompt) + text
                 body = {"index": prompt_index * req.n + index, "text": text, "logprobs": logprobs,
@@ -296,21 +316,21 @@ class OpenAIServing:
         return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
 
     def _choice_logprobs(self, req: CompletionRequest, prompt: _Prompt, prompt_lps: list[LogprobsDict | None],
-                         token_ids: list[int], logprobs: list[LogprobsDict]) -> tuple[dict, int]:
-        """A choice's legacy logprobs, and the text offset after them; with echo, the prompt's tokens come first
-        (the first one has no logprob), as OpenAI's API and vLLM give them, and text offsets run over the whole
-        echoed text (what lm-evaluation-harness reads for loglikelihoods)."""
+                         token_ids: list[int], logprobs: list[LogprobsDict], offsets: _TextOffsets) -> dict:
+        """A choice's legacy logprobs; with echo, the prompt's tokens come first (the first one has no logprob), as
+        OpenAI's API and vLLM give them, and text offsets run over the whole echoed text (what
+        lm-evaluation-harness reads for loglikelihoods)."""
         as_ids = self._as_ids(req)
         if not req.echo:
-            return self._completion_logprobs(token_ids, logprobs, req.logprobs, 0, as_ids)
-        echoed, offset = self._completion_logprobs(prompt.token_ids, prompt_lps, req.logprobs, 0, as_ids)
-        generated, offset = self._completion_logprobs(token_ids, logprobs, req.logprobs, offset, as_ids)
-        return {key: echoed[key] + generated[key] for key in echoed}, offset
+            return self._completion_logprobs(token_ids, logprobs, req.logprobs, offsets, as_ids)
+        echoed = self._completion_logprobs(prompt.token_ids, prompt_lps, req.logprobs, offsets, as_ids)
+        generated = self._completion_logprobs(token_ids, logprobs, req.logprobs, offsets, as_ids)
+        return {key: echoed[key] + generated[key] for key in echoed}
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[LogprobsDict], num_top: int,
-                             offset: int, as_ids: bool = False) -> tuple[dict, int]:
-        """OpenAI's legacy completions logprobs format, and the text offset after these tokens. `as_ids`
-        (vLLM's return_tokens_as_token_ids): tokens written "token_id:N"; offsets still count the text."""
+                             offsets: _TextOffsets, as_ids: bool = False) -> dict:
+        """OpenAI's legacy completions logprobs format for these tokens, their text offsets taken from `offsets`.
+        `as_ids` (vLLM's return_tokens_as_token_ids): tokens written "token_id:N"; offsets still count the text."""
         tokens, token_logprobs, top, text_offset = [], [], [], []
         for token_id, step in zip(token_ids, logprobs):
             entry = step.get(token_id) if step else None
@@ -322,17 +342,15 @@ class OpenAIServing:
             top.append({token_text(i, lp.decoded_token, as_ids): lp.logprob
                         for i, lp in sorted(step.items(), key=lambda item: item[0] == token_id)
                         if lp.rank <= num_top or i == token_id} if step else None)
-            text_offset.append(offset)
-            offset += len(text or "")
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                "text_offset": text_offset}, offset
+            text_offset.append(offsets.take(token_id))
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
 
     async def _completion_stream(self, request_id: str, req: CompletionRequest, prompts: list[_Prompt],
                                  streams: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         created = int(time.time())
         num_completion = 0
         echoed: set[int] = set()
-        offsets: dict[int, int] = {}
+        offsets: dict[int, _TextOffsets] = {}
         tally = _PromptTally()
         async for prompt_index, output in streams:
             tally.add(prompt_index, output)
@@ -348,14 +366,13 @@ class OpenAIServing:
                     echoed.add(index)
                     text = self._prompt_text(prompts[prompt_index]) + text
                 if req.logprobs is not None and completion.logprobs is not None:
+                    choice_offsets = offsets.setdefault(index, _TextOffsets(self.token_bytes))
                     if echo:
-                        logprobs, offsets[index] = self._choice_logprobs(
-                            req, prompts[prompt_index], tally.logprobs[prompt_index], completion.token_ids,
-                            completion.logprobs)
+                        logprobs = self._choice_logprobs(req, prompts[prompt_index], tally.logprobs[prompt_index],
+                                                         completion.token_ids, completion.logprobs, choice_offsets)
                     else:
-                        logprobs, offsets[index] = self._completion_logprobs(
-                            completion.token_ids, completion.logprobs, req.logprobs, offsets.get(index, 0),
-                            self._as_ids(req))
+                        logprobs = self._completion_logprobs(completion.token_ids, completion.logprobs,
+                                                             req.logprobs, choice_offsets, self._as_ids(req))
                 chunk = {"id": request_id, "object": "text_completion", "created": created,
                          "model": self.served_model_names[0],
                          "choices": [{"index": index, "text": text, "logprobs": logprobs,
@@ -454,7 +471,7 @@ class OpenAIServing:
                 message.update(content=read.content or None, tool_calls=read.calls)
             choices.append({"index": index, "message": message,
                             "logprobs": chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0,
-                                                      self._as_ids(req)) if req.logprobs else None,
+                                                      self.token_bytes, self._as_ids(req)) if req.logprobs else None,
                             "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls), named),
                             "stop_reason": choice.stop_reason})
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
@@ -492,7 +509,7 @@ class OpenAIServing:
                 logprobs = None
                 if req.logprobs and completion.logprobs is not None:
                     logprobs = chat_logprobs(completion.token_ids, completion.logprobs, req.top_logprobs or 0,
-                                             self._as_ids(req))
+                                             self.token_bytes, self._as_ids(req))
                 finish_reason = completion.finish_reason
                 if finish_reason is not None:
                     finish_reason = chat_finish_reason(finish_reason, reader.num_calls > 0,
