@@ -1,12 +1,20 @@
 """BlockPool: the KV cache's fixed-size blocks, their reference counts, the free queue and the prefix cache.
 
 Invariants:
-- A block is in the free queue iff its ref_cnt == 0 (block 0 excepted: it is reserved as the null block).
-- A block with a block_hash is findable in `cached_blocks` until it is popped from the free queue for reuse
-  (LRU eviction: the free queue is ordered oldest-freed first).
-- num_blocks_written counts the distinct blocks handed out since their pages were last released: the KV pool
-  is allocated lazily, so those are the blocks whose pages are resident (memory/rss.py holds RSS to the plan
-  with it; release_free_blocks() gives free blocks' pages back under memory pressure).
+- A block is free iff its ref_cnt == 0 (block 0 excepted: it is reserved as the null block). Free blocks wait in
+  one of three queues, taken in this order:
+  1. written blocks that hold nothing worth keeping (no cached prefix): the most recently freed first, as its
+     pages are resident and warm;
+  2. blocks never written (or whose pages were released): the KV pool is allocated lazily, so taking one makes
+     its pages resident;
+  3. blocks holding a cached prefix: oldest freed first (LRU eviction).
+  So without prefix caching the pool's resident part stays at the most blocks ever in use at once (before,
+  blocks went round the whole pool, and RSS grew toward all of it on a one-request workload), and with it, the
+  cache keeps its blocks until no other free block is left.
+- A block with a block_hash is findable in `cached_blocks` until it is taken from the free queues for reuse.
+- num_blocks_written counts the distinct blocks handed out since their pages were last released: those are the
+  blocks whose pages are resident (memory/rss.py holds RSS to the plan with it; release_free_blocks() gives free
+  blocks' pages back under memory pressure).
 """
 
 from __future__ import annotations
@@ -57,15 +65,18 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1
-        # block_id -> block, oldest first. OrderedDict gives O(1) removal from the middle.
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        # The free queues (see the module docstring), block_id -> block in the order they were freed.
+        # OrderedDict gives O(1) removal from the middle (a cache hit on a free block).
+        self._free_written: OrderedDict[int, KVCacheBlock] = OrderedDict()
+        self._free_unwritten: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._free_cached: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
         self._written: set[int] = set()  # ids of the blocks handed out since their pages were last released
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free_written) + len(self._free_unwritten) + len(self._free_cached)
 
     @property
     def num_blocks_written(self) -> int:
@@ -83,7 +94,12 @@ class BlockPool:
             raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         new_blocks = []
         for _ in range(num_blocks):
-            _, block = self._free.popitem(last=False)
+            if self._free_written:
+                _, block = self._free_written.popitem(last=True)
+            elif self._free_unwritten:
+                _, block = self._free_unwritten.popitem(last=False)
+            else:
+                _, block = self._free_cached.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
             self._written.add(block.block_id)
@@ -105,7 +121,7 @@ class BlockPool:
         """Take a reference on cache-hit blocks, pulling them out of the free queue if unused."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                del self._free_cached[block.block_id]
             block.ref_cnt += 1
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
@@ -123,16 +139,22 @@ class BlockPool:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
-                if not self.enable_caching:
-                    block.block_hash = None
-                self._free[block.block_id] = block
+                if not self.enable_caching or self.cached_blocks.get(block.block_hash) is not block:
+                    block.block_hash = None  # nothing a later request can find in it
+                    self._free_written[block.block_id] = block
+                else:
+                    self._free_cached[block.block_id] = block
 
     def release_free_blocks(self) -> list[int]:
         """Every free block whose pages are resident: forget its cached hash, mark it unwritten and return its id
         (the caller returns its pages to the OS, memory/pressure.py). Blocks in use are untouched."""
         released = [block_id for block_id in self._written if self.blocks[block_id].ref_cnt == 0]
         for block_id in released:
-            self._evict(self.blocks[block_id])
+            block = self.blocks[block_id]
+            self._evict(block)
+            self._free_written.pop(block_id, None)
+            self._free_cached.pop(block_id, None)
+            self._free_unwritten[block_id] = block
         self._written.difference_update(released)
         return released
 
@@ -143,4 +165,6 @@ class BlockPool:
         for block in self.blocks[1:]:
             block.block_hash = None
         self.cached_blocks.clear()
+        self._free_written.update(self._free_cached)
+        self._free_cached.clear()
         return True

@@ -231,7 +231,8 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
 
     setting = tmp_path / "enabled"
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    fake = type("Fake", (), {"isa": "avx512", "amx": False, "amx_int8": False, "avx_vnni": False})()
+    fake = type("Fake", (), {"isa": "avx512", "amx": False, "amx_int8": False, "avx_vnni": False,
+                             "batch_invariant": False})()
     monkeypatch.setattr(kernels, "load_status", lambda: (fake, "loaded /x.so"))
     original = probe.transparent_hugepages
     monkeypatch.setattr(probe, "transparent_hugepages", lambda: original(setting))
@@ -240,6 +241,10 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
     monkeypatch.delenv("PAGEDSERVE_HUGE_PAGES", raising=False)
     result = check_native_kernels({"avx512f", "avx512_vnni"})  # off by default: start-up first
     assert result.status == PASS and "4 KiB pages (PAGEDSERVE_HUGE_PAGES=1" in result.detail and result.fix == ""
+    assert "batch-invariant" not in result.detail
+    fake.batch_invariant = True
+    assert "batch-invariant (PAGEDSERVE_BATCH_INVARIANT)" in check_native_kernels({"avx512f", "avx512_vnni"}).detail
+    fake.batch_invariant = False
     monkeypatch.setenv("PAGEDSERVE_HUGE_PAGES", "1")
     result = check_native_kernels({"avx512f", "avx512_vnni"})
     assert result.status == PASS and "on transparent huge pages" in result.detail and result.fix == ""

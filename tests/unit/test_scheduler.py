@@ -98,10 +98,37 @@ def test_block_pool_counts_the_distinct_blocks_it_handed_out():
     a, b = pool.get_new_blocks(2)
     assert pool.num_blocks_written == 2
     pool.free_blocks([a, b])
-    pool.get_new_blocks(2)  # the two never used come first
+    assert set(pool.get_new_blocks(2)) == {a, b}  # freed, written blocks come first: nothing new is resident
+    assert pool.num_blocks_written == 2
+    assert pool.get_new_blocks(2)[0] not in (a, b)  # then the never-written ones
     assert pool.num_blocks_written == 4
-    pool.get_new_blocks(2)  # a and b again: nothing new becomes resident
-    assert pool.num_blocks_written == 4
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_resident_blocks_stay_at_the_most_in_use_at_once(caching):
+    """One request at a time, each with its own prompt: without prefix caching the pool reuses the blocks it
+    wrote, so what is resident stays at one request's blocks (it went round the whole pool: RSS grew toward all
+    of it); with it, the cache fills the pool before evicting, as the README says."""
+    sched = make_scheduler(num_blocks=40, caching=caching)
+    for i in range(30):
+        sched.add_request(make_request(f"r{i}", range(100 * i, 100 * i + 20), max_tokens=3))
+        run_to_completion(sched)
+    written = sched.kv.pool.num_blocks_written
+    assert written == (39 if caching else 6)  # 20 prompt + 3 tokens: 6 blocks of 4 (the whole pool: 39)
+    assert_no_leaks(sched)
+
+
+def test_cached_blocks_outlive_blocks_that_hold_nothing():
+    from pagedserve.core.block_pool import hash_block_tokens
+
+    pool = BlockPool(5, enable_caching=True)
+    a, b, c = pool.get_new_blocks(3)
+    ha = hash_block_tokens(None, (1, 2))
+    pool.cache_full_block(a, ha)
+    pool.free_blocks([a, b, c])  # a cached, b and c partial (no hash)
+    assert set(pool.get_new_blocks(3)) == {b, c, pool.blocks[4]}  # then the never written, before evicting a
+    assert pool.get_cached_block(ha) is a and pool.num_evictions == 0
+    assert pool.get_new_blocks(1) == [a] and pool.get_cached_block(ha) is None
 
 
 def test_block_pool_releases_free_blocks_once_and_forgets_their_hashes():

@@ -143,10 +143,10 @@ def test_only_readers_that_may_hold_text_back_say_so():
 
 def test_content_reaches_the_template_as_text_or_as_openai_parts():
     parts = ChatMessage(role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
-    plain = ChatMessage(role="user", content="ab")
-    assert template_message(parts)["content"] == template_message(plain, "auto")["content"] == "ab"
+    plain = ChatMessage(role="user", content="a\nb")
+    assert template_message(parts)["content"] == template_message(plain, "auto")["content"] == "a\nb"  # as vLLM
     assert template_message(parts, "openai")["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert template_message(plain, "openai")["content"] == [{"type": "text", "text": "ab"}]
+    assert template_message(plain, "openai")["content"] == [{"type": "text", "text": "a\nb"}]
     assert template_message(ChatMessage(role="assistant", content=None), "openai")["content"] == ""
 
 
