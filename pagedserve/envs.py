@@ -63,8 +63,8 @@ def huge_pages_enabled() -> bool:
 
 
 def api_key() -> str | None:
-    """API key for the server ($PAGEDSERVE_API_KEY), or None."""
-    return os.environ.get("PAGEDSERVE_API_KEY") or None
+    """API key for the server ($PAGEDSERVE_API_KEY, else vLLM's $VLLM_API_KEY), or None."""
+    return os.environ.get("PAGEDSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
 def vllm_cpu_kvcache_space_gib() -> float | None:

@@ -457,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
     if flags is not None:  # the model's checks read the flags: they wait until these are fixed
         return report([flags, *run_checks(default_checks(None, args.port))], args.json)
     engine_args = engine_args_from_cli(args)  # serve's flags and environment variables, for the memory plan
-    return report(run_checks(default_checks(args.model, args.port, engine_args)), args.json)
+    return report(run_checks(default_checks(engine_args.model, args.port, engine_args)), args.json)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -7,6 +7,7 @@ Each sub-command module exposes `register(subparsers) -> None`, which adds its p
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 
@@ -27,15 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedserve",
         description="Self-hosted LLM inference server: paged KV cache, continuous batching, OpenAI API.",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # No prefix matching of flags (argparse's allow_abbrev): `--config` read as `--config-format`, a flag added
+    # later could change what an abbreviation means. vLLM's parser does not abbreviate either.
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                       parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     for name in SUBCOMMANDS:
         importlib.import_module(f"pagedserve.cli.{name}").register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedserve.cli.argv import normalize
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(normalize(sys.argv[1:] if argv is None else list(argv)))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

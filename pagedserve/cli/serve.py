@@ -70,7 +70,8 @@ def checked_settings(args: argparse.Namespace) -> tuple[EngineArgs, ServeOptions
     engine_args = engine_args_from_cli(args)
     check_engine_args(engine_args)
     options = ServeOptions.from_cli_args(args, limits=RequestLimits.from_cli_args(args))
-    options = replace(options, api_key=options.api_key or envs.api_key())
+    keys = options.api_key or envs.api_key()
+    options = replace(options, api_key=[keys] if isinstance(keys, str) else keys)
     options.check()
     return engine_args, options
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -45,10 +46,32 @@ class FlagArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names}, **others)
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+
+
+def human_readable_int(value: str) -> int:
+    """An integer, or vLLM's human-readable form: k/m/g/t are powers of 1000 (`32k` = 32000, decimals allowed),
+    K/M/G/T powers of 1024 (`32K` = 32768, whole numbers only)."""
+    text = value.strip()
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {value!r} (a number, or e.g. 32k or 32K)") from None
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{value!r}: binary suffixes like {suffix} take whole numbers; did you mean "
+                                         f"{number}{suffix.lower()}?")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
 def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     """`--name-of-field` (and the field's aliases), typed and documented by the dataclass field: a bool is
-    --x/--no-x; choices=(...) in the metadata limits the values; nargs="+" takes a list; hidden=True leaves it
-    out of --help."""
+    --x/--no-x; choices=(...) in the metadata limits the values; nargs="+" takes a list; size=True takes 32k or
+    32K as vLLM does (human_readable_int); hidden=True leaves it out of --help."""
     meta = f.metadata
     flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
     help_text = argparse.SUPPRESS if meta.get("hidden") else meta["help"]
@@ -56,6 +79,8 @@ def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f:
         parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         return
     kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
+    if meta.get("size"):  # vLLM's human-readable sizes: 32k, 32K
+        kind = human_readable_int
     extra = {"nargs": meta["nargs"]} if "nargs" in meta else {}
     parser.add_argument(*flags, type=kind, default=f.default, help=help_text, choices=meta.get("choices"), **extra)
 
@@ -76,12 +101,13 @@ class EngineArgs(FlagArgs):
                       "or AVX-512, or the CPU has bf16 dot products; else float32; `pagedserve doctor` says "
                       "which and why).",
                       default="auto")
-    max_model_len: int | None = setting("Longest sequence (prompt + output) in tokens "
-                                     "(default: the model's context length).")
+    max_model_len: int | None = setting("Longest sequence (prompt + output) in tokens, e.g. 4096, 32k (32000) or "
+                                     "32K (32768) (default: the model's context length).", size=True)
     max_num_seqs: int = setting("Most requests running at once.", default=SchedulerConfig.max_num_seqs)
     max_num_batched_tokens: int | None = setting(f"Token budget of one engine step (default: "
                                               f"{SchedulerConfig.max_num_batched_tokens}, at least "
-                                              "max_model_len when chunked prefill is off).")
+                                              "max_model_len when chunked prefill is off); 8k, 8K as for "
+                                              "--max-model-len.", size=True)
     block_size: int = setting("Tokens per KV-cache block.", default=CacheConfig.block_size)
     enable_prefix_caching: bool = setting("Reuse the KV cache of shared prompt prefixes.",
                                        default=CacheConfig.enable_prefix_caching)
@@ -92,8 +118,9 @@ class EngineArgs(FlagArgs):
         "available RAM the engine may fill, its KV cache taking what the rest leaves (vLLM's GPU meaning); "
         "unset, the CPU KV cache follows the shared-box default: max_num_seqs x max_model_len tokens, at most "
         "25%% of the available RAM.")
-    kv_cache_memory: int | None = setting("Bytes of KV cache (overrides the fraction and the CPU default; on CPU "
-                                       "also set by VLLM_CPU_KVCACHE_SPACE in GiB).")
+    kv_cache_memory: int | None = setting("Bytes of KV cache, e.g. 2G (overrides the fraction and the CPU default; "
+                                       "on CPU also set by VLLM_CPU_KVCACHE_SPACE in GiB).", size=True,
+                                       aliases=("--kv-cache-memory-bytes",))
     num_gpu_blocks_override: int | None = setting("Exact number of KV blocks (testing).")
     kv_cache_dtype: str = setting("KV cache dtype: auto (= model dtype), fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit "
                                 "K/V with a scale per token and head, about half the memory.",
@@ -167,10 +194,27 @@ class EngineArgs(FlagArgs):
             if f.metadata.get("positional"):
                 if include_model:
                     parser.add_argument(f.name, nargs="?", default=f.default, help=f.metadata["help"])
-                    parser.add_argument("--model", dest=f.name, default=argparse.SUPPRESS,
+                    parser.add_argument("--model", dest="model_flag", default=None,
                                         help="Same as the positional MODEL.")
                 continue
             add_field_flag(parser, f)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **others: Any) -> "EngineArgs":
+        """As FlagArgs', with the model from MODEL or --model; ValueError for a command line whose model is
+        ambiguous: both forms naming different models, or none but several --served-model-name values (`serve
+        --served-model-name NAME MODEL` takes MODEL as a second name, and vLLM refuses it; the default model would
+        be served under the names)."""
+        flag = vars(args).get("model_flag")
+        if flag is not None and args.model is not None and flag != args.model:
+            raise ValueError(f"the model is given twice, {args.model!r} and --model {flag!r}: give one")
+        model = flag if flag is not None else args.model
+        names = args.served_model_name
+        if model is None and isinstance(names, list) and len(names) > 1:
+            raise ValueError(f"no model is named, and --served-model-name has {len(names)} values "
+                             f"({' '.join(names)}): the model goes first, as in vLLM: `pagedserve serve MODEL "
+                             "--served-model-name NAME`")
+        return super().from_cli_args(argparse.Namespace(**{**vars(args), "model": model}), **others)
 
 
 

@@ -36,6 +36,8 @@ class CompatSetting:
     reason: str  # why it has no effect (ignored), what pagedserve does (only), or what to do instead (unsupported)
     takes_value: bool = True  # False: a switch (--x / --no-x)
     allowed: tuple[str, ...] = ()  # kind "only": the values that match pagedserve (compared case-insensitively)
+    choices: tuple[str, ...] = ()  # kind "ignored": vLLM's values (another one is refused, as vLLM refuses it)
+    number: bool = False  # kind "ignored": vLLM takes a number (anything else is refused, as vLLM refuses it)
 
     @property
     def name(self) -> str:
@@ -52,20 +54,21 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     CompatSetting(("--disable-frontend-multiprocessing",), IGNORED, "the HTTP server and the engine share one "
                   "process", takes_value=False),
     CompatSetting(("--swap-space",), IGNORED, "a preempted request's KV cache is recomputed when it resumes, not "
-                  "swapped to host memory"),
+                  "swapped to host memory", number=True),
     CompatSetting(("--cpu-offload-gb",), IGNORED, "weights stay on the device that runs them; the memory plan "
-                  "refuses a model that does not fit"),
+                  "refuses a model that does not fit", number=True),
     CompatSetting(("--max-seq-len-to-capture",), IGNORED, "no CUDA graphs are captured: every forward runs eagerly"),
     CompatSetting(("--compilation-config", "-O"), IGNORED, "models are not graph-compiled (the native CPU kernels are "
                   "a library built once)"),
     CompatSetting(("--disable-custom-all-reduce",), IGNORED, "there is no custom CUDA all-reduce", takes_value=False),
-    CompatSetting(("--num-scheduler-steps",), IGNORED, "the scheduler runs once per forward"),
+    CompatSetting(("--num-scheduler-steps",), IGNORED, "the scheduler runs once per forward", number=True),
     CompatSetting(("--async-scheduling",), IGNORED, "the scheduler runs between forwards", takes_value=False),
-    CompatSetting(("--max-parallel-loading-workers",), IGNORED, "weights load in this process, as one stream"),
+    CompatSetting(("--max-parallel-loading-workers",), IGNORED, "weights load in this process, as one stream",
+                  number=True),
     CompatSetting(("--calculate-kv-scales",), IGNORED, "fp8 KV caches keep a scale per token and head, computed as "
                   "they are written", takes_value=False),
     CompatSetting(("--prefix-caching-hash-algo",), IGNORED, "prefix-cache blocks are keyed by their token ids and "
-                  "their prefix's key"),
+                  "their prefix's key", choices=("sha256", "sha256_cbor", "builtin", "xxhash", "xxhash_cbor")),
     # only
     CompatSetting(("--pipeline-parallel-size", "-pp"), ONLY, "pipeline parallelism is not supported: split a model "
                   "with --tensor-parallel-size N", allowed=("1",)),
@@ -115,9 +118,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help_text = f"{label}: {setting.reason}".replace("%", "%%")
         if setting.takes_value:
             group.add_argument(*setting.flags, dest=setting.name, default=None, metavar="VALUE", help=help_text)
-        else:
-            group.add_argument(*setting.flags, dest=setting.name, default=None, action="store_const", const=True,
-                               help=help_text)
+        else:  # --x and vLLM's --no-x
+            group.add_argument(*setting.flags, dest=setting.name, default=None,
+                               action=argparse.BooleanOptionalAction, help=help_text)
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def given(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -137,7 +148,12 @@ def check(values: Mapping[str, Any], keyword: bool = False) -> list[str]:
             raise ValueError(f"{shown}: {setting.reason}")
         if setting.kind == ONLY and str(value).strip().lower() not in setting.allowed:
             raise ValueError(f"{shown}: {setting.reason} (accepted: {', '.join(setting.allowed)})")
-        if setting.kind == IGNORED:
+        if setting.kind == IGNORED and value is not False:  # --no-x asks for what pagedserve does anyway
+            if setting.choices and str(value) not in setting.choices:
+                raise ValueError(f"{shown}: not one of {', '.join(setting.choices)} (vLLM's values; it has no "
+                                 f"effect here: {setting.reason})")
+            if setting.number and not _is_number(value):
+                raise ValueError(f"{shown}: not a number (vLLM takes one; it has no effect here: {setting.reason})")
             notes.append(f"{shown} has no effect: {setting.reason}")
     return notes
 

@@ -48,10 +48,14 @@ def test_field_commands_start_and_chat(long_context_model, tmp_path, flags):
 
 
 def test_api_key_enforced(tiny_model_dir, tmp_path):
-    server = start_server(tiny_model_dir("llama"), "--max-model-len", "128", log_dir=tmp_path,
-                          env={"PAGEDSERVE_API_KEY": "s3cret"})
+    """Any of vLLM's several --api-key values; the flag wins over $VLLM_API_KEY (test_vllm_compat: the variables)."""
+    server = start_server(tiny_model_dir("llama"), "--max-model-len", "128", "--api-key", "s3cret", "other",
+                          log_dir=tmp_path, env={"VLLM_API_KEY": "from-env"})
     try:
         assert httpx.get(f"{server.url}/v1/models").status_code == 401
+        for key, status in (("other", 200), ("from-env", 401)):
+            headers = {"Authorization": f"Bearer {key}"}
+            assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == status
         wrong = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
         assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401

@@ -77,3 +77,86 @@ def test_the_table_never_shadows_a_setting_of_pagedserve():
     own = {f.name for cls in (EngineArgs, ServeOptions, RequestLimits, ReplicaArgs) for f in dataclasses.fields(cls)}
     names = [setting.name for setting in vllm_compat.COMPAT_SETTINGS]
     assert len(names) == len(set(names)) and not own & set(names)
+
+
+# ---- vLLM's command-line forms (cli/argv.py, arg_utils.human_readable_int) --------------------------------
+def test_flags_with_underscores_and_a_yaml_config_file_read_as_vllm_reads_them(tmp_path):
+    from pagedserve.cli.argv import normalize
+
+    assert normalize(["serve", "m", "--max_model_len=512", "--max_num_seqs", "4"]) == [
+        "serve", "m", "--max-model-len=512", "--max-num-seqs", "4"]
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: smollm2-135m-instruct\nmax_model_len: 2048\nenable_prefix_caching: false\n"
+                      "served_model_name: [a, b]\nstructured_outputs_config: {backend: xgrammar}\nport: 9000\n")
+    argv = normalize(["serve", "--config", str(config), "--port", "8001"])
+    args = parse(shlex.join(argv))
+    engine = EngineArgs.from_cli_args(args)
+    assert (engine.model, engine.max_model_len, engine.enable_prefix_caching) == ("smollm2-135m-instruct", 2048, False)
+    assert engine.served_model_name == ["a", "b"] and args.port == 8001  # the command line wins
+    assert '"backend": "xgrammar"' in argv[argv.index("--structured-outputs-config") + 1]
+    assert EngineArgs.from_cli_args(parse(shlex.join(normalize(["serve", "other", f"--config={config}"])))).model == (
+        "other")
+    config.write_text("- just a list\n")
+    with pytest.raises(SystemExit, match="must be a YAML mapping"):
+        normalize(["serve", "--config", str(config)])
+
+
+@pytest.mark.parametrize("text, value", [("4096", 4096), ("32k", 32000), ("32K", 32768), ("1.5k", 1500),
+                                         ("1m", 1_000_000), ("2G", 2 << 30)])
+def test_sizes_take_vllm_s_human_readable_forms(text, value):
+    assert EngineArgs.from_cli_args(parse(f"serve m --max-model-len {text}")).max_model_len == value
+    assert EngineArgs.from_cli_args(parse(f"serve m --kv-cache-memory-bytes {text}")).kv_cache_memory == value
+
+
+def test_a_binary_suffix_with_a_decimal_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse("serve m --max-num-batched-tokens 1.5K")
+    assert "did you mean 1.5k?" in capsys.readouterr().err
+
+
+def test_no_flag_is_taken_by_a_prefix_of_its_name(capsys):
+    from pagedserve.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-model", "512"])
+    assert "unrecognized arguments: --max-model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, message", [
+    ("serve --served-model-name my-coder qwen2.5-coder-0.5b-instruct", "the model goes first, as in vLLM"),
+    ("serve smollm2-135m-instruct --model qwen2.5-coder-0.5b-instruct", "the model is given twice"),
+])
+def test_a_command_line_whose_model_is_ambiguous_is_refused(command, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs.from_cli_args(parse(command))
+
+
+def test_one_name_for_the_default_model_and_model_as_a_flag_still_work():
+    assert EngineArgs.from_cli_args(parse("serve --served-model-name mine")).model is None
+    assert EngineArgs.from_cli_args(parse("serve --model m --served-model-name a b")).model == "m"
+
+
+@pytest.mark.parametrize("env, flags, keys", [
+    ({"VLLM_API_KEY": "v"}, "", ["v"]), ({"PAGEDSERVE_API_KEY": "p", "VLLM_API_KEY": "v"}, "", ["p"]),
+    ({"VLLM_API_KEY": "v"}, "--api-key k1 k2", ["k1", "k2"]), ({}, "", None),
+])
+def test_api_keys_from_the_flag_or_pagedserve_s_or_vllm_s_variable(monkeypatch, env, flags, keys):
+    for name in ("PAGEDSERVE_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert serve.checked_settings(parse(f"serve m {flags}"))[1].api_key == keys
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_shutdown_grace_that_is_not_a_finite_number_of_seconds_is_refused(value):
+    with pytest.raises(ValueError, match="--shutdown-grace-s must be a number of seconds >= 0"):
+        serve.checked_settings(parse(f"serve m --shutdown-grace-s {value}"))
+
+
+def test_vllm_s_no_forms_and_values_of_flags_without_effect():
+    assert vllm_compat.check(vars(parse("serve m --no-trust-remote-code --no-enable-lora --no-async-scheduling"))) == []
+    with pytest.raises(ValueError, match="--swap-space abc: not a number"):
+        vllm_compat.check(vars(parse("serve m --swap-space abc")))
+    with pytest.raises(ValueError, match="--prefix-caching-hash-algo bogus: not one of sha256"):
+        vllm_compat.check(vars(parse("serve m --prefix-caching-hash-algo bogus")))

@@ -118,9 +118,11 @@ class ServerState:
 class GuardMiddleware:
     """API-key check (constant-time) and request-body size limit, as plain ASGI (streaming-safe)."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, open_web_ui: bool = False) -> None:
+    def __init__(self, app: Any, api_key: str | list[str] | None, max_body_bytes: int,
+                 open_web_ui: bool = False) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else api_key or []
+        self.expected = [f"Bearer {key}".encode() for key in keys] or None  # any of them (vLLM's --api-key k1 k2)
         self.max_body_bytes = max_body_bytes
         self.open_web_ui = open_web_ui  # the page and its assets need no key: the page asks for it
 
@@ -136,7 +138,7 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if self.expected is not None and not self.is_open(scope):
             provided = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(provided, self.expected):
+            if not any([hmac.compare_digest(provided, expected) for expected in self.expected]):  # each compared
                 return await _send_error(send, "invalid or missing API key: send 'Authorization: Bearer <key>'", 401)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:

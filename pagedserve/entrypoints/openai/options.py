@@ -22,7 +22,8 @@ class ServeOptions(FlagArgs):
 
     host: str = setting("Address to bind (0.0.0.0 exposes the server).", default="127.0.0.1")
     port: int = setting("Port to listen on.", default=8000)
-    api_key: str | None = setting("Require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY).")
+    api_key: str | list[str] | None = setting("Require 'Authorization: Bearer KEY'; several keys: any of them "
+                                              "(default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY).", nargs="+")
     max_request_body_bytes: int = setting("Larger request bodies get HTTP 413.", default=8 << 20)
     shutdown_grace_s: float = setting("On SIGTERM/SIGINT, seconds in-flight requests get to finish.", default=30.0)
     uvicorn_log_level: str = setting("uvicorn's log level.", default="warning",
@@ -104,6 +105,8 @@ class ServeOptions(FlagArgs):
         for path in (self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"TLS file {path!r} does not exist")
+        if not 0 <= self.shutdown_grace_s < float("inf"):  # nan too
+            raise ValueError(f"--shutdown-grace-s must be a number of seconds >= 0, got {self.shutdown_grace_s}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         if self.ssl_cert_reqs not in (0, 1, 2):

@@ -1,0 +1,90 @@
+"""vLLM's command-line conveniences, applied to argv before argparse reads it (vLLM's FlexibleArgumentParser), so a
+`vllm serve` command line or config file runs unchanged:
+
+- `--max_model_len 512` is `--max-model-len 512` (underscores in a flag's name);
+- `--config FILE.yaml` (serve, plan, doctor): the file's keys are flags (`max_model_len: 512`, `enable_prefix_caching:
+  true`, lists for flags that take several values, a mapping as JSON), and the command line's own flags win;
+(Human-readable sizes, `--max-model-len 32k`, are the flag's type: engine/arg_utils.human_readable_int.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CONFIG_COMMANDS = ("serve", "plan", "doctor")  # the sub-commands that take serve's flags
+
+
+def normalize(argv: list[str]) -> list[str]:
+    """argv with vLLM's flag spellings turned into pagedserve's, and a --config file's flags added."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return _expand_config(out)
+
+
+def _expand_config(argv: list[str]) -> list[str]:
+    if not argv or argv[0] not in CONFIG_COMMANDS:
+        return argv
+    path, rest = None, [argv[0]]
+    tokens = iter(argv[1:])
+    for arg in tokens:
+        if arg == "--config":
+            path = next(tokens, None)
+            if path is None:
+                raise SystemExit("pagedserve: error: --config needs a YAML file of serve's flags")
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    if path is None:
+        return argv
+    given = {arg.split("=", 1)[0].removeprefix("--no-").removeprefix("--") for arg in rest if arg.startswith("--")}
+    config = _read_config(path)
+    model = config.pop("model", None)
+    added = []
+    for key, value in config.items():
+        name = str(key).replace("_", "-")
+        if name in given:
+            continue  # the command line's own value wins, as in vLLM
+        added += _as_flags(name, value)
+    if model is not None and not _has_model(rest):
+        added += ["--model", str(model)]
+    return rest + added
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise SystemExit(f"pagedserve: error: --config {path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise SystemExit(f"pagedserve: error: --config {path} is not valid YAML: {exc}") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"pagedserve: error: --config {path} must be a YAML mapping of flags to values, e.g. "
+                         "'max_model_len: 4096'")
+    return config
+
+
+def _as_flags(name: str, value: Any) -> list[str]:
+    if value is True:
+        return [f"--{name}"]
+    if value is False:
+        return [f"--no-{name}"]
+    if isinstance(value, list):
+        return [f"--{name}", *(str(v) for v in value)]
+    if isinstance(value, dict):
+        return [f"--{name}", json.dumps(value)]
+    return [f"--{name}", str(value)]
+
+
+def _has_model(args: list[str]) -> bool:
+    """A model named on the command line: `--model`, or a first argument that is not a flag."""
+    return "--model" in args or any(a.startswith("--model=") for a in args) or (
+        len(args) > 1 and not args[1].startswith("-"))
