@@ -85,10 +85,11 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
 
 def _user_facing_errors() -> tuple[type[BaseException], ...]:
     """Start-up failures that already say what is wrong and how to fix it: no traceback for these."""
+    from pagedserve.formats.errors import ModelValidationError
     from pagedserve.memory.plan import InsufficientMemoryError
     from pagedserve.models.fetch import ModelFetchError
 
-    return (InsufficientMemoryError, ModelFetchError)
+    return (InsufficientMemoryError, ModelFetchError, ModelValidationError)
 
 
 USER_FACING_ERRORS = _user_facing_errors()

@@ -23,11 +23,14 @@ SIZING_ERRORS = (OSError, ValueError, KeyError)  # what create_engine_config rai
 
 
 def check_model(path: str | Path) -> CheckResult:
-    """Config, weights (complete, not truncated) and tokenizer present: headers only, no weights read."""
+    """Config, weights (complete, not truncated, of config.json's shape) and tokenizer (it loads): headers and the
+    tokenizer only, no weights read."""
+    from pagedserve.engine.setup import load_tokenizer
     from pagedserve.models.validate import ModelValidationError, validate_model_path
 
     try:
         validate_model_path(path)
+        load_tokenizer(str(path))
     except ModelValidationError as exc:
         return CheckResult("model", FAIL, str(exc))  # the message names the fix
     return CheckResult("model", PASS, f"{path}: config, weights and tokenizer are complete")

@@ -205,11 +205,12 @@ class EngineArgs(FlagArgs):
         ambiguous: both forms naming different models, or none but several --served-model-name values (`serve
         --served-model-name NAME MODEL` takes MODEL as a second name, and vLLM refuses it; the default model would
         be served under the names)."""
-        flag = vars(args).get("model_flag")
-        if flag is not None and args.model is not None and flag != args.model:
-            raise ValueError(f"the model is given twice, {args.model!r} and --model {flag!r}: give one")
-        model = flag if flag is not None else args.model
-        names = args.served_model_name
+        values = vars(args)
+        flag, positional = values.get("model_flag"), values.get("model")
+        if flag is not None and positional is not None and flag != positional:
+            raise ValueError(f"the model is given twice, {positional!r} and --model {flag!r}: give one")
+        model = flag if flag is not None else positional
+        names = values.get("served_model_name")
         if model is None and isinstance(names, list) and len(names) > 1:
             raise ValueError(f"no model is named, and --served-model-name has {len(names)} values "
                              f"({' '.join(names)}): the model goes first, as in vLLM: `pagedserve serve MODEL "

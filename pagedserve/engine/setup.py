@@ -20,6 +20,7 @@ from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, EngineArgs
 from pagedserve.engine.faults import parse_fault_spec
 from pagedserve.engine.memory_plan import check_memory_plan, num_kv_blocks, plan_memory
 from pagedserve.engine.startup import StartupTracker
+from pagedserve.formats.errors import ModelValidationError
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.probe import AvailableMemory
 from pagedserve.memory.weight_format import SUPPORTED_QUANTIZATION
@@ -52,15 +53,21 @@ def make_runner(config: EngineConfig, progress: Any, eos_token_id: int | None) -
 
 
 def _generation_config(directory: str | Path) -> dict:
-    """A directory's generation_config.json ({} where there is none, or for a GGUF file)."""
+    """A directory's generation_config.json ({} where there is none, or for a GGUF file). A damaged one is refused
+    (ModelValidationError naming it): read as none, its sampling defaults and extra EOS ids (Llama 3's
+    <|eot_id|>) were dropped without a word, and generations ran on past their end."""
     path = Path(directory) / "generation_config.json"
     if not path.is_file():
         return {}
     try:
         value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
+    except (OSError, ValueError) as exc:
+        raise ModelValidationError(f"{path} cannot be read as JSON ({exc}): fix it, or delete it to serve without "
+                                   "the model's generation defaults") from None
+    if not isinstance(value, dict):
+        raise ModelValidationError(f"{path} must hold a JSON object, got {type(value).__name__}: fix it, or delete "
+                                   "it to serve without the model's generation defaults")
+    return value
 
 
 def generation_config_eos_ids(model_path: str, eos_token_id: int | None) -> list[int]:
@@ -112,19 +119,31 @@ def default_sampling(model_path: str, source: str = "auto", overrides: dict[str,
 
 def load_tokenizer(path: str) -> Any:
     """pagedserve's Tokenizer (tokenizer.py: no transformers import) for a GGUF and for a directory whose
-    tokenizer is tokenizer.json as written; transformers' AutoTokenizer for any other directory."""
+    tokenizer is tokenizer.json as written; transformers' AutoTokenizer for any other directory. ValueError naming
+    the path and the fix where it is no local tokenizer (never a hub lookup: `--tokenizer org/name` waited a
+    minute on huggingface.co) or its files cannot be read."""
+    if not Path(path).exists():
+        raise ModelValidationError(f"tokenizer {path!r} is not an existing directory or .gguf file (--tokenizer takes "
+                                   "a local path; pagedserve does not download from model hubs)")
     if path.endswith(".gguf"):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 
         return GGUFCheckpoint(path).build_tokenizer()
     from pagedserve.tokenizer import load_plain_tokenizer
 
-    tokenizer = load_plain_tokenizer(path)
-    if tokenizer is not None:
-        return tokenizer
-    from transformers import AutoTokenizer
+    try:
+        tokenizer = load_plain_tokenizer(path)
+        if tokenizer is not None:
+            return tokenizer
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except ValueError:  # ours name the file already
+        raise
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception for a damaged file
+        raise ModelValidationError(f"the tokenizer in {path} cannot be loaded ({type(exc).__name__}: {exc}); check "
+                                   "its tokenizer.json and tokenizer_config.json (a damaged or partial download?)"
+                                   ) from exc
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -187,6 +206,12 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     prefix_caching = args.enable_prefix_caching and not (pooler is not None and (encoder or pooler.needs_all_tokens))
     budget = args.max_num_batched_tokens or SchedulerConfig.max_num_batched_tokens
     if not chunked_prefill:
+        if args.max_num_batched_tokens is not None and budget < max_model_len:  # vLLM refuses it too
+            why = ("this embedding model attends in both directions, so a prompt runs in one step" if encoder else
+                   "without chunked prefill a prompt runs in one step")
+            raise ValueError(f"--max-num-batched-tokens {budget} is smaller than --max-model-len {max_model_len}: "
+                             f"{why}; raise it to at least {max_model_len}, lower --max-model-len, or leave "
+                             "--max-num-batched-tokens out")
         budget = max(budget, max_model_len)
     from pagedserve.models.fetch import DEFAULT_MODEL
 

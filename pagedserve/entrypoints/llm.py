@@ -136,18 +136,22 @@ class LLM:
         return result
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
-        """Step until every request finished; a request the engine failed raises RequestFailedError (after
-        the call's other requests are aborted, so the engine is left empty as an exception used to leave it)."""
+        """Step until every request finished; a request the engine failed raises RequestFailedError. Whatever ends
+        the call early (that, or the caller's Ctrl-C) aborts the call's other requests first, so the engine is left
+        empty: before, an interrupted call's requests ran ahead of the next call's (105 s for an 8-token one)."""
         finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-            failed = self.engine.take_failed()
-            if failed:
-                self.engine.abort_request(request_ids)
-                request_id, reason = next(iter(failed.items()))
-                raise request_error(request_id, reason)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                failed = self.engine.take_failed()
+                if failed:
+                    request_id, reason = next(iter(failed.items()))
+                    raise request_error(request_id, reason)
+        except BaseException:
+            self.engine.abort_request([r for r in request_ids if r not in finished])
+            raise
         return [finished[r] for r in request_ids]
 
 

@@ -200,6 +200,8 @@ def read_gguf_header(path: str | Path, *, keep_string_arrays: bool = True) -> GG
     with open(path, "rb") as file:
         size = path.stat().st_size
         if size < 24:
+            if file.read(4) != GGUF_MAGIC[:size]:  # not even the start of one: say that, not "truncated"
+                _parse_gguf(path, b"", keep_string_arrays)
             raise truncated_gguf_error(path, 24, size)
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             try:

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from pagedserve.formats.errors import ModelValidationError
 from pagedserve.formats.safetensors import read_safetensors_header, safetensors_files
 from pagedserve.kernels import CpuKernels
 from pagedserve.layers.backend import KernelBackend
@@ -83,15 +84,17 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         if target is None:
             continue
         if target not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {architecture}")
+            raise ModelValidationError(f"checkpoint tensor {name!r} has no matching parameter in {architecture}: "
+                                       "config.json does not match the weights (download the model again)")
         if tp is not None:  # a view of the mapped file where it can: only this rank's pages are read
             tensor = model.shard_checkpoint_tensor(target, tensor)
             if not checkpoint.views_file and isinstance(tensor, torch.Tensor) and tensor._base is not None:
                 tensor = tensor.clone()  # a GGUF tensor is decoded whole: a view of its rows kept all of it alive
         expected = params[target].shape
         if tuple(tensor.shape) != tuple(expected):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(expected)}: config.json does not match the weights")
+            raise ModelValidationError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                                       f"expects {tuple(expected)}: config.json does not match the weights "
+                                       "(download the model again)")
         if isinstance(tensor, QuantizedWeight):  # kept aside for prepare(): the parameter stays unbound
             module_name, _, _ = target.rpartition(".")
             model.get_submodule(module_name).quantized_weight = QuantizedWeight(
@@ -102,7 +105,9 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         if progress and num_tensors:
             progress((index + 1) / num_tensors)
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        raise ModelValidationError(f"the checkpoint lacks {len(missing)} tensors that config.json implies, e.g. "
+                                   f"{sorted(missing)[:3]}: config.json does not match the weights (download the "
+                                   "model again)")
     _move_buffers(model, device)
     model.prepare(backend)
     model.kernel_backend = backend  # what else runs on this model's outputs (the sampler's argmax) reads it

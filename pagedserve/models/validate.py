@@ -8,6 +8,7 @@ validating a multi-GiB model costs milliseconds. This module imports no torch (u
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,10 @@ def validate_gguf_file(path: Path, *, need_chat_template: bool = False) -> GGUFH
 # ---------------------------------------------------------------------------------------------------
 
 
+# The model's shape, which the memory plan and the loader read from config.json (text_config for a wrapper).
+REQUIRED_CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
 def _load_json(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -144,10 +149,19 @@ def _check_config(model_dir: Path) -> dict[str, Any]:
             f"{config_path} names architectures {architectures}, none of which pagedserve supports. "
             f"Supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}."
         )
+    shape = config.get("text_config", config)
+    for key in REQUIRED_CONFIG_KEYS:
+        value = shape.get(key) if isinstance(shape, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelValidationError(
+                f"{config_path} has no usable {key!r} (a positive integer; got {value!r}): the file is damaged or "
+                "was edited. Download the model's config.json again."
+            )
     return config
 
 
-def _check_safetensors_file(path: Path) -> None:
+def _check_safetensors_file(path: Path) -> dict[str, list[int]]:
+    """The file's tensor shapes, once its header and size are checked."""
     header = read_safetensors_header(path)  # raises when cut inside the header or not JSON
     expected, actual = header.required_size, header.file_size
     if actual < expected:
@@ -157,9 +171,11 @@ def _check_safetensors_file(path: Path) -> None:
             f"{path.name} is larger than its header says ({actual:,} bytes, expected {expected:,}): "
             f"the file is damaged. Download it again ({path})."
         )
+    return {name: info.get("shape", []) for name, info in header.tensors.items()}
 
 
-def _check_weights(model_dir: Path) -> None:
+def _check_weights(model_dir: Path) -> dict[str, list[int]]:
+    """The weight files are complete; returns every tensor's shape, from the headers."""
     shards = read_shard_index(model_dir)
     missing = [name for name in shards or () if not (model_dir / name).is_file()]
     if missing:
@@ -172,8 +188,31 @@ def _check_weights(model_dir: Path) -> None:
         bins = sorted(model_dir.glob("*.bin"))
         hint = " It has only PyTorch .bin weights: convert them to safetensors." if bins else ""
         raise ModelValidationError(f"{model_dir} holds no *.safetensors weight files.{hint} Download the weights.")
+    shapes: dict[str, list[int]] = {}
     for path in files:
-        _check_safetensors_file(path)
+        shapes.update(_check_safetensors_file(path))
+    return shapes
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+
+
+def _check_shape(config_path: Path, config: dict[str, Any], shapes: dict[str, list[int]]) -> None:
+    """config.json's vocabulary, width and depth against the weights' headers (the loader would find the same
+    mismatch only after loading part of the weights)."""
+    shape = config.get("text_config", config)
+    embedding = next((s for name, s in shapes.items()
+                      if name.endswith(("embed_tokens.weight", "word_embeddings.weight"))), None)
+    expected = [shape["vocab_size"], shape["hidden_size"]]
+    if embedding is not None and list(embedding) != expected:
+        raise ModelValidationError(f"{config_path} says vocab_size x hidden_size = {expected[0]} x {expected[1]}, "
+                                   f"but the weights' embedding is {' x '.join(map(str, embedding))}: config.json "
+                                   "does not match the weights. Download the model again.")
+    layers = {int(m.group(1)) for name in shapes if (m := _LAYER_INDEX.search(name))}
+    if layers and max(layers) + 1 != shape["num_hidden_layers"]:
+        raise ModelValidationError(f"{config_path} says num_hidden_layers = {shape['num_hidden_layers']}, but the "
+                                   f"weights hold {max(layers) + 1} layers: config.json does not match the weights. "
+                                   "Download the model again.")
 
 
 def _has_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> bool:
@@ -212,7 +251,7 @@ def _check_tokenizer(model_dir: Path, need_chat_template: bool) -> None:
 def validate_hf_dir(model_dir: Path, *, need_chat_template: bool = False) -> dict[str, Any]:
     """Validate a Hugging Face model directory; returns its parsed config.json."""
     config = _check_config(model_dir)
-    _check_weights(model_dir)
+    _check_shape(model_dir / "config.json", config, _check_weights(model_dir))
     _check_tokenizer(model_dir, need_chat_template)
     return config
 

@@ -67,3 +67,27 @@ def test_offline_chat_continues_the_final_message_as_vllm_s(tiny_model_dir):
     assert reply[0].prompt_token_ids == open_ended
     with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
         llm.chat(messages, continue_final_message=True)  # add_generation_prompt defaults to True, as in vLLM
+
+
+def test_an_interrupted_call_leaves_no_request_behind(tiny_model_dir, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) during generate: its requests are aborted, so the next call runs only its own
+    (they ran the interrupted call's to the end first)."""
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=128)
+    step, calls = llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if calls == [1, 1, 1] and not outputs_seen:
+            raise KeyboardInterrupt
+        return step()
+
+    outputs_seen = []
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["hello"] * 4, SamplingParams(max_tokens=100, ignore_eos=True))
+    assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv.usage == 0
+    calls.clear()
+    outputs_seen.append(True)
+    outputs = llm.generate(["world"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 3 and len(calls) <= 4

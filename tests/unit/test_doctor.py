@@ -158,7 +158,9 @@ def write_safetensors(path: Path, num_floats: int, truncate_by: int = 0) -> None
 
 
 def test_model_check_names_truncated_weights_then_missing_tokenizer(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    shape = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "vocab_size": 512}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **shape}))
     write_safetensors(tmp_path / "model.safetensors", num_floats=1000, truncate_by=1500)
     result = doctor_model.check_model(tmp_path)
     assert result.status == FAIL and "truncated" in result.detail and "1,500" in result.detail
@@ -169,6 +171,12 @@ def test_model_check_names_truncated_weights_then_missing_tokenizer(tmp_path: Pa
 
     (tmp_path / "tokenizer.json").write_text("{}")
     (tmp_path / "tokenizer_config.json").write_text("{}")
+    result = doctor_model.check_model(tmp_path)  # present, but it does not load: serve would fail
+    assert result.status == FAIL and "the tokenizer in" in result.detail and "cannot be loaded" in result.detail
+
+    from tests.tiny_models import make_tokenizer
+
+    make_tokenizer(tmp_path)
     assert doctor_model.check_model(tmp_path).status == PASS
 
 

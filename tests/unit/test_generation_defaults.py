@@ -32,6 +32,19 @@ def test_auto_takes_the_model_s_sampling_fields_and_nothing_else(model_dir, tmp_
     assert default_sampling(model_dir, "auto", {"temperature": 0.0})["temperature"] == 0.0  # overrides win
 
 
+@pytest.mark.parametrize("text", ['{"temperature": 0.1,', "[1, 2]"])
+def test_a_damaged_generation_config_is_refused_naming_it(tmp_path, text):
+    """Read as none, its defaults and extra EOS ids were dropped without a word (vLLM falls back quietly too)."""
+    from pagedserve.engine.setup import generation_config_eos_ids
+    from pagedserve.formats.errors import ModelValidationError
+
+    (tmp_path / "generation_config.json").write_text(text)
+    for read in (lambda: default_sampling(str(tmp_path)), lambda: generation_config_eos_ids(str(tmp_path), 2)):
+        with pytest.raises(ModelValidationError, match="generation_config.json .*delete it to serve without"):
+            read()
+    assert default_sampling(str(tmp_path), "vllm") == {}  # --generation-config vllm does not read it
+
+
 def test_overrides_are_checked_by_name_and_value():
     assert parse_generation_overrides(None) == {} and parse_generation_overrides('{"top_k": 5}') == {"top_k": 5}
     for text, message in (("[1]", "must be a JSON object"), ("{", "must be a JSON object"),

@@ -16,12 +16,13 @@ from pagedserve.formats.safetensors import read_safetensors_header
 from pagedserve.models.validate import ModelValidationError, validate_model_path
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+SHAPE = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 4}
 
 
 def _hf_dir(root: Path, *, architectures: tuple[str, ...] = ("LlamaForCausalLM",), chat: bool = True) -> Path:
     """A minimal, valid Hugging Face model directory (tiny safetensors, BPE tokenizer files)."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps({"architectures": list(architectures), "hidden_size": 8}))
+    (root / "config.json").write_text(json.dumps({"architectures": list(architectures), **SHAPE}))
     save_file({"a": np.ones((4, 8), np.float32), "b": np.zeros(3, np.float16)}, str(root / "model.safetensors"))
     (root / "vocab.json").write_text(json.dumps({"a": 0, "b": 1}))
     (root / "merges.txt").write_text("#version: 0.2\n")
@@ -87,6 +88,30 @@ def test_config_that_is_not_json(tmp_path: Path) -> None:
     (model_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
     message = _message(model_dir)
     assert "config.json" in message and "not valid JSON" in message and "download" in message
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"])
+@pytest.mark.parametrize("value", [None, 0, "8", True])
+def test_a_config_without_the_model_s_shape_names_the_key(tmp_path: Path, key: str, value) -> None:
+    root = _hf_dir(tmp_path / "m")
+    config = json.loads((root / "config.json").read_text())
+    config[key] = value
+    (root / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    message = _message(root)
+    assert f"has no usable {key!r}" in message and "config.json again" in message
+
+
+def test_a_config_that_does_not_match_the_weights_is_found_from_their_headers(tmp_path: Path) -> None:
+    root = _hf_dir(tmp_path / "m")
+    weights = {"model.embed_tokens.weight": np.ones((4, 8), np.float32),
+               **{f"model.layers.{i}.mlp.down_proj.weight": np.ones((8, 16), np.float32) for i in range(2)}}
+    save_file(weights, str(root / "model.safetensors"))
+    validate_model_path(root)
+    for key, value, words in (("hidden_size", 16, "vocab_size x hidden_size = 4 x 16, but the weights' embedding "
+                                                  "is 4 x 8"),
+                              ("num_hidden_layers", 3, "num_hidden_layers = 3, but the weights hold 2 layers")):
+        (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **SHAPE, key: value}))
+        assert words in _message(root)
 
 
 def test_unsupported_architecture_names_supported_ones(tmp_path: Path) -> None:
@@ -231,6 +256,10 @@ def test_file_that_is_not_gguf(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(b"<html>rate limited</html>" * 4)
     assert "is not a GGUF file" in _message(path)
+    path.write_bytes(b"not a gguf\n")  # shorter than a header: still not "truncated"
+    assert "is not a GGUF file" in _message(path)
+    path.write_bytes(b"GGUF\x03")  # the start of one
+    assert "is truncated" in _message(path)
     other = tmp_path / "notes.txt"
     other.write_text("hello")
     assert "neither a model directory nor a GGUF file" in _message(other)
