@@ -79,6 +79,13 @@ def vllm_cpu_kvcache_space_gib() -> float | None:
     return value if value > 0 else None
 
 
+def vllm_cpu_omp_threads_bind() -> str | None:
+    """$VLLM_CPU_OMP_THREADS_BIND: the cores of each tensor-parallel rank, '|'-separated (--cpu-binding's default);
+    None where unset or vLLM's "auto" / "nobind" (pagedserve's own default binding then)."""
+    raw = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip()
+    return None if raw.lower() in ("", "auto", "nobind", "all") else raw
+
+
 def allow_long_max_model_len() -> bool:
     """$PAGEDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's $VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) lets --max-model-len go
     past the context the model was trained for (with a warning): refused otherwise, as vLLM does."""

@@ -99,7 +99,8 @@ class EngineArgs(FlagArgs):
     dtype: str = setting("Weights and activations dtype: auto, float32, bfloat16, float16/half. auto picks "
                       "the fastest on this device (CPU: bfloat16 weights where pagedserve's native kernels run, AVX2 "
                       "or AVX-512, or the CPU has bf16 dot products; else float32; `pagedserve doctor` says "
-                      "which and why).",
+                      "which and why). A block-quantized GGUF is served from int8 weights under auto; a dtype named "
+                      "here serves its weights widened to that dtype (add --quantization int8 to keep int8).",
                       default="auto")
     max_model_len: int | None = setting("Longest sequence (prompt + output) in tokens, e.g. 4096, 32k (32000) or "
                                      "32K (32768) (default: the model's context length).", size=True)
@@ -134,10 +135,10 @@ class EngineArgs(FlagArgs):
         "of every NUMA node (one rank per node). See the README.", default=ParallelConfig.tensor_parallel_size,
         aliases=("-tp",))
     cpu_binding: str | None = setting(
-        "Cores of each tensor-parallel rank, '|'-separated lists: \"0-7|8-15\" (vLLM's "
-        "VLLM_CPU_OMP_THREADS_BIND). Default: one NUMA node per rank where the usable cores span N nodes, else "
-        "the usable physical cores split evenly; one thread per physical core (one CPU of each) unless "
-        "--num-threads.")
+        "Cores of each tensor-parallel rank (-tp N), '|'-separated lists: \"0-7|8-15\" (default: "
+        "$VLLM_CPU_OMP_THREADS_BIND, as vLLM's; with one rank, bind the process with taskset). Otherwise one NUMA "
+        "node per rank where the usable cores span N nodes, else the usable physical cores split evenly; one "
+        "thread per physical core (one CPU of each) unless --num-threads.")
     tp_all_reduce: str = setting("Testing and benchmarks: the tensor-parallel collectives' path: auto (shared "
                               "memory on one x86 host, else gloo), shm or gloo.", default=ParallelConfig.all_reduce,
                               hidden=True)

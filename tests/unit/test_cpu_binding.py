@@ -75,3 +75,22 @@ def test_ranks_split_physical_cores_never_two_threads_of_one_core():
     Args.cpu_binding = "0-7|8-15"  # the user's binding is taken as given: every CPU is this process's
     parallel, threads = resolve_parallel(Args, Config, "generate", "LlamaForCausalLM", smt)
     assert parallel.cpu_binding == (tuple(range(8)), tuple(range(8, 16))) and threads == 8
+
+
+@pytest.mark.parametrize("env, tp, expected", [("0-3|4-7", 2, "0-3|4-7"), ("auto", 2, None), ("0-3", 1, None),
+                                               (None, 2, None)])
+def test_vllm_s_threads_bind_variable_is_the_binding_s_default(monkeypatch, caplog, env, tp, expected):
+    import argparse
+
+    from pagedserve.cli import serve
+    from pagedserve.cli.common import engine_args_from_cli
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    if env is not None:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", env)
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    assert engine_args_from_cli(parser.parse_args(["serve", "m", "-tp", str(tp)])).cpu_binding == expected
+    assert ("taskset -c 0-3" in caplog.text) == (env == "0-3")  # one rank: said, not silently dropped
+    assert engine_args_from_cli(parser.parse_args(["serve", "m", "-tp", "2", "--cpu-binding", "0|1"])).cpu_binding == (
+        "0|1")  # the flag wins
