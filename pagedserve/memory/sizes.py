@@ -43,12 +43,15 @@ CPU_RUNTIME_OVERHEAD_BYTES = 384 * MIB
 # The rest grows with the vocabulary (the tokenizer's vocab and merges, the warm-up's logits and sampler
 # buffers that the allocator keeps): 272 MiB + 494 B per vocabulary token is within 1 % of all four. A model
 # whose tokenizer or config loads through transformers (AutoTokenizer, AutoConfig: e.g. BERT embedders) adds
-# TRANSFORMERS_RUNTIME_BYTES: all-MiniLM-L6-v2 (30,522) had 491 MiB RSS for 43 MiB of weights, 160 MiB above
-# the rule. (The rule was 384 MiB + 1600 B per token while serving imported transformers and dequantized GGUF
-# weights through torch temporaries.)
+# TRANSFORMERS_RUNTIME_BYTES: all-MiniLM-L6-v2 (30,522) has 350 MiB RSS after warm-up for 43 MiB of weights
+# (`serve --max-num-seqs 4`, 2 Zen 5 vCPUs, 2026-12-05), ~21 MiB above the rule; importing transformers and its
+# BERT tokenizer measured 43 MiB in one process, which is the figure taken. (It was 160 MiB, measured while
+# building BERT's layers imported torch._dynamo and triton: 491 MiB on the Zen 3, 584 MiB on the Zen 5. The rule
+# was 384 MiB + 1600 B per token while serving imported transformers and dequantized GGUF weights through torch
+# temporaries.)
 CPU_RUNTIME_BASE_BYTES = 272 * MIB
 TOKENIZER_BYTES_PER_TOKEN = 494
-TRANSFORMERS_RUNTIME_BYTES = 160 * MIB
+TRANSFORMERS_RUNTIME_BYTES = 48 * MIB
 # CUDA context and cuBLAS workspace on the device: an estimate (vLLM's profiler typically finds 0.5-1 GiB of
 # non-torch memory); not measured on this project's CPU-only machines.
 CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB

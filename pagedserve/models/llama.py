@@ -7,8 +7,6 @@ Parameter names equal the Hugging Face checkpoint's, so loading is a direct name
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,23 +21,10 @@ from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_a
 from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import weight_of
 from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.skip_init import skip_init
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedserve.memory.weight_format import LayerKernels, LinearKernel, fused_rotary, linear_words
 
-
-
-@contextlib.contextmanager
-def _skip_init() -> Iterator[None]:
-    """Build layers without random initialisation: weights come from the checkpoint, and init on the
-    meta device would import torch._dynamo (~1 s of start-up)."""
-    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
-    for cls in saved:
-        cls.reset_parameters = lambda self: None
-    try:
-        yield
-    finally:
-        for cls, method in saved.items():
-            cls.reset_parameters = method
 
 
 def head_dim_of(cfg: Any) -> int:
@@ -297,12 +282,12 @@ class LlamaForCausalLM(nn.Module):
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = self.qkv_bias or attention_bias
         o_bias = attention_bias if self.o_bias is None else self.o_bias
-        with _skip_init():
+        with skip_init():
             self.model = DecoderModel(cfg, qkv_bias, o_bias, self.qk_norm, max_position, tp, self.layout)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             vocab_rows = cfg.vocab_size if self.layout is None else self.layout.vocab_per_rank
-            with _skip_init():
+            with skip_init():
                 self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
 
     @property

@@ -15,6 +15,7 @@ from pagedserve.formats.safetensors import read_safetensors_header, safetensors_
 from pagedserve.kernels import CpuKernels
 from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import QuantizedWeight
+from pagedserve.layers.skip_init import skip_init
 from pagedserve.models.registry import model_class
 from pagedserve.models.safetensors_mmap import iter_safetensors
 from pagedserve.platform import release_free_heap
@@ -72,7 +73,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     """Instantiate on the meta device, then bind checkpoint tensors to parameters by name. `tp`: a
     distributed TPGroup; the model then holds this rank's shard, sliced from each tensor as it is read."""
     cls = model_class(architecture, task)
-    with torch.device("meta"):
+    with torch.device("meta"), skip_init():
         model = cls(hf_config, max_position) if tp is None else cls(hf_config, max_position, tp=tp)
     params = dict(model.named_parameters())
     missing = set(params)
