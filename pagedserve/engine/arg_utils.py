@@ -127,7 +127,7 @@ class EngineArgs(FlagArgs):
                                 "K/V with a scale per token and head, about half the memory.",
                                 default=CacheConfig.kv_cache_dtype)
     quantization: str | None = setting("Weight quantization: int8 (weight-only, one scale per output channel).",
-                                    default=ModelConfig.quantization)
+                                    default=ModelConfig.quantization, aliases=("-q",))
     tensor_parallel_size: int = setting(
         "Tensor-parallel ranks (vLLM's -tp): N processes on this host, each holding 1/N of every layer "
         "(Megatron split; KV heads replicated where there are fewer than N) and running on its own cores; "

@@ -38,6 +38,7 @@ class CompatSetting:
     allowed: tuple[str, ...] = ()  # kind "only": the values that match pagedserve (compared case-insensitively)
     choices: tuple[str, ...] = ()  # kind "ignored": vLLM's values (another one is refused, as vLLM refuses it)
     number: bool = False  # kind "ignored": vLLM takes a number (anything else is refused, as vLLM refuses it)
+    many: bool = False  # it takes several values (a list)
 
     @property
     def name(self) -> str:
@@ -50,7 +51,6 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
                   "supports and never imports a checkpoint's Python files", takes_value=False),
     CompatSetting(("--disable-log-requests",), IGNORED, "requests are logged only with --enable-log-requests",
                   takes_value=False),
-    CompatSetting(("--disable-uvicorn-access-log",), IGNORED, "no access log is written", takes_value=False),
     CompatSetting(("--disable-frontend-multiprocessing",), IGNORED, "the HTTP server and the engine share one "
                   "process", takes_value=False),
     CompatSetting(("--swap-space",), IGNORED, "a preempted request's KV cache is recomputed when it resumes, not "
@@ -67,6 +67,16 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
                   number=True),
     CompatSetting(("--calculate-kv-scales",), IGNORED, "fp8 KV caches keep a scale per token and head, computed as "
                   "they are written", takes_value=False),
+    CompatSetting(("--cudagraph-capture-sizes",), IGNORED, "no CUDA graphs are captured: every forward runs eagerly",
+                  many=True),
+    CompatSetting(("--show-hidden-metrics-for-version",), IGNORED, "every metric pagedserve has is shown"),
+    CompatSetting(("--h11-max-incomplete-event-size",), IGNORED, "uvicorn's own limits apply (request bodies: "
+                  "--max-request-body-bytes)", number=True),
+    CompatSetting(("--h11-max-header-count",), IGNORED, "uvicorn's own limits apply", number=True),
+    CompatSetting(("--max-num-partial-prefills",), IGNORED, "chunked prefill interleaves every waiting prompt's "
+                  "chunks with the decodes, within --max-num-batched-tokens", number=True),
+    CompatSetting(("--long-prefill-token-threshold",), IGNORED, "a long prompt is cut into chunks by "
+                  "--max-num-batched-tokens", number=True),
     CompatSetting(("--prefix-caching-hash-algo",), IGNORED, "prefix-cache blocks are keyed by their token ids and "
                   "their prefix's key", choices=("sha256", "sha256_cbor", "builtin", "xxhash", "xxhash_cbor")),
     # only
@@ -74,7 +84,7 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
                   "with --tensor-parallel-size N", allowed=("1",)),
     CompatSetting(("--data-parallel-size", "-dp"), ONLY, "data-parallel engines are replicas here: "
                   "--replicas N (Ray Serve)", allowed=("1",)),
-    CompatSetting(("--api-server-count",), ONLY, "one HTTP server process serves every request", allowed=("1",)),
+    CompatSetting(("--api-server-count", "-asc"), ONLY, "one HTTP server process serves every request", allowed=("1",)),
     CompatSetting(("--distributed-executor-backend",), ONLY, "tensor-parallel ranks are processes of this host",
                   allowed=("mp", "uni")),
     CompatSetting(("--tokenizer-mode",), ONLY, "the checkpoint's own tokenizer is used (tokenizer.json or the "
@@ -83,6 +93,11 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
                   allowed=("auto", "safetensors", "gguf")),
     CompatSetting(("--config-format",), ONLY, "the model's config is read from config.json (or the GGUF's "
                   "metadata)", allowed=("auto", "hf")),
+    CompatSetting(("--model-impl",), ONLY, "models run on pagedserve's own implementation", allowed=("auto", "vllm")),
+    CompatSetting(("--logprobs-mode",), ONLY, "logprobs are the raw model's, as vLLM's default",
+                  allowed=("raw_logprobs",)),
+    CompatSetting(("--decode-context-parallel-size", "-dcp"), ONLY, "decode context parallelism is not supported",
+                  allowed=("1",)),
     CompatSetting(("--guided-decoding-backend",), ONLY, "structured outputs run on xgrammar "
                   "(--structured-outputs-config for its settings)", allowed=("auto", "xgrammar")),
     # unsupported
@@ -98,6 +113,38 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     CompatSetting(("--enable-sleep-mode",), UNSUPPORTED, "sleep mode is not supported: stop the server to free its "
                   "memory", takes_value=False),
     CompatSetting(("--limit-mm-per-prompt",), UNSUPPORTED, "multimodal inputs are not supported (text models only)"),
+    CompatSetting(("--max-loras",), UNSUPPORTED, _NO_LORA),
+    CompatSetting(("--max-lora-rank",), UNSUPPORTED, _NO_LORA),
+    CompatSetting(("--max-cpu-loras",), UNSUPPORTED, _NO_LORA),
+    CompatSetting(("--enable-expert-parallel",), UNSUPPORTED, "expert parallelism is not supported: pagedserve "
+                  "serves dense models", takes_value=False),
+    CompatSetting(("--mm-processor-kwargs",), UNSUPPORTED, "multimodal inputs are not supported (text models only)"),
+    CompatSetting(("--allowed-local-media-path",), UNSUPPORTED, "multimodal inputs are not supported (text models "
+                  "only)"),
+    CompatSetting(("--enable-prompt-embeds",), UNSUPPORTED, "prompts are text or token ids; embeddings as prompts are "
+                  "not supported", takes_value=False),
+    CompatSetting(("--skip-tokenizer-init",), UNSUPPORTED, "the server tokenizes and detokenizes: send token ids as "
+                  "the prompt instead", takes_value=False),
+    CompatSetting(("--hf-overrides",), UNSUPPORTED, "edit the checkpoint's config.json (a copy of the model "
+                  "directory) instead"),
+    CompatSetting(("--rope-scaling",), UNSUPPORTED, "set rope_scaling in the checkpoint's config.json (a copy of the "
+                  "model directory) instead"),
+    CompatSetting(("--rope-theta",), UNSUPPORTED, "set rope_theta in the checkpoint's config.json (a copy of the "
+                  "model directory) instead"),
+    CompatSetting(("--middleware",), UNSUPPORTED, "the server imports no user code: put a reverse proxy in front "
+                  "for extra middleware"),
+    CompatSetting(("--tool-parser-plugin",), UNSUPPORTED, "the server imports no user code: --tool-call-parser takes "
+                  "hermes or llama3_json"),
+    CompatSetting(("--otlp-traces-endpoint",), UNSUPPORTED, "OpenTelemetry tracing is not supported: /metrics has "
+                  "vLLM's Prometheus metrics"),
+    CompatSetting(("--collect-detailed-traces",), UNSUPPORTED, "OpenTelemetry tracing is not supported: /metrics "
+                  "has vLLM's Prometheus metrics"),
+    CompatSetting(("--kv-events-config",), UNSUPPORTED, "KV cache events are not published"),
+    CompatSetting(("--headless",), UNSUPPORTED, "the engine and its HTTP server run together", takes_value=False),
+    CompatSetting(("--enable-ssl-refresh",), UNSUPPORTED, "restart the server to load new certificates",
+                  takes_value=False),
+    CompatSetting(("--uds",), UNSUPPORTED, "the server listens on TCP (--host, --port)"),
+    CompatSetting(("--hf-token",), UNSUPPORTED, _NO_HUB),
     CompatSetting(("--revision",), UNSUPPORTED, _NO_HUB),
     CompatSetting(("--tokenizer-revision",), UNSUPPORTED, _NO_HUB),
     CompatSetting(("--code-revision",), UNSUPPORTED, _NO_HUB),
@@ -117,7 +164,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         label = labels.get(setting.kind) or f"only {' or '.join(setting.allowed)}"
         help_text = f"{label}: {setting.reason}".replace("%", "%%")
         if setting.takes_value:
-            group.add_argument(*setting.flags, dest=setting.name, default=None, metavar="VALUE", help=help_text)
+            group.add_argument(*setting.flags, dest=setting.name, default=None, metavar="VALUE", help=help_text,
+                               **({"nargs": "+"} if setting.many else {}))
         else:  # --x and vLLM's --no-x
             group.add_argument(*setting.flags, dest=setting.name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_text)

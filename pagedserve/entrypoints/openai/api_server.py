@@ -511,6 +511,25 @@ def log_startup_failure(exc: BaseException, phase: str | None = None) -> None:
         logger.error("start-up failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
 
 
+class _SkipPaths(logging.Filter):
+    """uvicorn's access-log records of the paths --disable-access-log-for-endpoints names are dropped."""
+
+    def __init__(self, paths: set[str]) -> None:
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        path = str(args[2]).split("?", 1)[0] if len(args) > 2 else ""  # (client, method, path, version, status)
+        return path not in self.paths
+
+
+def _quiet_access_log(endpoints: str | None) -> None:
+    paths = {p.strip() for p in (endpoints or "").split(",") if p.strip()}
+    if paths:
+        logging.getLogger("uvicorn.access").addFilter(_SkipPaths(paths))
+
+
 def _hold_startup(path: str | None) -> None:
     """Testing only (the web page's start-up view): wait, in phase "starting", while `path` exists."""
     while path and os.path.exists(path):
@@ -523,8 +542,10 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
 
     state = ServerState(startup)
     app = build_app(state, options)
+    _quiet_access_log(options.disable_access_log_for_endpoints)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
-                            timeout_graceful_shutdown=options.shutdown_grace_s, access_log=False,
+                            timeout_graceful_shutdown=options.shutdown_grace_s,
+                            access_log=not options.disable_uvicorn_access_log,
                             **options.uvicorn_tls())
     server = _make_uvicorn_server(config)
     outcome = {"exit_code": 0}

@@ -26,8 +26,12 @@ class ServeOptions(FlagArgs):
                                               "(default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY).", nargs="+")
     max_request_body_bytes: int = setting("Larger request bodies get HTTP 413.", default=8 << 20)
     shutdown_grace_s: float = setting("On SIGTERM/SIGINT, seconds in-flight requests get to finish.", default=30.0)
-    uvicorn_log_level: str = setting("uvicorn's log level.", default="warning",
+    uvicorn_log_level: str = setting("uvicorn's log level; at info and below it also writes the access log, a "
+                                  "line per request (vLLM's default level is info).", default="warning",
                                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    disable_uvicorn_access_log: bool = setting("No access log, whatever --uvicorn-log-level.", default=False)
+    disable_access_log_for_endpoints: str | None = setting("Paths the access log leaves out, comma-separated "
+                                                        "(e.g. /health,/metrics).")
     root_path: str = setting("The path prefix a reverse proxy serves this server under (e.g. /llm); API and web "
                           "page then work at that prefix.", default="")
     disable_web_ui: bool = setting("Do not serve the chat and dashboard page at / (then / is a 404).", default=False)
@@ -45,6 +49,15 @@ class ServeOptions(FlagArgs):
         "templates take strings).", default="auto", choices=CONTENT_FORMATS, group="chat")
     response_role: str = setting("The role of the replies /v1/chat/completions returns.", default="assistant",
                                  group="chat")
+    default_chat_template_kwargs: str | None = setting(
+        "chat_template_kwargs every chat request gets, a JSON object (e.g. '{\"enable_thinking\": false}' for "
+        "Qwen3); a request's own chat_template_kwargs win.", group="chat")
+    trust_request_chat_template: bool = setting("Render a request's own chat_template (vLLM's; off: such a request "
+                                                "gets a 400, as a template is code the server runs).", default=False,
+                                                group="chat")
+    exclude_tools_when_tool_choice_none: bool = setting('With tool_choice "none", leave the tools out of the '
+                                                        "prompt too (default: the template still shows them).",
+                                                        default=False, group="tools")
     ssl_keyfile: str | None = setting("TLS: the private key file (with --ssl-certfile: serve https).", group="http")
     ssl_certfile: str | None = setting("TLS: the certificate file.", group="http")
     ssl_ca_certs: str | None = setting("TLS: CA certificates to verify clients with (and --ssl-cert-reqs 2).",
@@ -66,6 +79,8 @@ class ServeOptions(FlagArgs):
     return_tokens_as_token_ids: bool = setting("Logprobs give each token as \"token_id:N\" instead of its text "
                                                "(a request's return_tokens_as_token_ids overrides it).",
                                                default=False)
+    enable_force_include_usage: bool = setting("End every streamed response with its usage, as "
+                                               "stream_options.include_usage asks.", default=False)
     enable_prompt_tokens_details: bool = setting("Give usage.prompt_tokens_details.cached_tokens: the prompt tokens "
                                                  "the prefix cache served (where there were any).", default=False)
     enable_log_requests: bool = setting("Log each request as it arrives: its id, prompt, token ids and sampling "
@@ -112,10 +127,27 @@ class ServeOptions(FlagArgs):
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
         self.cors()
+        self.template_kwargs()
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser NAME ({', '.join(PARSERS)}): the "
                              "format in which this model writes its tool calls")
         self.limits.check()
+
+    def template_kwargs(self) -> dict:
+        """--default-chat-template-kwargs as a dict (ValueError naming the flag)."""
+        if self.default_chat_template_kwargs is None:
+            return {}
+        from pagedserve.config import json_object
+
+        from pagedserve.entrypoints.openai.serving import RESERVED_TEMPLATE_KWARGS
+
+        kwargs = json_object(self.default_chat_template_kwargs, "--default-chat-template-kwargs",
+                             "'{\"enable_thinking\": false}'")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        if reserved:
+            raise ValueError(f"--default-chat-template-kwargs may not set {', '.join(reserved)} (the server sets "
+                             "them per request)")
+        return kwargs
 
     def cors(self) -> dict | None:
         """CORSMiddleware's settings from the --allowed-* flags (None: no CORS); ValueError naming a bad flag."""

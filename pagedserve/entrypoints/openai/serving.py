@@ -38,7 +38,7 @@ _DONE = object()
 # apply_chat_template arguments the server sets itself: a client's chat_template_kwargs may not replace them.
 logger = logging.getLogger(__name__)
 
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
                                        "return_dict", "return_tensors", "tools", "documents", "chat_template"})
 
 
@@ -101,6 +101,7 @@ class OpenAIServing:
         self.options = options
         self.default_sampling = engine.engine.config.model.default_sampling  # --generation-config
         self.tokenizer = engine.engine.tokenizer
+        self.default_template_kwargs = options.template_kwargs()  # --default-chat-template-kwargs
         self.token_bytes = TokenBytes(self.tokenizer)  # logprobs' raw bytes of each token
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
@@ -383,7 +384,7 @@ class OpenAIServing:
                 if _continuous_usage(req):
                     chunk["usage"] = self._usage(sum(len(p.token_ids) for p in prompts), num_completion, tally)
                 yield _chunk(chunk)
-        if req.stream_options and req.stream_options.include_usage:
+        if self._include_usage(req):
             num_prompt = sum(len(p.token_ids) for p in prompts)
             yield _chunk({"id": request_id, "object": "text_completion", "created": created,
                           "model": self.served_model_names[0], "choices": [],
@@ -398,10 +399,32 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        req.check_fields({"echo": (None, False), "chat_template": None})
+        req.check_fields({"echo": (None, False),
+                          **({} if self.options.trust_request_chat_template else {"chat_template": None})})
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs are given in a chat response that is not streamed; set "
                                       "stream to false", param="prompt_logprobs")
+
+    def _request_template(self, req: ChatCompletionRequest | TokenizeRequest) -> str | None:
+        """A request's own chat_template: rendered with --trust-request-chat-template, else a 400 (vLLM's rule)."""
+        template = (req.model_extra or {}).get("chat_template")
+        if template is None:
+            return None
+        if not self.options.trust_request_chat_template:
+            raise refused_field("chat_template")
+        if not isinstance(template, str):
+            raise InvalidRequestError("chat_template must be a string (a Jinja template)", param="chat_template")
+        return template
+
+    def _prompt_tools(self, req: ChatCompletionRequest | TokenizeRequest) -> list[dict] | None:
+        """The tools the template shows: none under tool_choice "none" with --exclude-tools-when-tool-choice-none."""
+        if self.options.exclude_tools_when_tool_choice_none and getattr(req, "tool_choice", None) == "none":
+            return None
+        return req.tools
+
+    def _include_usage(self, req: Any) -> bool:
+        """A stream ends with a usage chunk: stream_options.include_usage, or --enable-force-include-usage."""
+        return bool(req.stream_options and req.stream_options.include_usage) or self.options.enable_force_include_usage
 
     @property
     def template_has_tools(self) -> bool:
@@ -414,13 +437,18 @@ class OpenAIServing:
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict | None = None,
-                          tools: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+                          tools: list[dict] | None = None, add_special_tokens: bool = False,
+                          chat_template: str | None = None) -> list[int]:
+        """A chat's prompt tokens. `chat_template`: a request's own (--trust-request-chat-template)."""
+        if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs or ()))
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or ()))
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)",
                                       param="chat_template_kwargs")
+        kwargs = {**self.default_template_kwargs, **(kwargs or {})}
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
         content_format = self.options.chat_template_content_format
         conversation = template_messages([template_message(m, content_format) for m in messages])
         if tools:
@@ -438,8 +466,9 @@ class OpenAIServing:
         self._check_chat_fields(req)
         tool_choice = self._tool_choice(req)
         prompt_ids = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
-                                            req.chat_template_kwargs, tools=req.tools,
-                                            add_special_tokens=req.add_special_tokens)
+                                            req.chat_template_kwargs, tools=self._prompt_tools(req),
+                                            add_special_tokens=req.add_special_tokens,
+                                            chat_template=self._request_template(req))
         prompt = self._truncate(_Prompt(None, prompt_ids), req.truncate_prompt_tokens)
         prompt_ids = prompt.token_ids
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -520,18 +549,17 @@ class OpenAIServing:
                 if _continuous_usage(req):
                     chunk["usage"] = self._usage(len(prompt.token_ids), num_completion, tally)
                 yield _chunk(chunk)
-        if req.stream_options and req.stream_options.include_usage:
+        if self._include_usage(req):
             yield _chunk({**base, "choices": [], "usage": self._usage(len(prompt.token_ids), num_completion, tally)})
 
     # ---- /tokenize, /detokenize ------------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)
         if req.messages is not None:  # the prompt a chat completion with these fields would get
-            if (req.model_extra or {}).get("chat_template") is not None:
-                raise refused_field("chat_template")
             tokens = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
-                                            req.chat_template_kwargs, tools=req.tools,
-                                            add_special_tokens=bool(req.add_special_tokens))
+                                            req.chat_template_kwargs, tools=self._prompt_tools(req),
+                                            add_special_tokens=bool(req.add_special_tokens),
+                                            chat_template=self._request_template(req))
         elif req.prompt is not None:
             tokens = await self._tokenize(req.prompt, req.add_special_tokens is not False)
         else:
