@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from dataclasses import replace
 
 from pagedserve import envs
@@ -39,7 +40,19 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     vllm_compat.add_cli_args(parser)
 
 
+def exit_on_signals_until_serving() -> None:
+    """SIGTERM/SIGINT before the server takes them over (the first second: importing torch) end the process with
+    exit code 0, as a stop later in start-up does; SIGTERM's default ended it with 143, SIGINT's with a
+    KeyboardInterrupt traceback. The HTTP server installs its own handlers when it starts."""
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, leave)
+
+
 def run(args: argparse.Namespace) -> int:
+    exit_on_signals_until_serving()
     from pagedserve.engine.startup import StartupTracker, pause_garbage_collection, resume_garbage_collection
 
     pause_garbage_collection()  # until ready: before the imports below, which are most of start-up

@@ -158,6 +158,24 @@ def test_requests_outlasting_the_shutdown_grace_get_a_503_body_or_an_error_event
     assert "shutting down" in replies["plain"].json()["error"]["message"]
 
 
+def test_a_client_still_sending_its_body_at_the_grace_s_end_gets_a_503_and_no_traceback(tiny_model_dir, tmp_path):
+    """uvicorn cancels a request still waiting for its body when the grace runs out: it logged "Exception in ASGI
+    application" with a CancelledError traceback."""
+    import socket
+
+    server = start_server(tiny_model_dir("llama"), "--max-model-len", "128", "--shutdown-grace-s", "1",
+                          log_dir=tmp_path)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\":")  # the rest never comes
+        time.sleep(0.5)
+        server.process.send_signal(signal.SIGTERM)
+        answer = sock.recv(4096)
+    assert server.process.wait(30) == 0
+    assert answer.startswith(b"HTTP/1.1 503") and b"shutting down" in answer, answer
+    assert "Exception in ASGI application" not in server.log() and "CancelledError" not in server.log()
+
+
 def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
     """One request running and one waiting fill a queue of 1 + 1; every request past them gets 429."""
     from tests.server.test_api import metric_value
@@ -233,3 +251,14 @@ def test_a_signal_while_a_gguf_loads_exits_cleanly(sig):
     _, stderr = process.communicate(timeout=60)
     assert phase == "loading_weights", stderr[-2000:]
     assert process.returncode == 0 and "stopped during start-up (phase loading_weights)" in stderr, stderr[-2000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_before_the_server_starts_exits_0(sig):
+    """Before uvicorn takes the signals over (importing torch: the first second) SIGTERM ended the process with 143
+    and SIGINT with a KeyboardInterrupt traceback. Deterministic: the signal arrives right after the handlers are
+    installed, in the middle of an import."""
+    code = ("import os, signal, sys; from pagedserve.cli.serve import exit_on_signals_until_serving; "
+            f"exit_on_signals_until_serving(); os.kill(os.getpid(), {int(sig)}); import torch; sys.exit(3)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -65,6 +65,7 @@ class ServerState:
     model_path: str = ""
     task: str = "generate"  # "embed": /v1/embeddings only; "generate": completions and chat only
     info: dict = field(default_factory=dict)  # /server_info once ready: model, dtype, kernels, memory plan
+    stopping: threading.Event = field(default_factory=threading.Event)  # the shutdown grace ran out
     created: int = field(default_factory=lambda: int(time.time()))
 
     def ready_serving(self) -> OpenAIServing:
@@ -119,8 +120,9 @@ class GuardMiddleware:
     """API-key check (constant-time) and request-body size limit, as plain ASGI (streaming-safe)."""
 
     def __init__(self, app: Any, api_key: str | list[str] | None, max_body_bytes: int,
-                 open_web_ui: bool = False) -> None:
+                 open_web_ui: bool = False, stopping: threading.Event | None = None) -> None:
         self.app = app
+        self.stopping = stopping or threading.Event()  # set when the shutdown grace runs out
         keys = [api_key] if isinstance(api_key, str) else api_key or []
         self.expected = [f"Bearer {key}".encode() for key in keys] or None  # any of them (vLLM's --api-key k1 k2)
         self.max_body_bytes = max_body_bytes
@@ -135,6 +137,27 @@ class GuardMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        started = [False]
+
+        async def tracked_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                started[0] = True
+            await send(message)
+
+        try:
+            return await self._guarded(scope, receive, tracked_send)
+        except asyncio.CancelledError:
+            if not self.stopping.is_set():
+                raise
+            # The shutdown grace ran out and uvicorn cancels what is left (a request still reading its body): a 503
+            # where nothing was sent yet, and no "Exception in ASGI application" traceback in the log.
+            if not started[0]:
+                with contextlib.suppress(Exception):
+                    await _send_error(send, "the server is shutting down: --shutdown-grace-s ran out before this "
+                                            "request finished", 503)
+            return None
+
+    async def _guarded(self, scope: dict, receive: Any, send: Any) -> None:
         headers = dict(scope.get("headers") or [])
         if self.expected is not None and not self.is_open(scope):
             provided = headers.get(b"authorization", b"")
@@ -225,7 +248,7 @@ def build_app(state: ServerState, options: ServeOptions | None = None) -> FastAP
     # Middleware added last runs first: the root path is stripped, then CORS answers preflights (which carry
     # no API key), then the key and body size are checked.
     app.add_middleware(GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes,
-                       open_web_ui=options.enable_web_ui)
+                       open_web_ui=options.enable_web_ui, stopping=state.stopping)
     if options.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     cors = options.cors()
@@ -551,6 +574,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     outcome = {"exit_code": 0}
 
     def grace_expired() -> None:
+        state.stopping.set()
         engine = state.engine
         failed = engine.fail_all(f"the server is shutting down: this request did not finish within "
                                  f"--shutdown-grace-s ({options.shutdown_grace_s:g} s)") if engine else 0
