@@ -81,7 +81,7 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         kv_share=memory.CPU_DEFAULT_KV_SHARE if on_cpu and args.gpu_memory_utilization is None else None,
         kv_cache_bytes=kv_cache_bytes, runtime_overhead_bytes=overhead,
         host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0, kv_scale_bytes=kv_scale_bytes,
-        quantization=model.quantization, on_cpu=on_cpu)
+        quantization=model.quantization, on_cpu=on_cpu, computes_logits=model.task == "generate")
     plan = memory.make_plan(shape, request, quantizations=tuple(q for q in SUPPORTED_QUANTIZATION if q),
                             kv_cache_dtypes=tuple(d for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto"))
     if args.num_gpu_blocks_override and plan.problems:  # testing: exactly the pool asked for, even a small one

@@ -48,7 +48,7 @@ weights and the runtime overhead are memory/sizes.py's):
                                         widened context where it is long).
     decode slots 16 x min(S, T) x M     the int64 slot of every decode's context position, padded to the
                                         longest (built once per step: the table and its contiguous copy)
-    logits      2 x min(S, T) x V x 4   fp32 logits of each sequence's last position + the sampler's probs
+    logits      2 x min(S, T) x V x 4   fp32 logits of each sequence's last position + the sampler's probs (an embedding model: none)
 
   KV bookkeeping = number of KV blocks x host_bytes_per_block (the block pool's Python objects).
 
@@ -121,6 +121,7 @@ class PlanRequest:
     host_bytes_per_block: int = 0  # resident bookkeeping per KV block (the block pool's Python objects)
     kv_scale_bytes: int = 0  # 8-bit KV caches: one scale per token, head and K/V, of this many bytes
     on_cpu: bool = True  # where the runtime overhead's parts count (sizes.sequence_overhead_bytes)
+    computes_logits: bool = True  # False for an embedding model: it pools hidden states, no logits or sampler
 
     def __post_init__(self) -> None:
         for name in ("dtype_bytes", "kv_dtype_bytes", "max_model_len", "max_num_seqs",
@@ -292,7 +293,7 @@ def activation_bytes(shape: ModelShape, request: PlanRequest) -> ActivationBytes
         gathered_kv=2 * max(max_len, tokens) * shape.num_kv_heads * shape.head_dim * gathered_element,
         scores=scores,
         decode_slots=16 * rows * max_len,
-        logits=2 * rows * shape.vocab_size * 4,
+        logits=2 * rows * shape.vocab_size * 4 if request.computes_logits else 0,
     )
 
 

@@ -75,6 +75,12 @@ def test_tiled_attention_has_no_scores_term() -> None:
     assert plan.activation_bytes == 156800 - 4 * 2048 * 4
 
 
+def test_an_embedding_model_has_no_logits_term() -> None:
+    """It pools hidden states: no logits or sampler (the term was 60 MiB for MiniLM at 256 sequences)."""
+    plan = make_plan(TINY, request(budget_bytes=5 * MIB, computes_logits=False))
+    assert plan.activations.logits == 0 and plan.activation_bytes == 156800 - 3200
+
+
 def test_activations_do_not_grow_with_the_batch_times_max_model_len() -> None:
     # 1000 sequences of up to 64 tokens: only the decode slot table (16 B per row and position) and the
     # logits grow with the rows in a step (min(1000, 32) = 32); the K/V gather and the scores do not.
