@@ -611,11 +611,11 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
             state.engine.shutdown()
     code = 1 if not server.started and outcome["exit_code"] == 0 else outcome["exit_code"]  # 1: no port (logged)
     if loader.is_alive() and state.engine is None:
-        _leave_during_startup(startup.phase, code)
+        _leave_during_startup(startup, code)
     return code
 
 
-def _leave_during_startup(phase: str, code: int) -> None:
+def _leave_during_startup(startup: StartupTracker, code: int) -> None:
     """Stopped (SIGTERM/SIGINT) while the engine loads: the loader thread may be inside native code (a GGUF's
     dequantization, torch's thread pool), and finalizing the interpreter under it aborted the process (SIGABRT,
     exit 134). Nothing is served yet: stop any rank processes and leave at once with `code`."""
@@ -623,7 +623,7 @@ def _leave_during_startup(phase: str, code: int) -> None:
 
     import psutil
 
-    logger.info("stopped during start-up (phase %s)", phase)
+    logger.info("stopped during start-up (phase %s)", startup.phase)  # read now: loading goes on meanwhile
     children = psutil.Process().children(recursive=True)
     for child in children:
         child.terminate()
