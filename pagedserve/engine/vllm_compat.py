@@ -67,6 +67,8 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
                   number=True),
     CompatSetting(("--calculate-kv-scales",), IGNORED, "fp8 KV caches keep a scale per token and head, computed as "
                   "they are written", takes_value=False),
+    CompatSetting(("--ignore-patterns",), IGNORED, "only the model's *.safetensors (or the .gguf file) are read",
+                  many=True),
     CompatSetting(("--cudagraph-capture-sizes",), IGNORED, "no CUDA graphs are captured: every forward runs eagerly",
                   many=True),
     CompatSetting(("--show-hidden-metrics-for-version",), IGNORED, "every metric pagedserve has is shown"),
@@ -145,6 +147,19 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
                   takes_value=False),
     CompatSetting(("--uds",), UNSUPPORTED, "the server listens on TCP (--host, --port)"),
     CompatSetting(("--hf-token",), UNSUPPORTED, _NO_HUB),
+    CompatSetting(("--convert",), UNSUPPORTED, "serve a model as an embedder with --task embed (last-token pooling "
+                  "for a decoder, its sentence-transformers pooling where it has one)"),
+    CompatSetting(("--pooler-config",), UNSUPPORTED, "pooling is read from the model's sentence-transformers files "
+                  "(modules.json); --task embed for a decoder"),
+    CompatSetting(("--override-pooler-config",), UNSUPPORTED, "pooling is read from the model's sentence-transformers "
+                  "files (modules.json); --task embed for a decoder"),
+    CompatSetting(("--disable-sliding-window",), UNSUPPORTED, "a model whose layers attend within a sliding window "
+                  "is served only where --max-model-len fits the window", takes_value=False),
+    CompatSetting(("--enable-tokenizer-info-endpoint",), UNSUPPORTED, "there is no /tokenizer_info: /tokenize and "
+                  "/detokenize are served", takes_value=False),
+    CompatSetting(("--enable-server-load-tracking",), UNSUPPORTED, "there is no /load endpoint: /metrics has "
+                  "vllm:num_requests_running and vllm:num_requests_waiting", takes_value=False),
+    CompatSetting(("--log-config-file",), UNSUPPORTED, "logs go to stderr (levels: -v, --uvicorn-log-level)"),
     CompatSetting(("--revision",), UNSUPPORTED, _NO_HUB),
     CompatSetting(("--tokenizer-revision",), UNSUPPORTED, _NO_HUB),
     CompatSetting(("--code-revision",), UNSUPPORTED, _NO_HUB),

@@ -1,6 +1,7 @@
 """vLLM's front-end flags for chat prompts, usage and the access log, on one server:
 --default-chat-template-kwargs, --trust-request-chat-template, --exclude-tools-when-tool-choice-none,
---enable-force-include-usage, --uvicorn-log-level info (the access log) and --disable-access-log-for-endpoints."""
+--enable-force-include-usage, --uvicorn-log-level info (the access log), --disable-access-log-for-endpoints and
+--enable-log-outputs."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def server(tiny_model_dir, tmp_path_factory):
         tiny_model_dir("llama"), "--max-model-len", "256", "--dtype", "float32", "--chat-template", TEMPLATE,
         "--default-chat-template-kwargs", '{"flavour": "plain"}', "--trust-request-chat-template",
         "--exclude-tools-when-tool-choice-none", "--enable-force-include-usage", "--uvicorn-log-level", "info",
-        "--disable-access-log-for-endpoints", "/health,/metrics", tmp_path_factory=tmp_path_factory)
+        "--disable-access-log-for-endpoints", "/health,/metrics", "--enable-log-outputs", "--max-log-len", "400",
+        tmp_path_factory=tmp_path_factory)
 
 
 def rendered(server, **fields) -> str:
@@ -68,3 +70,11 @@ def test_the_access_log_has_a_line_per_request_but_the_left_out_paths(server):
     log = server.log()
     assert '"GET /v1/models HTTP/1.1" 200' in log
     assert "GET /health" not in log
+
+
+def test_finished_completions_are_logged_with_their_text(server):
+    reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "n": 2,
+                                                             "ignore_eos": True, "temperature": 1.0}).json()
+    log = server.log()
+    for choice in reply["choices"]:
+        assert f"(choice {choice['index']}): output: {choice['text']!r}, 4 tokens, finish_reason: length" in log

@@ -160,3 +160,14 @@ def test_vllm_s_no_forms_and_values_of_flags_without_effect():
         vllm_compat.check(vars(parse("serve m --swap-space abc")))
     with pytest.raises(ValueError, match="--prefix-caching-hash-algo bogus: not one of sha256"):
         vllm_compat.check(vars(parse("serve m --prefix-caching-hash-algo bogus")))
+
+
+def test_tls_ciphers_reach_uvicorn(tmp_path):
+    key, crt = tmp_path / "k.pem", tmp_path / "c.pem"
+    key.write_text("x")
+    crt.write_text("x")
+    args = parse(f"serve m --ssl-keyfile {key} --ssl-certfile {crt} --ssl-ciphers ECDHE+AESGCM")
+    options = ServeOptions.from_cli_args(args, limits=RequestLimits.from_cli_args(args))
+    assert options.uvicorn_tls()["ssl_ciphers"] == "ECDHE+AESGCM"
+    assert "ssl_ciphers" not in ServeOptions.from_cli_args(parse(f"serve m --ssl-keyfile {key} --ssl-certfile {crt}"),
+                                                           limits=RequestLimits()).uvicorn_tls()

@@ -62,6 +62,8 @@ class ServeOptions(FlagArgs):
     ssl_certfile: str | None = setting("TLS: the certificate file.", group="http")
     ssl_ca_certs: str | None = setting("TLS: CA certificates to verify clients with (and --ssl-cert-reqs 2).",
                                        group="http")
+    ssl_ciphers: str | None = setting("TLS: the ciphers to allow, in OpenSSL's format (default: uvicorn's).",
+                                      group="http")
     ssl_cert_reqs: int = setting("TLS: whether clients must show a certificate (Python's ssl.CERT_*: 0 none, "
                                  "1 optional, 2 required).", default=0, group="http")
     allowed_origins: str | None = setting(
@@ -86,6 +88,8 @@ class ServeOptions(FlagArgs):
     enable_log_requests: bool = setting("Log each request as it arrives: its id, prompt, token ids and sampling "
                                         "parameters (vLLM's; off by default: prompts can be private).",
                                         default=False)
+    enable_log_outputs: bool = setting("Log each completion's text and token count when it finishes (vLLM's; off "
+                                       "by default: outputs can be private).", default=False)
     max_log_len: int | None = setting("With --enable-log-requests: at most this many prompt characters and token "
                                       "ids per line (default: all).")
     disable_log_stats: bool = setting("Do not log the stats line (throughput, running and waiting requests, KV "
@@ -174,4 +178,4 @@ class ServeOptions(FlagArgs):
         if self.ssl_keyfile is None:
             return {}
         return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
-                "ssl_cert_reqs": self.ssl_cert_reqs}
+                "ssl_cert_reqs": self.ssl_cert_reqs, **({"ssl_ciphers": self.ssl_ciphers} if self.ssl_ciphers else {})}

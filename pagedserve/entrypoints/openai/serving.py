@@ -264,7 +264,27 @@ class OpenAIServing:
         generators = [self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
                                            params, arrival)
                       for i, (p, params) in enumerate(zip(prompts, params_list))]
+        if self.options.enable_log_outputs:
+            generators = [self._logged_outputs(f"{request_id}-{i}", g) for i, g in enumerate(generators)]
         return _merge(generators)
+
+    async def _logged_outputs(self, request_id: str, outputs: AsyncIterator[RequestOutput]
+                              ) -> AsyncIterator[RequestOutput]:
+        """--enable-log-outputs (vLLM's): each completion's text and token count when it finishes, cut to
+        --max-log-len."""
+        texts: dict[int, list[str]] = {}
+        counts: dict[int, int] = {}
+        async for output in outputs:
+            for completion in output.outputs:
+                texts.setdefault(completion.index, []).append(completion.text)
+                counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
+                if completion.finish_reason is not None:
+                    text = "".join(texts[completion.index])
+                    limit = self.options.max_log_len
+                    logger.info("Generated response %s (choice %d): output: %r, %d tokens, finish_reason: %s",
+                                request_id, completion.index, text if limit is None else text[:limit],
+                                counts[completion.index], completion.finish_reason)
+            yield output
 
     def _as_ids(self, req: Any) -> bool:
         """Logprobs' tokens as "token_id:N" (vLLM's return_tokens_as_token_ids: the request's, else the server's
