@@ -274,17 +274,20 @@ class OpenAIServing:
         --max-log-len."""
         texts: dict[int, list[str]] = {}
         counts: dict[int, int] = {}
-        async for output in outputs:
-            for completion in output.outputs:
-                texts.setdefault(completion.index, []).append(completion.text)
-                counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
-                if completion.finish_reason is not None:
-                    text = "".join(texts[completion.index])
-                    limit = self.options.max_log_len
-                    logger.info("Generated response %s (choice %d): output: %r, %d tokens, finish_reason: %s",
-                                request_id, completion.index, text if limit is None else text[:limit],
-                                counts[completion.index], completion.finish_reason)
-            yield output
+        try:
+            async for output in outputs:
+                for completion in output.outputs:
+                    texts.setdefault(completion.index, []).append(completion.text)
+                    counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
+                    if completion.finish_reason is not None:
+                        text = "".join(texts[completion.index])
+                        limit = self.options.max_log_len
+                        logger.info("Generated response %s (choice %d): output: %r, %d tokens, finish_reason: %s",
+                                    request_id, completion.index, text if limit is None else text[:limit],
+                                    counts[completion.index], completion.finish_reason)
+                yield output
+        finally:
+            await outputs.aclose()  # a client that left: the request is aborted now, not when collected
 
     def _as_ids(self, req: Any) -> bool:
         """Logprobs' tokens as "token_id:N" (vLLM's return_tokens_as_token_ids: the request's, else the server's
