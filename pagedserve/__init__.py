@@ -1,15 +1,27 @@
 """pagedserve: a vLLM-class LLM inference server for CPU boxes and GPUs."""
 
+from pagedserve.inputs import TextPrompt, TokensPrompt
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "PoolingParams", "RequestOutput", "SamplingParams",
+           "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch; import it only when asked for, so `import pagedserve` stays light.
+    # These pull in torch; import them only when asked for, so `import pagedserve` stays light.
     if name == "LLM":
         from pagedserve.entrypoints.llm import LLM
 
         return LLM
+    if name == "LLMEngine":
+        from pagedserve.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name == "EngineArgs":
+        from pagedserve.engine.arg_utils import EngineArgs
+
+        return EngineArgs
     raise AttributeError(name)

@@ -67,6 +67,12 @@ class SamplingParams:
             setattr(self, name, list(value))
         if self.top_k == -1:
             self.top_k = 0
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True is 1 (the sampled token's and the top one)
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                setattr(self, name, 1 if value else None)
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's: -1 is no seed
+            self.seed = None
         if self.logit_bias is not None:
             self.logit_bias = _int_keys(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
@@ -82,8 +88,8 @@ class SamplingParams:
         for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed", "priority"):
             value = getattr(self, name)
             if value is not None:
-                _check(isinstance(value, int) and MIN_INT64 <= value <= MAX_INT64, name,
-                       f"must be an integer in [{MIN_INT64}, {MAX_INT64}], got {value!r}")
+                _check(isinstance(value, int) and not isinstance(value, bool) and MIN_INT64 <= value <= MAX_INT64,
+                       name, f"must be an integer in [{MIN_INT64}, {MAX_INT64}], got {value!r}")
         _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -104,7 +110,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's --max-logprobs
             value = getattr(self, name)
             if value is not None:
-                _check(value >= 0, name, f"must be >= 0, got {value}")
+                _check(value >= -1, name, f"must be >= 0, or -1 for the whole vocabulary, got {value}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and 0 <= t <= MAX_INT64 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")

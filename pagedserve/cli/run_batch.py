@@ -18,6 +18,7 @@ import logging
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -53,6 +54,8 @@ def parse_line(number: int, text: str) -> dict:
         raise ValueError(f"line {number}: body must be a JSON object")
     if request["body"].get("stream"):
         raise ValueError(f"line {number}: stream is not available in a batch")
+    if not isinstance(request.get("custom_id"), str) or not request["custom_id"]:
+        raise ValueError(f"line {number}: custom_id must be a non-empty string (it names the line's output)")
     return request
 
 
@@ -71,16 +74,31 @@ def output_line(custom_id: Any, status: int, body: Any, error: str | None = None
             "error": None if error is None else {"message": error}}
 
 
-async def run_lines(app: Any, lines: list[tuple[int, str]], max_concurrency: int) -> list[dict]:
+async def run_lines(app: Any, lines: list[tuple[int, str]], max_concurrency: int,
+                    write: Callable[[dict], None] | None = None) -> list[dict]:
     """Every (line number, line) through `app`, at most `max_concurrency` at a time; the output lines in input
-    order. A line that fails in any way is an output line with its error, never the end of the batch."""
+    order, each passed to `write` as soon as it and every line before it are done (a long batch's output grows as
+    it runs). A line that fails in any way is an output line with its error, never the end of the batch; so is a
+    custom_id an earlier line already used."""
     import httpx
+
+    first_line: dict[str, int] = {}
+    repeats: dict[int, str] = {}
+    for number, text in lines:
+        custom_id = _custom_id(text)
+        if isinstance(custom_id, str):
+            if custom_id in first_line:
+                repeats[number] = f"line {number}: custom_id {custom_id!r} repeats line {first_line[custom_id]}'s"
+            else:
+                first_line[custom_id] = number
 
     gate = asyncio.Semaphore(max(1, max_concurrency))
     # raise_app_exceptions=False: a server fault answers that line with a 500, as it would over HTTP
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
         async def one(number: int, text: str) -> dict:
+            if number in repeats:
+                return output_line(_custom_id(text), 400, None, repeats[number])
             try:
                 request = parse_line(number, text)
             except ValueError as exc:
@@ -96,7 +114,13 @@ async def run_lines(app: Any, lines: list[tuple[int, str]], max_concurrency: int
                 return output_line(custom_id, 500, None, f"line {number}: {type(exc).__name__}: {exc}")
             return _response_line(custom_id, response)
 
-        return list(await asyncio.gather(*(one(number, line) for number, line in lines)))
+        tasks = [asyncio.ensure_future(one(number, line)) for number, line in lines]
+        results = []
+        for task in tasks:  # in input order, each as soon as it is done
+            results.append(await task)
+            if write is not None:
+                write(results[-1])
+        return results
 
 
 def _response_line(custom_id: Any, response: Any) -> dict:
@@ -126,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         with source:
             # numbered as the file's lines, blank ones skipped
             lines = [(i + 1, line) for i, line in enumerate(source.read().splitlines()) if line.strip()]
+        # opened before the model loads: an output that cannot be written fails now, not after the batch ran
+        out = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
     except (ValueError, OSError) as exc:
         return fail(str(exc))
     state = ServerState(StartupTracker())
@@ -145,19 +171,22 @@ def run(args: argparse.Namespace) -> int:
     threading.Thread(target=load_and_run, name="pagedserve-engine", daemon=True).start()
     started.wait()
     if failure:
+        if out is not sys.stdout:
+            out.close()
         if isinstance(failure[0], (ValueError, *USER_FACING_ERRORS)):
             return fail(str(failure[0]))
         raise failure[0]
+
+    def write(result: dict) -> None:
+        out.write(json.dumps(result, ensure_ascii=False) + "\n")
+        out.flush()
+
     try:
-        results = asyncio.run(run_lines(build_app(state, options), lines, args.max_concurrency))
+        results = asyncio.run(run_lines(build_app(state, options), lines, args.max_concurrency, write))
     finally:
         state.engine.shutdown()
-    text = "".join(json.dumps(result, ensure_ascii=False) + "\n" for result in results)
-    if args.output_file == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.output_file, "w", encoding="utf-8") as out:
-            out.write(text)
+        if out is not sys.stdout:
+            out.close()
     failed = sum(1 for result in results if result["error"] is not None)
     print(f"run-batch: {len(results)} requests, {failed} failed", file=sys.stderr)
     return 0

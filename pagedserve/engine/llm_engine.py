@@ -257,6 +257,9 @@ class LLMEngine:
         most = vocab_size if most == -1 else most
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
+            if value == -1:  # vLLM's: the whole vocabulary, within --max-logprobs
+                value = vocab_size
+                setattr(params, name, value)
             if value is not None and value > most:
                 raise InvalidRequestError(f"{name} must be at most {most} (--max-logprobs), got {value}", param=name)
 

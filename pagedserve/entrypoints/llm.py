@@ -24,13 +24,23 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs`: EngineArgs' fields, and vLLM's that pagedserve takes without effect (trust_remote_code,
         swap_space, ...; engine/vllm_compat.py: logged) or refuses with a reason (ValueError)."""
+        kwargs.pop("disable_log_stats", None)  # vLLM's LLM sets it; the offline engine logs no stats line anyway
         kwargs, notes = vllm_compat.split_keywords(kwargs)
         for note in notes:
             logger.info("%s", note)
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, under vLLM's name for it (`llm.llm_engine`)."""
+        return self.engine
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's); False while requests hold blocks."""
+        return self.engine.scheduler.kv.pool.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() sample with when given no SamplingParams: the model's recommended
@@ -38,9 +48,11 @@ class LLM:
         return SamplingParams(**self.engine.config.model.default_sampling)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run every prompt to completion in one continuous batch; outputs in input order."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; outputs in input order. `use_tqdm` and
+        `lora_request` are vLLM's arguments: no progress bar is drawn, and a LoRA request is refused."""
+        _check_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         # Only final outputs are returned: skip building intermediate ones every step.
         params_list = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
@@ -57,26 +69,31 @@ class LLM:
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None, chat_template: str | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or `chat_template`: a template, or a file's path as serve's
         --chat-template) to each conversation (with `tools`, OpenAI-shaped, as vLLM's LLM.chat), then generate.
         Tool calls are not parsed here: force one with SamplingParams(structured_outputs=...) or read the
         model's format from the text. continue_final_message leaves the final (assistant) message open for the
-        model to go on with; it needs add_generation_prompt=False, as in vLLM."""
+        model to go on with; it needs add_generation_prompt=False, as in vLLM. Arguments in vLLM's order;
+        content may be OpenAI's list of {"type": "text"} parts (chat_template_content_format as serve's)."""
+        _check_lora(lora_request)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         for conversation in conversations if isinstance(conversations, list) else [conversations]:
             _check_conversation(conversation)
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, chat_template,
-                                            continue_final_message) for c in conversations]
+                                            continue_final_message, chat_template_content_format)
+                   for c in conversations]
         return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None, chat_template: str | None = None,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, chat_template_content_format: str = "auto"
+                            ) -> list[int]:
         tokenizer = self.engine.tokenizer
         if chat_template is not None:
             from pagedserve.chat_template import load_chat_template
@@ -85,9 +102,15 @@ class LLM:
         elif not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt "
                              "or give chat_template")
-        from pagedserve.entrypoints.openai.chat_format import template_messages
+        from pagedserve.entrypoints.openai.chat_format import template_message, template_messages
+        from pagedserve.entrypoints.openai.options import CONTENT_FORMATS
+        from pagedserve.entrypoints.openai.protocol import ChatMessage
 
-        text = tokenizer.apply_chat_template(template_messages(conversation), tokenize=False,
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
+                             f"{chat_template_content_format!r}")
+        messages = [template_message(ChatMessage(**m), chat_template_content_format) for m in conversation]
+        text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message,
                                              **(chat_template_kwargs or {}))
@@ -96,11 +119,13 @@ class LLM:
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request: Any = None) -> list[PoolingRequestOutput]:
         """Embed every prompt (text, token ids, or a dict with "prompt_token_ids") in one continuous batch.
 
         Outputs are in input order and shaped like vLLM's: `outputs[i].outputs.embedding` is a list of
         floats (normalised when the model's sentence-transformers pipeline normalises)."""
+        _check_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
@@ -153,6 +178,12 @@ class LLM:
             self.engine.abort_request([r for r in request_ids if r not in finished])
             raise
         return [finished[r] for r in request_ids]
+
+
+def _check_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported; merge the adapter into the weights (peft's "
+                         "merge_and_unload) and load the merged checkpoint")
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -91,3 +91,26 @@ def test_an_interrupted_call_leaves_no_request_behind(tiny_model_dir, monkeypatc
     outputs_seen.append(True)
     outputs = llm.generate(["world"], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 3 and len(calls) <= 4
+
+
+def test_vllm_s_llm_calls_run_unchanged(tiny_model_dir):
+    """What vLLM scripts write: use_tqdm/lora_request arguments, chat's positional order, OpenAI content parts,
+    llm.llm_engine, disable_log_stats, reset_prefix_cache, and the top-level names."""
+    import pagedserve
+    from pagedserve import CompletionOutput, EngineArgs, LLMEngine, PoolingParams, RequestOutput, TokensPrompt
+
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=128, disable_log_stats=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    out = llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), params, use_tqdm=False, lora_request=None)
+    assert isinstance(out[0], RequestOutput) and isinstance(out[0].outputs[0], CompletionOutput)
+    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
+        llm.generate("hi", params, lora_request=object())
+    plain = llm.chat([{"role": "user", "content": "part one\npart two"}], params, False)  # use_tqdm=False
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "part one"},
+                                                   {"type": "text", "text": "part two"}]}], params, use_tqdm=False)
+    assert parts[0].prompt_token_ids == plain[0].prompt_token_ids  # joined by a newline, as vLLM's "string"
+    ends = llm.engine.tokenizer.decode(plain[0].prompt_token_ids)
+    assert ends.rstrip().endswith("assistant")  # the third positional is use_tqdm, not add_generation_prompt
+    assert llm.llm_engine is llm.engine and isinstance(llm.engine, LLMEngine)
+    assert llm.reset_prefix_cache() is True
+    assert EngineArgs is pagedserve.EngineArgs and PoolingParams().dimensions is None

@@ -114,10 +114,17 @@ def test_min_tokens_blocks_eos(llm):
 
 def test_invalid_parameters_raise(llm):
     for bad in (dict(temperature=-0.1), dict(top_p=1.5), dict(top_k=-3), dict(min_p=2.0),
-                dict(presence_penalty=3.0), dict(max_tokens=0), dict(logprobs=-1), dict(n=0),
-                dict(repetition_penalty=0.0)):
+                dict(presence_penalty=3.0), dict(max_tokens=0), dict(logprobs=-2), dict(n=0),
+                dict(repetition_penalty=0.0), dict(n=True), dict(max_tokens=True), dict(seed=True)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    # vLLM's spellings: True logprobs are 1, seed -1 is no seed, logprobs -1 the vocabulary (within --max-logprobs)
+    assert (SamplingParams(logprobs=True, prompt_logprobs=True).logprobs, SamplingParams(seed=-1).seed) == (1, None)
+    assert SamplingParams(logprobs=False).logprobs is None
+    one = llm.generate(["Hi"], SamplingParams(max_tokens=2, logprobs=True, prompt_logprobs=True))[0]
+    assert all(len(step) in (1, 2) for step in one.outputs[0].logprobs) and one.prompt_logprobs[0] is None
+    with pytest.raises(ValueError, match=r"logprobs must be at most 20 \(--max-logprobs\), got 512"):
+        llm.generate(["Hi"], SamplingParams(logprobs=-1))
     with pytest.raises(ValueError, match=r"logprobs must be at most 20 \(--max-logprobs\)"):  # the engine's cap
         llm.generate(["Hi"], SamplingParams(logprobs=25))
     with pytest.raises(ValueError, match="maximum context length"):

@@ -67,3 +67,38 @@ def test_a_line_the_server_fails_on_is_a_500_line_and_the_rest_run():
     assert [r["response"]["status_code"] for r in results] == [200, 500, 200]
     assert results[2]["response"]["body"] == {"echo": "b"} and results[2]["error"] is None
     assert results[1]["response"]["body"] is None and results[1]["error"]["message"]
+
+
+def test_custom_ids_are_required_and_unique_and_lines_are_written_as_they_finish():
+    """vLLM's and OpenAI's batch lines carry a unique custom_id; output lines reach `write` in input order as the
+    batch runs (a long batch's file grows; it was written only at the end, and lost if it could not be)."""
+    from fastapi import FastAPI
+
+    from pagedserve.cli.run_batch import run_lines
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict) -> dict:
+        return {"echo": body["prompt"]}
+
+    def line(custom_id, prompt="p") -> str:
+        return json.dumps({**({} if custom_id is None else {"custom_id": custom_id}), "url": "/v1/completions",
+                           "body": {"prompt": prompt}})
+
+    written = []
+    lines = [(1, line("a")), (2, line(None)), (3, line("a", "again")), (4, line(7)), (5, line("b"))]
+    results = asyncio.run(run_lines(app, lines, 4, written.append))
+    assert written == results
+    assert [r["response"]["status_code"] for r in results] == [200, 400, 400, 400, 200]
+    assert "custom_id must be a non-empty string" in results[1]["error"]["message"]
+    assert "custom_id 'a' repeats line 1's" in results[2]["error"]["message"]
+
+
+def test_an_output_that_cannot_be_written_fails_before_the_model_loads(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}) + "\n")
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(source), "-o",
+                          str(tmp_path / "missing" / "out.jsonl"), "/nonexistent/model"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "No such file or directory" in run.stderr and "Traceback" not in run.stderr

@@ -16,7 +16,7 @@ from pagedserve.sampling_params import SamplingParams
     ({"temperature": -1}, "temperature"), ({"temperature": math.nan}, "temperature"),
     ({"top_p": math.inf}, "top_p"), ({"repetition_penalty": math.inf}, "repetition_penalty"),
     ({"n": 0}, "n"), ({"seed": 2**64}, "seed"), ({"top_k": 2**70}, "top_k"),
-    ({"logprobs": -1}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"logprobs": -2}, "logprobs"), ({"prompt_logprobs": -2}, "prompt_logprobs"),
     ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"), ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"logit_bias": {"-3": 1.0}}, "logit_bias"), ({"logit_bias": {5: 101.0}}, "logit_bias"),

@@ -344,7 +344,7 @@ def test_sampling_params_validation():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="logprobs"):
-        SamplingParams(logprobs=-1)  # the upper bound is the engine's --max-logprobs
+        SamplingParams(logprobs=-2)  # -1: the vocabulary (vLLM's); the upper bound is the engine's --max-logprobs
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3)
     with pytest.raises(ValueError, match="n "):
