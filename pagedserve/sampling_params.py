@@ -57,6 +57,14 @@ class SamplingParams:
     cache_salt: str | None = None
     # With --scheduling-policy priority: lower values are scheduled first (and preempted last); vLLM's.
     priority: int = 0
+    detokenize: bool = True  # vLLM's: False leaves the text empty (token ids only; no stop strings then)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    extra_args: dict | None = None  # vLLM's: for custom logits processors, which pagedserve has not; kept as given
+    guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name of structured_outputs
+    # vLLM's fields that pagedserve refuses with what to do instead (they would change the output)
+    bad_words: list[str] | None = None
+    logits_processors: list | None = None
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,11 +83,26 @@ class SamplingParams:
             self.seed = None
         if self.logit_bias is not None:
             self.logit_bias = _int_keys(self.logit_bias)
+        if self.guided_decoding is not None:
+            _check(self.structured_outputs is None, "guided_decoding", "give structured_outputs or guided_decoding "
+                   "(its older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_request(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
+        _check(not self.bad_words, "bad_words", "is not supported: ban tokens with logit_bias {token_id: -100}")
+        _check(not self.logits_processors, "logits_processors", "are not supported: logit_bias, allowed_token_ids, "
+               "penalties and structured_outputs are")
+        _check(self.best_of is None or self.best_of == self.n, "best_of", "is not supported (vLLM's V1 engine "
+               "dropped it too): sample n and rank the outputs by cumulative_logprob")
+        _check(self.detokenize or not self.stop, "detokenize", "must be True with stop strings (they are found in "
+               "the text)")
+        if self.truncate_prompt_tokens is not None:
+            k = self.truncate_prompt_tokens
+            _check(isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1), "truncate_prompt_tokens",
+                   f"must be >= 1, or -1 for max_model_len, got {k!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)

@@ -18,6 +18,7 @@ class IncrementalDetokenizer:
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens  # stop strings count from the token after these (vLLM's rule)
+        self.detokenize = params.detokenize  # False: token ids only, the text stays empty
         self.num_output_tokens = 0
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -33,6 +34,9 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears (the text is cut before it): in the text of
         a token past the first min_tokens, or spanning into it."""
+        if not self.detokenize:
+            self.num_output_tokens += len(new_token_ids)
+            return None
         for token_id in new_token_ids:
             self.ids.append(token_id)
             self.num_output_tokens += 1

@@ -144,6 +144,11 @@ class LLMEngine:
         if isinstance(params, PoolingParams) or self.is_pooling:
             return self._add_pooling_request(request_id, prompt, params, arrival_time)
         text, prompt_ids = self.tokenize_prompt(prompt)
+        keep = params.truncate_prompt_tokens  # vLLM's: the prompt's last k tokens (-1: max_model_len)
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if len(prompt_ids) > keep:
+                text, prompt_ids = None, prompt_ids[-keep:]
         self.validate_prompt(prompt_ids)
         self.validate_token_params(params)
         grammar_future, grammar = self._submit_grammar(params)
