@@ -21,6 +21,7 @@ class _RequestTiming:
     last_token_time: float | None = None
     seen_first_token: bool = False
     num_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens seen
+    finished: set[int] = field(default_factory=set)  # completion indexes whose finish was counted
 
 
 @dataclass
@@ -196,6 +197,11 @@ class EngineMetrics:
             total = seen + len(completion.token_ids)  # outputs are deltas in the server
             timing.num_tokens[completion.index] = total
             num_new += len(completion.token_ids)
+            # One success per choice, when its finish first shows: with n > 1 a choice that finished early is
+            # left out of the later (delta) outputs, so counting the final output's choices missed it.
+            if completion.finish_reason is not None and completion.index not in timing.finished:
+                timing.finished.add(completion.index)
+                self.success.labels(name, completion.finish_reason).inc()
         if num_new:
             self.generation_tokens.labels(name).inc(num_new)
             if not timing.seen_first_token:
@@ -212,7 +218,8 @@ class EngineMetrics:
         if output.finished:
             del self._timings[output.request_id]
             for completion in output.outputs:
-                self.success.labels(name, completion.finish_reason or "abort").inc()
+                if completion.index not in timing.finished:  # ended without a reason of its own
+                    self.success.labels(name, "abort").inc()
             if metrics is not None:
                 self.e2e.labels(name).observe(now - metrics.arrival_time)
         return num_prompt, num_new

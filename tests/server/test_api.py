@@ -447,3 +447,25 @@ def test_logprob_bytes_and_offsets_follow_characters_split_across_tokens(server)
     streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True})
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert sum((c["choices"][0]["logprobs"]["text_offset"] for c in chunks), []) == offsets
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_choice_counts_once_in_request_success(server, stream):
+    """n > 1: a choice that finishes before the last one was left out of the counter (delta outputs carry a
+    choice's finish once; only the final output's choices were counted)."""
+    def counts() -> dict[str, float]:
+        return {reason: metric_value(server, "vllm:request_success_total", finished_reason=reason)
+                for reason in ("stop", "length")}
+
+    before = counts()
+    body = {"model": MODEL, "prompt": "Count", "n": 6, "max_tokens": 12, "temperature": 1.0, "seed": 3,
+            "stop_token_ids": list(range(0, 512, 32)), "stream": stream}  # some choices stop early
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    if stream:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+    else:
+        reasons = [c["finish_reason"] for c in response.json()["choices"]]
+    assert len(reasons) == 6 and set(reasons) == {"stop", "length"}  # some choices end before the others
+    after = counts()
+    assert {r: after[r] - before[r] for r in after} == {r: reasons.count(r) for r in after}, reasons
