@@ -71,7 +71,8 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         kv_cache_bytes = max(1, args.num_gpu_blocks_override - 1) * block_bytes  # minus the null block
     on_cpu = device == "cpu"
     overhead = sizes.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
-                                            on_cpu=on_cpu, uses_transformers=_uses_transformers(args, model))
+                                            on_cpu=on_cpu, uses_transformers=_uses_transformers(args, model),
+                                            structured_outputs=model.task == "generate")
     request = memory.PlanRequest(
         dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, max_model_len=model.max_model_len,
         max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,

@@ -479,7 +479,8 @@ def format_plan_table(plan: MemoryPlan) -> str:
          f" {(act.attention + act.gathered_kv + act.scores + act.decode_slots) / MIB:.0f} MiB,"
          f" mlp {act.mlp / MIB:.0f} MiB,"
          f" logits {act.logits / MIB:.0f} MiB"),
-        ("runtime overhead", plan.overhead_bytes, "torch, Python, tokenizer, rotary tables, block table"),
+        ("runtime overhead", plan.overhead_bytes, "torch, Python, tokenizer, structured outputs, rotary tables, "
+                                                  "block table"),
     ]
     if plan.kv_bookkeeping_bytes:
         rows.insert(2, ("KV bookkeeping", plan.kv_bookkeeping_bytes,

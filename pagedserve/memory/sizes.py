@@ -52,6 +52,13 @@ CPU_RUNTIME_OVERHEAD_BYTES = 384 * MIB
 CPU_RUNTIME_BASE_BYTES = 272 * MIB
 TOKENIZER_BYTES_PER_TOKEN = 494
 TRANSFORMERS_RUNTIME_BYTES = 48 * MIB
+# Structured outputs load on a generative model's first constrained request (json_schema, tools, ...): xgrammar,
+# transformers' tokenizer it reads, and its vocabulary tables. RSS after the first json_schema request minus before,
+# in one process (2 Zen 5 vCPUs, 2026-12-05): SmolLM2 (49,152 tokens) 61 MiB, Qwen2.5-Coder (151,936) 74 MiB. The
+# plan counts them from the start: a server at --max-num-seqs 2 ran 7-13 % over its plan (and warned) once a
+# client asked for JSON.
+STRUCTURED_OUTPUTS_BASE_BYTES = 56 * MIB
+STRUCTURED_OUTPUTS_BYTES_PER_TOKEN = 132
 # CUDA context and cuBLAS workspace on the device: an estimate (vLLM's profiler typically finds 0.5-1 GiB of
 # non-torch memory); not measured on this project's CPU-only machines.
 CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB
@@ -142,9 +149,10 @@ def prepared_weight_bytes(shape: ModelShape, dtype_bytes: int, int8_linears: boo
 
 
 def runtime_overhead_bytes(shape: ModelShape, max_model_len: int, max_num_seqs: int, block_size: int,
-                           on_cpu: bool = True, uses_transformers: bool = False) -> int:
+                           on_cpu: bool = True, uses_transformers: bool = False, structured_outputs: bool = True) -> int:
     """Memory besides weights, KV cache and activations: the runtime, the tokenizer, rotary tables, block table;
-    `uses_transformers`: the tokenizer or config loads through transformers (TRANSFORMERS_RUNTIME_BYTES).
+    `uses_transformers`: the tokenizer or config loads through transformers (TRANSFORMERS_RUNTIME_BYTES);
+    `structured_outputs`: a generative model, which loads xgrammar on its first constrained request.
 
     On a GPU the host-side parts do not count against the device; the CUDA context does.
     """
@@ -152,6 +160,8 @@ def runtime_overhead_bytes(shape: ModelShape, max_model_len: int, max_num_seqs: 
     if not on_cpu:
         return CUDA_RUNTIME_OVERHEAD_BYTES + sequences
     runtime = CPU_RUNTIME_BASE_BYTES + (TRANSFORMERS_RUNTIME_BYTES if uses_transformers else 0)
+    if structured_outputs:
+        runtime += STRUCTURED_OUTPUTS_BASE_BYTES + STRUCTURED_OUTPUTS_BYTES_PER_TOKEN * shape.vocab_size
     return runtime + TOKENIZER_BYTES_PER_TOKEN * shape.vocab_size + sequences
 
 
