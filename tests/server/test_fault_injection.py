@@ -82,9 +82,10 @@ def test_model_step_failing_twice_kills_the_engine_and_exits_nonzero(tiny_model_
         srv.stop()
 
 
-def test_startup_failure_logs_type_and_traceback_and_exits_nonzero(tiny_model_dir, tmp_path):
-    """A failure while loading (config.json disagreeing with the weights) is logged with its type and
-    traceback, and the process exits 1 instead of serving 503s forever."""
+def test_startup_failure_logs_type_and_exits_nonzero(tiny_model_dir, tmp_path):
+    """A failure while loading (config.json disagreeing with the weights, found by the loader) is logged with its
+    type and fix in one line (a ModelValidationError: no traceback), and the process exits 1 instead of serving
+    503s forever."""
     import json
     import shutil
     import subprocess
@@ -100,5 +101,28 @@ def test_startup_failure_logs_type_and_traceback_and_exits_nonzero(tiny_model_di
     result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", str(model), "--dtype", "float32",
                              "--port", str(free_port())], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr
-    assert "start-up failed: ValueError: checkpoint tensor" in result.stderr
-    assert "Traceback (most recent call last)" in result.stderr
+    assert "start-up failed: ModelValidationError: checkpoint tensor" in result.stderr
+    assert "config.json does not match the weights" in result.stderr
+    assert "Traceback (most recent call last)" not in result.stderr
+
+
+def test_an_unexpected_startup_failure_is_logged_with_its_traceback(caplog):
+    """What does not say what to fix (a bug, a fault) keeps its traceback at any phase; a settings error before
+    loading and a user-facing error (ModelValidationError, ...) are one line."""
+    import logging
+
+    from pagedserve.entrypoints.openai.api_server import log_startup_failure
+    from pagedserve.formats.errors import ModelValidationError
+
+    cases = ((RuntimeError("a fault"), "loading_weights", True), (ValueError("bad value"), "loading_weights", True),
+             (ValueError("bad flag"), "planning", False), (ModelValidationError("damaged"), "loading_weights", False))
+    for exc, phase, traceback in cases:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="pagedserve.server"):
+            try:
+                raise exc
+            except Exception as raised:  # noqa: BLE001 - logged with its traceback, as serve does
+                log_startup_failure(raised, phase)
+        error = [r for r in caplog.records if r.levelno == logging.ERROR][0]
+        assert f"start-up failed: {type(exc).__name__}" in error.getMessage()
+        assert (error.exc_info is not None) == traceback, (exc, phase)
