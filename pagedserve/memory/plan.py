@@ -48,7 +48,8 @@ weights and the runtime overhead are memory/sizes.py's):
                                         widened context where it is long).
     decode slots 16 x min(S, T) x M     the int64 slot of every decode's context position, padded to the
                                         longest (built once per step: the table and its contiguous copy)
-    logits      2 x min(S, T) x V x 4   fp32 logits of each sequence's last position + the sampler's probs (an embedding model: none)
+    logits      2 x min(S, T) x V x 4   fp32 logits of each sequence's last position + the sampler's probs
+                                        (an embedding model: none)
 
   KV bookkeeping = number of KV blocks x host_bytes_per_block (the block pool's Python objects).
 

@@ -149,7 +149,8 @@ def prepared_weight_bytes(shape: ModelShape, dtype_bytes: int, int8_linears: boo
 
 
 def runtime_overhead_bytes(shape: ModelShape, max_model_len: int, max_num_seqs: int, block_size: int,
-                           on_cpu: bool = True, uses_transformers: bool = False, structured_outputs: bool = True) -> int:
+                           on_cpu: bool = True, uses_transformers: bool = False,
+                           structured_outputs: bool = True) -> int:
     """Memory besides weights, KV cache and activations: the runtime, the tokenizer, rotary tables, block table;
     `uses_transformers`: the tokenizer or config loads through transformers (TRANSFORMERS_RUNTIME_BYTES);
     `structured_outputs`: a generative model, which loads xgrammar on its first constrained request.

@@ -21,8 +21,8 @@ from pagedserve.formats import gguf as gguf_format
 from pagedserve.memory.checkpoint import read_checkpoint_info
 from pagedserve.memory.plan import GIB, HOST_BYTES_PER_KV_BLOCK, InsufficientMemoryError
 from pagedserve.memory.probe import AvailableMemory
-from pagedserve.memory.sizes import (CPU_RUNTIME_BASE_BYTES, STRUCTURED_OUTPUTS_BASE_BYTES, STRUCTURED_OUTPUTS_BYTES_PER_TOKEN,
-                                     TOKENIZER_BYTES_PER_TOKEN)
+from pagedserve.memory.sizes import (CPU_RUNTIME_BASE_BYTES, STRUCTURED_OUTPUTS_BASE_BYTES,
+                                     STRUCTURED_OUTPUTS_BYTES_PER_TOKEN, TOKENIZER_BYTES_PER_TOKEN)
 from pagedserve.models import gguf_dequant, gguf_loader, gguf_tokenizer
 from tests.models.gguf_utils import tiny_model, write_test_gguf
 
