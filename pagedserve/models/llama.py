@@ -21,7 +21,6 @@ from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_a
 from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import weight_of
 from pagedserve.layers.norm import RMSNorm
-from pagedserve.layers.skip_init import skip_init
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedserve.memory.weight_format import LayerKernels, LinearKernel, fused_rotary, linear_words
 
@@ -274,7 +273,8 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
 
     def __init__(self, cfg: Any, max_position: int, tp: TPGroup | None = None) -> None:
-        """`tp`: this rank's group; the model then holds the rank's shard (distributed/sharding.py)."""
+        """`tp`: this rank's group; the model then holds the rank's shard (distributed/sharding.py). Built by
+        models/loader.load_model, on the meta device and without initialising layers (layers/skip_init)."""
         super().__init__()
         self.config = cfg
         self.tp = tp
@@ -282,13 +282,11 @@ class LlamaForCausalLM(nn.Module):
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = self.qkv_bias or attention_bias
         o_bias = attention_bias if self.o_bias is None else self.o_bias
-        with skip_init():
-            self.model = DecoderModel(cfg, qkv_bias, o_bias, self.qk_norm, max_position, tp, self.layout)
+        self.model = DecoderModel(cfg, qkv_bias, o_bias, self.qk_norm, max_position, tp, self.layout)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             vocab_rows = cfg.vocab_size if self.layout is None else self.layout.vocab_per_rank
-            with skip_init():
-                self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
 
     @property
     def num_layers(self) -> int:
