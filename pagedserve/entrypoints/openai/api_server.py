@@ -22,6 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -472,7 +473,7 @@ def _socket_of(connection: Any) -> Any:
         return None
 
 
-def _make_uvicorn_server(config: Any) -> Any:
+def _make_uvicorn_server(config: Any, on_grace_expired: Callable[[], None] = lambda: None) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -506,7 +507,7 @@ def _make_uvicorn_server(config: Any) -> Any:
             while self.server_state.tasks and not self.force_exit:
                 if fail_at is not None and time.monotonic() >= fail_at:
                     fail_at = None
-                    self.on_grace_expired()
+                    on_grace_expired()
                 await asyncio.sleep(0.05)
             for sock in getattr(self, "open_sockets", ()):
                 with contextlib.suppress(OSError):  # on a duplicate: uvloop's transport sockets refuse shutdown()
@@ -514,9 +515,7 @@ def _make_uvicorn_server(config: Any) -> Any:
                         duplicate.shutdown(socket.SHUT_RDWR)
             await super()._wait_tasks_to_complete()
 
-    server = Server(config)
-    server.on_grace_expired = lambda: None
-    return server
+    return Server(config)
 
 
 def log_startup_failure(exc: BaseException, phase: str | None = None) -> None:
@@ -570,7 +569,6 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
                             timeout_graceful_shutdown=options.shutdown_grace_s,
                             access_log=not options.disable_uvicorn_access_log,
                             **options.uvicorn_tls())
-    server = _make_uvicorn_server(config)
     outcome = {"exit_code": 0}
 
     def grace_expired() -> None:
@@ -582,7 +580,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
             logger.warning("shutdown grace period (%g s) ran out: %d request(s) still open get a 503",
                            options.shutdown_grace_s, failed)
 
-    server.on_grace_expired = grace_expired
+    server = _make_uvicorn_server(config, grace_expired)
 
     def stop(code: int) -> None:
         outcome["exit_code"] = code

@@ -13,6 +13,12 @@ from pagedserve.exceptions import InvalidRequestError
 from pagedserve.outputs import LogprobsDict
 
 
+# apply_chat_template arguments the server sets itself: neither a request's chat_template_kwargs nor
+# --default-chat-template-kwargs may replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                                      "return_dict", "return_tensors", "tools", "documents", "chat_template"})
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: an assistant's tool_calls with arguments as objects (the
     API carries them as JSON strings; templates write them with `| tojson`). Raises InvalidRequestError for

@@ -143,7 +143,7 @@ class ServeOptions(FlagArgs):
             return {}
         from pagedserve.config import json_object
 
-        from pagedserve.entrypoints.openai.serving import RESERVED_TEMPLATE_KWARGS
+        from pagedserve.entrypoints.openai.chat_format import RESERVED_TEMPLATE_KWARGS
 
         kwargs = json_object(self.default_chat_template_kwargs, "--default-chat-template-kwargs",
                              "'{\"enable_thinking\": false}'")

@@ -26,8 +26,8 @@ from pagedserve.exceptions import InvalidRequestError
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest, generation_prompt,
                                                     refused_field)
-from pagedserve.entrypoints.openai.chat_format import (chat_delta, chat_finish_reason, chat_logprobs, token_text,
-                                                       template_message, template_messages)
+from pagedserve.entrypoints.openai.chat_format import (RESERVED_TEMPLATE_KWARGS, chat_delta, chat_finish_reason,
+                                                       chat_logprobs, template_message, template_messages, token_text)
 from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
 from pagedserve.structured.admission import compile_timeout_error
 from pagedserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
@@ -35,11 +35,7 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.tokenizer import TokenBytes
 
 _DONE = object()
-# apply_chat_template arguments the server sets itself: a client's chat_template_kwargs may not replace them.
 logger = logging.getLogger(__name__)
-
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                                       "return_dict", "return_tensors", "tools", "documents", "chat_template"})
 
 
 @dataclass
@@ -363,9 +359,13 @@ class OpenAIServing:
             token_logprobs.append(entry.logprob if entry else None)
             # the top num_top and the chosen token, as OpenAI's legacy format has them (up to logprobs + 1); the
             # chosen one last, so that where two tokens read alike (byte fragments) the key holds its logprob
-            top.append({token_text(i, lp.decoded_token, as_ids): lp.logprob
-                        for i, lp in sorted(step.items(), key=lambda item: item[0] == token_id)
-                        if lp.rank <= num_top or i == token_id} if step else None)
+            shown = None
+            if step:
+                shown = {token_text(i, lp.decoded_token, as_ids): lp.logprob for i, lp in step.items()
+                         if lp.rank <= num_top}
+                if entry is not None:
+                    shown[token_text(token_id, entry.decoded_token, as_ids)] = entry.logprob
+            top.append(shown)
             text_offset.append(offsets.take(token_id))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
 
