@@ -63,6 +63,13 @@ class EmbeddingOutput:
     def hidden_size(self) -> int:
         return len(self.embedding)
 
+    @property
+    def data(self):
+        """The vector as a float32 torch tensor (vLLM's PoolingOutput.data, what LLM.encode users read)."""
+        import torch
+
+        return torch.tensor(self.embedding, dtype=torch.float32)
+
 
 @dataclass
 class PoolingRequestOutput:

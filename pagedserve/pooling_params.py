@@ -13,8 +13,9 @@ from pagedserve.exceptions import InvalidRequestError
 class PoolingParams:
     """Per-request embedding options, with vLLM's names.
 
-    `dimensions` keeps the first N values (Matryoshka) and renormalises when the model normalises
-    (sentence-transformers' Normalize module). `truncate_prompt_tokens` = k keeps k tokens of a longer
+    `dimensions` keeps the first N values (Matryoshka). `normalize` scales the (kept) vector to unit length;
+    None means the model's own choice (True when its sentence-transformers pipeline has a Normalize module),
+    as vLLM's `normalize`. `truncate_prompt_tokens` = k keeps k tokens of a longer
     prompt, cut on the tokenizer's `truncation_side` (BERT and most embedders: the end, keeping the
     final special token for text); -1 means the model's max_model_len. Without it, a prompt longer
     than max_model_len is an error, never silently cut.
@@ -22,8 +23,12 @@ class PoolingParams:
 
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise InvalidRequestError(f"normalize must be true, false or null, got {self.normalize!r}",
+                                      param="normalize")
         if self.dimensions is not None and self.dimensions < 1:
             raise InvalidRequestError(f"dimensions must be >= 1, got {self.dimensions}", param="dimensions")
         k = self.truncate_prompt_tokens
@@ -48,12 +53,11 @@ def tokenize_for_pooling(tokenizer: Any, prompt: str | list[int], truncate_promp
     return ids[-k:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:k]
 
 
-def apply_dimensions(vector: list[float], dimensions: int | None, renormalize: bool) -> list[float]:
-    """Keep the first `dimensions` values (Matryoshka) and rescale to unit length if the model normalises."""
-    if dimensions is None or dimensions >= len(vector):
-        return vector
-    kept = vector[:dimensions]
-    if not renormalize:
+def finish_embedding(vector: list[float], dimensions: int | None, normalize: bool) -> list[float]:
+    """The pooled vector as returned: its first `dimensions` values (Matryoshka), scaled to unit length if
+    `normalize` (vLLM's order: truncate, then normalise)."""
+    kept = vector if dimensions is None or dimensions >= len(vector) else vector[:dimensions]
+    if not normalize:
         return kept
-    norm = math.sqrt(sum(x * x for x in kept))
-    return [x / max(norm, 1e-12) for x in kept]
+    norm = max(math.hypot(*kept), 1e-12)
+    return [x / norm for x in kept]

@@ -204,7 +204,7 @@ class LLMEngine:
         self.validate_dimensions(params.dimensions)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.output_processor.add_pooling_request(request_id, text, prompt_ids, params, arrival_time,
-                                                  renormalize=self.config.model.pooler.normalize)
+                                                  model_normalizes=self.config.model.pooler.normalize)
         self.scheduler.add_request(Request(request_id, prompt_ids, SamplingParams(max_tokens=1), None, 1,
                                            arrival_time, is_pooling=True))
         return request_id

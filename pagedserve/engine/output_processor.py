@@ -11,7 +11,7 @@ from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import (CompletionOutput, EmbeddingOutput, Logprob, LogprobsDict, PoolingRequestOutput,
                                 RequestMetrics, RequestOutput)
-from pagedserve.pooling_params import PoolingParams, apply_dimensions
+from pagedserve.pooling_params import PoolingParams, finish_embedding
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class _PoolingState:
     prompt_token_ids: list[int]
     params: PoolingParams
     metrics: RequestMetrics
-    renormalize: bool  # the model normalises, so a truncated vector is rescaled to unit length
+    normalize: bool  # the request's `normalize`, else the model's own (its Normalize module)
 
 
 def _visible_tokens(core_out: EngineCoreOutput, params: SamplingParams) -> list[int]:
@@ -87,9 +87,10 @@ class OutputProcessor:
         return request_id in self.requests or request_id in self.pooling
 
     def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                            params: PoolingParams, arrival_time: float, renormalize: bool) -> None:
+                            params: PoolingParams, arrival_time: float, model_normalizes: bool) -> None:
+        normalize = model_normalizes if params.normalize is None else params.normalize
         self.pooling[request_id] = _PoolingState(request_id, prompt, prompt_token_ids, params,
-                                                 RequestMetrics(arrival_time), renormalize)
+                                                 RequestMetrics(arrival_time), normalize)
 
     def _finish_pooling(self, state: _PoolingState, core_out: EngineCoreOutput | None, now: float
                         ) -> PoolingRequestOutput:
@@ -100,7 +101,7 @@ class OutputProcessor:
         if core_out is not None:
             state.metrics.first_scheduled_time = core_out.first_scheduled_time
             state.metrics.first_token_time = state.metrics.last_token_time = now
-            embedding = apply_dimensions(core_out.pooled, state.params.dimensions, state.renormalize)
+            embedding = finish_embedding(core_out.pooled, state.params.dimensions, state.normalize)
         return PoolingRequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                                     EmbeddingOutput(embedding), finished=True, metrics=state.metrics)
 

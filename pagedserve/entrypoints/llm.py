@@ -144,6 +144,17 @@ class LLM:
             raise
         return self._run(request_ids)
 
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request: Any = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling call. This engine pools one task, "embed" (None means it): the same as
+        embed(), with `outputs[i].outputs.data` the vector as a tensor."""
+        if pooling_task not in (None, "embed"):
+            raise ValueError(f"pooling_task {pooling_task!r} is not supported: pagedserve pools sentence "
+                             "embeddings only (pooling_task='embed', or use LLM.embed)")
+        return self.embed(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request)
+
     def _pretokenize(self, prompts: list[PromptType], params_list: list[PoolingParams]) -> list[PromptType]:
         """Tokenize the text prompts in one batched tokenizer call (much faster than one at a time)."""
         if not self.engine.is_pooling:

@@ -1,10 +1,11 @@
-"""Pooling hidden states into one vector per request, as sentence-transformers' Pooling + Normalize do.
+"""Pooling hidden states into one vector per request, as sentence-transformers' Pooling module does.
 
 A step's batch holds chunks of requests laid end to end. Each chunk is reduced on its own (segment
 sums / maxima / picked rows, one vectorised call for the whole batch); a request whose prompt spans
 several steps (chunked prefill of a decoder) keeps a `PartialPool` between steps, and the vector is
 finished on its last chunk. Every mode is a reduction that merges exactly across chunks, so chunked
-and whole-prompt pooling give the same vector up to float rounding.
+and whole-prompt pooling give the same vector up to float rounding. Normalising (the model's Normalize module,
+or a request's `normalize`) is per request, after Matryoshka truncation: pooling_params.finish_embedding.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.config import PoolerConfig
 
@@ -37,7 +37,6 @@ class PartialPool:
 class Pooler:
     def __init__(self, config: PoolerConfig) -> None:
         self.pooling_type = config.pooling_type
-        self.normalize = config.normalize
         self.partials: dict[str, PartialPool] = {}
 
     def drop(self, request_ids: list[str]) -> None:
@@ -116,4 +115,4 @@ class Pooler:
             values = values / weights.clamp(min=1e-9).unsqueeze(1)
         elif self.pooling_type == "mean_sqrt_len_tokens":
             values = values / weights.sqrt().unsqueeze(1)
-        return F.normalize(values, p=2, dim=1) if self.normalize else values
+        return values

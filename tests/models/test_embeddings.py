@@ -126,6 +126,27 @@ def test_minilm_matches_sentence_transformers(minilm, st_reference):
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
 
 
+def test_minilm_encode_and_unnormalised_vectors(minilm, minilm_dir):
+    """LLM.encode (vLLM's pooling call) gives embed()'s vectors as tensors; normalize=False gives the pooled
+    vector before sentence-transformers' Normalize module (its first two modules' output)."""
+    from sentence_transformers import SentenceTransformer
+
+    encoded = minilm.encode(SENTENCES[:3], pooling_task="embed")
+    np.testing.assert_allclose(np.stack([o.outputs.data.numpy() for o in encoded]),
+                               vectors(minilm.embed(SENTENCES[:3])), atol=1e-6)
+    with pytest.raises(ValueError, match="pooling_task 'classify'"):
+        minilm.encode(SENTENCES[:1], pooling_task="classify")
+    raw = vectors(minilm.embed(SENTENCES[:3], PoolingParams(normalize=False)))
+    pipeline = SentenceTransformer(str(minilm_dir), device="cpu")
+    assert type(pipeline[2]).__name__ == "Normalize"
+    with torch.inference_mode():
+        features = pipeline[1](pipeline[0](pipeline.tokenize(SENTENCES[:3])))  # Transformer, then Pooling
+    reference = features["sentence_embedding"].double().numpy()
+    np.testing.assert_allclose(np.linalg.norm(raw, axis=1), np.linalg.norm(reference, axis=1), rtol=1e-4)
+    assert cosines(raw, reference).min() >= 0.9999
+    assert np.abs(np.linalg.norm(raw, axis=1) - 1.0).min() > 0.1  # really not unit length
+
+
 def test_related_pair_scores_higher_than_unrelated(minilm):
     a, b, c = vectors(minilm.embed(["A man is eating food.", "A man is eating a piece of bread.",
                                     "A monkey is playing drums."]))
@@ -281,9 +302,13 @@ def test_pooling_modes_match_sentence_transformers_pooling(qwen3_dir, tmp_path, 
     pooling = Pooling(64, pooling_mode=mode)
     reference = torch.cat([pooling({"token_embeddings": h[None], "attention_mask": torch.ones(1, len(h))}
                                    )["sentence_embedding"] for h in hf_hidden_states(model_dir, prompts)])
-    if normalize:
-        reference = torch.nn.functional.normalize(reference, dim=1)
-    torch.testing.assert_close(ours, reference, atol=EMB_ATOL * max(1.0, float(reference.abs().max())), rtol=0)
+    normalized = torch.nn.functional.normalize(reference, dim=1)
+    torch.testing.assert_close(ours, normalized if normalize else reference,
+                               atol=EMB_ATOL * max(1.0, float(reference.abs().max())), rtol=0)
+    # A request's `normalize` (vLLM's) overrides the model's Normalize module either way.
+    flipped = torch.tensor(vectors(llm.embed(prompts, PoolingParams(normalize=not normalize))), dtype=torch.float32)
+    torch.testing.assert_close(flipped, reference if normalize else normalized,
+                               atol=EMB_ATOL * max(1.0, float(reference.abs().max())), rtol=0)
 
 
 def test_qwen3_model_checkpoint_layout_is_an_embedder(qwen3_dir, qwen3_embedder, tmp_path):

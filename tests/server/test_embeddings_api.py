@@ -99,6 +99,7 @@ BAD_REQUESTS = [
     ("/v1/embeddings", {"model": MODEL, "input": ["x"] * 2049}, 400, ["2049", "at most"]),
     ("/v1/embeddings", {"model": "nope", "input": "x"}, 404, ["does not exist"]),
     ("/v1/embeddings", {"model": MODEL}, 400, ["input"]),
+    ("/v1/embeddings", {"model": MODEL, "input": "x", "normalize": "maybe"}, 400, ["normalize"]),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400,
      ["embeddings", "/v1/chat/completions"]),
     ("/v1/completions", {"model": MODEL, "prompt": "hi"}, 400, ["embeddings", "/v1/completions"]),
@@ -115,6 +116,20 @@ def test_bad_requests_get_openai_errors(server, client, path, body, status, word
     for word in words:
         assert word.lower() in error["message"].lower(), error["message"]
     assert client.embeddings.create(model=MODEL, input="still fine").data  # the server keeps serving
+
+
+def test_normalize_false_returns_the_pooled_vector(server):
+    """vLLM's `normalize`: false skips the model's Normalize module, true (or absent) applies it."""
+    def embed(**extra):
+        body = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": SENTENCES[:3], **extra},
+                          timeout=60).json()
+        return np.array([d["embedding"] for d in body["data"]], dtype=np.float64)
+
+    raw, default, explicit = embed(normalize=False), embed(), embed(normalize=True)
+    norms = np.linalg.norm(raw, axis=1)
+    assert np.abs(norms - 1.0).min() > 0.1, norms
+    np.testing.assert_allclose(raw / norms[:, None], default, atol=1e-6)
+    np.testing.assert_allclose(explicit, default, atol=0)
 
 
 def test_openai_client_raises_bad_request(client):

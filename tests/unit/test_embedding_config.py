@@ -17,7 +17,7 @@ from pagedserve.core.sched_output import ModelRunnerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.models.pooling_config import (PoolingConfigError, default_task, load_pooler_config,
                                               sentence_transformers_max_seq_length)
-from pagedserve.pooling_params import PoolingParams, apply_dimensions, tokenize_for_pooling
+from pagedserve.pooling_params import PoolingParams, finish_embedding, tokenize_for_pooling
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
 
@@ -101,15 +101,21 @@ def test_max_seq_length(tmp_path):
     assert sentence_transformers_max_seq_length(tmp_path) == 256
 
 
-def test_apply_dimensions_truncates_and_renormalises():
+def test_finish_embedding_truncates_then_normalises():
     vector = [0.6, 0.0, 0.8, 0.0]
-    assert apply_dimensions(vector, None, True) == vector
-    assert apply_dimensions(vector, 1, True) == [1.0]
-    assert apply_dimensions(vector, 1, False) == [0.6]
-    assert apply_dimensions([3.0, 4.0, 1.0], 2, True) == pytest.approx([0.6, 0.8])
+    assert finish_embedding(vector, None, True) == pytest.approx(vector)
+    assert finish_embedding(vector, 1, True) == [1.0]
+    assert finish_embedding(vector, 1, False) == [0.6]
+    assert finish_embedding([3.0, 4.0, 1.0], 2, True) == pytest.approx([0.6, 0.8])
+    assert finish_embedding([3.0, 4.0, 12.0], None, True) == pytest.approx([3 / 13, 4 / 13, 12 / 13])
+    assert finish_embedding([3.0, 4.0, 12.0], None, False) == [3.0, 4.0, 12.0]
+    assert finish_embedding([0.0, 0.0], None, True) == [0.0, 0.0]  # no division by zero
 
 
 def test_pooling_params_validation():
+    assert PoolingParams().normalize is None and PoolingParams(normalize=False).normalize is False
+    with pytest.raises(ValueError, match="normalize"):
+        PoolingParams(normalize="yes")
     with pytest.raises(ValueError, match="dimensions"):
         PoolingParams(dimensions=0)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):

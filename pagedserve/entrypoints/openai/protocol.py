@@ -219,4 +219,5 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None  # vLLM's: None is the model's own choice
     user: str | None = None

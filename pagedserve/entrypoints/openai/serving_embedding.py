@@ -63,7 +63,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         if k is not None and k > self.max_model_len:
             raise InvalidRequestError(f"truncate_prompt_tokens {k} exceeds this model's maximum context length of "
                                       f"{self.max_model_len} tokens", param="truncate_prompt_tokens")
-        params = PoolingParams(dimensions=req.dimensions, truncate_prompt_tokens=k)  # InvalidRequestError -> 400
+        params = PoolingParams(dimensions=req.dimensions, truncate_prompt_tokens=k,  # InvalidRequestError -> 400
+                               normalize=req.normalize)
         self.engine.engine.validate_dimensions(req.dimensions)  # reads the frozen config only
         return params
 
