@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine_args, options = checked_settings(args)  # unsupported values fail before the port opens
         replica_args.check()
+        if replica_args.enabled and options.uds:
+            raise ValueError("--uds is not available with --replicas: Ray Serve's endpoint listens on TCP "
+                             "(--host, --port)")
     except ValueError as exc:
         return fail(str(exc))
     if replica_args.enabled:

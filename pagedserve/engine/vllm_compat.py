@@ -145,7 +145,6 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     CompatSetting(("--headless",), UNSUPPORTED, "the engine and its HTTP server run together", takes_value=False),
     CompatSetting(("--enable-ssl-refresh",), UNSUPPORTED, "restart the server to load new certificates",
                   takes_value=False),
-    CompatSetting(("--uds",), UNSUPPORTED, "the server listens on TCP (--host, --port)"),
     CompatSetting(("--hf-token",), UNSUPPORTED, _NO_HUB),
     CompatSetting(("--convert",), UNSUPPORTED, "serve a model as an embedder with --task embed (last-token pooling "
                   "for a decoder, its sentence-transformers pooling where it has one)"),

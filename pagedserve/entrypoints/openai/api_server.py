@@ -565,7 +565,8 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     state = ServerState(startup)
     app = build_app(state, options)
     _quiet_access_log(options.disable_access_log_for_endpoints)
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
+    config = uvicorn.Config(app, host=options.host, port=options.port, uds=options.uds,
+                            log_level=options.uvicorn_log_level,
                             timeout_graceful_shutdown=options.shutdown_grace_s,
                             access_log=not options.disable_uvicorn_access_log,
                             **options.uvicorn_tls())
@@ -596,8 +597,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
             stop(1)
             return
         state.engine.on_death = lambda exc: stop(1)
-        scheme = "https" if options.ssl_keyfile else "http"
-        logger.info("serving %s on %s://%s:%d", state.served_model_names[0], scheme, options.host, options.port)
+        logger.info("serving %s on %s", state.served_model_names[0], options.listen_address)
         state.engine.run_in_this_thread()  # until shutdown
 
     loader = threading.Thread(target=load, name="pagedserve-engine", daemon=True)  # loads, then runs the loop
@@ -607,6 +607,9 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     finally:
         if state.engine is not None:
             state.engine.shutdown()
+        if options.uds and server.started:
+            with contextlib.suppress(OSError):
+                os.unlink(options.uds)  # ours: Python 3.11's asyncio leaves the socket file behind
     code = 1 if not server.started and outcome["exit_code"] == 0 else outcome["exit_code"]  # 1: no port (logged)
     if loader.is_alive() and state.engine is None:
         _leave_during_startup(startup, code)

@@ -22,6 +22,8 @@ class ServeOptions(FlagArgs):
 
     host: str = setting("Address to bind (0.0.0.0 exposes the server).", default="127.0.0.1")
     port: int = setting("Port to listen on.", default=8000)
+    uds: str | None = setting("Listen on this Unix domain socket instead of TCP; --host and --port are then "
+                              "ignored (vLLM's --uds).")
     api_key: str | list[str] | None = setting("Require 'Authorization: Bearer KEY'; several keys: any of them "
                                               "(default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY).", nargs="+")
     max_request_body_bytes: int = setting("Larger request bodies get HTTP 413.", default=8 << 20)
@@ -105,6 +107,13 @@ class ServeOptions(FlagArgs):
         return not self.disable_web_ui
 
     @property
+    def listen_address(self) -> str:
+        """Where the server listens, for the log: unix:PATH or a URL."""
+        if self.uds:
+            return f"unix:{self.uds}"
+        return f"{'https' if self.ssl_keyfile else 'http'}://{self.host}:{self.port}"
+
+    @property
     def active_tool_call_parser(self) -> str | None:
         """The parser "auto" tool choice uses: --tool-call-parser where --enable-auto-tool-choice is given."""
         return self.tool_call_parser if self.enable_auto_tool_choice else None
@@ -113,6 +122,8 @@ class ServeOptions(FlagArgs):
         """ValueError naming the flag for a value the server cannot use."""
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.uds is not None:
+            check_socket_path(self.uds)
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
         if self.chat_template is not None:
@@ -179,3 +190,30 @@ class ServeOptions(FlagArgs):
             return {}
         return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
                 "ssl_cert_reqs": self.ssl_cert_reqs, **({"ssl_ciphers": self.ssl_ciphers} if self.ssl_ciphers else {})}
+
+
+def check_socket_path(path: str) -> None:
+    """ValueError naming --uds for a path the server cannot listen on. A socket another process answers on is
+    refused: binding would silently take the path over (asyncio removes an existing socket file first)."""
+    import socket
+    import stat
+
+    if len(os.fsencode(path)) > 107:
+        raise ValueError(f"--uds path is {len(os.fsencode(path))} bytes long; a Unix socket path must be at most "
+                         "107: use a shorter path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--uds {path!r}: folder {folder!r} does not exist")
+    if not os.path.lexists(path):
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise ValueError(f"--uds {path!r} exists and is not a socket: choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        return  # a stale socket file left by a server that stopped: listening replaces it
+    finally:
+        probe.close()
+    raise ValueError(f"--uds {path!r}: another server is listening on this socket; stop it or choose another path")
