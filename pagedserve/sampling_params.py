@@ -181,3 +181,30 @@ def _int_keys(logit_bias: dict) -> dict[int, float]:
         return {int(k): float(v) for k, v in logit_bias.items()}
     except (TypeError, ValueError):
         raise InvalidRequestError("logit_bias must map token ids (integers) to numbers", param="logit_bias") from None
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's: what LLM.beam_search takes (pagedserve/beam_search.py runs it)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
+
+    @property
+    def num_candidates(self) -> int:
+        """How many next tokens each beam's scoring request asks the log-probabilities of."""
+        return 2 * self.beam_width

@@ -132,6 +132,11 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every token that ends a generation: the tokenizer's EOS and generation_config.json's."""
+        return frozenset(t for t in (self.eos_token_id, *self.extra_eos_token_ids) if t is not None)
+
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None) -> str:
         """Queue a request (PoolingParams: an embedding); raises ValueError for prompts that cannot be served."""

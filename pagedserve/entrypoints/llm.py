@@ -7,13 +7,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.beam_search import BeamSearchOutput, scoring_params, search
 from pagedserve.engine import vllm_compat
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.exceptions import request_error
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,62 @@ class LLM:
             self.engine.abort_request(request_ids)
             raise
         return self._run(request_ids)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: Any = None, use_tqdm: bool = False, concurrency_limit: int | None = None
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (pagedserve/beam_search.py has the rules): one BeamSearchOutput per prompt, its
+        best `beam_width` sequences first. As vLLM's, a sequence's `tokens` and `text` include the prompt.
+        `concurrency_limit` prompts are searched at once (default: all)."""
+        _check_lora(lora_request)
+        if self.engine.is_pooling:
+            raise ValueError("this is an embedding model: beam search needs a generative model")
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+        prompt_ids = [self.engine.tokenize_prompt(p)[1] for p in _as_prompt_list(prompts)]
+        for ids in prompt_ids:
+            self.engine.validate_prompt(ids)
+            if len(ids) + params.max_tokens > self.engine.max_model_len:
+                raise ValueError(f"a prompt of {len(ids)} tokens plus max_tokens {params.max_tokens} is more than "
+                                 f"max_model_len ({self.engine.max_model_len}); lower max_tokens")
+        group = concurrency_limit or max(1, len(prompt_ids))
+        results: list[BeamSearchOutput] = []
+        for first in range(0, len(prompt_ids), group):
+            results.extend(self._beam_search_group(prompt_ids[first:first + group], params))
+        tokenizer = self.engine.tokenizer
+        for output in results:
+            for beam in output.sequences:
+                beam.text = tokenizer.decode(beam.tokens)
+        return results
+
+    def _beam_search_group(self, prompt_ids: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Search these prompts together: each step scores every live beam of every prompt in one batch."""
+        searches = [search(ids, params, self.engine.eos_token_ids) for ids in prompt_ids]
+        pending = {i: next(s) for i, s in enumerate(searches)}  # max_tokens >= 1: every search asks once
+        best: dict[int, list] = {}
+        sampling = scoring_params(params)
+        while pending:
+            request_ids: list[str] = []
+            try:
+                for sequences in pending.values():
+                    for tokens in sequences:
+                        request_ids.append(self.engine.add_request(None, {"prompt_token_ids": tokens}, sampling))
+            except Exception:
+                self.engine.abort_request(request_ids)
+                raise
+            outputs = iter(self._run(request_ids))
+            asking: dict[int, list[list[int]]] = {}
+            for i, sequences in pending.items():
+                completions = [next(outputs).outputs[0] for _ in sequences]
+                steps = [(c.token_ids[0], c.logprobs[0]) for c in completions]
+                try:
+                    asking[i] = searches[i].send(steps)
+                except StopIteration as done:
+                    best[i] = done.value
+            pending = asking
+        return [BeamSearchOutput(best[i]) for i in range(len(prompt_ids))]
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,

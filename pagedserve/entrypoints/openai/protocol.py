@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.exceptions import InvalidRequestError
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 
 
@@ -19,14 +19,11 @@ logger = logging.getLogger(__name__)
 # Fields OpenAI or vLLM define that pagedserve does not honour -> their value with no effect (None: left out; a
 # tuple: any of those). A request that sets another value gets a 400 naming the field, never output that ignores it.
 _REFUSED: dict[str, Any] = {
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0),
     "bad_words": (None, []), "logits_processors": None,
     "mm_processor_kwargs": None, "kv_transfer_params": None, "vllm_xargs": None, "audio": None,
     "modalities": (None, ["text"]), "web_search_options": None, "documents": None,
 }
-_REFUSED_WHY = {"use_beam_search": "no beam search: sample n > 1 instead",
-                "length_penalty": "it applies to beam search",
-                "bad_words": "use logit_bias to ban tokens",
+_REFUSED_WHY = {"bad_words": "use logit_bias to ban tokens",
                 "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages",
                 "echo": "chat replies do not repeat the prompt; /v1/completions does",
                 "chat_template": "a template from a request is not run: start the server with --chat-template"}
@@ -94,12 +91,17 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with the same salt
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N" (None: the server's)
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is served first
+    use_beam_search: bool = False  # vLLM's: n is the beam width (pagedserve/beam_search.py)
+    length_penalty: float = 1.0  # vLLM's: beam search ranks by cumulative logprob / length ** length_penalty
 
     def check_fields(self, refused: dict[str, Any]) -> None:
         """A 400 naming a field OpenAI or vLLM define that pagedserve does not honour, where the request sets it
         to anything but its no-effect value (`refused`: name -> that value; also `_REFUSED`); other unknown
         fields are logged once each and ignored, as vLLM does."""
         extra = self.model_extra or {}
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise InvalidRequestError("length_penalty applies to beam search only: set use_beam_search",
+                                      param="length_penalty")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         for name, inert in {**_REFUSED, **refused}.items():
@@ -110,6 +112,30 @@ class _SamplingFields(BaseModel):
             if name not in _WARNED and len(_WARNED) < _MAX_WARNED and not name.startswith("guided_"):
                 _WARNED.add(name)
                 logger.warning("request field %r is not one pagedserve knows; it is ignored (logged once)", name)
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """use_beam_search's settings (n beams); a 400 naming a field that beam search would not honour."""
+        unused = {"stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
+                  "logit_bias": bool(self.logit_bias), "presence_penalty": self.presence_penalty != 0,
+                  "frequency_penalty": self.frequency_penalty != 0, "min_tokens": self.min_tokens != 0,
+                  "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+                  "allowed_token_ids": self.allowed_token_ids is not None,
+                  "prompt_logprobs": getattr(self, "prompt_logprobs", None) is not None,
+                  "echo": bool(getattr(self, "echo", False)),
+                  "response_format" if self.response_format else "structured_outputs":
+                      self.structured_params() is not None}
+        for name, is_set in unused.items():
+            if is_set:
+                raise InvalidRequestError(f"{name} cannot be combined with use_beam_search: beam search ranks whole "
+                                          "sequences by their log-probabilities", param=name)
+        try:
+            return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                    temperature=0.0 if self.temperature is None else self.temperature,
+                                    length_penalty=self.length_penalty,
+                                    include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as exc:
+            param = "n" if "beam_width" in str(exc) else str(exc).split(" ", 1)[0]
+            raise InvalidRequestError(str(exc).replace("beam_width", "n"), param=param) from None
 
     def structured_params(self) -> StructuredOutputsParams | None:
         """The grammar the output must match, from response_format or structured_outputs (400 for both)."""

@@ -233,9 +233,12 @@ class OpenAIServing:
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
         params_list = [self._params(req, m, req.logprobs, prompt_logprobs) for m in max_tokens]
         self._validate_for_engine(prompts, params_list)
-        await self._compile_grammars(params_list)
         request_id = self._request_id("cmpl", req)
-        streams = self._start(request_id, prompts, params_list)
+        if req.use_beam_search:
+            streams = self._start_beam_search(request_id, req, prompts, max_tokens, params_list, req.logprobs)
+        else:
+            await self._compile_grammars(params_list)
+            streams = self._start(request_id, prompts, params_list)
         if prompt_only:
             streams = _without_generated(streams)
         if req.stream:
@@ -262,6 +265,24 @@ class OpenAIServing:
                       for i, (p, params) in enumerate(zip(prompts, params_list))]
         if self.options.enable_log_outputs:
             generators = [self._logged_outputs(f"{request_id}-{i}", g) for i, g in enumerate(generators)]
+        return _merge(generators)
+
+    def _start_beam_search(self, request_id: str, req: Any, prompts: list[_Prompt], max_tokens: list[int],
+                           params_list: list[SamplingParams], num_logprobs: int | None
+                           ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """use_beam_search: each prompt's search (serving_beam.py), n engine requests at a time."""
+        from pagedserve.entrypoints.openai.serving_beam import beam_search_outputs
+
+        beams = [req.beam_search_params(m) for m in max_tokens]  # 400s for fields beam search cannot honour
+        most = self.engine.engine.config.model.max_logprobs
+        if most != -1 and beams[0].num_candidates > most:
+            raise InvalidRequestError(f"use_beam_search with n={req.n} ranks each beam's {beams[0].num_candidates} "
+                                      f"most likely tokens; this server allows {most} (--max-logprobs): lower n",
+                                      param="n")
+        self.engine.check_room(len(prompts) * req.n)
+        generators = [beam_search_outputs(self.engine, f"{request_id}-{i}", p.text, p.token_ids, beam, params,
+                                          num_logprobs)
+                      for i, (p, beam, params) in enumerate(zip(prompts, beams, params_list))]
         return _merge(generators)
 
     async def _logged_outputs(self, request_id: str, outputs: AsyncIterator[RequestOutput]
@@ -500,6 +521,9 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, logprobs, req.prompt_logprobs)
         if tool_choice is not None and tool_choice.grammar is not None:
+            if req.use_beam_search:
+                raise InvalidRequestError(f"tool_choice {tool_choice.mode!r} is enforced by a grammar, which cannot be "
+                                          "combined with use_beam_search", param="tool_choice")
             if params.structured_outputs is not None:
                 raise InvalidRequestError(f"tool_choice {tool_choice.mode!r} is enforced by a grammar, which cannot be "
                                           "combined with response_format or structured_outputs", param="tool_choice")
@@ -507,9 +531,12 @@ class OpenAIServing:
         if tool_choice is not None and tool_choice.mode == "auto":
             params.skip_special_tokens = False  # tool-call tags may be special tokens (Qwen's <tool_call>)
         self._validate_for_engine([prompt], [params])
-        await self._compile_grammars([params])
         request_id = self._request_id("chatcmpl", req)
-        streams = self._start(request_id, [prompt], [params])
+        if req.use_beam_search:
+            streams = self._start_beam_search(request_id, req, [prompt], [max_tokens], [params], logprobs)
+        else:
+            await self._compile_grammars([params])
+            streams = self._start(request_id, [prompt], [params])
         if req.stream:
             return _sse(self._chat_stream(request_id, req, prompt, streams, tool_choice))
         tally = _PromptTally()
