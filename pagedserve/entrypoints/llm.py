@@ -15,6 +15,7 @@ from pagedserve.exceptions import request_error
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.scoring import ScoringOutput, ScoringRequestOutput, check_pairs, cosine_scores
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,21 @@ class LLM:
             self.engine.abort_request(request_ids)
             raise
         return self._run(request_ids)
+
+    def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType],
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request: Any = None) -> list[ScoringRequestOutput]:
+        """vLLM's score for an embedding model: the cosine similarity of each pair (one data_1 against every data_2,
+        or pairs in order), one ScoringRequestOutput per pair (`.outputs.score`)."""
+        left, right = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        check_pairs(left, right, ("data_1", "data_2"))
+        if pooling_params is None:
+            pooling_params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        outputs = self.embed(left + right, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        scores = cosine_scores([o.outputs.embedding for o in outputs[:len(left)]],
+                               [o.outputs.embedding for o in outputs[len(left):]])
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(score), o.prompt_token_ids)
+                for o, score in zip(outputs[len(left):], scores)]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request: Any = None, use_tqdm: bool = False, concurrency_limit: int | None = None

@@ -147,6 +147,21 @@ def test_minilm_encode_and_unnormalised_vectors(minilm, minilm_dir):
     assert np.abs(np.linalg.norm(raw, axis=1) - 1.0).min() > 0.1  # really not unit length
 
 
+def test_minilm_score_is_the_cosine_of_sentence_transformers_vectors(minilm, st_reference):
+    """LLM.score (vLLM's, for an embedding model): one text against many, and pairs in order."""
+    def cosine(i: int, j: int) -> float:
+        a, b = st_reference[i], st_reference[j]
+        return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+    one_to_many = minilm.score(SENTENCES[0], SENTENCES[1:4])
+    assert [o.outputs.score for o in one_to_many] == pytest.approx([cosine(0, j) for j in (1, 2, 3)], abs=1e-4)
+    assert one_to_many[1].prompt_token_ids == minilm.get_tokenizer().encode(SENTENCES[2])
+    pairs = minilm.score(SENTENCES[:2], SENTENCES[2:4])
+    assert [o.outputs.score for o in pairs] == pytest.approx([cosine(0, 2), cosine(1, 3)], abs=1e-4)
+    with pytest.raises(ValueError, match="data_1 has 2 texts"):
+        minilm.score(SENTENCES[:2], SENTENCES[:3])
+
+
 def test_related_pair_scores_higher_than_unrelated(minilm):
     a, b, c = vectors(minilm.embed(["A man is eating food.", "A man is eating a piece of bread.",
                                     "A monkey is playing drums."]))

@@ -222,6 +222,8 @@ BAD_REQUESTS = [
                                                             {"role": "assistant", "tool_calls": calls}]}, 400,
        "tool_calls") for calls in ("x", ["x"], [{"function": "f"}], 5, [{"function": {"name": "f", "arguments": 1}}])],
     ("/v1/embeddings", {"model": MODEL, "input": "x"}, 400, "embed"),
+    ("/v1/score", {"model": MODEL, "text_1": "x", "text_2": "y"}, 400, "embedding model (e.g. --task embed) for /v1/score"),
+    ("/rerank", {"model": MODEL, "query": "x", "documents": ["y"]}, 400, "embedding model (e.g. --task embed) for /rerank"),
     ("/detokenize", {"model": MODEL, "tokens": [-5]}, 400, "out of range"),
     *[(path, {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
               "continue_final_message": True, "add_generation_prompt": True}, 400, "add_generation_prompt to false")

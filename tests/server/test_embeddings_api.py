@@ -132,6 +132,54 @@ def test_normalize_false_returns_the_pooled_vector(server):
     np.testing.assert_allclose(explicit, default, atol=0)
 
 
+def st_cosines(pairs: list[tuple[str, str]]) -> list[float]:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(packaged_model("all-minilm-l6-v2")), device="cpu")
+    a = model.encode([p[0] for p in pairs], convert_to_numpy=True).astype(np.float64)
+    b = model.encode([p[1] for p in pairs], convert_to_numpy=True).astype(np.float64)
+    return ((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).tolist()
+
+
+def test_score_and_rerank_are_cosine_similarities(server):
+    """vLLM's /score and /rerank on an embedding model, against sentence-transformers' vectors."""
+    query = "What is the capital of France?"
+    score = httpx.post(f"{server.url}/score", json={"model": MODEL, "text_1": query, "text_2": SENTENCES},
+                       timeout=60).json()
+    expected = st_cosines([(query, s) for s in SENTENCES])
+    assert [d["index"] for d in score["data"]] == list(range(5)) and score["data"][0]["object"] == "score"
+    np.testing.assert_allclose([d["score"] for d in score["data"]], expected, atol=1e-4)
+    paired = httpx.post(f"{server.url}/v1/score", json={"queries": SENTENCES[:2], "documents": SENTENCES[2:4]},
+                        timeout=60).json()
+    np.testing.assert_allclose([d["score"] for d in paired["data"]], st_cosines(list(zip(SENTENCES[:2],
+                                                                                          SENTENCES[2:4]))), atol=1e-4)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        rerank = httpx.post(f"{server.url}{path}", json={"model": MODEL, "query": query, "top_n": 3,
+                                                         "documents": SENTENCES[:4] + [{"text": SENTENCES[4]}]},
+                            timeout=60).json()
+        best = sorted(range(5), key=lambda i: expected[i], reverse=True)[:3]
+        assert [r["index"] for r in rerank["results"]] == best, path
+        assert [r["document"]["text"] for r in rerank["results"]] == [SENTENCES[i] for i in best]
+        np.testing.assert_allclose([r["relevance_score"] for r in rerank["results"]], [expected[i] for i in best],
+                                   atol=1e-4)
+        assert rerank["usage"]["prompt_tokens"] == score["usage"]["prompt_tokens"]  # the query embedded once
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
+    ("/score", {"text_1": "a"}, "text_2"),
+    ("/score", {"text_1": "a", "text_2": "b", "documents": ["c"]}, "text_1"),
+    ("/score", {"text_1": "a", "text_2": [""]}, "text_2"),
+    ("/rerank", {"query": "a", "documents": []}, "documents"),
+    ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+    ("/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),
+])
+def test_score_and_rerank_bad_requests(server, path, body, param):
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
 def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError, match="completions"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])

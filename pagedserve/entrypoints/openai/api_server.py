@@ -38,7 +38,7 @@ from pagedserve.engine.startup import PHASES, StartupTracker
 from pagedserve.entrypoints.openai.errors import APIError, error_body, install_error_handlers
 from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                    EmbeddingRequest, TokenizeRequest)
+                                                    EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest)
 from pagedserve.entrypoints.openai.serving import OpenAIServing
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.memory.pressure import RETRY_AFTER_S, MemoryPressure, memory_pressure_for
@@ -111,7 +111,7 @@ class ServerState:
             return serving
         if task == "embed":
             raise InvalidRequestError("this model serves text generation, not embeddings; start an embedding model "
-                                      "(e.g. --task embed) for /v1/embeddings", param="model")
+                                      f"(e.g. --task embed) for {path}", param="model")
         raise InvalidRequestError(f"this model serves embeddings, not text generation: {path} is not available; "
                                   "use /v1/embeddings (or start a generative model for completions and chat)",
                                   param="model")
@@ -354,6 +354,19 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Any:
         return await state.serving_for("embed", "/v1/embeddings", body.model).create_embedding(body, raw)
+
+    async def score(body: ScoreRequest, raw: Request) -> Any:
+        path = raw.url.path.removeprefix(raw.scope.get("root_path", "").rstrip("/"))
+        return await state.serving_for("embed", path, body.model).create_score(body, raw)
+
+    async def rerank(body: RerankRequest, raw: Request) -> Any:
+        path = raw.url.path.removeprefix(raw.scope.get("root_path", "").rstrip("/"))
+        return await state.serving_for("embed", path, body.model).create_rerank(body, raw)
+
+    for path in ("/score", "/v1/score"):  # vLLM's
+        app.post(path)(score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):  # vLLM's (Jina's and Cohere's shape)
+        app.post(path)(rerank)
 
     routes = {"messages": (ChatCompletionRequest, chat), "prompt": (CompletionRequest, completions),
               "input": (EmbeddingRequest, embeddings)}

@@ -247,3 +247,52 @@ class EmbeddingRequest(BaseModel):
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None  # vLLM's: None is the model's own choice
     user: str | None = None
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's /score: text_1 (one text, or as many as text_2) against text_2; also its newer names queries and
+    documents. Embedding models score a pair by cosine similarity."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+    def sides(self) -> tuple[list[str], list[str], tuple[str, str]]:
+        """(left texts, right texts, their field names); a 400 for a missing side or mixed names."""
+        if self.queries is not None or self.documents is not None:
+            if self.text_1 is not None or self.text_2 is not None:
+                raise InvalidRequestError("give text_1 and text_2, or queries and documents, not both", param="text_1")
+            left, right, names = self.queries, self.documents, ("queries", "documents")
+        else:
+            left, right, names = self.text_1, self.text_2, ("text_1", "text_2")
+        for value, name in zip((left, right), names):
+            if value is None:
+                raise InvalidRequestError(f"{name} is required", param=name)
+        return ([left] if isinstance(left, str) else list(left), [right] if isinstance(right, str) else list(right),
+                names)
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """vLLM's /rerank (Jina's and Cohere's shape): the documents ranked by their score against the query."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int = Field(default=0, ge=0)  # 0: every document
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+    def document_texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]

@@ -19,11 +19,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagedserve.engine.prompt_checks import check_pooling_prompt
-from pagedserve.entrypoints.openai.protocol import EmbeddingRequest
+from pagedserve.entrypoints.openai.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedserve.entrypoints.openai.serving import OpenAIServing, _merge, _Prompt, consume_unless_disconnected
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.outputs import PoolingRequestOutput
 from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
+from pagedserve.scoring import check_pairs, cosine_scores
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
@@ -41,48 +42,95 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_model(req.model)
         params = self._pooling_params(req)
         prompts = await self._embedding_prompts(req.input, params.truncate_prompt_tokens)
-        vocab_size = self.engine.engine.config.model.hf_config.vocab_size
-        for index, prompt in enumerate(prompts):
-            check_pooling_prompt(prompt.token_ids, self.max_model_len, vocab_size, label=f"input {index}")
         request_id = f"embd-{uuid.uuid4().hex}"
-        arrival = time.monotonic()
-        streams = _merge([self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
-                                               params, arrival)
-                          for i, p in enumerate(prompts)])
-        outputs = await _gather(streams, raw, len(prompts))
-        data = [{"object": "embedding", "index": i, "embedding": encode_embedding(o.outputs.embedding,
-                                                                                  req.encoding_format)}
-                for i, o in enumerate(outputs)]
+        vectors = await self._embed(request_id, prompts, params, raw, "input")
+        data = [{"object": "embedding", "index": i, "embedding": encode_embedding(vector, req.encoding_format)}
+                for i, vector in enumerate(vectors)]
         num_prompt = sum(len(p.token_ids) for p in prompts)
         return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
                              "model": self.served_model_names[0], "data": data,
                              "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})
 
+    async def create_score(self, req: ScoreRequest, raw: Request) -> JSONResponse:
+        """vLLM's /score for an embedding model: each pair's cosine similarity (scoring.py's pairing rule)."""
+        self.check_model(req.model)
+        left, right, names = req.sides()
+        check_pairs(left, right, names)
+        request_id = f"score-{uuid.uuid4().hex}"
+        scores, num_prompt = await self._scores(request_id, left, right, names, req.truncate_prompt_tokens, raw)
+        return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
+                             "model": self.served_model_names[0],
+                             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                             "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})
+
+    async def create_rerank(self, req: RerankRequest, raw: Request) -> JSONResponse:
+        """vLLM's /rerank for an embedding model: documents by cosine similarity to the query, best first,
+        the first top_n (0: all)."""
+        self.check_model(req.model)
+        documents = req.document_texts()
+        check_pairs([req.query], documents, ("query", "documents"))
+        request_id = f"rerank-{uuid.uuid4().hex}"
+        scores, num_prompt = await self._scores(request_id, [req.query], documents, ("query", "documents"),
+                                                req.truncate_prompt_tokens, raw)
+        order = sorted(range(len(documents)), key=lambda i: scores[i], reverse=True)
+        results = [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]}
+                   for i in order[:req.top_n or len(order)]]
+        return JSONResponse({"id": request_id, "model": self.served_model_names[0], "results": results,
+                             "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})
+
+    async def _scores(self, request_id: str, left: list[str], right: list[str], names: tuple[str, str],
+                      truncate_prompt_tokens: int | None, raw: Request) -> tuple[list[float], int]:
+        """Cosine scores of the pairs, embedded in one batch, and the prompt tokens embedded."""
+        for texts, name in zip((left, right), names):
+            if not all(isinstance(t, str) and t for t in texts):
+                raise InvalidRequestError(f"{name}: every text must be a non-empty string", param=name)
+        k = self._checked_truncation(truncate_prompt_tokens)
+        params = PoolingParams(truncate_prompt_tokens=k)  # InvalidRequestError -> 400
+        prompts = await self._embedding_prompts(left + right, k, names[1])
+        vectors = await self._embed(request_id, prompts, params, raw, names[0])
+        return cosine_scores(vectors[:len(left)], vectors[len(left):]), sum(len(p.token_ids) for p in prompts)
+
+    async def _embed(self, request_id: str, prompts: list[_Prompt], params: PoolingParams, raw: Request,
+                     label: str) -> list[list[float]]:
+        """Each prompt's vector, in order: one engine request per prompt, batched with every other request."""
+        vocab_size = self.engine.engine.config.model.hf_config.vocab_size
+        for index, prompt in enumerate(prompts):
+            check_pooling_prompt(prompt.token_ids, self.max_model_len, vocab_size, label=f"{label} {index}")
+        arrival = time.monotonic()
+        streams = _merge([self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
+                                               params, arrival)
+                          for i, p in enumerate(prompts)])
+        return [o.outputs.embedding for o in await _gather(streams, raw, len(prompts))]
+
     def _pooling_params(self, req: EmbeddingRequest) -> PoolingParams:
-        k = req.truncate_prompt_tokens
-        if k is not None and k > self.max_model_len:
-            raise InvalidRequestError(f"truncate_prompt_tokens {k} exceeds this model's maximum context length of "
-                                      f"{self.max_model_len} tokens", param="truncate_prompt_tokens")
+        k = self._checked_truncation(req.truncate_prompt_tokens)
         params = PoolingParams(dimensions=req.dimensions, truncate_prompt_tokens=k,  # InvalidRequestError -> 400
                                normalize=req.normalize)
         self.engine.engine.validate_dimensions(req.dimensions)  # reads the frozen config only
         return params
 
-    async def _embedding_prompts(self, value: Any, truncate_prompt_tokens: int | None) -> list[_Prompt]:
+    def _checked_truncation(self, k: int | None) -> int | None:
+        if k is not None and k > self.max_model_len:
+            raise InvalidRequestError(f"truncate_prompt_tokens {k} exceeds this model's maximum context length of "
+                                      f"{self.max_model_len} tokens", param="truncate_prompt_tokens")
+        return k
+
+    async def _embedding_prompts(self, value: Any, truncate_prompt_tokens: int | None, name: str = "input"
+                                 ) -> list[_Prompt]:
         """str | list[str] | list[int] | list[list[int]] -> one prompt per input (token ids truncated if asked)."""
         if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
             value = [value]  # one input
         if not value:
-            raise InvalidRequestError("input must not be empty", param="input")
+            raise InvalidRequestError(f"{name} must not be empty", param=name)
         # Each input is one engine request: past the queue bound a request could never be admitted whole.
         limit = min(MAX_INPUTS, self.engine.capacity)
         if len(value) > limit:
-            raise InvalidRequestError(f"input has {len(value)} items; this server takes at most {limit} per request "
+            raise InvalidRequestError(f"{name} has {len(value)} items; this server takes at most {limit} per request "
                                       "(OpenAI's limit is 2048; --max-waiting-requests and --max-num-seqs bound it "
-                                      "here)", param="input")
+                                      "here)", param=name)
         if any(len(item) == 0 for item in value):
-            raise InvalidRequestError("input must not contain an empty string or an empty list of tokens",
-                                      param="input")
+            raise InvalidRequestError(f"{name} must not contain an empty string or an empty list of tokens",
+                                      param=name)
         texts = [v for v in value if isinstance(v, str)]
         encoded = iter(await self.in_tokenizer_pool(self._tokenize_texts, texts, truncate_prompt_tokens) if texts else [])
         prompts = []
