@@ -2,8 +2,8 @@
 requests run through the server's own routes, in-process (vLLM's `vllm run-batch`).
 
 Each input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
-"/v1/embeddings", "body": {...}}; each output line, in input order, is {"id", "custom_id", "response":
-{"status_code", "request_id", "body"}, "error"}: the body the server would have answered, errors included (a
+"/v1/embeddings" | "/v1/score" | "/v1/rerank", "body": {...}}; each output line, in input order, is {"id",
+"custom_id", "response": {"status_code", "request_id", "body"}, "error"}: the body the server would have answered, errors included (a
 line that is not a request gets status 400 and an `error`). The requests go to the app through httpx's ASGI
 transport, so a batch gets exactly what the HTTP API gives, with every request in one continuous batch (at most
 --max-concurrency in flight).
@@ -25,7 +25,7 @@ from typing import Any
 from pagedserve.cli.common import USER_FACING_ERRORS, apply_thread_args, fail, setup_logging
 from pagedserve.config import json_object
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")  # vLLM's
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -45,6 +45,27 @@ def test_a_batch_file_gets_one_answer_per_line_in_order(tiny_model_dir, tmp_path
     assert len({line["id"] for line in lines}) == 8
 
 
+def test_embedding_score_and_rerank_lines(tmp_path):
+    from tests.models.real_models import packaged_model
+
+    requests = [
+        {"custom_id": "emb", "url": "/v1/embeddings", "body": {"input": ["a cat", "a dog"]}},
+        {"custom_id": "score", "url": "/v1/score", "body": {"text_1": "a cat", "text_2": ["a cat", "a dog"]}},
+        {"custom_id": "rerank", "url": "/v1/rerank", "body": {"query": "a cat", "documents": ["stocks", "a cat"]}},
+    ]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(source), "-o", str(target),
+                          str(packaged_model("all-minilm-l6-v2"))], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    emb, score, rerank = (json.loads(line)["response"] for line in target.read_text().splitlines())
+    assert [r["status_code"] for r in (emb, score, rerank)] == [200, 200, 200]
+    assert len(emb["body"]["data"]) == 2
+    scores = [d["score"] for d in score["body"]["data"]]
+    assert abs(scores[0] - 1.0) < 1e-5 and scores[1] < scores[0]
+    assert [r["index"] for r in rerank["body"]["results"]] == [1, 0]
+
+
 def test_a_line_the_server_fails_on_is_a_500_line_and_the_rest_run():
     """A fault in the app while it answers one line (an exception out of a route) is that line's 500, with the
     other lines answered: it ended the whole batch, with no output file, before."""
