@@ -322,6 +322,9 @@ def check_port(port: int, host: str = "0.0.0.0") -> CheckResult:
             if exc.errno == errno.EADDRINUSE:
                 return CheckResult("port", FAIL, f"port {port} is in use{_port_owner(port)}",
                                    f"stop that process (ss -ltnp 'sport = :{port}') or pass --port N")
+            if isinstance(exc, socket.gaierror):
+                return CheckResult("port", FAIL, f"--host {host!r} is not an address of this machine: {exc.strerror}",
+                                   "give an IP address or name this machine has (127.0.0.1, 0.0.0.0, ...)")
             return CheckResult("port", FAIL, f"cannot bind {host}:{port}: {exc.strerror}",
                                "pick a port above 1024 or run with the needed privileges")
     return CheckResult("port", PASS, f"port {port} is free")
@@ -365,9 +368,10 @@ def check_bytecode(package_dir: Path | None = None, dont_write: bool | None = No
 # ----------------------------------------------------------------------------------------------- command
 
 
-def default_checks(model: str | None, port: int, engine_args: EngineArgs | None = None
-                   ) -> list[Callable[[], CheckResult | None]]:
-    """The checks `pagedserve doctor` runs, in order (the memory plan with `engine_args`: serve's flags)."""
+def default_checks(model: str | None, port: int, engine_args: EngineArgs | None = None, host: str = "0.0.0.0",
+                   uds: str | None = None) -> list[Callable[[], CheckResult | None]]:
+    """The checks `pagedserve doctor` runs, in order (the memory plan with `engine_args`: serve's flags; the
+    address serve would listen on: `host` and `port`, or the Unix socket `uds`)."""
     flags = probe.cpu_flags()
     available = probe.available_memory()
     checks: list[Callable[[], CheckResult | None]] = [
@@ -381,7 +385,8 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
         check_open_files,
         check_bytecode,
         lambda: check_disk(envs.cache_dir()),
-        lambda: check_port(port),
+        (lambda: CheckResult("port", PASS, f"listens on the Unix socket {uds}")) if uds else
+        (lambda: check_port(port, host)),
     ]
     if model and not Path(model).expanduser().exists():
         from pagedserve.models.fetch import KNOWN_MODELS, cached_model
@@ -455,9 +460,11 @@ def run(args: argparse.Namespace) -> int:
 
     flags = check_flags(args)
     if flags is not None:  # the model's checks read the flags: they wait until these are fixed
-        return report([flags, *run_checks(default_checks(None, args.port))], args.json)
+        return report([flags, *run_checks(default_checks(None, args.port, host=args.host, uds=args.uds))],
+                      args.json)
     engine_args = engine_args_from_cli(args)  # serve's flags and environment variables, for the memory plan
-    return report(run_checks(default_checks(engine_args.model, args.port, engine_args)), args.json)
+    return report(run_checks(default_checks(engine_args.model, args.port, engine_args, args.host, args.uds)),
+                  args.json)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -68,13 +68,31 @@ def human_readable_int(value: str) -> int:
     return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
 
 
+def _with_default(help_text: str, default: Any) -> str:
+    """The help with its default appended, unless the text already says it or there is none to say."""
+    if "default" in help_text or default is None or default is dataclasses.MISSING:
+        return help_text
+    if isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif isinstance(default, (list, tuple)):
+        if not default:
+            return help_text
+        shown = " ".join(str(v) for v in default)
+    elif isinstance(default, str) and not default:
+        return help_text
+    else:
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+    note = f"(default: {shown.replace('%', '%%')})"
+    return f"{help_text[:-1]} {note}." if help_text.endswith(".") else f"{help_text} {note}"
+
+
 def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     """`--name-of-field` (and the field's aliases), typed and documented by the dataclass field: a bool is
     --x/--no-x; choices=(...) in the metadata limits the values; nargs="+" takes a list; size=True takes 32k or
     32K as vLLM does (human_readable_int); hidden=True leaves it out of --help."""
     meta = f.metadata
     flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
-    help_text = argparse.SUPPRESS if meta.get("hidden") else meta["help"]
+    help_text = argparse.SUPPRESS if meta.get("hidden") else _with_default(meta["help"], f.default)
     if f.type in ("bool", bool):
         parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         return
@@ -116,13 +134,15 @@ class EngineArgs(FlagArgs):
                                         default=SchedulerConfig.enable_chunked_prefill)
     gpu_memory_utilization: float | None = setting(
         f"Fraction of device memory the engine may use (default {DEFAULT_MEMORY_FRACTION:g}). On a CPU, when given, the fraction of "
-        "available RAM the engine may fill, its KV cache taking what the rest leaves (vLLM's GPU meaning); "
+        "available RAM the engine may fill, its KV cache taking what the rest leaves (vLLM's GPU meaning), up to "
+        "max_num_seqs x max_model_len tokens; "
         "unset, the CPU KV cache follows the shared-box default: max_num_seqs x max_model_len tokens, at most "
         "25%% of the available RAM.")
     kv_cache_memory: int | None = setting("Bytes of KV cache, e.g. 2G (overrides the fraction and the CPU default; "
                                        "on CPU also set by VLLM_CPU_KVCACHE_SPACE in GiB).", size=True,
                                        aliases=("--kv-cache-memory-bytes",))
-    num_gpu_blocks_override: int | None = setting("Exact number of KV blocks (testing).")
+    num_gpu_blocks_override: int | None = setting("Exact number of KV blocks, one of which is reserved (vLLM's null "
+                                                  "block): N holds N - 1 blocks of tokens (testing).")
     kv_cache_dtype: str = setting("KV cache dtype: auto (= model dtype), fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit "
                                 "K/V with a scale per token and head, about half the memory.",
                                 default=CacheConfig.kv_cache_dtype)

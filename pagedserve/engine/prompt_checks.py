@@ -29,12 +29,18 @@ def check_not_empty(prompt_ids: Sequence[int]) -> None:
 
 
 def generation_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                          param: str = "max_tokens") -> int:
+                          param: str = "max_tokens", prompt_param: str = "prompt") -> int:
     """How many tokens a generation request may produce: `max_tokens`, or what the context leaves when it is
     None. 400 when max_tokens < 1 or when the prompt with max_tokens (at least one token) passes
-    max_model_len. `param` is the field the client set (max_tokens or max_completion_tokens)."""
+    max_model_len, naming the prompt's field (`prompt_param`: prompt, or messages) when the prompt alone leaves
+    no room. `param` is the field the client set (max_tokens or max_completion_tokens)."""
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequestError(f"{param} must be at least 1, got {max_tokens}", param=param)
+    if num_prompt_tokens >= max_model_len:
+        verb = "are" if prompt_param.endswith("s") else "is"
+        raise InvalidRequestError(f"This model's maximum context length is {max_model_len} tokens. However, the "
+                                  f"{prompt_param} {verb} {num_prompt_tokens} tokens long, which leaves no room for "
+                                  f"the completion. Please reduce the {prompt_param}.", param=prompt_param)
     total = num_prompt_tokens + (max_tokens or 1)
     if total > max_model_len:
         raise InvalidRequestError(f"This model's maximum context length is {max_model_len} tokens. However, "

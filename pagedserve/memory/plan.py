@@ -444,6 +444,15 @@ def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, .
         if kv_bytes:
             fitting("--kv-cache-memory", str(kv_bytes), shape, replace(request, kv_cache_bytes=kv_bytes),
                     note=f"{_gib(kv_bytes)}; VLLM_CPU_KVCACHE_SPACE={kv_bytes / GIB:.2f}")
+    if request.memory_fraction < DEFAULT_MEMORY_FRACTION:
+        # The smallest fraction, in hundredths, up to the default, that lets the plan fit.
+        for hundredths in range(math.floor(request.memory_fraction * 100) + 1,
+                                round(DEFAULT_MEMORY_FRACTION * 100) + 1):
+            raised = replace(request, memory_fraction=hundredths / 100)
+            if _plan(shape, raised).fits:
+                fitting("--gpu-memory-utilization", f"{hundredths / 100:.2f}", shape, raised,
+                        note="the share of the available memory the server may use")
+                break
     if request.dtype_bytes == 4:
         half = replace(shape, weight_bytes=shape.weight_bytes // 2)
         kv = 2 if request.kv_dtype_bytes == 4 else request.kv_dtype_bytes
@@ -473,7 +482,9 @@ def format_plan_table(plan: MemoryPlan) -> str:
     )
     act = plan.activations
     rows = [
-        ("weights", plan.weight_bytes, f"{shape.num_layers} layers, {request.dtype_bytes} B/param"),
+        ("weights", plan.weight_bytes, f"{shape.num_layers} layers, " + (
+            f"{request.quantization} linear layers, {request.dtype_bytes} B/param elsewhere" if request.quantization
+            else f"{request.dtype_bytes} B/param")),
         ("KV cache", plan.kv_pool_bytes, kv_detail),
         ("activations", plan.activation_bytes,
          f"{request.max_num_batched_tokens} batched tokens: hidden {act.hidden / MIB:.0f} MiB, attention"

@@ -201,6 +201,12 @@ def test_requests_are_logged_with_their_prompt_cut_to_max_log_len(server, http):
     line = next(line for line in server.log().splitlines() if "Received request cmpl-logme" in line)
     assert "prompt: 'A prompt lon', params: SamplingParams(" in line and "max_tokens=2" in line
     assert "tokens)" in line
+    # A chat request logs its rendered prompt (it was None), cut the same way.
+    http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}],
+                                            "max_tokens": 2, "request_id": "logchat"})
+    line = next(line for line in server.log().splitlines() if "Received request chatcmpl-logchat" in line)
+    prompt = line.split("prompt: ", 1)[1].split(", params:", 1)[0]
+    assert prompt != "None" and len(eval(prompt)) > 0, line  # noqa: S307 - a repr() from our own log
 
 
 def test_usage_says_how_many_prompt_tokens_the_prefix_cache_served(http):

@@ -150,6 +150,17 @@ def test_port_in_use_fails() -> None:
     assert doctor.check_port(port).status == PASS
 
 
+def test_doctor_checks_serve_s_own_address(tmp_path):
+    """--host that is no address here FAILs (serve exited 3 on it while doctor passed); with --uds there is no
+    TCP port to check."""
+    bad = doctor.check_port(8000, "256.1.1.1")
+    assert bad.status == FAIL and "--host '256.1.1.1'" in bad.detail
+    assert doctor.check_port(0, "127.0.0.1").status == PASS
+    uds = str(tmp_path / "s.sock")
+    results = [r for r in (c() for c in doctor.default_checks(None, 8000, uds=uds)) if r and r.name == "port"]
+    assert [r.detail for r in results] == [f"listens on the Unix socket {uds}"]
+
+
 def write_safetensors(path: Path, num_floats: int, truncate_by: int = 0) -> None:
     header = json.dumps({"w": {"dtype": "F32", "shape": [num_floats], "data_offsets": [0, 4 * num_floats]}})
     raw = header.encode()

@@ -140,6 +140,9 @@ def test_does_not_fit_with_shortfall_and_suggestions() -> None:
     # blocks of 2560; its gather costs 9 B per element: 2 x 64 x 2 x 16 x 9 = 36864 -> activations 177280,
     # fixed 1571968, left 10532 -> 4 blocks, one sequence.
     assert found["--kv-cache-dtype"] == ("fp8", 1571968 + 4 * 2560)
+    # A fraction of 0.5 leaves 1582500 of 3165000 bytes; 0.51 gives 1614150, enough (the shortfall is 1756).
+    assert found["--gpu-memory-utilization"][0] == "0.51"
+    assert make_plan(TINY, replace(request(budget_bytes=1582500), memory_fraction=0.51)).fits
     # Only options the engine supports are suggested.
     plain = make_plan(TINY, request(budget_bytes=1582500), quantizations=(), kv_cache_dtypes=())
     assert {s.flag for s in plain.suggestions} == set(found) - {"--quantization", "--kv-cache-dtype"}

@@ -18,8 +18,11 @@ def _error(fn, *args, **kwargs) -> InvalidRequestError:
 def test_generation_prompt_rules():
     assert _error(check_generation_prompt, [], 16, 100).param == "prompt"
     check_generation_prompt([1] * 15, 16, 100)  # room for one output token
-    long = _error(check_generation_prompt, [1] * 16, 16, 100)
-    assert long.param == "max_tokens" and "maximum context length is 16 tokens" in str(long)
+    long = _error(check_generation_prompt, [1] * 16, 16, 100)  # the prompt alone leaves no room: its field
+    assert long.param == "prompt" and "maximum context length is 16 tokens" in str(long)
+    assert "the prompt is 16 tokens long" in str(long)
+    chat = _error(generation_max_tokens, 20, 5, 16, "max_tokens", "messages")
+    assert chat.param == "messages" and "the messages are 20 tokens long" in str(chat)
     bad = _error(check_generation_prompt, [1, 100], 16, 100)
     assert (bad.param, str(bad)) == ("prompt", "prompt: token id 100 is out of range [0, 100)")
 

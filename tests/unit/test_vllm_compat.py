@@ -171,3 +171,18 @@ def test_tls_ciphers_reach_uvicorn(tmp_path):
     assert options.uvicorn_tls()["ssl_ciphers"] == "ECDHE+AESGCM"
     assert "ssl_ciphers" not in ServeOptions.from_cli_args(parse(f"serve m --ssl-keyfile {key} --ssl-certfile {crt}"),
                                                            limits=RequestLimits()).uvicorn_tls()
+
+
+def test_access_log_filter_drops_named_paths_with_or_without_the_root_path():
+    import logging
+
+    from pagedserve.entrypoints.openai.api_server import _SkipPaths
+
+    def kept(path: str, root_path: str = "") -> bool:
+        record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                   ("127.0.0.1:5", "GET", path, "1.1", 200), None)
+        return _SkipPaths({"/health", "/metrics"}, root_path).filter(record)
+
+    assert not kept("/health") and not kept("/metrics?x=1") and kept("/v1/models")
+    assert not kept("/llm/health", "/llm") and not kept("/health", "/llm/") and kept("/llm/v1/models", "/llm")
+    assert kept("/llm/health")  # without --root-path, /llm/health is another path

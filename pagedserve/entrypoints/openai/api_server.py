@@ -547,22 +547,26 @@ def log_startup_failure(exc: BaseException, phase: str | None = None) -> None:
 
 
 class _SkipPaths(logging.Filter):
-    """uvicorn's access-log records of the paths --disable-access-log-for-endpoints names are dropped."""
+    """uvicorn's access-log records of the paths --disable-access-log-for-endpoints names are dropped, with or
+    without the --root-path prefix (a proxy may keep it or strip it)."""
 
-    def __init__(self, paths: set[str]) -> None:
+    def __init__(self, paths: set[str], root_path: str = "") -> None:
         super().__init__()
         self.paths = paths
+        self.root_path = root_path.rstrip("/")
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         path = str(args[2]).split("?", 1)[0] if len(args) > 2 else ""  # (client, method, path, version, status)
+        if self.root_path and path.startswith(self.root_path + "/"):
+            path = path[len(self.root_path):]
         return path not in self.paths
 
 
-def _quiet_access_log(endpoints: str | None) -> None:
+def _quiet_access_log(endpoints: str | None, root_path: str = "") -> None:
     paths = {p.strip() for p in (endpoints or "").split(",") if p.strip()}
     if paths:
-        logging.getLogger("uvicorn.access").addFilter(_SkipPaths(paths))
+        logging.getLogger("uvicorn.access").addFilter(_SkipPaths(paths, root_path))
 
 
 def _hold_startup(path: str | None) -> None:
@@ -577,7 +581,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
 
     state = ServerState(startup)
     app = build_app(state, options)
-    _quiet_access_log(options.disable_access_log_for_endpoints)
+    _quiet_access_log(options.disable_access_log_for_endpoints, options.root_path)
     config = uvicorn.Config(app, host=options.host, port=options.port, uds=options.uds,
                             log_level=options.uvicorn_log_level,
                             timeout_graceful_shutdown=options.shutdown_grace_s,

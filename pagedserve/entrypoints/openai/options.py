@@ -28,8 +28,8 @@ class ServeOptions(FlagArgs):
                                               "(default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY).", nargs="+")
     max_request_body_bytes: int = setting("Larger request bodies get HTTP 413.", default=8 << 20)
     shutdown_grace_s: float = setting("On SIGTERM/SIGINT, seconds in-flight requests get to finish.", default=30.0)
-    uvicorn_log_level: str = setting("uvicorn's log level; at info and below it also writes the access log, a "
-                                  "line per request (vLLM's default level is info).", default="warning",
+    uvicorn_log_level: str = setting("uvicorn's log level (default: warning; vLLM's is info); at info and below "
+                                  "it also writes the access log, a line per request.", default="warning",
                                   choices=("critical", "error", "warning", "info", "debug", "trace"))
     disable_uvicorn_access_log: bool = setting("No access log, whatever --uvicorn-log-level.", default=False)
     disable_access_log_for_endpoints: str | None = setting("Paths the access log leaves out, comma-separated "
@@ -111,7 +111,7 @@ class ServeOptions(FlagArgs):
         """Where the server listens, for the log: unix:PATH or a URL."""
         if self.uds:
             return f"unix:{self.uds}"
-        return f"{'https' if self.ssl_keyfile else 'http'}://{self.host}:{self.port}"
+        return f"{'https' if self.ssl_keyfile else 'http'}://{self.host}:{self.port}{self.root_path}"
 
     @property
     def active_tool_call_parser(self) -> str | None:

@@ -117,10 +117,11 @@ class OpenAIServing:
             raise APIError(f"The model `{name}` does not exist. Available: {', '.join(self.served_model_names)}",
                            404, param="model", code="model_not_found")
 
-    def _max_tokens(self, prompt: _Prompt, requested: int | None, param: str = "max_tokens") -> int:
+    def _max_tokens(self, prompt: _Prompt, requested: int | None, param: str = "max_tokens",
+                    prompt_param: str = "prompt") -> int:
         """max_tokens for this prompt; 400 naming both numbers if prompt + max_tokens is too long."""
         check_not_empty(prompt.token_ids)
-        max_tokens = generation_max_tokens(len(prompt.token_ids), requested, self.max_model_len, param)
+        max_tokens = generation_max_tokens(len(prompt.token_ids), requested, self.max_model_len, param, prompt_param)
         default = self.default_sampling.get("max_tokens")  # the model's max_new_tokens (--generation-config)
         return min(max_tokens, default) if requested is None and default is not None else max_tokens
 
@@ -162,12 +163,20 @@ class OpenAIServing:
                                       f"prompts); the server takes at most {budget} per request "
                                       "(--max-request-tokens): lower n or max_tokens", param="max_tokens")
 
-    def _validate_for_engine(self, prompts: list[_Prompt], params_list: list[SamplingParams]) -> None:
-        """The engine's own checks (token ids vs vocabulary), run here so a stream starts only if they pass."""
+    def _validate_for_engine(self, prompts: list[_Prompt], params_list: list[SamplingParams],
+                             fields: dict[str, str] | None = None) -> None:
+        """The engine's own checks (token ids vs vocabulary), run here so a stream starts only if they pass.
+        `fields`: the request's name of an engine parameter where they differ (chat's top_logprobs)."""
         llm_engine = self.engine.engine
         for prompt, params in zip(prompts, params_list):
             llm_engine.validate_prompt(prompt.token_ids)
-            llm_engine.validate_token_params(params)
+            try:
+                llm_engine.validate_token_params(params)
+            except InvalidRequestError as exc:
+                name = (fields or {}).get(exc.param or "")
+                if name is None:
+                    raise
+                raise InvalidRequestError(exc.message.replace(exc.param, name, 1), param=name) from None
 
     async def _compile_grammars(self, params_list: list[SamplingParams]) -> None:
         """Compile the requests' grammars (on the compiler's worker thread) before anything is queued, so that a
@@ -321,9 +330,14 @@ class OpenAIServing:
         return usage
 
     def _log_request(self, request_id: str, prompt: _Prompt, params: SamplingParams) -> None:
-        """--enable-log-requests (vLLM's line), prompt text and token ids cut to --max-log-len."""
+        """--enable-log-requests (vLLM's line), prompt text and token ids cut to --max-log-len. A prompt without
+        text (a rendered chat, token ids) shows its tokens decoded, special tokens included."""
         limit = self.options.max_log_len
-        text = prompt.text if prompt.text is None or limit is None else prompt.text[:limit]
+        text = prompt.text
+        if text is None:
+            ids = prompt.token_ids if limit is None else prompt.token_ids[:limit]
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = text if limit is None else text[:limit]
         ids = prompt.token_ids if limit is None else prompt.token_ids[:limit]
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens)", request_id, text,
                     params, ids, len(prompt.token_ids))
@@ -516,7 +530,7 @@ class OpenAIServing:
         prompt = self._truncate(_Prompt(None, prompt_ids), req.truncate_prompt_tokens)
         prompt_ids = prompt.token_ids
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self._max_tokens(prompt, getattr(req, param), param)
+        max_tokens = self._max_tokens(prompt, getattr(req, param), param, "messages")
         self._check_limits(req, [prompt], [max_tokens])
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, logprobs, req.prompt_logprobs)
@@ -530,7 +544,7 @@ class OpenAIServing:
             params.structured_outputs = tool_choice.grammar
         if tool_choice is not None and tool_choice.mode == "auto":
             params.skip_special_tokens = False  # tool-call tags may be special tokens (Qwen's <tool_call>)
-        self._validate_for_engine([prompt], [params])
+        self._validate_for_engine([prompt], [params], {"logprobs": "top_logprobs"})
         request_id = self._request_id("chatcmpl", req)
         if req.use_beam_search:
             streams = self._start_beam_search(request_id, req, [prompt], [max_tokens], [params], logprobs)
