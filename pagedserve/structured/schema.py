@@ -32,12 +32,37 @@ SUBSCHEMAS = {"properties": "map", "$defs": "map", "definitions": "map", "additi
 NO_OP_VALUES = {"uniqueItems": False}
 # A `pattern` whose literal characters need escaping inside a JSON string: xgrammar writes literals as they are
 # (a quote, a backslash, a tab or newline unescaped: invalid JSON that ends with "stop"). Character classes are
-# safe (it keeps quotes and control characters out of them).
+# safe (it keeps quotes, backslashes and control characters out of them, `[^"\n]` and `[a-z"]` alike), so only
+# the pattern outside its classes is searched (_outside_classes).
 _UNESCAPED_LITERAL = re.compile(r'["\x00-\x1f]|\\\\|\\[nrtfv0]|\\x(?:[01][0-9a-fA-F]|22|5[cC])|'
                                 r'\\u(?:00[01][0-9a-fA-F]|0022|005[cC])')
 _RANGE_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
                      "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+
+
+def _outside_classes(pattern: str) -> str:
+    """The pattern with its character classes ([...], escapes and a leading ] inside them honoured) left out."""
+    out: list[str] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        char = pattern[i]
+        if char == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+        elif char == "[":
+            i += 1
+            if i < n and pattern[i] == "^":
+                i += 1
+            if i < n and pattern[i] == "]":  # a ] first in a class is a literal
+                i += 1
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        else:
+            out.append(char)
+            i += 1
+    return "".join(out)
 
 
 def check_json_schema(schema: Any, param: str, root: str = "#") -> None:
@@ -106,7 +131,7 @@ def _check_values(schema: dict, path: str, param: str) -> None:
         raise _unsupported(param, path, "'multipleOf' on a non-integer")
     if "multipleOf" in schema and any(key in schema for key in _RANGE_KEYWORDS):
         raise _unsupported(param, path, "'multipleOf' together with a minimum or maximum")
-    if isinstance(schema.get("pattern"), str) and _UNESCAPED_LITERAL.search(schema["pattern"]):
+    if isinstance(schema.get("pattern"), str) and _UNESCAPED_LITERAL.search(_outside_classes(schema["pattern"])):
         raise _unsupported(param, path, "a 'pattern' that writes a quote, a backslash or a control character "
                                         "(JSON strings escape them)")
     ref = schema.get("$ref")

@@ -44,6 +44,18 @@ def test_accepted_keywords_are_enforced_by_xgrammar(schema, bad, good):
     assert not accepts(grammar, bad)  # ... and enforced by the grammar
 
 
+@pytest.mark.parametrize("pattern", ['[a-z"]+', '[^"]+', "[^\\n]+", "[^\\\\]+", ".+"])
+def test_character_classes_never_write_what_json_escapes(pattern):
+    """Why a pattern's classes pass the literal check: xgrammar keeps quotes, backslashes and control characters
+    out of them (and of "."), so the string stays valid JSON."""
+    schema = {"type": "string", "pattern": pattern}
+    check_json_schema(schema, "response_format")
+    grammar = json_schema_grammar(schema, any_whitespace=True)
+    assert accepts(grammar, '"ab"')
+    for bad in ['"a"b"', '"a\\"b"', '"a\nb"', '"a\\nb"', '"a\\\\b"']:
+        assert not accepts(grammar, bad), bad
+
+
 def test_bounded_strings_refuse_control_characters_and_quotes(tiny_model_dir):
     from transformers import AutoTokenizer
 
