@@ -38,7 +38,8 @@ from pagedserve.engine.startup import PHASES, StartupTracker
 from pagedserve.entrypoints.openai.errors import APIError, error_body, install_error_handlers
 from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                    EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest)
+                                                    EmbeddingRequest, RerankRequest, ResponsesRequest, ScoreRequest,
+                                                    TokenizeRequest)
 from pagedserve.entrypoints.openai.serving import OpenAIServing
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.memory.pressure import RETRY_AFTER_S, MemoryPressure, memory_pressure_for
@@ -342,6 +343,17 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
         serving = state.serving_for("generate", "/v1/chat/completions", body.model)
         return await serving.create_chat_completion(body, raw)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Any:
+        from pagedserve.entrypoints.openai.serving_responses import ResponsesServing
+
+        return await ResponsesServing(state.serving_for("generate", "/v1/responses", body.model)).create(body, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Any:
+        raise APIError(f"no response {response_id!r}: responses are not stored here (each reply is returned "
+                       "once; send the conversation in the next request's input)", 404, param="response_id")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -296,3 +296,31 @@ class RerankRequest(BaseModel):
 
     def document_texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API (POST /v1/responses), as far as a text model can answer it; serving_responses.py
+    turns it into a chat request. Other fields pass through as the chat route's (vLLM's sampling extras)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    background: bool | None = None

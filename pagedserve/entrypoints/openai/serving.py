@@ -520,6 +520,36 @@ class OpenAIServing:
         return await self._tokenize(text, add_special_tokens=add_special_tokens)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        request_id, prompt, streams, tool_choice = await self.start_chat(req, "chatcmpl")
+        prompt_ids = prompt.token_ids
+        if req.stream:
+            return _sse(self._chat_stream(request_id, req, prompt, streams, tool_choice))
+        tally = _PromptTally()
+        finals = await _collect(streams, raw, 1, tally)
+        choices = []
+        named = tool_choice is not None and tool_choice.mode == "named"
+        for index, choice in sorted(finals[0].items()):
+            read = read_all(make_reader(tool_choice, self.tool_call_parser), choice.text)
+            message: dict[str, Any] = {"role": self.options.response_role, "content": read.content}
+            if read.calls:
+                message.update(content=read.content or None, tool_calls=read.calls)
+            choices.append({"index": index, "message": message,
+                            "logprobs": chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0,
+                                                      self.token_bytes, self._as_ids(req)) if req.logprobs else None,
+                            "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls), named),
+                            "stop_reason": choice.stop_reason})
+        num_completion = sum(len(c.token_ids) for c in finals[0].values())
+        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.served_model_names[0], "choices": choices,
+                "usage": self._usage(len(prompt_ids), num_completion, tally)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs.get(0, []))
+        return JSONResponse(body)
+
+    async def start_chat(self, req: ChatCompletionRequest, id_prefix: str
+                         ) -> tuple[str, _Prompt, AsyncIterator[tuple[int, RequestOutput]], ToolChoice | None]:
+        """Check, render and queue a chat request (400s before anything is queued): its request id, prompt,
+        output stream and tool choice. The chat route and the Responses API (serving_responses.py) answer it."""
         self.check_model(req.model)
         self._check_chat_fields(req)
         tool_choice = self._tool_choice(req)
@@ -545,35 +575,13 @@ class OpenAIServing:
         if tool_choice is not None and tool_choice.mode == "auto":
             params.skip_special_tokens = False  # tool-call tags may be special tokens (Qwen's <tool_call>)
         self._validate_for_engine([prompt], [params], {"logprobs": "top_logprobs"})
-        request_id = self._request_id("chatcmpl", req)
+        request_id = self._request_id(id_prefix, req)
         if req.use_beam_search:
             streams = self._start_beam_search(request_id, req, [prompt], [max_tokens], [params], logprobs)
         else:
             await self._compile_grammars([params])
             streams = self._start(request_id, [prompt], [params])
-        if req.stream:
-            return _sse(self._chat_stream(request_id, req, prompt, streams, tool_choice))
-        tally = _PromptTally()
-        finals = await _collect(streams, raw, 1, tally)
-        choices = []
-        named = tool_choice is not None and tool_choice.mode == "named"
-        for index, choice in sorted(finals[0].items()):
-            read = read_all(make_reader(tool_choice, self.tool_call_parser), choice.text)
-            message: dict[str, Any] = {"role": self.options.response_role, "content": read.content}
-            if read.calls:
-                message.update(content=read.content or None, tool_calls=read.calls)
-            choices.append({"index": index, "message": message,
-                            "logprobs": chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0,
-                                                      self.token_bytes, self._as_ids(req)) if req.logprobs else None,
-                            "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls), named),
-                            "stop_reason": choice.stop_reason})
-        num_completion = sum(len(c.token_ids) for c in finals[0].values())
-        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.served_model_names[0], "choices": choices,
-                "usage": self._usage(len(prompt_ids), num_completion, tally)}
-        if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs.get(0, []))
-        return JSONResponse(body)
+        return request_id, prompt, streams, tool_choice
 
     async def _chat_stream(self, request_id: str, req: ChatCompletionRequest, prompt: _Prompt,
                            streams: AsyncIterator[tuple[int, RequestOutput]], tool_choice: ToolChoice | None = None

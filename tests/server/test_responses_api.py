@@ -1,0 +1,123 @@
+"""POST /v1/responses (OpenAI's Responses API) through the official `openai` client, on a tiny random Llama:
+each answer equals the chat completion it is translated to (greedy, EOS ignored), streamed events add up to the
+non-streamed response, and what a stateless text server cannot do is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.server_utils import module_server, openai_client
+
+MODEL = "tiny"
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+                         "additionalProperties": False}}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    yield from module_server(tiny_model_dir("llama"), "--served-model-name", MODEL, "--max-model-len", "256",
+                             "--dtype", "float32", tmp_path_factory=tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server)
+
+
+def chat_text(client, messages, max_tokens, **kwargs):
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, **GREEDY, **kwargs)
+    return reply.choices[0].message, reply.usage
+
+
+def test_text_equals_the_chat_completion(client):
+    response = client.responses.create(model=MODEL, input="Hello there", instructions="Be brief.",
+                                       max_output_tokens=6, **GREEDY)
+    message, usage = chat_text(client, [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Hello there"}], 6)
+    assert response.output_text == message.content
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == MODEL
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (usage.prompt_tokens, 6)
+    assert response.output[0].type == "message" and response.output[0].role == "assistant"
+    parts = [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "there"}]
+    as_items = client.responses.create(model=MODEL, max_output_tokens=6, **GREEDY, input=[
+        {"role": "developer", "content": "Be brief."}, {"type": "message", "role": "user", "content": parts}])
+    message, _ = chat_text(client, [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Hello\nthere"}], 6)
+    assert as_items.output_text == message.content
+
+
+def test_stream_events_add_up_to_the_response(client):
+    with client.responses.stream(model=MODEL, input="Stream me", max_output_tokens=8, **GREEDY) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]  # max_output_tokens ended it, as OpenAI's stream says
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    plain = client.responses.create(model=MODEL, input="Stream me", max_output_tokens=8, **GREEDY)
+    assert deltas == final.output[0].content[0].text == plain.output_text
+    assert final.usage.output_tokens == plain.usage.output_tokens == 8
+    raw = httpx.post(f"{client.base_url}responses", json={"model": MODEL, "input": "x", "stream": True,
+                                                          "max_output_tokens": 200}).text
+    assert "event: response.completed" in raw or "event: response.incomplete" in raw
+
+
+def test_function_calls_and_their_outputs(client):
+    forced = client.responses.create(model=MODEL, input="Weather in Paris?", tools=TOOLS, max_output_tokens=60,
+                                     tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    call = forced.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    # The call and its output go back as input items: rendered as the chat route renders tool messages.
+    follow = client.responses.create(model=MODEL, tools=TOOLS, tool_choice="none", max_output_tokens=5, **GREEDY,
+                                     input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
+    message, _ = chat_text(client, [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}], 5, tools=chat_tools, tool_choice="none")
+    assert follow.output_text == message.content
+
+
+def test_text_format_json_schema(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    response = client.responses.create(model=MODEL, input="A number", max_output_tokens=80, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "num", "schema": schema}})
+    assert set(json.loads(response.output_text)) == {"n"}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": []}, "input"),
+    ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 400}, "max_output_tokens"),  # past --max-model-len
+])
+def test_what_cannot_be_honoured_is_a_400(server, body, param):
+    response = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def test_responses_are_not_stored(server):
+    response = httpx.get(f"{server.url}/v1/responses/resp_abc")
+    assert response.status_code == 404 and "not stored" in response.json()["error"]["message"]
