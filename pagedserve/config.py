@@ -64,7 +64,9 @@ class ModelConfig:
 
     @property
     def is_gguf(self) -> bool:
-        return self.model.endswith(".gguf")
+        from pagedserve.formats import is_gguf_path
+
+        return is_gguf_path(self.model)
 
 
 @dataclass(frozen=True)

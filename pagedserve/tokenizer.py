@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from pagedserve.chat_template import render_chat, select_template
 from pagedserve.exceptions import check_text
+from pagedserve.formats import is_gguf_path
 
 # transformers' named special tokens, in its order (SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -251,7 +252,7 @@ def as_transformers(tokenizer: Any) -> Any:
 def loads_without_transformers(path: str | Path) -> bool:
     """Whether engine/setup.py's load_tokenizer gives our Tokenizer for `path` (a GGUF, or a plain directory),
     from its files alone (the memory plan counts transformers' memory otherwise)."""
-    return str(path).endswith(".gguf") or _plain_tokenizer_files(Path(path)) is not None
+    return is_gguf_path(path) or _plain_tokenizer_files(Path(path)) is not None
 
 
 def _plain_tokenizer_files(path: Path) -> dict[str, Any] | None:

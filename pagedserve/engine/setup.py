@@ -29,6 +29,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.structured.params import StructuredOutputsConfig
 from pagedserve.worker.protocol import Runner
+from pagedserve.formats import is_gguf_path
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def load_tokenizer(path: str) -> Any:
     if not Path(path).exists():
         raise ModelValidationError(f"tokenizer {path!r} is not an existing directory or .gguf file (--tokenizer takes "
                                    "a local path; pagedserve does not download from model hubs)")
-    if path.endswith(".gguf"):
+    if is_gguf_path(path):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 
         return GGUFCheckpoint(path).build_tokenizer()

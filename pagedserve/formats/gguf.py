@@ -15,9 +15,9 @@ from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pagedserve.formats import GGUF_MAGIC
 from pagedserve.formats.errors import LOCAL_MODEL_HINT, REDOWNLOAD_HINT, ModelValidationError
 
-GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS: tuple[int, ...] = (2, 3)
 GGUF_DEFAULT_ALIGNMENT = 32
 
@@ -224,14 +224,6 @@ def truncated_gguf_error(path: Path, required: int, actual: int) -> ModelValidat
         f"GGUF file {path} is truncated: its tensors need at least {required:,} bytes but the file has "
         f"{actual:,} bytes ({required - actual:,} missing). {REDOWNLOAD_HINT}."
     )
-
-
-def is_gguf_file(path: Path) -> bool:
-    """True for a regular file that starts with the GGUF magic bytes."""
-    if not path.is_file():
-        return False
-    with open(path, "rb") as file:
-        return file.read(4) == GGUF_MAGIC
 
 
 # The header with string arrays (a 150k-token vocabulary and merges: ~0.2 s to parse) of the last file asked

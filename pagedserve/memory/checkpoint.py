@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.formats import is_gguf_path
 from pagedserve.formats.safetensors import (
     FLOAT_DTYPES,
     SAFETENSORS_DTYPE_BYTES,
@@ -72,7 +73,7 @@ class CheckpointInfo:
 def read_checkpoint_info(model_path: str | Path) -> CheckpointInfo:
     """Config and weight sizes of a Hugging Face directory or a .gguf file, from headers only."""
     path = str(model_path)
-    if path.endswith(".gguf"):
+    if is_gguf_path(path):
         from pagedserve.formats.gguf_hf import GGUFFile  # numpy and gguf: only for GGUF files
 
         checkpoint = GGUFFile(path)

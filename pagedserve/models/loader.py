@@ -19,6 +19,7 @@ from pagedserve.layers.skip_init import skip_init
 from pagedserve.models.registry import model_class
 from pagedserve.models.safetensors_mmap import iter_safetensors
 from pagedserve.platform import release_free_heap
+from pagedserve.formats import is_gguf_path
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def load_hf_config(model_path: str) -> Any:
     """transformers config for a model directory or a GGUF file."""
     from transformers import AutoConfig
 
-    if model_path.endswith(".gguf"):
+    if is_gguf_path(model_path):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 
         config_dict = GGUFCheckpoint(model_path).hf_config()
@@ -50,7 +51,7 @@ def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False, ker
     """The tensors of a directory or a GGUF file. With `int8`, a GGUF's block-quantized matmul weights come
     as QuantizedWeight (no bf16 copy on the way), requantized by `kernels` (the model's native kernels) where
     given; every GGUF tensor is decoded into memory of its own."""
-    if model_path.endswith(".gguf"):
+    if is_gguf_path(model_path):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(model_path)

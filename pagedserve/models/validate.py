@@ -15,8 +15,9 @@ from typing import Any
 from gguf.constants import GGMLQuantizationType
 
 from pagedserve.formats.errors import LOCAL_MODEL_HINT, ModelValidationError
-from pagedserve.formats.gguf import GGUFHeader, is_gguf_file, shared_gguf_header, truncated_gguf_error
+from pagedserve.formats.gguf import GGUFHeader, shared_gguf_header, truncated_gguf_error
 from pagedserve.formats.safetensors import read_safetensors_header, read_shard_index, safetensors_files, truncated_error
+from pagedserve.formats import is_gguf_path
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -263,7 +264,7 @@ def validate_model_path(path: str | Path, *, need_chat_template: bool = False) -
         raise ModelValidationError(f"Model path {path} does not exist. {LOCAL_MODEL_HINT}, or a known model name.")
     if path.is_dir():
         validate_hf_dir(path, need_chat_template=need_chat_template)
-    elif path.suffix == ".gguf" or is_gguf_file(path):
+    elif is_gguf_path(path):
         validate_gguf_file(path, need_chat_template=need_chat_template)
     else:
         raise ModelValidationError(f"{path} is neither a model directory nor a GGUF file. {LOCAL_MODEL_HINT}.")

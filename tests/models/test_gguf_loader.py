@@ -359,3 +359,26 @@ def test_the_memory_plan_reads_a_gguf_without_torch(models: dict, tmp_path: Path
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     num_params = sum(p.numel() for p in models["llama"].parameters())
     assert done.stdout.split() == ["LlamaForCausalLM", str(num_params * 4), "True"]  # and none of those imported
+
+
+def test_a_gguf_is_known_by_its_magic_not_its_name(models: dict, tmp_path: Path) -> None:
+    """Ollama keeps GGUFs as sha256-... blobs without a suffix; a file may also be NAME.GGUF. Both load and
+    generate exactly what the .gguf file does (they were taken for directories: config.json not found)."""
+    import shutil
+
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.formats import is_gguf_path
+
+    path = write_test_gguf(models["qwen2"], tmp_path / "m.gguf")
+    blob, upper = tmp_path / "sha256-0123abcd", tmp_path / "M.GGUF"
+    shutil.copy(path, blob)
+    shutil.copy(path, upper)
+    (tmp_path / "plain").write_bytes(b"not a model")
+    assert is_gguf_path(blob) and is_gguf_path(upper) and not is_gguf_path(tmp_path / "plain")
+    assert not is_gguf_path(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    expected = LLM(str(path), dtype="float32", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids
+    for other in (blob, upper):
+        got = LLM(str(other), dtype="float32", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids
+        assert got == expected, other
