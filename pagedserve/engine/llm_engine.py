@@ -51,7 +51,7 @@ class LLMEngine:
         self.runner = make_runner(config, startup.set_progress, self.eos_token_id)
         startup.enter("allocating_kv")
         self.runner.allocate_kv_cache()
-        self.extra_eos_token_ids = generation_config_eos_ids(config.model.model, self.eos_token_id)
+        self.extra_eos_token_ids = generation_config_eos_ids(config.model.model, self.eos_token_id, tokenizer)
         # The scheduler allocates from it; the engine reads its written blocks (RSS) and releases free pages.
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.faults = FaultInjector()  # armed after warm-up: injected faults are for requests, not start-up

@@ -71,11 +71,42 @@ def _generation_config(directory: str | Path) -> dict:
     return value
 
 
-def generation_config_eos_ids(model_path: str, eos_token_id: int | None) -> list[int]:
-    """EOS ids listed in generation_config.json beyond the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
-    value = _generation_config(model_path).get("eos_token_id")
-    ids = value if isinstance(value, list) else [value] if isinstance(value, int) else []
+def generation_config_eos_ids(model_path: str, eos_token_id: int | None, tokenizer: Any = None) -> list[int]:
+    """The tokens that end a generation beyond the tokenizer's EOS: generation_config.json's (e.g. Llama 3's
+    <|eot_id|>), or for a GGUF (which has no such file) what llama.cpp stops on (gguf_end_of_generation_ids)."""
+    if is_gguf_path(model_path):
+        ids = gguf_end_of_generation_ids(model_path, tokenizer) if tokenizer is not None else []
+    else:
+        value = _generation_config(model_path).get("eos_token_id")
+        ids = value if isinstance(value, list) else [value] if isinstance(value, int) else []
     return [i for i in ids if i != eos_token_id]
+
+
+# The end-of-turn tokens llama.cpp stops on by name when a GGUF's vocabulary has them as control tokens
+# (llama-vocab.cpp's end-of-generation list): a GGUF's eos is often the base model's <|endoftext|> or
+# <|end_of_text|>, and a chat reply ends with <|im_end|> or <|eot_id|>.
+GGUF_END_OF_GENERATION_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                                 "<|endoftext|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+
+
+def gguf_end_of_generation_ids(model_path: str, tokenizer: Any) -> list[int]:
+    """A GGUF's end-of-turn ids (tokenizer.ggml.eot_token_id, eom_token_id) and its control tokens named in
+    GGUF_END_OF_GENERATION_TOKENS, in id order."""
+    from pagedserve.formats.gguf import shared_gguf_header
+
+    metadata = shared_gguf_header(Path(model_path)).metadata
+    ids = {int(metadata[key]) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+           if isinstance(metadata.get(key), int)}
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    added = getattr(getattr(tokenizer, "backend_tokenizer", None), "get_added_tokens_decoder", None)
+    if added is not None:
+        special |= {i for i, token in added().items() if token.special}
+    for token in GGUF_END_OF_GENERATION_TOKENS:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id in special:
+            ids.add(token_id)
+    vocab_size = len(tokenizer)
+    return sorted(i for i in ids if 0 <= i < vocab_size)
 
 
 # generation_config.json's sampling fields -> SamplingParams' (vLLM's list; do_sample is not among them)

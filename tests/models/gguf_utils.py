@@ -109,7 +109,8 @@ def _add_hparams(writer: gguf.GGUFWriter, config: object) -> None:
             writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str) -> None:
+def _add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str, eos_token_id: int = 2,
+                   eot_token_id: int | None = None) -> None:
     tokens, types, merges = tiny_vocab(vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
@@ -117,7 +118,9 @@ def _add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, pre: str) -> None:
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer.add_eos_token_id(eos_token_id)
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
 
@@ -157,6 +160,8 @@ def write_test_gguf(
     qtype: QType = QType.F32,
     qtype_per_tensor: Mapping[str, QType] | None = None,
     tokenizer_pre: str = "smollm",
+    eos_token_id: int = 2,
+    eot_token_id: int | None = None,
 ) -> Path:
     """Write `model` (a transformers Llama/Qwen2/Qwen3 ForCausalLM) as a GGUF file.
 
@@ -167,7 +172,7 @@ def write_test_gguf(
     arch = config.model_type
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, config)
-    _add_tokenizer(writer, config.vocab_size, tokenizer_pre)
+    _add_tokenizer(writer, config.vocab_size, tokenizer_pre, eos_token_id, eot_token_id)
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -382,3 +382,20 @@ def test_a_gguf_is_known_by_its_magic_not_its_name(models: dict, tmp_path: Path)
     for other in (blob, upper):
         got = LLM(str(other), dtype="float32", max_model_len=64).generate(prompt, params)[0].outputs[0].token_ids
         assert got == expected, other
+
+
+@pytest.mark.parametrize("eot", [None, 2])
+def test_a_gguf_s_end_of_turn_tokens_end_a_generation(models: dict, tmp_path: Path, eot: int | None) -> None:
+    """llama.cpp's rule: besides tokenizer.ggml.eos_token_id, the eot/eom ids and the control tokens named as
+    end-of-turn tokens (here <|im_end|>, id 2, with the eos moved to <|endoftext|>, id 0) stop a generation; a
+    GGUF has no generation_config.json to list them (the reply ran to max_tokens)."""
+    from pagedserve import LLM, SamplingParams
+
+    path = write_test_gguf(models["qwen2"], tmp_path / "m.gguf", eos_token_id=0, eot_token_id=eot)
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    assert llm.engine.tokenizer.convert_ids_to_tokens([0, 2]) == ["<|endoftext|>", "<|im_end|>"]
+    assert llm.engine.eos_token_ids == {0, 2}
+    for token in (2, 0):
+        params = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={token: 100.0})
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason) == ([token], "stop"), token
