@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
-from pagedserve.exceptions import InvalidRequestError
+from pagedserve.exceptions import InvalidRequestError, check_text
 from pagedserve.structured.params import StructuredOutputsParams
 
 # Integers end up in int64 tensors (top_k, token ids) or torch.Generator seeds: beyond these they overflow.
@@ -135,6 +135,8 @@ class SamplingParams:
             if value is not None:
                 _check(value >= -1, name, f"must be >= 0, or -1 for the whole vocabulary, got {value}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        for text in self.stop:
+            check_text(text, "a stop string", param="stop")
         _check(all(isinstance(t, int) and 0 <= t <= MAX_INT64 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
         if self.allowed_token_ids is not None:
@@ -145,6 +147,7 @@ class SamplingParams:
         if self.cache_salt is not None:
             _check(isinstance(self.cache_salt, str) and self.cache_salt != "", "cache_salt",
                    "must be a non-empty string")
+            check_text(self.cache_salt, "cache_salt", param="cache_salt")  # hashed as UTF-8 by the block pool
         if self.logit_bias:
             _check(all(0 <= k <= MAX_INT64 for k in self.logit_bias), "logit_bias",
                    "keys must be token ids (non-negative integers)")

@@ -214,6 +214,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
      "surrogate"),
     ("/tokenize", b'{"model": "tiny", "prompt": "x\\ud800"}', 400, "surrogate"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}', 400, "surrogate"),  # was a 500 (its 404 text)
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": "\\ud800"}', 400,
+     "surrogate"),  # was a 500 from the block pool's hash
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', 400, "surrogate"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "chat_template": "{{ 'x' }}"}, 400, "--chat-template"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,

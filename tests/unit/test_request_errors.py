@@ -72,3 +72,13 @@ def test_dead_engine_answers_503_with_the_reason_everywhere():
                        ("/tokenize", {"prompt": "x"})]:
         response = client.post(path, json=body)
         assert response.status_code == 503 and "boom" in response.json()["error"]["message"]
+
+
+def test_an_error_quoting_a_lone_surrogate_can_still_be_sent():
+    import json
+
+    from pagedserve.entrypoints.openai.errors import error_response
+
+    response = error_response("The model `\ud800` does not exist", 404, param="\udfff")
+    body = json.loads(response.body)
+    assert body["error"]["message"] == "The model `\\ud800` does not exist" and body["error"]["param"] == "\\udfff"

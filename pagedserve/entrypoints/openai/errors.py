@@ -39,8 +39,17 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
           499: "ClientClosedRequest", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
+def _printable(text: str | None) -> str | None:
+    """Text that encodes as UTF-8: a client's lone surrogate quoted in a message is written as \\udXXX (a
+    message holding one could not be sent: a 500 instead of the error)."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None,
                request_id: str | None = None) -> dict:
+    message, param = _printable(message), _printable(param)
     error = {"message": message, "type": _TYPES.get(status) or HTTPStatus(status).phrase, "param": param,
              "code": code if code is not None else status}
     if request_id is not None:

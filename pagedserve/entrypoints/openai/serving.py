@@ -22,7 +22,7 @@ from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.prompt_checks import check_not_empty, check_token_ids, generation_max_tokens
 from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_error
-from pagedserve.exceptions import InvalidRequestError
+from pagedserve.exceptions import InvalidRequestError, check_text
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest, generation_prompt,
                                                     refused_field)
@@ -114,6 +114,7 @@ class OpenAIServing:
     # ---- shared checks ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_model_names:
+            check_text(name, "model", param="model")
             raise APIError(f"The model `{name}` does not exist. Available: {', '.join(self.served_model_names)}",
                            404, param="model", code="model_not_found")
 
