@@ -68,8 +68,12 @@ def _outside_classes(pattern: str) -> str:
 def check_json_schema(schema: Any, param: str, root: str = "#") -> None:
     """InvalidRequestError naming the problem: not a valid JSON schema, or a feature nothing enforces, at a path
     under `root` (a tool's parameters: "tools[0].function.parameters#")."""
-    _check_metaschema(schema, param, root)
-    _check_features(schema, root, param)
+    try:
+        _check_metaschema(schema, param, root)
+        _check_features(schema, root, param)
+    except RecursionError:  # jsonschema recurses per level: ~120 nested schemas were a 500
+        raise InvalidRequestError(f"{param}: the JSON schema is nested too deeply to check; flatten it (e.g. with "
+                                  "$defs and $ref)", param=param) from None
 
 
 def _check_metaschema(schema: Any, param: str, root: str = "#") -> None:
@@ -85,6 +89,23 @@ def _check_metaschema(schema: Any, param: str, root: str = "#") -> None:
         where = "/".join(str(p) for p in exc.path) or "(top level)"
         where = where if root == "#" else f"{root}/{where}"
         raise InvalidRequestError(f"{param}: invalid JSON schema at {where}: {exc.message}", param=param) from None
+
+
+def _check_pattern(pattern: str, path: str, param: str) -> None:
+    """A `pattern` the grammar enforces as written: no literal that JSON escapes (see _UNESCAPED_LITERAL), and
+    nothing xgrammar's regex parser refuses; its JSON-schema converter would drop a lookahead, a group flag or a
+    backreference with a log line and let strings through that break the pattern."""
+    if _UNESCAPED_LITERAL.search(_outside_classes(pattern)):
+        raise _unsupported(param, path, "a 'pattern' that writes a quote, a backslash or a control character "
+                                        "(JSON strings escape them)")
+    import xgrammar as xgr  # loaded for the compile that follows anyway
+
+    try:
+        xgr.Grammar.from_regex(pattern)
+    except Exception as exc:  # noqa: BLE001 - xgrammar's parser errors: the client's pattern
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = reason.rsplit(": ", 1)[-1]
+        raise _unsupported(param, path, f"a 'pattern' with a regex feature the grammar cannot enforce ({reason})")
 
 
 def _unsupported(param: str, path: str, what: str) -> InvalidRequestError:
@@ -131,9 +152,8 @@ def _check_values(schema: dict, path: str, param: str) -> None:
         raise _unsupported(param, path, "'multipleOf' on a non-integer")
     if "multipleOf" in schema and any(key in schema for key in _RANGE_KEYWORDS):
         raise _unsupported(param, path, "'multipleOf' together with a minimum or maximum")
-    if isinstance(schema.get("pattern"), str) and _UNESCAPED_LITERAL.search(_outside_classes(schema["pattern"])):
-        raise _unsupported(param, path, "a 'pattern' that writes a quote, a backslash or a control character "
-                                        "(JSON strings escape them)")
+    if isinstance(schema.get("pattern"), str):
+        _check_pattern(schema["pattern"], path, param)
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise _unsupported(param, path, f"the non-local '$ref' {ref!r} (only references into the schema itself)")
