@@ -60,7 +60,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.structured_config = config.structured_outputs or StructuredOutputsConfig()
         self.grammar_compiler = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size,
-                                                disable_any_whitespace=self.structured_config.disable_any_whitespace)
+                                                disable_any_whitespace=self.structured_config.disable_any_whitespace,
+                                                compile_timeout_s=self.structured_config.compile_timeout_s)
         self.grammar_admission = GrammarAdmission(self.structured_config.compile_timeout_s)
         self.stats = SchedulerStats()
         self._request_counter = 0

@@ -2,7 +2,8 @@
 
 One GrammarCompiler per engine (one tokenizer). `submit` checks what it can at once (a schema feature the
 grammar cannot enforce, an invalid schema: InvalidRequestError) and returns a Future of the compiled grammar;
-compiling runs on one worker thread, so the engine keeps stepping other requests meanwhile. Futures are
+compiling runs on worker threads (structured/workers.py: a grammar past the compile time limit is given up and
+holds no one else up), so the engine keeps stepping other requests meanwhile. Futures are
 cached by the grammar's canonical spec, so a repeated schema costs nothing after its first use. xgrammar (its
 import, its scan of the vocabulary and the UTF-8 guard's table: ~1.6 s for a 152k vocabulary on 2 AVX2 cores)
 is loaded on the worker at the first constrained request: servers that never see one never pay for it.
@@ -17,33 +18,39 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
 from pagedserve.exceptions import InvalidRequestError
+from pagedserve.structured.admission import compile_timeout_error
 from pagedserve.structured.matcher import CompiledGrammar
 from pagedserve.structured.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
 from pagedserve.structured.schema import check_json_schema
+from pagedserve.structured.workers import CompileWorkers
 
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
+NUM_COMPILE_WORKERS = 2
 # xgrammar's errors start with "[hh:mm:ss] /project/cpp/file.cc:123: ": not the client's business.
 _LOCATION_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 
 
 class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, on_compiled: Callable[[float], None] | None = None,
-                 disable_any_whitespace: bool = False) -> None:
+                 disable_any_whitespace: bool = False, compile_timeout_s: float | None = None) -> None:
         self.tokenizer = tokenizer
         self.disable_any_whitespace = disable_any_whitespace  # server-wide (--structured-outputs-config)
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's vocabulary)
         self.on_compiled = on_compiled  # seconds per compilation (metrics)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
+        self.compile_timeout_s = compile_timeout_s
+        self._executor = CompileWorkers(NUM_COMPILE_WORKERS, compile_timeout_s)
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
-        self._xgr_compiler: Any = None
+        self._load_lock = threading.Lock()
+        self._xgr_info: Any = None  # xgrammar's TokenizerInfo: the vocabulary scanned once
+        self._local = threading.local()  # a worker's own xgrammar GrammarCompiler
         self._utf8: Any = None  # structured.utf8.Utf8Guard for this tokenizer, built with the compiler
 
     def submit(self, params: StructuredOutputsParams) -> Future:
@@ -63,7 +70,11 @@ class GrammarCompiler:
             future = self._cache.get(params.key)
             if future is not None:
                 return future
-            future = self._executor.submit(self._compile, params)
+            late = None
+            if self.compile_timeout_s is not None:
+                timeout = self.compile_timeout_s
+                late = lambda: compile_timeout_error(timeout, params)  # noqa: E731
+            future = self._executor.submit(self._compile, params, late_error=late)
             self._cache[params.key] = future
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
@@ -75,19 +86,25 @@ class GrammarCompiler:
 
     # ---- on the worker thread -------------------------------------------------------------------
     def _compiler(self) -> Any:
-        if self._xgr_compiler is None:
-            start = time.perf_counter()
-            import xgrammar as xgr
+        """This worker's xgrammar compiler, over the tokenizer's scanned vocabulary (scanned once)."""
+        compiler = getattr(self._local, "compiler", None)
+        if compiler is not None:
+            return compiler
+        import xgrammar as xgr
 
-            from pagedserve.structured.utf8 import Utf8Guard
-            from pagedserve.tokenizer import as_transformers
+        with self._load_lock:
+            if self._xgr_info is None:
+                start = time.perf_counter()
+                from pagedserve.structured.utf8 import Utf8Guard
+                from pagedserve.tokenizer import as_transformers
 
-            info = xgr.TokenizerInfo.from_huggingface(as_transformers(self.tokenizer), vocab_size=self.vocab_size)
-            self._utf8 = Utf8Guard(info.decoded_vocab, self.vocab_size)
-            self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1)
-            logger.info("structured outputs: xgrammar loaded and this tokenizer's vocabulary scanned in %.2f s",
-                        time.perf_counter() - start)
-        return self._xgr_compiler
+                info = xgr.TokenizerInfo.from_huggingface(as_transformers(self.tokenizer), vocab_size=self.vocab_size)
+                self._utf8 = Utf8Guard(info.decoded_vocab, self.vocab_size)
+                self._xgr_info = info
+                logger.info("structured outputs: xgrammar loaded and this tokenizer's vocabulary scanned in %.2f s",
+                            time.perf_counter() - start)
+        self._local.compiler = xgr.GrammarCompiler(self._xgr_info, max_threads=1)
+        return self._local.compiler
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         compiler = self._compiler()

@@ -10,7 +10,7 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
-from pagedserve.structured.compiler import json_schema_grammar
+from pagedserve.structured.compiler import NUM_COMPILE_WORKERS, json_schema_grammar
 from pagedserve.structured.schema import check_json_schema
 
 ENFORCED = [  # (schema, an instance it must reject, one it must accept)
@@ -235,7 +235,8 @@ def test_a_request_waits_for_its_grammar_without_kv_blocks(llm):
     engine = llm.engine
     spec = StructuredOutputsParams(regex=r"slow[0-9]{2}")
     gate = __import__("threading").Event()
-    engine.grammar_compiler._executor.submit(gate.wait)  # the worker is busy: the grammar must queue
+    for _ in range(NUM_COMPILE_WORKERS):  # every worker is busy: the grammar must queue
+        engine.grammar_compiler._executor.submit(gate.wait)
     engine.add_request("waiting", "x", constrained(spec, max_tokens=10))
     engine.add_request("free", "y", SamplingParams(max_tokens=3, ignore_eos=True))
     finished = {}
@@ -258,7 +259,8 @@ def test_compile_time_limit_and_abort_while_waiting(tiny_model_dir):
               structured_outputs_config='{"backend": "xgrammar", "compile_timeout_s": 0.3}')
     engine = llm.engine
     gate = threading.Event()
-    engine.grammar_compiler._executor.submit(gate.wait)  # the worker is stuck: nothing compiles
+    for _ in range(NUM_COMPILE_WORKERS):  # every worker is taken (by jobs no time limit applies to): nothing compiles
+        engine.grammar_compiler._executor.submit(gate.wait)
     try:
         with pytest.raises(InvalidRequestError, match="took longer than 0.3 s"):
             llm.generate("x", constrained(StructuredOutputsParams(regex="[a-c]{4}")))
@@ -293,3 +295,39 @@ def test_offline_chat_passes_tools_and_tool_calls_to_the_template(llm):
         assert output.prompt_token_ids == ids
     finally:
         tokenizer.chat_template = original
+
+
+def test_grammars_past_the_time_limit_hold_up_no_other(tiny_model_dir, monkeypatch):
+    """As many grammars as there are workers compile for far longer than compile_timeout_s (a 60,000-value enum
+    compiled for minutes): each fails at the limit, the next grammars compile at once on fresh threads, and the
+    same slow grammar asked again fails from the cache without compiling again."""
+    import threading
+
+    from pagedserve.engine.setup import load_tokenizer
+    from pagedserve.structured import compiler as compiler_module
+    from pagedserve.structured.compiler import GrammarCompiler
+
+    release = threading.Event()
+    real = compiler_module._compile_kind
+    compiled = []
+
+    def slow_for_some(compiler, params):
+        compiled.append(params.regex)
+        if params.regex.startswith("slow"):
+            release.wait(30)
+        return real(compiler, params)
+
+    monkeypatch.setattr(compiler_module, "_compile_kind", slow_for_some)
+    grammars = GrammarCompiler(load_tokenizer(tiny_model_dir("llama")), 512, compile_timeout_s=0.5)
+    try:
+        slow = [grammars.submit(StructuredOutputsParams(regex=f"slow{i}+")) for i in range(NUM_COMPILE_WORKERS)]
+        quick = [grammars.submit(StructuredOutputsParams(regex=f"[a-c]{{{n}}}")) for n in (1, 2, 3)]
+        for future in quick:
+            assert future.result(timeout=20) is not None
+        for future in slow:
+            with pytest.raises(InvalidRequestError, match="took longer than 0.5 s"):
+                future.result(timeout=5)
+        again = grammars.submit(StructuredOutputsParams(regex="slow0+"))
+        assert again.done() and compiled.count("slow0+") == 1
+    finally:
+        release.set()

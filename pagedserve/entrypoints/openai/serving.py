@@ -186,7 +186,9 @@ class OpenAIServing:
         llm_engine = self.engine.engine
         specs = {p.structured_outputs.key: p.structured_outputs for p in params_list if p.structured_outputs}
         for spec in specs.values():
-            future = asyncio.wrap_future(llm_engine.grammar_compiler.submit(spec))  # 400: invalid schema
+            # Checking a schema is pure Python (a megabyte of schema: seconds): off the event loop.
+            submitted = await self.in_tokenizer_pool(llm_engine.grammar_compiler.submit, spec)  # 400: invalid
+            future = asyncio.wrap_future(submitted)
             timeout = llm_engine.structured_config.compile_timeout_s
             done, _ = await asyncio.wait({future}, timeout=timeout)
             if not done:
@@ -490,9 +492,14 @@ class OpenAIServing:
         """The chat template writes tool definitions (it reads the `tools` variable)."""
         return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
 
-    def _tool_choice(self, req: ChatCompletionRequest) -> ToolChoice | None:
-        return resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser,
-                                   self.template_has_tools)
+    async def _tool_choice(self, req: ChatCompletionRequest) -> ToolChoice | None:
+        """The request's tool choice; its tools' schemas are checked off the event loop (thousands of tools:
+        seconds of pure Python)."""
+        if not req.tools:
+            return resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser,
+                                       self.template_has_tools)
+        return await self.in_tokenizer_pool(resolve_tool_choice, req.tools, req.tool_choice, req.parallel_tool_calls,
+                                            self.tool_call_parser, self.template_has_tools)
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict | None = None,
@@ -553,7 +560,7 @@ class OpenAIServing:
         output stream and tool choice. The chat route and the Responses API (serving_responses.py) answer it."""
         self.check_model(req.model)
         self._check_chat_fields(req)
-        tool_choice = self._tool_choice(req)
+        tool_choice = await self._tool_choice(req)
         prompt_ids = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
                                             req.chat_template_kwargs, tools=self._prompt_tools(req),
                                             add_special_tokens=req.add_special_tokens,
