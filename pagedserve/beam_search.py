@@ -73,7 +73,11 @@ def search(prompt_ids: list[int], params: BeamSearchParams, eos_token_ids: Colle
         scored = yield [beam.tokens for beam in beams]
         candidates: list[BeamSearchSequence] = []
         for beam, (sampled, step) in zip(beams, scored, strict=True):
-            for token_id, logprob in step.items():
+            # The sampled token first: of candidates with equal log-probabilities (bf16 ties are common), the
+            # stable sort below keeps it, so a width-1 search follows greedy decoding.
+            order = [sampled, *(t for t in step if t != sampled)] if sampled in step else list(step)
+            for token_id in order:
+                logprob = step[token_id]
                 if logprob.rank > params.num_candidates and token_id != sampled:
                     continue
                 extended = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [step],

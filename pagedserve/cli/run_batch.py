@@ -1,9 +1,9 @@
 """`pagedserve run-batch -i INPUT.jsonl -o OUTPUT.jsonl [MODEL] [serve flags]`: a file of OpenAI Batch API
 requests run through the server's own routes, in-process (vLLM's `vllm run-batch`).
 
-Each input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
-"/v1/embeddings" | "/v1/score" | "/v1/rerank", "body": {...}}; each output line, in input order, is {"id",
-"custom_id", "response": {"status_code", "request_id", "body"}, "error"}: the body the server would have answered, errors included (a
+Each input line is {"custom_id", "method": "POST", "url", "body": {...}}, the url one of URLS (chat,
+completions, embeddings, score, rerank); each output line, in input order, is {"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error"}: the body the server would have answered, errors included (a
 line that is not a request gets status 400 and an `error`). The requests go to the app through httpx's ASGI
 transport, so a batch gets exactly what the HTTP API gives, with every request in one continuous batch (at most
 --max-concurrency in flight).
@@ -25,7 +25,8 @@ from typing import Any
 from pagedserve.cli.common import USER_FACING_ERRORS, apply_thread_args, fail, setup_logging
 from pagedserve.config import json_object
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")  # vLLM's
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank",
+        "/v2/rerank")  # vLLM's
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

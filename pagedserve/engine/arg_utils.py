@@ -70,7 +70,7 @@ def human_readable_int(value: str) -> int:
 
 def _with_default(help_text: str, default: Any) -> str:
     """The help with its default appended, unless the text already says it or there is none to say."""
-    if "default" in help_text or default is None or default is dataclasses.MISSING:
+    if "(default" in help_text or "default:" in help_text or default is None or default is dataclasses.MISSING:
         return help_text
     if isinstance(default, bool):
         shown = "on" if default else "off"
@@ -121,7 +121,8 @@ class EngineArgs(FlagArgs):
                       "here serves its weights widened to that dtype (add --quantization int8 to keep int8).",
                       default="auto")
     max_model_len: int | None = setting("Longest sequence (prompt + output) in tokens, e.g. 4096, 32k (32000) or "
-                                     "32K (32768) (default: the model's context length).", size=True)
+                                     "32K (32768) (default: the model's context length; an embedding model's "
+                                     "sentence-transformers max_seq_length).", size=True)
     max_num_seqs: int = setting("Most requests running at once.", default=SchedulerConfig.max_num_seqs)
     max_num_batched_tokens: int | None = setting(f"Token budget of one engine step (default: "
                                               f"{SchedulerConfig.max_num_batched_tokens}, at least "
@@ -162,8 +163,9 @@ class EngineArgs(FlagArgs):
     tp_all_reduce: str = setting("Testing and benchmarks: the tensor-parallel collectives' path: auto (shared "
                               "memory on one x86 host, else gloo), shm or gloo.", default=ParallelConfig.all_reduce,
                               hidden=True)
-    enforce_eager: bool = setting("Never compile model graphs; run eagerly (pagedserve always does: its native "
-                                "CPU kernels are a library built once, not graph compilation).",
+    enforce_eager: bool = setting("Accepted for vLLM's command lines and changes nothing: pagedserve never compiles "
+                                "model graphs (its native CPU kernels are a library built once) (default: always "
+                                "eager).",
                                 default=ModelConfig.enforce_eager)
     reference_kernels: bool = setting("Use the plain reference kernels (F.linear) instead of the fast ones "
                                    "(debugging, correctness checks).", default=ModelConfig.reference_kernels)

@@ -107,14 +107,16 @@ class AsyncEngine:
                 raise QueueFullError(f"{len(self._streams)} requests are already queued or running")
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+                       arrival_time: float | None = None, admitted: bool = False
+                       ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Yield outputs until the request finishes; closing the iterator early aborts the request.
-        With PoolingParams (an embedding model) the one output is a PoolingRequestOutput."""
+        With PoolingParams (an embedding model) the one output is a PoolingRequestOutput. `admitted`: part of a
+        request check_room already let in (a beam search's later steps), so never a 429 half-way."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}")
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if len(self._streams) >= self.capacity:
+            if len(self._streams) >= self.capacity and not admitted:
                 raise QueueFullError(f"{len(self._streams)} requests are already queued or running")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")

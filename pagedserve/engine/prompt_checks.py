@@ -58,12 +58,12 @@ def check_generation_prompt(prompt_ids: Sequence[int], max_model_len: int, vocab
 
 
 def check_pooling_prompt(prompt_ids: Sequence[int], max_model_len: int, vocab_size: int,
-                         label: str = "input") -> None:
+                         label: str = "input", param: str = "input") -> None:
     """A prompt to embed: not empty, ids in the vocabulary, at most max_model_len tokens (the HTTP layer
-    names the input by its index in `label`)."""
+    names the input by its index in `label`, the request field in `param`)."""
     check_not_empty(prompt_ids)
-    check_token_ids(prompt_ids, vocab_size, "input", label)
+    check_token_ids(prompt_ids, vocab_size, param, label)
     if len(prompt_ids) > max_model_len:
         raise InvalidRequestError(f"This model's maximum context length is {max_model_len} tokens. However, "
                                   f"{label} has {len(prompt_ids)} tokens. Please shorten it, or pass "
-                                  "truncate_prompt_tokens to cut it.", param="input")
+                                  "truncate_prompt_tokens to cut it.", param=param)

@@ -158,8 +158,9 @@ class LLM:
         outputs = self.embed(left + right, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         scores = cosine_scores([o.outputs.embedding for o in outputs[:len(left)]],
                                [o.outputs.embedding for o in outputs[len(left):]])
-        return [ScoringRequestOutput(o.request_id, ScoringOutput(score), o.prompt_token_ids)
-                for o, score in zip(outputs[len(left):], scores)]
+        firsts = outputs[:len(left)] * (len(right) if len(left) == 1 else 1)
+        return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", ScoringOutput(score), b.prompt_token_ids)
+                for a, b, score in zip(firsts, outputs[len(left):], scores)]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request: Any = None, use_tqdm: bool = False, concurrency_limit: int | None = None
@@ -174,6 +175,11 @@ class LLM:
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         if concurrency_limit is not None and concurrency_limit < 1:
             raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+        most = self.engine.config.model.max_logprobs
+        if most != -1 and params.num_candidates > most:
+            raise ValueError(f"beam_width {params.beam_width} ranks each beam's {params.num_candidates} most likely "
+                             f"tokens; this engine allows {most} (max_logprobs): lower beam_width or raise "
+                             "LLM(max_logprobs=...)")
         prompt_ids = [self.engine.tokenize_prompt(p)[1] for p in _as_prompt_list(prompts)]
         for ids in prompt_ids:
             self.engine.validate_prompt(ids)

@@ -169,7 +169,7 @@ def test_score_and_rerank_are_cosine_similarities(server):
     ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
     ("/score", {"text_1": "a"}, "text_2"),
     ("/score", {"text_1": "a", "text_2": "b", "documents": ["c"]}, "text_1"),
-    ("/score", {"text_1": "a", "text_2": [""]}, "text_2"),
+    ("/rerank", {"query": "a", "documents": ["hello world " * 200]}, "documents"),  # documents[0] is too long
     ("/rerank", {"query": "a", "documents": []}, "documents"),
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
     ("/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),
@@ -178,6 +178,15 @@ def test_score_and_rerank_bad_requests(server, path, body, param):
     response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+def test_score_names_the_text_and_embeds_empty_ones(server):
+    long = httpx.post(f"{server.url}/v1/score", json={"text_1": "q", "text_2": ["a", "b", "hello world " * 200]},
+                      timeout=30).json()["error"]
+    assert long["param"] == "text_2" and "text_2[2] has 402 tokens" in long["message"], long
+    # An empty text is [CLS] [SEP] for BERT, as vLLM and sentence-transformers embed it.
+    empty = httpx.post(f"{server.url}/v1/score", json={"text_1": "", "text_2": ["", "a"]}, timeout=30).json()
+    assert abs(empty["data"][0]["score"] - 1.0) < 1e-5 and empty["usage"]["prompt_tokens"] == 2 + 2 + 3
 
 
 def test_openai_client_raises_bad_request(client):

@@ -114,3 +114,14 @@ def test_score_and_generated_tokens():
 def test_params_are_checked(kwargs, words):
     with pytest.raises(ValueError, match=words):
         BeamSearchParams(**kwargs)
+
+
+def test_of_equal_candidates_the_sampled_token_is_kept():
+    """bf16 logits tie often: a width-1 search keeps the token greedy decoding sampled, whatever the ranks say."""
+    step = {4: Logprob(-1.5, 1), 6: Logprob(-1.5, 2), 7: Logprob(-3.0, 3)}
+    for sampled in (4, 6):
+        steps = search([9], BeamSearchParams(beam_width=1, max_tokens=1), {EOS})
+        next(steps)
+        with pytest.raises(StopIteration) as done:
+            steps.send([(sampled, step)])
+        assert [b.tokens[-1] for b in done.value.value] == [sampled]

@@ -291,7 +291,12 @@ class OpenAIServing:
             raise InvalidRequestError(f"use_beam_search with n={req.n} ranks each beam's {beams[0].num_candidates} "
                                       f"most likely tokens; this server allows {most} (--max-logprobs): lower n",
                                       param="n")
-        self.engine.check_room(len(prompts) * req.n)
+        needed = len(prompts) * req.n
+        if needed > self.engine.capacity:
+            raise InvalidRequestError(f"use_beam_search with n={req.n} over {len(prompts)} prompt(s) runs {needed} "
+                                      f"requests at once; the server takes at most {self.engine.capacity} "
+                                      "(--max-num-seqs plus --max-waiting-requests): lower n", param="n")
+        self.engine.check_room(needed)  # a 429 before anything starts; later steps are never refused
         generators = [beam_search_outputs(self.engine, f"{request_id}-{i}", p.text, p.token_ids, beam, params,
                                           num_logprobs)
                       for i, (p, beam, params) in enumerate(zip(prompts, beams, params_list))]

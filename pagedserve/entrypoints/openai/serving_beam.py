@@ -32,7 +32,7 @@ async def beam_search_outputs(engine: AsyncEngine, request_id: str, prompt_text:
 
     async def one(engine_id: str, tokens: list[int]) -> Scored:
         final = None
-        async for output in engine.generate(engine_id, {"prompt_token_ids": tokens}, scoring):
+        async for output in engine.generate(engine_id, {"prompt_token_ids": tokens}, scoring, admitted=True):
             final = output
         completion = final.outputs[0]
         return completion.token_ids[0], completion.logprobs[0]
@@ -51,9 +51,11 @@ async def beam_search_outputs(engine: AsyncEngine, request_id: str, prompt_text:
 
 def _completion(index: int, beam: BeamSearchSequence, prompt_len: int, params: BeamSearchParams,
                 sampling: SamplingParams, num_logprobs: int | None, tokenizer: Any) -> CompletionOutput:
-    """A beam as a choice: every generated token (a final EOS too, as a sampled choice has it; usage counts it),
-    the text without that EOS unless include_stop_str_in_output."""
+    """A beam as a choice, as vLLM's beam search gives it: the generated tokens and their text without a final
+    EOS unless include_stop_str_in_output (usage counts them so), stop_reason the EOS id that ended it."""
     shown = generated_tokens(beam, prompt_len, params.include_stop_str_in_output)
     text = tokenizer.decode(shown, skip_special_tokens=sampling.skip_special_tokens)
-    return CompletionOutput(index, text, beam.tokens[prompt_len:], beam.cum_logprob,
-                            beam.logprobs if num_logprobs is not None else None, beam.finish_reason, None)
+    stop_reason = beam.tokens[-1] if beam.finish_reason == "stop" else None
+    return CompletionOutput(index, text, shown, beam.cum_logprob,
+                            beam.logprobs[:len(shown)] if num_logprobs is not None else None, beam.finish_reason,
+                            stop_reason)

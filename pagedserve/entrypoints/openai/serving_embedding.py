@@ -43,7 +43,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         params = self._pooling_params(req)
         prompts = await self._embedding_prompts(req.input, params.truncate_prompt_tokens)
         request_id = f"embd-{uuid.uuid4().hex}"
-        vectors = await self._embed(request_id, prompts, params, raw, "input")
+        vectors = await self._embed(request_id, prompts, params, raw, [(f"input {i}", "input")
+                                                                        for i in range(len(prompts))])
         data = [{"object": "embedding", "index": i, "embedding": encode_embedding(vector, req.encoding_format)}
                 for i, vector in enumerate(vectors)]
         num_prompt = sum(len(p.token_ids) for p in prompts)
@@ -80,22 +81,32 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def _scores(self, request_id: str, left: list[str], right: list[str], names: tuple[str, str],
                       truncate_prompt_tokens: int | None, raw: Request) -> tuple[list[float], int]:
-        """Cosine scores of the pairs, embedded in one batch, and the prompt tokens embedded."""
+        """Cosine scores of the pairs, embedded in one batch, and the prompt tokens embedded (a single left text
+        once). Empty texts are embedded as the tokenizer encodes them, as vLLM's."""
+        limit = min(MAX_INPUTS, self.engine.capacity)
+        if len(left) + len(right) > limit:
+            raise InvalidRequestError(f"{names[0]} and {names[1]} hold {len(left) + len(right)} texts together; this "
+                                      f"server embeds at most {limit} per request (--max-num-seqs and "
+                                      "--max-waiting-requests bound it)", param=names[1])
         for texts, name in zip((left, right), names):
-            if not all(isinstance(t, str) and t for t in texts):
-                raise InvalidRequestError(f"{name}: every text must be a non-empty string", param=name)
+            if not all(isinstance(t, str) for t in texts):
+                raise InvalidRequestError(f"{name}: every text must be a string", param=name)
         k = self._checked_truncation(truncate_prompt_tokens)
         params = PoolingParams(truncate_prompt_tokens=k)  # InvalidRequestError -> 400
-        prompts = await self._embedding_prompts(left + right, k, names[1])
-        vectors = await self._embed(request_id, prompts, params, raw, names[0])
+        prompts = (await self._embedding_prompts(left, k, names[0], allow_empty=True)
+                   + await self._embedding_prompts(right, k, names[1], allow_empty=True))
+        labels = [(f"{names[0]}[{i}]", names[0]) for i in range(len(left))]
+        labels += [(f"{names[1]}[{i}]", names[1]) for i in range(len(right))]
+        vectors = await self._embed(request_id, prompts, params, raw, labels)
         return cosine_scores(vectors[:len(left)], vectors[len(left):]), sum(len(p.token_ids) for p in prompts)
 
     async def _embed(self, request_id: str, prompts: list[_Prompt], params: PoolingParams, raw: Request,
-                     label: str) -> list[list[float]]:
-        """Each prompt's vector, in order: one engine request per prompt, batched with every other request."""
+                     labels: list[tuple[str, str]]) -> list[list[float]]:
+        """Each prompt's vector, in order: one engine request per prompt, batched with every other request.
+        `labels`: each prompt's name in an error and its request field."""
         vocab_size = self.engine.engine.config.model.hf_config.vocab_size
-        for index, prompt in enumerate(prompts):
-            check_pooling_prompt(prompt.token_ids, self.max_model_len, vocab_size, label=f"{label} {index}")
+        for prompt, (label, param) in zip(prompts, labels, strict=True):
+            check_pooling_prompt(prompt.token_ids, self.max_model_len, vocab_size, label=label, param=param)
         arrival = time.monotonic()
         streams = _merge([self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
                                                params, arrival)
@@ -115,8 +126,8 @@ class OpenAIServingEmbedding(OpenAIServing):
                                       f"{self.max_model_len} tokens", param="truncate_prompt_tokens")
         return k
 
-    async def _embedding_prompts(self, value: Any, truncate_prompt_tokens: int | None, name: str = "input"
-                                 ) -> list[_Prompt]:
+    async def _embedding_prompts(self, value: Any, truncate_prompt_tokens: int | None, name: str = "input",
+                                 allow_empty: bool = False) -> list[_Prompt]:
         """str | list[str] | list[int] | list[list[int]] -> one prompt per input (token ids truncated if asked)."""
         if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
             value = [value]  # one input
@@ -128,7 +139,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise InvalidRequestError(f"{name} has {len(value)} items; this server takes at most {limit} per request "
                                       "(OpenAI's limit is 2048; --max-waiting-requests and --max-num-seqs bound it "
                                       "here)", param=name)
-        if any(len(item) == 0 for item in value):
+        if not allow_empty and any(len(item) == 0 for item in value):
             raise InvalidRequestError(f"{name} must not contain an empty string or an empty list of tokens",
                                       param=name)
         texts = [v for v in value if isinstance(v, str)]
