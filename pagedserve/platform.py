@@ -123,7 +123,10 @@ def default_quantization(requested_dtype: str, quantization: str | None, stores_
     stored block-quantized (a Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels.
     As every GGUF runner does, such a file is served from its quantized weights (requantized per row to
     int8: 1 byte a weight) instead of being widened to bf16 or float32 (2-4x the bytes read per token).
-    An explicit --dtype still dequantizes to that dtype. `kernels_from_flags`: see native_kernels_run."""
+    An explicit --dtype still dequantizes to that dtype, unless vLLM's --quantization gguf asks for the quantized
+    weights (then int8 where the file is block-quantized, else none). `kernels_from_flags`: see native_kernels_run."""
+    if quantization == "gguf":
+        quantization, requested_dtype = None, "auto"
     if quantization is not None or requested_dtype != "auto" or not stores_quantized or device != "cpu":
         return quantization
     return "int8" if native_kernels_run(kernels_from_flags) else None

@@ -459,12 +459,11 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.cli.common import engine_args_from_cli
 
     flags = check_flags(args)
+    host, uds = getattr(args, "host", "127.0.0.1"), getattr(args, "uds", None)  # where serve would listen
     if flags is not None:  # the model's checks read the flags: they wait until these are fixed
-        return report([flags, *run_checks(default_checks(None, args.port, host=args.host, uds=args.uds))],
-                      args.json)
+        return report([flags, *run_checks(default_checks(None, args.port, host=host, uds=uds))], args.json)
     engine_args = engine_args_from_cli(args)  # serve's flags and environment variables, for the memory plan
-    return report(run_checks(default_checks(engine_args.model, args.port, engine_args, args.host, args.uds)),
-                  args.json)
+    return report(run_checks(default_checks(engine_args.model, args.port, engine_args, host, uds)), args.json)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

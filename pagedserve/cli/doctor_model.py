@@ -36,6 +36,20 @@ def check_model(path: str | Path) -> CheckResult:
     return CheckResult("model", PASS, f"{path}: config, weights and tokenizer are complete")
 
 
+def check_weight_shapes(config: EngineConfig) -> CheckResult:
+    """Every tensor's name and shape against the model the config (or a GGUF's metadata) describes, as loading
+    checks them, from the headers (serve refused such files while doctor passed them)."""
+    from pagedserve.models.loader import check_checkpoint_shapes
+    from pagedserve.models.validate import ModelValidationError
+
+    model = config.model
+    try:
+        check_checkpoint_shapes(model.hf_config, model.architecture, model.model, model.max_model_len, model.task)
+    except ModelValidationError as exc:
+        return CheckResult("weights", FAIL, f"serve would refuse to load it: {exc}")
+    return CheckResult("weights", PASS, "every tensor has the name and shape the model's config implies")
+
+
 def engine_config(engine_args: EngineArgs, available: probe.AvailableMemory | None = None) -> EngineConfig:
     """The configuration `serve` resolves from these flags, its memory plan included, without the memory
     check that would refuse to start; `available` replaces the probe serve would run (tests)."""
@@ -131,6 +145,15 @@ def model_checks(model: str, engine_args: EngineArgs, native_isa: Callable[[], s
         file_results.append(check_model(model))
         return file_results[-1]
 
+    def check_shapes() -> CheckResult | None:
+        resolved = None if files_failed() else config()
+        if resolved is None or isinstance(resolved, Exception):
+            return None
+        result = check_weight_shapes(resolved)
+        if result.status == FAIL:
+            file_results.append(result)  # the plan and the layers are moot for weights serve refuses
+        return result
+
     def check_plan() -> CheckResult | None:
         if files_failed():
             return None  # planning needs readable headers
@@ -143,4 +166,4 @@ def model_checks(model: str, engine_args: EngineArgs, native_isa: Callable[[], s
             return None
         return check_layer_kernels(resolved, native_isa())
 
-    return [check_files, check_plan, check_layers]
+    return [check_files, check_shapes, check_plan, check_layers]

@@ -247,6 +247,9 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
         budget = max(budget, max_model_len)
     from pagedserve.models.fetch import DEFAULT_MODEL
 
+    if args.quantization == "gguf" and not is_gguf_path(model_path):
+        raise ValueError(f"--quantization gguf applies to GGUF files; {model_path} is not one (--quantization int8 "
+                         "quantizes any model)")
     names = args.served_model_name or args.model or DEFAULT_MODEL
     names = [names] if isinstance(names, str) else list(names)
     model = ModelConfig(model=model_path, served_model_name=names[0], served_model_aliases=tuple(names[1:]),
@@ -293,12 +296,13 @@ def check_engine_args(args: EngineArgs) -> None:
     check_parallel_args(args.tensor_parallel_size, args.cpu_binding, args.tp_all_reduce)
     if args.device != "auto":  # a name, or cuda where there is none (auto is resolved with the config, lazily)
         resolve_device(args.device)
-    if args.quantization not in SUPPORTED_QUANTIZATION:
+    if args.quantization not in SUPPORTED_QUANTIZATION and args.quantization != "gguf":  # gguf: vLLM's, for GGUFs
         raise ValueError(f"--quantization {args.quantization} is not supported; supported: "
                          f"{', '.join(q for q in SUPPORTED_QUANTIZATION if q)}")
     if args.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+                         f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)} (auto keeps the cache in the model's dtype: "
+                         "bfloat16 with --dtype bfloat16)")
     parse_generation_overrides(args.override_generation_config)
     if (args.generation_config not in ("auto", "vllm")
             and not Path(args.generation_config, "generation_config.json").is_file()):

@@ -90,7 +90,8 @@ class LLM:
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, chat_template,
                                             continue_final_message, chat_template_content_format)
                    for c in conversations]
-        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params)
+        decode = self.engine.tokenizer.decode  # outputs carry the rendered prompt's text, as vLLM's
+        return self.generate([{"prompt": decode(p), "prompt_token_ids": p} for p in prompts], sampling_params)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None, chat_template: str | None = None,

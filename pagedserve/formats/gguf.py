@@ -171,6 +171,11 @@ def _parse_gguf(path: Path, buf: bytes | mmap.mmap, keep_string_arrays: bool) ->
         )
     cur.pos = 4
     (version,) = cur.unpack("<I")
+    if version not in SUPPORTED_GGUF_VERSIONS and int.from_bytes(version.to_bytes(4, "little"), "big") in \
+            SUPPORTED_GGUF_VERSIONS:
+        raise ModelValidationError(
+            f"{path} is a big-endian GGUF (written for s390x); pagedserve reads little-endian GGUF files. Use the "
+            "model's little-endian GGUF, or convert it with gguf-py's gguf_convert_endian.py.")
     if version not in SUPPORTED_GGUF_VERSIONS:
         raise ModelValidationError(
             f"{path} is GGUF version {version}; pagedserve reads versions {SUPPORTED_GGUF_VERSIONS}. "

@@ -76,40 +76,30 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     cls = model_class(architecture, task)
     with torch.device("meta"), skip_init():
         model = cls(hf_config, max_position) if tp is None else cls(hf_config, max_position, tp=tp)
-    params = dict(model.named_parameters())
-    missing = set(params)
+    if tp is None:  # every name and shape first, from the headers: a mismatch is refused before any data is read
+        _check_shapes(model, architecture, model_path)
+    shapes = _ShapeCheck(model, architecture, model_path)
     backend = KernelBackend.choose(device, dtype, quantization, reference_kernels)  # the one decision
     checkpoint = iter_checkpoint(model_path, dtype, int8=quantization == "int8", kernels=backend.native)
     num_tensors = checkpoint.num_tensors
     for index, (name, tensor) in enumerate(checkpoint.tensors):
-        target = model.checkpoint_name_to_param(name)
+        target = shapes.target(name)
         if target is None:
             continue
-        if target not in params:
-            raise ModelValidationError(f"checkpoint tensor {name!r} has no matching parameter in {architecture}: "
-                                       "config.json does not match the weights (download the model again)")
         if tp is not None:  # a view of the mapped file where it can: only this rank's pages are read
             tensor = model.shard_checkpoint_tensor(target, tensor)
             if not checkpoint.views_file and isinstance(tensor, torch.Tensor) and tensor._base is not None:
                 tensor = tensor.clone()  # a GGUF tensor is decoded whole: a view of its rows kept all of it alive
-        expected = params[target].shape
-        if tuple(tensor.shape) != tuple(expected):
-            raise ModelValidationError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                                       f"expects {tuple(expected)}: config.json does not match the weights "
-                                       "(download the model again)")
+        shapes.verify(name, target, tuple(tensor.shape))
         if isinstance(tensor, QuantizedWeight):  # kept aside for prepare(): the parameter stays unbound
             module_name, _, _ = target.rpartition(".")
             model.get_submodule(module_name).quantized_weight = QuantizedWeight(
                 tensor.qweight.to(device), tensor.scales.to(device), dtype)
         else:
             _set_parameter(model, target, tensor.to(device=device, dtype=dtype))
-        missing.discard(target)
         if progress and num_tensors:
             progress((index + 1) / num_tensors)
-    if missing:
-        raise ModelValidationError(f"the checkpoint lacks {len(missing)} tensors that config.json implies, e.g. "
-                                   f"{sorted(missing)[:3]}: config.json does not match the weights (download the "
-                                   "model again)")
+    shapes.finish()
     _move_buffers(model, device)
     model.prepare(backend)
     model.kernel_backend = backend  # what else runs on this model's outputs (the sampler's argmax) reads it
@@ -120,6 +110,72 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         _release_checkpoint_mapping(model)
     release_free_heap()
     return model.eval()
+
+
+class _ShapeCheck:
+    """The checkpoint's tensors against the model's parameters, by name and shape: one home for the checks (and
+    their messages) that loading and `doctor` make."""
+
+    def __init__(self, model: nn.Module, architecture: str, model_path: str) -> None:
+        self.model = model
+        self.architecture = architecture
+        self.params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        self.missing = set(self.params)
+        self.fix = ("the GGUF file's metadata does not match its tensors (a broken conversion: convert the model "
+                    "again)" if is_gguf_path(model_path) else
+                    "config.json does not match the weights (download the model again)")
+
+    def target(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor binds to (None: a tensor the model does not use)."""
+        target = self.model.checkpoint_name_to_param(name)
+        if target is not None and target not in self.params:
+            raise ModelValidationError(f"checkpoint tensor {name!r} has no matching parameter in {self.architecture}: "
+                                       f"{self.fix}")
+        return target
+
+    def verify(self, name: str, target: str, shape: tuple[int, ...]) -> None:
+        expected = self.params[target]
+        if tuple(shape) != expected:
+            raise ModelValidationError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, the model expects "
+                                       f"{expected}: {self.fix}")
+        self.missing.discard(target)
+
+    def finish(self) -> None:
+        if self.missing:
+            raise ModelValidationError(f"the checkpoint lacks {len(self.missing)} tensors the model needs, e.g. "
+                                       f"{sorted(self.missing)[:3]}: {self.fix}")
+
+
+def checkpoint_shapes(model_path: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor's (name, shape), from the file headers (a GGUF's under their Hugging Face names)."""
+    if is_gguf_path(model_path):
+        from pagedserve.formats.gguf_hf import GGUFFile
+
+        for spec in GGUFFile(model_path).tensor_specs():
+            yield spec.name, tuple(spec.shape)
+        return
+    for path in safetensors_files(Path(model_path)):
+        for name, entry in read_safetensors_header(path).tensors.items():
+            yield name, tuple(entry["shape"])
+
+
+def _check_shapes(model: nn.Module, architecture: str, model_path: str) -> None:
+    shapes = _ShapeCheck(model, architecture, model_path)
+    for name, shape in checkpoint_shapes(model_path):
+        target = shapes.target(name)
+        if target is not None:
+            shapes.verify(name, target, shape)
+    shapes.finish()
+
+
+def check_checkpoint_shapes(hf_config: Any, architecture: str, model_path: str, max_position: int,
+                            task: str = "generate") -> None:
+    """What loading checks of the tensors' names and shapes, from the headers alone (`pagedserve doctor`):
+    ModelValidationError naming the first tensor that does not fit the model config.json (or a GGUF's
+    metadata) describes."""
+    with torch.device("meta"), skip_init():
+        model = model_class(architecture, task)(hf_config, max_position)
+    _check_shapes(model, architecture, model_path)
 
 
 def _release_checkpoint_mapping(model: nn.Module) -> None:

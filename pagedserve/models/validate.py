@@ -68,6 +68,21 @@ def _check_gguf_tensors(header: GGUFHeader) -> None:
         raise truncated_gguf_error(header.path, header.required_size, header.file_size)
 
 
+def _check_gguf_split(header: GGUFHeader) -> None:
+    count = header.metadata.get("split.count")
+    if isinstance(count, int) and count > 1:
+        index = header.metadata.get("split.no", 0)
+        raise ModelValidationError(
+            f"GGUF file {header.path} is part {int(index) + 1} of a model split into {count} files; pagedserve "
+            "serves one file: merge the parts with `llama-gguf-split --merge FIRST-PART merged.gguf` and serve "
+            "merged.gguf.")
+
+
+# Token ids a GGUF's tokenizer metadata names; each must be in its vocabulary.
+_GGUF_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "padding_token_id",
+                       "unknown_token_id", "seperator_token_id")
+
+
 def _check_gguf_tokenizer(header: GGUFHeader, need_chat_template: bool) -> None:
     # Lazily: it imports tokenizers (no torch, no transformers), which a directory's validation does not need.
     from pagedserve.models.gguf_tokenizer import PRE_TOKENIZER_FAMILY
@@ -83,6 +98,14 @@ def _check_gguf_tokenizer(header: GGUFHeader, need_chat_template: bool) -> None:
             f"GGUF file {header.path} uses tokenizer model {model!r}; pagedserve rebuilds only "
             f"{SUPPORTED_GGUF_TOKENIZER_MODELS} (byte-level BPE) tokenizers from GGUF. {fix}."
         )
+    num_tokens = meta["tokenizer.ggml.tokens"]
+    num_tokens = num_tokens if isinstance(num_tokens, int) else len(num_tokens)  # skipped arrays keep their length
+    for key in _GGUF_TOKEN_ID_KEYS:
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if isinstance(token_id, int) and not 0 <= token_id < num_tokens:
+            raise ModelValidationError(
+                f"GGUF file {header.path}: tokenizer.ggml.{key} is {token_id}, outside its vocabulary of "
+                f"{num_tokens} tokens: the file is damaged or was converted wrongly; convert the model again.")
     if pre not in PRE_TOKENIZER_FAMILY:
         raise ModelValidationError(
             f"GGUF file {header.path} uses pre-tokenizer {pre!r}, which pagedserve does not know "
@@ -102,6 +125,7 @@ def validate_gguf_header(header: GGUFHeader, *, need_chat_template: bool = False
             f"GGUF file {header.path} holds architecture {header.architecture!r}; pagedserve supports "
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}. Use a model of a supported architecture."
         )
+    _check_gguf_split(header)
     _check_gguf_tensors(header)
     _check_gguf_tokenizer(header, need_chat_template)
 

@@ -7,7 +7,7 @@ round trip checks the loader against llama.cpp's conventions rather than against
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import gguf
@@ -162,6 +162,7 @@ def write_test_gguf(
     tokenizer_pre: str = "smollm",
     eos_token_id: int = 2,
     eot_token_id: int | None = None,
+    extra_metadata: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """Write `model` (a transformers Llama/Qwen2/Qwen3 ForCausalLM) as a GGUF file.
 
@@ -173,6 +174,8 @@ def write_test_gguf(
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, config)
     _add_tokenizer(writer, config.vocab_size, tokenizer_pre, eos_token_id, eot_token_id)
+    if extra_metadata is not None:
+        extra_metadata(writer)
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

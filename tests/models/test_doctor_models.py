@@ -53,8 +53,8 @@ def test_the_model_checks_resolve_the_engine_config_once(tiny_model_dir, monkeyp
     monkeypatch.setattr(doctor_model, "engine_config", lambda *args: calls.append(args) or resolve(*args))
     checks = doctor_model.model_checks(tiny_model_dir("llama"), EngineArgs(dtype="float32"), lambda: None)
     results = [check() for check in checks]
-    assert [r.name for r in results] == ["model", "memory plan", "layers"] and len(calls) == 1
-    assert "F.linear" in results[2].detail or "oneDNN" in results[2].detail  # float32 linears, no native isa
+    assert [r.name for r in results] == ["model", "weights", "memory plan", "layers"] and len(calls) == 1
+    assert "F.linear" in results[3].detail or "oneDNN" in results[3].detail  # float32 linears, no native isa
 
 
 def test_torch_build_info_is_consistent() -> None:
@@ -84,6 +84,23 @@ def test_doctor_command_fails_on_a_damaged_model(tiny_model_dir, tmp_path, capsy
     assert code == 1 and results["model"]["status"] == "FAIL"
     assert ("truncated" if damage == "truncated weights" else "tokenizer") in results["model"]["detail"]
     assert "memory plan" not in results  # planning needs readable headers: skipped, not guessed
+
+
+def test_doctor_fails_on_weights_config_json_does_not_describe(tiny_model_dir, tmp_path, capsys) -> None:
+    """config.json's intermediate_size edited: serve refused to load it while doctor passed it."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (model / "config.json").write_text(json.dumps(config))
+    code = doctor.run(argparse.Namespace(model=str(model), port=free_port(), json=True))
+    results = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert code == 1 and results["model"]["status"] == "PASS" and results["weights"]["status"] == "FAIL"
+    assert "has shape (64, 128), the model expects (64, 96)" in results["weights"]["detail"]
+    assert "config.json does not match the weights" in results["weights"]["detail"]
+    assert "memory plan" not in results
 
 
 def test_memory_plan_check_with_fake_available_memory(tiny_model_dir) -> None:

@@ -399,3 +399,55 @@ def test_a_gguf_s_end_of_turn_tokens_end_a_generation(models: dict, tmp_path: Pa
         params = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={token: 100.0})
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0]
         assert (out.token_ids, out.finish_reason) == ([token], "stop"), token
+
+
+def test_damaged_gguf_metadata_is_refused_by_name_in_serve_and_doctor(models: dict, tmp_path: Path) -> None:
+    """Each of these crashed with a traceback (IndexError building the tokenizer, a reshape of the q rows) or
+    passed doctor while serve refused it; now both refuse with one line naming the file's fault."""
+    import copy
+
+    from pagedserve import LLM
+    from pagedserve.cli.doctor_model import model_checks
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.models.validate import ModelValidationError, validate_model_path
+
+    bad_eos = write_test_gguf(models["qwen2"], tmp_path / "eos.gguf", eos_token_id=5000)
+    with pytest.raises(ModelValidationError, match="eos_token_id is 5000, outside its vocabulary of 288"):
+        validate_model_path(bad_eos)
+    split = write_test_gguf(models["qwen2"], tmp_path / "m-00001-of-00003.gguf", extra_metadata=lambda w: (
+        w.add_uint16("split.no", 0), w.add_uint16("split.count", 3)))
+    with pytest.raises(ModelValidationError, match="part 1 of a model split into 3 files.*llama-gguf-split --merge"):
+        validate_model_path(split)
+    big_endian = tmp_path / "be.gguf"
+    big_endian.write_bytes(b"GGUF" + (3).to_bytes(4, "big") + bytes(32))
+    with pytest.raises(ModelValidationError, match="big-endian GGUF"):
+        validate_model_path(big_endian)
+    five_heads = copy.deepcopy(models["qwen2"])
+    five_heads.config.num_attention_heads = 5  # the header says 5 heads; the q rows are 4 heads' worth
+    heads = write_test_gguf(five_heads, tmp_path / "heads.gguf")
+    with pytest.raises(ModelValidationError, match=r"q_proj.weight' has shape \(64, 64\), the model expects \(60, 64\)"
+                                                   ".*GGUF file's metadata does not match its tensors"):
+        LLM(str(heads), dtype="float32", max_model_len=64)
+    results = [check() for check in model_checks(str(heads), EngineArgs(max_model_len=64), lambda: None)]
+    failed = [r for r in results if r is not None and r.status == "FAIL"]
+    assert [r.name for r in failed] == ["weights"] and "expects (60, 64)" in failed[0].detail
+    good = write_test_gguf(models["qwen2"], tmp_path / "good.gguf")
+    results = [check() for check in model_checks(str(good), EngineArgs(max_model_len=64), lambda: None)]
+    assert [r.status for r in results if r is not None and r.name == "weights"] == ["PASS"]
+
+
+def test_vllm_s_quantization_gguf_serves_the_quantized_weights(models: dict, tmp_path: Path, tiny_model_dir) -> None:
+    """--quantization gguf (vLLM's for a GGUF) keeps a block-quantized GGUF's weights quantized even with an explicit
+    --dtype; a float GGUF has none to keep; a directory is refused (it was refused for every model)."""
+    from pagedserve import LLM
+    from pagedserve.platform import default_quantization, native_kernels_run
+
+    q8 = write_test_gguf(models["qwen2"], tmp_path / "q8.gguf", QType.Q8_0)
+    expected = "int8" if native_kernels_run() else None
+    assert default_quantization("bfloat16", "gguf", True, "cpu") == expected
+    assert default_quantization("bfloat16", None, True, "cpu") is None  # an explicit dtype widens them
+    assert default_quantization("auto", "gguf", False, "cpu") is None
+    llm = LLM(str(q8), dtype="float32", quantization="gguf", max_model_len=64)
+    assert llm.engine.config.model.quantization == expected
+    with pytest.raises(ValueError, match="--quantization gguf applies to GGUF files"):
+        LLM(tiny_model_dir("qwen2"), quantization="gguf")

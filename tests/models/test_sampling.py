@@ -141,6 +141,7 @@ def test_chat_applies_template(llm):
     expected_prompt = tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
                                        add_special_tokens=False)
     assert outputs[0].prompt_token_ids == expected_prompt
+    assert outputs[0].prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"  # vLLM's: the text
 
 
 def test_chat_takes_another_template(llm, tmp_path):
