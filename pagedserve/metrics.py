@@ -83,7 +83,13 @@ class StatsLog:
 
 class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        if registry is None:
+            from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
+
+            registry = CollectorRegistry()
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_* as vLLM's
+                registry.register(collector)
+        self.registry = registry
         labels = ["model_name"]
         r = self.registry
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels, registry=r)

@@ -226,6 +226,10 @@ BAD_REQUESTS = [
                                                             {"role": "assistant", "tool_calls": calls}]}, 400,
        "tool_calls") for calls in ("x", ["x"], [{"function": "f"}], 5, [{"function": {"name": "f", "arguments": 1}}])],
     ("/v1/embeddings", {"model": MODEL, "input": "x"}, 400, "embed"),
+    # Longer than any tokenization could fit: refused before tokenizing (a 4 MiB prompt took 16 s to refuse).
+    ("/v1/completions", {"model": MODEL, "prompt": "a" * 200_000}, 400, "characters long"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a" * 200_000}]}, 400,
+     "the messages are"),
     ("/v1/score", {"model": MODEL, "text_1": "x", "text_2": "y"}, 400, "embedding model (e.g. --task embed) for /v1/score"),
     ("/rerank", {"model": MODEL, "query": "x", "documents": ["y"]}, 400, "embedding model (e.g. --task embed) for /rerank"),
     ("/detokenize", {"model": MODEL, "tokens": [-5]}, 400, "out of range"),
@@ -312,6 +316,7 @@ def test_metrics_parse_and_move(server, client):
     # Counters that have not moved yet are exported as 0 from the start, as vLLM's (they had no sample)
     assert metric_value(server, "vllm:num_preemptions_total", model_name=MODEL) == 0
     assert metric_value(server, "vllm:prefix_cache_hits_total", model_name=MODEL) >= 0
+    assert metric_value(server, "process_resident_memory_bytes") > 10 << 20  # the process collector, as vLLM's
     names = {f.name for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
@@ -475,3 +480,11 @@ def test_every_choice_counts_once_in_request_success(server, stream):
     assert len(reasons) == 6 and set(reasons) == {"stop", "length"}  # some choices end before the others
     after = counts()
     assert {r: after[r] - before[r] for r in after} == {r: reasons.count(r) for r in after}, reasons
+
+
+def test_a_body_that_is_not_json_says_how_to_send_it(server):
+    """curl -d without a content type sends a form: the 400 says to send JSON (it said "body: Input should be a
+    valid dictionary")."""
+    response = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "x"}',
+                          headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 400 and "Content-Type: application/json" in response.json()["error"]["message"]

@@ -58,6 +58,7 @@ def test_api_key_enforced(tiny_model_dir, tmp_path):
             assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == status
         wrong = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+        assert wrong.headers["www-authenticate"] == "Bearer"
         assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert httpx.get(f"{server.url}/metrics").status_code == 200

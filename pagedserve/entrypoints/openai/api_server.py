@@ -233,8 +233,10 @@ def route_path(scope: dict) -> str:
 
 async def _send_error(send: Any, message: str, status: int) -> None:
     body = json.dumps(error_body(message, status)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))  # RFC 9110: a 401 names the scheme it takes
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

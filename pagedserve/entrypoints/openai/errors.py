@@ -99,6 +99,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg')}", None
+    if not location and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return ("the request body must be a JSON object, sent with Content-Type: application/json (curl: add "
+                "-H 'Content-Type: application/json')"), None
     param = ".".join(location) or None
     return f"{param or 'body'}: {first.get('msg')}", param
 

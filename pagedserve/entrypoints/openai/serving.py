@@ -195,8 +195,23 @@ class OpenAIServing:
                 raise compile_timeout_error(timeout, spec)
             future.result()  # 400: the compiler rejected it
 
-    async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def _tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
+        """The text's tokens. With `param` (a prompt that must fit the context, not truncated), a text too long
+        for any tokenization to fit is a 400 before it is tokenized (an 8 MiB prompt took 20 s to refuse)."""
+        if param is not None and len(text) > self.max_model_len:
+            longest = await self.in_tokenizer_pool(self._longest_token_chars)
+            if len(text) > self.max_model_len * longest:
+                raise InvalidRequestError(f"This model's maximum context length is {self.max_model_len} tokens. "
+                                          f"However, the {param} {'are' if param.endswith('s') else 'is'} "
+                                          f"{len(text)} characters long, and no token of "
+                                          f"this vocabulary covers more than {longest}. Please reduce the {param}.",
+                                          param=param)
         return await self.in_tokenizer_pool(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    @functools.cache  # noqa: B019 - one serving layer per server, kept for its life
+    def _longest_token_chars(self) -> int:
+        """The most characters one token stands for (its bytes bound them), over the whole vocabulary."""
+        return max(1, max(len(self.token_bytes(i)) for i in range(len(self.tokenizer))))
 
     # ---- /v1/completions --------------------------------------------------------------------------
     def _truncate(self, prompt: _Prompt, keep: int | None) -> _Prompt:
@@ -212,9 +227,11 @@ class OpenAIServing:
             return prompt
         return _Prompt(None, prompt.token_ids[-keep:])  # its text no longer matches: echo decodes the ids
 
-    async def _completion_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[_Prompt]:
+    async def _completion_prompts(self, prompt: Any, add_special_tokens: bool = True, truncating: bool = False
+                                  ) -> list[_Prompt]:
+        param = None if truncating else "prompt"
         if isinstance(prompt, str):
-            return [_Prompt(prompt, await self._tokenize(prompt, add_special_tokens))]
+            return [_Prompt(prompt, await self._tokenize(prompt, add_special_tokens, param))]
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
@@ -223,7 +240,7 @@ class OpenAIServing:
             raise InvalidRequestError(f"at most {self.limits.max_prompts_per_request} prompts per request "
                                       f"(--max-prompts-per-request), got {len(prompt)}", param="prompt")
         if all(isinstance(p, str) for p in prompt):
-            return [_Prompt(p, await self._tokenize(p, add_special_tokens)) for p in prompt]
+            return [_Prompt(p, await self._tokenize(p, add_special_tokens, param)) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
             return [_Prompt(None, list(p)) for p in prompt]
         raise InvalidRequestError("prompt must be a string, a list of strings, token ids, or lists of token ids",
@@ -236,7 +253,8 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequestError("best_of is not supported (only best_of == n)", param="best_of")
         req.check_fields({})
-        prompts = await self._completion_prompts(req.prompt, req.add_special_tokens)
+        prompts = await self._completion_prompts(req.prompt, req.add_special_tokens,
+                                                 truncating=req.truncate_prompt_tokens is not None)
         prompts = [self._truncate(p, req.truncate_prompt_tokens) for p in prompts]
         # echo with max_tokens 0 (vLLM's): the prompt alone, with its logprobs; one token is generated and dropped
         prompt_only = req.echo and req.max_tokens == 0
@@ -509,7 +527,7 @@ class OpenAIServing:
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict | None = None,
                           tools: list[dict] | None = None, add_special_tokens: bool = False,
-                          chat_template: str | None = None) -> list[int]:
+                          chat_template: str | None = None, must_fit: bool = False) -> list[int]:
         """A chat's prompt tokens. `chat_template`: a request's own (--trust-request-chat-template)."""
         if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
@@ -530,7 +548,7 @@ class OpenAIServing:
                 continue_final_message=continue_final_message, **(kwargs or {}))
         except Exception as exc:  # template errors (e.g. roles it rejects) are the client's to fix
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
-        return await self._tokenize(text, add_special_tokens=add_special_tokens)
+        return await self._tokenize(text, add_special_tokens=add_special_tokens, param="messages" if must_fit else None)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
         request_id, prompt, streams, tool_choice = await self.start_chat(req, "chatcmpl")
@@ -569,7 +587,8 @@ class OpenAIServing:
         prompt_ids = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
                                             req.chat_template_kwargs, tools=self._prompt_tools(req),
                                             add_special_tokens=req.add_special_tokens,
-                                            chat_template=self._request_template(req))
+                                            chat_template=self._request_template(req),
+                                            must_fit=req.truncate_prompt_tokens is None)
         prompt = self._truncate(_Prompt(None, prompt_ids), req.truncate_prompt_tokens)
         prompt_ids = prompt.token_ids
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
