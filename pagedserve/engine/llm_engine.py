@@ -48,10 +48,11 @@ class LLMEngine:
             configure_threads(config.device.num_threads)
         startup.enter("loading_weights")
         self.eos_token_id = tokenizer.eos_token_id
+        # Before the weights load: a GGUF's header (its end-of-turn ids) is parsed once, and dropped after loading.
+        self.extra_eos_token_ids = generation_config_eos_ids(config.model.model, self.eos_token_id, tokenizer)
         self.runner = make_runner(config, startup.set_progress, self.eos_token_id)
         startup.enter("allocating_kv")
         self.runner.allocate_kv_cache()
-        self.extra_eos_token_ids = generation_config_eos_ids(config.model.model, self.eos_token_id, tokenizer)
         # The scheduler allocates from it; the engine reads its written blocks (RSS) and releases free pages.
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.faults = FaultInjector()  # armed after warm-up: injected faults are for requests, not start-up
@@ -158,7 +159,7 @@ class LLMEngine:
         self.validate_prompt(prompt_ids)
         self.validate_token_params(params)
         grammar_future, grammar = self._submit_grammar(params)
-        if self.extra_eos_token_ids:
+        if self.extra_eos_token_ids and not params.ignore_eos:  # ignore_eos ignores every EOS, as vLLM's
             params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         max_tokens = self.max_model_len - len(prompt_ids)
         if params.max_tokens is not None:

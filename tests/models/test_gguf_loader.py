@@ -399,6 +399,9 @@ def test_a_gguf_s_end_of_turn_tokens_end_a_generation(models: dict, tmp_path: Pa
         params = SamplingParams(temperature=0.0, max_tokens=5, logit_bias={token: 100.0})
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0]
         assert (out.token_ids, out.finish_reason) == ([token], "stop"), token
+        # ignore_eos ignores every one of them (vLLM's): the extra ones were still added as stop ids
+        ignoring = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params.clone(ignore_eos=True))[0].outputs[0]
+        assert (ignoring.token_ids, ignoring.finish_reason) == ([token] * 5, "length"), token
 
 
 def test_damaged_gguf_metadata_is_refused_by_name_in_serve_and_doctor(models: dict, tmp_path: Path) -> None:
