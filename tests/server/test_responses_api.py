@@ -109,6 +109,13 @@ def test_text_format_json_schema(client):
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"input": []}, "input"),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text"),
+    ({"input": "x", "text": {"format": "json"}}, "text"),  # a 500 before
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text"),  # no name
+    ({"input": "x", "n": 2}, "n"),  # the stream mixed two generations into one message
+    ({"input": "x", "logprobs": True}, "logprobs"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "max_tool_calls": 1}, "max_tool_calls"),
+    ({"input": "x", "metadata": {"a": 1}}, "metadata"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 400}, "max_output_tokens"),  # past --max-model-len
 ])
@@ -116,6 +123,20 @@ def test_what_cannot_be_honoured_is_a_400(server, body, param):
     response = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+def test_accepted_defaults_and_no_effect_fields(client, server):
+    """tool_choice "auto" (its default) without tools, and OpenAI's service fields, are taken; a cut message is
+    marked incomplete; the stream ends with its last event (no chat-style [DONE])."""
+    response = client.responses.create(model=MODEL, input="Hi", tool_choice="auto", max_output_tokens=3,
+                                       service_tier="auto", prompt_cache_key="k", safety_identifier="u", **GREEDY)
+    assert response.status == "incomplete" and response.output[0].status == "incomplete"
+    raw = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "Hi", "stream": True,
+                                                         "max_output_tokens": 3, "ignore_eos": True}).text
+    assert "[DONE]" not in raw and raw.rstrip().splitlines()[-1].startswith('data: {"type": "response.incomplete"')
+    final = json.loads(raw.rstrip().splitlines()[-1][6:])["response"]
+    assert final["output"][0]["status"] == "incomplete"
+    assert set(final["usage"]["input_tokens_details"]) == {"cached_tokens", "cache_write_tokens"}  # the SDK's fields
 
 
 def test_responses_are_not_stored(server):

@@ -715,7 +715,9 @@ def _chunk(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[str], done: bool = True) -> StreamingResponse:
+    """An SSE response of `chunks`, ending with `data: [DONE]` (the completions and chat streams; not the
+    Responses stream, whose last event says it ended)."""
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
@@ -723,7 +725,8 @@ def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
         except Exception as exc:  # after the headers went out, errors travel as an SSE event
             error = to_api_error(exc)
             yield _chunk(error_body(error.message, error.status, error.param, error.code))
-        yield "data: [DONE]\n\n"
+        if done:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -21,14 +21,30 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest
+from pagedserve.entrypoints.openai.errors import to_api_error
 from pagedserve.entrypoints.openai.serving import OpenAIServing, _collect, _PromptTally, _sse
 from pagedserve.entrypoints.openai.tool_calls import ToolCallDelta, make_reader, read_all
 from pagedserve.exceptions import InvalidRequestError
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# Responses fields accepted and kept out of the chat request: they change nothing a text server generates.
+_ACCEPTED = frozenset({"service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
 # The chat request's field -> the Responses request's, for the errors the chat route raises.
 _FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text",
                 "structured_outputs": "text"}
+
+
+# Chat-route fields a Responses request may not set (through vLLM's extras, which pass through): each has a
+# Responses counterpart, or no meaning here.
+_CHAT_ONLY = {"n": "a response has one output", "messages": "give input", "max_tokens": "give max_output_tokens",
+              "max_completion_tokens": "give max_output_tokens", "response_format": "give text.format",
+              "logprobs": "logprobs are not given by /v1/responses; use /v1/chat/completions",
+              "best_of": "a response has one output", "use_beam_search": "use /v1/chat/completions",
+              "suffix": "use /v1/completions", "echo": "use /v1/completions", "functions": "give tools"}
+# Responses fields that change what the reply holds, which a stateless text server cannot honour.
+_REFUSED = {"conversation": "conversations are not stored here: send the whole conversation in input",
+            "prompt": "stored prompts are not available here: send the prompt in input and instructions",
+            "max_tool_calls": "not supported: bound the calls in your loop"}
 
 
 def _renamed(exc: InvalidRequestError) -> InvalidRequestError:
@@ -36,7 +52,8 @@ def _renamed(exc: InvalidRequestError) -> InvalidRequestError:
     name = _FIELD_NAMES.get(exc.param or "")
     if name is None:
         return exc
-    return InvalidRequestError(exc.message.replace(exc.param, name), param=name)
+    message = exc.message.replace("the messages are", "the input is").replace(exc.param, name)
+    return InvalidRequestError(message, param=name)
 
 
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -51,8 +68,16 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                                                      "/v1/chat/completions")):
         if refused:
             raise InvalidRequestError(f"{name} is not supported: {why}", param=name)
+    extra = req.model_extra or {}
+    for name, why in _REFUSED.items():
+        if extra.get(name) is not None:
+            raise InvalidRequestError(f"{name}: {why}", param=name)
+    for name, why in _CHAT_ONLY.items():
+        if name in extra and not (name == "n" and extra[name] == 1):
+            raise InvalidRequestError(f"{name} is a chat completions field, not a Responses one: {why}", param=name)
+    _check_metadata(req.metadata)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + _messages(req.input)
-    body: dict[str, Any] = {k: v for k, v in (req.model_extra or {}).items()}
+    body: dict[str, Any] = {k: v for k, v in extra.items() if k not in _ACCEPTED}
     body.update(model=req.model, messages=messages, stream=req.stream, user=req.user)
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("parallel_tool_calls", "parallel_tool_calls")):
@@ -60,16 +85,17 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             body[theirs] = getattr(req, ours)
     if req.tools:
         body["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(req.tools)]
-    if req.tool_choice is not None:
-        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
-    text_format = (req.text or {}).get("format")
-    if text_format is not None:
-        body["response_format"] = _response_format(text_format)
+    if req.tool_choice is not None and (req.tools or req.tool_choice not in ("auto", "none")):
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)  # "auto" (the default) needs no tools here
+    if req.text is not None:
+        text_format = req.text.get("format")
+        if text_format is not None:
+            body["response_format"] = _response_format(text_format)
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         error = exc.errors()[0]
-        field = str(error["loc"][0]) if error.get("loc") else "input"
+        field = str(error["loc"][0]) if error.get("loc") else "input"  # the field, not pydantic's union branch
         raise _renamed(InvalidRequestError(f"{field}: {error['msg']}", param=field)) from None
 
 
@@ -128,6 +154,16 @@ def _text(content: Any, index: int) -> str:
     return "\n".join(texts)
 
 
+def _check_metadata(metadata: dict[str, Any] | None) -> None:
+    """OpenAI's rule: at most 16 pairs, keys of at most 64 characters, string values of at most 512."""
+    if metadata is None:
+        return
+    if len(metadata) > 16 or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                                     for k, v in metadata.items()):
+        raise InvalidRequestError("metadata holds at most 16 pairs of strings (keys up to 64 characters, values up "
+                                  "to 512)", param="metadata")
+
+
 def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
     """A Responses function tool (flat) -> the chat route's {"type": "function", "function": {...}}."""
     if tool.get("type") != "function":
@@ -139,13 +175,21 @@ def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
 
 def _chat_tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function":
+        if isinstance(choice.get("function"), dict):
+            return choice  # the chat route's own form
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice  # "auto", "none", "required"; anything else gets the chat route's 400
 
 
-def _response_format(text_format: dict[str, Any]) -> dict[str, Any]:
+def _response_format(text_format: Any) -> dict[str, Any]:
+    if not isinstance(text_format, dict):
+        raise InvalidRequestError(f"text.format must be an object such as {{\"type\": \"json_schema\", \"name\": ..., "
+                                  f"\"schema\": {{...}}}}, got {text_format!r}", param="text")
     kind = text_format.get("type")
     if kind == "json_schema":
+        if not isinstance(text_format.get("name"), str) or not isinstance(text_format.get("schema"), dict):
+            raise InvalidRequestError("text.format of type json_schema needs a name (a string) and a schema (an "
+                                      "object)", param="text")
         schema = {k: text_format[k] for k in ("name", "schema", "strict", "description") if k in text_format}
         return {"type": "json_schema", "json_schema": schema}
     if kind in ("text", "json_object"):
@@ -163,13 +207,12 @@ class ResponsesServing:
     async def create(self, req: ResponsesRequest, raw: Request) -> Any:
         chat = to_chat_request(req)
         try:
-            engine_id, prompt, streams, tool_choice = await self.serving.start_chat(chat, "resp")
+            _, prompt, streams, tool_choice = await self.serving.start_chat(chat, "resp")
         except InvalidRequestError as exc:
             raise _renamed(exc) from None
-        response_id = "resp_" + engine_id.split("-", 1)[1].replace("-", "")
-        skeleton = self._skeleton(response_id, req)
+        skeleton = self._skeleton(f"resp_{uuid.uuid4().hex}", req)
         if req.stream:
-            return _sse(self._events(skeleton, prompt.token_ids, streams, tool_choice))
+            return _sse(self._events(skeleton, prompt.token_ids, streams, tool_choice), done=False)
         tally = _PromptTally()
         finals = await _collect(streams, raw, 1, tally)
         choice = finals[0][0]
@@ -195,76 +238,111 @@ class ResponsesServing:
 
     async def _events(self, skeleton: dict[str, Any], prompt_ids: list[int], streams: AsyncIterator,
                       tool_choice: Any) -> AsyncIterator[str]:
-        """The Responses stream: each output item added, its text or arguments as deltas, done, then completed."""
-        sequence = 0
-
-        def event(kind: str, **fields: Any) -> str:
-            nonlocal sequence
-            sequence += 1
-            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence - 1, **fields})}\n\n"
-
-        yield event("response.created", response=skeleton)
-        yield event("response.in_progress", response=skeleton)
+        """The Responses stream, as OpenAI's: each output item added, its text or arguments as deltas and done
+        before the next item is added, then response.completed (or .incomplete); a failure is an `error` event
+        and response.failed."""
+        stream = _EventStream(skeleton)
+        yield stream.event("response.created", response=skeleton)
+        yield stream.event("response.in_progress", response=skeleton)
         reader = make_reader(tool_choice, self.serving.tool_call_parser)
         tally = _PromptTally()
-        items: list[dict[str, Any]] = []  # in output order
-        message: dict[str, Any] | None = None
-        calls: dict[int, dict[str, Any]] = {}  # the reader's call index -> its item
         finish_reason, num_tokens = None, 0
-        async for prompt_index, output in streams:
-            tally.add(prompt_index, output)
-            completion = output.outputs[0]
-            num_tokens += len(completion.token_ids)
-            events = reader.feed(completion.text)
-            if completion.finish_reason is not None:
-                finish_reason = completion.finish_reason
-                events += reader.finish()
-            for piece in events:
-                if isinstance(piece, str):
-                    if not piece:
-                        continue
-                    if message is None:
-                        message = _message_item(_item_id("msg"), "", "in_progress")
-                        items.append(message)
-                        yield event("response.output_item.added", output_index=len(items) - 1,
-                                    item={**message, "content": []})
-                        yield event("response.content_part.added", item_id=message["id"],
-                                    output_index=len(items) - 1, content_index=0, part=_text_part(""))
-                    message["content"][0]["text"] += piece
-                    yield event("response.output_text.delta", item_id=message["id"],
-                                output_index=items.index(message), content_index=0, delta=piece, logprobs=[])
-                elif isinstance(piece, ToolCallDelta):
-                    item = calls.get(piece.index)
-                    if item is None:
-                        item = _function_call_item(_item_id("fc"), piece.id, piece.name, "", "in_progress")
-                        calls[piece.index] = item
-                        items.append(item)
-                        yield event("response.output_item.added", output_index=len(items) - 1, item=dict(item))
-                    if piece.arguments:
-                        item["arguments"] += piece.arguments
-                        yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                    output_index=items.index(item), delta=piece.arguments)
-        if not items:  # nothing written: an empty message, as the non-streamed response has
-            message = _message_item(_item_id("msg"), "", "in_progress")
-            items.append(message)
-            yield event("response.output_item.added", output_index=0, item={**message, "content": []})
-            yield event("response.content_part.added", item_id=message["id"], output_index=0, content_index=0,
-                        part=_text_part(""))
-        for index, item in enumerate(items):
+        try:
+            async for prompt_index, output in streams:
+                tally.add(prompt_index, output)
+                completion = output.outputs[0]
+                num_tokens += len(completion.token_ids)
+                events = reader.feed(completion.text)
+                if completion.finish_reason is not None:
+                    finish_reason = completion.finish_reason
+                    events += reader.finish()
+                for piece in events:
+                    for line in stream.text(piece) if isinstance(piece, str) else stream.call(piece):
+                        yield line
+        except Exception as exc:  # noqa: BLE001 - after the headers went out, a failure travels as events
+            error = to_api_error(exc)
+            yield stream.event("error", code=str(error.code or error.status), message=error.message,
+                               param=error.param)
+            yield stream.event("response.failed", response={**skeleton, "status": "failed", "output": stream.items,
+                                                            "error": {"code": "server_error" if error.status >= 500
+                                                                      else "invalid_request", "message": error.message}})
+            return
+        if not stream.items:  # nothing written: an empty message, as the non-streamed response has
+            for line in stream.text("", force=True):
+                yield line
+        for line in stream.close(incomplete=finish_reason == "length"):
+            yield line
+        final = _finish(skeleton, stream.items, finish_reason, len(prompt_ids), num_tokens, tally.num_cached)
+        yield stream.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
+                           response=final)
+
+
+class _EventStream:
+    """The stream's output items, one open at a time (text after a function call starts a new message)."""
+
+    def __init__(self, skeleton: dict[str, Any]) -> None:
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+        self.calls: dict[int, dict[str, Any]] = {}  # the reader's call index -> its item
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def text(self, piece: str, force: bool = False) -> list[str]:
+        if not piece and not force:
+            return []
+        lines = []
+        if self.open is None or self.open["type"] != "message":
+            lines += self.close()
+            self.open = _message_item(_item_id("msg"), "", "in_progress")
+            self.items.append(self.open)
+            index = len(self.items) - 1
+            lines.append(self.event("response.output_item.added", output_index=index, item={**self.open,
+                                                                                            "content": []}))
+            lines.append(self.event("response.content_part.added", item_id=self.open["id"], output_index=index,
+                                    content_index=0, part=_text_part("")))
+        if piece:
+            self.open["content"][0]["text"] += piece
+            lines.append(self.event("response.output_text.delta", item_id=self.open["id"],
+                                    output_index=len(self.items) - 1, content_index=0, delta=piece, logprobs=[]))
+        return lines
+
+    def call(self, piece: ToolCallDelta) -> list[str]:
+        lines = []
+        item = self.calls.get(piece.index)
+        if item is None:
+            lines += self.close()
+            item = self.open = self.calls[piece.index] = _function_call_item(_item_id("fc"), piece.id, piece.name,
+                                                                             "", "in_progress")
+            self.items.append(item)
+            lines.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
+        if piece.arguments:
+            item["arguments"] += piece.arguments
+            lines.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                    output_index=self.items.index(item), delta=piece.arguments))
+        return lines
+
+    def close(self, incomplete: bool = False) -> list[str]:
+        """The open item's done events (a message cut at max_output_tokens is incomplete, as OpenAI marks it)."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        if item["type"] == "message":
+            item["status"] = "incomplete" if incomplete else "completed"
+            text = item["content"][0]["text"]
+            lines = [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                                text=text, logprobs=[]),
+                     self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                content_index=0, part=_text_part(text))]
+        else:
             item["status"] = "completed"
-            if item is message:
-                text = message["content"][0]["text"]
-                yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=text, logprobs=[])
-                yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                            part=_text_part(text))
-            else:
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            name=item["name"], arguments=item["arguments"])
-            yield event("response.output_item.done", output_index=index, item=item)
-        final = _finish(skeleton, items, finish_reason, len(prompt_ids), num_tokens, tally.num_cached)
-        yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                    response=final)
+            lines = [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                name=item["name"], arguments=item["arguments"])]
+        return lines + [self.event("response.output_item.done", output_index=index, item=item)]
 
 
 def _item_id(prefix: str) -> str:
@@ -288,8 +366,11 @@ def _finish(skeleton: dict[str, Any], output: list[dict[str, Any]], finish_reaso
             num_output: int, num_cached: int) -> dict[str, Any]:
     """The Response object once the generation ended: completed, or incomplete at max_output_tokens."""
     incomplete = finish_reason == "length"
+    if incomplete and output and output[-1]["type"] == "message":
+        output[-1]["status"] = "incomplete"  # the message cut short, as OpenAI marks it
     return {**skeleton, "status": "incomplete" if incomplete else "completed", "output": output,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "usage": {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": num_cached},
+            "usage": {"input_tokens": num_prompt,
+                      "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": 0},
                       "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": num_prompt + num_output}}

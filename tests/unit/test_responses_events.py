@@ -1,0 +1,82 @@
+"""The Responses stream's events (serving_responses.py), fed by a fake engine stream: each output item is done
+before the next is added (text after a function call is a new message), and a failure mid-stream is an `error`
+event and response.failed, as OpenAI sends them, with no chat-style [DONE]."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from pagedserve.entrypoints.openai.serving_responses import ResponsesServing
+from pagedserve.entrypoints.openai.tool_calls import ToolCallDelta
+from pagedserve.exceptions import InvalidRequestError
+
+
+class ScriptedReader:
+    """Hands out a fixed list of events per feed, as a tool-call reader would."""
+
+    passes_text_through = True
+
+    def __init__(self, script: list[list]) -> None:
+        self.script = iter(script)
+
+    def feed(self, text: str) -> list:
+        return next(self.script, [])
+
+    def finish(self) -> list:
+        return []
+
+
+def run(script: list[list], fail_after: int | None = None) -> list[dict]:
+    import pagedserve.entrypoints.openai.serving_responses as module
+
+    async def outputs():
+        for i in range(len(script)):
+            if fail_after is not None and i == fail_after:
+                raise InvalidRequestError("the grammar allows no token", param="text")
+            done = "stop" if i == len(script) - 1 else None
+            completion = SimpleNamespace(token_ids=[1], text="x", finish_reason=done)
+            yield 0, SimpleNamespace(outputs=[completion], num_cached_tokens=0, prompt_logprobs=None)
+
+    original = module.make_reader
+    module.make_reader = lambda *args: ScriptedReader(script)
+    try:
+        serving = ResponsesServing(SimpleNamespace(tool_call_parser=None, served_model_names=["m"]))
+
+        async def collect() -> list[str]:
+            return [line async for line in serving._events({"id": "resp_1", "output": []}, [1, 2], outputs(), None)]
+
+        lines = asyncio.run(collect())
+    finally:
+        module.make_reader = original
+    return [json.loads(line.split("data: ", 1)[1]) for line in lines]
+
+
+def test_each_item_is_done_before_the_next_is_added():
+    call = ToolCallDelta(0, '{"city": ', "call_1", "get_weather")
+    events = run([["Let me check."], [call], [ToolCallDelta(0, '"Paris"}')], ["Done."]])
+    kinds = [(e["type"], e.get("output_index")) for e in events]
+    assert kinds == [
+        ("response.created", None), ("response.in_progress", None),
+        ("response.output_item.added", 0), ("response.content_part.added", 0), ("response.output_text.delta", 0),
+        ("response.output_text.done", 0), ("response.content_part.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.function_call_arguments.delta", 1),
+        ("response.function_call_arguments.delta", 1), ("response.function_call_arguments.done", 1),
+        ("response.output_item.done", 1),
+        ("response.output_item.added", 2), ("response.content_part.added", 2), ("response.output_text.delta", 2),
+        ("response.output_text.done", 2), ("response.content_part.done", 2), ("response.output_item.done", 2),
+        ("response.completed", None)]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]["output"]
+    assert [i["type"] for i in final] == ["message", "function_call", "message"]
+    assert final[1]["arguments"] == '{"city": "Paris"}' and final[2]["content"][0]["text"] == "Done."
+
+
+def test_a_failure_mid_stream_is_an_error_event_and_response_failed():
+    events = run([["Hello"], [" there"], ["!"]], fail_after=2)
+    assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+    assert events[-2]["message"] == "the grammar allows no token" and events[-2]["param"] == "text"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["message"] == "the grammar allows no token"
+    assert failed["output"][0]["content"][0]["text"] == "Hello there"
