@@ -54,7 +54,8 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--model", default=None, help="model name to request (default: first id of GET /v1/models)")
     target.add_argument("--endpoint", default="/v1/completions",
                         choices=["/v1/completions", "/v1/chat/completions", "/v1/embeddings"])
-    target.add_argument("--api-key", default=None, help="bearer token (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY)")
+    target.add_argument("--api-key", default=None,
+                        help="bearer token (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY)")
     target.add_argument(
         "--request-timeout",
         type=float,
@@ -126,7 +127,8 @@ def _register_startup(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
-    parser.add_argument("--api-key", default=None, help="bearer token (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY)")
+    parser.add_argument("--api-key", default=None,
+                        help="bearer token (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY)")
     parser.add_argument("--log-file", default=None, help="server output (default: a temporary file, reported)")
     parser.add_argument("--json", dest="json_path", default=None, help="write every figure here")
     # One REMAINDER positional keeps `--` in place (MODEL plus a `?` positional would not): MODEL, our

@@ -230,8 +230,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "a" * 200_000}, 400, "characters long"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a" * 200_000}]}, 400,
      "the messages are"),
-    ("/v1/score", {"model": MODEL, "text_1": "x", "text_2": "y"}, 400, "embedding model (e.g. --task embed) for /v1/score"),
-    ("/rerank", {"model": MODEL, "query": "x", "documents": ["y"]}, 400, "embedding model (e.g. --task embed) for /rerank"),
+    ("/v1/score", {"model": MODEL, "text_1": "x", "text_2": "y"}, 400,
+     "embedding model (e.g. --task embed) for /v1/score"),
+    ("/rerank", {"model": MODEL, "query": "x", "documents": ["y"]}, 400,
+     "embedding model (e.g. --task embed) for /rerank"),
     ("/detokenize", {"model": MODEL, "tokens": [-5]}, 400, "out of range"),
     *[(path, {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
               "continue_final_message": True, "add_generation_prompt": True}, 400, "add_generation_prompt to false")

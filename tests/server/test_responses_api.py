@@ -87,7 +87,8 @@ def test_function_calls_and_their_outputs(client):
     message, _ = chat_text(client, [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}], 5, tools=chat_tools, tool_choice="none")
     assert follow.output_text == message.content
 

@@ -20,7 +20,8 @@ def serve(model: str, *flags: str, log_path) -> subprocess.Popen:
     command = [sys.executable, "-m", "pagedserve", "serve", model, "--max-model-len", "128", "--dtype", "float32",
                *flags]
     with open(log_path, "wb") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def wait_ready(process: subprocess.Popen, client: httpx.Client, log_path, timeout: float = 120.0) -> None:

@@ -263,9 +263,9 @@ class ResponsesServing:
             error = to_api_error(exc)
             yield stream.event("error", code=str(error.code or error.status), message=error.message,
                                param=error.param)
+            code = "server_error" if error.status >= 500 else "invalid_request"
             yield stream.event("response.failed", response={**skeleton, "status": "failed", "output": stream.items,
-                                                            "error": {"code": "server_error" if error.status >= 500
-                                                                      else "invalid_request", "message": error.message}})
+                                                            "error": {"code": code, "message": error.message}})
             return
         if not stream.items:  # nothing written: an empty message, as the non-streamed response has
             for line in stream.text("", force=True):
