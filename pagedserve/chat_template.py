@@ -98,6 +98,17 @@ def compile_template(source: str) -> jinja2.Template:
     return environment.from_string(source)
 
 
+def template_problem(template: str | dict[str, str] | None) -> str | None:
+    """Why a model's own chat template (or one of its named templates) does not compile, else None."""
+    sources = template.items() if isinstance(template, dict) else [("", template)] if template else []
+    for name, source in sources:
+        try:
+            compile_template(source)
+        except jinja2.TemplateSyntaxError as exc:
+            return f"chat template{' ' + repr(name) if name else ''} does not compile (line {exc.lineno}: {exc.message})"
+    return None
+
+
 def load_chat_template(value: str) -> str:
     """--chat-template's value as a template (vLLM's rule): a file's path, else the template itself if it looks
     like one (holds '{' or a line break; a one-line template's \\n and \\t are read as escapes). Compiled here,

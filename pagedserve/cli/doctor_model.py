@@ -28,11 +28,17 @@ def check_model(path: str | Path) -> CheckResult:
     from pagedserve.engine.setup import load_tokenizer
     from pagedserve.models.validate import ModelValidationError, validate_model_path
 
+    from pagedserve.chat_template import template_problem
+
     try:
         validate_model_path(path)
-        load_tokenizer(str(path))
+        tokenizer = load_tokenizer(str(path))
     except ModelValidationError as exc:
         return CheckResult("model", FAIL, str(exc))  # the message names the fix
+    problem = template_problem(getattr(tokenizer, "chat_template", None))
+    if problem:
+        return CheckResult("model", WARN, f"{path}: config, weights and tokenizer are complete, but its {problem}: "
+                           "chat requests would get a 400", "serve with --chat-template FILE (a working template)")
     return CheckResult("model", PASS, f"{path}: config, weights and tokenizer are complete")
 
 

@@ -303,3 +303,13 @@ def test_gguf_without_chat_template(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "m.gguf", chat=False)
     validate_model_path(path)
     assert "no chat template" in _message(path, need_chat_template=True)
+
+
+def test_a_model_s_chat_template_that_does_not_compile_is_named():
+    from pagedserve.chat_template import template_problem
+
+    assert template_problem("{% for m in messages %}{{ m['content'] }}{% endfor %}") is None
+    assert template_problem(None) is None
+    assert template_problem("{% for m in messages %}{{ m['content'] }") == \
+        "chat template does not compile (line 1: unexpected '}')"
+    assert "chat template 'tool_use' does not compile" in template_problem({"default": "{{ 1 }}", "tool_use": "{{"})

@@ -454,6 +454,13 @@ def start_engine(state: ServerState, args: EngineArgs, options: ServeOptions | N
         from pagedserve.chat_template import load_chat_template
 
         llm_engine.tokenizer.chat_template = load_chat_template(options.chat_template)
+    else:
+        from pagedserve.chat_template import template_problem
+
+        problem = template_problem(getattr(llm_engine.tokenizer, "chat_template", None))
+        if problem:
+            logger.warning("the model's %s: chat requests will get a 400; serve with --chat-template FILE (a working "
+                           "template) to chat with it", problem)
     config = llm_engine.config
     name = config.model.served_model_name
     metrics = EngineMetrics(name)
