@@ -103,7 +103,8 @@ class GrammarCompiler:
                 self._xgr_info = info
                 logger.info("structured outputs: xgrammar loaded and this tokenizer's vocabulary scanned in %.2f s",
                             time.perf_counter() - start)
-        self._local.compiler = xgr.GrammarCompiler(self._xgr_info, max_threads=1)
+        # No cache of xgrammar's own: ours (self._cache) is shared by the workers and bounded.
+        self._local.compiler = xgr.GrammarCompiler(self._xgr_info, max_threads=1, cache_enabled=False)
         return self._local.compiler
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
