@@ -15,10 +15,12 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pagedserve.distributed.group import GroupAddress, TPGroup
@@ -49,6 +51,17 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
+SPAWN_GUARD_HINT = ("tensor-parallel ranks are started with 'spawn', which imports the main script again: a script "
+                    "must create LLM(..., tensor_parallel_size=N) under `if __name__ == \"__main__\":`")
+
+
+def _main_is_a_script() -> bool:
+    """Whether the main module is the user's script (not pagedserve's command line), which ranks re-import."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return path is not None and "pagedserve" not in Path(path).resolve().parts
+
+
 class WorkerSet:
     def __init__(self, group: TPGroup, address: GroupAddress, store: Any, processes: list, conns: list) -> None:
         self.group = group
@@ -70,6 +83,8 @@ class WorkerSet:
         from pagedserve.platform import distributed_backend
         from pagedserve.worker.tp_worker import worker_main
 
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            raise RuntimeError(SPAWN_GUARD_HINT)  # a rank importing the user's script ran its LLM(...) again
         store = dist.TCPStore("127.0.0.1", 0, group.world_size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
         shm_path = None
@@ -80,15 +95,22 @@ class WorkerSet:
                                timeout_s)
         context = multiprocessing.get_context("spawn")
         processes, conns = [], []
-        for rank in range(1, group.world_size):
-            ours, theirs = context.Pipe()
-            spec = WorkerSpec(rank, group.world_size, config, address, binding[rank], num_threads, os.getpid())
-            process = context.Process(target=worker_main, args=(spec, theirs), name=f"pagedserve-tp-rank{rank}",
-                                      daemon=True)
-            process.start()
-            theirs.close()
-            processes.append(process)
-            conns.append(ours)
+        try:
+            for rank in range(1, group.world_size):
+                ours, theirs = context.Pipe()
+                spec = WorkerSpec(rank, group.world_size, config, address, binding[rank], num_threads, os.getpid())
+                process = context.Process(target=worker_main, args=(spec, theirs), name=f"pagedserve-tp-rank{rank}",
+                                          daemon=True)
+                process.start()
+                theirs.close()
+                processes.append(process)
+                conns.append(ours)
+        except BaseException:  # nothing started is left behind: no ranks, no shared-memory file
+            for process in processes:
+                process.kill()
+            if shm_path is not None and os.path.exists(shm_path):
+                os.unlink(shm_path)
+            raise
         logger.info("tensor parallel: started ranks 1..%d (pids %s)", group.world_size - 1,
                     ", ".join(str(p.pid) for p in processes))
         return cls(group, address, store, processes, conns)
@@ -98,7 +120,12 @@ class WorkerSet:
         meanwhile is reported at once), then join the group with them (rank 0)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         for rank, conn in enumerate(self.conns, start=1):
-            kind, detail = self._next_message(rank, conn, deadline, "start-up")
+            try:
+                kind, detail = self._next_message(rank, conn, deadline, "start-up")
+            except WorkerLostError as exc:
+                if _main_is_a_script():
+                    raise WorkerLostError(f"{exc}. {SPAWN_GUARD_HINT}") from exc
+                raise
             if kind != "ready":
                 raise WorkerLostError(f"tensor-parallel rank {rank} failed to start: {detail}")
         self.group.connect(self.address, store=self._store)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -115,6 +116,10 @@ def worker_main(spec: WorkerSpec, conn: Any) -> None:
                         format=f"%(asctime)s.%(msecs)03d %(levelname)s [tp rank {spec.rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")  # the server's format (cli/common.py), with the rank
     threading.Thread(target=_exit_when_orphaned, args=(spec.parent_pid,), daemon=True).start()
+    # Rank 0 stops the ranks (after draining its requests) or they exit when it is gone: a Ctrl-C or a SIGTERM to
+    # the whole process group (systemctl stop, kill -- -PGID) must not kill them under rank 0's requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         runner = _start_worker(spec)
         conn.send(("ready", ""))  # loaded: rank 0 joins the group once every rank is (a failure is seen at once)

@@ -97,3 +97,45 @@ def test_a_rank_killed_while_idle_ends_the_server(tiny_model_dir, tmp_path):
         assert_dead_and_exits_nonzero(server, time.monotonic())
     finally:
         server.stop()
+
+
+def test_a_sigterm_to_the_whole_process_group_drains_requests_and_exits_0(tiny_model_dir, tmp_path):
+    """Ctrl-C, systemctl stop and `kill -- -PGID` signal every process: the ranks leave stopping to rank 0,
+    which drains its requests and stops them (the ranks died at once: 503s and exit 1)."""
+    import signal
+
+    server = start_server(tiny_model_dir("llama"), *FLAGS, log_dir=tmp_path)
+    server.model = openai_client(server).models.list().data[0].id
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(completion, server, 200)
+            deadline = time.monotonic() + 30
+            while metric_value(server, "vllm:num_requests_running") < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            workers = worker_processes(server)
+            for process in [psutil.Process(server.process.pid), *workers]:
+                process.send_signal(signal.SIGTERM)
+            response = in_flight.result(60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 200
+        assert server.process.wait(30) == 0, server.log()
+        assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+    finally:
+        server.stop()
+
+
+def test_a_script_without_the_main_guard_is_told_so_and_leaves_nothing(tiny_model_dir, tmp_path):
+    """Spawned ranks import the main script again: without `if __name__ == "__main__":` its LLM(...) ran in the
+    rank too (a confusing WorkerLostError, and a /dev/shm file left behind each time)."""
+    import glob
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(f"from pagedserve import LLM\nLLM({tiny_model_dir('llama')!r}, tensor_parallel_size=2, "
+                      "dtype='float32', max_model_len=64)\n")
+    before = set(glob.glob("/dev/shm/pagedserve-tp-*"))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "if __name__ == \"__main__\":" in run.stderr, run.stderr[-2000:]
+    assert set(glob.glob("/dev/shm/pagedserve-tp-*")) <= before

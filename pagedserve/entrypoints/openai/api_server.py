@@ -665,10 +665,8 @@ def _leave_during_startup(startup: StartupTracker, code: int) -> None:
     logger.info("stopped during start-up (phase %s)", startup.phase)  # read now: loading goes on meanwhile
     children = psutil.Process().children(recursive=True)
     for child in children:
-        child.terminate()
-    _, alive = psutil.wait_procs(children, timeout=5)
-    for child in alive:
-        child.kill()
+        child.kill()  # tensor-parallel ranks ignore SIGTERM (rank 0 stops them); they hold nothing to save yet
+    psutil.wait_procs(children, timeout=5)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
