@@ -80,10 +80,12 @@ def vllm_cpu_kvcache_space_gib() -> float | None:
 
 
 def vllm_cpu_omp_threads_bind() -> str | None:
-    """$VLLM_CPU_OMP_THREADS_BIND: the cores of each tensor-parallel rank, '|'-separated (--cpu-binding's default);
-    None where unset or vLLM's "auto" / "nobind" (pagedserve's own default binding then)."""
+    """$VLLM_CPU_OMP_THREADS_BIND: the cores of each tensor-parallel rank, '|'-separated (--cpu-binding's default),
+    or vLLM's "nobind" (ranks not bound); None where unset or "auto"/"all" (pagedserve's own default binding)."""
     raw = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip()
-    return None if raw.lower() in ("", "auto", "nobind", "all") else raw
+    if raw.lower() == "nobind":
+        return "nobind"
+    return None if raw.lower() in ("", "auto", "all") else raw
 
 
 def allow_long_max_model_len() -> bool:

@@ -160,12 +160,14 @@ def bind_rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}"
 
 
-def configure_threads(num_threads: int) -> None:
-    """Set torch's intra-op thread count (CPU) once per process."""
+def configure_threads(num_threads: int) -> int:
+    """Set torch's intra-op thread count (CPU); returns the count it had."""
     import torch
 
-    if torch.get_num_threads() != num_threads:
+    previous = torch.get_num_threads()
+    if previous != num_threads:
         torch.set_num_threads(num_threads)
+    return previous
 
 
 def release_free_heap() -> None:

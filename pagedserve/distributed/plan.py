@@ -4,6 +4,7 @@ host's free memory). Pure Python: it runs before anything loads."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -12,7 +13,12 @@ from pagedserve.distributed.binding import default_binding, format_cores, parse_
 from pagedserve.distributed.sharding import ShardLayout, check_tensor_parallel
 from pagedserve.memory.probe import Cores
 
+logger = logging.getLogger(__name__)
+
 ALL_REDUCE_KINDS = ("auto", "shm", "gloo")
+# --cpu-binding's words (vLLM's VLLM_CPU_OMP_THREADS_BIND values): auto, the default binding; nobind, every rank
+# may run on every usable core.
+SPECIAL_BINDINGS = ("auto", "nobind")
 
 
 def check_parallel_args(tensor_parallel_size: int, cpu_binding: str | None, all_reduce: str) -> None:
@@ -21,7 +27,7 @@ def check_parallel_args(tensor_parallel_size: int, cpu_binding: str | None, all_
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     if all_reduce not in ALL_REDUCE_KINDS:
         raise ValueError(f"--tp-all-reduce must be one of {', '.join(ALL_REDUCE_KINDS)}, got {all_reduce!r}")
-    if cpu_binding is not None:
+    if cpu_binding is not None and cpu_binding.strip().lower() not in SPECIAL_BINDINGS:
         parse_cpu_binding(cpu_binding, tensor_parallel_size)
 
 
@@ -38,7 +44,10 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, co
     if not hasattr(hf_config, "num_attention_heads") or "ForCausalLM" not in architecture:
         raise ValueError(f"--tensor-parallel-size {size}: {architecture} cannot be split; use 1")
     check_tensor_parallel(hf_config, size)
-    if args.cpu_binding is not None:
+    word = (args.cpu_binding or "auto").strip().lower()
+    if word == "nobind":
+        binding = [list(cores.logical)] * size
+    elif word != "auto":
         binding = parse_cpu_binding(args.cpu_binding, size)
         allowed = cores.logical  # every CPU of this process's affinity
         outside = sorted({c for cores in binding for c in cores} - set(allowed))
@@ -47,7 +56,11 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, co
                              f"({format_cores(outside)}); usable: {format_cores(allowed)}")
     else:
         binding = default_binding(cores.thread_cpus, size)
-    threads = args.num_threads or min(len(cores) for cores in binding)
+        if len(cores.thread_cpus) < size:
+            logger.warning("%d tensor-parallel ranks share %d cores: ranks on one core take turns, which is slower "
+                           "than --tensor-parallel-size %d", size, len(cores.thread_cpus), len(cores.thread_cpus))
+    threads = args.num_threads or (max(1, len(cores.thread_cpus) // size) if word == "nobind"
+                                   else min(len(cores) for cores in binding))
     return ParallelConfig(tensor_parallel_size=size, cpu_binding=tuple(tuple(c) for c in binding),
                           all_reduce=args.tp_all_reduce), threads
 

@@ -158,8 +158,9 @@ class EngineArgs(FlagArgs):
     cpu_binding: str | None = setting(
         "Cores of each tensor-parallel rank (-tp N), '|'-separated lists: \"0-7|8-15\" (default: "
         "$VLLM_CPU_OMP_THREADS_BIND, as vLLM's; with one rank, bind the process with taskset). Otherwise one NUMA "
-        "node per rank where the usable cores span N nodes, else the usable physical cores split evenly; one "
-        "thread per physical core (one CPU of each) unless --num-threads.")
+        "node per rank where the usable cores span N nodes, else the usable physical cores split evenly (auto); "
+        "nobind lets every rank run on every core; one thread per physical core (one CPU of each) unless "
+        "--num-threads.")
     tp_all_reduce: str = setting("Testing and benchmarks: the tensor-parallel collectives' path: auto (shared "
                               "memory on one x86 host, else gloo), shm or gloo.", default=ParallelConfig.all_reduce,
                               hidden=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +46,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         if config.device.device == "cpu":
-            configure_threads(config.device.num_threads)
+            previous = configure_threads(config.device.num_threads)
+            if previous != config.device.num_threads:  # an offline caller's torch gets its threads back with us
+                weakref.finalize(self, configure_threads, previous)
         startup.enter("loading_weights")
         self.eos_token_id = tokenizer.eos_token_id
         # Before the weights load: a GGUF's header (its end-of-turn ids) is parsed once, and dropped after loading.

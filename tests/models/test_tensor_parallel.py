@@ -253,3 +253,19 @@ def test_the_decode_stack_runs_layer_by_layer_with_two_ranks_and_changes_nothing
     for a, b in zip(with_stack, without):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # exact
+
+
+def test_an_offline_caller_gets_its_threads_and_cores_back(tiny_model_dir):
+    """LLM(tensor_parallel_size=2) binds the calling thread to rank 0's cores and runs torch on its threads;
+    once the LLM is gone the caller's torch threads were left at rank 0's count (the cores came back)."""
+    import gc
+    import os
+
+    import torch
+
+    before = (torch.get_num_threads(), os.sched_getaffinity(0))
+    llm = LLM(tiny_model_dir("llama"), tensor_parallel_size=2, dtype="float32", max_model_len=64)
+    assert llm.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+    del llm
+    gc.collect()
+    assert (torch.get_num_threads(), os.sched_getaffinity(0)) == before

@@ -78,7 +78,7 @@ def test_ranks_split_physical_cores_never_two_threads_of_one_core():
 
 
 @pytest.mark.parametrize("env, tp, expected", [("0-3|4-7", 2, "0-3|4-7"), ("auto", 2, None), ("0-3", 1, None),
-                                               (None, 2, None)])
+                                               (None, 2, None), ("nobind", 2, "nobind")])
 def test_vllm_s_threads_bind_variable_is_the_binding_s_default(monkeypatch, caplog, env, tp, expected):
     import argparse
 
@@ -94,3 +94,36 @@ def test_vllm_s_threads_bind_variable_is_the_binding_s_default(monkeypatch, capl
     assert ("taskset -c 0-3" in caplog.text) == (env == "0-3")  # one rank: said, not silently dropped
     assert engine_args_from_cli(parser.parse_args(["serve", "m", "-tp", "2", "--cpu-binding", "0|1"])).cpu_binding == (
         "0|1")  # the flag wins
+
+
+def test_nobind_auto_and_a_bad_variable(monkeypatch, caplog):
+    """vLLM's words: nobind lets every rank run on every core (it bound them as auto does), auto is the default
+    binding (the flag refused it); a bad VLLM_CPU_OMP_THREADS_BIND names the variable, not --cpu-binding."""
+    import argparse
+
+    from pagedserve.cli import serve
+    from pagedserve.cli.common import engine_args_from_cli
+    from pagedserve.distributed.plan import check_parallel_args, resolve_parallel
+
+    class Args:
+        tensor_parallel_size, cpu_binding, num_threads, tp_all_reduce = 2, "nobind", None, "auto"
+
+    class Config:
+        num_attention_heads, num_key_value_heads, intermediate_size = 4, 2, 128
+
+    four = Cores(tuple((core,) for core in range(4)))
+    parallel, threads = resolve_parallel(Args, Config, "generate", "LlamaForCausalLM", four)
+    assert parallel.cpu_binding == ((0, 1, 2, 3), (0, 1, 2, 3)) and threads == 2
+    Args.cpu_binding = "auto"
+    check_parallel_args(2, "auto", "auto")
+    parallel, _ = resolve_parallel(Args, Config, "generate", "LlamaForCausalLM", four)
+    assert parallel.cpu_binding == ((0, 1), (2, 3))
+    Args.cpu_binding, Args.tensor_parallel_size = None, 4
+    one = Cores(((0,), (1,)))
+    resolve_parallel(Args, Config, "generate", "LlamaForCausalLM", one)
+    assert "4 tensor-parallel ranks share 2 cores" in caplog.text
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    with pytest.raises(ValueError, match="^VLLM_CPU_OMP_THREADS_BIND: '0' gives 1 core lists"):
+        engine_args_from_cli(parser.parse_args(["serve", "m", "-tp", "2"]))
