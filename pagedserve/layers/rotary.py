@@ -21,8 +21,11 @@ def rope_parameters(hf_config: Any) -> dict:
     return params
 
 
-def inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] float32, attention scaling), computed as transformers does."""
+def inverse_frequencies(hf_config: Any, head_dim: int, max_position: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] float32, attention scaling), computed as transformers does. Dynamic NTK scaling,
+    which transformers recomputes for each sequence's length, is fixed as vLLM fixes it where `max_position`
+    (the served context) goes past the trained one: the base scaled for factor x the trained positions; within
+    the trained context it is plain rope, as transformers' is there."""
     params = rope_parameters(hf_config)
     rope_type = params.get("rope_type") or "default"
     if rope_type == "default":
@@ -33,14 +36,19 @@ def inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, fl
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, "
                          f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    extra = {}
+    trained = getattr(hf_config, "max_position_embeddings", None)
+    if rope_type == "dynamic" and max_position is not None and trained and max_position > trained:
+        extra["seq_len"] = int(trained * float(params.get("factor", 1.0)))
+    with torch.device("cpu"):  # the loader builds the model under a meta-device context; these must be real
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
         super().__init__()
-        inv_freq, scaling = inverse_frequencies(hf_config, head_dim)
+        inv_freq, scaling = inverse_frequencies(hf_config, head_dim, max_position)
         # Built on the CPU even under a meta-device context; the loader moves it to the model's device.
         positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]

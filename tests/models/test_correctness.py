@@ -198,3 +198,49 @@ def test_head_dim_32_takes_the_fused_rotary_path_and_matches_transformers(tiny_m
             assert output.outputs[0].token_ids == expected
         else:
             assert_greedy_close(output.outputs[0].token_ids, expected, reference, TOLERANCE[dtype])
+
+
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("scaling", sorted(ROPE_SCALINGS))
+def test_rope_scaled_models_match_transformers(tmp_path, scaling):
+    """Llama 3.x and long-context Qwen configs scale rope: they crashed while loading (transformers' rope init
+    ran under the loader's meta device). Prompts and outputs run past the 64 positions trained without scaling."""
+    from tests.tiny_models import make_tiny_model
+
+    model_dir = str(make_tiny_model("llama", tmp_path, rope_parameters={**ROPE_SCALINGS[scaling],
+                                                                        "rope_theta": 10000.0}))
+    llm, _ = generate(model_dir, "float32", [[1]], max_model_len=256)
+    prompts = make_prompts(llm.get_tokenizer())
+    _, outputs = generate(model_dir, "float32", prompts, max_model_len=256)
+    hf_model, hf_tokens = hf_reference(model_dir, "float32", prompts)
+    for prompt, output, expected in zip(prompts, outputs, hf_tokens):
+        completion = output.outputs[0]
+        assert completion.token_ids == expected
+        assert_logprobs_close(completion.logprobs, hf_logprobs(hf_model, prompt, completion.token_ids),
+                              TOLERANCE["float32"])
+
+
+def test_dynamic_ntk_rope_is_fixed_as_vllm_fixes_it_past_the_trained_context():
+    """transformers rescales dynamic NTK rope for each sequence's length; no fixed table can follow it. Within the
+    trained context it is plain rope (as transformers' is there); past it, the base scaled for factor x the
+    trained positions, vLLM's rule (it was plain rope at any length: outputs past 64 positions parted from both)."""
+    import transformers
+
+    from pagedserve.layers.rotary import inverse_frequencies
+
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=64,
+                                      rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    dim = 32
+    plain = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    within, _ = inverse_frequencies(config, dim, max_position=64)
+    torch.testing.assert_close(within, plain)
+    base = 10000.0 * (4.0 * 4.0 - 3.0) ** (dim / (dim - 2))
+    past, _ = inverse_frequencies(config, dim, max_position=256)
+    torch.testing.assert_close(past, 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)))
