@@ -123,6 +123,9 @@ class OpenAIServing:
         """max_tokens for this prompt; 400 naming both numbers if prompt + max_tokens is too long."""
         check_not_empty(prompt.token_ids)
         max_tokens = generation_max_tokens(len(prompt.token_ids), requested, self.max_model_len, param, prompt_param)
+        if requested is None:  # what the context leaves, within a KV cache smaller than it (--num-gpu-blocks-override)
+            room = self.engine.engine.kv.capacity_tokens - len(prompt.token_ids)
+            max_tokens = min(max_tokens, room) if room >= 1 else max_tokens
         default = self.default_sampling.get("max_tokens")  # the model's max_new_tokens (--generation-config)
         return min(max_tokens, default) if requested is None and default is not None else max_tokens
 
@@ -171,6 +174,7 @@ class OpenAIServing:
         llm_engine = self.engine.engine
         for prompt, params in zip(prompts, params_list):
             llm_engine.validate_prompt(prompt.token_ids)
+            llm_engine.check_fits_kv_cache(len(prompt.token_ids), params.max_tokens)
             try:
                 llm_engine.validate_token_params(params)
             except InvalidRequestError as exc:
