@@ -85,6 +85,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int = 1024  # the server answers 429 past this
     policy: str = "fcfs"  # "fcfs" | "priority": lower `priority` first, then arrival (vLLM's --scheduling-policy)
+    long_prefill_token_threshold: int = 0  # vLLM's: a prompt's chunk per step at most this (0: the budget)
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,15 @@ class Scheduler:
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
-        return min(remaining, budget, self.config.max_model_len - request.num_computed_tokens)
+        return min(self._prefill_cap(remaining), budget, self.config.max_model_len - request.num_computed_tokens)
+
+    def _prefill_cap(self, num_new: int) -> int:
+        """vLLM's long_prefill_token_threshold: a prompt's chunk this step, so that a long prompt leaves room in the
+        budget for requests behind it (chunked prefill only: a whole prompt is one step otherwise)."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0 and self.config.enable_chunked_prefill:
+            return min(num_new, threshold)
+        return num_new
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         speculate = len(self.running) <= self._speculation_limit()
@@ -241,7 +249,7 @@ class Scheduler:
                 num_new = request.num_tokens - computed.num_tokens
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
-                num_new = min(num_new, budget)
+                num_new = min(self._prefill_cap(num_new), budget)
                 lookahead = self._lookahead(request, computed.num_tokens + num_new) \
                     if len(self.running) < self._speculation_limit() else 0
                 if lookahead and self.kv.allocate_slots(request, num_new + lookahead, computed) is None:

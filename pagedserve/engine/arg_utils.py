@@ -190,6 +190,10 @@ class EngineArgs(FlagArgs):
                      "head, and models with a sentence-transformers pooling module (modules.json); else "
                      "generate.", default="auto")
     runner: str = setting("auto, generate or pooling (vLLM's name; pooling = --task embed).", default="auto")
+    long_prefill_token_threshold: int = setting(
+        "vLLM's: with chunked prefill, a prompt prefills at most this many tokens a step, so that requests arriving "
+        "behind a long prompt start beside it instead of waiting for all of it (0: a prompt may take the whole "
+        "--max-num-batched-tokens budget).", default=SchedulerConfig.long_prefill_token_threshold)
     max_waiting_requests: int = setting("Queue bound; the server answers 429 beyond it.",
                                      default=SchedulerConfig.max_waiting_requests)
     scheduling_policy: str = setting("fcfs (first come, first served) or priority: requests with a lower "

@@ -263,7 +263,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                         default_sampling=_default_sampling(model_path, args), max_logprobs=args.max_logprobs)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
-                                max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy)
+                                max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy,
+                                long_prefill_token_threshold=args.long_prefill_token_threshold)
     speculative = _speculative_config(args, task)
     draft = (_draft_model(speculative, model, args, device, kernels_from_flags) if speculative is not None
              else None)
@@ -319,6 +320,9 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ValueError(f"--runner {args.runner} contradicts --task {args.task}; give one of them")
     if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
         raise ValueError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
+    if args.long_prefill_token_threshold < 0:
+        raise ValueError(f"--long-prefill-token-threshold must be >= 0 (0: no cap), got "
+                         f"{args.long_prefill_token_threshold}")
     if args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.max_model_len is not None and args.max_model_len < 2:

@@ -75,10 +75,9 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     CompatSetting(("--h11-max-incomplete-event-size",), IGNORED, "uvicorn's own limits apply (request bodies: "
                   "--max-request-body-bytes)", number=True),
     CompatSetting(("--h11-max-header-count",), IGNORED, "uvicorn's own limits apply", number=True),
-    CompatSetting(("--max-num-partial-prefills",), IGNORED, "chunked prefill interleaves every waiting prompt's "
-                  "chunks with the decodes, within --max-num-batched-tokens", number=True),
-    CompatSetting(("--long-prefill-token-threshold",), IGNORED, "a long prompt is cut into chunks by "
-                  "--max-num-batched-tokens", number=True),
+    CompatSetting(("--max-num-partial-prefills",), IGNORED, "prompts prefill side by side within "
+                  "--max-num-batched-tokens; --long-prefill-token-threshold N keeps a long one from taking a whole "
+                  "step", number=True),
     CompatSetting(("--prefix-caching-hash-algo",), IGNORED, "prefix-cache blocks are keyed by their token ids and "
                   "their prefix's key", choices=("sha256", "sha256_cbor", "builtin", "xxhash", "xxhash_cbor")),
     # only

@@ -386,3 +386,28 @@ def test_fcfs_keeps_arrival_order_whatever_the_priority():
     for rid, priority in (("first", 5), ("second", 0)):
         sched.add_request(make_request(rid, range(10), priority=priority))
     assert [n.request_id for n in sched.schedule().new_requests] == ["first"]
+
+
+def test_long_prefill_token_threshold_lets_short_requests_start_beside_a_long_prompt():
+    """vLLM's --long-prefill-token-threshold: a long prompt's chunk is capped, so a short request that arrives
+    behind it is scheduled in the next step (it waited for the whole long prefill: 147 s behind a 32k prompt)."""
+    def first_step_of_short(threshold: int) -> int:
+        kv = KVCacheManager(256, BS, enable_caching=False)
+        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=512,
+                                 long_prefill_token_threshold=threshold)
+        sched = Scheduler(config, kv)
+        sched.add_request(make_request("long", range(1, 301)))
+        for step in range(1, 30):
+            if step == 2:
+                sched.add_request(make_request("short", [5, 6, 7]))
+            out = sched.schedule()
+            check_budget(sched, out)
+            if threshold:
+                assert out.num_scheduled_tokens.get("long", 0) <= threshold
+            if "short" in out.num_scheduled_tokens:
+                return step
+            sched.update_from_output(out, fake_runner(out))
+        raise AssertionError("the short request never ran")
+
+    assert first_step_of_short(0) > 5  # the long prompt takes each whole 32-token step until it is done
+    assert first_step_of_short(16) == 2
