@@ -441,6 +441,10 @@ def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, .
         base = _plan(shape, request)
         room = base.budget_bytes - (base.total_bytes - base.kv_pool_bytes - base.kv_bookkeeping_bytes)
         kv_bytes = max(0, room) // (base.block_bytes + request.host_bytes_per_block) * base.block_bytes
+        # Too small for one sequence: the size that holds one (a 64 MiB cache was told to take 17.8 GiB).
+        one_sequence = math.ceil(request.max_model_len / request.block_size) * base.block_bytes
+        if request.kv_cache_bytes < one_sequence:
+            kv_bytes = min(kv_bytes, one_sequence)
         if kv_bytes:
             fitting("--kv-cache-memory", str(kv_bytes), shape, replace(request, kv_cache_bytes=kv_bytes),
                     note=f"{_gib(kv_bytes)}; VLLM_CPU_KVCACHE_SPACE={kv_bytes / GIB:.2f}")

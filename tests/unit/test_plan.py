@@ -159,8 +159,9 @@ def test_explicit_kv_size_too_small_for_one_sequence() -> None:
     assert "fewer than one max_model_len=64 sequence" in plan.summary()
     found = {s.flag: s.value for s in plan.suggestions}
     assert found["--max-model-len"] == "32"  # 2 blocks hold one 32-token sequence; 48 needs 3
-    # The largest pool that fits: 5242880 - 1551488 = 3691392 -> 450 blocks of 8192.
-    assert found["--kv-cache-memory"] == str(450 * 8192)
+    # One 64-token sequence: 4 blocks of 8192 (the largest pool that fits, 450 blocks, was suggested before: a
+    # 64 MiB cache too small for 8192 tokens was told to take 17.8 GiB).
+    assert found["--kv-cache-memory"] == str(4 * 8192)
 
 
 def test_summary_in_gib_and_error_carries_plan() -> None:
