@@ -43,7 +43,7 @@ sys.exit(code)
 
 
 @pytest.mark.parametrize("flags,env,fix", [
-    (["--gpu-memory-utilization", "0.0001"], {}, "no single flag change fits"),
+    (["--gpu-memory-utilization", "0.0001"], {}, "would fit: --gpu-memory-utilization 0."),  # the flag at fault
     ([], {"VLLM_CPU_KVCACHE_SPACE": "100000"}, "--kv-cache-memory"),  # 100000 GiB of KV cache asked for
 ], ids=["tiny-fraction", "huge-kv-space"])
 def test_serve_refuses_before_reading_weights(tiny_model_dir, flags, env, fix):
