@@ -1,12 +1,13 @@
 """pagedserve: a vLLM-class LLM inference server for CPU boxes and GPUs."""
 
 from pagedserve.inputs import TextPrompt, TokensPrompt
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.outputs import (CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput)
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "PoolingParams", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "EngineArgs", "LLMEngine", "PoolingParams",
+           "PoolingRequestOutput", "PromptType", "RequestOutput", "SamplingParams", "ScoringRequestOutput",
            "TextPrompt", "TokensPrompt", "__version__"]
 
 
@@ -20,6 +21,14 @@ def __getattr__(name: str):
         from pagedserve.engine.llm_engine import LLMEngine
 
         return LLMEngine
+    if name == "ScoringRequestOutput":
+        from pagedserve.scoring import ScoringRequestOutput
+
+        return ScoringRequestOutput
+    if name == "PromptType":
+        from pagedserve.engine.llm_engine import PromptType
+
+        return PromptType
     if name == "EngineArgs":
         from pagedserve.engine.arg_utils import EngineArgs
 

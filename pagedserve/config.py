@@ -52,7 +52,7 @@ class ModelConfig:
     architecture: str  # e.g. "LlamaForCausalLM"
     task: str = "generate"  # "generate" | "embed"
     pooler: PoolerConfig | None = None  # when task == "embed"
-    seed: int = 0
+    seed: int | None = 0
     quantization: str | None = None
     enforce_eager: bool = False
     reference_kernels: bool = False  # plain F.linear everywhere (correctness checks)

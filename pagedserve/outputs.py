@@ -36,8 +36,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
 
-    @property
     def finished(self) -> bool:
+        """vLLM's: a method (RequestOutput.finished is the attribute)."""
         return self.finish_reason is not None
 
 
@@ -84,3 +84,11 @@ class PoolingRequestOutput:
 
 
 EmbeddingRequestOutput = PoolingRequestOutput  # vLLM's name for the same thing
+
+
+def __getattr__(name: str):
+    if name in ("ScoringRequestOutput", "ScoringOutput"):  # vLLM has them here; they live with the scoring rule
+        import pagedserve.scoring
+
+        return getattr(pagedserve.scoring, name)
+    raise AttributeError(name)

@@ -211,3 +211,7 @@ class BeamSearchParams:
     def num_candidates(self) -> int:
         """How many next tokens each beam's scoring request asks the log-probabilities of."""
         return 2 * self.beam_width
+
+
+# vLLM's former name (before 0.11) for the structured-outputs parameters, which older code imports from here.
+GuidedDecodingParams = StructuredOutputsParams

@@ -89,7 +89,11 @@ class Tokenizer:
         if name.endswith("_id") and name[:-3] in SPECIAL_TOKEN_NAMES:
             token = self.__dict__.get("special_tokens_map", {}).get(name[:-3])
             return None if token is None else self._backend.token_to_id(token)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        if name.startswith("_") or "_backend" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        # Anything else a caller of transformers' tokenizer reaches for (batch_decode, tokenize, padding_side,
+        # ...: what vLLM's get_tokenizer() users call) is transformers' own, over this same backend.
+        return getattr(self.to_transformers(), name)
 
     @property
     def all_special_tokens(self) -> list[str]:
@@ -134,19 +138,25 @@ class Tokenizer:
         return encoding.ids
 
     def __call__(self, text: str | list[str], add_special_tokens: bool = True, truncation: bool = False,
-                 max_length: int | None = None) -> dict[str, Any]:
+                 max_length: int | None = None, **kwargs: Any) -> dict[str, Any]:
         """transformers' `tokenizer(text)` for what serving uses: {"input_ids": ids, or a list of them for a
-        list of texts (encoded together, in the backend's threads)}."""
+        list of texts (encoded together, in the backend's threads)}, readable as `.input_ids` too. Other options
+        (return_tensors, padding, ...) are transformers' own."""
+        if kwargs:
+            return self.to_transformers()(text, add_special_tokens=add_special_tokens, truncation=truncation,
+                                          max_length=max_length, **kwargs)
         if isinstance(text, str):
-            return {"input_ids": self.encode(text, add_special_tokens, truncation, max_length)}
+            return _Encoding(input_ids=self.encode(text, add_special_tokens, truncation, max_length))
         if not truncation or max_length is None:
             for one in text:
                 check_text(one)
             encodings = self._backend.encode_batch(list(text), add_special_tokens=add_special_tokens)
-            return {"input_ids": [encoding.ids for encoding in encodings]}
-        return {"input_ids": [self.encode(t, add_special_tokens, truncation, max_length) for t in text]}
+            return _Encoding(input_ids=[encoding.ids for encoding in encodings])
+        return _Encoding(input_ids=[self.encode(t, add_special_tokens, truncation, max_length) for t in text])
 
-    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        if kwargs:  # clean_up_tokenization_spaces, ...: transformers' own
+            return self.to_transformers().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -154,6 +164,13 @@ class Tokenizer:
                             documents: list[dict] | None = None, chat_template: str | None = None,
                             add_generation_prompt: bool = False, continue_final_message: bool | str = False,
                             tokenize: bool = True, **kwargs: Any) -> str | list[int]:
+        if any(key in kwargs for key in _TRANSFORMERS_CHAT_OPTIONS):  # return_dict, return_tensors, padding, ...
+            transformers_tokenizer = self.to_transformers()
+            transformers_tokenizer.chat_template = self.chat_template
+            return transformers_tokenizer.apply_chat_template(
+                conversation, tools=tools, documents=documents, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tokenize=tokenize, **kwargs)
         template = chat_template or select_template(self.chat_template, tools)
         text = render_chat(template, conversation, tools=tools, documents=documents,
                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
@@ -176,6 +193,21 @@ class Tokenizer:
                 # (no name_or_path: transformers would take a path for a Hub id and ask the Hub about it)
                 self._transformers.chat_template = self.chat_template
             return self._transformers
+
+
+# apply_chat_template options about the returned object, not the template: transformers' to honour.
+_TRANSFORMERS_CHAT_OPTIONS = ("return_dict", "return_tensors", "padding", "truncation", "max_length",
+                              "return_assistant_tokens_mask")
+
+
+class _Encoding(dict):
+    """`tokenizer(text)`'s result: {"input_ids": ...}, also read as `.input_ids` (transformers' BatchEncoding)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 def _byte_level_bytes() -> dict[str, int]:

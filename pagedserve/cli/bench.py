@@ -156,7 +156,7 @@ def _register_throughput(subparsers: argparse._SubParsersAction) -> None:
             "counted in the outputs."
         ),
     )
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, positional_model=True)
     add_thread_args(parser)
     data = parser.add_argument_group("workload")
     data.add_argument("--num-prompts", type=int, default=32, help="prompts per batch (default: %(default)s)")

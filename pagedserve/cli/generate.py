@@ -12,7 +12,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="Generate text offline (no server).")
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, positional_model=True)
     parser.add_argument("--prompt", action="append", required=True,
                         help="Prompt (repeat for a batch). With --chat it is the user message.")
     parser.add_argument("--chat", action="store_true", help="Apply the model's chat template.")

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """Every flag of `serve`: also taken by `plan` and `doctor`, so a serve command line pastes into them."""
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, positional_model=True)
     RequestLimits.add_cli_args(parser.add_argument_group("per-request limits (HTTP 400 beyond them)"))
     ServeOptions.add_cli_args(parser)
     ReplicaArgs.add_cli_args(parser.add_argument_group(

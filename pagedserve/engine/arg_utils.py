@@ -181,7 +181,8 @@ class EngineArgs(FlagArgs):
     max_logprobs: int = setting("The most logprobs (top_logprobs) or prompt_logprobs a request may ask for; -1: "
                                 "as many as the vocabulary holds (vLLM's; OpenAI allows 20).",
                                 default=ModelConfig.max_logprobs)
-    seed: int = setting("Seed for unseeded random sampling.", default=ModelConfig.seed)
+    seed: int | None = setting("Seed for unseeded random sampling (None: a different one each start, as vLLM's "
+                               "seed=None).", default=ModelConfig.seed)
     device: str = setting("cpu, cuda or auto.", default="auto")
     num_threads: int | None = setting("Torch threads on CPU. Default: one per physical core this process may "
                                       "use, within the cgroup CPU quota: SMT siblings are left out, and on a "
@@ -217,13 +218,17 @@ class EngineArgs(FlagArgs):
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                     include_model: bool = True) -> None:
+                     positional_model: bool = False) -> None:
+        """Every engine flag. The model is `--model`, as in vLLM's EngineArgs (a script's `LLM(**vars(args))`
+        works); pagedserve's commands also take it as the positional MODEL (`positional_model`)."""
         for f in dataclasses.fields(cls):
             if f.metadata.get("positional"):
-                if include_model:
+                if positional_model:
                     parser.add_argument(f.name, nargs="?", default=f.default, help=f.metadata["help"])
                     parser.add_argument("--model", dest="model_flag", default=None,
                                         help="Same as the positional MODEL.")
+                else:
+                    parser.add_argument("--model", default=f.default, help=f.metadata["help"])
                 continue
             add_field_flag(parser, f)
 

@@ -130,6 +130,16 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown == ["cache_salt"]:
+                raise InvalidRequestError("give cache_salt in SamplingParams(cache_salt=...), not in the prompt",
+                                          param="cache_salt")
+            if unknown:  # vLLM's other prompt kinds: refused by name, never served as plain text
+                raise InvalidRequestError(f"prompt field {unknown[0]!r} is not supported: pagedserve takes text "
+                                          "prompts ({'prompt': ...}) and token ids ({'prompt_token_ids': ...}); "
+                                          "no images, audio, prompt embeddings or encoder prompts", param="prompt")
+            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+                raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'", param="prompt")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             prompt = prompt["prompt"]
@@ -284,13 +294,19 @@ class LLMEngine:
         most = vocab_size if most == -1 else most
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
+            asked = value
             if value == -1:  # vLLM's: the whole vocabulary, within --max-logprobs
                 value = vocab_size
                 setattr(params, name, value)
             if value is not None and value > most:
-                raise InvalidRequestError(f"{name} must be at most {most} (--max-logprobs), got {value}", param=name)
+                what = f"-1 (the whole vocabulary, {vocab_size})" if asked == -1 else str(value)
+                raise InvalidRequestError(f"{name} must be at most {most} (--max-logprobs, offline "
+                                          f"LLM(max_logprobs=...)), got {what}", param=name)
 
-    def abort_request(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput | PoolingRequestOutput]:
+        """Abort these requests (one id or several, as vLLM's)."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
         finals = []
         for request_id in request_ids:
             self.grammar_admission.discard(self.output_processor.child_ids(request_id))
@@ -306,6 +322,19 @@ class LLMEngine:
         scheduler = self.scheduler
         self.stats = SchedulerStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                                     kv_cache_usage=self.kv.usage)
+
+    def get_tokenizer(self) -> Any:  # vLLM's LLMEngine API
+        return self.tokenizer
+
+    @property
+    def model_config(self) -> Any:  # vLLM's: max_model_len, dtype, ... of the served model
+        return self.config.model
+
+    def get_model_config(self) -> Any:
+        return self.config.model
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished + len(self.grammar_admission)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or len(self.grammar_admission) > 0

@@ -145,8 +145,9 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     CompatSetting(("--enable-ssl-refresh",), UNSUPPORTED, "restart the server to load new certificates",
                   takes_value=False),
     CompatSetting(("--hf-token",), UNSUPPORTED, _NO_HUB),
-    CompatSetting(("--convert",), UNSUPPORTED, "serve a model as an embedder with --task embed (last-token pooling "
-                  "for a decoder, its sentence-transformers pooling where it has one)"),
+    CompatSetting(("--convert",), UNSUPPORTED, "serve a model as an embedder with --task embed (offline "
+                  "LLM(task=\"embed\")): last-token pooling for a decoder, its sentence-transformers pooling where "
+                  "it has one"),
     CompatSetting(("--pooler-config",), UNSUPPORTED, "pooling is read from the model's sentence-transformers files "
                   "(modules.json); --task embed for a decoder"),
     CompatSetting(("--override-pooler-config",), UNSUPPORTED, "pooling is read from the model's sentence-transformers "

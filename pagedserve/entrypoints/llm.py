@@ -51,15 +51,21 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: Any = None, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; outputs in input order. `use_tqdm` and
-        `lora_request` are vLLM's arguments: no progress bar is drawn, and a LoRA request is refused."""
+        `lora_request` are vLLM's arguments: no progress bar is drawn, and a LoRA request is refused; `priority`
+        (vLLM's, one per prompt) needs scheduling_policy="priority"."""
         _check_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompt_list)} prompts: give one per prompt")
         # Only final outputs are returned: skip building intermediate ones every step.
         params_list = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                        for p in _as_params_list(sampling_params or self.get_default_sampling_params(),
                                                 len(prompt_list))]
+        if priority is not None:
+            params_list = [p.clone(priority=int(rank)) for p, rank in zip(params_list, priority)]
         request_ids: list[str] = []
         try:
             for prompt, params in zip(prompt_list, params_list):
@@ -223,6 +229,15 @@ class LLM:
                     best[i] = done.value
             pending = asking
         return [BeamSearchOutput(best[i]) for i in range(len(prompt_ids))]
+
+    def classify(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's classification call: no classification models are served here."""
+        raise ValueError("LLM.classify is not supported: pagedserve serves generative and embedding models "
+                         "(sequence-classification heads are not loaded); use LLM.embed or LLM.score")
+
+    def reward(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's reward-model call: no reward models are served here."""
+        raise ValueError("LLM.reward is not supported: pagedserve serves generative and embedding models")
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,

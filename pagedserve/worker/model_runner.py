@@ -124,7 +124,10 @@ class ModelRunner:
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self.states: dict[str, RequestState] = {}
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(config.model.seed)
+        if config.model.seed is not None:  # None (vLLM's): unseeded, a different draw each start
+            generator.manual_seed(config.model.seed)
+        else:
+            generator.seed()
         self.sampler = Sampler(generator, native=self.model.kernel_backend.native)
         self.draft: DraftModel | None = None  # speculative decoding's draft model (method draft_model)
         if config.draft_model is not None:

@@ -334,7 +334,7 @@ def test_disable_log_stats_keeps_the_stats_line_out_of_the_log(server, client):
 
 
 def test_logprobs_past_max_logprobs_are_a_400_naming_the_flag(client):
-    with pytest.raises(openai.BadRequestError, match=r"logprobs must be at most 20 \(--max-logprobs\), got 21"):
+    with pytest.raises(openai.BadRequestError, match=r"logprobs must be at most 20 \(--max-logprobs.*got 21"):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=21)
     with pytest.raises(openai.BadRequestError, match="at most 20"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
