@@ -149,7 +149,11 @@ async def resolve_tokenizer(client: httpx.AsyncClient, model: str, local_path: s
     tokenizer = ServerTokenizer(client, model)
     try:
         await tokenizer.encode("hello")
-    except (httpx.HTTPError, KeyError, ValueError):
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code in (404, 405):  # the route is missing: a local tokenizer is needed
+            return None
+        raise  # a wrong API key (401), a server error: said as it is, not as a missing route
+    except (KeyError, ValueError):
         return None
     return tokenizer
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -199,6 +200,13 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     )
 
 
+def check_writable(path: str) -> None:
+    """ValueError naming --json's path where the figures could not be written (found after a whole run before)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"--json {path}: folder {folder} does not exist or cannot be written")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import httpx
 
@@ -208,13 +216,16 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = serve_config_from_args(args)
         config.validate()
+        if args.json_path:
+            check_writable(args.json_path)  # before the run, not after it
     except ValueError as exc:
         print(f"pagedserve bench serve: error: {exc}", file=sys.stderr)
         return 2
     try:
         result = run_serve_bench_sync(config)
     except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
-        print(f"pagedserve bench serve: error: {exc}", file=sys.stderr)
+        detail = str(exc) or f"{type(exc).__name__} (--request-timeout {args.request_timeout:g} s?)"
+        print(f"pagedserve bench serve: error: {detail}", file=sys.stderr)
         return 1
     print(format_table(result))
     if args.json_path:

@@ -290,6 +290,9 @@ def check_disk(directory: Path, disk_usage: Callable[[Path], tuple] = shutil.dis
     existing = directory
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
+    if not os.access(existing, os.W_OK):  # a read-only cache: serve failed fetching a model, doctor said PASS
+        return CheckResult("disk", FAIL, f"the cache {directory} cannot be written ({existing} is read-only for "
+                           "this user)", "point PAGEDSERVE_CACHE at a folder this user can write")
     free = disk_usage(existing)[2]
     detail = f"{free / GIB:.2f} GiB free in {directory}"
     fix = "free disk space or point PAGEDSERVE_CACHE at a larger disk"

@@ -282,6 +282,17 @@ def sample_to_json(sample: Sample, verdict: Verdict) -> str:
 # ----------------------------------------------------------------------------------------------- command
 
 
+def unix_socket_url(url: str) -> tuple[str, object]:
+    """(the URL to ask, httpx's transport): a server on --uds is reached as unix:PATH (or unix:///PATH); any other
+    URL as it is."""
+    import httpx
+
+    if not url.startswith("unix:"):
+        return url, None
+    path = "/" + url[len("unix:"):].lstrip("/")
+    return "http://localhost", httpx.HTTPTransport(uds=path)
+
+
 def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
     """Sample every --interval seconds; exit code 1 if the last verdict was STUCK or DOWN (for scripts with
     --count)."""
@@ -298,11 +309,14 @@ def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
     previous = None
     import httpx
 
-    with httpx.Client() as client:
-        while args.count is None or len(samples) < args.count:
-            if samples:
+    url, transport = unix_socket_url(args.url) if args.url else (args.url, None)
+    taken = 0
+    with httpx.Client(transport=transport) as client:
+        while args.count is None or taken < args.count:  # samples keeps only a window: count them apart
+            if taken:
                 time.sleep(args.interval)
-            health = fetch_health(client, args.url) if args.url else Health("-")
+            taken += 1
+            health = fetch_health(client, url) if url else Health("-")
             sample = take_sample(proc_root, args.pid, health.text, planned_rss=health.planned_rss_bytes)
             samples = [*samples[-(STUCK_WINDOW * 4):], sample]
             verdict = classify(samples, num_cpus)
@@ -334,7 +348,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         " alone is BUSY, not a fault.",
     )
     parser.add_argument("--pid", type=int, default=None, help="the server's process id (its tree is watched)")
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL for /health ('' to skip)")
+    parser.add_argument("--url", default="http://127.0.0.1:8000",
+                        help="server base URL for /health (unix:PATH for a server on --uds; '' to skip)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between samples (default 2)")
     parser.add_argument("--count", type=int, default=None, help="stop after N samples (default: until Ctrl-C)")
     parser.add_argument("--json", action="store_true", help="print JSON lines")

@@ -17,6 +17,7 @@ there, the cache is treated like code:
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -93,6 +94,8 @@ def untrusted_reason(path: Path) -> str | None:
 def _fresh_private_dir(why: str) -> Path:
     fresh = Path(tempfile.mkdtemp(prefix="pagedserve-kernels-"))  # mode 0700, a new name nobody could predict
     logger.warning("native kernel cache: %s; building into %s for this process", why, fresh)
+    # This process's alone: removed when it exits (a loaded library stays mapped; one folder was left per run).
+    atexit.register(shutil.rmtree, fresh, ignore_errors=True)
     return fresh
 
 

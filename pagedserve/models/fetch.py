@@ -9,6 +9,7 @@ without any network access.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -309,7 +310,13 @@ def fetch_model(name: str, cache_dir: Path | None = None) -> Path:
         raise UnknownModelError(_unknown_model_message(name))
     model = KNOWN_MODELS[name]
     root = cache_dir if cache_dir is not None else envs.cache_dir()
-    return _fetch_directory(model, root) if model.is_directory else _fetch_file(model, root)
+    try:
+        return _fetch_directory(model, root) if model.is_directory else _fetch_file(model, root)
+    except OSError as exc:  # a read-only cache: one line naming the fix, not a traceback
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ModelFetchError(f"{name} cannot be saved in the cache {root} ({exc.strerror}): point "
+                              "PAGEDSERVE_CACHE at a folder this user can write, or pass a local model path") from None
 
 
 def cached_model(name: str, cache_dir: Path | None = None) -> Path | None:

@@ -318,3 +318,33 @@ def test_text_prompts_are_adjusted_until_retokenizing_gives_the_planned_count() 
     for prompt, target in zip(prompts, [10, 7, 3]):
         assert prompt.planned_prompt_tokens == len(asyncio.run(tokenizer.encode(prompt.prompt)))
         assert prompt.planned_prompt_tokens == target
+
+
+def test_an_unwritable_json_path_is_refused_before_the_run(capsys) -> None:
+    """--json into a folder that does not exist was found after the whole run, as a traceback."""
+    from pagedserve.cli.main import main
+
+    code = main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2",
+                 "--json", "/nonexistent-folder/x.json"])
+    assert code == 2 and "--json /nonexistent-folder/x.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("status,expected", [(404, "none"), (401, "raises")])
+def test_only_a_missing_tokenize_route_means_no_server_tokenizer(status, expected) -> None:
+    """A wrong API key (401) was reported as "the server has no POST /tokenize"."""
+    import asyncio
+
+    import httpx
+
+    from pagedserve.benchmarks.serve import resolve_tokenizer
+
+    async def run():
+        transport = httpx.MockTransport(lambda request: httpx.Response(status, json={"error": {"message": "x"}}))
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            return await resolve_tokenizer(client, "m", None)
+
+    if expected == "none":
+        assert asyncio.run(run()) is None
+    else:
+        with pytest.raises(httpx.HTTPStatusError):
+            asyncio.run(run())

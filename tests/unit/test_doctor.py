@@ -293,3 +293,25 @@ def test_a_packaged_model_name_is_checked_in_the_cache_and_never_downloaded(monk
     name = fetch.KNOWN_MODELS["smollm2-135m-instruct"]
     monkeypatch.setattr(fetch, "_is_verified", lambda model, path: True)
     assert fetch.cached_model("smollm2-135m-instruct") == tmp_path / name.name / name.filename
+
+
+def test_a_cache_that_cannot_be_written_fails_doctor_and_serve_says_which_variable(tmp_path, monkeypatch):
+    """A read-only PAGEDSERVE_CACHE: serve printed a traceback while fetching, and doctor passed it."""
+    import errno
+    import os
+
+    from pagedserve.models import fetch
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    result = doctor.check_disk(tmp_path)
+    assert result.status == FAIL and "cannot be written" in result.detail and "PAGEDSERVE_CACHE" in result.fix
+    monkeypatch.undo()
+
+    def read_only(model, root):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(fetch, "_fetch_file", read_only)
+    monkeypatch.setattr(fetch, "_fetch_directory", read_only)
+    with pytest.raises(fetch.ModelFetchError, match="cannot be saved in the cache .*Read-only file system.*"
+                                                    "PAGEDSERVE_CACHE"):
+        fetch.fetch_model("smollm2-135m-instruct", cache_dir=tmp_path)

@@ -205,3 +205,25 @@ def test_bad_interval_or_count_is_a_message_not_a_traceback(tmp_path: Path, caps
     args = argparse.Namespace(pid=1, url="", interval=interval, count=count, json=True)
     assert watch.watch(args, proc_root=root) == 2
     assert word in capsys.readouterr().err
+
+
+def test_count_stops_after_n_samples_whatever_n(capsys) -> None:
+    """--count 14 and more never stopped: the loop counted the samples it keeps (a window of 13)."""
+    import argparse
+
+    from pagedserve.cli import watch
+
+    parser = argparse.ArgumentParser()
+    watch.register(parser.add_subparsers())
+    args = parser.parse_args(["watch", "--url", "", "--interval", "0", "--count", "20"])
+    assert args.func(args) in (0, 1)
+    assert len([line for line in capsys.readouterr().out.splitlines() if not line.startswith("  ")]) == 20
+
+
+def test_a_unix_socket_url_uses_a_socket_transport() -> None:
+    from pagedserve.cli.watch import unix_socket_url
+
+    assert unix_socket_url("http://127.0.0.1:8000") == ("http://127.0.0.1:8000", None)
+    for url in ("unix:/tmp/s.sock", "unix:///tmp/s.sock"):
+        base, transport = unix_socket_url(url)
+        assert base == "http://localhost" and transport is not None
