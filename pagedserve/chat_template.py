@@ -105,7 +105,8 @@ def template_problem(template: str | dict[str, str] | None) -> str | None:
         try:
             compile_template(source)
         except jinja2.TemplateSyntaxError as exc:
-            return f"chat template{' ' + repr(name) if name else ''} does not compile (line {exc.lineno}: {exc.message})"
+            where = f" {name!r}" if name else ""
+            return f"chat template{where} does not compile (line {exc.lineno}: {exc.message})"
     return None
 
 

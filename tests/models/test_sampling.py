@@ -123,7 +123,8 @@ def test_invalid_parameters_raise(llm):
     assert SamplingParams(logprobs=False).logprobs is None
     one = llm.generate(["Hi"], SamplingParams(max_tokens=2, logprobs=True, prompt_logprobs=True))[0]
     assert all(len(step) in (1, 2) for step in one.outputs[0].logprobs) and one.prompt_logprobs[0] is None
-    with pytest.raises(ValueError, match=r"logprobs must be at most 20 \(--max-logprobs.*got -1 \(the whole vocabulary, 512\)"):
+    with pytest.raises(ValueError,
+                       match=r"logprobs must be at most 20 \(--max-logprobs.*got -1 \(the whole vocabulary, 512\)"):
         llm.generate(["Hi"], SamplingParams(logprobs=-1))
     with pytest.raises(ValueError, match=r"logprobs must be at most 20 \(--max-logprobs"):  # the engine's cap
         llm.generate(["Hi"], SamplingParams(logprobs=25))

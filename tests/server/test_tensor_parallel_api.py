@@ -51,6 +51,12 @@ def completion(server, max_tokens: int) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
 
 
+def wait_until_running(server) -> None:
+    deadline = time.monotonic() + 30
+    while metric_value(server, "vllm:num_requests_running") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def assert_dead_and_exits_nonzero(server, killed_at: float) -> None:
     """/health turns 503 "dead" (or the port is already closed: the process is on its way out) within seconds
     of the kill, new requests get 503, and the process exits non-zero."""
@@ -74,9 +80,7 @@ def test_a_rank_killed_mid_request_fails_it_with_503_and_the_server_exits(tiny_m
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(completion, server, 480)
-            deadline = time.monotonic() + 30
-            while metric_value(server, "vllm:num_requests_running") < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until_running(server)
             (worker,) = worker_processes(server)
             worker.kill()
             killed_at = time.monotonic()
@@ -109,9 +113,7 @@ def test_a_sigterm_to_the_whole_process_group_drains_requests_and_exits_0(tiny_m
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(completion, server, 200)
-            deadline = time.monotonic() + 30
-            while metric_value(server, "vllm:num_requests_running") < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until_running(server)
             workers = worker_processes(server)
             for process in [psutil.Process(server.process.pid), *workers]:
                 process.send_signal(signal.SIGTERM)
