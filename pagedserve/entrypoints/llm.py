@@ -30,7 +30,7 @@ class LLM:
         kwargs, notes = vllm_compat.split_keywords(kwargs)
         for note in notes:
             logger.info("%s", note)
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **_sizes_as_ints(kwargs)))
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -284,6 +284,16 @@ class LLM:
             self.engine.abort_request([r for r in request_ids if r not in finished])
             raise
         return [finished[r] for r in request_ids]
+
+
+def _sizes_as_ints(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Size keywords given as vLLM's strings ("1k", "32K", "2G") read as its flags read them."""
+    import dataclasses
+
+    from pagedserve.engine.arg_utils import human_readable_int
+
+    sized = {f.name for f in dataclasses.fields(EngineArgs) if f.metadata.get("size")}
+    return {k: human_readable_int(v) if k in sized and isinstance(v, str) else v for k, v in kwargs.items()}
 
 
 def _check_lora(lora_request: Any) -> None:

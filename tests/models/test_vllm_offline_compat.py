@@ -44,8 +44,9 @@ def test_engine_outputs_and_tokenizer_as_vllm_s(llm, tiny_model_dir):
     assert tokenizer.tokenize("Hello") and tokenizer.padding_side in ("left", "right")
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], return_dict=True)
     assert chat["input_ids"] == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-    unseeded = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64, seed=None)  # a torch error before
+    unseeded = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len="64", seed=None)  # a torch error before
     assert unseeded.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+    assert unseeded.llm_engine.model_config.max_model_len == 64  # vLLM's size strings ("1k", "32K") read too
 
 
 def test_vllm_s_names_import(llm):
