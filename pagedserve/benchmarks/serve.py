@@ -252,8 +252,12 @@ async def spec_decode_counters(client: httpx.AsyncClient) -> tuple[float, float]
 
 def _make_client(config: ServeBenchConfig) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    base_url, transport = config.base_url.rstrip("/"), None
+    if base_url.startswith("unix:"):  # a server on --uds: unix:PATH (or unix:///PATH)
+        base_url, transport = "http://localhost", httpx.AsyncHTTPTransport(uds="/" + base_url[5:].lstrip("/"))
     return httpx.AsyncClient(
-        base_url=config.base_url.rstrip("/"),
+        base_url=base_url,
+        transport=transport,
         headers=headers,
         timeout=httpx.Timeout(config.request_timeout, connect=30.0),
         # httpx caps a client at 100 connections by default, which would silently cap concurrency.

@@ -51,7 +51,8 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         description="Load a running OpenAI-compatible server and report latency distributions and token throughput.",
     )
     target = parser.add_argument_group("server")
-    target.add_argument("--base-url", default=_DEFAULT_BASE_URL, help="server root URL (default: %(default)s)")
+    target.add_argument("--base-url", default=_DEFAULT_BASE_URL,
+                        help="server root URL, or unix:PATH for a server on --uds (default: %(default)s)")
     target.add_argument("--model", default=None, help="model name to request (default: first id of GET /v1/models)")
     target.add_argument("--endpoint", default="/v1/completions",
                         choices=["/v1/completions", "/v1/chat/completions", "/v1/embeddings"])

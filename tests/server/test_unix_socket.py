@@ -75,3 +75,24 @@ def test_unusable_socket_paths_are_refused(tmp_path, make, words):
     assert "Traceback" not in result.stderr and "--uds" in result.stderr, result.stderr
     for word in words:
         assert word in result.stderr, result.stderr
+
+
+def test_bench_and_watch_reach_a_unix_socket_server(tiny_model_dir, tmp_path):
+    """unix:PATH as --base-url (bench serve) and --url (watch): watch called a healthy --uds server DOWN."""
+    path = tmp_path / "ps.sock"
+    log_path = tmp_path / "server.log"
+    process = serve(tiny_model_dir("llama"), "--uds", str(path), log_path=log_path)
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path))) as client:
+            wait_ready(process, client, log_path)
+        bench = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "serve", "--base-url", f"unix:{path}",
+                                "--num-prompts", "2", "--input-len", "8", "--output-len", "4"],
+                               capture_output=True, text=True, timeout=120)
+        assert bench.returncode == 0, bench.stderr
+        watch = subprocess.run([sys.executable, "-m", "pagedserve", "watch", "--pid", str(process.pid), "--url",
+                                f"unix://{path}", "--interval", "0.1", "--count", "2"],
+                               capture_output=True, text=True, timeout=60)
+        assert watch.returncode == 0 and "unreachable" not in watch.stdout, watch.stdout
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, log_path.read_text()
