@@ -162,7 +162,7 @@ class EngineMetrics:
             self.prefix_hits.labels(name).inc(stats.prefix_cache_hits)
         if stats.spec_decode is not None and stats.spec_decode.num_drafts:
             self._observe_spec_decode(stats.spec_decode)
-        self._observe_memory(engine.resident_memory)
+        self.observe_memory(engine.resident_memory)
         now = time.monotonic()
         prompt_tokens = generation_tokens = 0
         for output in outputs:
@@ -180,7 +180,7 @@ class EngineMetrics:
             if count:
                 self.spec_accepted_per_pos.labels(name, str(position)).inc(count)
 
-    def _observe_memory(self, memory: ResidentMemory | None) -> None:
+    def observe_memory(self, memory: ResidentMemory | None) -> None:
         """The last RSS reading against the plan (memory/rss.py), where the engine keeps one."""
         reading = memory.last if memory is not None else None
         if reading is None:

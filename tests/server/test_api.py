@@ -46,6 +46,8 @@ def test_health_went_503_then_200(server):
     assert "ready" == phases[-1]
     assert set(phases) & {"loading_weights", "warming_up", "planning", "resolving", "validating",
                           "allocating_kv", "starting"}
+    # The memory gauges carry the start-up reading from ready on (they were empty until the first request).
+    assert metric_value(server, "pagedserve:resident_memory_bytes", model_name=MODEL) > 0
 
 
 def test_models_and_version(server, client):

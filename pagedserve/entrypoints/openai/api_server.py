@@ -464,6 +464,7 @@ def start_engine(state: ServerState, args: EngineArgs, options: ServeOptions | N
     config = llm_engine.config
     name = config.model.served_model_name
     metrics = EngineMetrics(name)
+    metrics.observe_memory(llm_engine.resident_memory)  # the gauges have their start-up reading before any request
     if not options.disable_log_stats:
         _start_stats_log(metrics.stats_log, envs.log_stats_interval_s())
     llm_engine.observe_grammar_compiles(metrics.observe_grammar_compile)
