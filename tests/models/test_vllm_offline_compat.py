@@ -49,6 +49,20 @@ def test_engine_outputs_and_tokenizer_as_vllm_s(llm, tiny_model_dir):
     assert unseeded.llm_engine.model_config.max_model_len == 64  # vLLM's size strings ("1k", "32K") read too
 
 
+def test_a_packaged_model_name_as_the_tokenizer():
+    from pagedserve.engine.setup import load_tokenizer
+    from tests.models.real_models import packaged_model
+
+    by_name = load_tokenizer("smollm2-135m-instruct")  # as --model takes it ("not an existing directory" before)
+    assert by_name.encode("Hello") == load_tokenizer(str(packaged_model("smollm2-135m-instruct"))).encode("Hello")
+
+
+def test_chat_takes_a_tuple_of_messages(llm):
+    message = {"role": "user", "content": "hi"}
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    assert llm.chat((message,), params)[0].prompt_token_ids == llm.chat([message], params)[0].prompt_token_ids
+
+
 def test_vllm_s_names_import(llm):
     from pagedserve import EmbeddingRequestOutput, PoolingRequestOutput, PromptType, ScoringRequestOutput  # noqa
     from pagedserve.lora.request import LoRARequest
