@@ -363,12 +363,9 @@ class OpenAIServing:
         """--enable-log-requests (vLLM's line), prompt text and token ids cut to --max-log-len. A prompt without
         text (a rendered chat, token ids) shows its tokens decoded, special tokens included."""
         limit = self.options.max_log_len
-        text = prompt.text
-        if text is None:
-            ids = prompt.token_ids if limit is None else prompt.token_ids[:limit]
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        text = text if limit is None else text[:limit]
         ids = prompt.token_ids if limit is None else prompt.token_ids[:limit]
+        text = prompt.text if prompt.text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = text if limit is None else text[:limit]
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens)", request_id, text,
                     params, ids, len(prompt.token_ids))
 
@@ -522,11 +519,9 @@ class OpenAIServing:
     async def _tool_choice(self, req: ChatCompletionRequest) -> ToolChoice | None:
         """The request's tool choice; its tools' schemas are checked off the event loop (thousands of tools:
         seconds of pure Python)."""
-        if not req.tools:
-            return resolve_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser,
-                                       self.template_has_tools)
-        return await self.in_tokenizer_pool(resolve_tool_choice, req.tools, req.tool_choice, req.parallel_tool_calls,
-                                            self.tool_call_parser, self.template_has_tools)
+        resolve = functools.partial(resolve_tool_choice, req.tools, req.tool_choice, req.parallel_tool_calls,
+                                    self.tool_call_parser, self.template_has_tools)
+        return await self.in_tokenizer_pool(resolve) if req.tools else resolve()
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False, kwargs: dict | None = None,
@@ -594,7 +589,6 @@ class OpenAIServing:
                                             chat_template=self._request_template(req),
                                             must_fit=req.truncate_prompt_tokens is None)
         prompt = self._truncate(_Prompt(None, prompt_ids), req.truncate_prompt_tokens)
-        prompt_ids = prompt.token_ids
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(prompt, getattr(req, param), param, "messages")
         self._check_limits(req, [prompt], [max_tokens])
