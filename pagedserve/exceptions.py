@@ -15,6 +15,17 @@ class InvalidRequestError(ValueError):
         self.message = message
         self.param = param
 
+    def renamed(self, names: dict[str, str]) -> InvalidRequestError:
+        """This error in the terms of a request whose field for `param` has another name (`names`: ours ->
+        theirs): the param and its mentions as a word (not inside --max-logprobs or max_logprobs) renamed."""
+        name = names.get(self.param or "")
+        if name is None:
+            return self
+        import re
+
+        return InvalidRequestError(re.sub(rf"(?<![\w-]){re.escape(self.param)}(?![\w-])", name, self.message),
+                                   param=name)
+
 
 class EngineDeadError(RuntimeError):
     """The engine stopped after an error it could not recover from; the server must be restarted."""

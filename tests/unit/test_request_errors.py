@@ -82,3 +82,14 @@ def test_an_error_quoting_a_lone_surrogate_can_still_be_sent():
     response = error_response("The model `\ud800` does not exist", 404, param="\udfff")
     body = json.loads(response.body)
     assert body["error"]["message"] == "The model `\\ud800` does not exist" and body["error"]["param"] == "\\udfff"
+
+
+def test_an_error_is_renamed_into_another_request_s_terms():
+    from pagedserve.exceptions import InvalidRequestError
+
+    error = InvalidRequestError("logprobs must be at most 20 (--max-logprobs, LLM(max_logprobs=...)), got 21",
+                                param="logprobs")
+    renamed = error.renamed({"logprobs": "top_logprobs"})
+    assert renamed.param == "top_logprobs"
+    assert renamed.message == "top_logprobs must be at most 20 (--max-logprobs, LLM(max_logprobs=...)), got 21"
+    assert error.renamed({"n": "x"}) is error

@@ -178,10 +178,7 @@ class OpenAIServing:
             try:
                 llm_engine.validate_token_params(params)
             except InvalidRequestError as exc:
-                name = (fields or {}).get(exc.param or "")
-                if name is None:
-                    raise
-                raise InvalidRequestError(exc.message.replace(exc.param, name, 1), param=name) from None
+                raise exc.renamed(fields or {}) from None
 
     async def _compile_grammars(self, params_list: list[SamplingParams]) -> None:
         """Compile the requests' grammars (on the compiler's worker thread) before anything is queued, so that a

@@ -49,11 +49,9 @@ _REFUSED = {"conversation": "conversations are not stored here: send the whole c
 
 def _renamed(exc: InvalidRequestError) -> InvalidRequestError:
     """A chat route's 400 in the Responses request's terms (max_tokens -> max_output_tokens, ...)."""
-    name = _FIELD_NAMES.get(exc.param or "")
-    if name is None:
-        return exc
-    message = exc.message.replace("the messages are", "the input is").replace(exc.param, name)
-    return InvalidRequestError(message, param=name)
+    if exc.param == "messages":  # the one rename that changes the verb
+        exc = InvalidRequestError(exc.message.replace("the messages are", "the input is"), param=exc.param)
+    return exc.renamed(_FIELD_NAMES)
 
 
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
