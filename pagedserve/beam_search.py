@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Collection, Generator
 from dataclasses import dataclass, field
 
+from pagedserve.exceptions import InvalidRequestError
 from pagedserve.outputs import LogprobsDict
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -53,6 +54,15 @@ def scoring_params(params: BeamSearchParams, num_logprobs: int | None = None, **
     than the candidates, for a response's top logprobs). `fields`: SamplingParams' (seed, cache_salt, priority)."""
     return SamplingParams(max_tokens=1, temperature=params.temperature, ignore_eos=True,
                           logprobs=max(params.num_candidates, num_logprobs or 0), **fields)
+
+
+def check_candidates(params: BeamSearchParams, max_logprobs: int, width: str, limit: str) -> None:
+    """InvalidRequestError (a ValueError) where each beam's candidates are more log-probabilities than the engine
+    gives a request; `width` and `limit` name the beam width and the limit as the caller's user sets them."""
+    if max_logprobs != -1 and params.num_candidates > max_logprobs:
+        raise InvalidRequestError(f"{width} {params.beam_width} ranks each beam's {params.num_candidates} most likely "
+                                  f"tokens; this engine allows {max_logprobs} ({limit}): lower {width}",
+                                  param=width)
 
 
 def beam_score(beam: BeamSearchSequence, length_penalty: float) -> float:

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.beam_search import BeamSearchOutput, scoring_params, search
+from pagedserve.beam_search import BeamSearchOutput, check_candidates, scoring_params, search
 from pagedserve.engine import vllm_compat
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
@@ -182,11 +182,7 @@ class LLM:
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         if concurrency_limit is not None and concurrency_limit < 1:
             raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
-        most = self.engine.config.model.max_logprobs
-        if most != -1 and params.num_candidates > most:
-            raise ValueError(f"beam_width {params.beam_width} ranks each beam's {params.num_candidates} most likely "
-                             f"tokens; this engine allows {most} (max_logprobs): lower beam_width or raise "
-                             "LLM(max_logprobs=...)")
+        check_candidates(params, self.engine.config.model.max_logprobs, "beam_width", "LLM(max_logprobs=...)")
         prompt_ids = [self.engine.tokenize_prompt(p)[1] for p in _as_prompt_list(prompts)]
         for ids in prompt_ids:
             self.engine.validate_prompt(ids)

@@ -304,12 +304,10 @@ class OpenAIServing:
         """use_beam_search: each prompt's search (serving_beam.py), n engine requests at a time."""
         from pagedserve.entrypoints.openai.serving_beam import beam_search_outputs
 
+        from pagedserve.beam_search import check_candidates
+
         beams = [req.beam_search_params(m) for m in max_tokens]  # 400s for fields beam search cannot honour
-        most = self.engine.engine.config.model.max_logprobs
-        if most != -1 and beams[0].num_candidates > most:
-            raise InvalidRequestError(f"use_beam_search with n={req.n} ranks each beam's {beams[0].num_candidates} "
-                                      f"most likely tokens; this server allows {most} (--max-logprobs): lower n",
-                                      param="n")
+        check_candidates(beams[0], self.engine.engine.config.model.max_logprobs, "n", "--max-logprobs")
         needed = len(prompts) * req.n
         if needed > self.engine.capacity:
             raise InvalidRequestError(f"use_beam_search with n={req.n} over {len(prompts)} prompt(s) runs {needed} "
