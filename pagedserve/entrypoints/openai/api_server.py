@@ -370,11 +370,11 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return await state.serving_for("embed", "/v1/embeddings", body.model).create_embedding(body, raw)
 
     async def score(body: ScoreRequest, raw: Request) -> Any:
-        path = raw.url.path.removeprefix(raw.scope.get("root_path", "").rstrip("/"))
+        path = app_path(raw.url.path, raw.scope.get("root_path", ""))
         return await state.serving_for("embed", path, body.model).create_score(body, raw)
 
     async def rerank(body: RerankRequest, raw: Request) -> Any:
-        path = raw.url.path.removeprefix(raw.scope.get("root_path", "").rstrip("/"))
+        path = app_path(raw.url.path, raw.scope.get("root_path", ""))
         return await state.serving_for("embed", path, body.model).create_rerank(body, raw)
 
     for path in ("/score", "/v1/score"):  # vLLM's
@@ -568,6 +568,12 @@ def log_startup_failure(exc: BaseException, phase: str | None = None) -> None:
         logger.error("start-up failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
 
 
+def app_path(path: str, root_path: str) -> str:
+    """A request's path without the --root-path prefix, whether the proxy kept it or stripped it."""
+    root = root_path.rstrip("/")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 class _SkipPaths(logging.Filter):
     """uvicorn's access-log records of the paths --disable-access-log-for-endpoints names are dropped, with or
     without the --root-path prefix (a proxy may keep it or strip it)."""
@@ -575,14 +581,12 @@ class _SkipPaths(logging.Filter):
     def __init__(self, paths: set[str], root_path: str = "") -> None:
         super().__init__()
         self.paths = paths
-        self.root_path = root_path.rstrip("/")
+        self.root_path = root_path
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         path = str(args[2]).split("?", 1)[0] if len(args) > 2 else ""  # (client, method, path, version, status)
-        if self.root_path and path.startswith(self.root_path + "/"):
-            path = path[len(self.root_path):]
-        return path not in self.paths
+        return app_path(path, self.root_path) not in self.paths
 
 
 def _quiet_access_log(endpoints: str | None, root_path: str = "") -> None:
