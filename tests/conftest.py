@@ -16,7 +16,7 @@ def tiny_model_dir(tmp_path_factory):
     cache: dict[tuple, str] = {}
 
     def get(arch: str, dtype: str = "float32", **overrides) -> str:
-        key = (arch, dtype, tuple(sorted(overrides.items())))
+        key = (arch, dtype, repr(sorted(overrides.items())))  # repr: values may be dicts (rope_scaling)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"tiny-{arch}-{dtype}")
             cache[key] = str(make_tiny_model(arch, out, dtype, **overrides))

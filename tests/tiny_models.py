@@ -41,8 +41,9 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512):
 
 def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int = 0, weight_std: float = 0.2,
                     **overrides) -> Path:
-    """Save a random tiny `arch` ('llama', 'qwen2', 'qwen3') model with a tokenizer into out_dir. A larger
-    `weight_std` makes a model that falls into repeating loops sooner (speculative decoding's tests)."""
+    """Save a random tiny `arch` ('llama', 'qwen2', 'qwen3', 'granite', 'phi3') model with a tokenizer into
+    out_dir. A larger `weight_std` makes a model that falls into repeating loops sooner (speculative decoding's
+    tests)."""
     import torch
     import transformers
 
@@ -59,6 +60,14 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
         config = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True,
                                              **overrides})
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "granite":  # scales far from 1, so a scale applied wrongly (or not at all) shows
+        config = transformers.GraniteConfig(**{**common, "tie_word_embeddings": True, "embedding_multiplier": 3.0,
+                                               "residual_multiplier": 0.37, "attention_multiplier": 0.11,
+                                               "logits_scaling": 2.5, **overrides})
+        cls = transformers.GraniteForCausalLM
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
+        config = transformers.Phi3Config(**{**common, "tie_word_embeddings": False, **overrides})
+        cls = transformers.Phi3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -14,7 +14,7 @@ from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.memory import probe
 from pagedserve.memory.weight_format import (expected_layer_kernels, expected_weight_format, onednn_may_pack,
-                                             wants_native_kernels)
+                                             partial_rotary, wants_native_kernels)
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
@@ -124,6 +124,9 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
         fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
     elif qk_norm:
         fix = "q/k norms (Qwen3) keep rotary and the decode stack on torch ops; nothing to change"
+    elif partial_rotary(model.hf_config):
+        fix = "rotary over part of each head (partial_rotary_factor) keeps rotary and the decode stack on torch ops; "
+        fix += "nothing to change"
     else:
         fix = ("this model's sizes are not the multiples the native kernels take (memory/weight_format.py): "
                "the parts named torch run torch ops")

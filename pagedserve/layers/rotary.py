@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.memory.weight_format import rotary_dim
+
 
 def rope_parameters(hf_config: Any) -> dict:
     """rope settings from transformers-5 `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
@@ -22,14 +24,17 @@ def rope_parameters(hf_config: Any) -> dict:
 
 
 def inverse_frequencies(hf_config: Any, head_dim: int, max_position: int | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] float32, attention scaling), computed as transformers does. Dynamic NTK scaling,
-    which transformers recomputes for each sequence's length, is fixed as vLLM fixes it where `max_position`
-    (the served context) goes past the trained one: the base scaled for factor x the trained positions; within
-    the trained context it is plain rope, as transformers' is there."""
+    """(inv_freq [rotary_dim/2] float32, attention scaling), computed as transformers does. The scalings that
+    transformers recomputes for each sequence's length are fixed by `max_position` (the served context), as
+    vLLM fixes them: dynamic NTK past the trained context scales the base for factor x the trained positions
+    (within it, plain rope, as transformers' is there); LongRoPE (Phi-3) takes its long factors where the
+    served context goes past `original_max_position_embeddings`, its short ones (transformers' for sequences
+    within it) elsewhere."""
     params = rope_parameters(hf_config)
     rope_type = params.get("rope_type") or "default"
     if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        dim = rotary_dim(hf_config, head_dim)
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -40,6 +45,10 @@ def inverse_frequencies(hf_config: Any, head_dim: int, max_position: int | None 
     trained = getattr(hf_config, "max_position_embeddings", None)
     if rope_type == "dynamic" and max_position is not None and trained and max_position > trained:
         extra["seq_len"] = int(trained * float(params.get("factor", 1.0)))
+    original = params.get("original_max_position_embeddings") or getattr(hf_config, "original_max_position_embeddings",
+                                                                         None)
+    if rope_type == "longrope" and max_position is not None and original and max_position > original:
+        extra["seq_len"] = max_position
     with torch.device("cpu"):  # the loader builds the model under a meta-device context; these must be real
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(scaling)
@@ -62,7 +71,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] (query and key heads may be stacked); cos/sin: [T, 1, D]."""
+    """x: [T, H, D] (query and key heads may be stacked); cos/sin: [T, 1, R], R <= D: the first R dimensions of
+    each head rotate, the rest pass through (partial rotary)."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        rotated, rest = x.split([dim, x.shape[-1] - dim], dim=-1)
+        return torch.cat((rotated * cos + _rotate_half(rotated) * sin, rest), dim=-1)
     return x * cos + _rotate_half(x) * sin
 
 

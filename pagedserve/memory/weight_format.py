@@ -158,9 +158,24 @@ def decoder_kernels_fit(hidden: int, intermediate: int, head_dim: int) -> bool:
     return not any(d % VECTOR_MULTIPLE for d in (hidden, intermediate, head_dim)) and head_dim <= MAX_HEAD_DIM
 
 
-def fused_rotary(decoder_native: bool, qk_norm: bool, head_dim: int) -> bool:
-    """Rotary runs fused with the KV write (one native call): not where q/k are normalised first (Qwen3)."""
-    return decoder_native and not qk_norm and head_dim % ROTARY_MULTIPLE == 0
+def rotary_dim(hf_config: object, head_dim: int) -> int:
+    """How many leading dimensions of each head rotary rotates, as transformers reads it: all of them but where
+    `partial_rotary_factor` says less (Phi-4-mini: 0.75); the rest pass through unrotated."""
+    params = getattr(hf_config, "rope_parameters", None)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return int(head_dim * (factor or getattr(hf_config, "partial_rotary_factor", None) or 1.0))
+
+
+def partial_rotary(hf_config: object) -> bool:
+    """Rotary leaves part of each head unrotated (Phi-4-mini)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return rotary_dim(hf_config, head_dim) < head_dim
+
+
+def fused_rotary(decoder_native: bool, qk_norm: bool, head_dim: int, partial: bool = False) -> bool:
+    """Rotary runs fused with the KV write (one native call): not where q/k are normalised first (Qwen3), nor
+    where it rotates only part of each head (`partial`)."""
+    return decoder_native and not qk_norm and not partial and head_dim % ROTARY_MULTIPLE == 0
 
 
 @dataclass(frozen=True)
@@ -217,5 +232,6 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}
     linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
                                  runs[name]) for name, _ in inputs)
-    return LayerKernels(cfg.num_hidden_layers, linears, decoder_native, fused_rotary(decoder_native, qk_norm, head_dim),
+    return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
+                        fused_rotary(decoder_native, qk_norm, head_dim, partial_rotary(cfg)),
                         None if tp_size == 1 else (0, tp_size))

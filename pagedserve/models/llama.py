@@ -1,6 +1,8 @@
-"""Llama-family decoders: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm).
+"""Llama-family decoders: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Granite
+(scaling multipliers), Phi-3/Phi-4-mini (fused checkpoint matrices, partial rotary, LongRoPE).
 
-Parameter names equal the Hugging Face checkpoint's, so loading is a direct name match. After loading,
+Parameter names equal the Hugging Face checkpoint's, so loading is a direct name match (Phi-3's fused q/k/v and
+gate/up matrices are read as the parts they hold: checkpoint_parts). After loading,
 `prepare()` fuses q/k/v and gate/up into single matmuls and hands every linear its kernel
 (layers/linear.py); forward passes run on the prepared model only.
 """
@@ -22,7 +24,7 @@ from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedserve.memory.weight_format import LayerKernels, LinearKernel, fused_rotary, linear_words
+from pagedserve.memory.weight_format import LayerKernels, LinearKernel, fused_rotary, linear_words, rotary_dim
 
 
 
@@ -39,8 +41,9 @@ class Attention(nn.Module):
         self.num_kv_heads = (getattr(cfg, "num_key_value_heads", None) or self.num_heads) if layout is None \
             else layout.local_kv_heads
         self.head_dim = head_dim_of(cfg)
+        self.partial_rotary = rotary_dim(cfg, self.head_dim) < self.head_dim
         self.tp = tp
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5  # Granite: its attention_multiplier (set by the model)
         hidden = cfg.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -55,7 +58,7 @@ class Attention(nn.Module):
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
-        self.fused_rope = fused_rotary(kernels is not None, self.qk_norm, self.head_dim)
+        self.fused_rope = fused_rotary(kernels is not None, self.qk_norm, self.head_dim, self.partial_rotary)
         self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
         self.o_proj = backend.make_linear(weight_of(self.o_proj), o_bias)
@@ -141,6 +144,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, qk_norm, tp, layout)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embedding_multiplier = 1.0  # Granite's scale of the token embeddings
         self.tp = tp
         self.stack: NativeDecodeStack | None = None
         self._stack_kernels: CpuKernels | None = None  # set: build the stack at the next forward
@@ -160,6 +164,8 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         rope = self.rotary_emb.lookup(positions, x.dtype)  # once per step, shared by every layer
         if self._stack_kernels is not None:
             self.stack, self._stack_kernels = NativeDecodeStack.build(self, self._stack_kernels), None
@@ -266,11 +272,13 @@ class NativeDecodeStack:
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Mistral; subclasses switch on QKV bias (Qwen2) and q/k norm (Qwen3)."""
+    """Also serves Mistral; subclasses switch on QKV bias (Qwen2) and q/k norm (Qwen3), add Granite's scales and
+    read Phi-3's fused checkpoint matrices."""
 
     qkv_bias = False
     o_bias: bool | None = None  # None: follow config.attention_bias, as Llama and Qwen3 do
     qk_norm = False
+    logits_scaling = 1.0  # Granite divides its logits by this
 
     def __init__(self, cfg: Any, max_position: int, tp: TPGroup | None = None) -> None:
         """`tp`: this rank's group; the model then holds the rank's shard (distributed/sharding.py). Built by
@@ -349,11 +357,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (with tensor parallelism: on rank 0, None elsewhere)."""
         logits = self.logits_proj(hidden).float()
+        if self.logits_scaling != 1.0:
+            logits /= self.logits_scaling
         return logits if self.tp is None else gather_logits(self.tp, logits, self.config.vocab_size)
 
     def shard_checkpoint_tensor(self, param_name: str, tensor: Any) -> Any:
         """This rank's slice of a checkpoint tensor (the whole tensor without tensor parallelism)."""
         return tensor if self.layout is None else self.layout.shard(param_name, tensor)
+
+    def checkpoint_parts(self, name: str, rows: int) -> list[tuple[str, int, int]]:
+        """A checkpoint tensor as the parameters it fills: [(checkpoint name of the part, first row, rows)]. One
+        part, the whole tensor, but where a checkpoint stores matrices fused (Phi-3)."""
+        return [(name, 0, rows)]
 
     def checkpoint_name_to_param(self, name: str) -> str | None:
         """Our parameter name for a checkpoint tensor, or None to skip it."""
@@ -378,3 +393,56 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """IBM Granite 3.x: Llama with four scales. The residual multiplier, applied to each attention and MLP output
+    before it joins the residual stream, is folded into o_proj and down_proj at prepare(), so every kernel
+    (the native decode stack included) runs the plain Llama layer."""
+
+    def __init__(self, cfg: Any, max_position: int, tp: TPGroup | None = None) -> None:
+        super().__init__(cfg, max_position, tp)
+        self.model.embedding_multiplier = float(cfg.embedding_multiplier)
+        self.logits_scaling = float(cfg.logits_scaling)
+        for layer in self.model.layers:
+            layer.self_attn.scale = float(cfg.attention_multiplier)
+
+    def prepare(self, backend: KernelBackend) -> None:
+        scale = float(self.config.residual_multiplier)
+        if scale != 1.0:
+            for layer in self.model.layers:
+                for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    _scale_parameters(linear, scale)
+        super().prepare(backend)
+
+
+def _scale_parameters(linear: nn.Module, scale: float) -> None:
+    """Multiply a loaded linear's weight (and bias) by `scale` into new tensors: the loaded ones may view the
+    memory-mapped checkpoint, which must not be written."""
+    if getattr(linear, "quantized_weight", None) is not None:
+        raise ValueError("a residual multiplier cannot be folded into weights that arrive quantized")
+    for name in ("weight", "bias"):
+        param = getattr(linear, name, None)
+        if param is not None:
+            setattr(linear, name, nn.Parameter(param.detach() * scale, requires_grad=False))
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3, Phi-3.5 and Phi-4-mini: Llama layers whose checkpoint fuses q/k/v (`qkv_proj`) and gate/up
+    (`gate_up_proj`) into one matrix each; they are bound as views of their rows. Partial rotary
+    (`partial_rotary_factor`) and LongRoPE come from the config (layers/rotary.py)."""
+
+    def checkpoint_parts(self, name: str, rows: int) -> list[tuple[str, int, int]]:
+        cfg = self.config
+        if name.endswith(".self_attn.qkv_proj.weight"):
+            prefix = name.removesuffix("qkv_proj.weight")
+            heads = cfg.num_attention_heads
+            q_rows = heads * head_dim_of(cfg)
+            kv_rows = (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim_of(cfg)
+            return [(prefix + "q_proj.weight", 0, q_rows), (prefix + "k_proj.weight", q_rows, kv_rows),
+                    (prefix + "v_proj.weight", q_rows + kv_rows, kv_rows)]
+        if name.endswith(".mlp.gate_up_proj.weight"):
+            prefix = name.removesuffix("gate_up_proj.weight")
+            width = cfg.intermediate_size
+            return [(prefix + "gate_proj.weight", 0, width), (prefix + "up_proj.weight", width, width)]
+        return [(name, 0, rows)]

@@ -82,7 +82,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     backend = KernelBackend.choose(device, dtype, quantization, reference_kernels)  # the one decision
     checkpoint = iter_checkpoint(model_path, dtype, int8=quantization == "int8", kernels=backend.native)
     num_tensors = checkpoint.num_tensors
-    for index, (name, tensor) in enumerate(checkpoint.tensors):
+    for index, (name, tensor) in enumerate(_parts(model, checkpoint.tensors)):
         target = shapes.target(name)
         if target is None:
             continue
@@ -98,7 +98,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         else:
             _set_parameter(model, target, tensor.to(device=device, dtype=dtype))
         if progress and num_tensors:
-            progress((index + 1) / num_tensors)
+            progress(min(1.0, (index + 1) / num_tensors))
     shapes.finish()
     _move_buffers(model, device)
     model.prepare(backend)
@@ -146,6 +146,38 @@ class _ShapeCheck:
                                        f"{sorted(self.missing)[:3]}: {self.fix}")
 
 
+def _parts(model: nn.Module, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Each checkpoint tensor as the parts the model binds (model.checkpoint_parts): views of its rows where a
+    checkpoint fuses several matrices into one, the tensor itself elsewhere."""
+    for name, tensor in tensors:
+        parts = _checkpoint_parts(model, name, tuple(tensor.shape))
+        if len(parts) == 1:
+            yield name, tensor
+            continue
+        if isinstance(tensor, QuantizedWeight):
+            raise ModelValidationError(f"checkpoint tensor {name!r} fuses several matrices, which pagedserve "
+                                       "cannot split from a quantized file: use the model's safetensors weights")
+        for part, start, rows in parts:
+            yield part, tensor.narrow(0, start, rows)
+
+
+def _checkpoint_parts(model: nn.Module, name: str, shape: tuple[int, ...]) -> list[tuple[str, int, int]]:
+    rows = shape[0] if shape else 0
+    split = getattr(model, "checkpoint_parts", None)  # decoders; an encoder's tensors are each one parameter
+    return [(name, 0, rows)] if split is None else split(name, rows)
+
+
+def _shape_parts(model: nn.Module, name: str, shape: tuple[int, ...], fix: str
+                 ) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """What _parts does to a tensor, on its header's shape."""
+    parts = _checkpoint_parts(model, name, shape)
+    if len(parts) > 1 and sum(rows for _, _, rows in parts) != shape[0]:
+        raise ModelValidationError(f"checkpoint tensor {name!r} has {shape[0]} rows, the model expects "
+                                   f"{' + '.join(str(rows) for _, _, rows in parts)}: {fix}")
+    for part, _, rows in parts:
+        yield part, (rows, *shape[1:]) if len(parts) > 1 else shape
+
+
 def checkpoint_shapes(model_path: str) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Every tensor's (name, shape), from the file headers (a GGUF's under their Hugging Face names)."""
     if is_gguf_path(model_path):
@@ -161,10 +193,11 @@ def checkpoint_shapes(model_path: str) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 def _check_shapes(model: nn.Module, architecture: str, model_path: str) -> None:
     shapes = _ShapeCheck(model, architecture, model_path)
-    for name, shape in checkpoint_shapes(model_path):
-        target = shapes.target(name)
-        if target is not None:
-            shapes.verify(name, target, shape)
+    for fused_name, fused_shape in checkpoint_shapes(model_path):
+        for name, shape in _shape_parts(model, fused_name, fused_shape, shapes.fix):
+            target = shapes.target(name)
+            if target is not None:
+                shapes.verify(name, target, shape)
     shapes.finish()
 
 

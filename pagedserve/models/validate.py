@@ -20,8 +20,10 @@ from pagedserve.formats.safetensors import read_safetensors_header, read_shard_i
 from pagedserve.formats import is_gguf_path
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
+    "GraniteForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "BertModel",

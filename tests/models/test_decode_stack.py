@@ -42,6 +42,8 @@ def _generate(llm: LLM, stack_enabled: bool) -> tuple[list, int]:
     ("qwen2", "bfloat16", None),  # qkv bias, tied embeddings
     ("qwen2", "bfloat16", "int8"),
     ("llama", "float32", "int8"),  # int8 weights with float32 activations
+    ("granite", "bfloat16", None),  # scales: attention's, the residual's folded into o and down
+    ("phi3", "bfloat16", "int8"),  # fused checkpoint matrices
 ])
 def test_stack_equals_the_per_layer_path(kernels, tiny_model_dir, arch, dtype, quantization):
     model_dir = tiny_model_dir(arch, dtype, **SHAPE)

@@ -26,6 +26,8 @@ CASES = {
                                       attention_bias=True)),
     "qwen2-odd-vocab": ("qwen2", dict(vocab_size=515)),  # tied, q/k/v bias, 515 rows: the last rank pads one
     "qwen3": ("qwen3", {}),  # q/k norms per head
+    "phi3": ("phi3", {}),  # fused qkv_proj and gate_up_proj: each rank's rows of each part
+    "granite-obias": ("granite", dict(attention_bias=True)),  # scales; o's bias scaled once, on rank 0
 }
 
 
