@@ -175,3 +175,58 @@ def test_an_unenforceable_parameters_schema_is_named_where_the_request_has_it(to
     assert info.value.param == "tools"
     assert resolve_tool_choice(tools, {"type": "function", "function": {"name": "add"}}, None, "hermes",
                                True).grammar.json == TOOLS[1]["function"]["parameters"]  # only the named one
+
+
+def _deltas(reader, text: str) -> list:
+    """Every event, fed one character at a time, with how much text had been fed when it came."""
+    events = []
+    for end in range(1, len(text) + 1):
+        events += [(end, e) for e in reader.feed(text[end - 1:end])]
+    return events + [(len(text), e) for e in reader.finish()]
+
+
+@pytest.mark.parametrize("tool_choice,parser,text", [
+    ("required", None, '[{"name": "get_weather", "parameters": {"city": "Paris, France"}}, '
+                       '{"name": "add", "parameters": {"a": 1, "b": 22}}]'),
+    ("auto", "hermes", HERMES_TEXT),
+])
+def test_arguments_stream_as_they_are_generated(tool_choice, parser, text):
+    """A call goes out once its name is known and its arguments have begun; its arguments follow piece by piece
+    (not in one delta when the call is complete); the pieces add up to the call read whole, as the text written."""
+    events = _deltas(make_reader(choice(tool_choice, parser), parser), text)
+    calls = [(at, e) for at, e in events if not isinstance(e, str)]
+    first_at, first = calls[0]
+    assert first.name == "get_weather" and first_at == text.index('{"city') + 1  # at the arguments' "{"
+    assert len([e for _, e in calls if e.index == 0]) >= len('{"city": "Paris"}')  # a delta per character
+    whole = read_all(make_reader(choice(tool_choice, parser), parser), text)
+    result = ReadResult()
+    result.add([e for _, e in events])
+    assert [c["function"] for c in result.calls] == [c["function"] for c in whole.calls]
+    assert json.loads(whole.calls[0]["function"]["arguments"])["city"].startswith("Paris")
+    assert whole.calls[0]["function"]["arguments"] in text  # the text written, not re-serialised
+
+
+@pytest.mark.parametrize("piece", [1, 6, 1000])
+def test_calls_cut_by_max_tokens_keep_what_was_written(piece):
+    """As OpenAI's: a call cut short keeps its partial arguments (finish_reason "length"); output cut before any call
+    began is text; streamed or read whole, the same."""
+    for tool_choice, parser, text, expected in [
+        ("required", None, '[{"name": "add", "parameters": {"a": 1, "b', [("add", '{"a": 1, "b')]),
+        ("auto", "hermes", 'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1', [("add", '{"a": 1')]),
+        ("required", None, '[{"name": "ad', []),
+    ]:
+        whole = read_all(make_reader(choice(tool_choice, parser), parser), text)
+        parts = streamed(make_reader(choice(tool_choice, parser), parser), text, piece)
+        for result in (whole, parts):
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in result.calls] == expected
+            assert result.content == ("Hi " if parser else "" if expected else text)
+
+
+@pytest.mark.parametrize("piece", [1, 1000])
+def test_hermes_arguments_given_as_a_string_or_before_the_name(piece):
+    text = ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
+            '<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}</tool_call>')
+    result = streamed(make_reader(choice("auto"), "hermes"), text, piece)
+    assert result.content == ""
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in result.calls] == [
+        ("add", '{"a": 1}'), ("get_weather", '{"city": "Rome"}')]

@@ -219,15 +219,203 @@ class BufferedReader(ToolCallReader):
         raise NotImplementedError
 
 
-class RequiredReader(BufferedReader):
-    """tool_choice "required": the grammar made the output [{"name": ..., "parameters": {...}}, ...]."""
+class CallScanner:
+    """Reads one call object, `{"name": ..., "arguments": {...}}` ("parameters" too), a piece at a time, whatever the
+    pieces: its name once the string is complete, and the arguments object's own characters as they arrive, so a
+    stream can send them as they are generated (the text sent is the text written, so the pieces add up to the
+    arguments of the call read whole). Arguments that are not an object (a JSON string of them) are kept raw and
+    given at the end. Anything that is not such an object sets `failed`."""
 
-    def parse(self, text: str) -> list[str | ToolCallDelta]:
+    ARGUMENT_KEYS = ("arguments", "parameters")
+
+    def __init__(self) -> None:
+        self.state = "start"  # start | key_or_end | key | colon | value | after_value | done | failed
+        self.key = self.raw = self.arguments = ""
+        self.name: str | None = None
+        self.arguments_open = False  # the arguments object has begun (and streams)
+        self.arguments_other: str | None = None  # arguments of another JSON kind, raw, once complete
+        self._depth, self._in_string, self._escape = 0, False, False
+        self.consumed = 0
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "failed"
+
+    def feed(self, text: str) -> str:
+        """Consume `text`; returns the characters of it that belong to the arguments object."""
+        out: list[str] = []
+        self.consumed = 0  # how much of `text` was this object's (it may end inside)
+        for char in text:
+            if self.state in ("done", "failed"):
+                break
+            self._step(char, out)
+            self.consumed += 1
+        return "".join(out)
+
+    def _step(self, char: str, out: list[str]) -> None:
+        state = self.state
+        if state == "value":
+            self._value(char, out)
+        elif state == "key":
+            self._string(char)
+            self.key += char
+            if not self._in_string:
+                self.key = _json_string(self.key)
+                self.state = "colon"
+        elif char in " \t\r\n":
+            return
+        elif state == "start":
+            self.state = "key_or_end" if char == "{" else "failed"
+        elif state == "key_or_end" and char == '"':
+            self.key, self._in_string, self.state = char, True, "key"
+        elif state in ("key_or_end", "after_value") and char == "}":
+            self.state = "done"
+        elif state == "colon" and char == ":":
+            self.state, self.raw = "value", ""
+        elif state == "after_value" and char == ",":
+            self.state = "key_or_end"
+        else:
+            self.state = "failed"
+
+    def _value(self, char: str, out: list[str]) -> None:
+        if not self.raw and char in " \t\r\n":
+            return
+        scalar_end = not self.raw.startswith(("{", "[", '"')) and self.raw and char in ",} \t\r\n"
+        if scalar_end:  # a number, true, false or null ends at the character after it
+            self._end_value()
+            self._step(char, out)
+            return
+        self.raw += char
+        if self._in_string or char == '"':
+            self._string(char)
+        elif char in "{[":
+            self._depth += 1
+        elif char in "}]":
+            self._depth -= 1
+        streams = self.key in self.ARGUMENT_KEYS and self.raw.startswith("{")
+        if streams:
+            self.arguments_open = True
+            self.arguments += char
+            out.append(char)
+        if self._depth == 0 and not self._in_string and (self.raw[0] in "{[" or len(self.raw) > 1 and
+                                                        self.raw[0] == '"'):
+            self._end_value()
+
+    def _end_value(self) -> None:
+        if self.key == "name":
+            try:
+                value = json.loads(self.raw)
+            except ValueError:
+                value = None
+            if not isinstance(value, str):
+                self.state = "failed"
+                return
+            self.name = value
+        elif self.key in self.ARGUMENT_KEYS and not self.raw.startswith("{"):
+            self.arguments_other = self.raw
+        self.state = "after_value"
+
+    def _string(self, char: str) -> None:
+        """Track a JSON string: opened by `"`, closed by an unescaped `"`."""
+        if not self._in_string:
+            self._in_string = True
+        elif self._escape:
+            self._escape = False
+        elif char == "\\":
+            self._escape = True
+        elif char == '"':
+            self._in_string = False
+
+
+def _json_string(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return ""
+    return value if isinstance(value, str) else ""
+
+
+class StreamedCall:
+    """One call being read by a CallScanner: its deltas as they can be sent (the first, with id and name, once the
+    name is known and the arguments object has begun)."""
+
+    def __init__(self, reader: ToolCallReader) -> None:
+        self.reader = reader
+        self.scanner = CallScanner()
+        self.delta: ToolCallDelta | None = None  # the first delta, once sent
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        piece = self.scanner.feed(text)
+        scanner = self.scanner
+        if self.delta is None:
+            if scanner.name is None or not scanner.arguments_open:
+                return []
+            self.delta = self.reader._call(scanner.name, scanner.arguments)
+            return [self.delta]
+        return [ToolCallDelta(self.delta.index, piece)] if piece else []
+
+    def finish(self) -> list[ToolCallDelta]:
+        """At the end of the call's text: a call whose arguments are not an object, sent whole."""
+        scanner = self.scanner
+        if self.delta is not None or not scanner.done or scanner.name is None:
+            return []
+        other = scanner.arguments_other
         try:
-            calls = json.loads(text)
+            arguments = {} if other is None else json.loads(other)
         except ValueError:
-            return [text] if text else []  # cut short by max_tokens: what there is, as text
-        return [self._call(c["name"], c["parameters"]) for c in calls]
+            return []
+        self.delta = self.reader._call(scanner.name, arguments)
+        return [self.delta]
+
+
+class RequiredReader(ToolCallReader):
+    """tool_choice "required": the grammar makes the output `[{"name": ..., "parameters": {...}}, ...]`. Each call
+    is sent once its name is known, its arguments as they are generated. Output cut short by max_tokens before
+    the first call began is text; a call it cuts keeps the arguments written."""
+
+    passes_text_through = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = ""
+        self.state = "start"  # start | element | call | after | end
+        self.call: StreamedCall | None = None
+
+    def feed(self, text: str) -> list[str | ToolCallDelta]:
+        self.text += text
+        events: list[str | ToolCallDelta] = []
+        position = 0
+        while position < len(text) and self.state != "end":
+            if self.state == "call":
+                events += self.call.feed(text[position:])
+                position += self.call.scanner.consumed
+                if self.call.scanner.done or self.call.scanner.failed:
+                    events += self.call.finish()
+                    self.state = "after" if self.call.scanner.done else "end"
+                continue
+            char = text[position]
+            position += 1
+            if char in " \t\r\n":
+                continue
+            if self.state == "start":
+                self.state = "element" if char == "[" else "end"
+            elif self.state == "element" and char == "{":
+                self.call, self.state = StreamedCall(self), "call"
+                events += self.call.feed("{")
+            elif self.state == "after" and char == ",":
+                self.state = "element"
+            else:
+                self.state = "end"
+        return events
+
+    def finish(self) -> list[str | ToolCallDelta]:
+        if self.num_calls == 0:
+            return [self.text] if self.text else []  # no call began (cut short): what there is, as text
+        return []
 
 
 class Llama3JsonReader(BufferedReader):
@@ -265,10 +453,11 @@ def _skip(text: str, position: int, chars: str) -> int:
 
 class HermesReader(ToolCallReader):
     """hermes: content, with calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in it.
-    Content streams as it comes, holding back only what may be the start of a tag; each call is sent whole when
-    its closing tag arrives. A block that does not parse stays content. Small models often write the call's JSON
-    without the tags: an output that is nothing but `{"name": <one of the tools>, "arguments": {...}}` objects
-    (possibly in a ``` code fence) is those calls too (held until the end, as it may turn out to be text)."""
+    Content streams as it comes, holding back only what may be the start of a tag; a call is sent once its name is
+    known and its arguments object has begun, the arguments then as they are generated (CallScanner). A block that
+    is not such a call stays content. Small models often write the call's JSON without the tags: an output that is
+    nothing but `{"name": <one of the tools>, "arguments": {...}}` objects (possibly in a ``` code fence) is those
+    calls too (held until the end, as it may turn out to be text)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     passes_text_through = False
@@ -278,6 +467,8 @@ class HermesReader(ToolCallReader):
         self.tool_names = tool_names
         self.pending = ""
         self.bare: bool | None = None  # None until the output's first character says whether it may be a bare call
+        self.block: StreamedCall | None = None  # inside <tool_call>: the call being read
+        self.block_text = ""  # the block's text so far (it stays content if it is not a call)
 
     def feed(self, text: str) -> list[str | ToolCallDelta]:
         self.pending += text
@@ -290,21 +481,32 @@ class HermesReader(ToolCallReader):
             return []
         events: list[str | ToolCallDelta] = []
         while True:
-            start = self.pending.find(self.OPEN)
-            if start < 0:
-                keep = _partial_suffix(self.pending, self.OPEN)
-                self._emit(events, self.pending[:len(self.pending) - keep])
-                self.pending = self.pending[len(self.pending) - keep:]
-                return events
-            end = self.pending.find(self.CLOSE, start)
-            if end < 0:
+            if self.block is None:
+                start = self.pending.find(self.OPEN)
+                if start < 0:
+                    keep = _partial_suffix(self.pending, self.OPEN)
+                    self._emit(events, self.pending[:len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    return events
                 self._emit(events, self.pending[:start])
-                self.pending = self.pending[start:]
+                self.pending = self.pending[start + len(self.OPEN):]
+                self.block, self.block_text = StreamedCall(self), ""
+            end = self.pending.find(self.CLOSE)
+            taken = self.pending[:end] if end >= 0 else \
+                self.pending[:len(self.pending) - _partial_suffix(self.pending, self.CLOSE)]
+            self.block_text += taken
+            events += self.block.feed(taken)
+            self.pending = self.pending[len(taken):]
+            if end < 0:
                 return events
-            self._emit(events, self.pending[:start])
-            block = self.pending[start:end + len(self.CLOSE)]
-            self.pending = self.pending[end + len(self.CLOSE):]
-            events.append(self._parse_block(block))
+            self.pending = self.pending[len(self.CLOSE):]
+            events += self._close_block()
+
+    def _close_block(self) -> list[str | ToolCallDelta]:
+        block, self.block = self.block, None
+        if block.delta is not None:
+            return []  # sent as it came
+        return block.finish() or [self._parse_block(self.OPEN + self.block_text + self.CLOSE)]
 
     def finish(self) -> list[str | ToolCallDelta]:
         if self.bare:
@@ -314,7 +516,13 @@ class HermesReader(ToolCallReader):
                 return calls
         self.bare = False
         events = self.feed("")
-        self._emit(events, self.pending)  # an unclosed block (cut by max_tokens) stays text
+        if self.block is not None:  # a block cut by max_tokens: a call keeps what it has, anything else is text
+            block, self.block = self.block, None
+            if block.delta is None:
+                self._emit(events, self.OPEN + self.block_text)
+            else:
+                self.pending = ""
+        self._emit(events, self.pending)
         self.pending = ""
         return events
 
