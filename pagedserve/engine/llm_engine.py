@@ -184,7 +184,8 @@ class LLMEngine:
         for index, child_id in enumerate(child_ids):
             child_params = params
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
+                # wrapped within int64, as the seed was checked: seed 2**63 - 1 with n = 2 was refused as 2**63
+                seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
                 child_params = params.clone(n=1, seed=seed)
             request = Request(child_id, prompt_ids, child_params, self.eos_token_id, max_tokens, arrival_time,
                               grammar=grammar)

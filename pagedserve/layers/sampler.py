@@ -133,14 +133,16 @@ class Sampler:
                 ) -> torch.Tensor:
         greedy_ids = argmax_rows(logits, self.native)
         is_greedy = batch.temperature < 1e-5
-        temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
+        # A temperature past float32's range (1e39) would be inf, and -inf / inf a NaN that samples token 0.
+        temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature).clamp(max=1e30)
         logits = logits / temperature.unsqueeze(1)
+        if batch.min_p is not None:  # vLLM's order: temperature, min_p, then top_k and top_p
+            probs = torch.softmax(logits, dim=-1)
+            threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
         if batch.top_k is not None or batch.top_p is not None:
             logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         probs = torch.softmax(logits, dim=-1)
-        if batch.min_p is not None:
-            threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < threshold, 0.0)
         q = torch.empty_like(probs)
         q.exponential_(generator=self.generator)
         for row, generator in batch.generators.items():  # in row order: a request's rows draw one after another
@@ -168,8 +170,10 @@ def _enforce_lazy_grammars(logits: torch.Tensor, token_ids: torch.Tensor, bitmas
 def _apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     rows = logits[p.rows]  # [P, V]
     seen = p.prompt_mask | (p.output_counts > 0)
-    # Repetition penalty (CTRL paper, as transformers/vLLM): divide positive logits, multiply negative.
-    penalised = torch.where(rows > 0, rows / p.repetition, rows * p.repetition)
+    # Repetition penalty (CTRL paper, as transformers/vLLM): divide positive logits, multiply negative. Held where
+    # float32 stays finite (1e-39 made logits inf, and 0 x inf a NaN that samples token 0).
+    repetition = p.repetition.clamp(min=1e-20, max=1e20)
+    penalised = torch.where(rows > 0, rows / repetition, rows * repetition)
     rows = torch.where(seen, penalised, rows)
     rows = rows - p.frequency * p.output_counts - p.presence * (p.output_counts > 0).float()
     logits[p.rows] = rows
@@ -177,16 +181,18 @@ def _apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                        top_p: torch.Tensor | None) -> torch.Tensor:
+    """As vLLM's: top_k keeps every token at least as likely as the k-th (ties at the k-th stay); top_p then keeps
+    the most likely tokens up to mass p (a row with p = 1 keeps all: float32 sums may pass 1 in the tail)."""
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-        mask |= torch.arange(vocab, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
+        mask |= sorted_logits < sorted_logits.gather(1, (k - 1).unsqueeze(1))
     if top_p is not None:
         probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
         cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        mask |= cum_before >= top_p.unsqueeze(1)
+        mask |= (cum_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     mask[:, 0] = False  # always keep the most likely token
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)

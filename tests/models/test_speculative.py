@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from tests.models.test_correctness import (ARCHS, NUM_TOKENS, TOLERANCE, assert_logprobs_close, hf_logprobs,
+from tests.models.test_correctness import (NUM_TOKENS, TOLERANCE, assert_logprobs_close, hf_logprobs,
                                            hf_reference, make_prompts)
 
 # prompt_lookup_min 1 proposes as often as possible; a batch of any size speculates.
@@ -68,7 +68,7 @@ def assert_greedy_tokens(llm: LLM, prompts: list[list[int]], expected: list[list
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # speculation is the same for every architecture
 def test_greedy_batch_matches_transformers(tiny_model_dir, tmp_path_factory, arch, proposer):
     model_dir = tiny_model_dir(arch, weight_std=WEIGHT_STD)
     spec = SPEC if proposer == "ngram" else draft_spec(make_draft(model_dir, tmp_path_factory))
