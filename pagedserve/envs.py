@@ -76,6 +76,8 @@ def vllm_cpu_kvcache_space_gib() -> float | None:
         value = float(raw)
     except ValueError as exc:
         raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {raw!r}") from exc
+    if not value >= 0:  # nan too
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB >= 0 (0: the default size), got {raw!r}")
     return value if value > 0 else None
 
 

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import threading
 import uuid
@@ -136,6 +137,24 @@ def _response_line(custom_id: Any, response: Any) -> dict:
     return output_line(custom_id, response.status_code, body, error)
 
 
+def _read_lines(path: str) -> list[tuple[int, str]]:
+    """The input's lines, numbered as in the file, blank ones skipped."""
+    if path == "-":
+        return [(i + 1, line) for i, line in enumerate(sys.stdin.read().splitlines()) if line.strip()]
+    text = _flag_error("--input-file", path, lambda: open(path, encoding="utf-8").read())
+    return [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
+
+
+def _flag_error(flag: str, path: str, action: Any) -> Any:
+    """action(), its OSError as a ValueError naming the flag ("[Errno 21] Is a directory" named neither)."""
+    try:
+        return action()
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (a JSONL file of requests)") from None
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     apply_thread_args(args)
     setup_logging()
@@ -144,15 +163,18 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.engine.startup import StartupTracker
     from pagedserve.entrypoints.openai.api_server import ServerState, build_app, start_engine
 
+    output = None if args.output_file == "-" else args.output_file
     try:
         engine_args, options = checked_settings(args)
         options = replace(options, api_key=None, disable_log_stats=True)  # in-process: no key, no stats line
-        source = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
-        with source:
-            # numbered as the file's lines, blank ones skipped
-            lines = [(i + 1, line) for i, line in enumerate(source.read().splitlines()) if line.strip()]
-        # opened before the model loads: an output that cannot be written fails now, not after the batch ran
-        out = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
+        if args.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+        lines = _read_lines(args.input_file)
+        # Checked before the model loads (an output that cannot be written fails now, not after the batch ran),
+        # and not emptied until it does: a typo in the model name kept a previous output.
+        existed = output is not None and os.path.exists(output)
+        if output is not None:
+            _flag_error("--output-file", output, lambda: open(output, "a", encoding="utf-8").close())
     except (ValueError, OSError) as exc:
         return fail(str(exc))
     state = ServerState(StartupTracker())
@@ -172,11 +194,13 @@ def run(args: argparse.Namespace) -> int:
     threading.Thread(target=load_and_run, name="pagedserve-engine", daemon=True).start()
     started.wait()
     if failure:
-        if out is not sys.stdout:
-            out.close()
+        if output is not None and not existed:
+            os.remove(output)  # created by the check above
         if isinstance(failure[0], (ValueError, *USER_FACING_ERRORS)):
             return fail(str(failure[0]))
         raise failure[0]
+
+    out = sys.stdout if output is None else open(output, "w", encoding="utf-8")
 
     def write(result: dict) -> None:
         out.write(json.dumps(result, ensure_ascii=False) + "\n")

@@ -1,7 +1,7 @@
 """KVCacheManager: decides whether memory allows a request to run, and which blocks it owns.
 
-Protocol with the scheduler: `get_computed_blocks` (prefix-cache lookup) then `allocate_slots`
-(None = not enough free blocks) and finally `free`. Pure Python.
+Protocol with the scheduler: `get_computed_blocks` (prefix-cache lookup), `allocate_slots`
+(None = not enough free blocks), `record_lookup` once the request is admitted, and finally `free`. Pure Python.
 """
 
 from __future__ import annotations
@@ -82,10 +82,15 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        num_hit_tokens = len(hit) * self.block_size
-        self.stats.num_queries += request.num_tokens
-        self.stats.num_hits += num_hit_tokens
-        return ComputedBlocks(hit, num_hit_tokens)
+        return ComputedBlocks(hit, len(hit) * self.block_size)
+
+    def record_lookup(self, request: Request, computed: ComputedBlocks) -> None:
+        """Count an admitted request's lookup in the prefix-cache stats, as vLLM's: once per request (a lookup
+        for a request the pool could not take yet is retried every step), and not again after a preemption (its
+        own blocks would count as hits)."""
+        if self.enable_caching and request.sampling_params.prompt_logprobs is None and not request.num_preemptions:
+            self.stats.num_queries += request.num_tokens
+            self.stats.num_hits += computed.num_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks | None = None) -> list[KVCacheBlock] | None:

@@ -262,6 +262,7 @@ class Scheduler:
                 self.fail_request(request, exc)
                 continue
             self.waiting.popleft()
+            self.kv.record_lookup(request, computed)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = computed.num_tokens
                 request.first_scheduled_time = time.monotonic()

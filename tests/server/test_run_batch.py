@@ -123,3 +123,23 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_loads(tmp_path)
                           str(tmp_path / "missing" / "out.jsonl"), "/nonexistent/model"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "No such file or directory" in run.stderr and "Traceback" not in run.stderr
+    assert "--output-file" in run.stderr
+
+
+def test_a_model_that_does_not_start_keeps_an_earlier_output(tmp_path):
+    """The output is emptied only once the model has loaded: a typo in its name kept nothing of the last run's."""
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}) + "\n")
+    target.write_text('{"earlier": "results"}\n')
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(source), "-o", str(target),
+                          "smollm2-135m-instrct"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Did you mean smollm2-135m-instruct" in run.stderr
+    assert target.read_text() == '{"earlier": "results"}\n'
+    fresh = tmp_path / "new.jsonl"  # one that did not exist is not left behind empty
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(source), "-o", str(fresh),
+                          "smollm2-135m-instrct"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and not fresh.exists()
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(tmp_path), "-o", str(fresh),
+                          "smollm2-135m-instruct", "--max-concurrency", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and f"--input-file {tmp_path}: Is a directory" in run.stderr

@@ -83,6 +83,14 @@ def test_api_key_enforced(tiny_model_dir, tmp_path):
     (["--fault-injection", "nowhere:x"], "--fault-injection rule"),
     (["--max-model-len", "0"], "--max-model-len must be >= 2"),
     (["--dtype", "nonsense"], "--dtype must be one of auto, bfloat16"),
+    # these served a default, or failed with a traceback after loading the model
+    (["--num-gpu-blocks-override", "1"], "--num-gpu-blocks-override must be at least 2"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 1, got 0"),
+    (["--num-threads", "-2"], "--num-threads must be at least 1"),
+    (["--max-waiting-requests", "-1"], "--max-waiting-requests must be at least 0"),
+    (["--tokenizer", "/nonexistent"], "tokenizer '/nonexistent' is not an existing directory"),
+    (["--api-key", ""], "--api-key is empty"),
+    (["--ssl-keyfile", __file__, "--ssl-certfile", __file__], "--ssl-certfile"),  # not PEM
 ])
 def test_unsupported_flags_fail_at_start(tiny_model_dir, flags, word):
     result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", tiny_model_dir("llama"), *flags],

@@ -169,6 +169,11 @@ def test_unknown_name_lists_known_names(tmp_path: Path) -> None:
     assert "'Qwen/Qwen2.5-7B-Instruct'" in message and "local path works too" in message
     for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "all-minilm-l6-v2"):
         assert name in message
+    assert "Did you mean" not in message  # no packaged model is close
+    for typed, meant in (("smollm2-135m-instrct", "smollm2-135m-instruct"),  # a typo
+                         ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-instruct")):  # vLLM's hub id
+        with pytest.raises(UnknownModelError, match=f"Did you mean {meant} "):
+            resolve_model(typed, tmp_path)
 
 
 def test_registry_entries() -> None:

@@ -235,6 +235,17 @@ def test_prefix_cache_hits_counted_and_blocks_shared():
     assert_no_leaks(sched)
 
 
+def test_prefix_cache_stats_count_each_request_once():
+    """As vLLM's: a lookup counts when the request is admitted, once; not for each step it waits on a full pool,
+    and not again after a preemption (its own blocks would read as hits)."""
+    sched = make_scheduler(num_blocks=13, budget=64)  # 12 usable blocks of 4: room for two 20-token sequences
+    for i in range(4):  # no shared prefixes: every query misses
+        sched.add_request(make_request(f"r{i}", range(100 * i, 100 * i + 12), max_tokens=12))
+    run_to_completion(sched)
+    assert sched.num_preemptions_total > 0  # (and requests waited for blocks while others ran)
+    assert sched.kv.stats.num_queries == 4 * 12 and sched.kv.stats.num_hits == 0
+
+
 def test_full_prompt_hit_still_computes_last_token():
     sched = make_scheduler()
     prompt = list(range(8))  # exactly two blocks

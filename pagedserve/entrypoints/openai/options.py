@@ -132,9 +132,17 @@ class ServeOptions(FlagArgs):
             load_chat_template(self.chat_template)
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both to serve https")
-        for path in (self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs):
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile),
+                           ("--ssl-ca-certs", self.ssl_ca_certs)):
             if path is not None and not os.path.isfile(path):
-                raise ValueError(f"TLS file {path!r} does not exist")
+                raise ValueError(f"{flag} {path!r}: " + ("a directory, not a file" if os.path.isdir(path) else
+                                                         "no such file"))
+        if self.ssl_certfile is not None:
+            check_tls_files(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
+        keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key or []
+        if any(not key for key in keys):
+            raise ValueError("--api-key is empty (an unset variable, as in --api-key \"$KEY\"?): every request would "
+                             "be refused; give the key, or leave the flag out to serve without one")
         if not 0 <= self.shutdown_grace_s < float("inf"):  # nan too
             raise ValueError(f"--shutdown-grace-s must be a number of seconds >= 0, got {self.shutdown_grace_s}")
         if self.max_log_len is not None and self.max_log_len < 0:
@@ -217,3 +225,21 @@ def check_socket_path(path: str) -> None:
     finally:
         probe.close()
     raise ValueError(f"--uds {path!r}: another server is listening on this socket; stop it or choose another path")
+
+
+def check_tls_files(certfile: str, keyfile: str, ca_certs: str | None) -> None:
+    """ValueError naming the flags where the certificate and key do not load as the server will load them (uvicorn
+    failed with an SSL traceback after the model had loaded)."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"--ssl-certfile {certfile} with --ssl-keyfile {keyfile} do not load ({exc}): give a PEM "
+                         "certificate and the PEM private key that belongs to it") from None
+    if ca_certs is not None:
+        try:
+            context.load_verify_locations(ca_certs)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"--ssl-ca-certs {ca_certs} does not load ({exc}): give PEM CA certificates") from None

@@ -124,7 +124,7 @@ class OpenAIServing:
         check_not_empty(prompt.token_ids)
         max_tokens = generation_max_tokens(len(prompt.token_ids), requested, self.max_model_len, param, prompt_param)
         if requested is None:  # what the context leaves, within a KV cache smaller than it (--num-gpu-blocks-override)
-            room = self.engine.engine.kv.capacity_tokens - len(prompt.token_ids)
+            room = self.engine.engine.kv_room(len(prompt.token_ids))
             max_tokens = min(max_tokens, room) if room >= 1 else max_tokens
         default = self.default_sampling.get("max_tokens")  # the model's max_new_tokens (--generation-config)
         return min(max_tokens, default) if requested is None and default is not None else max_tokens
