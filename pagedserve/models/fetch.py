@@ -334,7 +334,7 @@ def cached_model(name: str, cache_dir: Path | None = None) -> Path | None:
 def _unknown_model_message(name: str) -> str:
     known = ", ".join(sorted(KNOWN_MODELS))
     # A typo, another case, or the hub id vLLM takes (HuggingFaceTB/SmolLM2-135M-Instruct): the likely name.
-    close = difflib.get_close_matches(name.lower().rsplit("/", 1)[-1], list(KNOWN_MODELS), n=1, cutoff=0.75)
+    close = difflib.get_close_matches(name.lower().rsplit("/", 1)[-1], list(KNOWN_MODELS), n=1, cutoff=0.85)
     hint = f"Did you mean {close[0]} ({KNOWN_MODELS[close[0]].description})? " if close else ""
     return (
         f"unknown model {name!r}: it is not an existing path and not a packaged model name. {hint}"
