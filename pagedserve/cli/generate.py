@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from pagedserve.cli.common import USER_FACING_ERRORS, engine_args_from_cli, fail, setup_logging
 from pagedserve.engine.arg_utils import EngineArgs
@@ -16,22 +17,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt", action="append", required=True,
                         help="Prompt (repeat for a batch). With --chat it is the user message.")
     parser.add_argument("--chat", action="store_true", help="Apply the model's chat template.")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate at most (default: 64).")
+    defaults = ("(default: the model's sampling defaults, as --generation-config and --override-generation-config "
+                "give them; where those leave it out: %s)")
+    parser.add_argument("--temperature", type=float, default=None, help="0: greedy " + defaults % "0, greedy")
+    parser.add_argument("--top-p", type=float, default=None, help=defaults % "1.0")
+    parser.add_argument("--top-k", type=int, default=None, help=defaults % "0, off")
     parser.add_argument("--json", action="store_true", help="Print one JSON object per prompt.")
     parser.set_defaults(func=run)
+
+
+def _sampling_params(args: argparse.Namespace, model_defaults: dict) -> Any:
+    """The model's sampling defaults (generation_config.json, --override-generation-config), then the flags given;
+    greedy where neither says a temperature (as this command always was)."""
+    from pagedserve.sampling_params import SamplingParams
+
+    fields = {"temperature": 0.0, **model_defaults, "max_tokens": args.max_tokens}
+    fields.update({name: getattr(args, name) for name in ("temperature", "top_p", "top_k")
+                   if getattr(args, name) is not None})
+    return SamplingParams(**fields)
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging()
     from pagedserve.entrypoints.llm import LLM
-    from pagedserve.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
         engine_args = engine_args_from_cli(args)
         llm = LLM(**vars(engine_args))
+        if llm.engine.config.model.task != "generate":
+            raise ValueError(f"{engine_args.model or 'the model'} is an embedding model: it does not generate text "
+                             "(serve it with `pagedserve serve` and ask /v1/embeddings)")
+        params = _sampling_params(args, llm.engine.config.model.default_sampling)
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:

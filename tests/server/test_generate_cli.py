@@ -1,0 +1,34 @@
+"""`pagedserve generate`: the model's sampling defaults and the overrides apply as in LLM.generate (they were
+ignored), the flags given win, and an embedding model is told apart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _generate(model: str, *flags: str) -> list[str]:
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "generate", model, "--prompt", "The quick brown",
+                          "--max-tokens", "12", "--max-model-len", "128", "--dtype", "float32", "--seed", "3",
+                          "--json", *flags], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    return [json.loads(line)["text"] for line in run.stdout.splitlines()]
+
+
+def test_sampling_defaults_overrides_and_flags(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    greedy = _generate(model)
+    assert _generate(model, "--temperature", "0") == greedy  # greedy unless something says a temperature
+    sampled = _generate(model, "--temperature", "5")
+    assert sampled != greedy  # (12 tokens at temperature 5 over a 512-token vocabulary)
+    # top_k 1 from the overrides turns the flag's temperature back into greedy: the overrides apply
+    assert _generate(model, "--temperature", "5", "--override-generation-config", '{"top_k": 1}') == greedy
+    assert _generate(model, "--override-generation-config", '{"temperature": 5.0}') == sampled
+
+
+def test_an_embedding_model_is_named_as_such():
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "generate", "all-minilm-l6-v2", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode != 0 and "is an embedding model: it does not generate text" in run.stderr
+    assert "Traceback" not in run.stderr
