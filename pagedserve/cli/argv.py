@@ -16,41 +16,50 @@ from typing import Any
 CONFIG_COMMANDS = ("serve", "plan", "doctor")  # the sub-commands that take serve's flags
 
 
-def normalize(argv: list[str]) -> list[str]:
-    """argv with vLLM's flag spellings turned into pagedserve's, and a --config file's flags added."""
+def normalize(argv: list[str], dests: dict[str, dict[str, str]] | None = None) -> list[str]:
+    """argv with vLLM's flag spellings turned into pagedserve's, and a --config file's flags added. `dests`: each
+    sub-command's option strings -> the setting they set (cli/main.option_dests), so a setting the command line
+    gives under any of its names (`-tp`, `-q`) keeps the command line's value."""
     out = []
     for arg in argv:
         if arg.startswith("--") and len(arg) > 2:
             name, eq, value = arg.partition("=")
             arg = name.replace("_", "-") + eq + value
         out.append(arg)
-    return _expand_config(out)
+    return _expand_config(out, (dests or {}).get(out[0] if out else "", {}))
 
 
-def _expand_config(argv: list[str]) -> list[str]:
+def _expand_config(argv: list[str], dests: dict[str, str]) -> list[str]:
     if not argv or argv[0] not in CONFIG_COMMANDS:
         return argv
     path, rest = None, [argv[0]]
     tokens = iter(argv[1:])
     for arg in tokens:
-        if arg == "--config":
-            path = next(tokens, None)
+        if arg == "--config" or arg.startswith("--config="):
+            if path is not None:
+                raise SystemExit("pagedserve: error: --config is given twice; give one file (as vLLM takes one)")
+            path = next(tokens, None) if arg == "--config" else arg.split("=", 1)[1]
             if path is None:
                 raise SystemExit("pagedserve: error: --config needs a YAML file of serve's flags")
-        elif arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
         else:
             rest.append(arg)
     if path is None:
         return argv
-    given = {arg.split("=", 1)[0].removeprefix("--no-").removeprefix("--") for arg in rest if arg.startswith("--")}
+    given = {dests.get(arg.split("=", 1)[0], arg.split("=", 1)[0].removeprefix("--no-").removeprefix("--"))
+             for arg in rest if arg.startswith("-")}
     config = _read_config(path)
     model = config.pop("model", None)
     added = []
     for key, value in config.items():
         name = str(key).replace("_", "-")
-        if name in given:
-            continue  # the command line's own value wins, as in vLLM
+        if dests and f"--{name}" not in dests:
+            raise SystemExit(f"pagedserve: error: --config {path}: {key!r} is not a flag of `pagedserve {argv[0]}` "
+                             f"(no --{name}; `pagedserve {argv[0]} --help` lists them)")
+        if value is None:
+            raise SystemExit(f"pagedserve: error: --config {path}: {key!r} has no value; give one or leave the key "
+                             "out")
+        if dests.get(f"--{name}", name) in given:
+            continue  # the command line's own value wins, under any of the flag's names, as in vLLM
         added += _as_flags(name, value)
     if model is not None and not _has_model(rest):
         added += ["--model", str(model)]

@@ -37,11 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def option_dests(parser: argparse.ArgumentParser) -> dict[str, dict[str, str]]:
+    """Each sub-command's option strings (`-tp`, `--tensor-parallel-size`, `--no-enable-prefix-caching`, ...) ->
+    the setting they set, so a --config file knows which of its keys the command line gave already."""
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: {option: action.dest for action in sub._actions for option in action.option_strings}
+            for name, sub in subparsers.choices.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     from pagedserve.cli.argv import normalize
 
     parser = build_parser()
-    args = parser.parse_args(normalize(sys.argv[1:] if argv is None else list(argv)))
+    args = parser.parse_args(normalize(sys.argv[1:] if argv is None else list(argv), option_dests(parser)))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

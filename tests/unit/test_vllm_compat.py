@@ -101,6 +101,26 @@ def test_flags_with_underscores_and_a_yaml_config_file_read_as_vllm_reads_them(t
         normalize(["serve", "--config", str(config)])
 
 
+def test_the_command_line_wins_over_a_config_file_under_any_name_of_the_flag(tmp_path):
+    """-tp, -q and --kv-cache-memory-bytes set what the file's keys set: the file's value came after them and won."""
+    from pagedserve.cli.argv import normalize
+    from pagedserve.cli.main import build_parser, option_dests
+
+    dests = option_dests(build_parser())
+    config = tmp_path / "serve.yaml"
+    config.write_text("tensor_parallel_size: 3\nquantization: int8\nkv_cache_memory: 1G\nmax_num_seqs: 4\n")
+    argv = normalize(["plan", "m", "--config", str(config), "-tp", "1", "-q", "gguf", "--kv-cache-memory-bytes",
+                      "2G"], dests)
+    assert argv == ["plan", "m", "-tp", "1", "-q", "gguf", "--kv-cache-memory-bytes", "2G", "--max-num-seqs", "4"]
+    for text, message in (("max_modle_len: 5\n", "'max_modle_len' is not a flag of `pagedserve serve`"),
+                          ("max_model_len:\n", "'max_model_len' has no value")):
+        config.write_text(text)
+        with pytest.raises(SystemExit, match=message):
+            normalize(["serve", "--config", str(config)], dests)
+    with pytest.raises(SystemExit, match="--config is given twice"):
+        normalize(["serve", "--config", str(config), f"--config={config}"], dests)
+
+
 @pytest.mark.parametrize("text, value", [("4096", 4096), ("32k", 32000), ("32K", 32768), ("1.5k", 1500),
                                          ("1m", 1_000_000), ("2G", 2 << 30)])
 def test_sizes_take_vllm_s_human_readable_forms(text, value):
