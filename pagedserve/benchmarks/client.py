@@ -130,3 +130,12 @@ async def send_request(
         record.success = False
     record.end_time = time.perf_counter()
     return record
+
+
+def unix_socket_path(url: str) -> str | None:
+    """The socket of a server on --uds given as unix:PATH (relative to the working directory, as serve takes it)
+    or unix:///ABSOLUTE-PATH; None for any other URL."""
+    if not url.startswith("unix:"):
+        return None
+    path = url[len("unix:"):]
+    return path[2:] if path.startswith("//") else path

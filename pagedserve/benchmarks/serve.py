@@ -19,7 +19,8 @@ from typing import TextIO
 
 import httpx
 
-from pagedserve.benchmarks.client import CHAT_COMPLETIONS, COMPLETIONS, ENDPOINTS, build_request_body, send_request
+from pagedserve.benchmarks.client import (CHAT_COMPLETIONS, COMPLETIONS, ENDPOINTS, build_request_body, send_request,
+                                          unix_socket_path)
 from pagedserve.benchmarks.datasets import (
     BenchPrompt,
     LocalTokenizer,
@@ -142,6 +143,21 @@ async def fetch_first_model(client: httpx.AsyncClient) -> str:
     return models[0]["id"]
 
 
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text or f"HTTP {response.status_code}"
+
+
+def _model_not_found(response: httpx.Response) -> bool:
+    """An OpenAI-style 404 for a model the server does not serve (not a missing route)."""
+    try:
+        return response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 async def resolve_tokenizer(client: httpx.AsyncClient, model: str, local_path: str | None) -> PromptTokenizer | None:
     """A local tokenizer if given, else the server's /tokenize if it answers, else None."""
     if local_path:
@@ -150,6 +166,8 @@ async def resolve_tokenizer(client: httpx.AsyncClient, model: str, local_path: s
     try:
         await tokenizer.encode("hello")
     except httpx.HTTPStatusError as exc:
+        if _model_not_found(exc.response):
+            raise RuntimeError(f"the server serves no model {model!r}: {_error_message(exc.response)}") from None
         if exc.response.status_code in (404, 405):  # the route is missing: a local tokenizer is needed
             return None
         raise  # a wrong API key (401), a server error: said as it is, not as a missing route
@@ -253,8 +271,9 @@ async def spec_decode_counters(client: httpx.AsyncClient) -> tuple[float, float]
 def _make_client(config: ServeBenchConfig) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     base_url, transport = config.base_url.rstrip("/"), None
-    if base_url.startswith("unix:"):  # a server on --uds: unix:PATH (or unix:///PATH)
-        base_url, transport = "http://localhost", httpx.AsyncHTTPTransport(uds="/" + base_url[5:].lstrip("/"))
+    socket = unix_socket_path(base_url)  # a server on --uds
+    if socket is not None:
+        base_url, transport = "http://localhost", httpx.AsyncHTTPTransport(uds=socket)
     return httpx.AsyncClient(
         base_url=base_url,
         transport=transport,

@@ -11,6 +11,7 @@ bench throughput  offline LLM.generate on random token prompts (like `vllm bench
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -32,7 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="benchmarks: serving load, server start-up, offline throughput",
         description="Honest benchmarks: token rates from counted tokens, warm-up apart, spread not one number.",
     )
-    bench_subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCH")
+    bench_subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCH",  # no prefixes, as main.py
+                                             parser_class=functools.partial(argparse.ArgumentParser,
+                                                                            allow_abbrev=False))
     _register_serve(bench_subparsers)
     _register_startup(bench_subparsers)
     _register_throughput(bench_subparsers)

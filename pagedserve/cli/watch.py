@@ -287,10 +287,10 @@ def unix_socket_url(url: str) -> tuple[str, object]:
     URL as it is."""
     import httpx
 
-    if not url.startswith("unix:"):
-        return url, None
-    path = "/" + url[len("unix:"):].lstrip("/")
-    return "http://localhost", httpx.HTTPTransport(uds=path)
+    from pagedserve.benchmarks.client import unix_socket_path
+
+    path = unix_socket_path(url)
+    return (url, None) if path is None else ("http://localhost", httpx.HTTPTransport(uds=path))
 
 
 def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:

@@ -329,9 +329,11 @@ def test_an_unwritable_json_path_is_refused_before_the_run(capsys) -> None:
     assert code == 2 and "--json /nonexistent-folder/x.json" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("status,expected", [(404, "none"), (401, "raises")])
-def test_only_a_missing_tokenize_route_means_no_server_tokenizer(status, expected) -> None:
-    """A wrong API key (401) was reported as "the server has no POST /tokenize"."""
+@pytest.mark.parametrize("status,code,expected", [(404, None, "none"), (401, None, "raises"),
+                                                  (404, "model_not_found", "names the model")])
+def test_only_a_missing_tokenize_route_means_no_server_tokenizer(status, code, expected) -> None:
+    """A wrong API key (401) and a wrong --model (404 model_not_found) were reported as "the server has no POST
+    /tokenize"."""
     import asyncio
 
     import httpx
@@ -339,12 +341,16 @@ def test_only_a_missing_tokenize_route_means_no_server_tokenizer(status, expecte
     from pagedserve.benchmarks.serve import resolve_tokenizer
 
     async def run():
-        transport = httpx.MockTransport(lambda request: httpx.Response(status, json={"error": {"message": "x"}}))
+        body = {"error": {"message": "The model `m` does not exist.", "code": code}}
+        transport = httpx.MockTransport(lambda request: httpx.Response(status, json=body))
         async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
             return await resolve_tokenizer(client, "m", None)
 
     if expected == "none":
         assert asyncio.run(run()) is None
-    else:
+    elif expected == "raises":
         with pytest.raises(httpx.HTTPStatusError):
+            asyncio.run(run())
+    else:
+        with pytest.raises(RuntimeError, match="the server serves no model 'm': The model `m` does not exist"):
             asyncio.run(run())

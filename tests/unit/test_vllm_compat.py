@@ -137,9 +137,12 @@ def test_a_binary_suffix_with_a_decimal_is_refused(capsys):
 def test_no_flag_is_taken_by_a_prefix_of_its_name(capsys):
     from pagedserve.cli.main import build_parser
 
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--max-model", "512"])
-    assert "unrecognized arguments: --max-model" in capsys.readouterr().err
+    for argv, prefix in ((["serve", "--max-model", "512"], "--max-model"),
+                         (["bench", "serve", "--num-prom", "2"], "--num-prom"),  # bench's parsers abbreviated
+                         (["bench", "startup", "--ready", "5", "m"], "--ready")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert f"unrecognized arguments: {prefix}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command, message", [

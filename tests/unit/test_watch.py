@@ -224,6 +224,10 @@ def test_a_unix_socket_url_uses_a_socket_transport() -> None:
     from pagedserve.cli.watch import unix_socket_url
 
     assert unix_socket_url("http://127.0.0.1:8000") == ("http://127.0.0.1:8000", None)
-    for url in ("unix:/tmp/s.sock", "unix:///tmp/s.sock"):
+    for url in ("unix:/tmp/s.sock", "unix:///tmp/s.sock", "unix:rel.sock"):
         base, transport = unix_socket_url(url)
         assert base == "http://localhost" and transport is not None
+    from pagedserve.benchmarks.client import unix_socket_path
+
+    assert unix_socket_path("unix:rel.sock") == "rel.sock"  # relative, as serve --uds rel.sock made it (was /rel.sock)
+    assert unix_socket_path("unix:/tmp/s.sock") == unix_socket_path("unix:///tmp/s.sock") == "/tmp/s.sock"
