@@ -130,10 +130,7 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-            if unknown == ["cache_salt"]:
-                raise InvalidRequestError("give cache_salt in SamplingParams(cache_salt=...), not in the prompt",
-                                          param="cache_salt")
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})  # salt: add_request's
             if unknown:  # vLLM's other prompt kinds: refused by name, never served as plain text
                 raise InvalidRequestError(f"prompt field {unknown[0]!r} is not supported: pagedserve takes text "
                                           "prompts ({'prompt': ...}) and token ids ({'prompt_token_ids': ...}); "
@@ -163,6 +160,7 @@ class LLMEngine:
         self.faults.check("add", request_id)
         if isinstance(params, PoolingParams) or self.is_pooling:
             return self._add_pooling_request(request_id, prompt, params, arrival_time)
+        params = _with_prompt_salt(prompt, params)
         text, prompt_ids = self.tokenize_prompt(prompt)
         keep = params.truncate_prompt_tokens  # vLLM's: the prompt's last k tokens (-1: max_model_len)
         if keep is not None:
@@ -444,3 +442,14 @@ class LLMEngine:
         self._failed.pop(probe_id, None)
         logger.warning("the retry step after a failed model step worked; the engine goes on")
         return outputs
+
+
+def _with_prompt_salt(prompt: PromptType, params: SamplingParams) -> SamplingParams:
+    """vLLM's prompt dicts carry cache_salt ({"prompt": ..., "cache_salt": ...}); pagedserve's SamplingParams too."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is None or salt == params.cache_salt:
+        return params
+    if params.cache_salt is not None:
+        raise InvalidRequestError(f"cache_salt is given twice, {salt!r} in the prompt and {params.cache_salt!r} in "
+                                  "SamplingParams: give one", param="cache_salt")
+    return params.clone(cache_salt=salt)

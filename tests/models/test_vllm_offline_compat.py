@@ -87,3 +87,17 @@ def test_what_is_not_served_is_refused_by_name(llm):
     with pytest.raises(ValueError, match="priority has 1 values for 2 prompts"):
         llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[0])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_cache_salt_in_the_prompt_as_vllm_s_prompts_carry_it(llm):
+    prompt = list(range(20, 60))  # two full blocks of 16 reusable
+
+    def cached(salt=None, **params):
+        item = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        return llm.generate(item, SamplingParams(max_tokens=1, **params))[0].num_cached_tokens
+
+    assert cached("tenant-a") == 0 and cached("tenant-a") == 32  # the same salt shares
+    assert cached("tenant-b") == 0 and cached() == 0  # another salt, or none, does not
+    assert cached(None, cache_salt="tenant-a") == 32  # pagedserve's SamplingParams(cache_salt=...) is the same salt
+    with pytest.raises(ValueError, match="cache_salt is given twice, 'x' in the prompt and 'y' in SamplingParams"):
+        cached("x", cache_salt="y")
