@@ -66,9 +66,10 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         draft_shape = prepared_shape(*draft)
         shape = replace(shape, weight_bytes=shape.weight_bytes + draft_shape.weight_bytes, draft=draft_shape)
     block_bytes = sizes.kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes) * args.block_size
-    kv_cache_bytes = args.kv_cache_memory
+    kv_cache_bytes, kv_source = args.kv_cache_memory, memory.PlanRequest.kv_source
     if args.num_gpu_blocks_override:
-        kv_cache_bytes = max(1, args.num_gpu_blocks_override - 1) * block_bytes  # minus the null block
+        kv_cache_bytes = (args.num_gpu_blocks_override - 1) * block_bytes  # minus the null block
+        kv_source = f"--num-gpu-blocks-override {args.num_gpu_blocks_override}"
     on_cpu = device == "cpu"
     overhead = sizes.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
                                             on_cpu=on_cpu, uses_transformers=_uses_transformers(args, model),
@@ -80,15 +81,30 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         memory_fraction=memory.DEFAULT_MEMORY_FRACTION if args.gpu_memory_utilization is None
         else args.gpu_memory_utilization,
         kv_share=memory.CPU_DEFAULT_KV_SHARE if on_cpu and args.gpu_memory_utilization is None else None,
-        kv_cache_bytes=kv_cache_bytes, runtime_overhead_bytes=overhead,
+        kv_cache_bytes=kv_cache_bytes, kv_source=kv_source, runtime_overhead_bytes=overhead,
         host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0, kv_scale_bytes=kv_scale_bytes,
         quantization=model.quantization, on_cpu=on_cpu, computes_logits=model.task == "generate")
     plan = memory.make_plan(shape, request, quantizations=tuple(q for q in SUPPORTED_QUANTIZATION if q),
                             kv_cache_dtypes=tuple(d for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto"))
-    if args.num_gpu_blocks_override and plan.problems:  # testing: exactly the pool asked for, even a small one
+    if args.num_gpu_blocks_override:  # testing: exactly the pool asked for, even a small one
         fits = plan.total_bytes <= plan.budget_bytes
-        plan = replace(plan, problems=[], fits=fits, suggestions=[] if fits else plan.suggestions)
+        plan = replace(plan, problems=[], fits=fits, suggestions=[] if fits else _override_suggestions(plan))
     return plan
+
+
+def _override_suggestions(plan: MemoryPlan) -> list:
+    """What fits beside --num-gpu-blocks-override, which sizes the pool whatever --kv-cache-memory says: the
+    blocks that fit (where any do), and the plan's suggestions that do not resize the pool."""
+    from pagedserve.memory.plan import Suggestion
+
+    others = [s for s in plan.suggestions if s.flag != "--kv-cache-memory"]
+    per_block = plan.block_bytes + plan.request.host_bytes_per_block  # its K/V and its host bookkeeping
+    fixed = plan.total_bytes - plan.kv_pool_bytes - plan.kv_bookkeeping_bytes
+    blocks = (plan.budget_bytes - fixed) // per_block
+    if blocks < 1:
+        return others
+    needs = fixed + blocks * per_block
+    return [Suggestion("--num-gpu-blocks-override", str(blocks + 1), needs), *others]
 
 
 def _uses_transformers(args: EngineArgs, model: ModelConfig) -> bool:

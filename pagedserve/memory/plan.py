@@ -113,6 +113,7 @@ class PlanRequest:
     available: AvailableMemory
     memory_fraction: float = DEFAULT_MEMORY_FRACTION  # --gpu-memory-utilization: share of the available memory the server may use
     kv_cache_bytes: int | None = None  # explicit KV pool (--kv-cache-memory, VLLM_CPU_KVCACHE_SPACE)
+    kv_source: str = "--kv-cache-memory or VLLM_CPU_KVCACHE_SPACE"  # what gave kv_cache_bytes, in words
     # The shared-box rule's cap: the KV pool holds at most this share of the available memory. None: the
     # utilization rule (the pool takes what the budget leaves; GPUs, and --gpu-memory-utilization on a CPU).
     kv_share: float | None = None
@@ -216,7 +217,7 @@ class MemoryPlan:
         """Which rule sized the KV pool and which bound decided, in words (the table, the log, /health)."""
         request = self.request
         if self.kv_rule == "explicit":
-            return "explicit (--kv-cache-memory or VLLM_CPU_KVCACHE_SPACE)"
+            return f"explicit ({request.kv_source})"
         if self.kv_rule == "shared-box":
             rule = f"shared-box default (<= {request.kv_share:.0%} of {_gib(request.available.num_bytes)} available)"
         else:

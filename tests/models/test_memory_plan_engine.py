@@ -90,6 +90,22 @@ def test_plan_refuses_with_the_shortfall_and_what_would_fit(tiny_model_dir, tmp_
     assert code == 1 and "DOES NOT FIT" in out and "no single flag change fits" in out
 
 
+def test_a_pool_of_num_gpu_blocks_override_is_named_and_resized_by_that_flag(tiny_model_dir, tmp_path, capsys) -> None:
+    """The override sizes the pool whatever --kv-cache-memory says: the plan says so, and what would fit is a smaller
+    override (it suggested --kv-cache-memory, which changes nothing beside it)."""
+    model = tiny_model_dir("llama")
+    host = fake_host(tmp_path, 2 * 1024 * 1024)
+    code = main(["plan", model, "--max-model-len", "64", "--device", "cpu", "--num-gpu-blocks-override", "20", *host])
+    assert code == 0 and "explicit (--num-gpu-blocks-override 20)" in capsys.readouterr().out
+    code, data = plan_json(capsys, model, "--max-model-len", "64", "--num-gpu-blocks-override", "100000000", *host)
+    assert code == 1 and [s["flag"] for s in data["suggestions"]][:1] == ["--num-gpu-blocks-override"]
+    assert "--kv-cache-memory" not in [s["flag"] for s in data["suggestions"]]
+    fitting = data["suggestions"][0]["value"]
+    assert main(["plan", model, "--max-model-len", "64", "--device", "cpu", "--num-gpu-blocks-override", fitting,
+                 *host]) == 0
+    assert "FITS" in capsys.readouterr().out.upper()
+
+
 def test_plan_imports_no_torch_and_agrees_with_the_loaded_kernels(tiny_model_dir, tmp_path) -> None:
     """`pagedserve plan` (default flags: device, dtype and a GGUF's quantization auto) runs without importing
     torch or building the kernels, and on this host, where the kernels load, its plan is the one the engine
