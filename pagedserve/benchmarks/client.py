@@ -132,6 +132,15 @@ async def send_request(
     return record
 
 
+def server_url(url: str) -> str:
+    """A server's root URL as a user may give it: `127.0.0.1:8000` (no scheme) is http://; a trailing /v1 (the
+    OpenAI client's base URL) is dropped, as routes are asked with their /v1."""
+    url = url.rstrip("/")
+    if url and not url.startswith(("http://", "https://", "unix:")):
+        url = "http://" + url
+    return url.removesuffix("/v1") if not url.startswith("unix:") else url
+
+
 def unix_socket_path(url: str) -> str | None:
     """The socket of a server on --uds given as unix:PATH (relative to the working directory, as serve takes it)
     or unix:///ABSOLUTE-PATH; None for any other URL."""

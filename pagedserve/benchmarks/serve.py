@@ -20,7 +20,7 @@ from typing import TextIO
 import httpx
 
 from pagedserve.benchmarks.client import (CHAT_COMPLETIONS, COMPLETIONS, ENDPOINTS, build_request_body, send_request,
-                                          unix_socket_path)
+                                          server_url, unix_socket_path)
 from pagedserve.benchmarks.datasets import (
     BenchPrompt,
     LocalTokenizer,
@@ -270,7 +270,7 @@ async def spec_decode_counters(client: httpx.AsyncClient) -> tuple[float, float]
 
 def _make_client(config: ServeBenchConfig) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    base_url, transport = config.base_url.rstrip("/"), None
+    base_url, transport = server_url(config.base_url), None
     socket = unix_socket_path(base_url)  # a server on --uds
     if socket is not None:
         base_url, transport = "http://localhost", httpx.AsyncHTTPTransport(uds=socket)

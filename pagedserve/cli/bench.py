@@ -18,6 +18,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from pagedserve import envs
+from pagedserve.engine.arg_utils import DefaultsHelpFormatter
 
 if TYPE_CHECKING:
     from pagedserve.benchmarks.serve import ServeBenchConfig
@@ -34,8 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Honest benchmarks: token rates from counted tokens, warm-up apart, spread not one number.",
     )
     bench_subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCH",  # no prefixes, as main.py
-                                             parser_class=functools.partial(argparse.ArgumentParser,
-                                                                            allow_abbrev=False))
+                                             parser_class=functools.partial(
+                                                 argparse.ArgumentParser, allow_abbrev=False,
+                                                 formatter_class=DefaultsHelpFormatter))
     _register_serve(bench_subparsers)
     _register_startup(bench_subparsers)
     _register_throughput(bench_subparsers)

@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedserve",
         description="Self-hosted LLM inference server: paged KV cache, continuous batching, OpenAI API.",
     )
+    from pagedserve import __version__
+
+    parser.add_argument("--version", action="version", version=f"pagedserve {__version__}")
     # No prefix matching of flags (argparse's allow_abbrev): `--config` read as `--config-format`, a flag added
     # later could change what an abbreviation means. vLLM's parser does not abbreviate either.
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND",

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagedserve.engine.arg_utils import DefaultsHelpFormatter
 from pagedserve.memory.sizes import GIB
 
 if TYPE_CHECKING:  # httpx is imported when the command runs: `pagedserve serve` imports every sub-command
@@ -287,10 +288,10 @@ def unix_socket_url(url: str) -> tuple[str, object]:
     URL as it is."""
     import httpx
 
-    from pagedserve.benchmarks.client import unix_socket_path
+    from pagedserve.benchmarks.client import server_url, unix_socket_path
 
     path = unix_socket_path(url)
-    return (url, None) if path is None else ("http://localhost", httpx.HTTPTransport(uds=path))
+    return (server_url(url), None) if path is None else ("http://localhost", httpx.HTTPTransport(uds=path))
 
 
 def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
@@ -345,12 +346,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         " wait (D) system-wide and for the server's process tree, its RSS against what the server's memory plan"
         " expects resident, and its /health phase. STUCK only"
         f" when D-state threads are >= {STUCK_MIN_BLOCKED} and rising over {STUCK_WINDOW} samples; high load"
-        " alone is BUSY, not a fault.",
+        " alone is BUSY, not a fault.", formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--pid", type=int, default=None, help="the server's process id (its tree is watched)")
     parser.add_argument("--url", default="http://127.0.0.1:8000",
                         help="server base URL for /health (unix:PATH for a server on --uds; '' to skip)")
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between samples (default 2)")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
     parser.add_argument("--count", type=int, default=None, help="stop after N samples (default: until Ctrl-C)")
     parser.add_argument("--json", action="store_true", help="print JSON lines")
     parser.set_defaults(func=run)

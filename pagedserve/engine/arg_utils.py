@@ -86,6 +86,17 @@ def _with_default(help_text: str, default: Any) -> str:
     return f"{help_text[:-1]} {note}." if help_text.endswith(".") else f"{help_text} {note}"
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help with each flag's default, by _with_default's rules (not where the help says it or there is none;
+    not for on/off switches), for the commands whose flags are not EngineArgs fields (bench, watch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.nargs == 0 or action.default is argparse.SUPPRESS:
+            return text
+        return _with_default(text, action.default).strip()
+
+
 def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     """`--name-of-field` (and the field's aliases), typed and documented by the dataclass field: a bool is
     --x/--no-x; choices=(...) in the metadata limits the values; nargs="+" takes a list; size=True takes 32k or

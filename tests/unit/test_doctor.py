@@ -148,6 +148,7 @@ def test_port_in_use_fails() -> None:
         result = doctor.check_port(port)
         assert result.status == FAIL and f"port {port} is in use" in result.detail and "--port" in result.fix
     assert doctor.check_port(port).status == PASS
+    assert doctor.check_port(0).status == FAIL  # bind() takes 0 as any port: it said "port 0 is free"
 
 
 def test_doctor_checks_serve_s_own_address(tmp_path):
@@ -155,7 +156,10 @@ def test_doctor_checks_serve_s_own_address(tmp_path):
     TCP port to check."""
     bad = doctor.check_port(8000, "256.1.1.1")
     assert bad.status == FAIL and "--host '256.1.1.1'" in bad.detail
-    assert doctor.check_port(0, "127.0.0.1").status == PASS
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    assert doctor.check_port(free, "127.0.0.1").status == PASS
     uds = str(tmp_path / "s.sock")
     results = [r for r in (c() for c in doctor.default_checks(None, 8000, uds=uds)) if r and r.name == "port"]
     assert [r.detail for r in results] == [f"listens on the Unix socket {uds}"]

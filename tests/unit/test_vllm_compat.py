@@ -209,3 +209,14 @@ def test_access_log_filter_drops_named_paths_with_or_without_the_root_path():
     assert not kept("/health") and not kept("/metrics?x=1") and kept("/v1/models")
     assert not kept("/llm/health", "/llm") and not kept("/health", "/llm/") and kept("/llm/v1/models", "/llm")
     assert kept("/llm/health")  # without --root-path, /llm/health is another path
+
+
+def test_version_flag_and_an_ipv6_listen_address(capsys):
+    from pagedserve import __version__
+    from pagedserve.cli.main import build_parser
+    from pagedserve.entrypoints.openai.options import ServeOptions
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert capsys.readouterr().out.strip() == f"pagedserve {__version__}"
+    assert ServeOptions(host="::1", port=8001).listen_address == "http://[::1]:8001"  # a URL that works

@@ -231,3 +231,12 @@ def test_a_unix_socket_url_uses_a_socket_transport() -> None:
 
     assert unix_socket_path("unix:rel.sock") == "rel.sock"  # relative, as serve --uds rel.sock made it (was /rel.sock)
     assert unix_socket_path("unix:/tmp/s.sock") == unix_socket_path("unix:///tmp/s.sock") == "/tmp/s.sock"
+
+
+def test_server_urls_as_users_give_them() -> None:
+    """`127.0.0.1:8000` (no scheme) read as unreachable; `.../v1` asked /v1/v1/models (bench serve)."""
+    from pagedserve.benchmarks.client import server_url
+
+    assert server_url("127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert server_url("http://h:1/v1/") == server_url("http://h:1") == "http://h:1"
+    assert server_url("https://h/api") == "https://h/api" and server_url("unix:/s.sock") == "unix:/s.sock"

@@ -111,7 +111,8 @@ class ServeOptions(FlagArgs):
         """Where the server listens, for the log: unix:PATH or a URL."""
         if self.uds:
             return f"unix:{self.uds}"
-        return f"{'https' if self.ssl_keyfile else 'http'}://{self.host}:{self.port}{self.root_path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address, as URLs write it
+        return f"{'https' if self.ssl_keyfile else 'http'}://{host}:{self.port}{self.root_path}"
 
     @property
     def active_tool_call_parser(self) -> str | None:
