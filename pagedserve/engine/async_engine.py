@@ -14,6 +14,8 @@ import asyncio
 import logging
 import queue
 import threading
+import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,18 @@ logger = logging.getLogger(__name__)
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedError"]
+
+
+# How long check_room holds room for a response that has not started its requests (it takes milliseconds).
+RESERVATION_S = 30.0
+
+
+@dataclass(eq=False)  # by identity: held in a WeakSet
+class Reservation:
+    """Room check_room holds for requests a response is about to start (AsyncEngine.generate takes it)."""
+
+    remaining: int
+    expires: float  # time.monotonic()
 
 
 class QueueFullError(RuntimeError):
@@ -60,6 +74,7 @@ class AsyncEngine:
         self.capacity = engine.config.scheduler.max_waiting_requests + engine.config.scheduler.max_num_seqs
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._reservations: weakref.WeakSet[Reservation] = weakref.WeakSet()  # check_room's, until generate()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -91,10 +106,12 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     # ---- caller side (asyncio) -------------------------------------------------------------------
-    def check_room(self, num_requests: int) -> None:
+    def check_room(self, num_requests: int) -> Reservation:
         """Before a response starts (a stream's 200 and headers): InvalidRequestError if `num_requests` alone are
         more than the server ever takes at once (a retry would never help), QueueFullError (429) if they do not
-        fit now. generate() checks again as it registers each one."""
+        fit now. The room is held for them: generate(reservation=...) takes it (streams that checked at once all
+        passed, then met a full queue after their 200, as an error event). Room a caller never takes is given back
+        when its Reservation is dropped, or after RESERVATION_S."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}")
         capacity = self.capacity
@@ -103,21 +120,35 @@ class AsyncEngine:
                                       f"{capacity} at once (--max-num-seqs plus --max-waiting-requests): send fewer "
                                       "per request", param="prompt")
         with self._lock:
-            if len(self._streams) + num_requests > capacity:
-                raise QueueFullError(f"{len(self._streams)} requests are already queued or running")
+            held = len(self._streams) + self._reserved()
+            if held + num_requests > capacity:
+                raise QueueFullError(f"{held} requests are already queued or running")
+            reservation = Reservation(num_requests, time.monotonic() + RESERVATION_S)
+            self._reservations.add(reservation)
+            return reservation
+
+    def _reserved(self) -> int:
+        """Room check_room holds for requests not registered yet (under the lock)."""
+        now = time.monotonic()
+        return sum(r.remaining for r in self._reservations if r.expires > now)
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                       arrival_time: float | None = None, admitted: bool = False
-                       ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+                       arrival_time: float | None = None, admitted: bool = False,
+                       reservation: Reservation | None = None) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Yield outputs until the request finishes; closing the iterator early aborts the request.
         With PoolingParams (an embedding model) the one output is a PoolingRequestOutput. `admitted`: part of a
-        request check_room already let in (a beam search's later steps), so never a 429 half-way."""
+        request check_room already let in (a beam search's later steps), so never a 429 half-way; `reservation`:
+        check_room's for this request, whose room it takes."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}")
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if len(self._streams) >= self.capacity and not admitted:
-                raise QueueFullError(f"{len(self._streams)} requests are already queued or running")
+            if reservation is not None and reservation.remaining > 0 and reservation.expires > time.monotonic():
+                reservation.remaining -= 1
+                admitted = True
+            held = len(self._streams) + self._reserved()
+            if held >= self.capacity and not admitted:
+                raise QueueFullError(f"{held} requests are already queued or running")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)

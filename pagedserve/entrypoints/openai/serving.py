@@ -286,13 +286,13 @@ class OpenAIServing:
 
     def _start(self, request_id: str, prompts: list[_Prompt], params_list: list[SamplingParams]
                ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        self.engine.check_room(len(prompts))  # a 429 (or 400) before a stream's headers are out
+        room = self.engine.check_room(len(prompts))  # a 429 (or 400) before a stream's headers are out
         arrival = time.monotonic()
         if self.options.enable_log_requests:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 self._log_request(f"{request_id}-{i}", prompt, params)
         generators = [self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
-                                           params, arrival)
+                                           params, arrival, reservation=room)
                       for i, (p, params) in enumerate(zip(prompts, params_list))]
         if self.options.enable_log_outputs:
             generators = [self._logged_outputs(f"{request_id}-{i}", g) for i, g in enumerate(generators)]
