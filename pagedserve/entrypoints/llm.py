@@ -88,7 +88,10 @@ class LLM:
         model to go on with; it needs add_generation_prompt=False, as in vLLM. Arguments in vLLM's order;
         content may be OpenAI's list of {"type": "text"} parts (chat_template_content_format as serve's)."""
         _check_lora(lora_request)
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("messages must not be empty: give a conversation (a list of {\"role\": ..., "
+                             "\"content\": ...} dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         for conversation in conversations if isinstance(conversations, list) else [conversations]:
             _check_conversation(conversation)
         if tools:
@@ -111,18 +114,18 @@ class LLM:
         elif not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt "
                              "or give chat_template")
-        from pagedserve.entrypoints.openai.chat_format import template_message, template_messages
+        from pagedserve.entrypoints.openai.chat_format import render_conversation
         from pagedserve.entrypoints.openai.options import CONTENT_FORMATS
         from pagedserve.entrypoints.openai.protocol import ChatMessage
 
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
                              f"{chat_template_content_format!r}")
-        messages = [template_message(ChatMessage(**m), chat_template_content_format) for m in conversation]
-        text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message,
-                                             **(chat_template_kwargs or {}))
+        # chat_template_kwargs over the arguments, as vLLM's LLM.chat updates its own with them
+        kwargs = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                  **(chat_template_kwargs or {})}
+        text = render_conversation(tokenizer, [ChatMessage(**m) for m in conversation], chat_template_content_format,
+                           **kwargs)
         # The template already holds any BOS token: do not add special tokens again.
         return tokenizer.encode(text, add_special_tokens=False)
 

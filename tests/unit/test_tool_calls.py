@@ -147,7 +147,7 @@ def test_content_reaches_the_template_as_text_or_as_openai_parts():
     assert template_message(parts)["content"] == template_message(plain, "auto")["content"] == "a\nb"  # as vLLM
     assert template_message(parts, "openai")["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert template_message(plain, "openai")["content"] == [{"type": "text", "text": "a\nb"}]
-    assert template_message(ChatMessage(role="assistant", content=None), "openai")["content"] == ""
+    assert template_message(ChatMessage(role="assistant", content=None), "openai")["content"] == []  # as vLLM
 
 
 @pytest.mark.parametrize("parser,text", [

@@ -4,9 +4,11 @@ tool calls, logprobs, finish reason) are shaped for /v1/chat/completions."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
+from pagedserve.chat_template import REASONING_FIELDS
 from pagedserve.entrypoints.openai.protocol import ChatMessage
 from pagedserve.entrypoints.openai.tool_calls import ToolCallDelta
 from pagedserve.exceptions import InvalidRequestError
@@ -15,8 +17,25 @@ from pagedserve.outputs import LogprobsDict
 
 # apply_chat_template arguments the server sets itself: neither a request's chat_template_kwargs nor
 # --default-chat-template-kwargs may replace them.
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                                      "return_dict", "return_tensors", "tools", "documents", "chat_template"})
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
+                                      "continue_final_message", "return_dict", "return_tensors", "tools", "documents",
+                                      "chat_template"})
+# A template that loops over a message's content takes OpenAI's list of parts (vLLM's "auto" detection).
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+[\w.]*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def render_conversation(tokenizer: Any, messages: list[ChatMessage], content_format: str = "auto",
+                **template_kwargs: Any) -> str:
+    """A chat's prompt text, for the server and LLM.chat alike: the messages as templates take them
+    (template_message, template_messages), rendered by the tokenizer's template or template_kwargs'
+    chat_template. Content format "auto" is "openai" for a template that loops over a message's content (as
+    vLLM detects it), else "string"."""
+    if content_format == "auto":
+        template = template_kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
+        templates = template.values() if isinstance(template, dict) else [template or ""]
+        content_format = "openai" if any(_LOOPS_OVER_CONTENT.search(t) for t in templates) else "string"
+    conversation = template_messages([template_message(m, content_format) for m in messages])
+    return tokenizer.apply_chat_template(conversation, tokenize=False, **template_kwargs)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -26,7 +45,9 @@ def template_messages(messages: list[dict]) -> list[dict]:
     result = []
     for index, message in enumerate(messages):
         calls = message.get("tool_calls")
-        if calls is not None:
+        if calls == []:  # as vLLM: templates take an empty list for a call (Llama 3.1's "only single tool-calls")
+            message = {key: value for key, value in message.items() if key != "tool_calls"}
+        elif calls is not None:
             if not isinstance(calls, list):
                 raise InvalidRequestError(f"messages[{index}].tool_calls must be a list of tool calls, got "
                                           f"{type(calls).__name__}", param="messages")
@@ -49,12 +70,15 @@ def _template_call(call: Any, where: str) -> dict:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            function["arguments"] = json.loads(arguments)
+            arguments = json.loads(arguments)
         except ValueError:
-            pass
+            arguments = None
     elif arguments is not None and not isinstance(arguments, dict):
         raise InvalidRequestError(f"{where}.function.arguments must be a JSON string (or an object)",
                                   param="messages")
+    # Arguments that are not a JSON object reach the template as {} (vLLM's rule): written raw, they made the
+    # prompt's own call JSON invalid.
+    function["arguments"] = arguments if isinstance(arguments, dict) else {}
     return {**call, "function": function}
 
 
@@ -63,13 +87,10 @@ def template_message(message: ChatMessage, content_format: str = "string") -> di
     (content_format string or auto), or for "openai" a list of {type: text, text} parts (a string is one part)."""
     text = message_text(message)
     content: str | list[dict] = text
-    if content_format == "openai" and message.content is not None:
-        if isinstance(message.content, list):
-            content = [{"type": "text", "text": part.get("text", "")} for part in message.content]
-        else:
-            content = [{"type": "text", "text": text}]
+    if content_format == "openai" and message.role != "tool":  # a tool's result is text (vLLM joins its parts)
+        content = [{"type": "text", "text": part} for part in _text_parts(message)]
     result = {"role": message.role, "content": content}
-    for key in ("tool_calls", "tool_call_id", "name"):
+    for key in ("tool_calls", "tool_call_id", "name", *REASONING_FIELDS):  # reasoning: templates that replay it
         value = (message.model_extra or {}).get(key)
         if value is not None:
             result[key] = value
@@ -95,15 +116,27 @@ def chat_delta(events: list[str | ToolCallDelta]) -> dict:
 
 
 def message_text(message: ChatMessage) -> str:
+    """The message's text: its string, or its text parts joined by line breaks, as vLLM joins them for a template
+    that reads strings."""
+    return "\n".join(_text_parts(message))
+
+
+def _text_parts(message: ChatMessage) -> list[str]:
+    """The texts of a message's content: a string is one part; parts without text are skipped (vLLM's rule)."""
     if message.content is None or isinstance(message.content, str):
-        return message.content or ""
+        return [message.content] if message.content else []
     parts = []
-    for part in message.content:
+    for index, part in enumerate(message.content):
         if part.get("type") != "text":
             raise InvalidRequestError(f"content part type {part.get('type')!r} is not supported (text only)",
                                       param="messages")
-        parts.append(part.get("text", ""))
-    return "\n".join(parts)  # as vLLM joins a message's text parts for a template that reads strings
+        text = part.get("text")
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequestError(f"a text part's text must be a string, got {type(text).__name__} (content part "
+                                      f"{index})", param="messages")
+        if text is not None:
+            parts.append(text)
+    return parts
 
 
 def token_text(token_id: int, decoded: str | None, as_ids: bool = False) -> str:

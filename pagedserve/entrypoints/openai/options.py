@@ -47,8 +47,9 @@ class ServeOptions(FlagArgs):
                                         "template).", group="chat")
     chat_template_content_format: str = setting(
         "How a message's content reaches the template: string (text parts joined), openai (a list of "
-        "{type: text, text} parts, for templates that loop over parts), or auto (string: text models' "
-        "templates take strings).", default="auto", choices=CONTENT_FORMATS, group="chat")
+        "{type: text, text} parts, for templates that loop over parts), or auto (openai for a template that loops "
+        "over a message's content, as vLLM detects it; else string).", default="auto", choices=CONTENT_FORMATS,
+        group="chat")
     response_role: str = setting("The role of the replies /v1/chat/completions returns.", default="assistant",
                                  group="chat")
     default_chat_template_kwargs: str | None = setting(

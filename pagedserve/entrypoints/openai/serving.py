@@ -27,7 +27,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatM
                                                     DetokenizeRequest, TokenizeRequest, generation_prompt,
                                                     refused_field)
 from pagedserve.entrypoints.openai.chat_format import (RESERVED_TEMPLATE_KWARGS, chat_delta, chat_finish_reason,
-                                                       chat_logprobs, template_message, template_messages, token_text)
+                                                       chat_logprobs, render_conversation, token_text)
 from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
 from pagedserve.structured.admission import compile_timeout_error
 from pagedserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
@@ -532,16 +532,17 @@ class OpenAIServing:
         kwargs = {**self.default_template_kwargs, **(kwargs or {})}
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
-        content_format = self.options.chat_template_content_format
-        conversation = template_messages([template_message(m, content_format) for m in messages])
         if tools:
             kwargs = {**(kwargs or {}), "tools": tools}
-        try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(kwargs or {}))
+        try:  # off the event loop: a 100,000-message chat renders for a second
+            text = await self.in_tokenizer_pool(
+                render_conversation, self.tokenizer, messages, self.options.chat_template_content_format,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **(kwargs or {}))
+        except InvalidRequestError:
+            raise
         except Exception as exc:  # template errors (e.g. roles it rejects) are the client's to fix
-            raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
+            raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param="messages") from None
         return await self._tokenize(text, add_special_tokens=add_special_tokens, param="messages" if must_fit else None)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:

@@ -1,0 +1,63 @@
+"""How API messages reach a chat template, as vLLM converts them: text parts (null text skipped, non-text a 400),
+reasoning kept for templates that replay it, an empty tool_calls list dropped, unparseable arguments as {},
+content as OpenAI parts for templates that loop over it ("auto"), a tool's result as text."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.chat_template import render_chat
+from pagedserve.entrypoints.openai.chat_format import render_conversation
+from pagedserve.entrypoints.openai.protocol import ChatMessage
+from pagedserve.exceptions import InvalidRequestError
+
+STRINGS = "{% for m in messages %}[{{ m.role }}:{{ m.content }}{{ m.reasoning_content or '' }}]{% endfor %}"
+PARTS = ("{% for m in messages %}[{{ m.role }}:{% if m.content is string %}{{ m.content }}{% else %}"
+         "{% for p in m.content %}<{{ p.text }}>{% endfor %}{% endif %}]{% endfor %}")
+CALLS = ("{% for m in messages %}{% if m.tool_calls is defined %}{% if m.tool_calls | length != 1 %}"
+         "{{ raise_exception('only single tool-calls') }}{% endif %}"
+         "{% for c in m.tool_calls %}{{ c.function.arguments | tojson }}{% endfor %}{% endif %}{% endfor %}")
+
+
+class Tokenizer:
+    def __init__(self, template: str) -> None:
+        self.chat_template = template
+
+    def apply_chat_template(self, conversation, tokenize=False, **kwargs):
+        return render_chat(kwargs.pop("chat_template", None) or self.chat_template, conversation, **kwargs)
+
+
+def render(template: str, messages: list[dict], content_format: str = "auto") -> str:
+    return render_conversation(Tokenizer(template), [ChatMessage(**m) for m in messages], content_format)
+
+
+def test_text_parts_as_vllm_reads_them():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": None}, {"type": "text"}, {"type": "text",
+                                                                                             "text": "b"}]
+    assert render(STRINGS, [{"role": "user", "content": parts}]) == "[user:a\nb]"  # null text skipped, as vLLM
+    for bad in (123, ["a"], {"a": 1}):  # a 500 (TypeError in a join) before
+        with pytest.raises(InvalidRequestError, match="a text part's text must be a string"):
+            render(STRINGS, [{"role": "user", "content": [{"type": "text", "text": bad}]}])
+
+
+def test_auto_gives_parts_to_a_template_that_loops_over_content():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert render(PARTS, [{"role": "user", "content": parts}]) == "[user:<a><b>]"  # detected, as vLLM
+    assert render(PARTS, [{"role": "user", "content": parts}], "string") == "[user:a\nb]"
+    assert render(STRINGS, [{"role": "user", "content": parts}]) == "[user:a\nb]"
+    tool = {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "sun"},
+                                                               {"type": "text", "text": "ny"}]}
+    assert render(PARTS, [tool], "openai") == "[tool:sun\nny]"  # a tool's result is text (it rendered empty)
+
+
+def test_reasoning_reaches_the_template():
+    for field in ("reasoning", "reasoning_content", "thinking"):
+        message = {"role": "assistant", "content": "x", field: "because"}
+        assert render(STRINGS, [message]) == "[assistant:xbecause]", field
+
+
+def test_tool_calls_as_templates_take_them():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}}
+    assert render(CALLS, [{"role": "assistant", "content": "", "tool_calls": [call]}]) == "{}"  # not raw text
+    # an empty list is no call (Llama 3.1's template raised "only single tool-calls")
+    assert render(CALLS, [{"role": "assistant", "content": "ok", "tool_calls": []}]) == ""
