@@ -403,13 +403,18 @@ def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: Engi
 
 def _resolve_task(args: EngineArgs, architecture: str, model_path: str) -> str:
     """--task, else --runner, else what the model is (models/pooling_config.py's default_task)."""
-    from pagedserve.models.pooling_config import DECODER_BASE_ARCHITECTURES, default_task
+    from pagedserve.models.pooling_config import DECODER_BASE_ARCHITECTURES, EMBEDDING_ARCHITECTURE_NAMES, default_task
 
     task = args.task if args.task != "auto" else RUNNER_TASKS.get(args.runner)
     task = task or default_task(architecture, model_path)
     if task == "generate" and (is_encoder(architecture) or architecture in DECODER_BASE_ARCHITECTURES):
         raise ValueError(f"{architecture} is an embedding model without an LM head and cannot generate text; "
                          "serve it with --task embed (the default for it)")
+    if task == "embed" and architecture not in EMBEDDING_ARCHITECTURE_NAMES:  # refused before anything loads
+        raise ValueError(f"{architecture} is served for text generation only; task embed takes "
+                         f"{', '.join(sorted(EMBEDDING_ARCHITECTURE_NAMES))}" + (
+                             " (its sentence-transformers modules.json made embed the default: give --task "
+                             "generate)" if args.task == "auto" and args.runner in ("auto", None) else ""))
     if task == "embed":
         logger.info("task embed: %s serves /v1/embeddings, not text generation", architecture)
     return task
@@ -509,6 +514,11 @@ def hf_config_from_checkpoint(checkpoint: CheckpointInfo) -> Any:
         return PlainDecoderConfig({**PLAIN_CONFIG_DEFAULTS, **config})
     from transformers import AutoConfig
 
-    if checkpoint.is_gguf:
-        return AutoConfig.for_model(config.pop("model_type"), **config)
-    return AutoConfig.from_pretrained(checkpoint.path)
+    try:
+        if checkpoint.is_gguf:
+            return AutoConfig.for_model(config.pop("model_type"), **config)
+        return AutoConfig.from_pretrained(checkpoint.path)
+    except Exception as exc:  # noqa: BLE001 - transformers' checks of the fields (a LongRoPE factor list of the
+        # wrong length raises huggingface_hub's StrictDataclassError): a traceback at start, and doctor passed it
+        raise ModelValidationError(f"the model's config cannot be read ({type(exc).__name__}: {exc}): config.json "
+                                   "is damaged or was edited; download it again") from None

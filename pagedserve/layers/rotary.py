@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedserve.memory.weight_format import rotary_dim
+
+logger = logging.getLogger(__name__)
 
 
 def rope_parameters(hf_config: Any) -> dict:
@@ -49,6 +52,11 @@ def inverse_frequencies(hf_config: Any, head_dim: int, max_position: int | None 
                                                                          None)
     if rope_type == "longrope" and max_position is not None and original and max_position > original:
         extra["seq_len"] = max_position
+    if rope_type == "longrope":
+        logger.info("LongRoPE: the %s factors, as --max-model-len %s is %s original_max_position_embeddings %s "
+                    "(transformers takes the long ones only for sequences past it)",
+                    "long" if "seq_len" in extra else "short", max_position,
+                    "past" if "seq_len" in extra else "within", original)
     with torch.device("cpu"):  # the loader builds the model under a meta-device context; these must be real
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(scaling)

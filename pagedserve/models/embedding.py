@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedserve.models.bert import BertModel
 from pagedserve.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from pagedserve.models.pooling_config import EMBEDDING_ARCHITECTURE_NAMES
 
 
 def as_embedding_model(cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
@@ -51,3 +52,5 @@ EMBEDDING_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": _QWEN2, "Qwen2Model": _QWEN2,
     "Qwen3ForCausalLM": _QWEN3, "Qwen3Model": _QWEN3,
 }
+if set(EMBEDDING_ARCHITECTURES) != EMBEDDING_ARCHITECTURE_NAMES:  # the names the start-up checks, torch-free
+    raise AssertionError("models/pooling_config.EMBEDDING_ARCHITECTURE_NAMES must list EMBEDDING_ARCHITECTURES")

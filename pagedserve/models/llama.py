@@ -97,6 +97,8 @@ class MLP(nn.Module):
         self.tp = tp
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        if getattr(cfg, "mlp_bias", False):  # else its bias tensors read as "config.json does not match the weights"
+            raise ValueError("mlp_bias: true (biases in the MLP's linears) is not supported")
 
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels

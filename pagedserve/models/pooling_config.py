@@ -19,6 +19,10 @@ from pagedserve.config import PoolerConfig  # the frozen result, kept with the o
 ENCODER_ARCHITECTURES = frozenset({"BertModel"})
 # Decoder checkpoints saved without an LM head (e.g. Qwen3-Embedding as Qwen3Model): embedding only.
 DECODER_BASE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+# What task embed serves (models/embedding.py's EMBEDDING_ARCHITECTURES, checked equal at its import), here without
+# torch so that the start-up can refuse another architecture before anything loads.
+EMBEDDING_ARCHITECTURE_NAMES = frozenset({"BertModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                          "Qwen3ForCausalLM"}) | DECODER_BASE_ARCHITECTURES
 
 POOLING_TYPES = ("cls", "mean", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean")
 _LEGACY_POOLING_KEYS = {

@@ -177,6 +177,13 @@ def _check_config(model_dir: Path) -> dict[str, Any]:
             f"Supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}."
         )
     shape = config.get("text_config", config)
+    if "BertModel" not in architectures:  # the decoders' MLP: SiLU-gated, without biases
+        act = shape.get("hidden_act", "silu")
+        if act != "silu" or shape.get("mlp_bias"):
+            field = f"hidden_act {act!r}" if act != "silu" else "mlp_bias: true"
+            raise ModelValidationError(f"{config_path} sets {field}: pagedserve's {architectures[0]} runs a SiLU-gated "
+                                       "MLP without biases, so this model would be computed wrongly. Use a model "
+                                       "without it.")
     for key in REQUIRED_CONFIG_KEYS:
         value = shape.get(key) if isinstance(shape, dict) else None
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -96,3 +96,23 @@ def _greedy(model_dir: str) -> list:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     output = llm.generate([{"prompt_token_ids": [5, 17, 33, 9]}], params)[0].outputs[0]
     return [round(step[token].logprob, 3) for step, token in zip(output.logprobs, output.token_ids)]
+
+
+def test_what_these_models_cannot_serve_is_refused_before_loading(tiny_model_dir, tmp_path):
+    """--task embed (no embedding variant), a config transformers rejects, mlp_bias: each a message naming it, before
+    any weight is read (a traceback while loading before, and doctor passed them)."""
+    import shutil
+
+    with pytest.raises(ValueError, match="GraniteForCausalLM is served for text generation only; task embed takes"):
+        LLM(tiny_model_dir("granite"), task="embed", max_model_len=64)
+    broken = Path(shutil.copytree(tiny_model_dir("phi3", **LONGROPE), tmp_path / "broken"))
+    config = json.loads((broken / "config.json").read_text())
+    config["num_attention_heads"] = 2  # the factor lists are now the wrong length for head_dim
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelValidationError, match="the model's config cannot be read"):
+        LLM(str(broken), max_model_len=64)
+    biased = Path(shutil.copytree(tiny_model_dir("granite"), tmp_path / "biased"))
+    config = json.loads((biased / "config.json").read_text())
+    (biased / "config.json").write_text(json.dumps({**config, "mlp_bias": True}))
+    with pytest.raises(ModelValidationError, match="sets mlp_bias: true"):
+        LLM(str(biased), max_model_len=64)
