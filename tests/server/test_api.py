@@ -353,6 +353,26 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
         counts = [c["usage"]["completion_tokens"] for c in chunks if c.get("choices") and "usage" in c]
         assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 5, (path, counts)
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    # As vLLM counts it: each chunk the usage of its own choice and prompt; chat's role chunks 0 tokens so far.
+    for path, body in (("/v1/completions", {"prompt": ["Hi", "Hello there friend"]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        response = httpx.post(f"{server.url}{path}", json={"model": MODEL, "max_tokens": 3, "ignore_eos": True,
+                                                           "n": 2, "stream": True, "stream_options": options, **body})
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        seen: dict[int, list[int]] = {}
+        prompt_tokens: dict[int, set[int]] = {}
+        for chunk in chunks[:-1]:
+            index = chunk["choices"][0]["index"]
+            seen.setdefault(index, []).append(chunk["usage"]["completion_tokens"])
+            prompt_tokens.setdefault(index, set()).add(chunk["usage"]["prompt_tokens"])
+        for index, counts in seen.items():
+            assert counts[-1] == 3 and counts == sorted(counts), (path, index, counts)
+            assert len(prompt_tokens[index]) == 1  # its own prompt's, the same in every chunk
+        if path == "/v1/completions":
+            assert prompt_tokens[0] != prompt_tokens[2]  # two prompts of different lengths, not their sum
+        else:
+            assert [seen[i][0] for i in range(2)] == [0, 0]  # the role chunks
+        assert chunks[-1]["usage"]["completion_tokens"] == (12 if path == "/v1/completions" else 6)
 
 
 def test_sagemaker_ping_and_invocations(server):

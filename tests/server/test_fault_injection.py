@@ -5,6 +5,7 @@ fails again on the retry ends the engine: 503 to everyone and a non-zero exit.""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx
@@ -53,6 +54,13 @@ def test_fault_fails_that_request_only(server, stage):
     assert "InjectedFault" in error["message"]
     assert error["request_id"] in server.log()  # the traceback is logged under that id
     assert_still_serving(server)
+
+
+def test_a_failure_in_a_stream_carries_its_request_id(server):
+    events = [json.loads(line[6:]) for line in completion(server, "poison-post-streamed", True).text.splitlines()
+              if line.startswith("data: {")]
+    error = events[-1]["error"]
+    assert error["code"] == 500 and "poison-post-streamed" in error["request_id"]  # as a non-streamed 500's body
 
 
 def test_other_clients_keep_their_streams_while_one_request_fails(server):

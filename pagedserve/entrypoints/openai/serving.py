@@ -430,6 +430,7 @@ class OpenAIServing:
                                  streams: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         created = int(time.time())
         num_completion = 0
+        per_choice: dict[int, int] = {}  # tokens so far of each choice (continuous usage, as vLLM's)
         echoed: set[int] = set()
         offsets: dict[int, _TextOffsets] = {}
         tally = _PromptTally()
@@ -439,6 +440,7 @@ class OpenAIServing:
                 index = prompt_index * req.n + completion.index
                 text = completion.text
                 num_completion += len(completion.token_ids)
+                per_choice[index] = per_choice.get(index, 0) + len(completion.token_ids)
                 if not completion.token_ids and not completion.finish_reason and not text:
                     continue  # (a prompt's logprobs arrive before its first token: the echo waits for them)
                 logprobs = None
@@ -461,8 +463,8 @@ class OpenAIServing:
                                       "stop_reason": completion.stop_reason}]}
                 if echo and req.prompt_logprobs is not None:
                     chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs[prompt_index])
-                if _continuous_usage(req):
-                    chunk["usage"] = self._usage(sum(len(p.token_ids) for p in prompts), num_completion, tally)
+                if _continuous_usage(req):  # this choice's tokens, and its own prompt's
+                    chunk["usage"] = self._usage(len(prompts[prompt_index].token_ids), per_choice[index], tally)
                 yield _chunk(chunk)
         if self._include_usage(req):
             num_prompt = sum(len(p.token_ids) for p in prompts)
@@ -617,15 +619,19 @@ class OpenAIServing:
                 "model": self.served_model_names[0]}
         for index in range(req.n):
             delta = {"role": self.options.response_role, "content": ""}
-            yield _chunk({**base, "choices": [{"index": index, "delta": delta, "logprobs": None,
-                                               "finish_reason": None}]})
+            chunk = {**base, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+            if _continuous_usage(req):
+                chunk["usage"] = _usage(len(prompt.token_ids), 0)
+            yield _chunk(chunk)
         num_completion = 0
+        per_choice = [0] * req.n  # tokens so far of each choice (continuous usage, as vLLM's)
         readers = [make_reader(tool_choice, self.tool_call_parser) for _ in range(req.n)]
         tally = _PromptTally()
         async for prompt_index, output in streams:
             tally.add(prompt_index, output)
             for completion in output.outputs:
                 num_completion += len(completion.token_ids)
+                per_choice[completion.index] += len(completion.token_ids)
                 reader = readers[completion.index]
                 events = reader.feed(completion.text)
                 if completion.finish_reason is not None:
@@ -645,7 +651,7 @@ class OpenAIServing:
                                               "logprobs": logprobs, "finish_reason": finish_reason,
                                               "stop_reason": completion.stop_reason}]}
                 if _continuous_usage(req):
-                    chunk["usage"] = self._usage(len(prompt.token_ids), num_completion, tally)
+                    chunk["usage"] = self._usage(len(prompt.token_ids), per_choice[completion.index], tally)
                 yield _chunk(chunk)
         if self._include_usage(req):
             yield _chunk({**base, "choices": [], "usage": self._usage(len(prompt.token_ids), num_completion, tally)})
@@ -695,7 +701,8 @@ def prompt_logprobs_json(steps: list[LogprobsDict | None]) -> list[dict | None]:
 
 
 def _continuous_usage(req: Any) -> bool:
-    """vLLM's stream_options.continuous_usage_stats (with include_usage): usage so far in every chunk."""
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): in every chunk, the usage so far of its
+    choice (its prompt's tokens, its own generated tokens), as vLLM counts it."""
     options = req.stream_options
     return bool(options and options.include_usage and options.continuous_usage_stats)
 
@@ -718,7 +725,7 @@ def _sse(chunks: AsyncIterator[str], done: bool = True) -> StreamingResponse:
                 yield chunk
         except Exception as exc:  # after the headers went out, errors travel as an SSE event
             error = to_api_error(exc)
-            yield _chunk(error_body(error.message, error.status, error.param, error.code))
+            yield _chunk(error_body(error.message, error.status, error.param, error.code, error.request_id))
         if done:
             yield "data: [DONE]\n\n"
 
