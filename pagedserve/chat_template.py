@@ -119,6 +119,9 @@ def load_chat_template(value: str) -> str:
         source = path.read_text(encoding="utf-8")
     elif "{" in value or "\n" in value:
         source = value if "\n" in value else value.replace("\\n", "\n").replace("\\t", "\t")
+    elif path.is_dir():
+        raise ValueError(f"--chat-template {value!r} is a directory: give the template's file (e.g. "
+                         f"{path / 'chat_template.jinja'}) or the template itself")
     else:
         raise ValueError(f"--chat-template {value!r}: no such file (a template given inline holds '{{')")
     try:

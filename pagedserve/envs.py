@@ -13,7 +13,11 @@ def cache_dir() -> Path:
     """Where fetched models are kept: $PAGEDSERVE_CACHE, else $XDG_CACHE_HOME/pagedserve, else ~/.cache/pagedserve."""
     explicit = os.environ.get("PAGEDSERVE_CACHE")
     if explicit:
-        return Path(explicit).expanduser()
+        path = Path(explicit).expanduser()
+        if path.exists() and not path.is_dir():  # "[Errno 20] Not a directory" named neither the variable nor why
+            raise ValueError(f"PAGEDSERVE_CACHE={explicit} is a file, not a folder: point it at a folder (it is "
+                             "created if missing)")
+        return path
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "pagedserve"

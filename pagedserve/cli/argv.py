@@ -2,7 +2,7 @@
 `vllm serve` command line or config file runs unchanged:
 
 - `--max_model_len 512` is `--max-model-len 512` (underscores in a flag's name);
-- `--config FILE.yaml` (serve, plan, doctor): the file's keys are flags (`max_model_len: 512`, `enable_prefix_caching:
+- `--config FILE.yaml` (serve, plan, doctor, run-batch, generate): the file's keys are flags (`max_model_len: 512`, `enable_prefix_caching:
   true`, lists for flags that take several values, a mapping as JSON), and the command line's own flags win;
 (Human-readable sizes, `--max-model-len 32k`, are the flag's type: engine/arg_utils.human_readable_int.)
 """
@@ -10,10 +10,11 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-CONFIG_COMMANDS = ("serve", "plan", "doctor")  # the sub-commands that take serve's flags
+CONFIG_COMMANDS = ("serve", "plan", "doctor", "run-batch", "generate")  # the sub-commands that take serve's flags
 
 
 def normalize(argv: list[str], dests: dict[str, dict[str, str]] | None = None) -> list[str]:
@@ -37,10 +38,10 @@ def _expand_config(argv: list[str], dests: dict[str, str]) -> list[str]:
     for arg in tokens:
         if arg == "--config" or arg.startswith("--config="):
             if path is not None:
-                raise SystemExit("pagedserve: error: --config is given twice; give one file (as vLLM takes one)")
+                raise _error("--config is given twice; give one file (as vLLM takes one)")
             path = next(tokens, None) if arg == "--config" else arg.split("=", 1)[1]
             if path is None:
-                raise SystemExit("pagedserve: error: --config needs a YAML file of serve's flags")
+                raise _error("--config needs a YAML file of serve's flags")
         else:
             rest.append(arg)
     if path is None:
@@ -53,10 +54,10 @@ def _expand_config(argv: list[str], dests: dict[str, str]) -> list[str]:
     for key, value in config.items():
         name = str(key).replace("_", "-")
         if dests and f"--{name}" not in dests:
-            raise SystemExit(f"pagedserve: error: --config {path}: {key!r} is not a flag of `pagedserve {argv[0]}` "
+            raise _error(f"--config {path}: {key!r} is not a flag of `pagedserve {argv[0]}` "
                              f"(no --{name}; `pagedserve {argv[0]} --help` lists them)")
         if value is None:
-            raise SystemExit(f"pagedserve: error: --config {path}: {key!r} has no value; give one or leave the key "
+            raise _error(f"--config {path}: {key!r} has no value; give one or leave the key "
                              "out")
         if dests.get(f"--{name}", name) in given:
             continue  # the command line's own value wins, under any of the flag's names, as in vLLM
@@ -72,11 +73,11 @@ def _read_config(path: str) -> dict[str, Any]:
     try:
         config = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
-        raise SystemExit(f"pagedserve: error: --config {path}: cannot read it ({exc.strerror})") from None
+        raise _error(f"--config {path}: cannot read it ({exc.strerror})") from None
     except yaml.YAMLError as exc:
-        raise SystemExit(f"pagedserve: error: --config {path} is not valid YAML: {exc}") from None
+        raise _error(f"--config {path} is not valid YAML: {exc}") from None
     if not isinstance(config, dict):
-        raise SystemExit(f"pagedserve: error: --config {path} must be a YAML mapping of flags to values, e.g. "
+        raise _error(f"--config {path} must be a YAML mapping of flags to values, e.g. "
                          "'max_model_len: 4096'")
     return config
 
@@ -97,3 +98,9 @@ def _has_model(args: list[str]) -> bool:
     """A model named on the command line: `--model`, or a first argument that is not a flag."""
     return "--model" in args or any(a.startswith("--model=") for a in args) or (
         len(args) > 1 and not args[1].startswith("-"))
+
+
+def _error(message: str) -> SystemExit:
+    """A usage error as argparse reports one: the message on stderr, exit status 2."""
+    print(f"pagedserve: error: {message}", file=sys.stderr)
+    return SystemExit(2)

@@ -23,8 +23,16 @@ SUBCOMMANDS = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):  # often a vLLM flag pagedserve does not have
+            message += ("\n(`pagedserve COMMAND --help` lists each command's flags, serve's last section the vLLM "
+                        "flags taken without effect; any other flag is refused, never ignored)")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pagedserve",
         description="Self-hosted LLM inference server: paged KV cache, continuous batching, OpenAI API.",
     )

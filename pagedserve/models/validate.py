@@ -255,14 +255,17 @@ def _has_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> boo
     return (model_dir / "chat_template.jinja").is_file() or (model_dir / "chat_template.json").is_file()
 
 
+def has_tokenizer_files(folder: Path) -> bool:
+    """The folder holds a tokenizer's vocabulary (tokenizer.json, vocab.json + merges.txt, tokenizer.model or
+    vocab.txt)."""
+    return ((folder / "tokenizer.json").is_file()
+            or ((folder / "vocab.json").is_file() and (folder / "merges.txt").is_file())
+            or (folder / "tokenizer.model").is_file()
+            or (folder / "vocab.txt").is_file())
+
+
 def _check_tokenizer(model_dir: Path, need_chat_template: bool) -> None:
-    has_vocab = (
-        (model_dir / "tokenizer.json").is_file()
-        or ((model_dir / "vocab.json").is_file() and (model_dir / "merges.txt").is_file())
-        or (model_dir / "tokenizer.model").is_file()
-        or (model_dir / "vocab.txt").is_file()
-    )
-    if not has_vocab:
+    if not has_tokenizer_files(model_dir):
         raise ModelValidationError(
             f"{model_dir} has no tokenizer: expected tokenizer.json (or vocab.json + merges.txt). "
             "Download the tokenizer files with the model."

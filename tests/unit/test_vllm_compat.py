@@ -80,7 +80,14 @@ def test_the_table_never_shadows_a_setting_of_pagedserve():
 
 
 # ---- vLLM's command-line forms (cli/argv.py, arg_utils.human_readable_int) --------------------------------
-def test_flags_with_underscores_and_a_yaml_config_file_read_as_vllm_reads_them(tmp_path):
+def _usage_error(capsys, call, message: str) -> None:
+    """`call` exits as argparse does on a usage error: status 2, the message on stderr."""
+    with pytest.raises(SystemExit) as info:
+        call()
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_flags_with_underscores_and_a_yaml_config_file_read_as_vllm_reads_them(tmp_path, capsys):
     from pagedserve.cli.argv import normalize
 
     assert normalize(["serve", "m", "--max_model_len=512", "--max_num_seqs", "4"]) == [
@@ -97,11 +104,10 @@ def test_flags_with_underscores_and_a_yaml_config_file_read_as_vllm_reads_them(t
     assert EngineArgs.from_cli_args(parse(shlex.join(normalize(["serve", "other", f"--config={config}"])))).model == (
         "other")
     config.write_text("- just a list\n")
-    with pytest.raises(SystemExit, match="must be a YAML mapping"):
-        normalize(["serve", "--config", str(config)])
+    _usage_error(capsys, lambda: normalize(["serve", "--config", str(config)]), "must be a YAML mapping")
 
 
-def test_the_command_line_wins_over_a_config_file_under_any_name_of_the_flag(tmp_path):
+def test_the_command_line_wins_over_a_config_file_under_any_name_of_the_flag(tmp_path, capsys):
     """-tp, -q and --kv-cache-memory-bytes set what the file's keys set: the file's value came after them and won."""
     from pagedserve.cli.argv import normalize
     from pagedserve.cli.main import build_parser, option_dests
@@ -115,10 +121,11 @@ def test_the_command_line_wins_over_a_config_file_under_any_name_of_the_flag(tmp
     for text, message in (("max_modle_len: 5\n", "'max_modle_len' is not a flag of `pagedserve serve`"),
                           ("max_model_len:\n", "'max_model_len' has no value")):
         config.write_text(text)
-        with pytest.raises(SystemExit, match=message):
-            normalize(["serve", "--config", str(config)], dests)
-    with pytest.raises(SystemExit, match="--config is given twice"):
-        normalize(["serve", "--config", str(config), f"--config={config}"], dests)
+        _usage_error(capsys, lambda: normalize(["serve", "--config", str(config)], dests), message)
+    _usage_error(capsys, lambda: normalize(["serve", "--config", str(config), f"--config={config}"], dests),
+                 "--config is given twice")
+    config.write_text("max_num_seqs: 4\n")  # run-batch and generate take serve's flags, and so the file
+    assert normalize(["run-batch", "m", "-i", "x", "--config", str(config)], dests)[-2:] == ["--max-num-seqs", "4"]
 
 
 @pytest.mark.parametrize("text, value", [("4096", 4096), ("32k", 32000), ("32K", 32768), ("1.5k", 1500),
