@@ -68,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
         if replica_args.enabled and options.uds:
             raise ValueError("--uds is not available with --replicas: Ray Serve's endpoint listens on TCP "
                              "(--host, --port)")
+        if not options.uds and not replica_args.enabled:  # before the model loads (uvicorn's [Errno 98] came after)
+            from pagedserve.cli.doctor import FAIL, check_port
+
+            port = check_port(options.port, options.host)
+            if port.status == FAIL:
+                raise ValueError(f"{port.detail}: {port.fix}")
     except ValueError as exc:
         return fail(str(exc))
     if replica_args.enabled:

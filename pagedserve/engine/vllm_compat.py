@@ -217,10 +217,42 @@ def check(values: Mapping[str, Any], keyword: bool = False) -> list[str]:
             if setting.number and not _is_number(value):
                 raise ValueError(f"{shown}: not a number (vLLM takes one; it has no effect here: {setting.reason})")
             notes.append(f"{shown} has no effect: {setting.reason}")
+    _check_combinations(values)
     return notes
 
 
-def split_keywords(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """LLM(...)'s keyword arguments without the table's (checked: ValueError for a refused one), and the notes."""
-    notes = check(kwargs, keyword=True)
+def _check_combinations(values: Mapping[str, Any]) -> None:
+    """The table's accepted values that contradict the rest of the command line (each was taken silently)."""
+    backend = str(values.get("distributed_executor_backend") or "").strip().lower()
+    ranks = values.get("tensor_parallel_size") or 1
+    if backend == "uni" and isinstance(ranks, int) and ranks > 1:
+        raise ValueError(f"--distributed-executor-backend uni runs the model in one process, and "
+                         f"--tensor-parallel-size {ranks} runs one per rank: leave the backend out (or give mp)")
+    load_format = str(values.get("load_format") or "auto").strip().lower()
+    kind = _model_format(values.get("model"))
+    if load_format in ("safetensors", "gguf") and kind is not None and kind != load_format:
+        raise ValueError(f"--load-format {load_format}: the model {values.get('model')} is {kind}; leave the flag "
+                         "out (the format is told from the files)")
+
+
+def _model_format(model: Any) -> str | None:
+    """"gguf" or "safetensors" for a model path or packaged name; None where it cannot be told without loading."""
+    if not isinstance(model, str):
+        return None
+    from pathlib import Path
+
+    from pagedserve.formats import is_gguf_path
+
+    if Path(model).exists():
+        return "gguf" if is_gguf_path(model) else "safetensors" if Path(model).is_dir() else None
+    from pagedserve.models.fetch import KNOWN_MODELS
+
+    known = KNOWN_MODELS.get(model)
+    return None if known is None else "safetensors" if known.is_directory else "gguf"
+
+
+def split_keywords(kwargs: dict[str, Any], model: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """LLM(...)'s keyword arguments without the table's (checked, against `model` too: ValueError for a refused
+    one), and the notes."""
+    notes = check({**kwargs, "model": model}, keyword=True)
     return {k: v for k, v in kwargs.items() if k not in _BY_NAME}, notes

@@ -27,7 +27,7 @@ class LLM:
         """`kwargs`: EngineArgs' fields, and vLLM's that pagedserve takes without effect (trust_remote_code,
         swap_space, ...; engine/vllm_compat.py: logged) or refuses with a reason (ValueError)."""
         kwargs.pop("disable_log_stats", None)  # vLLM's LLM sets it; the offline engine logs no stats line anyway
-        kwargs, notes = vllm_compat.split_keywords(kwargs)
+        kwargs, notes = vllm_compat.split_keywords(kwargs, model)
         for note in notes:
             logger.info("%s", note)
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **_sizes_as_ints(kwargs)))

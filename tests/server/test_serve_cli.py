@@ -100,6 +100,20 @@ def test_unsupported_flags_fail_at_start(tiny_model_dir, flags, word):
     assert "Traceback" not in result.stderr
 
 
+def test_a_port_in_use_is_refused_before_the_model_loads(tiny_model_dir):
+    """It was uvicorn's own "[Errno 98]" once the model had loaded."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", tiny_model_dir("llama"), "--port",
+                                 str(port)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and f"port {port} is in use" in result.stderr and "--port N" in result.stderr
+    assert "loading" not in result.stderr and "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("model,flags,words", [
     ("/nonexistent/model", [], ["unknown model '/nonexistent/model'", "A local path works too"]),
     ("tiny", ["--max-model-len", "513"], ["more than the 512 positions the model was trained for",

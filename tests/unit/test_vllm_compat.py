@@ -55,6 +55,18 @@ def test_a_refused_setting_names_the_flag_and_what_to_do(flags, message):
         vllm_compat.check(vars(parse(f"serve m {flags}")))
 
 
+def test_accepted_values_that_contradict_the_command_line_are_refused(tmp_path):
+    """Each was taken silently: one process for two ranks; a format the model's files are not."""
+    with pytest.raises(ValueError, match="uni runs the model in one process"):
+        vllm_compat.check(vars(parse("serve m --distributed-executor-backend uni -tp 2")))
+    with pytest.raises(ValueError, match="the model smollm2-135m-instruct is gguf"):
+        vllm_compat.check(vars(parse("serve smollm2-135m-instruct --load-format safetensors")))
+    with pytest.raises(ValueError, match="is safetensors"):
+        vllm_compat.split_keywords({"load_format": "gguf"}, str(tmp_path))  # LLM(folder, load_format="gguf")
+    assert vllm_compat.check(vars(parse("serve smollm2-135m-instruct --load-format gguf -tp 1 "
+                                        "--distributed-executor-backend uni"))) == []
+
+
 def test_only_values_compare_case_insensitively_and_accept_numbers():
     assert vllm_compat.check({"pipeline_parallel_size": 1, "scheduling_policy": "FCFS", "load_format": "GGUF"}) == []
 
