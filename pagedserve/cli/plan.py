@@ -54,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         config = create_engine_config(engine_args, available=_available_from_paths(args), check_memory=False,
                                       kernels_from_flags=True)  # no torch: the kernels as the CPU's flags promise
     except (ValueError, OSError) as exc:
+        if args.json:  # a script reading --json reads the refusal too
+            print(json.dumps({"error": str(exc)}, indent=2))
         return fail(str(exc))
     plan = config.memory_plan
     settings = {"model": config.model.model, "dtype": config.model.dtype, "device": config.device.device,

@@ -90,6 +90,12 @@ def test_plan_refuses_with_the_shortfall_and_what_would_fit(tiny_model_dir, tmp_
     assert code == 1 and "DOES NOT FIT" in out and "no single flag change fits" in out
 
 
+def test_plan_json_reports_a_refusal_as_json(tiny_model_dir, capsys) -> None:
+    code = main(["plan", tiny_model_dir("llama"), "--max-model-len", "99999", "--json"])
+    refusal = json.loads(capsys.readouterr().out)
+    assert code == 2 and "99999" in refusal["error"]
+
+
 def test_a_pool_of_num_gpu_blocks_override_is_named_and_resized_by_that_flag(tiny_model_dir, tmp_path, capsys) -> None:
     """The override sizes the pool whatever --kv-cache-memory says: the plan says so, and what would fit is a smaller
     override (it suggested --kv-cache-memory, which changes nothing beside it)."""
