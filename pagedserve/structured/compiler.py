@@ -125,7 +125,7 @@ class GrammarCompiler:
 
 
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",
-               "grammar": "grammar"}
+               "grammar": "grammar", "structural_tag": "structural tag"}
 
 
 def _compile_kind(compiler: Any, params: StructuredOutputsParams) -> Any:
@@ -140,7 +140,26 @@ def _compile_kind(compiler: Any, params: StructuredOutputsParams) -> Any:
         return compiler.compile_regex(params.regex)
     if params.kind == "choice":
         return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_string(c) for c in params.choice))
+    if params.kind == "structural_tag":
+        return _compile_structural_tag(compiler, params.structural_tag)
     return compiler.compile_grammar(params.grammar)
+
+
+def _compile_structural_tag(compiler: Any, tag: dict) -> Any:
+    """xgrammar's structural tag; the older form with "structures" and "triggers" as vLLM reads it (each
+    structure's schema a JSON schema object or string)."""
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(json.dumps(tag))
+    import xgrammar
+
+    try:
+        items = [xgrammar.StructuralTagItem(begin=s["begin"], end=s["end"], schema=s["schema"] if isinstance(
+            s["schema"], str) else json.dumps(s["schema"])) for s in tag["structures"]]
+        triggers = list(tag["triggers"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"a structural tag's structures each need begin, schema and end, and it needs triggers "
+                         f"({type(exc).__name__}: {exc})") from None
+    return compiler.compile_structural_tag(items, triggers)
 
 
 # xgrammar writes a minLength/maxLength string as `"\"" rule_characters{lo, hi} "\""` with this class, which

@@ -14,7 +14,7 @@ from typing import Any
 from pagedserve.config import json_object
 from pagedserve.exceptions import InvalidRequestError, check_text
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # Whitespace the grammar allows between JSON tokens: at most this many characters in a row, so a model
 # cannot loop on spaces or newlines until max_tokens (xgrammar's max_whitespace_cnt).
 MAX_JSON_WHITESPACE = 8
@@ -27,6 +27,10 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # vLLM's: a JSON string (or object) of xgrammar's structural tag: {"type": "structural_tag", "format": {...}}, or
+    # the older {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (free text until a trigger, then
+    # the structure that begins there, enforced).
+    structural_tag: str | dict | None = None
     # vLLM's: JSON spaced exactly as json.dumps spaces it (", " and ": ", nothing else); by default up to
     # MAX_JSON_WHITESPACE characters are allowed wherever JSON allows whitespace.
     disable_any_whitespace: bool = False
@@ -49,6 +53,15 @@ class StructuredOutputsParams:
             except ValueError as exc:
                 raise InvalidRequestError(f"{self.param}: the JSON schema is not valid JSON: {exc}",
                                           param=self.param) from None
+        if isinstance(self.structural_tag, str):
+            try:
+                self.structural_tag = json.loads(self.structural_tag)
+            except ValueError as exc:
+                raise InvalidRequestError(f"{self.param}: the structural tag is not valid JSON: {exc}",
+                                          param=self.param) from None
+        if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
+            raise InvalidRequestError(f"{self.param}: a structural tag must be a JSON object, got "
+                                      f"{type(self.structural_tag).__name__}", param=self.param)
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise InvalidRequestError(f"{self.param}: a JSON schema must be an object, got "
                                       f"{type(self.json).__name__}", param=self.param)
@@ -72,7 +85,7 @@ class StructuredOutputsParams:
     def spec(self) -> str:
         """The grammar's source, canonical: two requests with the same spec share one compiled grammar."""
         value = getattr(self, self.kind)
-        if self.kind == "json":
+        if self.kind in ("json", "structural_tag"):
             return json.dumps(value, sort_keys=True, separators=(",", ":"))
         if self.kind == "choice":
             return json.dumps(value)
@@ -120,8 +133,10 @@ class StructuredOutputsParams:
                                           "schema: {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., "
                                           "\"schema\": {...}}}", param=param)
             return cls(json=spec["schema"], param=param)
-        raise InvalidRequestError(f"response_format type {kind!r} is not supported; use text, json_object or "
-                                  "json_schema", param=param)
+        if kind == "structural_tag":  # vLLM's: the object itself is the tag
+            return cls(structural_tag=value, param=param)
+        raise InvalidRequestError(f"response_format type {kind!r} is not supported; use text, json_object, "
+                                  "json_schema or structural_tag", param=param)
 
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0

@@ -331,3 +331,33 @@ def test_grammars_past_the_time_limit_hold_up_no_other(tiny_model_dir, monkeypat
         assert again.done() and compiled.count("slow0+") == 1
     finally:
         release.set()
+
+
+def test_structural_tags_as_vllm_takes_them(llm):
+    """xgrammar's structural tag (vLLM's structural_tag, or response_format {"type": "structural_tag", ...}): a
+    format that forces a tagged call, and the older structures-with-triggers form, whose text is free until a
+    trigger; a tag without its parts is a 400 naming it."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    # (a regex inside: xgrammar's JSON inside a structural tag allows any whitespace, which a random model writes)
+    forced = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<f>"}, {"type": "regex", "pattern": r'\{"a": [0-9]{1,3}\}'},
+        {"type": "const_string", "value": "</f>"}]}}
+    triggered = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+                 "triggers": ["<f>"]}
+    specs = [StructuredOutputsParams(structural_tag=json.dumps(forced)),
+             StructuredOutputsParams.from_response_format(forced),
+             StructuredOutputsParams(structural_tag=triggered)]
+    outputs = llm.generate(["x"] * 3, [constrained(s, seed=i, max_tokens=60) for i, s in enumerate(specs)])
+    for output in outputs[:2]:
+        text = output.outputs[0].text
+        assert output.outputs[0].finish_reason == "stop" and text.startswith("<f>") and text.endswith("</f>"), text
+        jsonschema.validate(json.loads(text[3:-4]), schema)
+    for call in re.findall(r"<f>(.*?)</f>", outputs[2].outputs[0].text, flags=re.S):  # free text around calls
+        jsonschema.validate(json.loads(call), schema)
+    with pytest.raises(ValueError, match="structural tag cannot be compiled: a structural tag's structures each "
+                                         "need begin, schema and end"):
+        llm.generate("x", constrained(StructuredOutputsParams(structural_tag={"structures": [{"begin": "<f>"}],
+                                                                              "triggers": ["<f>"]})))
+    with pytest.raises(ValueError, match="the structural tag is not valid JSON"):
+        StructuredOutputsParams(structural_tag="{not json")
