@@ -261,6 +261,13 @@ class EngineArgs(FlagArgs):
                              "--served-model-name NAME`")
         return super().from_cli_args(argparse.Namespace(**{**vars(args), "model": model}), **others)
 
+    def create_engine_config(self) -> Any:
+        """vLLM's EngineArgs.create_engine_config(): every setting resolved and the memory planned, from headers
+        only (no weights read): engine/setup.create_engine_config."""
+        from pagedserve.engine.setup import create_engine_config
+
+        return create_engine_config(self)
+
 
 
 @dataclass

@@ -336,6 +336,10 @@ class LLMEngine:
     def get_model_config(self) -> Any:
         return self.config.model
 
+    @property
+    def vllm_config(self) -> EngineConfig:  # vLLM's name for the engine's whole resolved configuration
+        return self.config
+
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished + len(self.grammar_admission)
 

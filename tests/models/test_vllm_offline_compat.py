@@ -101,3 +101,11 @@ def test_cache_salt_in_the_prompt_as_vllm_s_prompts_carry_it(llm):
     assert cached(None, cache_salt="tenant-a") == 32  # pagedserve's SamplingParams(cache_salt=...) is the same salt
     with pytest.raises(ValueError, match="cache_salt is given twice, 'x' in the prompt and 'y' in SamplingParams"):
         cached("x", cache_salt="y")
+
+
+def test_the_resolved_configuration_under_vllm_s_names(llm, tiny_model_dir):
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=tiny_model_dir("llama"), dtype="float32", max_model_len=128).create_engine_config()
+    assert config.model.max_model_len == 128 and config.memory_plan.fits  # headers only: nothing loaded
+    assert llm.llm_engine.vllm_config is llm.llm_engine.config and llm.llm_engine.vllm_config.model.dtype == "float32"
