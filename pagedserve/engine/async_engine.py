@@ -44,6 +44,10 @@ class Reservation:
     expires: float  # time.monotonic()
 
 
+def _busy(held: int) -> str:
+    return f"{held} request{' is' if held == 1 else 's are'} already queued or running"
+
+
 class QueueFullError(RuntimeError):
     """Too many requests are waiting; the client should retry later."""
 
@@ -122,7 +126,7 @@ class AsyncEngine:
         with self._lock:
             held = len(self._streams) + self._reserved()
             if held + num_requests > capacity:
-                raise QueueFullError(f"{held} requests are already queued or running")
+                raise QueueFullError(_busy(held))
             reservation = Reservation(num_requests, time.monotonic() + RESERVATION_S)
             self._reservations.add(reservation)
             return reservation
@@ -148,7 +152,7 @@ class AsyncEngine:
                 admitted = True
             held = len(self._streams) + self._reserved()
             if held >= self.capacity and not admitted:
-                raise QueueFullError(f"{held} requests are already queued or running")
+                raise QueueFullError(_busy(held))
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)

@@ -28,11 +28,13 @@ def browser():
 
 @pytest.fixture
 def open_page(browser, request):
-    """open_page(url, allow_statuses=(), **context options) -> a page; it must end with no console errors."""
+    """open_page(url, allow_statuses=(), **context options) -> a page; it must end with no console errors. The page's
+    Content-Security-Policy is bypassed (playwright's wait_for_function evaluates strings, which it forbids) but
+    where a test gives bypass_csp=False (test_chat.py runs the chat under it)."""
     opened = []
 
     def open_(url: str, allow_statuses: tuple[int, ...] = (), **options):
-        context = browser.new_context(**{"viewport": {"width": 1280, "height": 800}, **options})
+        context = browser.new_context(**{"viewport": {"width": 1280, "height": 800}, "bypass_csp": True, **options})
         page = context.new_page()
         errors = PageErrors(set(allow_statuses))
         page.on("console", errors.on_console)

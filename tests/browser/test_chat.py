@@ -88,6 +88,12 @@ def test_stop_aborts_the_request_and_frees_its_kv_blocks(open_page, server):
     page.wait_for_function("document.querySelector('.message.assistant.pending .body').textContent.length > 50")
     page.press("#prompt", "Escape")
     assert "stopped" in wait_reply_done(page, timeout=10_000).locator(".stats").text_content()
+    # ... and wherever the focus is: sent with the mouse, the focus left with the hidden Send button
+    page.fill("#prompt", "A third long one")
+    page.click("#send")
+    page.wait_for_function("document.querySelector('.message.assistant.pending .body').textContent.length > 50")
+    page.keyboard.press("Escape")
+    assert "stopped" in wait_reply_done(page, timeout=10_000).locator(".stats").text_content()
 
 
 def test_a_reply_that_cannot_fit_shows_the_servers_error_and_keeps_the_conversation(open_page, server):
@@ -138,7 +144,8 @@ def test_settings_go_into_the_request(open_page, server):
                                 {"role": "user", "content": "A user record"}]
     assert (body["temperature"], body["top_p"], body["max_tokens"], body["seed"]) == (0.5, 0.9, 16, 7)
     assert body["response_format"] == {"type": "json_object"} and body["top_k"] == 5
-    assert body["stream"] is True and body["stream_options"] == {"include_usage": True} and body["model"] == "tiny"
+    assert body["stream"] is True and body["model"] == "tiny"
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}  # each choice's count
     reply = wait_reply_done(page)
     assert not reply.locator(".error-text").count(), reply.inner_text()
     assert reply.locator(".body").text_content().lstrip().startswith("{")  # the server's JSON mode
@@ -171,7 +178,9 @@ def test_a_reply_with_n_choices_shows_the_first_one(open_page, server):
     page.click("#new-chat")
     set_settings(page, extra='{"ignore_eos": true, "n": 2}')
     send(page, "Count")
-    assert wait_reply_done(page).locator(".body").text_content() == single
+    reply = wait_reply_done(page)
+    assert reply.locator(".body").text_content() == single
+    assert "12 tokens" in reply.locator(".stats").text_content()  # the first choice's, not 24 (both choices')
 
 
 def test_conversations_new_rename_delete_export(open_page, server):
@@ -219,3 +228,49 @@ def test_keyboard_shift_enter_adds_a_line_and_phone_width(open_page, server):
     assert page.locator(".message.user .body").text_content() == "line one\nline two"
     wait_reply_done(page)
     screenshot(page, "chat-phone")
+
+
+def test_the_chat_runs_under_the_page_s_own_content_security_policy(open_page, server):
+    """No inline script, eval or other origin: under its CSP (no bypass) the page loads, streams a reply and
+    renders it, with no console error (the fixture fails on any)."""
+    page = open_page(server.url + "/", bypass_csp=False)
+    page.wait_for_selector("#status.ready")
+    page.locator("#model-name", has_text="tiny").wait_for()
+    set_settings(page, max_tokens="40", temperature="0", extra='{"ignore_eos": true}')
+    send(page, "Hello under CSP")
+    reply = wait_reply_done(page)
+    assert reply.locator(".body").text_content() and "40 tokens" in reply.locator(".stats").text_content()
+
+
+def test_a_reply_nested_past_the_renderer_s_depth_and_a_full_storage_leave_the_page_working(open_page, server):
+    """">" x 12000 overflowed the markdown renderer's stack and left the reply pending for good; a full localStorage
+    threw out of the reply and froze it. Now deep nesting renders as text and a full storage is said."""
+    page = ready_page(open_page, server)
+    fragment = page.evaluate("PagedServe.renderMarkdown('>'.repeat(12000) + ' deep').textContent")
+    assert fragment.endswith("deep")
+    page.evaluate("""() => {  // leave no room in localStorage (Chromium: ~5 M characters per origin)
+        let size = 1 << 22;
+        for (let i = 0; size > 16; i++) {
+            try { localStorage.setItem('filler' + i, 'x'.repeat(size)); } catch (_) { size >>= 1; i--; }
+        } }""")
+    set_settings(page, max_tokens="20", temperature="0")
+    send(page, "still working?")
+    reply = wait_reply_done(page)
+    assert "20 tokens" in reply.locator(".stats").text_content()
+    assert "storage is full" in page.locator("#chat-error").text_content()
+    page.evaluate("Object.keys(localStorage).filter(k => k.startsWith('filler'))"
+                  ".forEach(k => localStorage.removeItem(k))")
+
+
+def test_a_failed_turn_does_not_spoil_the_conversation(open_page, server):
+    """A failed reply leaves its user message; the next one goes out joined to it, so the roles still alternate (a
+    template that requires it refused every later turn)."""
+    page = ready_page(open_page, server, allow_statuses=(400,))
+    set_settings(page, max_tokens="5", temperature="-1")  # a 400
+    send(page, "first")
+    wait_reply_done(page)
+    set_settings(page, temperature="0")
+    with page.expect_request("**/v1/chat/completions") as request:
+        send(page, "second")
+    wait_reply_done(page)
+    assert json.loads(request.value.post_data)["messages"] == [{"role": "user", "content": "first\n\nsecond"}]

@@ -25,6 +25,12 @@ def test_page_and_assets_while_starting():
         assert app.get(f"/web/{asset}").status_code == 200, asset
     assert app.get("/web/../api_server.py").status_code == 404
     assert app.get("/health").status_code == 503
+    # revalidated on every load (an upgraded server's page ran old scripts from the cache), not framed or sniffed
+    for response in (page, app.get("/web/chat.js")):
+        assert response.headers["cache-control"] == "no-cache"
+        assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+        assert response.headers["x-content-type-options"] == "nosniff"
+    assert app.get("/web/index.html").status_code == 404  # its relative URLs missed there: the page is at /
 
 
 def test_disable_web_ui():

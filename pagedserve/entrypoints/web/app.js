@@ -123,7 +123,8 @@
     server.status = status;
     server.health = body;
     server.ready = status === 200;
-    if (server.ready && !server.model) loadServer();
+    if (!server.ready) server.model = null;  // a restarted server may serve another name: ask again when ready
+    if (server.ready && !server.model && $("key-form").hidden) loadServer();  // (with a key form: once it is given)
     renderStatus();
     emit("health", server);
     setTimeout(pollHealth, POLL_MS);

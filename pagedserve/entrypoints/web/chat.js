@@ -17,6 +17,7 @@
   let streaming = null;  // {controller, conversation, message} while a reply streams
   let renderQueued = false;
   let lastSaved = 0;
+  const deleted = new Set();  // conversations deleted here: another tab's copy must not bring them back
 
   function loadJSON(key, fallback) {
     try {
@@ -27,11 +28,34 @@
     }
   }
 
+  // Writes the conversations, keeping those another tab added meanwhile (two tabs each wrote their own list, and
+  // the last one deleted the other's). A full storage is said, not thrown: a throw froze the reply it came in.
   function save() {
-    localStorage.setItem(STORE, JSON.stringify(conversations));
-    if (currentId) localStorage.setItem(CURRENT, currentId);
     lastSaved = Date.now();
+    const ours = new Set(conversations.map((c) => c.id));
+    for (const other of loadJSON(STORE, [])) {
+      if (other && !ours.has(other.id) && !deleted.has(other.id)) conversations.push(other);
+    }
+    try {
+      localStorage.setItem(STORE, JSON.stringify(conversations));
+      if (currentId) localStorage.setItem(CURRENT, currentId);
+      $("chat-error").textContent = "";
+    } catch (error) {
+      $("chat-error").textContent = "This browser's storage is full, so the conversations are no longer saved: " +
+        "export the ones to keep, then delete old ones.";
+    }
   }
+
+  // Another tab saved: take its conversations (and its deletions), but not over the reply streaming here.
+  global.addEventListener("storage", (event) => {
+    if (event.key !== STORE) return;
+    const others = loadJSON(STORE, []);
+    const live = streaming ? streaming.conversation : null;
+    conversations = others.filter((c) => !live || c.id !== live.id);
+    if (live) conversations.unshift(live);
+    renderConversations();
+    if (!streaming) renderMessages();
+  });
 
   function newId() { return Date.now().toString(36) + Math.random().toString(36).slice(2, 8); }
 
@@ -115,6 +139,7 @@
   function deleteConversation(id) {
     if (streaming && streaming.conversation.id === id) streaming.controller.abort();
     conversations = conversations.filter((c) => c.id !== id);
+    deleted.add(id);
     if (currentId === id) currentId = null;
     current();
     save();
@@ -149,6 +174,7 @@
   }
 
   function renderBody(body, message) {
+    body.setAttribute("dir", "auto");  // right-to-left text (Arabic, Hebrew) lays out as such
     if (message.role === "assistant") body.replaceChildren(PS.renderMarkdown(message.content));
     else body.textContent = message.content;
   }
@@ -254,11 +280,19 @@
   }
 
   // ---- the request ----------------------------------------------------------------------------------------
+  // The conversation as the request's messages: failed empty replies left out, and the user messages they leave
+  // next to each other joined (templates that require alternating roles refused every later turn).
   function requestBody(conversation) {
-    const messages = conversation.messages.filter((m) => !m.error || m.content)
-      .map(({ role, content }) => ({ role, content }));
+    const messages = [];
+    for (const { role, content, error } of conversation.messages) {
+      if (error && !content) continue;
+      const previous = messages[messages.length - 1];
+      if (previous && previous.role === role && role === "user") previous.content += "\n\n" + content;
+      else messages.push({ role, content });
+    }
     if (settings.system.trim()) messages.unshift({ role: "system", content: settings.system });
-    const body = { messages, stream: true, stream_options: { include_usage: true } };
+    // continuous usage: each chunk carries its choice's own count (the final usage sums every choice of n > 1)
+    const body = { messages, stream: true, stream_options: { include_usage: true, continuous_usage_stats: true } };
     if (PS.server.model) body.model = PS.server.model;
     for (const field of ["temperature", "top_p", "max_tokens", "seed"]) {
       if (settings[field] !== "" && settings[field] !== null && !Number.isNaN(Number(settings[field]))) {
@@ -285,7 +319,7 @@
         message.content += choice.delta.content;
       }
       if (choice && choice.finish_reason) timing.finish = choice.finish_reason;
-      if (chunk.usage) timing.usage = chunk.usage;
+      if (chunk.usage && (choice || !timing.usage)) timing.usage = chunk.usage;  // the first choice's, where given
     }
     return false;
   }
@@ -378,7 +412,9 @@
     const text = $("prompt").value;
     if (!text.trim() || streaming || !PS.server.ready || !extraFieldsParse()) return;
     const conversation = current();
-    if (conversation.title === "New chat") conversation.title = text.trim().split("\n")[0].slice(0, 40);
+    if (conversation.title === "New chat") {  // 40 characters, not UTF-16 units (half an emoji)
+      conversation.title = Array.from(text.trim().split("\n")[0]).slice(0, 40).join("");
+    }
     conversation.messages.push({ role: "user", content: text });
     $("prompt").value = "";
     reply(conversation);
@@ -396,7 +432,9 @@
       else input.value = settings[key];
       input.addEventListener("input", () => {
         settings[key] = input.type === "checkbox" ? input.checked : input.value;
-        localStorage.setItem(SETTINGS, JSON.stringify(settings));
+        try {
+          localStorage.setItem(SETTINGS, JSON.stringify(settings));
+        } catch (_) { /* a full storage: the settings hold for this page; save() says so */ }
         $("settings-error").textContent = "";
       });
     }
@@ -405,7 +443,9 @@
   $("composer").addEventListener("submit", (event) => { event.preventDefault(); send(); });
   $("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) { event.preventDefault(); send(); }
-    if (event.key === "Escape") stop();
+  });
+  document.addEventListener("keydown", (event) => {  // Esc stops a reply wherever the focus is (Send hides it)
+    if (event.key === "Escape" && streaming) stop();
   });
   $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", () => {

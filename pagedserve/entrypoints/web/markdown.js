@@ -13,6 +13,8 @@
   const QUOTE = /^ {0,3}>\s?/;
   const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
   const BLANK = /^\s*$/;
+  // Quotes and lists nest at most this deep; deeper markers are text (">" x 5000 overflowed the call stack).
+  const MAX_NESTING = 16;
   // One alternative per inline construct; group numbers are read in inlineNode().
   const INLINE = new RegExp([
     "`([^`\\n]+)`",                                            // 1 code
@@ -91,7 +93,7 @@
     return FENCE.test(line) || HEADING.test(line) || RULE.test(line) || QUOTE.test(line) || ITEM.test(line);
   }
 
-  function list(lines, start) {
+  function list(lines, start, depth) {
     const first = lines[start].match(ITEM);
     const indent = first[1].length;
     const ordered = /\d/.test(first[2]);
@@ -109,7 +111,7 @@
         i++;
       }
       const li = el("li");
-      blocks(body, li);
+      blocks(body, li, depth + 1);
       if (li.childNodes.length === 1 && li.firstChild.tagName === "P") li.replaceChildren(...li.firstChild.childNodes);
       node.append(li);
     }
@@ -127,9 +129,10 @@
     return { node: p, next: i };
   }
 
-  function block(lines, i) {
+  function block(lines, i, depth) {
     const line = lines[i];
     if (FENCE.test(line)) return codeBlock(lines, i);
+    if (depth >= MAX_NESTING && (QUOTE.test(line) || ITEM.test(line))) return paragraph(lines, i);
     const h = line.match(HEADING);
     if (h) { const node = el("h" + h[1].length); node.append(...inline(h[2])); return { node, next: i + 1 }; }
     if (RULE.test(line)) return { node: el("hr"), next: i + 1 };
@@ -137,27 +140,35 @@
       let end = i;
       while (end < lines.length && QUOTE.test(lines[end])) end++;
       const node = el("blockquote");
-      blocks(lines.slice(i, end).map((l) => l.replace(QUOTE, "")), node);
+      blocks(lines.slice(i, end).map((l) => l.replace(QUOTE, "")), node, depth + 1);
       return { node, next: end };
     }
-    if (ITEM.test(line)) return list(lines, i);
+    if (ITEM.test(line)) return list(lines, i, depth);
     return paragraph(lines, i);
   }
 
-  function blocks(lines, parent) {
+  function blocks(lines, parent, depth) {
     let i = 0;
     while (i < lines.length) {
       if (BLANK.test(lines[i])) { i++; continue; }
-      const { node, next } = block(lines, i);
+      const { node, next } = block(lines, i, depth);
       parent.append(node);
       i = next;
     }
   }
 
-  // Markdown text -> a DocumentFragment of safe nodes.
+  // Markdown text -> a DocumentFragment of safe nodes; plain text if the renderer fails on some input, so a reply
+  // can never break the page.
   function renderMarkdown(text) {
+    const source = String(text ?? "");
     const fragment = document.createDocumentFragment();
-    blocks(String(text ?? "").replace(/\r\n?/g, "\n").split("\n"), fragment);
+    try {
+      blocks(source.replace(/\r\n?/g, "\n").split("\n"), fragment, 0);
+    } catch (error) {
+      const p = el("p");
+      p.textContent = source;
+      fragment.replaceChildren(p);
+    }
     return fragment;
   }
 
