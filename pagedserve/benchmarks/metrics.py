@@ -9,7 +9,8 @@ Definitions (all times in seconds, from `time.perf_counter()` on the client):
           token (speculative decoding, detokenizer hold-back), so ITL is per chunk, not per token.
 Token counts come from the server's usage (`completion_tokens`); a request without usage falls back
 to its token-chunk count and is flagged, a request whose usage disagrees with the chunk count is
-flagged, and neither is ever hidden. Throughputs count successful steady-state requests only.
+flagged (against a server that accepted speculative drafts, only a usage below the chunk count: a chunk then
+carries its verified drafts too), and neither is ever hidden. Throughputs count successful steady-state requests only.
 
 Percentiles use linear interpolation between closest ranks, exactly like `numpy.percentile`'s
 default ("linear"): rank = p/100 * (n - 1), interpolating between the two neighbouring sorted values.

@@ -307,6 +307,9 @@ async def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
         after = await spec_decode_counters(client)
     if before is not None and after is not None:
         result.spec_draft_tokens, result.spec_accepted_tokens = after[0] - before[0], after[1] - before[1]
+    if (after or (0.0, 0.0))[1] > 0:  # accepted drafts arrive with the token that verified them: one chunk, more tokens
+        for record in warmup + steady:
+            record.usage_mismatch = record.output_tokens is not None and record.output_tokens < record.num_token_chunks
     result.records = warmup + steady
     result.summary = summarize(result.records, duration)
     return result

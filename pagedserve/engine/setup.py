@@ -391,10 +391,6 @@ def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: Engi
     if default_task(architecture, path) != "generate":
         raise ValueError(f"--speculative-config: the draft model {speculative.model} ({architecture}) does not "
                          "generate text; give a causal language model that shares the target's tokenizer")
-    if hf_config.vocab_size != target.hf_config.vocab_size:
-        raise ValueError(f"--speculative-config: the draft model's vocabulary ({hf_config.vocab_size} tokens) is "
-                         f"not the target's ({target.hf_config.vocab_size}); a draft model must share the target's "
-                         "tokenizer (e.g. a smaller model of the same family)")
     quantization = default_quantization(args.dtype, args.quantization, checkpoint.stores_quantized_matmuls(), device,
                                         kernels_from_flags)
     draft = ModelConfig(model=path, served_model_name=speculative.model, dtype=target.dtype,
@@ -404,6 +400,29 @@ def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: Engi
     logger.info("speculative decoding: draft model %s (%s, %s), %d tokens a step", path, architecture,
                 draft.dtype, speculative.num_speculative_tokens)
     return checkpoint, draft
+
+
+# Text whose token ids tell two tokenizers apart (ASCII, code, accents, CJK, emoji).
+_TOKENIZER_PROBE = "The quick brown fox (1234) def f(x):\n    return x * 2  # naïve café, 你好世界 🚀 Ünïcödé"
+
+
+def check_draft_tokenizer(tokenizer: Any, config: EngineConfig) -> None:
+    """ValueError where the draft model does not share the target's tokenizer: another tokenization of a probe
+    text, or an embedding table too small for the tokenizer's ids. Their vocab_size may differ by padding (Qwen2.5's
+    0.5B has 151936 rows, its 7B 152064: one tokenizer)."""
+    draft = config.draft_model
+    if draft is None:
+        return
+    theirs = load_tokenizer(draft.model)
+    if theirs.encode(_TOKENIZER_PROBE, add_special_tokens=False) != tokenizer.encode(_TOKENIZER_PROBE,
+                                                                                     add_special_tokens=False):
+        raise ValueError(f"--speculative-config: the draft model {draft.served_model_name} tokenizes text "
+                         "differently from the target: a draft model must share the target's tokenizer (e.g. a "
+                         "smaller model of the same family)")
+    for name, model in (("target", config.model), ("draft model", draft)):
+        if model.hf_config.vocab_size < len(tokenizer):
+            raise ValueError(f"--speculative-config: the {name}'s vocabulary has {model.hf_config.vocab_size} rows, "
+                             f"fewer than the tokenizer's {len(tokenizer)} tokens: not the same tokenizer")
 
 
 def _resolve_task(args: EngineArgs, architecture: str, model_path: str) -> str:

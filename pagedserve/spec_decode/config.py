@@ -60,6 +60,10 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: method ngram takes no \"model\"; for a draft model leave "
                              f"\"method\" out: {_DRAFT_EXAMPLE}")
         lookup_max, lookup_min = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):  # checked as given, before one stands for both
+            number = spec.get(name)
+            if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 1):
+                raise ValueError(f"--speculative-config: {name} must be an integer >= 1, got {number!r}: {_EXAMPLE}")
         if lookup_max is None and lookup_min is None:
             lookup_max = lookup_min = cls.prompt_lookup_max
         elif lookup_max is None:

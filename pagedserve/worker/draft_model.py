@@ -47,12 +47,18 @@ class DraftModel:
                                 config.device.device, draft.max_model_len,
                                 quantization=draft.quantization, reference_kernels=draft.reference_kernels)
         logger.info("draft model %s loaded", draft.model)
+        self.vocab_size, self.target_vocab_size = draft.hf_config.vocab_size, config.model.hf_config.vocab_size
         self.kv_caches: list[LayerKVCache] = []  # allocated by the runner, beside the target's
         self.kv = DraftKV(config.cache.block_size)
 
     def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Run the target's batch through the draft model for its K/V (its outputs are not needed)."""
-        self.model(input_ids, positions, self.kv_caches, meta)
+        self.model(self._in_vocabulary(input_ids), positions, self.kv_caches, meta)
+
+    def _in_vocabulary(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's ids as the draft model's rows: a target padded past the draft's vocabulary (one tokenizer)
+        may sample a padding id, which only loses that draft (verification keeps the target's output)."""
+        return ids.clamp(max=self.vocab_size - 1) if self.vocab_size < self.target_vocab_size else ids
 
     def propose(self, starts: list[tuple[str, int, int, int, int]],
                 decode_meta: Callable[[torch.Tensor, torch.Tensor], AttentionMetadata]) -> dict[str, list[int]]:
@@ -62,7 +68,8 @@ class DraftModel:
         starts = sorted(starts, key=lambda start: -start[4])  # stable: batch order among equal lengths
         lengths = [length for *_, length in starts]
         rows = torch.tensor([row for _, row, *_ in starts], dtype=torch.int64)
-        tokens = torch.tensor([token for _, _, token, *_ in starts], dtype=torch.int64).to(self.device)
+        tokens = self._in_vocabulary(torch.tensor([token for _, _, token, *_ in starts], dtype=torch.int64)
+                                     ).to(self.device)
         positions = torch.tensor([position for *_, position, _ in starts], dtype=torch.int64)
         proposed = []
         for step in range(lengths[0]):
@@ -71,6 +78,8 @@ class DraftModel:
             meta = decode_meta(rows, positions)  # from the host's block table
             hidden = self.model(tokens, positions.to(self.device), self.kv_caches, meta)
             tokens = argmax_rows(self.model.compute_logits(hidden), self.model.kernel_backend.native)  # on the device
+            if self.vocab_size > self.target_vocab_size:  # a draft padded past the target: a padding id is no guess
+                tokens = tokens.clamp(max=self.target_vocab_size - 1)
             proposed.append(tokens)
             positions = positions + 1
         flat = torch.cat(proposed).tolist()  # one transfer; step by step, each step's rows in order

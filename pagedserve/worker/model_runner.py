@@ -320,7 +320,8 @@ class ModelRunner:
             length = sched.lookahead.get(request_id, 0)
             if not length or not tokens or request_id in out.grammar_finished:
                 continue
-            if state.num_output_tokens >= state.sampling_params.max_tokens:
+            limit = state.sampling_params.max_tokens  # None: up to max_model_len (the scheduler's lookahead stops there)
+            if limit is not None and state.num_output_tokens >= limit:
                 continue  # it ends with this step
             verified = request_id in batch.drafts
             if verified and len(tokens) == 1:

@@ -643,11 +643,32 @@ def test_the_memory_plan_holds_the_draft_models_weights_and_kv(llama, tiny_model
     assert both["num_kv_blocks"] * 2 <= target["num_kv_blocks"] + 1
 
 
+def test_a_draft_padded_otherwise_is_served_and_another_tokenizer_refused(llama, tiny_model_dir, tmp_path):
+    """One tokenizer, embedding tables padded to other sizes (Qwen2.5-0.5B's 151936 rows, its 7B's 152064): served,
+    the target's output unchanged (they were refused for the sizes). A draft of the same size whose tokenizer splits
+    text otherwise is refused before any weight is read (it was taken, and every draft lost)."""
+    import shutil
+
+    from tests.tiny_models import make_tokenizer
+
+    model_dir, prompts, expected, _ = llama
+    padded = tiny_model_dir("llama", weight_std=WEIGHT_STD, vocab_size=640, seed=5)  # the same 512-token tokenizer
+    llm = LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=draft_spec(padded))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert totals(llm).num_draft_tokens > 0  # (it proposed)
+    # max_tokens None (up to max_model_len) with a draft model: every request failed (a None compared with an int)
+    open_ended = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    assert llm.generate([{"prompt_token_ids": prompts[0]}], open_ended)[0].outputs[0].token_ids == \
+        llama[3].generate([{"prompt_token_ids": prompts[0]}], open_ended)[0].outputs[0].token_ids
+    other = Path(shutil.copytree(tiny_model_dir("llama", weight_std=WEIGHT_STD, seed=5), tmp_path / "other"))
+    make_tokenizer(other, vocab_size=300)  # another BPE: the same texts split into other ids
+    with pytest.raises(ValueError, match="tokenizes text differently from the target"):
+        LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=draft_spec(str(other)))
+
+
 def test_draft_model_errors_name_the_problem_and_the_fix(llama, tiny_model_dir):
     model_dir = llama[0]
-    other_vocab = tiny_model_dir("llama", weight_std=WEIGHT_STD, vocab_size=640)
-    with pytest.raises(ValueError, match=r"draft model's vocabulary \(640 tokens\) is not the target's \(512\)"):
-        LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=draft_spec(other_vocab))
     with pytest.raises(ValueError, match="a draft model runs with one rank"):
         LLM(model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=2,
             speculative_config=draft_spec(model_dir))

@@ -19,14 +19,15 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from pagedserve.benchmarks.datasets import build_random_prompts
 from pagedserve.benchmarks.serve import ServeBenchConfig, run_serve_bench_sync
 from pagedserve.benchmarks.startup import free_port
 from pagedserve.cli import bench
 
-MODELS = ["fake", "fake-no-usage", "fake-early-stop", "fake-bad-usage", "fake-flaky", "fake-no-tokenize"]
+MODELS = ["fake", "fake-no-usage", "fake-early-stop", "fake-bad-usage", "fake-flaky", "fake-no-tokenize",
+          "fake-speculating"]
 EARLY_STOP_TOKENS = 3
 
 
@@ -54,7 +55,14 @@ def make_app() -> FastAPI:
     app = FastAPI()
     tokenizer = WordTokenizer()
     app.state.prompt_lengths = []  # content tokens of every completion prompt received
+    app.state.spec = [0, 0]  # draft tokens, accepted tokens (fake-speculating: every draft accepted)
     counter = itertools.count()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        drafts, accepted = app.state.spec
+        return PlainTextResponse(f'vllm:spec_decode_num_draft_tokens_total{{model_name="x"}} {drafts}\n'
+                                 f'vllm:spec_decode_num_accepted_tokens_total{{model_name="x"}} {accepted}\n')
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -78,10 +86,15 @@ def make_app() -> FastAPI:
         kind = "chat.completion.chunk" if is_chat else "text_completion"
         if is_chat:
             yield _sse({"object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-        for index in range(num_tokens):
+        per_chunk = 2 if model == "fake-speculating" else 1  # a verified draft arrives with its token
+        for index in range(0, num_tokens, per_chunk):
             await asyncio.sleep(0.002)
-            finish = ("length" if num_tokens == max_tokens else "stop") if index == num_tokens - 1 else None
-            text = f" word{index}"
+            last = index + per_chunk >= num_tokens
+            finish = ("length" if num_tokens == max_tokens else "stop") if last else None
+            text = "".join(f" word{i}" for i in range(index, min(index + per_chunk, num_tokens)))
+            if per_chunk > 1:
+                app.state.spec[0] += 1
+                app.state.spec[1] += 1
             choice = {"index": 0, "delta": {"content": text}} if is_chat else {"index": 0, "text": text}
             yield _sse({"object": kind, "choices": [{**choice, "finish_reason": finish}]})
         if model != "fake-no-usage" and body.get("stream_options", {}).get("include_usage"):
@@ -187,6 +200,15 @@ def test_dishonest_server_is_flagged(fake_server: tuple[str, FastAPI], model: st
         assert summary.total_output_tokens == 3 * EARLY_STOP_TOKENS
     if model == "fake-bad-usage":
         assert summary.total_output_tokens == 3 * (5 + 2)  # usage is what is counted, and it is flagged
+
+
+def test_a_speculating_server_s_chunks_of_several_tokens_are_not_flagged(fake_server: tuple[str, FastAPI]) -> None:
+    """Against a server that accepts drafts, a chunk carries a token and its verified drafts: usage above the chunk
+    count is honest there (every request was flagged "usage != streamed chunks")."""
+    base_url, _ = fake_server
+    result = run_serve_bench_sync(config(base_url, model="fake-speculating", num_prompts=3))
+    assert result.summary.num_usage_mismatch == 0 and not result.summary.warnings
+    assert result.summary.total_output_tokens == 3 * 5 and result.spec_acceptance_rate == 1.0
 
 
 def test_failed_requests_are_counted_and_excluded(fake_server: tuple[str, FastAPI]) -> None:

@@ -55,6 +55,9 @@ def test_config_parses_vllms_json_and_dict():
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "unknown key 'lookahead'"),
+    # given alone, the bound named is the one given (it was reported under prompt_lookup_max)
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": "2"}, "prompt_lookup_min must be an"),
 ])
 def test_config_errors_name_the_problem(value, words):
     with pytest.raises(ValueError, match="speculative-config") as info:
