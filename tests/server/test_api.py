@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -278,6 +279,22 @@ def test_a_chunked_body_past_the_limit_is_a_413_before_it_is_read_whole(server, 
                           headers={"content-type": "application/json"})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2, response.text
     assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=2).usage.completion_tokens >= 1
+    # A small Content-Length beside Transfer-Encoding: chunked: the body is read as chunked, so the limit counts it
+    # (the header's 5 bytes passed a 20 MiB body)
+    import socket
+
+    body = b'{"model": "tiny", "max_tokens": 1, "prompt": "hi", "user": "' + b"a" * (9 << 20) + b'"}'  # valid but big
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
+        with contextlib.suppress(OSError):  # the server may answer and close before the whole body is sent
+            for start in range(0, len(body), 1 << 16):
+                piece = body[start:start + (1 << 16)]
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            sock.sendall(b"0\r\n\r\n")
+        status = sock.recv(4096).split(b"\r\n", 1)[0]
+    assert b" 413 " in status, status
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
