@@ -286,7 +286,7 @@ def test_a_chunked_body_past_the_limit_is_a_413_before_it_is_read_whole(server, 
     body = b'{"model": "tiny", "max_tokens": 1, "prompt": "hi", "user": "' + b"a" * (9 << 20) + b'"}'  # valid but big
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
         with contextlib.suppress(OSError):  # the server may answer and close before the whole body is sent
             for start in range(0, len(body), 1 << 16):
@@ -529,3 +529,23 @@ def test_a_body_that_is_not_json_says_how_to_send_it(server):
     response = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "x"}',
                           headers={"content-type": "application/x-www-form-urlencoded"})
     assert response.status_code == 400 and "Content-Type: application/json" in response.json()["error"]["message"]
+
+
+def test_a_loopback_server_answers_only_its_own_host_names(server):
+    """DNS rebinding: a page on attacker.example that resolves to 127.0.0.1 is same-origin with the server, so CORS
+    never applies; the Host header gives it away (--allowed-hosts names others, e.g. a proxy's)."""
+    port = server.url.rsplit(":", 1)[1]
+    for host, status in ((f"attacker.example:{port}", 400), (f"localhost:{port}", 200), (f"127.0.0.1:{port}", 200),
+                         ("LOCALHOST", 200)):
+        response = httpx.get(f"{server.url}/v1/models", headers={"Host": host})
+        assert response.status_code == status, (host, response.text)
+    assert "--allowed-hosts" in httpx.get(f"{server.url}/health", headers={"Host": "evil"}).json()["error"]["message"]
+
+
+def test_allowed_hosts_flag():
+    from pagedserve.entrypoints.openai.options import ServeOptions
+
+    assert ServeOptions(allowed_hosts='["api.example", "[::2]"]').host_names() >= {"api.example", "::2", "localhost"}
+    assert ServeOptions(allowed_hosts='["*"]').host_names() is None and ServeOptions(host="0.0.0.0").host_names() is None
+    with pytest.raises(ValueError, match="--allowed-hosts must be a JSON list"):
+        ServeOptions(allowed_hosts="api.example").host_names()

@@ -189,7 +189,7 @@ def test_a_client_still_sending_its_body_at_the_grace_s_end_gets_a_503_and_no_tr
     server = start_server(tiny_model_dir("llama"), "--max-model-len", "128", "--shutdown-grace-s", "1",
                           log_dir=tmp_path)
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"prompt\":")  # the rest never comes
         time.sleep(0.5)
         server.process.send_signal(signal.SIGTERM)

@@ -122,8 +122,10 @@ class GuardMiddleware:
     """API-key check (constant-time) and request-body size limit, as plain ASGI (streaming-safe)."""
 
     def __init__(self, app: Any, api_key: str | list[str] | None, max_body_bytes: int,
-                 open_web_ui: bool = False, stopping: threading.Event | None = None) -> None:
+                 open_web_ui: bool = False, stopping: threading.Event | None = None,
+                 host_names: frozenset[str] | None = None) -> None:
         self.app = app
+        self.host_names = host_names  # a loopback server's Host names (DNS rebinding); None: any
         self.stopping = stopping or threading.Event()  # set when the shutdown grace runs out
         keys = [api_key] if isinstance(api_key, str) else api_key or []
         self.expected = [f"Bearer {key}".encode() for key in keys] or None  # any of them (vLLM's --api-key k1 k2)
@@ -161,6 +163,11 @@ class GuardMiddleware:
 
     async def _guarded(self, scope: dict, receive: Any, send: Any) -> None:
         headers = dict(scope.get("headers") or [])
+        server = (scope.get("server") or ("",))[0] or ""
+        loopback = server in ("127.0.0.1", "::1") or server.startswith("127.")  # a socket (not an in-process client)
+        if self.host_names is not None and loopback and _host_name(headers.get(b"host", b"")) not in self.host_names:
+            return await _send_error(send, "this server answers Host localhost (or 127.0.0.1, [::1]) only: name "
+                                           "another with --allowed-hosts", 400)
         if self.expected is not None and not self.is_open(scope):
             provided = headers.get(b"authorization", b"")
             if not any([hmac.compare_digest(provided, expected) for expected in self.expected]):  # each compared
@@ -194,6 +201,14 @@ class GuardMiddleware:
                 return None
             if not message.get("more_body", False):
                 return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+
+
+def _host_name(host: bytes) -> str:
+    """A Host header's name, without the port and IPv6 brackets, lower-case."""
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
 def _replay(messages: list[dict], receive: Any) -> Any:
@@ -254,7 +269,8 @@ def build_app(state: ServerState, options: ServeOptions | None = None) -> FastAP
     # Middleware added last runs first: the root path is stripped, then CORS answers preflights (which carry
     # no API key), then the key and body size are checked.
     app.add_middleware(GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes,
-                       open_web_ui=options.enable_web_ui, stopping=state.stopping)
+                       open_web_ui=options.enable_web_ui, stopping=state.stopping,
+                       host_names=None if options.uds else options.host_names())
     if options.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     cors = options.cors()

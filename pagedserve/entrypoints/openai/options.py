@@ -73,6 +73,11 @@ class ServeOptions(FlagArgs):
         'CORS: the origins whose web pages may call this server, a JSON list (\'["https://app.example"]\' or '
         '\'["*"]\'). Default: none, so only pages this server serves can (vLLM allows every origin; a server on '
         "127.0.0.1 would then answer any web page the user opens).", group="http")
+    allowed_hosts: str | None = setting(
+        "Host header values a server on a loopback --host answers, a JSON list ('[\"api.example\"]', '[\"*\"]': "
+        "any). Default: localhost, 127.0.0.1 and [::1], so a web page on another name that resolves to 127.0.0.1 "
+        "(DNS rebinding) cannot read it; a reverse proxy on this host sends one of them (nginx: proxy_set_header "
+        "Host localhost) or is named here.", group="http")
     allowed_methods: str = setting("CORS: allowed methods, a JSON list.", default='["*"]', group="http")
     allowed_headers: str = setting("CORS: allowed request headers, a JSON list.", default='["*"]', group="http")
     allow_credentials: bool = setting("CORS: allow credentials (cookies, Authorization).", default=False,
@@ -152,6 +157,7 @@ class ServeOptions(FlagArgs):
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
         self.cors()
+        self.host_names()
         self.template_kwargs()
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser NAME ({', '.join(PARSERS)}): the "
@@ -173,6 +179,25 @@ class ServeOptions(FlagArgs):
             raise ValueError(f"--default-chat-template-kwargs may not set {', '.join(reserved)} (the server sets "
                              "them per request)")
         return kwargs
+
+    def host_names(self) -> frozenset[str] | None:
+        """The Host names (without port) a server on a loopback --host answers; None: any (another --host, or
+        --allowed-hosts '["*"]'); ValueError naming a bad flag."""
+        names = {"localhost", "127.0.0.1", "::1"}
+        if self.allowed_hosts is not None:
+            try:
+                value = json.loads(self.allowed_hosts)
+            except ValueError:
+                value = None
+            if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+                raise ValueError(f"--allowed-hosts must be a JSON list of host names, e.g. '[\"api.example\"]', got "
+                                 f"{self.allowed_hosts!r}")
+            if "*" in value:
+                return None
+            names |= {item.strip("[]").lower() for item in value}
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.host.startswith("127."):
+            return None  # reachable from elsewhere: the API key (or the network) is what guards it
+        return frozenset(names)
 
     def cors(self) -> dict | None:
         """CORSMiddleware's settings from the --allowed-* flags (None: no CORS); ValueError naming a bad flag."""
