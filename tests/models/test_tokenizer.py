@@ -190,6 +190,17 @@ def test_the_sandbox_refuses_what_transformers_refuses() -> None:
         render_chat(CHATML_TEMPLATE, messages, add_generation_prompt=True, continue_final_message=True)
 
 
+def test_a_template_cannot_make_gigabytes() -> None:
+    """A request's template ({{ 'a' * 10**9 }}) took 38 s and 4 GB before its 400; now it stops at once."""
+    messages = [{"role": "user", "content": "x"}]
+    for template in ("{{ 'a' * 10**9 }}", "{{ [0] * 10**8 }}", "{{ 10**9 * 'a' }}", "{{ 7 ** 10**6 }}",
+                     "{{ messages | tojson(indent=10**7) }}"):
+        with pytest.raises(jinja2.exceptions.SecurityError):
+            render_chat(template, messages)
+    assert render_chat("{{ '-' * 3 }}{{ 2 ** 10 }}{{ messages | tojson(indent=2) | length > 0 }}", messages) == \
+        "---1024True"  # ordinary uses are untouched
+
+
 def test_named_templates_pick_tool_use_when_tools_are_given(tiny_dir: Path) -> None:
     ours = load_plain_tokenizer(tiny_dir)
     ours.chat_template = {"default": "plain:{{ messages[0].content }}", "tool_use": "tools:{{ tools | length }}"}

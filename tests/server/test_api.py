@@ -405,6 +405,13 @@ def test_sagemaker_ping_and_invocations(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     neither = httpx.post(f"{server.url}/invocations", json={"text": "Hi"})
     assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
+    # what any web page may post without a CORS preflight is refused, as on the other routes (it ran generations)
+    plain = httpx.post(f"{server.url}/invocations", content='{"prompt": "Hi", "max_tokens": 2}',
+                       headers={"Content-Type": "text/plain", "Origin": "https://evil.example"})
+    assert plain.status_code == 400 and "Content-Type: application/json" in plain.json()["error"]["message"]
+    deep = httpx.post(f"{server.url}/invocations", content='{"prompt": "Hi", "x": ' + "[" * 100000 + "]" * 100000 + "}",
+                      headers={"Content-Type": "application/json"})
+    assert deep.status_code == 400, deep.text  # a 500 (RecursionError) before
 
 
 def test_echo_with_logprobs_covers_the_prompt_as_lm_eval_reads_it(server):

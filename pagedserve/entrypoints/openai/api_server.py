@@ -407,7 +407,14 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def invocations(raw: Request) -> Any:
         """SageMaker's one endpoint (as vLLM's): `messages` is a chat request, `prompt` a completion, `input` an
         embedding request."""
-        body = await raw.json()
+        if raw.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            # as the other routes: text/plain and form bodies are what any web page may post without a preflight
+            raise InvalidRequestError("the request body must be a JSON object, sent with Content-Type: "
+                                      "application/json (curl: add -H 'Content-Type: application/json')")
+        try:
+            body = json.loads(await raw.body())
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's stack (a 500)
+            raise InvalidRequestError(f"malformed JSON body: {type(exc).__name__}") from None
         kind = next((key for key in routes if isinstance(body, dict) and key in body), None)
         if kind is None:
             raise InvalidRequestError("/invocations takes a chat (messages), completion (prompt) or embedding "

@@ -26,7 +26,8 @@ _REFUSED: dict[str, Any] = {
 _REFUSED_WHY = {"bad_words": "use logit_bias to ban tokens",
                 "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages",
                 "echo": "chat replies do not repeat the prompt; /v1/completions does",
-                "chat_template": "a template from a request is not run: start the server with --chat-template"}
+                "chat_template": "a template from a request is not run: start the server with "
+                                 "--trust-request-chat-template to allow it, or give the template with --chat-template"}
 # Fields OpenAI or vLLM define that change nothing pagedserve generates: taken without a word.
 _ACCEPTED_EXTRAS = frozenset({"store", "metadata", "service_tier", "prediction", "reasoning_effort"})
 _WARNED: set[str] = set()  # unknown field names logged so far (at most _MAX_WARNED: clients choose the names)
@@ -108,7 +109,8 @@ class _SamplingFields(BaseModel):
             value = extra.get(name, getattr(self, name, inert))
             if value != inert and not (isinstance(inert, tuple) and value in inert):
                 raise refused_field(name)
-        for name in sorted(set(extra) - set(_REFUSED) - set(refused) - _ACCEPTED_EXTRAS):
+        for name in sorted(set(extra) - set(_REFUSED) - set(refused) - _ACCEPTED_EXTRAS - {"chat_template"}):
+            name = name[:100]  # the client chooses it: a 2 MB name was a 2 MB log line, kept in _WARNED too
             if name not in _WARNED and len(_WARNED) < _MAX_WARNED and not name.startswith("guided_"):
                 _WARNED.add(name)
                 logger.warning("request field %r is not one pagedserve knows; it is ignored (logged once)", name)
