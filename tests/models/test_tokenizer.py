@@ -193,7 +193,7 @@ def test_the_sandbox_refuses_what_transformers_refuses() -> None:
 def test_a_template_cannot_make_gigabytes() -> None:
     """A request's template ({{ 'a' * 10**9 }}) took 38 s and 4 GB before its 400; now it stops at once."""
     messages = [{"role": "user", "content": "x"}]
-    for template in ("{{ 'a' * 10**9 }}", "{{ [0] * 10**8 }}", "{{ 10**9 * 'a' }}", "{{ 7 ** 10**6 }}",
+    for template in ("{{ 'a' * 10**9 }}", "{{ [0] * 10**8 }}", "{{ 10**9 * 'a' }}", "{{ 7 ** (10**6) }}",
                      "{{ messages | tojson(indent=10**7) }}"):
         with pytest.raises(jinja2.exceptions.SecurityError):
             render_chat(template, messages)
