@@ -153,8 +153,9 @@ def test_doctor_plan_equals_serve_plan(tiny_model_dir, tmp_path, flags, env) -> 
 
 
 def test_serve_refuses_a_sliding_window_model_unless_the_window_covers_max_model_len(tiny_model_dir, tmp_path):
-    """A Mistral config with a 64-token window: `plan` (serve's own config step) refuses it at the default
-    max_model_len, naming the field and the fix, and accepts it with --max-model-len 64."""
+    """A Mistral config with a 64-token window: `plan` (serve's own config step) refuses a longer --max-model-len,
+    naming the field and the fix, and accepts --max-model-len 64; without the flag the context is the window (a
+    Phi-3-mini-4k, window 2047 of 4096, did not start without flags)."""
     import shutil
     import subprocess
     import sys
@@ -169,11 +170,13 @@ def test_serve_refuses_a_sliding_window_model_unless_the_window_covers_max_model
         return subprocess.run([sys.executable, "-m", "pagedserve", "plan", str(model), "--dtype", "float32", *flags],
                               capture_output=True, text=True, timeout=300)
 
-    refused = plan()
+    refused = plan("--max-model-len", "128")
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "sliding_window = 64" in refused.stderr and "--max-model-len 64" in refused.stderr
     accepted = plan("--max-model-len", "64")
     assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+    default = plan()
+    assert default.returncode == 0 and "max_model_len 64" in default.stdout, default.stdout + default.stderr
 
 
 @pytest.mark.parametrize("flags,check,words", [

@@ -16,11 +16,11 @@ import pytest
 from tests.server.server_utils import free_port
 
 
-def serve(model: str, *flags: str, log_path) -> subprocess.Popen:
+def serve(model: str, *flags: str, log_path, umask: int | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "pagedserve", "serve", model, "--max-model-len", "128", "--dtype", "float32",
                *flags]
     with open(log_path, "wb") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, umask=-1 if umask is None else umask,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
@@ -41,10 +41,11 @@ def test_serves_on_a_unix_socket_and_removes_it(tiny_model_dir, tmp_path):
     path = tmp_path / "ps.sock"
     port = free_port()
     log_path = tmp_path / "server.log"
-    process = serve(tiny_model_dir("llama"), "--uds", str(path), "--port", str(port), log_path=log_path)
+    process = serve(tiny_model_dir("llama"), "--uds", str(path), "--port", str(port), log_path=log_path, umask=0o077)
     try:
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(path))) as client:
             wait_ready(process, client, log_path)
+            assert path.stat().st_mode & 0o777 == 0o600  # the umask's (uvicorn made it 0666 whatever the umask)
             reply = client.post("http://localhost/v1/completions", json={"prompt": "Hello", "max_tokens": 3,
                                                                         "temperature": 0, "ignore_eos": True},
                                 timeout=60)

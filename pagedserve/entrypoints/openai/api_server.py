@@ -639,6 +639,18 @@ def _quiet_access_log(endpoints: str | None, root_path: str = "") -> None:
         logging.getLogger("uvicorn.access").addFilter(_SkipPaths(paths, root_path))
 
 
+def _socket_mode_from_umask(path: str, server: Any, wait_s: float = 10.0) -> None:
+    """uvicorn makes the --uds socket 0666 whatever the umask: once it listens, give it the mode the umask allows
+    (a server started under umask 077 then answers only its own user)."""
+    deadline = time.monotonic() + wait_s
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    umask = os.umask(0)
+    os.umask(umask)
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o666 & ~umask)
+
+
 def _hold_startup(path: str | None) -> None:
     """Testing only (the web page's start-up view): wait, in phase "starting", while `path` exists."""
     while path and os.path.exists(path):
@@ -675,6 +687,8 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
         server.should_exit = True
 
     def load() -> None:
+        if options.uds:
+            _socket_mode_from_umask(options.uds, server)
         try:
             _hold_startup(options.startup_hold_file)
             start_engine(state, args, options)
