@@ -2,8 +2,9 @@
 `vllm serve` command line or config file runs unchanged:
 
 - `--max_model_len 512` is `--max-model-len 512` (underscores in a flag's name);
-- `--config FILE.yaml` (serve, plan, doctor, run-batch, generate): the file's keys are flags (`max_model_len: 512`, `enable_prefix_caching:
-  true`, lists for flags that take several values, a mapping as JSON), and the command line's own flags win;
+- `--config FILE.yaml` (serve, plan, doctor, run-batch, generate): the file's keys are flags (`max_model_len: 512`,
+  `enable_prefix_caching: true`, lists for flags that take several values, a mapping as JSON), and the command
+  line's own flags win, under any of their names (`-tp`, `-q`);
 (Human-readable sizes, `--max-model-len 32k`, are the flag's type: engine/arg_utils.human_readable_int.)
 """
 

@@ -47,18 +47,13 @@ class StructuredOutputsParams:
             what = ", ".join(given) if given else "none"
             raise InvalidRequestError(f"{self.param}: give exactly one of {', '.join(KINDS)} (got {what})",
                                       param=self.param)
-        if isinstance(self.json, str):
-            try:
-                self.json = json.loads(self.json)
-            except ValueError as exc:
-                raise InvalidRequestError(f"{self.param}: the JSON schema is not valid JSON: {exc}",
-                                          param=self.param) from None
-        if isinstance(self.structural_tag, str):
-            try:
-                self.structural_tag = json.loads(self.structural_tag)
-            except ValueError as exc:
-                raise InvalidRequestError(f"{self.param}: the structural tag is not valid JSON: {exc}",
-                                          param=self.param) from None
+        for name, what in (("json", "JSON schema"), ("structural_tag", "structural tag")):  # given as JSON text
+            if isinstance(getattr(self, name), str):
+                try:
+                    setattr(self, name, json.loads(getattr(self, name)))
+                except ValueError as exc:
+                    raise InvalidRequestError(f"{self.param}: the {what} is not valid JSON: {exc}",
+                                              param=self.param) from None
         if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
             raise InvalidRequestError(f"{self.param}: a structural tag must be a JSON object, got "
                                       f"{type(self.structural_tag).__name__}", param=self.param)

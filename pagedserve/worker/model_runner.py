@@ -320,7 +320,7 @@ class ModelRunner:
             length = sched.lookahead.get(request_id, 0)
             if not length or not tokens or request_id in out.grammar_finished:
                 continue
-            limit = state.sampling_params.max_tokens  # None: up to max_model_len (the scheduler's lookahead stops there)
+            limit = state.sampling_params.max_tokens  # None: up to max_model_len (the scheduler's lookahead ends there)
             if limit is not None and state.num_output_tokens >= limit:
                 continue  # it ends with this step
             verified = request_id in batch.drafts

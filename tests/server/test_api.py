@@ -553,6 +553,7 @@ def test_allowed_hosts_flag():
     from pagedserve.entrypoints.openai.options import ServeOptions
 
     assert ServeOptions(allowed_hosts='["api.example", "[::2]"]').host_names() >= {"api.example", "::2", "localhost"}
-    assert ServeOptions(allowed_hosts='["*"]').host_names() is None and ServeOptions(host="0.0.0.0").host_names() is None
+    assert ServeOptions(allowed_hosts='["*"]').host_names() is None
+    assert ServeOptions(host="0.0.0.0").host_names() is None
     with pytest.raises(ValueError, match="--allowed-hosts must be a JSON list"):
         ServeOptions(allowed_hosts="api.example").host_names()
