@@ -166,9 +166,16 @@ def read_jsonl_prompts(path: str | Path, num: int, default_output_len: int) -> l
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            entry = json.loads(line)
+            try:
+                entry = json.loads(line)
+            except ValueError as exc:  # json's own message named neither the file nor the line
+                raise ValueError(f"{path}:{line_number}: not JSON ({exc})") from None
             if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
                 raise ValueError(f"{path}:{line_number}: expected an object with a string 'prompt'")
+            output_len = entry.get("max_tokens", entry.get("output_len", default_output_len))
+            if isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 1:
+                raise ValueError(f"{path}:{line_number}: max_tokens/output_len must be an integer >= 1, got "
+                                 f"{output_len!r}")
             entries.append(entry)
     if not entries:
         raise ValueError(f"{path}: no prompts")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -169,3 +170,14 @@ def test_table_states_cold_and_steady_side_by_side() -> None:
     assert len(payload["warmup_records"]) == 1 and len(payload["records"]) == 3
     assert payload["config"]["request_rate"] == "inf"
     assert payload["records"][0]["chunk_times"] == [300.5, 303.0]
+
+
+def test_a_bad_jsonl_line_is_named_by_file_and_line(tmp_path) -> None:
+    from pagedserve.benchmarks.datasets import read_jsonl_prompts
+
+    data = tmp_path / "prompts.jsonl"
+    for text, words in (('{"prompt": "a"}\n\n{"prompt": "b",}\n', ":3: not JSON"),
+                        ('{"prompt": "a", "max_tokens": "9"}\n', ":1: max_tokens/output_len must be an integer")):
+        data.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"{data}{words}")):
+            read_jsonl_prompts(data, 2, 16)
