@@ -103,6 +103,8 @@ def test_a_reply_that_cannot_fit_shows_the_servers_error_and_keeps_the_conversat
     reply = wait_reply_done(page)
     error = reply.locator(".error-text").text_content()
     assert "max_tokens" in error or "context length" in error, error
+    if "maximum context length" in error:  # the page says what to do (every later turn would fail the same way)
+        assert "start a new chat" in error
     assert metric(server, "vllm:num_requests_running") == 0
     # The user can lower max_tokens and go on in the same conversation.
     set_settings(page, max_tokens="8")

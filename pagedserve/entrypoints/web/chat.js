@@ -386,6 +386,10 @@
         message.stats = replyStats(timing, performance.now());
       } else {
         message.error = error.message;
+        if (/maximum context length/.test(error.message)) {  // every later turn would fail the same way
+          message.error += " \u2014 the conversation no longer fits the model's context: start a new chat, or " +
+            "edit an earlier message, or lower max_tokens";
+        }
       }
     } finally {
       message.pending = false;
