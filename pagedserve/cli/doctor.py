@@ -319,7 +319,8 @@ def check_port(port: int, host: str = "0.0.0.0") -> CheckResult:
     """Can the server bind its port (as uvicorn does, with SO_REUSEADDR)?"""
     if not 0 < port < 65536:  # bind() takes 0 as "any free port": it said "port 0 is free"
         return CheckResult("port", FAIL, f"--port {port} is not a port number", "give --port N with N in 1..65535")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # --host ::1 was "not an address of this machine"
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))

@@ -547,6 +547,11 @@ def test_a_loopback_server_answers_only_its_own_host_names(server):
         response = httpx.get(f"{server.url}/v1/models", headers={"Host": host})
         assert response.status_code == status, (host, response.text)
     assert "--allowed-hosts" in httpx.get(f"{server.url}/health", headers={"Host": "evil"}).json()["error"]["message"]
+    import socket  # no Host at all (an HTTP/1.0 health check): no browser sends that, so no rebinding either
+
+    with socket.create_connection(("127.0.0.1", int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        assert b" 200 " in sock.recv(4096).split(b"\r\n", 1)[0]
 
 
 def test_allowed_hosts_flag():
@@ -557,3 +562,11 @@ def test_allowed_hosts_flag():
     assert ServeOptions(host="0.0.0.0").host_names() is None
     with pytest.raises(ValueError, match="--allowed-hosts must be a JSON list"):
         ServeOptions(allowed_hosts="api.example").host_names()
+
+
+def test_the_host_check_takes_the_server_s_own_address_and_no_host():
+    from pagedserve.entrypoints.openai.api_server import _host_name
+    from pagedserve.entrypoints.openai.options import ServeOptions
+
+    assert "127.0.0.2" in ServeOptions(host="127.0.0.2").host_names()  # its own URL answered 400
+    assert _host_name(b"LocalHost.:8000") == "localhost" and _host_name(b"[::1]:80") == "::1"

@@ -61,3 +61,12 @@ def test_tool_calls_as_templates_take_them():
     assert render(CALLS, [{"role": "assistant", "content": "", "tool_calls": [call]}]) == "{}"  # not raw text
     # an empty list is no call (Llama 3.1's template raised "only single tool-calls")
     assert render(CALLS, [{"role": "assistant", "content": "ok", "tool_calls": []}]) == ""
+
+
+def test_auto_keeps_strings_for_a_template_that_splits_the_content_and_empty_text_is_a_part():
+    """`for line in message.content.split(...)` loops over the string's lines (the content was given as parts, and
+    the template failed on a list); an empty assistant prefill is one empty part, as vLLM's."""
+    splits = "{% for m in messages %}{% for line in m.content.split('\\n') %}<{{ line }}>{% endfor %}{% endfor %}"
+    assert render(splits, [{"role": "user", "content": "a\nb"}]) == "<a><b>"
+    parts = render_conversation(Tokenizer(PARTS), [ChatMessage(role="assistant", content="")], "openai")
+    assert parts == "[assistant:<>]"

@@ -160,6 +160,11 @@ def test_doctor_checks_serve_s_own_address(tmp_path):
         probe.bind(("127.0.0.1", 0))
         free = probe.getsockname()[1]
     assert doctor.check_port(free, "127.0.0.1").status == PASS
+    if socket.has_ipv6:  # --host ::1 read as "not an address of this machine" (an IPv4 socket was bound)
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            free6 = probe.getsockname()[1]
+        assert doctor.check_port(free6, "::1").status == PASS
     uds = str(tmp_path / "s.sock")
     results = [r for r in (c() for c in doctor.default_checks(None, 8000, uds=uds)) if r and r.name == "port"]
     assert [r.detail for r in results] == [f"listens on the Unix socket {uds}"]

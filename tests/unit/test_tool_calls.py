@@ -230,3 +230,16 @@ def test_hermes_arguments_given_as_a_string_or_before_the_name(piece):
     assert result.content == ""
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in result.calls] == [
         ("add", '{"a": 1}'), ("get_weather", '{"city": "Rome"}')]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_hermes_reads_the_block_s_end_as_json_reads_its_strings(piece):
+    """A "</tool_call>" inside an argument string is the string's (it ended the block: invalid arguments and the rest
+    as content); several call objects in one block are several calls; a broken one after them is dropped."""
+    code = '<tool_call>\n{"name": "add", "arguments": {"code": "print(\'</tool_call>\')"}}\n</tool_call> done'
+    result = streamed(make_reader(choice("auto"), "hermes"), code, piece)
+    assert result.content == " done"
+    assert [json.loads(c["function"]["arguments"]) for c in result.calls] == [{"code": "print('</tool_call>')"}]
+    two = '<tool_call>{"name": "add", "arguments": {"a": 1}}\n{"name": "get_weather", "arguments": {}}\n{oops</tool_call>'
+    result = streamed(make_reader(choice("auto"), "hermes"), two, piece)
+    assert result.content == "" and [c["function"]["name"] for c in result.calls] == ["add", "get_weather"]

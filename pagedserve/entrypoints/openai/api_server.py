@@ -165,7 +165,8 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         server = (scope.get("server") or ("",))[0] or ""
         loopback = server in ("127.0.0.1", "::1") or server.startswith("127.")  # a socket (not an in-process client)
-        if self.host_names is not None and loopback and _host_name(headers.get(b"host", b"")) not in self.host_names:
+        host = headers.get(b"host")  # none: no browser sent it (HTTP/1.0 health checks), so no rebinding either
+        if self.host_names is not None and loopback and host and _host_name(host) not in self.host_names:
             return await _send_error(send, "this server answers Host localhost (or 127.0.0.1, [::1]) only: name "
                                            "another with --allowed-hosts", 400)
         if self.expected is not None and not self.is_open(scope):
@@ -208,7 +209,7 @@ def _host_name(host: bytes) -> str:
     text = host.decode("latin-1").strip().lower()
     if text.startswith("["):
         return text[1:text.find("]")] if "]" in text else text
-    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+    return (text.rsplit(":", 1)[0] if text.count(":") == 1 else text).rstrip(".")  # "localhost." is localhost
 
 
 def _replay(messages: list[dict], receive: Any) -> Any:

@@ -21,7 +21,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "a
                                       "continue_final_message", "return_dict", "return_tensors", "tools", "documents",
                                       "chat_template"})
 # A template that loops over a message's content takes OpenAI's list of parts (vLLM's "auto" detection).
-_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+[\w.]*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+[\w.]*(?:\[\s*['\"]content['\"]\s*\]|\.content)"
+                                 r"\s*(?:-?%\}|\||if\b)")  # the content itself (not .content.split(...))
 
 
 def render_conversation(tokenizer: Any, messages: list[ChatMessage], content_format: str = "auto",
@@ -123,8 +124,10 @@ def message_text(message: ChatMessage) -> str:
 
 def _text_parts(message: ChatMessage) -> list[str]:
     """The texts of a message's content: a string is one part; parts without text are skipped (vLLM's rule)."""
-    if message.content is None or isinstance(message.content, str):
-        return [message.content] if message.content else []
+    if message.content is None:
+        return []
+    if isinstance(message.content, str):
+        return [message.content]  # "" too: an empty assistant prefill is one empty part, as vLLM's
     parts = []
     for index, part in enumerate(message.content):
         if part.get("type") != "text":

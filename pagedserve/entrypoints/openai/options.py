@@ -197,7 +197,7 @@ class ServeOptions(FlagArgs):
             names |= {item.strip("[]").lower() for item in value}
         if self.host not in ("127.0.0.1", "localhost", "::1") and not self.host.startswith("127."):
             return None  # reachable from elsewhere: the API key (or the network) is what guards it
-        return frozenset(names)
+        return frozenset(names | {self.host.lower()})  # the address it listens on (127.0.0.2) is its own name
 
     def cors(self) -> dict | None:
         """CORSMiddleware's settings from the --allowed-* flags (None: no CORS); ValueError naming a bad flag."""

@@ -469,6 +469,7 @@ class HermesReader(ToolCallReader):
         self.bare: bool | None = None  # None until the output's first character says whether it may be a bare call
         self.block: StreamedCall | None = None  # inside <tool_call>: the call being read
         self.block_text = ""  # the block's text so far (it stays content if it is not a call)
+        self.block_calls = 0  # calls this block sent before the one being read (several objects in one block)
 
     def feed(self, text: str) -> list[str | ToolCallDelta]:
         self.pending += text
@@ -490,12 +491,23 @@ class HermesReader(ToolCallReader):
                     return events
                 self._emit(events, self.pending[:start])
                 self.pending = self.pending[start + len(self.OPEN):]
-                self.block, self.block_text = StreamedCall(self), ""
+                self.block, self.block_text, self.block_calls = StreamedCall(self), "", 0
+            scanner = self.block.scanner
+            if not scanner.done and not scanner.failed:  # the call object reads the text (a "</tool_call>" inside
+                events += self.block.feed(self.pending)  # one of its strings is the string's, not the block's end)
+                self.block_text += self.pending[:scanner.consumed]
+                self.pending = self.pending[scanner.consumed:]
+                if not scanner.done and not scanner.failed:
+                    return events
+            if scanner.done and self.block.delta is not None and self.pending.lstrip().startswith("{"):
+                skipped = len(self.pending) - len(self.pending.lstrip())  # another call object in the same block
+                self.pending = self.pending[skipped:]
+                self.block, self.block_text, self.block_calls = StreamedCall(self), "", self.block_calls + 1
+                continue
             end = self.pending.find(self.CLOSE)
             taken = self.pending[:end] if end >= 0 else \
                 self.pending[:len(self.pending) - _partial_suffix(self.pending, self.CLOSE)]
             self.block_text += taken
-            events += self.block.feed(taken)
             self.pending = self.pending[len(taken):]
             if end < 0:
                 return events
@@ -504,8 +516,8 @@ class HermesReader(ToolCallReader):
 
     def _close_block(self) -> list[str | ToolCallDelta]:
         block, self.block = self.block, None
-        if block.delta is not None:
-            return []  # sent as it came
+        if block.delta is not None or (self.block_calls and not block.scanner.done):
+            return []  # sent as it came (a broken object after a block's calls is dropped: they went out)
         return block.finish() or [self._parse_block(self.OPEN + self.block_text + self.CLOSE)]
 
     def finish(self) -> list[str | ToolCallDelta]:
@@ -518,7 +530,7 @@ class HermesReader(ToolCallReader):
         events = self.feed("")
         if self.block is not None:  # a block cut by max_tokens: a call keeps what it has, anything else is text
             block, self.block = self.block, None
-            if block.delta is None:
+            if block.delta is None and not self.block_calls:
                 self._emit(events, self.OPEN + self.block_text)
             else:
                 self.pending = ""
