@@ -111,8 +111,9 @@ def log_stats_interval_s() -> float:
                 value = float(raw)
             except ValueError as exc:
                 raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from exc
-            if value > 0:
-                return value
+            if not 0 < value < 1e9:  # inf killed the stats thread (time.sleep overflows); 0 and less were ignored
+                raise ValueError(f"{name} must be a number of seconds above 0 (and finite), got {raw!r}")
+            return value
     return 10.0
 
 

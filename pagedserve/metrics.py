@@ -7,18 +7,39 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from pagedserve.memory.rss import ResidentMemory
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+disable_created_metrics()  # as vLLM: no *_created series beside every counter and histogram
+
+# vLLM's buckets, histogram by histogram, so dashboards and alerts on an `le` edge read the same series.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                          20.0, 40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                            240.0, 480.0, 960.0, 1920.0, 7680.0)
+_LATENCY_BUCKETS = _TTFT_BUCKETS  # pagedserve's own latencies (grammar compiles)
+
+
+def token_count_buckets(max_model_len: int) -> list[int]:
+    """vLLM's 1-2-5 buckets up to max_model_len (request prompt and generation lengths)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_model_len:
+                return buckets
+            buckets.append(value)
+        exponent += 1
 
 
 @dataclass
 class _RequestTiming:
     last_token_time: float | None = None
+    first_token_time: float | None = None
     seen_first_token: bool = False
     num_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens seen
     finished: set[int] = field(default_factory=set)  # completion indexes whose finish was counted
@@ -82,7 +103,9 @@ class StatsLog:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int = 131072,
+                 cache_info: dict[str, str] | None = None) -> None:
+        """`cache_info`: vllm:cache_config_info's labels (block_size, num_gpu_blocks, cache_dtype, ...)."""
         if registry is None:
             from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
 
@@ -96,6 +119,8 @@ class EngineMetrics:
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", labels,
                               registry=r)
+        self.gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's former name of "
+                                     "vllm:kv_cache_usage_perc, which its stock dashboard reads).", labels, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions.", labels, registry=r)
@@ -106,13 +131,37 @@ class EngineMetrics:
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                labels + ["finished_reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
+                              buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time between tokens (vLLM's former name of "
+                              "vllm:inter_token_latency_seconds, which its stock dashboard reads).", labels,
+                              buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.request_tpot = Histogram("vllm:request_time_per_output_token_seconds", "A finished request's decode "
+                                      "time over its output tokens after the first.", labels,
+                                      buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first schedule.", labels,
-                                    buckets=_LATENCY_BUCKETS, registry=r)
+                                    buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "First schedule to first token.", labels,
+                                      buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "First token to finish.", labels,
+                                     buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram("vllm:request_inference_time_seconds", "First schedule to finish.", labels,
+                                        buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
+        lengths = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "A finished request's prompt tokens.",
+                                               labels, buckets=lengths, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "A finished choice's "
+                                                   "generated tokens.", labels, buckets=lengths, registry=r)
+        self.request_max_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens", "The most tokens a finished request's choices generated.",
+            labels, buckets=lengths, registry=r)
+        if cache_info is not None:
+            info = Gauge("vllm:cache_config_info", "The KV cache's configuration (its labels).", sorted(cache_info),
+                         registry=r)
+            info.labels(**cache_info).set(1)
         self.grammar_compile = Histogram("pagedserve:grammar_compile_seconds",
                                          "Time to compile a structured-output grammar (cache misses only).", labels,
                                          buckets=_LATENCY_BUCKETS, registry=r)
@@ -139,9 +188,11 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         # Exported from the start (0 running, no tokens yet), not only after the first engine step.
-        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
-                       self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e,
-                       self.queue_time):
+        for metric in (self.running, self.waiting, self.kv_usage, self.gpu_cache_usage, self.prompt_tokens,
+                       self.generation_tokens, self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft,
+                       self.itl, self.tpot, self.request_tpot, self.e2e, self.queue_time, self.prefill_time,
+                       self.decode_time, self.inference_time, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.request_max_generation_tokens):
             metric.labels(model_name)
 
     def observe_grammar_compile(self, seconds: float) -> None:
@@ -155,6 +206,7 @@ class EngineMetrics:
         self.running.labels(name).set(stats.num_running)
         self.waiting.labels(name).set(stats.num_waiting)
         self.kv_usage.labels(name).set(stats.kv_cache_usage)
+        self.gpu_cache_usage.labels(name).set(stats.kv_cache_usage)
         if stats.num_preemptions:
             self.preemptions.labels(name).inc(stats.num_preemptions)
         if stats.prefix_cache_queries:
@@ -212,6 +264,7 @@ class EngineMetrics:
             self.generation_tokens.labels(name).inc(num_new)
             if not timing.seen_first_token:
                 timing.seen_first_token = True
+                timing.first_token_time = now
                 num_prompt = len(output.prompt_token_ids)
                 self.prompt_tokens.labels(name).inc(num_prompt)
                 if metrics is not None:
@@ -220,6 +273,7 @@ class EngineMetrics:
                         self.queue_time.labels(name).observe(metrics.first_scheduled_time - metrics.arrival_time)
             elif timing.last_token_time is not None:
                 self.itl.labels(name).observe(now - timing.last_token_time)
+                self.tpot.labels(name).observe(now - timing.last_token_time)
             timing.last_token_time = now
         if output.finished:
             del self._timings[output.request_id]
@@ -228,7 +282,25 @@ class EngineMetrics:
                     self.success.labels(name, "abort").inc()
             if metrics is not None:
                 self.e2e.labels(name).observe(now - metrics.arrival_time)
+            if timing.first_token_time is not None:  # it ran: vLLM's per-request phases and lengths
+                self._observe_finished(output, timing, now)
         return num_prompt, num_new
+
+    def _observe_finished(self, output: RequestOutput, timing: _RequestTiming, now: float) -> None:
+        name = self.model_name
+        generated = [timing.num_tokens.get(c.index, 0) for c in output.outputs] or [0]
+        self.request_prompt_tokens.labels(name).observe(len(output.prompt_token_ids))
+        for count in generated:
+            self.request_generation_tokens.labels(name).observe(count)
+        self.request_max_generation_tokens.labels(name).observe(max(generated))
+        decode = now - timing.first_token_time
+        self.decode_time.labels(name).observe(decode)
+        if max(generated) > 1:
+            self.request_tpot.labels(name).observe(decode / (max(generated) - 1))
+        scheduled = output.metrics.first_scheduled_time if output.metrics is not None else None
+        if scheduled is not None:
+            self.prefill_time.labels(name).observe(max(0.0, timing.first_token_time - scheduled))
+            self.inference_time.labels(name).observe(now - scheduled)
 
     def _observe_pooling(self, output: PoolingRequestOutput, now: float) -> int:
         """An embedding request: prompt tokens (returned), queue time and latency; it generates no tokens."""

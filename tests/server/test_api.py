@@ -346,6 +346,32 @@ def test_metrics_parse_and_move(server, client):
         assert name in names
 
 
+def test_the_metrics_vllm_s_dashboard_reads(server, client):
+    """vLLM's stock Grafana dashboard's panels: per-request lengths, prefill/decode/inference times, TPOT under both
+    of vLLM's names, the former cache-usage name, cache_config_info; vLLM's bucket edges; no *_created series."""
+    def value(name: str, **labels) -> float:
+        return metric_value(server, name, model_name=MODEL, **labels)
+
+    names = ("vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_sum",
+             "vllm:request_max_num_generation_tokens_count", "vllm:request_prefill_time_seconds_count",
+             "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count",
+             "vllm:request_time_per_output_token_seconds_count", "vllm:time_per_output_token_seconds_count")
+    before = {name: value(name) for name in names}
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=6, temperature=0, n=2,
+                              extra_body={"ignore_eos": True})
+    after = {name: value(name) for name in names}
+    assert after["vllm:request_prompt_tokens_count"] == before["vllm:request_prompt_tokens_count"] + 1
+    assert after["vllm:request_generation_tokens_sum"] == before["vllm:request_generation_tokens_sum"] + 12  # 2 x 6
+    for name in names[2:7]:
+        assert after[name] == before[name] + 1, name
+    assert after["vllm:time_per_output_token_seconds_count"] > before["vllm:time_per_output_token_seconds_count"]
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="tiny"}' in text  # vLLM's edges
+    assert 'vllm:e2e_request_latency_seconds_bucket{le="7680.0",model_name="tiny"}' in text
+    assert "_created" not in text and "vllm:gpu_cache_usage_perc" in text
+    assert 'vllm:cache_config_info{block_size="16"' in text
+
+
 def test_disable_log_stats_keeps_the_stats_line_out_of_the_log(server, client):
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=8)
     time.sleep(0.5)  # five periods of the stats line (PAGEDSERVE_LOG_STATS_INTERVAL)

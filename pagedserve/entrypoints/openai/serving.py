@@ -288,15 +288,19 @@ class OpenAIServing:
                ) -> AsyncIterator[tuple[int, RequestOutput]]:
         room = self.engine.check_room(len(prompts))  # a 429 (or 400) before a stream's headers are out
         arrival = time.monotonic()
-        if self.options.enable_log_requests:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                self._log_request(f"{request_id}-{i}", prompt, params)
+        self._log_requests(request_id, prompts, params_list)
         generators = [self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
                                            params, arrival, reservation=room)
                       for i, (p, params) in enumerate(zip(prompts, params_list))]
         if self.options.enable_log_outputs:
             generators = [self._logged_outputs(f"{request_id}-{i}", g) for i, g in enumerate(generators)]
         return _merge(generators)
+
+    def _log_requests(self, request_id: str, prompts: list[_Prompt], params_list: list[SamplingParams]) -> None:
+        """--enable-log-requests: each prompt's request, as it starts."""
+        if self.options.enable_log_requests:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                self._log_request(f"{request_id}-{i}", prompt, params)
 
     def _start_beam_search(self, request_id: str, req: Any, prompts: list[_Prompt], max_tokens: list[int],
                            params_list: list[SamplingParams], num_logprobs: int | None
@@ -314,6 +318,7 @@ class OpenAIServing:
                                       f"requests at once; the server takes at most {self.engine.capacity} "
                                       "(--max-num-seqs plus --max-waiting-requests): lower n", param="n")
         self.engine.check_room(needed)  # a 429 before anything starts; later steps are never refused
+        self._log_requests(request_id, prompts, params_list)  # (beam searches were not logged)
         generators = [beam_search_outputs(self.engine, f"{request_id}-{i}", p.text, p.token_ids, beam, params,
                                           num_logprobs)
                       for i, (p, beam, params) in enumerate(zip(prompts, beams, params_list))]
