@@ -230,7 +230,12 @@ class CallScanner:
 
     def __init__(self) -> None:
         self.state = "start"  # start | key_or_end | key | colon | value | after_value | done | failed
-        self.key = self.raw = self.arguments = ""
+        self.key = ""
+        # The current key's and value's characters, and the arguments object's: lists, as text grown a character
+        # at a time (an attribute's `+=` copies the whole string each time: quadratic in a long argument).
+        self._key: list[str] = []
+        self._raw: list[str] = []
+        self._arguments: list[str] = []
         self.name: str | None = None
         self.arguments_open = False  # the arguments object has begun (and streams)
         self.arguments_other: str | None = None  # arguments of another JSON kind, raw, once complete
@@ -244,6 +249,11 @@ class CallScanner:
     @property
     def failed(self) -> bool:
         return self.state == "failed"
+
+    @property
+    def arguments(self) -> str:
+        """The arguments object's text so far."""
+        return "".join(self._arguments)
 
     def feed(self, text: str) -> str:
         """Consume `text`; returns the characters of it that belong to the arguments object."""
@@ -262,61 +272,59 @@ class CallScanner:
             self._value(char, out)
         elif state == "key":
             self._string(char)
-            self.key += char
+            self._key.append(char)
             if not self._in_string:
-                self.key = _json_string(self.key)
+                self.key = _json_string("".join(self._key))
                 self.state = "colon"
         elif char in " \t\r\n":
             return
         elif state == "start":
             self.state = "key_or_end" if char == "{" else "failed"
         elif state == "key_or_end" and char == '"':
-            self.key, self._in_string, self.state = char, True, "key"
+            self._key, self._in_string, self.state = [char], True, "key"
         elif state in ("key_or_end", "after_value") and char == "}":
             self.state = "done"
         elif state == "colon" and char == ":":
-            self.state, self.raw = "value", ""
+            self.state, self._raw = "value", []
         elif state == "after_value" and char == ",":
             self.state = "key_or_end"
         else:
             self.state = "failed"
 
     def _value(self, char: str, out: list[str]) -> None:
-        if not self.raw and char in " \t\r\n":
+        raw = self._raw
+        if not raw and char in " \t\r\n":
             return
-        scalar_end = not self.raw.startswith(("{", "[", '"')) and self.raw and char in ",} \t\r\n"
-        if scalar_end:  # a number, true, false or null ends at the character after it
-            self._end_value()
+        if raw and raw[0] not in '{["' and char in ",} \t\r\n":  # a number, true, false or null ends at the
+            self._end_value()  # character after it
             self._step(char, out)
             return
-        self.raw += char
+        raw.append(char)
         if self._in_string or char == '"':
             self._string(char)
         elif char in "{[":
             self._depth += 1
         elif char in "}]":
             self._depth -= 1
-        streams = self.key in self.ARGUMENT_KEYS and self.raw.startswith("{")
-        if streams:
+        if raw[0] == "{" and self.key in self.ARGUMENT_KEYS:  # the arguments object: it streams
             self.arguments_open = True
-            self.arguments += char
+            self._arguments.append(char)
             out.append(char)
-        if self._depth == 0 and not self._in_string and (self.raw[0] in "{[" or len(self.raw) > 1 and
-                                                        self.raw[0] == '"'):
+        if self._depth == 0 and not self._in_string and (raw[0] in "{[" or len(raw) > 1 and raw[0] == '"'):
             self._end_value()
 
     def _end_value(self) -> None:
         if self.key == "name":
             try:
-                value = json.loads(self.raw)
+                value = json.loads("".join(self._raw))
             except ValueError:
                 value = None
             if not isinstance(value, str):
                 self.state = "failed"
                 return
             self.name = value
-        elif self.key in self.ARGUMENT_KEYS and not self.raw.startswith("{"):
-            self.arguments_other = self.raw
+        elif self.key in self.ARGUMENT_KEYS and self._raw[0] != "{":
+            self.arguments_other = "".join(self._raw)
         self.state = "after_value"
 
     def _string(self, char: str) -> None:
