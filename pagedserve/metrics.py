@@ -288,7 +288,7 @@ class EngineMetrics:
 
     def _observe_finished(self, output: RequestOutput, timing: _RequestTiming, now: float) -> None:
         name = self.model_name
-        generated = [timing.num_tokens.get(c.index, 0) for c in output.outputs] or [0]
+        generated = list(timing.num_tokens.values()) or [0]  # every choice (the last output lacks those done early)
         self.request_prompt_tokens.labels(name).observe(len(output.prompt_token_ids))
         for count in generated:
             self.request_generation_tokens.labels(name).observe(count)
