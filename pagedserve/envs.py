@@ -111,9 +111,10 @@ def log_stats_interval_s() -> float:
                 value = float(raw)
             except ValueError as exc:
                 raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from exc
-            if not 0 < value < 1e9:  # inf killed the stats thread (time.sleep overflows); 0 and less were ignored
-                raise ValueError(f"{name} must be a number of seconds above 0 (and finite), got {raw!r}")
-            return value
+            if not value < 1e9:  # inf (and nan) killed the stats thread: time.sleep overflows
+                raise ValueError(f"{name} must be a finite number of seconds, got {raw!r}")
+            if value > 0:  # 0 and less: the default, as vLLM reads it
+                return value
     return 10.0
 
 

@@ -4,6 +4,7 @@ generated text into tool calls — streamed in pieces or read whole, with the sa
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -243,3 +244,39 @@ def test_hermes_reads_the_block_s_end_as_json_reads_its_strings(piece):
     two = '<tool_call>{"name": "add", "arguments": {"a": 1}}\n{"name": "get_weather", "arguments": {}}\n{oops</tool_call>'
     result = streamed(make_reader(choice("auto"), "hermes"), two, piece)
     assert result.content == "" and [c["function"]["name"] for c in result.calls] == ["add", "get_weather"]
+
+
+HERMES_PIECES = ['<tool_call>', '</tool_call>', '{"name": "add", "arguments": {"a": 1}}', '\n', ' ', 'text', '{', '}',
+                 '{"name": "get_weather", "arguments": {"city": "</tool_call>"}}', '"', 'x', '{"nam": "c"}', '<', ',',
+                 '{"name": "add", "arguments": {"q": "\\\\"}"}}', '<tool']
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_hermes_streamed_in_any_pieces_equals_read_whole_on_random_outputs(parallel):
+    """Whatever the text (calls, text, broken objects, tags inside strings, cut anywhere) and however it is split,
+    the stream adds up to the text read whole (a sweep found 10 of 3000 outputs that did not)."""
+    rng = random.Random(0)
+    for _ in range(400):
+        text = "".join(rng.choice(HERMES_PIECES) for _ in range(rng.randint(1, 10)))
+        whole = read_all(make_reader(choice("auto", parallel=parallel), "hermes"), text)
+        for piece in (1, 2, 5):
+            parts = streamed(make_reader(choice("auto", parallel=parallel), "hermes"), text, piece)
+            assert parts.content == whole.content, (text, piece)
+            assert [c["function"] for c in parts.calls] == [c["function"] for c in whole.calls], (text, piece)
+
+
+def test_hermes_blocks_as_vllm_reads_them():
+    """A block ends at the close tag after its objects (a broken call swallowed the text and calls after it); a
+    block with no call is text up to its first close tag; text between a block's objects ends its calls."""
+    cases = [
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>\nThen.\n<tool_call>{"name": "get_weather",'
+         ' "arguments": {}}</tool_call> end', "\nThen.\n end", ["add", "get_weather"]),
+        ('<tool_call></tool_call> hi <tool_call>{"name": "add", "arguments": {}}</tool_call>',
+         "<tool_call></tool_call> hi ", ["add"]),
+        ('<tool_call>{"name": "add", "arguments": {}} x {"name": "get_weather", "arguments": {}}</tool_call>', "",
+         ["add"]),
+        ('<tool_call>{"name": "add", "arguments": {}}{"nam": "b"}</tool_call>after', "after", ["add"]),
+    ]
+    for text, content, names in cases:
+        result = read_all(make_reader(choice("auto"), "hermes"), text)
+        assert (result.content, [c["function"]["name"] for c in result.calls]) == (content, names), text

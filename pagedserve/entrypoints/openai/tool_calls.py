@@ -263,7 +263,8 @@ class CallScanner:
             if self.state in ("done", "failed"):
                 break
             self._step(char, out)
-            self.consumed += 1
+            if self.state != "failed":  # the character that failed it is not the object's (it may be "</tool_call>")
+                self.consumed += 1
         return "".join(out)
 
     def _step(self, char: str, out: list[str]) -> None:
@@ -461,11 +462,15 @@ def _skip(text: str, position: int, chars: str) -> int:
 
 class HermesReader(ToolCallReader):
     """hermes: content, with calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in it.
-    Content streams as it comes, holding back only what may be the start of a tag; a call is sent once its name is
-    known and its arguments object has begun, the arguments then as they are generated (CallScanner). A block that
-    is not such a call stays content. Small models often write the call's JSON without the tags: an output that is
-    nothing but `{"name": <one of the tools>, "arguments": {...}}` objects (possibly in a ``` code fence) is those
-    calls too (held until the end, as it may turn out to be text)."""
+    Content streams as it comes, holding back only what may be the start of a tag. Inside a block, call objects
+    (one or more, whitespace between them) are read by a CallScanner: a call is sent once its name is known and its
+    arguments object has begun, the arguments then as they are generated; a "</tool_call>" inside one of their
+    strings is the string's. The block ends at the "</tool_call>" after its objects (what else stands before it is
+    dropped once a call was sent). A block whose first object is not a call stays content, up to its first
+    "</tool_call>". Small models often write the call's JSON without the tags: an output that is nothing but
+    `{"name": <one of the tools>, "arguments": {...}}` objects (possibly in a ``` code fence) is those calls too
+    (held until the end, as it may turn out to be text). Every decision depends on the text alone, so a stream
+    adds up to the text read whole."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     passes_text_through = False
@@ -475,9 +480,11 @@ class HermesReader(ToolCallReader):
         self.tool_names = tool_names
         self.pending = ""
         self.bare: bool | None = None  # None until the output's first character says whether it may be a bare call
-        self.block: StreamedCall | None = None  # inside <tool_call>: the call being read
-        self.block_text = ""  # the block's text so far (it stays content if it is not a call)
-        self.block_calls = 0  # calls this block sent before the one being read (several objects in one block)
+        self.block: StreamedCall | None = None  # inside <tool_call>: the call object being read (or the last one)
+        self.block_text = ""  # the block's text read so far (it is content if the block holds no call)
+        self.block_calls = 0  # calls the block sent
+        self.text_block = False  # the block's first object is no call: the block is content, up to its close tag
+        self.junk = False  # something other than whitespace or an object came after the block's objects
 
     def feed(self, text: str) -> list[str | ToolCallDelta]:
         self.pending += text
@@ -490,7 +497,7 @@ class HermesReader(ToolCallReader):
             return []
         events: list[str | ToolCallDelta] = []
         while True:
-            if self.block is None:
+            if self.block is None and not self.text_block:
                 start = self.pending.find(self.OPEN)
                 if start < 0:
                     keep = _partial_suffix(self.pending, self.OPEN)
@@ -499,34 +506,62 @@ class HermesReader(ToolCallReader):
                     return events
                 self._emit(events, self.pending[:start])
                 self.pending = self.pending[start + len(self.OPEN):]
-                self.block, self.block_text, self.block_calls = StreamedCall(self), "", 0
-            scanner = self.block.scanner
-            if not scanner.done and not scanner.failed:  # the call object reads the text (a "</tool_call>" inside
-                events += self.block.feed(self.pending)  # one of its strings is the string's, not the block's end)
-                self.block_text += self.pending[:scanner.consumed]
-                self.pending = self.pending[scanner.consumed:]
-                if not scanner.done and not scanner.failed:
-                    return events
-            if scanner.done and self.block.delta is not None and self.pending.lstrip().startswith("{"):
-                skipped = len(self.pending) - len(self.pending.lstrip())  # another call object in the same block
-                self.pending = self.pending[skipped:]
-                self.block, self.block_text, self.block_calls = StreamedCall(self), "", self.block_calls + 1
-                continue
-            end = self.pending.find(self.CLOSE)
-            taken = self.pending[:end] if end >= 0 else \
-                self.pending[:len(self.pending) - _partial_suffix(self.pending, self.CLOSE)]
-            self.block_text += taken
-            self.pending = self.pending[len(taken):]
-            if end < 0:
+                self.block, self.block_text, self.block_calls, self.junk = StreamedCall(self), "", 0, False
+            if not self._read_block(events):
                 return events
-            self.pending = self.pending[len(self.CLOSE):]
-            events += self._close_block()
+
+    def _read_block(self, events: list) -> bool:
+        """Go on reading the open block from `pending`; False when more text is needed, True when it closed."""
+        if self.text_block:  # content: as it comes, up to the close tag
+            end = self.pending.find(self.CLOSE)
+            cut = end + len(self.CLOSE) if end >= 0 else len(self.pending) - _partial_suffix(self.pending, self.CLOSE)
+            self._emit(events, self.pending[:cut])
+            self.pending = self.pending[cut:]
+            self.text_block = end < 0
+            return end >= 0
+        call = self.block
+        scanner = call.scanner
+        if not scanner.done and not scanner.failed:
+            sent = call.delta is not None
+            events += call.feed(self.pending)
+            self._take(scanner.consumed)
+            if scanner.done:
+                events += call.finish()  # arguments given as a JSON string: the call goes out whole now
+            self.block_calls += not sent and call.delta is not None  # counted as it goes out
+            if not scanner.done and not scanner.failed:
+                return False
+        if scanner.failed and not self.block_calls:
+            self._to_text()  # its first object is no call: the block is content
+            return True
+        while self.pending:  # between objects (or after a broken one that was sent): up to the close tag
+            if self.pending.startswith(self.CLOSE):
+                self.pending = self.pending[len(self.CLOSE):]
+                events += self._close_block()
+                return True
+            if self.CLOSE.startswith(self.pending):
+                return False  # maybe the close tag: wait
+            char = self.pending[0]
+            if char == "{" and scanner.done and not self.junk:
+                self.block = StreamedCall(self)  # another call object in the same block
+                return self._read_block(events)
+            self.junk = self.junk or char not in " \t\r\n"
+            self._take(1)
+        return False
+
+    def _take(self, count: int) -> None:
+        self.block_text += self.pending[:count]
+        self.pending = self.pending[count:]
+
+    def _to_text(self) -> None:
+        """The block is content: read again from its open tag as text, up to its first close tag (vLLM's rule)."""
+        self.pending = self.OPEN + self.block_text + self.pending
+        self.block, self.text_block = None, True
 
     def _close_block(self) -> list[str | ToolCallDelta]:
-        block, self.block = self.block, None
-        if block.delta is not None or (self.block_calls and not block.scanner.done):
-            return []  # sent as it came (a broken object after a block's calls is dropped: they went out)
-        return block.finish() or [self._parse_block(self.OPEN + self.block_text + self.CLOSE)]
+        self.block = None
+        if self.block_calls:
+            return []  # its calls went out as they came (what else it held is dropped)
+        return [self.OPEN + self.block_text + self.CLOSE]  # no call in it: content
 
     def finish(self) -> list[str | ToolCallDelta]:
         if self.bare:
@@ -536,12 +571,13 @@ class HermesReader(ToolCallReader):
                 return calls
         self.bare = False
         events = self.feed("")
-        if self.block is not None:  # a block cut by max_tokens: a call keeps what it has, anything else is text
-            block, self.block = self.block, None
-            if block.delta is None and not self.block_calls:
+        if self.block is not None:  # a block cut by max_tokens: its calls keep what they have, else it is text
+            self.block = None
+            if not self.block_calls:
                 self._emit(events, self.OPEN + self.block_text)
             else:
                 self.pending = ""
+        self.text_block = False
         self._emit(events, self.pending)
         self.pending = ""
         return events
@@ -553,15 +589,6 @@ class HermesReader(ToolCallReader):
                    for v in values):
             return []
         return [self._call(v["name"], v["arguments"]) for v in values]
-
-    def _parse_block(self, block: str) -> str | ToolCallDelta:
-        try:
-            value = json.loads(block[len(self.OPEN):-len(self.CLOSE)])
-        except ValueError:
-            return block
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return block
-        return self._call(value["name"], value.get("arguments", value.get("parameters", {})))
 
     @staticmethod
     def _emit(events: list, text: str) -> None:
