@@ -241,7 +241,8 @@ def test_hermes_reads_the_block_s_end_as_json_reads_its_strings(piece):
     result = streamed(make_reader(choice("auto"), "hermes"), code, piece)
     assert result.content == " done"
     assert [json.loads(c["function"]["arguments"]) for c in result.calls] == [{"code": "print('</tool_call>')"}]
-    two = '<tool_call>{"name": "add", "arguments": {"a": 1}}\n{"name": "get_weather", "arguments": {}}\n{oops</tool_call>'
+    two = ('<tool_call>{"name": "add", "arguments": {"a": 1}}\n{"name": "get_weather", "arguments": {}}\n'
+           '{oops</tool_call>')
     result = streamed(make_reader(choice("auto"), "hermes"), two, piece)
     assert result.content == "" and [c["function"]["name"] for c in result.calls] == ["add", "get_weather"]
 
