@@ -18,7 +18,7 @@ from typing import Any
 CONFIG_COMMANDS = ("serve", "plan", "doctor", "run-batch", "generate")  # the sub-commands that take serve's flags
 
 
-def normalize(argv: list[str], dests: dict[str, dict[str, str]] | None = None) -> list[str]:
+def normalize(argv: list[str], dests: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """argv with vLLM's flag spellings turned into pagedserve's, and a --config file's flags added. `dests`: each
     sub-command's option strings -> the setting they set (cli/main.option_dests), so a setting the command line
     gives under any of its names (`-tp`, `-q`) keeps the command line's value."""
@@ -31,7 +31,7 @@ def normalize(argv: list[str], dests: dict[str, dict[str, str]] | None = None) -
     return _expand_config(out, (dests or {}).get(out[0] if out else "", {}))
 
 
-def _expand_config(argv: list[str], dests: dict[str, str]) -> list[str]:
+def _expand_config(argv: list[str], dests: dict[str, Any]) -> list[str]:
     if not argv or argv[0] not in CONFIG_COMMANDS:
         return argv
     path, rest = None, [argv[0]]
@@ -47,8 +47,11 @@ def _expand_config(argv: list[str], dests: dict[str, str]) -> list[str]:
             rest.append(arg)
     if path is None:
         return argv
-    given = {dests.get(arg.split("=", 1)[0], arg.split("=", 1)[0].removeprefix("--no-").removeprefix("--"))
-             for arg in rest if arg.startswith("-")}
+    def dest(option: str) -> str:
+        action = dests.get(option)
+        return action.dest if action is not None else option.removeprefix("--no-").removeprefix("--")
+
+    given = {dest(arg.split("=", 1)[0]) for arg in rest if arg.startswith("-")}
     config = _read_config(path)
     model = config.pop("model", None)
     added = []
@@ -60,10 +63,10 @@ def _expand_config(argv: list[str], dests: dict[str, str]) -> list[str]:
         if value is None:
             raise _error(f"--config {path}: {key!r} has no value; give one or leave the key "
                              "out")
-        if dests.get(f"--{name}", name) in given:
+        if dest(f"--{name}") in given:
             continue  # the command line's own value wins, under any of the flag's names, as in vLLM
         added += _as_flags(name, value)
-    if model is not None and not _has_model(rest):
+    if model is not None and not _has_model(rest, dests):
         added += ["--model", str(model)]
     return rest + added
 
@@ -95,10 +98,28 @@ def _as_flags(name: str, value: Any) -> list[str]:
     return [f"--{name}", str(value)]
 
 
-def _has_model(args: list[str]) -> bool:
-    """A model named on the command line: `--model`, or a first argument that is not a flag."""
-    return "--model" in args or any(a.startswith("--model=") for a in args) or (
-        len(args) > 1 and not args[1].startswith("-"))
+def _has_model(args: list[str], dests: dict[str, Any]) -> bool:
+    """A model named on the command line: `--model`, or a positional argument (where the options' actions are known,
+    anywhere: `run-batch -i IN -o OUT MODEL`; else first)."""
+    if "--model" in args or any(a.startswith("--model=") for a in args):
+        return True
+    if not dests:
+        return len(args) > 1 and not args[1].startswith("-")
+    index = 1
+    while index < len(args):
+        token = args[index]
+        index += 1
+        if not token.startswith("-") or token == "-":
+            return True  # not an option's value: the positional
+        action = dests.get(token)
+        if "=" in token or action is None or action.nargs == 0:
+            continue
+        if action.nargs in ("+", "*"):
+            while index < len(args) and not args[index].startswith("-"):
+                index += 1
+        else:
+            index += action.nargs if isinstance(action.nargs, int) else 1
+    return False
 
 
 def _error(message: str) -> SystemExit:

@@ -48,11 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def option_dests(parser: argparse.ArgumentParser) -> dict[str, dict[str, str]]:
+def option_dests(parser: argparse.ArgumentParser) -> dict[str, dict[str, argparse.Action]]:
     """Each sub-command's option strings (`-tp`, `--tensor-parallel-size`, `--no-enable-prefix-caching`, ...) ->
-    the setting they set, so a --config file knows which of its keys the command line gave already."""
+    their argparse action (the setting they set, the values they take), so a --config file knows which of its keys
+    the command line gave already, and where its positional model is."""
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {name: {option: action.dest for action in sub._actions for option in action.option_strings}
+    return {name: {option: action for action in sub._actions for option in action.option_strings}
             for name, sub in subparsers.choices.items()}
 
 

@@ -138,6 +138,13 @@ def test_the_command_line_wins_over_a_config_file_under_any_name_of_the_flag(tmp
                  "--config is given twice")
     config.write_text("max_num_seqs: 4\n")  # run-batch and generate take serve's flags, and so the file
     assert normalize(["run-batch", "m", "-i", "x", "--config", str(config)], dests)[-2:] == ["--max-num-seqs", "4"]
+    # a model named where the command takes it (after -i/-o for run-batch) wins over the file's (it was "given twice")
+    config.write_text("model: from-file\nmax_num_seqs: 4\n")
+    for argv in (["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "mine"], ["serve", "--port", "9", "mine"],
+                 ["serve", "--served-model-name", "a", "--enable-prefix-caching", "mine"]):
+        assert "--model" not in normalize([*argv, "--config", str(config)], dests), argv
+    assert normalize(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--config", str(config)], dests)[-2:] == [
+        "--model", "from-file"]
 
 
 @pytest.mark.parametrize("text, value", [("4096", 4096), ("32k", 32000), ("32K", 32768), ("1.5k", 1500),
