@@ -92,11 +92,12 @@ class StatsLog:
             return None
         self._idle_written = not busy
         elapsed = max(now - since, 1e-9)
-        text = (f"Avg prompt throughput: {window.prompt_tokens / elapsed:.1f} tokens/s, Avg generation throughput: "
-                f"{window.generation_tokens / elapsed:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} "
-                f"reqs, KV cache usage: {100 * kv_usage:.1f}%")
-        if window.prefix_queries:
-            text += f", Prefix cache hit rate: {100 * window.prefix_hits / window.prefix_queries:.1f}%"
+        # vLLM's line, its "Engine 000:" prefix and an always-present hit rate included, for parsers of its logs
+        # (its "GPU KV cache usage" reads "KV cache usage": the pool is in host memory here)
+        hit_rate = window.prefix_hits / window.prefix_queries if window.prefix_queries else 0.0
+        text = (f"Engine 000: Avg prompt throughput: {window.prompt_tokens / elapsed:.1f} tokens/s, Avg generation "
+                f"throughput: {window.generation_tokens / elapsed:.1f} tokens/s, Running: {running} reqs, Waiting: "
+                f"{waiting} reqs, KV cache usage: {100 * kv_usage:.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%")
         if window.draft_tokens:
             text += f", Draft acceptance rate: {100 * window.accepted_tokens / window.draft_tokens:.1f}%"
         return text
