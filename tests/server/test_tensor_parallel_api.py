@@ -57,6 +57,20 @@ def wait_until_running(server) -> None:
         time.sleep(0.05)
 
 
+def tp_server(tiny_model_dir, tmp_path):
+    """A two-rank server of its own (the test kills or signals it), with the model name its requests use."""
+    server = start_server(tiny_model_dir("llama"), *FLAGS, log_dir=tmp_path)
+    server.model = openai_client(server).models.list().data[0].id
+    return server
+
+
+def running(pool: concurrent.futures.ThreadPoolExecutor, server, max_tokens: int) -> concurrent.futures.Future:
+    """A completion sent on `pool`, once the engine runs it."""
+    in_flight = pool.submit(completion, server, max_tokens)
+    wait_until_running(server)
+    return in_flight
+
+
 def assert_dead_and_exits_nonzero(server, killed_at: float) -> None:
     """/health turns 503 "dead" (or the port is already closed: the process is on its way out) within seconds
     of the kill, new requests get 503, and the process exits non-zero."""
@@ -75,12 +89,10 @@ def assert_dead_and_exits_nonzero(server, killed_at: float) -> None:
 
 
 def test_a_rank_killed_mid_request_fails_it_with_503_and_the_server_exits(tiny_model_dir, tmp_path):
-    server = start_server(tiny_model_dir("llama"), *FLAGS, log_dir=tmp_path)
-    server.model = openai_client(server).models.list().data[0].id
+    server = tp_server(tiny_model_dir, tmp_path)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            in_flight = pool.submit(completion, server, 480)
-            wait_until_running(server)
+            in_flight = running(pool, server, 480)
             (worker,) = worker_processes(server)
             worker.kill()
             killed_at = time.monotonic()
@@ -93,8 +105,7 @@ def test_a_rank_killed_mid_request_fails_it_with_503_and_the_server_exits(tiny_m
 
 
 def test_a_rank_killed_while_idle_ends_the_server(tiny_model_dir, tmp_path):
-    server = start_server(tiny_model_dir("llama"), *FLAGS, log_dir=tmp_path)
-    server.model = openai_client(server).models.list().data[0].id
+    server = tp_server(tiny_model_dir, tmp_path)
     try:
         (worker,) = worker_processes(server)
         worker.kill()
@@ -108,12 +119,10 @@ def test_a_sigterm_to_the_whole_process_group_drains_requests_and_exits_0(tiny_m
     which drains its requests and stops them (the ranks died at once: 503s and exit 1)."""
     import signal
 
-    server = start_server(tiny_model_dir("llama"), *FLAGS, log_dir=tmp_path)
-    server.model = openai_client(server).models.list().data[0].id
+    server = tp_server(tiny_model_dir, tmp_path)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            in_flight = pool.submit(completion, server, 200)
-            wait_until_running(server)
+            in_flight = running(pool, server, 200)
             workers = worker_processes(server)
             for process in [psutil.Process(server.process.pid), *workers]:
                 process.send_signal(signal.SIGTERM)

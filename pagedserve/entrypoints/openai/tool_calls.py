@@ -395,7 +395,8 @@ class RequiredReader(ToolCallReader):
         self.call: StreamedCall | None = None
 
     def feed(self, text: str) -> list[str | ToolCallDelta]:
-        self.text += text
+        if not self.num_calls:
+            self.text += text  # what finish() gives as text when no call began (cut short)
         events: list[str | ToolCallDelta] = []
         position = 0
         while position < len(text) and self.state != "end":
