@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
 
 from pagedserve.memory.rss import ResidentMemory
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
@@ -21,7 +21,11 @@ _TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.
                           20.0, 40.0, 80.0)
 _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                             240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 _LATENCY_BUCKETS = _TTFT_BUCKETS  # pagedserve's own latencies (grammar compiles)
+# vLLM's `engine` label: the index of the engine core behind the server. One here (-dp 1), as vLLM's default.
+ENGINE_INDEX = "0"
 
 
 def token_count_buckets(max_model_len: int) -> list[int]:
@@ -43,6 +47,7 @@ class _RequestTiming:
     seen_first_token: bool = False
     num_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens seen
     finished: set[int] = field(default_factory=set)  # completion indexes whose finish was counted
+    aborted: bool = False  # a choice ended aborted: the request stays out of the finished-request histograms
 
 
 @dataclass
@@ -103,66 +108,102 @@ class StatsLog:
         return text
 
 
+def new_registry() -> CollectorRegistry:
+    """The server's one registry: process_* and python_* as vLLM's, then the engine's and the HTTP metrics."""
+    from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
+
+    registry = CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
 class EngineMetrics:
+    """vLLM's metrics carry vLLM's labels, model_name and engine (the index of its engine core: one here, "0"), and
+    are bound to them once, so they are exported from the start (0 running, no tokens yet), not only after the first
+    engine step. pagedserve's own metrics (pagedserve:*) carry model_name alone and appear with their first value."""
+
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int = 131072,
                  cache_info: dict[str, str] | None = None) -> None:
         """`cache_info`: vllm:cache_config_info's labels (block_size, num_gpu_blocks, cache_dtype, ...)."""
-        if registry is None:
-            from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
-
-            registry = CollectorRegistry()
-            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_* as vLLM's
-                registry.register(collector)
-        self.registry = registry
-        labels = ["model_name"]
-        r = self.registry
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", labels,
-                              registry=r)
-        self.gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's former name of "
-                                     "vllm:kv_cache_usage_perc, which its stock dashboard reads).", labels, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", labels, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions.", labels, registry=r)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      labels, registry=r)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
-                                   registry=r)
-        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                               labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.", labels,
-                             buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time between tokens (vLLM's former name of "
-                              "vllm:inter_token_latency_seconds, which its stock dashboard reads).", labels,
-                              buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
-        self.request_tpot = Histogram("vllm:request_time_per_output_token_seconds", "A finished request's decode "
-                                      "time over its output tokens after the first.", labels,
-                                      buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
-                             buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first schedule.", labels,
-                                    buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "First schedule to first token.", labels,
-                                      buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
-        self.decode_time = Histogram("vllm:request_decode_time_seconds", "First token to finish.", labels,
-                                     buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
-        self.inference_time = Histogram("vllm:request_inference_time_seconds", "First schedule to finish.", labels,
-                                        buckets=_REQUEST_LATENCY_BUCKETS, registry=r)
-        lengths = token_count_buckets(max_model_len)
-        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "A finished request's prompt tokens.",
-                                               labels, buckets=lengths, registry=r)
-        self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "A finished choice's "
-                                                   "generated tokens.", labels, buckets=lengths, registry=r)
-        self.request_max_generation_tokens = Histogram(
-            "vllm:request_max_num_generation_tokens", "The most tokens a finished request's choices generated.",
-            labels, buckets=lengths, registry=r)
+        self.registry = registry if registry is not None else new_registry()
+        self.model_name = model_name
+        self._label_values = (model_name, ENGINE_INDEX)
+        self._add_vllm_metrics(token_count_buckets(max_model_len))
         if cache_info is not None:
-            info = Gauge("vllm:cache_config_info", "The KV cache's configuration (its labels).", sorted(cache_info),
-                         registry=r)
-            info.labels(**cache_info).set(1)
+            info = {**cache_info, "engine": ENGINE_INDEX}
+            Gauge("vllm:cache_config_info", "The KV cache's configuration (its labels).", sorted(info),
+                  registry=self.registry).labels(**info).set(1)
+        self._add_own_metrics()
+        self.stats_log = StatsLog(time.monotonic())
+        self._timings: dict[str, _RequestTiming] = {}
+
+    def _add_vllm_metrics(self, lengths: list[int]) -> None:
+        r, labels, values = self.registry, ["model_name", "engine"], self._label_values
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=r).labels(*values)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=r).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: Any) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.")
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's former name of "
+                                     "vllm:kv_cache_usage_perc, which its stock dashboard reads).")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        success = Counter("vllm:request_success", "Finished requests by finish reason.", labels + ["finished_reason"],
+                          registry=r)
+        self.success = {reason: success.labels(*values, reason) for reason in ("stop", "length", "abort")}
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step: the prompts that "
+                                          "got their first token and the tokens generated.", _ITERATION_TOKEN_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.", _TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time between tokens (vLLM's former name of "
+                              "vllm:inter_token_latency_seconds, which its stock dashboard reads).",
+                              _TOKEN_LATENCY_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds", "A finished request's decode "
+                                      "time over its output tokens after the first.", _TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first schedule.",
+                                    _REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "First schedule to first token.",
+                                      _REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to finish.",
+                                     _REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds", "First schedule to finish.",
+                                        _REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "A finished request's prompt tokens.",
+                                               lengths)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "A finished choice's "
+                                                   "generated tokens.", lengths)
+        self.request_max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens", "The most tokens a finished request's choices generated.",
+            lengths)
+        self.request_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self.request_max_tokens = histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request "
+                                            "parameter.", lengths)
+        # Speculative decoding's appear with the first drafts (a server that does not speculate shows none)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Verifications of draft tokens (speculative "
+                                   "decoding): one per request per step that carried drafts.", labels, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels,
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                            labels, registry=r)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position.", labels + ["position"],
+                                             registry=r)
+
+    def _add_own_metrics(self) -> None:
+        r, labels = self.registry, ["model_name"]
         self.grammar_compile = Histogram("pagedserve:grammar_compile_seconds",
                                          "Time to compile a structured-output grammar (cache misses only).", labels,
                                          buckets=_LATENCY_BUCKETS, registry=r)
@@ -174,45 +215,23 @@ class EngineMetrics:
         self.rss_over_plan = Gauge("pagedserve:resident_memory_over_plan_ratio",
                                    "RSS / planned resident memory - 1 (a warning is logged above 0.1).", labels,
                                    registry=r)
-        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Verifications of draft tokens (speculative "
-                                   "decoding): one per request per step that carried drafts.", labels, registry=r)
-        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels,
-                                         registry=r)
-        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                            labels, registry=r)
-        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                             "Draft tokens accepted at each draft position.", labels + ["position"],
-                                             registry=r)
-        self.model_name = model_name
-        self.stats_log = StatsLog(time.monotonic())
-        self._timings: dict[str, _RequestTiming] = {}
-        for reason in ("stop", "length", "abort"):
-            self.success.labels(model_name, reason)
-        # Exported from the start (0 running, no tokens yet), not only after the first engine step.
-        for metric in (self.running, self.waiting, self.kv_usage, self.gpu_cache_usage, self.prompt_tokens,
-                       self.generation_tokens, self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft,
-                       self.itl, self.tpot, self.request_tpot, self.e2e, self.queue_time, self.prefill_time,
-                       self.decode_time, self.inference_time, self.request_prompt_tokens,
-                       self.request_generation_tokens, self.request_max_generation_tokens):
-            metric.labels(model_name)
 
     def observe_grammar_compile(self, seconds: float) -> None:
         """Called on the grammar compiler's thread after each compilation."""
         self.grammar_compile.labels(self.model_name).observe(seconds)
 
     def observe_step(self, engine, outputs: list[RequestOutput]) -> None:
-        """Called on the engine thread after each step."""
-        name = self.model_name
+        """Called on the engine thread after each step (and with the final outputs of aborted requests)."""
         stats = engine.stats
-        self.running.labels(name).set(stats.num_running)
-        self.waiting.labels(name).set(stats.num_waiting)
-        self.kv_usage.labels(name).set(stats.kv_cache_usage)
-        self.gpu_cache_usage.labels(name).set(stats.kv_cache_usage)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
         if stats.num_preemptions:
-            self.preemptions.labels(name).inc(stats.num_preemptions)
+            self.preemptions.inc(stats.num_preemptions)
         if stats.prefix_cache_queries:
-            self.prefix_queries.labels(name).inc(stats.prefix_cache_queries)
-            self.prefix_hits.labels(name).inc(stats.prefix_cache_hits)
+            self.prefix_queries.inc(stats.prefix_cache_queries)
+            self.prefix_hits.inc(stats.prefix_cache_hits)
         if stats.spec_decode is not None and stats.spec_decode.num_drafts:
             self._observe_spec_decode(stats.spec_decode)
         self.observe_memory(engine.resident_memory)
@@ -222,16 +241,20 @@ class EngineMetrics:
             new_prompt, new_generated = self._observe_output(output, now)
             prompt_tokens += new_prompt
             generation_tokens += new_generated
+        # vLLM's iteration: a step with outputs, its prompts counted whole when their first token comes. A step
+        # with no token (a prefill chunk, the finals of aborted requests) is none, as in vLLM.
+        if prompt_tokens + generation_tokens:
+            self.iteration_tokens.observe(prompt_tokens + generation_tokens)
         self.stats_log.add_step(stats, prompt_tokens, generation_tokens)
 
     def _observe_spec_decode(self, spec) -> None:
-        name = self.model_name
-        self.spec_drafts.labels(name).inc(spec.num_drafts)
-        self.spec_draft_tokens.labels(name).inc(spec.num_draft_tokens)
-        self.spec_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
+        values = self._label_values
+        self.spec_drafts.labels(*values).inc(spec.num_drafts)
+        self.spec_draft_tokens.labels(*values).inc(spec.num_draft_tokens)
+        self.spec_accepted_tokens.labels(*values).inc(spec.num_accepted_tokens)
         for position, count in enumerate(spec.accepted_per_pos):
             if count:
-                self.spec_accepted_per_pos.labels(name, str(position)).inc(count)
+                self.spec_accepted_per_pos.labels(*values, str(position)).inc(count)
 
     def observe_memory(self, memory: ResidentMemory | None) -> None:
         """The last RSS reading against the plan (memory/rss.py), where the engine keeps one."""
@@ -246,7 +269,6 @@ class EngineMetrics:
         """Records one output; returns (prompt tokens, generated tokens) it accounts for."""
         if isinstance(output, PoolingRequestOutput):
             return self._observe_pooling(output, now), 0
-        name = self.model_name
         num_prompt = 0
         timing = self._timings.setdefault(output.request_id, _RequestTiming())
         metrics = output.metrics
@@ -260,59 +282,108 @@ class EngineMetrics:
             # left out of the later (delta) outputs, so counting the final output's choices missed it.
             if completion.finish_reason is not None and completion.index not in timing.finished:
                 timing.finished.add(completion.index)
-                self.success.labels(name, completion.finish_reason).inc()
+                self._count_finish(timing, completion.finish_reason)
         if num_new:
-            self.generation_tokens.labels(name).inc(num_new)
+            self.generation_tokens.inc(num_new)
             if not timing.seen_first_token:
                 timing.seen_first_token = True
                 timing.first_token_time = now
                 num_prompt = len(output.prompt_token_ids)
-                self.prompt_tokens.labels(name).inc(num_prompt)
+                self.prompt_tokens.inc(num_prompt)
                 if metrics is not None:
-                    self.ttft.labels(name).observe(now - metrics.arrival_time)
+                    self.ttft.observe(now - metrics.arrival_time)
                     if metrics.first_scheduled_time is not None:
-                        self.queue_time.labels(name).observe(metrics.first_scheduled_time - metrics.arrival_time)
+                        self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
             elif timing.last_token_time is not None:
-                self.itl.labels(name).observe(now - timing.last_token_time)
-                self.tpot.labels(name).observe(now - timing.last_token_time)
+                self.itl.observe(now - timing.last_token_time)
+                self.tpot.observe(now - timing.last_token_time)
             timing.last_token_time = now
         if output.finished:
             del self._timings[output.request_id]
             for completion in output.outputs:
                 if completion.index not in timing.finished:  # ended without a reason of its own
-                    self.success.labels(name, "abort").inc()
-            if metrics is not None:
-                self.e2e.labels(name).observe(now - metrics.arrival_time)
-            if timing.first_token_time is not None:  # it ran: vLLM's per-request phases and lengths
-                self._observe_finished(output, timing, now)
+                    self._count_finish(timing, "abort")
+            # vLLM records a finished request's latencies and lengths, never an aborted one's (the output
+            # processor drops an aborted request's state unrecorded); its success counts here all the same.
+            if not timing.aborted and metrics is not None:
+                self.e2e.observe(now - metrics.arrival_time)
+                if timing.first_token_time is not None:
+                    self._observe_finished(output, timing, now)
         return num_prompt, num_new
 
+    def _count_finish(self, timing: _RequestTiming, reason: str) -> None:
+        self.success[reason].inc()
+        timing.aborted = timing.aborted or reason == "abort"
+
     def _observe_finished(self, output: RequestOutput, timing: _RequestTiming, now: float) -> None:
-        name = self.model_name
+        """vLLM's per-request phases, lengths and parameters; with n > 1 once per request (vLLM: per choice)."""
         generated = list(timing.num_tokens.values()) or [0]  # every choice (the last output lacks those done early)
-        self.request_prompt_tokens.labels(name).observe(len(output.prompt_token_ids))
+        metrics = output.metrics
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         for count in generated:
-            self.request_generation_tokens.labels(name).observe(count)
-        self.request_max_generation_tokens.labels(name).observe(max(generated))
+            self.request_generation_tokens.observe(count)
+        self.request_max_generation_tokens.observe(max(generated))
+        self.request_n.observe(metrics.n)
+        if metrics.max_tokens:  # the engine's max_tokens: the request's, or the room left in max_model_len
+            self.request_max_tokens.observe(metrics.max_tokens)
         decode = now - timing.first_token_time
-        self.decode_time.labels(name).observe(decode)
+        self.decode_time.observe(decode)
         if max(generated) > 1:
-            self.request_tpot.labels(name).observe(decode / (max(generated) - 1))
-        scheduled = output.metrics.first_scheduled_time if output.metrics is not None else None
-        if scheduled is not None:
-            self.prefill_time.labels(name).observe(max(0.0, timing.first_token_time - scheduled))
-            self.inference_time.labels(name).observe(now - scheduled)
+            self.request_tpot.observe(decode / (max(generated) - 1))
+        if metrics.first_scheduled_time is not None:
+            self.prefill_time.observe(max(0.0, timing.first_token_time - metrics.first_scheduled_time))
+            self.inference_time.observe(now - metrics.first_scheduled_time)
 
     def _observe_pooling(self, output: PoolingRequestOutput, now: float) -> int:
         """An embedding request: prompt tokens (returned), queue time and latency; it generates no tokens."""
-        name = self.model_name
         embedded = bool(output.outputs.embedding)  # empty: aborted before its prompt ran
-        self.success.labels(name, "stop" if embedded else "abort").inc()
+        self.success["stop" if embedded else "abort"].inc()
         metrics = output.metrics
-        if embedded:
-            self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+        if not embedded:
+            return 0
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
         if metrics is not None:
-            self.e2e.labels(name).observe(now - metrics.arrival_time)
-            if embedded and metrics.first_scheduled_time is not None:
-                self.queue_time.labels(name).observe(metrics.first_scheduled_time - metrics.arrival_time)
-        return len(output.prompt_token_ids) if embedded else 0
+            self.e2e.observe(now - metrics.arrival_time)
+            if metrics.first_scheduled_time is not None:
+                self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+        return len(output.prompt_token_ids)
+
+
+# prometheus_fastapi_instrumentator's default metrics, which vLLM's server exposes (and FastAPI dashboards read)
+_HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 7.5, 10, 30,
+                       60)
+_HTTP_LOWR_BUCKETS = (0.1, 0.5, 1)
+# vLLM's excluded handlers (its instrumentator searches each as a pattern in the route or path)
+HTTP_EXCLUDED = ("/metrics", "/health", "/load", "/ping", "/version", "/server_info")
+
+
+class HttpMetrics:
+    """vLLM's HTTP metrics under the instrumentator's names, labels and buckets: http_requests_total (method,
+    status as "2xx", handler: the route's template, "none" where no route matched), the request and response
+    Content-Length summaries, and a request's duration (a stream's whole length) under both histograms."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.total = Counter("http_requests_total", "Total number of requests by method, status and handler.",
+                             ("method", "status", "handler"), registry=r)
+        self.request_size = Summary("http_request_size_bytes", "Content length of incoming requests by handler. "
+                                    "Only value of header is respected. Otherwise ignored. No percentile "
+                                    "calculated. ", ("handler",), registry=r)
+        self.response_size = Summary("http_response_size_bytes", "Content length of outgoing responses by handler. "
+                                     "Only value of header is respected. Otherwise ignored. No percentile "
+                                     "calculated. ", ("handler",), registry=r)
+        self.duration_highr = Histogram("http_request_duration_highr_seconds", "Latency with many buckets but no API "
+                                        "specific labels. Made for more accurate percentile calculations. ",
+                                        buckets=_HTTP_HIGHR_BUCKETS, registry=r)
+        self.duration = Histogram("http_request_duration_seconds", "Latency with only few buckets by handler. Made "
+                                  "to be only used if aggregation by handler is important. ", ("method", "handler"),
+                                  buckets=_HTTP_LOWR_BUCKETS, registry=r)
+
+    def observe(self, method: str, handler: str, status: int, seconds: float, request_bytes: int,
+                response_bytes: int) -> None:
+        """One answered request (the caller leaves out HTTP_EXCLUDED)."""
+        self.total.labels(method, f"{str(status)[0]}xx", handler).inc()
+        self.request_size.labels(handler).observe(request_bytes)
+        self.response_size.labels(handler).observe(response_bytes)
+        self.duration_highr.observe(seconds)
+        self.duration.labels(method, handler).observe(seconds)

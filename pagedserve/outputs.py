@@ -17,13 +17,16 @@ class Logprob:
 
 @dataclass
 class RequestMetrics:
-    """Per-request timings in time.monotonic() seconds."""
+    """Per-request timings in time.monotonic() seconds, and the parameters /metrics reports (vLLM's
+    request_params_* histograms: the observer sees outputs, not the request)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    n: int = 1
+    max_tokens: int | None = None  # the engine's: the request's, or the room its prompt left in max_model_len
 
 
 @dataclass

@@ -113,7 +113,8 @@ class OutputProcessor:
                            cumulative_logprob=0.0 if params.logprobs is not None else None)
                    for i in range(params.n)]
         self.requests[request_id] = _RequestState(
-            request_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time),
+            request_id, prompt, prompt_token_ids, params, samples,
+            RequestMetrics(arrival_time, n=params.n, max_tokens=params.max_tokens),
             prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
         for i, child_id in enumerate(child_ids):

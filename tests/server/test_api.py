@@ -176,6 +176,8 @@ def test_concurrent_streams_match_alone(server, client):
 def test_disconnect_frees_blocks(server):
     body = {"model": MODEL, "prompt": "The quick brown fox " * 10, "max_tokens": 200, "stream": True,
             "extra_body": None, "ignore_eos": True}
+    aborts_before = metric_value(server, "vllm:request_success_total", finished_reason="abort")
+    e2e_before = metric_value(server, "vllm:e2e_request_latency_seconds_count")
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
             lines = response.iter_lines()
@@ -187,7 +189,9 @@ def test_disconnect_frees_blocks(server):
         time.sleep(0.1)
     assert metric_value(server, "vllm:kv_cache_usage_perc") == 0
     assert metric_value(server, "vllm:num_requests_running") == 0
-    assert metric_value(server, "vllm:request_success_total", finished_reason="abort") >= 1
+    assert metric_value(server, "vllm:request_success_total", finished_reason="abort") == aborts_before + 1
+    # vLLM records finished requests only: the aborted one enters no latency histogram
+    assert metric_value(server, "vllm:e2e_request_latency_seconds_count") == e2e_before
 
 
 BAD_REQUESTS = [
@@ -355,21 +359,32 @@ def test_the_metrics_vllm_s_dashboard_reads(server, client):
     names = ("vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_sum",
              "vllm:request_max_num_generation_tokens_count", "vllm:request_prefill_time_seconds_count",
              "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count",
-             "vllm:request_time_per_output_token_seconds_count", "vllm:time_per_output_token_seconds_count")
+             "vllm:request_time_per_output_token_seconds_count", "vllm:time_per_output_token_seconds_count",
+             "vllm:request_params_n_sum", "vllm:request_params_max_tokens_sum", "vllm:iteration_tokens_total_count",
+             "vllm:iteration_tokens_total_sum")
     before = {name: value(name) for name in names}
-    client.completions.create(model=MODEL, prompt="count me", max_tokens=6, temperature=0, n=2,
-                              extra_body={"ignore_eos": True})
+    completions_ok = {"handler": "/v1/completions", "method": "POST", "status": "2xx"}
+    http_before = metric_value(server, "http_requests_total", **completions_ok)
+    response = client.completions.create(model=MODEL, prompt="count me", max_tokens=6, temperature=0, n=2,
+                                         extra_body={"ignore_eos": True})
     after = {name: value(name) for name in names}
     assert after["vllm:request_prompt_tokens_count"] == before["vllm:request_prompt_tokens_count"] + 1
     assert after["vllm:request_generation_tokens_sum"] == before["vllm:request_generation_tokens_sum"] + 12  # 2 x 6
     for name in names[2:7]:
         assert after[name] == before[name] + 1, name
     assert after["vllm:time_per_output_token_seconds_count"] > before["vllm:time_per_output_token_seconds_count"]
+    assert after["vllm:request_params_n_sum"] == before["vllm:request_params_n_sum"] + 2
+    assert after["vllm:request_params_max_tokens_sum"] == before["vllm:request_params_max_tokens_sum"] + 6
+    # a step for each token at least (the choices may run apart), the first bringing the prompt
+    assert after["vllm:iteration_tokens_total_count"] >= before["vllm:iteration_tokens_total_count"] + 6
+    iteration_tokens = after["vllm:iteration_tokens_total_sum"] - before["vllm:iteration_tokens_total_sum"]
+    assert iteration_tokens == response.usage.prompt_tokens + 12
+    assert metric_value(server, "http_requests_total", **completions_ok) == http_before + 1
     text = httpx.get(f"{server.url}/metrics").text
-    assert 'vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="tiny"}' in text  # vLLM's edges
-    assert 'vllm:e2e_request_latency_seconds_bucket{le="7680.0",model_name="tiny"}' in text
+    assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny"}' in text  # vLLM's edges
+    assert 'vllm:e2e_request_latency_seconds_bucket{engine="0",le="7680.0",model_name="tiny"}' in text
     assert "_created" not in text and "vllm:gpu_cache_usage_perc" in text
-    assert 'vllm:cache_config_info{block_size="16"' in text
+    assert 'vllm:cache_config_info{block_size="16",cache_dtype=' in text and 'engine="0"' in text
 
 
 def test_disable_log_stats_keeps_the_stats_line_out_of_the_log(server, client):

@@ -206,7 +206,7 @@ def test_metrics_count_embedding_requests(server, client):
     before = value("vllm:request_success_total")
     client.embeddings.create(model=MODEL, input=SENTENCES[:3])
     assert value("vllm:request_success_total") == before + 3
-    assert 'vllm:kv_cache_usage_perc{model_name="minilm"} 0.0' in httpx.get(f"{server.url}/metrics").text
+    assert 'vllm:kv_cache_usage_perc{engine="0",model_name="minilm"} 0.0' in httpx.get(f"{server.url}/metrics").text
 
 
 def test_bench_serve_embeddings_endpoint(server, tmp_path):

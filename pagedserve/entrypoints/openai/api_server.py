@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CollectorRegistry
 
 from pagedserve import __version__, envs
 from pagedserve.engine.arg_utils import EngineArgs
@@ -43,6 +44,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
 from pagedserve.entrypoints.openai.serving import OpenAIServing
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.memory.pressure import RETRY_AFTER_S, MemoryPressure, memory_pressure_for
+from pagedserve.metrics import HTTP_EXCLUDED, EngineMetrics, HttpMetrics, new_registry
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -60,6 +62,7 @@ class ServerState:
     engine: AsyncEngine | None = None
     serving: OpenAIServing | None = None
     metrics: Any = None  # EngineMetrics once ready
+    registry: CollectorRegistry = field(default_factory=new_registry)  # /metrics: the HTTP metrics, then the engine's
     served_model_names: list[str] = field(default_factory=list)
     memory_plan: Any = None  # memory.plan.MemoryPlan the engine was sized by (None until ready)
     memory_pressure: MemoryPressure | None = None  # set when ready on a CPU
@@ -268,7 +271,8 @@ def build_app(state: ServerState, options: ServeOptions | None = None) -> FastAP
     if options.enable_web_ui:
         _add_web_routes(app)
     # Middleware added last runs first: the root path is stripped, then CORS answers preflights (which carry
-    # no API key), then the key and body size are checked.
+    # no API key), then the key and body size are checked, then what passed is counted.
+    app.add_middleware(HttpMetricsMiddleware, metrics=HttpMetrics(state.registry))
     app.add_middleware(GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes,
                        open_web_ui=options.enable_web_ui, stopping=state.stopping,
                        host_names=None if options.uds else options.host_names())
@@ -284,6 +288,43 @@ def build_app(state: ServerState, options: ServeOptions | None = None) -> FastAP
         app.add_middleware(RootPathMiddleware, root_path=root_path)
     app.state.server_state = state
     return app
+
+
+class HttpMetricsMiddleware:
+    """vLLM's HTTP metrics (metrics.HttpMetrics). Innermost, as vLLM's instrumentator: the router has put the route
+    that answered into the scope by the time the response is done, and requests turned away by the key or size
+    checks are not counted. A stream pays one comparison per chunk."""
+
+    def __init__(self, app: Any, metrics: HttpMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        response: dict = {"status": 500, "headers": ()}  # an exception that escapes is a 500, as vLLM's counts it
+
+        async def send_start_seen(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                response.update(message)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_start_seen)
+        finally:
+            route = scope.get("route")  # none matched: the path decides the exclusion, and counts as "none"
+            path = route.path if route is not None else route_path(scope)
+            if not any(excluded in path for excluded in HTTP_EXCLUDED):
+                self.metrics.observe(scope["method"], path if route is not None else "none", response["status"],
+                                     time.perf_counter() - started, _content_length(scope["headers"]),
+                                     _content_length(response["headers"]))
+
+
+def _content_length(headers: Any) -> int:
+    """A Content-Length header's value; 0 without one (a stream), as the instrumentator reads it."""
+    value = dict(headers).get(b"content-length", b"0")
+    return int(value) if value.isdigit() else 0
 
 
 class RequestIdMiddleware:
@@ -326,9 +367,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        if state.metrics is None:
-            return Response(b"", media_type=CONTENT_TYPE_LATEST)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict:
@@ -491,7 +530,6 @@ def describe_server(llm_engine: Any) -> dict:
 def start_engine(state: ServerState, args: EngineArgs, options: ServeOptions | None = None) -> None:
     """Build the engine (phases tracked on `state.startup`); raises on failure."""
     from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.metrics import EngineMetrics
 
     options = options or ServeOptions()
     llm_engine = LLMEngine.from_engine_args(args, state.startup)
@@ -509,7 +547,7 @@ def start_engine(state: ServerState, args: EngineArgs, options: ServeOptions | N
     config = llm_engine.config
     name = config.model.served_model_name
     cache = config.cache
-    metrics = EngineMetrics(name, max_model_len=config.model.max_model_len, cache_info={
+    metrics = EngineMetrics(name, state.registry, max_model_len=config.model.max_model_len, cache_info={
         "block_size": str(cache.block_size), "num_gpu_blocks": str(cache.num_blocks - 1),  # the null block apart
         "cache_dtype": str(cache.kv_cache_dtype), "enable_prefix_caching": str(cache.enable_prefix_caching)})
     metrics.observe_memory(llm_engine.resident_memory)  # the gauges have their start-up reading before any request
