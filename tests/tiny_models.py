@@ -41,7 +41,7 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512):
 
 def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int = 0, weight_std: float = 0.2,
                     **overrides) -> Path:
-    """Save a random tiny `arch` ('llama', 'qwen2', 'qwen3', 'granite', 'phi3') model with a tokenizer into
+    """Save a random tiny `arch` ('llama', 'qwen2', 'qwen3', 'granite', 'phi3', 'gemma', 'gemma2', 'gemma3') model with a tokenizer into
     out_dir. A larger `weight_std` makes a model that falls into repeating loops sooner (speculative decoding's
     tests)."""
     import torch
@@ -68,6 +68,18 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
     elif arch == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
         config = transformers.Phi3Config(**{**common, "tie_word_embeddings": False, **overrides})
         cls = transformers.Phi3ForCausalLM
+    elif arch in ("gemma", "gemma2", "gemma3"):  # a 16-token window and caps low enough to change the outputs
+        gemma = dict(query_pre_attn_scalar=24, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+        if arch == "gemma":
+            config = transformers.GemmaConfig(**{**common, "head_dim": 16, **overrides})
+            cls = transformers.GemmaForCausalLM
+        elif arch == "gemma2":
+            config = transformers.Gemma2Config(**{**common, "head_dim": 16, **gemma, "attn_logit_softcapping": 2.0,
+                                                  "final_logit_softcapping": 4.0, **overrides})
+            cls = transformers.Gemma2ForCausalLM
+        else:
+            config = transformers.Gemma3TextConfig(**{**common, "head_dim": 16, **gemma, **overrides})
+            cls = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -76,6 +88,8 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.normal_(0.0, weight_std if param.dim() > 1 else 0.05)
+            elif arch.startswith("gemma"):  # Gemma's norms scale by 1 + weight: zero would hide a missing 1 +
+                param.normal_(0.0, 0.2)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out_dir)
     make_tokenizer(out_dir)

@@ -108,7 +108,8 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     from pagedserve.models.registry import model_class
 
     model = config.model
-    qk_norm = getattr(model_class(model.architecture, model.task), "qk_norm", None)
+    cls = model_class(model.architecture, model.task)
+    qk_norm = getattr(cls, "qk_norm", None)
     if qk_norm is None:
         return None  # not a decoder of the Llama family (an encoder): no per-layer kernels to tell
     device, flags = config.device.device, probe.cpu_flags()
@@ -116,12 +117,17 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     fmt = expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels,
                                  native is not None, flags)
     layers = expected_layer_kernels(fmt, native, model.hf_config, qk_norm, onednn_may_pack(device, model.dtype, flags),
-                                    config.parallel.tensor_parallel_size, logits=model.task == "generate")
+                                    config.parallel.tensor_parallel_size, logits=model.task == "generate",
+                                    native_decoder=cls.native_decoder,
+                                    activation=cls.decoder_spec(model.hf_config).activation)
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:
         return CheckResult("layers", PASS, detail)
     if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:
         fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
+    elif not cls.native_decoder:
+        fix = (f"{model.architecture}'s norms, activation and attention run torch ops (its linears run the native "
+               "kernels); nothing to change")
     elif qk_norm:
         fix = "q/k norms (Qwen3) keep rotary and the decode stack on torch ops; nothing to change"
     elif partial_rotary(model.hf_config):

@@ -83,7 +83,8 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         kv_share=memory.CPU_DEFAULT_KV_SHARE if on_cpu and args.gpu_memory_utilization is None else None,
         kv_cache_bytes=kv_cache_bytes, kv_source=kv_source, runtime_overhead_bytes=overhead,
         host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0, kv_scale_bytes=kv_scale_bytes,
-        quantization=model.quantization, on_cpu=on_cpu, computes_logits=model.task == "generate")
+        quantization=model.quantization, on_cpu=on_cpu, computes_logits=model.task == "generate",
+        materializes_attention_scores=softcapped_attention(model.architecture, model.hf_config))
     plan = memory.make_plan(shape, request, quantizations=tuple(q for q in SUPPORTED_QUANTIZATION if q),
                             kv_cache_dtypes=tuple(d for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto"))
     if args.num_gpu_blocks_override:  # testing: exactly the pool asked for, even a small one
@@ -105,6 +106,12 @@ def _override_suggestions(plan: MemoryPlan) -> list:
         return others
     needs = fixed + blocks * per_block
     return [Suggestion("--num-gpu-blocks-override", str(blocks + 1), needs), *others]
+
+
+def softcapped_attention(architecture: str, hf_config: object) -> bool:
+    """The model caps its attention scores (Gemma 2's attn_logit_softcapping; Gemma and Gemma 3 ignore the field,
+    as transformers does): its attention materialises them (layers/attention.attend)."""
+    return architecture == "Gemma2ForCausalLM" and getattr(hf_config, "attn_logit_softcapping", None) is not None
 
 
 def _uses_transformers(args: EngineArgs, model: ModelConfig) -> bool:

@@ -229,7 +229,6 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     `available` replaces the probe of this host's (or GPU's) free memory. `kernels_from_flags` (`pagedserve
     plan`): whether the native kernels run (for --dtype auto and a GGUF's quantization) is told from the CPU's
     flags instead of building and loading them (platform.native_kernels_run), so no torch is imported."""
-    from pagedserve.models.validate import check_sliding_window
     from pagedserve.platform import (check_ranks_fit_device, default_quantization, read_cores, resolve_device,
                                      resolve_dtype)
 
@@ -245,9 +244,6 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     parallel, threads_per_rank = resolve_parallel(args, hf_config, task, architecture, cores)
     pooler = _pooler_config(model_path, architecture, hf_config) if task == "embed" else None
     max_model_len = _max_model_len(args, hf_config, model_path if task == "embed" else None)
-    if args.max_model_len is None:  # the default context stays within a sliding window (Phi-3-mini-4k: 2047)
-        max_model_len = _within_sliding_window(checkpoint.config, max_model_len)
-    check_sliding_window(checkpoint.config, max_model_len)  # refused, never silently wrong past the window
     # An encoder attends in both directions, so a prompt cannot be split across steps: no chunked prefill,
     # and a budget that holds the longest prompt. Pooling that reads every token's hidden state cannot
     # skip a cached prefix; last-token pooling of a causal decoder can (its K/V are what a hit reuses).
@@ -453,20 +449,6 @@ def _pooler_config(model_path: str, architecture: str, hf_config: Any) -> Any:
     pooler = load_pooler_config(model_path, architecture, hf_config)
     logger.info("pooling: %s%s (%s)", pooler.pooling_type, " + normalize" if pooler.normalize else "", pooler.source)
     return pooler
-
-
-def _within_sliding_window(config: dict[str, Any], max_model_len: int) -> int:
-    """The default max_model_len capped at a sliding window shorter than it: pagedserve attends to every earlier
-    token, which equals the model's windowed attention only within the window (a longer --max-model-len given
-    explicitly is refused by check_sliding_window)."""
-    from pagedserve.models.validate import sliding_window_in_use
-
-    in_use = sliding_window_in_use(config.get("text_config", config))
-    if in_use is None or in_use[0] >= max_model_len:
-        return max_model_len
-    logger.info("max_model_len %d: the model's sliding window (%s), which pagedserve's attention equals only within",
-                in_use[0], in_use[1])
-    return in_use[0]
 
 
 def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str | None = None) -> int:

@@ -20,6 +20,7 @@ counts these bounds):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,23 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     gather_tokens: int | None = None  # most K/V positions one torch-path decode gather copies (None: see top)
     _decode_groups: list[DecodeGroup] | None = field(default=None, repr=False)
+    _windows: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
+
+    def within(self, window: int | None) -> AttentionMetadata:
+        """This step as layers attending only to the last `window` positions see it (sliding-window attention):
+        each decode row's slots and length cut to its last `window` positions, so every decode path (the native
+        kernel, the decode stack, the torch gather) reads only those. Computed once per step for each window and
+        shared by its layers; the prefill spans are this step's (their attention masks by position)."""
+        lens = self.decode_context_lens
+        if window is None or lens is None or self.decode_kv_slots.shape[1] <= window:
+            return self
+        if window not in self._windows:
+            starts = (lens - window).clamp_(min=0)
+            columns = torch.arange(window, device=lens.device)
+            slots = self.decode_kv_slots.gather(1, starts[:, None] + columns)  # within each row: width > window
+            self._windows[window] = AttentionMetadata(self.slot_mapping, self.num_decodes, slots.contiguous(),
+                                                      lens.clamp(max=window), self.prefills, self.gather_tokens)
+        return self._windows[window]
 
     def decode_groups(self) -> list[DecodeGroup]:
         """The torch path's groups of decodes gathered together (computed once per step, shared by layers)."""
@@ -124,31 +142,37 @@ class LayerKVCache:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                     meta: AttentionMetadata, scale: float, kernels: CpuKernels | None = None,
-                    kv_written: bool = False) -> torch.Tensor:
+                    kv_written: bool = False, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens -> [T, Hq, D]. With `kernels`, decode
     tokens read their context straight from the pool (no gathered copy of it). `kv_written`: the caller
-    has already stored k/v at meta.slot_mapping."""
+    has already stored k/v at meta.slot_mapping. `window`: each token attends only to the last `window`
+    positions, itself included (sliding-window attention: keys j > i - window, as transformers' mask);
+    `softcap`: scores pass through softcap * tanh(score / softcap) before the softmax (Gemma 2), which only the
+    torch path computes."""
     if not kv_written:
         cache.write(k, v, meta.slot_mapping)
+    native = kernels is not None and not cache.is_quantized and softcap is None
     nd = meta.num_decodes
-    od = _decode_attention(q[:nd], cache, meta, scale, kernels) if nd else None
+    od = _decode_attention(q[:nd], cache, meta.within(window), scale, kernels if native else None, softcap) \
+        if nd else None
     if not meta.prefills:
         return od  # a pure decode step: no output buffer to fill
     out = torch.empty_like(q)
     if nd:
         out[:nd] = od
     for span in meta.prefills:
-        if kernels is not None and not cache.is_quantized:
+        if native and (window is None or span.end - span.start + span.context_start <= window):
             out[span.start:span.end] = _native_prefill_attention(q, cache, meta, span, scale, kernels)
         else:
-            out[span.start:span.end] = _prefill_attention(q, k, v, cache, meta, span, scale)
+            out[span.start:span.end] = _prefill_attention(q, k, v, cache, meta, span, scale, window, softcap)
     return out
 
 
 def _decode_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
-                      kernels: CpuKernels | None) -> torch.Tensor:
+                      kernels: CpuKernels | None, softcap: float | None) -> torch.Tensor:
     """q: [Bd, Hq, D] one token per decode -> [Bd, Hq, D]."""
-    if kernels is not None and not cache.is_quantized:
+    if kernels is not None:
         return kernels.decode_attention(q, cache.k, cache.v, meta.decode_kv_slots, meta.decode_context_lens, scale)
     out = torch.empty_like(q)
     for group in meta.decode_groups():
@@ -158,10 +182,30 @@ def _decode_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetad
         if group.is_padded:
             mask = torch.arange(group.width, device=q.device) < meta.decode_context_lens[rows, None]
             mask = mask[:, None, None, :]  # [b, 1, 1, width]
-        od = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
-                                            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != kd.shape[2])
+        od = attend(q[rows].unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2), mask, scale, softcap)
         out[rows] = od.squeeze(2)
     return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None = None, is_causal: bool = False) -> torch.Tensor:
+    """Attention of q [B, Hq, Tq, D] over k/v [B, Hkv, Tk, D] (grouped heads), `mask` True where a key is seen.
+    SDPA, except with a softcap, which SDPA has no place for: then written out as transformers' eager attention
+    computes it (scores in the model dtype, capped, softmax in float32 rounded back)."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril_(k.shape[-2] - q.shape[-2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _native_prefill_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, span: PrefillSpan,
@@ -178,8 +222,10 @@ def _native_prefill_attention(q: torch.Tensor, cache: LayerKVCache, meta: Attent
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                       meta: AttentionMetadata, span: PrefillSpan, scale: float) -> torch.Tensor:
-    """One prefill chunk attending causally over its sequence's context -> [chunk, Hq, D]."""
+                       meta: AttentionMetadata, span: PrefillSpan, scale: float, window: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
+    """One prefill chunk attending causally (within `window` positions where given) over its sequence's
+    context -> [chunk, Hq, D]."""
     if span.kv_slots is None and not cache.is_quantized:
         kp, vp = k[span.start:span.end], v[span.start:span.end]
     else:
@@ -190,19 +236,20 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache:
     kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, context_len, D]
     vp = vp.transpose(0, 1).unsqueeze(0)
     qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, chunk, D]
-    gqa = qp.shape[1] != kp.shape[1]
     num, context_len = qp.shape[2], kp.shape[2]
-    if span.context_start == 0 and num * num <= ATTENTION_CHUNK_PAIRS:
-        return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                              enable_gqa=gqa).squeeze(0).transpose(0, 1)
+    if span.context_start == 0 and num * num <= ATTENTION_CHUNK_PAIRS and (window is None or num <= window):
+        return attend(qp, kp, vp, None, scale, softcap, is_causal=True).squeeze(0).transpose(0, 1)
     out = torch.empty_like(q[span.start:span.end])
     rows = max(1, ATTENTION_CHUNK_PAIRS // context_len)
+    if window is not None:  # or as many as the window allows: r rows see at most r - 1 + window keys
+        rows = max(rows, (math.isqrt(window * window + 4 * ATTENTION_CHUNK_PAIRS) - window) // 2)
     for first in range(0, num, rows):
         last = min(num, first + rows)
         seen = span.context_start + last  # keys the chunk's queries may see: positions 0 .. seen - 1
-        positions = torch.arange(span.context_start + first, seen, device=q.device)
-        mask = torch.arange(seen, device=q.device) <= positions[:, None]  # [last - first, seen]
-        op = F.scaled_dot_product_attention(qp[:, :, first:last], kp[:, :, :seen], vp[:, :, :seen],
-                                            attn_mask=mask, scale=scale, enable_gqa=gqa)
+        low = 0 if window is None else max(0, span.context_start + first - window + 1)  # the first row's window
+        positions = torch.arange(span.context_start + first, seen, device=q.device)[:, None]
+        keys = torch.arange(low, seen, device=q.device)
+        mask = keys <= positions if window is None else (keys <= positions) & (keys > positions - window)
+        op = attend(qp[:, :, first:last], kp[:, :, low:seen], vp[:, :, low:seen], mask, scale, softcap)
         out[first:last] = op.squeeze(0).transpose(0, 1)
     return out

@@ -13,9 +13,13 @@ from pagedserve.memory.weight_format import rotary_dim
 logger = logging.getLogger(__name__)
 
 
-def rope_parameters(hf_config: Any) -> dict:
-    """rope settings from transformers-5 `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
+    """rope settings from transformers-5 `rope_parameters` or the older `rope_theta` + `rope_scaling`;
+    `layer_type`: the settings of that kind of layer, where a model has several (Gemma 3's sliding_attention and
+    full_attention)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     scaling = getattr(hf_config, "rope_scaling", None)
     if scaling and not params.get("rope_type"):
         params.update(scaling)
@@ -26,14 +30,15 @@ def rope_parameters(hf_config: Any) -> dict:
     return params
 
 
-def inverse_frequencies(hf_config: Any, head_dim: int, max_position: int | None = None) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(hf_config: Any, head_dim: int, max_position: int | None = None,
+                        layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [rotary_dim/2] float32, attention scaling), computed as transformers does. The scalings that
     transformers recomputes for each sequence's length are fixed by `max_position` (the served context), as
     vLLM fixes them: dynamic NTK past the trained context scales the base for factor x the trained positions
     (within it, plain rope, as transformers' is there); LongRoPE (Phi-3) takes its long factors where the
     served context goes past `original_max_position_embeddings`, its short ones (transformers' for sequences
     within it) elsewhere."""
-    params = rope_parameters(hf_config)
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params.get("rope_type") or "default"
     if rope_type == "default":
         dim = rotary_dim(hf_config, head_dim)
@@ -44,7 +49,7 @@ def inverse_frequencies(hf_config: Any, head_dim: int, max_position: int | None 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, "
                          f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
-    extra = {}
+    extra = {} if layer_type is None else {"layer_type": layer_type}
     trained = getattr(hf_config, "max_position_embeddings", None)
     if rope_type == "dynamic" and max_position is not None and trained and max_position > trained:
         extra["seq_len"] = int(trained * float(params.get("factor", 1.0)))
@@ -63,9 +68,9 @@ def inverse_frequencies(hf_config: Any, head_dim: int, max_position: int | None 
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, scaling = inverse_frequencies(hf_config, head_dim, max_position)
+        inv_freq, scaling = inverse_frequencies(hf_config, head_dim, max_position, layer_type)
         # Built on the CPU even under a meta-device context; the loader moves it to the model's device.
         positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]

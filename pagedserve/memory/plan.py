@@ -36,13 +36,14 @@ weights and the runtime overhead are memory/sizes.py's):
                                         native kernel and, on the torch path, are gathered in groups of at most
                                         max(longest context, T) padded positions. e = d, or 1 + 2d for an 8-bit
                                         cache (the fp8 copy, its widening and the scaled result).
-    scores      P x (1 + d) [+ nh x P x 4], P = min(ATTENTION_CHUNK_PAIRS (2^21), min(T, M) x M)
+    scores      P x (1 + d) [+ nh x P x (4 + 3d)], P = min(ATTENTION_CHUNK_PAIRS (2^21), min(T, M) x M)
                                         the query x key pairs of one SDPA call of a prefill chunk (the chunk's
                                         queries are split to keep to ATTENTION_CHUNK_PAIRS): its boolean mask and
-                                        SDPA's additive copy of it, plus fp32 scores where attention
-                                        materialises them (not torch's SDPA on CPU, which is tiled: for nh=14,
-                                        2048 queries x 8192 keys the peak RSS grew 59 MiB (fp32), not the 896 MiB
-                                        of scores (ru_maxrss, torch 2.13.0+cpu), hence the default False).
+                                        SDPA's additive copy of it, plus the scores where attention materialises
+                                        them: softcapped attention (Gemma 2) holds them in the model dtype three
+                                        times (scores, capped, masked) and as the float32 softmax; torch's SDPA on
+                                        CPU is tiled: for nh=14, 2048 queries x 8192 keys the peak RSS grew 59 MiB
+                                        (fp32), not the 896 MiB of scores (ru_maxrss, torch 2.13.0+cpu).
                                         A chunk on the native kernels reads its context in place and keeps its
                                         threads' scores within this term and the one above (fewer rows share a
                                         widened context where it is long).
@@ -118,7 +119,7 @@ class PlanRequest:
     # utilization rule (the pool takes what the budget leaves; GPUs, and --gpu-memory-utilization on a CPU).
     kv_share: float | None = None
     runtime_overhead_bytes: int = CPU_RUNTIME_OVERHEAD_BYTES
-    materializes_attention_scores: bool = False  # True for attention that holds QK^T (not torch SDPA)
+    materializes_attention_scores: bool = False  # attention that holds QK^T (softcapped: not torch SDPA)
     quantization: str | None = None  # weight quantization already applied to weight_bytes (e.g. "int8")
     host_bytes_per_block: int = 0  # resident bookkeeping per KV block (the block pool's Python objects)
     kv_scale_bytes: int = 0  # 8-bit KV caches: one scale per token, head and K/V, of this many bytes
@@ -287,7 +288,7 @@ def activation_bytes(shape: ModelShape, request: PlanRequest) -> ActivationBytes
     pairs = min(ATTENTION_CHUNK_PAIRS, min(tokens, max_len) * max_len)  # of one SDPA call
     scores = pairs * (1 + d)
     if request.materializes_attention_scores:
-        scores += shape.num_attention_heads * pairs * 4
+        scores += shape.num_attention_heads * pairs * (4 + 3 * d)
     return ActivationBytes(
         hidden=2 * tokens * shape.hidden_size * d,
         attention=tokens * (2 * shape.num_attention_heads + 2 * shape.num_kv_heads) * shape.head_dim * d,

@@ -194,11 +194,16 @@ class LayerKernels:
     decoder_native: bool  # norms, SiLU x up and decode attention on the native kernels
     rotary_fused: bool
     tp: tuple[int, int] | None = None  # (rank, world size) with tensor parallelism
+    activation: str = "silu"  # the MLP's gate; the native kernel and the decode stack's MLP are SiLU's
+
+    @property
+    def activation_native(self) -> bool:
+        return self.decoder_native and self.activation == "silu"
 
     @property
     def stack(self) -> bool:
         """Decode-only steps run every layer on the C decoder layer: it needs every part of a layer native."""
-        return self.decoder_native and self.rotary_fused and all(
+        return self.activation_native and self.rotary_fused and all(
             linear.native for linear in self.linears if linear.name != "logits")
 
     def lines(self) -> list[str]:
@@ -209,24 +214,32 @@ class LayerKernels:
                 f"on (tensor parallel, rank {self.tp[0]} of {self.tp[1]}: two native calls per layer, all-reducing "
                 "after each)")
         return [f"{self.num_layers} decoder layers: " + ", ".join(f"{l.name} {l.words}" for l in self.linears),
-                f"norms {native}; SiLU x up {native}; rotary + KV write {'native' if self.rotary_fused else 'torch'}; "
+                f"norms {native}; {_ACTIVATION_WORDS.get(self.activation, self.activation)} x up "
+                f"{'native' if self.activation_native else 'torch'}; "
+                f"rotary + KV write {'native' if self.rotary_fused else 'torch'}; "
                 f"decode attention {native}; prefill attention {'native' if self.decoder_native else 'torch SDPA'}",
                 f"decode stack (every layer's C attention and MLP halves for decode-only steps): {stack}"]
 
 
+_ACTIVATION_WORDS = {"silu": "SiLU", "gelu": "GELU", "gelu_pytorch_tanh": "GELU (tanh)"}
+
+
 def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, qk_norm: bool,
-                           onednn_packs: bool, tp_size: int = 1, logits: bool = True) -> LayerKernels:
+                           onednn_packs: bool, tp_size: int = 1, logits: bool = True, native_decoder: bool = True,
+                           activation: str = "silu") -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
     ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
     o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
-    the model has an LM head (not an embedding model)."""
+    the model has an LM head (not an embedding model); `native_decoder` and `activation`: the model class's
+    (Gemma's norms, GELU and attention run torch ops)."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     hidden, intermediate = cfg.hidden_size, cfg.intermediate_size // tp_size  # this rank's MLP width
     kind = fmt.linear_kind
-    decoder_native = isa is not None and kind != "plain" and decoder_kernels_fit(hidden, intermediate, head_dim)
+    decoder_native = (native_decoder and isa is not None and kind != "plain"
+                      and decoder_kernels_fit(hidden, intermediate, head_dim))
     inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),
               ("down", intermediate)) + ((("logits", hidden),) if logits else ())
     runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}
@@ -234,4 +247,4 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
                                  runs[name]) for name, _ in inputs)
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
                         fused_rotary(decoder_native, qk_norm, head_dim, partial_rotary(cfg)),
-                        None if tp_size == 1 else (0, tp_size))
+                        None if tp_size == 1 else (0, tp_size), activation)

@@ -9,6 +9,7 @@ gate/up matrices are read as the parts they hold: checkpoint_parts). After loadi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,9 +33,38 @@ def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What a model's decoder layers are made of, where the Llama-family models differ (the model class says)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # per-head q/k norms before rotary (Qwen3, Gemma 3)
+    norm: type[RMSNorm] = RMSNorm  # Gemma's scales by 1 + weight (models/gemma.py)
+    activation: str = "silu"  # the MLP's gate (ACTIVATIONS)
+    sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs normed before they join the residual
+    local_rotary: bool = False  # Gemma 3: rope_parameters per layer type, the sliding-window layers' of their own
+
+
+def layer_windows(cfg: Any) -> list[int | None]:
+    """Each layer's sliding window (None: it attends to every earlier position), as transformers reads the config:
+    `layer_types` says it per layer (Gemma 2/3; Qwen2/Qwen3 derive it from use_sliding_window and
+    max_window_layers); without it a `sliding_window` holds for every layer (Mistral, Phi-3)."""
+    window = getattr(cfg, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return [None] * cfg.num_hidden_layers
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    return [window] * cfg.num_hidden_layers
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup | None = None,
-                 layout: ShardLayout | None = None) -> None:
+    def __init__(self, cfg: Any, spec: DecoderSpec, tp: TPGroup | None = None, layout: ShardLayout | None = None
+                 ) -> None:
         """With `tp`, this rank's heads of `layout` (distributed/sharding.py) and an all-reduce after o."""
         super().__init__()
         self.num_heads = cfg.num_attention_heads if layout is None else layout.local_heads
@@ -44,15 +74,17 @@ class Attention(nn.Module):
         self.partial_rotary = rotary_dim(cfg, self.head_dim) < self.head_dim
         self.tp = tp
         self.scale = self.head_dim ** -0.5  # Granite: its attention_multiplier (set by the model)
+        self.window: int | None = None  # sliding-window attention (layer_windows, set by the model)
+        self.softcap: float | None = None  # Gemma 2's attention logit softcapping (set by the model)
         hidden = cfg.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = qk_norm
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = spec.norm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = spec.norm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
         self.kernels: CpuKernels | None = None
 
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
@@ -81,27 +113,30 @@ class Attention(nn.Module):
                 qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
             qk = apply_rotary(qk, *rope)  # q and k heads rotated together: [T, Hq + Hkv, D]
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written=kv_written)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written, self.window, self.softcap)
         out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)  # the heads' partial sums
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any, tp: TPGroup | None = None, layout: ShardLayout | None = None) -> None:
-        """With `tp`, this rank's slice of the intermediate width and an all-reduce after down."""
+    def __init__(self, cfg: Any, activation: str, tp: TPGroup | None = None, layout: ShardLayout | None = None
+                 ) -> None:
+        """`activation`: the gate's (ACTIVATIONS). With `tp`, this rank's slice of the intermediate width and an
+        all-reduce after down."""
         super().__init__()
         width = cfg.intermediate_size if layout is None else layout.local_intermediate
         self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
         self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
         self.tp = tp
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not supported (only {', '.join(ACTIVATIONS)})")
+        self.activation = activation
         if getattr(cfg, "mlp_bias", False):  # else its bias tensors read as "config.json does not match the weights"
             raise ValueError("mlp_bias: true (biases in the MLP's linears) is not supported")
 
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
-        self.kernels = kernels
+        self.kernels = kernels if self.activation == "silu" else None  # the native kernel is SiLU x up
         self.intermediate_size = self.gate_proj.out_features
         self.gate_up_proj = backend.make_fused_linear(self.gate_proj, self.up_proj)
         self.down_proj = backend.make_linear(weight_of(self.down_proj), None)
@@ -113,18 +148,22 @@ class MLP(nn.Module):
             out = self.down_proj.forward(self.kernels.silu_mul(gate_up))
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            out = self.down_proj.forward(F.silu(gate) * up)
+            out = self.down_proj.forward(ACTIVATIONS[self.activation](gate) * up)
         return out if self.tp is None else self.tp.all_reduce(out)  # the intermediate slices' partial sums
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup | None = None,
-                 layout: ShardLayout | None = None) -> None:
+    def __init__(self, cfg: Any, spec: DecoderSpec, tp: TPGroup | None = None, layout: ShardLayout | None = None
+                 ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, qkv_bias, o_bias, qk_norm, tp, layout)
-        self.mlp = MLP(cfg, tp, layout)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, spec, tp, layout)
+        self.mlp = MLP(cfg, spec.activation, tp, layout)
+        self.input_layernorm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich_norms = spec.sandwich_norms
+        if spec.sandwich_norms:  # post_attention_layernorm then norms the attention's output
+            self.pre_feedforward_layernorm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: LayerKVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,21 +171,30 @@ class DecoderLayer(nn.Module):
         residual add happens inside a norm (one fused kernel where the native kernels run)."""
         h, residual = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn.forward(h, rope, kv_cache, meta)
+        if self.sandwich_norms:
+            h = self.post_attention_layernorm.forward(h)
+            h, residual = self.pre_feedforward_layernorm.add_and_norm(h, residual)
+            return self.post_feedforward_layernorm.forward(self.mlp.forward(h)), residual
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp.forward(h), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_position: int,
-                 tp: TPGroup | None = None, layout: ShardLayout | None = None) -> None:
+    def __init__(self, cfg: Any, spec: DecoderSpec, max_position: int, tp: TPGroup | None = None,
+                 layout: ShardLayout | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else \
             VocabParallelEmbedding(layout, cfg.hidden_size, tp)
-        self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, qk_norm, tp, layout)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.embedding_multiplier = 1.0  # Granite's scale of the token embeddings
+        self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_position,
+                                          layer_type="full_attention" if spec.local_rotary else None)
+        self.local_rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_position, layer_type="sliding_attention") \
+            if spec.local_rotary else None  # the sliding-window layers' (Gemma 3)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, tp, layout) for _ in range(cfg.num_hidden_layers))
+        for layer, window in zip(self.layers, layer_windows(cfg)):
+            layer.self_attn.window = window
+        self.norm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embedding_multiplier = 1.0  # Granite's scale of the token embeddings, Gemma's sqrt(hidden_size)
+        self.embedding_multiplier_rounded = False  # Gemma: the scale rounded to the model dtype before it multiplies
         self.tp = tp
         self.stack: NativeDecodeStack | None = None
         self._stack_kernels: CpuKernels | None = None  # set: build the stack at the next forward
@@ -167,15 +215,17 @@ class DecoderModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         if self.embedding_multiplier != 1.0:
-            x = x * self.embedding_multiplier
+            scale = self.embedding_multiplier
+            x = x * (torch.tensor(scale, dtype=x.dtype) if self.embedding_multiplier_rounded else scale)
         rope = self.rotary_emb.lookup(positions, x.dtype)  # once per step, shared by every layer
         if self._stack_kernels is not None:
             self.stack, self._stack_kernels = NativeDecodeStack.build(self, self._stack_kernels), None
         if self.stack is not None and self.stack.runs(x, kv_caches, meta):
             return self.stack.forward(x, rope, kv_caches, meta)
+        local = rope if self.local_rotary_emb is None else self.local_rotary_emb.lookup(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, rope, kv_cache, meta)  # .forward: skip nn.Module call overhead
+        for layer, kv_cache in zip(self.layers, kv_caches):  # .forward: skip nn.Module call overhead
+            x, residual = layer.forward(x, residual, rope if layer.self_attn.window is None else local, kv_cache, meta)
         return self.norm.add_and_norm(x, residual)[0]
 
 
@@ -209,6 +259,7 @@ class NativeDecodeStack:
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         self.dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
         self.eps, self.scale = model.norm.eps, attn.scale
+        self.window = attn.window  # every layer's (build checks)
         self.final_norm = model.norm.weight
         self._pools: list[LayerKVCache] | None = None
 
@@ -218,9 +269,11 @@ class NativeDecodeStack:
             return None  # the native kernels read host memory
         layout = kernels.layer_layout  # the library's own column of each field
         rows, int8, tensors = [], False, []
+        if len({layer.self_attn.window for layer in model.layers}) > 1:
+            return None  # one window for every layer: each step's decode slots are cut once (AttentionMetadata.within)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not attn.fused_rope or layer.input_layernorm.eps != model.norm.eps:
+            if not attn.fused_rope or attn.softcap is not None or layer.input_layernorm.eps != model.norm.eps:
                 return None
             row = [0] * layout["layer_fields"]  # K/V pools: set by _bind_pools
             row[layout["in_norm"]] = layer.input_layernorm.weight.data_ptr()
@@ -257,6 +310,7 @@ class NativeDecodeStack:
                 meta: AttentionMetadata) -> torch.Tensor:
         self._bind_pools(kv_caches)
         cos, sin = rope
+        meta = meta.within(self.window)
         step = (cos.contiguous(), sin.contiguous(), meta.slot_mapping.contiguous(), meta.decode_kv_slots,
                 meta.decode_context_lens)
         if self.tp is None:
@@ -280,6 +334,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     o_bias: bool | None = None  # None: follow config.attention_bias, as Llama and Qwen3 do
     qk_norm = False
+    native_decoder = True  # norms, activation, rotary and attention may run the native kernels (not Gemma's)
     logits_scaling = 1.0  # Granite divides its logits by this
 
     def __init__(self, cfg: Any, max_position: int, tp: TPGroup | None = None) -> None:
@@ -289,14 +344,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.layout = None if tp is None else ShardLayout.for_config(cfg, tp.rank, tp.world_size)
-        attention_bias = bool(getattr(cfg, "attention_bias", False))
-        qkv_bias = self.qkv_bias or attention_bias
-        o_bias = attention_bias if self.o_bias is None else self.o_bias
-        self.model = DecoderModel(cfg, qkv_bias, o_bias, self.qk_norm, max_position, tp, self.layout)
+        self.model = DecoderModel(cfg, self.decoder_spec(cfg), max_position, tp, self.layout)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             vocab_rows = cfg.vocab_size if self.layout is None else self.layout.vocab_per_rank
             self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
+
+    @classmethod
+    def decoder_spec(cls, cfg: Any) -> DecoderSpec:
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        return DecoderSpec(qkv_bias=cls.qkv_bias or attention_bias,
+                           o_bias=attention_bias if cls.o_bias is None else cls.o_bias, qk_norm=cls.qk_norm,
+                           activation=getattr(cfg, "hidden_act", "silu"))
 
     @property
     def num_layers(self) -> int:
@@ -334,7 +393,7 @@ class LlamaForCausalLM(nn.Module):
         for norms, SiLU, rotary and decode attention where this model's sizes fit them."""
         attn = self.model.layers[0].self_attn
         kernels = backend.decoder_kernels(self.config.hidden_size, self.model.layers[0].mlp.gate_proj.out_features,
-                                          attn.head_dim)
+                                          attn.head_dim) if self.native_decoder else None
         for layer in self.model.layers:
             layer.self_attn.prepare(backend, kernels)
             layer.mlp.prepare(backend, kernels)
@@ -350,7 +409,7 @@ class LlamaForCausalLM(nn.Module):
                         (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                          ("down", mlp.down_proj), ("logits", getattr(self, "logits_proj", None))) if module is not None)
         return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, attn.fused_rope,
-                            None if self.tp is None else (self.tp.rank, self.tp.world_size))
+                            None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation)
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""

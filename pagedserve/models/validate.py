@@ -20,6 +20,9 @@ from pagedserve.formats.safetensors import read_safetensors_header, read_shard_i
 from pagedserve.formats import is_gguf_path
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "GraniteForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -33,6 +36,8 @@ SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2Model",
     "Qwen3Model",
 )
+# The decoders' MLP gates (models/llama.py's ACTIVATIONS, which are checked equal to these).
+DECODER_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_pytorch_tanh")
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 # Weight encodings that gguf-py can dequantize and that we test.
 SUPPORTED_GGUF_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
@@ -177,13 +182,14 @@ def _check_config(model_dir: Path) -> dict[str, Any]:
             f"Supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}."
         )
     shape = config.get("text_config", config)
-    if "BertModel" not in architectures:  # the decoders' MLP: SiLU-gated, without biases
-        act = shape.get("hidden_act", "silu")
-        if act != "silu" or shape.get("mlp_bias"):
-            field = f"hidden_act {act!r}" if act != "silu" else "mlp_bias: true"
-            raise ModelValidationError(f"{config_path} sets {field}: pagedserve's {architectures[0]} runs a SiLU-gated "
-                                       "MLP without biases, so this model would be computed wrongly. Use a model "
-                                       "without it.")
+    if "BertModel" not in architectures:  # the decoders' MLP: gated by an activation of ACTIVATIONS, without biases
+        key = "hidden_activation" if shape.get("hidden_activation") else "hidden_act"
+        act = shape.get(key, "silu")
+        if act not in DECODER_ACTIVATIONS or shape.get("mlp_bias"):
+            field = f"{key} {act!r}" if act not in DECODER_ACTIVATIONS else "mlp_bias: true"
+            raise ModelValidationError(f"{config_path} sets {field}: pagedserve's {architectures[0]} runs an MLP gated "
+                                       f"by {', '.join(DECODER_ACTIVATIONS)}, without biases, so this model would be "
+                                       "computed wrongly. Use a model without it.")
     for key in REQUIRED_CONFIG_KEYS:
         value = shape.get(key) if isinstance(shape, dict) else None
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -304,40 +310,3 @@ def validate_model_path(path: str | Path, *, need_chat_template: bool = False) -
         validate_gguf_file(path, need_chat_template=need_chat_template)
     else:
         raise ModelValidationError(f"{path} is neither a model directory nor a GGUF file. {LOCAL_MODEL_HINT}.")
-
-
-def sliding_window_in_use(config: dict[str, Any]) -> tuple[int, str] | None:
-    """(window, the config fields that turn it on) when some layer attends only to the last `window` tokens.
-
-    Mistral-style configs set `sliding_window` for every layer; Qwen2/Qwen3 only with `use_sliding_window`,
-    and then only from layer `max_window_layers` on; transformers' `layer_types` says it per layer.
-    """
-    window = config.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return None
-    layer_types = config.get("layer_types")
-    if isinstance(layer_types, list):
-        return (window, "sliding_window with layer_types") if "sliding_attention" in layer_types else None
-    if "use_sliding_window" in config or config.get("model_type") in ("qwen2", "qwen3"):
-        if not config.get("use_sliding_window"):
-            return None
-        first_layer = config.get("max_window_layers")
-        if isinstance(first_layer, int) and first_layer >= int(config.get("num_hidden_layers") or 0):
-            return None  # no layer reaches the windowed ones
-        return window, "use_sliding_window: true with sliding_window"
-    return window, "sliding_window"
-
-
-def check_sliding_window(config: dict[str, Any], max_model_len: int) -> None:
-    """Refuse a sliding-window model whose sequences could outrun the window: pagedserve's attention attends
-    to every earlier token, so past the window its outputs would be silently wrong. A window at least
-    max_model_len long never cuts anything, so that is served."""
-    in_use = sliding_window_in_use(config.get("text_config", config))
-    if in_use is None or in_use[0] >= max_model_len:
-        return
-    window, fields = in_use
-    raise ModelValidationError(
-        f"config.json sets {fields} = {window}: this model attends only to the last {window} tokens, and "
-        f"pagedserve does not implement sliding-window attention, so sequences longer than {window} tokens "
-        f"would be silently wrong. Serve it with --max-model-len {window} (or less); max_model_len is "
-        f"{max_model_len} now")

@@ -24,6 +24,8 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("qwen3", "bfloat16", None, {}, "q/k norm: rotary on torch, no stack"),
     ("llama", "bfloat16", None, {**HEAD_32, "intermediate_size": 72}, "down off the native kernel, norms on torch"),
     ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
+    ("gemma2", "bfloat16", None, HEAD_32, "gemma: native linears, the rest torch"),
+    ("llama", "bfloat16", None, {**HEAD_32, "hidden_act": "gelu"}, "gelu: the MLP gate on torch, no stack"),
 ]
 
 
@@ -39,7 +41,8 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     loaded = model.layer_kernels()
     fmt = expected_weight_format("cpu", dtype, quantization, False, isa is not None, cpu_flags())
     predicted = expected_layer_kernels(fmt, isa, config.model.hf_config, model.qk_norm,
-                                       onednn_may_pack("cpu", dtype, cpu_flags()))
+                                       onednn_may_pack("cpu", dtype, cpu_flags()), native_decoder=model.native_decoder,
+                                       activation=model.decoder_spec(config.model.hf_config).activation)
     assert predicted == loaded
     result = check_layer_kernels(config, isa)
     assert result.detail.endswith("; ".join(model.kernel_report()))
@@ -57,6 +60,12 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
         assert set(words.values()) == {"oneDNN packed"} and loaded.decoder_native and not loaded.stack
     elif what.startswith(("q/k", "head_dim")):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
+    elif what.startswith("gemma"):
+        assert all(w.startswith("native") for w in words.values()) and not loaded.decoder_native
+        assert "GELU (tanh) x up torch" in loaded.lines()[1] and "norms torch" in loaded.lines()[1]
+    elif what.startswith("gelu"):
+        assert loaded.decoder_native and loaded.rotary_fused and not loaded.activation_native and not loaded.stack
+        assert "GELU x up torch" in loaded.lines()[1] and "norms native" in loaded.lines()[1]
     elif what.startswith("down off"):  # oneDNN where it packs bf16 (AVX-512), else F.linear (AVX2)
         onednn = onednn_may_pack("cpu", dtype, cpu_flags())
         assert words["down"] == ("oneDNN packed" if onednn else "F.linear") and words["qkv"].startswith("native")

@@ -28,6 +28,8 @@ CASES = {
     "qwen3": ("qwen3", {}),  # q/k norms per head
     "phi3": ("phi3", {}),  # fused qkv_proj and gate_up_proj: each rank's rows of each part
     "granite-obias": ("granite", dict(attention_bias=True)),  # scales; o's bias scaled once, on rank 0
+    "gemma2": ("gemma2", {}),  # sandwich norms, softcapped scores and logits (capped once, after the gather)
+    "gemma3": ("gemma3", {}),  # q/k norms, sliding-window layers with a rotary of their own
 }
 
 

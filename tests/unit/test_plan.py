@@ -54,16 +54,17 @@ def test_tiny_model_numbers_by_hand() -> None:
     # One gather of at most max(M, T) = 64 positions, whatever the number of sequences.
     assert act.gathered_kv == 2 * max(64, 32) * 2 * 16 * 4 == 16384
     # One SDPA call covers min(2^21, min(T, M) x M) = 2048 query x key pairs: a bool mask, its fp32 copy
-    # and (materialised here) 4 heads of fp32 scores.
-    assert act.scores == 2048 * (1 + 4) + 4 * 2048 * 4 == 43008
+    # and (materialised here, as softcapped attention does) 4 heads of scores: three copies in the model dtype
+    # (scores, capped, masked) and the float32 softmax.
+    assert act.scores == 2048 * (1 + 4) + 4 * 2048 * (4 + 3 * 4) == 141312
     assert act.decode_slots == 16 * min(4, 32) * 64 == 4096
     assert act.logits == 2 * min(4, 32) * 100 * 4 == 3200
-    assert plan.activation_bytes == 16384 + 24576 + 49152 + 16384 + 43008 + 4096 + 3200 == 156800
-    # Left for KV: 5 MiB - weights - activations - overhead = 5242880 - 346112 - 156800 - 1048576 = 3691392,
-    # 450 blocks; but 4 seqs x 64 tokens can use only 4 x 4 = 16 blocks: the workload decides.
+    assert plan.activation_bytes == 16384 + 24576 + 49152 + 16384 + 141312 + 4096 + 3200 == 255104
+    # Left for KV: 5 MiB - weights - activations - overhead = 5242880 - 346112 - 255104 - 1048576 = 3593088,
+    # 438 blocks; but 4 seqs x 64 tokens can use only 4 x 4 = 16 blocks: the workload decides.
     assert (plan.kv_rule, plan.num_kv_blocks, plan.kv_sizing) == ("utilization", 16, "workload")
     assert plan.kv_pool_bytes == 16 * 8192 == 131072
-    assert plan.total_bytes == 346112 + 156800 + 1048576 + 131072 == 1682560
+    assert plan.total_bytes == 346112 + 255104 + 1048576 + 131072 == 1780864
     assert plan.budget_bytes == 5 * MIB
     assert plan.fits and plan.shortfall_bytes == 0 and plan.suggestions == []
     assert plan.max_concurrency == 16 * 16 / 64 == 4.0
@@ -72,13 +73,13 @@ def test_tiny_model_numbers_by_hand() -> None:
 def test_tiled_attention_has_no_scores_term() -> None:
     plan = make_plan(TINY, request(budget_bytes=5 * MIB, materializes_attention_scores=False))
     assert plan.activations.scores == 2048 * (1 + 4)  # the mask and its copy only
-    assert plan.activation_bytes == 156800 - 4 * 2048 * 4
+    assert plan.activation_bytes == 255104 - 4 * 2048 * (4 + 3 * 4)
 
 
 def test_an_embedding_model_has_no_logits_term() -> None:
     """It pools hidden states: no logits or sampler (the term was 60 MiB for MiniLM at 256 sequences)."""
     plan = make_plan(TINY, request(budget_bytes=5 * MIB, computes_logits=False))
-    assert plan.activations.logits == 0 and plan.activation_bytes == 156800 - 3200
+    assert plan.activations.logits == 0 and plan.activation_bytes == 255104 - 3200
 
 
 def test_activations_do_not_grow_with_the_batch_times_max_model_len() -> None:
@@ -96,10 +97,10 @@ def test_automatic_kv_pool_fills_what_is_left() -> None:
     plan = make_plan(TINY, request(budget_bytes=5 * MIB, max_num_seqs=1000))
     # Rows are capped by the batched tokens, min(1000, 32) = 32: logits 2 x 32 x 100 x 4 = 25600,
     # decode slots 16 x 32 x 64 = 32768.
-    assert plan.activation_bytes == 16384 + 24576 + 49152 + 16384 + 43008 + 32768 + 25600 == 207872
-    # left: 5242880 - 346112 - 207872 - 1048576 = 3640320 -> 3640320 // 8192 = 444 blocks (cap 4000).
-    assert (plan.kv_rule, plan.num_kv_blocks, plan.kv_sizing) == ("utilization", 444, "budget")
-    assert plan.total_bytes == 346112 + 207872 + 1048576 + 444 * 8192 == 5239808
+    assert plan.activation_bytes == 16384 + 24576 + 49152 + 16384 + 141312 + 32768 + 25600 == 306176
+    # left: 5242880 - 346112 - 306176 - 1048576 = 3542016 -> 3542016 // 8192 = 432 blocks (cap 4000).
+    assert (plan.kv_rule, plan.num_kv_blocks, plan.kv_sizing) == ("utilization", 432, "budget")
+    assert plan.total_bytes == 346112 + 306176 + 1048576 + 432 * 8192 == 5239808
     assert plan.fits
 
 
@@ -107,44 +108,44 @@ def test_kv_pool_never_below_one_max_model_len_sequence() -> None:
     plan = make_plan(TINY, request(budget_bytes=MIB))  # less than weights + overhead: nothing left for KV
     assert plan.num_kv_blocks == 64 // 16 == 4
     assert plan.kv_sizing == "floor"
-    assert plan.total_bytes == 346112 + 156800 + 1048576 + 4 * 8192 == 1584256
+    assert plan.total_bytes == 346112 + 255104 + 1048576 + 4 * 8192 == 1682560
     assert not plan.fits
-    assert plan.shortfall_bytes == 1584256 - MIB == 535680
+    assert plan.shortfall_bytes == 1682560 - MIB == 633984
 
 
 def test_does_not_fit_with_shortfall_and_suggestions() -> None:
-    # Needs 1584256 (see above); give it 1582500: short by 1756.
-    plan = make_plan(TINY, request(budget_bytes=1582500))
+    # Needs 1682560 (see above); give it 1680804: short by 1756.
+    plan = make_plan(TINY, request(budget_bytes=1680804))
     assert not plan.fits
     assert plan.shortfall_bytes == 1756
     found = {s.flag: (s.value, s.needs_bytes) for s in plan.suggestions}
-    # max_model_len 48: gathered kv 2x48x2x16x4 = 12288, 32x48 = 1536 pairs: scores 1536x5 + 4x1536x4 =
-    # 32256, decode slots 16x4x48 = 3072 -> activations 16384 + 24576 + 49152 + 12288 + 32256 + 3072 + 3200 =
-    # 140928; fixed 346112 + 140928 + 1048576 = 1535616, less the runtime overhead's rotary tables for 16
-    # positions (2 x 16 x 16 x 4 = 2048) and a block-table column (4 x 8 = 32): 1533536; left 48964 -> 5 blocks
+    # max_model_len 48: gathered kv 2x48x2x16x4 = 12288, 32x48 = 1536 pairs: scores 1536x5 + 4x1536x16 =
+    # 105984, decode slots 16x4x48 = 3072 -> activations 16384 + 24576 + 49152 + 12288 + 105984 + 3072 + 3200 =
+    # 214656; fixed 346112 + 214656 + 1048576 = 1609344, less the runtime overhead's rotary tables for 16
+    # positions (2 x 16 x 16 x 4 = 2048) and a block-table column (4 x 8 = 32): 1607264; left 73540 -> 8 blocks
     # (one sequence needs 3).
-    assert found["--max-model-len"] == ("48", 1535616 - 2048 - 32 + 5 * 8192)
-    # 16 batched tokens: 8192 + 12288 + 24576 + 16384 (max(64, 16) positions) + 1024 pairs x 5 + 4x1024x4
-    # + 4096 + 3200 = 90240; fixed 1484928; left 97572 -> 11 blocks.
-    assert found["--max-num-batched-tokens"] == ("16", 1484928 + 11 * 8192)
-    # 3 seqs: decode slots 3072, logits 2400 -> 154976; fixed 1549664, less a block-table row (4 x 8 = 32);
+    assert found["--max-model-len"] == ("48", 1609344 - 2048 - 32 + 8 * 8192)
+    # 16 batched tokens: 8192 + 12288 + 24576 + 16384 (max(64, 16) positions) + 1024 pairs x 5 + 4x1024x16
+    # + 4096 + 3200 = 139392; fixed 1534080; left 146724 -> 17 blocks, capped at the 16 the workload uses.
+    assert found["--max-num-batched-tokens"] == ("16", 1534080 + 16 * 8192)
+    # 3 seqs: decode slots 3072, logits 2400 -> 253280; fixed 1647968, less a block-table row (4 x 8 = 32);
     # left 32868 -> 4 blocks, one sequence. (Fewer sequences save only their slot-table rows and logits.)
-    assert found["--max-num-seqs"] == ("3", 1549664 - 32 + 4 * 8192)
-    # bf16 halves weights, KV and the dtype-sized activations (the scores and logits stay fp32, the mask's
-    # copy is bf16): 173056 + (8192 + 12288 + 24576 + 8192 + 2048 x 3 + 32768 + 4096 + 3200) + 1048576 =
-    # 1321088, KV capped at 16 x 4096.
-    assert found["--dtype"] == ("bfloat16", 1321088 + 16 * 4096)
+    assert found["--max-num-seqs"] == ("3", 1647968 - 32 + 4 * 8192)
+    # bf16 halves weights, KV and the dtype-sized activations (the mask's copy, three of the scores' four copies;
+    # the softmax and logits stay fp32): 173056 + (8192 + 12288 + 24576 + 8192 + 2048 x 3 + 4 x 2048 x (4 + 3 x 2)
+    # + 4096 + 3200) + 1048576 = 1370240, KV capped at 16 x 4096.
+    assert found["--dtype"] == ("bfloat16", 1370240 + 16 * 4096)
     # int8 linear layers: 346112 - 73728 x 4 + 73728 + 2 x (128 + 64 + 256 + 64) scales x 4 = 129024.
-    assert found["--quantization"] == ("int8", 129024 + 156800 + 1048576 + 16 * 8192)
+    assert found["--quantization"] == ("int8", 129024 + 255104 + 1048576 + 16 * 8192)
     # fp8 KV with a 4-byte (model dtype) scale per token, head and K/V: 2 x 2 x 2 x (16 + 4) = 160 B/token,
-    # blocks of 2560; its gather costs 9 B per element: 2 x 64 x 2 x 16 x 9 = 36864 -> activations 177280,
-    # fixed 1571968, left 10532 -> 4 blocks, one sequence.
-    assert found["--kv-cache-dtype"] == ("fp8", 1571968 + 4 * 2560)
-    # A fraction of 0.5 leaves 1582500 of 3165000 bytes; 0.51 gives 1614150, enough (the shortfall is 1756).
+    # blocks of 2560; its gather costs 9 B per element: 2 x 64 x 2 x 16 x 9 = 36864 -> activations 275584,
+    # fixed 1670272, left 10532 -> 4 blocks, one sequence.
+    assert found["--kv-cache-dtype"] == ("fp8", 1670272 + 4 * 2560)
+    # A fraction of 0.5 leaves 1680804 of 3361608 bytes; 0.51 gives 1714420, enough (the shortfall is 1756).
     assert found["--gpu-memory-utilization"][0] == "0.51"
-    assert make_plan(TINY, replace(request(budget_bytes=1582500), memory_fraction=0.51)).fits
+    assert make_plan(TINY, replace(request(budget_bytes=1680804), memory_fraction=0.51)).fits
     # Only options the engine supports are suggested.
-    plain = make_plan(TINY, request(budget_bytes=1582500), quantizations=(), kv_cache_dtypes=())
+    plain = make_plan(TINY, request(budget_bytes=1680804), quantizations=(), kv_cache_dtypes=())
     assert {s.flag for s in plain.suggestions} == set(found) - {"--quantization", "--kv-cache-dtype"}
     table = format_plan_table(plan)
     assert "DOES NOT FIT" in table and "short by 0.00 GiB" in table

@@ -1,0 +1,86 @@
+"""Gemma's parts beyond test_correctness.py's batch (which runs Gemma 1-3 against transformers in float32 and bfloat16,
+and test_sliding_window.py their windows): the config fields transformers reads for one Gemma and ignores for
+another, the norm's float32 scale, the plan's count of softcapped attention scores, and the activations."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.memory_plan import softcapped_attention
+from pagedserve.formats.errors import ModelValidationError
+from pagedserve.models.gemma import GemmaRMSNorm
+from pagedserve.models.llama import ACTIVATIONS
+from pagedserve.models.validate import DECODER_ACTIVATIONS, validate_hf_dir
+
+
+def _prompt_logprobs_against_transformers(model_dir: str) -> float:
+    """The largest difference of our prompt logprobs from transformers' over a 60-token prompt (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [(37 * i) % 500 + 3 for i in range(60)]
+    llm = LLM(model_dir, dtype="float32", max_model_len=128)
+    ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    return max(abs(ours.prompt_logprobs[i][t].logprob - reference[i - 1, t].item()) for i, t in enumerate(prompt) if i)
+
+
+def test_gemma3_caps_its_logits_but_not_its_attention_scores(tiny_model_dir):
+    """transformers' Gemma 3 applies final_logit_softcapping and passes no attn_logit_softcapping to its attention
+    (Gemma 2 applies both): a config setting both must be computed as that."""
+    model_dir = tiny_model_dir("gemma3", final_logit_softcapping=3.0, attn_logit_softcapping=0.5)
+    assert _prompt_logprobs_against_transformers(model_dir) < 5e-5
+    llm = LLM(model_dir, dtype="float32", max_model_len=128)
+    model = llm.engine.runner.model
+    assert model.final_softcap == 3.0 and {layer.self_attn.softcap for layer in model.model.layers} == {None}
+
+
+def test_gemma2_caps_both(tiny_model_dir):
+    model = LLM(tiny_model_dir("gemma2"), dtype="float32", max_model_len=128).engine.runner.model
+    assert model.final_softcap == 4.0 and {layer.self_attn.softcap for layer in model.model.layers} == {2.0}
+    assert [layer.self_attn.window for layer in model.model.layers] == [16, None]  # layer_types
+
+
+def test_the_norm_scales_by_one_plus_its_weight_in_float32():
+    """transformers' Gemma norm multiplies by 1 + weight in float32 and rounds once; 1 + weight rounded to bf16
+    first (a Llama norm over a folded weight) differs."""
+    torch.manual_seed(0)
+    norm = GemmaRMSNorm(64, 1e-6)
+    norm.weight = torch.nn.Parameter((torch.randn(64) * 0.3).to(torch.bfloat16), requires_grad=False)
+    norm.prepare()
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    x32 = x.float()
+    expected = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + norm.weight.float()))
+    assert torch.equal(norm(x), expected.to(torch.bfloat16))
+    folded = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16) * (1 + norm.weight)
+    assert not torch.equal(norm(x), folded)
+
+
+def test_the_plan_counts_softcapped_scores(tiny_model_dir):
+    from pagedserve.models.loader import load_hf_config
+
+    assert softcapped_attention("Gemma2ForCausalLM", load_hf_config(tiny_model_dir("gemma2")))
+    assert not softcapped_attention("Gemma3ForCausalLM", load_hf_config(tiny_model_dir("gemma3")))
+    gemma2 = LLM(tiny_model_dir("gemma2"), dtype="float32", max_model_len=128).engine.config.memory_plan
+    no_cap = LLM(tiny_model_dir("gemma2", attn_logit_softcapping=None), dtype="float32",
+                 max_model_len=128).engine.config.memory_plan
+    heads, pairs = 4, 128 * 128  # one SDPA call's query x key pairs: min(T, M) x M
+    assert gemma2.activation_bytes - no_cap.activation_bytes == heads * pairs * (4 + 3 * 4)
+
+
+def test_the_activations_validation_accepts_are_the_models(tiny_model_dir, tmp_path):
+    assert tuple(ACTIVATIONS) == DECODER_ACTIVATIONS
+    model = Path(shutil.copytree(tiny_model_dir("gemma2"), tmp_path / "gemma2"))
+    config = json.loads((model / "config.json").read_text())
+    validate_hf_dir(model)
+    config["hidden_activation"] = "relu"
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelValidationError, match="hidden_activation 'relu'"):
+        validate_hf_dir(model)
