@@ -80,6 +80,14 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
         else:
             config = transformers.Gemma3TextConfig(**{**common, "head_dim": 16, **gemma, **overrides})
             cls = transformers.Gemma3ForCausalLM
+    elif arch == "gemma3-multimodal":  # Gemma3ForConditionalGeneration: a one-layer vision tower beside gemma3's text
+        text = {**common, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"], **overrides}
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,
+                      patch_size=14)  # more layers than the text model: a layer count must not read the vision's
+        config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                           image_token_index=509, boi_token_index=510, eoi_token_index=511)
+        cls = transformers.Gemma3ForConditionalGeneration
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -88,7 +96,8 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.normal_(0.0, weight_std if param.dim() > 1 else 0.05)
-            elif arch.startswith("gemma"):  # Gemma's norms scale by 1 + weight: zero would hide a missing 1 +
+            elif arch.startswith("gemma") and "vision" not in name:  # Gemma's norms scale by 1 + weight: zero
+                # would hide a missing 1 +
                 param.normal_(0.0, 0.2)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out_dir)

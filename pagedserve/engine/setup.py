@@ -24,6 +24,7 @@ from pagedserve.formats.errors import ModelValidationError
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.probe import AvailableMemory
 from pagedserve.memory.weight_format import SUPPORTED_QUANTIZATION
+from pagedserve.models.multimodal import text_only_config
 from pagedserve.models.pooling_config import is_encoder
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.config import SpeculativeConfig
@@ -217,7 +218,13 @@ def read_model(model: str | None, startup: StartupTracker | None = None) -> tupl
     startup.enter("planning")
     checkpoint = read_checkpoint_info(path)  # headers only; a GGUF header is parsed once for all users
     hf_config = hf_config_from_checkpoint(checkpoint)
-    return path, checkpoint, hf_config, (getattr(hf_config, "architectures", None) or ["?"])[0]
+    wrapper = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    hf_config = text_only_config(hf_config)  # a multimodal checkpoint: its language model
+    architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    if architecture != wrapper:
+        logger.info("%s: serving its language model (%s), text only: the vision tower is not loaded and requests "
+                    "with images are refused", wrapper, architecture)
+    return path, checkpoint, hf_config, architecture
 
 
 def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.formats import is_gguf_path
+from pagedserve.models.multimodal import language_model_name
 from pagedserve.formats.safetensors import (
     FLOAT_DTYPES,
     SAFETENSORS_DTYPE_BYTES,
@@ -63,9 +64,13 @@ class CheckpointInfo:
         return quantized * 2 > sum(math.prod(s.shape) for s in matrices)
 
     def _skipped_tensor(self, name: str) -> bool:
-        """Tensors the loader does not keep: a tied LM head (it reuses the embedding) and rotary buffers."""
-        config = self.config.get("text_config", self.config)
-        if name == "lm_head.weight" and config.get("tie_word_embeddings", False):
+        """Tensors the loader does not keep: a tied LM head (it reuses the embedding), rotary buffers, and a
+        multimodal checkpoint's parts that are not its language model (models/multimodal.py)."""
+        name = language_model_name(name)
+        if name is None:
+            return True
+        tied = self.config.get("tie_word_embeddings", self.config.get("text_config", {}).get("tie_word_embeddings"))
+        if name == "lm_head.weight" and tied:
             return True
         return name.endswith("rotary_emb.inv_freq")
 

@@ -16,6 +16,7 @@ from pagedserve.kernels import CpuKernels
 from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import QuantizedWeight
 from pagedserve.layers.skip_init import skip_init
+from pagedserve.models.multimodal import language_model_name
 from pagedserve.models.registry import model_class
 from pagedserve.models.safetensors_mmap import iter_safetensors
 from pagedserve.platform import release_free_heap
@@ -126,8 +127,10 @@ class _ShapeCheck:
                     "config.json does not match the weights (download the model again)")
 
     def target(self, name: str) -> str | None:
-        """The parameter a checkpoint tensor binds to (None: a tensor the model does not use)."""
-        target = self.model.checkpoint_name_to_param(name)
+        """The parameter a checkpoint tensor binds to (None: a tensor the model does not use, such as a multimodal
+        checkpoint's vision tower)."""
+        text_name = language_model_name(name)
+        target = None if text_name is None else self.model.checkpoint_name_to_param(text_name)
         if target is not None and target not in self.params:
             raise ModelValidationError(f"checkpoint tensor {name!r} has no matching parameter in {self.architecture}: "
                                        f"{self.fix}")

@@ -18,6 +18,7 @@ from pagedserve.formats.errors import LOCAL_MODEL_HINT, ModelValidationError
 from pagedserve.formats.gguf import GGUFHeader, shared_gguf_header, truncated_gguf_error
 from pagedserve.formats.safetensors import read_safetensors_header, read_shard_index, safetensors_files, truncated_error
 from pagedserve.formats import is_gguf_path
+from pagedserve.models.multimodal import TEXT_ONLY, language_model_name
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "GemmaForCausalLM",
@@ -30,6 +31,8 @@ SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "BertModel",
+    # Multimodal checkpoints, served as their language model (models/multimodal.py).
+    *TEXT_ONLY,
     # Decoders saved without an LM head (e.g. Qwen3-Embedding): embedding only (models/embedding.py).
     "LlamaModel",
     "MistralModel",
@@ -248,7 +251,8 @@ def _check_shape(config_path: Path, config: dict[str, Any], shapes: dict[str, li
         raise ModelValidationError(f"{config_path} says vocab_size x hidden_size = {expected[0]} x {expected[1]}, "
                                    f"but the weights' embedding is {' x '.join(map(str, embedding))}: config.json "
                                    "does not match the weights. Download the model again.")
-    layers = {int(m.group(1)) for name in shapes if (m := _LAYER_INDEX.search(name))}
+    names = [name for name in shapes if language_model_name(name) is not None]  # not a vision tower's layers
+    layers = {int(m.group(1)) for name in names if (m := _LAYER_INDEX.search(name))}
     if layers and max(layers) + 1 != shape["num_hidden_layers"]:
         raise ModelValidationError(f"{config_path} says num_hidden_layers = {shape['num_hidden_layers']}, but the "
                                    f"weights hold {max(layers) + 1} layers: config.json does not match the weights. "

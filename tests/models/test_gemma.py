@@ -1,6 +1,7 @@
 """Gemma's parts beyond test_correctness.py's batch (which runs Gemma 1-3 against transformers in float32 and bfloat16,
 and test_sliding_window.py their windows): the config fields transformers reads for one Gemma and ignores for
-another, the norm's float32 scale, the plan's count of softcapped attention scores, and the activations."""
+another, the norm's float32 scale, the plan's count of softcapped attention scores, the activations, and a
+multimodal Gemma 3 checkpoint served as its language model."""
 
 from __future__ import annotations
 
@@ -13,20 +14,22 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.memory_plan import softcapped_attention
+from pagedserve.exceptions import InvalidRequestError
+from pagedserve.memory.checkpoint import read_checkpoint_info
 from pagedserve.formats.errors import ModelValidationError
 from pagedserve.models.gemma import GemmaRMSNorm
 from pagedserve.models.llama import ACTIVATIONS
 from pagedserve.models.validate import DECODER_ACTIVATIONS, validate_hf_dir
 
 
-def _prompt_logprobs_against_transformers(model_dir: str) -> float:
+def _prompt_logprobs_against_transformers(model_dir: str, model_class=None) -> float:
     """The largest difference of our prompt logprobs from transformers' over a 60-token prompt (float32)."""
     from transformers import AutoModelForCausalLM
 
     prompt = [(37 * i) % 500 + 3 for i in range(60)]
     llm = LLM(model_dir, dtype="float32", max_model_len=128)
     ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = (model_class or AutoModelForCausalLM).from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
     return max(abs(ours.prompt_logprobs[i][t].logprob - reference[i - 1, t].item()) for i, t in enumerate(prompt) if i)
@@ -84,3 +87,19 @@ def test_the_activations_validation_accepts_are_the_models(tiny_model_dir, tmp_p
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelValidationError, match="hidden_activation 'relu'"):
         validate_hf_dir(model)
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tiny_model_dir):
+    """Gemma3ForConditionalGeneration (gemma-3-4b-it and up): its text_config under Gemma3ForCausalLM, its
+    language_model.* tensors, the vision tower neither loaded nor counted in the plan, images refused."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    model_dir = tiny_model_dir("gemma3-multimodal")
+    assert _prompt_logprobs_against_transformers(model_dir, Gemma3ForConditionalGeneration) < 5e-5
+    llm = LLM(model_dir, dtype="float32", max_model_len=128)
+    assert llm.engine.config.model.architecture == "Gemma3ForCausalLM"
+    text_only = read_checkpoint_info(tiny_model_dir("gemma3")).weight_bytes(4)  # the same text model, alone
+    assert read_checkpoint_info(model_dir).weight_bytes(4) == text_only
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(InvalidRequestError, match="image_url"):
+        llm.chat([{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}])
