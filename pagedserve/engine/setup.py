@@ -24,7 +24,7 @@ from pagedserve.formats.errors import ModelValidationError
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.probe import AvailableMemory
 from pagedserve.memory.weight_format import SUPPORTED_QUANTIZATION
-from pagedserve.models.multimodal import text_only_config
+from pagedserve.formats.multimodal import text_only_config
 from pagedserve.models.pooling_config import is_encoder
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.config import SpeculativeConfig

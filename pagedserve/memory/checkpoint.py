@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.formats import is_gguf_path
-from pagedserve.models.multimodal import language_model_name
+from pagedserve.formats.multimodal import language_model_name
 from pagedserve.formats.safetensors import (
     FLOAT_DTYPES,
     SAFETENSORS_DTYPE_BYTES,
@@ -65,7 +65,7 @@ class CheckpointInfo:
 
     def _skipped_tensor(self, name: str) -> bool:
         """Tensors the loader does not keep: a tied LM head (it reuses the embedding), rotary buffers, and a
-        multimodal checkpoint's parts that are not its language model (models/multimodal.py)."""
+        multimodal checkpoint's parts that are not its language model (formats/multimodal.py)."""
         name = language_model_name(name)
         if name is None:
             return True

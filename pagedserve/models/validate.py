@@ -18,7 +18,7 @@ from pagedserve.formats.errors import LOCAL_MODEL_HINT, ModelValidationError
 from pagedserve.formats.gguf import GGUFHeader, shared_gguf_header, truncated_gguf_error
 from pagedserve.formats.safetensors import read_safetensors_header, read_shard_index, safetensors_files, truncated_error
 from pagedserve.formats import is_gguf_path
-from pagedserve.models.multimodal import TEXT_ONLY, language_model_name
+from pagedserve.formats.multimodal import TEXT_ONLY, language_model_name
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "GemmaForCausalLM",
@@ -31,7 +31,7 @@ SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "BertModel",
-    # Multimodal checkpoints, served as their language model (models/multimodal.py).
+    # Multimodal checkpoints, served as their language model (formats/multimodal.py).
     *TEXT_ONLY,
     # Decoders saved without an LM head (e.g. Qwen3-Embedding): embedding only (models/embedding.py).
     "LlamaModel",
