@@ -4,7 +4,9 @@ GGUF stores dimensions fastest-first, so a ggml tensor of dims (in, out) is a nu
 (out, in): exactly the Hugging Face [out_features, in_features] layout. llama.cpp's converter
 permutes the rows of the llama q/k projections (rotary pairs interleaved instead of split in
 halves); `unpermute_rows` undoes that so that the tensors equal the Hugging Face ones. Llama 3's rope
-scaling is stored as a rope_freqs tensor; `hf_config` recovers HF's rope_scaling from it.
+scaling is stored as a rope_freqs tensor; `hf_config` recovers HF's rope_scaling from it. Gemma's norm weights
+are stored with the 1 its norm adds to them (`norm_shift`), and what transformers reads from Gemma's config.json
+(softcapping, windows, the query scale) is metadata or llama.cpp's fixed rule per architecture (`_gemma_config`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ GGUF_TO_HF_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma": ("GemmaForCausalLM", "gemma"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+_GEMMA = frozenset({"gemma", "gemma2", "gemma3"})
+# Gemma 2/3 norm the attention and MLP outputs too: llama.cpp's names for those four norms of a layer.
+_SANDWICH_NORM_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Architectures whose converter permutes attn_q / attn_k rows (convert_hf_to_gguf.py LlamaModel.permute).
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
@@ -59,15 +71,17 @@ _FLOAT_VIEWS = {
 _CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight"})
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The Hugging Face checkpoint name for a GGUF tensor name, or None if it has no counterpart."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     match = _LAYER_TENSOR_RE.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
+    names = {**_LAYER_TENSOR_NAMES, **_SANDWICH_NORM_NAMES} if architecture in ("gemma2", "gemma3") \
+        else _LAYER_TENSOR_NAMES
+    if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,7 @@ class GGUFFile:
 
     @property
     def architecture(self) -> str:
-        """GGUF architecture name: "llama", "qwen2" or "qwen3"."""
+        """GGUF architecture name: a key of GGUF_TO_HF_ARCHITECTURE."""
         return self.header.architecture
 
     def _arch_value(self, key: str, default: Any = None) -> Any:
@@ -174,7 +188,35 @@ class GGUFFile:
         rope_scaling = self._rope_scaling(config)
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
+        if self.architecture in _GEMMA:
+            config.update(self._gemma_config(config))
         return config
+
+    def _gemma_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """What a Gemma's config.json says beyond a Llama's, as llama.cpp reads it (llama-model.cpp): the GELU,
+        Gemma 2's softcaps, and for Gemma 2/3 the sliding window on layers il % n < n - 1 (n = 2 for Gemma 2,
+        6 for Gemma 3), the query scale (head_dim; hidden_size / heads for the 27B models), and Gemma 3's rotary
+        base of 10000 for its sliding-window layers (rope scaling applies to its global layers only)."""
+        extra: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+        if self.architecture == "gemma":
+            return extra
+        layers = config["num_hidden_layers"]
+        pattern = 2 if self.architecture == "gemma2" else 6
+        is_27b = layers == (46 if self.architecture == "gemma2" else 62)
+        extra.update(
+            sliding_window=int(self._required("attention.sliding_window")),
+            layer_types=["sliding_attention" if i % pattern < pattern - 1 else "full_attention" for i in range(layers)],
+            query_pre_attn_scalar=config["hidden_size"] // config["num_attention_heads"] if is_27b
+            else config["head_dim"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if self._arch_value(key) is not None:
+                extra[key] = _as_decimal(self._arch_value(key))
+        if self.architecture == "gemma3":
+            full = {"rope_type": "default", "rope_theta": config["rope_theta"], **config.pop("rope_scaling", {})}
+            extra["rope_parameters"] = {"full_attention": full,
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+            extra["attn_logit_softcapping"] = None  # Gemma 3 has none (transformers would ignore it anyway)
+        return extra
 
     def _gguf_names(self) -> set[str]:
         return {info.name for info in self.header.tensors}
@@ -204,7 +246,7 @@ class GGUFFile:
         unknown = [
             info.name
             for info in self.header.tensors
-            if hf_tensor_name(info.name) is None and info.name not in _CONFIG_ONLY_TENSORS
+            if hf_tensor_name(info.name, self.architecture) is None and info.name not in _CONFIG_ONLY_TENSORS
         ]
         if unknown:
             raise ModelValidationError(
@@ -216,7 +258,7 @@ class GGUFFile:
 
     def _spec(self, info: GGUFTensorInfo) -> GGUFTensorSpec:
         return GGUFTensorSpec(
-            name=str(hf_tensor_name(info.name)),
+            name=str(hf_tensor_name(info.name, self.architecture)),
             gguf_name=info.name,
             qtype=GGMLQuantizationType(info.type_id),
             shape=info.shape,
@@ -246,6 +288,11 @@ class GGUFFile:
             return raw.view(_FLOAT_VIEWS[spec.qtype]).reshape(spec.shape)
         block_size, type_size = GGML_QUANT_SIZES[spec.qtype]
         return raw.reshape(math.prod(spec.shape[:-1]), spec.shape[-1] // block_size * type_size)
+
+    def norm_shift(self, spec: GGUFTensorSpec) -> float:
+        """What to subtract from a tensor as stored: llama.cpp's converter stores Gemma's norm weights plus one
+        (its norm scales by 1 + weight, llama.cpp's by the weight), q/k norms included."""
+        return 1.0 if self.architecture in _GEMMA and spec.gguf_name.endswith("norm.weight") else 0.0
 
     def permute_heads(self, spec: GGUFTensorSpec) -> int | None:
         """Number of heads to un-permute over for this tensor, or None."""

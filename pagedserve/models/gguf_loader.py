@@ -47,7 +47,12 @@ class GGUFCheckpoint(GGUFFile):
                                              unpermute_rows(weight.scales, num_heads).contiguous(), dtype)
                 yield spec.name, weight
                 continue
-            tensor = dequantize_to_torch(self.stored(spec), spec.qtype, dtype).reshape(spec.shape)
+            shift = self.norm_shift(spec)
+            if shift:  # in float32, where the stored weight + 1 was rounded, before the model dtype's rounding
+                tensor = (dequantize_to_torch(self.stored(spec), spec.qtype, torch.float32) - shift).to(dtype)
+            else:
+                tensor = dequantize_to_torch(self.stored(spec), spec.qtype, dtype)
+            tensor = tensor.reshape(spec.shape)
             if num_heads:
                 tensor = unpermute_rows(tensor, num_heads).contiguous()
             yield spec.name, tensor

@@ -1,5 +1,6 @@
-"""A GGUF's tokenizer rebuilt from its metadata: byte-level BPE vocabularies, as a pagedserve Tokenizer equal to
-the model's original tokenizer (without importing transformers; `to_transformers()` gives transformers' one)."""
+"""A GGUF's tokenizer rebuilt from its metadata, as a pagedserve Tokenizer equal to the model's original tokenizer:
+byte-level BPE vocabularies here, without importing transformers; SentencePiece ones (Gemma) by transformers' GGUF
+converter (`to_transformers()` gives transformers' tokenizer either way)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
+# tokenizer.ggml.model of SentencePiece vocabularies (Gemma's), rebuilt by transformers' converter.
+SENTENCEPIECE_TOKENIZER_MODELS = ("llama",)
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp llama-vocab.cpp, HF tokenizer.json): the
 # pre-tokenizers pagedserve supports (models/validate.py refuses any other GGUF before loading).
 PRE_TOKENIZER_FAMILY: dict[str, str] = {
@@ -95,7 +98,26 @@ def _added_tokens(tokens: list[str], token_types: list[int]) -> list[AddedToken]
     return added
 
 
+def _sentencepiece_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
+    """A SentencePiece vocabulary (tokenizer.ggml.model "llama": Gemma's), rebuilt by transformers' GGUF converter,
+    which recovers the merges from the vocabulary as the architecture needs; BOS/EOS added as the file's flags say."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
+    tokenizer_dict = {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                      if f"tokenizer.{key}" in metadata}
+    tokenizer, _ = convert_gguf_tokenizer(str(metadata["general.architecture"]), tokenizer_dict)
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    flags = {**metadata, "tokenizer.ggml.add_bos_token": metadata.get("tokenizer.ggml.add_bos_token", True)}
+    processor = _post_processor(flags, tokens)  # llama.cpp adds BOS where the file does not say otherwise
+    if isinstance(processor, processors.TemplateProcessing):
+        tokenizer.post_processor = processor
+    return tokenizer
+
+
 def _backend_tokenizer(metadata: dict[str, Any], source: str) -> Tokenizer:
+    if metadata.get("tokenizer.ggml.model") in SENTENCEPIECE_TOKENIZER_MODELS:
+        return _sentencepiece_tokenizer(metadata)
     pre = str(metadata.get("tokenizer.ggml.pre", "default"))
     family = PRE_TOKENIZER_FAMILY.get(pre)
     if metadata.get("tokenizer.ggml.model") != "gpt2" or family is None:

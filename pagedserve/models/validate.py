@@ -41,7 +41,7 @@ SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
 )
 # The decoders' MLP gates (models/llama.py's ACTIVATIONS, which are checked equal to these).
 DECODER_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_pytorch_tanh")
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 # Weight encodings that gguf-py can dequantize and that we test.
 SUPPORTED_GGUF_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
     GGMLQuantizationType[name]
@@ -50,6 +50,9 @@ SUPPORTED_GGUF_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
 # Tokenizers that `gguf_tokenizer.py` can rebuild: byte-level BPE, with the pre-tokenizers (tokenizer.ggml.pre)
 # of its PRE_TOKENIZER_FAMILY table.
 SUPPORTED_GGUF_TOKENIZER_MODELS: tuple[str, ...] = ("gpt2",)
+# SentencePiece vocabularies (tokenizer.ggml.model "llama"), rebuilt by transformers' converter, for these
+# architectures' files.
+SENTENCEPIECE_GGUF_ARCHITECTURES: tuple[str, ...] = ("gemma", "gemma2", "gemma3")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -103,10 +106,12 @@ def _check_gguf_tokenizer(header: GGUFHeader, need_chat_template: bool) -> None:
     fix = "Use a Hugging Face model directory with tokenizer.json instead"
     if "tokenizer.ggml.tokens" not in meta:
         raise ModelValidationError(f"GGUF file {header.path} has no tokenizer (tokenizer.ggml.tokens). {fix}.")
-    if model not in SUPPORTED_GGUF_TOKENIZER_MODELS:
+    sentencepiece = model == "llama" and header.architecture in SENTENCEPIECE_GGUF_ARCHITECTURES
+    if model not in SUPPORTED_GGUF_TOKENIZER_MODELS and not sentencepiece:
         raise ModelValidationError(
             f"GGUF file {header.path} uses tokenizer model {model!r}; pagedserve rebuilds only "
-            f"{SUPPORTED_GGUF_TOKENIZER_MODELS} (byte-level BPE) tokenizers from GGUF. {fix}."
+            f"{SUPPORTED_GGUF_TOKENIZER_MODELS} (byte-level BPE) tokenizers from GGUF, and the SentencePiece ones of "
+            f"{', '.join(SENTENCEPIECE_GGUF_ARCHITECTURES)} files. {fix}."
         )
     num_tokens = meta["tokenizer.ggml.tokens"]
     num_tokens = num_tokens if isinstance(num_tokens, int) else len(num_tokens)  # skipped arrays keep their length
@@ -116,7 +121,7 @@ def _check_gguf_tokenizer(header: GGUFHeader, need_chat_template: bool) -> None:
             raise ModelValidationError(
                 f"GGUF file {header.path}: tokenizer.ggml.{key} is {token_id}, outside its vocabulary of "
                 f"{num_tokens} tokens: the file is damaged or was converted wrongly; convert the model again.")
-    if pre not in PRE_TOKENIZER_FAMILY:
+    if not sentencepiece and pre not in PRE_TOKENIZER_FAMILY:
         raise ModelValidationError(
             f"GGUF file {header.path} uses pre-tokenizer {pre!r}, which pagedserve does not know "
             f"(known: {', '.join(PRE_TOKENIZER_FAMILY)}). {fix}."

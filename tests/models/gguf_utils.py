@@ -219,3 +219,116 @@ def tiny_model(arch: str, seed: int = 0, **overrides: object) -> torch.nn.Module
             if param.ndim == 1:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
     return model
+
+
+# -- Gemma: a SentencePiece vocabulary and llama.cpp's Gemma conversion --------------------------------------------
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\n' + message['content'] "
+    "+ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+_GEMMA_SANDWICH = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                   "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def train_sentencepiece(out_dir: Path, vocab_size: int) -> Path:
+    """A SentencePiece BPE model as Gemma's is made (byte fallback, no dummy prefix, whitespace pieces, digits split;
+    <pad> <eos> <bos> <unk> at 0-3, two user-defined turn markers), trained on tiny_models' corpus."""
+    import sentencepiece as spm
+
+    from tests.tiny_models import _CORPUS
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    corpus = out_dir / "corpus.txt"
+    corpus.write_text("\n".join(_CORPUS), encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(out_dir / "sp"), vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], pad_id=0, eos_id=1, bos_id=2,
+        unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>", add_dummy_prefix=False,
+        split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", character_coverage=0.9995, minloglevel=2)
+    return out_dir / "sp.model"
+
+
+def _add_sentencepiece_vocab(writer: gguf.GGUFWriter, sp_model: Path) -> None:
+    """convert_hf_to_gguf.py's _set_vocab_sentencepiece: every piece, its score and its type."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    types = []
+    for i in range(sp.get_piece_size()):
+        if sp.is_unknown(i):
+            types.append(gguf.TokenType.UNKNOWN)
+        elif sp.is_control(i):
+            types.append(gguf.TokenType.CONTROL)
+        elif sp.is_byte(i):
+            types.append(gguf.TokenType.BYTE)
+        elif sp.is_unused(i):
+            types.append(gguf.TokenType.UNUSED)
+        elif sp.id_to_piece(i) in ("<start_of_turn>", "<end_of_turn>"):
+            types.append(gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+    writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
+    writer.add_token_types([int(t) for t in types])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_eot_token_id(sp.piece_to_id("<end_of_turn>"))
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(GEMMA_TEMPLATE)
+
+
+def write_gemma_gguf(model: torch.nn.Module, path: str | Path, sp_model: Path, qtype: QType = QType.F32) -> Path:
+    """Write a transformers Gemma / Gemma 2 / Gemma 3 (text) causal LM as llama.cpp's converter does: Gemma 2/3's
+    four norms per layer under their llama.cpp names, every norm weight stored plus one (GemmaModel.modify_tensors),
+    softcaps and the sliding window as metadata, no tied lm_head."""
+    config = model.config
+    arch = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}[config.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = config.head_dim
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch != "gemma":
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    _add_sentencepiece_vocab(writer, sp_model)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        array = tensor.detach().float().numpy()
+        if name.endswith("norm.weight"):
+            array = array + 1.0
+        _, _, rest = name.partition("model.")
+        if rest.startswith("layers.") and arch != "gemma":
+            _, layer, part = rest.split(".", 2)
+            module, kind = part.rsplit(".", 1)
+            if module in _GEMMA_SANDWICH:
+                writer.add_tensor(f"blk.{layer}.{_GEMMA_SANDWICH[module]}.{kind}", array.astype(np.float32))
+                continue
+        stored, raw_dtype = _encode(array, qtype if array.ndim == 2 else QType.F32)
+        writer.add_tensor(gguf_name(name), stored, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

@@ -1,0 +1,89 @@
+"""Gemma GGUF files (llama.cpp's gemma, gemma2 and gemma3 architectures) against transformers on the same weights,
+and their SentencePiece tokenizer against SentencePiece itself.
+
+The files are written by tests/models/gguf_utils.write_gemma_gguf the way llama.cpp's converter writes them (its own
+name table, norms stored plus one, the window and softcaps as metadata, the vocabulary from a SentencePiece model
+trained here as Gemma's is made), so the loader is checked against llama.cpp's conventions, not against itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from pagedserve import LLM, SamplingParams
+from tests.models.gguf_utils import train_sentencepiece, write_gemma_gguf
+from tests.tiny_models import make_tiny_model
+
+VOCAB = 500
+TEXTS = ["Hello  world 123 😀 你好\n\n  x", "The quick brown fox jumps over the lazy dog.", " leading space",
+         "def square(x):\n    return x * x\n", "<start_of_turn>user\nhi<end_of_turn>\n", "tabs\tand\r\nCRLF", "ünïcödé",
+         ""]
+# llama.cpp's Gemma 3 rule: layers il % 6 < 5 attend within the window; its query scale is head_dim (16 here).
+GEMMA3 = dict(num_hidden_layers=6, query_pre_attn_scalar=16,
+              layer_types=["sliding_attention"] * 5 + ["full_attention"],
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+CASES = {"gemma": {}, "gemma2": dict(query_pre_attn_scalar=16), "gemma3": GEMMA3}
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> Path:
+    return train_sentencepiece(tmp_path_factory.mktemp("sentencepiece"), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def gemma_ggufs(tmp_path_factory, sp_model):
+    """arch -> (the transformers model's directory, its GGUF as F32, as Q8_0)."""
+    from transformers import AutoModelForCausalLM
+
+    files = {}
+    for arch, overrides in CASES.items():
+        out = tmp_path_factory.mktemp(f"gguf-{arch}")
+        hf_dir = make_tiny_model(arch, out / "hf", vocab_size=VOCAB, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        files[arch] = (str(hf_dir), write_gemma_gguf(model, out / "f32.gguf", sp_model),
+                       write_gemma_gguf(model, out / "q8.gguf", sp_model, QType.Q8_0))
+    return files
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_a_gemma_gguf_computes_what_transformers_does(gemma_ggufs, arch):
+    """F32 weights: prompt logprobs over 60 tokens (past the 16-token window) within float32 noise of transformers';
+    Q8_0: the same model's, within its 8-bit rounding of the F32 file's."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, f32, q8 = gemma_ggufs[arch]
+    prompt = [(37 * i) % 480 + 10 for i in range(60)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    ours = LLM(str(f32), dtype="float32", max_model_len=128).generate([{"prompt_token_ids": prompt}], params)[0]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    diffs = [abs(ours.prompt_logprobs[i][t].logprob - reference[i - 1, t].item()) for i, t in enumerate(prompt) if i]
+    assert max(diffs) < 5e-5
+    quantized = LLM(str(q8), dtype="float32", max_model_len=128).generate([{"prompt_token_ids": prompt}], params)[0]
+    q8_diffs = [abs(quantized.prompt_logprobs[i][t].logprob - ours.prompt_logprobs[i][t].logprob)
+                for i, t in enumerate(prompt) if i]
+    assert max(q8_diffs) < 0.3  # Q8_0's rounding (observed 0.06-0.11); a wrong tensor moves them by whole units
+
+
+def test_the_sentencepiece_vocabulary_encodes_as_sentencepiece(gemma_ggufs, sp_model):
+    """The rebuilt tokenizer gives SentencePiece's ids (after the BOS llama.cpp adds, as the file's flag says) and
+    decodes them back to the text; the chat template reads the file's."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    llm = LLM(str(gemma_ggufs["gemma3"][1]), dtype="float32", max_model_len=128)
+    tokenizer = llm.get_tokenizer()
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert ids == [2] + sp.encode(text), text
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+    assert llm.engine.config.model.architecture == "Gemma3ForCausalLM"
