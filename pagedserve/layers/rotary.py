@@ -18,8 +18,10 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
     `layer_type`: the settings of that kind of layer, where a model has several (Gemma 3's sliding_attention and
     full_attention)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if layer_type is not None:
+    if layer_type is not None and layer_type in params:
         params = dict(params[layer_type])
+    elif layer_type == "sliding_attention":  # transformers 4's Gemma 3 config: rope_local_base_freq, no scaling
+        return {"rope_type": "default", "rope_theta": float(getattr(hf_config, "rope_local_base_freq", 10000.0))}
     scaling = getattr(hf_config, "rope_scaling", None)
     if scaling and not params.get("rope_type"):
         params.update(scaling)

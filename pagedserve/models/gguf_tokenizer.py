@@ -101,7 +101,11 @@ def _added_tokens(tokens: list[str], token_types: list[int]) -> list[AddedToken]
 def _sentencepiece_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     """A SentencePiece vocabulary (tokenizer.ggml.model "llama": Gemma's), rebuilt by transformers' GGUF converter,
     which recovers the merges from the vocabulary as the architecture needs; BOS/EOS added as the file's flags say."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
+                                                                           convert_gguf_tokenizer)
+    except ImportError:  # transformers 4
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
     renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
     tokenizer_dict = {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
