@@ -51,7 +51,8 @@ def inverse_frequencies(hf_config: Any, head_dim: int, max_position: int | None 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, "
                          f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
-    extra = {} if layer_type is None else {"layer_type": layer_type}
+    nested = layer_type is not None and layer_type in (getattr(hf_config, "rope_parameters", None) or {})
+    extra = {"layer_type": layer_type} if nested else {}  # transformers 5's settings per kind of layer
     trained = getattr(hf_config, "max_position_embeddings", None)
     if rope_type == "dynamic" and max_position is not None and trained and max_position > trained:
         extra["seq_len"] = int(trained * float(params.get("factor", 1.0)))
