@@ -134,6 +134,10 @@ class EngineArgs(FlagArgs):
     max_model_len: int | None = setting("Longest sequence (prompt + output) in tokens, e.g. 4096, 32k (32000) or "
                                      "32K (32768) (default: the model's context length; an embedding model's "
                                      "sentence-transformers max_seq_length).", size=True)
+    disable_sliding_window: bool = setting(
+        "vLLM's: cap the context at the model's sliding window (the smallest, where layers differ), within which "
+        "every layer attends to the whole sequence; without it a sliding-window model serves its whole context, "
+        "its windowed layers attending to their window.", default=False)
     max_num_seqs: int = setting("Most requests running at once.", default=SchedulerConfig.max_num_seqs)
     max_num_batched_tokens: int | None = setting(f"Token budget of one engine step (default: "
                                               f"{SchedulerConfig.max_num_batched_tokens}, at least "

@@ -26,6 +26,7 @@ from pagedserve.memory.probe import AvailableMemory
 from pagedserve.memory.weight_format import SUPPORTED_QUANTIZATION
 from pagedserve.formats.multimodal import text_only_config
 from pagedserve.models.pooling_config import is_encoder
+from pagedserve.models.validate import layer_windows
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.structured.params import StructuredOutputsConfig
@@ -460,8 +461,18 @@ def _pooler_config(model_path: str, architecture: str, hf_config: Any) -> Any:
 
 def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str | None = None) -> int:
     """--max-model-len, else the model's context; embedding models default to sentence-transformers'
-    max_seq_length (the input length they were trained for; vLLM does the same)."""
+    max_seq_length (the input length they were trained for; vLLM does the same). With --disable-sliding-window,
+    at most the model's sliding window, as vLLM caps it."""
     model_max = getattr(hf_config, "max_position_embeddings", None) or SchedulerConfig.max_model_len
+    windows = [window for window in layer_windows(hf_config) if window is not None]
+    if args.disable_sliding_window and windows:
+        if args.max_model_len is not None and args.max_model_len > min(windows):
+            raise ValueError(f"--max-model-len {args.max_model_len} is longer than the model's sliding window "
+                             f"({min(windows)}), at which --disable-sliding-window caps the context: use "
+                             f"--max-model-len {min(windows)} or less, or leave out --disable-sliding-window (the "
+                             "model's windowed attention serves its whole context)")
+        model_max = min(model_max, *windows)
+        logger.info("--disable-sliding-window: max_model_len at most the sliding window, %d", model_max)
     if args.max_model_len is None:
         if embedding_model_path is not None:
             from pagedserve.models.pooling_config import sentence_transformers_max_seq_length

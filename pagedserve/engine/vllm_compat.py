@@ -152,10 +152,6 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
                   "(modules.json); --task embed for a decoder"),
     CompatSetting(("--override-pooler-config",), UNSUPPORTED, "pooling is read from the model's sentence-transformers "
                   "files (modules.json); --task embed for a decoder"),
-    CompatSetting(("--disable-sliding-window",), UNSUPPORTED, "pagedserve computes a model's sliding-window "
-                  "attention as the model defines it; vLLM's flag caps the context at the window, which "
-                  "--max-model-len WINDOW does (within it every layer attends to the whole context)",
-                  takes_value=False),
     CompatSetting(("--enable-tokenizer-info-endpoint",), UNSUPPORTED, "there is no /tokenizer_info: /tokenize and "
                   "/detokenize are served", takes_value=False),
     CompatSetting(("--enable-server-load-tracking",), UNSUPPORTED, "there is no /load endpoint: /metrics has "

@@ -26,6 +26,7 @@ from pagedserve.layers.linear import weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedserve.memory.weight_format import LayerKernels, LinearKernel, fused_rotary, linear_words, rotary_dim
+from pagedserve.models.validate import layer_windows
 
 
 
@@ -47,19 +48,6 @@ class DecoderSpec:
     activation: str = "silu"  # the MLP's gate (ACTIVATIONS)
     sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs normed before they join the residual
     local_rotary: bool = False  # Gemma 3: rope_parameters per layer type, the sliding-window layers' of their own
-
-
-def layer_windows(cfg: Any) -> list[int | None]:
-    """Each layer's sliding window (None: it attends to every earlier position), as transformers reads the config:
-    `layer_types` says it per layer (Gemma 2/3; Qwen2/Qwen3 derive it from use_sliding_window and
-    max_window_layers); without it a `sliding_window` holds for every layer (Mistral, Phi-3)."""
-    window = getattr(cfg, "sliding_window", None)
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        return [None] * cfg.num_hidden_layers
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types:
-        return [window if kind == "sliding_attention" else None for kind in layer_types]
-    return [window] * cfg.num_hidden_layers
 
 
 class Attention(nn.Module):

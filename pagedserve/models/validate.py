@@ -319,3 +319,16 @@ def validate_model_path(path: str | Path, *, need_chat_template: bool = False) -
         validate_gguf_file(path, need_chat_template=need_chat_template)
     else:
         raise ModelValidationError(f"{path} is neither a model directory nor a GGUF file. {LOCAL_MODEL_HINT}.")
+
+
+def layer_windows(cfg: Any) -> list[int | None]:
+    """Each layer's sliding window (None: it attends to every earlier position), as transformers reads the config:
+    `layer_types` says it per layer (Gemma 2/3; Qwen2/Qwen3 derive it from use_sliding_window and
+    max_window_layers); without it a `sliding_window` holds for every layer (Mistral, Phi-3)."""
+    window = getattr(cfg, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return [None] * cfg.num_hidden_layers
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    return [window] * cfg.num_hidden_layers

@@ -141,3 +141,21 @@ def _check_attention(window: int | None, softcap: float | None, kernels) -> None
                                   (slice(2, 14), "c", list(range(25, 37)))):
         expected = _reference(q[rows], *keys[name], torch.tensor(positions), window, softcap, 0.3)
         torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-4)
+
+
+def test_disable_sliding_window_caps_the_context_as_vllm(tiny_model_dir, tmp_path):
+    """vLLM's --disable-sliding-window: the context at most the (smallest) window, a longer --max-model-len refused
+    naming both ways out; without the flag the whole context is served."""
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.setup import create_engine_config
+
+    model_dir = tiny_model_dir("gemma2")  # windows of 16 on every other layer, 512 positions
+    capped = create_engine_config(EngineArgs(model=model_dir, dtype="float32", disable_sliding_window=True))
+    assert capped.model.max_model_len == WINDOW
+    assert create_engine_config(EngineArgs(model=model_dir, dtype="float32")).model.max_model_len == 512
+    with pytest.raises(ValueError, match="--max-model-len 16 or less, or leave out --disable-sliding-window"):
+        create_engine_config(EngineArgs(model=model_dir, dtype="float32", disable_sliding_window=True,
+                                        max_model_len=64))
+    llama = create_engine_config(EngineArgs(model=tiny_model_dir("llama"), dtype="float32",
+                                            disable_sliding_window=True))
+    assert llama.model.max_model_len == 512  # no window: nothing to cap
