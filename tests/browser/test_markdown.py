@@ -1,5 +1,5 @@
 """Model output is rendered as markdown and never runs: a stored reply full of HTML and script is shown as
-text, and the renderer itself, called in the page, builds only safe nodes."""
+text, and the renderer itself, called in the page, builds only safe nodes (tables and escapes included)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,20 @@ def test_renderer_builds_only_safe_nodes(open_page, server):
         "- a\n  - b": "<ul><li><p>a</p><ul><li>b</li></ul></li></ul>",
         "line 1\nline 2": "<p>line 1<br>line 2</p>",
         "---": "<hr>",
+        "| a | b |\n|:--|--:|\n| 1 | **2** |": '<div class="table-wrap"><table><thead><tr><th class="align-left">a</th>'
+                                               '<th class="align-right">b</th></tr></thead><tbody><tr>'
+                                               '<td class="align-left">1</td><td class="align-right"><strong>2'
+                                               '</strong></td></tr></tbody></table></div>',
+        # no outer pipes, a long row cut and a short one padded to the header's columns, an escaped pipe, the
+        # table ended by a line without pipes, which follows as a paragraph
+        "x \\| y | z\n:-: | ---\n1 | 2 | 3\n4\nafter": '<div class="table-wrap"><table><thead><tr>'
+                                                    '<th class="align-center">x | y</th><th>z</th></tr></thead>'
+                                                    '<tbody><tr><td class="align-center">1</td><td>2</td></tr>'
+                                                    '</tbody></table></div><p>4<br>after</p>',
+        "Columns:\n| a |\n|---|\n| <b> |": '<p>Columns:</p><div class="table-wrap"><table><thead><tr><th>a</th>'
+                                           '</tr></thead><tbody><tr><td>&lt;b&gt;</td></tr></tbody></table></div>',
+        "a | b\n---": "<p>a | b</p><hr>",  # one delimiter cell for two header cells: no table
+        "\\*not italic\\* and \\`not code\\` \\\\ \\q": "<p>*not italic* and `not code` \\ \\q</p>",
         "```\nunclosed <b>": None,  # streaming: an open fence runs to the end
     }
     rendered = page.evaluate(RENDER, list(cases))
@@ -85,7 +99,8 @@ def test_renderer_builds_only_safe_nodes(open_page, server):
     assert "<pre><code>unclosed &lt;b&gt;</code></pre>" in rendered[-1]
     # Whatever the text, no element that can run code or load anything comes out.
     fuzz = ["<", "<<script>>", "`<img src=x onerror=alert(1)>`", "[a](<javascript:1>)", "*" * 50, "_a_b_",
-            "```js\n</code></pre><script>1</script>\n```", "> > <svg/onload=1>", "<style>*{}</style>"]
+            "```js\n</code></pre><script>1</script>\n```", "> > <svg/onload=1>", "<style>*{}</style>",
+            "| <img src=x onerror=alert(1)> |\n|---|\n| [a](javascript:1) |", "\\<script\\>"]
     counts = page.evaluate("""inputs => inputs.map(text => {
         const box = document.createElement('div');
         box.append(PagedServe.renderMarkdown(text));

@@ -2,7 +2,8 @@
 // nodes and puts every piece of the text in with createTextNode, so "<script>" stays the characters
 // "<script>". Links keep only http(s) and mailto URLs. Handles what chat replies use: fenced code
 // blocks (an unclosed fence, as while streaming, runs to the end), headings, lists, quotes, rules,
-// paragraphs with line breaks, and inline code, bold, italic, links and bare URLs.
+// tables (GitHub's: a header row, a delimiter row giving each column's alignment, body rows), paragraphs with
+// line breaks, and inline code, bold, italic, links, bare URLs and backslash escapes (\* is a star).
 (function (global) {
   "use strict";
 
@@ -13,6 +14,7 @@
   const QUOTE = /^ {0,3}>\s?/;
   const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
   const BLANK = /^\s*$/;
+  const TABLE_DELIMITER = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
   // Quotes and lists nest at most this deep; deeper markers are text (">" x 5000 overflowed the call stack).
   const MAX_NESTING = 16;
   // One alternative per inline construct; group numbers are read in inlineNode().
@@ -24,6 +26,7 @@
     "(?<![\\w_])_(?=[^\\s_])([^_\\n]+?)_(?![\\w_])",            // 5 italic
     "\\[([^\\]\\n]+)\\]\\(\\s*([^)\\s]+)\\s*\\)",               // 6, 7 link text, URL
     "(https?://[^\\s<>()\"']*[^\\s<>()\"'.,;:!?])",              // 8 bare URL
+    "\\\\([!-/:-@\\[-`{-~])",                                   // 9 an escaped punctuation character
   ].join("|"), "g");
 
   function el(tag, className) {
@@ -48,6 +51,7 @@
     if (m[2] !== undefined || m[3] !== undefined) { const b = el("strong"); b.append(...inline(m[2] ?? m[3])); return b; }
     if (m[4] !== undefined || m[5] !== undefined) { const i = el("em"); i.append(...inline(m[4] ?? m[5])); return i; }
     if (m[6] !== undefined) return link(inline(m[6]), m[7]) || document.createTextNode(m[0]);
+    if (m[9] !== undefined) return document.createTextNode(m[9]);
     return link([document.createTextNode(m[8])], m[8]);
   }
 
@@ -93,6 +97,46 @@
     return FENCE.test(line) || HEADING.test(line) || RULE.test(line) || QUOTE.test(line) || ITEM.test(line);
   }
 
+  // A table row's cells: split at pipes that are not escaped (\|), the outer pipes dropped.
+  function cells(line) {
+    const parts = line.trim().replace(/^\|/, "").replace(/(?<!\\)\|$/, "").split(/(?<!\\)\|/);
+    return parts.map((cell) => cell.trim().replace(/\\\|/g, "|"));
+  }
+
+  // A header row followed by a delimiter row with as many columns starts a table.
+  function isTable(lines, i) {
+    return i + 1 < lines.length && lines[i].includes("|") && TABLE_DELIMITER.test(lines[i + 1])
+      && cells(lines[i]).length === cells(lines[i + 1]).length;
+  }
+
+  function table(lines, start) {
+    const aligns = cells(lines[start + 1]).map((c) =>
+      c.startsWith(":") && c.endsWith(":") ? "center" : c.endsWith(":") ? "right" : c.startsWith(":") ? "left" : "");
+    const row = (line, tag) => {
+      const tr = el("tr");
+      const values = cells(line);
+      aligns.forEach((align, column) => {  // GitHub's: a short row is padded, a long one cut, to the header's
+        const cell = el(tag, align ? "align-" + align : null);
+        cell.append(...inline(values[column] ?? ""));
+        tr.append(cell);
+      });
+      return tr;
+    };
+    const node = el("table");
+    const head = el("thead");
+    head.append(row(lines[start], "th"));
+    const body = el("tbody");
+    let i = start + 2;
+    while (i < lines.length && !BLANK.test(lines[i]) && lines[i].includes("|") && !isBlockStart(lines[i])) {
+      body.append(row(lines[i], "td"));
+      i++;
+    }
+    node.append(head, body);
+    const wrap = el("div", "table-wrap");  // scrolls sideways rather than widening the page
+    wrap.append(node);
+    return { node: wrap, next: i };
+  }
+
   function list(lines, start, depth) {
     const first = lines[start].match(ITEM);
     const indent = first[1].length;
@@ -121,7 +165,7 @@
   function paragraph(lines, start) {
     const p = el("p");
     let i = start;
-    while (i < lines.length && !BLANK.test(lines[i]) && (i === start || !isBlockStart(lines[i]))) {
+    while (i < lines.length && !BLANK.test(lines[i]) && (i === start || !(isBlockStart(lines[i]) || isTable(lines, i)))) {
       if (i > start) p.append(el("br"));
       p.append(...inline(lines[i]));
       i++;
@@ -144,6 +188,7 @@
       return { node, next: end };
     }
     if (ITEM.test(line)) return list(lines, i, depth);
+    if (isTable(lines, i)) return table(lines, i);
     return paragraph(lines, i);
   }
 
