@@ -55,11 +55,17 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def decoder_spec(cls, cfg: Any) -> DecoderSpec:
-        activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
+        activation = cls.activation(cfg)
         return DecoderSpec(qkv_bias=bool(getattr(cfg, "attention_bias", False)),
                            o_bias=bool(getattr(cfg, "attention_bias", False)), qk_norm=cls.qk_norm,
                            norm=GemmaRMSNorm, activation=activation, sandwich_norms=cls.sandwich_norms,
                            local_rotary=cls.local_rotary)
+
+    @staticmethod
+    def activation(cfg: Any) -> str:
+        """The MLP's gate as transformers 5 reads it: Gemma's hidden_act (a legacy "gelu" already turned into the
+        tanh GELU by its config), Gemma 2/3's hidden_activation."""
+        return getattr(cfg, "hidden_act", None) or "gelu_pytorch_tanh"
 
     def prepare(self, backend: KernelBackend) -> None:
         super().prepare(backend)
@@ -90,6 +96,10 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
     @staticmethod
     def attention_softcap(cfg: Any) -> float | None:
         return getattr(cfg, "attn_logit_softcapping", None)
+
+    @staticmethod
+    def activation(cfg: Any) -> str:
+        return getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh"
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -141,6 +141,10 @@ def validate_gguf_header(header: GGUFHeader, *, need_chat_template: bool = False
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}. Use a model of a supported architecture."
         )
     _check_gguf_split(header)
+    if header.architecture in ("gemma2", "gemma3") and f"{header.architecture}.attention.sliding_window" not in \
+            header.metadata:
+        raise ModelValidationError(f"GGUF file {header.path} lacks metadata key {header.architecture}.attention."
+                                   "sliding_window. Convert the model again with a current llama.cpp.")
     _check_gguf_tensors(header)
     _check_gguf_tokenizer(header, need_chat_template)
 
@@ -191,8 +195,9 @@ def _check_config(model_dir: Path) -> dict[str, Any]:
         )
     shape = config.get("text_config", config)
     if "BertModel" not in architectures:  # the decoders' MLP: gated by an activation of ACTIVATIONS, without biases
-        key = "hidden_activation" if shape.get("hidden_activation") else "hidden_act"
-        act = shape.get(key, "silu")
+        fields = {key: shape[key] for key in ("hidden_act", "hidden_activation") if shape.get(key)}  # Gemma 2/3: the
+        # second; every one given must be known
+        key, act = next(((k, v) for k, v in fields.items() if v not in DECODER_ACTIVATIONS), ("hidden_act", "silu"))
         if act not in DECODER_ACTIVATIONS or shape.get("mlp_bias"):
             field = f"{key} {act!r}" if act not in DECODER_ACTIVATIONS else "mlp_bias: true"
             raise ModelValidationError(f"{config_path} sets {field}: pagedserve's {architectures[0]} runs an MLP gated "
@@ -321,14 +326,29 @@ def validate_model_path(path: str | Path, *, need_chat_template: bool = False) -
         raise ModelValidationError(f"{path} is neither a model directory nor a GGUF file. {LOCAL_MODEL_HINT}.")
 
 
+# Model types whose transformers class applies a config's sliding_window to every layer. Other types without
+# layer_types (Llama, Granite, Gemma 1) ignore the field, whatever it says.
+WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "phi3"})
+
+
 def layer_windows(cfg: Any) -> list[int | None]:
-    """Each layer's sliding window (None: it attends to every earlier position), as transformers reads the config:
-    `layer_types` says it per layer (Gemma 2/3; Qwen2/Qwen3 derive it from use_sliding_window and
-    max_window_layers); without it a `sliding_window` holds for every layer (Mistral, Phi-3)."""
+    """Each layer's sliding window (None: it attends to every earlier position), as transformers reads the config
+    (a transformers config, or a config.json's values as attributes): `layer_types` says it per layer (Gemma 2/3;
+    transformers derives it for Qwen2/Qwen3, which this derives as it does where a config.json has none: the
+    layers from max_window_layers on, only with use_sliding_window); Mistral and Phi-3 window every layer; other
+    models none."""
+    layers = cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        return [None] * cfg.num_hidden_layers
+        return [None] * layers
+    model_type = getattr(cfg, "model_type", None)
     layer_types = getattr(cfg, "layer_types", None)
+    if not layer_types and model_type in ("qwen2", "qwen3"):
+        if not getattr(cfg, "use_sliding_window", False):
+            return [None] * layers
+        first = getattr(cfg, "max_window_layers", None)
+        first = 28 if first is None else first  # Qwen2Config's and Qwen3Config's default
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if layer_types:
         return [window if kind == "sliding_attention" else None for kind in layer_types]
-    return [window] * cfg.num_hidden_layers
+    return [window] * layers if model_type in WINDOW_ON_EVERY_LAYER else [None] * layers

@@ -103,3 +103,31 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tiny_model_dir
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with pytest.raises(InvalidRequestError, match="image_url"):
         llm.chat([{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}])
+
+
+@pytest.mark.parametrize("arch, fields", [("gemma", dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu")),
+                                          ("gemma2", dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu"))])
+def test_the_gelu_each_gemma_reads(tiny_model_dir, tmp_path, arch, fields):
+    """transformers 5's Gemma gates by hidden_act, Gemma 2/3 by hidden_activation: a config naming two GELUs is
+    computed by the one its class reads (exact GELU and tanh's differ by ~1e-3 in the logprobs)."""
+    model = Path(shutil.copytree(tiny_model_dir(arch), tmp_path / arch))
+    config = json.loads((model / "config.json").read_text())
+    config.update(fields)
+    (model / "config.json").write_text(json.dumps(config))
+    assert _prompt_logprobs_against_transformers(str(model)) < 5e-5
+
+
+def test_a_gemma2_gguf_without_its_window_is_refused_as_a_file_problem(tmp_path):
+    import gguf
+
+    from pagedserve.formats.gguf import read_gguf_header
+    from pagedserve.models.validate import validate_gguf_header
+
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelValidationError, match="lacks metadata key gemma2.attention.sliding_window"):
+        validate_gguf_header(read_gguf_header(tmp_path / "g.gguf"))

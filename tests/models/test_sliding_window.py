@@ -159,3 +159,57 @@ def test_disable_sliding_window_caps_the_context_as_vllm(tiny_model_dir, tmp_pat
     llama = create_engine_config(EngineArgs(model=tiny_model_dir("llama"), dtype="float32",
                                             disable_sliding_window=True))
     assert llama.model.max_model_len == 512  # no window: nothing to cap
+
+
+# Configs as they are on the hub, without layer_types (transformers derives it for Qwen2/Qwen3): which layers
+# transformers windows must be which pagedserve windows, whether the config is read by transformers or as plain values.
+HUB_CONFIGS = {
+    "qwen2.5 (window field, off)": dict(model_type="qwen2", sliding_window=16, use_sliding_window=False,
+                                        max_window_layers=21),
+    "qwen2 on from layer 1": dict(model_type="qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=1),
+    "qwen3 on, default first layer": dict(model_type="qwen3", sliding_window=16, use_sliding_window=True),
+    "llama with a stray window": dict(model_type="llama", sliding_window=16),
+    "mistral v0.1": dict(model_type="mistral", sliding_window=16),
+    "phi3-mini-4k": dict(model_type="phi3", sliding_window=16),
+}
+
+
+@pytest.mark.parametrize("case", list(HUB_CONFIGS))
+def test_the_windowed_layers_are_transformers(case):
+    from transformers import AutoConfig
+
+    from pagedserve.engine.setup import PlainDecoderConfig
+    from pagedserve.models.validate import layer_windows
+
+    values = {**HUB_CONFIGS[case], "num_hidden_layers": 3}
+    config = AutoConfig.for_model(**values)
+    types = getattr(config, "layer_types", None)
+    expected = [16 if kind == "sliding_attention" else None for kind in types] if types else \
+        [16 if values["model_type"] in ("mistral", "phi3") else None] * 3  # their classes window every layer
+    assert layer_windows(config) == expected
+    assert layer_windows(PlainDecoderConfig(values)) == expected
+
+
+@pytest.mark.parametrize("arch, fields", [("qwen2", dict(use_sliding_window=False, max_window_layers=21)),
+                                          ("qwen2", dict(use_sliding_window=True, max_window_layers=1)),
+                                          ("llama", {})])
+def test_a_config_json_without_layer_types_against_transformers(tiny_model_dir, tmp_path, arch, fields):
+    """The served config.json as the hub has it (no layer_types), read without transformers where it can be
+    (PlainDecoderConfig): prompt logprobs over 60 positions equal transformers' (a window on the wrong layers moves
+    them by whole units)."""
+    from transformers import AutoModelForCausalLM
+
+    model = tmp_path / arch
+    shutil.copytree(tiny_model_dir(arch), model)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("layer_types", None)
+    config.update(sliding_window=WINDOW, **fields)
+    (model / "config.json").write_text(json.dumps(config))
+    prompt = _long_prompts()[-1][:60]
+    llm = LLM(str(model), dtype="float32", max_model_len=128)
+    ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    reference_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(reference_model(torch.tensor([prompt])).logits[0], dim=-1)
+    assert max(abs(ours.prompt_logprobs[i][t].logprob - reference[i - 1, t].item())
+               for i, t in enumerate(prompt) if i) < TOLERANCE["float32"]
