@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
 from pagedserve.memory.weight_format import (expected_layer_kernels, expected_weight_format, onednn_may_pack,
                                              partial_rotary, wants_native_kernels)
@@ -119,15 +120,16 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     layers = expected_layer_kernels(fmt, native, model.hf_config, qk_norm, onednn_may_pack(device, model.dtype, flags),
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
                                     native_decoder=cls.native_decoder,
-                                    activation=cls.decoder_spec(model.hf_config).activation)
+                                    activation=cls.decoder_spec(model.hf_config).activation,
+                                    softcapped=softcapped_attention(model.architecture, model.hf_config))
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:
         return CheckResult("layers", PASS, detail)
     if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:
         fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
     elif not cls.native_decoder:
-        fix = (f"{model.architecture}'s norms, activation and attention run torch ops (its linears run the native "
-               "kernels); nothing to change")
+        fix = (f"{model.architecture}'s norms and activation run torch ops, and its attention where it caps scores "
+               "(its linears run the native kernels); nothing to change")
     elif qk_norm:
         fix = "q/k norms (Qwen3) keep rotary and the decode stack on torch ops; nothing to change"
     elif partial_rotary(model.hf_config):

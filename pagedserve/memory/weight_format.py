@@ -191,14 +191,20 @@ class LayerKernels:
 
     num_layers: int
     linears: tuple[LinearKernel, ...]
-    decoder_native: bool  # norms, SiLU x up and decode attention on the native kernels
+    decoder_native: bool  # norms, SiLU x up and attention on the native kernels
     rotary_fused: bool
     tp: tuple[int, int] | None = None  # (rank, world size) with tensor parallelism
     activation: str = "silu"  # the MLP's gate; the native kernel and the decode stack's MLP are SiLU's
+    native_attention: bool | None = None  # attention on the native kernels where the norms are not (Gemma); None:
+    # as decoder_native
 
     @property
     def activation_native(self) -> bool:
         return self.decoder_native and self.activation == "silu"
+
+    @property
+    def attention_native(self) -> bool:
+        return self.decoder_native if self.native_attention is None else self.native_attention
 
     @property
     def stack(self) -> bool:
@@ -217,7 +223,8 @@ class LayerKernels:
                 f"norms {native}; {_ACTIVATION_WORDS.get(self.activation, self.activation)} x up "
                 f"{'native' if self.activation_native else 'torch'}; "
                 f"rotary + KV write {'native' if self.rotary_fused else 'torch'}; "
-                f"decode attention {native}; prefill attention {'native' if self.decoder_native else 'torch SDPA'}",
+                f"decode attention {'native' if self.attention_native else 'torch'}; "
+                f"prefill attention {'native' if self.attention_native else 'torch SDPA'}",
                 f"decode stack (every layer's C attention and MLP halves for decode-only steps): {stack}"]
 
 
@@ -226,25 +233,26 @@ _ACTIVATION_WORDS = {"silu": "SiLU", "gelu": "GELU", "gelu_pytorch_tanh": "GELU 
 
 def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, qk_norm: bool,
                            onednn_packs: bool, tp_size: int = 1, logits: bool = True, native_decoder: bool = True,
-                           activation: str = "silu") -> LayerKernels:
+                           activation: str = "silu", softcapped: bool = False) -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
     ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
     o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
     the model has an LM head (not an embedding model); `native_decoder` and `activation`: the model class's
-    (Gemma's norms, GELU and attention run torch ops)."""
+    (Gemma's norms and GELU run torch ops); `softcapped`: its attention caps scores, which only torch ops do."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     hidden, intermediate = cfg.hidden_size, cfg.intermediate_size // tp_size  # this rank's MLP width
     kind = fmt.linear_kind
-    decoder_native = (native_decoder and isa is not None and kind != "plain"
-                      and decoder_kernels_fit(hidden, intermediate, head_dim))
+    fits = isa is not None and kind != "plain" and decoder_kernels_fit(hidden, intermediate, head_dim)
+    decoder_native, attention_native = native_decoder and fits, fits and not softcapped
     inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),
               ("down", intermediate)) + ((("logits", hidden),) if logits else ())
     runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}
     linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
                                  runs[name]) for name, _ in inputs)
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
-                        fused_rotary(decoder_native, qk_norm, head_dim, partial_rotary(cfg)),
-                        None if tp_size == 1 else (0, tp_size), activation)
+                        fused_rotary(attention_native, qk_norm, head_dim, partial_rotary(cfg)),
+                        None if tp_size == 1 else (0, tp_size), activation,
+                        None if attention_native == decoder_native else attention_native)

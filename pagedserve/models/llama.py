@@ -322,7 +322,8 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     o_bias: bool | None = None  # None: follow config.attention_bias, as Llama and Qwen3 do
     qk_norm = False
-    native_decoder = True  # norms, activation, rotary and attention may run the native kernels (not Gemma's)
+    native_decoder = True  # norms and activation may run the native kernels (not Gemma's); attention may, but
+    # where it caps its scores (Gemma 2)
     logits_scaling = 1.0  # Granite divides its logits by this
 
     def __init__(self, cfg: Any, max_position: int, tp: TPGroup | None = None) -> None:
@@ -381,12 +382,13 @@ class LlamaForCausalLM(nn.Module):
         for norms, SiLU, rotary and decode attention where this model's sizes fit them."""
         attn = self.model.layers[0].self_attn
         kernels = backend.decoder_kernels(self.config.hidden_size, self.model.layers[0].mlp.gate_proj.out_features,
-                                          attn.head_dim) if self.native_decoder else None
+                                          attn.head_dim)
+        norm_kernels = kernels if self.native_decoder else None
         for layer in self.model.layers:
-            layer.self_attn.prepare(backend, kernels)
-            layer.mlp.prepare(backend, kernels)
-            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
-        self.model.norm.kernels = kernels
+            layer.self_attn.prepare(backend, kernels if layer.self_attn.softcap is None else None)
+            layer.mlp.prepare(backend, norm_kernels)
+            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = norm_kernels
+        self.model.norm.kernels = norm_kernels
         # with tensor parallelism: layer by layer, all-reducing between
         self.model.prepare_stack(kernels if self.layer_kernels().stack else None)
 
@@ -396,8 +398,10 @@ class LlamaForCausalLM(nn.Module):
         linears = tuple(linear_kernel_of(name, module) for name, module in
                         (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                          ("down", mlp.down_proj), ("logits", getattr(self, "logits_proj", None))) if module is not None)
+        attention_native = attn.kernels is not None
         return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, attn.fused_rope,
-                            None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation)
+                            None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation,
+                            None if attention_native == (norm.kernels is not None) else attention_native)
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""

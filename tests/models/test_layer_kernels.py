@@ -10,6 +10,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.cli.check_result import PASS, WARN
 from pagedserve.cli.doctor_model import check_layer_kernels
+from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.kernels import cpu_kernels
 from pagedserve.memory.probe import cpu_flags
 from pagedserve.memory.weight_format import (LayerKernels, LinearKernel, expected_layer_kernels, expected_weight_format,
@@ -25,6 +26,7 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("llama", "bfloat16", None, {**HEAD_32, "intermediate_size": 72}, "down off the native kernel, norms on torch"),
     ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
     ("gemma2", "bfloat16", None, HEAD_32, "gemma: native linears, the rest torch"),
+    ("gemma3", "bfloat16", None, HEAD_32, "gemma3: native linears and attention, the rest torch"),
     ("llama", "bfloat16", None, {**HEAD_32, "hidden_act": "gelu"}, "gelu: the MLP gate on torch, no stack"),
 ]
 
@@ -42,7 +44,9 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     fmt = expected_weight_format("cpu", dtype, quantization, False, isa is not None, cpu_flags())
     predicted = expected_layer_kernels(fmt, isa, config.model.hf_config, model.qk_norm,
                                        onednn_may_pack("cpu", dtype, cpu_flags()), native_decoder=model.native_decoder,
-                                       activation=model.decoder_spec(config.model.hf_config).activation)
+                                       activation=model.decoder_spec(config.model.hf_config).activation,
+                                       softcapped=softcapped_attention(config.model.architecture,
+                                                                       config.model.hf_config))
     assert predicted == loaded
     result = check_layer_kernels(config, isa)
     assert result.detail.endswith("; ".join(model.kernel_report()))
@@ -60,9 +64,11 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
         assert set(words.values()) == {"oneDNN packed"} and loaded.decoder_native and not loaded.stack
     elif what.startswith(("q/k", "head_dim")):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
-    elif what.startswith("gemma"):
+    elif what.startswith("gemma"):  # Gemma 2 caps its attention scores: torch; Gemma 3's attention is native
         assert all(w.startswith("native") for w in words.values()) and not loaded.decoder_native
         assert "GELU (tanh) x up torch" in loaded.lines()[1] and "norms torch" in loaded.lines()[1]
+        assert loaded.attention_native == what.startswith("gemma3") and not loaded.rotary_fused  # Gemma 3: q/k norms
+        assert ("decode attention native" in loaded.lines()[1]) == loaded.attention_native
     elif what.startswith("gelu"):
         assert loaded.decoder_native and loaded.rotary_fused and not loaded.activation_native and not loaded.stack
         assert "GELU x up torch" in loaded.lines()[1] and "norms native" in loaded.lines()[1]
