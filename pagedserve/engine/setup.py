@@ -21,10 +21,10 @@ from pagedserve.engine.faults import parse_fault_spec
 from pagedserve.engine.memory_plan import check_memory_plan, num_kv_blocks, plan_memory
 from pagedserve.engine.startup import StartupTracker
 from pagedserve.formats.errors import ModelValidationError
+from pagedserve.formats.multimodal import text_only_config
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.probe import AvailableMemory
 from pagedserve.memory.weight_format import SUPPORTED_QUANTIZATION
-from pagedserve.formats.multimodal import text_only_config
 from pagedserve.models.pooling_config import is_encoder
 from pagedserve.models.validate import layer_windows
 from pagedserve.sampling_params import SamplingParams

@@ -60,6 +60,7 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_SANDWICH_LAYER_TENSOR_NAMES = {**_LAYER_TENSOR_NAMES, **_SANDWICH_NORM_NAMES}
 _LAYER_TENSOR_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Stored float encodings and the numpy type to view them as (numpy has no bfloat16: raw bits).
 _FLOAT_VIEWS = {
@@ -76,8 +77,7 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     match = _LAYER_TENSOR_RE.match(gguf_name)
-    names = {**_LAYER_TENSOR_NAMES, **_SANDWICH_NORM_NAMES} if architecture in ("gemma2", "gemma3") \
-        else _LAYER_TENSOR_NAMES
+    names = _SANDWICH_LAYER_TENSOR_NAMES if architecture in ("gemma2", "gemma3") else _LAYER_TENSOR_NAMES
     if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()

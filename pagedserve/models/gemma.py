@@ -7,8 +7,10 @@
   every other layer, Gemma 3: five of six); Gemma 2 caps attention scores and logits with tanh (softcapping);
   Gemma 3 has per-head q/k norms and a rotary base of its own for its sliding-window layers.
 
-The linears run the backend's kernels as every model's do; norms, GELU, rotary and attention run torch ops
-(`native_decoder = False`: the native ones compute Llama's norm and SiLU, and no softcap).
+The linears and the attention run the backend's kernels as every model's do, but for Gemma 2's softcapped attention
+(the native kernels have no softcap); norms and GELU run torch ops (`native_decoder = False`: the native ones
+compute Llama's norm and SiLU). A multimodal Gemma 3 checkpoint is served as its Gemma3ForCausalLM
+(formats/multimodal.py).
 """
 
 from __future__ import annotations
@@ -55,10 +57,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def decoder_spec(cls, cfg: Any) -> DecoderSpec:
-        activation = cls.activation(cfg)
-        return DecoderSpec(qkv_bias=bool(getattr(cfg, "attention_bias", False)),
-                           o_bias=bool(getattr(cfg, "attention_bias", False)), qk_norm=cls.qk_norm,
-                           norm=GemmaRMSNorm, activation=activation, sandwich_norms=cls.sandwich_norms,
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return DecoderSpec(qkv_bias=bias, o_bias=bias, qk_norm=cls.qk_norm, norm=GemmaRMSNorm,
+                           activation=cls.activation(cfg), sandwich_norms=cls.sandwich_norms,
                            local_rotary=cls.local_rotary)
 
     @staticmethod
@@ -103,8 +104,9 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    """Gemma 3 (text; the 1B model): Gemma 2's layers with q/k norms, no attention softcapping (transformers passes
-    none whatever the config says), and its own rotary base for the sliding-window layers."""
+    """Gemma 3 (text: the 1B model, and the language model of the larger, multimodal ones): Gemma 2's layers with q/k
+    norms, no attention softcapping (transformers passes none whatever the config says), and a rotary of its own
+    for the sliding-window layers."""
 
     qk_norm = True
     local_rotary = True
