@@ -86,16 +86,28 @@ def tiny_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, [int(t) for t in types], [f"{left} {right}" for left, right in TINY_MERGES]
 
 
-def _add_hparams(writer: gguf.GGUFWriter, config: object) -> None:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def _add_shape(writer: gguf.GGUFWriter, config: object) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
+def _finish(writer: gguf.GGUFWriter, path: str | Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def _add_hparams(writer: gguf.GGUFWriter, config: object) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    _add_shape(writer, config)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(head_dim)
     if head_dim != config.hidden_size // config.num_attention_heads:
@@ -189,11 +201,7 @@ def write_test_gguf(
         chosen = (qtype_per_tensor or {}).get(name, qtype if array.ndim == 2 else QType.F32)
         stored, raw_dtype = _encode(array, chosen)
         writer.add_tensor(gguf_name(name), stored, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+    return _finish(writer, path)
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
@@ -291,16 +299,9 @@ def write_gemma_gguf(model: torch.nn.Module, path: str | Path, sp_model: Path, q
     config = model.config
     arch = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}[config.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
-    head_dim = config.head_dim
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    _add_shape(writer, config)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":
@@ -327,8 +328,4 @@ def write_gemma_gguf(model: torch.nn.Module, path: str | Path, sp_model: Path, q
                 continue
         stored, raw_dtype = _encode(array, qtype if array.ndim == 2 else QType.F32)
         writer.add_tensor(gguf_name(name), stored, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+    return _finish(writer, path)

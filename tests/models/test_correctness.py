@@ -79,6 +79,19 @@ def assert_greedy_close(ours: list[int], expected: list[int], reference: torch.T
             return
 
 
+def check_against_transformers(model_dir: str, dtype: str, prompts: list[list[int]], **engine_kwargs) -> LLM:
+    """Greedy tokens and top-5 logprobs of `prompts` in one batch against transformers' (as the test below checks
+    its batch, a near-tie allowed to flip in bfloat16); the engine, for the caller's further checks."""
+    llm, outputs = generate(model_dir, dtype, prompts, max_model_len=256, **engine_kwargs)
+    hf_model, hf_tokens = hf_reference(model_dir, dtype, prompts)
+    for prompt, output, expected in zip(prompts, outputs, hf_tokens):
+        completion = output.outputs[0]
+        reference = hf_logprobs(hf_model, prompt, completion.token_ids)
+        assert_logprobs_close(completion.logprobs, reference, TOLERANCE[dtype])
+        assert_greedy_close(completion.token_ids, expected, reference, TOLERANCE[dtype])
+    return llm
+
+
 def generate(model_dir, dtype, prompts, logprobs=TOP_K, **engine_kwargs):
     llm = LLM(model_dir, dtype=dtype, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=logprobs)

@@ -12,8 +12,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.formats.errors import ModelValidationError
-from tests.models.test_correctness import (TOLERANCE, assert_greedy_close, assert_logprobs_close,
-                                           generate, hf_logprobs, hf_reference, make_prompts)
+from tests.models.test_correctness import TOLERANCE, check_against_transformers, generate, make_prompts
 
 # head_dim 32: the native rotary + KV-write kernel runs, so the decode stack does (test_decode_stack.py's shape).
 NATIVE_SHAPE = dict(hidden_size=128, intermediate_size=256)
@@ -26,15 +25,7 @@ LONGROPE = dict(partial_rotary_factor=0.75, max_position_embeddings=512, origina
 
 def _check_against_transformers(model_dir: str, dtype: str, **engine_kwargs) -> LLM:
     llm, _ = generate(model_dir, dtype, [[1]], max_model_len=256, **engine_kwargs)
-    prompts = make_prompts(llm.get_tokenizer())
-    llm, outputs = generate(model_dir, dtype, prompts, max_model_len=256, **engine_kwargs)
-    hf_model, hf_tokens = hf_reference(model_dir, dtype, prompts)
-    for prompt, output, expected in zip(prompts, outputs, hf_tokens):
-        completion = output.outputs[0]
-        reference = hf_logprobs(hf_model, prompt, completion.token_ids)
-        assert_logprobs_close(completion.logprobs, reference, TOLERANCE[dtype])
-        assert_greedy_close(completion.token_ids, expected, reference, TOLERANCE[dtype])
-    return llm
+    return check_against_transformers(model_dir, dtype, make_prompts(llm.get_tokenizer()), **engine_kwargs)
 
 
 @pytest.mark.parametrize("arch", ["granite", "phi3"])

@@ -14,8 +14,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, PrefillSpan, paged_attention
-from tests.models.test_correctness import (TOLERANCE, assert_greedy_close, assert_logprobs_close, generate,
-                                           hf_logprobs, hf_reference)
+from tests.models.test_correctness import TOLERANCE, check_against_transformers
 
 WINDOW = 16  # tiny_models' Gemma window; the Mistral copies below take the same
 NATIVE_SHAPE = dict(hidden_size=128, intermediate_size=256)  # head_dim 32: rotary fused, so the decode stack runs
@@ -37,15 +36,7 @@ def _long_prompts() -> list[list[int]]:
 
 
 def _check(model_dir: str, dtype: str, **engine_kwargs) -> LLM:
-    prompts = _long_prompts()
-    llm, outputs = generate(model_dir, dtype, prompts, max_model_len=256, **engine_kwargs)
-    hf_model, hf_tokens = hf_reference(model_dir, dtype, prompts)
-    for prompt, output, expected in zip(prompts, outputs, hf_tokens):
-        completion = output.outputs[0]
-        reference = hf_logprobs(hf_model, prompt, completion.token_ids)
-        assert_logprobs_close(completion.logprobs, reference, TOLERANCE[dtype])
-        assert_greedy_close(completion.token_ids, expected, reference, TOLERANCE[dtype])
-    return llm
+    return check_against_transformers(model_dir, dtype, _long_prompts(), **engine_kwargs)
 
 
 def test_a_window_on_every_layer_runs_the_native_decode_stack(kernels, tiny_model_dir, tmp_path):
