@@ -110,3 +110,23 @@ def test_renderer_builds_only_safe_nodes(open_page, server):
     })""", fuzz)
     assert counts == [0] * len(fuzz)
     assert page.evaluate("window.__pwned") is None
+
+
+def test_table_inputs_that_once_hung_or_flooded_the_page(open_page, server):
+    """Long runs of spaces under a header line made the delimiter-row regex backtrack quadratically (minutes for
+    100k spaces), and a 2000-column header over 5000 short rows built 10 million cells (11 GB in Chromium). The
+    bound below is a hang check (each input renders in milliseconds now), not a speed measurement."""
+    page = open_page(server.url + "/")
+    cases = ["a|b\n" + " " * 100000 + "x", "a|b\n|-" + "\t" * 100000 + "x",
+             "|".join(["h"] * 2000) + "\n" + "|".join(["-"] * 2000) + "\n" + "a|\n" * 5000,
+             "|".join(["h"] * 64) + "\n" + "|".join(["-"] * 64) + "\n" + "a|\n" * 100]
+    results = page.evaluate("""inputs => inputs.map(text => {
+        const start = performance.now();
+        const box = document.createElement('div');
+        box.append(PagedServe.renderMarkdown(text));
+        return {ms: performance.now() - start, cells: box.querySelectorAll('td, th').length,
+                tables: box.querySelectorAll('table').length};
+    })""", cases)
+    assert all(r["ms"] < 5000 for r in results), results
+    assert [r["tables"] for r in results] == [0, 0, 0, 1]  # 2000 columns: text; 64 columns: a table
+    assert results[3]["cells"] == 64 * 101

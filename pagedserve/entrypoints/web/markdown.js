@@ -14,7 +14,10 @@
   const QUOTE = /^ {0,3}>\s?/;
   const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
   const BLANK = /^\s*$/;
-  const TABLE_DELIMITER = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+  const DELIMITER_CELL = /^:?-+:?$/;
+  // More columns than this are not taken for a table: short rows are padded to the header's width, so a wide header
+  // over many short rows would build millions of cells from a few kilobytes of text.
+  const MAX_TABLE_COLUMNS = 64;
   // Quotes and lists nest at most this deep; deeper markers are text (">" x 5000 overflowed the call stack).
   const MAX_NESTING = 16;
   // One alternative per inline construct; group numbers are read in inlineNode().
@@ -103,10 +106,14 @@
     return parts.map((cell) => cell.trim().replace(/\\\|/g, "|"));
   }
 
-  // A header row followed by a delimiter row with as many columns starts a table.
+  // A header row followed by a delimiter row (cells of dashes, with colons for alignment) with as many columns
+  // starts a table. Cells are split and tested one by one: a single regex over the row backtracked quadratically
+  // on long runs of spaces.
   function isTable(lines, i) {
-    return i + 1 < lines.length && lines[i].includes("|") && TABLE_DELIMITER.test(lines[i + 1])
-      && cells(lines[i]).length === cells(lines[i + 1]).length;
+    if (i + 1 >= lines.length || !lines[i].includes("|") || !lines[i + 1].includes("-")) return false;
+    const delimiter = cells(lines[i + 1]);
+    return delimiter.length <= MAX_TABLE_COLUMNS && delimiter.every((cell) => DELIMITER_CELL.test(cell))
+      && cells(lines[i]).length === delimiter.length;
   }
 
   function table(lines, start) {
