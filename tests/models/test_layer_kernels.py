@@ -72,6 +72,7 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     elif what.startswith("gelu"):
         assert loaded.decoder_native and loaded.rotary_fused and not loaded.activation_native and not loaded.stack
         assert "GELU x up torch" in loaded.lines()[1] and "norms native" in loaded.lines()[1]
+        assert "gelu gate runs torch ops" in result.fix
     elif what.startswith("down off"):  # oneDNN where it packs bf16 (AVX-512), else F.linear (AVX2)
         onednn = onednn_may_pack("cpu", dtype, cpu_flags())
         assert words["down"] == ("oneDNN packed" if onednn else "F.linear") and words["qkv"].startswith("native")

@@ -99,6 +99,7 @@ def test_http_metrics_as_the_instrumentator_s_with_vllm_s_excluded_handlers():
     client.get("/v1/models/some-model")
     client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
     client.get("/no-such-route")
+    client.get("/web/markdown.js")  # the page's assets: their mount's path, as the instrumentator names it
     for path in ("/health", "/ping", "/version", "/server_info", "/metrics"):
         client.get(path)
     text = client.get("/metrics").text
@@ -112,10 +113,11 @@ def test_http_metrics_as_the_instrumentator_s_with_vllm_s_excluded_handlers():
     assert sample("http_requests_total", handler="/v1/models/{model:path}", method="GET", status="5xx") == 1
     assert sample("http_requests_total", handler="/v1/completions", method="POST", status="5xx") == 1
     assert sample("http_requests_total", handler="none", method="GET", status="4xx") == 1  # no route: "none"
+    assert sample("http_requests_total", handler="/web", method="GET", status="2xx") == 1
     assert not any(name == "http_requests_total" and any(v in ("/health", "/ping", "/version", "/server_info",
                                                               "/metrics") for _, v in labels)
                    for name, labels in samples)  # vLLM's excluded handlers
-    assert sample("http_request_duration_highr_seconds_count") == 4
+    assert sample("http_request_duration_highr_seconds_count") == 5
     assert sample("http_request_duration_seconds_bucket", handler="/v1/completions", method="POST", le="+Inf") == 1
     assert sample("http_request_size_bytes_sum", handler="/v1/completions") == len(b'{"model":"m","prompt":"hi"}')
     assert sample("http_response_size_bytes_count", handler="/v1/models") == 1

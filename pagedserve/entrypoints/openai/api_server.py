@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.routing import Mount
 from prometheus_client import CollectorRegistry
 
 from pagedserve import __version__, envs
@@ -302,7 +303,7 @@ class HttpMetricsMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = time.perf_counter()
+        started, path = time.perf_counter(), route_path(scope)  # before a mount rewrites the scope
         response: dict = {"status": 500, "headers": ()}  # an exception that escapes is a 500, as vLLM's counts it
 
         async def send_start_seen(message: dict) -> None:
@@ -313,12 +314,23 @@ class HttpMetricsMiddleware:
         try:
             await self.app(scope, receive, send_start_seen)
         finally:
-            route = scope.get("route")  # none matched: the path decides the exclusion, and counts as "none"
-            path = route.path if route is not None else route_path(scope)
-            if not any(excluded in path for excluded in HTTP_EXCLUDED):
-                self.metrics.observe(scope["method"], path if route is not None else "none", response["status"],
-                                     time.perf_counter() - started, _content_length(scope["headers"]),
-                                     _content_length(response["headers"]))
+            handler = _handler(scope, path)  # none matched: the path decides the exclusion, and counts as "none"
+            if not any(excluded in (path if handler == "none" else handler) for excluded in HTTP_EXCLUDED):
+                self.metrics.observe(scope["method"], handler, response["status"], time.perf_counter() - started,
+                                     _content_length(scope["headers"]), _content_length(response["headers"]))
+
+
+def _handler(scope: dict, path: str) -> str:
+    """The route that answered `path` (as the routes saw it: a mount rewrites the scope), as the instrumentator
+    names it: its path template, a mount's path for what the mount serves (the page's assets: "/web"), else
+    "none"."""
+    route = scope.get("route")
+    if route is not None:
+        return route.path
+    for mount in getattr(scope.get("app"), "routes", ()):
+        if isinstance(mount, Mount) and path.startswith(mount.path + "/"):
+            return mount.path
+    return "none"
 
 
 def _content_length(headers: Any) -> int:
