@@ -65,6 +65,10 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
                                                "residual_multiplier": 0.37, "attention_multiplier": 0.11,
                                                "logits_scaling": 2.5, **overrides})
         cls = transformers.GraniteForCausalLM
+    elif arch == "smollm3":  # every other layer without rotary (NoPE)
+        config = transformers.SmolLM3Config(**{**common, "tie_word_embeddings": True, "no_rope_layer_interval": 2,
+                                               **overrides})
+        cls = transformers.SmolLM3ForCausalLM
     elif arch == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
         config = transformers.Phi3Config(**{**common, "tie_word_embeddings": False, **overrides})
         cls = transformers.Phi3ForCausalLM

@@ -252,7 +252,8 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}
     linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
                                  runs[name]) for name, _ in inputs)
+    nope = 0 in (getattr(cfg, "no_rope_layers", None) or [])  # SmolLM3's layers without rotary: not every one fused
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
-                        fused_rotary(attention_native, qk_norm, head_dim, partial_rotary(cfg)),
+                        fused_rotary(attention_native, qk_norm, head_dim, partial_rotary(cfg)) and not nope,
                         None if tp_size == 1 else (0, tp_size), activation,
                         None if attention_native == decoder_native else attention_native)

@@ -63,6 +63,7 @@ class Attention(nn.Module):
         self.tp = tp
         self.scale = self.head_dim ** -0.5  # Granite: its attention_multiplier (set by the model)
         self.window: int | None = None  # sliding-window attention (layer_windows, set by the model)
+        self.rotary = True  # SmolLM3's NoPE layers: False (set by the model)
         self.softcap: float | None = None  # Gemma 2's attention logit softcapping (set by the model)
         hidden = cfg.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=spec.qkv_bias)
@@ -78,7 +79,8 @@ class Attention(nn.Module):
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
-        self.fused_rope = fused_rotary(kernels is not None, self.qk_norm, self.head_dim, self.partial_rotary)
+        self.fused_rope = self.rotary and fused_rotary(kernels is not None, self.qk_norm, self.head_dim,
+                                                       self.partial_rotary)
         self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
         self.o_proj = backend.make_linear(weight_of(self.o_proj), o_bias)
@@ -99,7 +101,8 @@ class Attention(nn.Module):
                 qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
             else:
                 qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-            qk = apply_rotary(qk, *rope)  # q and k heads rotated together: [T, Hq + Hkv, D]
+            if self.rotary:
+                qk = apply_rotary(qk, *rope)  # q and k heads rotated together: [T, Hq + Hkv, D]
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written, self.window, self.softcap)
         out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
@@ -395,11 +398,12 @@ class LlamaForCausalLM(nn.Module):
     def layer_kernels(self) -> LayerKernels:
         """What the prepared layers run (the same rule and words as `pagedserve doctor`'s prediction)."""
         attn, mlp, norm = self.model.layers[0].self_attn, self.model.layers[0].mlp, self.model.layers[0].input_layernorm
+        rotary_fused = all(layer.self_attn.fused_rope for layer in self.model.layers)  # SmolLM3's NoPE layers: not
         linears = tuple(linear_kernel_of(name, module) for name, module in
                         (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                          ("down", mlp.down_proj), ("logits", getattr(self, "logits_proj", None))) if module is not None)
         attention_native = attn.kernels is not None
-        return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, attn.fused_rope,
+        return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, rotary_fused,
                             None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation,
                             None if attention_native == (norm.kernels is not None) else attention_native)
 
@@ -437,6 +441,16 @@ def linear_kernel_of(name: str, module: nn.Module) -> LinearKernel:
     native = module.native
     return LinearKernel(name, linear_words(module.implementation, None if native is None else native.isa),
                         native is not None)
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3: Llama layers, some without rotary position embeddings (no_rope_layers: 0 = NoPE; every fourth by
+    default). Those layers write their K/V unrotated, so the decode stack (one rotary for every layer) is off."""
+
+    def __init__(self, cfg: Any, max_position: int, tp: TPGroup | None = None) -> None:
+        super().__init__(cfg, max_position, tp)
+        for layer, rotary in zip(self.model.layers, cfg.no_rope_layers):
+            layer.self_attn.rotary = bool(rotary)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -6,7 +6,7 @@ from torch import nn
 
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.llama import (GraniteForCausalLM, LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
-                                     Qwen3ForCausalLM)
+                                     Qwen3ForCausalLM, SmolLM3ForCausalLM)
 
 CAUSAL_LM_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
@@ -18,6 +18,7 @@ CAUSAL_LM_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 

@@ -30,6 +30,7 @@ SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
     "BertModel",
     # Multimodal checkpoints, served as their language model (formats/multimodal.py).
     *TEXT_ONLY,
@@ -343,6 +344,8 @@ def layer_windows(cfg: Any) -> list[int | None]:
         return [None] * layers
     model_type = getattr(cfg, "model_type", None)
     layer_types = getattr(cfg, "layer_types", None)
+    if getattr(cfg, "use_sliding_window", None) is False:  # Qwen2/Qwen3/SmolLM3: the window is off, layer_types or not
+        return [None] * layers
     if not layer_types and model_type in ("qwen2", "qwen3"):
         if not getattr(cfg, "use_sliding_window", False):
             return [None] * layers

@@ -19,7 +19,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "granite", "phi3", "gemma", "gemma2", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "granite", "phi3", "gemma", "gemma2", "gemma3", "smollm3"]
 TOLERANCE = {"float32": 5e-5, "bfloat16": 0.15}
 NUM_TOKENS = 32
 TOP_K = 5

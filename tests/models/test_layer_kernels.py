@@ -27,6 +27,7 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
     ("gemma2", "bfloat16", None, HEAD_32, "gemma: native linears, the rest torch"),
     ("gemma3", "bfloat16", None, HEAD_32, "gemma3: native linears and attention, the rest torch"),
+    ("smollm3", "bfloat16", None, HEAD_32, "smollm3: unrotated layers, no stack"),
     ("llama", "bfloat16", None, {**HEAD_32, "hidden_act": "gelu"}, "gelu: the MLP gate on torch, no stack"),
 ]
 
@@ -62,7 +63,7 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
         assert loaded.stack and all(w.startswith("native") for w in words.values())
     elif what.startswith("oneDNN"):
         assert set(words.values()) == {"oneDNN packed"} and loaded.decoder_native and not loaded.stack
-    elif what.startswith(("q/k", "head_dim")):
+    elif what.startswith(("q/k", "head_dim", "smollm3")):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
     elif what.startswith("gemma"):  # Gemma 2 caps its attention scores: torch; Gemma 3's attention is native
         assert all(w.startswith("native") for w in words.values()) and not loaded.decoder_native

@@ -1,6 +1,6 @@
-"""Granite and Phi-3 against transformers beyond what test_correctness.py's batch covers: on the native decoder
-kernels and their decode stack, Phi-3's partial rotary and LongRoPE (short and long factors), and a fused
-checkpoint matrix that does not match config.json."""
+"""Granite, Phi-3 and SmolLM3 against transformers beyond what test_correctness.py's batch covers: on the native
+decoder kernels and their decode stack, Phi-3's partial rotary and LongRoPE (short and long factors), SmolLM3's
+layers without rotary, and a fused checkpoint matrix that does not match config.json."""
 
 from __future__ import annotations
 
@@ -34,6 +34,15 @@ def test_native_kernels_and_decode_stack_match_transformers(kernels, tiny_model_
     model = llm.engine.runner.model
     assert model.layer_kernels().stack and model.model.stack is not None  # the stack ran these decodes
     assert f"native bf16 ({kernels.isa})" in model.kernel_report()[0]
+
+
+def test_smollm3_unrotated_layers_on_the_native_kernels(kernels, tiny_model_dir):
+    """SmolLM3's NoPE layers (every other one here) write K/V unrotated beside layers whose rotary runs fused into
+    the KV write; the decode stack (one rotary for all layers) stays off."""
+    llm = _check_against_transformers(tiny_model_dir("smollm3", "bfloat16", **NATIVE_SHAPE), "bfloat16", device="cpu")
+    layers = llm.engine.runner.model.model.layers
+    assert [layer.self_attn.rotary for layer in layers] == [True, False]
+    assert layers[0].self_attn.fused_rope and llm.engine.runner.model.model.stack is None
 
 
 def test_phi3_partial_rotary_with_longrope_short_factors(tiny_model_dir):

@@ -30,6 +30,7 @@ CASES = {
     "granite-obias": ("granite", dict(attention_bias=True)),  # scales; o's bias scaled once, on rank 0
     "gemma2": ("gemma2", {}),  # sandwich norms, softcapped scores and logits (capped once, after the gather)
     "gemma3": ("gemma3", {}),  # q/k norms, sliding-window layers with a rotary of their own
+    "smollm3": ("smollm3", {}),  # layers without rotary
 }
 
 
