@@ -99,8 +99,11 @@ def _added_tokens(tokens: list[str], token_types: list[int]) -> list[AddedToken]
 
 
 def _sentencepiece_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
-    """A SentencePiece vocabulary (tokenizer.ggml.model "llama": Gemma's), rebuilt by transformers' GGUF converter,
-    which recovers the merges from the vocabulary as the architecture needs; BOS/EOS added as the file's flags say."""
+    """A SentencePiece vocabulary (tokenizer.ggml.model "llama": Gemma's, Llama 2's, Mistral's), rebuilt by
+    transformers' GGUF converter, which recovers the merges from the vocabulary as the architecture needs; BOS/EOS
+    added as the file's flags say. Where the file asks for a space prefix (SentencePiece's dummy prefix, llama.cpp's
+    add_space_prefix, on unless the file says otherwise), every text segment gets one and its spaces become "▁"
+    as SentencePiece does (transformers' converter adds none before a text that starts with a space)."""
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
                                                                            convert_gguf_tokenizer)
@@ -111,6 +114,9 @@ def _sentencepiece_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     tokenizer_dict = {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
                       if f"tokenizer.{key}" in metadata}
     tokenizer, _ = convert_gguf_tokenizer(str(metadata["general.architecture"]), tokenizer_dict)
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tokenizer.pre_tokenizer = None
     tokens = list(metadata["tokenizer.ggml.tokens"])
     flags = {**metadata, "tokenizer.ggml.add_bos_token": metadata.get("tokenizer.ggml.add_bos_token", True)}
     processor = _post_processor(flags, tokens)  # llama.cpp adds BOS where the file does not say otherwise

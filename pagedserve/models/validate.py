@@ -53,7 +53,7 @@ SUPPORTED_GGUF_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
 SUPPORTED_GGUF_TOKENIZER_MODELS: tuple[str, ...] = ("gpt2",)
 # SentencePiece vocabularies (tokenizer.ggml.model "llama"), rebuilt by transformers' converter, for these
 # architectures' files.
-SENTENCEPIECE_GGUF_ARCHITECTURES: tuple[str, ...] = ("gemma", "gemma2", "gemma3")
+SENTENCEPIECE_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma", "gemma2", "gemma3")
 
 
 # ---------------------------------------------------------------------------------------------------

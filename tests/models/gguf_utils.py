@@ -175,6 +175,7 @@ def write_test_gguf(
     eos_token_id: int = 2,
     eot_token_id: int | None = None,
     extra_metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+    sp_model: Path | None = None,
 ) -> Path:
     """Write `model` (a transformers Llama/Qwen2/Qwen3 ForCausalLM) as a GGUF file.
 
@@ -185,7 +186,10 @@ def write_test_gguf(
     arch = config.model_type
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, config)
-    _add_tokenizer(writer, config.vocab_size, tokenizer_pre, eos_token_id, eot_token_id)
+    if sp_model is None:
+        _add_tokenizer(writer, config.vocab_size, tokenizer_pre, eos_token_id, eot_token_id)
+    else:  # a SentencePiece vocabulary (Llama 2, Mistral) instead of the tiny byte-level one
+        add_sentencepiece_vocab(writer, sp_model)
     if extra_metadata is not None:
         extra_metadata(writer)
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
@@ -239,9 +243,10 @@ _GEMMA_SANDWICH = {"post_attention_layernorm": "post_attention_norm", "pre_feedf
                    "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def train_sentencepiece(out_dir: Path, vocab_size: int) -> Path:
+def train_sentencepiece(out_dir: Path, vocab_size: int, llama: bool = False) -> Path:
     """A SentencePiece BPE model as Gemma's is made (byte fallback, no dummy prefix, whitespace pieces, digits split;
-    <pad> <eos> <bos> <unk> at 0-3, two user-defined turn markers), trained on tiny_models' corpus."""
+    <pad> <eos> <bos> <unk> at 0-3, two user-defined turn markers), or with `llama` as Llama 2's and Mistral's
+    (a dummy prefix: a space before the text; <unk> <s> </s> at 0-2), trained on tiny_models' corpus."""
     import sentencepiece as spm
 
     from tests.tiny_models import _CORPUS
@@ -249,17 +254,19 @@ def train_sentencepiece(out_dir: Path, vocab_size: int) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = out_dir / "corpus.txt"
     corpus.write_text("\n".join(_CORPUS), encoding="utf-8")
+    kind = (dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1, add_dummy_prefix=True) if llama else
+            dict(user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+                 pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>", add_dummy_prefix=False))
     spm.SentencePieceTrainer.train(
         input=str(corpus), model_prefix=str(out_dir / "sp"), vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], pad_id=0, eos_id=1, bos_id=2,
-        unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>", add_dummy_prefix=False,
-        split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
-        normalization_rule_name="identity", character_coverage=0.9995, minloglevel=2)
+        byte_fallback=True, split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", character_coverage=0.9995, minloglevel=2, **kind)
     return out_dir / "sp.model"
 
 
-def _add_sentencepiece_vocab(writer: gguf.GGUFWriter, sp_model: Path) -> None:
-    """convert_hf_to_gguf.py's _set_vocab_sentencepiece: every piece, its score and its type."""
+def add_sentencepiece_vocab(writer: gguf.GGUFWriter, sp_model: Path) -> None:
+    """convert_hf_to_gguf.py's _set_vocab_sentencepiece: every piece, its score and its type, the special ids, and
+    add_space_prefix as the model's dummy prefix says (a Gemma vocabulary has turn markers and a chat template)."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(sp_model))
@@ -282,14 +289,17 @@ def _add_sentencepiece_vocab(writer: gguf.GGUFWriter, sp_model: Path) -> None:
     writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
     writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
     writer.add_token_types([int(t) for t in types])
-    writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
-    writer.add_unk_token_id(3)
-    writer.add_pad_token_id(0)
-    writer.add_eot_token_id(sp.piece_to_id("<end_of_turn>"))
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    if sp.pad_id() >= 0:
+        writer.add_pad_token_id(sp.pad_id())
     writer.add_add_bos_token(True)
-    writer.add_add_space_prefix(False)
-    writer.add_chat_template(GEMMA_TEMPLATE)
+    gemma = sp.piece_to_id("<end_of_turn>") != sp.unk_id()
+    writer.add_add_space_prefix(not gemma)  # SentencePiece's add_dummy_prefix, as the two vocabularies were trained
+    if gemma:
+        writer.add_eot_token_id(sp.piece_to_id("<end_of_turn>"))
+        writer.add_chat_template(GEMMA_TEMPLATE)
 
 
 def write_gemma_gguf(model: torch.nn.Module, path: str | Path, sp_model: Path, qtype: QType = QType.F32) -> Path:
@@ -312,7 +322,7 @@ def write_gemma_gguf(model: torch.nn.Module, path: str | Path, sp_model: Path, q
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    _add_sentencepiece_vocab(writer, sp_model)
+    add_sentencepiece_vocab(writer, sp_model)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied

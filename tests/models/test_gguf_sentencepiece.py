@@ -1,5 +1,6 @@
-"""Gemma GGUF files (llama.cpp's gemma, gemma2 and gemma3 architectures) against transformers on the same weights,
-and their SentencePiece tokenizer against SentencePiece itself.
+"""GGUF files with SentencePiece vocabularies against transformers on the same weights, and their tokenizer against
+SentencePiece itself: Gemma's (llama.cpp's gemma, gemma2 and gemma3 architectures, no space prefix) and Llama 2's or
+Mistral's (the llama architecture with a space prefix: SentencePiece's dummy prefix).
 
 The files are written by tests/models/gguf_utils.write_gemma_gguf the way llama.cpp's converter writes them (its own
 name table, norms stored plus one, the window and softcaps as metadata, the vocabulary from a SentencePiece model
@@ -15,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from pagedserve import LLM, SamplingParams
-from tests.models.gguf_utils import train_sentencepiece, write_gemma_gguf
+from tests.models.gguf_utils import tiny_model, train_sentencepiece, write_gemma_gguf, write_test_gguf
 from tests.tiny_models import make_tiny_model
 
 VOCAB = 500
@@ -87,3 +88,34 @@ def test_the_sentencepiece_vocabulary_encodes_as_sentencepiece(gemma_ggufs, sp_m
                                            add_generation_prompt=True)
     assert prompt == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
     assert llm.engine.config.model.architecture == "Gemma3ForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def llama_sentencepiece_gguf(tmp_path_factory):
+    """(a tiny Llama with a SentencePiece vocabulary as Llama 2's is made, its GGUF, the SentencePiece model)."""
+    out = tmp_path_factory.mktemp("gguf-llama-spm")
+    sp = train_sentencepiece(out / "sp", VOCAB, llama=True)
+    model = tiny_model("llama", vocab_size=VOCAB)
+    return model, write_test_gguf(model, out / "llama.gguf", sp_model=sp), sp
+
+
+def test_a_llama_gguf_with_a_sentencepiece_vocabulary(llama_sentencepiece_gguf):
+    """Llama 2, Mistral and TinyLlama GGUFs: the tokenizer gives SentencePiece's ids after BOS (its dummy prefix
+    included: a text that starts with a space gets a second one) and decodes them back; the weights (rows
+    un-permuted) give transformers' logprobs."""
+    import sentencepiece as spm
+
+    model, path, sp_model = llama_sentencepiece_gguf
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    llm = LLM(str(path), dtype="float32", max_model_len=128)
+    tokenizer = llm.get_tokenizer()
+    for text in TEXTS + ["  two leading spaces", "[INST] hi [/INST]"]:
+        ids = tokenizer.encode(text)
+        assert ids == [1] + sp.encode(text), text
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    prompt = [(37 * i) % 480 + 10 for i in range(40)]
+    ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    assert max(abs(ours.prompt_logprobs[i][t].logprob - reference[i - 1, t].item())
+               for i, t in enumerate(prompt) if i) < 5e-5
