@@ -41,9 +41,9 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512):
 
 def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int = 0, weight_std: float = 0.2,
                     **overrides) -> Path:
-    """Save a random tiny `arch` ('llama', 'qwen2', 'qwen3', 'granite', 'phi3', 'gemma', 'gemma2', 'gemma3') model with a tokenizer into
-    out_dir. A larger `weight_std` makes a model that falls into repeating loops sooner (speculative decoding's
-    tests)."""
+    """Save a random tiny `arch` ('llama', 'qwen2', 'qwen3', 'granite', 'phi3', 'gemma', 'gemma2', 'gemma3',
+    'gemma3-multimodal', 'smollm3') model with a tokenizer into out_dir. A larger `weight_std` makes a model that
+    falls into repeating loops sooner (speculative decoding's tests)."""
     import torch
     import transformers
 

@@ -25,7 +25,8 @@ TEXT_ONLY: dict[str, LanguageModelOf] = {
     # The hub's files name the language model language_model.model.* (transformers 5 loads model.language_model.*)
     "Gemma3ForConditionalGeneration": LanguageModelOf(
         "Gemma3ForCausalLM",
-        (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.lm_head.", "lm_head.")),
+        (("language_model.model.", "model."), ("model.language_model.", "model."),
+         ("language_model.lm_head.", "lm_head.")),
         ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")),
 }
 

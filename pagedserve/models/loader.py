@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from pagedserve.formats.errors import ModelValidationError
+from pagedserve.formats.multimodal import language_model_name
 from pagedserve.formats.safetensors import read_safetensors_header, safetensors_files
 from pagedserve.kernels import CpuKernels
 from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import QuantizedWeight
 from pagedserve.layers.skip_init import skip_init
-from pagedserve.formats.multimodal import language_model_name
 from pagedserve.models.registry import model_class
 from pagedserve.models.safetensors_mmap import iter_safetensors
 from pagedserve.platform import release_free_heap

@@ -21,8 +21,8 @@ from tests.tiny_models import make_tiny_model
 
 VOCAB = 500
 TEXTS = ["Hello  world 123 😀 你好\n\n  x", "The quick brown fox jumps over the lazy dog.", " leading space",
-         "def square(x):\n    return x * x\n", "<start_of_turn>user\nhi<end_of_turn>\n", "tabs\tand\r\nCRLF", "ünïcödé",
-         ""]
+         "def square(x):\n    return x * x\n", "<start_of_turn>user\nhi<end_of_turn>\n", "tabs\tand\r\nCRLF",
+         "ünïcödé", ""]
 # llama.cpp's Gemma 3 rule: layers il % 6 < 5 attend within the window; its query scale is head_dim (16 here).
 GEMMA3 = dict(num_hidden_layers=6, query_pre_attn_scalar=16,
               layer_types=["sliding_attention"] * 5 + ["full_attention"],

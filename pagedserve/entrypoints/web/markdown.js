@@ -172,7 +172,8 @@
   function paragraph(lines, start) {
     const p = el("p");
     let i = start;
-    while (i < lines.length && !BLANK.test(lines[i]) && (i === start || !(isBlockStart(lines[i]) || isTable(lines, i)))) {
+    while (i < lines.length && !BLANK.test(lines[i])
+           && (i === start || !(isBlockStart(lines[i]) || isTable(lines, i)))) {
       if (i > start) p.append(el("br"));
       p.append(...inline(lines[i]));
       i++;
