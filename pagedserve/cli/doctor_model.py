@@ -130,6 +130,9 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     elif not cls.native_decoder:
         fix = (f"{model.architecture}'s norms and activation run torch ops, and its attention where it caps scores "
                "(its linears run the native kernels); nothing to change")
+    elif 0 in (getattr(model.hf_config, "no_rope_layers", None) or []):
+        fix = ("layers without rotary (SmolLM3's no_rope_layers) keep the decode stack off; the other layers' rotary "
+               "runs fused; nothing to change")
     elif layers.activation != "silu":
         fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack are "
                "SiLU's); nothing to change")

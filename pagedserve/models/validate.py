@@ -344,14 +344,12 @@ def layer_windows(cfg: Any) -> list[int | None]:
         return [None] * layers
     model_type = getattr(cfg, "model_type", None)
     layer_types = getattr(cfg, "layer_types", None)
-    if getattr(cfg, "use_sliding_window", None) is False:  # Qwen2/Qwen3/SmolLM3: the window is off, layer_types or not
-        return [None] * layers
-    if not layer_types and model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3"):  # their configs drop the window without use_sliding_window
         if not getattr(cfg, "use_sliding_window", False):
             return [None] * layers
         first = getattr(cfg, "max_window_layers", None)
         first = 28 if first is None else first  # Qwen2Config's and Qwen3Config's default
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        layer_types = layer_types or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if layer_types:
         return [window if kind == "sliding_attention" else None for kind in layer_types]
     return [window] * layers if model_type in WINDOW_ON_EVERY_LAYER else [None] * layers

@@ -119,3 +119,22 @@ def test_a_llama_gguf_with_a_sentencepiece_vocabulary(llama_sentencepiece_gguf):
         reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
     assert max(abs(ours.prompt_logprobs[i][t].logprob - reference[i - 1, t].item())
                for i, t in enumerate(prompt) if i) < 5e-5
+
+
+def test_bytes_that_never_form_a_character_end_the_text_as_the_tokenizer_decodes_them(llama_sentencepiece_gguf):
+    """Byte-fallback tokens whose bytes are not UTF-8 are held back while a character may still complete; when the
+    output ends there they come out as the tokenizer decodes them (a reply of such bytes was empty)."""
+    from pagedserve.engine.detokenizer import IncrementalDetokenizer
+
+    _, path, _ = llama_sentencepiece_gguf
+    tokenizer = LLM(str(path), dtype="float32", max_model_len=128).get_tokenizer()
+    byte = {value: tokenizer.convert_tokens_to_ids(f"<0x{value:02X}>") for value in (0x20, 0x24, 0x9F, 0xA3)}
+    for ids in ([byte[0xA3]] * 5 + [byte[0x24], byte[0xA3], byte[0x24]], [byte[0x20], byte[0x9F], byte[0x20]]):
+        for streamed in (False, True):
+            detokenizer = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
+            pieces = []
+            for token_id in ids:
+                detokenizer.update([token_id])
+                pieces.append(detokenizer.text_to_emit(False) if streamed else "")
+            last = detokenizer.text_to_emit(True) if streamed else detokenizer.visible_text(True)
+            assert "".join(pieces) + last == tokenizer.decode(ids) and "\ufffd" in last

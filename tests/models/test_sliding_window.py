@@ -162,6 +162,10 @@ HUB_CONFIGS = {
     "llama with a stray window": dict(model_type="llama", sliding_window=16),
     "mistral v0.1": dict(model_type="mistral", sliding_window=16),
     "phi3-mini-4k": dict(model_type="phi3", sliding_window=16),
+    # SmolLM3 masks by layer_types whatever use_sliding_window says (it only feeds flash attention's window)
+    "smollm3, window off, layer_types sliding": dict(model_type="smollm3", sliding_window=16, use_sliding_window=False,
+                                                     layer_types=["sliding_attention"] * 3),
+    "smollm3, window off": dict(model_type="smollm3", sliding_window=16, use_sliding_window=False),
 }
 
 
@@ -183,11 +187,13 @@ def test_the_windowed_layers_are_transformers(case):
 
 @pytest.mark.parametrize("arch, fields", [("qwen2", dict(use_sliding_window=False, max_window_layers=21)),
                                           ("qwen2", dict(use_sliding_window=True, max_window_layers=1)),
-                                          ("llama", {})])
+                                          ("llama", {}),
+                                          ("smollm3", dict(use_sliding_window=False,
+                                                           layer_types=["sliding_attention", "full_attention"]))])
 def test_a_config_json_without_layer_types_against_transformers(tiny_model_dir, tmp_path, arch, fields):
-    """The served config.json as the hub has it (no layer_types), read without transformers where it can be
-    (PlainDecoderConfig): prompt logprobs over 60 positions equal transformers' (a window on the wrong layers moves
-    them by whole units)."""
+    """The served config.json as the hub has it (no layer_types but where given), read without transformers where it
+    can be (PlainDecoderConfig): prompt logprobs over 60 positions equal transformers' (a window on the wrong layers
+    moves them by whole units)."""
     from transformers import AutoModelForCausalLM
 
     model = tmp_path / arch
