@@ -119,7 +119,6 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
                                  native is not None, flags)
     layers = expected_layer_kernels(fmt, native, model.hf_config, qk_norm, onednn_may_pack(device, model.dtype, flags),
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
-                                    native_decoder=cls.native_decoder,
                                     activation=cls.decoder_spec(model.hf_config).activation,
                                     softcapped=softcapped_attention(model.architecture, model.hf_config))
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
@@ -127,9 +126,8 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
         return CheckResult("layers", PASS, detail)
     if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:
         fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
-    elif not cls.native_decoder:
-        fix = (f"{model.architecture}'s norms and activation run torch ops, and its attention where it caps scores "
-               "(its linears run the native kernels); nothing to change")
+    elif softcapped_attention(model.architecture, model.hf_config):
+        fix = "attention that caps its scores (Gemma 2's softcapping) runs torch ops; nothing to change"
     elif 0 in (getattr(model.hf_config, "no_rope_layers", None) or []):
         fix = ("layers without rotary (SmolLM3's no_rope_layers) keep the decode stack off; the other layers' rotary "
                "runs fused; nothing to change")

@@ -52,6 +52,7 @@ _SIGNATURES = {
     "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), None),
     "ps_pack_bf16": ((_P, _P, _I64, _I64, _INT), None),
     "ps_rms_norm": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
+    "ps_rms_norm_gain": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
     "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
@@ -275,20 +276,22 @@ class CpuKernels:
         return y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(norm(x + residual), x + residual) or (norm(x), None); x/residual [M, H] contiguous."""
+                 residual: torch.Tensor | None = None, gain: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(norm(x + residual), x + residual) or (norm(x), None); x/residual [M, H] contiguous. `gain`: `weight` is
+        Gemma's float32 1 + weight, multiplied before the one rounding (ps_rms_norm_gain)."""
         check("x", x, ACTIVATION_DTYPES, (None, None))
         m, h = x.shape
         if h % 16:
             raise ValueError(f"rms_norm: hidden size {h} is not a multiple of 16")
-        check("weight", weight, x.dtype, (h,))
+        check("weight", weight, torch.float32 if gain else x.dtype, (h,))
         if residual is not None:
             check("residual", residual, x.dtype, (m, h))
         out = torch.empty_like(x)
         new_residual = torch.empty_like(x) if residual is not None else None
-        self.lib.ps_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                             None if new_residual is None else new_residual.data_ptr(), weight.data_ptr(),
-                             out.data_ptr(), m, h, eps, x.dtype == torch.bfloat16, self._threads())
+        norm = self.lib.ps_rms_norm_gain if gain else self.lib.ps_rms_norm
+        norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+             None if new_residual is None else new_residual.data_ptr(), weight.data_ptr(), out.data_ptr(), m, h, eps,
+             x.dtype == torch.bfloat16, self._threads())
         return out, new_residual
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

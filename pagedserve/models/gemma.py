@@ -7,10 +7,10 @@
   every other layer, Gemma 3: five of six); Gemma 2 caps attention scores and logits with tanh (softcapping);
   Gemma 3 has per-head q/k norms and a rotary base of its own for its sliding-window layers.
 
-The linears and the attention run the backend's kernels as every model's do, but for Gemma 2's softcapped attention
-(the native kernels have no softcap); norms and GELU run torch ops (`native_decoder = False`: the native ones
-compute Llama's norm and SiLU). A multimodal Gemma 3 checkpoint is served as its Gemma3ForCausalLM
-(formats/multimodal.py).
+The linears, norms (ps_rms_norm_gain: Gemma's float32 gain) and attention run the backend's kernels as every
+model's do, but for Gemma 2's softcapped attention (the native kernels have no softcap); GELU runs torch ops (the
+native kernel is SiLU's), so the decode stack is off. A multimodal Gemma 3 checkpoint is served as its
+Gemma3ForCausalLM (formats/multimodal.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ from pagedserve.models.llama import DecoderSpec, LlamaForCausalLM
 
 class GemmaRMSNorm(RMSNorm):
     """transformers' Gemma norm: normalise in float32, scale by 1 + weight in float32, round once (Llama's rounds
-    before it scales). The checkpoint holds the weight; 1 + weight is computed once after loading (prepare)."""
+    before it scales; the native kernels have both, ps_rms_norm_gain here). The checkpoint holds the weight;
+    1 + weight is computed once after loading (prepare)."""
+
+    gain_in_float32 = True
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__(hidden_size, eps)
@@ -36,7 +39,10 @@ class GemmaRMSNorm(RMSNorm):
     def prepare(self) -> None:
         self.gain = 1.0 + self.weight.detach().float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def native_weight(self) -> torch.Tensor:
+        return self.gain
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(self.eps))
         return normed.mul_(self.gain).to(x.dtype)
@@ -45,7 +51,6 @@ class GemmaRMSNorm(RMSNorm):
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma (1): Llama layers with Gemma's norms, GELU and embedding scale."""
 
-    native_decoder = False
     sandwich_norms = False
     local_rotary = False
 

@@ -325,8 +325,6 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     o_bias: bool | None = None  # None: follow config.attention_bias, as Llama and Qwen3 do
     qk_norm = False
-    native_decoder = True  # norms and activation may run the native kernels (not Gemma's); attention may, but
-    # where it caps its scores (Gemma 2)
     logits_scaling = 1.0  # Granite divides its logits by this
 
     def __init__(self, cfg: Any, max_position: int, tp: TPGroup | None = None) -> None:
@@ -386,12 +384,13 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         kernels = backend.decoder_kernels(self.config.hidden_size, self.model.layers[0].mlp.gate_proj.out_features,
                                           attn.head_dim)
-        norm_kernels = kernels if self.native_decoder else None
-        for layer in self.model.layers:
+        for layer in self.model.layers:  # attention that caps its scores (Gemma 2) has no native kernel
             layer.self_attn.prepare(backend, kernels if layer.self_attn.softcap is None else None)
-            layer.mlp.prepare(backend, norm_kernels)
-            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = norm_kernels
-        self.model.norm.kernels = norm_kernels
+            layer.mlp.prepare(backend, kernels)
+            for norm in layer.modules():  # q/k norms (3-D inputs) stay on torch ops all the same
+                if isinstance(norm, RMSNorm):
+                    norm.kernels = kernels
+        self.model.norm.kernels = kernels
         # with tensor parallelism: layer by layer, all-reducing between
         self.model.prepare_stack(kernels if self.layer_kernels().stack else None)
 

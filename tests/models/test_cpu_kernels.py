@@ -177,6 +177,26 @@ def test_rms_norm_matches_transformers_formula(kernels, dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rms_norm_matches_transformers_formula(kernels, dtype, with_residual):
+    """Gemma's norm: x * rsqrt(mean(x^2) + eps) * (1 + weight), all in float32, rounded once (transformers'
+    Gemma2RMSNorm); the kernel is given the float32 gain 1 + weight."""
+    torch.manual_seed(0)
+    x = (torch.randn(5, 128) * 3).to(dtype)
+    residual = torch.randn(5, 128).to(dtype) if with_residual else None
+    gain = 1.0 + (torch.randn(128) * 0.3).to(dtype).float()
+    out, new_residual = kernels.rms_norm(x, gain, 1e-6, residual, gain=True)
+    h = x + residual if with_residual else x
+    if with_residual:
+        assert torch.equal(new_residual, h)
+    h32 = h.float()
+    expected = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6) * gain).to(dtype)
+    _close(out, expected, dtype, "rms_norm_gain")
+    llama = kernels.rms_norm(x, gain.to(dtype), 1e-6, residual)[0]  # Llama's rounds before it scales
+    assert dtype == torch.float32 or not torch.equal(llama, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_torch(kernels, dtype):
     torch.manual_seed(0)
     gate_up = (torch.randn(3, 2 * 160) * 4).to(dtype)

@@ -135,10 +135,10 @@ def test_a_gemma2_gguf_without_its_window_is_refused_as_a_file_problem(tmp_path)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gemma_attention_and_fused_rotary_on_the_native_kernels(kernels, tiny_model_dir, dtype):
-    """head_dim 32: Gemma's rotary runs fused into the KV write and its attention on the native kernels (its norms and
-    GELU stay torch ops), over prompts of 5 to 80 tokens and their decodes, against transformers."""
+    """head_dim 32: Gemma's rotary runs fused into the KV write, its norms (float32 gain) and attention on the native
+    kernels (GELU stays a torch op), over prompts of 5 to 80 tokens and their decodes, against transformers."""
     from tests.models.test_sliding_window import _check
 
     llm = _check(tiny_model_dir("gemma", dtype, head_dim=32, hidden_size=128, intermediate_size=256), dtype)
     layers = llm.engine.runner.model.layer_kernels()
-    assert layers.attention_native and layers.rotary_fused and not layers.decoder_native
+    assert layers.attention_native and layers.rotary_fused and layers.decoder_native and not layers.stack

@@ -25,8 +25,8 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("qwen3", "bfloat16", None, {}, "q/k norm: rotary on torch, no stack"),
     ("llama", "bfloat16", None, {**HEAD_32, "intermediate_size": 72}, "down off the native kernel, norms on torch"),
     ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
-    ("gemma2", "bfloat16", None, HEAD_32, "gemma: native linears, the rest torch"),
-    ("gemma3", "bfloat16", None, HEAD_32, "gemma3: native linears and attention, the rest torch"),
+    ("gemma2", "bfloat16", None, HEAD_32, "gemma: native linears and norms, softcapped attention and GELU torch"),
+    ("gemma3", "bfloat16", None, HEAD_32, "gemma3: native linears, norms and attention, GELU torch"),
     ("smollm3", "bfloat16", None, HEAD_32, "smollm3: unrotated layers, no stack"),
     ("llama", "bfloat16", None, {**HEAD_32, "hidden_act": "gelu"}, "gelu: the MLP gate on torch, no stack"),
 ]
@@ -44,7 +44,7 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     loaded = model.layer_kernels()
     fmt = expected_weight_format("cpu", dtype, quantization, False, isa is not None, cpu_flags())
     predicted = expected_layer_kernels(fmt, isa, config.model.hf_config, model.qk_norm,
-                                       onednn_may_pack("cpu", dtype, cpu_flags()), native_decoder=model.native_decoder,
+                                       onednn_may_pack("cpu", dtype, cpu_flags()),
                                        activation=model.decoder_spec(config.model.hf_config).activation,
                                        softcapped=softcapped_attention(config.model.architecture,
                                                                        config.model.hf_config))
@@ -69,8 +69,9 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     elif what.startswith(("q/k", "head_dim")):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
     elif what.startswith("gemma"):  # Gemma 2 caps its attention scores: torch; Gemma 3's attention is native
-        assert all(w.startswith("native") for w in words.values()) and not loaded.decoder_native
-        assert "GELU (tanh) x up torch" in loaded.lines()[1] and "norms torch" in loaded.lines()[1]
+        assert all(w.startswith("native") for w in words.values()) and loaded.decoder_native and not loaded.stack
+        assert "GELU (tanh) x up torch" in loaded.lines()[1] and "norms native" in loaded.lines()[1]
+        assert ("softcapping" in result.fix) == what.startswith("gemma:")
         assert loaded.attention_native == what.startswith("gemma3") and not loaded.rotary_fused  # Gemma 3: q/k norms
         assert ("decode attention native" in loaded.lines()[1]) == loaded.attention_native
     elif what.startswith("gelu"):
