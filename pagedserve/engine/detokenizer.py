@@ -62,19 +62,10 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
-    def _flush(self) -> None:
-        """At the end: the text of tokens held back because it ended in an incomplete character. What they decode
-        to, replacement characters included (the output then equals the tokenizer's decode of its tokens; bytes
-        that never formed a character had emptied a reply of them)."""
-        if self.read_offset < len(self.ids):
-            prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self.output_text += self._decode(self.ids[self.prefix_offset:])[len(prefix_text):]
-            self.prefix_offset = self.read_offset = len(self.ids)
-
     def text_to_emit(self, finished: bool) -> str:
-        """Text not yet emitted (for streaming deltas), holding back a possible partial stop string."""
-        if finished:
-            self._flush()
+        """Text not yet emitted (for streaming deltas), holding back a possible partial stop string. Tokens held back
+        as an incomplete character when the output ends are dropped, as vLLM's detokenizer drops them (a cut through
+        a multi-byte character ends the text before it, not with a replacement character)."""
         end = len(self.output_text) if finished else max(self._num_emitted,
                                                          len(self.output_text) - self.holdback)
         delta = self.output_text[self._num_emitted:end]
@@ -84,7 +75,6 @@ class IncrementalDetokenizer:
     def visible_text(self, finished: bool) -> str:
         """The whole output text that may be shown now."""
         if finished:
-            self._flush()
             return self.output_text
         return self.output_text[:max(0, len(self.output_text) - self.holdback)]
 

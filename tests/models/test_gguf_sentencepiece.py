@@ -121,20 +121,20 @@ def test_a_llama_gguf_with_a_sentencepiece_vocabulary(llama_sentencepiece_gguf):
                for i, t in enumerate(prompt) if i) < 5e-5
 
 
-def test_bytes_that_never_form_a_character_end_the_text_as_the_tokenizer_decodes_them(llama_sentencepiece_gguf):
-    """Byte-fallback tokens whose bytes are not UTF-8 are held back while a character may still complete; when the
-    output ends there they come out as the tokenizer decodes them (a reply of such bytes was empty)."""
+
+def test_a_character_cut_by_the_end_of_the_output_is_left_out_as_vllm_does(llama_sentencepiece_gguf):
+    """Byte-fallback tokens of an incomplete character are held back, and dropped if the output ends there (vLLM's
+    detokenizer does the same): max_tokens cutting through a CJK character ends the text before it, with no
+    replacement character."""
     from pagedserve.engine.detokenizer import IncrementalDetokenizer
 
     _, path, _ = llama_sentencepiece_gguf
     tokenizer = LLM(str(path), dtype="float32", max_model_len=128).get_tokenizer()
-    byte = {value: tokenizer.convert_tokens_to_ids(f"<0x{value:02X}>") for value in (0x20, 0x24, 0x9F, 0xA3)}
-    for ids in ([byte[0xA3]] * 5 + [byte[0x24], byte[0xA3], byte[0x24]], [byte[0x20], byte[0x9F], byte[0x20]]):
-        for streamed in (False, True):
-            detokenizer = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
-            pieces = []
-            for token_id in ids:
-                detokenizer.update([token_id])
-                pieces.append(detokenizer.text_to_emit(False) if streamed else "")
-            last = detokenizer.text_to_emit(True) if streamed else detokenizer.visible_text(True)
-            assert "".join(pieces) + last == tokenizer.decode(ids) and "\ufffd" in last
+    ids = [tokenizer.convert_tokens_to_ids(f"<0x{byte:02X}>") for byte in "a你".encode()]  # a, E4 BD A0
+    for cut, expected in ((len(ids), "a你"), (len(ids) - 1, "a")):
+        detokenizer = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
+        streamed = []
+        for token_id in ids[:cut]:
+            detokenizer.update([token_id])
+            streamed.append(detokenizer.text_to_emit(False))
+        assert "".join(streamed) + detokenizer.text_to_emit(True) == expected == detokenizer.visible_text(True)
