@@ -72,7 +72,7 @@ _FLOAT_VIEWS = {
 _CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight"})
 
 
-def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
+def hf_tensor_name(gguf_name: str, architecture: str) -> str | None:
     """The Hugging Face checkpoint name for a GGUF tensor name, or None if it has no counterpart."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]

@@ -1641,51 +1641,43 @@ void ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
 
 /* ---- RMSNorm, optionally fused with the residual add ----------------------------------------------- */
 
-/* Row m's first pass, shared by both norms: h = x (+ residual, rounded; residual_out = h); returns 1 / rms(h)
- * and sets *src to where h is. */
-static inline vf rms_row_inverse(const void *x, const void *residual, void *residual_out, int64_t m, int64_t H,
-                                 float eps, int bf16, const void **src) {
-  const void *xr = at(x, m * H, bf16);
-  vf ss = vzero();
-  for (int64_t k = 0; k < H; k += VL) {
-    vf h = vload(at(xr, k, bf16), bf16);
-    if (residual) {
-      h = vround(vadd(h, vload(at(residual, m * H + k, bf16), bf16)), bf16);
-      vstore((void *)at(residual_out, m * H + k, bf16), h, bf16);
+/* For each row: h = x (+ residual, rounded); residual_out = h; then either (weight) Llama's
+ * out = round(weight * round(h * rsqrt(mean(h^2) + eps))) (transformers: hidden.float() normalised, cast to the model
+ * dtype, times the weight) or (gain) Gemma's out = round(h * rsqrt(mean(h^2) + eps) * gain), gain = 1 + weight in
+ * float32 (transformers' Gemma norm scales in float32 and rounds once). H % 16 == 0. */
+static void rms_norm_rows(const void *x, const void *residual, void *residual_out, const void *weight,
+                          const float *gain, void *out, int64_t M, int64_t H, float eps, int bf16, int nthreads) {
+  #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
+  for (int64_t m = 0; m < M; ++m) {
+    const void *xr = at(x, m * H, bf16);
+    vf ss = vzero();
+    for (int64_t k = 0; k < H; k += VL) {
+      vf h = vload(at(xr, k, bf16), bf16);
+      if (residual) {
+        h = vround(vadd(h, vload(at(residual, m * H + k, bf16), bf16)), bf16);
+        vstore((void *)at(residual_out, m * H + k, bf16), h, bf16);
+      }
+      ss = vfma(h, h, ss);
     }
-    ss = vfma(h, h, ss);
+    const vf inv = vset1(1.0f / sqrtf(vsum(ss) / (float)H + eps));
+    const void *src = residual ? (const void *)at(residual_out, m * H, bf16) : xr;
+    for (int64_t k = 0; k < H; k += VL) {
+      const vf normed = vmul(vload(at(src, k, bf16), bf16), inv);
+      const vf scaled = gain ? vmul(normed, vloadf(gain + k))
+                             : vmul(vround(normed, bf16), vload(at(weight, k, bf16), bf16));
+      vstore((void *)at(out, m * H + k, bf16), scaled, bf16);
+    }
   }
-  *src = residual ? (const void *)at(residual_out, m * H, bf16) : xr;
-  return vset1(1.0f / sqrtf(vsum(ss) / (float)H + eps));
 }
 
-/* For each row: h = x (+ residual, rounded); residual_out = h; out = round(weight * round(h * rsqrt(mean(h^2) + eps))).
- * (transformers: hidden.float() normalised, cast to the model dtype, times the weight.) H % 16 == 0. */
 void ps_rms_norm(const void *x, const void *residual, void *residual_out, const void *weight, void *out,
                  int64_t M, int64_t H, float eps, int bf16, int nthreads) {
-  #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
-  for (int64_t m = 0; m < M; ++m) {
-    const void *src;
-    const vf inv = rms_row_inverse(x, residual, residual_out, m, H, eps, bf16, &src);
-    for (int64_t k = 0; k < H; k += VL) {
-      const vf normed = vround(vmul(vload(at(src, k, bf16), bf16), inv), bf16);
-      vstore((void *)at(out, m * H + k, bf16), vmul(normed, vload(at(weight, k, bf16), bf16)), bf16);
-    }
-  }
+  rms_norm_rows(x, residual, residual_out, weight, NULL, out, M, H, eps, bf16, nthreads);
 }
 
-/* Gemma's: out = round(h * rsqrt(mean(h^2) + eps) * gain), gain = 1 + weight in float32 (transformers' Gemma norm
- * scales in float32 and rounds once); h and residual_out as ps_rms_norm's. H % 16 == 0. */
 void ps_rms_norm_gain(const void *x, const void *residual, void *residual_out, const float *gain, void *out,
                       int64_t M, int64_t H, float eps, int bf16, int nthreads) {
-  #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
-  for (int64_t m = 0; m < M; ++m) {
-    const void *src;
-    const vf inv = rms_row_inverse(x, residual, residual_out, m, H, eps, bf16, &src);
-    for (int64_t k = 0; k < H; k += VL)
-      vstore((void *)at(out, m * H + k, bf16), vmul(vmul(vload(at(src, k, bf16), bf16), inv), vloadf(gain + k)),
-             bf16);
-  }
+  rms_norm_rows(x, residual, residual_out, NULL, gain, out, M, H, eps, bf16, nthreads);
 }
 
 /* ---- SiLU(gate) * up ------------------------------------------------------------------------------- */

@@ -172,6 +172,11 @@ def partial_rotary(hf_config: object) -> bool:
     return rotary_dim(hf_config, head_dim) < head_dim
 
 
+def unrotated_layers(hf_config: object) -> bool:
+    """Some layers have no rotary (SmolLM3's no_rope_layers, 0 for those): not every layer's rotary is fused."""
+    return 0 in (getattr(hf_config, "no_rope_layers", None) or [])
+
+
 def fused_rotary(decoder_native: bool, qk_norm: bool, head_dim: int, partial: bool = False) -> bool:
     """Rotary runs fused with the KV write (one native call): not where q/k are normalised first (Qwen3), nor
     where it rotates only part of each head (`partial`)."""
@@ -252,8 +257,8 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}
     linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
                                  runs[name]) for name, _ in inputs)
-    nope = 0 in (getattr(cfg, "no_rope_layers", None) or [])  # SmolLM3's layers without rotary: not every one fused
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
-                        fused_rotary(attention_native, qk_norm, head_dim, partial_rotary(cfg)) and not nope,
+                        fused_rotary(attention_native, qk_norm, head_dim, partial_rotary(cfg))
+                        and not unrotated_layers(cfg),
                         None if tp_size == 1 else (0, tp_size), activation,
                         None if attention_native == decoder_native else attention_native)

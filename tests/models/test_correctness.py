@@ -56,6 +56,14 @@ def hf_logprobs(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
 
 
+def prompt_logprob_error(prompt_logprobs, model, prompt: list[int]) -> float:
+    """The largest difference between our prompt logprobs (RequestOutput.prompt_logprobs, prompt_logprobs=0) and
+    those `model` (a transformers causal LM) gives the same prompt."""
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    return max(abs(prompt_logprobs[i][t].logprob - reference[i - 1, t].item()) for i, t in enumerate(prompt) if i)
+
+
 def assert_logprobs_close(ours, reference: torch.Tensor, tol: float) -> None:
     for position, (step, ref) in enumerate(zip(ours, reference)):
         top_ids = [t for t, lp in sorted(step.items(), key=lambda kv: kv[1].rank) if lp.rank <= TOP_K]

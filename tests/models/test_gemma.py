@@ -20,6 +20,7 @@ from pagedserve.formats.errors import ModelValidationError
 from pagedserve.models.gemma import GemmaRMSNorm
 from pagedserve.models.llama import ACTIVATIONS
 from pagedserve.models.validate import DECODER_ACTIVATIONS, validate_hf_dir
+from tests.models.test_correctness import prompt_logprob_error
 
 
 def _prompt_logprobs_against_transformers(model_dir: str, model_class=None) -> float:
@@ -30,9 +31,7 @@ def _prompt_logprobs_against_transformers(model_dir: str, model_class=None) -> f
     llm = LLM(model_dir, dtype="float32", max_model_len=128)
     ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     model = (model_class or AutoModelForCausalLM).from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
-    return max(abs(ours.prompt_logprobs[i][t].logprob - reference[i - 1, t].item()) for i, t in enumerate(prompt) if i)
+    return prompt_logprob_error(ours.prompt_logprobs, model, prompt)
 
 
 def test_gemma3_caps_its_logits_but_not_its_attention_scores(tiny_model_dir):

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QType
 
 from pagedserve import LLM, SamplingParams
 from tests.models.gguf_utils import tiny_model, train_sentencepiece, write_gemma_gguf, write_test_gguf
+from tests.models.test_correctness import prompt_logprob_error
 from tests.tiny_models import make_tiny_model
 
 VOCAB = 500
@@ -62,10 +63,7 @@ def test_a_gemma_gguf_computes_what_transformers_does(gemma_ggufs, arch):
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     ours = LLM(str(f32), dtype="float32", max_model_len=128).generate([{"prompt_token_ids": prompt}], params)[0]
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
-    diffs = [abs(ours.prompt_logprobs[i][t].logprob - reference[i - 1, t].item()) for i, t in enumerate(prompt) if i]
-    assert max(diffs) < 5e-5
+    assert prompt_logprob_error(ours.prompt_logprobs, model, prompt) < 5e-5
     quantized = LLM(str(q8), dtype="float32", max_model_len=128).generate([{"prompt_token_ids": prompt}], params)[0]
     q8_diffs = [abs(quantized.prompt_logprobs[i][t].logprob - ours.prompt_logprobs[i][t].logprob)
                 for i, t in enumerate(prompt) if i]
@@ -115,10 +113,7 @@ def test_a_llama_gguf_with_a_sentencepiece_vocabulary(llama_sentencepiece_gguf):
         assert tokenizer.decode(ids, skip_special_tokens=True) == text
     prompt = [(37 * i) % 480 + 10 for i in range(40)]
     ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    with torch.no_grad():
-        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
-    assert max(abs(ours.prompt_logprobs[i][t].logprob - reference[i - 1, t].item())
-               for i, t in enumerate(prompt) if i) < 5e-5
+    assert prompt_logprob_error(ours.prompt_logprobs, model, prompt) < 5e-5
 
 
 

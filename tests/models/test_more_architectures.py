@@ -12,7 +12,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.formats.errors import ModelValidationError
-from tests.models.test_correctness import TOLERANCE, check_against_transformers, generate, make_prompts
+from tests.models.test_correctness import (TOLERANCE, check_against_transformers, generate, make_prompts,
+                                           prompt_logprob_error)
 
 # head_dim 32: the native rotary + KV-write kernel runs, so the decode stack does (test_decode_stack.py's shape).
 NATIVE_SHAPE = dict(hidden_size=128, intermediate_size=256)
@@ -62,10 +63,7 @@ def test_phi3_longrope_long_factors_past_the_original_context(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        reference = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    diffs = [abs(ours[i][token].logprob - reference[i - 1, token].item()) for i, token in enumerate(prompt) if i]
-    assert max(diffs) <= TOLERANCE["float32"] * 10  # 300 positions of float32 sums
+    assert prompt_logprob_error(ours, hf_model, prompt) <= TOLERANCE["float32"] * 10  # 300 positions of float32 sums
     short = LLM(model_dir, dtype="float32", max_model_len=256)  # the short factors differ past any doubt
     short_logprobs = short.generate([{"prompt_token_ids": prompt[:200]}], params)[0].prompt_logprobs
     assert max(abs(short_logprobs[i][t].logprob - ours[i][t].logprob) for i, t in enumerate(prompt[:200]) if i) > 0.1

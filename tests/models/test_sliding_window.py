@@ -14,7 +14,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, PrefillSpan, paged_attention
-from tests.models.test_correctness import TOLERANCE, check_against_transformers
+from tests.models.test_correctness import TOLERANCE, check_against_transformers, prompt_logprob_error
 
 WINDOW = 16  # tiny_models' Gemma window; the Mistral copies below take the same
 NATIVE_SHAPE = dict(hidden_size=128, intermediate_size=256)  # head_dim 32: rotary fused, so the decode stack runs
@@ -206,7 +206,4 @@ def test_a_config_json_without_layer_types_against_transformers(tiny_model_dir, 
     llm = LLM(str(model), dtype="float32", max_model_len=128)
     ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     reference_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        reference = torch.log_softmax(reference_model(torch.tensor([prompt])).logits[0], dim=-1)
-    assert max(abs(ours.prompt_logprobs[i][t].logprob - reference[i - 1, t].item())
-               for i, t in enumerate(prompt) if i) < TOLERANCE["float32"]
+    assert prompt_logprob_error(ours.prompt_logprobs, reference_model, prompt) < TOLERANCE["float32"]
