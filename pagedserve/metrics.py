@@ -138,6 +138,17 @@ class EngineMetrics:
         self.stats_log = StatsLog(time.monotonic())
         self._timings: dict[str, _RequestTiming] = {}
 
+    @classmethod
+    def for_engine(cls, engine, registry: CollectorRegistry | None = None) -> EngineMetrics:
+        """The metrics of `engine` (an LLMEngine): its served name, context length and cache configuration, with
+        the memory gauges' start-up reading already in."""
+        model, cache = engine.config.model, engine.config.cache
+        metrics = cls(model.served_model_name, registry, max_model_len=model.max_model_len, cache_info={
+            "block_size": str(cache.block_size), "num_gpu_blocks": str(cache.num_blocks - 1),  # the null block apart
+            "cache_dtype": str(cache.kv_cache_dtype), "enable_prefix_caching": str(cache.enable_prefix_caching)})
+        metrics.observe_memory(engine.resident_memory)
+        return metrics
+
     def _add_vllm_metrics(self, lengths: list[int]) -> None:
         r, labels, values = self.registry, ["model_name", "engine"], self._label_values
 

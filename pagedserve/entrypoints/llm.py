@@ -7,11 +7,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from pagedserve.beam_search import BeamSearchOutput, check_candidates, scoring_params, search
 from pagedserve.engine import vllm_compat
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.exceptions import request_error
+from pagedserve.metrics import EngineMetrics
+from pagedserve.metrics_reader import Metric, get_metrics_snapshot
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -26,11 +30,13 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs`: EngineArgs' fields, and vLLM's that pagedserve takes without effect (trust_remote_code,
         swap_space, ...; engine/vllm_compat.py: logged) or refuses with a reason (ValueError)."""
-        kwargs.pop("disable_log_stats", None)  # vLLM's LLM sets it; the offline engine logs no stats line anyway
+        # vLLM's LLM defaults it to True; False records vLLM's metrics for get_metrics() (no stats line is logged)
+        log_stats = not kwargs.pop("disable_log_stats", True)
         kwargs, notes = vllm_compat.split_keywords(kwargs, model)
         for note in notes:
             logger.info("%s", note)
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **_sizes_as_ints(kwargs)))
+        self._metrics = EngineMetrics.for_engine(self.engine, CollectorRegistry()) if log_stats else None
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -43,6 +49,14 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's); False while requests hold blocks."""
         return self.engine.scheduler.kv.pool.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's snapshot of the engine's vllm:* metrics since it started (metrics_reader: Counter, Gauge, Vector,
+        Histogram), as its /metrics would show them. Needs LLM(..., disable_log_stats=False), as vLLM's does."""
+        if self._metrics is None:
+            raise RuntimeError("metrics are not recorded: create the LLM with disable_log_stats=False (vLLM's LLM "
+                               "defaults it to True) to read them with get_metrics()")
+        return get_metrics_snapshot(self._metrics.registry)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() sample with when given no SamplingParams: the model's recommended
@@ -272,7 +286,10 @@ class LLM:
         finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         try:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
+                outputs = self.engine.step()
+                if self._metrics is not None:
+                    self._metrics.observe_step(self.engine, outputs)
+                for output in outputs:
                     if output.finished:
                         finished[output.request_id] = output
                 failed = self.engine.take_failed()

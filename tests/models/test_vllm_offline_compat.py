@@ -109,3 +109,54 @@ def test_the_resolved_configuration_under_vllm_s_names(llm, tiny_model_dir):
     config = EngineArgs(model=tiny_model_dir("llama"), dtype="float32", max_model_len=128).create_engine_config()
     assert config.model.max_model_len == 128 and config.memory_plan.fits  # headers only: nothing loaded
     assert llm.llm_engine.vllm_config is llm.llm_engine.config and llm.llm_engine.vllm_config.model.dtype == "float32"
+
+
+def test_get_metrics_counts_what_the_calls_did(tiny_model_dir):
+    """vLLM's LLM.get_metrics() (disable_log_stats=False): the vllm:* series the server exports, as vLLM's reader
+    types, counting the calls' tokens and requests; off by default, as vLLM's, with an error naming the switch."""
+    from pagedserve.metrics_reader import Counter, Gauge, Histogram
+
+    with pytest.raises(RuntimeError, match="disable_log_stats=False"):
+        LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64).get_metrics()
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=128, disable_log_stats=False)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 7, 12)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    outputs += llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+    metrics = llm.get_metrics()
+    by_name: dict[str, list] = {}
+    for m in metrics:
+        by_name.setdefault(m.name, []).append(m)
+        assert m.name.startswith("vllm:")
+    (prompt_tokens,) = by_name["vllm:prompt_tokens"]
+    (generated,) = by_name["vllm:generation_tokens"]
+    assert isinstance(prompt_tokens, Counter) and prompt_tokens.labels["engine"] == "0"
+    assert prompt_tokens.value == 3 + 7 + 12 + 3
+    assert generated.value == sum(len(o.outputs[0].token_ids) for o in outputs) == 4 * 3 + 2
+    success = {m.labels["finished_reason"]: m.value for m in by_name["vllm:request_success"]}
+    assert success == {"stop": 0, "length": 4, "abort": 0}
+    (running,) = by_name["vllm:num_requests_running"]
+    assert isinstance(running, Gauge) and running.value == 0
+    (e2e,) = by_name["vllm:e2e_request_latency_seconds"]
+    assert isinstance(e2e, Histogram) and e2e.count == 4 and e2e.sum > 0
+    assert e2e.buckets["+Inf"] == 4 and list(e2e.buckets.values()) == sorted(e2e.buckets.values())
+    (prompt_lengths,) = by_name["vllm:request_prompt_tokens"]
+    assert prompt_lengths.sum == 3 + 7 + 12 + 3 and prompt_lengths.buckets["10.0"] == 3  # 3, 7 and 3 tokens
+
+
+def test_metrics_snapshot_gives_per_position_counters_as_one_vector():
+    from types import SimpleNamespace
+
+    from pagedserve.metrics import EngineMetrics
+    from pagedserve.metrics_reader import Vector, get_metrics_snapshot
+    from prometheus_client import CollectorRegistry
+
+    metrics = EngineMetrics("m", CollectorRegistry(), max_model_len=64)
+    metrics._observe_spec_decode(SimpleNamespace(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4,
+                                                 accepted_per_pos=[2, 0, 2]))
+    metrics._observe_spec_decode(SimpleNamespace(num_drafts=1, num_draft_tokens=3, num_accepted_tokens=1,
+                                                 accepted_per_pos=[1, 0, 0]))
+    snapshot = {m.name: m for m in get_metrics_snapshot(metrics.registry)}
+    per_position = snapshot["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_position, Vector) and per_position.values == [3, 0, 2]
+    assert per_position.labels == {"model_name": "m", "engine": "0"}
+    assert snapshot["vllm:spec_decode_num_draft_tokens"].value == 9

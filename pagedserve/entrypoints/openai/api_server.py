@@ -558,11 +558,7 @@ def start_engine(state: ServerState, args: EngineArgs, options: ServeOptions | N
                            "template) to chat with it", problem)
     config = llm_engine.config
     name = config.model.served_model_name
-    cache = config.cache
-    metrics = EngineMetrics(name, state.registry, max_model_len=config.model.max_model_len, cache_info={
-        "block_size": str(cache.block_size), "num_gpu_blocks": str(cache.num_blocks - 1),  # the null block apart
-        "cache_dtype": str(cache.kv_cache_dtype), "enable_prefix_caching": str(cache.enable_prefix_caching)})
-    metrics.observe_memory(llm_engine.resident_memory)  # the gauges have their start-up reading before any request
+    metrics = EngineMetrics.for_engine(llm_engine, state.registry)  # the gauges have their start-up reading already
     if not options.disable_log_stats:
         _start_stats_log(metrics.stats_log, envs.log_stats_interval_s())
     llm_engine.observe_grammar_compiles(metrics.observe_grammar_compile)
