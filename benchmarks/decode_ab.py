@@ -9,6 +9,7 @@ VM's speed drifts from minute to minute. The older commit is a git worktree (`gi
 
     python benchmarks/decode_ab.py --before /tmp/oldtree MODEL --batch 8 --context 1536 --tokens 64 [--rounds 2]
     python benchmarks/decode_ab.py --before /tmp/oldtree MODEL --prefill --batch 1 --context 428
+    python benchmarks/decode_ab.py --before . MODEL --env-after PAGEDSERVE_BATCH_INVARIANT=1  # a switch, one tree
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ print("RESULT " + json.dumps(max(rates)))
 """
 
 
-def decode_rate(tree: Path, args: argparse.Namespace) -> float:
+def decode_rate(tree: Path, args: argparse.Namespace, env: list[str]) -> float:
     return run_in_tree(tree, CHILD, args.model, str(args.batch), str(args.context), str(args.tokens),
-                       str(args.repeats), str(int(args.prefill)), json.dumps(args.engine_kwargs))
+                       str(args.repeats), str(int(args.prefill)), json.dumps(args.engine_kwargs),
+                       env=dict(item.split("=", 1) for item in env))
 
 
 def main() -> int:
@@ -62,6 +64,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--engine-kwargs", type=json.loads, default={}, help='e.g. \'{"quantization": "int8"}\'')
     parser.add_argument("--prefill", action="store_true", help="time the prompts' prefill instead of decoding")
+    for side in ("before", "after"):
+        parser.add_argument(f"--env-{side}", nargs="*", default=[], metavar="VAR=VALUE",
+                            help=f"environment of the {side} runs (with --before . an A/B of a switch in one tree)")
     args = parser.parse_args()
     args.model = str(Path(args.model).resolve())
     if args.prefill:
@@ -70,7 +75,7 @@ def main() -> int:
     rates: dict[str, list[float]] = {name: [] for name in trees}
     for index in range(args.rounds):
         for name, tree in in_turns(trees, index):
-            rates[name].append(decode_rate(tree, args))
+            rates[name].append(decode_rate(tree, args, getattr(args, f"env_{name}")))
             print(f"round {index + 1} {name}: {rates[name][-1]:.1f} tok/s", flush=True)
     before, after = statistics.median(rates["before"]), statistics.median(rates["after"])
     what = "prefill" if args.prefill else "decode"

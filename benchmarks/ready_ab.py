@@ -72,11 +72,11 @@ def prepare_trees(before: Path, after: Path) -> dict[str, Path]:
     return trees
 
 
-def run_in_tree(tree: Path, code: str, *args: str) -> object:
-    """Run `code` (python -c, args after it) in a fresh process importing pagedserve from `tree`; the JSON it printed
-    on its last "RESULT " line."""
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd="/tmp", env={**os.environ, "PYTHONPATH": str(tree)},
-                         capture_output=True, text=True)
+def run_in_tree(tree: Path, code: str, *args: str, env: dict[str, str] | None = None) -> object:
+    """Run `code` (python -c, args after it) in a fresh process importing pagedserve from `tree`, with `env` added to
+    the environment; the JSON it printed on its last "RESULT " line."""
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd="/tmp",
+                         env={**os.environ, **(env or {}), "PYTHONPATH": str(tree)}, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(f"the run in {tree} failed:\n{out.stderr[-3000:]}")

@@ -34,6 +34,12 @@ def cpu_amx_enabled() -> bool:
     return _switch("PAGEDSERVE_CPU_AMX", default=True)
 
 
+def cpu_bf16_attention(default: bool) -> bool:
+    """$PAGEDSERVE_CPU_BF16_ATTENTION=1/0: bf16 attention by vdpbf16ps, or by float32 FMAs, on CPUs with AVX512-BF16
+    (elsewhere FMAs only). Unset: `default`, the rule probe.bf16_attention_by_dot gives for this CPU."""
+    return _switch("PAGEDSERVE_CPU_BF16_ATTENTION", default=default)
+
+
 CPU_ISAS = ("native", "avx2", "avx2-vnni", "avx512-vnni")
 
 

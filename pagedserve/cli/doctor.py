@@ -225,7 +225,14 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
                    "2 MiB pages (a few per cent faster batch-1 decoding)") if thp == "never" else ""
         invariant = ("; batch-invariant (PAGEDSERVE_BATCH_INVARIANT): int8 prefill on exact integer sums"
                      if kernels.batch_invariant else "")
-        return CheckResult("native kernels", PASS, f"{bf16}, norms, SiLU, decode attention; {pages}{invariant}; "
+        attention = "decode attention"
+        if kernels.bf16_dot_attention:
+            attention += " (bf16 by vdpbf16ps)"
+        elif kernels.bf16_dot:
+            attention += (" (bf16 by float32 FMAs: PAGEDSERVE_CPU_BF16_ATTENTION=0)"
+                          if probe.bf16_attention_by_dot(flags)
+                          else " (bf16 by float32 FMAs, which run faster than vdpbf16ps on this CPU class)")
+        return CheckResult("native kernels", PASS, f"{bf16}, norms, SiLU, {attention}; {pages}{invariant}; "
                                                    f"{why}", fix)
     try:
         envs.cpu_isa()

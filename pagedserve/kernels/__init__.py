@@ -29,7 +29,7 @@ import torch
 from pagedserve import envs
 from pagedserve.kernels.builder import BUILD_FLAGS, SOURCE, KernelBuildError, build
 from pagedserve.memory import weight_format
-from pagedserve.memory.probe import cpu_flags, is_x86
+from pagedserve.memory.probe import bf16_attention_by_dot, cpu_flags, is_x86
 
 __all__ = ["SOURCE", "CpuKernels", "KernelBuildError", "build", "cpu_kernels", "load", "load_status"]
 
@@ -48,6 +48,7 @@ _SIGNATURES = {
     "ps_avx_vnni": ((), _INT),
     "ps_advise_huge": ((_P, _I64), _I64),
     "ps_set_batch_invariant": ((_INT,), None),
+    "ps_set_bf16_attention": ((_INT,), _INT),
     "ps_linear_i8": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
     "ps_linear_bf16": ((_P, _P, _P, _P, _I64, _I64, _I64, _INT), None),
     "ps_pack_bf16": ((_P, _P, _I64, _I64, _INT), None),
@@ -112,7 +113,8 @@ class CpuKernels:
         self.amx_int8 = bool(lib.ps_amx_int8())  # int8 linears' 2-63-row batches on AMX-INT8 tiles too
         self.avx_vnni = bool(lib.ps_avx_vnni())  # the AVX2 kernels' int8 sums in one AVX-VNNI instruction
         self.bf16_block = lib.ps_bf16_block()  # outputs per block of the packed bf16 layout
-        self._bf16_dot = bool(lib.ps_has_bf16_dot())
+        self.bf16_dot = bool(lib.ps_has_bf16_dot())  # the build multiplies bf16 pairs (AVX512-BF16)
+        self.set_bf16_attention(envs.cpu_bf16_attention(default=bf16_attention_by_dot(cpu_flags())))
         self.set_batch_invariant(envs.batch_invariant())
 
     def set_batch_invariant(self, on: bool) -> None:
@@ -124,14 +126,22 @@ class CpuKernels:
         # prefill-sized int8 batches: an integer tile with the decode kernel's exact sums (AVX2, AVX-512 without
         # BF16, or batch-invariant mode: a prompt's row gets the bits it gets alone), else exact bf16 panels with
         # float32 sums
-        self.int8_prefill_exact = not self._bf16_dot or self.batch_invariant
+        self.int8_prefill_exact = not self.bf16_dot or self.batch_invariant
+
+    def set_bf16_attention(self, on: bool) -> bool:
+        """on: bf16 attention by vdpbf16ps where the build has it (bf16 pairs into float32 sums), else by float32
+        FMAs on widened rows; chosen per CPU (probe.bf16_attention_by_dot: faster on a Zen 5, slower on an Intel
+        Xeon with AMX). Every attention path follows it, so they keep the same bits. Process-wide; returns
+        whether vdpbf16ps now runs."""
+        self.bf16_dot_attention = bool(self.lib.ps_set_bf16_attention(int(on)))
+        return self.bf16_dot_attention
 
     def int8_max_rows(self, dtype: torch.dtype) -> int | None:
         """Rows up to which int8 linears with activations of `dtype` run the native kernel (None: every batch
         size; prefill-sized batches run it on exact bf16 panels of the weights, see cpu_kernels.c). Only float32
         activations on a CPU with bf16 dot products stop, at 32 rows: above, they dequantize and run one dense
         float32 matmul (not in batch-invariant mode)."""
-        return 32 if self._bf16_dot and dtype == torch.float32 and not self.batch_invariant else None
+        return 32 if self.bf16_dot and dtype == torch.float32 and not self.batch_invariant else None
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:

@@ -1827,7 +1827,7 @@ static inline __attribute__((always_inline)) float row_scores(const vf *qv, cons
  * them into 16 float32 lanes, so a row of D = 64 takes 2 instructions instead of 4 FMAs on rows widened to
  * float32 first, and K is not widened at all (only copied, for the heads of a group to share). The products
  * are exact in float32 either way; the lane sums round in another order than the FMA path's, so every
- * path that scores bf16 K rows of D % 32 == 0 on such a CPU takes this one (BF16_DOT_SCORES below):
+ * path that scores bf16 K rows of D % 32 == 0 takes this one where bf16_dot_attention (below) is on:
  * decode rows, runs, prefill rows and heads alone all keep the same bits.
  * s[0..n) = scale * q . row(l) with row(l) at cache + (slot[l] * Hkv + kvh) * D; NP = D / 32 constant
  * when inlined. VL positions at a time, summed horizontally as row_scores does. */
@@ -1896,6 +1896,13 @@ static inline void weight_pairs(const float *w, int64_t n, uint32_t *out) {
 #else
 #define BF16_DOT_SCORES 0
 #endif
+
+/* 1: bf16 attention by vdpbf16ps where the build has it (above), 0: by float32 FMAs on widened rows as on other
+ * CPUs. The instruction's cost is the CPU's: 1.2-1.55x a layer on a Zen 5, 0.81-0.93x on an Intel Xeon with AMX
+ * (benchmarks/RESULTS.md), so the caller chooses per CPU (kernels.bf16_attention_default) before attention runs;
+ * every attention path reads it in attend_rows, so they keep the same bits whichever it is. Returns the state. */
+static int bf16_dot_attention = BF16_DOT_SCORES;
+int ps_set_bf16_attention(int on) { return bf16_dot_attention = BF16_DOT_SCORES && on != 0; }
 
 /* s[l] = exp(s[l] - mx) in place; returns 1 / sum. As torch's CPU flash attention: the weights meet V
  * rounded to the activation dtype and still unnormalised; the float32 sum of the unrounded ones
@@ -2240,7 +2247,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
                         int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, int64_t max_run, float scale,
                         int bf16, int nthreads) {
   const int64_t group = Hq / Hkv, nv = D / VL;
-  const int dot = BF16_DOT_SCORES && bf16 && D % 32 == 0;  /* scores by dot_scores, K rows kept in bf16 */
+  const int dot = bf16_dot_attention && bf16 && D % 32 == 0;  /* scores by dot_scores, K rows kept in bf16 */
   const int dot_v = dot && (D == 64 || D == 128);  /* V's weighted sums by vdpbf16ps too (pair_rows) */
   int64_t *run = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
   if (!run) abort();

@@ -456,6 +456,15 @@ def cpu_class(flags: set[str]) -> str:
     return isa or "other"
 
 
+def bf16_attention_by_dot(flags: set[str]) -> bool:
+    """Whether bf16 attention runs faster by vdpbf16ps (bf16 pairs into float32 sums) than by float32 FMAs on
+    rows widened first, on a CPU with AVX512-BF16. Measured per class (benchmarks/RESULTS.md, attention_ab.py,
+    one layer's decode attention): a Zen 5 (avx512-bf16) 1.2-1.55x; an Intel Xeon with AMX (avx512-amx)
+    0.81-0.93x, its vdpbf16ps being slower there than two FMAs. CPUs of neither kind measured (Cooper Lake:
+    AVX512-BF16 without AMX) follow their class."""
+    return cpu_class(flags) == "avx512-bf16"
+
+
 @dataclass(frozen=True)
 class DtypeChoice:
     dtype: str

@@ -260,9 +260,22 @@ def test_reference_decode_is_torch_sdpa_rounding():
     assert torch.equal(ours.flatten(), sdpa.flatten())
 
 
+@pytest.fixture(params=["fma", "vdpbf16ps"])
+def attention_kernels(kernels, request):
+    """The kernels with bf16 attention by float32 FMAs, then by vdpbf16ps (where the build has AVX512-BF16; else
+    skipped): the CPU's rule picks one (probe.bf16_attention_by_dot), and both must stay correct and keep every
+    path's bits alike. The CPU's choice is restored after."""
+    chosen = kernels.bf16_dot_attention
+    if kernels.set_bf16_attention(request.param == "vdpbf16ps") != (request.param == "vdpbf16ps"):
+        kernels.set_bf16_attention(chosen)
+        pytest.skip(f"{kernels.build} build: no AVX512-BF16, so bf16 attention runs on FMAs only")
+    yield kernels
+    kernels.set_bf16_attention(chosen)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (14, 2, 64), (8, 2, 128)])
-def test_decode_attention_matches_sdpa_over_gathered_context(kernels, dtype, hq, hkv, d):
+def test_decode_attention_matches_sdpa_over_gathered_context(attention_kernels, dtype, hq, hkv, d):
     torch.manual_seed(hq + d)
     num_slots, max_len = 300, 70
     k_cache = torch.randn(num_slots, hkv, d).to(dtype)
@@ -273,13 +286,13 @@ def test_decode_attention_matches_sdpa_over_gathered_context(kernels, dtype, hq,
     qk = torch.randn(len(lens), hq + hkv, d).to(dtype)
     q = qk[:, :hq]
     scale = d ** -0.5
-    out = kernels.decode_attention(q, k_cache, v_cache, slots, lens, scale)
+    out = attention_kernels.decode_attention(q, k_cache, v_cache, slots, lens, scale)
     _close(out, _reference_decode(q, k_cache, v_cache, slots, lens, scale), dtype, "decode_attention")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (6, 2, 128), (12, 2, 128), (16, 2, 64), (4, 2, 96)])
-def test_decode_attention_grouped_heads_equal_each_head_alone(kernels, dtype, hq, hkv, d):
+def test_decode_attention_grouped_heads_equal_each_head_alone(attention_kernels, dtype, hq, hkv, d):
     """Query heads that share a KV head read its rows widened once, chunk by chunk (64 positions); each head's
     output must still be bit-equal to that head attending alone (one query head per KV head: straight from
     the pool, no chunks). Contexts of 1 to 3 chunks, with tails of every kind; D = 96 takes the generic path.
@@ -293,18 +306,18 @@ def test_decode_attention_grouped_heads_equal_each_head_alone(kernels, dtype, hq
     slots = torch.stack([torch.randperm(num_slots)[:max_len] for _ in lens])
     q = torch.randn(len(lens), hq, d).to(dtype)
     scale = d ** -0.5
-    grouped = kernels.decode_attention(q, k_cache, v_cache, slots, lens, scale)
+    grouped = attention_kernels.decode_attention(q, k_cache, v_cache, slots, lens, scale)
     _close(grouped, _reference_decode(q, k_cache, v_cache, slots, lens, scale), dtype, "decode_attention")
     group = hq // hkv
     for h in range(hq):
         k_one, v_one = (c[:, h // group:h // group + 1].contiguous() for c in (k_cache, v_cache))
-        alone = kernels.decode_attention(q[:, h:h + 1], k_one, v_one, slots, lens, scale)
+        alone = attention_kernels.decode_attention(q[:, h:h + 1], k_one, v_one, slots, lens, scale)
         assert torch.equal(alone[:, 0], grouped[:, h]), f"query head {h}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (4, 4, 64), (6, 2, 128), (4, 2, 96)])
-def test_decode_attention_rows_of_one_context_equal_each_row_alone(kernels, dtype, hq, hkv, d):
+def test_decode_attention_rows_of_one_context_equal_each_row_alone(attention_kernels, dtype, hq, hkv, d):
     """Rows whose contexts are one another's plus a position (a speculative verification's 1 + k rows) share
     each widened chunk of it; each row's output must be bit-equal to the row attending alone. Runs that cross
     chunk borders (63 .. 67, 127 .. 145: longer than one piece of MAX_RUN rows), a run of one, a row with the
@@ -320,10 +333,10 @@ def test_decode_attention_rows_of_one_context_equal_each_row_alone(kernels, dtyp
     lens = torch.tensor(lens, dtype=torch.int64)
     q = torch.randn(len(lens), hq, d).to(dtype)
     scale = d ** -0.5
-    together = kernels.decode_attention(q, k_cache, v_cache, slots, lens, scale)
+    together = attention_kernels.decode_attention(q, k_cache, v_cache, slots, lens, scale)
     _close(together, _reference_decode(q, k_cache, v_cache, slots, lens, scale), dtype, "decode_attention")
     for b in range(len(lens)):
-        alone = kernels.decode_attention(q[b:b + 1], k_cache, v_cache, slots[b:b + 1], lens[b:b + 1], scale)
+        alone = attention_kernels.decode_attention(q[b:b + 1], k_cache, v_cache, slots[b:b + 1], lens[b:b + 1], scale)
         assert torch.equal(alone[0], together[b]), f"row {b} (context {int(lens[b])})"
 
 
@@ -331,7 +344,7 @@ def test_decode_attention_rows_of_one_context_equal_each_row_alone(kernels, dtyp
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (4, 4, 64), (6, 2, 128), (4, 2, 96)])
 @pytest.mark.parametrize("start,num", [(0, 70), (37, 70), (130, 1)])
 @pytest.mark.parametrize("scratch", [1 << 30, 0])
-def test_prefill_attention_rows_equal_decode_rows_alone(kernels, dtype, hq, hkv, d, start, num, scratch):
+def test_prefill_attention_rows_equal_decode_rows_alone(attention_kernels, dtype, hq, hkv, d, start, num, scratch):
     """A prefill chunk's rows at positions start .. start + num - 1 attend causally over start + num paged positions:
     each row must be bit-equal to a decode row with its context alone, and close to torch's roundings. A fresh
     chunk (start 0), one after prior context (chunked prefill, a prefix hit), a single row; pieces of 16 rows
@@ -344,7 +357,7 @@ def test_prefill_attention_rows_equal_decode_rows_alone(kernels, dtype, hq, hkv,
     qkv = torch.randn(num, hq + 2 * hkv, d).to(dtype)  # q as the model passes it: a view, rows not contiguous
     q = qkv[:, :hq]
     scale = d ** -0.5
-    out = kernels.prefill_attention(q, k_cache, v_cache, slots, start, scale, scratch)
+    out = attention_kernels.prefill_attention(q, k_cache, v_cache, slots, start, scale, scratch)
     lens = torch.arange(start + 1, context + 1)
     table = slots.expand(num, context)
     expected = _reference_decode(q, k_cache, v_cache, table, lens, scale).float()
@@ -356,12 +369,12 @@ def test_prefill_attention_rows_equal_decode_rows_alone(kernels, dtype, hq, hkv,
     if dtype == torch.bfloat16:
         assert (out.float() != expected).float().mean() < 0.05
     for i in range(num):
-        alone = kernels.decode_attention(q[i:i + 1], k_cache, v_cache, table[i:i + 1], lens[i:i + 1], scale)
+        alone = attention_kernels.decode_attention(q[i:i + 1], k_cache, v_cache, table[i:i + 1], lens[i:i + 1], scale)
         assert torch.equal(alone[0], out[i]), f"row {i} (position {start + i})"
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (4, 2, 128)])
-def test_every_attention_path_scores_bf16_rows_alike(kernels, hq, hkv, d):
+def test_every_attention_path_scores_bf16_rows_alike(attention_kernels, hq, hkv, d):
     """Where the CPU has bf16 dot products, bf16 scores take them (dot_scores), and their lane sums round in
     another order than float32 FMAs: every path must then take them alike, or a verification row, a prefill row
     or a head of a group would differ from the decode row alone. Such a difference is one last bit of a score,
@@ -377,17 +390,39 @@ def test_every_attention_path_scores_bf16_rows_alike(kernels, hq, hkv, d):
     scale = d ** -0.5
     lens = torch.arange(context - num + 1, context + 1)
     table = slots.expand(num, context).contiguous()
-    together = kernels.decode_attention(q, k_cache, v_cache, table, lens, scale)
-    prefill = kernels.prefill_attention(q, k_cache, v_cache, slots, context - num, scale, 1 << 30)
+    together = attention_kernels.decode_attention(q, k_cache, v_cache, table, lens, scale)
+    prefill = attention_kernels.prefill_attention(q, k_cache, v_cache, slots, context - num, scale, 1 << 30)
     group = hq // hkv
     for b in range(num):
-        alone = kernels.decode_attention(q[b:b + 1], k_cache, v_cache, table[b:b + 1], lens[b:b + 1], scale)
+        alone = attention_kernels.decode_attention(q[b:b + 1], k_cache, v_cache, table[b:b + 1], lens[b:b + 1], scale)
         assert torch.equal(alone[0], together[b]), f"row {b} in a run"
         assert torch.equal(alone[0], prefill[b]), f"prefill row {b}"
         for h in range(hq):
             k_one, v_one = (c[:, h // group:h // group + 1].contiguous() for c in (k_cache, v_cache))
-            head = kernels.decode_attention(q[b:b + 1, h:h + 1], k_one, v_one, table[b:b + 1], lens[b:b + 1], scale)
+            head = attention_kernels.decode_attention(q[b:b + 1, h:h + 1], k_one, v_one, table[b:b + 1],
+                                                      lens[b:b + 1], scale)
             assert torch.equal(head[0, 0], alone[0, h]), f"row {b}, query head {h} alone"
+
+
+def test_the_bf16_attention_switch_changes_only_the_roundings(kernels):
+    """Where the build has vdpbf16ps, the two bf16 attentions round their sums in different orders: outputs must
+    differ somewhere (else set_bf16_attention switched nothing) and agree within bf16 rounding."""
+    if not kernels.bf16_dot:
+        pytest.skip(f"{kernels.build} build: no AVX512-BF16, one bf16 attention only")
+    torch.manual_seed(3)
+    hq, hkv, d, num_slots, context = 14, 2, 64, 2100, 2000
+    k_cache, v_cache = (torch.randn(num_slots, hkv, d).bfloat16() for _ in range(2))
+    slots = torch.randperm(num_slots)[:context].expand(32, context).contiguous()
+    # flat scores: many V rows in each sum, so the order of the additions shows in some last bits
+    q, lens = torch.randn(32, hq, d).bfloat16(), torch.randint(1, context + 1, (32,))
+    chosen = kernels.bf16_dot_attention
+    outs = {}
+    for on in (True, False):
+        assert kernels.set_bf16_attention(on) == on
+        outs[on] = kernels.decode_attention(q, k_cache, v_cache, slots, lens, d ** -0.5)
+    kernels.set_bf16_attention(chosen)
+    assert not torch.equal(outs[True], outs[False])
+    torch.testing.assert_close(outs[True].float(), outs[False].float(), rtol=2 ** -6, atol=2 ** -7)
 
 
 # decode batches take the integer kernel, prefill-sized bf16 ones its bf16 panels; float32 ones above

@@ -260,7 +260,7 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
     setting = tmp_path / "enabled"
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     fake = type("Fake", (), {"isa": "avx512", "amx": False, "amx_int8": False, "avx_vnni": False,
-                             "batch_invariant": False})()
+                             "batch_invariant": False, "bf16_dot": False, "bf16_dot_attention": False})()
     monkeypatch.setattr(kernels, "load_status", lambda: (fake, "loaded /x.so"))
     original = probe.transparent_hugepages
     monkeypatch.setattr(probe, "transparent_hugepages", lambda: original(setting))
@@ -285,8 +285,19 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
     assert "bf16 linears on AMX tiles, int8 linears," in check_native_kernels({"avx512f", "avx512_vnni"}).detail
     fake.amx_int8 = True  # and int8 decode batches, where the library was built with AMX-INT8
     assert "int8 linears (AMX-INT8 tiles for 2-63 rows)" in check_native_kernels({"avx512f", "avx512_vnni"}).detail
+    # bf16 attention: vdpbf16ps where the class runs it faster (a Zen 4/5), FMAs on a Xeon with AMX, and why
+    amx_flags = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}
+    fake.bf16_dot = True
+    assert ("decode attention (bf16 by float32 FMAs, which run faster than vdpbf16ps on this CPU class)"
+            in check_native_kernels(amx_flags).detail)
+    assert "(bf16 by float32 FMAs: PAGEDSERVE_CPU_BF16_ATTENTION=0)" in check_native_kernels(
+        amx_flags - {"amx_tile", "amx_bf16"}).detail  # a Zen 5 whose user turned vdpbf16ps off
+    fake.bf16_dot_attention = True
+    assert "decode attention (bf16 by vdpbf16ps);" in check_native_kernels(amx_flags - {"amx_tile"}).detail
+    fake.bf16_dot = fake.bf16_dot_attention = False
     fake.isa, fake.amx, fake.amx_int8, fake.avx_vnni = "avx2", False, False, True  # an Alder Lake
     assert "avx2: bf16 linears, int8 linears (sums on AVX-VNNI)" in check_native_kernels({"avx2", "avx_vnni"}).detail
+    assert "SiLU, decode attention;" in check_native_kernels({"avx2", "avx_vnni"}).detail
 
 
 def test_a_packaged_model_name_is_checked_in_the_cache_and_never_downloaded(monkeypatch, tmp_path):

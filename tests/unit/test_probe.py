@@ -9,6 +9,7 @@ import pytest
 from pagedserve.memory.probe import (
     GIB,
     available_memory,
+    bf16_attention_by_dot,
     cgroup_cpu_quota,
     cpu_flags,
     choose_cpu_dtype,
@@ -279,6 +280,13 @@ def test_auto_dtype_rule_per_cpu_class(flags, native, dtype, isa, cls) -> None:
     assert (choice.dtype, native_kernel_isa(flags)) == (dtype, isa)
     assert cpu_class(flags) == cls
     assert choice.reason  # doctor prints it
+
+
+@pytest.mark.parametrize("flags,native,dtype,isa,cls", AUTO_RULE_CASES)
+def test_bf16_attention_by_vdpbf16ps_only_where_it_measured_faster(flags, native, dtype, isa, cls) -> None:
+    """vdpbf16ps attention: 1.2-1.55x the FMAs a layer on a Zen 5 (avx512-bf16), 0.81-0.93x on an Intel Xeon with
+    AMX, whose AVX512-BF16 is the same instruction set (benchmarks/RESULTS.md)."""
+    assert bf16_attention_by_dot(flags) == (cls == "avx512-bf16")
 
 
 def test_process_rss_from_proc_status(tmp_path: Path) -> None:
