@@ -33,7 +33,8 @@ def resume_garbage_collection() -> None:
         gc.enable()
 
 
-PHASES = ("starting", "resolving", "validating", "planning", "loading_weights", "allocating_kv",
+# preparing_weights: the loaded weights packed for the kernels (on a cold page cache the file's pages are read here)
+PHASES = ("starting", "resolving", "validating", "planning", "loading_weights", "preparing_weights", "allocating_kv",
           "warming_up", "ready")
 
 
@@ -77,7 +78,10 @@ class StartupTracker:
         else:
             logger.info("phase %s (%.2f s after process start)", phase, now)
 
-    def set_progress(self, fraction: float) -> None:
+    def set_progress(self, fraction: float, phase: str | None = None) -> None:
+        """`fraction` of the current phase done; a `phase` other than the current one is entered first."""
+        if phase is not None and phase != self.phase:
+            self.enter(phase)
         with self._lock:
             previous = self.progress or 0.0
             self.progress = round(min(max(fraction, 0.0), 1.0), 3)

@@ -13,7 +13,8 @@ Layers receive what they run from here (`make_linear`, `decoder_kernels`); none 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +31,8 @@ class KernelBackend:
     dtype: torch.dtype
     linear_kind: str  # "packed", "int8" or "plain"
     native: CpuKernels | None  # the native kernels where they run for this device and dtype
+    # called with each weight's element count as a linear is made from it (the loader's progress while packing)
+    on_weight: Callable[[int], None] | None = field(default=None, compare=False)
 
     @classmethod
     def choose(cls, device: str, dtype: torch.dtype, quantization: str | None = None,
@@ -63,10 +66,17 @@ class KernelBackend:
         implementation, runs_native = self._implementation(weight.shape[1])
         native = self.native if runs_native else None
         if self.linear_kind == "int8":
-            return Int8Linear(weight, bias, native)
-        if implementation == "plain":
-            return PlainLinear(weight.detach(), bias)
-        return PackedLinear(weight.detach(), bias, native)
+            linear = Int8Linear(weight, bias, native)
+        elif implementation == "plain":
+            linear = PlainLinear(weight.detach(), bias)
+        else:
+            linear = PackedLinear(weight.detach(), bias, native)
+        self._made(weight.shape[0] * weight.shape[1])
+        return linear
+
+    def _made(self, elements: int) -> None:
+        if self.on_weight is not None:
+            self.on_weight(elements)
 
     def make_fused_linear(self, *linears: nn.Linear) -> nn.Module:
         """One linear for several that read the same input (q/k/v, gate/up), their rows stacked as fuse_rows
@@ -76,7 +86,9 @@ class KernelBackend:
         if (self._implementation(weights[0].shape[1])[0] == "native-bf16"
                 and self.native.can_pack_parts([w.shape[0] for w in weights])):
             bias = fuse_biases(*linears)
-            return PackedLinear([w.detach() for w in weights], None if bias is None else bias.detach(), self.native)
+            linear = PackedLinear([w.detach() for w in weights], None if bias is None else bias.detach(), self.native)
+            self._made(sum(w.shape[0] * w.shape[1] for w in weights))
+            return linear
         return self.make_linear(*fuse_rows(*linears))
 
     def decoder_kernels(self, hidden: int, intermediate: int, head_dim: int) -> CpuKernels | None:

@@ -45,3 +45,27 @@ def test_warm_up_prefill_crosses_the_rows_where_a_linear_switches(tiny_model_dir
     steps = warm_up_steps(engine)
     assert steps[0] >= 50 and len(steps) == 2
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks - 1 and not engine.kv.req_to_blocks
+
+
+def test_start_up_reports_packing_the_weights_as_its_own_phase(tiny_model_dir):
+    """After the tensors are bound (loading_weights 100%), packing them for the kernels is where a cold start reads
+    the mapped file: preparing_weights, with progress rising to 1 as the linears are made (a silent 15 s before)."""
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.startup import PHASES, StartupTracker
+
+    startup, seen = StartupTracker(), []
+    set_progress = startup.set_progress
+
+    def recording(fraction, phase=None):
+        set_progress(fraction, phase)
+        seen.append((startup.phase, startup.progress))
+
+    startup.set_progress = recording
+    LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir("qwen2"), dtype="bfloat16", max_model_len=128), startup)
+    assert [record.name for record in startup.history] == list(PHASES)
+    packing = [progress for phase, progress in seen if phase == "preparing_weights"]
+    loading = [progress for phase, progress in seen if phase == "loading_weights"]
+    assert loading[-1] == 1.0 and packing[0] == 0.0 and packing[-1] == 1.0
+    assert packing == sorted(packing) and len(set(packing)) > 3  # the layers' linears, one report each
+    assert seen.index(("loading_weights", 1.0)) < seen.index(("preparing_weights", 0.0))
