@@ -298,11 +298,14 @@ class EngineMetrics:
             self.generation_tokens.inc(num_new)
             if not timing.seen_first_token:
                 timing.seen_first_token = True
-                timing.first_token_time = now
+                # The engine's time of the first token: `now`'s step in the server (its outputs are deltas), the
+                # request's real first step where outputs are final-only (the offline LLM's get_metrics)
+                first = now if metrics is None or metrics.first_token_time is None else metrics.first_token_time
+                timing.first_token_time = first
                 num_prompt = len(output.prompt_token_ids)
                 self.prompt_tokens.inc(num_prompt)
                 if metrics is not None:
-                    self.ttft.observe(now - metrics.arrival_time)
+                    self.ttft.observe(first - metrics.arrival_time)
                     if metrics.first_scheduled_time is not None:
                         self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
             elif timing.last_token_time is not None:

@@ -139,6 +139,10 @@ def test_get_metrics_counts_what_the_calls_did(tiny_model_dir):
     (e2e,) = by_name["vllm:e2e_request_latency_seconds"]
     assert isinstance(e2e, Histogram) and e2e.count == 4 and e2e.sum > 0
     assert e2e.buckets["+Inf"] == 4 and list(e2e.buckets.values()) == sorted(e2e.buckets.values())
+    # the engine's own first-token times, though the offline outputs arrive only when a request finishes
+    (ttft,), (decode,) = by_name["vllm:time_to_first_token_seconds"], by_name["vllm:request_decode_time_seconds"]
+    assert ttft.count == decode.count == 4 and 0 < ttft.sum < e2e.sum and decode.sum > 0
+    assert abs(ttft.sum + decode.sum - e2e.sum) < 0.05 * e2e.sum
     (prompt_lengths,) = by_name["vllm:request_prompt_tokens"]
     assert prompt_lengths.sum == 3 + 7 + 12 + 3 and prompt_lengths.buckets["10.0"] == 3  # 3, 7 and 3 tokens
 
