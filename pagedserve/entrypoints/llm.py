@@ -17,6 +17,7 @@ from pagedserve.exceptions import request_error
 from pagedserve.metrics import EngineMetrics
 from pagedserve.metrics_reader import Metric, get_metrics_snapshot
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
+from pagedserve.platform import release_free_heap
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.scoring import ScoringOutput, ScoringRequestOutput, check_pairs, cosine_scores
@@ -37,6 +38,18 @@ class LLM:
             logger.info("%s", note)
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **_sizes_as_ints(kwargs)))
         self._metrics = EngineMetrics.for_engine(self.engine, CollectorRegistry()) if log_stats else None
+
+    def __del__(self) -> None:
+        """Dropping an LLM frees its engine at once and hands the freed C heap back to the system: glibc keeps it
+        otherwise, and after `del llm` a 0.5B model's ~350 MiB stayed resident until another model loaded."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is None:  # its __init__ failed before the engine existed
+            return
+        del engine  # the last reference unless the caller kept llm.llm_engine
+        try:
+            release_free_heap()
+        except Exception:  # interpreter shutdown: ctypes may be gone already
+            pass
 
     @property
     def llm_engine(self) -> LLMEngine:
