@@ -117,9 +117,11 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     native = isa if wants_native_kernels(device, model.dtype, model.reference_kernels) else None
     fmt = expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels,
                                  native is not None, flags)
-    layers = expected_layer_kernels(fmt, native, model.hf_config, qk_norm, onednn_may_pack(device, model.dtype, flags),
+    spec = cls.decoder_spec(model.hf_config)
+    layers = expected_layer_kernels(fmt, native, model.hf_config, spec.qk_norm_gain,
+                                    onednn_may_pack(device, model.dtype, flags),
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
-                                    activation=cls.decoder_spec(model.hf_config).activation,
+                                    activation=spec.activation,
                                     softcapped=softcapped_attention(model.architecture, model.hf_config))
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:
@@ -134,8 +136,9 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     elif layers.activation != "silu":
         fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack are "
                "SiLU's); nothing to change")
-    elif qk_norm:
-        fix = "q/k norms (Qwen3) keep rotary and the decode stack on torch ops; nothing to change"
+    elif spec.qk_norm_gain:
+        fix = ("q/k norms scaled by 1 + weight (Gemma 3) keep rotary and the decode stack on torch ops; "
+               "nothing to change")
     elif partial_rotary(model.hf_config):
         fix = "rotary over part of each head (partial_rotary_factor) keeps rotary and the decode stack on torch ops; "
         fix += "nothing to change"

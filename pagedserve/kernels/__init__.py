@@ -55,7 +55,7 @@ _SIGNATURES = {
     "ps_rms_norm": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_rms_norm_gain": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
-    "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT), None),
+    "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _P, _P, _F32, _I64, _I64, _I64, _I64, _INT, _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
     "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _INT, _INT),
                              None),
@@ -327,9 +327,11 @@ class CpuKernels:
         return out
 
     def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> None:
+                      v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
         """In place: rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] (contiguous) with cos/sin
-        [T, D], then write K and V of every token to the pool [S, Hkv, D] at slots [T] (int64)."""
+        [T, D], then write K and V of every token to the pool [S, Hkv, D] at slots [T] (int64). `qk_norm`: (q_norm
+        weight [D], k_norm weight [D], eps) of per-head RMSNorms applied first (Qwen3)."""
         check("qkv", qkv, ACTIVATION_DTYPES, (None, None, None))
         t, h, d = qkv.shape
         hkv = (h - num_heads) // 2
@@ -342,8 +344,16 @@ class CpuKernels:
         check("k_cache", k_cache, qkv.dtype, (None, hkv, d))
         check("v_cache", v_cache, qkv.dtype, tuple(k_cache.shape))
         check("slots", slots, torch.int64, (t,), contiguous=False)
+        q_norm = k_norm = None
+        eps = 0.0
+        if qk_norm is not None:
+            q_norm, k_norm, eps = qk_norm
+            check("q_norm", q_norm, qkv.dtype, (d,))
+            check("k_norm", k_norm, qkv.dtype, (d,))
         self.lib.ps_rope_kv_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                                  v_cache.data_ptr(), slots.contiguous().data_ptr(), t, num_heads, hkv, d,
+                                  v_cache.data_ptr(), slots.contiguous().data_ptr(),
+                                  None if q_norm is None else q_norm.data_ptr(),
+                                  None if k_norm is None else k_norm.data_ptr(), eps, t, num_heads, hkv, d,
                                   qkv.dtype == torch.bfloat16, self._threads())
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -404,8 +414,8 @@ class CpuKernels:
     def layer_layout(self) -> dict[str, int]:
         """`decode_stack`'s table layout as the library defines it: the column of each named field (a
         linear's entry spans `linear_fields` columns), `linear_fields` and `layer_fields`."""
-        names = ("in_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache", "linear_fields",
-                 "layer_fields")
+        names = ("in_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache", "q_norm", "k_norm",
+                 "linear_fields", "layer_fields")
         values = (ctypes.c_int64 * len(names))()
         if self.lib.ps_layer_layout(values, len(names)) != len(names):
             raise RuntimeError("the kernel library's decode-stack layout has other fields than this wrapper")

@@ -1650,29 +1650,34 @@ void ps_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
  * out = round(weight * round(h * rsqrt(mean(h^2) + eps))) (transformers: hidden.float() normalised, cast to the model
  * dtype, times the weight) or (gain) Gemma's out = round(h * rsqrt(mean(h^2) + eps) * gain), gain = 1 + weight in
  * float32 (transformers' Gemma norm scales in float32 and rounds once). H % 16 == 0. */
+static inline void rms_norm_row(const void *xr, const void *residual, void *residual_out, const void *weight,
+                                const float *gain, void *out, int64_t H, float eps, int bf16) {
+  vf ss = vzero();
+  for (int64_t k = 0; k < H; k += VL) {
+    vf h = vload(at(xr, k, bf16), bf16);
+    if (residual) {
+      h = vround(vadd(h, vload(at(residual, k, bf16), bf16)), bf16);
+      vstore((void *)at(residual_out, k, bf16), h, bf16);
+    }
+    ss = vfma(h, h, ss);
+  }
+  const vf inv = vset1(1.0f / sqrtf(vsum(ss) / (float)H + eps));
+  const void *src = residual ? (const void *)residual_out : xr;
+  for (int64_t k = 0; k < H; k += VL) {  /* element by element: out may be xr (in place) */
+    const vf normed = vmul(vload(at(src, k, bf16), bf16), inv);
+    const vf scaled = gain ? vmul(normed, vloadf(gain + k))
+                           : vmul(vround(normed, bf16), vload(at(weight, k, bf16), bf16));
+    vstore((void *)at(out, k, bf16), scaled, bf16);
+  }
+}
+
 static void rms_norm_rows(const void *x, const void *residual, void *residual_out, const void *weight,
                           const float *gain, void *out, int64_t M, int64_t H, float eps, int bf16, int nthreads) {
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
-  for (int64_t m = 0; m < M; ++m) {
-    const void *xr = at(x, m * H, bf16);
-    vf ss = vzero();
-    for (int64_t k = 0; k < H; k += VL) {
-      vf h = vload(at(xr, k, bf16), bf16);
-      if (residual) {
-        h = vround(vadd(h, vload(at(residual, m * H + k, bf16), bf16)), bf16);
-        vstore((void *)at(residual_out, m * H + k, bf16), h, bf16);
-      }
-      ss = vfma(h, h, ss);
-    }
-    const vf inv = vset1(1.0f / sqrtf(vsum(ss) / (float)H + eps));
-    const void *src = residual ? (const void *)at(residual_out, m * H, bf16) : xr;
-    for (int64_t k = 0; k < H; k += VL) {
-      const vf normed = vmul(vload(at(src, k, bf16), bf16), inv);
-      const vf scaled = gain ? vmul(normed, vloadf(gain + k))
-                             : vmul(vround(normed, bf16), vload(at(weight, k, bf16), bf16));
-      vstore((void *)at(out, m * H + k, bf16), scaled, bf16);
-    }
-  }
+  for (int64_t m = 0; m < M; ++m)
+    rms_norm_row(at(x, m * H, bf16), residual ? at(residual, m * H, bf16) : NULL,
+                 residual ? (void *)at(residual_out, m * H, bf16) : NULL, weight, gain, (void *)at(out, m * H, bf16),
+                 H, eps, bf16);
 }
 
 void ps_rms_norm(const void *x, const void *residual, void *residual_out, const void *weight, void *out,
@@ -1705,15 +1710,19 @@ void ps_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int bf16,
 /* qkv [T, Hq + 2 Hkv, D] (a fresh projection output): rotate the Hq query and Hkv key heads in place,
  * then copy each token's (rotated) K and its V into the pool at slots[t]. cos/sin [T, D] in the
  * activation dtype. Rounding as transformers: round(round(x * cos) + round(rotate_half(x) * sin)).
- * D % 32 == 0. */
+ * q_norm/k_norm [D] (Qwen3's per-head norms; NULL: none): each query / key head is first normalised in place as
+ * RMSNorm does (rms_norm_row, Llama's rounding, `eps`), as transformers norms them before rotary. D % 32 == 0. */
 void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache, void *v_cache,
-                      const int64_t *slots, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int bf16, int nthreads) {
+                      const int64_t *slots, const void *q_norm, const void *k_norm, float eps, int64_t T, int64_t Hq,
+                      int64_t Hkv, int64_t D, int bf16, int nthreads) {
   const int64_t H = Hq + 2 * Hkv, half = D / 2, rotated = Hq + Hkv;
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 4)
   for (int64_t t = 0; t < T; ++t) {
     const void *c = at(cos, t * D, bf16), *sn = at(sin, t * D, bf16);
     for (int64_t h = 0; h < rotated; ++h) {
       void *x = (void *)at(qkv, (t * H + h) * D, bf16);
+      const void *norm = h < Hq ? q_norm : k_norm;
+      if (norm) rms_norm_row(x, NULL, NULL, norm, NULL, x, D, eps, bf16);
       for (int64_t i = 0; i < half; i += VL) {
         const vf x1 = vload(at(x, i, bf16), bf16), x2 = vload(at(x, half + i, bf16), bf16);
         const vf c1 = vload(at(c, i, bf16), bf16), c2 = vload(at(c, half + i, bf16), bf16);
@@ -2351,17 +2360,18 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * cos/sin [B, D]; slots [B]; ctx_slots [B, max_len] and lens [B] as ps_decode_attention. int8 linears need
  * B <= 32 where the caller says so (KernelBackend: CPUs with bf16 dot products). */
 enum { PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O = PS_L_QKV + 5, PS_L_GATE_UP = PS_L_O + 5,
-       PS_L_DOWN = PS_L_GATE_UP + 5, PS_L_K_CACHE = PS_L_DOWN + 5, PS_L_V_CACHE, PS_LAYER_FIELDS };
+       PS_L_DOWN = PS_L_GATE_UP + 5, PS_L_K_CACHE = PS_L_DOWN + 5, PS_L_V_CACHE, PS_L_Q_NORM, PS_L_K_NORM,
+       PS_LAYER_FIELDS };  /* q/k norm: the per-head norms' weights (Qwen3), or 0 */
 
 int ps_layer_fields(void) { return PS_LAYER_FIELDS; }
 
 /* The table's layout for the Python side, which builds rows by these names (NativeDecodeStack):
- * offsets of in_norm, post_norm, qkv, o, gate_up, down, k_cache, v_cache; then the fields per linear and
- * per layer. Writes at most n values and returns how many the layout has (the caller checks it expected
+ * offsets of in_norm, post_norm, qkv, o, gate_up, down, k_cache, v_cache, q_norm, k_norm; then the fields per
+ * linear and per layer. Writes at most n values and returns how many the layout has (the caller checks it expected
  * exactly that many: a field added here must be added there). */
 int ps_layer_layout(int64_t *out, int n) {
   const int64_t layout[] = {PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O, PS_L_GATE_UP, PS_L_DOWN, PS_L_K_CACHE,
-                            PS_L_V_CACHE, PS_L_O - PS_L_QKV, PS_LAYER_FIELDS};
+                            PS_L_V_CACHE, PS_L_Q_NORM, PS_L_K_NORM, PS_L_O - PS_L_QKV, PS_LAYER_FIELDS};
   const int count = (int)(sizeof(layout) / sizeof(layout[0]));
   for (int i = 0; i < count && i < n; ++i) out[i] = layout[i];
   return count;
@@ -2394,8 +2404,9 @@ void ps_layer_attention(const int64_t *layer, const void *x, void *residual, int
     ps_rms_norm(x, residual, residual, (const void *)layer[PS_L_IN_NORM], h, B, H, eps, bf16, nthreads);
   }
   stack_linear(layer + PS_L_QKV, h, qkv, B, (int64_t)qkv_n, H, bf16, nthreads);
-  ps_rope_kv_write(qkv, cos, sin, (void *)layer[PS_L_K_CACHE], (void *)layer[PS_L_V_CACHE], slots, B, Hq, Hkv, D,
-                   bf16, nthreads);
+  ps_rope_kv_write(qkv, cos, sin, (void *)layer[PS_L_K_CACHE], (void *)layer[PS_L_V_CACHE], slots,
+                   (const void *)layer[PS_L_Q_NORM], (const void *)layer[PS_L_K_NORM], eps, B, Hq, Hkv, D, bf16,
+                   nthreads);
   ps_decode_attention(qkv, (int64_t)qkv_n, (const void *)layer[PS_L_K_CACHE], (const void *)layer[PS_L_V_CACHE],
                       ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, bf16, nthreads);
   stack_linear(layer + PS_L_O, attn, y, B, H, Hq * D, bf16, nthreads);

@@ -177,10 +177,11 @@ def unrotated_layers(hf_config: object) -> bool:
     return 0 in (getattr(hf_config, "no_rope_layers", None) or [])
 
 
-def fused_rotary(decoder_native: bool, qk_norm: bool, head_dim: int, partial: bool = False) -> bool:
-    """Rotary runs fused with the KV write (one native call): not where q/k are normalised first (Qwen3), nor
-    where it rotates only part of each head (`partial`)."""
-    return decoder_native and not qk_norm and not partial and head_dim % ROTARY_MULTIPLE == 0
+def fused_rotary(decoder_native: bool, qk_norm_gain: bool, head_dim: int, partial: bool = False) -> bool:
+    """Rotary runs fused with the KV write (one native call, Qwen3's per-head q/k norms included): not where the
+    q/k norms scale by a float32 gain (`qk_norm_gain`: Gemma 3's 1 + weight), nor where it rotates only part of each
+    head (`partial`)."""
+    return decoder_native and not qk_norm_gain and not partial and head_dim % ROTARY_MULTIPLE == 0
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,7 @@ class LayerKernels:
 _ACTIVATION_WORDS = {"silu": "SiLU", "gelu": "GELU", "gelu_pytorch_tanh": "GELU (tanh)"}
 
 
-def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, qk_norm: bool,
+def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, qk_norm_gain: bool,
                            onednn_packs: bool, tp_size: int = 1, logits: bool = True, activation: str = "silu",
                            softcapped: bool = False) -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
@@ -244,7 +245,8 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
     o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
     the model has an LM head (not an embedding model); `activation`: the MLP's gate (the native kernel is SiLU's);
-    `softcapped`: its attention caps scores, which only torch ops do."""
+    `softcapped`: its attention caps scores, which only torch ops do; `qk_norm_gain`: its q/k norms scale by a
+    float32 gain (Gemma 3), which the fused rotary does not take."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -258,7 +260,7 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
                                  runs[name]) for name, _ in inputs)
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
-                        fused_rotary(attention_native, qk_norm, head_dim, partial_rotary(cfg))
+                        fused_rotary(attention_native, qk_norm_gain, head_dim, partial_rotary(cfg))
                         and not unrotated_layers(cfg),
                         None if tp_size == 1 else (0, tp_size), activation,
                         None if attention_native == decoder_native else attention_native)

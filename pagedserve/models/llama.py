@@ -49,6 +49,11 @@ class DecoderSpec:
     sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs normed before they join the residual
     local_rotary: bool = False  # Gemma 3: rope_parameters per layer type, the sliding-window layers' of their own
 
+    @property
+    def qk_norm_gain(self) -> bool:
+        """q/k norms that scale by a float32 gain (Gemma 3's 1 + weight): the fused rotary kernel takes Llama's only."""
+        return self.qk_norm and self.norm.gain_in_float32
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: Any, spec: DecoderSpec, tp: TPGroup | None = None, layout: ShardLayout | None = None
@@ -73,13 +78,13 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = spec.norm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = spec.norm(self.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = spec.qk_norm
+        self.qk_norm, self.qk_norm_gain = spec.qk_norm, spec.qk_norm_gain
         self.kernels: CpuKernels | None = None
 
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
-        self.fused_rope = self.rotary and fused_rotary(kernels is not None, self.qk_norm, self.head_dim,
+        self.fused_rope = self.rotary and fused_rotary(kernels is not None, self.qk_norm_gain, self.head_dim,
                                                        self.partial_rotary)
         self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
@@ -92,8 +97,9 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj.forward(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         kv_written = self.fused_rope and not kv_cache.is_quantized and qkv.is_contiguous()
-        if kv_written:  # one native call rotates q and k in place and writes K/V to the pool
-            self.kernels.rope_kv_write(qkv, *rope, kv_cache.k, kv_cache.v, meta.slot_mapping, self.num_heads)
+        if kv_written:  # one native call (norms q and k,) rotates them in place and writes K/V to the pool
+            self.kernels.rope_kv_write(qkv, *rope, kv_cache.k, kv_cache.v, meta.slot_mapping, self.num_heads,
+                                       self.native_qk_norm())
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         else:
             if self.qk_norm:
@@ -107,6 +113,15 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written, self.window, self.softcap)
         out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)  # the heads' partial sums
+
+
+    def native_qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q_norm weight, k_norm weight, eps) for the fused rotary kernel, where the heads are normalised first."""
+        if not self.qk_norm:
+            return None
+        if self.q_norm.eps != self.k_norm.eps:
+            raise ValueError("q_norm and k_norm with different eps")
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
 
 class MLP(nn.Module):
@@ -238,7 +253,7 @@ class NativeDecodeStack:
     tensor parallelism in one native call (kernels.decode_stack), without ~10 Python calls and their tensors
     per layer (about 3 ms of a 30 ms bf16 step on the 2-core Zen 5; see benchmarks/PROFILE.md); with it, two
     calls per layer with this rank's all-reduce after each half. Used where every layer runs native kernels
-    with rotary fused into the KV write (no q/k norm) and the KV pool is in the model dtype."""
+    with rotary fused into the KV write (Qwen3's q/k norms with it) and the KV pool is in the model dtype."""
 
     def __init__(self, kernels: CpuKernels, model: DecoderModel, table: torch.Tensor, int8: bool,
                  tensors: list[torch.Tensor]) -> None:
@@ -264,12 +279,17 @@ class NativeDecodeStack:
             return None  # one window for every layer: each step's decode slots are cut once (AttentionMetadata.within)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not attn.fused_rope or attn.softcap is not None or layer.input_layernorm.eps != model.norm.eps:
+            qk_norm = attn.native_qk_norm()
+            if (not attn.fused_rope or attn.softcap is not None or layer.input_layernorm.eps != model.norm.eps
+                    or (qk_norm is not None and qk_norm[2] != model.norm.eps)):
                 return None
             row = [0] * layout["layer_fields"]  # K/V pools: set by _bind_pools
             row[layout["in_norm"]] = layer.input_layernorm.weight.data_ptr()
             row[layout["post_norm"]] = layer.post_attention_layernorm.weight.data_ptr()
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if qk_norm is not None:  # Qwen3's per-head norms, applied by the fused rotary
+                row[layout["q_norm"]], row[layout["k_norm"]] = qk_norm[0].data_ptr(), qk_norm[1].data_ptr()
+                tensors += [qk_norm[0], qk_norm[1]]
             for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
                 entry = linear.native_fields() if hasattr(linear, "native_fields") else None

@@ -649,6 +649,35 @@ def test_rope_kv_write_matches_rotary_then_index_copy(kernels, dtype, tokens):
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_rope_kv_write_norms_query_and_key_heads_first(kernels, dtype, d):
+    """Qwen3: each query / key head RMSNorm-ed with its own weight before rotary (transformers' order), in the same
+    call; V untouched. Against the torch path: RMSNorm.torch_forward per head, then apply_rotary."""
+    from pagedserve.layers.norm import RMSNorm
+    from pagedserve.layers.rotary import apply_rotary
+
+    torch.manual_seed(d)
+    hq, hkv, tokens, eps = 4, 2, 5, 1e-6
+    qkv = (torch.randn(tokens, hq + 2 * hkv, d) * 3).to(dtype)
+    angles = torch.rand(tokens, d) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    norms = []
+    for _ in range(2):
+        norm = RMSNorm(d, eps)
+        norm.weight.data = (torch.rand(d) + 0.5).to(dtype)
+        norms.append(norm)
+    q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+    normed = torch.cat((norms[0].torch_forward(q), norms[1].torch_forward(k)), dim=1)
+    expected_qk = apply_rotary(normed, cos.unsqueeze(1), sin.unsqueeze(1))
+    expected_v = v.clone()
+    slots = torch.tensor([3, 0, 7, 5, 1])
+    k_cache, v_cache = torch.zeros(8, hkv, d, dtype=dtype), torch.zeros(8, hkv, d, dtype=dtype)
+    kernels.rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, hq, (norms[0].weight, norms[1].weight, eps))
+    _close(qkv[:, :hq + hkv], expected_qk, dtype, "normed and rotated q/k")
+    assert torch.equal(k_cache[slots], qkv[:, hq:hq + hkv]) and torch.equal(v_cache[slots], expected_v)
+
+
 def test_weight_buffer_is_an_ordinary_tensor_by_default(kernels, monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_HUGE_PAGES", raising=False)
     plain = kernels.weight_buffer(3, 1 << 20, dtype=torch.bfloat16)

@@ -44,6 +44,8 @@ def _generate(llm: LLM, stack_enabled: bool) -> tuple[list, int]:
     ("llama", "float32", "int8"),  # int8 weights with float32 activations
     ("granite", "bfloat16", None),  # scales: attention's, the residual's folded into o and down
     ("phi3", "bfloat16", "int8"),  # fused checkpoint matrices
+    ("qwen3", "bfloat16", None),  # q/k norms per head, in the fused rotary kernel
+    ("qwen3", "bfloat16", "int8"),
 ])
 def test_stack_equals_the_per_layer_path(kernels, tiny_model_dir, arch, dtype, quantization):
     model_dir = tiny_model_dir(arch, dtype, **SHAPE)
@@ -69,6 +71,7 @@ def test_stack_points_at_the_live_parameters(kernels, tiny_model_dir):
     layout = kernels.layer_layout  # the columns as the C library defines them (PS_L_* in cpu_kernels.c)
     assert layout["layer_fields"] == kernels.layer_fields == table.shape[1]
     for row, layer in zip(table.tolist(), model.layers):
+        assert row[layout["q_norm"]] == row[layout["k_norm"]] == 0  # Qwen2: no per-head norms
         assert row[layout["in_norm"]] == layer.input_layernorm.weight.data_ptr()
         assert row[layout["post_norm"]] == layer.post_attention_layernorm.weight.data_ptr()
         for name, linear in (("qkv", layer.self_attn.qkv_proj), ("down", layer.mlp.down_proj)):
@@ -80,11 +83,10 @@ def test_stack_points_at_the_live_parameters(kernels, tiny_model_dir):
 
 
 def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
-    # q/k RMSNorm (Qwen3) is not in the stack: the per-layer path runs
-    qwen3 = LLM(tiny_model_dir("qwen3", "bfloat16", hidden_size=128, intermediate_size=256), dtype="bfloat16",
-                device="cpu", max_model_len=128)
-    qwen3.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
-    assert qwen3.engine.runner.model.model.stack is None
+    # Gemma 3's q/k norms (a float32 gain) are not in the fused rotary, nor is its GELU gate: the per-layer path runs
+    gemma3 = LLM(tiny_model_dir("gemma3", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128)
+    gemma3.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
+    assert gemma3.engine.runner.model.model.stack is None
     # an fp8 KV cache is read by the torch path
     fp8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128,
               kv_cache_dtype="fp8")

@@ -22,7 +22,8 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("llama", "float32", None, HEAD_32, "oneDNN linears, native norms"),
     ("qwen2", "bfloat16", "int8", HEAD_32, "stack"),
     ("llama", "bfloat16", None, {}, "head_dim 16: rotary on torch, no stack"),
-    ("qwen3", "bfloat16", None, {}, "q/k norm: rotary on torch, no stack"),
+    ("qwen3", "bfloat16", None, HEAD_32, "stack"),  # q/k norms in the fused rotary kernel
+    ("qwen3", "bfloat16", "int8", HEAD_32, "stack"),
     ("llama", "bfloat16", None, {**HEAD_32, "intermediate_size": 72}, "down off the native kernel, norms on torch"),
     ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
     ("gemma2", "bfloat16", None, HEAD_32, "gemma: native linears and norms, softcapped attention and GELU torch"),
@@ -43,7 +44,8 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
 
     loaded = model.layer_kernels()
     fmt = expected_weight_format("cpu", dtype, quantization, False, isa is not None, cpu_flags())
-    predicted = expected_layer_kernels(fmt, isa, config.model.hf_config, model.qk_norm,
+    predicted = expected_layer_kernels(fmt, isa, config.model.hf_config,
+                                       model.decoder_spec(config.model.hf_config).qk_norm_gain,
                                        onednn_may_pack("cpu", dtype, cpu_flags()),
                                        activation=model.decoder_spec(config.model.hf_config).activation,
                                        softcapped=softcapped_attention(config.model.architecture,
@@ -66,7 +68,7 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     elif what.startswith("smollm3"):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
         assert "layers without rotary" in result.fix
-    elif what.startswith(("q/k", "head_dim")):
+    elif what.startswith("head_dim"):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
     elif what.startswith("gemma"):  # Gemma 2 caps its attention scores: torch; Gemma 3's attention is native
         assert all(w.startswith("native") for w in words.values()) and loaded.decoder_native and not loaded.stack
