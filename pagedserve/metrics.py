@@ -124,8 +124,12 @@ class EngineMetrics:
     engine step. pagedserve's own metrics (pagedserve:*) carry model_name alone and appear with their first value."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int = 131072,
-                 cache_info: dict[str, str] | None = None) -> None:
-        """`cache_info`: vllm:cache_config_info's labels (block_size, num_gpu_blocks, cache_dtype, ...)."""
+                 cache_info: dict[str, str] | None = None, outputs_per_step: bool = True) -> None:
+        """`cache_info`: vllm:cache_config_info's labels (block_size, num_gpu_blocks, cache_dtype, ...);
+        `outputs_per_step`: every step's new tokens reach observe_step (the server's deltas). False for the offline
+        LLM, whose outputs come at a request's end: the per-step histograms (tokens per iteration, inter-token
+        latencies) are then left empty rather than filled with whole requests."""
+        self.outputs_per_step = outputs_per_step
         self.registry = registry if registry is not None else new_registry()
         self.model_name = model_name
         self._label_values = (model_name, ENGINE_INDEX)
@@ -139,13 +143,15 @@ class EngineMetrics:
         self._timings: dict[str, _RequestTiming] = {}
 
     @classmethod
-    def for_engine(cls, engine, registry: CollectorRegistry | None = None) -> EngineMetrics:
+    def for_engine(cls, engine, registry: CollectorRegistry | None = None, outputs_per_step: bool = True
+                   ) -> EngineMetrics:
         """The metrics of `engine` (an LLMEngine): its served name, context length and cache configuration, with
         the memory gauges' start-up reading already in."""
         model, cache = engine.config.model, engine.config.cache
         metrics = cls(model.served_model_name, registry, max_model_len=model.max_model_len, cache_info={
             "block_size": str(cache.block_size), "num_gpu_blocks": str(cache.num_blocks - 1),  # the null block apart
-            "cache_dtype": str(cache.kv_cache_dtype), "enable_prefix_caching": str(cache.enable_prefix_caching)})
+            "cache_dtype": str(cache.kv_cache_dtype), "enable_prefix_caching": str(cache.enable_prefix_caching)},
+            outputs_per_step=outputs_per_step)
         metrics.observe_memory(engine.resident_memory)
         return metrics
 
@@ -254,7 +260,7 @@ class EngineMetrics:
             generation_tokens += new_generated
         # vLLM's iteration: a step with outputs, its prompts counted whole when their first token comes. A step
         # with no token (a prefill chunk, the finals of aborted requests) is none, as in vLLM.
-        if prompt_tokens + generation_tokens:
+        if prompt_tokens + generation_tokens and self.outputs_per_step:
             self.iteration_tokens.observe(prompt_tokens + generation_tokens)
         self.stats_log.add_step(stats, prompt_tokens, generation_tokens)
 

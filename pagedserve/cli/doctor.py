@@ -227,7 +227,9 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
                      if kernels.batch_invariant else "")
         attention = "decode attention"
         if kernels.bf16_dot_attention:
-            attention += " (bf16 by vdpbf16ps)"
+            attention += (" (bf16 by vdpbf16ps)" if probe.bf16_attention_by_dot(flags) else
+                          " (bf16 by vdpbf16ps: PAGEDSERVE_CPU_BF16_ATTENTION=1, though FMAs run faster on this CPU "
+                          "class)")
         elif kernels.bf16_dot:
             attention += (" (bf16 by float32 FMAs: PAGEDSERVE_CPU_BF16_ATTENTION=0)"
                           if probe.bf16_attention_by_dot(flags)

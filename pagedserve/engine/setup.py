@@ -207,16 +207,17 @@ def resolve_model_path(model: str | None) -> str:
 
 def read_model(model: str | None, startup: StartupTracker | None = None) -> tuple[str, CheckpointInfo, Any, str]:
     """A model (path or known name) resolved, validated and read from its headers only (the target and a
-    draft model alike): (path, checkpoint, Hugging Face config, architecture). `startup`: its phases."""
+    draft model alike): (path, checkpoint, Hugging Face config, architecture). `startup`: the phases to report
+    (None: none; a draft model's are its target's, which is in its planning phase then)."""
     from pagedserve.memory.checkpoint import read_checkpoint_info
     from pagedserve.models.validate import validate_model_path
 
-    startup = startup or StartupTracker()
-    startup.enter("resolving")
+    enter = startup.enter if startup is not None else lambda phase: None
+    enter("resolving")
     path = resolve_model_path(model)
-    startup.enter("validating")
+    enter("validating")
     validate_model_path(path)
-    startup.enter("planning")
+    enter("planning")
     checkpoint = read_checkpoint_info(path)  # headers only; a GGUF header is parsed once for all users
     hf_config = hf_config_from_checkpoint(checkpoint)
     wrapper = (getattr(hf_config, "architectures", None) or ["?"])[0]
@@ -241,7 +242,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                                      resolve_dtype)
 
     check_engine_args(args)
-    model_path, checkpoint, hf_config, architecture = read_model(args.model, startup)
+    model_path, checkpoint, hf_config, architecture = read_model(args.model, startup or StartupTracker())
     device = resolve_device(args.device)
     check_ranks_fit_device(device, args.tensor_parallel_size)
     config_dict = hf_config.to_dict()

@@ -37,7 +37,8 @@ class LLM:
         for note in notes:
             logger.info("%s", note)
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **_sizes_as_ints(kwargs)))
-        self._metrics = EngineMetrics.for_engine(self.engine, CollectorRegistry()) if log_stats else None
+        self._metrics = (EngineMetrics.for_engine(self.engine, CollectorRegistry(), outputs_per_step=False)
+                         if log_stats else None)
 
     def __del__(self) -> None:
         """Dropping an LLM frees its engine at once and hands the freed C heap back to the system: glibc keeps it
@@ -310,7 +311,10 @@ class LLM:
                     request_id, reason = next(iter(failed.items()))
                     raise request_error(request_id, reason)
         except BaseException:
-            self.engine.abort_request([r for r in request_ids if r not in finished])
+            finals = self.engine.abort_request([r for r in request_ids if r not in finished])
+            if self._metrics is not None:  # counted as aborted, and the gauges as they are now (as the server's)
+                self.engine.refresh_gauges()
+                self._metrics.observe_step(self.engine, finals)
             raise
         return [finished[r] for r in request_ids]
 

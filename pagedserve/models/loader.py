@@ -125,7 +125,10 @@ def _reporting(backend: KernelBackend, model: nn.Module, progress: ProgressFn | 
     reading happens there (15 s of a 1B model's, seen silent after "loading_weights 100%")."""
     if progress is None:
         return backend, lambda: None
-    total = sum(p.numel() for p in model.parameters() if p.dim() == 2) or 1
+    # the matrices linears are made of: an embedding table only where it is also the logits projection (tied)
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    tables = set() if tied else {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    total = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in tables) or 1
     made, open_ = 0, [True]
     progress(0.0, "preparing_weights")
 

@@ -674,3 +674,19 @@ def test_draft_model_errors_name_the_problem_and_the_fix(llama, tiny_model_dir):
             speculative_config=draft_spec(model_dir))
     with pytest.raises(Exception, match="no-such-draft"):
         LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=draft_spec("/tmp/no-such-draft"))
+
+
+def test_a_draft_model_is_read_inside_its_targets_planning(tiny_model_dir, caplog):
+    """The draft's headers are read while the target plans: its resolving/validating/planning are not phases of
+    their own (they were logged again, in the middle of the target's planning, by a tracker of the draft's)."""
+    import logging
+
+    from pagedserve.engine.startup import PHASES
+
+    draft = tiny_model_dir("llama", weight_std=WEIGHT_STD, vocab_size=640, seed=5)
+    with caplog.at_level(logging.INFO, logger="pagedserve.startup"):
+        LLM(tiny_model_dir("llama", weight_std=WEIGHT_STD), dtype="float32", max_model_len=128,
+            speculative_config=draft_spec(draft))
+    entered = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("phase ")
+               and "after process start" in r.getMessage()]
+    assert entered == list(PHASES[1:-1])

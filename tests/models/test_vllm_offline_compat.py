@@ -145,6 +145,25 @@ def test_get_metrics_counts_what_the_calls_did(tiny_model_dir):
     assert abs(ttft.sum + decode.sum - e2e.sum) < 0.05 * e2e.sum
     (prompt_lengths,) = by_name["vllm:request_prompt_tokens"]
     assert prompt_lengths.sum == 3 + 7 + 12 + 3 and prompt_lengths.buckets["10.0"] == 3  # 3, 7 and 3 tokens
+    # per-step histograms need per-step outputs: left empty offline rather than filled with whole requests
+    assert by_name["vllm:iteration_tokens_total"][0].count == by_name["vllm:inter_token_latency_seconds"][0].count == 0
+
+    # an interrupted call (Ctrl-C in the third step) aborts its requests: counted so, and the gauges show it
+    step = llm.engine.step
+    steps = iter(range(100))
+
+    def interrupted():
+        if next(steps) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    llm.engine.step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts[:2], SamplingParams(max_tokens=20, ignore_eos=True))
+    del llm.engine.step
+    after = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
+    assert after[("vllm:request_success", "abort")].value == 2
+    assert after[("vllm:num_requests_running", None)].value == 0 and after[("vllm:kv_cache_usage_perc", None)].value == 0
 
 
 def test_metrics_snapshot_gives_per_position_counters_as_one_vector():

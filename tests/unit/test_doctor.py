@@ -294,6 +294,7 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
         amx_flags - {"amx_tile", "amx_bf16"}).detail  # a Zen 5 whose user turned vdpbf16ps off
     fake.bf16_dot_attention = True
     assert "decode attention (bf16 by vdpbf16ps);" in check_native_kernels(amx_flags - {"amx_tile"}).detail
+    assert "(bf16 by vdpbf16ps: PAGEDSERVE_CPU_BF16_ATTENTION=1, though FMAs" in check_native_kernels(amx_flags).detail
     fake.bf16_dot = fake.bf16_dot_attention = False
     fake.isa, fake.amx, fake.amx_int8, fake.avx_vnni = "avx2", False, False, True  # an Alder Lake
     assert "avx2: bf16 linears, int8 linears (sums on AVX-VNNI)" in check_native_kernels({"avx2", "avx_vnni"}).detail
