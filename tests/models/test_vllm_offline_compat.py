@@ -163,7 +163,8 @@ def test_get_metrics_counts_what_the_calls_did(tiny_model_dir):
     del llm.engine.step
     after = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
     assert after[("vllm:request_success", "abort")].value == 2
-    assert after[("vllm:num_requests_running", None)].value == 0 and after[("vllm:kv_cache_usage_perc", None)].value == 0
+    assert after[("vllm:num_requests_running", None)].value == 0
+    assert after[("vllm:kv_cache_usage_perc", None)].value == 0
 
 
 def test_metrics_snapshot_gives_per_position_counters_as_one_vector():
