@@ -1913,7 +1913,7 @@ static inline void weight_pairs(const float *w, int64_t n, uint32_t *out) {
 
 /* 1: bf16 attention by vdpbf16ps where the build has it (above), 0: by float32 FMAs on widened rows as on other
  * CPUs. The instruction's cost is the CPU's: 1.2-1.55x a layer on a Zen 5, 0.81-0.93x on an Intel Xeon with AMX
- * (benchmarks/RESULTS.md), so the caller chooses per CPU (kernels.bf16_attention_default) before attention runs;
+ * (benchmarks/RESULTS.md), so the caller chooses per CPU (memory/probe.bf16_attention_by_dot) before attention runs;
  * every attention path reads it in attend_rows, so they keep the same bits whichever it is. Returns the state. */
 static int bf16_dot_attention = BF16_DOT_SCORES;
 int ps_set_bf16_attention(int on) { return bf16_dot_attention = BF16_DOT_SCORES && on != 0; }
