@@ -16,6 +16,7 @@ from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
 from pagedserve.memory.weight_format import (expected_layer_kernels, expected_weight_format, onednn_may_pack,
                                              partial_rotary, unrotated_layers, wants_native_kernels)
+from pagedserve.models.validate import layer_windows
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
@@ -122,7 +123,8 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
                                     onednn_may_pack(device, model.dtype, flags),
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
                                     activation=spec.activation,
-                                    softcapped=softcapped_attention(model.architecture, model.hf_config))
+                                    softcapped=softcapped_attention(model.architecture, model.hf_config),
+                                    uniform_windows=len(set(layer_windows(model.hf_config))) <= 1)
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:
         return CheckResult("layers", PASS, detail)
@@ -136,6 +138,9 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     elif layers.activation != "silu":
         fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack are "
                "SiLU's); nothing to change")
+    elif not layers.uniform_windows:
+        fix = ("layers with different sliding windows keep the decode stack off (each step's slots are cut once for "
+               "all layers); the layers run their native kernels; nothing to change")
     elif spec.qk_norm_gain:
         fix = ("q/k norms scaled by 1 + weight (Gemma 3) keep rotary and the decode stack on torch ops; "
                "nothing to change")

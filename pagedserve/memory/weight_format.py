@@ -203,6 +203,7 @@ class LayerKernels:
     activation: str = "silu"  # the MLP's gate; the native kernel and the decode stack's MLP are SiLU's
     native_attention: bool | None = None  # attention on the native kernels where the norms are not (Gemma); None:
     # as decoder_native
+    uniform_windows: bool = True  # one sliding window (or none) for every layer: the stack cuts a step's slots once
 
     @property
     def activation_native(self) -> bool:
@@ -215,7 +216,7 @@ class LayerKernels:
     @property
     def stack(self) -> bool:
         """Decode-only steps run every layer on the C decoder layer: it needs every part of a layer native."""
-        return self.activation_native and self.rotary_fused and all(
+        return self.activation_native and self.rotary_fused and self.uniform_windows and all(
             linear.native for linear in self.linears if linear.name != "logits")
 
     def lines(self) -> list[str]:
@@ -239,14 +240,15 @@ _ACTIVATION_WORDS = {"silu": "SiLU", "gelu": "GELU", "gelu_pytorch_tanh": "GELU 
 
 def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, qk_norm_gain: bool,
                            onednn_packs: bool, tp_size: int = 1, logits: bool = True, activation: str = "silu",
-                           softcapped: bool = False) -> LayerKernels:
+                           softcapped: bool = False, uniform_windows: bool = True) -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
     ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
     o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
     the model has an LM head (not an embedding model); `activation`: the MLP's gate (the native kernel is SiLU's);
     `softcapped`: its attention caps scores, which only torch ops do; `qk_norm_gain`: its q/k norms scale by a
-    float32 gain (Gemma 3), which the fused rotary does not take."""
+    float32 gain (Gemma 3), which the fused rotary does not take; `uniform_windows`: every layer has the same sliding
+    window or none (validate.layer_windows), which the decode stack needs."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -263,4 +265,4 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
                         fused_rotary(attention_native, qk_norm_gain, head_dim, partial_rotary(cfg))
                         and not unrotated_layers(cfg),
                         None if tp_size == 1 else (0, tp_size), activation,
-                        None if attention_native == decoder_native else attention_native)
+                        None if attention_native == decoder_native else attention_native, uniform_windows)

@@ -424,7 +424,8 @@ class LlamaForCausalLM(nn.Module):
         attention_native = attn.kernels is not None
         return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, rotary_fused,
                             None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation,
-                            None if attention_native == (norm.kernels is not None) else attention_native)
+                            None if attention_native == (norm.kernels is not None) else attention_native,
+                            len({layer.self_attn.window for layer in self.model.layers}) == 1)
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""

@@ -13,6 +13,7 @@ from pagedserve.cli.doctor_model import check_layer_kernels
 from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.kernels import cpu_kernels
 from pagedserve.memory.probe import cpu_flags
+from pagedserve.models.validate import layer_windows
 from pagedserve.memory.weight_format import (LayerKernels, LinearKernel, expected_layer_kernels, expected_weight_format,
                                              onednn_may_pack)
 
@@ -24,6 +25,8 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("llama", "bfloat16", None, {}, "head_dim 16: rotary on torch, no stack"),
     ("qwen3", "bfloat16", None, HEAD_32, "stack"),  # q/k norms in the fused rotary kernel
     ("qwen3", "bfloat16", "int8", HEAD_32, "stack"),
+    ("qwen3", "bfloat16", None, {**HEAD_32, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+     "windows: a full and a sliding layer, no stack"),
     ("llama", "bfloat16", None, {**HEAD_32, "intermediate_size": 72}, "down off the native kernel, norms on torch"),
     ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
     ("gemma2", "bfloat16", None, HEAD_32, "gemma: native linears and norms, softcapped attention and GELU torch"),
@@ -49,7 +52,8 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
                                        onednn_may_pack("cpu", dtype, cpu_flags()),
                                        activation=model.decoder_spec(config.model.hf_config).activation,
                                        softcapped=softcapped_attention(config.model.architecture,
-                                                                       config.model.hf_config))
+                                                                       config.model.hf_config),
+                                       uniform_windows=len(set(layer_windows(config.model.hf_config))) <= 1)
     assert predicted == loaded
     result = check_layer_kernels(config, isa)
     assert result.detail.endswith("; ".join(model.kernel_report()))
@@ -68,6 +72,9 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     elif what.startswith("smollm3"):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
         assert "layers without rotary" in result.fix
+    elif what.startswith("windows"):
+        assert loaded.decoder_native and loaded.rotary_fused and not loaded.uniform_windows and not loaded.stack
+        assert "different sliding windows" in result.fix
     elif what.startswith("head_dim"):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
     elif what.startswith("gemma"):  # Gemma 2 caps its attention scores: torch; Gemma 3's attention is native
