@@ -15,7 +15,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
 from pagedserve.memory.weight_format import (expected_layer_kernels, expected_weight_format, onednn_may_pack,
-                                             partial_rotary, unrotated_layers, wants_native_kernels)
+                                             kv_quantized, partial_rotary, unrotated_layers, wants_native_kernels)
 from pagedserve.models.validate import layer_windows
 
 if TYPE_CHECKING:
@@ -124,7 +124,8 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
                                     activation=spec.activation,
                                     softcapped=softcapped_attention(model.architecture, model.hf_config),
-                                    uniform_windows=len(set(layer_windows(model.hf_config))) <= 1)
+                                    uniform_windows=len(set(layer_windows(model.hf_config))) <= 1,
+                                    kv_cache_dtype=config.cache.kv_cache_dtype)
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:
         return CheckResult("layers", PASS, detail)
@@ -138,6 +139,9 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     elif layers.activation != "silu":
         fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack are "
                "SiLU's); nothing to change")
+    elif kv_quantized(config.cache.kv_cache_dtype):
+        fix = ("an 8-bit KV cache (--kv-cache-dtype fp8) is written and read by torch ops: rotary and the decode stack "
+               "on torch; leave --kv-cache-dtype auto where memory allows for the native path")
     elif not layers.uniform_windows:
         fix = ("layers with different sliding windows keep the decode stack off (each step's slots are cut once for "
                "all layers); the layers run their native kernels; nothing to change")

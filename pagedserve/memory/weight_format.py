@@ -177,11 +177,18 @@ def unrotated_layers(hf_config: object) -> bool:
     return 0 in (getattr(hf_config, "no_rope_layers", None) or [])
 
 
-def fused_rotary(decoder_native: bool, qk_norm_gain: bool, head_dim: int, partial: bool = False) -> bool:
+def kv_quantized(kv_cache_dtype: str) -> bool:
+    """An 8-bit KV pool (--kv-cache-dtype fp8*, with a scale per token and head): written and read by torch ops."""
+    return kv_cache_dtype.startswith("fp8")
+
+
+def fused_rotary(decoder_native: bool, qk_norm_gain: bool, head_dim: int, partial: bool = False,
+                 kv_quantized: bool = False) -> bool:
     """Rotary runs fused with the KV write (one native call, Qwen3's per-head q/k norms included): not where the
     q/k norms scale by a float32 gain (`qk_norm_gain`: Gemma 3's 1 + weight), nor where it rotates only part of each
-    head (`partial`)."""
-    return decoder_native and not qk_norm_gain and not partial and head_dim % ROTARY_MULTIPLE == 0
+    head (`partial`), nor into an 8-bit KV pool (`kv_quantized`)."""
+    return (decoder_native and not qk_norm_gain and not partial and not kv_quantized
+            and head_dim % ROTARY_MULTIPLE == 0)
 
 
 @dataclass(frozen=True)
@@ -240,7 +247,8 @@ _ACTIVATION_WORDS = {"silu": "SiLU", "gelu": "GELU", "gelu_pytorch_tanh": "GELU 
 
 def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, qk_norm_gain: bool,
                            onednn_packs: bool, tp_size: int = 1, logits: bool = True, activation: str = "silu",
-                           softcapped: bool = False, uniform_windows: bool = True) -> LayerKernels:
+                           softcapped: bool = False, uniform_windows: bool = True,
+                           kv_cache_dtype: str = "auto") -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
     ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
@@ -248,7 +256,8 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     the model has an LM head (not an embedding model); `activation`: the MLP's gate (the native kernel is SiLU's);
     `softcapped`: its attention caps scores, which only torch ops do; `qk_norm_gain`: its q/k norms scale by a
     float32 gain (Gemma 3), which the fused rotary does not take; `uniform_windows`: every layer has the same sliding
-    window or none (validate.layer_windows), which the decode stack needs."""
+    window or none (validate.layer_windows), which the decode stack needs; `kv_cache_dtype`: --kv-cache-dtype (an
+    8-bit pool keeps rotary and the stack on torch ops)."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -262,7 +271,8 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
                                  runs[name]) for name, _ in inputs)
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
-                        fused_rotary(attention_native, qk_norm_gain, head_dim, partial_rotary(cfg))
+                        fused_rotary(attention_native, qk_norm_gain, head_dim, partial_rotary(cfg),
+                                     kv_quantized(kv_cache_dtype))
                         and not unrotated_layers(cfg),
                         None if tp_size == 1 else (0, tp_size), activation,
                         None if attention_native == decoder_native else attention_native, uniform_windows)

@@ -85,7 +85,7 @@ class Attention(nn.Module):
         self.kernels = kernels
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
         self.fused_rope = self.rotary and fused_rotary(kernels is not None, self.qk_norm_gain, self.head_dim,
-                                                       self.partial_rotary)
+                                                       self.partial_rotary, backend.kv_quantized)
         self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
         self.o_proj = backend.make_linear(weight_of(self.o_proj), o_bias)

@@ -27,6 +27,7 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("qwen3", "bfloat16", "int8", HEAD_32, "stack"),
     ("qwen3", "bfloat16", None, {**HEAD_32, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
      "windows: a full and a sliding layer, no stack"),
+    ("qwen3", "bfloat16", None, HEAD_32, "fp8 KV cache: rotary on torch, no stack"),
     ("llama", "bfloat16", None, {**HEAD_32, "intermediate_size": 72}, "down off the native kernel, norms on torch"),
     ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
     ("gemma2", "bfloat16", None, HEAD_32, "gemma: native linears and norms, softcapped attention and GELU torch"),
@@ -40,7 +41,9 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
 def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, dtype, quantization, overrides,
                                                          what):
     model_dir = tiny_model_dir(arch, dtype, **overrides)
-    llm = LLM(model_dir, dtype=dtype, quantization=quantization, device="cpu", max_model_len=128)
+    kv_cache_dtype = "fp8" if what.startswith("fp8") else "auto"
+    llm = LLM(model_dir, dtype=dtype, quantization=quantization, device="cpu", max_model_len=128,
+              kv_cache_dtype=kv_cache_dtype)
     model, config = llm.engine.runner.model, llm.engine.config
     kernels = cpu_kernels()
     isa = kernels.isa if kernels is not None else None
@@ -53,7 +56,8 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
                                        activation=model.decoder_spec(config.model.hf_config).activation,
                                        softcapped=softcapped_attention(config.model.architecture,
                                                                        config.model.hf_config),
-                                       uniform_windows=len(set(layer_windows(config.model.hf_config))) <= 1)
+                                       uniform_windows=len(set(layer_windows(config.model.hf_config))) <= 1,
+                                       kv_cache_dtype=kv_cache_dtype)
     assert predicted == loaded
     result = check_layer_kernels(config, isa)
     assert result.detail.endswith("; ".join(model.kernel_report()))
@@ -72,6 +76,9 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     elif what.startswith("smollm3"):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
         assert "layers without rotary" in result.fix
+    elif what.startswith("fp8"):  # the fused rotary writes the pool in the model dtype: torch ops write fp8
+        assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
+        assert "8-bit KV cache" in result.fix
     elif what.startswith("windows"):
         assert loaded.decoder_native and loaded.rotary_fused and not loaded.uniform_windows and not loaded.stack
         assert "different sliding windows" in result.fix
