@@ -140,8 +140,8 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
         fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack are "
                "SiLU's); nothing to change")
     elif kv_quantized(config.cache.kv_cache_dtype):
-        fix = ("an 8-bit KV cache (--kv-cache-dtype fp8) is written and read by torch ops: rotary and the decode stack "
-               "on torch; leave --kv-cache-dtype auto where memory allows for the native path")
+        fix = ("an 8-bit KV cache (--kv-cache-dtype fp8) is written and read by torch ops: rotary, attention and the "
+               "decode stack on torch; leave --kv-cache-dtype auto where memory allows for the native path")
     elif not layers.uniform_windows:
         fix = ("layers with different sliding windows keep the decode stack off (each step's slots are cut once for "
                "all layers); the layers run their native kernels; nothing to change")

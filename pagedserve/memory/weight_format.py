@@ -264,7 +264,7 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     hidden, intermediate = cfg.hidden_size, cfg.intermediate_size // tp_size  # this rank's MLP width
     kind = fmt.linear_kind
     fits = isa is not None and kind != "plain" and decoder_kernels_fit(hidden, intermediate, head_dim)
-    decoder_native, attention_native = fits, fits and not softcapped
+    decoder_native, attention_native = fits, fits and not softcapped and not kv_quantized(kv_cache_dtype)
     inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),
               ("down", intermediate)) + ((("logits", hidden),) if logits else ())
     runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}

@@ -404,8 +404,9 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         kernels = backend.decoder_kernels(self.config.hidden_size, self.model.layers[0].mlp.gate_proj.out_features,
                                           attn.head_dim)
-        for layer in self.model.layers:  # attention that caps its scores (Gemma 2) has no native kernel
-            layer.self_attn.prepare(backend, kernels if layer.self_attn.softcap is None else None)
+        for layer in self.model.layers:  # attention that caps its scores (Gemma 2), or reads an fp8 pool: torch
+            layer.self_attn.prepare(backend, kernels if layer.self_attn.softcap is None and not backend.kv_quantized
+                                    else None)
             layer.mlp.prepare(backend, kernels)
             for norm in layer.modules():  # q/k norms (3-D inputs) stay on torch ops all the same
                 if isinstance(norm, RMSNorm):

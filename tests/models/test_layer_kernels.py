@@ -77,8 +77,8 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
         assert "layers without rotary" in result.fix
     elif what.startswith("fp8"):  # the fused rotary writes the pool in the model dtype: torch ops write fp8
-        assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
-        assert "8-bit KV cache" in result.fix
+        assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack and not loaded.attention_native
+        assert "8-bit KV cache" in result.fix and "decode attention torch" in loaded.lines()[1]
     elif what.startswith("windows"):
         assert loaded.decoder_native and loaded.rotary_fused and not loaded.uniform_windows and not loaded.stack
         assert "different sliding windows" in result.fix
