@@ -14,7 +14,7 @@ from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.plan import MemoryPlan
 from pagedserve.memory.probe import AvailableMemory, cpu_flags
 from pagedserve.memory.sizes import MIB
-from pagedserve.memory.weight_format import (SUPPORTED_QUANTIZATION, WeightFormat, expected_weight_format,
+from pagedserve.memory.weight_format import (SUPPORTED_QUANTIZATION, WeightFormat, expected_weight_format, kv_quantized,
                                              native_kernels_expected)
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     available = per_rank_available(available, args.tensor_parallel_size)  # the ranks share this host
     weight_dtype_bytes = dtype_bytes(model.dtype)
     # An 8-bit KV cache (fp8*) stores one byte per value plus a scale per token and head in the model dtype.
-    kv_8bit = args.kv_cache_dtype.startswith("fp8")
+    kv_8bit = kv_quantized(args.kv_cache_dtype)
     kv_dtype_bytes, kv_scale_bytes = (1, weight_dtype_bytes) if kv_8bit else (weight_dtype_bytes, 0)
 
     def prepared_shape(checkpoint: CheckpointInfo, model: ModelConfig) -> sizes.ModelShape:

@@ -182,13 +182,11 @@ def kv_quantized(kv_cache_dtype: str) -> bool:
     return kv_cache_dtype.startswith("fp8")
 
 
-def fused_rotary(decoder_native: bool, qk_norm_gain: bool, head_dim: int, partial: bool = False,
-                 kv_quantized: bool = False) -> bool:
-    """Rotary runs fused with the KV write (one native call, Qwen3's per-head q/k norms included): not where the
-    q/k norms scale by a float32 gain (`qk_norm_gain`: Gemma 3's 1 + weight), nor where it rotates only part of each
-    head (`partial`), nor into an 8-bit KV pool (`kv_quantized`)."""
-    return (decoder_native and not qk_norm_gain and not partial and not kv_quantized
-            and head_dim % ROTARY_MULTIPLE == 0)
+def fused_rotary(attention_native: bool, qk_norm_gain: bool, head_dim: int, partial: bool = False) -> bool:
+    """Rotary runs fused with the KV write (one native call, Qwen3's per-head q/k norms included) where attention
+    runs the native kernels (not into an 8-bit KV pool): not where the q/k norms scale by a float32 gain
+    (`qk_norm_gain`: Gemma 3's 1 + weight), nor where it rotates only part of each head (`partial`)."""
+    return attention_native and not qk_norm_gain and not partial and head_dim % ROTARY_MULTIPLE == 0
 
 
 @dataclass(frozen=True)
@@ -271,8 +269,7 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
                                  runs[name]) for name, _ in inputs)
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
-                        fused_rotary(attention_native, qk_norm_gain, head_dim, partial_rotary(cfg),
-                                     kv_quantized(kv_cache_dtype))
+                        fused_rotary(attention_native, qk_norm_gain, head_dim, partial_rotary(cfg))
                         and not unrotated_layers(cfg),
                         None if tp_size == 1 else (0, tp_size), activation,
                         None if attention_native == decoder_native else attention_native, uniform_windows)

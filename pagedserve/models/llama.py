@@ -84,8 +84,8 @@ class Attention(nn.Module):
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
-        self.fused_rope = self.rotary and fused_rotary(kernels is not None, self.qk_norm_gain, self.head_dim,
-                                                       self.partial_rotary, backend.kv_quantized)
+        self.fused_rope = (self.rotary and self.qk_norm_eps_agree()
+                           and fused_rotary(kernels is not None, self.qk_norm_gain, self.head_dim, self.partial_rotary))
         self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
         self.o_proj = backend.make_linear(weight_of(self.o_proj), o_bias)
@@ -115,13 +115,14 @@ class Attention(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)  # the heads' partial sums
 
 
+    def qk_norm_eps_agree(self) -> bool:
+        """The fused kernel takes one eps for both per-head norms (transformers gives both the config's)."""
+        return not self.qk_norm or self.q_norm.eps == self.k_norm.eps
+
     def native_qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """(q_norm weight, k_norm weight, eps) for the fused rotary kernel, where the heads are normalised first."""
-        if not self.qk_norm:
-            return None
-        if self.q_norm.eps != self.k_norm.eps:
-            raise ValueError("q_norm and k_norm with different eps")
-        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        """(q_norm weight, k_norm weight, eps) for the fused rotary kernel, where the heads are normalised first
+        (read at each call: the parameters the loader bound last)."""
+        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
 
 
 class MLP(nn.Module):
@@ -408,7 +409,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.prepare(backend, kernels if layer.self_attn.softcap is None and not backend.kv_quantized
                                     else None)
             layer.mlp.prepare(backend, kernels)
-            for norm in layer.modules():  # q/k norms (3-D inputs) stay on torch ops all the same
+            for norm in layer.modules():  # q/k norms (3-D inputs): in the fused rotary kernel, else torch ops
                 if isinstance(norm, RMSNorm):
                     norm.kernels = kernels
         self.model.norm.kernels = kernels

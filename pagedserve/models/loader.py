@@ -130,18 +130,19 @@ def _reporting(backend: KernelBackend, model: nn.Module, progress: ProgressFn | 
     tied = bool(getattr(model, "tie_word_embeddings", False))
     tables = set() if tied else {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     total = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in tables) or 1
-    made, open_ = 0, [True]
+    made, reporting = 0, True
     progress(0.0, "preparing_weights")
 
     def on_weight(elements: int) -> None:
         nonlocal made
         made += elements
-        if open_[0]:  # a layer that keeps the backend and makes a linear later is not start-up
+        if reporting:  # a layer that keeps the backend and makes a linear later is not start-up
             progress(min(1.0, made / total), "preparing_weights")
 
     def done() -> None:
+        nonlocal reporting
         progress(1.0, "preparing_weights")
-        open_[0] = False
+        reporting = False
 
     return dataclasses.replace(backend, on_weight=on_weight), done
 
