@@ -28,7 +28,7 @@ TORCH_CATEGORIES = {
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
 }
 NATIVE_CATEGORIES = {"linear_bf16": "matmul", "linear_i8": "matmul", "decode_attention": "attention",
-                     "rms_norm": "norms", "silu_mul": "silu*up", "decode_stack": "decoder stack"}
+                     "rms_norm": "norms", "gate_mul": "act*up", "decode_stack": "decoder stack"}
 
 
 def time_native_kernels() -> dict[str, float]:

@@ -41,7 +41,7 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512):
 
 def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int = 0, weight_std: float = 0.2,
                     **overrides) -> Path:
-    """Save a random tiny `arch` ('llama', 'qwen2', 'qwen3', 'granite', 'phi3', 'gemma', 'gemma2', 'gemma3',
+    """Save a random tiny `arch` ('llama', 'mistral', 'qwen2', 'qwen3', 'granite', 'phi3', 'gemma', 'gemma2', 'gemma3',
     'gemma3-multimodal', 'smollm3') model with a tokenizer into out_dir. A larger `weight_std` makes a model that
     falls into repeating loops sooner (speculative decoding's tests)."""
     import torch
@@ -53,6 +53,10 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
     if arch == "llama":
         config = transformers.LlamaConfig(**{**common, "tie_word_embeddings": False, **overrides})
         cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":  # Llama's layers, every one with the config's sliding window (none by default)
+        config = transformers.MistralConfig(**{**common, "tie_word_embeddings": False, "sliding_window": None,
+                                               **overrides})
+        cls = transformers.MistralForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
         cls = transformers.Qwen2ForCausalLM

@@ -14,9 +14,9 @@ from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
-from pagedserve.memory.weight_format import (expected_layer_kernels, expected_weight_format, onednn_may_pack,
-                                             kv_quantized, partial_rotary, unrotated_layers, wants_native_kernels)
-from pagedserve.models.validate import layer_windows
+from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, expected_layer_kernels, expected_weight_format,
+                                             kv_quantized, onednn_may_pack, partial_rotary, unrotated_layers,
+                                             wants_native_kernels)
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
@@ -119,12 +119,10 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     fmt = expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels,
                                  native is not None, flags)
     spec = cls.decoder_spec(model.hf_config)
-    layers = expected_layer_kernels(fmt, native, model.hf_config, spec.qk_norm_gain,
-                                    onednn_may_pack(device, model.dtype, flags),
+    layers = expected_layer_kernels(fmt, native, model.hf_config, onednn_may_pack(device, model.dtype, flags),
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
                                     activation=spec.activation,
                                     softcapped=softcapped_attention(model.architecture, model.hf_config),
-                                    uniform_windows=len(set(layer_windows(model.hf_config))) <= 1,
                                     kv_cache_dtype=config.cache.kv_cache_dtype)
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:
@@ -136,18 +134,12 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     elif unrotated_layers(model.hf_config):
         fix = ("layers without rotary (SmolLM3's no_rope_layers) keep the decode stack off; the other layers' rotary "
                "runs fused; nothing to change")
-    elif layers.activation != "silu":
-        fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack are "
-               "SiLU's); nothing to change")
+    elif not layers.activation_native:
+        fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack have "
+               f"{' and '.join(NATIVE_ACTIVATIONS)}); nothing to change")
     elif kv_quantized(config.cache.kv_cache_dtype):
         fix = ("an 8-bit KV cache (--kv-cache-dtype fp8) is written and read by torch ops: rotary, attention and the "
                "decode stack on torch; leave --kv-cache-dtype auto where memory allows for the native path")
-    elif not layers.uniform_windows:
-        fix = ("layers with different sliding windows keep the decode stack off (each step's slots are cut once for "
-               "all layers); the layers run their native kernels; nothing to change")
-    elif spec.qk_norm_gain:
-        fix = ("q/k norms scaled by 1 + weight (Gemma 3) keep rotary and the decode stack on torch ops; "
-               "nothing to change")
     elif partial_rotary(model.hf_config):
         fix = "rotary over part of each head (partial_rotary_factor) keeps rotary and the decode stack on torch ops; "
         fix += "nothing to change"

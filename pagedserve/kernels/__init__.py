@@ -54,8 +54,8 @@ _SIGNATURES = {
     "ps_pack_bf16": ((_P, _P, _I64, _I64, _INT), None),
     "ps_rms_norm": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_rms_norm_gain": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
-    "ps_silu_mul": ((_P, _P, _I64, _I64, _INT, _INT), None),
-    "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _P, _P, _F32, _I64, _I64, _I64, _I64, _INT, _INT), None),
+    "ps_gate_mul": ((_P, _P, _I64, _I64, _INT, _INT, _INT), None),
+    "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _P, _P, _INT, _F32, _I64, _I64, _I64, _I64, _INT, _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
     "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _INT, _INT),
                              None),
@@ -66,8 +66,8 @@ _SIGNATURES = {
     "ps_row_sums_i8": ((_P, _I64, _I64, _P, _INT), None),
     "ps_layer_fields": ((), _INT),
     "ps_layer_layout": ((_P, _INT), _INT),
-    "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                         _F32, _F32, _INT, _INT), None),
+    "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _INT),
+                        None),
     "ps_layer_attention": ((_P, _P, _P, _INT, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
                             _F32, _INT, _INT), None),
     "ps_layer_mlp": ((_P, _P, _P, _P, _I64, _I64, _I64, _F32, _INT, _INT), None),
@@ -304,15 +304,20 @@ class CpuKernels:
              x.dtype == torch.bfloat16, self._threads())
         return out, new_residual
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [M, 2I] contiguous -> silu(gate) * up [M, I]."""
+    def gate_mul(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+        """gate_up [M, 2I] contiguous -> act(gate) * up [M, I], act one of weight_format.NATIVE_ACTIVATIONS (SiLU,
+        GELU's tanh approximation)."""
         check("gate_up", gate_up, ACTIVATION_DTYPES, (None, None))
+        if activation not in weight_format.NATIVE_ACTIVATIONS:
+            raise ValueError(f"gate_mul: activation {activation!r} is not native "
+                             f"(only {', '.join(weight_format.NATIVE_ACTIVATIONS)})")
         m, two_i = gate_up.shape
         if two_i % 32:
-            raise ValueError(f"silu_mul: 2 x intermediate size {two_i} is not a multiple of 32")
+            raise ValueError(f"gate_mul: 2 x intermediate size {two_i} is not a multiple of 32")
         out = torch.empty(m, two_i // 2, dtype=gate_up.dtype)
-        self.lib.ps_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2,
-                             gate_up.dtype == torch.bfloat16, self._threads())
+        self.lib.ps_gate_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2,
+                             weight_format.NATIVE_ACTIVATIONS.index(activation), gate_up.dtype == torch.bfloat16,
+                             self._threads())
         return out
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -328,10 +333,11 @@ class CpuKernels:
 
     def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
-                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, gain: bool = False) -> None:
         """In place: rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] (contiguous) with cos/sin
         [T, D], then write K and V of every token to the pool [S, Hkv, D] at slots [T] (int64). `qk_norm`: (q_norm
-        weight [D], k_norm weight [D], eps) of per-head RMSNorms applied first (Qwen3)."""
+        weight [D], k_norm weight [D], eps) of per-head RMSNorms applied first (Qwen3); with `gain` the weights are
+        float32 gains (Gemma 3's 1 + weight, rms_norm's `gain`)."""
         check("qkv", qkv, ACTIVATION_DTYPES, (None, None, None))
         t, h, d = qkv.shape
         hkv = (h - num_heads) // 2
@@ -348,12 +354,13 @@ class CpuKernels:
         eps = 0.0
         if qk_norm is not None:
             q_norm, k_norm, eps = qk_norm
-            check("q_norm", q_norm, qkv.dtype, (d,))
-            check("k_norm", k_norm, qkv.dtype, (d,))
+            check("q_norm", q_norm, torch.float32 if gain else qkv.dtype, (d,))
+            check("k_norm", k_norm, torch.float32 if gain else qkv.dtype, (d,))
         self.lib.ps_rope_kv_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                   v_cache.data_ptr(), slots.contiguous().data_ptr(),
                                   None if q_norm is None else q_norm.data_ptr(),
-                                  None if k_norm is None else k_norm.data_ptr(), eps, t, num_heads, hkv, d,
+                                  None if k_norm is None else k_norm.data_ptr(), int(gain), eps, t, num_heads,
+                                  hkv, d,
                                   qkv.dtype == torch.bfloat16, self._threads())
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -415,7 +422,8 @@ class CpuKernels:
         """`decode_stack`'s table layout as the library defines it: the column of each named field (a
         linear's entry spans `linear_fields` columns), `linear_fields` and `layer_fields`."""
         names = ("in_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache", "q_norm", "k_norm",
-                 "linear_fields", "layer_fields")
+                 "attn_out_norm", "mlp_out_norm", "flags", "view", "norm_gain", "gelu_tanh", "linear_fields",
+                 "layer_fields", "view_fields")
         values = (ctypes.c_int64 * len(names))()
         if self.lib.ps_layer_layout(values, len(names)) != len(names):
             raise RuntimeError("the kernel library's decode-stack layout has other fields than this wrapper")
@@ -458,7 +466,8 @@ class CpuKernels:
 
     def layer_mlp(self, row: torch.Tensor, y: torch.Tensor, residual: torch.Tensor, intermediate: int,
                   eps: float) -> torch.Tensor:
-        """One decoder layer's MLP half (ps_layer_mlp): post-norm of y + residual (updated in place), SiLU MLP."""
+        """One decoder layer's MLP half (ps_layer_mlp): (with sandwich norms y normed in place,) post-norm of y +
+        residual (updated in place), the gated MLP. Its output norm, if any, is the caller's (after reducing)."""
         self._check_layer(row)
         check("y", y, ACTIVATION_DTYPES, (None, None))
         check("residual", residual, y.dtype, tuple(y.shape))
@@ -467,21 +476,31 @@ class CpuKernels:
                               y.shape[1], intermediate, eps, y.dtype == torch.bfloat16, self._threads())
         return out
 
-    def decode_stack(self, x: torch.Tensor, table: torch.Tensor, final_norm: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, slots: torch.Tensor, ctx_slots: torch.Tensor, lens: torch.Tensor,
-                     num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                     scale: float) -> torch.Tensor:
+    def decode_stack(self, x: torch.Tensor, table: torch.Tensor, final_norm: torch.Tensor, slots: torch.Tensor,
+                     views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], num_heads: int,
+                     num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float) -> torch.Tensor:
         """Every decoder layer of a decode-only step in one call: x [B, H] embeddings -> the final norm's
         output [B, H]. `table` [layers, layer_fields] int64 holds each layer's pointers (see
-        cpu_kernels.c, ps_decode_stack); cos/sin [B, D]; slots [B]; ctx_slots [B, L]; lens [B] (int64)."""
-        self._check_step(x, cos, sin, slots, ctx_slots, lens, head_dim)
-        b, h = x.shape
-        check("final_norm", final_norm, x.dtype, (h,))
+        cpu_kernels.c, ps_decode_stack); slots [B] (int64); `views`: per step view (a layer's `view` column picks
+        one) its cos/sin [B, D], ctx_slots [B, L] and lens [B] (int64). The final norm is a float32 gain where the
+        layers' norms are (their `norm_gain` flag)."""
+        layout = self.layer_layout
         check("table", table, torch.int64, (None, self.layer_fields))
+        if not views or table.shape[0] == 0 or not 0 <= int(table[:, layout["view"]].min()) \
+                or int(table[:, layout["view"]].max()) >= len(views):
+            raise ValueError(f"decode_stack: {table.shape[0]} layers' views, {len(views)} given")
+        for view in views:
+            self._check_step(x, *view[:2], slots, *view[2:], head_dim)
+        b, h = x.shape
+        gain = bool(int(table[0, layout["flags"]]) & layout["norm_gain"])
+        check("final_norm", final_norm, torch.float32 if gain else x.dtype, (h,))
+        pointers = torch.tensor([[cos.data_ptr(), sin.data_ptr(), ctx.data_ptr(), lens.data_ptr(), ctx.shape[1]]
+                                 for cos, sin, ctx, lens in views], dtype=torch.int64)
+        if pointers.shape[1] != layout["view_fields"]:
+            raise RuntimeError("the kernel library's step view has other fields than this wrapper")
         out = torch.empty_like(x)
         self.lib.ps_decode_stack(x.data_ptr(), out.data_ptr(), table.data_ptr(), table.shape[0],
-                                 final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                                 ctx_slots.data_ptr(), lens.data_ptr(), b, ctx_slots.shape[1], h, num_heads,
+                                 final_norm.data_ptr(), slots.data_ptr(), pointers.data_ptr(), b, h, num_heads,
                                  num_kv_heads, head_dim, intermediate, eps, scale, x.dtype == torch.bfloat16,
                                  self._threads())
         return out

@@ -74,6 +74,10 @@ static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+static inline vf vcopysign(vf mag, vf sign) {  /* mag's magnitude (non-negative) with sign's sign bit */
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), _mm512_and_si512(
+      _mm512_castps_si512(sign), _mm512_set1_epi32((int)0x80000000u))));
+}
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  /* a * b + c, one rounding */
 static inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  /* c - a * b, one rounding */
 static inline vf vloadf(const float *p) { return _mm512_loadu_ps(p); }
@@ -150,6 +154,7 @@ static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
 static inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+static inline vf vcopysign(vf mag, vf sign) { return _mm256_or_ps(mag, _mm256_and_ps(_mm256_set1_ps(-0.0f), sign)); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline vf vloadf(const float *p) { return _mm256_loadu_ps(p); }
@@ -1690,17 +1695,39 @@ void ps_rms_norm_gain(const void *x, const void *residual, void *residual_out, c
   rms_norm_rows(x, residual, residual_out, NULL, gain, out, M, H, eps, bf16, nthreads);
 }
 
-/* ---- SiLU(gate) * up ------------------------------------------------------------------------------- */
+/* ---- act(gate) * up: SiLU or GELU (tanh) ------------------------------------------------------------ */
 
-/* gate_up [M, 2I] (gate first) -> out [M, I] = round(round(silu(gate)) * up). I % 16 == 0. */
-void ps_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int bf16, int nthreads) {
+enum { PS_ACT_SILU, PS_ACT_GELU_TANH };  /* the gates the native MLP has (weight_format.NATIVE_ACTIVATIONS' order) */
+
+/* tanh for float32 lanes as 1 - 2 / (exp(2|y|) + 1) with y's sign: near +-1 on float32's grid there, as torch's
+ * vectorised tanh (Sleef) is, so that 1 + tanh(y) cancels as it does in torch (GELU's tail); near 0 within a few
+ * float32 ulps of 1 in absolute terms. */
+static inline vf vtanh(vf y) {
+  const vf magnitude = vsub(vset1(1.0f), vdiv(vset1(2.0f), vadd(vexp(vmul(vset1(2.0f), vabs(y))), vset1(1.0f))));
+  return vcopysign(magnitude, y);
+}
+
+/* gate_up [M, 2I] (gate first) -> out [M, I] = round(round(act(gate)) * up), as transformers: act runs in float32
+ * and rounds to the model dtype, then the product rounds. SiLU: g / (1 + exp(-g)). GELU, tanh approximation
+ * (Gemma's gelu_pytorch_tanh): 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), written as torch's
+ * vectorised kernel writes it (its 1 + tanh(u) is 0 far below zero, where g / (1 + exp(-2u)) would not be: the
+ * rounded results then differ in 13 % of bf16 values, against 0.6 % this way, as many as torch's own scalar tanh
+ * differs from its vectorised one). I % 16 == 0. */
+void ps_gate_mul(const void *gate_up, void *out, int64_t M, int64_t I, int act, int bf16, int nthreads) {
   const int64_t chunks = I / VL;
+  const vf one = vset1(1.0f), half = vset1(0.5f), beta = vset1(0.7978845608028654f), kappa = vset1(0.044715f);
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t c = 0; c < M * chunks; ++c) {
     const int64_t m = c / chunks, k = (c % chunks) * VL;
     const vf g = vload(at(gate_up, m * 2 * I + k, bf16), bf16);
     const vf u = vload(at(gate_up, m * 2 * I + I + k, bf16), bf16);
-    const vf s = vdiv(g, vadd(vset1(1.0f), vexp(vsub(vzero(), g))));
+    vf s;
+    if (act == PS_ACT_GELU_TANH) {
+      const vf inner = vmul(beta, vadd(g, vmul(kappa, vmul(vmul(g, g), g))));
+      s = vmul(vmul(half, g), vadd(one, vtanh(inner)));
+    } else {
+      s = vdiv(g, vadd(one, vexp(vsub(vzero(), g))));
+    }
     vstore((void *)at(out, m * I + k, bf16), vmul(vround(s, bf16), u), bf16);
   }
 }
@@ -1710,11 +1737,12 @@ void ps_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int bf16,
 /* qkv [T, Hq + 2 Hkv, D] (a fresh projection output): rotate the Hq query and Hkv key heads in place,
  * then copy each token's (rotated) K and its V into the pool at slots[t]. cos/sin [T, D] in the
  * activation dtype. Rounding as transformers: round(round(x * cos) + round(rotate_half(x) * sin)).
- * q_norm/k_norm [D] (Qwen3's per-head norms; NULL: none): each query / key head is first normalised in place as
- * RMSNorm does (rms_norm_row, Llama's rounding, `eps`), as transformers norms them before rotary. D % 32 == 0. */
+ * q_norm/k_norm [D] (per-head norms; NULL: none): each query / key head is first normalised in place as RMSNorm
+ * does (rms_norm_row, `eps`), as transformers norms them before rotary: Qwen3's with Llama's rounding (weights in the
+ * model dtype), or with `norm_gain` Gemma 3's (float32 gains 1 + weight, one rounding). D % 32 == 0. */
 void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache, void *v_cache,
-                      const int64_t *slots, const void *q_norm, const void *k_norm, float eps, int64_t T, int64_t Hq,
-                      int64_t Hkv, int64_t D, int bf16, int nthreads) {
+                      const int64_t *slots, const void *q_norm, const void *k_norm, int norm_gain, float eps,
+                      int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int bf16, int nthreads) {
   const int64_t H = Hq + 2 * Hkv, half = D / 2, rotated = Hq + Hkv;
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 4)
   for (int64_t t = 0; t < T; ++t) {
@@ -1722,7 +1750,8 @@ void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache
     for (int64_t h = 0; h < rotated; ++h) {
       void *x = (void *)at(qkv, (t * H + h) * D, bf16);
       const void *norm = h < Hq ? q_norm : k_norm;
-      if (norm) rms_norm_row(x, NULL, NULL, norm, NULL, x, D, eps, bf16);
+      if (norm) rms_norm_row(x, NULL, NULL, norm_gain ? NULL : norm, norm_gain ? (const float *)norm : NULL, x, D,
+                             eps, bf16);
       for (int64_t i = 0; i < half; i += VL) {
         const vf x1 = vload(at(x, i, bf16), bf16), x2 = vload(at(x, half + i, bf16), bf16);
         const vf c1 = vload(at(c, i, bf16), bf16), c2 = vload(at(c, half + i, bf16), bf16);
@@ -2350,28 +2379,41 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
 
 /* ---- the whole decoder stack for a decode-only batch ------------------------------------------------ */
 
-/* One decode step of a Llama-style decoder (pre-norm, fused qkv with rotary, paged attention, SiLU MLP):
+/* One decode step of a Llama-style decoder (pre-norm, fused qkv with rotary, paged attention, gated MLP):
  * the decoder layer is written once, as its two halves below (ps_layer_attention, ps_layer_mlp), with the
  * same kernels, order and roundings as the per-layer path (models/llama.py); ps_decode_stack loops over them
  * in one call, without ~10 Python calls and their tensors per layer, and with tensor parallelism
  * models/llama.py calls the halves itself, all-reducing after each.
  * A layer is one row of PS_LAYER_FIELDS int64 (pointers and kinds, laid out as the PS_L_* below; each of the
- * 4 linears is {kind (0 bf16 packed, 1 int8), weight, bias or 0, scales (int8), row sums (int8)}).
+ * 4 linears is {kind (0 bf16 packed, 1 int8), weight, bias or 0, scales (int8), row sums (int8)}):
+ * - q/k norm: the per-head norms' weights (Qwen3, Gemma 3), or 0;
+ * - attn_out/mlp_out norm: Gemma 2/3's sandwich norms of the attention's and the MLP's outputs before they join
+ *   the residual stream (post_attention_layernorm, post_feedforward_layernorm; post_norm is then
+ *   pre_feedforward_layernorm), or 0;
+ * - flags: PS_NORM_GAIN (every norm's weight is a float32 gain, Gemma's 1 + weight), PS_GELU_TANH (the MLP's gate
+ *   is GELU's tanh approximation, else SiLU);
+ * - view: which of ps_decode_stack's step views the layer reads (its rotary tables and its sliding window's
+ *   context: Gemma 2/3's sliding-window layers have their own).
  * cos/sin [B, D]; slots [B]; ctx_slots [B, max_len] and lens [B] as ps_decode_attention. int8 linears need
  * B <= 32 where the caller says so (KernelBackend: CPUs with bf16 dot products). */
 enum { PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O = PS_L_QKV + 5, PS_L_GATE_UP = PS_L_O + 5,
        PS_L_DOWN = PS_L_GATE_UP + 5, PS_L_K_CACHE = PS_L_DOWN + 5, PS_L_V_CACHE, PS_L_Q_NORM, PS_L_K_NORM,
-       PS_LAYER_FIELDS };  /* q/k norm: the per-head norms' weights (Qwen3), or 0 */
+       PS_L_ATTN_OUT_NORM, PS_L_MLP_OUT_NORM, PS_L_FLAGS, PS_L_VIEW, PS_LAYER_FIELDS };
+enum { PS_NORM_GAIN = 1, PS_GELU_TANH = 2 };
+enum { PS_V_COS, PS_V_SIN, PS_V_CTX_SLOTS, PS_V_LENS, PS_V_MAX_LEN, PS_VIEW_FIELDS };  /* a step view's int64s */
 
 int ps_layer_fields(void) { return PS_LAYER_FIELDS; }
 
 /* The table's layout for the Python side, which builds rows by these names (NativeDecodeStack):
- * offsets of in_norm, post_norm, qkv, o, gate_up, down, k_cache, v_cache, q_norm, k_norm; then the fields per
- * linear and per layer. Writes at most n values and returns how many the layout has (the caller checks it expected
- * exactly that many: a field added here must be added there). */
+ * offsets of in_norm, post_norm, qkv, o, gate_up, down, k_cache, v_cache, q_norm, k_norm, attn_out_norm,
+ * mlp_out_norm, flags, view; the flags' bits norm_gain and gelu_tanh; then the fields per linear, per layer and per
+ * step view. Writes at most n values and returns how many the layout has (the caller checks it expected exactly
+ * that many: a field added here must be added there). */
 int ps_layer_layout(int64_t *out, int n) {
   const int64_t layout[] = {PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O, PS_L_GATE_UP, PS_L_DOWN, PS_L_K_CACHE,
-                            PS_L_V_CACHE, PS_L_Q_NORM, PS_L_K_NORM, PS_L_O - PS_L_QKV, PS_LAYER_FIELDS};
+                            PS_L_V_CACHE, PS_L_Q_NORM, PS_L_K_NORM, PS_L_ATTN_OUT_NORM, PS_L_MLP_OUT_NORM,
+                            PS_L_FLAGS, PS_L_VIEW, PS_NORM_GAIN, PS_GELU_TANH, PS_L_O - PS_L_QKV, PS_LAYER_FIELDS,
+                            PS_VIEW_FIELDS};
   const int count = (int)(sizeof(layout) / sizeof(layout[0]));
   for (int i = 0; i < count && i < n; ++i) out[i] = layout[i];
   return count;
@@ -2387,9 +2429,19 @@ static void stack_linear(const int64_t *lin, const void *x, void *y, int64_t M, 
                    M, N, K, nthreads);
 }
 
+/* The layer's norm in column `field` of rows x [B, H] (with `residual`: of x + residual, the sum kept in it) into
+ * out (which may be x), scaling as the layer's flags say. */
+static void stack_norm(const int64_t *layer, int field, const void *x, void *residual, void *out, int64_t B,
+                       int64_t H, float eps, int bf16, int nthreads) {
+  const void *w = (const void *)layer[field];
+  const int gain = (layer[PS_L_FLAGS] & PS_NORM_GAIN) != 0;
+  rms_norm_rows(x, residual, residual, gain ? NULL : w, gain ? (const float *)w : NULL, out, B, H, eps, bf16,
+                nthreads);
+}
+
 /* The attention half of decoder layer `layer`: h = in_norm(x + residual) (the sum kept in `residual`; on
- * the first layer, `first`, residual = x), qkv = h W_qkv, rotary + K/V write, paged attention, y = attn W_o
- * (with tensor parallelism this rank's partial sum). x, y, residual: [B, H]. */
+ * the first layer, `first`, residual = x), qkv = h W_qkv, (q/k norms,) rotary + K/V write, paged attention,
+ * y = attn W_o (with tensor parallelism this rank's partial sum). x, y, residual: [B, H]. */
 void ps_layer_attention(const int64_t *layer, const void *x, void *residual, int first, void *y, const void *cos,
                         const void *sin, const int64_t *slots, const int64_t *ctx_slots, const int64_t *lens,
                         int64_t B, int64_t max_len, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, float eps,
@@ -2397,51 +2449,57 @@ void ps_layer_attention(const int64_t *layer, const void *x, void *residual, int
   const size_t es = bf16 ? 2 : 4, qkv_n = (size_t)((Hq + 2 * Hkv) * D);
   char *h = (char *)aligned_alloc(64, (es * (size_t)B * ((size_t)H + qkv_n + (size_t)(Hq * D)) + 63) / 64 * 64);
   char *qkv = h + es * B * H, *attn = qkv + es * B * qkv_n;
-  if (first) {
-    memcpy(residual, x, es * B * H);
-    ps_rms_norm(x, NULL, NULL, (const void *)layer[PS_L_IN_NORM], h, B, H, eps, bf16, nthreads);
-  } else {
-    ps_rms_norm(x, residual, residual, (const void *)layer[PS_L_IN_NORM], h, B, H, eps, bf16, nthreads);
-  }
+  if (first) memcpy(residual, x, es * B * H);
+  stack_norm(layer, PS_L_IN_NORM, x, first ? NULL : residual, h, B, H, eps, bf16, nthreads);
   stack_linear(layer + PS_L_QKV, h, qkv, B, (int64_t)qkv_n, H, bf16, nthreads);
   ps_rope_kv_write(qkv, cos, sin, (void *)layer[PS_L_K_CACHE], (void *)layer[PS_L_V_CACHE], slots,
-                   (const void *)layer[PS_L_Q_NORM], (const void *)layer[PS_L_K_NORM], eps, B, Hq, Hkv, D, bf16,
-                   nthreads);
+                   (const void *)layer[PS_L_Q_NORM], (const void *)layer[PS_L_K_NORM],
+                   (layer[PS_L_FLAGS] & PS_NORM_GAIN) != 0, eps, B, Hq, Hkv, D, bf16, nthreads);
   ps_decode_attention(qkv, (int64_t)qkv_n, (const void *)layer[PS_L_K_CACHE], (const void *)layer[PS_L_V_CACHE],
                       ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, bf16, nthreads);
   stack_linear(layer + PS_L_O, attn, y, B, H, Hq * D, bf16, nthreads);
   free(h);
 }
 
-/* The MLP half: h = post_norm(y + residual) (the sum kept in `residual`), out = SiLU(h W_gate) * (h W_up)
- * W_down (with tensor parallelism this rank's partial sum). y, out, residual: [B, H]. */
-void ps_layer_mlp(const int64_t *layer, const void *y, void *residual, void *out, int64_t B, int64_t H, int64_t I,
+/* The MLP half: (with sandwich norms y = attn_out_norm(y), on the whole sum where tensor parallelism reduced it,)
+ * h = post_norm(y + residual) (the sum kept in `residual`), out = act(h W_gate) * (h W_up) W_down (with tensor
+ * parallelism this rank's partial sum; the caller applies mlp_out_norm, if any, to the reduced sum). y (overwritten
+ * with sandwich norms), out, residual: [B, H]. */
+void ps_layer_mlp(const int64_t *layer, void *y, void *residual, void *out, int64_t B, int64_t H, int64_t I,
                   float eps, int bf16, int nthreads) {
   const size_t es = bf16 ? 2 : 4;
   char *h = (char *)aligned_alloc(64, (es * (size_t)B * ((size_t)H + 3 * (size_t)I) + 63) / 64 * 64);
   char *gate_up = h + es * B * H, *act = gate_up + es * B * 2 * I;
-  ps_rms_norm(y, residual, residual, (const void *)layer[PS_L_POST_NORM], h, B, H, eps, bf16, nthreads);
+  if (layer[PS_L_ATTN_OUT_NORM]) stack_norm(layer, PS_L_ATTN_OUT_NORM, y, NULL, y, B, H, eps, bf16, nthreads);
+  stack_norm(layer, PS_L_POST_NORM, y, residual, h, B, H, eps, bf16, nthreads);
   stack_linear(layer + PS_L_GATE_UP, h, gate_up, B, 2 * I, H, bf16, nthreads);
-  ps_silu_mul(gate_up, act, B, I, bf16, nthreads);
+  ps_gate_mul(gate_up, act, B, I, (layer[PS_L_FLAGS] & PS_GELU_TANH) ? PS_ACT_GELU_TANH : PS_ACT_SILU, bf16,
+              nthreads);
   stack_linear(layer + PS_L_DOWN, act, out, B, H, I, bf16, nthreads);
   free(h);
 }
 
-/* Every layer of a decode-only step: x [B, H] embeddings -> out [B, H] = final_norm(last output + residual). */
+/* Every layer of a decode-only step: x [B, H] embeddings (scaled as the model does) -> out [B, H] =
+ * final_norm(last output + residual), the final norm scaling as the layers' flags say. `views` [n, PS_VIEW_FIELDS]
+ * int64: per step view (a layer's PS_L_VIEW picks one) the pointers to cos, sin, ctx_slots, lens and max_len. */
 void ps_decode_stack(const void *x, void *out, const int64_t *layers, int64_t n_layers, const void *final_norm,
-                     const void *cos, const void *sin, const int64_t *slots, const int64_t *ctx_slots,
-                     const int64_t *lens, int64_t B, int64_t max_len, int64_t H, int64_t Hq, int64_t Hkv,
+                     const int64_t *slots, const int64_t *views, int64_t B, int64_t H, int64_t Hq, int64_t Hkv,
                      int64_t D, int64_t I, float eps, float scale, int bf16, int nthreads) {
   const size_t es = bf16 ? 2 : 4;
   char *residual = (char *)aligned_alloc(64, (3 * es * (size_t)(B * H) + 63) / 64 * 64);
   char *a = residual + es * B * H, *y = a + es * B * H;
   for (int64_t l = 0; l < n_layers; ++l) {
-    const int64_t *p = layers + l * PS_LAYER_FIELDS;
-    ps_layer_attention(p, l == 0 ? x : (const void *)y, residual, l == 0, a, cos, sin, slots, ctx_slots, lens, B,
-                       max_len, H, Hq, Hkv, D, eps, scale, bf16, nthreads);
+    const int64_t *p = layers + l * PS_LAYER_FIELDS, *v = views + p[PS_L_VIEW] * PS_VIEW_FIELDS;
+    ps_layer_attention(p, l == 0 ? x : (const void *)y, residual, l == 0, a, (const void *)v[PS_V_COS],
+                       (const void *)v[PS_V_SIN], slots, (const int64_t *)v[PS_V_CTX_SLOTS],
+                       (const int64_t *)v[PS_V_LENS], B, v[PS_V_MAX_LEN], H, Hq, Hkv, D, eps, scale, bf16,
+                       nthreads);
     ps_layer_mlp(p, a, residual, y, B, H, I, eps, bf16, nthreads);
+    if (p[PS_L_MLP_OUT_NORM]) stack_norm(p, PS_L_MLP_OUT_NORM, y, NULL, y, B, H, eps, bf16, nthreads);
   }
-  ps_rms_norm(y, residual, residual, final_norm, out, B, H, eps, bf16, nthreads);
+  const int64_t last[PS_LAYER_FIELDS] = {[PS_L_IN_NORM] = (int64_t)final_norm,
+                                         [PS_L_FLAGS] = n_layers ? layers[PS_L_FLAGS] : 0};
+  stack_norm(last, PS_L_IN_NORM, y, residual, out, B, H, eps, bf16, nthreads);
   free(residual);
 }
 

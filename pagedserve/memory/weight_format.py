@@ -29,6 +29,9 @@ MAX_HEAD_DIM = 256
 ROTARY_MULTIPLE = 32  # head_dim, for rotary fused into the KV write
 # The activation dtypes pagedserve's native kernels take (pagedserve.kernels.ACTIVATION_DTYPES is this, in torch).
 NATIVE_DTYPES = ("bfloat16", "float32")
+# The MLP gates the native kernels have (act(gate) x up; cpu_kernels.c's PS_ACT_* in this order): SiLU, and GELU's tanh
+# approximation (Gemma's gelu_pytorch_tanh). Others (the exact GELU) run torch ops and keep the decode stack off.
+NATIVE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The dtypes oneDNN's packed linear is tried for (layers/linear.py's packing_supported).
 ONEDNN_PACKED_DTYPES = ("bfloat16", "float32")
 # On x86, oneDNN reorders a bf16 weight only with one of these flag sets (its error message names them): not on
@@ -182,11 +185,11 @@ def kv_quantized(kv_cache_dtype: str) -> bool:
     return kv_cache_dtype.startswith("fp8")
 
 
-def fused_rotary(attention_native: bool, qk_norm_gain: bool, head_dim: int, partial: bool = False) -> bool:
-    """Rotary runs fused with the KV write (one native call, Qwen3's per-head q/k norms included) where attention
-    runs the native kernels (not into an 8-bit KV pool): not where the q/k norms scale by a float32 gain
-    (`qk_norm_gain`: Gemma 3's 1 + weight), nor where it rotates only part of each head (`partial`)."""
-    return attention_native and not qk_norm_gain and not partial and head_dim % ROTARY_MULTIPLE == 0
+def fused_rotary(attention_native: bool, head_dim: int, partial: bool = False) -> bool:
+    """Rotary runs fused with the KV write (one native call, Qwen3's and Gemma 3's per-head q/k norms included)
+    where attention runs the native kernels (not into an 8-bit KV pool), not where it rotates only part of each head
+    (`partial`)."""
+    return attention_native and not partial and head_dim % ROTARY_MULTIPLE == 0
 
 
 @dataclass(frozen=True)
@@ -202,17 +205,16 @@ class LayerKernels:
 
     num_layers: int
     linears: tuple[LinearKernel, ...]
-    decoder_native: bool  # norms, SiLU x up and attention on the native kernels
+    decoder_native: bool  # norms, the MLP's gate x up and attention on the native kernels
     rotary_fused: bool
     tp: tuple[int, int] | None = None  # (rank, world size) with tensor parallelism
-    activation: str = "silu"  # the MLP's gate; the native kernel and the decode stack's MLP are SiLU's
+    activation: str = "silu"  # the MLP's gate; the native kernel and the decode stack's MLP: NATIVE_ACTIVATIONS
     native_attention: bool | None = None  # attention on the native kernels where the norms are not (Gemma); None:
     # as decoder_native
-    uniform_windows: bool = True  # one sliding window (or none) for every layer: the stack cuts a step's slots once
 
     @property
     def activation_native(self) -> bool:
-        return self.decoder_native and self.activation == "silu"
+        return self.decoder_native and self.activation in NATIVE_ACTIVATIONS
 
     @property
     def attention_native(self) -> bool:
@@ -221,7 +223,7 @@ class LayerKernels:
     @property
     def stack(self) -> bool:
         """Decode-only steps run every layer on the C decoder layer: it needs every part of a layer native."""
-        return self.activation_native and self.rotary_fused and self.uniform_windows and all(
+        return self.activation_native and self.rotary_fused and all(
             linear.native for linear in self.linears if linear.name != "logits")
 
     def lines(self) -> list[str]:
@@ -243,19 +245,16 @@ class LayerKernels:
 _ACTIVATION_WORDS = {"silu": "SiLU", "gelu": "GELU", "gelu_pytorch_tanh": "GELU (tanh)"}
 
 
-def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, qk_norm_gain: bool,
-                           onednn_packs: bool, tp_size: int = 1, logits: bool = True, activation: str = "silu",
-                           softcapped: bool = False, uniform_windows: bool = True,
+def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, onednn_packs: bool,
+                           tp_size: int = 1, logits: bool = True, activation: str = "silu", softcapped: bool = False,
                            kv_cache_dtype: str = "auto") -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
     ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
     o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
-    the model has an LM head (not an embedding model); `activation`: the MLP's gate (the native kernel is SiLU's);
-    `softcapped`: its attention caps scores, which only torch ops do; `qk_norm_gain`: its q/k norms scale by a
-    float32 gain (Gemma 3), which the fused rotary does not take; `uniform_windows`: every layer has the same sliding
-    window or none (validate.layer_windows), which the decode stack needs; `kv_cache_dtype`: --kv-cache-dtype (an
-    8-bit pool keeps rotary and the stack on torch ops)."""
+    the model has an LM head (not an embedding model); `activation`: the MLP's gate (the native kernel's are
+    NATIVE_ACTIVATIONS); `softcapped`: its attention caps scores, which only torch ops do; `kv_cache_dtype`:
+    --kv-cache-dtype (an 8-bit pool keeps rotary and the stack on torch ops)."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -269,7 +268,7 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
                                  runs[name]) for name, _ in inputs)
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
-                        fused_rotary(attention_native, qk_norm_gain, head_dim, partial_rotary(cfg))
+                        fused_rotary(attention_native, head_dim, partial_rotary(cfg))
                         and not unrotated_layers(cfg),
                         None if tp_size == 1 else (0, tp_size), activation,
-                        None if attention_native == decoder_native else attention_native, uniform_windows)
+                        None if attention_native == decoder_native else attention_native)

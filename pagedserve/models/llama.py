@@ -25,7 +25,8 @@ from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedserve.memory.weight_format import LayerKernels, LinearKernel, fused_rotary, linear_words, rotary_dim
+from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, LayerKernels, LinearKernel, fused_rotary, linear_words,
+                                             rotary_dim)
 from pagedserve.models.validate import layer_windows
 
 
@@ -51,7 +52,7 @@ class DecoderSpec:
 
     @property
     def qk_norm_gain(self) -> bool:
-        """q/k norms that scale by a float32 gain (Gemma 3's 1 + weight): the fused rotary kernel takes Llama's only."""
+        """q/k norms that scale by a float32 gain (Gemma 3's 1 + weight; the fused rotary kernel's `gain`)."""
         return self.qk_norm and self.norm.gain_in_float32
 
 
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         self.kernels = kernels
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
         self.fused_rope = (self.rotary and self.qk_norm_eps_agree()
-                           and fused_rotary(kernels is not None, self.qk_norm_gain, self.head_dim, self.partial_rotary))
+                           and fused_rotary(kernels is not None, self.head_dim, self.partial_rotary))
         self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
         self.o_proj = backend.make_linear(weight_of(self.o_proj), o_bias)
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         kv_written = self.fused_rope and not kv_cache.is_quantized and qkv.is_contiguous()
         if kv_written:  # one native call (norms q and k,) rotates them in place and writes K/V to the pool
             self.kernels.rope_kv_write(qkv, *rope, kv_cache.k, kv_cache.v, meta.slot_mapping, self.num_heads,
-                                       self.native_qk_norm())
+                                       self.native_qk_norm(), self.qk_norm_gain)
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         else:
             if self.qk_norm:
@@ -121,8 +122,8 @@ class Attention(nn.Module):
 
     def native_qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """(q_norm weight, k_norm weight, eps) for the fused rotary kernel, where the heads are normalised first
-        (read at each call: the parameters the loader bound last)."""
-        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        (read at each call: the parameters the loader bound last; Gemma 3's: the float32 gains, qk_norm_gain)."""
+        return (self.q_norm.native_weight(), self.k_norm.native_weight(), self.q_norm.eps) if self.qk_norm else None
 
 
 class MLP(nn.Module):
@@ -143,7 +144,7 @@ class MLP(nn.Module):
             raise ValueError("mlp_bias: true (biases in the MLP's linears) is not supported")
 
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
-        self.kernels = kernels if self.activation == "silu" else None  # the native kernel is SiLU x up
+        self.kernels = kernels if self.activation in NATIVE_ACTIVATIONS else None  # the native act(gate) x up
         self.intermediate_size = self.gate_proj.out_features
         self.gate_up_proj = backend.make_fused_linear(self.gate_proj, self.up_proj)
         self.down_proj = backend.make_linear(weight_of(self.down_proj), None)
@@ -152,7 +153,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)  # [T, 2I]
         if self.kernels is not None:
-            out = self.down_proj.forward(self.kernels.silu_mul(gate_up))
+            out = self.down_proj.forward(self.kernels.gate_mul(gate_up, self.activation))
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             out = self.down_proj.forward(ACTIVATIONS[self.activation](gate) * up)
@@ -225,11 +226,11 @@ class DecoderModel(nn.Module):
             scale = self.embedding_multiplier
             x = x * (torch.tensor(scale, dtype=x.dtype) if self.embedding_multiplier_rounded else scale)
         rope = self.rotary_emb.lookup(positions, x.dtype)  # once per step, shared by every layer
+        local = rope if self.local_rotary_emb is None else self.local_rotary_emb.lookup(positions, x.dtype)
         if self._stack_kernels is not None:
             self.stack, self._stack_kernels = NativeDecodeStack.build(self, self._stack_kernels), None
         if self.stack is not None and self.stack.runs(x, kv_caches, meta):
-            return self.stack.forward(x, rope, kv_caches, meta)
-        local = rope if self.local_rotary_emb is None else self.local_rotary_emb.lookup(positions, x.dtype)
+            return self.stack.forward(x, rope, local, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):  # .forward: skip nn.Module call overhead
             x, residual = layer.forward(x, residual, rope if layer.self_attn.window is None else local, kv_cache, meta)
@@ -254,10 +255,13 @@ class NativeDecodeStack:
     tensor parallelism in one native call (kernels.decode_stack), without ~10 Python calls and their tensors
     per layer (about 3 ms of a 30 ms bf16 step on the 2-core Zen 5; see benchmarks/PROFILE.md); with it, two
     calls per layer with this rank's all-reduce after each half. Used where every layer runs native kernels
-    with rotary fused into the KV write (Qwen3's q/k norms with it) and the KV pool is in the model dtype."""
+    with rotary fused into the KV write (Qwen3's and Gemma 3's q/k norms with it), a native MLP gate (SiLU, Gemma's
+    GELU) and the KV pool is in the model dtype. Gemma's norms (float32 gains, sandwich norms) are the table's
+    flags and columns; layers with a sliding window of their own (Gemma 2/3, Qwen's max_window_layers) read a step
+    view of their own: the step's context cut to their window and (Gemma 3) their rotary tables."""
 
     def __init__(self, kernels: CpuKernels, model: DecoderModel, table: torch.Tensor, int8: bool,
-                 tensors: list[torch.Tensor]) -> None:
+                 tensors: list[torch.Tensor], windows: list[int | None]) -> None:
         self.kernels = kernels
         self.tp = model.tp
         self.table = table  # [layers, kernels.layer_fields] int64; the K/V pool columns filled per pool
@@ -266,8 +270,14 @@ class NativeDecodeStack:
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         self.dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
         self.eps, self.scale = model.norm.eps, attn.scale
-        self.window = attn.window  # every layer's (build checks)
-        self.final_norm = model.norm.weight
+        # the step views: one per distinct window (validate.layer_windows: a window and None at most), each with the
+        # rotary tables of its layers (Gemma 3's sliding-window layers: their own)
+        self.views = [(window, window is not None and model.local_rotary_emb is not None) for window in windows]
+        self.view_of = [windows.index(layer.self_attn.window) for layer in model.layers]
+        self.final_norm = model.norm.native_weight()
+        self.norm_gain = model.norm.gain_in_float32
+        self.mlp_out_norms = [getattr(layer, "post_feedforward_layernorm", None) if layer.sandwich_norms else None
+                              for layer in model.layers]  # with tensor parallelism: applied here, after reducing
         self._pools: list[LayerKVCache] | None = None
 
     @classmethod
@@ -276,21 +286,28 @@ class NativeDecodeStack:
             return None  # the native kernels read host memory
         layout = kernels.layer_layout  # the library's own column of each field
         rows, int8, tensors = [], False, []
-        if len({layer.self_attn.window for layer in model.layers}) > 1:
-            return None  # one window for every layer: each step's decode slots are cut once (AttentionMetadata.within)
+        windows = list(dict.fromkeys(layer.self_attn.window for layer in model.layers))
+        first = model.layers[0]
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qk_norm = attn.native_qk_norm()
-            if (not attn.fused_rope or attn.softcap is not None or layer.input_layernorm.eps != model.norm.eps
+            norms = cls._norms(layer)
+            if (not attn.fused_rope or attn.softcap is not None or mlp.kernels is None
+                    or mlp.activation not in NATIVE_ACTIVATIONS or attn.scale != first.self_attn.scale
+                    or any(norm.eps != model.norm.eps or norm.gain_in_float32 != model.norm.gain_in_float32
+                           for norm in norms.values())
                     or (qk_norm is not None and qk_norm[2] != model.norm.eps)):
                 return None
             row = [0] * layout["layer_fields"]  # K/V pools: set by _bind_pools
-            row[layout["in_norm"]] = layer.input_layernorm.weight.data_ptr()
-            row[layout["post_norm"]] = layer.post_attention_layernorm.weight.data_ptr()
-            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            if qk_norm is not None:  # Qwen3's per-head norms, applied by the fused rotary
+            for name, norm in norms.items():
+                row[layout[name]] = norm.native_weight().data_ptr()
+                tensors.append(norm.native_weight())
+            if qk_norm is not None:  # Qwen3's and Gemma 3's per-head norms, applied by the fused rotary
                 row[layout["q_norm"]], row[layout["k_norm"]] = qk_norm[0].data_ptr(), qk_norm[1].data_ptr()
                 tensors += [qk_norm[0], qk_norm[1]]
+            row[layout["flags"]] = ((layout["norm_gain"] if model.norm.gain_in_float32 else 0)
+                                    | (layout["gelu_tanh"] if mlp.activation == "gelu_pytorch_tanh" else 0))
+            row[layout["view"]] = windows.index(attn.window)
             for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
                 entry = linear.native_fields() if hasattr(linear, "native_fields") else None
@@ -303,7 +320,16 @@ class NativeDecodeStack:
                 row[layout[name]:layout[name] + len(entry)] = entry
                 tensors += list(linear.buffers())
             rows.append(row)
-        return cls(kernels, model, torch.tensor(rows, dtype=torch.int64), int8, tensors)
+        return cls(kernels, model, torch.tensor(rows, dtype=torch.int64), int8, tensors, windows)
+
+    @staticmethod
+    def _norms(layer: DecoderLayer) -> dict[str, RMSNorm]:
+        """The layer's norms by their table column: with sandwich norms (Gemma 2/3) post_attention_layernorm norms
+        the attention's output and pre_feedforward_layernorm is the one before the MLP."""
+        if not layer.sandwich_norms:
+            return {"in_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm}
+        return {"in_norm": layer.input_layernorm, "attn_out_norm": layer.post_attention_layernorm,
+                "post_norm": layer.pre_feedforward_layernorm, "mlp_out_norm": layer.post_feedforward_layernorm}
 
     def runs(self, x: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata) -> bool:
         """This step is decode-only and within what the stack handles."""
@@ -318,25 +344,33 @@ class NativeDecodeStack:
         self.table[:, layout["v_cache"]] = torch.tensor([c.v.data_ptr() for c in kv_caches], dtype=torch.int64)
         self._pools = kv_caches  # the runner keeps one list of pools for the engine's life
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[LayerKVCache],
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                local_rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
+        """`local_rope`: the sliding-window layers' rotary tables where they have their own (Gemma 3), else `rope`."""
         self._bind_pools(kv_caches)
-        cos, sin = rope
-        meta = meta.within(self.window)
-        step = (cos.contiguous(), sin.contiguous(), meta.slot_mapping.contiguous(), meta.decode_kv_slots,
-                meta.decode_context_lens)
+        views = []
+        for window, local in self.views:
+            cut = meta.within(window)
+            cos, sin = local_rope if local else rope
+            views.append((cos.contiguous(), sin.contiguous(), cut.decode_kv_slots, cut.decode_context_lens))
+        slots = meta.slot_mapping.contiguous()
         if self.tp is None:
-            return self.kernels.decode_stack(x.contiguous(), self.table, self.final_norm, *step, *self.dims,
+            return self.kernels.decode_stack(x.contiguous(), self.table, self.final_norm, slots, views, *self.dims,
                                              self.eps, self.scale)
         heads, kv_heads, head_dim, intermediate = self.dims
         h, residual = x.contiguous(), torch.empty_like(x)
         for index in range(self.table.shape[0]):
             row = self.table[index]
-            y = self.kernels.layer_attention(row, h, residual, index == 0, *step, heads, kv_heads, head_dim,
-                                             self.eps, self.scale)
+            y = self.kernels.layer_attention(row, h, residual, index == 0, views[self.view_of[index]][0],
+                                             views[self.view_of[index]][1], slots, *views[self.view_of[index]][2:],
+                                             heads, kv_heads, head_dim, self.eps, self.scale)
             y = self.tp.all_reduce(y)  # the heads' partial sums
             h = self.tp.all_reduce(self.kernels.layer_mlp(row, y, residual, intermediate, self.eps))
-        return self.kernels.rms_norm(h, self.final_norm, self.eps, residual)[0]
+            out_norm = self.mlp_out_norms[index]
+            if out_norm is not None:  # Gemma 2/3's norm of the whole MLP output
+                h = self.kernels.rms_norm(h, out_norm.native_weight(), self.eps, gain=self.norm_gain)[0]
+        return self.kernels.rms_norm(h, self.final_norm, self.eps, residual, gain=self.norm_gain)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -426,8 +460,7 @@ class LlamaForCausalLM(nn.Module):
         attention_native = attn.kernels is not None
         return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, rotary_fused,
                             None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation,
-                            None if attention_native == (norm.kernels is not None) else attention_native,
-                            len({layer.self_attn.window for layer in self.model.layers}) == 1)
+                            None if attention_native == (norm.kernels is not None) else attention_native)
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""

@@ -197,12 +197,24 @@ def test_gemma_rms_norm_matches_transformers_formula(kernels, dtype, with_residu
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_torch(kernels, dtype):
+@pytest.mark.parametrize("activation,torch_op", [("silu", F.silu),
+                                                 ("gelu_pytorch_tanh", lambda g: F.gelu(g, approximate="tanh"))])
+def test_gate_mul_matches_torch(kernels, dtype, activation, torch_op):
+    """act(gate) * up as transformers computes it (act in float32, rounded, then the product rounded): the kernel's
+    exp-based forms (GELU's tanh as a sigmoid of twice its argument) differ from torch's by float32 rounding only."""
     torch.manual_seed(0)
     gate_up = (torch.randn(3, 2 * 160) * 4).to(dtype)
-    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0]).to(dtype)  # saturating inputs
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -20.0, 1e-3, -1e-3]).to(dtype)  # saturating and tiny inputs
     gate, up = gate_up.split(160, dim=-1)
-    _close(kernels.silu_mul(gate_up), F.silu(gate) * up, dtype, "silu_mul")
+    _close(kernels.gate_mul(gate_up, activation), torch_op(gate) * up, dtype, activation)
+
+
+def test_gate_mul_takes_only_the_native_activations(kernels):
+    with pytest.raises(ValueError, match="activation 'gelu' is not native"):
+        kernels.gate_mul(torch.zeros(1, 64), "gelu")  # the exact (erf) GELU: torch ops
+    silu, gelu = kernels.gate_mul(torch.ones(1, 64)), kernels.gate_mul(torch.ones(1, 64), "gelu_pytorch_tanh")
+    assert silu[0, 0].item() == pytest.approx(F.silu(torch.tensor(1.0)).item())  # the default: SiLU
+    assert gelu[0, 0].item() == pytest.approx(F.gelu(torch.tensor(1.0), approximate="tanh").item())
 
 
 def _reference_decode(q, k_cache, v_cache, slots, lens, scale):
@@ -650,12 +662,15 @@ def test_rope_kv_write_matches_rotary_then_index_copy(kernels, dtype, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128])
-def test_rope_kv_write_norms_query_and_key_heads_first(kernels, dtype, d):
-    """Qwen3: each query / key head RMSNorm-ed with its own weight before rotary (transformers' order), in the same
-    call; V untouched. Against the torch path: RMSNorm.torch_forward per head, then apply_rotary."""
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("gemma", [False, True], ids=["qwen3", "gemma3"])
+def test_rope_kv_write_norms_query_and_key_heads_first(kernels, dtype, d, gemma):
+    """Qwen3 and Gemma 3: each query / key head RMSNorm-ed with its own weight before rotary (transformers' order),
+    in the same call; V untouched. Against the torch path: the norm's torch_forward per head (Gemma's: a float32
+    gain, one rounding), then apply_rotary."""
     from pagedserve.layers.norm import RMSNorm
     from pagedserve.layers.rotary import apply_rotary
+    from pagedserve.models.gemma import GemmaRMSNorm
 
     torch.manual_seed(d)
     hq, hkv, tokens, eps = 4, 2, 5, 1e-6
@@ -664,8 +679,10 @@ def test_rope_kv_write_norms_query_and_key_heads_first(kernels, dtype, d):
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     norms = []
     for _ in range(2):
-        norm = RMSNorm(d, eps)
-        norm.weight.data = (torch.rand(d) + 0.5).to(dtype)
+        norm = (GemmaRMSNorm if gemma else RMSNorm)(d, eps)
+        norm.weight.data = (torch.rand(d) - (0.5 if gemma else -0.5)).to(dtype)  # Gemma's scale is 1 + weight
+        if gemma:
+            norm.prepare()
         norms.append(norm)
     q, k, v = qkv.split([hq, hkv, hkv], dim=1)
     normed = torch.cat((norms[0].torch_forward(q), norms[1].torch_forward(k)), dim=1)
@@ -673,7 +690,8 @@ def test_rope_kv_write_norms_query_and_key_heads_first(kernels, dtype, d):
     expected_v = v.clone()
     slots = torch.tensor([3, 0, 7, 5, 1])
     k_cache, v_cache = torch.zeros(8, hkv, d, dtype=dtype), torch.zeros(8, hkv, d, dtype=dtype)
-    kernels.rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, hq, (norms[0].weight, norms[1].weight, eps))
+    kernels.rope_kv_write(qkv, cos, sin, k_cache, v_cache, slots, hq,
+                          (norms[0].native_weight(), norms[1].native_weight(), eps), gain=gemma)
     _close(qkv[:, :hq + hkv], expected_qk, dtype, "normed and rotated q/k")
     assert torch.equal(k_cache[slots], qkv[:, hq:hq + hkv]) and torch.equal(v_cache[slots], expected_v)
 

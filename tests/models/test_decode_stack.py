@@ -37,18 +37,29 @@ def _generate(llm: LLM, stack_enabled: bool) -> tuple[list, int]:
     return outputs, len(calls)
 
 
-@pytest.mark.parametrize("arch,dtype,quantization", [
-    ("llama", "bfloat16", None),
-    ("qwen2", "bfloat16", None),  # qkv bias, tied embeddings
-    ("qwen2", "bfloat16", "int8"),
-    ("llama", "float32", "int8"),  # int8 weights with float32 activations
-    ("granite", "bfloat16", None),  # scales: attention's, the residual's folded into o and down
-    ("phi3", "bfloat16", "int8"),  # fused checkpoint matrices
-    ("qwen3", "bfloat16", None),  # q/k norms per head, in the fused rotary kernel
-    ("qwen3", "bfloat16", "int8"),
+# Qwen3 with its second layer windowed (max_window_layers): two step views, one rotary
+QWEN3_WINDOWS = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
+GEMMA = {"head_dim": 32}  # the tiny Gemmas' 16 is below the fused rotary's multiple
+
+
+@pytest.mark.parametrize("arch,dtype,quantization,overrides", [
+    ("llama", "bfloat16", None, {}),
+    ("qwen2", "bfloat16", None, {}),  # qkv bias, tied embeddings
+    ("qwen2", "bfloat16", "int8", {}),
+    ("llama", "float32", "int8", {}),  # int8 weights with float32 activations
+    ("granite", "bfloat16", None, {}),  # scales: attention's, the residual's folded into o and down
+    ("phi3", "bfloat16", "int8", {}),  # fused checkpoint matrices
+    ("qwen3", "bfloat16", None, {}),  # q/k norms per head, in the fused rotary kernel
+    ("qwen3", "bfloat16", "int8", {}),
+    ("qwen3", "bfloat16", None, QWEN3_WINDOWS),  # a full and a sliding-window layer: contexts past the window
+    ("mistral", "bfloat16", None, {"sliding_window": 16}),  # every layer windowed: one view, cut
+    ("gemma", "bfloat16", None, GEMMA),  # GELU gate, float32-gain norms, scaled embeddings
+    ("gemma3", "bfloat16", None, GEMMA),  # + sandwich norms, gain q/k norms, windowed layers with their own rotary
+    ("gemma3", "bfloat16", "int8", GEMMA),
+    ("gemma3", "float32", "int8", GEMMA),  # float32 activations
 ])
-def test_stack_equals_the_per_layer_path(kernels, tiny_model_dir, arch, dtype, quantization):
-    model_dir = tiny_model_dir(arch, dtype, **SHAPE)
+def test_stack_equals_the_per_layer_path(kernels, tiny_model_dir, arch, dtype, quantization, overrides):
+    model_dir = tiny_model_dir(arch, dtype, **SHAPE, **overrides)
     kwargs = {"quantization": quantization} if quantization else {}
     # No prefix caching: the second run must compute the same prefills as the first.
     llm = LLM(model_dir, dtype=dtype, device="cpu", max_model_len=256, enable_prefix_caching=False, **kwargs)
@@ -83,10 +94,11 @@ def test_stack_points_at_the_live_parameters(kernels, tiny_model_dir):
 
 
 def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
-    # Gemma 3's q/k norms (a float32 gain) are not in the fused rotary, nor is its GELU gate: the per-layer path runs
-    gemma3 = LLM(tiny_model_dir("gemma3", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128)
-    gemma3.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
-    assert gemma3.engine.runner.model.model.stack is None
+    # Gemma 2 caps its attention scores, which only torch ops do: the per-layer path runs
+    gemma2 = LLM(tiny_model_dir("gemma2", "bfloat16", **SHAPE, **GEMMA), dtype="bfloat16", device="cpu",
+                 max_model_len=128)
+    gemma2.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
+    assert gemma2.engine.runner.model.model.stack is None
     # an fp8 KV cache is written and read by the torch path: no fused rotary, no stack (as the report says)
     fp8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128,
               kv_cache_dtype="fp8")

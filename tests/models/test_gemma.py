@@ -18,7 +18,7 @@ from pagedserve.exceptions import InvalidRequestError
 from pagedserve.memory.checkpoint import read_checkpoint_info
 from pagedserve.formats.errors import ModelValidationError
 from pagedserve.models.gemma import GemmaRMSNorm
-from pagedserve.models.llama import ACTIVATIONS
+from pagedserve.models.llama import ACTIVATIONS, NativeDecodeStack
 from pagedserve.models.validate import DECODER_ACTIVATIONS, validate_hf_dir
 from tests.models.test_correctness import prompt_logprob_error
 
@@ -133,11 +133,29 @@ def test_a_gemma2_gguf_without_its_window_is_refused_as_a_file_problem(tmp_path)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gemma_attention_and_fused_rotary_on_the_native_kernels(kernels, tiny_model_dir, dtype):
-    """head_dim 32: Gemma's rotary runs fused into the KV write, its norms (float32 gain) and attention on the native
-    kernels (GELU stays a torch op), over prompts of 5 to 80 tokens and their decodes, against transformers."""
+@pytest.mark.parametrize("arch", ["gemma", "gemma3"])
+def test_gemma_on_the_native_kernels_and_the_decode_stack(kernels, tiny_model_dir, monkeypatch, dtype, arch):
+    """head_dim 32: Gemma's rotary runs fused into the KV write (Gemma 3's q/k norms, a float32 gain, in it), its norms,
+    GELU gate and attention on the native kernels, and in bf16 (native linears) its decode steps on the decode stack
+    (Gemma 3: sandwich norms, windowed layers with their own rotary), over prompts of 5 to 80 tokens (past Gemma 3's
+    16-token window) and their decodes, against transformers."""
     from tests.models.test_sliding_window import _check
 
-    llm = _check(tiny_model_dir("gemma", dtype, head_dim=32, hidden_size=128, intermediate_size=256), dtype)
+    # Gemma 3 at the tiny models' usual weight scale (0.2) is off transformers by 0.156 in bf16 with torch ops alone
+    # (PAGEDSERVE_CPU_KERNELS=0, as with the native kernels): its sandwich norms amplify bf16 rounding past the
+    # tolerance. At 0.1 torch ops are off by 0.044, the native kernels and the stack by 0.033.
+    scale = {"weight_std": 0.1} if arch == "gemma3" else {}
+    model_dir = tiny_model_dir(arch, dtype, head_dim=32, hidden_size=128, intermediate_size=256, **scale)
+    calls = []
+    original = NativeDecodeStack.forward
+
+    def counted(self, *args):
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(NativeDecodeStack, "forward", counted)
+    llm = _check(model_dir, dtype)
     layers = llm.engine.runner.model.layer_kernels()
-    assert layers.attention_native and layers.rotary_fused and layers.decoder_native and not layers.stack
+    assert layers.attention_native and layers.rotary_fused and layers.decoder_native and layers.activation_native
+    assert layers.stack == (dtype == "bfloat16") and (len(calls) > 0) == layers.stack
+    assert "GELU (tanh) x up native" in layers.lines()[1]

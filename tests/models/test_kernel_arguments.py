@@ -11,6 +11,13 @@ import torch
 F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
 
 
+def _with_view(table: torch.Tensor, view: int) -> torch.Tensor:
+    """`table` with every layer's step view set to `view` (its column as the library lays the table out)."""
+    from pagedserve.kernels import cpu_kernels
+
+    return table.index_fill(1, torch.tensor([cpu_kernels().layer_layout["view"]]), view)
+
+
 def _calls(k):
     """(wrapper name, its valid keyword arguments) for each wrapper."""
     torch.manual_seed(0)
@@ -27,7 +34,7 @@ def _calls(k):
         "linear_i8": dict(x=torch.randn(2, 64), packed=k.pack_rows(w_i8), scales=torch.rand(8),
                           row_sums=k.row_sums(w_i8), bias=torch.randn(8), out_features=8),
         "rms_norm": dict(x=torch.randn(2, 16), weight=torch.rand(16), eps=1e-6, residual=torch.randn(2, 16)),
-        "silu_mul": dict(gate_up=torch.randn(2, 64)),
+        "gate_mul": dict(gate_up=torch.randn(2, 64)),
         "rope_kv_write": dict(qkv=torch.randn(2, hq + 2 * hkv, d), cos=torch.randn(2, d), sin=torch.randn(2, d),
                               k_cache=torch.zeros(slots_total, hkv, d), v_cache=torch.zeros(slots_total, hkv, d),
                               slots=torch.tensor([1, 5]), num_heads=hq),
@@ -40,12 +47,13 @@ def _calls(k):
         "argmax_rows": dict(x=torch.randn(3, 40)),
         # never run with these (the table holds no pointers): only the refusals are exercised
         "decode_stack": dict(x=torch.randn(1, 64), table=torch.zeros(2, k.layer_fields, dtype=I64),
-                             final_norm=torch.rand(64), **step, num_heads=hq, num_kv_heads=hkv, head_dim=d,
-                             intermediate=128, eps=1e-6, scale=d ** -0.5),
+                             final_norm=torch.rand(64), slots=step["slots"],
+                             views=[(step["cos"], step["sin"], step["ctx_slots"], step["lens"])], num_heads=hq,
+                             num_kv_heads=hkv, head_dim=d, intermediate=128, eps=1e-6, scale=d ** -0.5),
     }
 
 
-RUNNABLE = ["pack_rows", "pack_bf16", "linear_bf16", "linear_i8", "rms_norm", "silu_mul", "rope_kv_write",
+RUNNABLE = ["pack_rows", "pack_bf16", "linear_bf16", "linear_i8", "rms_norm", "gate_mul", "rope_kv_write",
             "decode_attention", "prefill_attention", "argmax_rows"]
 
 WRONG = [  # (wrapper, argument, wrong value or a function of the valid one)
@@ -72,8 +80,8 @@ WRONG = [  # (wrapper, argument, wrong value or a function of the valid one)
     ("rms_norm", "residual", lambda r: r[:1]),
     ("rms_norm", "residual", lambda r: r.t().contiguous().t()),
     ("rms_norm", "x", lambda x: x[:, :8].contiguous()),
-    ("silu_mul", "gate_up", lambda g: g[:, :48].contiguous()),
-    ("silu_mul", "gate_up", lambda g: g[:, :32]),
+    ("gate_mul", "gate_up", lambda g: g[:, :48].contiguous()),
+    ("gate_mul", "gate_up", lambda g: g[:, :32]),
     ("rope_kv_write", "cos", lambda c: c.to(BF16)),
     ("rope_kv_write", "sin", lambda s: s[:1]),
     ("rope_kv_write", "v_cache", lambda v: v.to(BF16)),
@@ -97,9 +105,13 @@ WRONG = [  # (wrapper, argument, wrong value or a function of the valid one)
     ("decode_stack", "final_norm", lambda w: w.to(BF16)),
     ("decode_stack", "table", lambda t: t[:, :-1].contiguous()),
     ("decode_stack", "table", lambda t: t.int()),
-    ("decode_stack", "cos", lambda c: c.to(BF16)),
+    ("decode_stack", "views", lambda v: [(v[0][0].to(BF16), *v[0][1:])]),  # cos
+    ("decode_stack", "views", lambda v: [(*v[0][:2], v[0][2].int(), v[0][3])]),  # ctx_slots
+    ("decode_stack", "views", lambda v: v + [(*v[0][:3], v[0][3][:0])]),  # a second view's lens
+    ("decode_stack", "views", lambda v: []),
+    ("decode_stack", "table", lambda t: _with_view(t, 1)),  # a view not given
+    ("decode_stack", "table", lambda t: _with_view(t, -1)),
     ("decode_stack", "slots", lambda s: torch.tensor([3, 4])),
-    ("decode_stack", "ctx_slots", lambda s: s.int()),
 ]
 
 
@@ -112,5 +124,5 @@ def test_each_wrapper_runs_with_what_it_expects(kernels, name):
 def test_each_wrapper_refuses_a_wrong_argument(kernels, name, argument, wrong):
     arguments = _calls(kernels)[name]
     arguments[argument] = wrong(arguments[argument])
-    with pytest.raises(ValueError, match="native kernel argument|not a multiple|heads|values, expected"):
+    with pytest.raises(ValueError, match="native kernel argument|not a multiple|heads|values, expected|views"):
         getattr(kernels, name)(**arguments)

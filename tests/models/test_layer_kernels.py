@@ -13,7 +13,6 @@ from pagedserve.cli.doctor_model import check_layer_kernels
 from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.kernels import cpu_kernels
 from pagedserve.memory.probe import cpu_flags
-from pagedserve.models.validate import layer_windows
 from pagedserve.memory.weight_format import (LayerKernels, LinearKernel, expected_layer_kernels, expected_weight_format,
                                              onednn_may_pack)
 
@@ -26,12 +25,14 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("qwen3", "bfloat16", None, HEAD_32, "stack"),  # q/k norms in the fused rotary kernel
     ("qwen3", "bfloat16", "int8", HEAD_32, "stack"),
     ("qwen3", "bfloat16", None, {**HEAD_32, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
-     "windows: a full and a sliding layer, no stack"),
+     "stack"),  # a full and a sliding-window layer: a step view each
     ("qwen3", "bfloat16", None, HEAD_32, "fp8 KV cache: rotary on torch, no stack"),
     ("llama", "bfloat16", None, {**HEAD_32, "intermediate_size": 72}, "down off the native kernel, norms on torch"),
     ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
-    ("gemma2", "bfloat16", None, HEAD_32, "gemma: native linears and norms, softcapped attention and GELU torch"),
-    ("gemma3", "bfloat16", None, HEAD_32, "gemma3: native linears, norms and attention, GELU torch"),
+    ("gemma2", "bfloat16", None, {"head_dim": 32}, "gemma2: native linears, norms and GELU, softcapped attention torch"),
+    ("gemma3", "bfloat16", None, {"head_dim": 32}, "stack"),  # sandwich norms, gain q/k norms, GELU, windows
+    ("gemma3", "bfloat16", "int8", {"head_dim": 32}, "stack"),
+    ("gemma3", "bfloat16", None, {}, "head_dim 16: rotary on torch, no stack"),
     ("smollm3", "bfloat16", None, HEAD_32, "smollm3: unrotated layers, no stack"),
     ("llama", "bfloat16", None, {**HEAD_32, "hidden_act": "gelu"}, "gelu: the MLP gate on torch, no stack"),
 ]
@@ -50,13 +51,10 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
 
     loaded = model.layer_kernels()
     fmt = expected_weight_format("cpu", dtype, quantization, False, isa is not None, cpu_flags())
-    predicted = expected_layer_kernels(fmt, isa, config.model.hf_config,
-                                       model.decoder_spec(config.model.hf_config).qk_norm_gain,
-                                       onednn_may_pack("cpu", dtype, cpu_flags()),
+    predicted = expected_layer_kernels(fmt, isa, config.model.hf_config, onednn_may_pack("cpu", dtype, cpu_flags()),
                                        activation=model.decoder_spec(config.model.hf_config).activation,
                                        softcapped=softcapped_attention(config.model.architecture,
                                                                        config.model.hf_config),
-                                       uniform_windows=len(set(layer_windows(config.model.hf_config))) <= 1,
                                        kv_cache_dtype=kv_cache_dtype)
     assert predicted == loaded
     result = check_layer_kernels(config, isa)
@@ -79,17 +77,13 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     elif what.startswith("fp8"):  # the fused rotary writes the pool in the model dtype: torch ops write fp8
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack and not loaded.attention_native
         assert "8-bit KV cache" in result.fix and "decode attention torch" in loaded.lines()[1]
-    elif what.startswith("windows"):
-        assert loaded.decoder_native and loaded.rotary_fused and not loaded.uniform_windows and not loaded.stack
-        assert "different sliding windows" in result.fix
     elif what.startswith("head_dim"):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
-    elif what.startswith("gemma"):  # Gemma 2 caps its attention scores: torch; Gemma 3's attention is native
+    elif what.startswith("gemma2"):  # Gemma 2 caps its attention scores: torch
         assert all(w.startswith("native") for w in words.values()) and loaded.decoder_native and not loaded.stack
-        assert "GELU (tanh) x up torch" in loaded.lines()[1] and "norms native" in loaded.lines()[1]
-        assert ("softcapping" in result.fix) == what.startswith("gemma:")
-        assert loaded.attention_native == what.startswith("gemma3") and not loaded.rotary_fused  # Gemma 3: q/k norms
-        assert ("decode attention native" in loaded.lines()[1]) == loaded.attention_native
+        assert "GELU (tanh) x up native" in loaded.lines()[1] and "norms native" in loaded.lines()[1]
+        assert "softcapping" in result.fix and not loaded.attention_native and not loaded.rotary_fused
+        assert "decode attention torch" in loaded.lines()[1]
     elif what.startswith("gelu"):
         assert loaded.decoder_native and loaded.rotary_fused and not loaded.activation_native and not loaded.stack
         assert "GELU x up torch" in loaded.lines()[1] and "norms native" in loaded.lines()[1]
@@ -110,3 +104,5 @@ def test_the_report_words_and_the_stack_rule():
     assert not LayerKernels(2, native.linears, True, False).stack
     assert not LayerKernels(2, (LinearKernel("o", "torch int8", False),), True, True).stack
     assert "rank 1 of 2" in LayerKernels(2, native.linears, True, True, tp=(1, 2)).lines()[-1]
+    assert LayerKernels(2, native.linears, True, True, activation="gelu_pytorch_tanh").stack  # Gemma's gate
+    assert not LayerKernels(2, native.linears, True, True, activation="gelu").stack  # the exact GELU: torch

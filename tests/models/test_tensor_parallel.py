@@ -232,9 +232,15 @@ def test_a_gguf_served_from_int8_blocks_splits_its_quantized_rows_and_columns(tm
         assert_same_logprobs(ours.logprobs, reference.logprobs)
 
 
-@pytest.mark.parametrize("dtype,quantization", [("bfloat16", None), ("float32", "int8")])
+# Gemma 3 with head_dim 32: its sandwich norms' MLP output norm applied after the reduce, windowed layers' own views
+STACK_GEMMA3 = ("gemma3", dict(hidden_size=128, intermediate_size=256, head_dim=32, weight_std=0.1))
+
+
+@pytest.mark.parametrize("dtype,quantization,case", [("bfloat16", None, CASES["llama-kv1-obias"]),
+                                                     ("float32", "int8", CASES["llama-kv1-obias"]),
+                                                     ("bfloat16", None, STACK_GEMMA3)], ids=["bf16", "int8", "gemma3"])
 def test_the_decode_stack_runs_layer_by_layer_with_two_ranks_and_changes_nothing(tiny_model_dir, dtype,
-                                                                                 quantization):
+                                                                                 quantization, case):
     """With two ranks a decode-only step runs every layer's C attention and MLP halves (cpu_kernels.c), all-
     reducing after each, where the native kernels run: rank 0's tokens and logprobs are bit for bit those of
     its per-layer path (the same kernels and collectives in the same order; rank 1 keeps its stack)."""
@@ -243,7 +249,7 @@ def test_the_decode_stack_runs_layer_by_layer_with_two_ranks_and_changes_nothing
 
     if cpu_kernels() is None:
         pytest.skip("no native kernels on this CPU: the per-layer torch path runs (the other tests)")
-    arch, overrides = CASES["llama-kv1-obias"]
+    arch, overrides = case
     model_dir = tiny_model_dir(arch, dtype, **overrides)
     kwargs = {"quantization": quantization} if quantization else {}
     llm = LLM(model_dir, dtype=dtype, device="cpu", max_model_len=256, tensor_parallel_size=2,
