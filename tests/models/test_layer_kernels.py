@@ -29,7 +29,7 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("qwen3", "bfloat16", None, HEAD_32, "fp8 KV cache: rotary on torch, no stack"),
     ("llama", "bfloat16", None, {**HEAD_32, "intermediate_size": 72}, "down off the native kernel, norms on torch"),
     ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
-    ("gemma2", "bfloat16", None, {"head_dim": 32}, "gemma2: native linears, norms and GELU, softcapped attention torch"),
+    ("gemma2", "bfloat16", None, {"head_dim": 32}, "gemma2: native linears, norms and GELU, softcapped attention"),
     ("gemma3", "bfloat16", None, {"head_dim": 32}, "stack"),  # sandwich norms, gain q/k norms, GELU, windows
     ("gemma3", "bfloat16", "int8", {"head_dim": 32}, "stack"),
     ("gemma3", "bfloat16", None, {}, "head_dim 16: rotary on torch, no stack"),
