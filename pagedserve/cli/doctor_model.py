@@ -15,8 +15,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
 from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, expected_layer_kernels, expected_weight_format,
-                                             kv_quantized, onednn_may_pack, partial_rotary, unrotated_layers,
-                                             wants_native_kernels)
+                                             kv_quantized, onednn_may_pack, partial_rotary, wants_native_kernels)
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
@@ -131,9 +130,6 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
         fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
     elif softcapped_attention(model.architecture, model.hf_config):
         fix = "attention that caps its scores (Gemma 2's softcapping) runs torch ops; nothing to change"
-    elif unrotated_layers(model.hf_config):
-        fix = ("layers without rotary (SmolLM3's no_rope_layers) keep the decode stack off; the other layers' rotary "
-               "runs fused; nothing to change")
     elif not layers.activation_native:
         fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack have "
                f"{' and '.join(NATIVE_ACTIVATIONS)}); nothing to change")

@@ -331,11 +331,12 @@ class CpuKernels:
         self.lib.ps_argmax_rows(x.data_ptr(), m, v, out.data_ptr(), self._threads())
         return out
 
-    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
+    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
                       qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, gain: bool = False) -> None:
         """In place: rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] (contiguous) with cos/sin
-        [T, D], then write K and V of every token to the pool [S, Hkv, D] at slots [T] (int64). `qk_norm`: (q_norm
+        [T, D] (both None: no rotary, SmolLM3's NoPE layers), then write K and V of every token to the pool
+        [S, Hkv, D] at slots [T] (int64). `qk_norm`: (q_norm
         weight [D], k_norm weight [D], eps) of per-head RMSNorms applied first (Qwen3); with `gain` the weights are
         float32 gains (Gemma 3's 1 + weight, rms_norm's `gain`)."""
         check("qkv", qkv, ACTIVATION_DTYPES, (None, None, None))
@@ -343,10 +344,7 @@ class CpuKernels:
         hkv = (h - num_heads) // 2
         if d % 32 or h != num_heads + 2 * hkv:
             raise ValueError(f"rope_kv_write: head_dim {d} (a multiple of 32?) or {h} heads for {num_heads} query heads")
-        for name, table in (("cos", cos), ("sin", sin)):
-            check(name, table, qkv.dtype)
-            if table.numel() != t * d:
-                raise ValueError(f"rope_kv_write: {name} has {table.numel()} values, expected {t} x {d}")
+        self._check_rotary("rope_kv_write", cos, sin, qkv.dtype, t, d)
         check("k_cache", k_cache, qkv.dtype, (None, hkv, d))
         check("v_cache", v_cache, qkv.dtype, tuple(k_cache.shape))
         check("slots", slots, torch.int64, (t,), contiguous=False)
@@ -356,7 +354,7 @@ class CpuKernels:
             q_norm, k_norm, eps = qk_norm
             check("q_norm", q_norm, torch.float32 if gain else qkv.dtype, (d,))
             check("k_norm", k_norm, torch.float32 if gain else qkv.dtype, (d,))
-        self.lib.ps_rope_kv_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+        self.lib.ps_rope_kv_write(qkv.data_ptr(), _pointer(cos), _pointer(sin), k_cache.data_ptr(),
                                   v_cache.data_ptr(), slots.contiguous().data_ptr(),
                                   None if q_norm is None else q_norm.data_ptr(),
                                   None if k_norm is None else k_norm.data_ptr(), int(gain), eps, t, num_heads,
@@ -429,16 +427,26 @@ class CpuKernels:
             raise RuntimeError("the kernel library's decode-stack layout has other fields than this wrapper")
         return dict(zip(names, values))
 
-    def _check_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+    @staticmethod
+    def _check_rotary(what: str, cos: torch.Tensor | None, sin: torch.Tensor | None, dtype: torch.dtype, rows: int,
+                      head_dim: int) -> None:
+        """cos/sin [rows, head_dim] contiguous in `dtype`, or both None (a layer without rotary)."""
+        if (cos is None) != (sin is None):
+            raise ValueError(f"{what}: cos and sin are given together or not at all")
+        for name, table in (("cos", cos), ("sin", sin)):
+            if table is None:
+                continue
+            check(name, table, dtype)
+            if table.numel() != rows * head_dim:
+                raise ValueError(f"{what}: {name} has {table.numel()} values, expected {rows} x {head_dim}")
+
+    def _check_step(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, slots: torch.Tensor,
                     ctx_slots: torch.Tensor, lens: torch.Tensor, head_dim: int) -> None:
         """What a decode-only step's native calls rely on: x [B, H] contiguous in the model dtype, cos/sin
-        [B, D], int64 slots [B], ctx_slots [B, L] and lens [B]."""
+        [B, D] (or None: no rotary), int64 slots [B], ctx_slots [B, L] and lens [B]."""
         check("x", x, ACTIVATION_DTYPES, (None, None))
         b = x.shape[0]
-        for name, table in (("cos", cos), ("sin", sin)):
-            check(name, table, x.dtype)
-            if table.numel() != b * head_dim:
-                raise ValueError(f"decode step: {name} has {table.numel()} values, expected {b} x {head_dim}")
+        self._check_rotary("decode step", cos, sin, x.dtype, b, head_dim)
         check("slots", slots, torch.int64, (b,))
         check("ctx_slots", ctx_slots, torch.int64, (b, None))
         check("lens", lens, torch.int64, (b,))
@@ -447,7 +455,8 @@ class CpuKernels:
         check("row", row, torch.int64, (self.layer_fields,))
 
     def layer_attention(self, row: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, first: bool,
-                        cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, ctx_slots: torch.Tensor,
+                        cos: torch.Tensor | None, sin: torch.Tensor | None, slots: torch.Tensor,
+                        ctx_slots: torch.Tensor,
                         lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                         scale: float) -> torch.Tensor:
         """One decoder layer's attention half for a decode-only step (cpu_kernels.c, ps_layer_attention):
@@ -459,7 +468,7 @@ class CpuKernels:
         y = torch.empty_like(x)
         b, h = x.shape
         self.lib.ps_layer_attention(row.data_ptr(), x.data_ptr(), residual.data_ptr(), int(first), y.data_ptr(),
-                                    cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), ctx_slots.data_ptr(),
+                                    _pointer(cos), _pointer(sin), slots.data_ptr(), ctx_slots.data_ptr(),
                                     lens.data_ptr(), b, ctx_slots.shape[1], h, num_heads, num_kv_heads, head_dim,
                                     eps, scale, x.dtype == torch.bfloat16, self._threads())
         return y
@@ -477,13 +486,14 @@ class CpuKernels:
         return out
 
     def decode_stack(self, x: torch.Tensor, table: torch.Tensor, final_norm: torch.Tensor, slots: torch.Tensor,
-                     views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], num_heads: int,
+                     views: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]],
+                     num_heads: int,
                      num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float) -> torch.Tensor:
         """Every decoder layer of a decode-only step in one call: x [B, H] embeddings -> the final norm's
         output [B, H]. `table` [layers, layer_fields] int64 holds each layer's pointers (see
         cpu_kernels.c, ps_decode_stack); slots [B] (int64); `views`: per step view (a layer's `view` column picks
-        one) its cos/sin [B, D], ctx_slots [B, L] and lens [B] (int64). The final norm is a float32 gain where the
-        layers' norms are (their `norm_gain` flag)."""
+        one) its cos/sin [B, D] (None: its layers have no rotary), ctx_slots [B, L] and lens [B] (int64). The final
+        norm is a float32 gain where the layers' norms are (their `norm_gain` flag)."""
         layout = self.layer_layout
         check("table", table, torch.int64, (None, self.layer_fields))
         if not views or table.shape[0] == 0 or not 0 <= int(table[:, layout["view"]].min()) \
@@ -494,7 +504,7 @@ class CpuKernels:
         b, h = x.shape
         gain = bool(int(table[0, layout["flags"]]) & layout["norm_gain"])
         check("final_norm", final_norm, torch.float32 if gain else x.dtype, (h,))
-        pointers = torch.tensor([[cos.data_ptr(), sin.data_ptr(), ctx.data_ptr(), lens.data_ptr(), ctx.shape[1]]
+        pointers = torch.tensor([[_pointer(cos), _pointer(sin), ctx.data_ptr(), lens.data_ptr(), ctx.shape[1]]
                                  for cos, sin, ctx, lens in views], dtype=torch.int64)
         if pointers.shape[1] != layout["view_fields"]:
             raise RuntimeError("the kernel library's step view has other fields than this wrapper")
@@ -504,6 +514,11 @@ class CpuKernels:
                                  num_kv_heads, head_dim, intermediate, eps, scale, x.dtype == torch.bfloat16,
                                  self._threads())
         return out
+
+
+def _pointer(t: torch.Tensor | None) -> int:
+    """A tensor's data pointer for the C code, NULL (0) for None."""
+    return 0 if t is None else t.data_ptr()
 
 
 @functools.lru_cache(maxsize=1)

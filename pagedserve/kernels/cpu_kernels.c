@@ -1736,7 +1736,8 @@ void ps_gate_mul(const void *gate_up, void *out, int64_t M, int64_t I, int act, 
 
 /* qkv [T, Hq + 2 Hkv, D] (a fresh projection output): rotate the Hq query and Hkv key heads in place,
  * then copy each token's (rotated) K and its V into the pool at slots[t]. cos/sin [T, D] in the
- * activation dtype. Rounding as transformers: round(round(x * cos) + round(rotate_half(x) * sin)).
+ * activation dtype, or NULL for a layer without rotary (SmolLM3's NoPE layers: K written as projected).
+ * Rounding as transformers: round(round(x * cos) + round(rotate_half(x) * sin)).
  * q_norm/k_norm [D] (per-head norms; NULL: none): each query / key head is first normalised in place as RMSNorm
  * does (rms_norm_row, `eps`), as transformers norms them before rotary: Qwen3's with Llama's rounding (weights in the
  * model dtype), or with `norm_gain` Gemma 3's (float32 gains 1 + weight, one rounding). D % 32 == 0. */
@@ -1746,13 +1747,13 @@ void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache
   const int64_t H = Hq + 2 * Hkv, half = D / 2, rotated = Hq + Hkv;
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 4)
   for (int64_t t = 0; t < T; ++t) {
-    const void *c = at(cos, t * D, bf16), *sn = at(sin, t * D, bf16);
+    const void *c = cos ? at(cos, t * D, bf16) : NULL, *sn = sin ? at(sin, t * D, bf16) : NULL;
     for (int64_t h = 0; h < rotated; ++h) {
       void *x = (void *)at(qkv, (t * H + h) * D, bf16);
       const void *norm = h < Hq ? q_norm : k_norm;
       if (norm) rms_norm_row(x, NULL, NULL, norm_gain ? NULL : norm, norm_gain ? (const float *)norm : NULL, x, D,
                              eps, bf16);
-      for (int64_t i = 0; i < half; i += VL) {
+      for (int64_t i = 0; c && i < half; i += VL) {
         const vf x1 = vload(at(x, i, bf16), bf16), x2 = vload(at(x, half + i, bf16), bf16);
         const vf c1 = vload(at(c, i, bf16), bf16), c2 = vload(at(c, half + i, bf16), bf16);
         const vf s1 = vload(at(sn, i, bf16), bf16), s2 = vload(at(sn, half + i, bf16), bf16);
@@ -2393,7 +2394,8 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * - flags: PS_NORM_GAIN (every norm's weight is a float32 gain, Gemma's 1 + weight), PS_GELU_TANH (the MLP's gate
  *   is GELU's tanh approximation, else SiLU);
  * - view: which of ps_decode_stack's step views the layer reads (its rotary tables and its sliding window's
- *   context: Gemma 2/3's sliding-window layers have their own).
+ *   context: Gemma 2/3's sliding-window layers have their own; SmolLM3's layers without rotary a view whose
+ *   tables are NULL).
  * cos/sin [B, D]; slots [B]; ctx_slots [B, max_len] and lens [B] as ps_decode_attention. int8 linears need
  * B <= 32 where the caller says so (KernelBackend: CPUs with bf16 dot products). */
 enum { PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O = PS_L_QKV + 5, PS_L_GATE_UP = PS_L_O + 5,

@@ -175,11 +175,6 @@ def partial_rotary(hf_config: object) -> bool:
     return rotary_dim(hf_config, head_dim) < head_dim
 
 
-def unrotated_layers(hf_config: object) -> bool:
-    """Some layers have no rotary (SmolLM3's no_rope_layers, 0 for those): not every layer's rotary is fused."""
-    return 0 in (getattr(hf_config, "no_rope_layers", None) or [])
-
-
 def kv_quantized(kv_cache_dtype: str) -> bool:
     """An 8-bit KV pool (--kv-cache-dtype fp8*, with a scale per token and head): written and read by torch ops."""
     return kv_cache_dtype.startswith("fp8")
@@ -268,7 +263,6 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
                                  runs[name]) for name, _ in inputs)
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
-                        fused_rotary(attention_native, head_dim, partial_rotary(cfg))
-                        and not unrotated_layers(cfg),
+                        fused_rotary(attention_native, head_dim, partial_rotary(cfg)),
                         None if tp_size == 1 else (0, tp_size), activation,
                         None if attention_native == decoder_native else attention_native)

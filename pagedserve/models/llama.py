@@ -84,8 +84,9 @@ class Attention(nn.Module):
 
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
-        # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes)
-        self.fused_rope = (self.rotary and self.qk_norm_eps_agree()
+        # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes); a layer without
+        # rotary (SmolLM3's NoPE layers) writes K/V there unrotated
+        self.fused_rope = (self.qk_norm_eps_agree()
                            and fused_rotary(kernels is not None, self.head_dim, self.partial_rotary))
         self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
@@ -99,8 +100,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         kv_written = self.fused_rope and not kv_cache.is_quantized and qkv.is_contiguous()
         if kv_written:  # one native call (norms q and k,) rotates them in place and writes K/V to the pool
-            self.kernels.rope_kv_write(qkv, *rope, kv_cache.k, kv_cache.v, meta.slot_mapping, self.num_heads,
-                                       self.native_qk_norm(), self.qk_norm_gain)
+            self.kernels.rope_kv_write(qkv, *(rope if self.rotary else (None, None)), kv_cache.k, kv_cache.v,
+                                       meta.slot_mapping, self.num_heads, self.native_qk_norm(), self.qk_norm_gain)
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         else:
             if self.qk_norm:
@@ -257,11 +258,12 @@ class NativeDecodeStack:
     calls per layer with this rank's all-reduce after each half. Used where every layer runs native kernels
     with rotary fused into the KV write (Qwen3's and Gemma 3's q/k norms with it), a native MLP gate (SiLU, Gemma's
     GELU) and the KV pool is in the model dtype. Gemma's norms (float32 gains, sandwich norms) are the table's
-    flags and columns; layers with a sliding window of their own (Gemma 2/3, Qwen's max_window_layers) read a step
-    view of their own: the step's context cut to their window and (Gemma 3) their rotary tables."""
+    flags and columns; layers with a sliding window of their own (Gemma 2/3, Qwen's max_window_layers) or a rotary
+    of their own (Gemma 3's sliding-window layers, SmolLM3's layers without one) read a step view of their own: the
+    step's context cut to their window and their rotary tables."""
 
     def __init__(self, kernels: CpuKernels, model: DecoderModel, table: torch.Tensor, int8: bool,
-                 tensors: list[torch.Tensor], windows: list[int | None]) -> None:
+                 tensors: list[torch.Tensor], views: list[tuple[int | None, str | None]]) -> None:
         self.kernels = kernels
         self.tp = model.tp
         self.table = table  # [layers, kernels.layer_fields] int64; the K/V pool columns filled per pool
@@ -270,10 +272,9 @@ class NativeDecodeStack:
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         self.dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
         self.eps, self.scale = model.norm.eps, attn.scale
-        # the step views: one per distinct window (validate.layer_windows: a window and None at most), each with the
-        # rotary tables of its layers (Gemma 3's sliding-window layers: their own)
-        self.views = [(window, window is not None and model.local_rotary_emb is not None) for window in windows]
-        self.view_of = [windows.index(layer.self_attn.window) for layer in model.layers]
+        self.views = views  # (window, rotary: "global", "local" or None) per step view, a layer's view its column
+        local = model.local_rotary_emb is not None
+        self.view_of = [views.index(self.view_key(layer, local)) for layer in model.layers]
         self.final_norm = model.norm.native_weight()
         self.norm_gain = model.norm.gain_in_float32
         self.mlp_out_norms = [getattr(layer, "post_feedforward_layernorm", None) if layer.sandwich_norms else None
@@ -286,7 +287,8 @@ class NativeDecodeStack:
             return None  # the native kernels read host memory
         layout = kernels.layer_layout  # the library's own column of each field
         rows, int8, tensors = [], False, []
-        windows = list(dict.fromkeys(layer.self_attn.window for layer in model.layers))
+        local = model.local_rotary_emb is not None
+        views = list(dict.fromkeys(cls.view_key(layer, local) for layer in model.layers))
         first = model.layers[0]
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -307,7 +309,7 @@ class NativeDecodeStack:
                 tensors += [qk_norm[0], qk_norm[1]]
             row[layout["flags"]] = ((layout["norm_gain"] if model.norm.gain_in_float32 else 0)
                                     | (layout["gelu_tanh"] if mlp.activation == "gelu_pytorch_tanh" else 0))
-            row[layout["view"]] = windows.index(attn.window)
+            row[layout["view"]] = views.index(cls.view_key(layer, local))
             for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
                 entry = linear.native_fields() if hasattr(linear, "native_fields") else None
@@ -320,7 +322,17 @@ class NativeDecodeStack:
                 row[layout[name]:layout[name] + len(entry)] = entry
                 tensors += list(linear.buffers())
             rows.append(row)
-        return cls(kernels, model, torch.tensor(rows, dtype=torch.int64), int8, tensors, windows)
+        return cls(kernels, model, torch.tensor(rows, dtype=torch.int64), int8, tensors, views)
+
+    @staticmethod
+    def view_key(layer: DecoderLayer, local_rotary: bool) -> tuple[int | None, str | None]:
+        """(window, rotary) of the step view `layer` reads: its sliding window (None: the whole context) and its
+        rotary tables, as DecoderModel.forward picks them: "local" for a sliding-window layer of a model with a
+        `local_rotary` of its own for those (Gemma 3), None for a layer without rotary, else "global"."""
+        attn = layer.self_attn
+        if not attn.rotary:
+            return attn.window, None
+        return attn.window, "local" if attn.window is not None and local_rotary else "global"
 
     @staticmethod
     def _norms(layer: DecoderLayer) -> dict[str, RMSNorm]:
@@ -350,10 +362,12 @@ class NativeDecodeStack:
         """`local_rope`: the sliding-window layers' rotary tables where they have their own (Gemma 3), else `rope`."""
         self._bind_pools(kv_caches)
         views = []
-        for window, local in self.views:
+        for window, rotary in self.views:
             cut = meta.within(window)
-            cos, sin = local_rope if local else rope
-            views.append((cos.contiguous(), sin.contiguous(), cut.decode_kv_slots, cut.decode_context_lens))
+            cos, sin = (None, None) if rotary is None else (local_rope if rotary == "local" else rope)
+            if cos is not None:
+                cos, sin = cos.contiguous(), sin.contiguous()
+            views.append((cos, sin, cut.decode_kv_slots, cut.decode_context_lens))
         slots = meta.slot_mapping.contiguous()
         if self.tp is None:
             return self.kernels.decode_stack(x.contiguous(), self.table, self.final_norm, slots, views, *self.dims,
@@ -500,7 +514,8 @@ def linear_kernel_of(name: str, module: nn.Module) -> LinearKernel:
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """SmolLM3: Llama layers, some without rotary position embeddings (no_rope_layers: 0 = NoPE; every fourth by
-    default). Those layers write their K/V unrotated, so the decode stack (one rotary for every layer) is off."""
+    default). Those layers write their K/V unrotated (the fused rotary kernel without tables; in the decode stack a
+    step view without them)."""
 
     def __init__(self, cfg: Any, max_position: int, tp: TPGroup | None = None) -> None:
         super().__init__(cfg, max_position, tp)

@@ -662,6 +662,30 @@ def test_rope_kv_write_matches_rotary_then_index_copy(kernels, dtype, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kv_write_without_tables_writes_the_heads_as_projected(kernels, dtype):
+    """SmolLM3's NoPE layers: no cos/sin, so q and k stay as projected (normed first where norms are given) and K/V
+    reach the pool unrotated."""
+    from pagedserve.layers.norm import RMSNorm
+
+    torch.manual_seed(3)
+    hq, hkv, d, tokens = 4, 2, 64, 3
+    qkv = torch.randn(tokens, hq + 2 * hkv, d).to(dtype)
+    projected = qkv.clone()
+    slots = torch.tensor([2, 0, 5])
+    k_cache, v_cache = torch.zeros(6, hkv, d, dtype=dtype), torch.zeros(6, hkv, d, dtype=dtype)
+    kernels.rope_kv_write(qkv, None, None, k_cache, v_cache, slots, hq)
+    assert torch.equal(qkv, projected)
+    assert torch.equal(k_cache[slots], projected[:, hq:hq + hkv])
+    assert torch.equal(v_cache[slots], projected[:, hq + hkv:])
+    norm = RMSNorm(d, 1e-6)
+    norm.weight.data = (torch.rand(d) + 0.5).to(dtype)
+    kernels.rope_kv_write(qkv, None, None, k_cache, v_cache, slots, hq, (norm.weight, norm.weight, 1e-6))
+    _close(qkv[:, :hq + hkv], norm.torch_forward(projected[:, :hq + hkv]), dtype, "normed, unrotated q/k")
+    with pytest.raises(ValueError, match="cos and sin"):
+        kernels.rope_kv_write(qkv, torch.zeros(tokens, d, dtype=dtype), None, k_cache, v_cache, slots, hq)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("gemma", [False, True], ids=["qwen3", "gemma3"])
 def test_rope_kv_write_norms_query_and_key_heads_first(kernels, dtype, d, gemma):

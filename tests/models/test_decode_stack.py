@@ -53,6 +53,8 @@ GEMMA = {"head_dim": 32}  # the tiny Gemmas' 16 is below the fused rotary's mult
     ("qwen3", "bfloat16", "int8", {}),
     ("qwen3", "bfloat16", None, QWEN3_WINDOWS),  # a full and a sliding-window layer: contexts past the window
     ("mistral", "bfloat16", None, {"sliding_window": 16}),  # every layer windowed: one view, cut
+    ("smollm3", "bfloat16", None, {}),  # a layer without rotary: a view without tables
+    ("smollm3", "bfloat16", "int8", {}),
     ("gemma", "bfloat16", None, GEMMA),  # GELU gate, float32-gain norms, scaled embeddings
     ("gemma3", "bfloat16", None, GEMMA),  # + sandwich norms, gain q/k norms, windowed layers with their own rotary
     ("gemma3", "bfloat16", "int8", GEMMA),

@@ -38,12 +38,13 @@ def test_native_kernels_and_decode_stack_match_transformers(kernels, tiny_model_
 
 
 def test_smollm3_unrotated_layers_on_the_native_kernels(kernels, tiny_model_dir):
-    """SmolLM3's NoPE layers (every other one here) write K/V unrotated beside layers whose rotary runs fused into
-    the KV write; the decode stack (one rotary for all layers) stays off."""
+    """SmolLM3's NoPE layers (every other one here) write K/V unrotated through the fused kernel (no tables) beside
+    layers whose rotary runs fused into the KV write; decode steps take the decode stack, a step view each."""
     llm = _check_against_transformers(tiny_model_dir("smollm3", "bfloat16", **NATIVE_SHAPE), "bfloat16", device="cpu")
-    layers = llm.engine.runner.model.model.layers
-    assert [layer.self_attn.rotary for layer in layers] == [True, False]
-    assert layers[0].self_attn.fused_rope and llm.engine.runner.model.model.stack is None
+    model = llm.engine.runner.model.model
+    assert [layer.self_attn.rotary for layer in model.layers] == [True, False]
+    assert all(layer.self_attn.fused_rope for layer in model.layers)
+    assert model.stack is not None and model.stack.views == [(None, "global"), (None, None)]
 
 
 def test_phi3_partial_rotary_with_longrope_short_factors(tiny_model_dir):

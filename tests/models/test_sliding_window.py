@@ -42,7 +42,7 @@ def _check(model_dir: str, dtype: str, **engine_kwargs) -> LLM:
 def test_a_window_on_every_layer_runs_the_native_decode_stack(kernels, tiny_model_dir, tmp_path):
     llm = _check(_mistral(tiny_model_dir, tmp_path, "bfloat16", **NATIVE_SHAPE), "bfloat16")
     model = llm.engine.runner.model.model
-    assert model.stack is not None and model.stack.views == [(WINDOW, False)]  # decodes past the window ran in it
+    assert model.stack is not None and model.stack.views == [(WINDOW, "global")]  # decodes past the window ran in it
     assert {layer.self_attn.window for layer in model.layers} == {WINDOW}
 
 
