@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
 from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, expected_layer_kernels, expected_weight_format,
                                              kv_quantized, onednn_may_pack, partial_rotary, wants_native_kernels)
@@ -121,15 +120,12 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     layers = expected_layer_kernels(fmt, native, model.hf_config, onednn_may_pack(device, model.dtype, flags),
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
                                     activation=spec.activation,
-                                    softcapped=softcapped_attention(model.architecture, model.hf_config),
                                     kv_cache_dtype=config.cache.kv_cache_dtype)
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:
         return CheckResult("layers", PASS, detail)
     if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:
         fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
-    elif softcapped_attention(model.architecture, model.hf_config):
-        fix = "attention that caps its scores (Gemma 2's softcapping) runs torch ops; nothing to change"
     elif not layers.activation_native:
         fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack have "
                f"{' and '.join(NATIVE_ACTIVATIONS)}); nothing to change")

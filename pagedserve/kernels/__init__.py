@@ -56,8 +56,9 @@ _SIGNATURES = {
     "ps_rms_norm_gain": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_gate_mul": ((_P, _P, _I64, _I64, _INT, _INT, _INT), None),
     "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _P, _P, _INT, _F32, _I64, _I64, _I64, _I64, _INT, _INT), None),
-    "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT, _INT), None),
-    "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _INT, _INT),
+    "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _INT),
+                            None),
+    "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _INT),
                              None),
     "ps_argmax_rows": ((_P, _I64, _I64, _P, _INT), None),
     "ps_gguf_block_bytes": ((_INT,), _I64),
@@ -66,10 +67,10 @@ _SIGNATURES = {
     "ps_row_sums_i8": ((_P, _I64, _I64, _P, _INT), None),
     "ps_layer_fields": ((), _INT),
     "ps_layer_layout": ((_P, _INT), _INT),
-    "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _INT),
-                        None),
+    "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _F32, _INT,
+                         _INT), None),
     "ps_layer_attention": ((_P, _P, _P, _INT, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
-                            _F32, _INT, _INT), None),
+                            _F32, _F32, _INT, _INT), None),
     "ps_layer_mlp": ((_P, _P, _P, _P, _I64, _I64, _I64, _F32, _INT, _INT), None),
 }
 ACTIVATION_DTYPES = tuple(getattr(torch, name) for name in weight_format.NATIVE_DTYPES)  # the rule's, as torch dtypes
@@ -362,9 +363,10 @@ class CpuKernels:
                                   qkv.dtype == torch.bfloat16, self._threads())
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         slots: torch.Tensor, lens: torch.Tensor, scale: float, softcap: float | None = None
+                         ) -> torch.Tensor:
         """q [B, Hq, D] (rows of D contiguous, heads adjacent); caches [S, Hkv, D]; slots [B, L] int64;
-        lens [B] int64 -> [B, Hq, D]."""
+        lens [B] int64 -> [B, Hq, D]. `softcap`: scores capped to softcap * tanh(score / softcap) (Gemma 2)."""
         q, hkv = self._check_attention("decode_attention", q, k_cache, v_cache)
         b, hq, d = q.shape
         check("slots", slots, torch.int64, (b, None), contiguous=False)
@@ -373,11 +375,13 @@ class CpuKernels:
         out = torch.empty(b, hq, d, dtype=q.dtype)
         self.lib.ps_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                      slots.data_ptr(), lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
-                                     slots.shape[1], scale, q.dtype == torch.bfloat16, self._threads())
+                                     slots.shape[1], scale, _softcap(softcap), q.dtype == torch.bfloat16,
+                                     self._threads())
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slots: torch.Tensor, start: int, scale: float, scratch_bytes: int) -> torch.Tensor:
+                          slots: torch.Tensor, start: int, scale: float, scratch_bytes: int,
+                          softcap: float | None = None) -> torch.Tensor:
         """A prefill chunk's queries q [T, Hq, D] at positions start .. start + T - 1 attending causally over the
         start + T positions at `slots` (int64, [start + T]; the chunk's own K/V already written there) -> [T, Hq,
         D]: each row as a decode row with its context (ps_prefill_attention). The threads' score buffers stay
@@ -390,7 +394,7 @@ class CpuKernels:
         out = torch.empty(t, hq, d, dtype=q.dtype)
         self.lib.ps_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                       slots.contiguous().data_ptr(), start, t, out.data_ptr(), hq, hkv, d, max_run,
-                                      scale, q.dtype == torch.bfloat16, threads)
+                                      scale, _softcap(softcap), q.dtype == torch.bfloat16, threads)
         return out
 
     @staticmethod
@@ -458,7 +462,7 @@ class CpuKernels:
                         cos: torch.Tensor | None, sin: torch.Tensor | None, slots: torch.Tensor,
                         ctx_slots: torch.Tensor,
                         lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                        scale: float) -> torch.Tensor:
+                        scale: float, softcap: float | None = None) -> torch.Tensor:
         """One decoder layer's attention half for a decode-only step (cpu_kernels.c, ps_layer_attention):
         `row` is the layer's row of the decode-stack table; `residual` [B, H] is updated in place (set to x
         on the `first` layer). Returns the o projection's output [B, H]."""
@@ -470,7 +474,7 @@ class CpuKernels:
         self.lib.ps_layer_attention(row.data_ptr(), x.data_ptr(), residual.data_ptr(), int(first), y.data_ptr(),
                                     _pointer(cos), _pointer(sin), slots.data_ptr(), ctx_slots.data_ptr(),
                                     lens.data_ptr(), b, ctx_slots.shape[1], h, num_heads, num_kv_heads, head_dim,
-                                    eps, scale, x.dtype == torch.bfloat16, self._threads())
+                                    eps, scale, _softcap(softcap), x.dtype == torch.bfloat16, self._threads())
         return y
 
     def layer_mlp(self, row: torch.Tensor, y: torch.Tensor, residual: torch.Tensor, intermediate: int,
@@ -488,7 +492,8 @@ class CpuKernels:
     def decode_stack(self, x: torch.Tensor, table: torch.Tensor, final_norm: torch.Tensor, slots: torch.Tensor,
                      views: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]],
                      num_heads: int,
-                     num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float) -> torch.Tensor:
+                     num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
+                     softcap: float | None = None) -> torch.Tensor:
         """Every decoder layer of a decode-only step in one call: x [B, H] embeddings -> the final norm's
         output [B, H]. `table` [layers, layer_fields] int64 holds each layer's pointers (see
         cpu_kernels.c, ps_decode_stack); slots [B] (int64); `views`: per step view (a layer's `view` column picks
@@ -511,9 +516,19 @@ class CpuKernels:
         out = torch.empty_like(x)
         self.lib.ps_decode_stack(x.data_ptr(), out.data_ptr(), table.data_ptr(), table.shape[0],
                                  final_norm.data_ptr(), slots.data_ptr(), pointers.data_ptr(), b, h, num_heads,
-                                 num_kv_heads, head_dim, intermediate, eps, scale, x.dtype == torch.bfloat16,
+                                 num_kv_heads, head_dim, intermediate, eps, scale, _softcap(softcap),
+                                 x.dtype == torch.bfloat16,
                                  self._threads())
         return out
+
+
+def _softcap(softcap: float | None) -> float:
+    """An attention softcap for the C code: 0 for none; a cap must be positive (tanh(score / cap) * cap)."""
+    if softcap is None:
+        return 0.0
+    if not softcap > 0:
+        raise ValueError(f"attention softcap {softcap}: a positive number or None")
+    return float(softcap)
 
 
 def _pointer(t: torch.Tensor | None) -> int:

@@ -2242,6 +2242,19 @@ static void context_runs(const int64_t *slots, int64_t slot_stride, const int64_
   }
 }
 
+/* Gemma 2's attention logit softcapping, in place: s[0..n) = softcap * tanh(s / softcap), as transformers computes
+ * it (after the scale, before the softmax). Returns the cap of `max` (the scores' maximum before): tanh keeps the
+ * order, and the same lane operations on the same value give the capped scores' maximum exactly. */
+static float cap_scores(float *s, int64_t n, float max, float softcap) {
+  const vf cap = vset1(softcap);
+  int64_t l = 0;
+  for (; l + VL <= n; l += VL) vstoref(s + l, vmul(vtanh(vdiv(vloadf(s + l), cap)), cap));
+  if (l < n) vstoref_part(s + l, vmul(vtanh(vdiv(vloadf_part(s + l, n - l), cap)), cap), n - l);
+  float capped[VL];
+  vstoref(capped, vmul(vtanh(vdiv(vset1(max), cap)), cap));
+  return capped[0];
+}
+
 /* Rows of queries, each attending over its own context in the paged KV pool (attend_rows below).
  * q: [B, Hq, D] with row stride q_stride (elements) between rows; k_cache/v_cache: [S, Hkv, D];
  * row b's context is lens[b] positions whose slots are slots[b * slot_stride ..] (int64; slot_stride 0: every
@@ -2250,7 +2263,7 @@ static void context_runs(const int64_t *slots, int64_t slot_stride, const int64_
 static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         const int64_t *slots, int64_t slot_stride, const int64_t *lens, void *out, int64_t B,
                         int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, int64_t max_run, float scale,
-                        int bf16, int nthreads);
+                        float softcap, int bf16, int nthreads);
 
 /* One query token per sequence attends over its context in the paged KV pool.
  * q: [B, Hq, D] with row stride q_stride (elements) between sequences; k_cache/v_cache: [S, Hkv, D];
@@ -2261,12 +2274,13 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * Where several query heads share a KV head, they share each chunk of its rows (ATTN_CHUNK), and so do the rows
  * of a run (context_runs: a verification's 1 + k rows read one widened copy of the context, not 1 + k). Each row
  * and head takes the same operations in the same order as it would alone (its own chunk lengths, hence its own
- * blocks and tail), so its result does not depend on the rows beside it. */
+ * blocks and tail), so its result does not depend on the rows beside it. softcap > 0: the scores capped first
+ * (Gemma 2, cap_scores); 0: none. */
 void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *slots, const int64_t *lens, void *out, int64_t B, int64_t Hq,
-                         int64_t Hkv, int64_t D, int64_t max_len, float scale, int bf16, int nthreads) {
+                         int64_t Hkv, int64_t D, int64_t max_len, float scale, float softcap, int bf16, int nthreads) {
   attend_rows(q, q_stride, k_cache, v_cache, slots, max_len, lens, out, B, Hq, Hkv, D, max_len, MAX_RUN, scale,
-              bf16, nthreads);
+              softcap, bf16, nthreads);
 }
 
 /* A prefill chunk of T query rows at positions start .. start + T - 1 attends causally over its sequence's
@@ -2277,19 +2291,19 @@ void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, c
  * Against torch's SDPA (2 cores of a Zen 5, 428 queries, 14/2 heads of 64): 1.5 ms instead of 5.3. */
 void ps_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                           const int64_t *slots, int64_t start, int64_t T, void *out, int64_t Hq, int64_t Hkv,
-                          int64_t D, int64_t max_run, float scale, int bf16, int nthreads) {
+                          int64_t D, int64_t max_run, float scale, float softcap, int bf16, int nthreads) {
   int64_t *lens = (int64_t *)malloc(sizeof(int64_t) * (size_t)T);
   if (!lens) abort();
   for (int64_t i = 0; i < T; ++i) lens[i] = start + i + 1;
   attend_rows(q, q_stride, k_cache, v_cache, slots, 0, lens, out, T, Hq, Hkv, D, start + T,
-              max_run < 1 ? 1 : (max_run > MAX_RUN ? MAX_RUN : max_run), scale, bf16, nthreads);
+              max_run < 1 ? 1 : (max_run > MAX_RUN ? MAX_RUN : max_run), scale, softcap, bf16, nthreads);
   free(lens);
 }
 
 static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         const int64_t *slots, int64_t slot_stride, const int64_t *lens, void *out, int64_t B,
                         int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, int64_t max_run, float scale,
-                        int bf16, int nthreads) {
+                        float softcap, int bf16, int nthreads) {
   const int64_t group = Hq / Hkv, nv = D / VL;
   const int dot = bf16_dot_attention && bf16 && D % 32 == 0;  /* scores by dot_scores, K rows kept in bf16 */
   const int dot_v = dot && (D == 64 || D == 128);  /* V's weighted sums by vdpbf16ps too (pair_rows) */
@@ -2327,8 +2341,10 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
           const int64_t n = len - c0 < chunk ? len - c0 : chunk;  /* this row's own chunk, as alone */
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kvh * group + g, rg = r * group + g;
-            const float m = head_scores(at(q, b * q_stride + h * D, bf16), k_cache, slot + c0, rows, iota, n,
-                                        Hkv, kvh, D, scale, bf16, dot, widen, scores + rg * max_len + c0);
+            float *s = scores + rg * max_len + c0;
+            float m = head_scores(at(q, b * q_stride + h * D, bf16), k_cache, slot + c0, rows, iota, n, Hkv, kvh, D,
+                                  scale, bf16, dot, widen, s);
+            if (softcap > 0.0f) m = cap_scores(s, n, m, softcap);
             mx[rg] = c0 == 0 || m > mx[rg] ? m : mx[rg];
           }
         }
@@ -2443,11 +2459,12 @@ static void stack_norm(const int64_t *layer, int field, const void *x, void *res
 
 /* The attention half of decoder layer `layer`: h = in_norm(x + residual) (the sum kept in `residual`; on
  * the first layer, `first`, residual = x), qkv = h W_qkv, (q/k norms,) rotary + K/V write, paged attention,
- * y = attn W_o (with tensor parallelism this rank's partial sum). x, y, residual: [B, H]. */
+ * y = attn W_o (with tensor parallelism this rank's partial sum). x, y, residual: [B, H]. softcap: Gemma 2's cap of
+ * the scores, 0 for none (ps_decode_attention). */
 void ps_layer_attention(const int64_t *layer, const void *x, void *residual, int first, void *y, const void *cos,
                         const void *sin, const int64_t *slots, const int64_t *ctx_slots, const int64_t *lens,
                         int64_t B, int64_t max_len, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, float eps,
-                        float scale, int bf16, int nthreads) {
+                        float scale, float softcap, int bf16, int nthreads) {
   const size_t es = bf16 ? 2 : 4, qkv_n = (size_t)((Hq + 2 * Hkv) * D);
   char *h = (char *)aligned_alloc(64, (es * (size_t)B * ((size_t)H + qkv_n + (size_t)(Hq * D)) + 63) / 64 * 64);
   char *qkv = h + es * B * H, *attn = qkv + es * B * qkv_n;
@@ -2458,7 +2475,7 @@ void ps_layer_attention(const int64_t *layer, const void *x, void *residual, int
                    (const void *)layer[PS_L_Q_NORM], (const void *)layer[PS_L_K_NORM],
                    (layer[PS_L_FLAGS] & PS_NORM_GAIN) != 0, eps, B, Hq, Hkv, D, bf16, nthreads);
   ps_decode_attention(qkv, (int64_t)qkv_n, (const void *)layer[PS_L_K_CACHE], (const void *)layer[PS_L_V_CACHE],
-                      ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, bf16, nthreads);
+                      ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, softcap, bf16, nthreads);
   stack_linear(layer + PS_L_O, attn, y, B, H, Hq * D, bf16, nthreads);
   free(h);
 }
@@ -2486,7 +2503,7 @@ void ps_layer_mlp(const int64_t *layer, void *y, void *residual, void *out, int6
  * int64: per step view (a layer's PS_L_VIEW picks one) the pointers to cos, sin, ctx_slots, lens and max_len. */
 void ps_decode_stack(const void *x, void *out, const int64_t *layers, int64_t n_layers, const void *final_norm,
                      const int64_t *slots, const int64_t *views, int64_t B, int64_t H, int64_t Hq, int64_t Hkv,
-                     int64_t D, int64_t I, float eps, float scale, int bf16, int nthreads) {
+                     int64_t D, int64_t I, float eps, float scale, float softcap, int bf16, int nthreads) {
   const size_t es = bf16 ? 2 : 4;
   char *residual = (char *)aligned_alloc(64, (3 * es * (size_t)(B * H) + 63) / 64 * 64);
   char *a = residual + es * B * H, *y = a + es * B * H;
@@ -2494,8 +2511,8 @@ void ps_decode_stack(const void *x, void *out, const int64_t *layers, int64_t n_
     const int64_t *p = layers + l * PS_LAYER_FIELDS, *v = views + p[PS_L_VIEW] * PS_VIEW_FIELDS;
     ps_layer_attention(p, l == 0 ? x : (const void *)y, residual, l == 0, a, (const void *)v[PS_V_COS],
                        (const void *)v[PS_V_SIN], slots, (const int64_t *)v[PS_V_CTX_SLOTS],
-                       (const int64_t *)v[PS_V_LENS], B, v[PS_V_MAX_LEN], H, Hq, Hkv, D, eps, scale, bf16,
-                       nthreads);
+                       (const int64_t *)v[PS_V_LENS], B, v[PS_V_MAX_LEN], H, Hq, Hkv, D, eps, scale, softcap,
+                       bf16, nthreads);
     ps_layer_mlp(p, a, residual, y, B, H, I, eps, bf16, nthreads);
     if (p[PS_L_MLP_OUT_NORM]) stack_norm(p, PS_L_MLP_OUT_NORM, y, NULL, y, B, H, eps, bf16, nthreads);
   }

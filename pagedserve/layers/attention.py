@@ -148,11 +148,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     tokens read their context straight from the pool (no gathered copy of it). `kv_written`: the caller
     has already stored k/v at meta.slot_mapping. `window`: each token attends only to the last `window`
     positions, itself included (sliding-window attention: keys j > i - window, as transformers' mask);
-    `softcap`: scores pass through softcap * tanh(score / softcap) before the softmax (Gemma 2), which only the
-    torch path computes."""
+    `softcap`: scores pass through softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     if not kv_written:
         cache.write(k, v, meta.slot_mapping)
-    native = kernels is not None and not cache.is_quantized and softcap is None
+    native = kernels is not None and not cache.is_quantized
     nd = meta.num_decodes
     od = _decode_attention(q[:nd], cache, meta.within(window), scale, kernels if native else None, softcap) \
         if nd else None
@@ -163,7 +162,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
         out[:nd] = od
     for span in meta.prefills:
         if native and (window is None or span.end - span.start + span.context_start <= window):
-            out[span.start:span.end] = _native_prefill_attention(q, cache, meta, span, scale, kernels)
+            out[span.start:span.end] = _native_prefill_attention(q, cache, meta, span, scale, kernels, softcap)
         else:
             out[span.start:span.end] = _prefill_attention(q, k, v, cache, meta, span, scale, window, softcap)
     return out
@@ -173,7 +172,8 @@ def _decode_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetad
                       kernels: CpuKernels | None, softcap: float | None) -> torch.Tensor:
     """q: [Bd, Hq, D] one token per decode -> [Bd, Hq, D]."""
     if kernels is not None:
-        return kernels.decode_attention(q, cache.k, cache.v, meta.decode_kv_slots, meta.decode_context_lens, scale)
+        return kernels.decode_attention(q, cache.k, cache.v, meta.decode_kv_slots, meta.decode_context_lens, scale,
+                                        softcap)
     out = torch.empty_like(q)
     for group in meta.decode_groups():
         rows = slice(group.first, group.last)
@@ -209,7 +209,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def _native_prefill_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, span: PrefillSpan,
-                              scale: float, kernels: CpuKernels) -> torch.Tensor:
+                              scale: float, kernels: CpuKernels, softcap: float | None) -> torch.Tensor:
     """One prefill chunk on the native kernel: its rows read their context from the pool in place, as decode rows
     do (the chunk's K/V are written first), in the scratch the torch path's gathered K/V and scores are planned
     for (memory/plan.py)."""
@@ -218,7 +218,7 @@ def _native_prefill_attention(q: torch.Tensor, cache: LayerKVCache, meta: Attent
     slots = span.kv_slots if span.kv_slots is not None else meta.slot_mapping[span.start:span.end]
     scratch = prefill_scratch_bytes(num, context_len, cache.k.shape[1], cache.k.shape[2], q.element_size())
     return kernels.prefill_attention(q[span.start:span.end], cache.k, cache.v, slots, span.context_start, scale,
-                                     scratch)
+                                     scratch, softcap)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,

@@ -241,22 +241,21 @@ _ACTIVATION_WORDS = {"silu": "SiLU", "gelu": "GELU", "gelu_pytorch_tanh": "GELU 
 
 
 def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, onednn_packs: bool,
-                           tp_size: int = 1, logits: bool = True, activation: str = "silu", softcapped: bool = False,
+                           tp_size: int = 1, logits: bool = True, activation: str = "silu",
                            kv_cache_dtype: str = "auto") -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
     ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
     o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
     the model has an LM head (not an embedding model); `activation`: the MLP's gate (the native kernel's are
-    NATIVE_ACTIVATIONS); `softcapped`: its attention caps scores, which only torch ops do; `kv_cache_dtype`:
-    --kv-cache-dtype (an 8-bit pool keeps rotary and the stack on torch ops)."""
+    NATIVE_ACTIVATIONS); `kv_cache_dtype`: --kv-cache-dtype (an 8-bit pool keeps rotary and the stack on torch ops)."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     hidden, intermediate = cfg.hidden_size, cfg.intermediate_size // tp_size  # this rank's MLP width
     kind = fmt.linear_kind
     fits = isa is not None and kind != "plain" and decoder_kernels_fit(hidden, intermediate, head_dim)
-    decoder_native, attention_native = fits, fits and not softcapped and not kv_quantized(kv_cache_dtype)
+    decoder_native, attention_native = fits, fits and not kv_quantized(kv_cache_dtype)
     inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),
               ("down", intermediate)) + ((("logits", hidden),) if logits else ())
     runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}

@@ -7,9 +7,9 @@
   every other layer, Gemma 3: five of six); Gemma 2 caps attention scores and logits with tanh (softcapping);
   Gemma 3 has per-head q/k norms and a rotary base of its own for its sliding-window layers.
 
-The linears, norms (ps_rms_norm_gain: Gemma's float32 gain), the GELU gate (ps_gate_mul) and attention run the
-backend's kernels as every model's do, but for Gemma 2's softcapped attention (the native kernels have no softcap);
-Gemma 3's q/k norms run inside the fused rotary. Decode steps of Gemma and Gemma 3 take the native decode stack
+The linears, norms (ps_rms_norm_gain: Gemma's float32 gain), the GELU gate (ps_gate_mul) and attention (Gemma 2's
+scores capped in it) run the backend's kernels as every model's do; Gemma 3's q/k norms run inside the fused rotary.
+Decode steps take the native decode stack
 (models/llama.py, NativeDecodeStack: gain norms and sandwich norms are its table's flags and columns, the
 sliding-window layers a step view of their own). A multimodal Gemma 3 checkpoint is served as its Gemma3ForCausalLM
 (formats/multimodal.py).

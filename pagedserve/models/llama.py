@@ -271,7 +271,7 @@ class NativeDecodeStack:
         self.max_rows = kernels.int8_max_rows(model.norm.weight.dtype) if int8 else None
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
         self.dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size)
-        self.eps, self.scale = model.norm.eps, attn.scale
+        self.eps, self.scale, self.softcap = model.norm.eps, attn.scale, attn.softcap  # every layer's (build checks)
         self.views = views  # (window, rotary: "global", "local" or None) per step view, a layer's view its column
         local = model.local_rotary_emb is not None
         self.view_of = [views.index(self.view_key(layer, local)) for layer in model.layers]
@@ -294,7 +294,7 @@ class NativeDecodeStack:
             attn, mlp = layer.self_attn, layer.mlp
             qk_norm = attn.native_qk_norm()
             norms = cls._norms(layer)
-            if (not attn.fused_rope or attn.softcap is not None or mlp.kernels is None
+            if (not attn.fused_rope or attn.softcap != first.self_attn.softcap or mlp.kernels is None
                     or mlp.activation not in NATIVE_ACTIVATIONS or attn.scale != first.self_attn.scale
                     or any(norm.eps != model.norm.eps or norm.gain_in_float32 != model.norm.gain_in_float32
                            for norm in norms.values())
@@ -371,14 +371,14 @@ class NativeDecodeStack:
         slots = meta.slot_mapping.contiguous()
         if self.tp is None:
             return self.kernels.decode_stack(x.contiguous(), self.table, self.final_norm, slots, views, *self.dims,
-                                             self.eps, self.scale)
+                                             self.eps, self.scale, self.softcap)
         heads, kv_heads, head_dim, intermediate = self.dims
         h, residual = x.contiguous(), torch.empty_like(x)
         for index in range(self.table.shape[0]):
             row = self.table[index]
             y = self.kernels.layer_attention(row, h, residual, index == 0, views[self.view_of[index]][0],
                                              views[self.view_of[index]][1], slots, *views[self.view_of[index]][2:],
-                                             heads, kv_heads, head_dim, self.eps, self.scale)
+                                             heads, kv_heads, head_dim, self.eps, self.scale, self.softcap)
             y = self.tp.all_reduce(y)  # the heads' partial sums
             h = self.tp.all_reduce(self.kernels.layer_mlp(row, y, residual, intermediate, self.eps))
             out_norm = self.mlp_out_norms[index]
@@ -453,9 +453,8 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         kernels = backend.decoder_kernels(self.config.hidden_size, self.model.layers[0].mlp.gate_proj.out_features,
                                           attn.head_dim)
-        for layer in self.model.layers:  # attention that caps its scores (Gemma 2), or reads an fp8 pool: torch
-            layer.self_attn.prepare(backend, kernels if layer.self_attn.softcap is None and not backend.kv_quantized
-                                    else None)
+        for layer in self.model.layers:  # attention that reads an fp8 pool: torch
+            layer.self_attn.prepare(backend, None if backend.kv_quantized else kernels)
             layer.mlp.prepare(backend, kernels)
             for norm in layer.modules():  # q/k norms (3-D inputs): in the fused rotary kernel, else torch ops
                 if isinstance(norm, RMSNorm):

@@ -133,12 +133,12 @@ def test_a_gemma2_gguf_without_its_window_is_refused_as_a_file_problem(tmp_path)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["gemma", "gemma3"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
 def test_gemma_on_the_native_kernels_and_the_decode_stack(kernels, tiny_model_dir, monkeypatch, dtype, arch):
     """head_dim 32: Gemma's rotary runs fused into the KV write (Gemma 3's q/k norms, a float32 gain, in it), its norms,
-    GELU gate and attention on the native kernels, and in bf16 (native linears) its decode steps on the decode stack
-    (Gemma 3: sandwich norms, windowed layers with their own rotary), over prompts of 5 to 80 tokens (past Gemma 3's
-    16-token window) and their decodes, against transformers."""
+    GELU gate and attention (Gemma 2's capped scores) on the native kernels, and in bf16 (native linears) its decode
+    steps on the decode stack (Gemma 2/3: sandwich norms, windowed layers, Gemma 3's with their own rotary), over
+    prompts of 5 to 80 tokens (past the 16-token window) and their decodes, against transformers."""
     from tests.models.test_sliding_window import _check
 
     # Gemma 3 at the tiny models' usual weight scale (0.2) is off transformers by 0.156 in bf16 with torch ops alone
