@@ -460,9 +460,8 @@ class CpuKernels:
 
     def layer_attention(self, row: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, first: bool,
                         cos: torch.Tensor | None, sin: torch.Tensor | None, slots: torch.Tensor,
-                        ctx_slots: torch.Tensor,
-                        lens: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                        scale: float, softcap: float | None = None) -> torch.Tensor:
+                        ctx_slots: torch.Tensor, lens: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        head_dim: int, eps: float, scale: float, softcap: float | None = None) -> torch.Tensor:
         """One decoder layer's attention half for a decode-only step (cpu_kernels.c, ps_layer_attention):
         `row` is the layer's row of the decode-stack table; `residual` [B, H] is updated in place (set to x
         on the `first` layer). Returns the o projection's output [B, H]."""
