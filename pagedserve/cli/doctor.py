@@ -234,8 +234,8 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
             attention += (" (bf16 by float32 FMAs: PAGEDSERVE_CPU_BF16_ATTENTION=0)"
                           if probe.bf16_attention_by_dot(flags)
                           else " (bf16 by float32 FMAs, which run faster than vdpbf16ps on this CPU class)")
-        return CheckResult("native kernels", PASS, f"{bf16}, norms, SiLU, {attention}; {pages}{invariant}; "
-                                                   f"{why}", fix)
+        return CheckResult("native kernels", PASS, f"{bf16}, norms, SiLU and GELU (tanh) gates, {attention}; "
+                                                   f"{pages}{invariant}; {why}", fix)
     try:
         envs.cpu_isa()
     except ValueError as exc:  # load_status ran the torch path for it

@@ -766,11 +766,11 @@ static inline void amx_block(const uint16_t *x, int64_t ldx, const uint16_t *wb,
   _tile_stored(3, &out[0][48], BF16_NB * 4);
 }
 
-/* The last M % 16 rows of x [M, K], zero-padded to 16 rows; NULL where M < 16 (the tiles are then M rows high)
- * or M is a multiple of 16. */
-static uint16_t *amx_tail(const uint16_t *x, int64_t M, int64_t K) {
+/* The last M % 16 rows of x [M, K], zero-padded to 16 rows; NULL where M is a multiple of 16, or where M < 16 and
+ * not `short_too` (bf16_rows_amx's tiles are then M rows high; i8_panels' are always 16). */
+static uint16_t *amx_tail(const uint16_t *x, int64_t M, int64_t K, int short_too) {
   const int64_t full = M / 16 * 16;
-  if (M < 16 || full == M) return NULL;
+  if ((M < 16 && !short_too) || full == M) return NULL;
   uint16_t *tail = calloc(16 * K, 2);
   if (!tail) abort();
   memcpy(tail, x + full * K, (size_t)((M - full) * K * 2));
@@ -781,7 +781,7 @@ static void bf16_rows_amx(const uint16_t *x, const uint16_t *w, const uint16_t *
                           int64_t M, int64_t N, int64_t K, int nthreads) {
   const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
   const int short_batch = M < 16;  /* then the x and sum tiles are M rows high: no padding */
-  uint16_t *tail = amx_tail(x, M, K);
+  uint16_t *tail = amx_tail(x, M, K, 0);
   #pragma omp parallel num_threads(nthreads)
   {
     amx_configure(short_batch ? (int)M : 16, 5);
@@ -1265,7 +1265,7 @@ static void i8_panels(const void *x, const int8_t *q, const float *scale, const 
   const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
 #ifdef PS_AMX
   const int amx = amx_ready && K % AMX_K == 0;
-  uint16_t *tail = amx ? amx_tail(xb, M, K) : NULL;
+  uint16_t *tail = amx ? amx_tail(xb, M, K, 1) : NULL;  /* also for M < 16: a prefill's last chunk */
 #endif
   #pragma omp parallel num_threads(nthreads)
   {

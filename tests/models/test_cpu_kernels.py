@@ -83,6 +83,14 @@ def test_linear_i8_panels_cover_every_block(kernels, dtype, m):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1025, 1035, 1060])
+def test_linear_i8_prefill_chunks_with_a_short_last_one(kernels, dtype, m):
+    """A prefill of more than 1024 rows at K <= 1024 runs in 512-row chunks: the last one 1, 11 or 36 rows (on AMX
+    tiles, fewer than 16 rows once segfaulted: their zero-padded copy was not made)."""
+    _check_linear_i8(kernels, dtype, m, True, n=40, k=128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_prefill_rows_equal_the_rows_alone(kernels, dtype):
     """AVX2 and AVX-512 without BF16: prefill-sized batches run an integer tile over int16 panels (vpmaddwd,
     vpdpwssd) with the decode kernel's exact sums, so every row of a prompt gets the bits it gets alone (a decode
