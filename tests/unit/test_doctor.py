@@ -298,7 +298,7 @@ def test_doctor_says_whether_packed_weights_get_huge_pages(monkeypatch, tmp_path
     fake.bf16_dot = fake.bf16_dot_attention = False
     fake.isa, fake.amx, fake.amx_int8, fake.avx_vnni = "avx2", False, False, True  # an Alder Lake
     assert "avx2: bf16 linears, int8 linears (sums on AVX-VNNI)" in check_native_kernels({"avx2", "avx_vnni"}).detail
-    assert "SiLU, decode attention;" in check_native_kernels({"avx2", "avx_vnni"}).detail
+    assert "SiLU and GELU (tanh) gates, decode attention;" in check_native_kernels({"avx2", "avx_vnni"}).detail
 
 
 def test_a_packaged_model_name_is_checked_in_the_cache_and_never_downloaded(monkeypatch, tmp_path):
