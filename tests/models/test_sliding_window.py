@@ -99,7 +99,8 @@ def test_torch_path_rows_see_exactly_their_window(window, softcap):
 @pytest.mark.parametrize("window, softcap", CASES)
 def test_native_rows_see_exactly_their_window(kernels, window, softcap):
     """The native decode kernel reads the window's slots (AttentionMetadata.within); a prefill chunk whose
-    context outruns the window takes the torch path; softcapped scores (Gemma 2) on both native kernels."""
+    context outruns the window takes the torch path; softcapped scores (Gemma 2) on the native decode kernel (their
+    prefill chunks on torch ops)."""
     _check_attention(window, softcap, kernels)
 
 
