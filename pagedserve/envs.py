@@ -40,6 +40,12 @@ def cpu_bf16_attention(default: bool) -> bool:
     return _switch("PAGEDSERVE_CPU_BF16_ATTENTION", default=default)
 
 
+def cpu_sdpa_prefill(default: bool) -> bool:
+    """$PAGEDSERVE_CPU_SDPA_PREFILL=1/0: prefill chunks' attention on torch's SDPA, or on the native kernel (each row
+    as a decode row). Unset: `default`, the rule probe.sdpa_prefill gives for this CPU and dtype."""
+    return _switch("PAGEDSERVE_CPU_SDPA_PREFILL", default=default)
+
+
 CPU_ISAS = ("native", "avx2", "avx2-vnni", "avx512-vnni")
 
 

@@ -10,8 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagedserve import envs
 from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
 from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, expected_layer_kernels, expected_weight_format,
                                              kv_quantized, onednn_may_pack, partial_rotary, wants_native_kernels)
@@ -120,6 +122,8 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     layers = expected_layer_kernels(fmt, native, model.hf_config, onednn_may_pack(device, model.dtype, flags),
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
                                     activation=spec.activation,
+                                    sdpa_prefill=probe.sdpa_prefill(flags, model.dtype, envs.batch_invariant()),
+                                    softcapped=softcapped_attention(model.architecture, model.hf_config),
                                     kv_cache_dtype=config.cache.kv_cache_dtype)
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:

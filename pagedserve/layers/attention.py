@@ -143,16 +143,18 @@ class LayerKVCache:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                     meta: AttentionMetadata, scale: float, kernels: CpuKernels | None = None,
                     kv_written: bool = False, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sdpa_prefill: bool = False) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens -> [T, Hq, D]. With `kernels`, decode
     tokens read their context straight from the pool (no gathered copy of it). `kv_written`: the caller
     has already stored k/v at meta.slot_mapping. `window`: each token attends only to the last `window`
     positions, itself included (sliding-window attention: keys j > i - window, as transformers' mask);
     `softcap`: scores pass through softcap * tanh(score / softcap) before the softmax (Gemma 2; its prefill chunks
-    on torch ops: the native prefill kernel ran them at 0.4-1.0x of torch's matmuls on the AMX Xeon, head_dim 256)."""
+    on torch ops: the native prefill kernel ran them at 0.4-1.0x of torch's matmuls on the AMX Xeon, head_dim 256);
+    `sdpa_prefill`: prefill chunks on torch's SDPA though `kernels` are given (probe.sdpa_prefill)."""
     if not kv_written:
         cache.write(k, v, meta.slot_mapping)
     native = kernels is not None and not cache.is_quantized
+    native_prefill = native and softcap is None and not sdpa_prefill
     nd = meta.num_decodes
     od = _decode_attention(q[:nd], cache, meta.within(window), scale, kernels if native else None, softcap) \
         if nd else None
@@ -162,7 +164,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     if nd:
         out[:nd] = od
     for span in meta.prefills:
-        if native and softcap is None and (window is None or span.end - span.start + span.context_start <= window):
+        if native_prefill and (window is None or span.end - span.start + span.context_start <= window):
             out[span.start:span.end] = _native_prefill_attention(q, cache, meta, span, scale, kernels)
         else:
             out[span.start:span.end] = _prefill_attention(q, k, v, cache, meta, span, scale, window, softcap)

@@ -22,7 +22,7 @@ from torch import nn
 from pagedserve.kernels import CpuKernels, cpu_kernels
 from pagedserve.layers.linear import (Int8Linear, PackedLinear, PlainLinear, QuantizedWeight, fuse_biases, fuse_rows,
                                      packing_supported, weight_of)
-from pagedserve.memory import weight_format
+from pagedserve.memory import probe, weight_format
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,13 @@ class KernelBackend:
             self._made(sum(w.shape[0] * w.shape[1] for w in weights))
             return linear
         return self.make_linear(*fuse_rows(*linears))
+
+    @property
+    def sdpa_prefill(self) -> bool:
+        """Prefill chunks' attention on torch's SDPA though the native kernels run (probe.sdpa_prefill: measured
+        faster for this CPU class and dtype)."""
+        return self.native is not None and probe.sdpa_prefill(probe.cpu_flags(), _dtype_name(self.dtype),
+                                                              self.native.batch_invariant)
 
     def decoder_kernels(self, hidden: int, intermediate: int, head_dim: int) -> CpuKernels | None:
         """The native kernels for a decoder's norms, SiLU, rotary and attention, where its sizes fit them

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve import envs
 from pagedserve.memory.sizes import GIB
 
 # cgroup v1 writes "no limit" as a page-rounded LONG_MAX (9223372036854771712); anything this large is no limit.
@@ -463,6 +464,19 @@ def bf16_attention_by_dot(flags: set[str]) -> bool:
     0.81-0.93x, its vdpbf16ps being slower there than two FMAs. CPUs of neither kind measured (Cooper Lake:
     AVX512-BF16 without AMX) follow their class."""
     return cpu_class(flags) == "avx512-bf16"
+
+
+def sdpa_prefill(flags: set[str], dtype: str, batch_invariant: bool) -> bool:
+    """Whether prefill chunks' attention runs on torch's SDPA rather than on the native kernel, which computes each
+    row as a decode row (the same operations as alone, whatever the chunk). Measured per class (benchmarks/
+    RESULTS.md): on the Intel Xeon with AMX (avx512-amx), bf16 prompts of 256-4096 tokens prefilled 1.04-1.46x
+    faster on SDPA (oneDNN's kernels on AMX tiles; 1.38-1.62x in 512-token chunks), float32 ones level; on a Zen 5
+    (avx512-bf16) the native kernel ran 3.5x SDPA (428 tokens), and AVX2 CPUs have no bf16 matmuls. Never in
+    batch-invariant mode (SDPA's sums depend on how a prompt is chunked). PAGEDSERVE_CPU_SDPA_PREFILL=0/1
+    overrides the rule."""
+    if batch_invariant:
+        return False
+    return envs.cpu_sdpa_prefill(default=dtype == "bfloat16" and cpu_class(flags) == "avx512-amx")
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,8 @@ class LayerKernels:
     activation: str = "silu"  # the MLP's gate; the native kernel and the decode stack's MLP: NATIVE_ACTIVATIONS
     native_attention: bool | None = None  # attention on the native kernels where the norms are not (Gemma); None:
     # as decoder_native
+    sdpa_prefill: bool = False  # prefill chunks' attention on torch's SDPA, decode's native (probe.sdpa_prefill)
+    softcapped: bool = False  # attention scores capped (Gemma 2): prefill chunks on torch ops (eager attention)
 
     @property
     def activation_native(self) -> bool:
@@ -221,6 +223,14 @@ class LayerKernels:
         return self.activation_native and self.rotary_fused and all(
             linear.native for linear in self.linears if linear.name != "logits")
 
+    @property
+    def prefill_words(self) -> str:
+        if self.softcapped:
+            return "torch (capped scores)"
+        if not self.attention_native:
+            return "torch SDPA"
+        return "torch SDPA (measured faster on this CPU)" if self.sdpa_prefill else "native"
+
     def lines(self) -> list[str]:
         native = "native" if self.decoder_native else "torch"
         stack = "off"
@@ -233,7 +243,7 @@ class LayerKernels:
                 f"{'native' if self.activation_native else 'torch'}; "
                 f"rotary + KV write {'native' if self.rotary_fused else 'torch'}; "
                 f"decode attention {'native' if self.attention_native else 'torch'}; "
-                f"prefill attention {'native' if self.attention_native else 'torch SDPA'}",
+                f"prefill attention {self.prefill_words}",
                 f"decode stack (every layer's C attention and MLP halves for decode-only steps): {stack}"]
 
 
@@ -242,13 +252,15 @@ _ACTIVATION_WORDS = {"silu": "SiLU", "gelu": "GELU", "gelu_pytorch_tanh": "GELU 
 
 def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, onednn_packs: bool,
                            tp_size: int = 1, logits: bool = True, activation: str = "silu",
-                           kv_cache_dtype: str = "auto") -> LayerKernels:
+                           kv_cache_dtype: str = "auto", sdpa_prefill: bool = False,
+                           softcapped: bool = False) -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
     ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
     o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
     the model has an LM head (not an embedding model); `activation`: the MLP's gate (the native kernel's are
-    NATIVE_ACTIVATIONS); `kv_cache_dtype`: --kv-cache-dtype (an 8-bit pool keeps rotary and the stack on torch ops)."""
+    NATIVE_ACTIVATIONS); `kv_cache_dtype`: --kv-cache-dtype (an 8-bit pool keeps rotary and the stack on torch ops);
+    `sdpa_prefill`: probe.sdpa_prefill for this CPU and dtype; `softcapped`: the attention caps its scores."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -264,4 +276,5 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     return LayerKernels(cfg.num_hidden_layers, linears, decoder_native,
                         fused_rotary(attention_native, head_dim, partial_rotary(cfg)),
                         None if tp_size == 1 else (0, tp_size), activation,
-                        None if attention_native == decoder_native else attention_native)
+                        None if attention_native == decoder_native else attention_native,
+                        attention_native and sdpa_prefill, attention_native and softcapped)

@@ -81,6 +81,7 @@ class Attention(nn.Module):
             self.k_norm = spec.norm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm, self.qk_norm_gain = spec.qk_norm, spec.qk_norm_gain
         self.kernels: CpuKernels | None = None
+        self.sdpa_prefill = False  # prefill chunks on torch's SDPA though the native kernels run (set by prepare)
 
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
@@ -88,6 +89,7 @@ class Attention(nn.Module):
         # rotary (SmolLM3's NoPE layers) writes K/V there unrotated
         self.fused_rope = (self.qk_norm_eps_agree()
                            and fused_rotary(kernels is not None, self.head_dim, self.partial_rotary))
+        self.sdpa_prefill = kernels is not None and backend.sdpa_prefill
         self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
         self.o_proj = backend.make_linear(weight_of(self.o_proj), o_bias)
@@ -112,7 +114,8 @@ class Attention(nn.Module):
             if self.rotary:
                 qk = apply_rotary(qk, *rope)  # q and k heads rotated together: [T, Hq + Hkv, D]
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written, self.window, self.softcap)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.kernels, kv_written, self.window, self.softcap,
+                              self.sdpa_prefill)
         out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)  # the heads' partial sums
 
@@ -473,7 +476,8 @@ class LlamaForCausalLM(nn.Module):
         attention_native = attn.kernels is not None
         return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, rotary_fused,
                             None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation,
-                            None if attention_native == (norm.kernels is not None) else attention_native)
+                            None if attention_native == (norm.kernels is not None) else attention_native,
+                            sdpa_prefill=attn.sdpa_prefill, softcapped=attention_native and attn.softcap is not None)
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""

@@ -11,7 +11,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.cli.check_result import PASS, WARN
 from pagedserve.cli.doctor_model import check_layer_kernels
 from pagedserve.kernels import cpu_kernels
-from pagedserve.memory.probe import cpu_flags
+from pagedserve.engine.memory_plan import softcapped_attention
+from pagedserve.memory.probe import cpu_flags, sdpa_prefill
 from pagedserve.memory.weight_format import (LayerKernels, LinearKernel, expected_layer_kernels, expected_weight_format,
                                              onednn_may_pack)
 
@@ -52,6 +53,10 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     fmt = expected_weight_format("cpu", dtype, quantization, False, isa is not None, cpu_flags())
     predicted = expected_layer_kernels(fmt, isa, config.model.hf_config, onednn_may_pack("cpu", dtype, cpu_flags()),
                                        activation=model.decoder_spec(config.model.hf_config).activation,
+                                       sdpa_prefill=sdpa_prefill(cpu_flags(), dtype, kernels is not None
+                                                                 and kernels.batch_invariant),
+                                       softcapped=softcapped_attention(config.model.architecture,
+                                                                       config.model.hf_config),
                                        kv_cache_dtype=kv_cache_dtype)
     assert predicted == loaded
     result = check_layer_kernels(config, isa)
@@ -95,3 +100,22 @@ def test_the_report_words_and_the_stack_rule():
     assert "rank 1 of 2" in LayerKernels(2, native.linears, True, True, tp=(1, 2)).lines()[-1]
     assert LayerKernels(2, native.linears, True, True, activation="gelu_pytorch_tanh").stack  # Gemma's gate
     assert not LayerKernels(2, native.linears, True, True, activation="gelu").stack  # the exact GELU: torch
+    assert native.lines()[1].endswith("prefill attention native")
+    sdpa = LayerKernels(2, native.linears, True, True, sdpa_prefill=True)
+    assert sdpa.stack and sdpa.lines()[1].endswith("prefill attention torch SDPA (measured faster on this CPU)")
+    capped = LayerKernels(2, native.linears, True, True, softcapped=True)
+    assert capped.lines()[1].endswith("decode attention native; prefill attention torch (capped scores)")
+
+
+def test_prefill_attention_on_sdpa_where_measured_faster(monkeypatch):
+    """probe.sdpa_prefill: bf16 on the AMX Xeon's class only; never in batch-invariant mode; the variable overrides."""
+    amx, zen5 = {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"}, \
+        {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}
+    monkeypatch.delenv("PAGEDSERVE_CPU_SDPA_PREFILL", raising=False)
+    assert sdpa_prefill(amx, "bfloat16", False) and not sdpa_prefill(amx, "float32", False)
+    assert not sdpa_prefill(zen5, "bfloat16", False) and not sdpa_prefill({"avx2", "fma", "f16c"}, "bfloat16", False)
+    assert not sdpa_prefill(amx, "bfloat16", True)
+    monkeypatch.setenv("PAGEDSERVE_CPU_SDPA_PREFILL", "0")
+    assert not sdpa_prefill(amx, "bfloat16", False)
+    monkeypatch.setenv("PAGEDSERVE_CPU_SDPA_PREFILL", "1")
+    assert sdpa_prefill(zen5, "float32", False) and not sdpa_prefill(zen5, "float32", True)

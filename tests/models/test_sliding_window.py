@@ -46,6 +46,20 @@ def test_a_window_on_every_layer_runs_the_native_decode_stack(kernels, tiny_mode
     assert {layer.self_attn.window for layer in model.layers} == {WINDOW}
 
 
+@pytest.mark.parametrize("sdpa", ["0", "1"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_prefill_attention_on_either_path_with_chunks_and_windows(kernels, tiny_model_dir, monkeypatch, arch, sdpa):
+    """PAGEDSERVE_CPU_SDPA_PREFILL (probe.sdpa_prefill: torch's SDPA where it measured faster than the native kernel
+    for prefill chunks) either way, bf16 against transformers: fresh prompts and 16-token chunks that read their
+    earlier context from the pool (Gemma 3: past its window too)."""
+    monkeypatch.setenv("PAGEDSERVE_CPU_SDPA_PREFILL", sdpa)
+    model_dir = tiny_model_dir(arch, "bfloat16", **NATIVE_SHAPE, **({"head_dim": 32, "weight_std": 0.1}
+                                                                     if arch == "gemma3" else {}))
+    for chunked in ({}, dict(max_num_batched_tokens=WINDOW, enable_chunked_prefill=True)):
+        llm = _check(model_dir, "bfloat16", **chunked)
+        assert {layer.self_attn.sdpa_prefill for layer in llm.engine.runner.model.model.layers} == {sdpa == "1"}
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
 def test_chunks_that_start_past_the_window(tiny_model_dir, tmp_path, arch):
     """16-token chunks: every chunk after the second attends over a context longer than the window."""
