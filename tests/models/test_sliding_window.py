@@ -50,14 +50,21 @@ def test_a_window_on_every_layer_runs_the_native_decode_stack(kernels, tiny_mode
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_prefill_attention_on_either_path_with_chunks_and_windows(kernels, tiny_model_dir, monkeypatch, arch, sdpa):
     """PAGEDSERVE_CPU_SDPA_PREFILL (probe.sdpa_prefill: torch's SDPA where it measured faster than the native kernel
-    for prefill chunks) either way, bf16 against transformers: fresh prompts and 16-token chunks that read their
-    earlier context from the pool (Gemma 3: past its window too)."""
+    for prefill chunks, from SDPA_PREFILL_MIN_PAIRS on: here from 1) either way, bf16 against transformers: fresh
+    prompts and 16-token chunks that read their earlier context from the pool (Gemma 3: past its window too)."""
+    from pagedserve.layers import attention
+
     monkeypatch.setenv("PAGEDSERVE_CPU_SDPA_PREFILL", sdpa)
+    monkeypatch.setattr(attention, "SDPA_PREFILL_MIN_PAIRS", 1)
+    native_calls = []
+    native = attention._native_prefill_attention
+    monkeypatch.setattr(attention, "_native_prefill_attention", lambda *a: native_calls.append(1) or native(*a))
     model_dir = tiny_model_dir(arch, "bfloat16", **NATIVE_SHAPE, **({"head_dim": 32, "weight_std": 0.1}
                                                                      if arch == "gemma3" else {}))
     for chunked in ({}, dict(max_num_batched_tokens=WINDOW, enable_chunked_prefill=True)):
         llm = _check(model_dir, "bfloat16", **chunked)
         assert {layer.self_attn.sdpa_prefill for layer in llm.engine.runner.model.model.layers} == {sdpa == "1"}
+    assert (len(native_calls) > 0) == (sdpa == "0")
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
