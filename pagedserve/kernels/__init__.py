@@ -337,9 +337,8 @@ class CpuKernels:
                       qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, gain: bool = False) -> None:
         """In place: rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] (contiguous) with cos/sin
         [T, D] (both None: no rotary, SmolLM3's NoPE layers), then write K and V of every token to the pool
-        [S, Hkv, D] at slots [T] (int64). `qk_norm`: (q_norm
-        weight [D], k_norm weight [D], eps) of per-head RMSNorms applied first (Qwen3); with `gain` the weights are
-        float32 gains (Gemma 3's 1 + weight, rms_norm's `gain`)."""
+        [S, Hkv, D] at slots [T] (int64). `qk_norm`: (q_norm weight [D], k_norm weight [D], eps) of per-head RMSNorms
+        applied first (Qwen3); with `gain` the weights are float32 gains (Gemma 3's 1 + weight, rms_norm's `gain`)."""
         check("qkv", qkv, ACTIVATION_DTYPES, (None, None, None))
         t, h, d = qkv.shape
         hkv = (h - num_heads) // 2
@@ -358,9 +357,8 @@ class CpuKernels:
         self.lib.ps_rope_kv_write(qkv.data_ptr(), _pointer(cos), _pointer(sin), k_cache.data_ptr(),
                                   v_cache.data_ptr(), slots.contiguous().data_ptr(),
                                   None if q_norm is None else q_norm.data_ptr(),
-                                  None if k_norm is None else k_norm.data_ptr(), int(gain), eps, t, num_heads,
-                                  hkv, d,
-                                  qkv.dtype == torch.bfloat16, self._threads())
+                                  None if k_norm is None else k_norm.data_ptr(), int(gain), eps, t, num_heads, hkv,
+                                  d, qkv.dtype == torch.bfloat16, self._threads())
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slots: torch.Tensor, lens: torch.Tensor, scale: float, softcap: float | None = None
@@ -489,8 +487,7 @@ class CpuKernels:
 
     def decode_stack(self, x: torch.Tensor, table: torch.Tensor, final_norm: torch.Tensor, slots: torch.Tensor,
                      views: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]],
-                     num_heads: int,
-                     num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
+                     num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
                      softcap: float | None = None) -> torch.Tensor:
         """Every decoder layer of a decode-only step in one call: x [B, H] embeddings -> the final norm's
         output [B, H]. `table` [layers, layer_fields] int64 holds each layer's pointers (see
@@ -515,8 +512,7 @@ class CpuKernels:
         self.lib.ps_decode_stack(x.data_ptr(), out.data_ptr(), table.data_ptr(), table.shape[0],
                                  final_norm.data_ptr(), slots.data_ptr(), pointers.data_ptr(), b, h, num_heads,
                                  num_kv_heads, head_dim, intermediate, eps, scale, _softcap(softcap),
-                                 x.dtype == torch.bfloat16,
-                                 self._threads())
+                                 x.dtype == torch.bfloat16, self._threads())
         return out
 
 

@@ -5,8 +5,9 @@
   where it runs, else torch's `_weight_int8pack_mm`), "plain" (`F.linear`: the reference path, GPUs). The
   rule is memory/weight_format.py's, which the memory plan applies too, without torch.
 - `native`: pagedserve's C kernels for this CPU's ISA (pagedserve/kernels), or None (torch ops). Besides
-  the linears they run RMSNorm (+ residual), SiLU x up, rotary + KV write, paged decode attention and the
-  decode stack, for models whose sizes their vectors fit (`decoder_kernels`).
+  the linears they run RMSNorm (+ residual), SiLU or GELU (tanh) x up, rotary + KV write, paged decode attention
+  and the decode stack, for models whose sizes their vectors fit (`decoder_kernels`); prefill chunks' attention
+  too, but where torch's SDPA measured faster (`sdpa_prefill`).
 Layers receive what they run from here (`make_linear`, `decoder_kernels`); none of them decides again.
 """
 
@@ -100,7 +101,7 @@ class KernelBackend:
                                                               self.native.batch_invariant)
 
     def decoder_kernels(self, hidden: int, intermediate: int, head_dim: int) -> CpuKernels | None:
-        """The native kernels for a decoder's norms, SiLU, rotary and attention, where its sizes fit them
+        """The native kernels for a decoder's norms, MLP gate, rotary and attention, where its sizes fit them
         (weight_format.decoder_kernels_fit); the reference path ("plain") uses none."""
         if self.native is None or self.linear_kind == "plain":
             return None

@@ -379,9 +379,9 @@ class NativeDecodeStack:
         h, residual = x.contiguous(), torch.empty_like(x)
         for index in range(self.table.shape[0]):
             row = self.table[index]
-            y = self.kernels.layer_attention(row, h, residual, index == 0, views[self.view_of[index]][0],
-                                             views[self.view_of[index]][1], slots, *views[self.view_of[index]][2:],
-                                             heads, kv_heads, head_dim, self.eps, self.scale, self.softcap)
+            cos, sin, ctx_slots, lens = views[self.view_of[index]]
+            y = self.kernels.layer_attention(row, h, residual, index == 0, cos, sin, slots, ctx_slots, lens, heads,
+                                             kv_heads, head_dim, self.eps, self.scale, self.softcap)
             y = self.tp.all_reduce(y)  # the heads' partial sums
             h = self.tp.all_reduce(self.kernels.layer_mlp(row, y, residual, intermediate, self.eps))
             out_norm = self.mlp_out_norms[index]
