@@ -1950,8 +1950,10 @@ int ps_set_bf16_attention(int on) { return bf16_dot_attention = BF16_DOT_SCORES 
 
 /* s[l] = exp(s[l] - mx) in place; returns 1 / sum. As torch's CPU flash attention: the weights meet V
  * rounded to the activation dtype and still unnormalised; the float32 sum of the unrounded ones
- * divides at the end. */
-static float softmax_weights(float *s, int64_t len, float mx, int bf16) {
+ * divides at the end. With `normalized` (capped scores in bf16: transformers' eager attention, which Gemma 2 runs)
+ * the weights are normalised first, exp * (1 / sum) rounded to bf16 as its softmax in float32 cast back gives them,
+ * and 1 is returned. */
+static float softmax_weights(float *s, int64_t len, float mx, int bf16, int normalized) {
   vf sum = vzero();
   int64_t l = 0;
   for (; l + VL <= len; l += VL) {
@@ -1966,11 +1968,12 @@ static float softmax_weights(float *s, int64_t len, float mx, int bf16) {
   }
   const float inv_sum = 1.0f / vsum(sum);
   if (bf16) {
+    const vf by = vset1(normalized ? inv_sum : 1.0f);
     int64_t l2 = 0;
-    for (; l2 + VL <= len; l2 += VL) vstoref(s + l2, vround(vloadf(s + l2), 1));
-    if (l2 < len) vstoref_part(s + l2, vround(vloadf_part(s + l2, len - l2), 1), len - l2);
+    for (; l2 + VL <= len; l2 += VL) vstoref(s + l2, vround(vmul(vloadf(s + l2), by), 1));
+    if (l2 < len) vstoref_part(s + l2, vround(vmul(vloadf_part(s + l2, len - l2), by), 1), len - l2);
   }
-  return inv_sum;
+  return bf16 && normalized ? 1.0f : inv_sum;
 }
 
 /* Positions per chunk that the query heads of one KV head share (grouped-query attention): a chunk's K (then
@@ -2243,15 +2246,24 @@ static void context_runs(const int64_t *slots, int64_t slot_stride, const int64_
 }
 
 /* Gemma 2's attention logit softcapping, in place: s[0..n) = softcap * tanh(s / softcap), as transformers computes
- * it (after the scale, before the softmax). Returns the cap of `max` (the scores' maximum before): tanh keeps the
+ * it (after the scale, before the softmax). In bf16 with its eager attention's roundings, which Gemma 2 runs: q.k
+ * rounded to bf16 (recovered as s / scale), then the scaled score, the quotient, the tanh and the product, each
+ * rounded; softmax_weights then normalises before it rounds. The output is then bit for bit the torch path's
+ * (layers/attention.attend; tested): with float32 scores a tiny model with a cap of 2 was 0.19 off transformers'
+ * logprobs, against 0.13 for torch ops. Returns the cap of `max` (the scores' maximum before): each step keeps the
  * order, and the same lane operations on the same value give the capped scores' maximum exactly. */
-static float cap_scores(float *s, int64_t n, float max, float softcap) {
-  const vf cap = vset1(softcap);
+static inline vf cap_lanes(vf s, vf scale, vf cap, int bf16) {
+  if (bf16) s = vround(vmul(vround(vdiv(s, scale), 1), scale), 1);  /* q.k rounded (s / scale: it), then scaled */
+  return vround(vmul(vround(vtanh(vround(vdiv(s, cap), bf16)), bf16), cap), bf16);
+}
+
+static float cap_scores(float *s, int64_t n, float max, float scale, float softcap, int bf16) {
+  const vf cap = vset1(softcap), sc = vset1(scale);
   int64_t l = 0;
-  for (; l + VL <= n; l += VL) vstoref(s + l, vmul(vtanh(vdiv(vloadf(s + l), cap)), cap));
-  if (l < n) vstoref_part(s + l, vmul(vtanh(vdiv(vloadf_part(s + l, n - l), cap)), cap), n - l);
+  for (; l + VL <= n; l += VL) vstoref(s + l, cap_lanes(vloadf(s + l), sc, cap, bf16));
+  if (l < n) vstoref_part(s + l, cap_lanes(vloadf_part(s + l, n - l), sc, cap, bf16), n - l);
   float capped[VL];
-  vstoref(capped, vmul(vtanh(vdiv(vset1(max), cap)), cap));
+  vstoref(capped, cap_lanes(vset1(max), sc, cap, bf16));
   return capped[0];
 }
 
@@ -2344,7 +2356,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
             float *s = scores + rg * max_len + c0;
             float m = head_scores(at(q, b * q_stride + h * D, bf16), k_cache, slot + c0, rows, iota, n, Hkv, kvh, D,
                                   scale, bf16, dot, widen, s);
-            if (softcap > 0.0f) m = cap_scores(s, n, m, softcap);
+            if (softcap > 0.0f) m = cap_scores(s, n, m, scale, softcap, bf16);
             mx[rg] = c0 == 0 || m > mx[rg] ? m : mx[rg];
           }
         }
@@ -2354,7 +2366,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
       for (int64_t r = 0; r < R; ++r)
         for (int64_t g = 0; g < group; ++g)
           inv_sum[r * group + g] = softmax_weights(scores + (r * group + g) * max_len, lens[b0 + r],
-                                                   mx[r * group + g], bf16);
+                                                   mx[r * group + g], bf16, softcap > 0.0f);
       /* the weighted sums of V, chunk by chunk as the scores */
       for (int64_t c0 = 0; c0 < len_max; c0 += chunk) {
         const int64_t n_max = len_max - c0 < chunk ? len_max - c0 : chunk;

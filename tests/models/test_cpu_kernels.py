@@ -670,6 +670,30 @@ def test_rope_kv_write_matches_rotary_then_index_copy(kernels, dtype, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cap", [2.0, 50.0])
+def test_capped_decode_attention_is_the_torch_paths(attention_kernels, dtype, cap):
+    """Gemma 2's softcapped scores: in bf16 the native decode kernel takes transformers' eager roundings (layers/
+    attention.attend: q.k, the scaled score, the quotient, tanh and product each rounded; the softmax normalised,
+    then rounded), so its rows are the torch path's bit for bit; in float32 they differ by summation order."""
+    from pagedserve.layers.attention import attend
+
+    torch.manual_seed(int(cap))
+    hq, hkv, d, length, scale = 4, 2, 64, 300, 24 ** -0.5
+    q = (torch.randn(3, hq, d) * 2).to(dtype)
+    k_cache, v_cache = (torch.randn(length, hkv, d) * 2).to(dtype), torch.randn(length, hkv, d).to(dtype)
+    slots, lens = torch.stack([torch.randperm(length) for _ in range(3)]), torch.tensor([300, 17, 150])
+    out = attention_kernels.decode_attention(q, k_cache, v_cache, slots, lens, scale, cap)
+    for b in range(3):
+        context = slots[b, :int(lens[b])]
+        expected = attend(q[b:b + 1].unsqueeze(2), k_cache[context].transpose(0, 1)[None],
+                          v_cache[context].transpose(0, 1)[None], None, scale, cap)[0, :, 0]
+        if dtype == torch.bfloat16:
+            assert torch.equal(out[b], expected)
+        else:
+            torch.testing.assert_close(out[b], expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_kv_write_without_tables_writes_the_heads_as_projected(kernels, dtype):
     """SmolLM3's NoPE layers: no cos/sin, so q and k stay as projected (normed first where norms are given) and K/V
     reach the pool unrotated."""
