@@ -172,9 +172,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
         out[:nd] = od
     for span in meta.prefills:
         num = span.end - span.start
-        if (native_prefill and (window is None or num + span.context_start <= window)
-                and not (sdpa_prefill and num * (num + span.context_start) >= SDPA_PREFILL_MIN_PAIRS)):
+        within = window is None or num + span.context_start <= window
+        sdpa = sdpa_prefill and num * (num + span.context_start) >= SDPA_PREFILL_MIN_PAIRS
+        if native_prefill and within and not sdpa:
             out[span.start:span.end] = _native_prefill_attention(q, cache, meta, span, scale, kernels)
+        elif native_prefill and not within and kernels.batch_invariant:
+            out[span.start:span.end] = _native_windowed_prefill(q, cache, meta, span, scale, window, kernels)
         else:
             out[span.start:span.end] = _prefill_attention(q, k, v, cache, meta, span, scale, window, softcap)
     return out
@@ -231,6 +234,22 @@ def _native_prefill_attention(q: torch.Tensor, cache: LayerKVCache, meta: Attent
     scratch = prefill_scratch_bytes(num, context_len, cache.k.shape[1], cache.k.shape[2], q.element_size())
     return kernels.prefill_attention(q[span.start:span.end], cache.k, cache.v, slots, span.context_start, scale,
                                      scratch)
+
+
+def _native_windowed_prefill(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, span: PrefillSpan,
+                             scale: float, window: int, kernels: CpuKernels) -> torch.Tensor:
+    """A prefill chunk whose context outruns its layer's window, on the native decode kernel: each row a decode row
+    over the last `window` positions up to its own ([rows, window] slots: what a decode step of that row reads, so its
+    result does not depend on how the prompt was chunked). For batch-invariant mode only: the torch path's row blocks
+    and key ranges follow the chunking, but it ran Gemma 3 270M's 2048-token prefill 1.96x as fast on the AMX Xeon
+    (head_dim 256; the native decode kernel is slowest at that size)."""
+    num = span.end - span.start
+    slots = span.kv_slots if span.kv_slots is not None else meta.slot_mapping[span.start:span.end]
+    positions = torch.arange(span.context_start, span.context_start + num, device=slots.device)
+    first = (positions - window + 1).clamp_(min=0)
+    columns = (first[:, None] + torch.arange(window, device=slots.device)).clamp_(max=slots.shape[0] - 1)
+    return kernels.decode_attention(q[span.start:span.end], cache.k, cache.v, slots[columns],
+                                    (positions + 1).clamp_(max=window), scale)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,

@@ -56,3 +56,31 @@ def test_the_mode_is_read_from_pagedserve_s_or_vllm_s_variable(monkeypatch, env,
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert envs.batch_invariant() is on
+
+
+def test_a_windowed_model_agrees_alone_and_batched_in_the_mode(tiny_model_dir):
+    """Gemma 3's sliding-window layers (16 positions): chunks past the window ran torch's row blocks, whose key ranges
+    follow the chunking, so a prompt prefilled alone and in a batch got other bits. In the mode such a chunk's rows run
+    the native decode kernel, each over its own window."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no native CPU kernels here: the torch path's rows follow the chunking")
+    model_dir = tiny_model_dir("gemma3", "bfloat16", head_dim=32, hidden_size=128, intermediate_size=256,
+                               layer_types=["sliding_attention", "sliding_attention"])
+    prompts = [[(7 * i + 13 * j) % 250 + 3 for j in range(40 + 9 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
+
+    def result(output) -> tuple:
+        sample = output.outputs[0]
+        return sample.token_ids, [{t: p.logprob for t, p in step.items()} for step in sample.logprobs]
+
+    was = kernels.batch_invariant
+    try:
+        kernels.set_batch_invariant(True)
+        llm = LLM(model_dir, dtype="bfloat16", max_model_len=256, max_num_batched_tokens=64,
+                  enable_chunked_prefill=True, enable_prefix_caching=False)
+        alone = [result(llm.generate([{"prompt_token_ids": p}], params)[0]) for p in prompts]
+        batched = [result(o) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    finally:
+        kernels.set_batch_invariant(was)
+    assert alone == batched  # token ids and logprobs, exactly

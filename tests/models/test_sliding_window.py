@@ -125,6 +125,20 @@ def test_native_rows_see_exactly_their_window(kernels, window, softcap):
     _check_attention(window, softcap, kernels)
 
 
+@pytest.mark.parametrize("window", [1, 5, 64])
+def test_batch_invariant_rows_past_the_window_on_the_native_kernel(kernels, monkeypatch, window):
+    """In batch-invariant mode a prefill chunk whose context outruns the window takes the native decode kernel, each
+    row over its own window (layers/attention._native_windowed_prefill), and must see exactly that window."""
+    from pagedserve.layers import attention
+
+    calls = []
+    windowed = attention._native_windowed_prefill
+    monkeypatch.setattr(attention, "_native_windowed_prefill", lambda *a: calls.append(1) or windowed(*a))
+    monkeypatch.setattr(kernels, "batch_invariant", True)
+    _check_attention(window, None, kernels)
+    assert len(calls) == (window < 37)  # the chunk's context: 37 positions
+
+
 def _check_attention(window: int | None, softcap: float | None, kernels) -> None:
     """Two decodes (contexts 40 and 7) and a prefill chunk of 12 whose context starts at 25, on one pool with its
     slots shuffled."""
