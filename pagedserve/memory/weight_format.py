@@ -229,8 +229,8 @@ class LayerKernels:
             return "torch (capped scores)"
         if not self.attention_native:
             return "torch SDPA"
-        return ("torch SDPA from 256 x 256 query x key pairs a chunk (measured faster on this CPU), native below"
-                if self.sdpa_prefill else "native")
+        return ("torch SDPA from 256 x 256 query x key pairs a chunk (the CPU's rule, probe.sdpa_prefill, or "
+                "PAGEDSERVE_CPU_SDPA_PREFILL=1), native below" if self.sdpa_prefill else "native")
 
     def lines(self) -> list[str]:
         native = "native" if self.decoder_native else "torch"
