@@ -12,6 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.engine.startup import PHASES
+
 from tests.server.server_utils import module_server, openai_client
 
 MODEL = "tiny"
@@ -45,8 +47,7 @@ def test_health_went_503_then_200(server):
     assert statuses[0] == 503 and statuses[-1] == 200
     phases = [p for _, p in server.health_statuses]
     assert "ready" == phases[-1]
-    assert set(phases) & {"loading_weights", "warming_up", "planning", "resolving", "validating",
-                          "allocating_kv", "starting"}
+    assert set(phases) & (set(PHASES) - {"ready"})  # at least one start-up phase seen (a quick start shows few)
     # The memory gauges carry the start-up reading from ready on (they were empty until the first request).
     assert metric_value(server, "pagedserve:resident_memory_bytes", model_name=MODEL) > 0
 
