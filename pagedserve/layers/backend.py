@@ -93,10 +93,10 @@ class KernelBackend:
             return linear
         return self.make_linear(*fuse_rows(*linears))
 
-    @property
+    @functools.cached_property
     def sdpa_prefill(self) -> bool:
         """Prefill chunks' attention on torch's SDPA though the native kernels run (probe.sdpa_prefill: measured
-        faster for this CPU class and dtype)."""
+        faster for this CPU class and dtype). Decided once per backend (every attention layer reads it)."""
         return self.native is not None and probe.sdpa_prefill(probe.cpu_flags(), _dtype_name(self.dtype),
                                                               self.native.batch_invariant)
 
