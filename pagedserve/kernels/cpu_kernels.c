@@ -1800,12 +1800,18 @@ static void weighted_sum_any(const float *weights, int64_t len, const void *v_ca
   }
 }
 
-/* weighted_sum for any D; the common head sizes keep their accumulators in registers. */
+/* weighted_sum for any D; the common head sizes keep their accumulators in registers (D = 256 on AVX2 as two
+ * slices of 128 lanes, each lane's sum the same). */
+#define SUM_SLICE (PS_ISA == 512 ? 256 : 128)
 static void weighted_sum_d(const float *weights, int64_t len, const void *v_cache, const int64_t *slot, int64_t Hkv,
                            int64_t kvh, int64_t D, int bf16, float *acc, int resume) {
   switch (D) {
     case 64: weighted_sum(weights, len, v_cache, slot, Hkv, kvh, D, bf16, acc, 64 / VL, resume); break;
     case 128: weighted_sum(weights, len, v_cache, slot, Hkv, kvh, D, bf16, acc, 128 / VL, resume); break;
+    case 256:
+      for (int64_t i = 0; i < D; i += SUM_SLICE)
+        weighted_sum(weights, len, at(v_cache, i, bf16), slot, Hkv, kvh, D, bf16, acc + i, SUM_SLICE / VL, resume);
+      break;
     default: weighted_sum_any(weights, len, v_cache, slot, Hkv, kvh, D, bf16, acc, resume); break;
   }
 }
@@ -2079,8 +2085,10 @@ static void pool_pair_sums(const float *w, int64_t len, const void *v_cache, con
                            int64_t kvh, int64_t D, float *acc) {
   if (D == 64)
     pool_pair_sums_nv(w, len, v_cache, slot, Hkv, kvh, D, acc, 64 / VL);
-  else
+  else if (D == 128)
     pool_pair_sums_nv(w, len, v_cache, slot, Hkv, kvh, D, acc, 128 / VL);
+  else
+    pool_pair_sums_nv(w, len, v_cache, slot, Hkv, kvh, D, acc, 256 / VL);
 }
 #endif
 
@@ -2163,7 +2171,8 @@ static inline __attribute__((always_inline)) void weighted_sums_sliced(const flo
 
 /* Shared heads: the whole row (AVX-512) or the widest slice of it (AVX2: half of D = 64, a quarter of D = 128) that
  * leaves room for the sums of two heads or more beside it; AVX2 build at D = 128, 12/2 heads: 1.15-1.19x. */
-#define ROW_SLICE(NV) (ROW_HELD(2, NV) ? (NV) : ROW_HELD(2, (NV) / 2) ? (NV) / 2 : (NV) / 4)
+#define ROW_SLICE(NV) \
+  (ROW_HELD(2, NV) ? (NV) : ROW_HELD(2, (NV) / 2) ? (NV) / 2 : ROW_HELD(2, (NV) / 4) ? (NV) / 4 : (NV) / 8)
 static inline __attribute__((always_inline)) void weighted_sums_nv(const float *w, int64_t w_stride, int64_t n,
                                                                    const float *rows, int64_t D, float *acc,
                                                                    int64_t group, int resume, const int NV,
@@ -2175,15 +2184,17 @@ static inline __attribute__((always_inline)) void weighted_sums_nv(const float *
                          (VREGS - 1) / ROW_SLICE(NV) - 1, DOT);
 }
 
-/* rows: float32 rows, or pairs of bf16 rows for `dot` (pair_rows: D 64 or 128) */
+/* rows: float32 rows, or pairs of bf16 rows for `dot` (pair_rows: D 64, 128 or 256) */
 static void weighted_sums(const float *w, int64_t w_stride, int64_t n, const float *rows, const int64_t *iota,
                           int64_t D, float *acc, int64_t group, int resume, int dot) {
   switch (D * 2 + (dot != 0)) {
     case 128: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 64 / VL, 0); break;
     case 256: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 128 / VL, 0); break;
+    case 512: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 256 / VL, 0); break;
 #if BF16_DOT_SCORES
     case 129: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 64 / VL, 1); break;
     case 257: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 128 / VL, 1); break;
+    case 513: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 256 / VL, 1); break;
 #endif
     default:
       for (int64_t g = 0; g < group; ++g)
@@ -2208,6 +2219,7 @@ static float head_scores(const void *q, const void *k_cache, const int64_t *slot
   if (!widen) return attention_scores(qv, nv, k_cache, slot, n, Hkv, kvh, D, scale, bf16, sc);
   if (D == 64) return row_scores(qv, rows, n, scale, sc, 64 / VL);
   if (D == 128) return row_scores(qv, rows, n, scale, sc, 128 / VL);
+  if (D == 256) return row_scores(qv, rows, n, scale, sc, 256 / VL);
   return attention_scores(qv, nv, rows, iota, n, 1, 0, D, scale, 0, sc);
 }
 
@@ -2318,7 +2330,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
                         float softcap, int bf16, int nthreads) {
   const int64_t group = Hq / Hkv, nv = D / VL;
   const int dot = bf16_dot_attention && bf16 && D % 32 == 0;  /* scores by dot_scores, K rows kept in bf16 */
-  const int dot_v = dot && (D == 64 || D == 128);  /* V's weighted sums by vdpbf16ps too (pair_rows) */
+  const int dot_v = dot && (D == 64 || D == 128 || D == 256);  /* V's weighted sums by vdpbf16ps too (pair_rows) */
   int64_t *run = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
   if (!run) abort();
   context_runs(slots, slot_stride, lens, B, Hkv, max_run, nthreads, run);

@@ -294,7 +294,7 @@ def attention_kernels(kernels, request):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (14, 2, 64), (8, 2, 128)])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (14, 2, 64), (8, 2, 128), (4, 1, 256), (8, 4, 256)])
 def test_decode_attention_matches_sdpa_over_gathered_context(attention_kernels, dtype, hq, hkv, d):
     torch.manual_seed(hq + d)
     num_slots, max_len = 300, 70
@@ -311,13 +311,14 @@ def test_decode_attention_matches_sdpa_over_gathered_context(attention_kernels, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (6, 2, 128), (12, 2, 128), (16, 2, 64), (4, 2, 96)])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (6, 2, 128), (12, 2, 128), (16, 2, 64), (4, 2, 96),
+                                      (4, 1, 256), (10, 2, 256)])
 def test_decode_attention_grouped_heads_equal_each_head_alone(attention_kernels, dtype, hq, hkv, d):
     """Query heads that share a KV head read its rows widened once, chunk by chunk (64 positions); each head's
     output must still be bit-equal to that head attending alone (one query head per KV head: straight from
     the pool, no chunks). Contexts of 1 to 3 chunks, with tails of every kind; D = 96 takes the generic path.
     Groups of 3-8 heads: the weighted sums take them in parts (7 -> 4 + 3 on AVX-512), and AVX2 over slices of
-    the head size."""
+    the head size (D = 256: AVX-512 too, and the head alone sums AVX2's two halves of it one after the other)."""
     torch.manual_seed(hq * d)
     num_slots, max_len = 400, 200
     k_cache = torch.randn(num_slots, hkv, d).to(dtype)
@@ -336,7 +337,8 @@ def test_decode_attention_grouped_heads_equal_each_head_alone(attention_kernels,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (4, 4, 64), (6, 2, 128), (4, 2, 96)])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (4, 4, 64), (6, 2, 128), (4, 2, 96), (4, 1, 256),
+                                      (2, 2, 256)])
 def test_decode_attention_rows_of_one_context_equal_each_row_alone(attention_kernels, dtype, hq, hkv, d):
     """Rows whose contexts are one another's plus a position (a speculative verification's 1 + k rows) share
     each widened chunk of it; each row's output must be bit-equal to the row attending alone. Runs that cross
@@ -361,7 +363,7 @@ def test_decode_attention_rows_of_one_context_equal_each_row_alone(attention_ker
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (4, 4, 64), (6, 2, 128), (4, 2, 96)])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (9, 3, 64), (4, 4, 64), (6, 2, 128), (4, 2, 96), (4, 1, 256)])
 @pytest.mark.parametrize("start,num", [(0, 70), (37, 70), (130, 1)])
 @pytest.mark.parametrize("scratch", [1 << 30, 0])
 def test_prefill_attention_rows_equal_decode_rows_alone(attention_kernels, dtype, hq, hkv, d, start, num, scratch):
@@ -393,7 +395,7 @@ def test_prefill_attention_rows_equal_decode_rows_alone(attention_kernels, dtype
         assert torch.equal(alone[0], out[i]), f"row {i} (position {start + i})"
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (4, 2, 128)])
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (4, 2, 128), (8, 2, 256)])
 def test_every_attention_path_scores_bf16_rows_alike(attention_kernels, hq, hkv, d):
     """Where the CPU has bf16 dot products, bf16 scores take them (dot_scores), and their lane sums round in
     another order than float32 FMAs: every path must then take them alike, or a verification row, a prefill row
