@@ -123,7 +123,8 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
                                     activation=spec.activation,
                                     sdpa_prefill=probe.sdpa_prefill(flags, model.dtype, envs.batch_invariant()),
-                                    softcapped=softcapped_attention(model.architecture, model.hf_config),
+                                    softcapped=(softcapped_attention(model.architecture, model.hf_config)
+                                                and not envs.batch_invariant()),
                                     kv_cache_dtype=config.cache.kv_cache_dtype)
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:

@@ -58,7 +58,7 @@ _SIGNATURES = {
     "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _P, _P, _INT, _F32, _I64, _I64, _I64, _I64, _INT, _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _INT),
                             None),
-    "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _INT, _INT),
+    "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _INT),
                              None),
     "ps_argmax_rows": ((_P, _I64, _I64, _P, _INT), None),
     "ps_gguf_block_bytes": ((_INT,), _I64),
@@ -378,11 +378,13 @@ class CpuKernels:
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slots: torch.Tensor, start: int, scale: float, scratch_bytes: int) -> torch.Tensor:
+                          slots: torch.Tensor, start: int, scale: float, scratch_bytes: int,
+                          softcap: float | None = None) -> torch.Tensor:
         """A prefill chunk's queries q [T, Hq, D] at positions start .. start + T - 1 attending causally over the
         start + T positions at `slots` (int64, [start + T]; the chunk's own K/V already written there) -> [T, Hq,
         D]: each row as a decode row with its context (ps_prefill_attention). The threads' score buffers stay
-        within `scratch_bytes` (fewer rows share one widened context where it is long)."""
+        within `scratch_bytes` (fewer rows share one widened context where it is long). `softcap`: as
+        decode_attention's."""
         q, hkv = self._check_attention("prefill_attention", q, k_cache, v_cache)
         t, hq, d = q.shape
         check("slots", slots, torch.int64, (start + t,), contiguous=False)
@@ -391,7 +393,7 @@ class CpuKernels:
         out = torch.empty(t, hq, d, dtype=q.dtype)
         self.lib.ps_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                       slots.contiguous().data_ptr(), start, t, out.data_ptr(), hq, hkv, d, max_run,
-                                      scale, q.dtype == torch.bfloat16, threads)
+                                      scale, _softcap(softcap), q.dtype == torch.bfloat16, threads)
         return out
 
     @staticmethod

@@ -155,13 +155,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     has already stored k/v at meta.slot_mapping. `window`: each token attends only to the last `window`
     positions, itself included (sliding-window attention: keys j > i - window, as transformers' mask);
     `softcap`: scores pass through softcap * tanh(score / softcap) before the softmax (Gemma 2; its prefill chunks
-    on torch ops: the native prefill kernel ran them at 0.4-1.0x of torch's matmuls on the AMX Xeon, head_dim 256);
+    on torch ops, whose row blocks follow the chunking, except in batch-invariant mode: the native prefill kernel
+    ran them at 0.4-1.0x of torch's matmuls on the AMX Xeon, head_dim 256);
     `sdpa_prefill`: prefill chunks of SDPA_PREFILL_MIN_PAIRS query x key pairs and more on torch's SDPA though
     `kernels` are given (probe.sdpa_prefill)."""
     if not kv_written:
         cache.write(k, v, meta.slot_mapping)
     native = kernels is not None and not cache.is_quantized
-    native_prefill = native and softcap is None
+    native_prefill = native and (softcap is None or kernels.batch_invariant)
     nd = meta.num_decodes
     od = _decode_attention(q[:nd], cache, meta.within(window), scale, kernels if native else None, softcap) \
         if nd else None
@@ -175,9 +176,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
         within = window is None or num + span.context_start <= window
         sdpa = sdpa_prefill and num * (num + span.context_start) >= SDPA_PREFILL_MIN_PAIRS
         if native_prefill and within and not sdpa:
-            out[span.start:span.end] = _native_prefill_attention(q, cache, meta, span, scale, kernels)
+            out[span.start:span.end] = _native_prefill_attention(q, cache, meta, span, scale, kernels, softcap)
         elif native_prefill and not within and kernels.batch_invariant:
-            out[span.start:span.end] = _native_windowed_prefill(q, cache, meta, span, scale, window, kernels)
+            out[span.start:span.end] = _native_windowed_prefill(q, cache, meta, span, scale, window, kernels,
+                                                                softcap)
         else:
             out[span.start:span.end] = _prefill_attention(q, k, v, cache, meta, span, scale, window, softcap)
     return out
@@ -224,7 +226,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def _native_prefill_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, span: PrefillSpan,
-                              scale: float, kernels: CpuKernels) -> torch.Tensor:
+                              scale: float, kernels: CpuKernels, softcap: float | None = None) -> torch.Tensor:
     """One prefill chunk on the native kernel: its rows read their context from the pool in place, as decode rows
     do (the chunk's K/V are written first), in the scratch the torch path's gathered K/V and scores are planned
     for (memory/plan.py)."""
@@ -233,11 +235,12 @@ def _native_prefill_attention(q: torch.Tensor, cache: LayerKVCache, meta: Attent
     slots = span.kv_slots if span.kv_slots is not None else meta.slot_mapping[span.start:span.end]
     scratch = prefill_scratch_bytes(num, context_len, cache.k.shape[1], cache.k.shape[2], q.element_size())
     return kernels.prefill_attention(q[span.start:span.end], cache.k, cache.v, slots, span.context_start, scale,
-                                     scratch)
+                                     scratch, softcap)
 
 
 def _native_windowed_prefill(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, span: PrefillSpan,
-                             scale: float, window: int, kernels: CpuKernels) -> torch.Tensor:
+                             scale: float, window: int, kernels: CpuKernels, softcap: float | None = None
+                             ) -> torch.Tensor:
     """A prefill chunk whose context outruns its layer's window, on the native decode kernel: each row a decode row
     over the last `window` positions up to its own ([rows, window] slots: what a decode step of that row reads, so its
     result does not depend on how the prompt was chunked). For batch-invariant mode only: the torch path's row blocks
@@ -249,7 +252,7 @@ def _native_windowed_prefill(q: torch.Tensor, cache: LayerKVCache, meta: Attenti
     first = (positions - window + 1).clamp_(min=0)
     columns = (first[:, None] + torch.arange(window, device=slots.device)).clamp_(max=slots.shape[0] - 1)
     return kernels.decode_attention(q[span.start:span.end], cache.k, cache.v, slots[columns],
-                                    (positions + 1).clamp_(max=window), scale)
+                                    (positions + 1).clamp_(max=window), scale, softcap)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,

@@ -207,7 +207,8 @@ class LayerKernels:
     native_attention: bool | None = None  # attention on the native kernels where the norms are not (Gemma); None:
     # as decoder_native
     sdpa_prefill: bool = False  # prefill chunks' attention on torch's SDPA, decode's native (probe.sdpa_prefill)
-    softcapped: bool = False  # attention scores capped (Gemma 2): prefill chunks on torch ops (eager attention)
+    softcapped: bool = False  # attention scores capped (Gemma 2): prefill chunks on torch ops (eager attention);
+    # in batch-invariant mode they are native, so callers pass False there
 
     @property
     def activation_native(self) -> bool:

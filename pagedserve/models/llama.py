@@ -474,10 +474,11 @@ class LlamaForCausalLM(nn.Module):
                         (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                          ("down", mlp.down_proj), ("logits", getattr(self, "logits_proj", None))) if module is not None)
         attention_native = attn.kernels is not None
+        capped_on_torch = attention_native and attn.softcap is not None and not attn.kernels.batch_invariant
         return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, rotary_fused,
                             None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation,
                             None if attention_native == (norm.kernels is not None) else attention_native,
-                            sdpa_prefill=attn.sdpa_prefill, softcapped=attention_native and attn.softcap is not None)
+                            sdpa_prefill=attn.sdpa_prefill, softcapped=capped_on_torch)
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""

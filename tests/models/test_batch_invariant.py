@@ -58,16 +58,26 @@ def test_the_mode_is_read_from_pagedserve_s_or_vllm_s_variable(monkeypatch, env,
     assert envs.batch_invariant() is on
 
 
-def test_a_windowed_model_agrees_alone_and_batched_in_the_mode(tiny_model_dir):
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+GEMMA2 = {"layer_types": [SLIDING, FULL, SLIDING], "num_hidden_layers": 3, "sliding_window": 32, "head_dim": 256}
+
+
+@pytest.mark.parametrize("arch, overrides, budget", [("gemma3", {"layer_types": [SLIDING, SLIDING]}, 64),
+                                                     ("gemma2", GEMMA2, 16)])  # (heads of 32: alike on the old path)
+def test_a_windowed_model_agrees_alone_and_batched_in_the_mode(tiny_model_dir, arch, overrides, budget):
     """Gemma 3's sliding-window layers (16 positions): chunks past the window ran torch's row blocks, whose key ranges
     follow the chunking, so a prompt prefilled alone and in a batch got other bits. In the mode such a chunk's rows run
-    the native decode kernel, each over its own window."""
+    the native decode kernel, each over its own window. Gemma 2 caps its scores, and every one of its prefill chunks
+    (within the window too) ran on torch's row blocks: in the mode they take the native kernels with the cap."""
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no native CPU kernels here: the torch path's rows follow the chunking")
-    model_dir = tiny_model_dir("gemma3", "bfloat16", head_dim=32, hidden_size=128, intermediate_size=256,
-                               layer_types=["sliding_attention", "sliding_attention"])
+    model_dir = tiny_model_dir(arch, "bfloat16", hidden_size=128, intermediate_size=256,
+                               **{"head_dim": 32, **overrides})
     prompts = [[(7 * i + 13 * j) % 250 + 3 for j in range(40 + 9 * i)] for i in range(6)]
+    prompts += [[(37 * j + 11 * n) % 500 + 3 for j in range(n)] for n in (3, 17, 33, 64, 65, 100)]
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
 
     def result(output) -> tuple:
@@ -77,7 +87,7 @@ def test_a_windowed_model_agrees_alone_and_batched_in_the_mode(tiny_model_dir):
     was = kernels.batch_invariant
     try:
         kernels.set_batch_invariant(True)
-        llm = LLM(model_dir, dtype="bfloat16", max_model_len=256, max_num_batched_tokens=64,
+        llm = LLM(model_dir, dtype="bfloat16", max_model_len=256, max_num_batched_tokens=budget,
                   enable_chunked_prefill=True, enable_prefix_caching=False)
         alone = [result(llm.generate([{"prompt_token_ids": p}], params)[0]) for p in prompts]
         batched = [result(o) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]

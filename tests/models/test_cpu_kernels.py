@@ -696,6 +696,28 @@ def test_capped_decode_attention_is_the_torch_paths(attention_kernels, dtype, ca
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cap", [2.0, 50.0])
+@pytest.mark.parametrize("d", [64, 256])
+def test_capped_prefill_rows_equal_capped_decode_rows_alone(attention_kernels, dtype, cap, d):
+    """Batch-invariant mode runs Gemma 2's prefill chunks on the native prefill kernel with the cap: each row must be
+    bit-equal to the decode row with its context alone (so the chunking does not show), and the cap must be applied
+    (rows differ from uncapped ones)."""
+    torch.manual_seed(int(cap) + d)
+    hq, hkv, start, num, scale = 4, 2, 37, 40, 24 ** -0.5
+    k_cache, v_cache = (torch.randn(100, hkv, d) * 2).to(dtype), torch.randn(100, hkv, d).to(dtype)
+    slots = torch.randperm(100)[:start + num]
+    q = (torch.randn(num, hq, d) * 2).to(dtype)
+    out = attention_kernels.prefill_attention(q, k_cache, v_cache, slots, start, scale, 1 << 30, cap)
+    assert not torch.equal(out, attention_kernels.prefill_attention(q, k_cache, v_cache, slots, start, scale,
+                                                                    1 << 30))
+    table, lens = slots.expand(num, start + num), torch.arange(start + 1, start + num + 1)
+    for i in range(num):
+        alone = attention_kernels.decode_attention(q[i:i + 1], k_cache, v_cache, table[i:i + 1], lens[i:i + 1], scale,
+                                                   cap)
+        assert torch.equal(alone[0], out[i]), f"row {i}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_kv_write_without_tables_writes_the_heads_as_projected(kernels, dtype):
     """SmolLM3's NoPE layers: no cos/sin, so q and k stay as projected (normed first where norms are given) and K/V
     reach the pool unrotated."""
