@@ -92,6 +92,7 @@ class SchedulerConfig:
 class DeviceConfig:
     device: str = "cpu"  # "cpu" | "cuda"
     num_threads: int = 1  # torch intra-op threads on CPU
+    cpu_give_way: bool = True  # fewer threads while other processes keep the CPUs busy (engine/cpu_share.py)
 
 
 @dataclass(frozen=True)

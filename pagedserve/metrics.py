@@ -229,6 +229,9 @@ class EngineMetrics:
         self.planned_rss = Gauge("pagedserve:planned_resident_memory_bytes",
                                  "What the memory plan expects resident now: steady + KV blocks written + one "
                                  "step's activations.", labels, registry=r)
+        self.cpu_threads = Gauge("pagedserve:cpu_threads", "CPU threads the engine runs steps on now: fewer than "
+                                 "configured while other processes keep the CPUs busy (--cpu-give-way).", labels,
+                                 registry=r)
         self.rss_over_plan = Gauge("pagedserve:resident_memory_over_plan_ratio",
                                    "RSS / planned resident memory - 1 (a warning is logged above 0.1).", labels,
                                    registry=r)
@@ -252,6 +255,8 @@ class EngineMetrics:
         if stats.spec_decode is not None and stats.spec_decode.num_drafts:
             self._observe_spec_decode(stats.spec_decode)
         self.observe_memory(engine.resident_memory)
+        if engine.cpu_threads is not None:
+            self.cpu_threads.labels(self.model_name).set(engine.cpu_threads)
         now = time.monotonic()
         prompt_tokens = generation_tokens = 0
         for output in outputs:

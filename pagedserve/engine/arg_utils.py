@@ -202,6 +202,11 @@ class EngineArgs(FlagArgs):
     num_threads: int | None = setting("Torch threads on CPU. Default: one per physical core this process may "
                                       "use, within the cgroup CPU quota: SMT siblings are left out, and on a "
                                       "hybrid CPU the efficiency cores (as torch, llama.cpp and vLLM do).")
+    cpu_give_way: bool = setting(
+        "On a CPU, run fewer threads while other processes keep this process's CPUs busy (read from /proc/stat "
+        "twice a second), and all of them again when they stop: threads that wait for a busy CPU's turn stall "
+        "every parallel step (SmolLM2-135M next to a busy process on 2 vCPUs: 0.6 tok/s on 2 threads, 59 on 1). "
+        "Off in batch-invariant mode and with --tensor-parallel-size > 1.", default=True)
     task: str = setting("auto, generate or embed. auto: embed for encoders (BERT), decoders saved without an LM "
                      "head, and models with a sentence-transformers pooling module (modules.json); else "
                      "generate.", default="auto")

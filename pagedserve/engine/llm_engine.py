@@ -8,11 +8,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import SchedulerStats
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.cpu_share import CpuShare
+from pagedserve.engine.cpu_share import for_this_process as cpu_share_for_this_process
 from pagedserve.engine.faults import FaultInjector, parse_fault_spec
 from pagedserve.engine.memory_plan import log_memory_vs_plan
 from pagedserve.engine.output_processor import OutputProcessor
@@ -24,6 +27,7 @@ from pagedserve.exceptions import EngineDeadError, InvalidRequestError
 from pagedserve.memory.pressure import MemoryPressure, give_way
 from pagedserve.memory.rss import ResidentMemory, resident_memory_for
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
+from pagedserve.platform import configure_threads
 from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -41,8 +45,6 @@ PromptType = str | list[int] | dict
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any, startup: StartupTracker | None = None,
                  warm_up: bool = True) -> None:
-        from pagedserve.platform import configure_threads
-
         startup = startup or StartupTracker()
         self.config = config
         self.tokenizer = tokenizer
@@ -74,14 +76,32 @@ class LLMEngine:
         self._is_probing = False
         self.resident_memory: ResidentMemory | None = None  # RSS against the plan, from the first served step
         self.memory_pressure: MemoryPressure | None = None  # give_way_under(): give way when the box is short
+        self.cpu_share: CpuShare | None = None  # fewer threads while other processes keep the CPUs busy (after warm-up)
         if warm_up:
             startup.enter("warming_up")
             self.warm_up()
+        self.cpu_share = self._cpu_share()
         self.faults.rules = parse_fault_spec(config.fault_injection)
         log_memory_vs_plan(config.memory_plan, config.device.device)
         self.resident_memory = resident_memory_for(config.memory_plan, config.device.device,
                                                    self.kv.num_blocks_written)
         startup.enter("ready")
+
+    def _cpu_share(self) -> CpuShare | None:
+        """engine/cpu_share.py's watch over the CPUs, where the engine may change its thread count: one process on a
+        CPU, not in batch-invariant mode, not turned off."""
+        device = self.config.device
+        if (device.device != "cpu" or not device.cpu_give_way or envs.batch_invariant()
+                or self.config.parallel.tensor_parallel_size > 1):
+            return None
+        return cpu_share_for_this_process(device.num_threads)
+
+    @property
+    def cpu_threads(self) -> int | None:
+        """The threads steps run on now (fewer than configured while the engine gives way), None on a GPU."""
+        if self.config.device.device != "cpu":
+            return None
+        return self.config.device.num_threads if self.cpu_share is None else self.cpu_share.threads
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, startup: StartupTracker | None = None) -> "LLMEngine":
@@ -374,6 +394,8 @@ class LLMEngine:
         fault in the model step fails the step's requests (blocks freed) and a probe step decides whether the
         engine goes on (EngineDeadError if the probe fails too). take_failed() reports the failed requests."""
         self._admit_compiled_grammars()
+        if self.cpu_share is not None:
+            configure_threads(self.cpu_share.check())
         if self.memory_pressure is not None:
             released = give_way(self.memory_pressure, self.scheduler, self.kv, self.runner.release_kv_pages)
             if released and self.resident_memory is not None:  # /health shows it now, not a step later (idle)

@@ -297,7 +297,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     threads = threads_per_rank or args.num_threads or len(cores.thread_cpus)
     if check_memory:
         check_memory_plan(plan)
-    return EngineConfig(model, cache, scheduler, DeviceConfig(device=device, num_threads=threads), memory_plan=plan,
+    device_config = DeviceConfig(device=device, num_threads=threads, cpu_give_way=args.cpu_give_way)
+    return EngineConfig(model, cache, scheduler, device_config, memory_plan=plan,
                         fault_injection=args.fault_injection,
                         structured_outputs=StructuredOutputsConfig.parse(args.structured_outputs_config),
                         speculative=speculative, parallel=parallel, draft_model=draft[1] if draft else None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 
 import httpx
@@ -343,6 +344,7 @@ def test_metrics_parse_and_move(server, client):
     assert metric_value(server, "vllm:num_preemptions_total", model_name=MODEL) == 0
     assert metric_value(server, "vllm:prefix_cache_hits_total", model_name=MODEL) >= 0
     assert metric_value(server, "process_resident_memory_bytes") > 10 << 20  # the process collector, as vLLM's
+    assert 1 <= metric_value(server, "pagedserve:cpu_threads", model_name=MODEL) <= max(1, os.cpu_count() or 1)
     names = {f.name for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",

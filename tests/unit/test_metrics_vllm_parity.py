@@ -18,7 +18,7 @@ from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 MODEL = "m"
 VLLM = {"model_name": MODEL, "engine": "0"}
-ENGINE = SimpleNamespace(stats=SchedulerStats(), resident_memory=None)
+ENGINE = SimpleNamespace(stats=SchedulerStats(), resident_memory=None, cpu_threads=None)
 
 
 def output(request_id: str, num_prompt: int, tokens: dict[int, int], reasons: dict[int, str] | None = None,
