@@ -3,8 +3,9 @@
 The engine's parallel loops run in lockstep: a decode step is a few hundred OpenMP regions, each waiting for its
 slowest thread. When another process keeps one of the cores busy, the OS scheduler runs it in turns with the
 engine's thread there, and every region waits for that thread's next turn (a time slice: milliseconds). On the
-2-vCPU Xeon, next to a busy process, SmolLM2-135M decoded at 0.6 tok/s on 2 threads and 59 on 1
-(benchmarks/RESULTS.md, "Next to a busy process"). One thread fewer than the neighbours leave free waits for no one.
+2-vCPU Xeon, next to one busy process, SmolLM2-135M decoded ~45 tok/s on 2 threads and ~150 on 1; next to two, with
+libgomp's default spin, 0.7 on 2 (benchmarks/RESULTS.md, "Next to a busy process"). Threads only on the CPUs the
+neighbours leave free wait for no one's turn.
 
 So, every CHECK_INTERVAL_S of steps, the engine reads how busy the CPUs it may run on were (/proc/stat's lines of
 those CPUs, steal time included: a hypervisor's other guests are neighbours too) and how much of that was its own
