@@ -28,6 +28,7 @@ from pagedserve import envs
 from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
 from pagedserve.cli.common import DEFAULT_WAIT_POLICY, wait_settings
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.cpu_share import neighbours_now, threads_to_run
 from pagedserve.memory import probe
 from pagedserve.memory.sizes import GIB, MIB
 from pagedserve.memory.weight_format import native_kernels_expected
@@ -247,10 +248,12 @@ def check_native_kernels(flags: set[str]) -> CheckResult | None:
                        "install a C compiler (e.g. `apt install gcc`): batch-1 decoding is faster with them (int8 about 2x)")
 
 
-def check_cores(cores: probe.Cores, online: int | None, environ: Mapping[str, str] | None = None) -> CheckResult:
+def check_cores(cores: probe.Cores, online: int | None, environ: Mapping[str, str] | None = None,
+                neighbours: float | None = None) -> CheckResult:
     """CPUs really usable (affinity and cgroup quota), the physical cores among them, which is what the engine
-    sizes its threads by, and how `serve` without --omp-wait-policy would have its idle threads wait (in this
-    environment)."""
+    sizes its threads by, how `serve` without --omp-wait-policy would have its idle threads wait (in this
+    environment), and `neighbours`: how many of those CPUs other processes kept busy just now (cpu_share.
+    neighbours_now; None: not looked)."""
     quota = cores.quota
     limit = f"cgroup quota {quota:g} cores" if quota is not None else "no cgroup CPU quota"
     logical = len(cores.logical)
@@ -274,6 +277,14 @@ def check_cores(cores: probe.Cores, online: int | None, environ: Mapping[str, st
         detail += f"; idle threads spin briefly, then sleep (--omp-wait-policy {DEFAULT_WAIT_POLICY})"
     if threads == 1:
         return CheckResult("cores", WARN, detail, "one core serves one slow stream; give the container more CPUs")
+    if neighbours is not None:
+        detail += f"; other processes kept {neighbours:.1f} of the {logical} CPUs busy just now"
+        leave = threads_to_run(logical, neighbours, threads)
+        if leave < threads:
+            return CheckResult("cores", WARN, detail + f" (serve would give way to them: {leave} thread"
+                               f"{'s' if leave != 1 else ''}, --cpu-give-way)",
+                               "for steady speed run the server on CPUs nothing else uses (taskset -c ...), or "
+                               "find the busy process (top)")
     return CheckResult("cores", PASS, detail)
 
 
@@ -395,7 +406,7 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
         check_accelerator_now,
         lambda: check_cpu(flags, native_kernels=_native_kernels_isa(flags) is not None),
         lambda: check_native_kernels(flags),
-        lambda: check_cores(probe.read_cores(), os.cpu_count()),
+        lambda: check_cores(probe.read_cores(), os.cpu_count(), neighbours=neighbours_now()),
         lambda: check_memory(available),
         check_open_files,
         check_bytecode,

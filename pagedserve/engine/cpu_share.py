@@ -67,6 +67,11 @@ def read_times(cpus: tuple[int, ...], stat_path: str = "/proc/stat") -> CpuTimes
     return CpuTimes(time.monotonic(), busy_seconds(text, cpus, ticks), time.process_time())
 
 
+def threads_to_run(cpus: int, neighbours: float, configured: int) -> int:
+    """The rule: as many threads as the neighbours leave CPUs (rounded), at least 1, at most the configured count."""
+    return max(1, min(configured, round(cpus - neighbours)))
+
+
 class CpuShare:
     """How many threads the engine should run now, from readings taken at most every CHECK_INTERVAL_S.
 
@@ -98,7 +103,7 @@ class CpuShare:
             self._pending, self._agreeing = None, 0
             return self.threads
         self.neighbours = max(0.0, ((now.busy_s - last.busy_s) - (now.own_s - last.own_s)) / elapsed)
-        wanted = max(1, min(self.configured, round(self.cpus - self.neighbours)))
+        wanted = threads_to_run(self.cpus, self.neighbours, self.configured)
         if wanted == self.threads:
             self._pending, self._agreeing = None, 0
             return self.threads
@@ -124,3 +129,18 @@ def for_this_process(threads: int) -> CpuShare | None:
     if read_times(cpus) is None:
         return None
     return CpuShare(lambda: read_times(cpus), len(cpus), threads)
+
+
+def neighbours_now(seconds: float = 0.3) -> float | None:
+    """How many of this process's CPUs other processes keep busy, over the next `seconds` (doctor's look), or None
+    where /proc/stat cannot be read."""
+    try:
+        cpus = tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:
+        return None
+    first = read_times(cpus)
+    time.sleep(seconds)
+    last = read_times(cpus)
+    if first is None or last is None:
+        return None
+    return max(0.0, ((last.busy_s - first.busy_s) - (last.own_s - first.own_s)) / (last.wall_s - first.wall_s))

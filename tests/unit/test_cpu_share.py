@@ -131,3 +131,10 @@ def test_for_this_process_watches_only_where_there_is_a_count_to_change(monkeypa
     assert share is not None and share.configured == 2 and share.check() == 2
     monkeypatch.setattr(cpu_share, "read_times", lambda cpus, stat_path="/proc/stat": None)
     assert cpu_share.for_this_process(2) is None
+
+
+def test_neighbours_now_is_a_share_of_this_process_s_cpus():
+    import os
+
+    seen = cpu_share.neighbours_now(0.05)
+    assert seen is not None and 0.0 <= seen <= len(os.sched_getaffinity(0)) + 0.5  # (tick rounding)

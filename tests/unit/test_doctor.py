@@ -98,6 +98,11 @@ def test_cores_and_memory() -> None:
     plain = doctor.check_cores(Cores(((0,), (1,))), online=2)
     assert "2 logical CPUs usable of 2 online (no cgroup CPU quota); torch will use 2 threads;" in plain.detail
     assert doctor.check_cores(Cores(((0,), (1,)), quota=0.5), online=8).status == WARN
+    quiet = doctor.check_cores(Cores(((0,), (1,))), online=2, neighbours=0.2)
+    assert quiet.status == PASS and "other processes kept 0.2 of the 2 CPUs busy just now" in quiet.detail
+    busy = doctor.check_cores(Cores(((0,), (1,))), online=2, neighbours=1.1)
+    assert busy.status == WARN and "serve would give way to them: 1 thread, --cpu-give-way" in busy.detail
+    assert "taskset" in busy.fix
     low = AvailableMemory(GIB, "cgroup", "cgroup v2 limit 2.00 GiB - used 1.00 GiB = 1.00 GiB")
     result = doctor.check_memory(low)
     assert result.status == WARN and "1.00 GiB available, bound by cgroup" in result.detail
