@@ -198,12 +198,31 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
+def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logprobs of each row [rows, V] and their token ids, largest first; equal logprobs (common with
+    bf16 logits) in token-id order, the lower ids taken where a tie straddles the k-th place. torch.topk's order
+    among equal values is its own, and a batch-invariant server sent the same chat request alone and among 16 with
+    two top_logprobs entries swapped. torch.topk of k + 1 first: where its last value is below the k-th, no value
+    left out ties with the k-th; the other rows are completed from a scan of the row."""
+    if k == 0:
+        return logprobs.topk(0, dim=-1)
+    values, ids = logprobs.topk(min(k + 1, logprobs.shape[-1]), dim=-1)
+    straddles = [] if values.shape[-1] == k else (values[:, k] == values[:, k - 1]).nonzero().flatten().tolist()
+    values, ids = values[:, :k].contiguous(), ids[:, :k].contiguous()
+    kth = values[:, -1:]
+    for row in straddles:  # the ids above the k-th value, then the lowest ids equal to it
+        above = ids[row][values[row] > kth[row]]
+        tied = (logprobs[row] == kth[row]).nonzero().flatten()[:k - above.numel()]
+        ids[row] = torch.cat([above, tied])
+        values[row] = logprobs[row, ids[row]]
+    by_id = ids.argsort(dim=-1)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    order = values.argsort(dim=-1, descending=True, stable=True)  # equal values keep the ascending ids
+    return values.gather(1, order), ids.gather(1, order)
+
+
 def _add_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor, k: int) -> None:
     token_lp = raw_logprobs.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
     out.token_logprobs = token_lp
     out.token_ranks = (raw_logprobs > token_lp.unsqueeze(1)).sum(dim=-1) + 1
-    if k > 0:
-        out.top_logprobs, out.top_ids = raw_logprobs.topk(k, dim=-1)
-    else:
-        out.top_logprobs = raw_logprobs.new_empty((raw_logprobs.shape[0], 0))
-        out.top_ids = out.token_ids.new_empty((raw_logprobs.shape[0], 0))
+    out.top_logprobs, out.top_ids = top_logprobs(raw_logprobs, k)

@@ -25,7 +25,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedserve.layers.attention import FP8_DTYPES, AttentionMetadata, LayerKVCache, PrefillSpan
 from pagedserve.layers.linear import warm_up_rows
-from pagedserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
+from pagedserve.layers.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch, top_logprobs
 from pagedserve.memory.pressure import release_block_pages
 from pagedserve.models.loader import ProgressFn, load_model
 from pagedserve.platform import lazy_zeros, torch_dtype
@@ -543,7 +543,7 @@ class ModelRunner:
                 targets = torch.tensor(state.prompt_token_ids[lo + 1:hi + 1], device=self.device)
                 target_lps = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
                 ranks = ((logprobs > target_lps.unsqueeze(1)).sum(-1) + 1).tolist()
-                top_lps, top_ids = logprobs.topk(k, dim=-1)  # k == 0 gives [rows, 0]
+                top_lps, top_ids = top_logprobs(logprobs, k)
                 for t, lp, rank, ids, lps in zip(targets.tolist(), target_lps.tolist(), ranks,
                                                  top_ids.tolist(), top_lps.tolist()):
                     results.append(TokenLogprobs(t, lp, rank, ids, lps))
