@@ -2325,6 +2325,228 @@ void ps_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, 
   free(lens);
 }
 
+/* softmax_weights in parts, for attend_split: the exps of positions [from, to) of s[0..len) in place (from a multiple
+ * of VL), the sum of all of them, and the roundings of [from, to): the same operations on the same values. */
+static void exp_positions(float *s, int64_t from, int64_t to, int64_t len, float mx) {
+  for (int64_t l = from; l < to; l += VL) {
+    if (l + VL <= len)
+      vstoref(s + l, vexp(vsub(vloadf(s + l), vset1(mx))));
+    else
+      vstoref_part(s + l, vkeep(vexp(vsub(vloadf_part(s + l, len - l), vset1(mx))), len - l), len - l);
+  }
+}
+
+static float exp_sum(const float *s, int64_t len) {
+  vf sum = vzero();
+  int64_t l = 0;
+  for (; l + VL <= len; l += VL) sum = vadd(sum, vloadf(s + l));
+  if (l < len) sum = vadd(sum, vloadf_part(s + l, len - l));
+  return vsum(sum);
+}
+
+static void round_positions(float *s, int64_t from, int64_t to, int64_t len, float by) {
+  for (int64_t l = from; l < to; l += VL) {
+    if (l + VL <= len)
+      vstoref(s + l, vround(vmul(vloadf(s + l), vset1(by)), 1));
+    else
+      vstoref_part(s + l, vround(vmul(vloadf_part(s + l, len - l), vset1(by)), 1), len - l);
+  }
+}
+
+/* widen_rows (copy 0) or pair_rows for the lanes [h0, h1) of each row only (stride D as the whole rows'), prefetching
+ * those lanes of the rows ATTN_AHEAD on (up to avail). */
+static void widen_lanes(const void *cache, const int64_t *slot, int64_t n, int64_t avail, int64_t Hkv, int64_t kvh,
+                        int64_t D, int64_t h0, int64_t h1, int bf16, int pairs, float *rows) {
+  const int64_t size = bf16 ? 2 : 4;
+  for (int64_t l = 0; l < n; l += pairs ? 2 : 1) {
+    for (int64_t j = l; j < l + (pairs ? 2 : 1) && j + ATTN_AHEAD < avail; ++j)
+      for (int64_t byte = h0 * size; byte < h1 * size; byte += 64)
+        _mm_prefetch((const char *)at(cache, (slot[j + ATTN_AHEAD] * Hkv + kvh) * D, bf16) + byte, _MM_HINT_T0);
+#if BF16_DOT_SCORES
+    if (pairs) {
+      __m512i idx[2];
+      pair_index(idx);
+      const uint16_t *a = (const uint16_t *)cache + (slot[l] * Hkv + kvh) * D;
+      const uint16_t *b = l + 1 < n ? (const uint16_t *)cache + (slot[l + 1] * Hkv + kvh) * D : NULL;
+      uint16_t *o = (uint16_t *)(rows + (l / 2) * D);
+      for (int64_t h = h0; h < h1; h += 32) {
+        const __m512i x = _mm512_loadu_si512((const void *)(a + h));
+        const __m512i y = b ? _mm512_loadu_si512((const void *)(b + h)) : _mm512_setzero_si512();
+        _mm512_storeu_si512((void *)(o + 2 * h), _mm512_permutex2var_epi16(x, idx[0], y));
+        _mm512_storeu_si512((void *)(o + 2 * h + 32), _mm512_permutex2var_epi16(x, idx[1], y));
+      }
+      continue;
+    }
+#endif
+    const void *p = at(cache, (slot[l] * Hkv + kvh) * D, bf16);
+    for (int64_t i = h0; i < h1; i += VL) vstoref(rows + l * D + i, vload(at(p, i, bf16), bf16));
+  }
+}
+
+/* weighted_sums over the lanes [h0, h0 + lanes) of the rows and sums only (each lane's sum is its own). */
+static void weighted_sums_lanes(const float *w, int64_t w_stride, int64_t n, const float *rows, int64_t D, int64_t h0,
+                                int64_t lanes, float *acc, int64_t group, int resume, int dot) {
+  rows += h0;
+  acc += h0;
+  switch (lanes / VL * 2 + (dot != 0)) {
+    case 2: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 1, 0); break;
+    case 4: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 2, 0); break;
+    case 8: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 4, 0); break;
+    case 16: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 8, 0); break;
+    case 32: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 16, 0); break;
+#if BF16_DOT_SCORES
+    case 3: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 1, 1); break;
+    case 5: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 2, 1); break;
+    case 9: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 4, 1); break;
+    case 17: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 8, 1); break;
+    case 33: weighted_sums_nv(w, w_stride, n, rows, D, acc, group, resume, 16, 1); break;
+#endif
+    default: abort();  /* attend_split's lane parts are among these */
+  }
+}
+
+/* attend_rows where its tasks (runs x KV heads) are fewer than the threads (a Gemma 3 row at batch 1: one KV head
+ * for 2 threads) and the contexts long enough to pay for three more barriers: every thread works on every task. The scores go by chunks of
+ * positions (one thread's chunks after another's), the softmax by ranges of positions (its sums by whole rows), and
+ * V's weighted sums by parts of each head's lanes. Each score, exp, rounding and lane of a sum takes the same
+ * operations in the same order as in attend_rows' own task (widened rows; those are bit-equal to the pool paths), so
+ * the output is bit-equal to it (tested: a row alone, in a run and with its heads alone). `parts`: lane parts per task
+ * (D / parts a multiple of VL, and of 32 for dot_v). */
+static void attend_split(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         const int64_t *slots, int64_t slot_stride, const int64_t *lens, void *out, int64_t B,
+                         int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, const int64_t *run, float scale,
+                         float softcap, int bf16, int dot, int dot_v, int64_t parts, int nthreads) {
+  const int64_t group = Hq / Hkv, lanes = D / parts;
+  int64_t tasks = 0;
+  for (int64_t b = 0; b < B; ++b) tasks += run[b] ? Hkv : 0;
+  int64_t *task_b0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)tasks);
+  int64_t *first_head = (int64_t *)malloc(sizeof(int64_t) * (size_t)(tasks + 1));  /* task -> its first score row */
+  int64_t *first_chunk = (int64_t *)malloc(sizeof(int64_t) * (size_t)(tasks + 1));
+  if (!task_b0 || !first_head || !first_chunk) abort();
+  first_head[0] = first_chunk[0] = 0;
+  for (int64_t b = 0, t = 0; b < B; ++b)
+    for (int64_t kvh = 0; run[b] && kvh < Hkv; ++kvh, ++t) {
+      task_b0[t] = b;
+      first_head[t + 1] = first_head[t] + run[b] * group;
+      first_chunk[t + 1] = first_chunk[t] + (lens[b + run[b] - 1] + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    }
+  const int64_t heads = first_head[tasks], chunks = first_chunk[tasks];
+  float *scores = (float *)malloc(sizeof(float) * ((size_t)heads * (size_t)max_len + VL));
+  float *mxs = (float *)malloc(sizeof(float) * (size_t)(heads * nthreads));  /* each thread's maxima */
+  float *inv_sum = (float *)malloc(sizeof(float) * (size_t)heads);
+  if (!scores || !mxs || !inv_sum) abort();
+  for (int64_t i = 0; i < heads * nthreads; ++i) mxs[i] = -INFINITY;
+  #pragma omp parallel num_threads(nthreads)
+  {
+    const int64_t th = omp_get_thread_num(), T = omp_get_num_threads();
+    float *rows = (float *)malloc(sizeof(float) * (size_t)(ATTN_CHUNK * D));
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(MAX_RUN * group * D));
+    if (!rows || !acc) abort();
+    int64_t iota[ATTN_CHUNK];
+    for (int64_t l = 0; l < ATTN_CHUNK; ++l) iota[l] = l;
+    /* the scores: chunks [th * chunks / T, (th + 1) * chunks / T) of all tasks' chunks in a row */
+    for (int64_t u = th * chunks / T, t = 0; u < (th + 1) * chunks / T; ++u) {
+      while (u >= first_chunk[t + 1]) ++t;
+      const int64_t b0 = task_b0[t], kvh = t % Hkv, R = run[b0], c0 = (u - first_chunk[t]) * ATTN_CHUNK;
+      const int64_t len_max = lens[b0 + R - 1], *slot = slots + (b0 + R - 1) * slot_stride;
+      const int64_t n_max = len_max - c0 < ATTN_CHUNK ? len_max - c0 : ATTN_CHUNK;
+      widen_rows(k_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, dot, rows);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t b = b0 + r, len = lens[b];
+        if (c0 >= len) continue;
+        const int64_t n = len - c0 < ATTN_CHUNK ? len - c0 : ATTN_CHUNK;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = first_head[t] + r * group + g;
+          float *s = scores + i * max_len + c0;
+          float m = head_scores(at(q, b * q_stride + (kvh * group + g) * D, bf16), k_cache, slot + c0, rows, iota, n,
+                                Hkv, kvh, D, scale, bf16, dot, 1, s);
+          if (softcap > 0.0f) m = cap_scores(s, n, m, scale, softcap, bf16);
+          mxs[th * heads + i] = m > mxs[th * heads + i] ? m : mxs[th * heads + i];
+        }
+      }
+    }
+    #pragma omp barrier
+    /* the exps: each score row's blocks of VL positions [th * nb / T, (th + 1) * nb / T) */
+    for (int64_t t = 0; t < tasks; ++t)
+      for (int64_t i = first_head[t]; i < first_head[t + 1]; ++i) {
+        const int64_t len = lens[task_b0[t] + (i - first_head[t]) / group], nb = (len + VL - 1) / VL;
+        float mx = mxs[i];
+        for (int64_t o = 1; o < T; ++o) mx = mxs[o * heads + i] > mx ? mxs[o * heads + i] : mx;
+        exp_positions(scores + i * max_len, th * nb / T * VL, (th + 1) * nb / T * VL, len, mx);
+      }
+    #pragma omp barrier
+    for (int64_t t = 0; t < tasks; ++t)  /* the sums, a row each */
+      for (int64_t i = first_head[t]; i < first_head[t + 1]; ++i)
+        if (i % T == th)
+          inv_sum[i] = 1.0f / exp_sum(scores + i * max_len, lens[task_b0[t] + (i - first_head[t]) / group]);
+    #pragma omp barrier
+    if (bf16) {
+      for (int64_t t = 0; t < tasks; ++t)
+        for (int64_t i = first_head[t]; i < first_head[t + 1]; ++i) {
+          const int64_t len = lens[task_b0[t] + (i - first_head[t]) / group], nb = (len + VL - 1) / VL;
+          round_positions(scores + i * max_len, th * nb / T * VL, (th + 1) * nb / T * VL, len,
+                          softcap > 0.0f ? inv_sum[i] : 1.0f);
+        }
+      #pragma omp barrier
+    }
+    /* V's weighted sums: units (task, part of the lanes), [th * units / T, (th + 1) * units / T) */
+    const int64_t units = tasks * parts;
+    for (int64_t u = th * units / T; u < (th + 1) * units / T; ++u) {
+      const int64_t t = u / parts, h0 = (u % parts) * lanes, b0 = task_b0[t], kvh = t % Hkv, R = run[b0];
+      const int64_t len_max = lens[b0 + R - 1], *slot = slots + (b0 + R - 1) * slot_stride;
+      for (int64_t c0 = 0; c0 < len_max; c0 += ATTN_CHUNK) {
+        const int64_t n_max = len_max - c0 < ATTN_CHUNK ? len_max - c0 : ATTN_CHUNK;
+        widen_lanes(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, h0, h0 + lanes, bf16, dot_v, rows);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t len = lens[b0 + r];
+          if (c0 >= len) continue;
+          const int64_t n = len - c0 < ATTN_CHUNK ? len - c0 : ATTN_CHUNK;
+          weighted_sums_lanes(scores + (first_head[t] + r * group) * max_len + c0, max_len, n, rows, D, h0, lanes,
+                              acc + r * group * D, group, c0 > 0, dot_v);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = first_head[t] + r * group + g;
+          const float by = bf16 && softcap > 0.0f ? 1.0f : inv_sum[i];
+          for (int64_t h = h0; h < h0 + lanes; h += VL)
+            vstore((void *)at(out, ((b0 + r) * Hq + kvh * group + g) * D + h, bf16),
+                   vmul(vloadf(acc + (r * group + g) * D + h), vset1(by)), bf16);
+        }
+    }
+    free(rows);
+    free(acc);
+  }
+  free(task_b0);
+  free(first_head);
+  free(first_chunk);
+  free(scores);
+  free(mxs);
+  free(inv_sum);
+}
+
+/* Whether attend_rows' tasks go to attend_split, and in how many lane parts each: only where they are fewer than the
+ * threads (some would have none), the contexts long enough for its barriers (SPLIT_MIN_LANES) and the head size
+ * one it has lane parts for; then parts of 2, 4, ... lanes per task until they spread evenly over the threads (or 4 a
+ * thread). 2 threads of the AMX Xeon, one row: 4/1 heads of 256 (Gemma 3) 1.34-1.70x at 512-4000 positions (AVX2
+ * build 1.43-1.68x); 9/3 heads of 64 (3 tasks on 2 threads, one of them idle a third of the time) split were
+ * 0.85-0.95x (AVX2 build 0.94-1.08x), so tasks that leave threads idle only part of the time are left whole. */
+#define SPLIT_MIN_LANES (256 * 256)  /* positions x head size: 256 positions at 256, 1024 at 64 (300: 0.96x) */
+static int64_t split_parts(const int64_t *run, const int64_t *lens, int64_t B, int64_t Hkv, int64_t D, int dot_v,
+                           int nthreads) {
+  int64_t tasks = 0, longest = 0;
+  for (int64_t b = 0; b < B; ++b)
+    if (run[b]) {
+      tasks += Hkv;
+      longest = lens[b + run[b] - 1] > longest ? lens[b + run[b] - 1] : longest;
+    }
+  if (tasks >= nthreads || (D != 64 && D != 128 && D != 256) || longest * D < SPLIT_MIN_LANES) return 0;
+  const int64_t least = dot_v ? 32 : VL;  /* lanes in a part */
+  int64_t parts = 2;
+  while ((tasks * parts) % nthreads && tasks * parts < 4 * nthreads && D / (parts * 2) >= least) parts *= 2;
+  return D / parts >= least ? parts : 0;
+}
+
 static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         const int64_t *slots, int64_t slot_stride, const int64_t *lens, void *out, int64_t B,
                         int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, int64_t max_run, float scale,
@@ -2337,6 +2559,13 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
   context_runs(slots, slot_stride, lens, B, Hkv, max_run, nthreads, run);
   int64_t most = 1;  /* rows in the longest piece */
   for (int64_t b = 0; b < B; ++b) most = run[b] > most ? run[b] : most;
+  const int64_t parts = split_parts(run, lens, B, Hkv, D, dot_v, nthreads);
+  if (parts) {
+    attend_split(q, q_stride, k_cache, v_cache, slots, slot_stride, lens, out, B, Hq, Hkv, D, max_len, run, scale,
+                 softcap, bf16, dot, dot_v, parts, nthreads);
+    free(run);
+    return;
+  }
   #pragma omp parallel num_threads(nthreads)
   {
     const size_t heads = (size_t)(most * group);  /* (row of the run, head of the group) */

@@ -426,6 +426,45 @@ def test_every_attention_path_scores_bf16_rows_alike(attention_kernels, hq, hkv,
             assert torch.equal(head[0, 0], alone[0, h]), f"row {b}, query head {h} alone"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 1, 256), (9, 3, 64), (4, 1, 64), (6, 3, 128), (8, 1, 128), (4, 2, 64)])
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_few_tasks_split_over_the_threads_give_the_bits_of_one_thread(attention_kernels, dtype, hq, hkv, d, cap):
+    """Where a step's runs x KV heads are fewer than the threads (a Gemma 3 row at batch 1; 3 KV heads on 4 threads)
+    and the contexts are long, every thread works on every task (attend_split: scores by chunks of positions, V's
+    sums by parts of the lanes): each output must be bit-equal to the one thread's (which runs each task whole), at
+    2, 3 and 4 threads (2 or 4 lane parts), for a row alone, a verification run and a prefill chunk."""
+    torch.manual_seed(hq * d + hkv)
+    num_slots, context = 1300, 1200
+    k_cache, v_cache = (torch.randn(num_slots, hkv, d) * 2).to(dtype), torch.randn(num_slots, hkv, d).to(dtype)
+    slots = torch.randperm(num_slots)[:context]
+    q = (torch.randn(5, hq, d) * 2).to(dtype)
+    scale = d ** -0.5
+    lens = torch.tensor([context - 4, 300, 257, 1024, 1000])  # alone: split from 256 x 256 positions x lanes on
+    table = slots.expand(5, context).contiguous()
+    run = torch.arange(context - 4, context + 1)  # 5 rows of one context: one run
+
+    def outputs() -> list[torch.Tensor]:
+        alone = [attention_kernels.decode_attention(q[b:b + 1], k_cache, v_cache, table[b:b + 1], lens[b:b + 1],
+                                                    scale, cap) for b in range(5)]
+        return alone + [attention_kernels.decode_attention(q, k_cache, v_cache, table, run, scale, cap),
+                        attention_kernels.prefill_attention(q, k_cache, v_cache, slots, context - 5, scale, 1 << 30,
+                                                            cap)]
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = outputs()
+        for threads in (2, 3, 4):
+            torch.set_num_threads(threads)
+            for i, (a, b) in enumerate(zip(one, outputs())):
+                assert torch.equal(a, b), f"{threads} threads, output {i}"
+    finally:
+        torch.set_num_threads(previous)
+    if cap is None:
+        _close(one[0], _reference_decode(q[:1], k_cache, v_cache, table[:1], lens[:1], scale), dtype, "decode")
+
+
 def test_the_bf16_attention_switch_changes_only_the_roundings(kernels):
     """Where the build has vdpbf16ps, the two bf16 attentions round their sums in different orders: outputs must
     differ somewhere (else set_bf16_attention switched nothing) and agree within bf16 rounding."""
