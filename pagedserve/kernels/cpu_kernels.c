@@ -2408,10 +2408,10 @@ static void weighted_sums_lanes(const float *w, int64_t w_stride, int64_t n, con
 /* attend_rows where its tasks (runs x KV heads) are fewer than the threads (a Gemma 3 row at batch 1: one KV head
  * for 2 threads) and the contexts long enough to pay for three more barriers: every thread works on every task. The
  * scores go by chunks of positions (one thread's chunks after another's), the softmax by ranges of positions (its sums
- * by whole rows), and V's weighted sums by parts of each head's lanes. Each score, exp, rounding and lane of a sum takes the same
- * operations in the same order as in attend_rows' own task (widened rows; those are bit-equal to the pool paths), so
- * the output is bit-equal to it (tested: a row alone, in a run and with its heads alone). `parts`: lane parts per task
- * (D / parts a multiple of VL, and of 32 for dot_v). */
+ * by whole rows), and V's weighted sums by parts of each head's lanes. Each score, exp, rounding and lane of a sum
+ * takes the same operations in the same order as in attend_rows' own task (widened rows; those are bit-equal to the
+ * pool paths), so the output is bit-equal to it (tested against one thread: a row alone, a run, a prefill chunk).
+ * `parts`: lane parts per task (D / parts a multiple of VL, and of 32 for dot_v). */
 static void attend_split(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *slots, int64_t slot_stride, const int64_t *lens, void *out, int64_t B,
                          int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, const int64_t *run, float scale,
