@@ -15,8 +15,9 @@ from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
-from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, expected_layer_kernels, expected_weight_format,
-                                             kv_quantized, onednn_may_pack, partial_rotary, wants_native_kernels)
+from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, capped_prefill_on_torch, expected_layer_kernels,
+                                             expected_weight_format, kv_quantized, onednn_may_pack, partial_rotary,
+                                             wants_native_kernels)
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
@@ -123,8 +124,9 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
                                     activation=spec.activation,
                                     sdpa_prefill=probe.sdpa_prefill(flags, model.dtype, envs.batch_invariant()),
-                                    softcapped=(softcapped_attention(model.architecture, model.hf_config)
-                                                and not envs.batch_invariant()),
+                                    softcapped=capped_prefill_on_torch(
+                                        softcapped_attention(model.architecture, model.hf_config),
+                                        envs.batch_invariant()),
                                     kv_cache_dtype=config.cache.kv_cache_dtype)
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from pagedserve.kernels import CpuKernels
 # ATTENTION_CHUNK_PAIRS: query x key pairs per SDPA call (a 4 MiB bf16 mask)
 from pagedserve.memory.plan import ATTENTION_CHUNK_PAIRS, prefill_scratch_bytes
+from pagedserve.memory.weight_format import capped_prefill_on_torch
 
 
 @dataclass
@@ -162,7 +163,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     if not kv_written:
         cache.write(k, v, meta.slot_mapping)
     native = kernels is not None and not cache.is_quantized
-    native_prefill = native and (softcap is None or kernels.batch_invariant)
+    native_prefill = native and not capped_prefill_on_torch(softcap is not None, kernels.batch_invariant)
     nd = meta.num_decodes
     od = _decode_attention(q[:nd], cache, meta.within(window), scale, kernels if native else None, softcap) \
         if nd else None

@@ -25,8 +25,8 @@ from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, LayerKernels, LinearKernel, fused_rotary, linear_words,
-                                             rotary_dim)
+from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, LayerKernels, LinearKernel, capped_prefill_on_torch,
+                                             fused_rotary, linear_words, rotary_dim)
 from pagedserve.models.validate import layer_windows
 
 
@@ -474,7 +474,8 @@ class LlamaForCausalLM(nn.Module):
                         (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                          ("down", mlp.down_proj), ("logits", getattr(self, "logits_proj", None))) if module is not None)
         attention_native = attn.kernels is not None
-        capped_on_torch = attention_native and attn.softcap is not None and not attn.kernels.batch_invariant
+        capped_on_torch = attention_native and capped_prefill_on_torch(attn.softcap is not None,
+                                                                       attn.kernels.batch_invariant)
         return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, rotary_fused,
                             None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation,
                             None if attention_native == (norm.kernels is not None) else attention_native,
