@@ -44,11 +44,13 @@ def metric_value(server, name: str, **labels) -> float:
 
 
 def test_health_went_503_then_200(server):
-    statuses = [s for s, _ in server.health_statuses]
-    assert statuses[0] == 503 and statuses[-1] == 200
-    phases = [p for _, p in server.health_statuses]
-    assert "ready" == phases[-1]
-    assert set(phases) & (set(PHASES) - {"ready"})  # at least one start-up phase seen (a quick start shows few)
+    # What the poller saw: 503 with a start-up phase until 200 "ready". A quick start can be over before the
+    # first poll lands, so the poller may have seen only the 200; 503 while starting is checked without a race
+    # in tests/browser/test_web_routes.py, and the server's own record below lists every phase.
+    seen = server.health_statuses
+    assert seen[-1] == (200, "ready") and all(status == 503 and phase in PHASES for status, phase in seen[:-1]), seen
+    body = httpx.get(f"{server.url}/health").json()
+    assert [p["name"] for p in body["phases"]] == list(PHASES), body
     # The memory gauges carry the start-up reading from ready on (they were empty until the first request).
     assert metric_value(server, "pagedserve:resident_memory_bytes", model_name=MODEL) > 0
 
