@@ -74,6 +74,10 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 0  # resolved by the engine from the memory plan or an override
     enable_prefix_caching: bool = True
+    # The sliding-window layers' K/V pool of their own (core/kv_cache_manager.py), where some layers have a window
+    # and others none: its blocks (the null block included) and the window; 0 and None: one pool for every layer.
+    num_window_blocks: int = 0
+    sliding_window: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype
 
 

@@ -2,6 +2,15 @@
 
 Protocol with the scheduler: `get_computed_blocks` (prefix-cache lookup), `allocate_slots`
 (None = not enough free blocks), `record_lookup` once the request is admitted, and finally `free`. Pure Python.
+
+Sliding-window layers of their own (Gemma 2/3, Qwen's max_window_layers: some layers with a window, some without)
+keep their K/V in a pool of their own, the window pool, with a block table of their own per request: block i of
+both tables holds positions [i x block_size, (i + 1) x block_size). A request holds window blocks only for the
+positions its next tokens can see (the last `window` - 1 before them) and its new tokens: the blocks before are
+given back at each allocation (the null block takes their place in its table), so the window layers' K/V of a long
+context stays at about a window per request instead of growing with the context. The full-attention layers' pool
+works as without windows. A prefix-cache hit needs every full block of the prefix in the main pool and, in the
+window pool, the blocks the window of the first token to compute covers.
 """
 
 from __future__ import annotations
@@ -18,6 +27,17 @@ class ComputedBlocks:
 
     blocks: list[KVCacheBlock] = field(default_factory=list)
     num_tokens: int = 0
+    # The window pool's blocks of the hit, as the request's window table starts: the null block where the window
+    # of the first token to compute does not reach (empty without a window pool).
+    window_blocks: list[KVCacheBlock] = field(default_factory=list)
+
+
+@dataclass
+class NewBlocks:
+    """The blocks an allocation added to a request's tables (what the runner appends to its block-table rows)."""
+
+    block_ids: list[int]
+    window_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -27,11 +47,20 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, num_window_blocks: int = 0,
+                 window: int | None = None) -> None:
+        """`num_window_blocks` and `window`: the sliding-window layers' pool of their own and their window (see the
+        module docstring); 0 and None where every layer's K/V lives in the one pool."""
+        if (num_window_blocks > 0) != (window is not None):
+            raise ValueError(f"a window pool needs both its blocks and its window, got {num_window_blocks} blocks "
+                             f"and window {window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.window = window
+        self.window_pool = BlockPool(num_window_blocks, enable_caching) if window is not None else None
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_window_blocks: dict[str, list[KVCacheBlock]] = {}  # the null block for blocks given back
         # How many leading blocks of each request are already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
@@ -50,9 +79,16 @@ class KVCacheManager:
         """Blocks whose pages hold K/V (memory/rss.py's expectation of the pool's resident bytes)."""
         return self.pool.num_blocks_written
 
-    def release_free_blocks(self) -> list[int]:
-        """Mark every free block unwritten and return their ids: the caller gives their pages back."""
-        return self.pool.release_free_blocks()
+    @property
+    def num_window_blocks_written(self) -> int:
+        """The window pool's blocks whose pages hold K/V (0 without a window pool)."""
+        return self.window_pool.num_blocks_written if self.window_pool is not None else 0
+
+    def release_free_blocks(self) -> tuple[list[int], list[int]]:
+        """Mark every free block unwritten and return their ids, the main pool's and the window pool's: the
+        caller gives their pages back."""
+        window = self.window_pool.release_free_blocks() if self.window_pool is not None else []
+        return self.pool.release_free_blocks(), window
 
     @property
     def capacity_tokens(self) -> int:
@@ -82,7 +118,22 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        return ComputedBlocks(hit, len(hit) * self.block_size)
+        if self.window_pool is None or not hit:
+            return ComputedBlocks(hit, len(hit) * self.block_size)
+        num_hit = len(hit)
+        while num_hit:  # the longest hit whose first token to compute finds its window in the window pool
+            first = self._first_window_block(num_hit * self.block_size)
+            found = [self.window_pool.get_cached_block(h) for h in request.block_hashes[first:num_hit]]
+            missing = [i for i, block in enumerate(found) if block is None]
+            if not missing:
+                window_blocks = [self.window_pool.null_block] * first + found
+                return ComputedBlocks(hit[:num_hit], num_hit * self.block_size, window_blocks)
+            num_hit = first + missing[-1]  # a shorter hit's window must end before the last block missing
+        return ComputedBlocks()
+
+    def _first_window_block(self, position: int) -> int:
+        """The first window-pool block a token at `position` (or a later one) attends to."""
+        return max(0, position - self.window + 1) // self.block_size
 
     def record_lookup(self, request: Request, computed: ComputedBlocks) -> None:
         """Count an admitted request's lookup in the prefix-cache stats, as vLLM's: once per request (a lookup
@@ -93,8 +144,9 @@ class KVCacheManager:
             self.stats.num_hits += computed.num_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: ComputedBlocks | None = None) -> list[KVCacheBlock] | None:
-        """Give the request blocks for `num_new_tokens` more tokens; None if the pool is too short."""
+                       computed: ComputedBlocks | None = None) -> NewBlocks | None:
+        """Give the request blocks for `num_new_tokens` more tokens; None if a pool is too short. With a window
+        pool, the request's window blocks before its new tokens' window go back to it first."""
         computed_blocks = computed.blocks if computed else []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_known = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -102,7 +154,10 @@ class KVCacheManager:
         num_new_blocks = max(0, num_required - len(req_blocks) - len(computed_blocks))
         # Cache hits sitting in the free queue stop being free once touched.
         num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_reclaimed:
+        fits = num_new_blocks <= self.pool.num_free_blocks - num_reclaimed
+        if fits and self.window_pool is not None:
+            fits = self._window_fits(request, num_known, num_required, computed)
+        if not fits:
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
             return None
@@ -110,18 +165,55 @@ class KVCacheManager:
         req_blocks.extend(computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
+        window_ids = self._allocate_window(request, num_known, num_required, computed) \
+            if self.window_pool is not None else []
         if self.enable_caching:
             # K/V of these tokens are written this step, before any attention reads them.
             self._cache_full_blocks(request, min(num_known + num_new_tokens, request.num_tokens))
-        return new_blocks
+        return NewBlocks([b.block_id for b in new_blocks], window_ids)
+
+    def _window_fits(self, request: Request, num_known: int, num_required: int,
+                     computed: ComputedBlocks | None) -> bool:
+        """Whether the window pool has the blocks this allocation needs (after the request's own out-of-window
+        blocks went back: they are free for it too)."""
+        held = self.req_to_window_blocks.get(request.request_id, computed.window_blocks if computed else [])
+        first = self._first_window_block(num_known)
+        num_needed = num_required - max(len(held), first)
+        given_back = sum(1 for b in held[:first] if b is not self.window_pool.null_block and b.ref_cnt == 1)
+        reclaimed = sum(1 for b in held if b.ref_cnt == 0) if request.request_id not in self.req_to_window_blocks \
+            else 0
+        return num_needed <= self.window_pool.num_free_blocks + given_back - reclaimed
+
+    def _allocate_window(self, request: Request, num_known: int, num_required: int,
+                         computed: ComputedBlocks | None) -> list[int]:
+        """The window table's part of allocate_slots (checked by _window_fits): give back the blocks before the
+        window of the first new token, then add blocks up to `num_required`; the ids of the blocks added."""
+        pool, null = self.window_pool, self.window_pool.null_block
+        held = self.req_to_window_blocks.get(request.request_id)
+        if held is None:  # admitted now: its table starts with the hit's window blocks
+            held = self.req_to_window_blocks[request.request_id] = list(computed.window_blocks if computed else [])
+            pool.touch([b for b in held if b is not null])
+        first = self._first_window_block(num_known)
+        gone = [i for i in range(min(first, len(held))) if held[i] is not null]
+        pool.free_blocks([held[i] for i in gone])  # oldest first: the first evicted
+        for i in gone:
+            held[i] = null
+        if len(held) < first:  # a table that starts past the window's blocks: null up to them
+            held.extend([null] * (first - len(held)))
+        new_blocks = pool.get_new_blocks(max(0, num_required - len(held)))
+        held.extend(new_blocks)
+        return [b.block_id for b in new_blocks]
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         self._update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
         start = self.num_cached_blocks.get(request.request_id, 0)
         end = num_tokens // self.block_size
+        window_blocks = self.req_to_window_blocks.get(request.request_id)
         for i in range(start, end):
             self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+            if window_blocks is not None and window_blocks[i] is not self.window_pool.null_block:
+                self.window_pool.cache_full_block(window_blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:
@@ -129,6 +221,12 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
+        if self.window_pool is not None:
+            self.window_pool.free_blocks(list(reversed(self.req_to_window_blocks.pop(request.request_id, []))))
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def window_block_ids(self, request_id: str) -> list[int]:
+        """The request's window table (0, the null block, where it gave blocks back); empty without a window pool."""
+        return [b.block_id for b in self.req_to_window_blocks.get(request_id, [])]

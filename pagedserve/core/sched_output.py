@@ -20,6 +20,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     is_pooling: bool = False
     grammar: Any = None  # compiled grammar of a constrained request (Request.grammar)
+    # The sliding-window layers' own block table (core/kv_cache_manager.py; 0 where the request gave a block back);
+    # empty where they have no pool of their own.
+    window_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -29,6 +32,7 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_window_block_ids: list[int] = field(default_factory=list)  # appended to its window table
 
 
 @dataclass

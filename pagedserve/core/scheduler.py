@@ -188,8 +188,8 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - one request's fault; it leaves `running`
                 self.fail_request(request, exc)
                 continue
-            out.cached_requests.append(CachedRequestData(
-                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+            out.cached_requests.append(CachedRequestData(request.request_id, new_blocks.block_ids,
+                                                         request.num_computed_tokens, new_blocks.window_block_ids))
             self._record(out, request, num_new, drafts)
             if lookahead:
                 out.lookahead[request.request_id] = lookahead
@@ -274,6 +274,7 @@ class Scheduler:
                 token_ids=list(request.all_token_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
                 block_ids=self.kv.block_ids(request.request_id),
+                window_block_ids=self.kv.window_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 sampling_params=request.sampling_params,
                 is_pooling=request.is_pooling,

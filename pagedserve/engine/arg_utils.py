@@ -146,6 +146,10 @@ class EngineArgs(FlagArgs):
     block_size: int = setting("Tokens per KV-cache block.", default=CacheConfig.block_size)
     enable_prefix_caching: bool = setting("Reuse the KV cache of shared prompt prefixes.",
                                        default=CacheConfig.enable_prefix_caching)
+    disable_hybrid_kv_cache_manager: bool = setting(
+        "Keep every layer's K/V in one pool. By default, where some layers attend within a sliding window and "
+        "others to the whole context (Gemma 2/3), the window layers get a pool of their own that holds about a "
+        "window per request instead of the whole context (vLLM's hybrid KV cache manager).", default=False)
     enable_chunked_prefill: bool = setting("Split long prompts across steps so decodes keep flowing.",
                                         default=SchedulerConfig.enable_chunked_prefill)
     gpu_memory_utilization: float | None = setting(

@@ -60,7 +60,9 @@ class LLMEngine:
         startup.enter("allocating_kv")
         self.runner.allocate_kv_cache()
         # The scheduler allocates from it; the engine reads its written blocks (RSS) and releases free pages.
-        self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        cache = config.cache
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                 cache.num_window_blocks, cache.sliding_window)
         self.faults = FaultInjector()  # armed after warm-up: injected faults are for requests, not start-up
         proposer = make_proposer(config.speculative)
         self.scheduler = Scheduler(config.scheduler, self.kv, fault_hook=self.faults.check, proposer=proposer)
@@ -399,7 +401,7 @@ class LLMEngine:
         if self.memory_pressure is not None:
             released = give_way(self.memory_pressure, self.scheduler, self.kv, self.runner.release_kv_pages)
             if released and self.resident_memory is not None:  # /health shows it now, not a step later (idle)
-                self.resident_memory.measure(self.kv.num_blocks_written)
+                self.resident_memory.measure(self.kv.num_blocks_written, self.kv.num_window_blocks_written)
         sched_out = self.scheduler.schedule()
         self._fail_children(self.scheduler.take_failed())
         try:
@@ -422,7 +424,8 @@ class LLMEngine:
         self.stats = self.scheduler.make_stats()
         if self.resident_memory is not None:
             self.resident_memory.after_step(sched_out.total_num_scheduled_tokens,
-                                            self.kv.num_blocks_written, not self.has_unfinished_requests())
+                                            self.kv.num_blocks_written, not self.has_unfinished_requests(),
+                                            self.kv.num_window_blocks_written)
         return outputs
 
     def take_failed(self) -> dict[str, str | BaseException]:

@@ -14,6 +14,7 @@ from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.plan import MemoryPlan
 from pagedserve.memory.probe import AvailableMemory, cpu_flags
 from pagedserve.memory.sizes import MIB
+from pagedserve.models.validate import layer_windows
 from pagedserve.memory.weight_format import (SUPPORTED_QUANTIZATION, WeightFormat, expected_weight_format, kv_quantized,
                                              native_kernels_expected)
 
@@ -28,6 +29,25 @@ def num_kv_blocks(args: EngineArgs, plan: MemoryPlan) -> int:
     sequence (else it refuses to start), never above max_num_seqs full sequences.
     """
     return args.num_gpu_blocks_override or plan.num_kv_blocks + 1
+
+
+def num_window_kv_blocks(plan: MemoryPlan) -> int:
+    """The sliding-window layers' pool of their own: the plan's blocks + its null block (0: no such pool)."""
+    return plan.num_window_blocks + 1 if plan.num_window_blocks else 0
+
+
+def window_pool_window(args: EngineArgs, model: ModelConfig, speculates_with_draft: bool) -> int | None:
+    """The window of the sliding-window layers' pool of their own (core/kv_cache_manager.py), or None where every
+    layer's K/V stays in one pool: where only some layers have a window (Gemma 2/3, Qwen's max_window_layers),
+    for generation, unless --disable-hybrid-kv-cache-manager. A draft model's K/V are indexed by the main block
+    table, and a model that windows every layer keeps one pool (its context is never longer than a window's
+    worth of blocks plus its new tokens, but nothing else would be left in the main pool)."""
+    if args.disable_hybrid_kv_cache_manager or model.task != "generate" or speculates_with_draft:
+        return None
+    windows = layer_windows(model.hf_config)
+    if None not in windows or all(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
 
 
 def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig, scheduler: SchedulerConfig,
@@ -62,13 +82,21 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         return replace(shape, weight_bytes=weight_bytes)
 
     shape = prepared_shape(checkpoint, model)
+    window = window_pool_window(args, model, draft is not None)
+    if window is not None:
+        num_window_layers = sum(w is not None for w in layer_windows(model.hf_config))
+        shape = replace(shape, num_window_layers=num_window_layers, window=window)
     if draft is not None:
         draft_shape = prepared_shape(*draft)
         shape = replace(shape, weight_bytes=shape.weight_bytes + draft_shape.weight_bytes, draft=draft_shape)
     block_bytes = sizes.kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes) * args.block_size
     kv_cache_bytes, kv_source = args.kv_cache_memory, memory.PlanRequest.kv_source
     if args.num_gpu_blocks_override:
-        kv_cache_bytes = (args.num_gpu_blocks_override - 1) * block_bytes  # minus the null block
+        num_blocks = args.num_gpu_blocks_override - 1  # minus the null block
+        window_blocks = min(num_blocks, sizes.window_pool_blocks(shape.window, args.block_size, scheduler.max_num_seqs,
+                                                                 scheduler.max_num_batched_tokens)) if window else 0
+        kv_cache_bytes = (num_blocks * block_bytes + window_blocks * args.block_size
+                          * sizes.window_kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes))
         kv_source = f"--num-gpu-blocks-override {args.num_gpu_blocks_override}"
     on_cpu = device == "cpu"
     overhead = sizes.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,

@@ -18,7 +18,7 @@ from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConf
 from pagedserve.distributed.plan import check_parallel_args, resolve_parallel
 from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, EngineArgs
 from pagedserve.engine.faults import parse_fault_spec
-from pagedserve.engine.memory_plan import check_memory_plan, num_kv_blocks, plan_memory
+from pagedserve.engine.memory_plan import check_memory_plan, num_kv_blocks, num_window_kv_blocks, plan_memory
 from pagedserve.engine.startup import StartupTracker
 from pagedserve.formats.errors import ModelValidationError
 from pagedserve.formats.multimodal import text_only_config
@@ -293,7 +293,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
              else None)
     plan = plan_memory(args, checkpoint, model, scheduler, device, available, draft)
     cache = CacheConfig(block_size=args.block_size, num_blocks=num_kv_blocks(args, plan),
-                        enable_prefix_caching=prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
+                        enable_prefix_caching=prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                        num_window_blocks=num_window_kv_blocks(plan), sliding_window=plan.shape.window or None)
     threads = threads_per_rank or args.num_threads or len(cores.thread_cpus)
     if check_memory:
         check_memory_plan(plan)

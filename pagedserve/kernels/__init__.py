@@ -67,7 +67,7 @@ _SIGNATURES = {
     "ps_row_sums_i8": ((_P, _I64, _I64, _P, _INT), None),
     "ps_layer_fields": ((), _INT),
     "ps_layer_layout": ((_P, _INT), _INT),
-    "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _F32, _INT,
+    "ps_decode_stack": ((_P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _F32, _INT,
                          _INT), None),
     "ps_layer_attention": ((_P, _P, _P, _INT, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
                             _F32, _F32, _INT, _INT), None),
@@ -487,32 +487,34 @@ class CpuKernels:
                               y.shape[1], intermediate, eps, y.dtype == torch.bfloat16, self._threads())
         return out
 
-    def decode_stack(self, x: torch.Tensor, table: torch.Tensor, final_norm: torch.Tensor, slots: torch.Tensor,
-                     views: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]],
+    def decode_stack(self, x: torch.Tensor, table: torch.Tensor, final_norm: torch.Tensor,
+                     views: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor,
+                                       torch.Tensor]],
                      num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
                      softcap: float | None = None) -> torch.Tensor:
         """Every decoder layer of a decode-only step in one call: x [B, H] embeddings -> the final norm's
         output [B, H]. `table` [layers, layer_fields] int64 holds each layer's pointers (see
-        cpu_kernels.c, ps_decode_stack); slots [B] (int64); `views`: per step view (a layer's `view` column picks
-        one) its cos/sin [B, D] (None: its layers have no rotary), ctx_slots [B, L] and lens [B] (int64). The final
-        norm is a float32 gain where the layers' norms are (their `norm_gain` flag)."""
+        cpu_kernels.c, ps_decode_stack); `views`: per step view (a layer's `view` column picks one) its cos/sin
+        [B, D] (None: its layers have no rotary), the new tokens' slots [B] in its layers' pools, ctx_slots [B, L]
+        and lens [B] (int64). The final norm is a float32 gain where the layers' norms are (their `norm_gain`
+        flag)."""
         layout = self.layer_layout
         check("table", table, torch.int64, (None, self.layer_fields))
         if not views or table.shape[0] == 0 or not 0 <= int(table[:, layout["view"]].min()) \
                 or int(table[:, layout["view"]].max()) >= len(views):
             raise ValueError(f"decode_stack: {table.shape[0]} layers' views, {len(views)} given")
         for view in views:
-            self._check_step(x, *view[:2], slots, *view[2:], head_dim)
+            self._check_step(x, *view, head_dim)
         b, h = x.shape
         gain = bool(int(table[0, layout["flags"]]) & layout["norm_gain"])
         check("final_norm", final_norm, torch.float32 if gain else x.dtype, (h,))
-        pointers = torch.tensor([[_pointer(cos), _pointer(sin), ctx.data_ptr(), lens.data_ptr(), ctx.shape[1]]
-                                 for cos, sin, ctx, lens in views], dtype=torch.int64)
+        pointers = torch.tensor([[_pointer(cos), _pointer(sin), slots.data_ptr(), ctx.data_ptr(), lens.data_ptr(),
+                                  ctx.shape[1]] for cos, sin, slots, ctx, lens in views], dtype=torch.int64)
         if pointers.shape[1] != layout["view_fields"]:
             raise RuntimeError("the kernel library's step view has other fields than this wrapper")
         out = torch.empty_like(x)
         self.lib.ps_decode_stack(x.data_ptr(), out.data_ptr(), table.data_ptr(), table.shape[0],
-                                 final_norm.data_ptr(), slots.data_ptr(), pointers.data_ptr(), b, h, num_heads,
+                                 final_norm.data_ptr(), pointers.data_ptr(), b, h, num_heads,
                                  num_kv_heads, head_dim, intermediate, eps, scale, _softcap(softcap),
                                  x.dtype == torch.bfloat16, self._threads())
         return out

@@ -2666,13 +2666,14 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * - view: which of ps_decode_stack's step views the layer reads (its rotary tables and its sliding window's
  *   context: Gemma 2/3's sliding-window layers have their own; SmolLM3's layers without rotary a view whose
  *   tables are NULL).
- * cos/sin [B, D]; slots [B]; ctx_slots [B, max_len] and lens [B] as ps_decode_attention. int8 linears need
+ * cos/sin [B, D]; slots [B]; ctx_slots [B, max_len] and lens [B] as ps_decode_attention (in ps_decode_stack, each a
+ * step view's: sliding-window layers with a K/V pool of their own write and read their own slots). int8 linears need
  * B <= 32 where the caller says so (KernelBackend: CPUs with bf16 dot products). */
 enum { PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O = PS_L_QKV + 5, PS_L_GATE_UP = PS_L_O + 5,
        PS_L_DOWN = PS_L_GATE_UP + 5, PS_L_K_CACHE = PS_L_DOWN + 5, PS_L_V_CACHE, PS_L_Q_NORM, PS_L_K_NORM,
        PS_L_ATTN_OUT_NORM, PS_L_MLP_OUT_NORM, PS_L_FLAGS, PS_L_VIEW, PS_LAYER_FIELDS };
 enum { PS_NORM_GAIN = 1, PS_GELU_TANH = 2 };
-enum { PS_V_COS, PS_V_SIN, PS_V_CTX_SLOTS, PS_V_LENS, PS_V_MAX_LEN, PS_VIEW_FIELDS };  /* a step view's int64s */
+enum { PS_V_COS, PS_V_SIN, PS_V_SLOTS, PS_V_CTX_SLOTS, PS_V_LENS, PS_V_MAX_LEN, PS_VIEW_FIELDS };  /* a view's int64s */
 
 int ps_layer_fields(void) { return PS_LAYER_FIELDS; }
 
@@ -2754,9 +2755,9 @@ void ps_layer_mlp(const int64_t *layer, void *y, void *residual, void *out, int6
 
 /* Every layer of a decode-only step: x [B, H] embeddings (scaled as the model does) -> out [B, H] =
  * final_norm(last output + residual), the final norm scaling as the layers' flags say. `views` [n, PS_VIEW_FIELDS]
- * int64: per step view (a layer's PS_L_VIEW picks one) the pointers to cos, sin, ctx_slots, lens and max_len. */
+ * int64: per step view (a layer's PS_L_VIEW picks one) the pointers to cos, sin, slots, ctx_slots, lens and max_len. */
 void ps_decode_stack(const void *x, void *out, const int64_t *layers, int64_t n_layers, const void *final_norm,
-                     const int64_t *slots, const int64_t *views, int64_t B, int64_t H, int64_t Hq, int64_t Hkv,
+                     const int64_t *views, int64_t B, int64_t H, int64_t Hq, int64_t Hkv,
                      int64_t D, int64_t I, float eps, float scale, float softcap, int bf16, int nthreads) {
   const size_t es = bf16 ? 2 : 4;
   char *residual = (char *)aligned_alloc(64, (3 * es * (size_t)(B * H) + 63) / 64 * 64);
@@ -2764,7 +2765,7 @@ void ps_decode_stack(const void *x, void *out, const int64_t *layers, int64_t n_
   for (int64_t l = 0; l < n_layers; ++l) {
     const int64_t *p = layers + l * PS_LAYER_FIELDS, *v = views + p[PS_L_VIEW] * PS_VIEW_FIELDS;
     ps_layer_attention(p, l == 0 ? x : (const void *)y, residual, l == 0, a, (const void *)v[PS_V_COS],
-                       (const void *)v[PS_V_SIN], slots, (const int64_t *)v[PS_V_CTX_SLOTS],
+                       (const void *)v[PS_V_SIN], (const int64_t *)v[PS_V_SLOTS], (const int64_t *)v[PS_V_CTX_SLOTS],
                        (const int64_t *)v[PS_V_LENS], B, v[PS_V_MAX_LEN], H, Hq, Hkv, D, eps, scale, softcap,
                        bf16, nthreads);
     ps_layer_mlp(p, a, residual, y, B, H, I, eps, bf16, nthreads);

@@ -50,24 +50,34 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [Bd] int64: valid entries of each decode_kv_slots row
     prefills: list[PrefillSpan] = field(default_factory=list)
     gather_tokens: int | None = None  # most K/V positions one torch-path decode gather copies (None: see top)
+    # The sliding-window layers' own metadata where their K/V live in a pool of their own, addressed by a block
+    # table of their own (core/kv_cache_manager.py): the same step, their slots. None: every layer reads this.
+    window_meta: AttentionMetadata | None = None
     _decode_groups: list[DecodeGroup] | None = field(default=None, repr=False)
     _windows: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
 
+    def of_layer(self, window: int | None) -> AttentionMetadata:
+        """The metadata of a layer with this sliding window (None: none): window_meta where the window layers have
+        a pool of their own, else this. Their K/V writes and reads both go through it."""
+        return self.window_meta if window is not None and self.window_meta is not None else self
+
     def within(self, window: int | None) -> AttentionMetadata:
         """This step as layers attending only to the last `window` positions see it (sliding-window attention):
-        each decode row's slots and length cut to its last `window` positions, so every decode path (the native
-        kernel, the decode stack, the torch gather) reads only those. Computed once per step for each window and
-        shared by its layers; the prefill spans are this step's (their attention masks by position)."""
-        lens = self.decode_context_lens
-        if window is None or lens is None or self.decode_kv_slots.shape[1] <= window:
-            return self
-        if window not in self._windows:
+        of_layer(window)'s, each decode row's slots and length cut to its last `window` positions, so every decode
+        path (the native kernel, the decode stack, the torch gather) reads only those. Computed once per step for
+        each window and shared by its layers; the prefill spans are this step's (their attention masks by
+        position)."""
+        meta = self.of_layer(window)
+        lens = meta.decode_context_lens
+        if window is None or lens is None or meta.decode_kv_slots.shape[1] <= window:
+            return meta
+        if window not in meta._windows:
             starts = (lens - window).clamp_(min=0)
             columns = torch.arange(window, device=lens.device)
-            slots = self.decode_kv_slots.gather(1, starts[:, None] + columns)  # within each row: width > window
-            self._windows[window] = AttentionMetadata(self.slot_mapping, self.num_decodes, slots.contiguous(),
-                                                      lens.clamp(max=window), self.prefills, self.gather_tokens)
-        return self._windows[window]
+            slots = meta.decode_kv_slots.gather(1, starts[:, None] + columns)  # within each row: width > window
+            meta._windows[window] = AttentionMetadata(meta.slot_mapping, meta.num_decodes, slots.contiguous(),
+                                                      lens.clamp(max=window), meta.prefills, meta.gather_tokens)
+        return meta._windows[window]
 
     def decode_groups(self) -> list[DecodeGroup]:
         """The torch path's groups of decodes gathered together (computed once per step, shared by layers)."""

@@ -21,6 +21,9 @@ weights and the runtime overhead are memory/sizes.py's):
   Both automatic rules raise the pool to one full M-token sequence (the engine cannot serve less); the
   blocks pay for their host bookkeeping too. `kv_sizing` names the bound that decided the size: "explicit",
   "workload" (S x M), "share" (the shared-box cap), "budget" (what the budget leaves) or "floor".
+  Sliding-window layers with a pool of their own (sizes.ModelShape.num_window_layers; core/kv_cache_manager.py):
+  the counts above are the main pool's blocks, whose bytes are the other layers'; the window pool has as many
+  blocks up to what its requests can hold at once (sizes.window_pool_blocks), and the bounds in bytes count both.
 
   Peak activations, for one forward pass over T batched tokens. Inference keeps no autograd graph, so only
   one layer's transients are alive at a time; the terms are summed, which bounds the allocator's high-water
@@ -70,7 +73,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from pagedserve.memory.probe import AvailableMemory
 from pagedserve.memory.sizes import (CPU_RUNTIME_OVERHEAD_BYTES, GIB, MIB, ModelShape, int8_linear_delta_bytes,
-                                     kv_bytes_per_token, sequence_overhead_bytes)
+                                     kv_bytes_per_token, sequence_overhead_bytes, window_kv_bytes_per_token,
+                                     window_pool_blocks)
 
 # The block pool's Python objects (KVCacheBlock + its free-queue entry): 277 bytes per block measured with
 # VmRSS around KVCacheManager(100_000, 16, True) on Python 3.11.
@@ -187,9 +191,13 @@ class MemoryPlan:
     total_bytes: int
     budget_bytes: int  # memory_fraction x available
     fits: bool
-    kv_bookkeeping_bytes: int = 0  # num_kv_blocks x host_bytes_per_block
+    kv_bookkeeping_bytes: int = 0  # (num_kv_blocks + num_window_blocks) x host_bytes_per_block
     problems: list[str] = field(default_factory=list)
     suggestions: list[Suggestion] = field(default_factory=list)
+    # The sliding-window layers' pool of their own (shape.num_window_layers > 0): its blocks and a block's bytes.
+    # block_bytes and kv_bytes_per_token are then the other layers' (the main pool's).
+    num_window_blocks: int = 0
+    window_block_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:
@@ -235,8 +243,11 @@ class MemoryPlan:
 
     def kv_cache_report(self) -> dict:
         """The KV pool and how it was sized, for /health."""
-        return {"rule": self.kv_rule, "sizing": self.kv_sizing, "how": self.kv_sizing_text,
-                "num_blocks": self.num_kv_blocks, "pool_bytes": self.kv_pool_bytes}
+        report = {"rule": self.kv_rule, "sizing": self.kv_sizing, "how": self.kv_sizing_text,
+                  "num_blocks": self.num_kv_blocks, "pool_bytes": self.kv_pool_bytes}
+        if self.num_window_blocks:
+            report.update(sliding_window=self.shape.window, num_window_blocks=self.num_window_blocks)
+        return report
 
     def summary(self) -> str:
         """One line: "needs 11.10 GiB, 9.32 GiB available, short by 1.78 GiB"."""
@@ -317,14 +328,37 @@ def kv_rule(request: PlanRequest) -> str:
     return "utilization" if request.kv_share is None else "shared-box"
 
 
-def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int) -> KVSizing:
-    """The KV pool for the memory left in the budget after everything else (`left_bytes`).
+@dataclass(frozen=True)
+class WindowPool:
+    """The sliding-window layers' pool of their own: a block's K/V bytes and the most blocks it needs
+    (sizes.window_pool_blocks); it holds min(main pool's blocks, that) blocks."""
+
+    block_bytes: int = 0
+    max_blocks: int = 0
+
+    def num_blocks(self, num_main_blocks: int) -> int:
+        return min(num_main_blocks, self.max_blocks) if self.block_bytes else 0
+
+    def main_blocks_within(self, num_bytes: int, per_block: int, host_bytes: int = 0) -> int:
+        """The most main-pool blocks whose pools fit in `num_bytes`, each block `per_block` bytes and each window
+        block its K/V + `host_bytes`."""
+        per_window = self.block_bytes + host_bytes if self.block_bytes else 0
+        num = num_bytes // (per_block + per_window)
+        if num < self.max_blocks or not per_window:
+            return num
+        return (num_bytes - self.max_blocks * per_window) // per_block  # the window pool stopped growing
+
+
+def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int,
+                  window: WindowPool = WindowPool()) -> KVSizing:
+    """The KV pool for the memory left in the budget after everything else (`left_bytes`); with `window`, the
+    main pool's blocks (the window pool's follow from them).
 
     An automatic pool pays for each block's host bookkeeping too; an explicit size counts K/V bytes only."""
     rule = kv_rule(request)
     blocks_per_seq = math.ceil(request.max_model_len / request.block_size)
     if rule == "explicit":
-        num_blocks = request.kv_cache_bytes // block_bytes
+        num_blocks = window.main_blocks_within(request.kv_cache_bytes, block_bytes)
         problems = []
         if num_blocks < blocks_per_seq:
             problems.append(
@@ -332,10 +366,12 @@ def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int) -> KV
                 f" fewer than one max_model_len={request.max_model_len} sequence"
             )
         return KVSizing(num_blocks, rule, "explicit", problems)
-    per_block = block_bytes + request.host_bytes_per_block
-    bounds = [(request.max_num_seqs * blocks_per_seq, "workload"), (max(0, left_bytes) // per_block, "budget")]
+    per_block, host = block_bytes + request.host_bytes_per_block, request.host_bytes_per_block
+    bounds = [(request.max_num_seqs * blocks_per_seq, "workload"),
+              (window.main_blocks_within(max(0, left_bytes), per_block, host), "budget")]
     if rule == "shared-box":
-        bounds.append((int(request.kv_share * request.available.num_bytes) // per_block, "share"))
+        share = int(request.kv_share * request.available.num_bytes)
+        bounds.append((window.main_blocks_within(share, per_block, host), "share"))
     num_blocks, bound = min(bounds, key=lambda b: b[0])  # the first of equals: workload before budget
     if num_blocks < blocks_per_seq:
         return KVSizing(blocks_per_seq, rule, "floor")
@@ -345,13 +381,15 @@ def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int) -> KV
 def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
     kv_per_token = kv_bytes_per_token(shape, request.kv_dtype_bytes, request.kv_scale_bytes)
     block_bytes = request.block_size * kv_per_token
+    window = window_pool(shape, request)
     activations = activation_bytes(shape, request)
     budget = int(request.memory_fraction * request.available.num_bytes)
     fixed = shape.weight_bytes + activations.total + request.runtime_overhead_bytes
-    sizing = _size_kv_pool(request, block_bytes, budget - fixed)
+    sizing = _size_kv_pool(request, block_bytes, budget - fixed, window)
     num_blocks, problems = sizing.num_blocks, sizing.problems
-    kv_pool_bytes = num_blocks * block_bytes
-    bookkeeping = num_blocks * request.host_bytes_per_block
+    num_window_blocks = window.num_blocks(num_blocks)
+    kv_pool_bytes = num_blocks * block_bytes + num_window_blocks * window.block_bytes
+    bookkeeping = (num_blocks + num_window_blocks) * request.host_bytes_per_block
     total = fixed + kv_pool_bytes + bookkeeping
     return MemoryPlan(
         shape=shape,
@@ -370,7 +408,19 @@ def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
         fits=total <= budget and not problems,
         kv_bookkeeping_bytes=bookkeeping,
         problems=problems,
+        num_window_blocks=num_window_blocks,
+        window_block_bytes=window.block_bytes,
     )
+
+
+def window_pool(shape: ModelShape, request: PlanRequest) -> WindowPool:
+    """The sliding-window layers' pool of their own where the shape has one (shape.num_window_layers)."""
+    if not shape.num_window_layers:
+        return WindowPool()
+    return WindowPool(request.block_size * window_kv_bytes_per_token(shape, request.kv_dtype_bytes,
+                                                                      request.kv_scale_bytes),
+                      window_pool_blocks(shape.window, request.block_size, request.max_num_seqs,
+                                         request.max_num_batched_tokens))
 
 
 def make_plan(shape: ModelShape, request: PlanRequest, *, quantizations: tuple[str, ...] = ("int8",),
@@ -486,6 +536,9 @@ def format_plan_table(plan: MemoryPlan) -> str:
         f"{plan.num_kv_blocks} blocks x {request.block_size} tokens x {plan.kv_bytes_per_token:,} B/token,"
         f" {plan.max_concurrency:.2f} x {request.max_model_len}-token sequences"
     )
+    if plan.num_window_blocks:
+        layers = f"{shape.num_window_layers} layer{'s' if shape.num_window_layers != 1 else ''}"
+        kv_detail += f"; {layers} with a {shape.window}-token window: {plan.num_window_blocks} blocks of their own"
     act = plan.activations
     rows = [
         ("weights", plan.weight_bytes, f"{shape.num_layers} layers, " + (

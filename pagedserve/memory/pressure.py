@@ -109,19 +109,21 @@ class MemoryPressure:
                 "episodes": self.num_episodes}
 
 
-def give_way(pressure: MemoryPressure, scheduler: Any, kv: Any, release: Callable[[list[int], int], int]) -> int:
+def give_way(pressure: MemoryPressure, scheduler: Any, kv: Any,
+             release: Callable[[list[int], int, list[int]], int]) -> int:
     """Before an engine step: while under pressure, hold the scheduler's waiting queue and free the pages of
     every free KV block (`kv`, the KVCacheManager, marks them unwritten, so the RSS expectation drops with
-    them; `release(block_ids, block_size)`: the runner's Runner.release_kv_pages, every pool on every rank).
-    Returns the number of blocks released."""
+    them; `release(block_ids, block_size, window_block_ids)`: the runner's Runner.release_kv_pages, every pool
+    on every rank). Returns the number of blocks released."""
     scheduler.hold_waiting = pressure.check()
     if not pressure.take_release_turn():
         return 0
-    block_ids = kv.release_free_blocks()
-    if block_ids:
-        released = release(block_ids, kv.block_size)
-        logger.info("memory_pressure: gave back %.1f MiB of %d free KV blocks", released / MIB, len(block_ids))
-    return len(block_ids)
+    block_ids, window_block_ids = kv.release_free_blocks()
+    num_blocks = len(block_ids) + len(window_block_ids)
+    if num_blocks:
+        released = release(block_ids, kv.block_size, window_block_ids)
+        logger.info("memory_pressure: gave back %.1f MiB of %d free KV blocks", released / MIB, num_blocks)
+    return num_blocks
 
 
 def page_ranges(block_ids: Iterable[int], block_bytes: int) -> list[tuple[int, int]]:

@@ -61,6 +61,7 @@ class RSSReading:
     rss_bytes: int
     expected_bytes: int
     kv_blocks_written: int
+    window_blocks_written: int = 0  # the sliding-window layers' pool of their own (plan.num_window_blocks)
 
     @property
     def over_plan(self) -> float:
@@ -69,7 +70,8 @@ class RSSReading:
 
     def to_dict(self) -> dict:
         return {"rss_bytes": self.rss_bytes, "expected_bytes": self.expected_bytes,
-                "kv_blocks_written": self.kv_blocks_written, "over_plan": round(self.over_plan, 4)}
+                "kv_blocks_written": self.kv_blocks_written, "window_blocks_written": self.window_blocks_written,
+                "over_plan": round(self.over_plan, 4)}
 
 
 class ResidentMemory:
@@ -82,7 +84,7 @@ class ResidentMemory:
         self.engines = ENGINES if engines is None else engines  # this one's and the process's other engines'
         with _ENGINES_LOCK:
             self.engines.add(self)
-        self.kv_blocks_written = 0  # as of the last reading
+        self.kv_blocks_written = self.window_blocks_written = 0  # as of the last reading
         self.read_rss = read_rss
         self.trim = trim
         self.clock = clock
@@ -92,12 +94,14 @@ class ResidentMemory:
         self._last_trim = self._last_measure = float("-inf")
         self._warned = False
 
-    def expected_bytes(self, kv_blocks_written: int, others: list[ResidentMemory] | None = None) -> int:
-        """The process's expected RSS with `kv_blocks_written` blocks of this engine's pool written (`others`: the
-        process's other engines, listed here when not given)."""
+    def expected_bytes(self, kv_blocks_written: int, others: list[ResidentMemory] | None = None,
+                       window_blocks_written: int = 0) -> int:
+        """The process's expected RSS with `kv_blocks_written` blocks of this engine's pool written, and
+        `window_blocks_written` of its window pool (`others`: the process's other engines, listed here when not
+        given)."""
         others = self.others() if others is None else others
         plans = [self.plan] + [m.plan for m in others]
-        return (self._held_bytes(kv_blocks_written) + self.others_bytes(others)
+        return (self._held_bytes(kv_blocks_written, window_blocks_written) + self.others_bytes(others)
                 + max(p.overhead_bytes for p in plans) + max(p.activation_bytes for p in plans))
 
     def others(self) -> list[ResidentMemory]:
@@ -108,13 +112,15 @@ class ResidentMemory:
     @staticmethod
     def others_bytes(others: list[ResidentMemory]) -> int:
         """Other engines' weights, KV bookkeeping and KV blocks written, as of their last readings."""
-        return sum(m._held_bytes(m.kv_blocks_written) for m in others)
+        return sum(m._held_bytes(m.kv_blocks_written, m.window_blocks_written) for m in others)
 
-    def _held_bytes(self, kv_blocks_written: int) -> int:
+    def _held_bytes(self, kv_blocks_written: int, window_blocks_written: int = 0) -> int:
         plan = self.plan
-        return plan.weight_bytes + plan.kv_bookkeeping_bytes + kv_blocks_written * plan.block_bytes
+        return (plan.weight_bytes + plan.kv_bookkeeping_bytes + kv_blocks_written * plan.block_bytes
+                + window_blocks_written * plan.window_block_bytes)
 
-    def after_step(self, num_tokens: int, kv_blocks_written: int, is_idle: bool) -> None:
+    def after_step(self, num_tokens: int, kv_blocks_written: int, is_idle: bool, window_blocks_written: int = 0
+                   ) -> None:
         now = self.clock()
         self._untrimmed |= num_tokens >= LARGE_STEP_TOKENS
         trimmed = self._untrimmed and self.trim is not None and (is_idle or now - self._last_trim >= TRIM_INTERVAL_S)
@@ -124,15 +130,16 @@ class ResidentMemory:
             self._untrimmed, self._last_trim = False, now
         if trimmed or is_idle or now - self._last_measure >= MEASURE_INTERVAL_S:  # idle: /health at rest is current
             self._last_measure = now
-            self.measure(kv_blocks_written)
+            self.measure(kv_blocks_written, window_blocks_written)
 
-    def measure(self, kv_blocks_written: int) -> RSSReading | None:
+    def measure(self, kv_blocks_written: int, window_blocks_written: int = 0) -> RSSReading | None:
         rss = self.read_rss()
         if rss is None:
             return None
-        self.kv_blocks_written = kv_blocks_written
+        self.kv_blocks_written, self.window_blocks_written = kv_blocks_written, window_blocks_written
         others = self.others()
-        self.last = RSSReading(rss, self.expected_bytes(kv_blocks_written, others), kv_blocks_written)
+        self.last = RSSReading(rss, self.expected_bytes(kv_blocks_written, others, window_blocks_written),
+                               kv_blocks_written, window_blocks_written)
         over = self.last.over_plan > RSS_TOLERANCE
         if over and not self._warned:
             also = (f" + {len(others)} other engine(s) in this process {self.others_bytes(others) / MIB:.0f} MiB"

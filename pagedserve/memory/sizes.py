@@ -79,6 +79,10 @@ class ModelShape:
     # Speculative decoding's draft model: its K/V live in the same blocks (one pool per model, one block table),
     # so a token's K/V bytes are both models'; weight_bytes then includes the draft's weights.
     draft: ModelShape | None = None
+    # Sliding-window layers whose K/V have a pool of their own (core/kv_cache_manager.py): how many of num_layers,
+    # and their window; 0 where every layer's K/V is in the one pool.
+    num_window_layers: int = 0
+    window: int = 0
 
     @classmethod
     def from_hf_config(cls, config: dict, weight_bytes: int) -> ModelShape:
@@ -112,10 +116,26 @@ class ModelShape:
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int, kv_scale_bytes: int = 0) -> int:
-    """2 (K and V) x layers x KV heads x (head_dim x KV dtype bytes + the scale of an 8-bit cache), plus the
-    draft model's where one speculates."""
-    own = 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim * kv_dtype_bytes + kv_scale_bytes)
+    """A token's K/V in the main pool: 2 (K and V) x layers x KV heads x (head_dim x KV dtype bytes + the scale of
+    an 8-bit cache), the layers with a window pool of their own left out, plus the draft model's where one
+    speculates."""
+    layers = shape.num_layers - shape.num_window_layers
+    own = 2 * layers * shape.num_kv_heads * (shape.head_dim * kv_dtype_bytes + kv_scale_bytes)
     return own + (kv_bytes_per_token(shape.draft, kv_dtype_bytes, kv_scale_bytes) if shape.draft else 0)
+
+
+def window_kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int, kv_scale_bytes: int = 0) -> int:
+    """A token's K/V in the window pool: kv_bytes_per_token's terms for the layers that have it (0: none)."""
+    return 2 * shape.num_window_layers * shape.num_kv_heads * (shape.head_dim * kv_dtype_bytes + kv_scale_bytes)
+
+
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The window pool's blocks (the null block left out) that its requests can hold at once
+    (core/kv_cache_manager.py): each running request its window's blocks before its new tokens (window - 1
+    positions, over one more block where they straddle one) and its new tokens' (over one more block where
+    they do), and a step's new tokens are max_num_batched_tokens at most."""
+    per_request = -(-(window - 1) // block_size) + 2
+    return max_num_seqs * per_request + -(-max_num_batched_tokens // block_size)
 
 
 # How prepare() holds the logits projection (weight_format.WeightFormat.logits_head says which, by kernel):

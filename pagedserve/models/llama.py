@@ -99,6 +99,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: LayerKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
+        meta = meta.of_layer(self.window)  # a sliding-window layer's own pool where it has one
         qkv = self.qkv_proj.forward(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         kv_written = self.fused_rope and not kv_cache.is_quantized and qkv.is_contiguous()
         if kv_written:  # one native call (norms q and k,) rotates them in place and writes K/V to the pool
@@ -370,16 +371,15 @@ class NativeDecodeStack:
             cos, sin = (None, None) if rotary is None else (local_rope if rotary == "local" else rope)
             if cos is not None:
                 cos, sin = cos.contiguous(), sin.contiguous()
-            views.append((cos, sin, cut.decode_kv_slots, cut.decode_context_lens))
-        slots = meta.slot_mapping.contiguous()
+            views.append((cos, sin, cut.slot_mapping.contiguous(), cut.decode_kv_slots, cut.decode_context_lens))
         if self.tp is None:
-            return self.kernels.decode_stack(x.contiguous(), self.table, self.final_norm, slots, views, *self.dims,
+            return self.kernels.decode_stack(x.contiguous(), self.table, self.final_norm, views, *self.dims,
                                              self.eps, self.scale, self.softcap)
         heads, kv_heads, head_dim, intermediate = self.dims
         h, residual = x.contiguous(), torch.empty_like(x)
         for index in range(self.table.shape[0]):
             row = self.table[index]
-            cos, sin, ctx_slots, lens = views[self.view_of[index]]
+            cos, sin, slots, ctx_slots, lens = views[self.view_of[index]]
             y = self.kernels.layer_attention(row, h, residual, index == 0, cos, sin, slots, ctx_slots, lens, heads,
                                              kv_heads, head_dim, self.eps, self.scale, self.softcap)
             y = self.tp.all_reduce(y)  # the heads' partial sums
@@ -430,6 +430,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def head_dim(self) -> int:
         return self.model.layers[0].self_attn.head_dim
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: the whole context)."""
+        return [layer.self_attn.window for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -88,17 +89,19 @@ def _row_offsets(request_ids: list[str]) -> list[int]:
 
 
 def make_kv_pools(model, num_slots: int, kv_dtype: torch.dtype, dtype: torch.dtype,
-                  device: torch.device) -> list[LayerKVCache]:
-    """One K/V pool per decoder layer of `model`, `num_slots` token slots each (an fp8 pool with its scales)."""
-    shape = (num_slots, model.num_kv_heads, model.head_dim)
+                  device: torch.device, num_window_slots: int | None = None) -> list[LayerKVCache]:
+    """One K/V pool per decoder layer of `model`, `num_slots` token slots each (an fp8 pool with its scales);
+    `num_window_slots` for the layers with a sliding window where they have a pool of their own."""
     quantized = kv_dtype in FP8_DTYPES.values()
     # Masked attention still multiplies unused slots by 0, so every slot must start finite: zeros,
     # allocated lazily so that the pool costs RAM only as it fills.
     pools = []
-    for _ in range(model.num_layers):
+    for layer in range(model.num_layers):
+        windowed = num_window_slots is not None and model.layer_windows[layer] is not None
+        shape = (num_window_slots if windowed else num_slots, model.num_kv_heads, model.head_dim)
         cache = LayerKVCache(lazy_zeros(shape, kv_dtype, device), lazy_zeros(shape, kv_dtype, device))
         if quantized:
-            scale_shape = (num_slots, model.num_kv_heads, 1)
+            scale_shape = (shape[0], model.num_kv_heads, 1)
             cache.k_scale = lazy_zeros(scale_shape, dtype, device)
             cache.v_scale = lazy_zeros(scale_shape, dtype, device)
         pools.append(cache)
@@ -121,6 +124,8 @@ class ModelRunner:
         max_rows = config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.block_table = torch.zeros((max_rows, self.max_blocks_per_seq), dtype=torch.int64)
+        # The sliding-window layers' own block table where they have a pool of their own (kv_cache_manager.py).
+        self.window_block_table = torch.zeros_like(self.block_table) if config.cache.num_window_blocks else None
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self.states: dict[str, RequestState] = {}
         generator = torch.Generator(device=self.device)
@@ -159,7 +164,9 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         num_slots = self.config.cache.num_blocks * self.block_size
-        self.kv_caches = make_kv_pools(self.model, num_slots, self.kv_dtype(), self.dtype, self.device)
+        num_window_slots = self.config.cache.num_window_blocks * self.block_size or None
+        self.kv_caches = make_kv_pools(self.model, num_slots, self.kv_dtype(), self.dtype, self.device,
+                                       num_window_slots)
         if self.draft is not None:  # its pools are indexed by the same block table
             self.draft.kv_caches = make_kv_pools(self.draft.model, num_slots, self.kv_dtype(), self.dtype, self.device)
 
@@ -167,9 +174,16 @@ class ModelRunner:
         """The target's pools, then the draft model's (the same block ids index both)."""
         return self.kv_caches + (self.draft.kv_caches if self.draft is not None else [])
 
-    def release_kv_pages(self, block_ids: list[int], block_size: int) -> int:
-        """Runner protocol: these free blocks' pages in every pool of this process."""
-        return release_block_pages(self.kv_pools(), block_ids, block_size)
+    def release_kv_pages(self, block_ids: list[int], block_size: int, window_block_ids: list[int] = ()) -> int:
+        """Runner protocol: these free blocks' pages in every pool of this process (`window_block_ids`: the
+        window pool's, in the sliding-window layers' pools where they have their own)."""
+        if self.window_block_table is None:
+            return release_block_pages(self.kv_pools(), block_ids, block_size)
+        windowed = [window is not None for window in self.model.layer_windows]
+        full = [cache for cache, w in zip(self.kv_caches, windowed) if not w]
+        window = [cache for cache, w in zip(self.kv_caches, windowed) if w]
+        return (release_block_pages(full, block_ids, block_size)
+                + release_block_pages(window, list(window_block_ids), block_size))
 
     # ---- request state ---------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -196,6 +210,10 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids)
                 self.block_table[state.row, start:start + len(cached.new_block_ids)] = torch.tensor(
                     cached.new_block_ids, dtype=torch.int64)
+            if cached.new_window_block_ids:  # the window table is as long as the main one (kv_cache_manager.py)
+                end = len(state.block_ids)
+                self.window_block_table[state.row, end - len(cached.new_window_block_ids):end] = torch.tensor(
+                    cached.new_window_block_ids, dtype=torch.int64)
 
     def _add_request(self, new: NewRequestData) -> None:
         state = self.states.get(new.request_id)  # present when resuming after preemption
@@ -207,6 +225,9 @@ class ModelRunner:
         state.row = self.free_rows.pop()
         state.block_ids = list(new.block_ids)
         self.block_table[state.row, :len(new.block_ids)] = torch.tensor(new.block_ids, dtype=torch.int64)
+        if new.window_block_ids:
+            self.window_block_table[state.row, :len(new.window_block_ids)] = torch.tensor(new.window_block_ids,
+                                                                                          dtype=torch.int64)
 
     def _init_sampling_state(self, state: RequestState, grammar: object = None) -> None:
         params = state.sampling_params
@@ -335,15 +356,28 @@ class ModelRunner:
         if starts:
             out.draft_token_ids = self.draft.propose(starts, self._decode_step_meta)
 
-    def _slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The KV slot of each (block-table row, position)."""
-        return self.block_table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+    def _slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor, table: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """The KV slot of each (block-table row, position) in `table` (the main block table by default)."""
+        table = self.block_table if table is None else table
+        return table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _decode_step_meta(self, rows: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
         """Metadata of a decode-only batch: block-table rows `rows`, one token each at `positions`."""
-        meta = AttentionMetadata(slot_mapping=self._slot_mapping(rows, positions).to(self.device),
-                                 num_decodes=int(rows.shape[0]))
-        self._decode_meta(meta, rows, positions + 1)
+        def build(table: torch.Tensor) -> AttentionMetadata:
+            meta = AttentionMetadata(slot_mapping=self._slot_mapping(rows, positions, table).to(self.device),
+                                     num_decodes=int(rows.shape[0]))
+            self._decode_meta(meta, rows, positions + 1, table)
+            return meta
+
+        return self._with_window_meta(build)
+
+    def _with_window_meta(self, build: Callable[[torch.Tensor], AttentionMetadata]) -> AttentionMetadata:
+        """`build(table)`'s metadata from the main block table, with the sliding-window layers' own from theirs
+        where they have a pool of their own (AttentionMetadata.window_meta)."""
+        meta = build(self.block_table)
+        if self.window_block_table is not None:
+            meta.window_meta = build(self.window_block_table)
         return meta
 
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
@@ -382,34 +416,42 @@ class ModelRunner:
                 num_decode_rows = len(token_ids)
         pos = torch.tensor(positions, dtype=torch.int64)
         row_t = torch.tensor(rows, dtype=torch.int64)
-        meta = AttentionMetadata(slot_mapping=self._slot_mapping(row_t, pos).to(self.device),
-                                 num_decodes=num_decode_rows)
-        if decodes:  # each decode row attends to its own position and those before it
-            self._decode_meta(meta, row_t[:num_decode_rows], pos[:num_decode_rows] + 1)
-        for request_id in prefills:
-            first, num, start = spans[request_id]
-            meta.prefills.append(self._prefill_span(self.states[request_id].row, first, num, start))
+
+        def build(table: torch.Tensor) -> AttentionMetadata:
+            meta = AttentionMetadata(slot_mapping=self._slot_mapping(row_t, pos, table).to(self.device),
+                                     num_decodes=num_decode_rows)
+            if decodes:  # each decode row attends to its own position and those before it
+                self._decode_meta(meta, row_t[:num_decode_rows], pos[:num_decode_rows] + 1, table)
+            for request_id in prefills:
+                first, num, start = spans[request_id]
+                meta.prefills.append(self._prefill_span(self.states[request_id].row, first, num, start, table))
+            return meta
+
+        meta = self._with_window_meta(build)
         return _Batch(torch.tensor(token_ids, dtype=torch.int64, device=self.device), pos.to(self.device),
                       meta, order, sample_rows, sample_ids, spans, drafts)
 
-    def _context_slots(self, rows: torch.Tensor, max_len: int) -> torch.Tensor:
-        """[R, max_len] slot of each context position for block-table rows `rows`."""
+    def _context_slots(self, rows: torch.Tensor, max_len: int, table: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, max_len] slot of each context position for rows `rows` of `table` (the main block table by
+        default)."""
         num_blocks = -(-max_len // self.block_size)
-        blocks = self.block_table[rows, :num_blocks]  # [R, nb]
+        blocks = (self.block_table if table is None else table)[rows, :num_blocks]  # [R, nb]
         offsets = torch.arange(self.block_size, dtype=torch.int64)
         slots = (blocks.unsqueeze(-1) * self.block_size + offsets).view(rows.shape[0], -1)
         return slots[:, :max_len]
 
-    def _decode_meta(self, meta: AttentionMetadata, rows: torch.Tensor, context_lens: torch.Tensor) -> None:
+    def _decode_meta(self, meta: AttentionMetadata, rows: torch.Tensor, context_lens: torch.Tensor,
+                     table: torch.Tensor | None = None) -> None:
         max_len = int(context_lens.max())
-        meta.decode_kv_slots = self._context_slots(rows, max_len).contiguous().to(self.device)
+        meta.decode_kv_slots = self._context_slots(rows, max_len, table).contiguous().to(self.device)
         meta.decode_context_lens = context_lens.to(self.device)
 
-    def _prefill_span(self, row: int, first: int, num: int, start: int) -> PrefillSpan:
+    def _prefill_span(self, row: int, first: int, num: int, start: int, table: torch.Tensor | None = None
+                      ) -> PrefillSpan:
         span = PrefillSpan(first, first + num, context_start=start)
         if start == 0:
             return span  # no prior context: attend within the chunk, causally
-        span.kv_slots = self._context_slots(torch.tensor([row]), start + num)[0].to(self.device)
+        span.kv_slots = self._context_slots(torch.tensor([row]), start + num, table)[0].to(self.device)
         return span
 
     # ---- sampling --------------------------------------------------------------------------

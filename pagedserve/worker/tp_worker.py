@@ -89,10 +89,10 @@ class TPModelRunner(ModelRunner):
         """Raises WorkerLostError once a rank has died: the engine cannot run another step."""
         self.workers.check_health()
 
-    def release_kv_pages(self, block_ids: list[int], block_size: int) -> int:
+    def release_kv_pages(self, block_ids: list[int], block_size: int, window_block_ids: list[int] = ()) -> int:
         """Every rank gives these free blocks' pages back (each holds its own KV heads of them)."""
-        replies = self.workers.ask(("release", (block_ids, block_size)))
-        return super().release_kv_pages(block_ids, block_size) + sum(replies)
+        replies = self.workers.ask(("release", (block_ids, block_size, list(window_block_ids))))
+        return super().release_kv_pages(block_ids, block_size, window_block_ids) + sum(replies)
 
     def close(self) -> None:
         """Stop the workers and give the calling thread its cores back."""

@@ -47,8 +47,9 @@ def _calls(k):
         "argmax_rows": dict(x=torch.randn(3, 40)),
         # never run with these (the table holds no pointers): only the refusals are exercised
         "decode_stack": dict(x=torch.randn(1, 64), table=torch.zeros(2, k.layer_fields, dtype=I64),
-                             final_norm=torch.rand(64), slots=step["slots"],
-                             views=[(step["cos"], step["sin"], step["ctx_slots"], step["lens"])], num_heads=hq,
+                             final_norm=torch.rand(64),
+                             views=[(step["cos"], step["sin"], step["slots"], step["ctx_slots"], step["lens"])],
+                             num_heads=hq,
                              num_kv_heads=hkv, head_dim=d, intermediate=128, eps=1e-6, scale=d ** -0.5),
     }
 
@@ -106,12 +107,12 @@ WRONG = [  # (wrapper, argument, wrong value or a function of the valid one)
     ("decode_stack", "table", lambda t: t[:, :-1].contiguous()),
     ("decode_stack", "table", lambda t: t.int()),
     ("decode_stack", "views", lambda v: [(v[0][0].to(BF16), *v[0][1:])]),  # cos
-    ("decode_stack", "views", lambda v: [(*v[0][:2], v[0][2].int(), v[0][3])]),  # ctx_slots
-    ("decode_stack", "views", lambda v: v + [(*v[0][:3], v[0][3][:0])]),  # a second view's lens
+    ("decode_stack", "views", lambda v: [(*v[0][:3], v[0][3].int(), v[0][4])]),  # ctx_slots
+    ("decode_stack", "views", lambda v: v + [(*v[0][:4], v[0][4][:0])]),  # a second view's lens
     ("decode_stack", "views", lambda v: []),
     ("decode_stack", "table", lambda t: _with_view(t, 1)),  # a view not given
     ("decode_stack", "table", lambda t: _with_view(t, -1)),
-    ("decode_stack", "slots", lambda s: torch.tensor([3, 4])),
+    ("decode_stack", "views", lambda v: [(*v[0][:2], torch.tensor([3, 4]), *v[0][3:])]),  # slots
 ]
 
 

@@ -187,3 +187,23 @@ def test_smollm2_rss_after_100_long_prompts_is_held_to_the_plan(smollm2_server):
     assert memory["kv_blocks_written"] >= 100 * 2000 // 16
     assert memory["rss_bytes"] <= 1.10 * (steady + written), memory
     assert "above the plan" not in smollm2_server.log()
+
+
+def test_gemma_window_layers_keep_their_k_v_in_a_pool_of_their_own(tiny_model_dir, tmp_path):
+    """/health's kv_cache shows the window layers' pool (core/kv_cache_manager.py) and its memory reading counts
+    what was written in it: a completion 5 windows long writes within that pool's blocks."""
+    from pagedserve.memory.sizes import window_pool_blocks
+
+    server = start_server(tiny_model_dir("gemma3"), "--max-model-len", "512", "--max-num-seqs", "4",
+                          "--max-num-batched-tokens", "256", log_dir=tmp_path)
+    try:
+        kv = httpx.get(f"{server.url}/health").json()["kv_cache"]
+        assert kv["num_blocks"] == 4 * 512 // 16 and kv["sliding_window"] == 16, kv
+        assert kv["num_window_blocks"] == window_pool_blocks(16, 16, 4, 256) == 28, kv
+        body = {"prompt": list(range(3, 63)), "max_tokens": 20, "temperature": 0.0, "ignore_eos": True}
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 20, answer.text
+        memory = httpx.get(f"{server.url}/health").json()["memory"]
+        assert memory["kv_blocks_written"] >= 5 and 0 < memory["window_blocks_written"] <= kv["num_window_blocks"]
+    finally:
+        assert server.stop() == 0, server.log()

@@ -59,16 +59,16 @@ def test_headroom_is_read_at_most_every_interval() -> None:
 
 def test_give_way_holds_the_queue_and_releases_free_blocks_only_while_short() -> None:
     released = []
-    kv = SimpleNamespace(release_free_blocks=lambda: [3, 4], block_size=16)
+    kv = SimpleNamespace(release_free_blocks=lambda: ([3, 4], [5]), block_size=16)
     scheduler = SimpleNamespace(hold_waiting=False)
-    release = lambda ids, block_size: released.append((ids, block_size)) or 4096  # noqa: E731
+    release = lambda ids, block_size, window_ids: released.append((ids, block_size, window_ids)) or 4096  # noqa: E731
     source = Source(GIB)
     monitor = source.monitor()
     pressure.give_way(monitor, scheduler, kv, release)
     assert scheduler.hold_waiting is False and released == []
     source.num_bytes, source.now = 10 * MIB, 1.0
     pressure.give_way(monitor, scheduler, kv, release)
-    assert scheduler.hold_waiting is True and released == [([3, 4], 16)]
+    assert scheduler.hold_waiting is True and released == [([3, 4], 16, [5])]
     pressure.give_way(monitor, scheduler, kv, release)
     assert scheduler.hold_waiting is True and len(released) == 1  # once per reading of the headroom
     source.now += pressure.CHECK_INTERVAL_S

@@ -1,0 +1,109 @@
+"""Gemma 2/3's sliding-window layers with a KV pool of their own (core/kv_cache_manager.py): against transformers
+while the two pools' blocks diverge (window blocks given back and reused, a window pool far smaller than the main
+one), on the native decode stack and the per-layer paths, with prefix-cache hits; the plan's smaller KV pool; and
+--disable-hybrid-kv-cache-manager."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.setup import create_engine_config
+from pagedserve.memory.probe import AvailableMemory
+from pagedserve.models.llama import NativeDecodeStack
+from tests.models.test_sliding_window import WINDOW, _check, _long_prompts
+
+GIB = 1 << 30
+
+
+def _window_pool_reused(llm: LLM) -> bool:
+    """Whether the window pool handed blocks out again (so its slots and the main pool's differ)."""
+    kv = llm.engine.kv
+    return kv.window_pool is not None and kv.window_pool.num_blocks_written < kv.pool.num_blocks_written
+
+
+def test_the_decode_stack_writes_and_reads_the_window_pool(kernels, tiny_model_dir, monkeypatch):
+    """bf16 at head_dim 32: decodes run on the native decode stack, whose window layers write their new K/V at their
+    own pool's slots. Without prefix caching, blocks given back are the first reused, so the pools' slots part."""
+    calls = []
+    original = NativeDecodeStack.forward
+    monkeypatch.setattr(NativeDecodeStack, "forward", lambda self, *a: calls.append(1) or original(self, *a))
+    model_dir = tiny_model_dir("gemma3", "bfloat16", head_dim=32, hidden_size=128, intermediate_size=256,
+                               weight_std=0.1)
+    llm = _check(model_dir, "bfloat16", enable_prefix_caching=False)
+    assert calls and _window_pool_reused(llm)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_small_window_pool_against_transformers(tiny_model_dir, arch):
+    """Two sequences at a time and 16-token steps: the window pool holds 8 blocks against the main pool's 33, with
+    prefix caching (blocks given back stay findable until reused) and chunked prefill past the window."""
+    llm = _check(tiny_model_dir(arch), "float32", max_num_seqs=2, max_num_batched_tokens=WINDOW,
+                 enable_chunked_prefill=True, block_size=16)
+    kv = llm.engine.kv
+    assert (kv.pool.num_blocks, kv.window_pool.num_blocks) == (33, 8)
+    assert _window_pool_reused(llm)
+    windowed = [w is not None for w in llm.engine.runner.model.layer_windows]
+    assert [cache.k.shape[0] for cache in llm.engine.runner.kv_caches] == [8 * 16 if w else 33 * 16 for w in windowed]
+
+
+def test_a_prefix_hit_with_a_small_window_pool(tiny_model_dir):
+    """A hit of 64 tokens whose window blocks the pool kept: the same tokens and logprobs as without caching."""
+    model_dir = tiny_model_dir("gemma3")
+    kwargs = dict(dtype="float32", max_model_len=256, block_size=16, max_num_seqs=2, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    shared = _long_prompts()[-1][:64]
+    llm = LLM(model_dir, enable_prefix_caching=True, **kwargs)
+    llm.generate([{"prompt_token_ids": shared + [7]}], params)
+    hit = llm.generate([{"prompt_token_ids": shared + [9, 10, 11]}], params)[0]
+    assert hit.num_cached_tokens == 64
+    fresh = LLM(model_dir, enable_prefix_caching=False, **kwargs).generate(
+        [{"prompt_token_ids": shared + [9, 10, 11]}], params)[0]
+    assert hit.outputs[0].token_ids == fresh.outputs[0].token_ids
+    for ours, theirs in zip(hit.outputs[0].logprobs, fresh.outputs[0].logprobs):
+        assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-5 for t in theirs)
+
+
+def test_disabled_the_window_layers_share_the_one_pool(tiny_model_dir):
+    model_dir = tiny_model_dir("gemma2")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _long_prompts()]
+    outputs = {}
+    for disabled in (False, True):
+        llm = LLM(model_dir, dtype="float32", max_model_len=256, enable_prefix_caching=False,
+                  disable_hybrid_kv_cache_manager=disabled)
+        assert (llm.engine.kv.window_pool is None) == disabled
+        assert len({cache.k.shape[0] for cache in llm.engine.runner.kv_caches}) == 1 + (not disabled)
+        outputs[disabled] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outputs[False] == outputs[True]
+
+
+def test_the_plan_counts_a_window_of_each_sequence_for_the_window_layers(tiny_model_dir):
+    """Gemma 3's layers alternate windowed and full here: at a long context the KV pool is about half the bytes of one
+    pool for every layer, and with the same memory the main pool holds nearly twice the tokens."""
+    model_dir = tiny_model_dir("gemma3", max_position_embeddings=32768)
+    available = AvailableMemory(64 * GIB, "MemAvailable", "a test")
+
+    def plan(**kwargs):
+        args = EngineArgs(model=model_dir, max_model_len=32768, max_num_seqs=4, **kwargs)
+        config = create_engine_config(args, available=available)
+        return config.memory_plan, config.cache
+
+    hybrid, cache = plan()
+    single, single_cache = plan(disable_hybrid_kv_cache_manager=True)
+    assert single.num_window_blocks == 0 and single_cache.num_window_blocks == 0
+    assert hybrid.num_kv_blocks == single.num_kv_blocks == 4 * 32768 // 16  # the workload: 4 full sequences
+    # 4 sequences x (a window of 16 over 1 block + 2) + a step's 2048 tokens: 12 + 128 blocks
+    assert hybrid.num_window_blocks == 140 and cache.num_window_blocks == 141 and cache.sliding_window == WINDOW
+    assert hybrid.kv_pool_bytes == hybrid.num_kv_blocks * hybrid.block_bytes + 140 * hybrid.window_block_bytes
+    assert hybrid.block_bytes == hybrid.window_block_bytes == single.block_bytes // 2
+    assert hybrid.kv_pool_bytes < 0.52 * single.kv_pool_bytes
+    assert hybrid.kv_cache_report()["num_window_blocks"] == 140
+    # An explicit pool: the same bytes hold about twice the main pool's blocks.
+    budget = 256 << 20
+    hybrid, _ = plan(kv_cache_memory=budget)
+    single, _ = plan(kv_cache_memory=budget, disable_hybrid_kv_cache_manager=True)
+    assert hybrid.kv_pool_bytes <= budget and single.kv_pool_bytes <= budget
+    assert hybrid.num_kv_blocks == (budget - 140 * hybrid.window_block_bytes) // hybrid.block_bytes
+    assert hybrid.num_kv_blocks > 1.9 * single.num_kv_blocks

@@ -1,0 +1,158 @@
+"""The sliding-window layers' KV pool of their own (core/kv_cache_manager.py) with fake model outputs (no torch):
+a request holds window blocks only for what its next tokens can see, every position a step attends to is in a
+block the request holds, prefix hits need the window's blocks, and nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.memory.sizes import window_pool_blocks
+from pagedserve.request import Request
+from pagedserve.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_scheduler(window=10, num_blocks=64, num_window_blocks=None, max_num_seqs=4, budget=16, caching=True):
+    if num_window_blocks is None:
+        num_window_blocks = window_pool_blocks(window, BS, max_num_seqs, budget) + 1
+    kv = KVCacheManager(num_blocks, BS, caching, num_window_blocks, window)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256)
+    return Scheduler(config, kv)
+
+
+def make_request(rid, prompt, max_tokens=4) -> Request:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(prompt), sp, eos_token_id=None, max_tokens=max_tokens)
+
+
+class FakeRunner:
+    """Keeps both block tables as the model runner does (appending what each step adds) and checks, every step,
+    that each position a scheduled token attends to is in a block its request holds: the main table's for the
+    whole context, the window table's for the last `window` positions."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.tables: dict[str, list[int]] = {}
+        self.window_tables: dict[str, list[int]] = {}
+
+    def step(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        kv = self.sched.kv
+        for new in out.new_requests:
+            assert len(new.window_block_ids) == len(new.block_ids)
+            self.tables[new.request_id] = list(new.block_ids)
+            self.window_tables[new.request_id] = list(new.window_block_ids)
+        for cached in out.cached_requests:
+            assert len(cached.new_window_block_ids) == len(cached.new_block_ids)
+            self.tables[cached.request_id] += cached.new_block_ids
+            self.window_tables[cached.request_id] += cached.new_window_block_ids
+        computed = {n.request_id: n.num_computed_tokens for n in out.new_requests}
+        computed.update((c.request_id, c.num_computed_tokens) for c in out.cached_requests)
+        for rid, num in out.num_scheduled_tokens.items():
+            start, end = computed[rid], computed[rid] + num
+            held = kv.req_to_blocks[rid]
+            window_held = kv.req_to_window_blocks[rid]
+            for block in range(-(-end // BS)):
+                assert self.tables[rid][block] == held[block].block_id and held[block].ref_cnt >= 1
+            for block in range(max(0, start - kv.window + 1) // BS, -(-end // BS)):
+                entry = window_held[block]
+                assert entry is not kv.window_pool.null_block and entry.ref_cnt >= 1, (rid, block, start, end)
+                assert self.window_tables[rid][block] == entry.block_id
+            # What the request holds in the window pool: about its window and this step's tokens.
+            owned = [b for b in window_held if b is not kv.window_pool.null_block]
+            assert len(owned) <= -(-(kv.window - 1 + num) // BS) + 1, (rid, len(owned), start, end)
+        sampled = {rid: [sum(self.sched.requests[rid].all_token_ids) % 97]
+                   for rid, need in out.needs_sample.items() if need}
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def run(sched: Scheduler, max_steps=2000) -> dict[str, list[int]]:
+    runner, results = FakeRunner(sched), {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        for o in sched.update_from_output(out, runner.step(out)):
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert not sched.has_unfinished_requests()
+    return results
+
+
+def assert_no_leaks(sched: Scheduler) -> None:
+    for pool in (sched.kv.pool, sched.kv.window_pool):
+        assert pool.num_free_blocks == pool.num_blocks - 1
+        assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+    assert not sched.kv.req_to_blocks and not sched.kv.req_to_window_blocks
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_long_request_holds_about_a_window_of_window_blocks(caching):
+    sched = make_scheduler(window=10, caching=caching)
+    sched.add_request(make_request("a", range(100, 160), max_tokens=40))  # 60-token prompt in chunks of 16
+    results = run(sched)  # FakeRunner checks every step's reads and holdings
+    assert len(results["a"]) == 40
+    assert sched.kv.pool.num_blocks_written == 25  # the main pool: all 100 positions
+    # The window pool's pages: a window and a chunk's worth, reused; with prefix caching the blocks given back keep
+    # their K/V for later hits until no other block is free (as the main pool's), within the pool's size.
+    assert sched.kv.window_pool.num_blocks_written <= (sched.kv.window_pool.num_blocks - 1 if caching else 8)
+    assert_no_leaks(sched)
+
+
+def test_outputs_are_the_same_as_without_a_window_pool_under_preemption():
+    """Tokens depend on the whole sequence (FakeRunner); tight pools preempt, a roomy one does not."""
+    def outputs(**kwargs):
+        sched = make_scheduler(budget=16, **kwargs)
+        for i in range(4):
+            sched.add_request(make_request(f"r{i}", range(10 * i, 10 * i + 30), max_tokens=20))
+        results = run(sched)
+        assert_no_leaks(sched)
+        return results, sched.num_preemptions_total
+
+    roomy, roomy_preemptions = outputs()
+    tight, tight_preemptions = outputs(num_blocks=30)  # 29 usable: 4 x 50 tokens need 52
+    short_window, window_preemptions = outputs(num_window_blocks=9)  # the window pool is the short one
+    assert roomy_preemptions == 0 and tight_preemptions > 0 and window_preemptions > 0
+    assert tight == roomy and short_window == roomy
+
+
+def test_a_prefix_hit_takes_the_window_blocks_of_its_end():
+    sched = make_scheduler(window=10)
+    prompt = list(range(200, 240))  # 40 tokens: 10 blocks
+    sched.add_request(make_request("a", prompt, max_tokens=1))
+    run(sched)
+    sched.add_request(make_request("b", prompt + [1, 2, 3], max_tokens=2))
+    out = sched.schedule()
+    new = out.new_requests[0]
+    assert new.num_computed_tokens == 40  # every full block of the prompt
+    # The window of position 40 starts at 31: blocks 7..9 come from the cache, the blocks before are null.
+    assert new.window_block_ids[:7] == [0] * 7 and 0 not in new.window_block_ids[7:]
+    runner = FakeRunner(sched)
+    sched.update_from_output(out, runner.step(out))
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        sched.update_from_output(out, runner.step(out))
+    assert_no_leaks(sched)
+
+
+def test_a_prefix_hit_shortens_to_where_its_window_blocks_are_cached():
+    sched = make_scheduler(window=10)
+    prompt = list(range(300, 340))
+    sched.add_request(make_request("a", prompt, max_tokens=1))
+    run(sched)
+    kv = sched.kv
+    evicted = kv.window_pool.cached_blocks.pop(kv.get_computed_blocks(make_request("x", prompt + [1])).blocks[8]
+                                               .block_hash)  # block 8's window copy is gone
+    assert evicted is not None
+    computed = kv.get_computed_blocks(make_request("b", prompt + [1, 2, 3]))
+    # Hits ending after block 8 need it; the longest that does not ends at 8 (its window: blocks 5..7).
+    assert computed.num_tokens == 32
+    assert [b is kv.window_pool.null_block for b in computed.window_blocks] == [True] * 5 + [False] * 3
+
+
+def test_a_window_pool_needs_its_window():
+    with pytest.raises(ValueError, match="both its blocks and its window"):
+        KVCacheManager(16, BS, True, num_window_blocks=8)
