@@ -65,10 +65,16 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix and the hit counters (after warm-up, whose prompts are not users')."""
-        self.pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, in both pools, and the hit counters (after warm-up, whose prompts are not
+        users'; vLLM's LLM.reset_prefix_cache); False, and nothing forgotten, while requests hold blocks."""
+        pools = [self.pool] + ([self.window_pool] if self.window_pool is not None else [])
+        if any(pool.num_free_blocks != pool.num_blocks - 1 for pool in pools):
+            return False
+        for pool in pools:
+            pool.reset_prefix_cache()
         self.stats = PrefixCacheStats()
+        return True
 
     @property
     def usage(self) -> float:

@@ -62,7 +62,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's); False while requests hold blocks."""
-        return self.engine.scheduler.kv.pool.reset_prefix_cache()
+        return self.engine.scheduler.kv.reset_prefix_cache()
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's snapshot of the engine's vllm:* metrics since it started (metrics_reader: Counter, Gauge, Vector,

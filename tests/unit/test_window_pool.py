@@ -11,7 +11,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.memory.sizes import window_pool_blocks
-from pagedserve.request import Request
+from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 
 BS = 4
@@ -156,3 +156,18 @@ def test_a_prefix_hit_shortens_to_where_its_window_blocks_are_cached():
 def test_a_window_pool_needs_its_window():
     with pytest.raises(ValueError, match="both its blocks and its window"):
         KVCacheManager(16, BS, True, num_window_blocks=8)
+
+
+def test_reset_prefix_cache_forgets_both_pools_only_when_no_request_holds_blocks():
+    sched = make_scheduler(window=10)
+    sched.add_request(make_request("a", range(40), max_tokens=1))
+    run(sched)
+    kv = sched.kv
+    assert kv.pool.cached_blocks and kv.window_pool.cached_blocks
+    sched.add_request(make_request("b", range(100, 120), max_tokens=4))
+    sched.schedule()  # b holds blocks
+    assert kv.reset_prefix_cache() is False and kv.window_pool.cached_blocks
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert kv.reset_prefix_cache() is True
+    assert not kv.pool.cached_blocks and not kv.window_pool.cached_blocks
+    assert kv.get_computed_blocks(make_request("c", range(40), max_tokens=1)).num_tokens == 0
