@@ -3,10 +3,13 @@
 GGUF stores dimensions fastest-first, so a ggml tensor of dims (in, out) is a numpy array of shape
 (out, in): exactly the Hugging Face [out_features, in_features] layout. llama.cpp's converter
 permutes the rows of the llama q/k projections (rotary pairs interleaved instead of split in
-halves); `unpermute_rows` undoes that so that the tensors equal the Hugging Face ones. Llama 3's rope
-scaling is stored as a rope_freqs tensor; `hf_config` recovers HF's rope_scaling from it. Gemma's norm weights
-are stored with the 1 its norm adds to them (`norm_shift`), and what transformers reads from Gemma's config.json
-(softcapping, windows, the query scale) is metadata or llama.cpp's fixed rule per architecture (`_gemma_config`).
+halves) for Llama and the converters derived from its (Granite, SmolLM3); `unpermute_rows` undoes that so that
+the tensors equal the Hugging Face ones. Llama 3's rope scaling is stored as a rope_freqs tensor; `hf_config`
+recovers HF's rope_scaling from it. Gemma's norm weights are stored with the 1 its norm adds to them
+(`norm_shift`), and what transformers reads from Gemma's config.json (softcapping, windows, the query scale) is
+metadata or llama.cpp's fixed rule per architecture (`_gemma_config`). Granite's four scales, Phi-3's window,
+partial rotary and LongRoPE factors, and SmolLM3's layers without rotary (llama.cpp: every fourth) likewise
+(`_extra_config`); Phi-3's fused q/k/v and gate/up matrices are stored fused, as its checkpoint holds them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ GGUF_TO_HF_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "gemma": ("GemmaForCausalLM", "gemma"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "granite": ("GraniteForCausalLM", "granite"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
 }
 _GEMMA = frozenset({"gemma", "gemma2", "gemma3"})
 # Gemma 2/3 norm the attention and MLP outputs too: llama.cpp's names for those four norms of a layer.
@@ -39,8 +45,11 @@ _SANDWICH_NORM_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Architectures whose converter permutes attn_q / attn_k rows (convert_hf_to_gguf.py LlamaModel.permute).
-_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+# Architectures whose converter permutes attn_q / attn_k rows (convert_hf_to_gguf.py LlamaModel.permute, which
+# GraniteModel and SmolLM3Model inherit).
+_PERMUTED_ARCHITECTURES = frozenset({"llama", "granite", "smollm3"})
+# llama.cpp's SmolLM3 leaves rotary out of every fourth layer (n_no_rope_layer_step); its GGUF does not say so.
+SMOLLM3_NO_ROPE_LAYER_INTERVAL = 4
 
 _GLOBAL_TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -61,6 +70,8 @@ _LAYER_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _SANDWICH_LAYER_TENSOR_NAMES = {**_LAYER_TENSOR_NAMES, **_SANDWICH_NORM_NAMES}
+# Phi-3 keeps its checkpoint's fused matrices: q/k/v as attn_qkv, gate/up (gate first) as ffn_up.
+_PHI3_LAYER_TENSOR_NAMES = {**_LAYER_TENSOR_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _LAYER_TENSOR_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Stored float encodings and the numpy type to view them as (numpy has no bfloat16: raw bits).
 _FLOAT_VIEWS = {
@@ -69,7 +80,7 @@ _FLOAT_VIEWS = {
     GGMLQuantizationType.BF16: np.uint16,
 }
 # Tensors that carry no weights of their own: folded into the config instead.
-_CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight"})
+_CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 
 def hf_tensor_name(gguf_name: str, architecture: str) -> str | None:
@@ -77,7 +88,8 @@ def hf_tensor_name(gguf_name: str, architecture: str) -> str | None:
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     match = _LAYER_TENSOR_RE.match(gguf_name)
-    names = _SANDWICH_LAYER_TENSOR_NAMES if architecture in ("gemma2", "gemma3") else _LAYER_TENSOR_NAMES
+    names = (_SANDWICH_LAYER_TENSOR_NAMES if architecture in ("gemma2", "gemma3") else
+             _PHI3_LAYER_TENSOR_NAMES if architecture == "phi3" else _LAYER_TENSOR_NAMES)
     if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
@@ -190,7 +202,32 @@ class GGUFFile:
             config["rope_scaling"] = rope_scaling
         if self.architecture in _GEMMA:
             config.update(self._gemma_config(config))
+        config.update(self._extra_config(config))
         return config
+
+    def _extra_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """What Granite's, Phi-3's and SmolLM3's config.json say beyond a Llama's, from the metadata their
+        converters write (convert_hf_to_gguf.py) or llama.cpp's fixed rule (llama-model.cpp)."""
+        if self.architecture == "granite":  # GraniteModel.set_gguf_parameters: a scale left out is 1
+            return {name: _as_decimal(self._arch_value(key, 1.0)) for name, key in (
+                ("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
+                ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))}
+        if self.architecture == "smollm3":
+            return {"no_rope_layer_interval": SMOLLM3_NO_ROPE_LAYER_INTERVAL}
+        if self.architecture != "phi3":
+            return {}
+        extra: dict[str, Any] = {"sliding_window": int(self._arch_value("attention.sliding_window", 0)) or None}
+        rotary = self._arch_value("rope.dimension_count")
+        if rotary is not None and int(rotary) != config["head_dim"]:  # Phi-4-mini rotates 3/4 of each head
+            extra["partial_rotary_factor"] = int(rotary) / config["head_dim"]
+        original = self._arch_value("rope.scaling.original_context_length")
+        if original is not None:
+            extra["original_max_position_embeddings"] = int(original)
+        if "rope_factors_long.weight" in self._gguf_names():  # Phi3MiniModel's LongRoPE tensors
+            extra["rope_scaling"] = {"rope_type": "longrope",
+                                     "long_factor": self._read_f32("rope_factors_long.weight").tolist(),
+                                     "short_factor": self._read_f32("rope_factors_short.weight").tolist()}
+        return extra
 
     def _gemma_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """What a Gemma's config.json says beyond a Llama's, as llama.cpp reads it (llama-model.cpp): the GELU,

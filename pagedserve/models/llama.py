@@ -9,6 +9,7 @@ gate/up matrices are read as the parts they hold: checkpoint_parts). After loadi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -565,10 +566,12 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
 def _scale_parameters(linear: nn.Module, scale: float) -> None:
     """Multiply a loaded linear's weight (and bias) by `scale` into new tensors: the loaded ones may view the
-    memory-mapped checkpoint, which must not be written."""
-    if getattr(linear, "quantized_weight", None) is not None:
-        raise ValueError("a residual multiplier cannot be folded into weights that arrive quantized")
-    for name in ("weight", "bias"):
+    memory-mapped checkpoint, which must not be written. Int8 rows that arrive quantized (a GGUF's blocks under
+    int8 matmuls) take it in their per-row scales."""
+    quantized = getattr(linear, "quantized_weight", None)
+    if quantized is not None:
+        linear.quantized_weight = dataclasses.replace(quantized, scales=quantized.scales * scale)
+    for name in ("bias",) if quantized is not None else ("weight", "bias"):
         param = getattr(linear, name, None)
         if param is not None:
             setattr(linear, name, nn.Parameter(param.detach() * scale, requires_grad=False))

@@ -185,17 +185,19 @@ class _ShapeCheck:
 
 def _parts(model: nn.Module, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """Each checkpoint tensor as the parts the model binds (model.checkpoint_parts): views of its rows where a
-    checkpoint fuses several matrices into one, the tensor itself elsewhere."""
+    checkpoint fuses several matrices into one (a quantized one's int8 rows with their scales: one per row), the
+    tensor itself elsewhere."""
     for name, tensor in tensors:
         parts = _checkpoint_parts(model, name, tuple(tensor.shape))
         if len(parts) == 1:
             yield name, tensor
             continue
-        if isinstance(tensor, QuantizedWeight):
-            raise ModelValidationError(f"checkpoint tensor {name!r} fuses several matrices, which pagedserve "
-                                       "cannot split from a quantized file: use the model's safetensors weights")
         for part, start, rows in parts:
-            yield part, tensor.narrow(0, start, rows)
+            if isinstance(tensor, QuantizedWeight):
+                yield part, QuantizedWeight(tensor.qweight.narrow(0, start, rows), tensor.scales.narrow(0, start, rows),
+                                            tensor.dtype)
+            else:
+                yield part, tensor.narrow(0, start, rows)
 
 
 def _checkpoint_parts(model: nn.Module, name: str, shape: tuple[int, ...]) -> list[tuple[str, int, int]]:

@@ -42,7 +42,8 @@ SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
 )
 # The decoders' MLP gates (models/llama.py's ACTIVATIONS, which are checked equal to these).
 DECODER_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_pytorch_tanh")
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite",
+                                                 "phi3", "smollm3")
 # Weight encodings that gguf-py can dequantize and that we test.
 SUPPORTED_GGUF_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
     GGMLQuantizationType[name]
@@ -53,7 +54,7 @@ SUPPORTED_GGUF_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
 SUPPORTED_GGUF_TOKENIZER_MODELS: tuple[str, ...] = ("gpt2",)
 # SentencePiece vocabularies (tokenizer.ggml.model "llama"), rebuilt by transformers' converter, for these
 # architectures' files.
-SENTENCEPIECE_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma", "gemma2", "gemma3")
+SENTENCEPIECE_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma", "gemma2", "gemma3", "phi3")
 
 
 # ---------------------------------------------------------------------------------------------------

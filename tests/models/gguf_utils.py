@@ -339,3 +339,55 @@ def write_gemma_gguf(model: torch.nn.Module, path: str | Path, sp_model: Path, q
         stored, raw_dtype = _encode(array, qtype if array.ndim == 2 else QType.F32)
         writer.add_tensor(gguf_name(name), stored, raw_dtype=raw_dtype)
     return _finish(writer, path)
+
+
+# -- Granite, Phi-3 and SmolLM3: llama.cpp's conversions of the Llama-like models -----------------------------------
+
+_PHI3_FUSED = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+
+
+def write_llama_like_gguf(model: torch.nn.Module, path: str | Path, qtype: QType = QType.F32) -> Path:
+    """Write a transformers Granite / Phi-3 / SmolLM3 causal LM as llama.cpp's converter does: GraniteModel and
+    SmolLM3Model are LlamaModels (q/k rows permuted), Granite adds its four scales as metadata; Phi3MiniModel keeps
+    the fused qkv_proj / gate_up_proj as attn_qkv / ffn_up, writes its window (0 for none), rotary dimensions and
+    original context, and LongRoPE's factors as rope_factors_long / rope_factors_short tensors."""
+    config = model.config
+    arch = config.model_type
+    writer = gguf.GGUFWriter(str(path), arch)
+    _add_shape(writer, config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    if arch == "granite":
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+    if arch == "phi3":
+        writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * head_dim))
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(config.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    else:
+        writer.add_rope_dimension_count(head_dim)
+    _add_tokenizer(writer, config.vocab_size, "smollm")
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = tensor.detach().float().numpy()
+        if arch != "phi3" and ".q_proj." in name:
+            array = llama_permute(array, config.num_attention_heads)
+        elif arch != "phi3" and ".k_proj." in name:
+            array = llama_permute(array, config.num_key_value_heads)
+        stored, raw_dtype = _encode(array, qtype if array.ndim == 2 else QType.F32)
+        module, kind = name.rsplit(".", 1)
+        fused = next((part for part in _PHI3_FUSED if module.endswith(part)), None)
+        if fused is not None:
+            layer = module.split(".")[2]
+            writer.add_tensor(f"blk.{layer}.{_PHI3_FUSED[fused]}.{kind}", stored, raw_dtype=raw_dtype)
+        else:
+            writer.add_tensor(gguf_name(name), stored, raw_dtype=raw_dtype)
+    return _finish(writer, path)

@@ -266,8 +266,8 @@ def test_file_that_is_not_gguf(tmp_path: Path) -> None:
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
-    message = _message(_write_gguf(tmp_path / "m.gguf", arch="phi3"))
-    assert "'phi3'" in message and "llama, qwen2, qwen3, gemma" in message
+    message = _message(_write_gguf(tmp_path / "m.gguf", arch="falcon"))
+    assert "'falcon'" in message and "llama, qwen2, qwen3, gemma" in message
 
 
 def test_unsupported_tensor_type(tmp_path: Path) -> None:
@@ -279,7 +279,7 @@ def test_unsupported_gguf_tokenizers(tmp_path: Path) -> None:
     message = _message(_write_gguf(tmp_path / "t5.gguf", tokenizer="t5"))
     assert "tokenizer model 't5'" in message and "tokenizer.json" in message
     message = _message(_write_gguf(tmp_path / "spm.gguf", arch="qwen2", tokenizer="llama"))  # SentencePiece: only
-    assert "tokenizer model 'llama'" in message and "llama, gemma, gemma2, gemma3 files" in message  # for these
+    assert "tokenizer model 'llama'" in message and "llama, gemma, gemma2, gemma3, phi3 files" in message  # for these
     message = _message(_write_gguf(tmp_path / "pre.gguf", pre="chameleon"))
     assert "pre-tokenizer 'chameleon'" in message and "qwen2" in message
 

@@ -1,0 +1,97 @@
+"""Granite, Phi-3 and SmolLM3 GGUF files (written by tests/models/gguf_utils.write_llama_like_gguf as llama.cpp's
+converter writes them, independently of the loader) against transformers on the same weights: F32 within float32
+noise, Q8_0 served from its quantized weights (int8) within its 8-bit rounding of the F32 file; the config the file
+stands for (Granite's scales, Phi-3's window, partial rotary and LongRoPE factors, SmolLM3's layers without
+rotary); a model architecture llama.cpp writes that pagedserve does not serve is refused by name."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.formats.errors import ModelValidationError
+from pagedserve.models.gguf_loader import GGUFCheckpoint
+from pagedserve.platform import native_kernels_run
+from tests.models.gguf_utils import write_llama_like_gguf
+from tests.models.test_correctness import prompt_logprob_error
+from tests.models.test_more_architectures import LONGROPE
+from tests.tiny_models import make_tiny_model
+
+CASES = {
+    "granite": ("granite", {}),
+    "phi3": ("phi3", dict(sliding_window=24)),  # a window shorter than the 60-token prompt
+    "phi3-longrope": ("phi3", LONGROPE),  # Phi-4-mini's kind: partial rotary and LongRoPE
+    "smollm3": ("smollm3", dict(num_hidden_layers=4, no_rope_layer_interval=4)),  # llama.cpp's rule: every 4th
+}
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    """case -> (the transformers model's directory, its GGUF as F32, as Q8_0)."""
+    from transformers import AutoModelForCausalLM
+
+    files = {}
+    for case, (arch, overrides) in CASES.items():
+        out = tmp_path_factory.mktemp(f"gguf-{case}")
+        hf_dir = make_tiny_model(arch, out / "hf", **overrides)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        files[case] = (str(hf_dir), write_llama_like_gguf(model, out / "f32.gguf"),
+                       write_llama_like_gguf(model, out / "q8.gguf", QType.Q8_0))
+    return files
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_gguf_computes_what_transformers_does(ggufs, case):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, f32, q8 = ggufs[case]
+    prompt = [(37 * i) % 480 + 10 for i in range(60)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    ours = LLM(str(f32), dtype="float32", max_model_len=128).generate([{"prompt_token_ids": prompt}], params)[0]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert prompt_logprob_error(ours.prompt_logprobs, model, prompt) < 5e-5
+    llm = LLM(str(q8), dtype="float32", max_model_len=128, quantization="gguf")  # from its quantized weights:
+    assert llm.llm_engine.config.model.quantization == ("int8" if native_kernels_run() else None)  # int8 rows
+    quantized = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    q8_diffs = [abs(quantized.prompt_logprobs[i][t].logprob - ours.prompt_logprobs[i][t].logprob)
+                for i, t in enumerate(prompt) if i]
+    assert max(q8_diffs) < 0.3  # Q8_0's rounding; a wrong tensor or a lost scale moves them by whole units
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_config_the_gguf_stands_for(ggufs, case):
+    import json
+    from pathlib import Path
+
+    hf_dir, f32, _ = ggufs[case]
+    expected = json.loads((Path(hf_dir) / "config.json").read_text())
+    with GGUFCheckpoint(f32) as checkpoint:
+        config = checkpoint.hf_config()
+    assert config["architectures"] == expected["architectures"] and config["model_type"] == expected["model_type"]
+    if case == "granite":
+        for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            assert config[key] == pytest.approx(expected[key], rel=1e-6), key
+    elif case == "smollm3":
+        assert config["no_rope_layer_interval"] == 4
+    else:
+        assert config["sliding_window"] == expected.get("sliding_window")
+        rope = expected.get("rope_scaling") or expected.get("rope_parameters") or {}
+        if rope.get("rope_type") == "longrope":
+            assert config["partial_rotary_factor"] == 0.75
+            assert config["original_max_position_embeddings"] == 256
+            assert config["rope_scaling"]["long_factor"] == pytest.approx(rope["long_factor"])
+            assert config["rope_scaling"]["short_factor"] == pytest.approx(rope["short_factor"])
+
+
+def test_an_architecture_pagedserve_does_not_serve_is_refused_by_name(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "falcon")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelValidationError, match="falcon.*granite, phi3, smollm3"):
+        LLM(str(tmp_path / "m.gguf"))
