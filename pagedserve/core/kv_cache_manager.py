@@ -7,8 +7,9 @@ Sliding-window layers of their own (Gemma 2/3, Qwen's max_window_layers: some la
 keep their K/V in a pool of their own, the window pool, with a block table of their own per request: block i of
 both tables holds positions [i x block_size, (i + 1) x block_size). A request holds window blocks only for the
 positions its next tokens can see (the last `window` - 1 before them) and its new tokens: the blocks before are
-given back at each allocation (the null block takes their place in its table), so the window layers' K/V of a long
-context stays at about a window per request instead of growing with the context. The full-attention layers' pool
+given back after each step (`release_out_of_window`) and at each allocation (the null block takes their place in
+its table), so the window layers' K/V of a long context stays at about a window per request instead of growing
+with the context. The full-attention layers' pool
 works as without windows. A prefix-cache hit needs every full block of the prefix in the main pool and, in the
 window pool, the blocks the window of the first token to compute covers.
 """
@@ -61,6 +62,7 @@ class KVCacheManager:
         self.window_pool = BlockPool(num_window_blocks, enable_caching) if window is not None else None
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_window_blocks: dict[str, list[KVCacheBlock]] = {}  # the null block for blocks given back
+        self._window_start: dict[str, int] = {}  # each request's first window block not given back
         # How many leading blocks of each request are already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
@@ -78,7 +80,9 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        """Fraction of the blocks requests hold (vllm:kv_cache_usage_perc): of the fuller pool, the one that
+        preempts first, where the window layers have one of their own."""
+        return max(self.pool.usage, self.window_pool.usage if self.window_pool is not None else 0.0)
 
     @property
     def num_blocks_written(self) -> int:
@@ -182,13 +186,16 @@ class KVCacheManager:
                      computed: ComputedBlocks | None) -> bool:
         """Whether the window pool has the blocks this allocation needs (after the request's own out-of-window
         blocks went back: they are free for it too)."""
-        held = self.req_to_window_blocks.get(request.request_id, computed.window_blocks if computed else [])
+        request_id = request.request_id
         first = self._first_window_block(num_known)
-        num_needed = num_required - max(len(held), first)
-        given_back = sum(1 for b in held[:first] if b is not self.window_pool.null_block and b.ref_cnt == 1)
-        reclaimed = sum(1 for b in held if b.ref_cnt == 0) if request.request_id not in self.req_to_window_blocks \
-            else 0
-        return num_needed <= self.window_pool.num_free_blocks + given_back - reclaimed
+        if request_id in self.req_to_window_blocks:
+            held = self.req_to_window_blocks[request_id]
+            start = self._window_start[request_id]
+            given_back = sum(1 for b in held[start:first] if b is not self.window_pool.null_block and b.ref_cnt == 1)
+            return num_required - max(len(held), first) <= self.window_pool.num_free_blocks + given_back
+        hit = computed.window_blocks if computed else []
+        reclaimed = sum(1 for b in hit if b.ref_cnt == 0)  # cache hits in the free queue stop being free
+        return num_required - max(len(hit), first) <= self.window_pool.num_free_blocks - reclaimed
 
     def _allocate_window(self, request: Request, num_known: int, num_required: int,
                          computed: ComputedBlocks | None) -> list[int]:
@@ -199,16 +206,33 @@ class KVCacheManager:
         if held is None:  # admitted now: its table starts with the hit's window blocks
             held = self.req_to_window_blocks[request.request_id] = list(computed.window_blocks if computed else [])
             pool.touch([b for b in held if b is not null])
+            self._window_start[request.request_id] = next((i for i, b in enumerate(held) if b is not null),
+                                                          len(held))
         first = self._first_window_block(num_known)
-        gone = [i for i in range(min(first, len(held))) if held[i] is not null]
-        pool.free_blocks([held[i] for i in gone])  # oldest first: the first evicted
-        for i in gone:
-            held[i] = null
+        self._give_back(request.request_id, first)
         if len(held) < first:  # a table that starts past the window's blocks: null up to them
             held.extend([null] * (first - len(held)))
         new_blocks = pool.get_new_blocks(max(0, num_required - len(held)))
         held.extend(new_blocks)
         return [b.block_id for b in new_blocks]
+
+    def _give_back(self, request_id: str, first: int) -> None:
+        """Give the window pool back the request's blocks before block `first`, oldest first (the first
+        evicted); the null block takes their place."""
+        held, start = self.req_to_window_blocks[request_id], self._window_start[request_id]
+        end = min(first, len(held))
+        if end <= start:
+            return
+        null = self.window_pool.null_block
+        self.window_pool.free_blocks([b for b in held[start:end] if b is not null])
+        held[start:end] = [null] * (end - start)
+        self._window_start[request_id] = end
+
+    def release_out_of_window(self, request: Request) -> None:
+        """After a step: give back the window blocks the request's next tokens no longer see (its computed tokens
+        moved on), so that between steps a request holds about a window of them, whatever its last chunk was."""
+        if self.window_pool is not None and request.request_id in self.req_to_window_blocks:
+            self._give_back(request.request_id, self._first_window_block(request.num_computed_tokens))
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         self._update_block_hashes(request)
@@ -229,6 +253,7 @@ class KVCacheManager:
         self.pool.free_blocks(list(reversed(blocks)))
         if self.window_pool is not None:
             self.window_pool.free_blocks(list(reversed(self.req_to_window_blocks.pop(request.request_id, []))))
+            self._window_start.pop(request.request_id, None)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

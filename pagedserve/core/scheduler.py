@@ -304,6 +304,8 @@ class Scheduler:
             try:
                 self.fault_hook("postprocess", request_id)
                 output = self._update_one(request, num_new, sched_out, runner_out)
+                if request.status == RequestStatus.RUNNING:
+                    self.kv.release_out_of_window(request)
             except Exception as exc:  # noqa: BLE001 - one request's fault; the others' outputs go on
                 self.fail_request(request, exc)
                 continue

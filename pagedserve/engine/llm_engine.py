@@ -86,7 +86,7 @@ class LLMEngine:
         self.faults.rules = parse_fault_spec(config.fault_injection)
         log_memory_vs_plan(config.memory_plan, config.device.device)
         self.resident_memory = resident_memory_for(config.memory_plan, config.device.device,
-                                                   self.kv.num_blocks_written)
+                                                   self.kv.num_blocks_written, self.kv.num_window_blocks_written)
         startup.enter("ready")
 
     def _cpu_share(self) -> CpuShare | None:

@@ -123,16 +123,19 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
 
 def _override_suggestions(plan: MemoryPlan) -> list:
     """What fits beside --num-gpu-blocks-override, which sizes the pool whatever --kv-cache-memory says: the
-    blocks that fit (where any do), and the plan's suggestions that do not resize the pool."""
-    from pagedserve.memory.plan import Suggestion
+    blocks that fit (where any do, with the window pool they bring where the window layers have one), and the
+    plan's suggestions that do not resize the pool."""
+    from pagedserve.memory.plan import Suggestion, window_pool
 
     others = [s for s in plan.suggestions if s.flag != "--kv-cache-memory"]
-    per_block = plan.block_bytes + plan.request.host_bytes_per_block  # its K/V and its host bookkeeping
+    host = plan.request.host_bytes_per_block
+    per_block = plan.block_bytes + host  # its K/V and its host bookkeeping
     fixed = plan.total_bytes - plan.kv_pool_bytes - plan.kv_bookkeeping_bytes
-    blocks = (plan.budget_bytes - fixed) // per_block
+    window = window_pool(plan.shape, plan.request)
+    blocks = window.main_blocks_within(max(0, plan.budget_bytes - fixed), per_block, host)
     if blocks < 1:
         return others
-    needs = fixed + blocks * per_block
+    needs = fixed + blocks * per_block + window.num_blocks(blocks) * (window.block_bytes + host)
     return [Suggestion("--num-gpu-blocks-override", str(blocks + 1), needs), *others]
 
 

@@ -152,11 +152,12 @@ class ResidentMemory:
         return self.last
 
 
-def resident_memory_for(plan: MemoryPlan | None, device: str, kv_blocks_written: int) -> ResidentMemory | None:
+def resident_memory_for(plan: MemoryPlan | None, device: str, kv_blocks_written: int,
+                        window_blocks_written: int = 0) -> ResidentMemory | None:
     """The engine's ResidentMemory, with a first reading: on a CPU with a memory plan (a GPU's host memory is not
     what the plan counts)."""
     if plan is None or device != "cpu":
         return None
     memory = ResidentMemory(plan, trim=libc_malloc_trim())
-    memory.measure(kv_blocks_written)
+    memory.measure(kv_blocks_written, window_blocks_written)
     return memory

@@ -107,3 +107,36 @@ def test_the_plan_counts_a_window_of_each_sequence_for_the_window_layers(tiny_mo
     assert hybrid.kv_pool_bytes <= budget and single.kv_pool_bytes <= budget
     assert hybrid.num_kv_blocks == (budget - 140 * hybrid.window_block_bytes) // hybrid.block_bytes
     assert hybrid.num_kv_blocks > 1.9 * single.num_kv_blocks
+
+
+def test_the_suggested_block_override_fits_with_its_window_pool(tiny_model_dir):
+    """A --num-gpu-blocks-override that does not fit gets the override that does: its window pool counted too."""
+    model_dir = tiny_model_dir("gemma3")
+    mib = 1 << 20
+
+    def plan(blocks: int, available: int):
+        args = EngineArgs(model=model_dir, max_model_len=512, max_num_seqs=64, num_gpu_blocks_override=blocks,
+                          dtype="float32")
+        config = create_engine_config(args, available=AvailableMemory(available, "MemAvailable", "a test"),
+                                      check_memory=False)
+        return config.memory_plan
+
+    checked = 0
+    for available in range(425 * mib, 445 * mib, 3 * mib // 2):
+        suggestion = next((s for s in plan(400_000, available).suggestions
+                           if s.flag == "--num-gpu-blocks-override"), None)
+        if suggestion is None:
+            continue
+        again = plan(int(suggestion.value), available)
+        assert again.fits and again.num_window_blocks > 0 and again.total_bytes == suggestion.needs_bytes, available
+        checked += 1
+    assert checked >= 5
+
+
+def test_the_first_memory_reading_counts_the_window_pool(tiny_model_dir):
+    """Warm-up writes blocks in both pools; the reading taken as the engine starts counts both."""
+    llm = LLM(tiny_model_dir("gemma3"), dtype="float32", max_model_len=256)
+    engine = llm.llm_engine
+    reading = engine.resident_memory.last
+    assert reading.window_blocks_written == engine.kv.num_window_blocks_written > 0
+    assert reading.kv_blocks_written == engine.kv.num_blocks_written

@@ -78,6 +78,11 @@ def run(sched: Scheduler, max_steps=2000) -> dict[str, list[int]]:
         out = sched.schedule()
         for o in sched.update_from_output(out, runner.step(out)):
             results.setdefault(o.request_id, []).extend(o.new_token_ids)
+        kv = sched.kv
+        for request in sched.running:  # between steps: nothing held before its next token's window
+            first = max(0, request.num_computed_tokens - kv.window + 1) // BS
+            held = kv.req_to_window_blocks[request.request_id]
+            assert all(b is kv.window_pool.null_block for b in held[:first]), (request.request_id, first)
     assert not sched.has_unfinished_requests()
     return results
 
@@ -171,3 +176,11 @@ def test_reset_prefix_cache_forgets_both_pools_only_when_no_request_holds_blocks
     assert kv.reset_prefix_cache() is True
     assert not kv.pool.cached_blocks and not kv.window_pool.cached_blocks
     assert kv.get_computed_blocks(make_request("c", range(40), max_tokens=1)).num_tokens == 0
+
+
+def test_usage_is_the_fuller_pool_s():
+    sched = make_scheduler(window=10, num_blocks=64, num_window_blocks=9)
+    sched.add_request(make_request("a", range(32), max_tokens=4))
+    sched.schedule()
+    kv = sched.kv
+    assert kv.window_pool.usage > kv.pool.usage and kv.usage == kv.window_pool.usage
