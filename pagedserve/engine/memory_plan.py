@@ -38,16 +38,16 @@ def num_window_kv_blocks(plan: MemoryPlan) -> int:
 
 def window_pool_window(args: EngineArgs, model: ModelConfig, speculates_with_draft: bool) -> int | None:
     """The window of the sliding-window layers' pool of their own (core/kv_cache_manager.py), or None where every
-    layer's K/V stays in one pool: where only some layers have a window (Gemma 2/3, Qwen's max_window_layers),
-    for generation, unless --disable-hybrid-kv-cache-manager. A draft model's K/V are indexed by the main block
-    table, and a model that windows every layer keeps one pool (its context is never longer than a window's
-    worth of blocks plus its new tokens, but nothing else would be left in the main pool)."""
+    layer's K/V stays in one pool: where layers have a window shorter than the context (Gemma 2/3 and Qwen's
+    max_window_layers on some layers; Mistral and Phi-3 on every layer, whose main pool then holds no K/V, only
+    the block tables' bookkeeping), for generation, unless --disable-hybrid-kv-cache-manager. A draft model's K/V
+    are indexed by the main block table, so it keeps one pool."""
     if args.disable_hybrid_kv_cache_manager or model.task != "generate" or speculates_with_draft:
         return None
-    windows = layer_windows(model.hf_config)
-    if None not in windows or all(w is None for w in windows):
+    windows = [w for w in layer_windows(model.hf_config) if w is not None]
+    if not windows or max(windows) >= model.max_model_len:  # (--disable-sliding-window caps the context so)
         return None
-    return max(w for w in windows if w is not None)
+    return max(windows)
 
 
 def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig, scheduler: SchedulerConfig,

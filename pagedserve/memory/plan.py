@@ -235,11 +235,16 @@ class MemoryPlan:
         blocks_per_seq = math.ceil(request.max_model_len / request.block_size)
         bound = {
             "workload": f"the workload, {workload}",
-            "share": f"capped ({workload} would need {_gib(request.max_num_seqs * blocks_per_seq * self.block_bytes)})",
+            "share": f"capped ({workload} would need {_gib(self.pool_bytes(request.max_num_seqs * blocks_per_seq))})",
             "budget": "what the budget leaves after weights, activations and overhead",
             "floor": f"raised to one {request.max_model_len}-token sequence",
         }[self.kv_sizing]
         return f"{rule}: {bound}"
+
+    def pool_bytes(self, num_blocks: int) -> int:
+        """The K/V bytes of `num_blocks` main-pool blocks and the window pool they bring."""
+        window = window_pool(self.shape, self.request)
+        return num_blocks * self.block_bytes + window.num_blocks(num_blocks) * window.block_bytes
 
     def kv_cache_report(self) -> dict:
         """The KV pool and how it was sized, for /health."""
@@ -341,12 +346,14 @@ class WindowPool:
 
     def main_blocks_within(self, num_bytes: int, per_block: int, host_bytes: int = 0) -> int:
         """The most main-pool blocks whose pools fit in `num_bytes`, each block `per_block` bytes and each window
-        block its K/V + `host_bytes`."""
+        block its K/V + `host_bytes`. A main pool of no bytes (every layer windowed, no host bookkeeping counted)
+        is bounded by its window pool alone: as many blocks as there are bytes, once that pool fits."""
         per_window = self.block_bytes + host_bytes if self.block_bytes else 0
         num = num_bytes // (per_block + per_window)
         if num < self.max_blocks or not per_window:
             return num
-        return (num_bytes - self.max_blocks * per_window) // per_block  # the window pool stopped growing
+        left = num_bytes - self.max_blocks * per_window  # the window pool stopped growing
+        return left // per_block if per_block else max(num_bytes, self.max_blocks)
 
 
 def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int,
@@ -492,9 +499,11 @@ def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, .
     if request.kv_cache_bytes is not None:
         base = _plan(shape, request)
         room = base.budget_bytes - (base.total_bytes - base.kv_pool_bytes - base.kv_bookkeeping_bytes)
-        kv_bytes = max(0, room) // (base.block_bytes + request.host_bytes_per_block) * base.block_bytes
+        host = request.host_bytes_per_block
+        kv_bytes = base.pool_bytes(window_pool(shape, request).main_blocks_within(max(0, room), base.block_bytes + host,
+                                                                                  host))
         # Too small for one sequence: the size that holds one (a 64 MiB cache was told to take 17.8 GiB).
-        one_sequence = math.ceil(request.max_model_len / request.block_size) * base.block_bytes
+        one_sequence = base.pool_bytes(math.ceil(request.max_model_len / request.block_size))
         if request.kv_cache_bytes < one_sequence:
             kv_bytes = min(kv_bytes, one_sequence)
         if kv_bytes:
@@ -532,13 +541,15 @@ def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, .
 def format_plan_table(plan: MemoryPlan) -> str:
     """The plan as a human table (GiB with 2 decimals), the verdict, and suggestions when it does not fit."""
     request, shape = plan.request, plan.shape
+    per_token = f"x {plan.kv_bytes_per_token:,} B/token" if plan.kv_bytes_per_token else "(block tables only)"
     kv_detail = (
-        f"{plan.num_kv_blocks} blocks x {request.block_size} tokens x {plan.kv_bytes_per_token:,} B/token,"
+        f"{plan.num_kv_blocks} blocks x {request.block_size} tokens {per_token},"
         f" {plan.max_concurrency:.2f} x {request.max_model_len}-token sequences"
     )
     if plan.num_window_blocks:
         layers = f"{shape.num_window_layers} layer{'s' if shape.num_window_layers != 1 else ''}"
-        kv_detail += f"; {layers} with a {shape.window}-token window: {plan.num_window_blocks} blocks of their own"
+        kv_detail += (f"; {layers} with a {shape.window}-token window: {plan.num_window_blocks} blocks of their own"
+                      f" x {plan.window_block_bytes // request.block_size:,} B/token")
     act = plan.activations
     rows = [
         ("weights", plan.weight_bytes, f"{shape.num_layers} layers, " + (

@@ -140,3 +140,22 @@ def test_the_first_memory_reading_counts_the_window_pool(tiny_model_dir):
     reading = engine.resident_memory.last
     assert reading.window_blocks_written == engine.kv.num_window_blocks_written > 0
     assert reading.kv_blocks_written == engine.kv.num_blocks_written
+
+
+def test_a_window_on_every_layer_leaves_the_main_pool_without_k_v(tiny_model_dir, tmp_path):
+    """Mistral's kind (every layer windowed): all K/V live in the window pool, sized for two sequences' windows and
+    a step; the main pool is block-table bookkeeping only, and the plan counts no bytes for it."""
+    from tests.models.test_sliding_window import _mistral
+
+    llm = _check(_mistral(tiny_model_dir, tmp_path, "float32"), "float32", max_num_seqs=2,
+                 max_num_batched_tokens=WINDOW, enable_chunked_prefill=True, block_size=16)
+    engine = llm.llm_engine
+    assert engine.kv.window_pool.num_blocks == 8 and _window_pool_reused(llm)
+    assert {cache.k.shape[0] for cache in engine.runner.kv_caches} == {8 * 16}
+    plan = engine.config.memory_plan
+    assert plan.block_bytes == 0 and plan.kv_pool_bytes == 7 * plan.window_block_bytes > 0
+
+
+def test_a_window_as_long_as_the_context_keeps_one_pool(tiny_model_dir):
+    llm = LLM(tiny_model_dir("gemma3"), dtype="float32", max_model_len=WINDOW)
+    assert llm.llm_engine.kv.window_pool is None
