@@ -3,15 +3,15 @@
 Protocol with the scheduler: `get_computed_blocks` (prefix-cache lookup), `allocate_slots`
 (None = not enough free blocks), `record_lookup` once the request is admitted, and finally `free`. Pure Python.
 
-Sliding-window layers of their own (Gemma 2/3, Qwen's max_window_layers: some layers with a window, some without)
-keep their K/V in a pool of their own, the window pool, with a block table of their own per request: block i of
-both tables holds positions [i x block_size, (i + 1) x block_size). A request holds window blocks only for the
-positions its next tokens can see (the last `window` - 1 before them) and its new tokens: the blocks before are
-given back after each step (`release_out_of_window`) and at each allocation (the null block takes their place in
-its table), so the window layers' K/V of a long context stays at about a window per request instead of growing
-with the context. The full-attention layers' pool
-works as without windows. A prefix-cache hit needs every full block of the prefix in the main pool and, in the
-window pool, the blocks the window of the first token to compute covers.
+Sliding-window layers (Gemma 2/3 and Qwen's max_window_layers on some layers, Mistral and Phi-3 on every one) keep
+their K/V in a pool of their own, the window pool, with a block table of their own per request: block i of both
+tables holds positions [i x block_size, (i + 1) x block_size). A request holds window blocks only for the positions
+its next tokens can see (the last `window` - 1 before them) and its new tokens: the blocks before are given back
+after each step (`release_out_of_window`) and at each allocation (the null block takes their place in its table),
+so the window layers' K/V of a long context stays at about a window per request instead of growing with the
+context. The full-attention layers' pool works as without windows (where every layer has a window, it holds no
+K/V: its blocks are bookkeeping). A prefix-cache hit needs every full block of the prefix in the main pool and, in
+the window pool, the blocks the window of the first token to compute covers.
 """
 
 from __future__ import annotations
