@@ -194,6 +194,8 @@ class GGUFFile:
             "attention_bias": "blk.0.attn_q.bias" in self._gguf_names(),
             "hidden_act": "silu",
         }
+        if any(f"blk.0.{name}.bias" in self._gguf_names() for name in ("ffn_gate", "ffn_up", "ffn_down")):
+            config["mlp_bias"] = True  # (refused by validate.py as a model pagedserve does not serve, by name)
         for key in ("bos_token_id", "eos_token_id"):
             if f"tokenizer.ggml.{key}" in self.metadata:
                 config[key] = int(self.metadata[f"tokenizer.ggml.{key}"])
@@ -208,10 +210,15 @@ class GGUFFile:
     def _extra_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """What Granite's, Phi-3's and SmolLM3's config.json say beyond a Llama's, from the metadata their
         converters write (convert_hf_to_gguf.py) or llama.cpp's fixed rule (llama-model.cpp)."""
-        if self.architecture == "granite":  # GraniteModel.set_gguf_parameters: a scale left out is 1
-            return {name: _as_decimal(self._arch_value(key, 1.0)) for name, key in (
-                ("attention_multiplier", "attention.scale"), ("embedding_multiplier", "embedding_scale"),
-                ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale"))}
+        if self.architecture == "granite":  # GraniteModel.set_gguf_parameters; llama.cpp reads a scale left out
+            # as 1, and a missing attention scale as 1 / sqrt(head_dim)
+            scales = {name: _as_decimal(self._arch_value(key, 1.0)) for name, key in (
+                ("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
+                ("logits_scaling", "logit_scale"))}
+            attention = self._arch_value("attention.scale")
+            scales["attention_multiplier"] = (_as_decimal(attention) if attention is not None
+                                              else config["head_dim"] ** -0.5)
+            return scales
         if self.architecture == "smollm3":
             return {"no_rope_layer_interval": SMOLLM3_NO_ROPE_LAYER_INTERVAL}
         if self.architecture != "phi3":

@@ -95,3 +95,25 @@ def test_an_architecture_pagedserve_does_not_serve_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ModelValidationError, match="falcon.*granite, phi3, smollm3"):
         LLM(str(tmp_path / "m.gguf"))
+
+
+def test_a_granite_gguf_without_an_attention_scale_reads_as_llama_cpp_does(tmp_path, monkeypatch):
+    """llama.cpp scales attention by 1 / sqrt(head_dim) where the file has no granite.attention.scale."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model("granite", tmp_path / "hf"), dtype=torch.float32)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_attention_scale", lambda self, value: None)
+    with GGUFCheckpoint(write_llama_like_gguf(model, tmp_path / "m.gguf")) as checkpoint:
+        config = checkpoint.hf_config()
+    assert config["attention_multiplier"] == config["head_dim"] ** -0.5
+    assert config["residual_multiplier"] == pytest.approx(model.config.residual_multiplier)
+
+
+def test_a_gguf_with_mlp_biases_is_refused_as_a_model_pagedserve_does_not_serve(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = make_tiny_model("granite", tmp_path / "hf", mlp_bias=True)
+    path = write_llama_like_gguf(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), tmp_path / "m.gguf")
+    for model in (hf_dir, path):  # the same words for the directory and its GGUF
+        with pytest.raises(ValueError, match="mlp_bias: true"):
+            LLM(str(model), dtype="float32", max_model_len=128)
