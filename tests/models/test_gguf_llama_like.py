@@ -11,12 +11,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM
 from pagedserve.formats.errors import ModelValidationError
 from pagedserve.models.gguf_loader import GGUFCheckpoint
 from pagedserve.platform import native_kernels_run
 from tests.models.gguf_utils import write_llama_like_gguf
-from tests.models.test_correctness import prompt_logprob_error
+from tests.models.test_gguf_sentencepiece import gguf_matches_transformers
 from tests.models.test_more_architectures import LONGROPE
 from tests.tiny_models import make_tiny_model
 
@@ -45,20 +45,8 @@ def ggufs(tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_gguf_computes_what_transformers_does(ggufs, case):
-    from transformers import AutoModelForCausalLM
-
-    hf_dir, f32, q8 = ggufs[case]
-    prompt = [(37 * i) % 480 + 10 for i in range(60)]
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    ours = LLM(str(f32), dtype="float32", max_model_len=128).generate([{"prompt_token_ids": prompt}], params)[0]
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    assert prompt_logprob_error(ours.prompt_logprobs, model, prompt) < 5e-5
-    llm = LLM(str(q8), dtype="float32", max_model_len=128, quantization="gguf")  # from its quantized weights:
+    llm = gguf_matches_transformers(*ggufs[case], quantization="gguf")  # Q8_0 from its quantized weights:
     assert llm.llm_engine.config.model.quantization == ("int8" if native_kernels_run() else None)  # int8 rows
-    quantized = llm.generate([{"prompt_token_ids": prompt}], params)[0]
-    q8_diffs = [abs(quantized.prompt_logprobs[i][t].logprob - ours.prompt_logprobs[i][t].logprob)
-                for i, t in enumerate(prompt) if i]
-    assert max(q8_diffs) < 0.3  # Q8_0's rounding; a wrong tensor or a lost scale moves them by whole units
 
 
 @pytest.mark.parametrize("case", list(CASES))

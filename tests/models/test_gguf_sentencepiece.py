@@ -56,18 +56,25 @@ def gemma_ggufs(tmp_path_factory, sp_model):
 def test_a_gemma_gguf_computes_what_transformers_does(gemma_ggufs, arch):
     """F32 weights: prompt logprobs over 60 tokens (past the 16-token window) within float32 noise of transformers';
     Q8_0: the same model's, within its 8-bit rounding of the F32 file's."""
+    gguf_matches_transformers(*gemma_ggufs[arch])
+
+
+def gguf_matches_transformers(hf_dir: str, f32: Path, q8: Path, **q8_engine_kwargs) -> LLM:
+    """A GGUF's prompt logprobs over 60 tokens: its F32 file's within float32 noise of transformers' on `hf_dir`,
+    its Q8_0 file's (served with `q8_engine_kwargs`) within 8-bit rounding of the F32 file's; the Q8_0 engine."""
     from transformers import AutoModelForCausalLM
 
-    hf_dir, f32, q8 = gemma_ggufs[arch]
     prompt = [(37 * i) % 480 + 10 for i in range(60)]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     ours = LLM(str(f32), dtype="float32", max_model_len=128).generate([{"prompt_token_ids": prompt}], params)[0]
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     assert prompt_logprob_error(ours.prompt_logprobs, model, prompt) < 5e-5
-    quantized = LLM(str(q8), dtype="float32", max_model_len=128).generate([{"prompt_token_ids": prompt}], params)[0]
+    llm = LLM(str(q8), dtype="float32", max_model_len=128, **q8_engine_kwargs)
+    quantized = llm.generate([{"prompt_token_ids": prompt}], params)[0]
     q8_diffs = [abs(quantized.prompt_logprobs[i][t].logprob - ours.prompt_logprobs[i][t].logprob)
                 for i, t in enumerate(prompt) if i]
     assert max(q8_diffs) < 0.3  # Q8_0's rounding (observed 0.06-0.11); a wrong tensor moves them by whole units
+    return llm
 
 
 def test_the_sentencepiece_vocabulary_encodes_as_sentencepiece(gemma_ggufs, sp_model):
