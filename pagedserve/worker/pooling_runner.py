@@ -65,7 +65,7 @@ class EncoderRunner:
         """No KV pool: an encoder's attention reads only the step's own tokens."""
         return []
 
-    def release_kv_pages(self, block_ids: list[int], block_size: int) -> int:
+    def release_kv_pages(self, block_ids: list[int], block_size: int, window_block_ids: list[int] = ()) -> int:
         """No KV pool, so no pages to release."""
         return 0
 

@@ -16,10 +16,12 @@ class Runner(Protocol):
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the scheduled tokens through the model, then sampling (or pooling)."""
 
-    def release_kv_pages(self, block_ids: list[int], block_size: int) -> int:
+    def release_kv_pages(self, block_ids: list[int], block_size: int, window_block_ids: list[int] = ()) -> int:
         """Give the whole pages of these free blocks back to the system in every K/V pool the scheduler's block
         ids index (the model's and a draft model's, on every tensor-parallel rank; memory/pressure.py asks under
-        memory pressure); they read back as zeros. Returns the bytes released (0 for a runner without KV)."""
+        memory pressure), `window_block_ids` in the sliding-window layers' pools where they have their own
+        (core/kv_cache_manager.py); they read back as zeros. Returns the bytes released (0 for a runner without
+        KV)."""
 
     def check_health(self) -> None:
         """Raise once the runner can run no more steps (a tensor-parallel rank died); a runner in this process

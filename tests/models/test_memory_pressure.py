@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve.layers.attention import LayerKVCache
@@ -30,3 +31,16 @@ def test_released_blocks_leave_rss_and_read_back_as_zeros() -> None:
     for cache in caches:
         assert bool((cache.k[block_size:num_blocks // 2 * block_size] == 0).all())  # zeros: finite for masked reads
         assert bool((cache.k[:block_size] == 1).all()) and bool((cache.v[num_blocks // 2 * block_size:] == 2).all())
+
+
+@pytest.mark.parametrize("runner", ["ModelRunner", "DecoderPoolingRunner", "EncoderRunner", "TPModelRunner"])
+def test_every_runner_takes_what_give_way_passes(runner):
+    """give_way calls release(block_ids, block_size, window_block_ids) on the engine's runner, whichever it is (an
+    encoder embedding model's EncoderRunner too: it has blocks, and no pages)."""
+    import inspect
+
+    from pagedserve.worker import model_runner, pooling_runner, tp_worker
+
+    cls = {"ModelRunner": model_runner.ModelRunner, "DecoderPoolingRunner": pooling_runner.DecoderPoolingRunner,
+           "EncoderRunner": pooling_runner.EncoderRunner, "TPModelRunner": tp_worker.TPModelRunner}[runner]
+    inspect.signature(cls.release_kv_pages).bind(None, [3, 4], 16, [5])
