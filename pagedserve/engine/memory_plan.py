@@ -36,18 +36,18 @@ def num_window_kv_blocks(plan: MemoryPlan) -> int:
     return plan.num_window_blocks + 1 if plan.num_window_blocks else 0
 
 
-def window_pool_window(args: EngineArgs, model: ModelConfig, speculates_with_draft: bool) -> int | None:
-    """The window of the sliding-window layers' pool of their own (core/kv_cache_manager.py), or None where every
-    layer's K/V stays in one pool: where layers have a window shorter than the context (Gemma 2/3 and Qwen's
-    max_window_layers on some layers; Mistral and Phi-3 on every layer, whose main pool then holds no K/V, only
-    the block tables' bookkeeping), for generation, unless --disable-hybrid-kv-cache-manager. A draft model's K/V
-    are indexed by the main block table, so it keeps one pool."""
+def window_pool_layers(args: EngineArgs, model: ModelConfig, speculates_with_draft: bool) -> tuple[int, int] | None:
+    """(window, layers with it) of the sliding-window layers' pool of their own (core/kv_cache_manager.py), or
+    None where every layer's K/V stays in one pool: where layers have a window shorter than the context (Gemma 2/3
+    and Qwen's max_window_layers on some layers; Mistral and Phi-3 on every layer, whose main pool then holds no
+    K/V, only the block tables' bookkeeping), for generation, unless --disable-hybrid-kv-cache-manager. A draft
+    model's K/V are indexed by the main block table, so it keeps one pool."""
     if args.disable_hybrid_kv_cache_manager or model.task != "generate" or speculates_with_draft:
         return None
     windows = [w for w in layer_windows(model.hf_config) if w is not None]
     if not windows or max(windows) >= model.max_model_len:  # (--disable-sliding-window caps the context so)
         return None
-    return max(windows)
+    return max(windows), len(windows)
 
 
 def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig, scheduler: SchedulerConfig,
@@ -82,9 +82,9 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         return replace(shape, weight_bytes=weight_bytes)
 
     shape = prepared_shape(checkpoint, model)
-    window = window_pool_window(args, model, draft is not None)
-    if window is not None:
-        num_window_layers = sum(w is not None for w in layer_windows(model.hf_config))
+    windowed = window_pool_layers(args, model, draft is not None)
+    if windowed is not None:
+        window, num_window_layers = windowed
         shape = replace(shape, num_window_layers=num_window_layers, window=window)
     if draft is not None:
         draft_shape = prepared_shape(*draft)
@@ -94,7 +94,8 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     if args.num_gpu_blocks_override:
         num_blocks = args.num_gpu_blocks_override - 1  # minus the null block
         window_blocks = min(num_blocks, sizes.window_pool_blocks(shape.window, args.block_size, scheduler.max_num_seqs,
-                                                                 scheduler.max_num_batched_tokens)) if window else 0
+                                                                 scheduler.max_num_batched_tokens)) \
+            if shape.num_window_layers else 0
         kv_cache_bytes = (num_blocks * block_bytes + window_blocks * args.block_size
                           * sizes.window_kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes))
         kv_source = f"--num-gpu-blocks-override {args.num_gpu_blocks_override}"

@@ -15,7 +15,7 @@ from pagedserve import LLM
 from pagedserve.formats.errors import ModelValidationError
 from pagedserve.models.gguf_loader import GGUFCheckpoint
 from pagedserve.platform import native_kernels_run
-from tests.models.gguf_utils import write_llama_like_gguf
+from tests.models.gguf_utils import _finish, write_llama_like_gguf
 from tests.models.test_gguf_sentencepiece import gguf_matches_transformers
 from tests.models.test_more_architectures import LONGROPE
 from tests.tiny_models import make_tiny_model
@@ -77,12 +77,8 @@ def test_the_config_the_gguf_stands_for(ggufs, case):
 def test_an_architecture_pagedserve_does_not_serve_is_refused_by_name(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "falcon")
     writer.add_block_count(1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
     with pytest.raises(ModelValidationError, match="falcon.*granite, phi3, smollm3"):
-        LLM(str(tmp_path / "m.gguf"))
+        LLM(str(_finish(writer, tmp_path / "m.gguf")))
 
 
 def test_a_granite_gguf_without_an_attention_scale_reads_as_llama_cpp_does(tmp_path, monkeypatch):
