@@ -209,22 +209,28 @@ class KVCacheManager:
             self._window_start[request.request_id] = next((i for i, b in enumerate(held) if b is not null),
                                                           len(held))
         first = self._first_window_block(num_known)
-        self._give_back(request.request_id, first)
+        self._give_back(request, first)
         if len(held) < first:  # a table that starts past the window's blocks: null up to them
             held.extend([null] * (first - len(held)))
         new_blocks = pool.get_new_blocks(max(0, num_required - len(held)))
         held.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
-    def _give_back(self, request_id: str, first: int) -> None:
-        """Give the window pool back the request's blocks before block `first`, oldest first (the first
-        evicted); the null block takes their place."""
+    def _give_back(self, request: Request, first: int) -> None:
+        """Give the window pool back the request's blocks before block `first`, oldest first (the first evicted);
+        the null block takes their place. They go back stale (reused before the pool's other cached blocks): a
+        later hit needs the window before its own end, which for the next turn of a conversation is the window
+        the request frees when it finishes, not these. Kept as any cached block: those at positions another
+        running request shares (their main-pool block is its too), the window of a shared prefix."""
+        request_id = request.request_id
         held, start = self.req_to_window_blocks[request_id], self._window_start[request_id]
         end = min(first, len(held))
         if end <= start:
             return
-        null = self.window_pool.null_block
-        self.window_pool.free_blocks([b for b in held[start:end] if b is not null])
+        null, main = self.window_pool.null_block, self.req_to_blocks[request_id]
+        given = [(b, main[i].ref_cnt > 1) for i, b in enumerate(held[start:end], start) if b is not null]
+        self.window_pool.free_blocks([b for b, shared in given if not shared], stale=True)
+        self.window_pool.free_blocks([b for b, shared in given if shared])
         held[start:end] = [null] * (end - start)
         self._window_start[request_id] = end
 
@@ -232,7 +238,7 @@ class KVCacheManager:
         """After a step: give back the window blocks the request's next tokens no longer see (its computed tokens
         moved on), so that between steps a request holds about a window of them, whatever its last chunk was."""
         if self.window_pool is not None and request.request_id in self.req_to_window_blocks:
-            self._give_back(request.request_id, self._first_window_block(request.num_computed_tokens))
+            self._give_back(request, self._first_window_block(request.num_computed_tokens))
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         self._update_block_hashes(request)

@@ -24,6 +24,9 @@ weights and the runtime overhead are memory/sizes.py's):
   Sliding-window layers with a pool of their own (sizes.ModelShape.num_window_layers; core/kv_cache_manager.py):
   the counts above are the main pool's blocks, whose bytes are the other layers'; the window pool has as many
   blocks up to what its requests can hold at once (sizes.window_pool_blocks), and the bounds in bytes count both.
+  Where an automatic rule's bounds leave bytes beside both pools (the workload bound decided), the window pool
+  also takes cached windows for finished requests from them (sizes.window_cache_blocks): their conversations'
+  next turns hit the prefix cache as with one pool.
 
   Peak activations, for one forward pass over T batched tokens. Inference keeps no autograd graph, so only
   one layer's transients are alive at a time; the terms are summed, which bounds the allocator's high-water
@@ -73,8 +76,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from pagedserve.memory.probe import AvailableMemory
 from pagedserve.memory.sizes import (CPU_RUNTIME_OVERHEAD_BYTES, GIB, MIB, ModelShape, int8_linear_delta_bytes,
-                                     kv_bytes_per_token, sequence_overhead_bytes, window_kv_bytes_per_token,
-                                     window_pool_blocks)
+                                     kv_bytes_per_token, sequence_overhead_bytes, window_cache_blocks,
+                                     window_kv_bytes_per_token, window_pool_blocks)
 
 # The block pool's Python objects (KVCacheBlock + its free-queue entry): 277 bytes per block measured with
 # VmRSS around KVCacheManager(100_000, 16, True) on Python 3.11.
@@ -324,6 +327,7 @@ class KVSizing:
     rule: str
     bound: str
     problems: list[str] = field(default_factory=list)
+    spare_bytes: int = 0  # what the automatic rules' byte bounds leave beside the pools (WindowPool.num_blocks)
 
 
 def kv_rule(request: PlanRequest) -> str:
@@ -335,14 +339,21 @@ def kv_rule(request: PlanRequest) -> str:
 
 @dataclass(frozen=True)
 class WindowPool:
-    """The sliding-window layers' pool of their own: a block's K/V bytes and the most blocks it needs
-    (sizes.window_pool_blocks); it holds min(main pool's blocks, that) blocks."""
+    """The sliding-window layers' pool of their own: a block's K/V bytes, the most blocks its running requests
+    hold (sizes.window_pool_blocks) and the blocks that keep finished requests' windows cached
+    (sizes.window_cache_blocks). It holds min(main pool's blocks, what the running requests hold, plus cached
+    windows where the budget leaves room for them beside the workload's pools) blocks."""
 
     block_bytes: int = 0
     max_blocks: int = 0
+    cache_blocks: int = 0
 
-    def num_blocks(self, num_main_blocks: int) -> int:
-        return min(num_main_blocks, self.max_blocks) if self.block_bytes else 0
+    def num_blocks(self, num_main_blocks: int, spare_bytes: int = 0, host_bytes: int = 0) -> int:
+        """With `spare_bytes` left in the bounds beside the pools, each window block its K/V + `host_bytes`."""
+        if not self.block_bytes:
+            return 0
+        cached = min(self.cache_blocks, max(0, spare_bytes) // (self.block_bytes + host_bytes))
+        return min(num_main_blocks, self.max_blocks + cached)
 
     def main_blocks_within(self, num_bytes: int, per_block: int, host_bytes: int = 0) -> int:
         """The most main-pool blocks whose pools fit in `num_bytes`, each block `per_block` bytes and each window
@@ -374,15 +385,18 @@ def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int,
             )
         return KVSizing(num_blocks, rule, "explicit", problems)
     per_block, host = block_bytes + request.host_bytes_per_block, request.host_bytes_per_block
+    limit = max(0, left_bytes)
     bounds = [(request.max_num_seqs * blocks_per_seq, "workload"),
-              (window.main_blocks_within(max(0, left_bytes), per_block, host), "budget")]
+              (window.main_blocks_within(limit, per_block, host), "budget")]
     if rule == "shared-box":
         share = int(request.kv_share * request.available.num_bytes)
         bounds.append((window.main_blocks_within(share, per_block, host), "share"))
+        limit = min(limit, share)
     num_blocks, bound = min(bounds, key=lambda b: b[0])  # the first of equals: workload before budget
     if num_blocks < blocks_per_seq:
         return KVSizing(blocks_per_seq, rule, "floor")
-    return KVSizing(num_blocks, rule, bound)
+    used = num_blocks * per_block + window.num_blocks(num_blocks) * (window.block_bytes + host)
+    return KVSizing(num_blocks, rule, bound, spare_bytes=limit - used)
 
 
 def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
@@ -394,7 +408,7 @@ def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
     fixed = shape.weight_bytes + activations.total + request.runtime_overhead_bytes
     sizing = _size_kv_pool(request, block_bytes, budget - fixed, window)
     num_blocks, problems = sizing.num_blocks, sizing.problems
-    num_window_blocks = window.num_blocks(num_blocks)
+    num_window_blocks = window.num_blocks(num_blocks, sizing.spare_bytes, request.host_bytes_per_block)
     kv_pool_bytes = num_blocks * block_bytes + num_window_blocks * window.block_bytes
     bookkeeping = (num_blocks + num_window_blocks) * request.host_bytes_per_block
     total = fixed + kv_pool_bytes + bookkeeping
@@ -427,7 +441,8 @@ def window_pool(shape: ModelShape, request: PlanRequest) -> WindowPool:
     return WindowPool(request.block_size * window_kv_bytes_per_token(shape, request.kv_dtype_bytes,
                                                                       request.kv_scale_bytes),
                       window_pool_blocks(shape.window, request.block_size, request.max_num_seqs,
-                                         request.max_num_batched_tokens))
+                                         request.max_num_batched_tokens),
+                      window_cache_blocks(shape.window, request.block_size, request.max_num_seqs))
 
 
 def make_plan(shape: ModelShape, request: PlanRequest, *, quantizations: tuple[str, ...] = ("int8",),

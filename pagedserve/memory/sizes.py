@@ -138,6 +138,20 @@ def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_
     return max_num_seqs * per_request + -(-max_num_batched_tokens // block_size)
 
 
+# Windows the window pool keeps cached per running request where the memory budget has room beside the workload:
+# a finished request's last window is what its conversation's next turn needs for a prefix hit, and a pool with
+# room for the running requests alone reuses it as soon as others start. With two, multi-turn chat's prefix-hit
+# rate stayed level with one pool's while up to three times as many conversations took turns as ran at once
+# (benchmarks/window_prefix_hits.py).
+CACHED_WINDOWS_PER_SEQ = 2
+
+
+def window_cache_blocks(window: int, block_size: int, max_num_seqs: int) -> int:
+    """The window pool's blocks beyond window_pool_blocks for CACHED_WINDOWS_PER_SEQ windows per running request
+    (a window's positions over one more block where they straddle one)."""
+    return CACHED_WINDOWS_PER_SEQ * max_num_seqs * (-(-window // block_size) + 1)
+
+
 # How prepare() holds the logits projection (weight_format.WeightFormat.logits_head says which, by kernel):
 LOGITS_HEADS = ("none",    # no logits (an embedding model)
                 "shared",  # reads tensors already counted: the checkpoint's, or its untied lm_head repacked

@@ -37,15 +37,16 @@ def test_the_decode_stack_writes_and_reads_the_window_pool(kernels, tiny_model_d
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_a_small_window_pool_against_transformers(tiny_model_dir, arch):
-    """Two sequences at a time and 16-token steps: the window pool holds 8 blocks against the main pool's 33, with
-    prefix caching (blocks given back stay findable until reused) and chunked prefill past the window."""
+    """Two sequences at a time and 16-token steps: the window pool holds 16 blocks against the main pool's 33 (7 for
+    the running sequences, 8 for cached windows, the null block), with prefix caching (blocks given back stay
+    findable until reused) and chunked prefill past the window."""
     llm = _check(tiny_model_dir(arch), "float32", max_num_seqs=2, max_num_batched_tokens=WINDOW,
                  enable_chunked_prefill=True, block_size=16)
     kv = llm.engine.kv
-    assert (kv.pool.num_blocks, kv.window_pool.num_blocks) == (33, 8)
+    assert (kv.pool.num_blocks, kv.window_pool.num_blocks) == (33, 16)
     assert _window_pool_reused(llm)
     windowed = [w is not None for w in llm.engine.runner.model.layer_windows]
-    assert [cache.k.shape[0] for cache in llm.engine.runner.kv_caches] == [8 * 16 if w else 33 * 16 for w in windowed]
+    assert [cache.k.shape[0] for cache in llm.engine.runner.kv_caches] == [16 * 16 if w else 33 * 16 for w in windowed]
 
 
 def test_a_prefix_hit_with_a_small_window_pool(tiny_model_dir):
@@ -94,19 +95,48 @@ def test_the_plan_counts_a_window_of_each_sequence_for_the_window_layers(tiny_mo
     single, single_cache = plan(disable_hybrid_kv_cache_manager=True)
     assert single.num_window_blocks == 0 and single_cache.num_window_blocks == 0
     assert hybrid.num_kv_blocks == single.num_kv_blocks == 4 * 32768 // 16  # the workload: 4 full sequences
-    # 4 sequences x (a window of 16 over 1 block + 2) + a step's 2048 tokens: 12 + 128 blocks
-    assert hybrid.num_window_blocks == 140 and cache.num_window_blocks == 141 and cache.sliding_window == WINDOW
-    assert hybrid.kv_pool_bytes == hybrid.num_kv_blocks * hybrid.block_bytes + 140 * hybrid.window_block_bytes
+    # 4 sequences x (a window of 16 over 1 block + 2) + a step's 2048 tokens: 12 + 128 blocks; the budget has room
+    # beside the workload, so 2 cached windows per sequence too (16 tokens over 2 blocks each): 16 blocks
+    assert hybrid.num_window_blocks == 156 and cache.num_window_blocks == 157 and cache.sliding_window == WINDOW
+    assert hybrid.kv_pool_bytes == hybrid.num_kv_blocks * hybrid.block_bytes + 156 * hybrid.window_block_bytes
     assert hybrid.block_bytes == hybrid.window_block_bytes == single.block_bytes // 2
     assert hybrid.kv_pool_bytes < 0.52 * single.kv_pool_bytes
-    assert hybrid.kv_cache_report()["num_window_blocks"] == 140
-    # An explicit pool: the same bytes hold about twice the main pool's blocks.
+    assert hybrid.kv_cache_report()["num_window_blocks"] == 156
+    # An explicit pool: the same bytes hold about twice the main pool's blocks (none left for cached windows).
     budget = 256 << 20
     hybrid, _ = plan(kv_cache_memory=budget)
     single, _ = plan(kv_cache_memory=budget, disable_hybrid_kv_cache_manager=True)
     assert hybrid.kv_pool_bytes <= budget and single.kv_pool_bytes <= budget
+    assert hybrid.num_window_blocks == 140
     assert hybrid.num_kv_blocks == (budget - 140 * hybrid.window_block_bytes) // hybrid.block_bytes
     assert hybrid.num_kv_blocks > 1.9 * single.num_kv_blocks
+
+
+def test_cached_windows_come_from_what_the_budget_leaves_beside_the_workload(tiny_model_dir):
+    """The window pool's cached windows (sizes.window_cache_blocks) take the bytes the budget and the shared-box
+    cap leave beside the workload's pools, never the main pool's: where a byte bound decides the main pool they get
+    none, where the workload does all of them or what is left; the plan stays within its budget."""
+    model_dir = tiny_model_dir("gemma3", max_position_embeddings=32768)
+    running, cached, workload = 140, 16, 4 * 32768 // 16
+    seen = set()
+    # From the budget deciding to the workload with room to spare, and 8-KiB steps where the room for cached
+    # windows begins (this tiny model's; `seen` fails if a change to the plan's constants moves it).
+    for kib in [*range(446 << 10, 470 << 10, 1 << 10), *range(470_800, 471_100, 8)]:
+        args = EngineArgs(model=model_dir, max_model_len=32768, max_num_seqs=4)
+        available = AvailableMemory(kib << 10, "MemAvailable", "a test")
+        plan = create_engine_config(args, available=available, check_memory=False).memory_plan
+        assert plan.fits and plan.total_bytes <= plan.budget_bytes, kib
+        host = plan.request.host_bytes_per_block
+        if plan.kv_sizing != "workload":
+            assert plan.num_window_blocks == running and plan.num_kv_blocks < workload, kib
+            seen.add("none")
+            continue
+        left = plan.budget_bytes - (plan.total_bytes - plan.kv_pool_bytes - plan.kv_bookkeeping_bytes)
+        limit = min(left, int(plan.request.kv_share * available.num_bytes))
+        spare = (limit - workload * (plan.block_bytes + host)) // (plan.window_block_bytes + host) - running
+        assert plan.num_kv_blocks == workload and plan.num_window_blocks == running + min(cached, spare), kib
+        seen.add("all" if spare >= cached else "some")
+    assert seen == {"none", "some", "all"}
 
 
 def test_the_suggested_block_override_fits_with_its_window_pool(tiny_model_dir):
@@ -144,16 +174,17 @@ def test_the_first_memory_reading_counts_the_window_pool(tiny_model_dir):
 
 def test_a_window_on_every_layer_leaves_the_main_pool_without_k_v(tiny_model_dir, tmp_path):
     """Mistral's kind (every layer windowed): all K/V live in the window pool, sized for two sequences' windows and
-    a step; the main pool is block-table bookkeeping only, and the plan counts no bytes for it."""
+    a step, and two cached windows per sequence; the main pool is block-table bookkeeping only, and the plan counts
+    no bytes for it."""
     from tests.models.test_sliding_window import _mistral
 
     llm = _check(_mistral(tiny_model_dir, tmp_path, "float32"), "float32", max_num_seqs=2,
                  max_num_batched_tokens=WINDOW, enable_chunked_prefill=True, block_size=16)
     engine = llm.llm_engine
-    assert engine.kv.window_pool.num_blocks == 8 and _window_pool_reused(llm)
-    assert {cache.k.shape[0] for cache in engine.runner.kv_caches} == {8 * 16}
+    assert engine.kv.window_pool.num_blocks == 16 and _window_pool_reused(llm)
+    assert {cache.k.shape[0] for cache in engine.runner.kv_caches} == {16 * 16}
     plan = engine.config.memory_plan
-    assert plan.block_bytes == 0 and plan.kv_pool_bytes == 7 * plan.window_block_bytes > 0
+    assert plan.block_bytes == 0 and plan.kv_pool_bytes == 15 * plan.window_block_bytes > 0
 
 
 def test_a_window_as_long_as_the_context_keeps_one_pool(tiny_model_dir):

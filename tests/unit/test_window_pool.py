@@ -10,7 +10,8 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.memory.sizes import window_pool_blocks
+from pagedserve.memory import sizes
+from pagedserve.memory.sizes import window_cache_blocks, window_pool_blocks
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 
@@ -156,6 +157,51 @@ def test_a_prefix_hit_shortens_to_where_its_window_blocks_are_cached():
     # Hits ending after block 8 need it; the longest that does not ends at 8 (its window: blocks 5..7).
     assert computed.num_tokens == 32
     assert [b is kv.window_pool.null_block for b in computed.window_blocks] == [True] * 5 + [False] * 3
+
+
+def planned_scheduler(window, max_num_seqs, num_blocks=400, budget=16):
+    """A scheduler whose window pool has what the plan gives it where the budget has room: the running requests'
+    blocks and the cached windows (memory/plan.py)."""
+    num_window_blocks = (window_pool_blocks(window, BS, max_num_seqs, budget)
+                         + window_cache_blocks(window, BS, max_num_seqs) + 1)
+    return make_scheduler(window=window, num_blocks=num_blocks, num_window_blocks=num_window_blocks,
+                          max_num_seqs=max_num_seqs, budget=budget)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_a_finished_request_s_last_window_outlasts_what_running_requests_leave_behind(max_num_seqs):
+    """Multi-turn chat: a conversation's next turn hits its whole history only while the window pool still holds
+    the last window of the turn before. Long requests of other conversations running meanwhile give back a block
+    every few tokens; those go back stale and are reused first, and the plan's cached windows keep the finished
+    ones (with a pool for the running requests alone and plain LRU it was reused, and the turn recomputed)."""
+    sched = planned_scheduler(window=10, max_num_seqs=max_num_seqs)
+    first = make_request("turn1", range(500, 520), max_tokens=6)
+    sched.add_request(first)
+    run(sched)
+    history = list(first.all_token_ids)  # 26 tokens
+    for i in range(sizes.CACHED_WINDOWS_PER_SEQ * max_num_seqs):  # as many other conversations as it keeps
+        sched.add_request(make_request(f"other{i}", range(1000 * (i + 1), 1000 * (i + 1) + 60), max_tokens=40))
+    run(sched)
+    second = make_request("turn2", history + [7, 8, 9], max_tokens=2)
+    assert sched.kv.get_computed_blocks(second).num_tokens == 24  # every full block of the history
+    sched.add_request(second)
+    run(sched)
+    assert_no_leaks(sched)
+
+
+def test_the_window_of_a_prefix_running_requests_share_is_kept():
+    """Blocks given back at positions another running request shares (a shared system prompt or document) go
+    back as any cached block, not stale: the next request with that prefix still hits it after a long unrelated
+    request churned through the pool."""
+    sched = planned_scheduler(window=10, max_num_seqs=3)
+    shared = list(range(3000, 3040))  # 40 tokens: a hit ends at 40 and needs blocks 7..9
+    sched.add_request(make_request("a", shared + [1, 2], max_tokens=30))
+    run(sched)  # a alone: computes the prefix
+    for rid, tail in (("b", [3, 4]), ("c", [5, 6])):  # b and c share it while they run, then move past it
+        sched.add_request(make_request(rid, shared + tail, max_tokens=30))
+    sched.add_request(make_request("long", range(5000, 5100), max_tokens=80))
+    run(sched)
+    assert sched.kv.get_computed_blocks(make_request("d", shared + [7, 8], max_tokens=1)).num_tokens == 40
 
 
 def test_a_window_pool_needs_its_window():
