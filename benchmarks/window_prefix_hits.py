@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from dataclasses import dataclass
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.block_pool import BlockPool
@@ -35,25 +36,41 @@ MAX_MODEL_LEN = 4096
 STEP_TOKENS = 256
 
 
-def hit_rate(window: int, max_num_seqs: int, conversations: int, turns: int, block_size: int,
-             cached_windows: int | None, shared: int = 0, seed: int = 0) -> float:
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    window: int
+    max_num_seqs: int
+    conversations: int
+    turns: int = 8
+    shared: int = 0  # tokens every prompt opens with (a system prompt)
+    document: int = 0  # tokens of a conversation's own document: each turn asks about it anew (no history)
+    gap: int = 0  # steps between the conversations' first turns (0: all within 50 steps)
+
+
+def hit_rate(load: Workload, block_size: int, cached_windows: int | None, seed: int = 0) -> float:
     """The prefix-cache hit rate of the workload; `cached_windows` None: one pool for every layer."""
     rng = random.Random(seed)
-    num_blocks = max_num_seqs * -(-MAX_MODEL_LEN // block_size) + 1  # the plan's workload bound
+    num_blocks = load.max_num_seqs * -(-MAX_MODEL_LEN // block_size) + 1  # the plan's workload bound
     if cached_windows is None:
         kv = KVCacheManager(num_blocks, block_size, True)
     else:
-        per_window = -(-window // block_size) + 1
-        num_window = (sizes.window_pool_blocks(window, block_size, max_num_seqs, STEP_TOKENS)
-                      + cached_windows * max_num_seqs * per_window + 1)
-        kv = KVCacheManager(num_blocks, block_size, True, min(num_blocks, num_window), window)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=STEP_TOKENS,
+        per_window = -(-load.window // block_size) + 1
+        num_window = (sizes.window_pool_blocks(load.window, block_size, load.max_num_seqs, STEP_TOKENS)
+                      + cached_windows * load.max_num_seqs * per_window + 1)
+        kv = KVCacheManager(num_blocks, block_size, True, min(num_blocks, num_window), load.window)
+    config = SchedulerConfig(max_num_seqs=load.max_num_seqs, max_num_batched_tokens=STEP_TOKENS,
                              max_model_len=MAX_MODEL_LEN)
     sched = Scheduler(config, kv)
-    system = [rng.randrange(1000) for _ in range(shared)]
-    history = {c: system + [rng.randrange(1000) for _ in range(40)] for c in range(conversations)}
-    turn = dict.fromkeys(range(conversations), 0)
-    arrives = {c: rng.randrange(50) for c in range(conversations)}
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1000) for _ in range(n)]
+
+    system = tokens(load.shared)
+    documents = {c: tokens(load.document) for c in range(load.conversations)}
+    prompts = {c: system + documents[c] + tokens(40) for c in range(load.conversations)}
+    turn = dict.fromkeys(range(load.conversations), 0)
+    arrives = {c: c * load.gap if load.gap else rng.randrange(50) for c in range(load.conversations)}
     running: dict[str, tuple[int, Request]] = {}
     step = 0
     while arrives or sched.has_unfinished_requests():
@@ -61,7 +78,7 @@ def hit_rate(window: int, max_num_seqs: int, conversations: int, turns: int, blo
             del arrives[c]
             max_tokens = rng.randrange(40, 120)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            request = Request(f"{c}-{turn[c]}", list(history[c]), params, eos_token_id=None, max_tokens=max_tokens)
+            request = Request(f"{c}-{turn[c]}", list(prompts[c]), params, eos_token_id=None, max_tokens=max_tokens)
             sched.add_request(request)
             running[request.request_id] = (c, request)
         step += 1
@@ -74,39 +91,50 @@ def hit_rate(window: int, max_num_seqs: int, conversations: int, turns: int, blo
             if request.is_finished:
                 del running[rid]
                 turn[c] += 1
-                if turn[c] < turns:
-                    message = [rng.randrange(1000) for _ in range(rng.randrange(10, 40))]
-                    history[c] = list(request.all_token_ids) + message
+                if turn[c] < load.turns:
+                    message = tokens(rng.randrange(10, 40))
+                    prompts[c] = (system + documents[c] if load.document else list(request.all_token_ids)) + message
                     arrives[c] = step + rng.randrange(20, 200)
     return kv.stats.num_hits / kv.stats.num_queries
+
+
+WORKLOADS = [Workload("chat", 128, 8, 16), Workload("chat", 512, 8, 16), Workload("chat", 128, 8, 24),
+             Workload("chat", 512, 4, 12), Workload("chat", 128, 4, 16),
+             Workload("shared prompt, together", 128, 8, 64, turns=1, shared=1000),
+             Workload("shared prompt, together", 512, 8, 64, turns=1, shared=1000),
+             Workload("shared prompt, one at a time", 128, 1, 24, turns=1, shared=1000, gap=300),
+             Workload("shared prompt, one at a time", 512, 2, 24, turns=1, shared=1000, gap=300),
+             Workload("a document asked about 3 times", 128, 4, 8, turns=3, document=1000),
+             Workload("a document asked about 3 times", 512, 2, 8, turns=3, document=1500)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=8)
     args = parser.parse_args()
-    workloads = [("chat", 128, 8, 16, 0), ("chat", 512, 8, 16, 0), ("chat", 128, 8, 24, 0), ("chat", 512, 4, 12, 0),
-                 ("chat", 128, 4, 16, 0), ("shared prompt", 128, 8, 64, 1000), ("shared prompt", 512, 8, 64, 1000)]
-    print("| workload | window | max-num-seqs | conversations | one pool | before (0 cached, `stale` off) |"
-          " window pool + 0 / 1 / 2 / 3 cached windows per running request | + 2, `stale` off |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, window, seqs, conversations, shared in workloads:
-        turns = args.turns if not shared else 1
-
-        def rate(cached, stale=True, seqs=seqs, window=window, conversations=conversations, shared=shared,
-                 turns=turns):
-            free_blocks = BlockPool.free_blocks
-            if not stale:
-                BlockPool.free_blocks = lambda self, blocks, stale=False: free_blocks(self, blocks)
+    print("| workload | window | max-num-seqs | conversations | one pool | before: running requests' blocks, one"
+          " tier | window pool + 0 / 1 / 2 / 3 cached windows per running request | + 2, no shared windows |"
+          " + 2, one tier |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for load in WORKLOADS:
+        def rate(cached: int | None, variant: str = "", load: Workload = load) -> float:
+            """variant: "one tier" every block freed into the last tier; "no shared" no window kept as a shared
+            prefix's."""
+            free_blocks, count_hit_end = BlockPool.free_blocks, KVCacheManager._count_hit_end
+            if variant == "one tier":
+                BlockPool.free_blocks = lambda self, blocks, tier=0: free_blocks(self, blocks)
+            if variant == "no shared":
+                KVCacheManager._count_hit_end = lambda self, blocks: None
             try:
-                return hit_rate(window, seqs, conversations, turns, args.block_size, cached, shared)
+                return hit_rate(load, args.block_size, cached)
             finally:
-                BlockPool.free_blocks = free_blocks
+                BlockPool.free_blocks, KVCacheManager._count_hit_end = free_blocks, count_hit_end
 
         pooled = " / ".join(f"{rate(n):.2f}" for n in range(4))
-        print(f"| {name} | {window} | {seqs} | {conversations} | {rate(None):.2f} | {rate(0, stale=False):.2f} |"
-              f" {pooled} | {rate(sizes.CACHED_WINDOWS_PER_SEQ, stale=False):.2f} |")
+        kept = sizes.CACHED_WINDOWS_PER_SEQ
+        print(f"| {load.name} | {load.window} | {load.max_num_seqs} | {load.conversations} | {rate(None):.2f} |"
+              f" {rate(0, 'one tier'):.2f} | {pooled} | {rate(kept, 'no shared'):.2f} |"
+              f" {rate(kept, 'one tier'):.2f} |")
 
 if __name__ == "__main__":
     main()

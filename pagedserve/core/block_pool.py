@@ -7,9 +7,10 @@ Invariants:
      pages are resident and warm;
   2. blocks never written (or whose pages were released): the KV pool is allocated lazily, so taking one makes
      its pages resident;
-  3. blocks holding a cached prefix: oldest freed first (LRU eviction), those freed as `stale` before the others
-     (the window pool's blocks a running request left behind, core/kv_cache_manager.py: a later request seldom
-     finds them useful), so that they, not the other cached blocks, make room.
+  3. blocks holding a cached prefix, in NUM_TIERS queues: the lowest tier first, each oldest freed first (LRU
+     eviction). Blocks are freed into the last tier unless the caller knows a later request is less likely to
+     want them (the window pool's blocks a running request leaves behind, core/kv_cache_manager.py), so that
+     those, not the other cached blocks, make room.
   So without prefix caching the pool's resident part stays at the most blocks ever in use at once (before,
   blocks went round the whole pool, and RSS grew toward all of it on a one-request workload), and with it, the
   cache keeps its blocks until no other free block is left.
@@ -49,6 +50,9 @@ def salt_hash(salt: str | None) -> BlockHash | None:
     return BlockHash(int.from_bytes(digest[:8], "little"), ())
 
 
+NUM_TIERS = 2  # the queues of cached free blocks (the module docstring)
+
+
 @dataclass(eq=False)
 class KVCacheBlock:
     block_id: int
@@ -71,15 +75,14 @@ class BlockPool:
         # OrderedDict gives O(1) removal from the middle (a cache hit on a free block).
         self._free_written: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self._free_unwritten: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
-        self._free_cached: OrderedDict[int, KVCacheBlock] = OrderedDict()
-        self._free_stale: OrderedDict[int, KVCacheBlock] = OrderedDict()  # cached, evicted before _free_cached
+        self._free_cached: list[OrderedDict[int, KVCacheBlock]] = [OrderedDict() for _ in range(NUM_TIERS)]
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
         self._written: set[int] = set()  # ids of the blocks handed out since their pages were last released
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_written) + len(self._free_stale) + len(self._free_unwritten) + len(self._free_cached)
+        return len(self._free_written) + len(self._free_unwritten) + sum(len(tier) for tier in self._free_cached)
 
     @property
     def num_blocks_written(self) -> int:
@@ -101,10 +104,8 @@ class BlockPool:
                 _, block = self._free_written.popitem(last=True)
             elif self._free_unwritten:
                 _, block = self._free_unwritten.popitem(last=False)
-            elif self._free_stale:
-                _, block = self._free_stale.popitem(last=False)
             else:
-                _, block = self._free_cached.popitem(last=False)
+                _, block = next(tier for tier in self._free_cached if tier).popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
             self._written.add(block.block_id)
@@ -126,8 +127,7 @@ class BlockPool:
         """Take a reference on cache-hit blocks, pulling them out of the free queue if unused."""
         for block in blocks:
             if block.ref_cnt == 0:
-                if self._free_cached.pop(block.block_id, None) is None:
-                    del self._free_stale[block.block_id]
+                next(tier for tier in self._free_cached if block.block_id in tier).pop(block.block_id)
             block.ref_cnt += 1
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
@@ -137,10 +137,10 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks.setdefault(block_hash, block)
 
-    def free_blocks(self, blocks: list[KVCacheBlock], stale: bool = False) -> None:
-        """Drop one reference from each block. Pass blocks in eviction order (first = evicted first). `stale`: the
-        cached ones among them are evicted before the other cached blocks."""
-        cached_queue = self._free_stale if stale else self._free_cached
+    def free_blocks(self, blocks: list[KVCacheBlock], tier: int = NUM_TIERS - 1) -> None:
+        """Drop one reference from each block. Pass blocks in eviction order (first = evicted first). The cached
+        ones among them wait in `tier`'s queue (the module docstring)."""
+        cached_queue = self._free_cached[tier]
         for block in blocks:
             if block is self.null_block:
                 continue
@@ -161,8 +161,8 @@ class BlockPool:
             block = self.blocks[block_id]
             self._evict(block)
             self._free_written.pop(block_id, None)
-            self._free_cached.pop(block_id, None)
-            self._free_stale.pop(block_id, None)
+            for tier in self._free_cached:
+                tier.pop(block_id, None)
             self._free_unwritten[block_id] = block
         self._written.difference_update(released)
         return released
@@ -174,7 +174,7 @@ class BlockPool:
         for block in self.blocks[1:]:
             block.block_hash = None
         self.cached_blocks.clear()
-        for queue in (self._free_stale, self._free_cached):
-            self._free_written.update(queue)
-            queue.clear()
+        for tier in self._free_cached:
+            self._free_written.update(tier)
+            tier.clear()
         return True

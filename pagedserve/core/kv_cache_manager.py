@@ -16,10 +16,15 @@ the window pool, the blocks the window of the first token to compute covers.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pagedserve.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens, salt_hash
+from pagedserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens, salt_hash
 from pagedserve.request import Request
+
+# The window pool's tier (block_pool.py) for the blocks a running request leaves behind its window, below the tier
+# of the others (KVCacheManager._give_back)
+_LEFT_BEHIND = 0
 
 
 @dataclass
@@ -63,6 +68,10 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_window_blocks: dict[str, list[KVCacheBlock]] = {}  # the null block for blocks given back
         self._window_start: dict[str, int] = {}  # each request's first window block not given back
+        # Prefix hits counted by the hash of the block they end with, and the hashes of the window blocks of the
+        # ends hit twice or more (_count_hit_end; each the most recent, a few window pools' worth)
+        self._hit_ends: OrderedDict[BlockHash, int] = OrderedDict()
+        self._shared_windows: OrderedDict[BlockHash, None] = OrderedDict()
         # How many leading blocks of each request are already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
@@ -206,6 +215,7 @@ class KVCacheManager:
         if held is None:  # admitted now: its table starts with the hit's window blocks
             held = self.req_to_window_blocks[request.request_id] = list(computed.window_blocks if computed else [])
             pool.touch([b for b in held if b is not null])
+            self._count_hit_end([b for b in held if b is not null])
             self._window_start[request.request_id] = next((i for i, b in enumerate(held) if b is not null),
                                                           len(held))
         first = self._first_window_block(num_known)
@@ -218,21 +228,35 @@ class KVCacheManager:
 
     def _give_back(self, request: Request, first: int) -> None:
         """Give the window pool back the request's blocks before block `first`, oldest first (the first evicted);
-        the null block takes their place. They go back stale (reused before the pool's other cached blocks): a
-        later hit needs the window before its own end, which for the next turn of a conversation is the window
-        the request frees when it finishes, not these. Kept as any cached block: those at positions another
-        running request shares (their main-pool block is its too), the window of a shared prefix."""
+        the null block takes their place. They are evicted before the blocks requests free when they finish
+        (block_pool.py's tiers): a hit needs the window before its own end, which for a conversation's next turn is
+        the window its last turn freed at its end, not these; but for the window of a prefix hits keep ending at
+        (a shared system prompt, _count_hit_end)."""
         request_id = request.request_id
         held, start = self.req_to_window_blocks[request_id], self._window_start[request_id]
         end = min(first, len(held))
         if end <= start:
             return
-        null, main = self.window_pool.null_block, self.req_to_blocks[request_id]
-        given = [(b, main[i].ref_cnt > 1) for i, b in enumerate(held[start:end], start) if b is not null]
-        self.window_pool.free_blocks([b for b, shared in given if not shared], stale=True)
-        self.window_pool.free_blocks([b for b, shared in given if shared])
-        held[start:end] = [null] * (end - start)
+        given = [b for b in held[start:end] if b is not self.window_pool.null_block]
+        self.window_pool.free_blocks([b for b in given if b.block_hash not in self._shared_windows], _LEFT_BEHIND)
+        self.window_pool.free_blocks([b for b in given if b.block_hash in self._shared_windows])
+        held[start:end] = [self.window_pool.null_block] * (end - start)
         self._window_start[request_id] = end
+
+    def _count_hit_end(self, window_blocks: list[KVCacheBlock]) -> None:
+        """Count a prefix hit by where it ends; from the second hit that ends there on, the window blocks before
+        that end are a shared prefix's window (_give_back keeps them with the blocks of finished requests)."""
+        if not window_blocks:
+            return
+        end = window_blocks[-1].block_hash
+        self._hit_ends[end] = self._hit_ends.pop(end, 0) + 1
+        if self._hit_ends[end] >= 2:
+            for block in window_blocks:
+                self._shared_windows.pop(block.block_hash, None)
+                self._shared_windows[block.block_hash] = None
+        for remembered in (self._hit_ends, self._shared_windows):  # the most recent, a few pools' worth
+            while len(remembered) > 4 * self.window_pool.num_blocks:
+                remembered.popitem(last=False)
 
     def release_out_of_window(self, request: Request) -> None:
         """After a step: give back the window blocks the request's next tokens no longer see (its computed tokens

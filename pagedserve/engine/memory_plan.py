@@ -110,7 +110,8 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         memory_fraction=memory.DEFAULT_MEMORY_FRACTION if args.gpu_memory_utilization is None
         else args.gpu_memory_utilization,
         kv_share=memory.CPU_DEFAULT_KV_SHARE if on_cpu and args.gpu_memory_utilization is None else None,
-        kv_cache_bytes=kv_cache_bytes, kv_source=kv_source, runtime_overhead_bytes=overhead,
+        kv_cache_bytes=kv_cache_bytes, kv_source=kv_source, kv_blocks_exact=bool(args.num_gpu_blocks_override),
+        runtime_overhead_bytes=overhead,
         host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0, kv_scale_bytes=kv_scale_bytes,
         quantization=model.quantization, on_cpu=on_cpu, computes_logits=model.task == "generate",
         materializes_attention_scores=softcapped_attention(model.architecture, model.hf_config))

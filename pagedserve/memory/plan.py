@@ -122,6 +122,7 @@ class PlanRequest:
     memory_fraction: float = DEFAULT_MEMORY_FRACTION  # --gpu-memory-utilization: share of the available memory the server may use
     kv_cache_bytes: int | None = None  # explicit KV pool (--kv-cache-memory, VLLM_CPU_KVCACHE_SPACE)
     kv_source: str = "--kv-cache-memory or VLLM_CPU_KVCACHE_SPACE"  # what gave kv_cache_bytes, in words
+    kv_blocks_exact: bool = False  # kv_cache_bytes are a block count's (--num-gpu-blocks-override): no more
     # The shared-box rule's cap: the KV pool holds at most this share of the available memory. None: the
     # utilization rule (the pool takes what the budget leaves; GPUs, and --gpu-memory-utilization on a CPU).
     kv_share: float | None = None
@@ -327,7 +328,7 @@ class KVSizing:
     rule: str
     bound: str
     problems: list[str] = field(default_factory=list)
-    spare_bytes: int = 0  # what the automatic rules' byte bounds leave beside the pools (WindowPool.num_blocks)
+    num_window_blocks: int = 0  # the window pool's (WindowPool)
 
 
 def kv_rule(request: PlanRequest) -> str:
@@ -370,33 +371,39 @@ class WindowPool:
 def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int,
                   window: WindowPool = WindowPool()) -> KVSizing:
     """The KV pool for the memory left in the budget after everything else (`left_bytes`); with `window`, the
-    main pool's blocks (the window pool's follow from them).
+    main pool's blocks and the window pool's.
 
-    An automatic pool pays for each block's host bookkeeping too; an explicit size counts K/V bytes only."""
+    An automatic pool pays for each block's host bookkeeping too; an explicit size counts K/V bytes only. The
+    window pool's cached windows come from what the bytes leave beside the workload's pools."""
     rule = kv_rule(request)
     blocks_per_seq = math.ceil(request.max_model_len / request.block_size)
+    workload = request.max_num_seqs * blocks_per_seq
     if rule == "explicit":
-        num_blocks = window.main_blocks_within(request.kv_cache_bytes, block_bytes)
+        kv_bytes = request.kv_cache_bytes
+        beside = kv_bytes - workload * block_bytes - window.num_blocks(workload) * window.block_bytes
+        # Bytes beyond the workload take cached windows before more main-pool blocks; a block count asked for
+        # (--num-gpu-blocks-override) takes none.
+        num_cached = 0 if request.kv_blocks_exact else window.num_blocks(workload, beside) - window.num_blocks(workload)
+        num_blocks = window.main_blocks_within(kv_bytes - num_cached * window.block_bytes, block_bytes)
         problems = []
         if num_blocks < blocks_per_seq:
             problems.append(
                 f"the KV cache of {_gib(request.kv_cache_bytes)} holds {num_blocks * request.block_size} tokens,"
                 f" fewer than one max_model_len={request.max_model_len} sequence"
             )
-        return KVSizing(num_blocks, rule, "explicit", problems)
+        return KVSizing(num_blocks, rule, "explicit", problems, window.num_blocks(num_blocks) + num_cached)
     per_block, host = block_bytes + request.host_bytes_per_block, request.host_bytes_per_block
     limit = max(0, left_bytes)
-    bounds = [(request.max_num_seqs * blocks_per_seq, "workload"),
-              (window.main_blocks_within(limit, per_block, host), "budget")]
+    bounds = [(workload, "workload"), (window.main_blocks_within(limit, per_block, host), "budget")]
     if rule == "shared-box":
         share = int(request.kv_share * request.available.num_bytes)
         bounds.append((window.main_blocks_within(share, per_block, host), "share"))
         limit = min(limit, share)
     num_blocks, bound = min(bounds, key=lambda b: b[0])  # the first of equals: workload before budget
     if num_blocks < blocks_per_seq:
-        return KVSizing(blocks_per_seq, rule, "floor")
-    used = num_blocks * per_block + window.num_blocks(num_blocks) * (window.block_bytes + host)
-    return KVSizing(num_blocks, rule, bound, spare_bytes=limit - used)
+        return KVSizing(blocks_per_seq, rule, "floor", num_window_blocks=window.num_blocks(blocks_per_seq))
+    beside = limit - num_blocks * per_block - window.num_blocks(num_blocks) * (window.block_bytes + host)
+    return KVSizing(num_blocks, rule, bound, num_window_blocks=window.num_blocks(num_blocks, beside, host))
 
 
 def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
@@ -408,7 +415,7 @@ def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
     fixed = shape.weight_bytes + activations.total + request.runtime_overhead_bytes
     sizing = _size_kv_pool(request, block_bytes, budget - fixed, window)
     num_blocks, problems = sizing.num_blocks, sizing.problems
-    num_window_blocks = window.num_blocks(num_blocks, sizing.spare_bytes, request.host_bytes_per_block)
+    num_window_blocks = sizing.num_window_blocks
     kv_pool_bytes = num_blocks * block_bytes + num_window_blocks * window.block_bytes
     bookkeeping = (num_blocks + num_window_blocks) * request.host_bytes_per_block
     total = fixed + kv_pool_bytes + bookkeeping

@@ -102,14 +102,24 @@ def test_the_plan_counts_a_window_of_each_sequence_for_the_window_layers(tiny_mo
     assert hybrid.block_bytes == hybrid.window_block_bytes == single.block_bytes // 2
     assert hybrid.kv_pool_bytes < 0.52 * single.kv_pool_bytes
     assert hybrid.kv_cache_report()["num_window_blocks"] == 156
-    # An explicit pool: the same bytes hold about twice the main pool's blocks (none left for cached windows).
+    # An explicit pool: the same bytes hold about twice the main pool's blocks; bytes beyond the workload's pools
+    # take the cached windows first.
     budget = 256 << 20
     hybrid, _ = plan(kv_cache_memory=budget)
     single, _ = plan(kv_cache_memory=budget, disable_hybrid_kv_cache_manager=True)
     assert hybrid.kv_pool_bytes <= budget and single.kv_pool_bytes <= budget
-    assert hybrid.num_window_blocks == 140
-    assert hybrid.num_kv_blocks == (budget - 140 * hybrid.window_block_bytes) // hybrid.block_bytes
+    assert hybrid.num_window_blocks == 156
+    assert hybrid.num_kv_blocks == (budget - 156 * hybrid.window_block_bytes) // hybrid.block_bytes
     assert hybrid.num_kv_blocks > 1.9 * single.num_kv_blocks
+    # Bytes for less than the workload: no cached windows, the main pool takes what the running windows leave.
+    short = 8000 * hybrid.block_bytes
+    hybrid, _ = plan(kv_cache_memory=short)
+    assert hybrid.num_window_blocks == 140
+    assert hybrid.num_kv_blocks == (short - 140 * hybrid.window_block_bytes) // hybrid.block_bytes < 4 * 32768 // 16
+    # A block count asked for: exactly its blocks, the window pool the running requests' only.
+    exact, exact_cache = plan(num_gpu_blocks_override=20001)
+    assert exact.num_window_blocks == 140 and exact_cache.num_window_blocks == 141
+    assert exact.kv_pool_bytes == 20000 * exact.block_bytes + 140 * exact.window_block_bytes
 
 
 def test_cached_windows_come_from_what_the_budget_leaves_beside_the_workload(tiny_model_dir):

@@ -131,41 +131,42 @@ def test_cached_blocks_outlive_blocks_that_hold_nothing():
     assert pool.get_new_blocks(1) == [a] and pool.get_cached_block(ha) is None
 
 
-def test_stale_cached_blocks_make_room_before_other_cached_blocks():
-    """The window pool gives back the blocks a running request left behind as stale (core/kv_cache_manager.py):
+def test_cached_blocks_of_a_lower_tier_make_room_before_the_others():
+    """The window pool frees the blocks a running request leaves behind into tier 0 (core/kv_cache_manager.py):
     they stay findable, and are taken after the blocks that hold nothing and the never-written ones but before
-    the other cached blocks; a hit on one takes it out of its queue; releases forget them."""
-    from pagedserve.core.block_pool import hash_block_tokens
+    the cached blocks of the last tier; a hit on one takes it out of its queue; releases and resets forget them."""
+    from pagedserve.core.block_pool import NUM_TIERS, hash_block_tokens
 
     pool = BlockPool(7, enable_caching=True)
     a, b, c, d = pool.get_new_blocks(4)
     ha, hb, hc = (hash_block_tokens(None, (i,)) for i in range(3))
     for block, block_hash in ((a, ha), (b, hb), (c, hc)):
         pool.cache_full_block(block, block_hash)
-    pool.free_blocks([a])  # a request's last window: evicted last
-    pool.free_blocks([b, c, d], stale=True)  # d holds nothing (no hash): taken first, as without `stale`
+    pool.free_blocks([a])  # the last tier (a request's last window): evicted last
+    pool.free_blocks([b, c, d], 0)  # d holds nothing (no hash): taken first, whatever its tier
     assert pool.get_cached_block(hb) is b and pool.num_free_blocks == 6
-    pool.touch([c])  # a hit on a stale block
+    pool.touch([c])  # a hit on a block of tier 0
     assert c.ref_cnt == 1 and pool.num_free_blocks == 5
     assert pool.get_new_blocks(2) == [d, pool.blocks[5]] and pool.get_cached_block(hb) is b
     assert pool.get_new_blocks(2) == [pool.blocks[6], b] and pool.get_cached_block(hb) is None
     assert pool.get_cached_block(ha) is a
-    pool.free_blocks([c], stale=True)
+    pool.free_blocks([c], 0)
     assert pool.get_new_blocks(1) == [c] and pool.get_new_blocks(1) == [a] and pool.num_free_blocks == 0
     pool.free_blocks([a, b])
     pool.cache_full_block(c, hc)
-    pool.free_blocks([c], stale=True)
+    pool.free_blocks([c], NUM_TIERS - 2)
     assert sorted(pool.release_free_blocks()) == [a.block_id, b.block_id, c.block_id]
     assert pool.get_cached_block(hc) is None and pool.num_free_blocks == 3
 
 
-def test_reset_prefix_cache_forgets_stale_blocks():
+def test_reset_prefix_cache_forgets_every_tier():
     from pagedserve.core.block_pool import hash_block_tokens
 
     pool = BlockPool(3, enable_caching=True)
     a, b = pool.get_new_blocks(2)
     pool.cache_full_block(a, hash_block_tokens(None, (1,)))
-    pool.free_blocks([a], stale=True)
+    pool.cache_full_block(b, hash_block_tokens(None, (2,)))
+    pool.free_blocks([a], 0)
     pool.free_blocks([b])
     assert pool.reset_prefix_cache() and not pool.cached_blocks
     assert pool.num_free_blocks == 2 and sorted(b.block_id for b in pool.get_new_blocks(2)) == [1, 2]

@@ -92,6 +92,11 @@ def assert_no_leaks(sched: Scheduler) -> None:
     for pool in (sched.kv.pool, sched.kv.window_pool):
         assert pool.num_free_blocks == pool.num_blocks - 1
         assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+        # block_pool.py's queues: each free block in one, and one findable by its hash in a cached tier
+        queued = [i for queue in (pool._free_written, pool._free_unwritten, *pool._free_cached) for i in queue]
+        assert sorted(queued) == list(range(1, pool.num_blocks))
+        for block_hash, block in pool.cached_blocks.items():
+            assert block.block_hash == block_hash and any(block.block_id in tier for tier in pool._free_cached)
     assert not sched.kv.req_to_blocks and not sched.kv.req_to_window_blocks
 
 
@@ -189,19 +194,20 @@ def test_a_finished_request_s_last_window_outlasts_what_running_requests_leave_b
     assert_no_leaks(sched)
 
 
-def test_the_window_of_a_prefix_running_requests_share_is_kept():
-    """Blocks given back at positions another running request shares (a shared system prompt or document) go
-    back as any cached block, not stale: the next request with that prefix still hits it after a long unrelated
-    request churned through the pool."""
-    sched = planned_scheduler(window=10, max_num_seqs=3)
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_the_window_of_a_prefix_that_hits_keep_ending_at_stays_cached(max_num_seqs):
+    """A shared system prompt, one request at a time: each answer outruns the window, so each request leaves the
+    prompt's window behind while it runs. From the second hit that ends there on, those blocks are a shared
+    prefix's (_count_hit_end) and wait with the blocks of finished requests instead of being reused first: every
+    request after the first hits the whole prompt, as with one pool (it was lost for good after one miss)."""
+    sched = planned_scheduler(window=10, max_num_seqs=max_num_seqs)
     shared = list(range(3000, 3040))  # 40 tokens: a hit ends at 40 and needs blocks 7..9
-    sched.add_request(make_request("a", shared + [1, 2], max_tokens=30))
-    run(sched)  # a alone: computes the prefix
-    for rid, tail in (("b", [3, 4]), ("c", [5, 6])):  # b and c share it while they run, then move past it
-        sched.add_request(make_request(rid, shared + tail, max_tokens=30))
-    sched.add_request(make_request("long", range(5000, 5100), max_tokens=80))
-    run(sched)
-    assert sched.kv.get_computed_blocks(make_request("d", shared + [7, 8], max_tokens=1)).num_tokens == 40
+    requests = [make_request(f"r{i}", shared + [i, i + 1], max_tokens=30) for i in range(12)]
+    for request in requests:
+        sched.add_request(request)
+        run(sched)
+    assert [r.num_cached_tokens for r in requests] == [0] + [40] * 11
+    assert_no_leaks(sched)
 
 
 def test_a_window_pool_needs_its_window():
