@@ -480,9 +480,9 @@ class ModelRunner:
                 batch.logit_bias.append((i, ids, values))
             if p.allowed_token_ids:
                 batch.allowed.append((i, torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=self.device)))
-            if state.num_output_tokens + offset < p.min_tokens:
+            if state.num_output_tokens + offset < p.min_tokens:  # EOS too with ignore_eos, as vLLM's
                 banned = list(p.stop_token_ids)
-                if not p.ignore_eos and self.eos_token_id is not None:
+                if self.eos_token_id is not None:
                     banned.append(self.eos_token_id)
                 if banned:
                     batch.banned.append((i, torch.tensor(banned, dtype=torch.int64, device=self.device)))

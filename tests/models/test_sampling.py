@@ -110,6 +110,10 @@ def test_min_tokens_blocks_eos(llm):
     forced = base.clone(min_tokens=4)
     tokens = texts(llm.generate(["Hi"], forced))[0]
     assert len(tokens) == 5 and eos not in tokens[:4] and tokens[4] == eos
+    # With ignore_eos too, as vLLM's (EOS is among the stop ids min_tokens bans): no EOS before min_tokens, then
+    # EOS does not end the request.
+    ignored = texts(llm.generate(["Hi"], forced.clone(ignore_eos=True)))[0]
+    assert len(ignored) == 6 and eos not in ignored[:4] and ignored[4:] == [eos, eos]
 
 
 def test_invalid_parameters_raise(llm):
