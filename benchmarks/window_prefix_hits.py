@@ -1,20 +1,23 @@
 """Prefix-cache hits with the sliding-window layers' pool of their own (core/kv_cache_manager.py), against one pool
-for every layer: multi-turn chat and a shared system prompt, through the real scheduler and KV manager with made-up
-tokens in place of a model (no torch; every configuration sees the same requests at the same steps).
+for every layer, through the real scheduler and KV manager with made-up tokens in place of a model (no torch; every
+configuration sees the same requests at the same steps; the main pool at the plan's workload bound).
 
-Multi-turn chat: `--conversations` conversations take turns on a server running at most `--max-num-seqs` requests;
-each turn's prompt is the conversation so far plus a new message, its answer 40-120 tokens, and the next turn
-arrives 20-200 steps after the answer. A turn hits the prefix cache only while the window pool still holds the
-window before its history's end, which the turn before freed when it finished. Shared prompt: 64 one-turn requests
-whose prompts start with the same 1000 tokens.
+- Multi-turn chat: conversations take turns on a server running at most max-num-seqs requests; each turn's prompt
+  is the conversation so far plus a new message, its answer 40-120 tokens, and the next turn arrives 20-200 steps
+  after the answer. A turn hits past the window only while the window pool still holds the window its last turn
+  freed when it finished.
+- Shared prompt: one-turn requests opening with the same 1000 tokens, all within 50 steps or one every 300 steps.
+- A document: each conversation asks three questions, one after another, about its own document (each prompt the
+  document and a new question: a hit needs the window before the document's end).
 
 For each workload it prints the share of prompt tokens served from the cache (vLLM's prefix-cache hit rate) with
 one pool, and with the window pool as the plan sizes it: the running requests' blocks (sizes.window_pool_blocks)
-plus 0..3 cached windows per running request (sizes.window_cache_blocks, CACHED_WINDOWS_PER_SEQ; the plan gives
-them where the budget has room beside the workload), and with `stale` off (blocks given back mid-request kept as
-any cached block); "before" is the window pool as it was, running requests' blocks and plain LRU.
+plus 0 / 2 / 4 / 6 cached windows per running request (sizes.window_cache_blocks, CACHED_WINDOWS_PER_SEQ; the
+plan gives them where the budget has room beside the workload), and without each of the KV manager's rules for
+the blocks a running request leaves behind (KVCacheManager._give_back); "before" is the window pool as it was,
+the running requests' blocks and one LRU order.
 
-    python benchmarks/window_prefix_hits.py [--block-size 16] [--turns 8]
+    python benchmarks/window_prefix_hits.py [--block-size 16]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.block_pool import BlockPool
+from pagedserve.core import kv_cache_manager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.sched_output import ModelRunnerOutput
 from pagedserve.core.scheduler import Scheduler
@@ -105,35 +109,37 @@ WORKLOADS = [Workload("chat", 128, 8, 16), Workload("chat", 512, 8, 16), Workloa
              Workload("shared prompt, one at a time", 128, 1, 24, turns=1, shared=1000, gap=300),
              Workload("shared prompt, one at a time", 512, 2, 24, turns=1, shared=1000, gap=300),
              Workload("a document asked about 3 times", 128, 4, 8, turns=3, document=1000),
-             Workload("a document asked about 3 times", 512, 2, 8, turns=3, document=1500)]
+             Workload("a document asked about 3 times", 512, 4, 8, turns=3, document=1500)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
+    kept = sizes.CACHED_WINDOWS_PER_SEQ
     print("| workload | window | max-num-seqs | conversations | one pool | before: running requests' blocks, one"
-          " tier | window pool + 0 / 1 / 2 / 3 cached windows per running request | + 2, no shared windows |"
-          " + 2, one tier |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f" tier | window pool + 0 / 2 / 4 / 6 cached windows per running request | + {kept}, no shared windows |"
+          f" + {kept}, no prompt-tail tier | + {kept}, one tier |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for load in WORKLOADS:
         def rate(cached: int | None, variant: str = "", load: Workload = load) -> float:
             """variant: "one tier" every block freed into the last tier; "no shared" no window kept as a shared
-            prefix's."""
-            free_blocks, count_hit_end = BlockPool.free_blocks, KVCacheManager._count_hit_end
+            prefix's; "no tail" the window before a prompt's end left behind as any other block."""
+            saved = BlockPool.free_blocks, KVCacheManager._count_hit_end, kv_cache_manager._PROMPT_TAIL_TIER
             if variant == "one tier":
-                BlockPool.free_blocks = lambda self, blocks, tier=0: free_blocks(self, blocks)
+                BlockPool.free_blocks = lambda self, blocks, tier=0: saved[0](self, blocks)
             if variant == "no shared":
                 KVCacheManager._count_hit_end = lambda self, blocks: None
+            if variant == "no tail":
+                kv_cache_manager._PROMPT_TAIL_TIER = kv_cache_manager._LEFT_BEHIND_TIER
             try:
                 return hit_rate(load, args.block_size, cached)
             finally:
-                BlockPool.free_blocks, KVCacheManager._count_hit_end = free_blocks, count_hit_end
+                BlockPool.free_blocks, KVCacheManager._count_hit_end, kv_cache_manager._PROMPT_TAIL_TIER = saved
 
-        pooled = " / ".join(f"{rate(n):.2f}" for n in range(4))
-        kept = sizes.CACHED_WINDOWS_PER_SEQ
+        pooled = " / ".join(f"{rate(n):.2f}" for n in (0, 2, 4, 6))
         print(f"| {load.name} | {load.window} | {load.max_num_seqs} | {load.conversations} | {rate(None):.2f} |"
-              f" {rate(0, 'one tier'):.2f} | {pooled} | {rate(kept, 'no shared'):.2f} |"
+              f" {rate(0, 'one tier'):.2f} | {pooled} | {rate(kept, 'no shared'):.2f} | {rate(kept, 'no tail'):.2f} |"
               f" {rate(kept, 'one tier'):.2f} |")
 
 if __name__ == "__main__":

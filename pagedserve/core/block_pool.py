@@ -50,7 +50,7 @@ def salt_hash(salt: str | None) -> BlockHash | None:
     return BlockHash(int.from_bytes(digest[:8], "little"), ())
 
 
-NUM_TIERS = 2  # the queues of cached free blocks (the module docstring)
+NUM_TIERS = 3  # the queues of cached free blocks (the module docstring)
 
 
 @dataclass(eq=False)

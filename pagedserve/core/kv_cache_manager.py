@@ -19,12 +19,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pagedserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens, salt_hash
+from pagedserve.core.block_pool import NUM_TIERS, BlockHash, BlockPool, KVCacheBlock, hash_block_tokens, salt_hash
 from pagedserve.request import Request
 
-# The window pool's tier (block_pool.py) for the blocks a running request leaves behind its window, below the tier
-# of the others (KVCacheManager._give_back)
-_LEFT_BEHIND = 0
+# The window pool's tiers (block_pool.py) for the blocks a running request leaves behind its window
+# (KVCacheManager._give_back), evicted lowest first; the shared one is the tier of the blocks requests free when
+# they finish.
+_LEFT_BEHIND_TIER, _PROMPT_TAIL_TIER, _SHARED_TIER = range(NUM_TIERS)
 
 
 @dataclass
@@ -85,6 +86,8 @@ class KVCacheManager:
         for pool in pools:
             pool.reset_prefix_cache()
         self.stats = PrefixCacheStats()
+        self._hit_ends.clear()
+        self._shared_windows.clear()
         return True
 
     @property
@@ -228,18 +231,28 @@ class KVCacheManager:
 
     def _give_back(self, request: Request, first: int) -> None:
         """Give the window pool back the request's blocks before block `first`, oldest first (the first evicted);
-        the null block takes their place. They are evicted before the blocks requests free when they finish
-        (block_pool.py's tiers): a hit needs the window before its own end, which for a conversation's next turn is
-        the window its last turn freed at its end, not these; but for the window of a prefix hits keep ending at
-        (a shared system prompt, _count_hit_end)."""
+        the null block takes their place. A hit needs the window before its own end, and these wait in the tier
+        (block_pool.py) of the hits they may serve: the window of a prefix hits keep ending at (a shared system
+        prompt, _count_hit_end) with the blocks requests free when they finish (a conversation's next turn hits
+        the window its last turn freed at its end); the two windows before the prompt's end (a new question of up
+        to a window about the same document hits the window before the document's end) one tier lower; the
+        others, the lowest."""
         request_id = request.request_id
         held, start = self.req_to_window_blocks[request_id], self._window_start[request_id]
         end = min(first, len(held))
         if end <= start:
             return
-        given = [b for b in held[start:end] if b is not self.window_pool.null_block]
-        self.window_pool.free_blocks([b for b in given if b.block_hash not in self._shared_windows], _LEFT_BEHIND)
-        self.window_pool.free_blocks([b for b in given if b.block_hash in self._shared_windows])
+        prompt_end = -(-request.num_prompt_tokens // self.block_size)
+        prompt_tail = range(self._first_window_block(max(0, request.num_prompt_tokens - self.window)), prompt_end)
+        tiers: dict[int, list[KVCacheBlock]] = {}
+        for i in range(start, end):
+            block = held[i]
+            if block is not self.window_pool.null_block:
+                tier = (_SHARED_TIER if block.block_hash in self._shared_windows
+                        else _PROMPT_TAIL_TIER if i in prompt_tail else _LEFT_BEHIND_TIER)
+                tiers.setdefault(tier, []).append(block)
+        for tier, blocks in sorted(tiers.items()):
+            self.window_pool.free_blocks(blocks, tier)
         held[start:end] = [self.window_pool.null_block] * (end - start)
         self._window_start[request_id] = end
 

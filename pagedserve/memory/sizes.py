@@ -138,12 +138,13 @@ def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_
     return max_num_seqs * per_request + -(-max_num_batched_tokens // block_size)
 
 
-# Windows the window pool keeps cached per running request where the memory budget has room beside the workload:
-# a finished request's last window is what its conversation's next turn needs for a prefix hit, and a pool with
-# room for the running requests alone reuses it as soon as others start. With two, multi-turn chat's prefix-hit
-# rate stayed level with one pool's while up to three times as many conversations took turns as ran at once
+# Windows the window pool keeps cached per running request where the memory budget has room beside the workload
+# (core/kv_cache_manager.py): a finished request's last window, which its conversation's next turn hits; the
+# window before a prompt's end, which a new question about the same document hits. A pool with room for the
+# running requests alone reuses them as soon as others start. With four, multi-turn chat's prefix-hit rate stayed
+# level with one pool's while up to four times as many conversations took turns as ran at once
 # (benchmarks/window_prefix_hits.py).
-CACHED_WINDOWS_PER_SEQ = 2
+CACHED_WINDOWS_PER_SEQ = 4
 
 
 def window_cache_blocks(window: int, block_size: int, max_num_seqs: int) -> int:

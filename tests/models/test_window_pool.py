@@ -37,16 +37,16 @@ def test_the_decode_stack_writes_and_reads_the_window_pool(kernels, tiny_model_d
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_a_small_window_pool_against_transformers(tiny_model_dir, arch):
-    """Two sequences at a time and 16-token steps: the window pool holds 16 blocks against the main pool's 33 (7 for
-    the running sequences, 8 for cached windows, the null block), with prefix caching (blocks given back stay
-    findable until reused) and chunked prefill past the window."""
+    """Two sequences at a time and 16-token steps: the window pool holds 8 blocks against the main pool's 33 (the
+    running sequences' 7 and the null block: a block count asked for leaves out cached windows), with prefix caching
+    (blocks given back stay findable until reused) and chunked prefill past the window."""
     llm = _check(tiny_model_dir(arch), "float32", max_num_seqs=2, max_num_batched_tokens=WINDOW,
-                 enable_chunked_prefill=True, block_size=16)
+                 enable_chunked_prefill=True, block_size=16, num_gpu_blocks_override=33)
     kv = llm.engine.kv
-    assert (kv.pool.num_blocks, kv.window_pool.num_blocks) == (33, 16)
+    assert (kv.pool.num_blocks, kv.window_pool.num_blocks) == (33, 8)
     assert _window_pool_reused(llm)
     windowed = [w is not None for w in llm.engine.runner.model.layer_windows]
-    assert [cache.k.shape[0] for cache in llm.engine.runner.kv_caches] == [16 * 16 if w else 33 * 16 for w in windowed]
+    assert [cache.k.shape[0] for cache in llm.engine.runner.kv_caches] == [8 * 16 if w else 33 * 16 for w in windowed]
 
 
 def test_a_prefix_hit_with_a_small_window_pool(tiny_model_dir):
@@ -96,20 +96,20 @@ def test_the_plan_counts_a_window_of_each_sequence_for_the_window_layers(tiny_mo
     assert single.num_window_blocks == 0 and single_cache.num_window_blocks == 0
     assert hybrid.num_kv_blocks == single.num_kv_blocks == 4 * 32768 // 16  # the workload: 4 full sequences
     # 4 sequences x (a window of 16 over 1 block + 2) + a step's 2048 tokens: 12 + 128 blocks; the budget has room
-    # beside the workload, so 2 cached windows per sequence too (16 tokens over 2 blocks each): 16 blocks
-    assert hybrid.num_window_blocks == 156 and cache.num_window_blocks == 157 and cache.sliding_window == WINDOW
-    assert hybrid.kv_pool_bytes == hybrid.num_kv_blocks * hybrid.block_bytes + 156 * hybrid.window_block_bytes
+    # beside the workload, so 4 cached windows per sequence too (16 tokens over 2 blocks each): 32 blocks
+    assert hybrid.num_window_blocks == 172 and cache.num_window_blocks == 173 and cache.sliding_window == WINDOW
+    assert hybrid.kv_pool_bytes == hybrid.num_kv_blocks * hybrid.block_bytes + 172 * hybrid.window_block_bytes
     assert hybrid.block_bytes == hybrid.window_block_bytes == single.block_bytes // 2
     assert hybrid.kv_pool_bytes < 0.52 * single.kv_pool_bytes
-    assert hybrid.kv_cache_report()["num_window_blocks"] == 156
+    assert hybrid.kv_cache_report()["num_window_blocks"] == 172
     # An explicit pool: the same bytes hold about twice the main pool's blocks; bytes beyond the workload's pools
     # take the cached windows first.
     budget = 256 << 20
     hybrid, _ = plan(kv_cache_memory=budget)
     single, _ = plan(kv_cache_memory=budget, disable_hybrid_kv_cache_manager=True)
     assert hybrid.kv_pool_bytes <= budget and single.kv_pool_bytes <= budget
-    assert hybrid.num_window_blocks == 156
-    assert hybrid.num_kv_blocks == (budget - 156 * hybrid.window_block_bytes) // hybrid.block_bytes
+    assert hybrid.num_window_blocks == 172
+    assert hybrid.num_kv_blocks == (budget - 172 * hybrid.window_block_bytes) // hybrid.block_bytes
     assert hybrid.num_kv_blocks > 1.9 * single.num_kv_blocks
     # Bytes for less than the workload: no cached windows, the main pool takes what the running windows leave.
     short = 8000 * hybrid.block_bytes
@@ -127,7 +127,7 @@ def test_cached_windows_come_from_what_the_budget_leaves_beside_the_workload(tin
     cap leave beside the workload's pools, never the main pool's: where a byte bound decides the main pool they get
     none, where the workload does all of them or what is left; the plan stays within its budget."""
     model_dir = tiny_model_dir("gemma3", max_position_embeddings=32768)
-    running, cached, workload = 140, 16, 4 * 32768 // 16
+    running, cached, workload = 140, 32, 4 * 32768 // 16
     seen = set()
     # From the budget deciding to the workload with room to spare, and 8-KiB steps where the room for cached
     # windows begins (this tiny model's; `seen` fails if a change to the plan's constants moves it).
@@ -184,17 +184,21 @@ def test_the_first_memory_reading_counts_the_window_pool(tiny_model_dir):
 
 def test_a_window_on_every_layer_leaves_the_main_pool_without_k_v(tiny_model_dir, tmp_path):
     """Mistral's kind (every layer windowed): all K/V live in the window pool, sized for two sequences' windows and
-    a step, and two cached windows per sequence; the main pool is block-table bookkeeping only, and the plan counts
-    no bytes for it."""
+    a step (and, planned, four cached windows per sequence); the main pool is block-table bookkeeping only, and the
+    plan counts no bytes for it."""
     from tests.models.test_sliding_window import _mistral
 
-    llm = _check(_mistral(tiny_model_dir, tmp_path, "float32"), "float32", max_num_seqs=2,
-                 max_num_batched_tokens=WINDOW, enable_chunked_prefill=True, block_size=16)
+    model_dir = _mistral(tiny_model_dir, tmp_path, "float32")
+    kwargs = dict(max_num_seqs=2, max_num_batched_tokens=WINDOW, enable_chunked_prefill=True, block_size=16)
+    llm = _check(model_dir, "float32", num_gpu_blocks_override=33, **kwargs)
     engine = llm.llm_engine
-    assert engine.kv.window_pool.num_blocks == 16 and _window_pool_reused(llm)
-    assert {cache.k.shape[0] for cache in engine.runner.kv_caches} == {16 * 16}
+    assert engine.kv.window_pool.num_blocks == 8 and _window_pool_reused(llm)
+    assert {cache.k.shape[0] for cache in engine.runner.kv_caches} == {8 * 16}
     plan = engine.config.memory_plan
-    assert plan.block_bytes == 0 and plan.kv_pool_bytes == 15 * plan.window_block_bytes > 0
+    assert plan.block_bytes == 0 and plan.kv_pool_bytes == 7 * plan.window_block_bytes > 0
+    args = EngineArgs(model=model_dir, dtype="float32", max_model_len=256, **kwargs)
+    planned = create_engine_config(args, available=AvailableMemory(64 * GIB, "MemAvailable", "a test")).memory_plan
+    assert planned.num_window_blocks == 7 + 16 and planned.kv_pool_bytes == 23 * planned.window_block_bytes
 
 
 def test_a_window_as_long_as_the_context_keeps_one_pool(tiny_model_dir):

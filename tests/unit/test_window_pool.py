@@ -210,6 +210,19 @@ def test_the_window_of_a_prefix_that_hits_keep_ending_at_stays_cached(max_num_se
     assert_no_leaks(sched)
 
 
+def test_the_window_before_a_prompt_s_end_outlasts_what_running_requests_leave_behind():
+    """A question about a document, then another request, then a new question about the same document: the hit
+    needs the window before the document's end, which the first request left behind while it answered. It waits a
+    tier above the other blocks left behind, so the request between reuses those first."""
+    sched = planned_scheduler(window=10, max_num_seqs=1)
+    document = list(range(4000, 4040))  # 40 tokens: a hit ends at 40 and needs blocks 7..9
+    sched.add_request(make_request("q1", document + [1, 2], max_tokens=30))  # the answer outruns the window
+    run(sched)
+    sched.add_request(make_request("other", range(6000, 6100), max_tokens=60))
+    run(sched)
+    assert sched.kv.get_computed_blocks(make_request("q2", document + [3, 4, 5])).num_tokens == 40
+
+
 def test_a_window_pool_needs_its_window():
     with pytest.raises(ValueError, match="both its blocks and its window"):
         KVCacheManager(16, BS, True, num_window_blocks=8)
