@@ -24,9 +24,10 @@ weights and the runtime overhead are memory/sizes.py's):
   Sliding-window layers with a pool of their own (sizes.ModelShape.num_window_layers; core/kv_cache_manager.py):
   the counts above are the main pool's blocks, whose bytes are the other layers'; the window pool has as many
   blocks up to what its requests can hold at once (sizes.window_pool_blocks), and the bounds in bytes count both.
-  Where an automatic rule's bounds leave bytes beside both pools (the workload bound decided), the window pool
-  also takes cached windows for finished requests from them (sizes.window_cache_blocks): their conversations'
-  next turns hit the prefix cache as with one pool.
+  Where the bounds leave bytes beside both pools at the workload (the workload bound decided, or an explicit size
+  beyond it), the window pool also takes cached windows from them, before the main pool takes more blocks
+  (sizes.window_cache_blocks; none beside --num-gpu-blocks-override): the windows later requests' prefix hits
+  need (core/kv_cache_manager.py).
 
   Peak activations, for one forward pass over T batched tokens. Inference keeps no autograd graph, so only
   one layer's transients are alive at a time; the terms are summed, which bounds the allocator's high-water
