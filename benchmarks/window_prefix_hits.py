@@ -6,7 +6,10 @@ configuration sees the same requests at the same steps; the main pool at the pla
   is the conversation so far plus a new message, its answer 40-120 tokens, and the next turn arrives 20-200 steps
   after the answer. A turn hits past the window only while the window pool still holds the window its last turn
   freed when it finished.
-- Shared prompt: one-turn requests opening with the same 1000 tokens, all within 50 steps or one every 300 steps.
+  Re-tokenized: the next turn's history ends the last answer with other tokens from up to 8/40 tokens before its
+  end (a template that trims it, or its text tokenized anew) or from anywhere in it.
+- Shared prompt: one-turn requests opening with the same 1000 tokens and a message of 40 tokens, all within 50
+  steps or one every 300 steps; or with a message longer than the window, one every 100 steps.
 - A document: each conversation asks three questions, one after another, about its own document (each prompt the
   document and a new question: a hit needs the window before the document's end).
 
@@ -50,6 +53,8 @@ class Workload:
     shared: int = 0  # tokens every prompt opens with (a system prompt)
     document: int = 0  # tokens of a conversation's own document: each turn asks about it anew (no history)
     gap: int = 0  # steps between the conversations' first turns (0: all within 50 steps)
+    retokenized: int = 0  # the next turn's history ends its last answer with up to this many other tokens
+    first_message: int = 40  # tokens of a conversation's first message (after the shared prompt or document)
 
 
 def hit_rate(load: Workload, block_size: int, cached_windows: int | None, seed: int = 0) -> float:
@@ -72,7 +77,7 @@ def hit_rate(load: Workload, block_size: int, cached_windows: int | None, seed: 
 
     system = tokens(load.shared)
     documents = {c: tokens(load.document) for c in range(load.conversations)}
-    prompts = {c: system + documents[c] + tokens(40) for c in range(load.conversations)}
+    prompts = {c: system + documents[c] + tokens(load.first_message) for c in range(load.conversations)}
     turn = dict.fromkeys(range(load.conversations), 0)
     arrives = {c: c * load.gap if load.gap else rng.randrange(50) for c in range(load.conversations)}
     running: dict[str, tuple[int, Request]] = {}
@@ -97,17 +102,27 @@ def hit_rate(load: Workload, block_size: int, cached_windows: int | None, seed: 
                 turn[c] += 1
                 if turn[c] < load.turns:
                     message = tokens(rng.randrange(10, 40))
-                    prompts[c] = (system + documents[c] if load.document else list(request.all_token_ids)) + message
+                    history = list(request.all_token_ids)
+                    if load.retokenized:  # a template that trims the answer, or its text tokenized anew
+                        cut = rng.randrange(1, load.retokenized + 1)
+                        history = history[:-cut] + tokens(rng.randrange(cut + 1))
+                    prompts[c] = (system + documents[c] if load.document else history) + message
                     arrives[c] = step + rng.randrange(20, 200)
     return kv.stats.num_hits / kv.stats.num_queries
 
 
 WORKLOADS = [Workload("chat", 128, 8, 16), Workload("chat", 512, 8, 16), Workload("chat", 128, 8, 24),
              Workload("chat", 512, 4, 12), Workload("chat", 128, 4, 16),
+             Workload("chat, answers re-tokenized at their end", 128, 8, 16, retokenized=8),
+             Workload("chat, answers re-tokenized at their end", 512, 4, 12, retokenized=40),
+             Workload("chat, answers re-tokenized from anywhere", 128, 8, 16, retokenized=120),
+             Workload("chat, answers re-tokenized from anywhere", 512, 4, 12, retokenized=120),
              Workload("shared prompt, together", 128, 8, 64, turns=1, shared=1000),
              Workload("shared prompt, together", 512, 8, 64, turns=1, shared=1000),
              Workload("shared prompt, one at a time", 128, 1, 24, turns=1, shared=1000, gap=300),
              Workload("shared prompt, one at a time", 512, 2, 24, turns=1, shared=1000, gap=300),
+             Workload("shared prompt, long messages", 128, 2, 24, turns=1, shared=1000, gap=100, first_message=400),
+             Workload("shared prompt, long messages", 512, 4, 24, turns=1, shared=1000, gap=100, first_message=1200),
              Workload("a document asked about 3 times", 128, 4, 8, turns=3, document=1000),
              Workload("a document asked about 3 times", 512, 4, 8, turns=3, document=1500)]
 
@@ -119,28 +134,37 @@ def main() -> None:
     kept = sizes.CACHED_WINDOWS_PER_SEQ
     print("| workload | window | max-num-seqs | conversations | one pool | before: running requests' blocks, one"
           f" tier | window pool + 0 / 2 / 4 / 6 cached windows per running request | + {kept}, no shared windows |"
-          f" + {kept}, no prompt-tail tier | + {kept}, one tier |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f" + {kept}, no prompt-tail tier | + {kept}, no cap on the last tier | + {kept}, one tier |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for load in WORKLOADS:
         def rate(cached: int | None, variant: str = "", load: Workload = load) -> float:
             """variant: "one tier" every block freed into the last tier; "no shared" no window kept as a shared
-            prefix's; "no tail" the window before a prompt's end left behind as any other block."""
-            saved = BlockPool.free_blocks, KVCacheManager._count_hit_end, kv_cache_manager._PROMPT_TAIL_TIER
+            prefix's; "no tail" the window before a prompt's end left behind as any other block; "no cap" the
+            last tier as large as it grows."""
+            saved = (BlockPool.free_blocks, KVCacheManager._count_hit_end, kv_cache_manager._PROMPT_TAIL_TIER,
+                     KVCacheManager.__init__)
             if variant == "one tier":
                 BlockPool.free_blocks = lambda self, blocks, tier=0: saved[0](self, blocks)
             if variant == "no shared":
                 KVCacheManager._count_hit_end = lambda self, blocks: None
             if variant == "no tail":
                 kv_cache_manager._PROMPT_TAIL_TIER = kv_cache_manager._LEFT_BEHIND_TIER
+            if variant == "no cap":
+                def uncapped(self, *args, **kwargs):
+                    saved[3](self, *args, **kwargs)
+                    if self.window_pool is not None:
+                        self.window_pool.last_tier_cap = None
+                KVCacheManager.__init__ = uncapped
             try:
                 return hit_rate(load, args.block_size, cached)
             finally:
-                BlockPool.free_blocks, KVCacheManager._count_hit_end, kv_cache_manager._PROMPT_TAIL_TIER = saved
+                (BlockPool.free_blocks, KVCacheManager._count_hit_end, kv_cache_manager._PROMPT_TAIL_TIER,
+                 KVCacheManager.__init__) = saved
 
         pooled = " / ".join(f"{rate(n):.2f}" for n in (0, 2, 4, 6))
+        variants = " | ".join(f"{rate(kept, v):.2f}" for v in ("no shared", "no tail", "no cap", "one tier"))
         print(f"| {load.name} | {load.window} | {load.max_num_seqs} | {load.conversations} | {rate(None):.2f} |"
-              f" {rate(0, 'one tier'):.2f} | {pooled} | {rate(kept, 'no shared'):.2f} | {rate(kept, 'no tail'):.2f} |"
-              f" {rate(kept, 'one tier'):.2f} |")
+              f" {rate(0, 'one tier'):.2f} | {pooled} | {variants} |")
 
 if __name__ == "__main__":
     main()

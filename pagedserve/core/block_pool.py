@@ -10,7 +10,8 @@ Invariants:
   3. blocks holding a cached prefix, in NUM_TIERS queues: the lowest tier first, each oldest freed first (LRU
      eviction). Blocks are freed into the last tier unless the caller knows a later request is less likely to
      want them (the window pool's blocks a running request leaves behind, core/kv_cache_manager.py), so that
-     those, not the other cached blocks, make room.
+     those, not the other cached blocks, make room. With `last_tier_cap`, the last tier's oldest blocks beyond
+     it move down a tier (they have waited there longest without a hit), so that it cannot starve the others.
   So without prefix caching the pool's resident part stays at the most blocks ever in use at once (before,
   blocks went round the whole pool, and RSS grew toward all of it on a one-request workload), and with it, the
   cache keeps its blocks until no other free block is left.
@@ -63,11 +64,13 @@ class KVCacheBlock:
 class BlockPool:
     """Owns every KV block. Block 0 is never handed out (padding slots may point at it)."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, last_tier_cap: int | None = None) -> None:
+        """`last_tier_cap`: the most blocks the last tier keeps; beyond it, its oldest move down a tier."""
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.last_tier_cap = last_tier_cap
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1
@@ -152,6 +155,10 @@ class BlockPool:
                     self._free_written[block.block_id] = block
                 else:
                     cached_queue[block.block_id] = block
+        last = self._free_cached[-1]
+        while self.last_tier_cap is not None and len(last) > self.last_tier_cap:
+            block_id, block = last.popitem(last=False)
+            self._free_cached[-2][block_id] = block
 
     def release_free_blocks(self) -> list[int]:
         """Every free block whose pages are resident: forget its cached hash, mark it unwritten and return its id

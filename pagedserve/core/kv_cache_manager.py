@@ -65,7 +65,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.window = window
-        self.window_pool = BlockPool(num_window_blocks, enable_caching) if window is not None else None
+        # Half the window pool at most for the tier of finished requests' windows and shared prefixes' (their
+        # windows accumulate there when later prompts diverge before them: benchmarks/window_prefix_hits.py).
+        self.window_pool = BlockPool(num_window_blocks, enable_caching, num_window_blocks // 2) \
+            if window is not None else None
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_window_blocks: dict[str, list[KVCacheBlock]] = {}  # the null block for blocks given back
         self._window_start: dict[str, int] = {}  # each request's first window block not given back

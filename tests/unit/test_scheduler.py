@@ -159,6 +159,19 @@ def test_cached_blocks_of_a_lower_tier_make_room_before_the_others():
     assert pool.get_cached_block(hc) is None and pool.num_free_blocks == 3
 
 
+def test_the_last_tier_keeps_at_most_its_cap_and_moves_its_oldest_down():
+    from pagedserve.core.block_pool import hash_block_tokens
+
+    pool = BlockPool(6, enable_caching=True, last_tier_cap=2)
+    blocks = pool.get_new_blocks(4)
+    for i, block in enumerate(blocks):
+        pool.cache_full_block(block, hash_block_tokens(None, (i,)))
+    pool.free_blocks([blocks[3]], 0)
+    pool.free_blocks(blocks[:3])  # the oldest of the three goes down a tier, after the block already there
+    pool.get_new_blocks(1)  # the never-written block
+    assert pool.get_new_blocks(2) == [blocks[3], blocks[0]] and pool.get_new_blocks(2) == blocks[1:3]
+
+
 def test_reset_prefix_cache_forgets_every_tier():
     from pagedserve.core.block_pool import hash_block_tokens
 
