@@ -196,13 +196,14 @@ def test_a_finished_request_s_last_window_outlasts_what_running_requests_leave_b
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
 def test_the_window_of_a_prefix_that_hits_keep_ending_at_stays_cached(max_num_seqs):
-    """A shared system prompt, one request at a time: each answer outruns the window, so each request leaves the
-    prompt's window behind while it runs. From the second hit that ends there on, those blocks are a shared
-    prefix's (_count_hit_end) and wait with the blocks of finished requests instead of being reused first: every
-    request after the first hits the whole prompt, as with one pool (it was lost for good after one miss)."""
+    """A shared system prompt and messages longer than the window, one request at a time: each request leaves the
+    system prompt's window behind while it runs, outside its own prompt's last windows. From the second hit that
+    ends there on, those blocks are a shared prefix's (_count_hit_end) and wait with the blocks of finished
+    requests instead of being reused first: every request after the first hits the whole system prompt, as with
+    one pool (it was lost for good after one miss)."""
     sched = planned_scheduler(window=10, max_num_seqs=max_num_seqs)
     shared = list(range(3000, 3040))  # 40 tokens: a hit ends at 40 and needs blocks 7..9
-    requests = [make_request(f"r{i}", shared + [i, i + 1], max_tokens=30) for i in range(12)]
+    requests = [make_request(f"r{i}", shared + list(range(100 * i, 100 * i + 24)), max_tokens=30) for i in range(12)]
     for request in requests:
         sched.add_request(request)
         run(sched)
