@@ -220,8 +220,9 @@ class KVCacheManager:
         held = self.req_to_window_blocks.get(request.request_id)
         if held is None:  # admitted now: its table starts with the hit's window blocks
             held = self.req_to_window_blocks[request.request_id] = list(computed.window_blocks if computed else [])
-            pool.touch([b for b in held if b is not null])
-            self._count_hit_end([b for b in held if b is not null])
+            hit = [b for b in held if b is not null]
+            pool.touch(hit)
+            self._count_hit_end(hit)
             self._window_start[request.request_id] = next((i for i, b in enumerate(held) if b is not null),
                                                           len(held))
         first = self._first_window_block(num_known)

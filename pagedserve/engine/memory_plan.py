@@ -89,16 +89,8 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     if draft is not None:
         draft_shape = prepared_shape(*draft)
         shape = replace(shape, weight_bytes=shape.weight_bytes + draft_shape.weight_bytes, draft=draft_shape)
-    block_bytes = sizes.kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes) * args.block_size
-    kv_cache_bytes, kv_source = args.kv_cache_memory, memory.PlanRequest.kv_source
-    if args.num_gpu_blocks_override:
-        num_blocks = args.num_gpu_blocks_override - 1  # minus the null block
-        window_blocks = min(num_blocks, sizes.window_pool_blocks(shape.window, args.block_size, scheduler.max_num_seqs,
-                                                                 scheduler.max_num_batched_tokens)) \
-            if shape.num_window_layers else 0
-        kv_cache_bytes = (num_blocks * block_bytes + window_blocks * args.block_size
-                          * sizes.window_kv_bytes_per_token(shape, kv_dtype_bytes, kv_scale_bytes))
-        kv_source = f"--num-gpu-blocks-override {args.num_gpu_blocks_override}"
+    override = args.num_gpu_blocks_override
+    kv_source = f"--num-gpu-blocks-override {override}" if override else memory.PlanRequest.kv_source
     on_cpu = device == "cpu"
     overhead = sizes.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
                                             on_cpu=on_cpu, uses_transformers=_uses_transformers(args, model),
@@ -110,7 +102,8 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         memory_fraction=memory.DEFAULT_MEMORY_FRACTION if args.gpu_memory_utilization is None
         else args.gpu_memory_utilization,
         kv_share=memory.CPU_DEFAULT_KV_SHARE if on_cpu and args.gpu_memory_utilization is None else None,
-        kv_cache_bytes=kv_cache_bytes, kv_source=kv_source, kv_blocks_exact=bool(args.num_gpu_blocks_override),
+        kv_cache_bytes=None if override else args.kv_cache_memory, kv_source=kv_source,
+        num_kv_blocks=override - 1 if override else None,  # minus the null block
         runtime_overhead_bytes=overhead,
         host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0, kv_scale_bytes=kv_scale_bytes,
         quantization=model.quantization, on_cpu=on_cpu, computes_logits=model.task == "generate",

@@ -122,8 +122,10 @@ class PlanRequest:
     available: AvailableMemory
     memory_fraction: float = DEFAULT_MEMORY_FRACTION  # --gpu-memory-utilization: share of the available memory the server may use
     kv_cache_bytes: int | None = None  # explicit KV pool (--kv-cache-memory, VLLM_CPU_KVCACHE_SPACE)
-    kv_source: str = "--kv-cache-memory or VLLM_CPU_KVCACHE_SPACE"  # what gave kv_cache_bytes, in words
-    kv_blocks_exact: bool = False  # kv_cache_bytes are a block count's (--num-gpu-blocks-override): no more
+    kv_source: str = "--kv-cache-memory or VLLM_CPU_KVCACHE_SPACE"  # what sized an explicit pool, in words
+    # --num-gpu-blocks-override: the main pool's blocks, exactly (an explicit pool; the window pool holds its running
+    # requests' blocks, no cached windows)
+    num_kv_blocks: int | None = None
     # The shared-box rule's cap: the KV pool holds at most this share of the available memory. None: the
     # utilization rule (the pool takes what the budget leaves; GPUs, and --gpu-memory-utilization on a CPU).
     kv_share: float | None = None
@@ -334,7 +336,7 @@ class KVSizing:
 
 def kv_rule(request: PlanRequest) -> str:
     """The rule that sizes the KV pool: "explicit", "shared-box" or "utilization"."""
-    if request.kv_cache_bytes is not None:
+    if request.kv_cache_bytes is not None or request.num_kv_blocks is not None:
         return "explicit"
     return "utilization" if request.kv_share is None else "shared-box"
 
@@ -379,12 +381,14 @@ def _size_kv_pool(request: PlanRequest, block_bytes: int, left_bytes: int,
     rule = kv_rule(request)
     blocks_per_seq = math.ceil(request.max_model_len / request.block_size)
     workload = request.max_num_seqs * blocks_per_seq
+    if request.num_kv_blocks is not None:
+        return KVSizing(request.num_kv_blocks, rule, "explicit",
+                        num_window_blocks=window.num_blocks(request.num_kv_blocks))
     if rule == "explicit":
         kv_bytes = request.kv_cache_bytes
+        # Bytes beyond the workload's pools take cached windows before more main-pool blocks.
         beside = kv_bytes - workload * block_bytes - window.num_blocks(workload) * window.block_bytes
-        # Bytes beyond the workload take cached windows before more main-pool blocks; a block count asked for
-        # (--num-gpu-blocks-override) takes none.
-        num_cached = 0 if request.kv_blocks_exact else window.num_blocks(workload, beside) - window.num_blocks(workload)
+        num_cached = window.num_blocks(workload, beside) - window.num_blocks(workload)
         num_blocks = window.main_blocks_within(kv_bytes - num_cached * window.block_bytes, block_bytes)
         problems = []
         if num_blocks < blocks_per_seq:
