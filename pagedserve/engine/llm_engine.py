@@ -56,7 +56,7 @@ class LLMEngine:
         self.eos_token_id = tokenizer.eos_token_id
         # Before the weights load: a GGUF's header (its end-of-turn ids) is parsed once, and dropped after loading.
         self.extra_eos_token_ids = generation_config_eos_ids(config.model.model, self.eos_token_id, tokenizer)
-        self.runner = make_runner(config, startup.set_progress, self.eos_token_id)
+        self.runner = make_runner(config, startup.set_progress, self.eos_token_id, self.extra_eos_token_ids)
         startup.enter("allocating_kv")
         self.runner.allocate_kv_cache()
         # The scheduler allocates from it; the engine reads its written blocks (RSS) and releases free pages.

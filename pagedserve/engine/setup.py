@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,11 @@ logger = logging.getLogger(__name__)
 RUNNER_TASKS: dict[str, str | None] = {"auto": None, "generate": "generate", "pooling": "embed"}
 
 
-def make_runner(config: EngineConfig, progress: Any, eos_token_id: int | None) -> Runner:
+def make_runner(config: EngineConfig, progress: Any, eos_token_id: int | None,
+                extra_eos_token_ids: Sequence[int] = ()) -> Runner:
     """The runner for this architecture and task: ModelRunner generates; embedding models get
-    worker/pooling_runner.py's (an encoder runner without KV cache, or a decoder one that pools)."""
+    worker/pooling_runner.py's (an encoder runner without KV cache, or a decoder one that pools).
+    `extra_eos_token_ids`: generation_config.json's beyond the tokenizer's EOS (min_tokens bans them too)."""
     if config.model.task == "embed":
         from pagedserve.worker.pooling_runner import make_pooling_runner
 
@@ -49,10 +52,12 @@ def make_runner(config: EngineConfig, progress: Any, eos_token_id: int | None) -
     if config.parallel.tensor_parallel_size > 1:  # rank 0 of N: starts and drives the other ranks
         from pagedserve.worker.tp_worker import TPModelRunner
 
-        return TPModelRunner(config, config.model.hf_config, progress, eos_token_id=eos_token_id)
+        return TPModelRunner(config, config.model.hf_config, progress, eos_token_id=eos_token_id,
+                             extra_eos_token_ids=extra_eos_token_ids)
     from pagedserve.worker.model_runner import ModelRunner
 
-    return ModelRunner(config, config.model.hf_config, progress, eos_token_id=eos_token_id)
+    return ModelRunner(config, config.model.hf_config, progress, eos_token_id=eos_token_id,
+                       extra_eos_token_ids=extra_eos_token_ids)
 
 
 def _generation_config(directory: str | Path) -> dict:

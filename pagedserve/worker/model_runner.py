@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -110,11 +110,15 @@ def make_kv_pools(model, num_slots: int, kv_dtype: torch.dtype, dtype: torch.dty
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, progress: ProgressFn | None = None,
-                 eos_token_id: int | None = None, tp=None) -> None:
-        """`tp`: this rank's distributed TPGroup; the model is then its shard (worker/tp_worker.py)."""
+                 eos_token_id: int | None = None, tp=None, extra_eos_token_ids: Sequence[int] = ()) -> None:
+        """`tp`: this rank's distributed TPGroup; the model is then its shard (worker/tp_worker.py).
+        `extra_eos_token_ids`: generation_config.json's EOS ids beyond the tokenizer's."""
         self.config = config
         self.tp = tp
-        self.eos_token_id = eos_token_id  # the tokenizer's: min_tokens bans it, a grammar may end on it
+        self.eos_token_id = eos_token_id  # the tokenizer's: a grammar may end on it
+        # What min_tokens bans besides a request's stop ids: every EOS, with ignore_eos too (vLLM's
+        # all_stop_token_ids); without ignore_eos the extra ones are among the request's stop ids already.
+        self.min_tokens_eos_ids = [t for t in (eos_token_id, *extra_eos_token_ids) if t is not None]
         self.device = config.device.device
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
@@ -480,10 +484,8 @@ class ModelRunner:
                 batch.logit_bias.append((i, ids, values))
             if p.allowed_token_ids:
                 batch.allowed.append((i, torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=self.device)))
-            if state.num_output_tokens + offset < p.min_tokens:  # EOS too with ignore_eos, as vLLM's
-                banned = list(p.stop_token_ids)
-                if self.eos_token_id is not None:
-                    banned.append(self.eos_token_id)
+            if state.num_output_tokens + offset < p.min_tokens:
+                banned = list(dict.fromkeys([*p.stop_token_ids, *self.min_tokens_eos_ids]))
                 if banned:
                     batch.banned.append((i, torch.tensor(banned, dtype=torch.int64, device=self.device)))
             if p.logprobs is not None:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,7 +56,8 @@ class DriverModel:
 class TPModelRunner(ModelRunner):
     """A ModelRunner over rank 0's shard that drives ranks 1..N-1 (see the module docstring)."""
 
-    def __init__(self, config: Any, hf_config: Any, progress: Any = None, eos_token_id: int | None = None) -> None:
+    def __init__(self, config: Any, hf_config: Any, progress: Any = None, eos_token_id: int | None = None,
+                 extra_eos_token_ids: Sequence[int] = ()) -> None:
         parallel = config.parallel
         world_size = parallel.tensor_parallel_size
         binding = [list(cores) for cores in parallel.cpu_binding]
@@ -68,7 +70,8 @@ class TPModelRunner(ModelRunner):
         self.workers = workers
         self._finalizer = weakref.finalize(self, _close, workers, self._bound_thread, self._previous_affinity)
         try:
-            super().__init__(config, hf_config, progress, eos_token_id, tp=group)  # loads rank 0's shard
+            super().__init__(config, hf_config, progress, eos_token_id, tp=group,
+                             extra_eos_token_ids=extra_eos_token_ids)  # loads rank 0's shard
             workers.connect()
         except BaseException:
             self.close()

@@ -116,6 +116,25 @@ def test_min_tokens_blocks_eos(llm):
     assert len(ignored) == 6 and eos not in ignored[:4] and ignored[4:] == [eos, eos]
 
 
+def test_min_tokens_blocks_generation_config_eos(tiny_model_dir, tmp_path):
+    """generation_config.json's extra EOS ids (Llama 3's <|eot_id|>) end a request only after min_tokens, and with
+    ignore_eos are still banned before it (vLLM's all_stop_token_ids), as the tokenizer's EOS is."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    extra = 7
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, extra]}))
+    llm = LLM(str(model), dtype="float32", max_model_len=256)
+    assert extra in llm.engine.eos_token_ids
+    forced = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={extra: 100.0}, min_tokens=3)
+    tokens = texts(llm.generate(["Hi"], forced))[0]
+    assert len(tokens) == 4 and extra not in tokens[:3]
+    ignored = texts(llm.generate(["Hi"], forced.clone(ignore_eos=True)))[0]
+    assert len(ignored) == 6 and extra not in ignored[:3] and ignored[3:] == [extra] * 3
+
+
 def test_invalid_parameters_raise(llm):
     for bad in (dict(temperature=-0.1), dict(top_p=1.5), dict(top_k=-3), dict(min_p=2.0),
                 dict(presence_penalty=3.0), dict(max_tokens=0), dict(logprobs=-2), dict(n=0),
