@@ -6,6 +6,7 @@ and after warm-up the measured RSS next to it. The arithmetic itself is memory/'
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pagedserve import envs
 from pagedserve.config import ModelConfig, SchedulerConfig
@@ -82,44 +83,53 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         return replace(shape, weight_bytes=weight_bytes)
 
     shape = prepared_shape(checkpoint, model)
-    windowed = window_pool_layers(args, model, draft is not None)
-    if windowed is not None:
-        window, num_window_layers = windowed
-        shape = replace(shape, num_window_layers=num_window_layers, window=window)
     if draft is not None:
         draft_shape = prepared_shape(*draft)
         shape = replace(shape, weight_bytes=shape.weight_bytes + draft_shape.weight_bytes, draft=draft_shape)
     override = args.num_gpu_blocks_override
     kv_source = f"--num-gpu-blocks-override {override}" if override else memory.PlanRequest.kv_source
     on_cpu = device == "cpu"
-    overhead = sizes.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
-                                            on_cpu=on_cpu, uses_transformers=_uses_transformers(args, model),
-                                            structured_outputs=model.task == "generate")
-    request = memory.PlanRequest(
-        dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, max_model_len=model.max_model_len,
-        max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
-        block_size=args.block_size, available=available,
-        memory_fraction=memory.DEFAULT_MEMORY_FRACTION if args.gpu_memory_utilization is None
-        else args.gpu_memory_utilization,
-        kv_share=memory.CPU_DEFAULT_KV_SHARE if on_cpu and args.gpu_memory_utilization is None else None,
-        kv_cache_bytes=None if override else args.kv_cache_memory, kv_source=kv_source,
-        num_kv_blocks=override - 1 if override else None,  # minus the null block
-        runtime_overhead_bytes=overhead,
-        host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0, kv_scale_bytes=kv_scale_bytes,
-        quantization=model.quantization, on_cpu=on_cpu, computes_logits=model.task == "generate",
-        materializes_attention_scores=softcapped_attention(model.architecture, model.hf_config))
-    plan = memory.make_plan(shape, request, quantizations=tuple(q for q in SUPPORTED_QUANTIZATION if q),
-                            kv_cache_dtypes=tuple(d for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto"))
+
+    def make_plan(shape: sizes.ModelShape) -> MemoryPlan:
+        overhead = sizes.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
+                                                on_cpu=on_cpu, uses_transformers=_uses_transformers(args, model),
+                                                structured_outputs=model.task == "generate")
+        request = memory.PlanRequest(
+            dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, max_model_len=model.max_model_len,
+            max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            block_size=args.block_size, available=available,
+            memory_fraction=memory.DEFAULT_MEMORY_FRACTION if args.gpu_memory_utilization is None
+            else args.gpu_memory_utilization,
+            kv_share=memory.CPU_DEFAULT_KV_SHARE if on_cpu and args.gpu_memory_utilization is None else None,
+            kv_cache_bytes=None if override else args.kv_cache_memory, kv_source=kv_source,
+            num_kv_blocks=override - 1 if override else None,  # minus the null block
+            runtime_overhead_bytes=overhead,
+            host_bytes_per_block=memory.HOST_BYTES_PER_KV_BLOCK if on_cpu else 0, kv_scale_bytes=kv_scale_bytes,
+            quantization=model.quantization, on_cpu=on_cpu, computes_logits=model.task == "generate",
+            materializes_attention_scores=softcapped_attention(model.architecture, model.hf_config))
+        return memory.make_plan(shape, request, quantizations=tuple(q for q in SUPPORTED_QUANTIZATION if q),
+                                kv_cache_dtypes=tuple(d for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto"))
+
+    windowed = window_pool_layers(args, model, draft is not None)
+    plans = [make_plan(shape)] if windowed is None else [
+        make_plan(replace(shape, num_window_layers=windowed[1], window=windowed[0])), lambda: make_plan(shape)]
+    plan = plans[0]
+    if windowed is not None and memory.window_pool_saves_nothing(plan):
+        logger.info("the %d sliding-window layers' K/V stay in the main pool: a pool of their own for their %d-token "
+                    "window would hold as many blocks as it (%d), saving nothing", windowed[1], windowed[0],
+                    plan.num_kv_blocks)
+        plan = plans[1]()
     if args.num_gpu_blocks_override:  # testing: exactly the pool asked for, even a small one
         fits = plan.total_bytes <= plan.budget_bytes
-        plan = replace(plan, problems=[], fits=fits, suggestions=[] if fits else _override_suggestions(plan))
+        plan = replace(plan, problems=[], fits=fits, suggestions=[] if fits else _override_suggestions(*plans))
     return plan
 
 
-def _override_suggestions(plan: MemoryPlan) -> list:
+def _override_suggestions(plan: MemoryPlan, one_pool: Callable[[], MemoryPlan] | None = None) -> list:
     """What fits beside --num-gpu-blocks-override, which sizes the pool whatever --kv-cache-memory says: the
-    blocks that fit (where any do, with the window pool they bring where the window layers have one), and the
-    plan's suggestions that do not resize the pool."""
+    blocks that fit (where any do, with the window pool they bring where the window layers have one, or
+    `one_pool`'s plan's blocks where that pool would save nothing at that size), and the plan's suggestions
+    that do not resize the pool."""
     from pagedserve.memory.plan import Suggestion, window_pool
 
     others = [s for s in plan.suggestions if s.flag != "--kv-cache-memory"]
@@ -128,6 +138,8 @@ def _override_suggestions(plan: MemoryPlan) -> list:
     fixed = plan.total_bytes - plan.kv_pool_bytes - plan.kv_bookkeeping_bytes
     window = window_pool(plan.shape, plan.request)
     blocks = window.main_blocks_within(max(0, plan.budget_bytes - fixed), per_block, host)
+    if one_pool is not None and window.num_blocks(blocks) >= blocks:  # the engine would plan one pool there
+        return _override_suggestions(one_pool())
     if blocks < 1:
         return others
     needs = fixed + blocks * per_block + window.num_blocks(blocks) * (window.block_bytes + host)

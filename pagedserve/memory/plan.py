@@ -446,6 +446,14 @@ def _plan(shape: ModelShape, request: PlanRequest) -> MemoryPlan:
     )
 
 
+def window_pool_saves_nothing(plan: MemoryPlan) -> bool:
+    """Whether the sliding-window layers' pool of their own holds as many blocks as the main pool (a context
+    close to the window, or cached windows filling it): then it saves no K/V bytes against one pool, costs a
+    second block's bookkeeping for every main block, and splits the prefix cache's LRU order in two. The engine
+    plans one pool instead."""
+    return bool(plan.num_window_blocks) and plan.num_window_blocks >= plan.num_kv_blocks
+
+
 def window_pool(shape: ModelShape, request: PlanRequest) -> WindowPool:
     """The sliding-window layers' pool of their own where the shape has one (shape.num_window_layers)."""
     if not shape.num_window_layers:

@@ -150,7 +150,8 @@ def test_cached_windows_come_from_what_the_budget_leaves_beside_the_workload(tin
 
 
 def test_the_suggested_block_override_fits_with_its_window_pool(tiny_model_dir):
-    """A --num-gpu-blocks-override that does not fit gets the override that does: its window pool counted too."""
+    """A --num-gpu-blocks-override that does not fit gets the override that does: its window pool counted too,
+    or one pool where the window pool would hold as many blocks as the main pool (the engine plans one there)."""
     model_dir = tiny_model_dir("gemma3")
     mib = 1 << 20
 
@@ -161,16 +162,16 @@ def test_the_suggested_block_override_fits_with_its_window_pool(tiny_model_dir):
                                       check_memory=False)
         return config.memory_plan
 
-    checked = 0
+    pools = []
     for available in range(425 * mib, 445 * mib, 3 * mib // 2):
         suggestion = next((s for s in plan(400_000, available).suggestions
                            if s.flag == "--num-gpu-blocks-override"), None)
         if suggestion is None:
             continue
         again = plan(int(suggestion.value), available)
-        assert again.fits and again.num_window_blocks > 0 and again.total_bytes == suggestion.needs_bytes, available
-        checked += 1
-    assert checked >= 5
+        assert again.fits and again.total_bytes == suggestion.needs_bytes, available
+        pools.append("two" if again.num_window_blocks else "one")
+    assert pools.count("two") >= 5 and "one" in pools
 
 
 def test_the_first_memory_reading_counts_the_window_pool(tiny_model_dir):
@@ -203,4 +204,34 @@ def test_a_window_on_every_layer_leaves_the_main_pool_without_k_v(tiny_model_dir
 
 def test_a_window_as_long_as_the_context_keeps_one_pool(tiny_model_dir):
     llm = LLM(tiny_model_dir("gemma3"), dtype="float32", max_model_len=WINDOW)
+    assert llm.llm_engine.kv.window_pool is None
+
+
+def test_a_window_pool_as_large_as_the_main_pool_gives_way_to_one_pool(tiny_model_dir, monkeypatch, caplog):
+    """A context little longer than the window: the window layers' running windows and a step's tokens need as many
+    blocks as the main pool, so a pool of their own would save no K/V and cost a second block's bookkeeping: the
+    engine plans one pool, with at least the two pools' main blocks, in less memory. A longer context keeps two."""
+    from pagedserve.memory import plan as memory
+
+    model_dir = tiny_model_dir("gemma3", max_position_embeddings=4096)
+    available = AvailableMemory(64 * GIB, "MemAvailable", "a test")
+
+    def config(max_model_len: int):
+        args = EngineArgs(model=model_dir, dtype="float32", max_model_len=max_model_len, max_num_seqs=4,
+                          max_num_batched_tokens=256, block_size=16)
+        return create_engine_config(args, available=available)
+
+    with caplog.at_level("INFO", logger="pagedserve.engine.memory_plan"):
+        near = config(2 * WINDOW)
+    assert near.cache.num_window_blocks == 0 and near.memory_plan.num_window_blocks == 0
+    assert "would hold as many blocks as it" in caplog.text
+    with monkeypatch.context() as patch:
+        patch.setattr(memory, "window_pool_saves_nothing", lambda plan: False)
+        two = config(2 * WINDOW).memory_plan
+    assert two.num_window_blocks == two.num_kv_blocks  # the window pool as large as the main pool
+    assert near.memory_plan.num_kv_blocks >= two.num_kv_blocks
+    assert near.memory_plan.total_bytes < two.total_bytes
+    far = config(2048)
+    assert 0 < far.memory_plan.num_window_blocks < far.memory_plan.num_kv_blocks and far.cache.num_window_blocks
+    llm = LLM(model_dir, dtype="float32", max_model_len=2 * WINDOW, max_num_seqs=4, max_num_batched_tokens=256)
     assert llm.llm_engine.kv.window_pool is None
