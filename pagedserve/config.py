@@ -59,6 +59,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     # Sampling defaults for requests that do not set them (--generation-config): SamplingParams' field names
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    # Every request's max_tokens at most this (vLLM's override_max_tokens: --generation-config FOLDER's or
+    # --override-generation-config's max_new_tokens); None: no cap
+    max_tokens_cap: int | None = None
     served_model_aliases: tuple[str, ...] = ()  # more names requests may use (--served-model-name A B ...)
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary)
 

@@ -191,12 +191,13 @@ class EngineArgs(FlagArgs):
                                    "(debugging, correctness checks).", default=ModelConfig.reference_kernels)
     generation_config: str = setting(
         "Sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, repetition_penalty; "
-        "max_new_tokens caps max_tokens where a chat request gives none), as vLLM: auto (the model's "
+        "max_new_tokens is max_tokens where a chat request gives none), as vLLM: auto (the model's "
         "generation_config.json, its authors' recommendation), vllm (none: temperature 1, no top-p/top-k), or a "
-        "folder holding a generation_config.json.", default="auto")
+        "folder holding a generation_config.json, whose max_new_tokens caps every request's max_tokens (vLLM's "
+        "rule).", default="auto")
     override_generation_config: str | None = setting(
         "Those defaults as a JSON object, over --generation-config's: '{\"temperature\": 0.5}' (names as in "
-        "generation_config.json).")
+        "generation_config.json); a max_new_tokens here caps every request's max_tokens (vLLM's rule).")
     max_logprobs: int = setting("The most logprobs (top_logprobs) or prompt_logprobs a request may ask for; -1: "
                                 "as many as the vocabulary holds (vLLM's; OpenAI allows 20).",
                                 default=ModelConfig.max_logprobs)

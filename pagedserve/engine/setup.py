@@ -280,6 +280,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                          "quantizes any model)")
     names = args.served_model_name or args.model or DEFAULT_MODEL
     names = [names] if isinstance(names, str) else list(names)
+    defaults = _default_sampling(model_path, args)
     model = ModelConfig(model=model_path, served_model_name=names[0], served_model_aliases=tuple(names[1:]),
                         dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
                         architecture=architecture, task=task, pooler=pooler, seed=args.seed,
@@ -288,7 +289,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                                                           kernels_from_flags),
                         enforce_eager=args.enforce_eager,
                         reference_kernels=args.reference_kernels,
-                        default_sampling=_default_sampling(model_path, args), max_logprobs=args.max_logprobs)
+                        default_sampling=defaults, max_tokens_cap=generation_max_tokens_cap(args, defaults),
+                        max_logprobs=args.max_logprobs)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
                                 max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy,
@@ -313,12 +315,27 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
 def _default_sampling(model_path: str, args: EngineArgs) -> dict[str, Any]:
     defaults = default_sampling(model_path, args.generation_config,
                                 parse_generation_overrides(args.override_generation_config))
-    if defaults:
+    cap = generation_max_tokens_cap(args, defaults)
+    fields = {k: v for k, v in defaults.items() if k != "max_tokens" or cap is None}
+    if fields:
         where = "the model's generation_config.json" if args.generation_config == "auto" else args.generation_config
         logger.info("requests that leave them out sample with %s (from %s%s; --generation-config vllm for none)",
-                    ", ".join(f"{k} {v}" for k, v in defaults.items()), where,
+                    ", ".join(f"{k} {v}" for k, v in fields.items()), where,
                     " and --override-generation-config" if args.override_generation_config else "")
+    if cap is not None:
+        logger.info("every request's max_tokens is at most %d (max_new_tokens of %s, as vLLM)", cap,
+                    "--override-generation-config" if args.generation_config in ("auto", "vllm")
+                    else args.generation_config)
     return defaults
+
+
+def generation_max_tokens_cap(args: EngineArgs, defaults: dict[str, Any]) -> int | None:
+    """vLLM's override_max_tokens: max_new_tokens caps every request's max_tokens where it comes from
+    --generation-config FOLDER (or the overrides over it) or --override-generation-config; the model's own
+    generation_config.json only gives max_tokens to chat requests that leave it out."""
+    if args.generation_config not in ("auto", "vllm"):
+        return defaults.get("max_tokens")
+    return parse_generation_overrides(args.override_generation_config).get("max_new_tokens")
 
 
 def check_engine_args(args: EngineArgs) -> None:

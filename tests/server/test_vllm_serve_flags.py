@@ -107,7 +107,8 @@ def test_replies_carry_the_response_role_streamed_or_not(server, cert):
 
 def test_requests_that_leave_sampling_out_take_the_model_s_generation_config(http):
     """temperature 0 from generation_config.json (so the text is the greedy one), max_new_tokens 5 from
-    --override-generation-config (capping a chat request that gives no max_tokens); a request's own values win."""
+    --override-generation-config (capping every request's max_tokens, as vLLM's override_max_tokens); a request's
+    own sampling values win."""
     def chat(**fields):
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Count"}], **fields}
         return http.post("/v1/chat/completions", json={**body, "ignore_eos": True}).json()
@@ -117,7 +118,10 @@ def test_requests_that_leave_sampling_out_take_the_model_s_generation_config(htt
     assert [r["usage"]["completion_tokens"] for r in left_out] == [5, 5]
     assert left_out[0]["choices"][0]["message"]["content"] == left_out[1]["choices"][0]["message"]["content"] \
         == greedy["choices"][0]["message"]["content"]
-    assert chat(max_tokens=9)["usage"]["completion_tokens"] == 9
+    assert chat(max_tokens=9)["usage"]["completion_tokens"] == 5 and chat(max_tokens=3)["usage"]["completion_tokens"] == 3
+    completion = http.post("/v1/completions", json={"model": MODEL, "prompt": "Count", "max_tokens": 9,
+                                                    "ignore_eos": True}).json()
+    assert completion["usage"]["completion_tokens"] == 5
     sampled = {chat(temperature=1.0, top_k=0, seed=s)["choices"][0]["message"]["content"] for s in range(6)}
     assert len(sampled) > 1  # the request's temperature, not the default's 0
 
@@ -151,8 +155,9 @@ def test_flags_without_effect_are_logged_with_why(server):
     assert "--trust-remote-code has no effect: pagedserve runs its own model code" in log
     assert "--swap-space 4 has no effect" in log and "--disable-log-requests has no effect" in log
     assert "serving tiny on https://127.0.0.1" in log
-    assert ("requests that leave them out sample with temperature 0.0, top_k 5, max_tokens 5 (from the model's "
+    assert ("requests that leave them out sample with temperature 0.0, top_k 5 (from the model's "
             "generation_config.json and --override-generation-config") in log
+    assert "every request's max_tokens is at most 5 (max_new_tokens of --override-generation-config, as vLLM)" in log
 
 
 @pytest.mark.parametrize("flags,message", [

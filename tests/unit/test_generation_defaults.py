@@ -32,6 +32,23 @@ def test_auto_takes_the_model_s_sampling_fields_and_nothing_else(model_dir, tmp_
     assert default_sampling(model_dir, "auto", {"temperature": 0.0})["temperature"] == 0.0  # overrides win
 
 
+def test_max_new_tokens_caps_every_request_where_vllm_makes_it_a_cap(model_dir, tmp_path):
+    """vLLM's override_max_tokens: the model's own max_new_tokens (auto) is only a default; a --generation-config
+    folder's, or --override-generation-config's, caps every request's max_tokens."""
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.setup import generation_max_tokens_cap
+
+    def cap(source: str = "auto", overrides: str | None = None) -> int | None:
+        args = EngineArgs(model=model_dir, generation_config=source, override_generation_config=overrides)
+        return generation_max_tokens_cap(args, default_sampling(model_dir, source, parse_generation_overrides(overrides)))
+
+    assert cap() is None and cap("vllm") is None
+    assert cap(model_dir) == 2048  # the same file, given as a folder
+    assert cap("auto", '{"max_new_tokens": 5}') == 5 and cap("vllm", '{"max_new_tokens": 6}') == 6
+    assert cap("auto", '{"temperature": 0.5}') is None
+    assert cap(model_dir, '{"max_new_tokens": 7}') == 7
+
+
 @pytest.mark.parametrize("text", ['{"temperature": 0.1,', "[1, 2]"])
 def test_a_damaged_generation_config_is_refused_naming_it(tmp_path, text):
     """Read as none, its defaults and extra EOS ids were dropped without a word (vLLM falls back quietly too)."""

@@ -127,7 +127,10 @@ class OpenAIServing:
             room = self.engine.engine.kv_room(len(prompt.token_ids))
             max_tokens = min(max_tokens, room) if room >= 1 else max_tokens
         default = self.default_sampling.get("max_tokens")  # the model's max_new_tokens (--generation-config)
-        return min(max_tokens, default) if requested is None and default is not None else max_tokens
+        if requested is None and default is not None:
+            max_tokens = min(max_tokens, default)
+        cap = self.engine.engine.config.model.max_tokens_cap  # vLLM's override_max_tokens: every request's
+        return max_tokens if cap is None else min(max_tokens, cap)
 
     def _request_id(self, prefix: str, req: Any) -> str:
         """A fresh id; a client's request_id (vLLM's field) is kept in it, so logs and errors can be matched."""
