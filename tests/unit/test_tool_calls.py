@@ -160,8 +160,10 @@ def test_parallel_tool_calls_false_under_auto_keeps_the_first_call(parser, text,
     """No grammar limits "auto": with parallel_tool_calls false the answer has the first call the model wrote
     (it had every one)."""
     assert len(streamed(make_reader(choice("auto", parser), parser), text, piece).calls) == 2
-    result = streamed(make_reader(choice("auto", parser, parallel=False), parser), text, piece)
+    reader = make_reader(choice("auto", parser, parallel=False), parser)
+    result = streamed(reader, text, piece)
     assert [c["function"]["name"] for c in result.calls] == ["get_weather"]
+    assert reader.num_calls == 1  # a stream's finish_reason ("tool_calls") reads it
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "bad"}}])

@@ -640,8 +640,8 @@ class FirstCallReader(ToolCallReader):
     def finish(self) -> list[str | ToolCallDelta]:
         return self._first(self.reader.finish())
 
-    @staticmethod
-    def _first(events: list[str | ToolCallDelta]) -> list[str | ToolCallDelta]:
+    def _first(self, events: list[str | ToolCallDelta]) -> list[str | ToolCallDelta]:
+        self.num_calls = min(self.reader.num_calls, 1)  # what a stream's finish_reason reads
         return [e for e in events if not isinstance(e, ToolCallDelta) or e.index == 0]
 
 
