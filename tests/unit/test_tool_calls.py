@@ -66,6 +66,36 @@ def test_required_and_named_grammars():
     assert choice("none").grammar is None and choice("auto").grammar is None
 
 
+def test_required_keeps_each_tool_s_references_within_its_own_schema():
+    """A tool's local references ("#" for recursion, "#/$defs/..." as pydantic writes nested models) resolve within
+    that tool's parameters, as under a named tool_choice, not against the array of calls that "required" wraps
+    them in: there a recursive "child" took call objects, and $defs could not be found (a 400)."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from pagedserve.structured.compiler import json_schema_grammar
+
+    tree = {"type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+                                             "enum": {"const": {"$ref": "#"}}},
+            "required": ["child"], "additionalProperties": False}
+    user = {"$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                                  "additionalProperties": False}},
+            "type": "object", "properties": {"address": {"$ref": "#/$defs/Address"}}, "required": ["address"],
+            "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}},
+             {"type": "function", "function": {"name": "user", "parameters": user}}]
+    grammar = json_schema_grammar(resolve_tool_choice(tools, "required", None, "hermes", True).grammar.json)
+
+    def call(name: str, arguments: dict) -> str:
+        return json.dumps([{"name": name, "parameters": arguments}], separators=(",", ":"))  # xgrammar's const
+
+    assert accepts(grammar, call("tree", {"child": {"child": None}}))
+    assert accepts(grammar, call("tree", {"child": None, "enum": {"$ref": "#"}}))  # data, not a reference
+    assert not accepts(grammar, call("tree", {"child": [{"name": "tree", "parameters": {"child": None}}]}))
+    assert not accepts(grammar, call("tree", {"child": {"child": None}, "enum": {"$ref": "#/$defs/tool_0_parameters"}}))
+    assert accepts(grammar, call("user", {"address": {"city": "Paris"}}))
+    assert not accepts(grammar, call("user", {"address": {"town": "Paris"}}))
+
+
 HERMES_TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
                '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
 

@@ -48,11 +48,16 @@ class ToolChoice:
         if self.mode == "named":
             return StructuredOutputsParams(json=_parameters(self._function(self.function_name)), param="tool_choice")
         if self.mode == "required":
+            # Each tool's parameters schema under $defs, its local references ("#", "#/$defs/...") re-rooted there:
+            # inside the array of calls they would resolve against the array's schema.
+            defs = {_tool_def(i): _rerooted(_parameters(f["function"]), f"#/$defs/{_tool_def(i)}")
+                    for i, f in enumerate(self.tools)}
             calls = [{"type": "object", "properties": {"name": {"const": f["function"]["name"]},
-                                                       "parameters": _parameters(f["function"])},
-                      "required": ["name", "parameters"], "additionalProperties": False} for f in self.tools]
+                                                       "parameters": {"$ref": f"#/$defs/{_tool_def(i)}"}},
+                      "required": ["name", "parameters"], "additionalProperties": False}
+                     for i, f in enumerate(self.tools)]
             schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                      "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+                                      "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "$defs": defs}
             if not self.parallel:
                 schema["maxItems"] = 1
             return StructuredOutputsParams(json=schema, param="tool_choice")
@@ -118,6 +123,35 @@ def _check_tools(tools: list[dict]) -> None:
 
 def _parameters(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _tool_def(index: int) -> str:
+    return f"tool_{index}_parameters"
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names to schemas.
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rerooted(schema: Any, root: str) -> Any:
+    """`schema` with its local references ("#" and "#/...") pointing into it where it sits at `root`."""
+    if isinstance(schema, list):
+        return [_rerooted(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # names there are names, not keywords
+            out[key] = {name: _rerooted(sub, root) for name, sub in value.items()}
+        else:
+            out[key] = _rerooted(value, root)
+    return out
 
 
 # ---- reading calls out of the generated text ------------------------------------------------------
