@@ -88,6 +88,19 @@ def test_forced_calls_validate_and_stream_the_same(client, tool_choice):
     assert got == [(c.function.name, c.function.arguments) for c in calls] and finish == expected
 
 
+def test_a_stop_string_inside_a_required_call_keeps_finish_reason_stop(client):
+    """The request's stop string cuts the call's arguments short: the answer says "stop" (it asked for the cut),
+    not "tool_calls", which promises complete calls; streamed the same."""
+    kwargs = dict(model=model_id(client), messages=WEATHER, tools=TOOLS, tool_choice="required", max_tokens=200,
+                  temperature=0.0, stop=["city"])
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.message.tool_calls and choice.finish_reason == "stop"
+    with pytest.raises(ValueError):
+        json.loads(choice.message.tool_calls[0].function.arguments)
+    got, finish = streamed_calls(client.chat.completions.create(stream=True, **kwargs))
+    assert got == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] and finish == "stop"
+
+
 def test_sampled_required_calls_always_validate(client):
     """At temperature 1 every sampled call parses and matches its schema (one call each: a free-running model can
     add calls to the array until max_tokens cuts it)."""

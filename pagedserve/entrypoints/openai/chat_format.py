@@ -98,10 +98,14 @@ def template_message(message: ChatMessage, content_format: str = "string") -> di
     return result
 
 
-def chat_finish_reason(finish_reason: str | None, called_tools: bool, named_tool: bool = False) -> str | None:
+def chat_finish_reason(finish_reason: str | None, called_tools: bool, named_tool: bool = False,
+                       stop_reason: int | str | None = None) -> str | None:
     """"tool_calls" when the model stopped after calling tools on its own or under tool_choice "required"; a
-    call forced by name (tool_choice {"type": "function", ...}) keeps "stop", as OpenAI and vLLM answer."""
-    return "tool_calls" if called_tools and not named_tool and finish_reason == "stop" else finish_reason
+    call forced by name (tool_choice {"type": "function", ...}) keeps "stop", as OpenAI and vLLM answer. One of the
+    request's stop strings or stop ids (`stop_reason`) ending it keeps "stop" too: the calls may be cut short."""
+    if called_tools and not named_tool and finish_reason == "stop" and stop_reason is None:
+        return "tool_calls"
+    return finish_reason
 
 
 def chat_delta(events: list[str | ToolCallDelta]) -> dict:

@@ -572,7 +572,8 @@ class OpenAIServing:
             choices.append({"index": index, "message": message,
                             "logprobs": chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0,
                                                       self.token_bytes, self._as_ids(req)) if req.logprobs else None,
-                            "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls), named),
+                            "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls), named,
+                                                                choice.stop_reason),
                             "stop_reason": choice.stop_reason})
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
@@ -654,7 +655,8 @@ class OpenAIServing:
                 finish_reason = completion.finish_reason
                 if finish_reason is not None:
                     finish_reason = chat_finish_reason(finish_reason, reader.num_calls > 0,
-                                                       tool_choice is not None and tool_choice.mode == "named")
+                                                       tool_choice is not None and tool_choice.mode == "named",
+                                                       completion.stop_reason)
                 chunk = {**base, "choices": [{"index": completion.index, "delta": chat_delta(events),
                                               "logprobs": logprobs, "finish_reason": finish_reason,
                                               "stop_reason": completion.stop_reason}]}
