@@ -116,8 +116,11 @@ class StructuredOutputsParams:
     def from_response_format(cls, value: dict[str, Any]) -> "StructuredOutputsParams | None":
         """OpenAI's response_format: text (None), json_object, or json_schema {name, schema, strict}."""
         param = "response_format"
-        kind = value.get("type") if isinstance(value, dict) else None
-        if kind in (None, "text") and isinstance(value, dict):
+        if not isinstance(value, dict) or "type" not in value:
+            raise InvalidRequestError("response_format needs a type: text, json_object, json_schema or "
+                                      "structural_tag, e.g. {\"type\": \"json_object\"}", param=param)
+        kind = value["type"]
+        if kind == "text":
             return None
         if kind == "json_object":
             return cls(json_object=True, param=param)
@@ -127,7 +130,11 @@ class StructuredOutputsParams:
                 raise InvalidRequestError("response_format json_schema needs a json_schema object with a "
                                           "schema: {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., "
                                           "\"schema\": {...}}}", param=param)
-            return cls(json=spec["schema"], param=param)
+            schema = spec["schema"]
+            if not isinstance(schema, (dict, str)):  # a string: a schema written as JSON text, as vLLM takes it
+                raise InvalidRequestError(f"response_format.json_schema.schema must be a JSON Schema object, got "
+                                          f"{json.dumps(schema)[:40]}", param=param)
+            return cls(json=schema, param=param)
         if kind == "structural_tag":  # vLLM's: the object itself is the tag
             return cls(structural_tag=value, param=param)
         raise InvalidRequestError(f"response_format type {kind!r} is not supported; use text, json_object, "

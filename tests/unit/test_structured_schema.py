@@ -33,6 +33,12 @@ def test_request_forms():
         StructuredOutputsParams.from_response_format({"type": "json_schema"})
     with pytest.raises(InvalidRequestError, match="'yaml' is not supported"):
         StructuredOutputsParams.from_response_format({"type": "yaml"})
+    for no_type in ({}, {"json_schema": {"schema": {}}}, "json_object"):  # OpenAI's type is required: not "text"
+        with pytest.raises(InvalidRequestError, match="response_format needs a type"):
+            StructuredOutputsParams.from_response_format(no_type)
+    for schema in (None, False, 3):
+        with pytest.raises(InvalidRequestError, match="schema must be a JSON Schema object"):
+            StructuredOutputsParams.from_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
     with pytest.raises(InvalidRequestError, match="unknown field 'jsn'"):
         StructuredOutputsParams.from_request({"jsn": {}})
     # The same schema written differently shares one compiled grammar.
