@@ -253,6 +253,11 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     config_dict = hf_config.to_dict()
     model_dtype = str(config_dict.get("dtype") or config_dict.get("torch_dtype") or "")
     dtype = resolve_dtype(args.dtype, device, model_dtype.removeprefix("torch.") or None, kernels_from_flags)
+    if dtype == "float16" and device == "cpu":  # as vLLM's CPU backend does
+        logger.warning("--dtype %s: float16 runs on torch's plain ops on a CPU (2-7x slower than bfloat16 here), "
+                       "so the model serves in bfloat16 (as vLLM's CPU backend does); --dtype float32 for full "
+                       "precision", args.dtype)
+        dtype = "bfloat16"
     task = _resolve_task(args, architecture, model_path)
     cores = read_cores()
     parallel, threads_per_rank = resolve_parallel(args, hf_config, task, architecture, cores)
