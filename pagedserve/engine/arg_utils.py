@@ -292,7 +292,8 @@ class RequestLimits(FlagArgs):
     max_n: int = setting("Most completions a request may ask for with n (OpenAI's limit: 128).", default=128)
     max_prompts_per_request: int = setting("Most prompts in one /v1/completions request (a list of prompts).",
                                         default=256)
-    max_stop_sequences: int = setting("Most stop strings per request (OpenAI's limit: 4).", default=4)
+    max_stop_sequences: int = setting("Most stop strings per request (OpenAI's limit is 4; vLLM has none, and "
+                                      "evaluation harnesses send more).", default=64)
     max_stop_sequence_chars: int = setting("Longest stop string, in characters.", default=1024)
     max_stop_token_ids: int = setting("Most stop_token_ids per request.", default=64)
     max_logit_bias_entries: int = setting("Most logit_bias entries per request (OpenAI's limit: 300).", default=300)
