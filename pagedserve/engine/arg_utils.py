@@ -68,6 +68,14 @@ def human_readable_int(value: str) -> int:
     return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
 
 
+AUTO_SIZE = -1  # vLLM's "auto" (or -1) for --max-model-len: the longest that the memory holds
+
+
+def human_readable_int_or_auto(value: str) -> int:
+    """human_readable_int, or "auto" / -1 (AUTO_SIZE), as vLLM's --max-model-len takes them."""
+    return AUTO_SIZE if value.strip().lower() == "auto" else human_readable_int(value)
+
+
 def _with_default(help_text: str, default: Any) -> str:
     """The help with its default appended, unless the text already says it or there is none to say."""
     if "(default" in help_text or "default:" in help_text or default is None or default is dataclasses.MISSING:
@@ -109,7 +117,7 @@ def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f:
         return
     kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
     if meta.get("size"):  # vLLM's human-readable sizes: 32k, 32K
-        kind = human_readable_int
+        kind = human_readable_int_or_auto if meta.get("auto") else human_readable_int
     extra = {"nargs": meta["nargs"]} if "nargs" in meta else {}
     parser.add_argument(*flags, type=kind, default=f.default, help=help_text, choices=meta.get("choices"), **extra)
 
@@ -132,8 +140,10 @@ class EngineArgs(FlagArgs):
                       "here serves its weights widened to that dtype (add --quantization int8 to keep int8).",
                       default="auto")
     max_model_len: int | None = setting("Longest sequence (prompt + output) in tokens, e.g. 4096, 32k (32000) or "
-                                     "32K (32768) (default: the model's context length; an embedding model's "
-                                     "sentence-transformers max_seq_length).", size=True)
+                                     "32K (32768); auto or -1 (vLLM's): the model's context length, or the longest "
+                                     "one sequence of which the memory holds (default: the model's context "
+                                     "length; an embedding model's sentence-transformers max_seq_length).",
+                                     size=True, auto=True)
     disable_sliding_window: bool = setting(
         "vLLM's: cap the context at the model's sliding window (the smallest, where layers differ), within which "
         "every layer attends to the whole sequence; without it a sliding-window model serves its whole context, "

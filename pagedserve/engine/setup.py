@@ -17,7 +17,7 @@ from typing import Any
 from pagedserve import envs
 from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig, json_object
 from pagedserve.distributed.plan import check_parallel_args, resolve_parallel
-from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, EngineArgs
+from pagedserve.engine.arg_utils import AUTO_SIZE, SUPPORTED_KV_CACHE_DTYPES, EngineArgs
 from pagedserve.engine.faults import parse_fault_spec
 from pagedserve.engine.memory_plan import check_memory_plan, num_kv_blocks, num_window_kv_blocks, plan_memory
 from pagedserve.engine.startup import StartupTracker
@@ -246,6 +246,8 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     from pagedserve.platform import (check_ranks_fit_device, default_quantization, read_cores, resolve_device,
                                      resolve_dtype)
 
+    if args.max_model_len in (AUTO_SIZE, "auto"):
+        return _auto_max_model_len(args, startup, available, check_memory, kernels_from_flags)
     check_engine_args(args)
     model_path, checkpoint, hf_config, architecture = read_model(args.model, startup or StartupTracker())
     device = resolve_device(args.device)
@@ -341,6 +343,29 @@ def generation_max_tokens_cap(args: EngineArgs, defaults: dict[str, Any]) -> int
     if args.generation_config not in ("auto", "vllm"):
         return defaults.get("max_tokens")
     return parse_generation_overrides(args.override_generation_config).get("max_new_tokens")
+
+
+def _auto_max_model_len(args: EngineArgs, startup: StartupTracker | None, available: AvailableMemory | None,
+                        check_memory: bool, kernels_from_flags: bool) -> EngineConfig:
+    """vLLM's --max-model-len auto (or -1): the model's context length where the memory holds one sequence of
+    it, else the longest one that it holds (the plan's --max-model-len suggestion); where none fits, the plan's
+    refusal as without the flag."""
+    from dataclasses import replace
+
+    def config(max_model_len: int | None, check: bool) -> EngineConfig:
+        return create_engine_config(replace(args, max_model_len=max_model_len), startup, available, check,
+                                    kernels_from_flags)
+
+    default = config(None, check=False)
+    plan = default.memory_plan
+    longest = next((int(s.value) for s in plan.suggestions if s.flag == "--max-model-len"), None)
+    if plan.fits or longest is None:
+        if check_memory:
+            check_memory_plan(plan)
+        return default
+    logger.info("--max-model-len auto: %d tokens, the longest sequence the memory holds (one of the model's %d "
+                "would not fit)", longest, default.model.max_model_len)
+    return config(longest, check_memory)
 
 
 def check_engine_args(args: EngineArgs) -> None:

@@ -382,3 +382,23 @@ def test_plan_takes_a_serve_command_line_unchanged(tiny_model_dir, tmp_path, cap
     assert code == 0 and pasted == plain  # the server's own flags change no figure
     assert main(["plan", model, "-pp", "2", *host]) == 2  # what serve refuses, plan refuses
     assert "--pipeline-parallel-size 2: pipeline parallelism is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["auto", "-1"])
+def test_max_model_len_auto_is_the_longest_sequence_the_memory_holds(tiny_model_dir, tmp_path, capsys,
+                                                                    value) -> None:
+    """vLLM's --max-model-len auto (or -1): the model's context where one sequence of it fits, else the longest
+    that fits (the refusal's own --max-model-len suggestion), where the model's context alone is refused."""
+    model = tiny_model_dir("llama", max_position_embeddings=1 << 21)
+    host = fake_host(tmp_path / "small", 1024 * 1024)  # 1 GiB: less than one 2M-token sequence's K/V
+    code, refused = plan_json(capsys, model, "--max-num-seqs", "1", *host)
+    suggested = next(int(s["value"]) for s in refused["suggestions"] if s["flag"] == "--max-model-len")
+    assert code == 1 and suggested < 1 << 21
+    code, auto = plan_json(capsys, model, "--max-num-seqs", "1", "--max-model-len", value, *host)
+    assert code == 0 and auto["fits"] and auto["request"]["max_model_len"] == suggested
+    code, roomy = plan_json(capsys, model, "--max-num-seqs", "1", "--max-model-len", value,
+                            *fake_host(tmp_path / "large", 16 * 1024 * 1024))
+    assert code == 0 and roomy["request"]["max_model_len"] == 1 << 21
+    args = EngineArgs(model=model, max_num_seqs=1, max_model_len="auto", device="cpu")
+    config = create_engine_config(args, available=AvailableMemory(1 << 30, "MemAvailable", "a test"))
+    assert config.model.max_model_len == config.scheduler.max_model_len == suggested
