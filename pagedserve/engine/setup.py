@@ -345,6 +345,14 @@ def generation_max_tokens_cap(args: EngineArgs, defaults: dict[str, Any]) -> int
     return parse_generation_overrides(args.override_generation_config).get("max_new_tokens")
 
 
+def _is_gguf_model(model: str | None) -> bool:
+    """A .gguf path, or a packaged model's name whose file is a GGUF."""
+    from pagedserve.models.fetch import KNOWN_MODELS
+
+    return bool(model) and (is_gguf_path(model) or (model in KNOWN_MODELS and is_gguf_path(
+        KNOWN_MODELS[model].filename)))
+
+
 def _auto_max_model_len(args: EngineArgs, startup: StartupTracker | None, available: AvailableMemory | None,
                         check_memory: bool, kernels_from_flags: bool) -> EngineConfig:
     """vLLM's --max-model-len auto (or -1): the model's context length where the memory holds one sequence of
@@ -424,7 +432,13 @@ def check_engine_args(args: EngineArgs) -> None:
         if value is not None and value < least:  # 0 read as "not given" served a default instead
             raise ValueError(f"{flag} must be at least {least}{why}, got {value}")
     if args.tokenizer is not None:
-        check_tokenizer_path(args.tokenizer, fetch=False)
+        try:
+            check_tokenizer_path(args.tokenizer, fetch=False)
+        except ModelValidationError as exc:
+            if _is_gguf_model(args.model):  # vLLM's GGUF docs pass the hub's tokenizer
+                raise ModelValidationError(f"{exc}. A GGUF carries its own tokenizer: leave --tokenizer out to "
+                                           "use it") from None
+            raise
     envs.log_stats_interval_s()  # a bad $PAGEDSERVE_LOG_STATS_INTERVAL fails here, not after loading
     envs.cpu_isa()  # a PAGEDSERVE_CPU_ISA the kernels cannot be built for fails here, not at the first forward
 

@@ -246,3 +246,17 @@ def test_version_flag_and_an_ipv6_listen_address(capsys):
         build_parser().parse_args(["--version"])
     assert capsys.readouterr().out.strip() == f"pagedserve {__version__}"
     assert ServeOptions(host="::1", port=8001).listen_address == "http://[::1]:8001"  # a URL that works
+
+
+def test_a_hub_tokenizer_beside_a_gguf_says_to_leave_it_out():
+    """vLLM's GGUF docs pass the hub's tokenizer (`--tokenizer org/name`); pagedserve downloads nothing, and a GGUF
+    carries its own: the refusal says so. Beside another model it says only what --tokenizer takes."""
+    from pagedserve.engine.setup import check_engine_args
+    from pagedserve.formats.errors import ModelValidationError
+
+    for model in ("smollm2-135m-instruct", "/models/x.Q8_0.gguf"):
+        with pytest.raises(ModelValidationError, match="A GGUF carries its own tokenizer: leave --tokenizer out"):
+            check_engine_args(EngineArgs(model=model, tokenizer="HuggingFaceTB/SmolLM2-135M-Instruct"))
+    with pytest.raises(ModelValidationError, match="local path") as info:
+        check_engine_args(EngineArgs(model="all-minilm-l6-v2", tokenizer="org/name"))
+    assert "GGUF" not in str(info.value)
