@@ -65,6 +65,8 @@ def test_api_key_enforced(tiny_model_dir, tmp_path):
         assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert httpx.get(f"{server.url}/metrics").status_code == 200
+        assert httpx.get(f"{server.url}/version").status_code == 200  # open, as vLLM's (monitoring asks it)
+        assert httpx.get(f"{server.url}/server_info").status_code == 401
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
         assert client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=2,
                                          extra_body={"ignore_eos": True}).usage.completion_tokens == 2

@@ -49,7 +49,9 @@ from pagedserve.metrics import HTTP_EXCLUDED, EngineMetrics, HttpMetrics, new_re
 
 logger = logging.getLogger("pagedserve.server")
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # /ping: SageMaker's health check
+# Answered without the API key (vLLM's key guards /v1 only; here every other path too, /tokenize and /server_info
+# included): /ping is SageMaker's health check, /version what monitoring asks (nothing private in either).
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # index.html, *.js, *.css: no build step
 WEB_ASSETS_PREFIX = "/web/"
 # Seconds before the shutdown grace period ends at which the requests still open are failed with a 503, leaving
