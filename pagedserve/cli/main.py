@@ -7,7 +7,7 @@ Each sub-command module exposes `register(subparsers) -> None`, which adds its p
 from __future__ import annotations
 
 import argparse
-import functools
+import difflib
 import importlib
 import sys
 
@@ -23,12 +23,40 @@ SUBCOMMANDS = [
 ]
 
 
+_UNRECOGNIZED_HINT = ("(`pagedserve COMMAND --help` lists each command's flags, serve's last section the vLLM flags "
+                      "taken without effect; any other flag is refused, never ignored)")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("unrecognized arguments:"):  # often a vLLM flag pagedserve does not have
-            message += ("\n(`pagedserve COMMAND --help` lists each command's flags, serve's last section the vLLM "
-                        "flags taken without effect; any other flag is refused, never ignored)")
+            message += "\n" + _UNRECOGNIZED_HINT
         super().error(message)
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A sub-command's parser. Its errors show one usage line, not argparse's whole usage (serve's runs to 130
+    lines above the message), and flags are never matched by a prefix of their name (argparse's allow_abbrev:
+    `--config` read as `--config-format`; a flag added later could change what an abbreviation means; vLLM's parser
+    does not abbreviate either)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"usage: {self.prog} [flags]   (`{self.prog} --help` lists them)\n{self.prog}: error: {message}\n")
+
+    def unrecognized(self, extras: list[str]) -> None:
+        """The error for flags this command does not have, each with the closest flag it has, if one is close."""
+        options = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+        notes = []
+        for extra in extras:
+            name = extra.split("=", 1)[0]
+            close = difflib.get_close_matches(name, options, n=1, cutoff=0.8) if name.startswith("--") else []
+            if close:
+                notes.append(f"{name}: did you mean {close[0]}?")
+        self.error(f"unrecognized arguments: {' '.join(extras)}\n" + "".join(n + "\n" for n in notes)
+                   + _UNRECOGNIZED_HINT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,10 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve import __version__
 
     parser.add_argument("--version", action="version", version=f"pagedserve {__version__}")
-    # No prefix matching of flags (argparse's allow_abbrev): `--config` read as `--config-format`, a flag added
-    # later could change what an abbreviation means. vLLM's parser does not abbreviate either.
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND",
-                                       parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     for name in SUBCOMMANDS:
         importlib.import_module(f"pagedserve.cli.{name}").register(subparsers)
     return parser
@@ -61,7 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.cli.argv import normalize
 
     parser = build_parser()
-    args = parser.parse_args(normalize(sys.argv[1:] if argv is None else list(argv), option_dests(parser)))
+    args, extras = parser.parse_known_args(normalize(sys.argv[1:] if argv is None else list(argv),
+                                                     option_dests(parser)))
+    if extras:
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command = subparsers.choices.get(getattr(args, "command", None) or "")
+        if isinstance(command, _CommandParser):
+            command.unrecognized(extras)
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -78,6 +78,9 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     CompatSetting(("--max-num-partial-prefills",), IGNORED, "prompts prefill side by side within "
                   "--max-num-batched-tokens; --long-prefill-token-threshold N keeps a long one from taking a whole "
                   "step", number=True),
+    CompatSetting(("--max-long-partial-prefills",), IGNORED, "prompts prefill side by side within "
+                  "--max-num-batched-tokens; --long-prefill-token-threshold N keeps a long one from taking a whole "
+                  "step", number=True),
     CompatSetting(("--prefix-caching-hash-algo",), IGNORED, "prefix-cache blocks are keyed by their token ids and "
                   "their prefix's key", choices=("sha256", "sha256_cbor", "builtin", "xxhash", "xxhash_cbor")),
     # only
@@ -242,7 +245,10 @@ def _model_format(model: Any) -> str | None:
     from pagedserve.formats import is_gguf_path
 
     if Path(model).exists():
-        return "gguf" if is_gguf_path(model) else "safetensors" if Path(model).is_dir() else None
+        if is_gguf_path(model):
+            return "gguf"
+        # a directory of safetensors (one holding a .gguf is refused as a model, naming the file, later)
+        return "safetensors" if Path(model).is_dir() and any(Path(model).glob("*.safetensors")) else None
     from pagedserve.models.fetch import KNOWN_MODELS
 
     known = KNOWN_MODELS.get(model)

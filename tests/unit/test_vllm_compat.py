@@ -61,8 +61,13 @@ def test_accepted_values_that_contradict_the_command_line_are_refused(tmp_path):
         vllm_compat.check(vars(parse("serve m --distributed-executor-backend uni -tp 2")))
     with pytest.raises(ValueError, match="the model smollm2-135m-instruct is gguf"):
         vllm_compat.check(vars(parse("serve smollm2-135m-instruct --load-format safetensors")))
+    (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="is safetensors"):
         vllm_compat.split_keywords({"load_format": "gguf"}, str(tmp_path))  # LLM(folder, load_format="gguf")
+    other = tmp_path / "holds-a-gguf"  # not told "safetensors" (it is refused as a model, naming the file, later)
+    other.mkdir()
+    (other / "x.gguf").write_bytes(b"")
+    assert vllm_compat.split_keywords({"load_format": "gguf"}, str(other)) is not None
     assert vllm_compat.check(vars(parse("serve smollm2-135m-instruct --load-format gguf -tp 1 "
                                         "--distributed-executor-backend uni"))) == []
 
@@ -169,6 +174,23 @@ def test_no_flag_is_taken_by_a_prefix_of_its_name(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)
         assert f"unrecognized arguments: {prefix}" in capsys.readouterr().err
+
+
+def test_a_command_line_error_is_short_and_names_the_closest_flag(capsys):
+    """A mistyped flag gets serve's error (not the top-level usage) with the closest flag; a bad value one usage
+    line, not serve's 130 lines of usage above the message; an unknown --tool-call-parser names what is."""
+    from pagedserve.cli.main import main
+
+    for argv, says in ((["serve", "m", "--enable-chunked-prefil"], "did you mean --enable-chunked-prefill?"),
+                       (["plan", "m", "--max-model-le=3"], "did you mean --max-model-len?"),
+                       (["serve", "m", "--block-size", "x"], "argument --block-size: invalid int value")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and says in err and len(err.splitlines()) <= 4, err
+        assert f"pagedserve {argv[0]}: error:" in err
+    with pytest.raises(ValueError, match="--tool-call-parser mistral is not supported: hermes or llama3_json"):
+        ServeOptions(tool_call_parser="mistral").check()
 
 
 @pytest.mark.parametrize("command, message", [

@@ -41,7 +41,7 @@ class ServeOptions(FlagArgs):
                                          "model writes; needs --tool-call-parser.", default=False, group="tools")
     tool_call_parser: str | None = setting("How the model writes tool calls: hermes (<tool_call>{json}</tool_call>: "
                                         "Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.x JSON calls).",
-                                        choices=PARSERS, group="tools")
+                                        group="tools")
     chat_template: str | None = setting("The chat template to use instead of the model's: a file's path, or the "
                                         "template itself (vLLM's rule: a value that holds '{' or a line break is a "
                                         "template).", group="chat")
@@ -129,6 +129,11 @@ class ServeOptions(FlagArgs):
         """ValueError naming the flag for a value the server cannot use."""
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser} is not supported: {' or '.join(PARSERS)} "
+                             "(hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.x); without a parser, tool_choice "
+                             "\"required\" or a named function still calls tools with any model (a grammar writes "
+                             "the call)")
         if self.uds is not None:
             check_socket_path(self.uds)
         if self.root_path and not self.root_path.startswith("/"):
