@@ -593,6 +593,9 @@ def test_a_loopback_server_answers_only_its_own_host_names(server):
         response = httpx.get(f"{server.url}/v1/models", headers={"Host": host})
         assert response.status_code == status, (host, response.text)
     assert "--allowed-hosts" in httpx.get(f"{server.url}/health", headers={"Host": "evil"}).json()["error"]["message"]
+    log = server.log()  # the operator is told too, once per name (a proxy forwarding its clients' Host)
+    assert log.count("refused a request with Host 'attacker.example'") == 1
+    assert "needs --allowed-hosts '[\"evil\"]'" in log
     import socket  # no Host at all (an HTTP/1.0 health check): no browser sends that, so no rebinding either
 
     with socket.create_connection(("127.0.0.1", int(port)), timeout=30) as sock:

@@ -155,6 +155,9 @@ def test_flags_without_effect_are_logged_with_why(server):
     assert "--trust-remote-code has no effect: pagedserve runs its own model code" in log
     assert "--swap-space 4 has no effect" in log and "--disable-log-requests has no effect" in log
     assert "serving tiny on https://127.0.0.1" in log
+    from pagedserve.entrypoints.openai.api_server import in_container  # a container's published port: --host
+
+    assert ("inside a container: a published port cannot reach it; --host 0.0.0.0" in log) == in_container()
     assert ("requests that leave them out sample with temperature 0.0, top_k 5 (from the model's "
             "generation_config.json and --override-generation-config") in log
     assert "every request's max_tokens is at most 5 (max_new_tokens of --override-generation-config, as vLLM)" in log

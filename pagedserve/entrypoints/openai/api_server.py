@@ -52,6 +52,7 @@ logger = logging.getLogger("pagedserve.server")
 # Answered without the API key (vLLM's key guards /v1 only; here every other path too, /tokenize and /server_info
 # included): /ping is SageMaker's health check, /version what monitoring asks (nothing private in either).
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+_MAX_LOGGED_HOSTS = 8  # refused Host names logged, each once
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"  # index.html, *.js, *.css: no build step
 WEB_ASSETS_PREFIX = "/web/"
 # Seconds before the shutdown grace period ends at which the requests still open are failed with a 503, leaving
@@ -132,6 +133,7 @@ class GuardMiddleware:
                  host_names: frozenset[str] | None = None) -> None:
         self.app = app
         self.host_names = host_names  # a loopback server's Host names (DNS rebinding); None: any
+        self.refused_hosts: set[str] = set()  # logged once each (at most _MAX_LOGGED_HOSTS)
         self.stopping = stopping or threading.Event()  # set when the shutdown grace runs out
         keys = [api_key] if isinstance(api_key, str) else api_key or []
         self.expected = [f"Bearer {key}".encode() for key in keys] or None  # any of them (vLLM's --api-key k1 k2)
@@ -167,12 +169,24 @@ class GuardMiddleware:
                                             "request finished", 503)
             return None
 
+    def _log_refused_host(self, name: str) -> None:
+        """The operator's side of the 400: a reverse proxy on this host that forwards its clients' Host (nginx's
+        proxy_set_header Host $host) has every request refused, and the clients see only the 400."""
+        if name in self.refused_hosts or len(self.refused_hosts) >= _MAX_LOGGED_HOSTS:
+            return
+        self.refused_hosts.add(name)
+        logger.warning("refused a request with Host %r (a loopback server answers localhost, 127.0.0.1 and [::1] "
+                       "only, against DNS rebinding): a reverse proxy on this host that forwards its clients' Host "
+                       "needs --allowed-hosts '[%s]', or has to send Host localhost", name[:100],
+                       json.dumps(name[:100]))
+
     async def _guarded(self, scope: dict, receive: Any, send: Any) -> None:
         headers = dict(scope.get("headers") or [])
         server = (scope.get("server") or ("",))[0] or ""
         loopback = server in ("127.0.0.1", "::1") or server.startswith("127.")  # a socket (not an in-process client)
         host = headers.get(b"host")  # none: no browser sent it (HTTP/1.0 health checks), so no rebinding either
         if self.host_names is not None and loopback and host and _host_name(host) not in self.host_names:
+            self._log_refused_host(_host_name(host))
             return await _send_error(send, "this server answers Host localhost (or 127.0.0.1, [::1]) only: name "
                                            "another with --allowed-hosts", 400)
         if self.expected is not None and not self.is_open(scope):
@@ -208,6 +222,14 @@ class GuardMiddleware:
                 return None
             if not message.get("more_body", False):
                 return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def in_container() -> bool:
+    """Whether this process runs in a Docker or Podman container (the files they create)."""
+    return any(os.path.exists(path) for path in ("/.dockerenv", "/run/.containerenv"))
 
 
 def _host_name(host: bytes) -> str:
@@ -752,6 +774,9 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
             return
         state.engine.on_death = lambda exc: stop(1)
         logger.info("serving %s on %s", state.served_model_names[0], options.listen_address)
+        if in_container() and not options.uds and options.host in LOOPBACK_HOSTS:
+            logger.warning("serving on %s inside a container: a published port cannot reach it; --host 0.0.0.0 "
+                           "(vLLM's default) listens on the container's network", options.host)
         state.engine.run_in_this_thread()  # until shutdown
 
     loader = threading.Thread(target=load, name="pagedserve-engine", daemon=True)  # loads, then runs the loop
