@@ -37,6 +37,7 @@ NO_OP_VALUES = {"uniqueItems": False}
 _UNESCAPED_LITERAL = re.compile(r'["\x00-\x1f]|\\\\|\\[nrtfv0]|\\x(?:[01][0-9a-fA-F]|22|5[cC])|'
                                 r'\\u(?:00[01][0-9a-fA-F]|0022|005[cC])')
 _RANGE_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
 FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
                      "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
 
@@ -154,6 +155,12 @@ def _check_values(schema: dict, path: str, param: str) -> None:
         raise _unsupported(param, path, "'multipleOf' together with a minimum or maximum")
     if isinstance(schema.get("pattern"), str):
         _check_pattern(schema["pattern"], path, param)
+    types = schema.get("type")
+    for key in _RANGE_KEYWORDS:  # xgrammar writes integer bounds as 64-bit integers (and fails on others)
+        bound = schema.get(key)
+        if (types == "integer" or (isinstance(types, list) and "integer" in types)) and \
+                isinstance(bound, (int, float)) and not _INT64[0] <= bound <= _INT64[1]:
+            raise _unsupported(param, path, f"an integer '{key}' beyond 64 bits ({bound:g})")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise _unsupported(param, path, f"the non-local '$ref' {ref!r} (only references into the schema itself)")

@@ -23,6 +23,15 @@ def test_exactly_one_kind():
         StructuredOutputsParams(choice=[])
 
 
+def test_integer_bounds_beyond_64_bits_are_named():
+    """xgrammar's converter failed with its internal check ("Check failed: (val >= MIN_INT64_AS_DOUBLE)")."""
+    for schema in ({"type": "integer", "minimum": -1e20}, {"type": ["integer", "null"], "maximum": 2 ** 64}):
+        with pytest.raises(InvalidRequestError, match="an integer '(minimum|maximum)' beyond 64 bits"):
+            check_json_schema(schema, "response_format")
+    check_json_schema({"type": "number", "minimum": -1e20}, "response_format")
+    check_json_schema({"type": "integer", "minimum": -(2 ** 63), "maximum": 2 ** 63 - 1}, "response_format")
+
+
 def test_request_forms():
     assert StructuredOutputsParams.from_response_format({"type": "text"}) is None
     assert StructuredOutputsParams.from_response_format({"type": "json_object"}).kind == "json_object"
