@@ -292,3 +292,52 @@ def test_a_signal_before_the_server_starts_exits_0(sig):
             f"exit_on_signals_until_serving(); os.kill(os.getpid(), {int(sig)}); import torch; sys.exit(3)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_a_connection_without_a_complete_request_head_is_closed(tiny_model_dir, tmp_path):
+    """--request-head-timeout-s: a connection that sends nothing, or trickles its headers (slowloris), is closed
+    after the deadline (uvicorn held both for ever); a request whose head arrived may send its body slowly, and a
+    kept-alive connection's next request has a deadline of its own."""
+    import socket
+
+    server = start_server(tiny_model_dir("llama"), "--max-model-len", "128", "--request-head-timeout-s", "1",
+                          log_dir=tmp_path)
+    port = int(server.url.rsplit(":", 1)[1])
+
+    def closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> bool:
+        """Whether the server closes `sock` within `seconds`, sending `trickle` a byte each 0.2 s meanwhile."""
+        deadline = time.monotonic() + seconds
+        sock.settimeout(0.2)
+        for byte in [trickle[i:i + 1] for i in range(len(trickle))] or [b""] * int(seconds / 0.2 + 1):
+            if time.monotonic() > deadline:
+                return False
+            try:
+                if byte:
+                    sock.sendall(byte)
+                if sock.recv(4096) == b"":
+                    return True
+            except socket.timeout:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                return True
+        return False
+
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as idle:
+            assert closed_within(idle, 4.0)
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            assert closed_within(slow, 4.0, b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + b"X-Slow: 1\r\n" * 9)
+        body = b'{"prompt": "hi", "max_tokens": 2}'
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as upload:
+            upload.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n" % len(body))
+            for i in range(0, len(body), 4):  # ~1.8 s of body, past the deadline
+                time.sleep(0.2)
+                upload.sendall(body[i:i + 4])
+            assert b" 200 " in upload.recv(4096).split(b"\r\n", 1)[0]
+            time.sleep(0.5)  # kept alive: the next request within its own deadline
+            upload.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            assert b" 200 " in upload.recv(4096).split(b"\r\n", 1)[0]
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    finally:
+        assert server.stop() == 0, server.log()

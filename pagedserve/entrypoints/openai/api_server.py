@@ -42,6 +42,7 @@ from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     EmbeddingRequest, RerankRequest, ResponsesRequest, ScoreRequest,
                                                     TokenizeRequest)
+from pagedserve.entrypoints.openai.http_protocol import http_protocol
 from pagedserve.entrypoints.openai.serving import OpenAIServing
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.memory.pressure import RETRY_AFTER_S, MemoryPressure, memory_pressure_for
@@ -740,7 +741,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     app = build_app(state, options)
     _quiet_access_log(options.disable_access_log_for_endpoints, options.root_path)
     config = uvicorn.Config(app, host=options.host, port=options.port, uds=options.uds,
-                            log_level=options.uvicorn_log_level,
+                            http=http_protocol(options.request_head_timeout_s), log_level=options.uvicorn_log_level,
                             timeout_graceful_shutdown=options.shutdown_grace_s,
                             access_log=not options.disable_uvicorn_access_log,
                             **options.uvicorn_tls())

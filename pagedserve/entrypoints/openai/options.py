@@ -28,6 +28,10 @@ class ServeOptions(FlagArgs):
                                               "(default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY).", nargs="+")
     max_request_body_bytes: int = setting("Larger request bodies get HTTP 413.", default=8 << 20)
     shutdown_grace_s: float = setting("On SIGTERM/SIGINT, seconds in-flight requests get to finish.", default=30.0)
+    request_head_timeout_s: float = setting(
+        "Seconds a connection has to send a request's line and headers, from its start or from its last response; "
+        "then it is closed, as nginx's client_header_timeout does (a stalled or trickling client, e.g. a slowloris "
+        "attack, held its connection for ever). 0: no limit.", default=60.0, group="http")
     uvicorn_log_level: str = setting("uvicorn's log level (default: warning; vLLM's is info); at info and below "
                                   "it also writes the access log, a line per request.", default="warning",
                                   choices=("critical", "error", "warning", "info", "debug", "trace"))
@@ -157,6 +161,9 @@ class ServeOptions(FlagArgs):
                              "be refused; give the key, or leave the flag out to serve without one")
         if not 0 <= self.shutdown_grace_s < float("inf"):  # nan too
             raise ValueError(f"--shutdown-grace-s must be a number of seconds >= 0, got {self.shutdown_grace_s}")
+        if not 0 <= self.request_head_timeout_s < float("inf"):
+            raise ValueError("--request-head-timeout-s must be a number of seconds >= 0 (0: no limit), got "
+                             f"{self.request_head_timeout_s}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         if self.ssl_cert_reqs not in (0, 1, 2):
