@@ -105,7 +105,8 @@ class DeviceConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1  # ranks, each a process holding a shard (pagedserve/distributed)
-    cpu_binding: tuple[tuple[int, ...], ...] = ()  # the cores of each rank (resolved); () with one rank
+    # The cores of each rank (resolved); with one rank those --cpu-binding named, else () (not bound)
+    cpu_binding: tuple[tuple[int, ...], ...] = ()
     all_reduce: str = "auto"  # "auto" (shared memory where it runs, else gloo), "shm" or "gloo"
     collective_timeout_s: float = 30.0  # a collective waiting longer for a peer fails the step
 

@@ -82,19 +82,13 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
             engine_args.kv_cache_memory = int(kv_gib * GIB)
     if engine_args.cpu_binding is None:
         engine_args.cpu_binding = envs.vllm_cpu_omp_threads_bind()
-        if engine_args.cpu_binding is not None and engine_args.tensor_parallel_size > 1:
+        if engine_args.cpu_binding is not None:
             from pagedserve.distributed.plan import check_parallel_args
 
             try:
                 check_parallel_args(engine_args.tensor_parallel_size, engine_args.cpu_binding, "auto")
             except ValueError as exc:  # the variable's value, not a flag the user gave
                 raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND: {exc}".replace("--cpu-binding ", "")) from None
-        if engine_args.cpu_binding is not None and engine_args.tensor_parallel_size == 1:
-            logging.getLogger(__name__).warning(
-                "VLLM_CPU_OMP_THREADS_BIND=%s has no effect with one rank: pagedserve binds tensor-parallel ranks "
-                "(-tp N); to keep one process on those cores run it under `taskset -c %s`",
-                engine_args.cpu_binding, engine_args.cpu_binding)
-            engine_args.cpu_binding = None
     return engine_args
 
 

@@ -36,24 +36,22 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, co
     """(ParallelConfig, torch threads per rank or None to keep the single-process default). By default the
     ranks split `cores.thread_cpus` (one logical CPU per physical core), so no two ranks share a core."""
     size = args.tensor_parallel_size
-    if size == 1:
-        return ParallelConfig(), None
+    word = (args.cpu_binding or "auto").strip().lower()
+    if size == 1:  # one process: bound where cores are named (vLLM's VLLM_CPU_OMP_THREADS_BIND does it too)
+        if word in SPECIAL_BINDINGS:
+            return ParallelConfig(), None
+        cores = _named_cores(args.cpu_binding, 1, cores)[0]
+        return ParallelConfig(cpu_binding=(tuple(cores),)), args.num_threads or len(cores)
     if task != "generate":
         raise ValueError(f"--tensor-parallel-size {size}: tensor parallelism serves text generation; this "
                          f"model embeds (task {task}). Serve it with --tensor-parallel-size 1")
     if not hasattr(hf_config, "num_attention_heads") or "ForCausalLM" not in architecture:
         raise ValueError(f"--tensor-parallel-size {size}: {architecture} cannot be split; use 1")
     check_tensor_parallel(hf_config, size)
-    word = (args.cpu_binding or "auto").strip().lower()
     if word == "nobind":
         binding = [list(cores.logical)] * size
     elif word != "auto":
-        binding = parse_cpu_binding(args.cpu_binding, size)
-        allowed = cores.logical  # every CPU of this process's affinity
-        outside = sorted({c for cores in binding for c in cores} - set(allowed))
-        if outside:
-            raise ValueError(f"--cpu-binding {args.cpu_binding!r} names cores this process may not run on "
-                             f"({format_cores(outside)}); usable: {format_cores(allowed)}")
+        binding = _named_cores(args.cpu_binding, size, cores)
     else:
         binding = default_binding(cores.thread_cpus, size)
         if len(cores.thread_cpus) < size:
@@ -63,6 +61,17 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, co
                                    else min(len(cores) for cores in binding))
     return ParallelConfig(tensor_parallel_size=size, cpu_binding=tuple(tuple(c) for c in binding),
                           all_reduce=args.tp_all_reduce), threads
+
+
+def _named_cores(cpu_binding: str, size: int, cores: Cores) -> list[list[int]]:
+    """--cpu-binding's lists, each rank's, within the cores this process may run on (ValueError naming the others)."""
+    binding = parse_cpu_binding(cpu_binding, size)
+    allowed = cores.logical  # every CPU of this process's affinity
+    outside = sorted({c for rank in binding for c in rank} - set(allowed))
+    if outside:
+        raise ValueError(f"--cpu-binding {cpu_binding!r} names cores this process may not run on "
+                         f"({format_cores(outside)}); usable: {format_cores(allowed)}")
+    return binding
 
 
 def per_rank_shape(shape: Any, hf_config: Any, world_size: int) -> Any:

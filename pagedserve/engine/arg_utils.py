@@ -186,7 +186,7 @@ class EngineArgs(FlagArgs):
         aliases=("-tp",))
     cpu_binding: str | None = setting(
         "Cores of each tensor-parallel rank (-tp N), '|'-separated lists: \"0-7|8-15\" (default: "
-        "$VLLM_CPU_OMP_THREADS_BIND, as vLLM's; with one rank, bind the process with taskset). Otherwise one NUMA "
+        "$VLLM_CPU_OMP_THREADS_BIND, as vLLM's); with one rank, the engine's cores (\"0-3\"). Otherwise one NUMA "
         "node per rank where the usable cores span N nodes, else the usable physical cores split evenly (auto); "
         "nobind lets every rank run on every core; one thread per physical core (one CPU of each) unless "
         "--num-threads.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -42,12 +43,34 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict
 
 
+def _bind_engine_thread(engine: object, cores: list[int]) -> None:
+    """Bind the thread that builds the engine (it runs its steps, and OpenMP's threads start from it) to `cores`;
+    an offline caller's thread gets its affinity back when the engine is gone."""
+    import threading
+
+    from pagedserve.distributed.binding import bind_this_thread, format_cores
+
+    previous = bind_this_thread(cores)
+    if previous is not None:
+        logger.info("engine bound to cores %s (--cpu-binding or VLLM_CPU_OMP_THREADS_BIND)", format_cores(cores))
+        weakref.finalize(engine, _restore_affinity, threading.get_native_id(), previous)
+
+
+def _restore_affinity(thread_id: int, cores: set[int]) -> None:
+    try:
+        os.sched_setaffinity(thread_id, cores)
+    except OSError:  # the thread is gone: nothing to give back
+        pass
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any, startup: StartupTracker | None = None,
                  warm_up: bool = True) -> None:
         startup = startup or StartupTracker()
         self.config = config
         self.tokenizer = tokenizer
+        if config.parallel.tensor_parallel_size == 1 and config.parallel.cpu_binding:  # --cpu-binding CORES
+            _bind_engine_thread(self, list(config.parallel.cpu_binding[0]))
         if config.device.device == "cpu":
             previous = configure_threads(config.device.num_threads)
             if previous != config.device.num_threads:  # an offline caller's torch gets its threads back with us

@@ -280,3 +280,21 @@ def test_an_offline_caller_gets_its_threads_and_cores_back(tiny_model_dir):
     del llm
     gc.collect()
     assert (torch.get_num_threads(), os.sched_getaffinity(0)) == before
+
+
+def test_one_process_runs_on_the_cores_named_and_gives_them_back(tiny_model_dir):
+    """cpu_binding with one rank (vLLM's VLLM_CPU_OMP_THREADS_BIND binds its one process too): the engine's thread,
+    and so OpenMP's, on those cores with one torch thread each while the LLM lives; the caller's back after."""
+    import gc
+    import os
+
+    import torch
+
+    before = (torch.get_num_threads(), os.sched_getaffinity(0))
+    core = max(before[1])
+    llm = LLM(tiny_model_dir("llama"), cpu_binding=str(core), dtype="float32", max_model_len=64)
+    assert os.sched_getaffinity(0) == {core} and torch.get_num_threads() == 1
+    assert llm.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+    del llm
+    gc.collect()
+    assert (torch.get_num_threads(), os.sched_getaffinity(0)) == before
