@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedserve.config import json_object
 from pagedserve.exceptions import InvalidRequestError, check_text
+from pagedserve.structured.lark import lark_to_ebnf, looks_like_lark
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # Whitespace the grammar allows between JSON tokens: at most this many characters in a row, so a model
@@ -69,6 +70,8 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"{self.param}: {name} must be a non-empty string", param=self.param)
+        if self.grammar is not None and looks_like_lark(self.grammar):  # vLLM takes Lark grammars too
+            self.grammar = lark_to_ebnf(self.grammar, self.param)
         source = json.dumps(getattr(self, self.kind), ensure_ascii=False) if self.kind != "json_object" else ""
         check_text(source, f"{self.param}'s {self.kind}", self.param)  # the compiler's own error names its internals
 
