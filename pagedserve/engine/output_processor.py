@@ -216,14 +216,16 @@ class OutputProcessor:
         return False
 
     def _to_logprobs_dict(self, entry: Any) -> LogprobsDict | None:
+        """{token id: Logprob}: the sampled (or prompt) token first, then the top ones by rank, as vLLM orders them
+        (code reading the first entry takes the sampled token's logprob). A sampled token among the top ones has
+        its place there as its rank, as vLLM's (a tie shares a logprob, not a rank)."""
         if entry is None:
             return None
-        result: LogprobsDict = {}
-        for rank, (token_id, logprob) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1):
-            result[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
-        if entry.token_id not in result:
-            result[entry.token_id] = Logprob(entry.logprob, entry.rank, self.tokenizer.decode([entry.token_id]))
-        return result
+        top = {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+               for rank, (token_id, logprob) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1)}
+        sampled = top.pop(entry.token_id, None) or Logprob(entry.logprob, entry.rank,
+                                                          self.tokenizer.decode([entry.token_id]))
+        return {entry.token_id: sampled, **top}
 
     def _finish_and_build(self, state: _RequestState) -> RequestOutput | None:
         state.metrics.finished_time = time.monotonic()

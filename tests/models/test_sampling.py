@@ -187,3 +187,19 @@ def test_generate_without_params_samples_with_the_model_s_defaults(tiny_model_di
     greedy = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0]
     assert out.token_ids == greedy.token_ids and len(out.token_ids) <= 3
     assert llm.get_default_sampling_params() == SamplingParams()  # no generation_config defaults: the neutral ones
+
+
+def test_logprobs_dicts_put_the_sampled_token_first_as_vllm(llm):
+    """vLLM builds each step's dict from [sampled, *top]: the first entry is the sampled (or prompt) token's, then
+    the top ones by rank. Code reading next(iter(step.values())) summed the top-1 logprobs instead."""
+    params = SamplingParams(temperature=2.0, seed=3, max_tokens=24, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    out = llm.generate(["The quick brown fox jumps"], params)[0]
+    sample = out.outputs[0]
+    assert [next(iter(step)) for step in sample.logprobs] == sample.token_ids
+    assert sum(next(iter(step.values())).logprob for step in sample.logprobs) == pytest.approx(
+        sample.cumulative_logprob, abs=1e-4)
+    assert any(step[token].rank > 2 for step, token in zip(sample.logprobs, sample.token_ids))  # not always top-k
+    for step in sample.logprobs:
+        ranks = [lp.rank for token_id, lp in list(step.items())[1:]]
+        assert ranks == sorted(ranks) and set(ranks) <= {1, 2}
+    assert [next(iter(step)) for step in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
