@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pagedserve.engine.prompt_checks import token_id_list
 from pagedserve.exceptions import InvalidRequestError, check_text
 from pagedserve.structured.params import StructuredOutputsParams
 
@@ -73,6 +74,9 @@ class SamplingParams:
             value = getattr(self, name) or []
             _check(isinstance(value, (list, tuple)), name, f"must be a list, got {type(value).__name__}")
             setattr(self, name, list(value))
+        self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")  # numpy's integers too
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = token_id_list(self.allowed_token_ids, "allowed_token_ids")
         if self.top_k == -1:
             self.top_k = 0
         for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True is 1 (the sampled token's and the top one)

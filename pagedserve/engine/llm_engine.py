@@ -6,7 +6,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagedserve import envs
@@ -20,7 +20,8 @@ from pagedserve.engine.cpu_share import for_this_process as cpu_share_for_this_p
 from pagedserve.engine.faults import FaultInjector, parse_fault_spec
 from pagedserve.engine.memory_plan import log_memory_vs_plan
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.prompt_checks import check_generation_prompt, check_pooling_prompt, check_token_ids
+from pagedserve.engine.prompt_checks import (check_generation_prompt, check_pooling_prompt, check_token_ids,
+                                             token_id_list)
 from pagedserve.engine.setup import (check_draft_tokenizer, create_engine_config, generation_config_eos_ids,
                                      load_tokenizer, make_runner)
 from pagedserve.engine.startup import StartupTracker
@@ -177,7 +178,9 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})  # salt: add_request's
+            # salt: add_request's; a field given as None is not given (vLLM's prompt dicts leave them out)
+            unknown = sorted(k for k in set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+                             if prompt[k] is not None)
             if unknown:  # vLLM's other prompt kinds: refused by name, never served as plain text
                 raise InvalidRequestError(f"prompt field {unknown[0]!r} is not supported: pagedserve takes text "
                                           "prompts ({'prompt': ...}) and token ids ({'prompt_token_ids': ...}); "
@@ -185,11 +188,14 @@ class LLMEngine:
             if "prompt_token_ids" not in prompt and "prompt" not in prompt:
                 raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'", param="prompt")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), token_id_list(prompt["prompt_token_ids"], "prompt")
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+        if not isinstance(prompt, Iterable):
+            raise InvalidRequestError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
+                                      f"'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
+        return None, token_id_list(prompt, "prompt")
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

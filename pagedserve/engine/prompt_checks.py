@@ -8,9 +8,22 @@ of a request body's shape (an empty list of prompts, too many stop strings) stay
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 
 from pagedserve.exceptions import InvalidRequestError
+
+
+def token_id_list(values: Iterable, param: str) -> list[int]:
+    """Token ids as Python ints: numpy's integers (an array's items) too, as vLLM takes them; anything else that is
+    not an integer (a string, a float, a bool) is an InvalidRequestError naming it."""
+    out = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise InvalidRequestError(f"{param}: token ids must be integers, got {value!r} "
+                                      f"({type(value).__name__})", param=param)
+        out.append(int(value))
+    return out
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str, label: str | None = None) -> None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -13,7 +13,7 @@ from pagedserve.beam_search import BeamSearchOutput, check_candidates, scoring_p
 from pagedserve.engine import vllm_compat
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
-from pagedserve.exceptions import request_error
+from pagedserve.exceptions import InvalidRequestError, request_error
 from pagedserve.metrics import EngineMetrics
 from pagedserve.metrics_reader import Metric, get_metrics_snapshot
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
@@ -338,6 +338,10 @@ def _check_lora(lora_request: Any) -> None:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, Iterable):  # generate(5), generate(None): TypeError "'int' object is not iterable"
+        raise InvalidRequestError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
+                                  f"'prompt_token_ids' (or a list of those), got {type(prompts).__name__}",
+                                  param="prompt")
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) for p in prompts):
         return [prompts]  # one prompt given as token ids

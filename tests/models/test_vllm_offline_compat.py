@@ -89,6 +89,30 @@ def test_what_is_not_served_is_refused_by_name(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_token_ids_may_be_numpy_integers_and_others_are_named(llm):
+    """vLLM takes numpy arrays and numpy integers as token ids; anything else that is not an integer is refused as
+    such (it was "token id 5 is out of range", about an id in range)."""
+    import numpy as np
+
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    expected = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids
+    for ids in (np.array([5, 6, 7]), [np.int64(5), np.int32(6), 7]):
+        assert llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids == expected
+        assert llm.generate([list(ids)], params)[0].outputs[0].token_ids == expected
+    assert SamplingParams(stop_token_ids=[np.int64(9)], allowed_token_ids=np.array([3, 4])).stop_token_ids == [9]
+    for bad in (["5", "6"], [5.0], [True]):
+        with pytest.raises(ValueError, match="prompt: token ids must be integers"):
+            llm.generate({"prompt_token_ids": bad}, params)
+    with pytest.raises(ValueError, match="stop_token_ids: token ids must be integers, got '5'"):
+        SamplingParams(stop_token_ids=["5"])
+    for prompt in (5, None, [3.5]):
+        with pytest.raises(ValueError, match="a prompt is a string, a list of token ids or a dict"):
+            llm.generate(prompt, params)
+    # a prompt field given as None is not given (vLLM's TypedDicts leave them out)
+    assert llm.generate({"prompt": "Hi", "multi_modal_data": None}, params)[0].outputs[0].token_ids
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_cache_salt_in_the_prompt_as_vllm_s_prompts_carry_it(llm):
     prompt = list(range(20, 60))  # two full blocks of 16 reusable
 
