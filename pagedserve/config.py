@@ -71,6 +71,9 @@ class ModelConfig:
 
         return is_gguf_path(self.model)
 
+    def get_vocab_size(self) -> int:  # vLLM's ModelConfig API
+        return self.hf_config.vocab_size
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -82,6 +85,10 @@ class CacheConfig:
     num_window_blocks: int = 0
     sliding_window: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+
+    @property
+    def num_gpu_blocks(self) -> int:  # vLLM's name (its blocks on whatever device)
+        return self.num_blocks
 
 
 @dataclass(frozen=True)
@@ -123,3 +130,25 @@ class EngineConfig:
     speculative: Any = None  # spec_decode.config.SpeculativeConfig; None = no speculative decoding
     draft_model: ModelConfig | None = None  # speculative decoding's draft model (method draft_model)
     parallel: ParallelConfig = ParallelConfig()
+
+    # vLLM's VllmConfig names, for code that reads llm.llm_engine.vllm_config.model_config and the like (the
+    # fields inside are pagedserve's: max_model_len, dtype, block_size, max_num_seqs, ... share vLLM's names)
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.cache
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.scheduler
+
+    @property
+    def device_config(self) -> DeviceConfig:
+        return self.device
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return self.parallel

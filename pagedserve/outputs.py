@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# One position's logprobs: token id -> Logprob. The sampled (or prompt) token is always present.
+# One position's logprobs: token id -> Logprob. The sampled (or prompt) token is always present, and first.
 LogprobsDict = dict[int, "Logprob"]
 
 

@@ -80,6 +80,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def canonical_dtype_name(name: str) -> str:
+    if not isinstance(name, str):  # a torch.dtype, as vLLM's LLM(dtype=torch.bfloat16) takes it
+        name = str(name).removeprefix("torch.")
     try:
         return DTYPE_NAMES[name]
     except KeyError:

@@ -24,8 +24,12 @@ class PoolingParams:
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
+    task: str | None = None  # vLLM's: the pooling task; this engine pools "embed" (None means it)
 
     def __post_init__(self) -> None:
+        if self.task not in (None, "embed"):
+            raise InvalidRequestError(f"PoolingParams task {self.task!r} is not supported: pagedserve pools sentence "
+                                      "embeddings only (task 'embed')", param="task")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise InvalidRequestError(f"normalize must be true, false or null, got {self.normalize!r}",
                                       param="normalize")

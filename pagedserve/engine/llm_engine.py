@@ -390,6 +390,10 @@ class LLMEngine:
         return self.config.model
 
     @property
+    def cache_config(self) -> Any:  # vLLM's: block_size, ... of the KV cache
+        return self.config.cache
+
+    @property
     def vllm_config(self) -> EngineConfig:  # vLLM's name for the engine's whole resolved configuration
         return self.config
 

@@ -60,6 +60,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """vLLM's; not here: the engine's detokenizer, chat template and grammars are built on its tokenizer."""
+        raise ValueError("LLM.set_tokenizer is not supported: give the tokenizer when the LLM is made, "
+                         "LLM(model, tokenizer=PATH)")
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's); False while requests hold blocks."""
         return self.engine.scheduler.kv.reset_prefix_cache()
@@ -108,7 +113,8 @@ class LLM:
              use_tqdm: bool = True, lora_request: Any = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or `chat_template`: a template, or a file's path as serve's
         --chat-template) to each conversation (with `tools`, OpenAI-shaped, as vLLM's LLM.chat), then generate.
         Tool calls are not parsed here: force one with SamplingParams(structured_outputs=...) or read the
@@ -116,6 +122,10 @@ class LLM:
         model to go on with; it needs add_generation_prompt=False, as in vLLM. Arguments in vLLM's order;
         content may be OpenAI's list of {"type": "text"} parts (chat_template_content_format as serve's)."""
         _check_lora(lora_request)
+        if mm_processor_kwargs:  # vLLM's: for image/audio processors
+            raise ValueError("mm_processor_kwargs: multimodal inputs are not supported (text models only)")
+        if self.engine.is_pooling:  # it said "the tokenizer has no chat template"
+            raise ValueError("LLM.chat generates text; this model embeds (task embed): use LLM.embed")
         if not messages:
             raise ValueError("messages must not be empty: give a conversation (a list of {\"role\": ..., "
                              "\"content\": ...} dicts) or a list of them")

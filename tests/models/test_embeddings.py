@@ -190,6 +190,8 @@ def test_minilm_refuses_long_inputs_and_unsupported_dimensions(minilm):
         minilm.embed("hi", PoolingParams(dimensions=128))
     with pytest.raises(ValueError, match="embedding model"):
         minilm.generate("hi")
+    with pytest.raises(ValueError, match="this model embeds"):  # not "the tokenizer has no chat template"
+        minilm.chat([{"role": "user", "content": "hi"}])
     assert not minilm.engine.has_unfinished_requests()
 
 

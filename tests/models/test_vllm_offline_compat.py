@@ -133,6 +133,34 @@ def test_the_resolved_configuration_under_vllm_s_names(llm, tiny_model_dir):
     config = EngineArgs(model=tiny_model_dir("llama"), dtype="float32", max_model_len=128).create_engine_config()
     assert config.model.max_model_len == 128 and config.memory_plan.fits  # headers only: nothing loaded
     assert llm.llm_engine.vllm_config is llm.llm_engine.config and llm.llm_engine.vllm_config.model.dtype == "float32"
+    vllm_config = llm.llm_engine.vllm_config  # VllmConfig's names for its parts
+    assert vllm_config.model_config.max_model_len == 128 and vllm_config.model_config.get_vocab_size() == 512
+    assert vllm_config.cache_config.block_size == llm.llm_engine.cache_config.block_size == 16
+    assert vllm_config.cache_config.num_gpu_blocks == vllm_config.cache.num_blocks > 0
+    assert vllm_config.scheduler_config.max_num_seqs == vllm_config.scheduler.max_num_seqs
+    assert vllm_config.parallel_config.tensor_parallel_size == 1 and vllm_config.device_config.device == "cpu"
+
+
+def test_more_of_vllm_s_offline_surface(llm, tiny_model_dir):
+    """vLLM's: LLM(dtype=torch.bfloat16), chat(mm_processor_kwargs=None), PoolingParams(task="embed"),
+    `pagedserve.logprobs` (vllm.logprobs) for Logprob; set_tokenizer refused by name, not an AttributeError."""
+    import torch
+
+    from pagedserve.logprobs import Logprob, PromptLogprobs, SampleLogprobs  # noqa: F401
+    from pagedserve.outputs import Logprob as FromOutputs
+    from pagedserve.pooling_params import PoolingParams
+
+    assert Logprob is FromOutputs
+    assert LLM(tiny_model_dir("llama"), dtype=torch.float32, max_model_len=64).llm_engine.model_config.dtype == "float32"
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    assert llm.chat([{"role": "user", "content": "hi"}], params, mm_processor_kwargs=None)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="mm_processor_kwargs: multimodal inputs are not supported"):
+        llm.chat([{"role": "user", "content": "hi"}], params, mm_processor_kwargs={"size": 4})
+    assert PoolingParams(task="embed").task == "embed"
+    with pytest.raises(ValueError, match="task 'classify' is not supported"):
+        PoolingParams(task="classify")
+    with pytest.raises(ValueError, match="LLM.set_tokenizer is not supported"):
+        llm.set_tokenizer(llm.get_tokenizer())
 
 
 def test_get_metrics_counts_what_the_calls_did(tiny_model_dir):
