@@ -23,8 +23,10 @@ def build_request_body(
     max_tokens: int,
     ignore_eos: bool,
     temperature: float = 0.0,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Streamed request asking for usage in the final chunk. `ignore_eos` is a vLLM extra parameter."""
+    """Streamed request asking for usage in the final chunk. `ignore_eos` is a vLLM extra parameter; `sampling`
+    more sampling fields (top_p, top_k, min_p)."""
     if endpoint == EMBEDDINGS:
         return build_embedding_body(model, prompt)
     body: dict[str, Any] = {
@@ -42,6 +44,7 @@ def build_request_body(
         body["prompt"] = prompt
     if ignore_eos:
         body["ignore_eos"] = True
+    body.update(sampling or {})
     return body
 
 

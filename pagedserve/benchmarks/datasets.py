@@ -142,12 +142,16 @@ async def build_random_prompts(
     input_lens: list[int],
     output_lens: list[int],
     as_text: bool,
+    prefix_len: int = 0,
 ) -> list[BenchPrompt]:
-    """Random prompts of exactly `input_lens[i]` content tokens (token ids, or text checked by re-tokenizing)."""
+    """Random prompts of exactly `input_lens[i]` content tokens (token ids, or text checked by re-tokenizing),
+    each after the same `prefix_len` random tokens (vLLM's --random-prefix-len: counted on top)."""
     space = await probe_token_space(tokenizer)
+    prefix = rng.choices(space.pool_ids, k=prefix_len)
     prompts = []
     for input_len, output_len in zip(input_lens, output_lens):
-        token_ids = rng.choices(space.pool_ids, k=input_len)
+        input_len += prefix_len
+        token_ids = prefix + rng.choices(space.pool_ids, k=input_len - prefix_len)
         if as_text:
             text, count = await _exact_text(tokenizer, space, token_ids, rng)
             prompts.append(BenchPrompt(prompt=text, planned_prompt_tokens=count, max_tokens=output_len))
@@ -184,6 +188,45 @@ def read_jsonl_prompts(path: str | Path, num: int, default_output_len: int) -> l
         entry = entries[index % len(entries)]
         max_tokens = int(entry.get("max_tokens", entry.get("output_len", default_output_len)))
         prompts.append(BenchPrompt(prompt=entry["prompt"], planned_prompt_tokens=0, max_tokens=max_tokens))
+    return prompts
+
+
+# vLLM's ShareGPT filter: conversations whose prompt or answer is shorter than this are skipped, and those longer
+SHAREGPT_MIN_TOKENS, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+
+
+async def read_sharegpt_prompts(path: str | Path, num: int, tokenizer: PromptTokenizer, rng: random.Random,
+                                output_len: int | None = None) -> list[BenchPrompt]:
+    """`num` prompts from a ShareGPT JSON file (a list of {"conversations": [{"from": "human", "value": ...},
+    {"from": "gpt", "value": ...}, ...]}), as vLLM's ShareGPT dataset reads it: shuffled with the seed, each
+    conversation's first turn the prompt and its second turn's token count the max_tokens (or `output_len`),
+    conversations with a prompt or answer under 4 tokens, a prompt over 1024 or both over 2048 skipped."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a ShareGPT JSON file ({exc})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{\"conversations\": [...]}} entries")
+    conversations = [entry.get("conversations") or entry.get("conversation") or []
+                     for entry in data if isinstance(entry, dict)]
+    pairs = [(turns[0].get("value"), turns[1].get("value")) for turns in conversations
+             if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, dict) for t in turns[:2])]
+    pairs = [(q, a) for q, a in pairs if isinstance(q, str) and isinstance(a, str)]
+    rng.shuffle(pairs)
+    num_special = len(await tokenizer.encode(""))
+    prompts: list[BenchPrompt] = []
+    for question, answer in pairs:
+        if len(prompts) == num:
+            break
+        prompt_len = len(await tokenizer.encode(question)) - num_special
+        answer_len = output_len or len(await tokenizer.encode(answer)) - num_special
+        if prompt_len < SHAREGPT_MIN_TOKENS or (output_len is None and answer_len < SHAREGPT_MIN_TOKENS):
+            continue
+        if prompt_len > SHAREGPT_MAX_PROMPT or prompt_len + answer_len > SHAREGPT_MAX_TOTAL:
+            continue
+        prompts.append(BenchPrompt(prompt=question, planned_prompt_tokens=prompt_len, max_tokens=answer_len))
+    if len(prompts) < num:
+        raise ValueError(f"{path}: {len(prompts)} usable conversations, fewer than the {num} prompts asked for")
     return prompts
 
 

@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from pagedserve.benchmarks.metrics import BenchSummary, RequestRecord, Stats
+from pagedserve.benchmarks.metrics import BenchSummary, RequestRecord, Stats, percentile
 from pagedserve.benchmarks.serve import ServeBenchResult
 from pagedserve.benchmarks.startup import StartupResult
 from pagedserve.benchmarks.throughput import GenerateRun, ThroughputResult
@@ -292,3 +292,83 @@ def throughput_to_dict(result: ThroughputResult) -> dict[str, Any]:
         "warnings": result.warnings,
         "spec_decode": _spec_dict(result),
     }
+
+
+# ---- `vllm bench serve --save-result`'s file ---------------------------------------------------------------------
+VLLM_PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_goodput(text: str | None) -> dict[str, float]:
+    """vLLM's --goodput "ttft:100 tpot:50" (service-level objectives in ms) as {metric: seconds}."""
+    objectives: dict[str, float] = {}
+    for item in (text or "").replace(",", " ").split():
+        name, _, value = item.partition(":")
+        try:
+            bound = float(value)
+        except ValueError:
+            bound = -1.0
+        if name not in ("ttft", "tpot", "e2el") or not bound > 0:
+            raise ValueError(f"--goodput {item!r}: give METRIC:MILLISECONDS with METRIC one of ttft, tpot, e2el")
+        objectives[name] = bound / 1000.0
+    return objectives
+
+
+def request_goodput(records: list[RequestRecord], duration: float, objectives: dict[str, float]) -> float:
+    """Steady requests per second that succeeded within every objective (vLLM's request_goodput)."""
+    def meets(record: RequestRecord) -> bool:
+        values = {"ttft": record.ttft, "tpot": record.tpot, "e2el": record.e2e_latency}
+        return all(values[name] is None or values[name] <= bound for name, bound in objectives.items())
+
+    good = sum(1 for r in records if not r.is_warmup and r.success and meets(r))
+    return good / duration if duration > 0 else 0.0
+
+
+def vllm_result_dict(result: ServeBenchResult, backend: str, percentile_metrics: list[str],
+                     metric_percentiles: list[float], label: str | None = None,
+                     metadata: dict[str, str] | None = None, goodput: dict[str, float] | None = None) -> dict[str, Any]:
+    """The steady requests as `vllm bench serve --save-result` writes them: flat keys, latencies in ms
+    (mean_ttft_ms, p99_tpot_ms, ...), per-request lists, so that tools reading vLLM's files read these. Input
+    tokens are the server's usage (a chat template's tokens included; vLLM counts the dataset's)."""
+    summary = result.summary
+    assert summary is not None, "vllm_result_dict needs a summarized result"
+    steady = [r for r in result.records if not r.is_warmup]
+    done = [r for r in steady if r.success]
+    config = result.config
+    stamp = result.started_at.replace("-", "").replace(":", "").replace("T", "-")[:15]
+    out: dict[str, Any] = {
+        "date": stamp, "backend": backend, "label": label, "model_id": result.model,
+        "tokenizer_id": config.tokenizer or result.model, "num_prompts": config.num_prompts,
+        "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
+        "burstiness": config.burstiness, "max_concurrency": config.max_concurrency,
+        "duration": summary.duration, "completed": summary.num_completed, "failed": summary.num_failed,
+        "total_input_tokens": summary.total_input_tokens, "total_output_tokens": summary.total_output_tokens,
+        "request_throughput": summary.request_throughput, "output_throughput": summary.output_throughput,
+        "total_token_throughput": summary.total_token_throughput,
+        "request_goodput": request_goodput(result.records, summary.duration, goodput) if goodput else None,
+        "input_lens": [r.counted_prompt_tokens for r in done], "output_lens": [r.counted_output_tokens for r in done],
+        "ttfts": [r.ttft for r in done], "itls": [r.itls for r in done],
+        "generated_texts": [r.generated_text for r in done], "errors": [r.error for r in steady if not r.success],
+        **(metadata or {}),
+    }
+    samples = {"ttft": [r.ttft for r in done if r.ttft is not None],
+               "tpot": [r.tpot for r in done if r.tpot is not None],
+               "itl": [gap for r in done for gap in r.itls], "e2el": [r.e2e_latency for r in done]}
+    for name in percentile_metrics:
+        values = [v * 1000.0 for v in samples[name]]
+        out[f"mean_{name}_ms"] = sum(values) / len(values) if values else 0.0
+        out[f"median_{name}_ms"] = percentile(values, 50.0) if values else 0.0
+        out[f"std_{name}_ms"] = (math.sqrt(sum((v - out[f"mean_{name}_ms"]) ** 2 for v in values) / len(values))
+                                 if values else 0.0)
+        for pct in metric_percentiles:
+            out[f"p{pct:g}_{name}_ms"] = percentile(values, pct) if values else 0.0
+    return out
+
+
+def vllm_result_filename(result: ServeBenchResult, backend: str, label: str | None) -> str:
+    """vLLM's default name: {label or backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json."""
+    config = result.config
+    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
+    concurrency = f"-concurrency{config.max_concurrency}" if config.max_concurrency else ""
+    model = result.model.rstrip("/").split("/")[-1]
+    stamp = result.started_at.replace("-", "").replace(":", "").replace("T", "-")[:15]
+    return f"{label or backend}-{rate}qps{concurrency}-{model}-{stamp}.json"

@@ -29,11 +29,12 @@ from pagedserve.benchmarks.datasets import (
     build_random_prompts,
     count_prompt_tokens,
     read_jsonl_prompts,
+    read_sharegpt_prompts,
     sample_lengths,
 )
 from pagedserve.benchmarks.metrics import BenchSummary, RequestRecord, summarize
 
-DATASETS = ("random", "jsonl")
+DATASETS = ("random", "jsonl", "sharegpt")
 PROMPT_FORMATS = ("token-ids", "text")
 
 
@@ -61,6 +62,10 @@ class ServeBenchConfig:
     api_key: str | None = None
     request_timeout: float = 3600.0  # per read (until the next byte); a cold first token can take minutes
     show_progress: bool = True
+    burstiness: float = 1.0  # vLLM's: gamma-distributed gaps of this shape (1: Poisson; lower: burstier)
+    random_prefix_len: int = 0  # vLLM's: random prompts share a prefix of this many tokens
+    sampling: dict = field(default_factory=dict)  # more sampling fields for every request (top_p, top_k, min_p)
+    sharegpt_output_len: int | None = None  # ShareGPT: max_tokens for every prompt (default: its answer's length)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -68,8 +73,12 @@ class ServeBenchConfig:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
-        if self.dataset == "jsonl" and not self.dataset_path:
-            raise ValueError("dataset_path is required with dataset 'jsonl'")
+        if self.dataset in ("jsonl", "sharegpt") and not self.dataset_path:
+            raise ValueError(f"dataset_path is required with dataset {self.dataset!r}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be positive (1: Poisson arrivals), got {self.burstiness}")
+        if self.random_prefix_len < 0:
+            raise ValueError(f"random_prefix_len must be >= 0, got {self.random_prefix_len}")
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
         for name in ("input_len", "output_len", "num_prompts"):
@@ -186,13 +195,15 @@ async def build_prompts(config: ServeBenchConfig, tokenizer: PromptTokenizer | N
         return prompts
     if tokenizer is None:
         raise RuntimeError(
-            "random prompts need a tokenizer: the server has no POST /tokenize; pass --tokenizer PATH "
+            f"{config.dataset} prompts need a tokenizer: the server has no POST /tokenize; pass --tokenizer PATH "
             "(a local Hugging Face tokenizer directory of the served model)"
         )
+    if config.dataset == "sharegpt":
+        return await read_sharegpt_prompts(config.dataset_path or "", num, tokenizer, rng, config.sharegpt_output_len)
     input_lens = sample_lengths(rng, num, config.input_len, config.range_ratio)
     output_lens = sample_lengths(rng, num, config.output_len, config.range_ratio)
     as_text = config.endpoint == CHAT_COMPLETIONS or config.prompt_format == "text"
-    return await build_random_prompts(tokenizer, rng, input_lens, output_lens, as_text)
+    return await build_random_prompts(tokenizer, rng, input_lens, output_lens, as_text, config.random_prefix_len)
 
 
 async def _run_warmup(
@@ -204,7 +215,8 @@ async def _run_warmup(
     for index, prompt in enumerate(prompts):
         record = RequestRecord(request_id=index, is_warmup=True, planned_prompt_tokens=prompt.planned_prompt_tokens)
         body = build_request_body(
-            config.endpoint, model, prompt.prompt, prompt.max_tokens, config.ignore_eos, config.temperature
+            config.endpoint, model, prompt.prompt, prompt.max_tokens, config.ignore_eos, config.temperature,
+            config.sampling,
         )
         records.append(await send_request(client, config.endpoint, body, record, config.endpoint))
         progress.update(record)
@@ -224,7 +236,8 @@ async def _run_steady(
     async def one(index: int, prompt: BenchPrompt) -> RequestRecord:
         record = RequestRecord(request_id=first_id + index, planned_prompt_tokens=prompt.planned_prompt_tokens)
         body = build_request_body(
-            config.endpoint, model, prompt.prompt, prompt.max_tokens, config.ignore_eos, config.temperature
+            config.endpoint, model, prompt.prompt, prompt.max_tokens, config.ignore_eos, config.temperature,
+            config.sampling,
         )
         if slots is None:
             await send_request(client, config.endpoint, body, record, config.endpoint)
@@ -236,8 +249,9 @@ async def _run_steady(
 
     tasks = []
     for index, prompt in enumerate(prompts):
-        if index and math.isfinite(config.request_rate):
-            await asyncio.sleep(arrivals.expovariate(config.request_rate))
+        if index and math.isfinite(config.request_rate):  # gamma gaps of mean 1/rate (shape 1: exponential)
+            gap = arrivals.gammavariate(config.burstiness, 1.0 / (config.request_rate * config.burstiness))
+            await asyncio.sleep(gap)
         tasks.append(asyncio.create_task(one(index, prompt)))
     records = list(await asyncio.gather(*tasks))
     progress.close()
@@ -300,6 +314,8 @@ async def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
             prompt_source=f"{config.dataset} via {tokenizer.source if tokenizer else 'no tokenizer'}",
         )
         warmup = await _run_warmup(client, config, model, prompts[: config.warmup_requests])
+        if warmup and not warmup[0].success:  # as vLLM's initial test run: no load against a server that refuses
+            raise RuntimeError(f"the first request failed, so no load was sent: {warmup[0].error or 'no detail'}")
         before = await spec_decode_counters(client)
         steady_start = time.perf_counter()
         steady = await _run_steady(client, config, model, prompts[config.warmup_requests :], len(warmup))

@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from pagedserve.benchmarks.startup import StartupBenchConfig
     from pagedserve.benchmarks.throughput import ThroughputBenchConfig
 
-_DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+# vLLM's --backend names of the APIs this client speaks, and the endpoint each loads by default
+BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions",
+                     "openai-embeddings": "/v1/embeddings"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,11 +58,17 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         description="Load a running OpenAI-compatible server and report latency distributions and token throughput.",
     )
     target = parser.add_argument_group("server")
-    target.add_argument("--base-url", default=_DEFAULT_BASE_URL,
-                        help="server root URL, or unix:PATH for a server on --uds (default: %(default)s)")
+    target.add_argument("--base-url", default=None,
+                        help="server root URL, or unix:PATH for a server on --uds (default: http://HOST:PORT)")
+    target.add_argument("--host", default="127.0.0.1", help="with --port, the server when --base-url is not given")
+    target.add_argument("--port", type=int, default=8000)
     target.add_argument("--model", default=None, help="model name to request (default: first id of GET /v1/models)")
-    target.add_argument("--endpoint", default="/v1/completions",
-                        choices=["/v1/completions", "/v1/chat/completions", "/v1/embeddings"])
+    target.add_argument("--backend", default="openai", choices=sorted(BACKEND_ENDPOINTS),
+                        help="vLLM's: the API to load, its default --endpoint (openai and vllm: /v1/completions, "
+                             "openai-chat: /v1/chat/completions, openai-embeddings: /v1/embeddings)")
+    target.add_argument("--endpoint", default=None,
+                        choices=["/v1/completions", "/v1/chat/completions", "/v1/embeddings"],
+                        help="(default: the --backend's)")
     target.add_argument("--api-key", default=None,
                         help="bearer token (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY)")
     target.add_argument(
@@ -70,8 +78,16 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         help="seconds to wait for the next byte of a response (default: %(default)s)",
     )
     data = parser.add_argument_group("prompts")
-    data.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=["random", "jsonl"])
-    data.add_argument("--dataset-path", default=None, help='JSONL file of {"prompt": ..., "max_tokens": ...} lines')
+    data.add_argument("--dataset", "--dataset-name", dest="dataset", default="random",
+                      choices=["random", "jsonl", "sharegpt"])
+    data.add_argument("--dataset-path", default=None, help='jsonl: a file of {"prompt": ..., "max_tokens": ...} '
+                      "lines; sharegpt: ShareGPT's JSON (ShareGPT_V3_unfiltered_cleaned_split.json), read as vLLM's "
+                      "(first turn the prompt, the answer's length its max_tokens)")
+    data.add_argument("--sharegpt-output-len", type=int, default=None,
+                      help="ShareGPT: max_tokens of every prompt instead of its answer's length")
+    data.add_argument("--random-prefix-len", type=int, default=0,
+                      help="random prompts share a prefix of this many random tokens, counted on top of the input "
+                           "length (vLLM's)")
     data.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=1024)
     data.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
     data.add_argument(
@@ -98,12 +114,34 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
         "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second; inf = all at once"
     )
     load.add_argument("--warmup-requests", type=int, default=1, help="sequential requests first, reported as cold")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="arrival gaps gamma-distributed with this shape, mean 1/--request-rate (1: Poisson; "
+                           "lower: burstier)")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens tokens (vLLM extra param)")
     load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--top-p", type=float, default=None)
+    load.add_argument("--top-k", type=int, default=None)
+    load.add_argument("--min-p", type=float, default=None)
     out = parser.add_argument_group("output")
     out.add_argument("--json", dest="json_path", default=None, help="write every raw timing and the summary here")
-    out.add_argument("--no-progress", action="store_true", help="no progress counter on stderr")
+    out.add_argument("--save-result", action="store_true",
+                     help="also write the steady requests as `vllm bench serve --save-result` does (flat keys, "
+                          "ms), to --result-dir/--result-filename")
+    out.add_argument("--result-dir", default=None, help="(default: the current folder)")
+    out.add_argument("--result-filename", default=None,
+                     help="(default: vLLM's {label or backend}-{rate}qps-{model}-{date}.json)")
+    out.add_argument("--label", default=None, help="a name for the run in the saved result (vLLM's)")
+    out.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE",
+                     help="more fields for the saved result (vLLM's)")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                     help="saved result: the metrics with percentiles, of ttft, tpot, itl, e2el")
+    out.add_argument("--metric-percentiles", default="99", help="saved result: their percentiles, e.g. 25,50,99")
+    out.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                     help="saved result and table: requests per second within these service-level objectives, "
+                          "e.g. ttft:200 tpot:50 (of ttft, tpot, e2el)")
+    out.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true",
+                     help="no progress counter on stderr")
     out.add_argument("--strict", action="store_true", help="exit 1 when any honesty check is raised")
     parser.set_defaults(func=run_serve)
 
@@ -182,10 +220,11 @@ def _register_throughput(subparsers: argparse._SubParsersAction) -> None:
 def serve_config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     from pagedserve.benchmarks.serve import ServeBenchConfig
 
+    sampling = {name: getattr(args, name) for name in ("top_p", "top_k", "min_p") if getattr(args, name) is not None}
     return ServeBenchConfig(
-        base_url=args.base_url,
+        base_url=args.base_url or f"http://{args.host}:{args.port}",
         model=args.model,
-        endpoint=args.endpoint,
+        endpoint=args.endpoint or BACKEND_ENDPOINTS[args.backend],
         dataset=args.dataset,
         dataset_path=args.dataset_path,
         input_len=args.input_len,
@@ -203,7 +242,35 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         api_key=args.api_key or envs.api_key(),
         request_timeout=args.request_timeout,
         show_progress=not args.no_progress,
+        burstiness=args.burstiness,
+        random_prefix_len=args.random_prefix_len,
+        sampling=sampling,
+        sharegpt_output_len=args.sharegpt_output_len,
     )
+
+
+def _saved_result_options(args: argparse.Namespace) -> dict:
+    """--save-result's settings, checked before the run (ValueError naming the flag)."""
+    from pagedserve.benchmarks.report import VLLM_PERCENTILE_METRICS, parse_goodput
+
+    metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = [m for m in metrics if m not in VLLM_PERCENTILE_METRICS]
+    if unknown:
+        raise ValueError(f"--percentile-metrics {unknown[0]!r}: give some of {', '.join(VLLM_PERCENTILE_METRICS)}")
+    try:
+        percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    except ValueError:
+        percentiles = [-1.0]
+    if not all(0 <= p <= 100 for p in percentiles):
+        raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: numbers in [0, 100], comma-separated")
+    metadata = {}
+    for item in args.metadata:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--metadata {item!r}: give KEY=VALUE")
+        metadata[key] = value
+    return {"percentile_metrics": metrics, "metric_percentiles": percentiles, "label": args.label,
+            "metadata": metadata, "goodput": parse_goodput(" ".join(args.goodput or []))}
 
 
 def check_writable(path: str) -> None:
@@ -216,14 +283,18 @@ def check_writable(path: str) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import httpx
 
-    from pagedserve.benchmarks.report import format_table, result_to_dict, write_json
+    from pagedserve.benchmarks.report import (format_table, request_goodput, result_to_dict, vllm_result_dict,
+                                              vllm_result_filename, write_json)
     from pagedserve.benchmarks.serve import run_serve_bench_sync
 
     try:
         config = serve_config_from_args(args)
         config.validate()
+        saved = _saved_result_options(args)
         if args.json_path:
             check_writable(args.json_path)  # before the run, not after it
+        if args.save_result:
+            check_writable(os.path.join(args.result_dir or ".", args.result_filename or "x.json"))
     except ValueError as exc:
         print(f"pagedserve bench serve: error: {exc}", file=sys.stderr)
         return 2
@@ -234,9 +305,17 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pagedserve bench serve: error: {detail}", file=sys.stderr)
         return 1
     print(format_table(result))
+    if saved["goodput"] and result.summary is not None:
+        goodput = request_goodput(result.records, result.summary.duration, saved["goodput"])
+        print(f"{'Request goodput (req/s):':<40}{goodput:>10.2f}")
     if args.json_path:
         write_json(args.json_path, result_to_dict(result))
         print(f"Raw timings written to {args.json_path}")
+    if args.save_result and result.summary is not None:
+        path = os.path.join(args.result_dir or ".",
+                            args.result_filename or vllm_result_filename(result, args.backend, args.label))
+        write_json(path, vllm_result_dict(result, args.backend, **saved))
+        print(f"Result written to {path} (vllm bench serve's format)")
     summary = result.summary
     if summary is None or summary.num_completed == 0:
         return 1

@@ -27,7 +27,7 @@ from pagedserve.benchmarks.startup import free_port
 from pagedserve.cli import bench
 
 MODELS = ["fake", "fake-no-usage", "fake-early-stop", "fake-bad-usage", "fake-flaky", "fake-no-tokenize",
-          "fake-speculating"]
+          "fake-speculating", "fake-broken"]
 EARLY_STOP_TOKENS = 3
 
 
@@ -55,6 +55,7 @@ def make_app() -> FastAPI:
     app = FastAPI()
     tokenizer = WordTokenizer()
     app.state.prompt_lengths = []  # content tokens of every completion prompt received
+    app.state.bodies = []  # every request body served, with its prompt's content ids
     app.state.spec = [0, 0]  # draft tokens, accepted tokens (fake-speculating: every draft accepted)
     counter = itertools.count()
 
@@ -106,7 +107,10 @@ def make_app() -> FastAPI:
     def respond(body: dict[str, Any], prompt_ids: list[int], is_chat: bool) -> Any:
         if body["model"] == "fake-flaky" and next(counter) % 2:
             return JSONResponse({"error": {"message": "flaky"}}, status_code=500)
+        if body["model"] == "fake-broken":
+            return JSONResponse({"error": {"message": "this model refuses every request"}}, status_code=400)
         app.state.prompt_lengths.append(len([i for i in prompt_ids if i != 0]))
+        app.state.bodies.append({**body, "prompt_ids": [i for i in prompt_ids if i != 0]})
         return StreamingResponse(stream(body, len(prompt_ids), is_chat), media_type="text/event-stream")
 
     @app.post("/v1/completions")
@@ -376,3 +380,74 @@ def test_only_a_missing_tokenize_route_means_no_server_tokenizer(status, code, e
     else:
         with pytest.raises(RuntimeError, match="the server serves no model 'm': The model `m` does not exist"):
             asyncio.run(run())
+
+
+def test_a_vllm_bench_serve_command_line_runs_and_saves_vllm_s_result_file(fake_server, tmp_path, capsys) -> None:
+    """vLLM's flags: --backend (its endpoint), --host/--port, --random-prefix-len (a prefix every prompt shares),
+    --top-p, --burstiness, --disable-tqdm, and --save-result's file with vLLM's flat keys in ms."""
+    base_url, app = fake_server
+    port = base_url.rsplit(":", 1)[1]
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    app.state.bodies.clear()
+    args = parser.parse_args(
+        ["bench", "serve", "--backend", "vllm", "--host", "127.0.0.1", "--port", port, "--model", "fake",
+         "--dataset-name", "random", "--random-input-len", "6", "--random-output-len", "4", "--random-prefix-len",
+         "3", "--num-prompts", "4", "--request-rate", "100", "--burstiness", "0.5", "--ignore-eos", "--top-p", "0.9",
+         "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--label", "run1", "--metadata", "gpu=none",
+         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--goodput", "e2el:60000"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "Request goodput (req/s):" in out and "vllm bench serve's format" in out
+    steady = app.state.bodies[1:]  # after the warm-up request
+    assert all(b["top_p"] == 0.9 and "prompt" in b for b in steady)  # vllm: /v1/completions
+    assert len({tuple(b["prompt_ids"][:3]) for b in app.state.bodies}) == 1 and all(
+        len(b["prompt_ids"]) == 9 for b in app.state.bodies)
+    [saved] = list(tmp_path.glob("run1-100qps-fake-*.json"))
+    result = json.loads(saved.read_text())
+    assert (result["backend"], result["label"], result["model_id"], result["gpu"]) == ("vllm", "run1", "fake", "none")
+    assert result["completed"] == 4 and result["failed"] == 0 and result["total_output_tokens"] == 16
+    assert result["output_lens"] == [4] * 4 and len(result["ttfts"]) == 4 and result["burstiness"] == 0.5
+    assert result["request_goodput"] == pytest.approx(4 / result["duration"])
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < result[f"median_{metric}_ms"] <= result[f"p99_{metric}_ms"]
+        assert result[f"p50_{metric}_ms"] == result[f"median_{metric}_ms"]
+    assert result["median_e2el_ms"] < 60000
+
+
+def test_sharegpt_prompts_are_read_as_vllm_reads_them(fake_server, tmp_path) -> None:
+    """The first turn is the prompt, the answer's token count its max_tokens; too short turns are skipped."""
+    base_url, app = fake_server
+    words = " ".join(f"w{i}" for i in range(6))
+    data = [{"id": "a", "conversations": [{"from": "human", "value": words}, {"from": "gpt", "value": "w0 w1 w2 w3"}]},
+            {"id": "short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": words}]},
+            {"id": "one-turn", "conversations": [{"from": "human", "value": words}]},
+            {"id": "b", "conversations": [{"from": "human", "value": words + " w9"}, {"from": "gpt", "value": words}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    app.state.bodies.clear()
+    result = run_serve_bench_sync(config(base_url, model="fake", dataset="sharegpt", dataset_path=str(path),
+                                         num_prompts=2, warmup_requests=0, ignore_eos=True))
+    assert result.summary.num_completed == 2
+    assert sorted((len(b["prompt_ids"]), b["max_tokens"]) for b in app.state.bodies) == [(6, 4), (7, 6)]
+    with pytest.raises(ValueError, match="2 usable conversations, fewer than the 3 prompts asked for"):
+        run_serve_bench_sync(config(base_url, model="fake", dataset="sharegpt", dataset_path=str(path),
+                                    num_prompts=2, warmup_requests=1))
+
+
+def test_a_first_request_that_fails_stops_the_run(fake_server, capsys) -> None:
+    """As vLLM's initial test run: no load is sent to a server that refuses the first request, and the exit code
+    says so (every request failing exited 0 before, the reason only in the JSON's warnings)."""
+    base_url, app = fake_server
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    app.state.bodies.clear()
+    args = parser.parse_args(["bench", "serve", "--base-url", base_url, "--model", "fake-broken", "--num-prompts",
+                              "5", "--input-len", "4", "--output-len", "2", "--no-progress"])
+    assert args.func(args) == 1
+    assert "the first request failed, so no load was sent" in capsys.readouterr().err
+    for bad, says in ((["--burstiness", "0"], "burstiness must be positive"),
+                      (["--goodput", "ttft=5"], "--goodput 'ttft=5'"),
+                      (["--percentile-metrics", "ttft,foo"], "--percentile-metrics 'foo'")):
+        args = parser.parse_args(["bench", "serve", "--base-url", base_url, *bad])
+        assert args.func(args) == 2 and says in capsys.readouterr().err
