@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import io
 import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, TextIO
 
 from pagedserve.cli.common import USER_FACING_ERRORS, apply_thread_args, fail, setup_logging
 from pagedserve.config import json_object
@@ -38,9 +41,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run a JSONL file of OpenAI Batch API requests (chat, completions, embeddings) through the "
                     "server's routes in-process and write one response line per request, in input order. "
                     "Takes serve's flags for the model and engine.")
-    parser.add_argument("-i", "--input-file", required=True, help="JSONL requests ('-' for standard input).")
-    parser.add_argument("-o", "--output-file", required=True, help="JSONL responses ('-' for standard output).")
+    parser.add_argument("-i", "--input-file", required=True,
+                        help="JSONL requests: a file, an http(s) URL, or '-' for standard input.")
+    parser.add_argument("-o", "--output-file", required=True,
+                        help="JSONL responses: a file, an http(s) URL (uploaded with PUT at the end), or '-' for "
+                             "standard output.")
     parser.add_argument("--max-concurrency", type=int, default=256, help="Requests in flight at once (default 256).")
+    parser.add_argument("--output-tmp-dir", default=None,
+                        help="Where an --output-file URL's output is written before it is uploaded (default: the "
+                             "system's temporary folder).")
+    parser.add_argument("--enable-metrics", action="store_true",
+                        help="Serve Prometheus metrics (the server's /metrics) at --url:--port while the batch runs.")
+    parser.add_argument("--url", default="127.0.0.1", help="With --enable-metrics: the address (default 127.0.0.1).")
     add_serve_flags(parser)
     parser.set_defaults(func=run)
 
@@ -76,31 +88,24 @@ def output_line(custom_id: Any, status: int, body: Any, error: str | None = None
             "error": None if error is None else {"message": error}}
 
 
-async def run_lines(app: Any, lines: list[tuple[int, str]], max_concurrency: int,
-                    write: Callable[[dict], None] | None = None) -> list[dict]:
+async def run_lines(app: Any, lines: Iterable[tuple[int, str]], max_concurrency: int,
+                    write: Callable[[dict], None]) -> tuple[int, int]:
     """Every (line number, line) through `app`, at most `max_concurrency` at a time; the output lines in input
     order, each passed to `write` as soon as it and every line before it are done (a long batch's output grows as
-    it runs). A line that fails in any way is an output line with its error, never the end of the batch; so is a
-    custom_id an earlier line already used."""
+    it runs). Lines are read as the batch goes, at most twice `max_concurrency` ahead of the oldest unanswered one,
+    and nothing is kept once written: memory does not grow with the file. A line that fails in any way is an output
+    line with its error, never the end of the batch; so is a custom_id an earlier line already used. Returns
+    (lines, failed lines)."""
     import httpx
 
-    first_line: dict[str, int] = {}
-    repeats: dict[int, str] = {}
-    for number, text in lines:
-        custom_id = _custom_id(text)
-        if isinstance(custom_id, str):
-            if custom_id in first_line:
-                repeats[number] = f"line {number}: custom_id {custom_id!r} repeats line {first_line[custom_id]}'s"
-            else:
-                first_line[custom_id] = number
-
     gate = asyncio.Semaphore(max(1, max_concurrency))
+    first_line: dict[str, int] = {}  # each custom_id's line (the one thing kept per line, to find repeats)
     # raise_app_exceptions=False: a server fault answers that line with a 500, as it would over HTTP
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
-        async def one(number: int, text: str) -> dict:
-            if number in repeats:
-                return output_line(_custom_id(text), 400, None, repeats[number])
+        async def one(number: int, text: str, repeat: str | None) -> dict:
+            if repeat is not None:
+                return output_line(_custom_id(text), 400, None, repeat)
             try:
                 request = parse_line(number, text)
             except ValueError as exc:
@@ -116,13 +121,28 @@ async def run_lines(app: Any, lines: list[tuple[int, str]], max_concurrency: int
                 return output_line(custom_id, 500, None, f"line {number}: {type(exc).__name__}: {exc}")
             return _response_line(custom_id, response)
 
-        tasks = [asyncio.ensure_future(one(number, line)) for number, line in lines]
-        results = []
-        for task in tasks:  # in input order, each as soon as it is done
-            results.append(await task)
-            if write is not None:
-                write(results[-1])
-        return results
+        pending: collections.deque[asyncio.Future] = collections.deque()
+        counts = [0, 0]
+
+        async def write_oldest() -> None:
+            result = await pending.popleft()
+            write(result)
+            counts[0] += 1
+            counts[1] += result["error"] is not None
+
+        for number, text in lines:
+            custom_id, repeat = _custom_id(text), None
+            if isinstance(custom_id, str):
+                if custom_id in first_line:
+                    repeat = f"line {number}: custom_id {custom_id!r} repeats line {first_line[custom_id]}'s"
+                else:
+                    first_line[custom_id] = number
+            pending.append(asyncio.ensure_future(one(number, text, repeat)))
+            while len(pending) >= 2 * max(1, max_concurrency):
+                await write_oldest()
+        while pending:
+            await write_oldest()
+        return counts[0], counts[1]
 
 
 def _response_line(custom_id: Any, response: Any) -> dict:
@@ -137,12 +157,39 @@ def _response_line(custom_id: Any, response: Any) -> dict:
     return output_line(custom_id, response.status_code, body, error)
 
 
-def _read_lines(path: str) -> list[tuple[int, str]]:
-    """The input's lines, numbered as in the file, blank ones skipped."""
+def _is_url(path: str) -> bool:
+    return path.startswith(("http://", "https://"))
+
+
+def _open_input(path: str) -> TextIO:
+    """The input, checked before the model loads (ValueError naming --input-file): standard input, an http(s) URL
+    (fetched whole, as vLLM's run-batch GETs it), or a file (read through once for UTF-8, then read again line by
+    line as the batch runs)."""
     if path == "-":
-        return [(i + 1, line) for i, line in enumerate(sys.stdin.read().splitlines()) if line.strip()]
-    text = _flag_error("--input-file", path, lambda: open(path, encoding="utf-8").read())
-    return [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
+        return sys.stdin
+    if _is_url(path):
+        import httpx
+
+        try:
+            response = httpx.get(path, timeout=60.0, follow_redirects=True)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ValueError(f"--input-file {path}: {exc}") from None
+        return io.StringIO(response.text)
+
+    def check() -> TextIO:
+        with open(path, encoding="utf-8") as handle:
+            for _ in iter(lambda: handle.read(1 << 20), ""):
+                pass
+        return open(path, encoding="utf-8")
+    return _flag_error("--input-file", path, check)
+
+
+def _numbered_lines(source: TextIO) -> Iterator[tuple[int, str]]:
+    """The input's lines, numbered as in the file, blank ones skipped."""
+    for number, line in enumerate(source, start=1):
+        if line.strip():
+            yield number, line.rstrip("\r\n")
 
 
 def _flag_error(flag: str, path: str, action: Any) -> Any:
@@ -163,13 +210,20 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.engine.startup import StartupTracker
     from pagedserve.entrypoints.openai.api_server import ServerState, build_app, start_engine
 
-    output = None if args.output_file == "-" else args.output_file
+    upload = args.output_file if _is_url(args.output_file) else None  # written to a file, then PUT there
     try:
         engine_args, options = checked_settings(args)
         options = replace(options, api_key=None, disable_log_stats=True)  # in-process: no key, no stats line
         if args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
-        lines = _read_lines(args.input_file)
+        source = _open_input(args.input_file)
+        if upload is not None:
+            folder = args.output_tmp_dir or tempfile.gettempdir()
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                raise ValueError(f"--output-tmp-dir {folder}: not a folder this process can write to")
+            output = os.path.join(folder, f"run-batch-{uuid.uuid4().hex}.jsonl")
+        else:
+            output = None if args.output_file == "-" else args.output_file
         # Checked before the model loads (an output that cannot be written fails now, not after the batch ran),
         # and not emptied until it does: a typo in the model name kept a previous output.
         existed = output is not None and os.path.exists(output)
@@ -207,11 +261,33 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
 
     try:
-        results = asyncio.run(run_lines(build_app(state, options), lines, args.max_concurrency, write))
+        if args.enable_metrics:  # vLLM's: Prometheus metrics while the batch runs
+            from prometheus_client import start_http_server
+
+            start_http_server(args.port, addr=args.url, registry=state.registry)
+            print(f"run-batch: metrics on http://{args.url}:{args.port}/metrics", file=sys.stderr)
+        total, failed = asyncio.run(run_lines(build_app(state, options), _numbered_lines(source),
+                                              args.max_concurrency, write))
     finally:
         state.engine.shutdown()
         if out is not sys.stdout:
             out.close()
-    failed = sum(1 for result in results if result["error"] is not None)
-    print(f"run-batch: {len(results)} requests, {failed} failed", file=sys.stderr)
+    print(f"run-batch: {total} requests, {failed} failed", file=sys.stderr)
+    if upload is not None:
+        return _upload(output, upload)
+    return 0
+
+
+def _upload(path: str, url: str) -> int:
+    """PUT the output file to --output-file's URL (vLLM's run-batch does); the file is kept where it fails."""
+    import httpx
+
+    try:
+        with open(path, "rb") as handle:
+            httpx.put(url, content=handle, timeout=600.0).raise_for_status()
+    except httpx.HTTPError as exc:
+        print(f"pagedserve: error: --output-file {url}: the upload failed ({exc}); the output is in {path}",
+              file=sys.stderr)
+        return 1
+    os.remove(path)
     return 0

@@ -83,7 +83,8 @@ def test_a_line_the_server_fails_on_is_a_500_line_and_the_rest_run():
 
     lines = [(n, json.dumps({"custom_id": p, "url": "/v1/completions", "body": {"prompt": p}}))
              for n, p in ((1, "a"), (3, "boom"), (4, "b"))]
-    results = asyncio.run(run_lines(app, lines, 2))
+    results = []
+    assert asyncio.run(run_lines(app, lines, 2, results.append)) == (3, 1)
     assert [r["custom_id"] for r in results] == ["a", "boom", "b"]
     assert [r["response"]["status_code"] for r in results] == [200, 500, 200]
     assert results[2]["response"]["body"] == {"echo": "b"} and results[2]["error"] is None
@@ -107,10 +108,9 @@ def test_custom_ids_are_required_and_unique_and_lines_are_written_as_they_finish
         return json.dumps({**({} if custom_id is None else {"custom_id": custom_id}), "url": "/v1/completions",
                            "body": {"prompt": prompt}})
 
-    written = []
+    results = []
     lines = [(1, line("a")), (2, line(None)), (3, line("a", "again")), (4, line(7)), (5, line("b"))]
-    results = asyncio.run(run_lines(app, lines, 4, written.append))
-    assert written == results
+    assert asyncio.run(run_lines(app, iter(lines), 4, results.append)) == (5, 3)
     assert [r["response"]["status_code"] for r in results] == [200, 400, 400, 400, 200]
     assert "custom_id must be a non-empty string" in results[1]["error"]["message"]
     assert "custom_id 'a' repeats line 1's" in results[2]["error"]["message"]
@@ -143,3 +143,82 @@ def test_a_model_that_does_not_start_keeps_an_earlier_output(tmp_path):
                           "smollm2-135m-instruct", "--max-concurrency", "1"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and f"--input-file {tmp_path}: Is a directory" in run.stderr
+
+
+def test_lines_are_read_as_the_batch_goes_and_nothing_is_kept():
+    """A long file: at most twice --max-concurrency lines are read ahead of the oldest unwritten one (every line
+    was read, and a task made for it, up front, and every output kept to the end: ~2 KB a line)."""
+    from fastapi import FastAPI
+
+    from pagedserve.cli.run_batch import run_lines
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict) -> dict:
+        await asyncio.sleep(0)
+        return {"echo": body["prompt"]}
+
+    read = [0]
+    ahead = []
+
+    def lines():
+        for number in range(1, 2001):
+            read[0] += 1
+            yield number, json.dumps({"custom_id": str(number), "url": "/v1/completions", "body": {"prompt": "p"}})
+
+    written = []
+
+    def write(result: dict) -> None:
+        written.append(result["custom_id"])
+        ahead.append(read[0] - len(written))
+
+    assert asyncio.run(run_lines(app, lines(), 4, write)) == (2000, 0)
+    assert written == [str(n) for n in range(1, 2001)] and max(ahead) <= 8
+
+
+def test_input_and_output_may_be_urls_as_vllm_s_run_batch(tiny_model_dir, tmp_path):
+    """-i URL is fetched (GET) and -o URL gets the output with PUT at the end, as vLLM's run-batch does; with
+    --enable-metrics the batch serves /metrics meanwhile."""
+    import http.server
+    import threading
+
+    from tests.server.server_utils import free_port
+
+    request = {"custom_id": "a", "url": "/v1/completions",
+               "body": {"prompt": "Hi", "max_tokens": 2, "ignore_eos": True}}
+    uploads = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = (json.dumps(request) + "\n").encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_PUT(self):  # noqa: N802
+            uploads[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    metrics_port = free_port()
+    try:
+        run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", f"{base}/in.jsonl", "-o",
+                              f"{base}/out.jsonl", "--output-tmp-dir", str(tmp_path), "--enable-metrics", "--port",
+                              str(metrics_port), tiny_model_dir("llama"), "--dtype", "float32", "--max-model-len",
+                              "128"], capture_output=True, text=True, timeout=300)
+    finally:
+        files.shutdown()
+    assert run.returncode == 0, run.stderr
+    assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in run.stderr
+    [line] = [json.loads(text) for text in uploads["/out.jsonl"].decode().splitlines()]
+    assert line["custom_id"] == "a" and line["response"]["body"]["usage"]["completion_tokens"] == 2
+    assert not list(tmp_path.iterdir())  # the uploaded file's local copy is gone
