@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
@@ -41,13 +41,14 @@ def token_count_buckets(max_model_len: int) -> list[int]:
 
 
 @dataclass
-class _RequestTiming:
-    last_token_time: float | None = None
+class _ChoiceTiming:
+    """One choice of a request (vLLM runs each of n choices as a request of its own, and counts it as one)."""
+
     first_token_time: float | None = None
-    seen_first_token: bool = False
-    num_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens seen
-    finished: set[int] = field(default_factory=set)  # completion indexes whose finish was counted
-    aborted: bool = False  # a choice ended aborted: the request stays out of the finished-request histograms
+    last_token_time: float | None = None
+    num_tokens: int = 0
+    finished: bool = False  # its finish was counted
+    aborted: bool = False
 
 
 @dataclass
@@ -140,7 +141,7 @@ class EngineMetrics:
                   registry=self.registry).labels(**info).set(1)
         self._add_own_metrics()
         self.stats_log = StatsLog(time.monotonic())
-        self._timings: dict[str, _RequestTiming] = {}
+        self._timings: dict[str, dict[int, _ChoiceTiming]] = {}
 
     @classmethod
     def for_engine(cls, engine, registry: CollectorRegistry | None = None, outputs_per_step: bool = True
@@ -288,75 +289,72 @@ class EngineMetrics:
         self.rss_over_plan.labels(self.model_name).set(reading.over_plan)
 
     def _observe_output(self, output: RequestOutput | PoolingRequestOutput, now: float) -> tuple[int, int]:
-        """Records one output; returns (prompt tokens, generated tokens) it accounts for."""
+        """Records one output; returns (prompt tokens, generated tokens) it accounts for. Each of n > 1 choices
+        counts as a request, as vLLM counts its child requests: its prompt tokens, TTFT, ITLs, success, latency and
+        lengths; the n and the most tokens of a choice once per request, as vLLM's parent request records them."""
         if isinstance(output, PoolingRequestOutput):
             return self._observe_pooling(output, now), 0
-        num_prompt = 0
-        timing = self._timings.setdefault(output.request_id, _RequestTiming())
+        choices = self._timings.setdefault(output.request_id, {})
         metrics = output.metrics
-        num_new = 0
-        for completion in output.outputs:
-            seen = timing.num_tokens.get(completion.index, 0)
-            total = seen + len(completion.token_ids)  # outputs are deltas in the server
-            timing.num_tokens[completion.index] = total
-            num_new += len(completion.token_ids)
-            # One success per choice, when its finish first shows: with n > 1 a choice that finished early is
-            # left out of the later (delta) outputs, so counting the final output's choices missed it.
-            if completion.finish_reason is not None and completion.index not in timing.finished:
-                timing.finished.add(completion.index)
-                self._count_finish(timing, completion.finish_reason)
-        if num_new:
-            self.generation_tokens.inc(num_new)
-            if not timing.seen_first_token:
-                timing.seen_first_token = True
-                # The engine's time of the first token: `now`'s step in the server (its outputs are deltas), the
-                # request's real first step where outputs are final-only (the offline LLM's get_metrics)
-                first = now if metrics is None or metrics.first_token_time is None else metrics.first_token_time
-                timing.first_token_time = first
-                num_prompt = len(output.prompt_token_ids)
-                self.prompt_tokens.inc(num_prompt)
-                if metrics is not None:
-                    self.ttft.observe(first - metrics.arrival_time)
-                    if metrics.first_scheduled_time is not None:
-                        self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
-            elif timing.last_token_time is not None:
-                self.itl.observe(now - timing.last_token_time)
-                self.tpot.observe(now - timing.last_token_time)
-            timing.last_token_time = now
+        num_prompt = num_new = 0
+        for completion in output.outputs:  # deltas in the server; a choice done early is left out of later ones
+            choice = choices.setdefault(completion.index, _ChoiceTiming())
+            if completion.token_ids:
+                num_new += len(completion.token_ids)
+                choice.num_tokens += len(completion.token_ids)
+                if choice.first_token_time is None:
+                    # The engine's time of the first token: `now`'s step in the server (its outputs are deltas), the
+                    # request's real first step where outputs are final-only (the offline LLM's get_metrics)
+                    first = now if metrics is None or metrics.first_token_time is None else metrics.first_token_time
+                    choice.first_token_time = first
+                    num_prompt += len(output.prompt_token_ids)
+                    if metrics is not None:
+                        self.ttft.observe(first - metrics.arrival_time)
+                        if metrics.first_scheduled_time is not None:
+                            self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+                elif choice.last_token_time is not None:
+                    self.itl.observe(now - choice.last_token_time)
+                    self.tpot.observe(now - choice.last_token_time)
+                choice.last_token_time = now
+            if completion.finish_reason is not None and not choice.finished:
+                self._finish_choice(output, choice, completion.finish_reason, now)
         if output.finished:
             del self._timings[output.request_id]
-            for completion in output.outputs:
-                if completion.index not in timing.finished:  # ended without a reason of its own
-                    self._count_finish(timing, "abort")
-            # vLLM records a finished request's latencies and lengths, never an aborted one's (the output
-            # processor drops an aborted request's state unrecorded); its success counts here all the same.
-            if not timing.aborted and metrics is not None:
-                self.e2e.observe(now - metrics.arrival_time)
-                if timing.first_token_time is not None:
-                    self._observe_finished(output, timing, now)
+            for index in range(metrics.n if metrics is not None else len(output.outputs)):
+                choice = choices.setdefault(index, _ChoiceTiming())
+                if not choice.finished:  # ended without a reason of its own
+                    self._finish_choice(output, choice, "abort", now)
+            # Once per request, as vLLM's parent request records them when its last choice finishes (none aborted)
+            if metrics is not None and not any(c.aborted for c in choices.values()):
+                self.request_n.observe(metrics.n)
+                self.request_max_generation_tokens.observe(max(c.num_tokens for c in choices.values()))
+        if num_new:
+            self.generation_tokens.inc(num_new)
+        if num_prompt:
+            self.prompt_tokens.inc(num_prompt)
         return num_prompt, num_new
 
-    def _count_finish(self, timing: _RequestTiming, reason: str) -> None:
+    def _finish_choice(self, output: RequestOutput, choice: _ChoiceTiming, reason: str, now: float) -> None:
+        """One choice's success; vLLM records a finished request's latencies and lengths, never an aborted one's
+        (its output processor drops an aborted request's state unrecorded)."""
+        choice.finished, choice.aborted = True, reason == "abort"
         self.success[reason].inc()
-        timing.aborted = timing.aborted or reason == "abort"
-
-    def _observe_finished(self, output: RequestOutput, timing: _RequestTiming, now: float) -> None:
-        """vLLM's per-request phases, lengths and parameters; with n > 1 once per request (vLLM: per choice)."""
-        generated = list(timing.num_tokens.values()) or [0]  # every choice (the last output lacks those done early)
         metrics = output.metrics
+        if choice.aborted or metrics is None:
+            return
+        self.e2e.observe(now - metrics.arrival_time)
+        if choice.first_token_time is None:
+            return
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-        for count in generated:
-            self.request_generation_tokens.observe(count)
-        self.request_max_generation_tokens.observe(max(generated))
-        self.request_n.observe(metrics.n)
+        self.request_generation_tokens.observe(choice.num_tokens)
         if metrics.max_tokens:  # the engine's max_tokens: the request's, or the room left in max_model_len
             self.request_max_tokens.observe(metrics.max_tokens)
-        decode = now - timing.first_token_time
+        decode = now - choice.first_token_time
         self.decode_time.observe(decode)
-        if max(generated) > 1:
-            self.request_tpot.observe(decode / (max(generated) - 1))
+        if choice.num_tokens > 1:
+            self.request_tpot.observe(decode / (choice.num_tokens - 1))
         if metrics.first_scheduled_time is not None:
-            self.prefill_time.observe(max(0.0, timing.first_token_time - metrics.first_scheduled_time))
+            self.prefill_time.observe(max(0.0, choice.first_token_time - metrics.first_scheduled_time))
             self.inference_time.observe(now - metrics.first_scheduled_time)
 
     def _observe_pooling(self, output: PoolingRequestOutput, now: float) -> int:

@@ -373,17 +373,20 @@ def test_the_metrics_vllm_s_dashboard_reads(server, client):
     response = client.completions.create(model=MODEL, prompt="count me", max_tokens=6, temperature=0, n=2,
                                          extra_body={"ignore_eos": True})
     after = {name: value(name) for name in names}
-    assert after["vllm:request_prompt_tokens_count"] == before["vllm:request_prompt_tokens_count"] + 1
+    # n=2: two choices counted as two requests, as vLLM's child requests (n and the longest choice once)
+    assert after["vllm:request_prompt_tokens_count"] == before["vllm:request_prompt_tokens_count"] + 2
     assert after["vllm:request_generation_tokens_sum"] == before["vllm:request_generation_tokens_sum"] + 12  # 2 x 6
-    for name in names[2:7]:
-        assert after[name] == before[name] + 1, name
+    assert after["vllm:request_max_num_generation_tokens_count"] == before[
+        "vllm:request_max_num_generation_tokens_count"] + 1
+    for name in names[3:7]:
+        assert after[name] == before[name] + 2, name
     assert after["vllm:time_per_output_token_seconds_count"] > before["vllm:time_per_output_token_seconds_count"]
     assert after["vllm:request_params_n_sum"] == before["vllm:request_params_n_sum"] + 2
-    assert after["vllm:request_params_max_tokens_sum"] == before["vllm:request_params_max_tokens_sum"] + 6
-    # a step for each token at least (the choices may run apart), the first bringing the prompt
+    assert after["vllm:request_params_max_tokens_sum"] == before["vllm:request_params_max_tokens_sum"] + 12
+    # a step for each token at least (the choices may run apart), the first bringing each choice's prompt
     assert after["vllm:iteration_tokens_total_count"] >= before["vllm:iteration_tokens_total_count"] + 6
     iteration_tokens = after["vllm:iteration_tokens_total_sum"] - before["vllm:iteration_tokens_total_sum"]
-    assert iteration_tokens == response.usage.prompt_tokens + 12
+    assert iteration_tokens == 2 * response.usage.prompt_tokens + 12
     assert metric_value(server, "http_requests_total", **completions_ok) == http_before + 1
     text = httpx.get(f"{server.url}/metrics").text
     assert 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny"}' in text  # vLLM's edges

@@ -65,32 +65,43 @@ def test_iteration_tokens_count_the_steps_that_made_tokens_with_first_tokens_bri
     assert buckets == {"1.0": 0, "8.0": 1, "16.0": 2, "16384.0": 2, "+Inf": 2}  # vLLM's edges
 
 
-def test_request_params_are_observed_once_per_finished_request_and_aborted_requests_enter_no_histogram():
+def test_each_choice_counts_as_a_request_and_n_once_and_aborted_ones_enter_no_histogram():
+    """vLLM runs each of n choices as a child request: its success, prompt tokens, latencies, lengths and
+    max_tokens are counted per choice; n and the most tokens of a choice once per (parent) request, when its last
+    choice finishes; an aborted choice counts as an abort and in no histogram."""
     metrics = EngineMetrics(MODEL, max_model_len=64)
     # a: n=2, max_tokens=7, its choices finishing in different steps; b: no max_tokens (offline), one step
     metrics.observe_step(ENGINE, [output("a", 4, {0: 1, 1: 1}, n=2, max_tokens=7),
                                   output("b", 2, {0: 1}, {0: "stop"}, finished=True, max_tokens=None)])
     metrics.observe_step(ENGINE, [output("a", 4, {0: 1, 1: 1}, {1: "length"}, n=2, max_tokens=7)])
     metrics.observe_step(ENGINE, [output("a", 4, {0: 1}, {0: "stop"}, finished=True, n=2, max_tokens=7)])
-    # c: n=5, ran 2 tokens then its client left
+    # c: n=5, one choice ran 2 tokens then its client left
     metrics.observe_step(ENGINE, [output("c", 9, {0: 2}, n=5, max_tokens=40)])
     metrics.observe_step(ENGINE, [output("c", 9, {0: 0}, {0: "abort"}, finished=True, n=5, max_tokens=40)])
     assert value(metrics, "vllm:request_params_n_count") == 2 and value(metrics, "vllm:request_params_n_sum") == 3
     assert value(metrics, "vllm:request_params_n_bucket", le="1.0") == 1
     assert value(metrics, "vllm:request_params_n_bucket", le="2.0") == 2
     assert value(metrics, "vllm:request_params_n_bucket", le="20.0") == 2
-    assert value(metrics, "vllm:request_params_max_tokens_count") == 1  # None is left out, as vLLM leaves it
-    assert value(metrics, "vllm:request_params_max_tokens_sum") == 7
+    assert value(metrics, "vllm:request_max_num_generation_tokens_count") == 2  # a (its longest choice, 3) and b
+    assert value(metrics, "vllm:request_max_num_generation_tokens_sum") == 3 + 1
+    assert value(metrics, "vllm:request_params_max_tokens_count") == 2  # a's choices; None is left out, as vLLM
+    assert value(metrics, "vllm:request_params_max_tokens_sum") == 14
     assert value(metrics, "vllm:request_params_max_tokens_bucket", le="5.0") == 0
-    assert value(metrics, "vllm:request_params_max_tokens_bucket", le="10.0") == 1  # vLLM's 1-2-5 edges
-    # c counts as an abort, but in no latency or length histogram (vLLM records finished requests only)
-    assert value(metrics, "vllm:request_success_total", finished_reason="abort") == 1
+    assert value(metrics, "vllm:request_params_max_tokens_bucket", le="10.0") == 2  # vLLM's 1-2-5 edges
+    # c's 5 choices count as aborts, but in no latency or length histogram (vLLM records finished requests only)
+    assert value(metrics, "vllm:request_success_total", finished_reason="abort") == 5
     assert value(metrics, "vllm:request_success_total", finished_reason="stop") == 2
+    assert value(metrics, "vllm:request_success_total", finished_reason="length") == 1
     for name in ("vllm:e2e_request_latency_seconds_count", "vllm:request_prompt_tokens_count",
-                 "vllm:request_decode_time_seconds_count", "vllm:request_max_num_generation_tokens_count"):
-        assert value(metrics, name) == 2, name
-    assert value(metrics, "vllm:request_prompt_tokens_sum") == 4 + 2
+                 "vllm:request_decode_time_seconds_count", "vllm:request_generation_tokens_count"):
+        assert value(metrics, name) == 3, name
+    assert value(metrics, "vllm:request_prompt_tokens_sum") == 4 + 4 + 2
+    assert value(metrics, "vllm:request_generation_tokens_sum") == 3 + 2 + 1
     assert value(metrics, "vllm:generation_tokens_total") == 5 + 1 + 2  # c's tokens were generated all the same
+    # prompt tokens and TTFT once per choice that produced a token (c's one choice too); ITL per choice and step
+    assert value(metrics, "vllm:prompt_tokens_total") == 4 + 4 + 2 + 9
+    assert value(metrics, "vllm:time_to_first_token_seconds_count") == 4
+    assert value(metrics, "vllm:inter_token_latency_seconds_count") == 3  # a's two choices, then a's choice 0
 
 
 def test_http_metrics_as_the_instrumentator_s_with_vllm_s_excluded_handlers():
