@@ -150,11 +150,20 @@ class EngineMetrics:
         the memory gauges' start-up reading already in."""
         model, cache = engine.config.model, engine.config.cache
         metrics = cls(model.served_model_name, registry, max_model_len=model.max_model_len, cache_info={
-            "block_size": str(cache.block_size), "num_gpu_blocks": str(cache.num_blocks - 1),  # the null block apart
+            "block_size": str(cache.block_size), "num_gpu_blocks": str(cache.num_blocks),  # vLLM's: its null one too
             "cache_dtype": str(cache.kv_cache_dtype), "enable_prefix_caching": str(cache.enable_prefix_caching)},
             outputs_per_step=outputs_per_step)
         metrics.observe_memory(engine.resident_memory)
+        if engine.config.speculative is not None:  # at 0 from the start, as vLLM's (a rate reads "no data" else)
+            metrics.start_spec_decode(engine.config.speculative.num_speculative_tokens)
         return metrics
+
+    def start_spec_decode(self, num_positions: int) -> None:
+        """The speculative-decoding counters, each position's too, at 0."""
+        for counter in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens):
+            counter.labels(*self._label_values).inc(0)
+        for position in range(num_positions):
+            self.spec_accepted_per_pos.labels(*self._label_values, str(position)).inc(0)
 
     def _add_vllm_metrics(self, lengths: list[int]) -> None:
         r, labels, values = self.registry, ["model_name", "engine"], self._label_values
@@ -209,7 +218,7 @@ class EngineMetrics:
         self.request_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
         self.request_max_tokens = histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request "
                                             "parameter.", lengths)
-        # Speculative decoding's appear with the first drafts (a server that does not speculate shows none)
+        # Speculative decoding's: at 0 from the start where the engine speculates (start_spec_decode), else none
         self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Verifications of draft tokens (speculative "
                                    "decoding): one per request per step that carried drafts.", labels, registry=r)
         self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels,

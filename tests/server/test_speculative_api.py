@@ -75,6 +75,9 @@ def test_metrics_count_drafts_under_vllms_names(spec_server):
                          position="0")
     assert 0 < accepted <= draft_tokens and drafts > 0
     assert 0 < first <= drafts
+    # every position's counter exists from the start (at 0 until a draft there is accepted), as vLLM's
+    assert metric_value(spec_server, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name=MODEL,
+                        position="3") >= 0
 
 
 def test_bad_config_is_refused_with_the_fix(model_dir):

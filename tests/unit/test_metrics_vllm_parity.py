@@ -134,3 +134,15 @@ def test_http_metrics_as_the_instrumentator_s_with_vllm_s_excluded_handlers():
     assert sample("http_response_size_bytes_count", handler="/v1/models") == 1
     assert sample("http_response_size_bytes_sum", handler="/v1/models") > 0
     assert "process_resident_memory_bytes" in text  # one registry: the process collectors before any engine
+
+
+def test_speculative_counters_start_at_zero_as_vllm_s():
+    """A rate over the spec-decode counters read "no data" until the first draft; vLLM creates them at 0."""
+    metrics = EngineMetrics(MODEL, max_model_len=64)
+    assert value(metrics, "vllm:spec_decode_num_drafts_total") is None
+    metrics.start_spec_decode(3)
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total"):
+        assert value(metrics, name) == 0
+    assert [value(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+            for p in range(4)] == [0, 0, 0, None]
