@@ -272,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
         state.engine.shutdown()
         if out is not sys.stdout:
             out.close()
+        if source is not sys.stdin:
+            source.close()
     print(f"run-batch: {total} requests, {failed} failed", file=sys.stderr)
     if upload is not None:
         return _upload(output, upload)
