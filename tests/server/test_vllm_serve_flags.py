@@ -251,6 +251,19 @@ def test_vllm_request_fields_act_or_are_refused_by_name(server, http):
     assert complete(use_beam_search=False, bad_words=[], priority=0, modalities=["text"]).status_code == 200
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     assert http.post("/v1/chat/completions", json={**chat, "echo": True}).json()["error"]["param"] == "echo"
+    # fields that would change the output, refused rather than ignored (a QA sweep found each ignored)
+    for field, value in (("best_of", 3), ("prompt_embeds", "AAAA"), ("structural_tag", "{}"),
+                         ("repetition_detection", {"max_pattern_size": 4}), ("function_call", {"name": "f"}),
+                         ("reasoning_effort", "bogus")):
+        response = http.post("/v1/chat/completions", json={**chat, field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, field
+    assert http.post("/v1/chat/completions", json={**chat, "best_of": 1, "function_call": "none",
+                                                   "reasoning_effort": "low"}).status_code == 200
+    # null where OpenAI and vLLM allow it: the default
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None, "logprobs": None}
+    assert http.post("/v1/chat/completions", json={**chat, **nulls}).status_code == 200
+    assert complete(n=None, stream=None, echo=None, presence_penalty=None).status_code == 200
+    assert complete(prompt=None).status_code == 400  # a required field stays required
     assert http.post("/v1/chat/completions", json={**chat, "frobnicate": 1, "store": True}).status_code == 200
     assert server.log().count("request field 'frobnicate' is not one pagedserve knows") == 1
     http.post("/v1/chat/completions", json={**chat, "frobnicate": 2})

@@ -43,3 +43,28 @@ def test_edges():
     assert top_logprobs(row, 6)[1].tolist() == [[0, 1, 2, 4, 5, 3]]  # the whole vocabulary
     assert top_logprobs(row, 3)[1].tolist() == [[0, 1, 2]]  # -1 at ids 1, 2 and 4: the lowest two
     assert top_logprobs(torch.tensor([[-float("inf")] * 3 + [0.0]]), 2)[1].tolist() == [[3, 0]]  # masked tokens
+
+
+def test_chat_top_logprobs_are_at_most_the_number_asked_when_the_sampled_token_ties():
+    """A sampled token outside the top ones that ties the top one shares its rank 1: top_logprobs 1 gave two
+    entries (a QA sweep); OpenAI gives exactly N. The top one is kept."""
+    from pagedserve.entrypoints.openai.chat_format import chat_logprobs
+    from pagedserve.outputs import Logprob
+
+    step = {7: Logprob(-2.336, 1, "Hello"), 3: Logprob(-2.336, 1, "I"), 9: Logprob(-2.5, 2, "We")}
+    content = chat_logprobs([7], [step], 1, lambda token_id: b"x")["content"][0]
+    assert content["token"] == "Hello" and [t["token"] for t in content["top_logprobs"]] == ["I"]
+    two = chat_logprobs([7], [step], 2, lambda token_id: b"x")["content"][0]
+    assert [t["token"] for t in two["top_logprobs"]] == ["I", "Hello"]
+
+
+def test_reasoning_effort_reaches_the_chat_template():
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedserve.entrypoints.openai.serving import _template_kwargs
+
+    messages = [{"role": "user", "content": "x"}]
+    assert _template_kwargs(ChatCompletionRequest(messages=messages)) is None
+    assert _template_kwargs(ChatCompletionRequest(messages=messages, reasoning_effort="low")) == {
+        "reasoning_effort": "low"}
+    assert _template_kwargs(ChatCompletionRequest(messages=messages, reasoning_effort="low", chat_template_kwargs={
+        "reasoning_effort": "high", "x": 1})) == {"reasoning_effort": "high", "x": 1}  # the request's own kwargs win

@@ -161,6 +161,8 @@ def chat_logprobs(token_ids: list[int], logprobs: list[LogprobsDict], num_top: i
 
     content = []
     for token_id, step in zip(token_ids, logprobs):
-        top = sorted(((i, lp) for i, lp in step.items() if lp.rank <= num_top), key=lambda pair: pair[1].rank)
+        # num_top at most: a sampled token outside the top ones that ties one shares its rank (the top one is kept)
+        top = sorted(((i, lp) for i, lp in step.items() if lp.rank <= num_top),
+                     key=lambda pair: (pair[1].rank, pair[0] == token_id))[:num_top]
         content.append({**item(token_id, step[token_id]), "top_logprobs": [item(i, lp) for i, lp in top]})
     return {"content": content}

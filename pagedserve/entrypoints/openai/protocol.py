@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -21,15 +21,22 @@ logger = logging.getLogger(__name__)
 _REFUSED: dict[str, Any] = {
     "bad_words": (None, []), "logits_processors": None,
     "mm_processor_kwargs": None, "kv_transfer_params": None, "vllm_xargs": None, "audio": None,
-    "modalities": (None, ["text"]), "web_search_options": None, "documents": None,
+    "modalities": (None, ["text"]), "web_search_options": None, "documents": None, "prompt_embeds": None,
+    "structural_tag": None, "repetition_detection": None, "function_call": (None, "none", "auto"),
 }
 _REFUSED_WHY = {"bad_words": "use logit_bias to ban tokens",
                 "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages",
+                "prompt_embeds": "prompts are text or token ids",
+                "structural_tag": "vLLM's former field: give structured_outputs {\"structural_tag\": ...}",
+                "function_call": "OpenAI's deprecated form of tool_choice: give tools and tool_choice",
+                "best_of": "sample n choices and rank them by cumulative_logprob (vLLM's V1 engine dropped it too)",
                 "echo": "chat replies do not repeat the prompt; /v1/completions does",
                 "chat_template": "a template from a request is not run: start the server with "
                                  "--trust-request-chat-template to allow it, or give the template with --chat-template"}
 # Fields OpenAI or vLLM define that change nothing pagedserve generates: taken without a word.
-_ACCEPTED_EXTRAS = frozenset({"store", "metadata", "service_tier", "prediction", "reasoning_effort"})
+_ACCEPTED_EXTRAS = frozenset({"store", "metadata", "service_tier", "prediction"})
+# OpenAI's reasoning_effort values; the chat template gets it as a variable (vLLM's reasoning models read it)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 _WARNED: set[str] = set()  # unknown field names logged so far (at most _MAX_WARNED: clients choose the names)
 _MAX_WARNED = 64
 
@@ -58,10 +65,24 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+def _nulls_as_defaults(model: type[BaseModel], data: Any) -> Any:
+    """A request body without the explicit nulls of fields whose default is not null: OpenAI's API and vLLM take
+    `"n": null`, `"stream": null`, ... as the default (a client that writes every field sends them)."""
+    if not isinstance(data, dict):
+        return data
+    return {k: v for k, v in data.items()
+            if not (v is None and k in model.model_fields and model.model_fields[k].default is not None)}
+
+
 class _SamplingFields(BaseModel):
     """Sampling fields shared by completions and chat: OpenAI's names plus vLLM's extras."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_for_nulls(cls, data: Any) -> Any:
+        return _nulls_as_defaults(cls, data)
 
     model: str | None = None
     n: int = 1
@@ -305,6 +326,11 @@ class ResponsesRequest(BaseModel):
     turns it into a chat request. Other fields pass through as the chat route's (vLLM's sampling extras)."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_for_nulls(cls, data: Any) -> Any:
+        return _nulls_as_defaults(cls, data)
 
     model: str | None = None
     input: str | list[dict[str, Any]]

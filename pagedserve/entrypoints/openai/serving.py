@@ -23,9 +23,9 @@ from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.prompt_checks import check_not_empty, check_token_ids, generation_max_tokens
 from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_error
 from pagedserve.exceptions import InvalidRequestError, check_text
-from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                                    DetokenizeRequest, TokenizeRequest, generation_prompt,
-                                                    refused_field)
+from pagedserve.entrypoints.openai.protocol import (REASONING_EFFORTS, ChatCompletionRequest, ChatMessage,
+                                                    CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                                    generation_prompt, refused_field)
 from pagedserve.entrypoints.openai.chat_format import (RESERVED_TEMPLATE_KWARGS, chat_delta, chat_finish_reason,
                                                        chat_logprobs, render_conversation, token_text)
 from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
@@ -489,8 +489,12 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        req.check_fields({"echo": (None, False),
+        req.check_fields({"echo": (None, False), "best_of": (None, req.n),
                           **({} if self.options.trust_request_chat_template else {"chat_template": None})})
+        effort = (req.model_extra or {}).get("reasoning_effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise InvalidRequestError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                      f"{str(effort)[:40]!r}", param="reasoning_effort")
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs are given in a chat response that is not streamed; set "
                                       "stream to false", param="prompt_logprobs")
@@ -591,7 +595,7 @@ class OpenAIServing:
         self._check_chat_fields(req)
         tool_choice = await self._tool_choice(req)
         prompt_ids = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
-                                            req.chat_template_kwargs, tools=self._prompt_tools(req),
+                                            _template_kwargs(req), tools=self._prompt_tools(req),
                                             add_special_tokens=req.add_special_tokens,
                                             chat_template=self._request_template(req),
                                             must_fit=req.truncate_prompt_tokens is None)
@@ -671,7 +675,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.messages is not None:  # the prompt a chat completion with these fields would get
             tokens = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
-                                            req.chat_template_kwargs, tools=self._prompt_tools(req),
+                                            _template_kwargs(req), tools=self._prompt_tools(req),
                                             add_special_tokens=bool(req.add_special_tokens),
                                             chat_template=self._request_template(req))
         elif req.prompt is not None:
@@ -701,6 +705,15 @@ async def _without_generated(streams: AsyncIterator[tuple[int, RequestOutput]]
             yield prompt_index, dataclasses.replace(output, outputs=outputs)
     finally:
         await streams.aclose()  # a client gone: its requests are aborted through the streams
+
+
+def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any] | None:
+    """The chat template's extra variables: the request's chat_template_kwargs, with its reasoning_effort (as vLLM
+    gives it to reasoning models' templates) unless those set one."""
+    effort = (req.model_extra or {}).get("reasoning_effort")
+    if effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}
 
 
 def prompt_logprobs_json(steps: list[LogprobsDict | None]) -> list[dict | None]:
