@@ -304,3 +304,30 @@ def test_max_logprobs_raises_the_cap(http):
     top = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["top_logprobs"]
     assert all(len(step) >= 25 for step in top)
     assert http.post("/v1/completions", json={**body, "logprobs": 31}).json()["error"]["param"] == "logprobs"
+
+
+def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids_as_vllm(http):
+    """vLLM's return_token_ids (RL frameworks read them): prompt_token_ids and each choice's token_ids, streamed
+    as each chunk's new ids (those of chunks held back too), the prompt's with the first chunk."""
+    def sse(response) -> list[dict]:
+        return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = http.post("/v1/completions", json=body).json()
+    choice = whole["choices"][0]
+    prompt_ids = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello there"}).json()["tokens"]
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 5
+    assert "token_ids" not in http.post("/v1/completions", json={**body, "return_token_ids": None}).json()["choices"][0]
+    chunks = sse(http.post("/v1/completions", json={**body, "stream": True}))
+    assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    assert [c["choices"][0].get("prompt_token_ids") for c in chunks if "prompt_token_ids" in c["choices"][0]] == [
+        prompt_ids]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    reply = http.post("/v1/chat/completions", json=chat).json()
+    assert len(reply["prompt_token_ids"]) == reply["usage"]["prompt_tokens"]
+    assert len(reply["choices"][0]["token_ids"]) == 5
+    chunks = sse(http.post("/v1/chat/completions", json={**chat, "stream": True}))
+    assert chunks[0]["prompt_token_ids"] == reply["prompt_token_ids"]
+    assert [i for c in chunks[1:] for i in c["choices"][0]["token_ids"]] == reply["choices"][0]["token_ids"]

@@ -112,6 +112,7 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens (-1: max_model_len)
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with the same salt
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N" (None: the server's)
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the response
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is served first
     use_beam_search: bool = False  # vLLM's: n is the beam width (pagedserve/beam_search.py)
     length_penalty: float = 1.0  # vLLM's: beam search ranks by cumulative logprob / length ** length_penalty

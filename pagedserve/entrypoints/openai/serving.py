@@ -391,6 +391,8 @@ class OpenAIServing:
                         "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
                 if req.prompt_logprobs is not None:
                     body["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs.get(prompt_index, []))
+                if req.return_token_ids:  # vLLM's
+                    body.update(prompt_token_ids=prompt.token_ids, token_ids=choice.token_ids)
                 choices.append(body)
         num_prompt = sum(len(p.token_ids) for p in prompts)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()),
@@ -440,6 +442,7 @@ class OpenAIServing:
         num_completion = 0
         per_choice: dict[int, int] = {}  # tokens so far of each choice (continuous usage, as vLLM's)
         echoed: set[int] = set()
+        sent_prompt_ids: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
         offsets: dict[int, _TextOffsets] = {}
         tally = _PromptTally()
         async for prompt_index, output in streams:
@@ -471,6 +474,11 @@ class OpenAIServing:
                                       "stop_reason": completion.stop_reason}]}
                 if echo and req.prompt_logprobs is not None:
                     chunk["choices"][0]["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs[prompt_index])
+                if req.return_token_ids:  # vLLM's: each chunk's new ids, the prompt's with a choice's first chunk
+                    chunk["choices"][0]["token_ids"] = completion.token_ids
+                    if index not in sent_prompt_ids:
+                        sent_prompt_ids.add(index)
+                        chunk["choices"][0]["prompt_token_ids"] = prompts[prompt_index].token_ids
                 if _continuous_usage(req):  # this choice's tokens, and its own prompt's
                     chunk["usage"] = self._usage(len(prompts[prompt_index].token_ids), per_choice[index], tally)
                 yield _chunk(chunk)
@@ -578,11 +586,14 @@ class OpenAIServing:
                                                       self.token_bytes, self._as_ids(req)) if req.logprobs else None,
                             "finish_reason": chat_finish_reason(choice.finish_reason, bool(read.calls), named,
                                                                 choice.stop_reason),
-                            "stop_reason": choice.stop_reason})
+                            "stop_reason": choice.stop_reason,
+                            **({"token_ids": choice.token_ids} if req.return_token_ids else {})})
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.served_model_names[0], "choices": choices,
                 "usage": self._usage(len(prompt_ids), num_completion, tally)}
+        if req.return_token_ids:  # vLLM's
+            body["prompt_token_ids"] = prompt_ids
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs.get(0, []))
         return JSONResponse(body)
@@ -635,9 +646,12 @@ class OpenAIServing:
             chunk = {**base, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
             if _continuous_usage(req):
                 chunk["usage"] = _usage(len(prompt.token_ids), 0)
+            if req.return_token_ids and index == 0:  # vLLM's: the prompt's ids with the first chunk
+                chunk["prompt_token_ids"] = prompt.token_ids
             yield _chunk(chunk)
         num_completion = 0
         per_choice = [0] * req.n  # tokens so far of each choice (continuous usage, as vLLM's)
+        held_ids: list[list[int]] = [[] for _ in range(req.n)]  # return_token_ids: ids of chunks held back
         readers = [make_reader(tool_choice, self.tool_call_parser) for _ in range(req.n)]
         tally = _PromptTally()
         async for prompt_index, output in streams:
@@ -649,6 +663,7 @@ class OpenAIServing:
                 events = reader.feed(completion.text)
                 if completion.finish_reason is not None:
                     events += reader.finish()
+                held_ids[completion.index] += completion.token_ids
                 if not completion.finish_reason and not events and (
                         not completion.token_ids or (not reader.passes_text_through and not req.logprobs)):
                     continue  # nothing new, or a reader holding text (e.g. a tool call being read): no empty delta
@@ -664,6 +679,8 @@ class OpenAIServing:
                 chunk = {**base, "choices": [{"index": completion.index, "delta": chat_delta(events),
                                               "logprobs": logprobs, "finish_reason": finish_reason,
                                               "stop_reason": completion.stop_reason}]}
+                if req.return_token_ids:  # this chunk's ids and those of chunks held back before it
+                    chunk["choices"][0]["token_ids"], held_ids[completion.index] = held_ids[completion.index], []
                 if _continuous_usage(req):
                     chunk["usage"] = self._usage(len(prompt.token_ids), per_choice[completion.index], tally)
                 yield _chunk(chunk)
