@@ -50,3 +50,21 @@ def test_what_ebnf_cannot_say_is_refused_by_name(grammar, says):
     with pytest.raises(InvalidRequestError, match=says) as info:
         StructuredOutputsParams.from_request({"grammar": grammar})
     assert info.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize("grammar, accepted, refused", [
+    ('start: "a" ["b"] "c"', ["ac", "abc"], ['a"c', "abbc"]),  # [x] is optional x, not EBNF's character class
+    ('start: "yes" -> y | "no" -> n', ["yes", "no"], ["y"]),  # aliases name tree nodes only
+    ('start: root "!"\nroot: "ok"', ["ok!"], ["ok"]),  # a rule named root, beside EBNF's own root
+    ("start: '\\\"q' | 'it\\'s'", ['"q', "it's"], ['\\"q']),  # escapes inside single quotes
+    ('start: "a::=b"', ["a::=b"], []),  # "::=" inside a literal: still Lark
+    ('start: "a" |', ["a", ""], ["b"]),  # an empty alternative
+    ('start: "x" ( "a" | ) "y"\n  |\n  | "z"', ["xay", "xy", "", "z"], ["x"]),
+])
+def test_more_of_lark_s_syntax_keeps_its_language(grammar, accepted, refused):
+    """Each was found wrong by a QA sweep: `[x]` passed through became a character class (output broke the
+    grammar), the others were 400s with xgrammar's parser messages."""
+    params = StructuredOutputsParams(grammar=grammar)
+    compiled = xgr.Grammar.from_ebnf(params.grammar)
+    assert [accepts(compiled, text) for text in accepted] == [True] * len(accepted), params.grammar
+    assert [accepts(compiled, text) for text in refused] == [False] * len(refused), params.grammar
