@@ -175,7 +175,10 @@ def _open_input(path: str) -> TextIO:
             response.raise_for_status()
         except httpx.HTTPError as exc:
             raise ValueError(f"--input-file {path}: {exc}") from None
-        return io.StringIO(response.text)
+        try:
+            return io.StringIO(response.content.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"--input-file {path}: not UTF-8 text (a JSONL file of requests)") from None
 
     def check() -> TextIO:
         with open(path, encoding="utf-8") as handle:
@@ -229,9 +232,15 @@ def run(args: argparse.Namespace) -> int:
         existed = output is not None and os.path.exists(output)
         if output is not None:
             _flag_error("--output-file", output, lambda: open(output, "a", encoding="utf-8").close())
+        state = ServerState(StartupTracker())
+        if args.enable_metrics:  # vLLM's: Prometheus metrics while the batch runs (a port in use fails here)
+            from prometheus_client import start_http_server
+
+            _flag_error("--port", str(args.port), lambda: start_http_server(args.port, addr=args.url,
+                                                                             registry=state.registry))
+            print(f"run-batch: metrics on http://{args.url}:{args.port}/metrics", file=sys.stderr)
     except (ValueError, OSError) as exc:
         return fail(str(exc))
-    state = ServerState(StartupTracker())
     started = threading.Event()
     failure: list[BaseException] = []
 
@@ -261,11 +270,6 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
 
     try:
-        if args.enable_metrics:  # vLLM's: Prometheus metrics while the batch runs
-            from prometheus_client import start_http_server
-
-            start_http_server(args.port, addr=args.url, registry=state.registry)
-            print(f"run-batch: metrics on http://{args.url}:{args.port}/metrics", file=sys.stderr)
         total, failed = asyncio.run(run_lines(build_app(state, options), _numbered_lines(source),
                                               args.max_concurrency, write))
     finally:

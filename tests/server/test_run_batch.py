@@ -191,7 +191,7 @@ def test_input_and_output_may_be_urls_as_vllm_s_run_batch(tiny_model_dir, tmp_pa
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            body = (json.dumps(request) + "\n").encode()
+            body = b"\xff\xfe not text" if self.path == "/latin1.jsonl" else (json.dumps(request) + "\n").encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -215,10 +215,32 @@ def test_input_and_output_may_be_urls_as_vllm_s_run_batch(tiny_model_dir, tmp_pa
                               f"{base}/out.jsonl", "--output-tmp-dir", str(tmp_path), "--enable-metrics", "--port",
                               str(metrics_port), tiny_model_dir("llama"), "--dtype", "float32", "--max-model-len",
                               "128"], capture_output=True, text=True, timeout=300)
+        refused = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", f"{base}/latin1.jsonl", "-o",
+                                  str(tmp_path / "out.jsonl"), "/nonexistent/model"],
+                                 capture_output=True, text=True, timeout=120)
     finally:
         files.shutdown()
+    assert refused.returncode == 2 and "latin1.jsonl: not UTF-8 text" in refused.stderr  # as a local file is
     assert run.returncode == 0, run.stderr
     assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in run.stderr
     [line] = [json.loads(text) for text in uploads["/out.jsonl"].decode().splitlines()]
     assert line["custom_id"] == "a" and line["response"]["body"]["usage"]["completion_tokens"] == 2
     assert not list(tmp_path.iterdir())  # the uploaded file's local copy is gone
+
+
+def test_a_metrics_port_in_use_fails_before_the_model_loads_and_keeps_the_output(tmp_path):
+    """It was a traceback after the output file had been emptied."""
+    import socket
+
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}) + "\n")
+    target.write_text("the last run's output\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(source), "-o", str(target),
+                              "--enable-metrics", "--port", str(port), "/nonexistent/model"],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and f"--port {port}:" in run.stderr and "Traceback" not in run.stderr
+    assert target.read_text() == "the last run's output\n"
