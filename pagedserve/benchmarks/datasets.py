@@ -200,7 +200,8 @@ async def read_sharegpt_prompts(path: str | Path, num: int, tokenizer: PromptTok
     """`num` prompts from a ShareGPT JSON file (a list of {"conversations": [{"from": "human", "value": ...},
     {"from": "gpt", "value": ...}, ...]}), as vLLM's ShareGPT dataset reads it: shuffled with the seed, each
     conversation's first turn the prompt and its second turn's token count the max_tokens (or `output_len`),
-    conversations with a prompt or answer under 4 tokens, a prompt over 1024 or both over 2048 skipped."""
+    conversations with a prompt or answer under 4 tokens, a prompt over 1024 or both over 2048 skipped; fewer
+    usable than `num` are reused from the top."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except ValueError as exc:
@@ -225,9 +226,10 @@ async def read_sharegpt_prompts(path: str | Path, num: int, tokenizer: PromptTok
         if prompt_len > SHAREGPT_MAX_PROMPT or prompt_len + answer_len > SHAREGPT_MAX_TOTAL:
             continue
         prompts.append(BenchPrompt(prompt=question, planned_prompt_tokens=prompt_len, max_tokens=answer_len))
-    if len(prompts) < num:
-        raise ValueError(f"{path}: {len(prompts)} usable conversations, fewer than the {num} prompts asked for")
-    return prompts
+    if not prompts:
+        raise ValueError(f"{path}: no usable conversations (a first turn of 4-1024 tokens and an answer of 4 or more, "
+                         f"together at most 2048)")
+    return [prompts[i % len(prompts)] for i in range(num)]  # reused from the top when short, as vLLM oversamples
 
 
 async def count_prompt_tokens(tokenizer: PromptTokenizer, prompts: list[BenchPrompt]) -> None:

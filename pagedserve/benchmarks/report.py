@@ -367,7 +367,7 @@ def vllm_result_dict(result: ServeBenchResult, backend: str, percentile_metrics:
 def vllm_result_filename(result: ServeBenchResult, backend: str, label: str | None) -> str:
     """vLLM's default name: {label or backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json."""
     config = result.config
-    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
+    rate = "inf" if math.isinf(config.request_rate) else str(float(config.request_rate))  # vLLM's: 20.0qps
     concurrency = f"-concurrency{config.max_concurrency}" if config.max_concurrency else ""
     model = result.model.rstrip("/").split("/")[-1]
     stamp = result.started_at.replace("-", "").replace(":", "").replace("T", "-")[:15]

@@ -49,7 +49,7 @@ class FlagArgs:
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
 
 
-def human_readable_int(value: str) -> int:
+def human_readable_int(value: str, auto: bool = False) -> int:
     """An integer, or vLLM's human-readable form: k/m/g/t are powers of 1000 (`32k` = 32000, decimals allowed),
     K/M/G/T powers of 1024 (`32K` = 32768, whole numbers only)."""
     text = value.strip()
@@ -58,7 +58,8 @@ def human_readable_int(value: str) -> int:
         try:
             return int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {value!r} (a number, or e.g. 32k or 32K)") from None
+            raise argparse.ArgumentTypeError(f"invalid int value: {value!r} (a number, or e.g. 32k or 32K"
+                                             f"{', or auto' if auto else ''})") from None
     number, suffix = match.groups()
     if suffix.islower():
         return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
@@ -73,7 +74,7 @@ AUTO_SIZE = -1  # vLLM's "auto" (or -1) for --max-model-len: the longest that th
 
 def human_readable_int_or_auto(value: str) -> int:
     """human_readable_int, or "auto" / -1 (AUTO_SIZE), as vLLM's --max-model-len takes them."""
-    return AUTO_SIZE if value.strip().lower() == "auto" else human_readable_int(value)
+    return AUTO_SIZE if value.strip().lower() == "auto" else human_readable_int(value, auto=True)
 
 
 def _with_default(help_text: str, default: Any) -> str:

@@ -364,16 +364,22 @@ def _auto_max_model_len(args: EngineArgs, startup: StartupTracker | None, availa
         return create_engine_config(replace(args, max_model_len=max_model_len), startup, available, check,
                                     kernels_from_flags)
 
-    default = config(None, check=False)
+    default = chosen = config(None, check=False)
     plan = default.memory_plan
-    longest = next((int(s.value) for s in plan.suggestions if s.flag == "--max-model-len"), None)
-    if plan.fits or longest is None:
-        if check_memory:
-            check_memory_plan(plan)
-        return default
-    logger.info("--max-model-len auto: %d tokens, the longest sequence the memory holds (one of the model's %d "
-                "would not fit)", longest, default.model.max_model_len)
-    return config(longest, check_memory)
+    if not plan.fits:
+        longest = next((int(s.value) for s in plan.suggestions if s.flag == "--max-model-len"), None)
+        if longest is not None:
+            chosen = config(longest, check=False)
+            plan = chosen.memory_plan
+    if 2 <= plan.num_kv_tokens < chosen.model.max_model_len:  # a pool asked for (--num-gpu-blocks-override)
+        chosen = config(plan.num_kv_tokens, check=False)
+        plan = chosen.memory_plan
+    if chosen is not default:
+        logger.info("--max-model-len auto: %d tokens, the longest sequence the memory holds (one of the model's %d "
+                    "would not fit)", chosen.model.max_model_len, default.model.max_model_len)
+    if check_memory:
+        check_memory_plan(plan)
+    return chosen
 
 
 def check_engine_args(args: EngineArgs) -> None:

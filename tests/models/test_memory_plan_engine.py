@@ -402,3 +402,6 @@ def test_max_model_len_auto_is_the_longest_sequence_the_memory_holds(tiny_model_
     args = EngineArgs(model=model, max_num_seqs=1, max_model_len="auto", device="cpu")
     config = create_engine_config(args, available=AvailableMemory(1 << 30, "MemAvailable", "a test"))
     assert config.model.max_model_len == config.scheduler.max_model_len == suggested
+    # a pool asked for by its blocks: what they hold (4 of 16 tokens besides the null block), though it "fits"
+    code, small = plan_json(capsys, model, "--max-model-len", value, "--num-gpu-blocks-override", "5", *host)
+    assert code == 0 and small["request"]["max_model_len"] == 64

@@ -331,3 +331,12 @@ def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids_as_vllm(http)
     chunks = sse(http.post("/v1/chat/completions", json={**chat, "stream": True}))
     assert chunks[0]["prompt_token_ids"] == reply["prompt_token_ids"]
     assert [i for c in chunks[1:] for i in c["choices"][0]["token_ids"]] == reply["choices"][0]["token_ids"]
+
+
+def test_legacy_top_logprobs_list_the_chosen_token_first_as_vllm(http):
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 12, "logprobs": 1, "temperature": 2.0,
+            "seed": 3, "ignore_eos": True, "echo": True}
+    logprobs = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    steps = list(zip(logprobs["tokens"], logprobs["top_logprobs"]))[1:]  # the first prompt token has none
+    assert all(next(iter(top)) == token for token, top in steps)
+    assert any(len(top) == 2 for _, top in steps)  # some chosen tokens were not the top one

@@ -403,7 +403,7 @@ def test_a_vllm_bench_serve_command_line_runs_and_saves_vllm_s_result_file(fake_
     assert all(b["top_p"] == 0.9 and "prompt" in b for b in steady)  # vllm: /v1/completions
     assert len({tuple(b["prompt_ids"][:3]) for b in app.state.bodies}) == 1 and all(
         len(b["prompt_ids"]) == 9 for b in app.state.bodies)
-    [saved] = list(tmp_path.glob("run1-100qps-fake-*.json"))
+    [saved] = list(tmp_path.glob("run1-100.0qps-fake-*.json"))
     result = json.loads(saved.read_text())
     assert (result["backend"], result["label"], result["model_id"], result["gpu"]) == ("vllm", "run1", "fake", "none")
     assert result["completed"] == 4 and result["failed"] == 0 and result["total_output_tokens"] == 16
@@ -430,9 +430,14 @@ def test_sharegpt_prompts_are_read_as_vllm_reads_them(fake_server, tmp_path) -> 
                                          num_prompts=2, warmup_requests=0, ignore_eos=True))
     assert result.summary.num_completed == 2
     assert sorted((len(b["prompt_ids"]), b["max_tokens"]) for b in app.state.bodies) == [(6, 4), (7, 6)]
-    with pytest.raises(ValueError, match="2 usable conversations, fewer than the 3 prompts asked for"):
-        run_serve_bench_sync(config(base_url, model="fake", dataset="sharegpt", dataset_path=str(path),
-                                    num_prompts=2, warmup_requests=1))
+    # a warm-up request on top of the 2 prompts: the usable conversations are reused (vLLM oversamples)
+    app.state.bodies.clear()
+    result = run_serve_bench_sync(config(base_url, model="fake", dataset="sharegpt", dataset_path=str(path),
+                                         num_prompts=2, warmup_requests=1))
+    assert result.summary.num_completed == 2 and len(app.state.bodies) == 3
+    path.write_text(json.dumps(data[1:3]))
+    with pytest.raises(ValueError, match="no usable conversations"):
+        run_serve_bench_sync(config(base_url, model="fake", dataset="sharegpt", dataset_path=str(path)))
 
 
 def test_a_first_request_that_fails_stops_the_run(fake_server, capsys) -> None:

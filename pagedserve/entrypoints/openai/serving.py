@@ -424,14 +424,14 @@ class OpenAIServing:
             text = entry.decoded_token if entry else self.tokenizer.decode([token_id])
             tokens.append(token_text(token_id, text, as_ids))
             token_logprobs.append(entry.logprob if entry else None)
-            # the top num_top and the chosen token, as OpenAI's legacy format has them (up to logprobs + 1); the
-            # chosen one last, so that where two tokens read alike (byte fragments) the key holds its logprob
+            # the chosen token and the top num_top, as OpenAI's legacy format has them (up to logprobs + 1), the
+            # chosen one first as vLLM's; where two tokens read alike (byte fragments) the key keeps the chosen's
             shown = None
             if step:
-                shown = {token_text(i, lp.decoded_token, as_ids): lp.logprob for i, lp in step.items()
-                         if lp.rank <= num_top}
-                if entry is not None:
-                    shown[token_text(token_id, entry.decoded_token, as_ids)] = entry.logprob
+                shown = {} if entry is None else {token_text(token_id, entry.decoded_token, as_ids): entry.logprob}
+                for i, lp in step.items():
+                    if lp.rank <= num_top:
+                        shown.setdefault(token_text(i, lp.decoded_token, as_ids), lp.logprob)
             top.append(shown)
             text_offset.append(offsets.take(token_id))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
