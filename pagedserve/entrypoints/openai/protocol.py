@@ -5,6 +5,7 @@ clients send extras."""
 from __future__ import annotations
 
 import logging
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -66,12 +67,17 @@ class StreamOptions(BaseModel):
 
 
 def _nulls_as_defaults(model: type[BaseModel], data: Any) -> Any:
-    """A request body without the explicit nulls of fields whose default is not null: OpenAI's API and vLLM take
-    `"n": null`, `"stream": null`, ... as the default (a client that writes every field sends them)."""
+    """A request body without the explicit nulls of fields that cannot be null: OpenAI's API and vLLM take
+    `"n": null`, `"stream": null`, ... as the default (a client that writes every field sends them). A field that
+    may be null keeps it (completions' `"max_tokens": null`: as much as the context leaves, not the default 16)."""
     if not isinstance(data, dict):
         return data
-    return {k: v for k, v in data.items()
-            if not (v is None and k in model.model_fields and model.model_fields[k].default is not None)}
+    return {k: v for k, v in data.items() if not (v is None and k in model.model_fields and not _nullable(model, k))}
+
+
+def _nullable(model: type[BaseModel], name: str) -> bool:
+    field_info = model.model_fields[name]
+    return field_info.default is None or type(None) in typing.get_args(field_info.annotation)
 
 
 class _SamplingFields(BaseModel):
