@@ -622,3 +622,14 @@ def test_the_host_check_takes_the_server_s_own_address_and_no_host():
 
     assert "127.0.0.2" in ServeOptions(host="127.0.0.2").host_names()  # its own URL answered 400
     assert _host_name(b"LocalHost.:8000") == "localhost" and _host_name(b"[::1]:80") == "::1"
+
+
+def test_tokenize_refuses_what_chat_refuses_and_an_ambiguous_body(server):
+    """/tokenize took documents and mm_processor_kwargs without a word (chat refuses them: its tokens would not be
+    the chat's), and prompt with messages (messages won)."""
+    url, chat = f"{server.url}/tokenize", [{"role": "user", "content": "Hi"}]
+    for extra, param in (({"prompt": "x"}, "prompt"), ({"documents": [{"text": "d"}]}, "documents"),
+                         ({"mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs")):
+        response = httpx.post(url, json={"model": MODEL, "messages": chat, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, extra
+    assert httpx.post(url, json={"model": MODEL, "messages": chat, "documents": None}).status_code == 200

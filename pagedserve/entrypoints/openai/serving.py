@@ -690,6 +690,12 @@ class OpenAIServing:
     # ---- /tokenize, /detokenize ------------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)
+        if req.messages is not None and req.prompt is not None:
+            raise InvalidRequestError("give either prompt or messages, not both", param="prompt")
+        extra = req.model_extra or {}
+        for name in ("documents", "mm_processor_kwargs"):  # refused by chat too: the tokens would not be its
+            if extra.get(name) is not None:
+                raise refused_field(name)
         if req.messages is not None:  # the prompt a chat completion with these fields would get
             tokens = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
                                             _template_kwargs(req), tools=self._prompt_tools(req),
