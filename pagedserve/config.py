@@ -133,22 +133,8 @@ class EngineConfig:
 
     # vLLM's VllmConfig names, for code that reads llm.llm_engine.vllm_config.model_config and the like (the
     # fields inside are pagedserve's: max_model_len, dtype, block_size, max_num_seqs, ... share vLLM's names)
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.model
-
-    @property
-    def cache_config(self) -> CacheConfig:
-        return self.cache
-
-    @property
-    def scheduler_config(self) -> SchedulerConfig:
-        return self.scheduler
-
-    @property
-    def device_config(self) -> DeviceConfig:
-        return self.device
-
-    @property
-    def parallel_config(self) -> ParallelConfig:
-        return self.parallel
+    model_config = property(lambda self: self.model)
+    cache_config = property(lambda self: self.cache)
+    scheduler_config = property(lambda self: self.scheduler)
+    device_config = property(lambda self: self.device)
+    parallel_config = property(lambda self: self.parallel)

@@ -146,12 +146,13 @@ def test_more_of_vllm_s_offline_surface(llm, tiny_model_dir):
     `pagedserve.logprobs` (vllm.logprobs) for Logprob; set_tokenizer refused by name, not an AttributeError."""
     import torch
 
-    from pagedserve.logprobs import Logprob, PromptLogprobs, SampleLogprobs  # noqa: F401
+    from pagedserve.logprobs import Logprob, PromptLogprobs, SampleLogprobs
     from pagedserve.outputs import Logprob as FromOutputs
     from pagedserve.pooling_params import PoolingParams
 
-    assert Logprob is FromOutputs
-    assert LLM(tiny_model_dir("llama"), dtype=torch.float32, max_model_len=64).llm_engine.model_config.dtype == "float32"
+    assert Logprob is FromOutputs and PromptLogprobs and SampleLogprobs
+    typed = LLM(tiny_model_dir("llama"), dtype=torch.float32, max_model_len=64)
+    assert typed.llm_engine.model_config.dtype == "float32"
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     assert llm.chat([{"role": "user", "content": "hi"}], params, mm_processor_kwargs=None)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="mm_processor_kwargs: multimodal inputs are not supported"):
