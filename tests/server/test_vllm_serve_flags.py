@@ -264,6 +264,16 @@ def test_vllm_request_fields_act_or_are_refused_by_name(server, http):
     assert http.post("/v1/chat/completions", json={**chat, **nulls}).status_code == 200
     assert complete(n=None, stream=None, echo=None, presence_penalty=None).status_code == 200
     assert complete(prompt=None).status_code == 400  # a required field stays required
+    assert http.post("/v1/chat/completions", json={**chat, "stream": True,  # nested, and on the other routes
+                                                   "stream_options": {"include_usage": None}}).status_code == 200
+    assert http.post("/tokenize", json={"model": MODEL, "messages": chat["messages"], "add_generation_prompt": None,
+                                        "return_token_strs": None}).status_code == 200
+    # reasoning_effort: checked on /tokenize as on chat; the Responses API's reasoning.effort is chat's
+    bogus = http.post("/tokenize", json={"model": MODEL, "messages": chat["messages"], "reasoning_effort": "x"})
+    assert bogus.status_code == 400 and bogus.json()["error"]["param"] == "reasoning_effort"
+    responses = {"model": MODEL, "input": "Hi", "max_output_tokens": 2}
+    assert http.post("/v1/responses", json={**responses, "reasoning": {"effort": "low"}}).status_code == 200
+    assert http.post("/v1/responses", json={**responses, "reasoning": {"effort": "x"}}).status_code == 400
     assert http.post("/v1/chat/completions", json={**chat, "frobnicate": 1, "store": True}).status_code == 200
     assert server.log().count("request field 'frobnicate' is not one pagedserve knows") == 1
     http.post("/v1/chat/completions", json={**chat, "frobnicate": 2})

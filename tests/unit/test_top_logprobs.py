@@ -68,3 +68,13 @@ def test_reasoning_effort_reaches_the_chat_template():
         "reasoning_effort": "low"}
     assert _template_kwargs(ChatCompletionRequest(messages=messages, reasoning_effort="low", chat_template_kwargs={
         "reasoning_effort": "high", "x": 1})) == {"reasoning_effort": "high", "x": 1}  # the request's own kwargs win
+
+
+def test_the_responses_api_s_reasoning_effort_is_chat_s():
+    from pagedserve.entrypoints.openai.protocol import ResponsesRequest
+    from pagedserve.entrypoints.openai.serving import _template_kwargs
+    from pagedserve.entrypoints.openai.serving_responses import to_chat_request
+
+    chat = to_chat_request(ResponsesRequest(input="x", reasoning={"effort": "medium"}))
+    assert _template_kwargs(chat) == {"reasoning_effort": "medium"}
+    assert _template_kwargs(to_chat_request(ResponsesRequest(input="x", reasoning={"summary": "auto"}))) is None

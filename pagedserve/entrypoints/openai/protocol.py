@@ -61,7 +61,16 @@ def generation_prompt(req: ChatCompletionRequest | TokenizeRequest) -> bool:
     return False
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
+    """A request body (or a part of one) whose explicit nulls on fields that cannot be null mean the default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_for_nulls(cls, data: Any) -> Any:
+        return _nulls_as_defaults(cls, data)
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -80,15 +89,10 @@ def _nullable(model: type[BaseModel], name: str) -> bool:
     return field_info.default is None or type(None) in typing.get_args(field_info.annotation)
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Request):
     """Sampling fields shared by completions and chat: OpenAI's names plus vLLM's extras."""
 
     model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults_for_nulls(cls, data: Any) -> Any:
-        return _nulls_as_defaults(cls, data)
 
     model: str | None = None
     n: int = 1
@@ -245,7 +249,7 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = None  # vLLM's: the rendered prompt's logprobs, in the (non-streamed) response
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """vLLM's /tokenize: a prompt, or messages with the chat fields that shape their prompt (tools included)."""
     model_config = ConfigDict(extra="allow")
 
@@ -260,14 +264,14 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     tokens: list[int]
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(_Request):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -279,7 +283,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(_Request):
     """vLLM's /score: text_1 (one text, or as many as text_2) against text_2; also its newer names queries and
     documents. Embedding models score a pair by cosine similarity."""
 
@@ -312,7 +316,7 @@ class RerankDocument(BaseModel):
     text: str
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(_Request):
     """vLLM's /rerank (Jina's and Cohere's shape): the documents ranked by their score against the query."""
 
     model_config = ConfigDict(extra="allow")
@@ -328,16 +332,11 @@ class RerankRequest(BaseModel):
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(_Request):
     """OpenAI's Responses API (POST /v1/responses), as far as a text model can answer it; serving_responses.py
     turns it into a chat request. Other fields pass through as the chat route's (vLLM's sampling extras)."""
 
     model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults_for_nulls(cls, data: Any) -> Any:
-        return _nulls_as_defaults(cls, data)
 
     model: str | None = None
     input: str | list[dict[str, Any]]

@@ -499,10 +499,7 @@ class OpenAIServing:
             raise InvalidRequestError("messages must not be empty", param="messages")
         req.check_fields({"echo": (None, False), "best_of": (None, req.n),
                           **({} if self.options.trust_request_chat_template else {"chat_template": None})})
-        effort = (req.model_extra or {}).get("reasoning_effort")
-        if effort is not None and effort not in REASONING_EFFORTS:
-            raise InvalidRequestError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
-                                      f"{str(effort)[:40]!r}", param="reasoning_effort")
+        _check_reasoning_effort(req)
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs are given in a chat response that is not streamed; set "
                                       "stream to false", param="prompt_logprobs")
@@ -696,6 +693,7 @@ class OpenAIServing:
         for name in ("documents", "mm_processor_kwargs"):  # refused by chat too: the tokens would not be its
             if extra.get(name) is not None:
                 raise refused_field(name)
+        _check_reasoning_effort(req)
         if req.messages is not None:  # the prompt a chat completion with these fields would get
             tokens = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
                                             _template_kwargs(req), tools=self._prompt_tools(req),
@@ -728,6 +726,14 @@ async def _without_generated(streams: AsyncIterator[tuple[int, RequestOutput]]
             yield prompt_index, dataclasses.replace(output, outputs=outputs)
     finally:
         await streams.aclose()  # a client gone: its requests are aborted through the streams
+
+
+def _check_reasoning_effort(req: ChatCompletionRequest | TokenizeRequest) -> None:
+    """A 400 for a reasoning_effort that is not one of OpenAI's values (chat and /tokenize alike)."""
+    effort = (req.model_extra or {}).get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequestError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                  f"{str(effort)[:40]!r}", param="reasoning_effort")
 
 
 def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any] | None:

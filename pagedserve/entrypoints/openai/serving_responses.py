@@ -5,7 +5,8 @@ response_format), runs as one, and is answered as a Response object, or as the R
 
 What a stateless text server cannot do is refused with a 400 naming the field: previous_response_id (nothing is
 stored: send the conversation in `input`), background, built-in tools (web search, files, ...), images and
-files in the input, logprobs (`include`, top_logprobs). `store` and `reasoning` are accepted and change nothing.
+files in the input, logprobs (`include`, top_logprobs). `store` is accepted and changes nothing;
+`reasoning.effort` reaches the chat template as chat's `reasoning_effort`.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         text_format = req.text.get("format")
         if text_format is not None:
             body["response_format"] = _response_format(text_format)
+    effort = (req.reasoning or {}).get("effort") if isinstance(req.reasoning, dict) else None
+    if effort is not None:  # reasoning.effort reaches the chat template as chat's reasoning_effort (vLLM's)
+        body.setdefault("reasoning_effort", effort)
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
