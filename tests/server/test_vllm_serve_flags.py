@@ -350,3 +350,21 @@ def test_legacy_top_logprobs_list_the_chosen_token_first_as_vllm(http):
     steps = list(zip(logprobs["tokens"], logprobs["top_logprobs"]))[1:]  # the first prompt token has none
     assert all(next(iter(top)) == token for token, top in steps)
     assert any(len(top) == 2 for _, top in steps)  # some chosen tokens were not the top one
+
+
+def test_a_client_s_request_id_is_the_response_s_id_as_vllm(http):
+    """vLLM's ids are {prefix}-{request_id}; pagedserve's carried a suffix, which the engine's ids keep (two
+    requests may share a client's id)."""
+    import concurrent.futures
+
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "request_id": "abc"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda _: http.post("/v1/completions", json=body).json(), range(2)))
+    assert [r["id"] for r in replies] == ["cmpl-abc", "cmpl-abc"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "request_id": "xyz"}
+    assert http.post("/v1/chat/completions", json=chat).json()["id"] == "chatcmpl-xyz"
+    chunks = http.post("/v1/chat/completions", json={**chat, "stream": True}).text
+    assert '"id":"chatcmpl-xyz"' in chunks.replace(" ", "")
+    response = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2,
+                                                "request_id": "resp_mine"}).json()
+    assert response["id"] == "resp_mine"

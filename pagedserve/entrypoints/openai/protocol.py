@@ -115,7 +115,7 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    request_id: str | None = None  # vLLM's: becomes part of the engine's request id (logs, errors)
+    request_id: str | None = None  # vLLM's: the response's id ({prefix}-{request_id}); the engine's ids add a suffix
     response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled

@@ -133,14 +133,15 @@ class OpenAIServing:
         return max_tokens if cap is None else min(max_tokens, cap)
 
     def _request_id(self, prefix: str, req: Any) -> str:
-        """A fresh id; a client's request_id (vLLM's field) is kept in it, so logs and errors can be matched."""
+        """The response's id: `prefix`-the client's request_id (vLLM's field and id), else a fresh one. The
+        engine's ids add a suffix of their own (_engine_id), so two requests may share a client's id."""
         client_id = req.request_id
         if client_id is None:
             return f"{prefix}-{uuid.uuid4().hex}"
         if len(client_id) > self.limits.max_request_id_chars or not client_id.isprintable():
             raise InvalidRequestError(f"request_id must be printable and at most {self.limits.max_request_id_chars} "
                                       f"characters, got {len(client_id)}", param="request_id")
-        return f"{prefix}-{client_id}-{uuid.uuid4().hex[:8]}"
+        return f"{prefix}-{client_id}"
 
     def _check_limits(self, req: Any, prompts: list[_Prompt], max_tokens: list[int]) -> None:
         """The per-request bounds of RequestLimits, each a 400 naming its field and its flag."""
@@ -292,11 +293,12 @@ class OpenAIServing:
         room = self.engine.check_room(len(prompts))  # a 429 (or 400) before a stream's headers are out
         arrival = time.monotonic()
         self._log_requests(request_id, prompts, params_list)
-        generators = [self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
+        engine_id = _engine_id(request_id)
+        generators = [self.engine.generate(f"{engine_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
                                            params, arrival, reservation=room)
                       for i, (p, params) in enumerate(zip(prompts, params_list))]
         if self.options.enable_log_outputs:
-            generators = [self._logged_outputs(f"{request_id}-{i}", g) for i, g in enumerate(generators)]
+            generators = [self._logged_outputs(f"{engine_id}-{i}", g) for i, g in enumerate(generators)]
         return _merge(generators)
 
     def _log_requests(self, request_id: str, prompts: list[_Prompt], params_list: list[SamplingParams]) -> None:
@@ -322,7 +324,8 @@ class OpenAIServing:
                                       "(--max-num-seqs plus --max-waiting-requests): lower n", param="n")
         self.engine.check_room(needed)  # a 429 before anything starts; later steps are never refused
         self._log_requests(request_id, prompts, params_list)  # (beam searches were not logged)
-        generators = [beam_search_outputs(self.engine, f"{request_id}-{i}", p.text, p.token_ids, beam, params,
+        engine_id = _engine_id(request_id)
+        generators = [beam_search_outputs(self.engine, f"{engine_id}-{i}", p.text, p.token_ids, beam, params,
                                           num_logprobs)
                       for i, (p, beam, params) in enumerate(zip(prompts, beams, params_list))]
         return _merge(generators)
@@ -726,6 +729,11 @@ async def _without_generated(streams: AsyncIterator[tuple[int, RequestOutput]]
             yield prompt_index, dataclasses.replace(output, outputs=outputs)
     finally:
         await streams.aclose()  # a client gone: its requests are aborted through the streams
+
+
+def _engine_id(request_id: str) -> str:
+    """The engine's id of a response's request: unique even where clients chose the same request_id."""
+    return f"{request_id}-{uuid.uuid4().hex[:8]}"
 
 
 def _check_reasoning_effort(req: ChatCompletionRequest | TokenizeRequest) -> None:

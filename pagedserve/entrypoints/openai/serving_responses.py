@@ -212,7 +212,8 @@ class ResponsesServing:
             _, prompt, streams, tool_choice = await self.serving.start_chat(chat, "resp")
         except InvalidRequestError as exc:
             raise _renamed(exc) from None
-        skeleton = self._skeleton(f"resp_{uuid.uuid4().hex}", req)
+        # vLLM's: the client's request_id (checked by start_chat) is the response's id
+        skeleton = self._skeleton((req.model_extra or {}).get("request_id") or f"resp_{uuid.uuid4().hex}", req)
         if req.stream:
             return _sse(self._events(skeleton, prompt.token_ids, streams, tool_choice), done=False)
         tally = _PromptTally()
