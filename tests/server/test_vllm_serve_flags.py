@@ -368,3 +368,13 @@ def test_a_client_s_request_id_is_the_response_s_id_as_vllm(http):
     response = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2,
                                                 "request_id": "resp_mine"}).json()
     assert response["id"] == "resp_mine"
+
+
+def test_response_shapes_carry_vllm_s_keys(http):
+    """A model card's permission list and the responses' system_fingerprint (null), as vLLM's (a QA sweep)."""
+    card = http.get("/v1/models").json()["data"][0]
+    assert [p["object"] for p in card["permission"]] == ["model_permission"] and card["root"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=chat).json()["system_fingerprint"] is None
+    completion = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).json()
+    assert "system_fingerprint" in completion and completion["system_fingerprint"] is None

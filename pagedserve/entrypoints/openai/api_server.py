@@ -416,8 +416,14 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         return {"version": __version__, **state.info}
 
     def card(name: str) -> dict:
+        # vLLM's model card, its one permission entry included (clients written for it read the list)
+        permission = {"id": f"modelperm-{name}", "object": "model_permission", "created": state.created,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}
         return {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
-                "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}
+                "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
+                "permission": [permission]}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -398,7 +398,7 @@ class OpenAIServing:
                     body.update(prompt_token_ids=prompt.token_ids, token_ids=choice.token_ids)
                 choices.append(body)
         num_prompt = sum(len(p.token_ids) for p in prompts)
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "system_fingerprint": None,
                 "model": self.served_model_names[0], "choices": choices,
                 "usage": self._usage(num_prompt, num_completion, tally)}
 
@@ -589,7 +589,7 @@ class OpenAIServing:
                             "stop_reason": choice.stop_reason,
                             **({"token_ids": choice.token_ids} if req.return_token_ids else {})})
         num_completion = sum(len(c.token_ids) for c in finals[0].values())
-        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "system_fingerprint": None,
                 "model": self.served_model_names[0], "choices": choices,
                 "usage": self._usage(len(prompt_ids), num_completion, tally)}
         if req.return_token_ids:  # vLLM's
