@@ -365,6 +365,9 @@ def test_a_client_s_request_id_is_the_response_s_id_as_vllm(http):
     assert http.post("/v1/chat/completions", json=chat).json()["id"] == "chatcmpl-xyz"
     chunks = http.post("/v1/chat/completions", json={**chat, "stream": True}).text
     assert '"id":"chatcmpl-xyz"' in chunks.replace(" ", "")
+    # the X-Request-Id header first, as vLLM's
+    assert http.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr"}).json()["id"] == "cmpl-hdr"
+    assert http.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "hdr"}).json()["id"] == "chatcmpl-hdr"
     response = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2,
                                                 "request_id": "resp_mine"}).json()
     assert response["id"] == "resp_mine"

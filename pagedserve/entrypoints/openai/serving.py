@@ -132,10 +132,11 @@ class OpenAIServing:
         cap = self.engine.engine.config.model.max_tokens_cap  # vLLM's override_max_tokens: every request's
         return max_tokens if cap is None else min(max_tokens, cap)
 
-    def _request_id(self, prefix: str, req: Any) -> str:
-        """The response's id: `prefix`-the client's request_id (vLLM's field and id), else a fresh one. The
-        engine's ids add a suffix of their own (_engine_id), so two requests may share a client's id."""
-        client_id = req.request_id
+    def _request_id(self, prefix: str, req: Any, raw: Request | None = None) -> str:
+        """The response's id: `prefix`-the client's id (its X-Request-Id header, else its request_id field, as
+        vLLM's), else a fresh one. The engine's ids add a suffix of their own (_engine_id), so two requests may share
+        a client's id."""
+        client_id = (raw.headers.get("x-request-id") if raw is not None else None) or req.request_id
         if client_id is None:
             return f"{prefix}-{uuid.uuid4().hex}"
         if len(client_id) > self.limits.max_request_id_chars or not client_id.isprintable():
@@ -268,7 +269,7 @@ class OpenAIServing:
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
         params_list = [self._params(req, m, req.logprobs, prompt_logprobs) for m in max_tokens]
         self._validate_for_engine(prompts, params_list)
-        request_id = self._request_id("cmpl", req)
+        request_id = self._request_id("cmpl", req, raw)
         if req.use_beam_search:
             streams = self._start_beam_search(request_id, req, prompts, max_tokens, params_list, req.logprobs)
         else:
@@ -568,7 +569,7 @@ class OpenAIServing:
         return await self._tokenize(text, add_special_tokens=add_special_tokens, param="messages" if must_fit else None)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
-        request_id, prompt, streams, tool_choice = await self.start_chat(req, "chatcmpl")
+        request_id, prompt, streams, tool_choice = await self.start_chat(req, "chatcmpl", raw)
         prompt_ids = prompt.token_ids
         if req.stream:
             return _sse(self._chat_stream(request_id, req, prompt, streams, tool_choice))
@@ -598,7 +599,7 @@ class OpenAIServing:
             body["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs.get(0, []))
         return JSONResponse(body)
 
-    async def start_chat(self, req: ChatCompletionRequest, id_prefix: str
+    async def start_chat(self, req: ChatCompletionRequest, id_prefix: str, raw: Request | None = None
                          ) -> tuple[str, _Prompt, AsyncIterator[tuple[int, RequestOutput]], ToolChoice | None]:
         """Check, render and queue a chat request (400s before anything is queued): its request id, prompt,
         output stream and tool choice. The chat route and the Responses API (serving_responses.py) answer it."""
@@ -627,7 +628,7 @@ class OpenAIServing:
         if tool_choice is not None and tool_choice.mode == "auto":
             params.skip_special_tokens = False  # tool-call tags may be special tokens (Qwen's <tool_call>)
         self._validate_for_engine([prompt], [params], {"logprobs": "top_logprobs"})
-        request_id = self._request_id(id_prefix, req)
+        request_id = self._request_id(id_prefix, req, raw)
         if req.use_beam_search:
             streams = self._start_beam_search(request_id, req, [prompt], [max_tokens], [params], logprobs)
         else:
