@@ -305,6 +305,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pagedserve bench serve: error: {detail}", file=sys.stderr)
         return 1
     print(format_table(result))
+    if result.summary is not None:  # --metric-percentiles the table does not show (it has P90 and P99)
+        figures = vllm_result_dict(result, args.backend, **saved)
+        for name in saved["percentile_metrics"]:
+            for pct in saved["metric_percentiles"]:
+                if pct not in (50.0, 90.0, 99.0):
+                    print(f"{f'P{pct:g} {name.upper()} (ms):':<40}{figures[f'p{pct:g}_{name}_ms']:>10.2f}")
     if saved["goodput"] and result.summary is not None:
         goodput = request_goodput(result.records, result.summary.duration, saved["goodput"])
         print(f"{'Request goodput (req/s):':<40}{goodput:>10.2f}")

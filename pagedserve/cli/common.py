@@ -83,10 +83,13 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     if engine_args.cpu_binding is None:
         engine_args.cpu_binding = envs.vllm_cpu_omp_threads_bind()
         if engine_args.cpu_binding is not None:
-            from pagedserve.distributed.plan import check_parallel_args
+            from pagedserve.distributed.plan import check_parallel_args, named_cores
+            from pagedserve.memory.probe import read_cores
 
             try:
                 check_parallel_args(engine_args.tensor_parallel_size, engine_args.cpu_binding, "auto")
+                if engine_args.cpu_binding.strip().lower() not in ("auto", "nobind"):
+                    named_cores(engine_args.cpu_binding, engine_args.tensor_parallel_size, read_cores())
             except ValueError as exc:  # the variable's value, not a flag the user gave
                 raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND: {exc}".replace("--cpu-binding ", "")) from None
     return engine_args

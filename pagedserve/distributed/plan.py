@@ -40,7 +40,7 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, co
     if size == 1:  # one process: bound where cores are named (vLLM's VLLM_CPU_OMP_THREADS_BIND does it too)
         if word in SPECIAL_BINDINGS:
             return ParallelConfig(), None
-        cores = _named_cores(args.cpu_binding, 1, cores)[0]
+        cores = named_cores(args.cpu_binding, 1, cores)[0]
         return ParallelConfig(cpu_binding=(tuple(cores),)), args.num_threads or len(cores)
     if task != "generate":
         raise ValueError(f"--tensor-parallel-size {size}: tensor parallelism serves text generation; this "
@@ -51,7 +51,7 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, co
     if word == "nobind":
         binding = [list(cores.logical)] * size
     elif word != "auto":
-        binding = _named_cores(args.cpu_binding, size, cores)
+        binding = named_cores(args.cpu_binding, size, cores)
     else:
         binding = default_binding(cores.thread_cpus, size)
         if len(cores.thread_cpus) < size:
@@ -63,7 +63,7 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, co
                           all_reduce=args.tp_all_reduce), threads
 
 
-def _named_cores(cpu_binding: str, size: int, cores: Cores) -> list[list[int]]:
+def named_cores(cpu_binding: str, size: int, cores: Cores) -> list[list[int]]:
     """--cpu-binding's lists, each rank's, within the cores this process may run on (ValueError naming the others)."""
     binding = parse_cpu_binding(cpu_binding, size)
     allowed = cores.logical  # every CPU of this process's affinity

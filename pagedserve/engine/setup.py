@@ -140,8 +140,9 @@ def _sampling_fields(config: dict[str, Any]) -> dict[str, Any]:
     fields = {GENERATION_DEFAULTS[k]: v for k, v in config.items()}
     try:
         SamplingParams(**fields)
-    except ValueError as exc:
-        raise ValueError(f"--generation-config / --override-generation-config: {exc}") from None
+    except ValueError as exc:  # named as the file and the flag name it: max_new_tokens, not max_tokens
+        message = str(exc).replace("max_tokens", "max_new_tokens") if "max_new_tokens" in config else str(exc)
+        raise ValueError(f"--generation-config / --override-generation-config: {message}") from None
     return fields
 
 

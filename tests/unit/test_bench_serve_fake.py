@@ -395,10 +395,11 @@ def test_a_vllm_bench_serve_command_line_runs_and_saves_vllm_s_result_file(fake_
          "--dataset-name", "random", "--random-input-len", "6", "--random-output-len", "4", "--random-prefix-len",
          "3", "--num-prompts", "4", "--request-rate", "100", "--burstiness", "0.5", "--ignore-eos", "--top-p", "0.9",
          "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--label", "run1", "--metadata", "gpu=none",
-         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--goodput", "e2el:60000"])
+         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,75,99", "--goodput", "e2el:60000"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "Request goodput (req/s):" in out and "vllm bench serve's format" in out
+    assert "P75 TTFT (ms):" in out and "P75 E2EL (ms):" in out  # the asked percentiles the table lacks
     steady = app.state.bodies[1:]  # after the warm-up request
     assert all(b["top_p"] == 0.9 and "prompt" in b for b in steady)  # vllm: /v1/completions
     assert len({tuple(b["prompt_ids"][:3]) for b in app.state.bodies}) == 1 and all(

@@ -106,6 +106,9 @@ def test_vllm_s_threads_bind_variable_is_the_binding_s_default(monkeypatch, capl
     from pagedserve.cli import serve
     from pagedserve.cli.common import engine_args_from_cli
 
+    import pagedserve.memory.probe as probe
+
+    monkeypatch.setattr(probe, "read_cores", lambda: Cores(tuple((core,) for core in range(8))))  # an 8-core box
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     if env is not None:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", env)
@@ -114,6 +117,19 @@ def test_vllm_s_threads_bind_variable_is_the_binding_s_default(monkeypatch, capl
     assert engine_args_from_cli(parser.parse_args(["serve", "m", "-tp", str(tp)])).cpu_binding == expected
     assert engine_args_from_cli(parser.parse_args(["serve", "m", "-tp", "2", "--cpu-binding", "0|1"])).cpu_binding == (
         "0|1")  # the flag wins
+
+
+def test_a_variable_naming_cores_this_process_cannot_use_names_the_variable(monkeypatch):
+    import argparse
+
+    from pagedserve.cli import serve
+    from pagedserve.cli.common import engine_args_from_cli
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "4096")
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    with pytest.raises(ValueError, match="^VLLM_CPU_OMP_THREADS_BIND: '4096' names cores this process may not run on"):
+        engine_args_from_cli(parser.parse_args(["serve", "m"]))
 
 
 def test_nobind_auto_and_a_bad_variable(monkeypatch, caplog):

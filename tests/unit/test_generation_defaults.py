@@ -70,6 +70,8 @@ def test_overrides_are_checked_by_name_and_value():
             parse_generation_overrides(text)
     with pytest.raises(ValueError, match="temperature must be"):
         default_sampling("", "vllm", {"temperature": -1})
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):  # the name the user wrote
+        default_sampling("", "vllm", {"max_new_tokens": 0})
 
 
 def test_a_request_s_own_values_win_over_the_defaults():

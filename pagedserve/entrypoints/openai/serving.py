@@ -501,6 +501,9 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        best_of = (req.model_extra or {}).get("best_of")
+        if best_of is not None and (isinstance(best_of, bool) or not isinstance(best_of, int) or best_of < 1):
+            raise InvalidRequestError(f"best_of must be an integer >= 1, got {best_of!r}"[:200], param="best_of")
         req.check_fields({"echo": (None, False), "best_of": (None, req.n),
                           **({} if self.options.trust_request_chat_template else {"chat_template": None})})
         _check_reasoning_effort(req)
