@@ -16,8 +16,8 @@ class PoolingParams:
     `dimensions` keeps the first N values (Matryoshka). `normalize` scales the (kept) vector to unit length;
     None means the model's own choice (True when its sentence-transformers pipeline has a Normalize module),
     as vLLM's `normalize`. `truncate_prompt_tokens` = k keeps k tokens of a longer
-    prompt, cut on the tokenizer's `truncation_side` (BERT and most embedders: the end, keeping the
-    final special token for text); -1 means the model's max_model_len. Without it, a prompt longer
+    prompt: a text is cut on the tokenizer's `truncation_side` (BERT and most embedders: the end, keeping the
+    final special token), token ids to their last k (vLLM's); -1 means the model's max_model_len. Without it, a prompt longer
     than max_model_len is an error, never silently cut.
     """
 
@@ -50,11 +50,21 @@ def tokenize_for_pooling(tokenizer: Any, prompt: str | list[int], truncate_promp
     if isinstance(prompt, str):
         if k is None:
             return tokenizer.encode(prompt)
-        return tokenizer(prompt, truncation=True, max_length=k)["input_ids"]
-    ids = list(prompt)
-    if k is None or len(ids) <= k:
+        ids = tokenizer(prompt, truncation=True, max_length=k)["input_ids"]
+        check_truncated([ids], k)
         return ids
-    return ids[-k:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:k]
+    ids = list(prompt)
+    return ids if k is None or len(ids) <= k else ids[-k:]  # token ids: the last k, as vLLM keeps them
+
+
+def check_truncated(encoded: list[list[int]], k: int | None) -> None:
+    """A 400 where a text cut to k tokens is still longer: k is fewer than the special tokens the tokenizer adds
+    (it embedded the special tokens alone, and counted the uncut length)."""
+    if k is not None and any(len(ids) > k for ids in encoded):
+        longest = max(len(ids) for ids in encoded)
+        raise InvalidRequestError(f"truncate_prompt_tokens {k} is fewer than the special tokens the tokenizer adds to "
+                                  f"a text ({longest} tokens remain after cutting): give at least that many",
+                                  param="truncate_prompt_tokens")
 
 
 def finish_embedding(vector: list[float], dimensions: int | None, normalize: bool) -> list[float]:

@@ -18,7 +18,7 @@ from pagedserve.metrics import EngineMetrics
 from pagedserve.metrics_reader import Metric, get_metrics_snapshot
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.platform import release_free_heap
-from pagedserve.pooling_params import PoolingParams
+from pagedserve.pooling_params import PoolingParams, check_truncated
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.scoring import ScoringOutput, ScoringRequestOutput, check_pairs, cosine_scores
 
@@ -298,6 +298,7 @@ class LLM:
         k = self.engine.max_model_len if k == -1 else k
         kwargs = {} if k is None else {"truncation": True, "max_length": k}
         encoded = self.engine.tokenizer([prompts[i] for i in texts], **kwargs)["input_ids"]
+        check_truncated(encoded, k)
         result = list(prompts)
         for i, ids in zip(texts, encoded):
             result[i] = {"prompt": prompts[i], "prompt_token_ids": ids}

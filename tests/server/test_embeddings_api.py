@@ -85,6 +85,29 @@ def test_truncate_prompt_tokens(server, client):
     assert response.usage.prompt_tokens == 10
     clipped = client.embeddings.create(model=MODEL, input="word " * 8)  # the same 10 tokens: [CLS] word x8 [SEP]
     np.testing.assert_allclose(as_array(response), as_array(clipped), atol=1e-6)
+    # below the special tokens: a 400 (the [CLS] vector alone came back, its usage counted uncut)
+    under = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": long_text,
+                                                            "truncate_prompt_tokens": 1})
+    assert under.status_code == 400 and "fewer than the special tokens" in under.json()["error"]["message"]
+    # token ids keep their last k, as vLLM's
+    ids = list(range(2000, 2030))
+    last = client.embeddings.create(model=MODEL, input=ids, extra_body={"truncate_prompt_tokens": 10})
+    np.testing.assert_allclose(as_array(last), as_array(client.embeddings.create(model=MODEL, input=ids[-10:])),
+                               atol=1e-6)
+
+
+def test_add_special_tokens_false_embeds_the_text_alone(server):
+    """vLLM's add_special_tokens on /v1/embeddings (it was ignored): no [CLS]/[SEP]."""
+    def embed(**fields):
+        return httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": "hello world", **fields}).json()
+
+    plain, bare = embed(), embed(add_special_tokens=False)
+    assert plain["usage"]["prompt_tokens"] == bare["usage"]["prompt_tokens"] + 2
+    ids = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "hello world",
+                                                     "add_special_tokens": False}).json()["tokens"]
+    np.testing.assert_allclose(bare["data"][0]["embedding"], embed(input=ids)["data"][0]["embedding"], atol=1e-6)
+    refused = embed(priority=3)
+    assert refused["error"]["param"] == "priority"
 
 
 BAD_REQUESTS = [
@@ -163,6 +186,9 @@ def test_score_and_rerank_are_cosine_similarities(server):
         np.testing.assert_allclose([r["relevance_score"] for r in rerank["results"]], [expected[i] for i in best],
                                    atol=1e-4)
         assert rerank["usage"]["prompt_tokens"] == score["usage"]["prompt_tokens"]  # the query embedded once
+    bare = httpx.post(f"{server.url}/v1/rerank", json={"model": MODEL, "query": query, "documents": SENTENCES,
+                                                       "return_documents": False}, timeout=60).json()
+    assert bare["results"] and all("document" not in r for r in bare["results"])  # Jina's and Cohere's
 
 
 @pytest.mark.parametrize("path,body,param", [

@@ -280,6 +280,7 @@ class EmbeddingRequest(_Request):
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None  # vLLM's: None is the model's own choice
+    add_special_tokens: bool = True  # vLLM's: False embeds a text without the tokenizer's [CLS]/[SEP]
     user: str | None = None
 
 
@@ -325,6 +326,7 @@ class RerankRequest(_Request):
     query: str
     documents: list[str | RerankDocument]
     top_n: int = Field(default=0, ge=0)  # 0: every document
+    return_documents: bool = True  # Jina's and Cohere's: False leaves each result's document out
     truncate_prompt_tokens: int | None = None
     user: str | None = None
 

@@ -23,7 +23,7 @@ from pagedserve.entrypoints.openai.protocol import EmbeddingRequest, RerankReque
 from pagedserve.entrypoints.openai.serving import OpenAIServing, _merge, _Prompt, consume_unless_disconnected
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.outputs import PoolingRequestOutput
-from pagedserve.pooling_params import PoolingParams, tokenize_for_pooling
+from pagedserve.pooling_params import PoolingParams, check_truncated, tokenize_for_pooling
 from pagedserve.scoring import check_pairs, cosine_scores
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -40,8 +40,12 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> JSONResponse:
         self.check_model(req.model)
+        if (req.model_extra or {}).get("priority") not in (None, 0):
+            raise InvalidRequestError("priority is not supported for embeddings (they are scheduled as they come)",
+                                      param="priority")
         params = self._pooling_params(req)
-        prompts = await self._embedding_prompts(req.input, params.truncate_prompt_tokens)
+        prompts = await self._embedding_prompts(req.input, params.truncate_prompt_tokens,
+                                                add_special_tokens=req.add_special_tokens)
         request_id = f"embd-{uuid.uuid4().hex}"
         vectors = await self._embed(request_id, prompts, params, raw, [(f"input {i}", "input")
                                                                         for i in range(len(prompts))])
@@ -74,8 +78,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         scores, num_prompt = await self._scores(request_id, [req.query], documents, ("query", "documents"),
                                                 req.truncate_prompt_tokens, raw)
         order = sorted(range(len(documents)), key=lambda i: scores[i], reverse=True)
-        results = [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]}
-                   for i in order[:req.top_n or len(order)]]
+        results = [{"index": i, **({"document": {"text": documents[i]}} if req.return_documents else {}),
+                    "relevance_score": scores[i]} for i in order[:req.top_n or len(order)]]
         return JSONResponse({"id": request_id, "model": self.served_model_names[0], "results": results,
                              "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt}})
 
@@ -127,7 +131,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         return k
 
     async def _embedding_prompts(self, value: Any, truncate_prompt_tokens: int | None, name: str = "input",
-                                 allow_empty: bool = False) -> list[_Prompt]:
+                                 allow_empty: bool = False, add_special_tokens: bool = True) -> list[_Prompt]:
         """str | list[str] | list[int] | list[list[int]] -> one prompt per input (token ids truncated if asked)."""
         if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)):
             value = [value]  # one input
@@ -143,7 +147,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise InvalidRequestError(f"{name} must not contain an empty string or an empty list of tokens",
                                       param=name)
         texts = [v for v in value if isinstance(v, str)]
-        encoded = iter(await self.in_tokenizer_pool(self._tokenize_texts, texts, truncate_prompt_tokens) if texts else [])
+        encoded = iter(await self.in_tokenizer_pool(self._tokenize_texts, texts, truncate_prompt_tokens,
+                                                    add_special_tokens) if texts else [])
         prompts = []
         for item in value:
             if isinstance(item, str):
@@ -153,10 +158,13 @@ class OpenAIServingEmbedding(OpenAIServing):
                                                                   self.max_model_len)))
         return prompts
 
-    def _tokenize_texts(self, texts: list[str], truncate_prompt_tokens: int | None) -> list[list[int]]:
+    def _tokenize_texts(self, texts: list[str], truncate_prompt_tokens: int | None,
+                        add_special_tokens: bool = True) -> list[list[int]]:
         k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         kwargs = {} if k is None else {"truncation": True, "max_length": k}
-        return self.tokenizer(texts, **kwargs)["input_ids"]
+        encoded = self.tokenizer(texts, add_special_tokens=add_special_tokens, **kwargs)["input_ids"]
+        check_truncated(encoded, k)
+        return encoded
 
 
 async def _gather(streams: AsyncIterator[tuple[int, PoolingRequestOutput]], raw: Request, num_inputs: int
