@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
                              "(serve it with `pagedserve serve` and ask /v1/embeddings)")
         params = _sampling_params(args, llm.engine.config.model.default_sampling)
         if args.chat:
+            if getattr(llm.get_tokenizer(), "chat_template", None) is None:
+                raise ValueError("this model's tokenizer has no chat template: leave out --chat to send the prompt "
+                                 "as plain text")
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:
             outputs = llm.generate(args.prompt, params)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import importlib
+import os
 import sys
 
 # Module names under pagedserve.cli, in the order they appear in `pagedserve --help`.
@@ -97,7 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # `pagedserve watch | head -1`: the reader left; stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 1
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EIO):
+            raise
+        print(f"pagedserve: error: the output could not be written ({exc.strerror})", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

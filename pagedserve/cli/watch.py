@@ -304,6 +304,10 @@ def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
         return fail(f"--interval must be a number of seconds >= 0, got {args.interval}")
     if args.count is not None and args.count < 1:
         return fail(f"--count must be >= 1 (or left out: until Ctrl-C), got {args.count}")
+    if args.url and not args.url.startswith("unix:"):
+        problem = _url_problem(args.url)
+        if problem:
+            return fail(f"--url {args.url!r}: {problem}; give http(s)://HOST:PORT, unix:PATH, or '' to skip /health")
     num_cpus = usable_cpu_count()
     samples: list[Sample] = []
     verdict = Verdict("OK", "no samples yet")
@@ -329,9 +333,26 @@ def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
     return 1 if verdict.state in FAULTS else 0
 
 
+def _url_problem(text: str) -> str | None:
+    """What is wrong with a server URL (None: nothing): not http(s), no host, a port that cannot be."""
+    import httpx
+
+    try:
+        url = httpx.URL(text)
+        port = url.port
+    except (httpx.InvalidURL, ValueError) as exc:
+        return str(exc) or "not a URL"
+    if url.scheme not in ("http", "https") or not url.host:
+        return "not an http(s) URL"
+    if port is not None and not 0 < port < 65536:
+        return f"port {port} is not in 1..65535"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.pid is not None and not (Path("/proc") / str(args.pid)).exists():
-        print(f"no process with pid {args.pid}", file=sys.stderr)
+        print(f"no process with pid {args.pid} (a server that exited? see its log, or `pagedserve watch` without "
+              "--pid to watch the whole machine)", file=sys.stderr)
         return 2
     try:
         return watch(args)

@@ -122,6 +122,10 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     if args.num_gpu_blocks_override:  # testing: exactly the pool asked for, even a small one
         fits = plan.total_bytes <= plan.budget_bytes
         plan = replace(plan, problems=[], fits=fits, suggestions=[] if fits else _override_suggestions(*plans))
+        if plan.num_kv_tokens < model.max_model_len:  # vLLM refuses to start there; served, it is said
+            logger.warning("--num-gpu-blocks-override %d holds %d tokens, fewer than one %d-token sequence "
+                           "(--max-model-len): a longer request gets a 400; --max-model-len %d or less fits it",
+                           args.num_gpu_blocks_override, plan.num_kv_tokens, model.max_model_len, plan.num_kv_tokens)
     return plan
 
 

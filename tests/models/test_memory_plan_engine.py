@@ -405,3 +405,14 @@ def test_max_model_len_auto_is_the_longest_sequence_the_memory_holds(tiny_model_
     # a pool asked for by its blocks: what they hold (4 of 16 tokens besides the null block), though it "fits"
     code, small = plan_json(capsys, model, "--max-model-len", value, "--num-gpu-blocks-override", "5", *host)
     assert code == 0 and small["request"]["max_model_len"] == 64
+
+
+def test_an_asked_pool_smaller_than_one_sequence_is_said(tiny_model_dir, caplog) -> None:
+    """vLLM refuses to start when the KV cache holds less than one max_model_len sequence; an asked pool (testing)
+    starts, and the log says what a longer request gets and what --max-model-len fits (a QA sweep: `plan` said
+    "fits" without a word)."""
+    args = EngineArgs(model=tiny_model_dir("llama"), max_model_len=128, num_gpu_blocks_override=3, device="cpu")
+    with caplog.at_level("WARNING", logger="pagedserve.engine.memory_plan"):
+        create_engine_config(args, available=AvailableMemory(1 << 30, "MemAvailable", "a test"))
+    assert "holds 32 tokens, fewer than one 128-token sequence" in caplog.text
+    assert "--max-model-len 32 or less fits it" in caplog.text

@@ -32,3 +32,19 @@ def test_an_embedding_model_is_named_as_such():
                          capture_output=True, text=True, timeout=180)
     assert run.returncode != 0 and "is an embedding model: it does not generate text" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_chat_without_a_template_says_to_leave_out_chat(tiny_model_dir, tmp_path):
+    """It named the Python API's way out (generate() or chat_template), which the command line has not."""
+    import shutil
+
+    model = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in model.glob("chat_template.*"):
+        extra.unlink()
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "generate", str(model), "--prompt", "hi", "--chat",
+                          "--max-model-len", "64"], capture_output=True, text=True, timeout=180)
+    assert run.returncode != 0 and "leave out --chat" in run.stderr and "Traceback" not in run.stderr

@@ -240,3 +240,25 @@ def test_server_urls_as_users_give_them() -> None:
     assert server_url("127.0.0.1:8000") == "http://127.0.0.1:8000"
     assert server_url("http://h:1/v1/") == server_url("http://h:1") == "http://h:1"
     assert server_url("https://h/api") == "https://h/api" and server_url("unix:/s.sock") == "unix:/s.sock"
+
+
+@pytest.mark.parametrize("url, says", [("http://127.0.0.1:abc", "Invalid port"), ("ftp://x", "not an http(s) URL"),
+                                       ("notaurl", "not an http(s) URL"), ("http://127.0.0.1:99999", "port 99999")])
+def test_a_bad_url_is_refused_before_sampling(url, says, capsys):
+    """It was an httpx traceback, or sampled as 'unreachable' and judged OK."""
+    from pagedserve.cli.main import main
+
+    assert main(["watch", "--url", url, "--count", "1"]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_ends_the_watch_quietly():
+    """`pagedserve watch | head -1`: a BrokenPipeError traceback before."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "pagedserve", "watch", "--url", "", "--interval", "0.01",
+                                "--count", "500"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.readline()
+    process.stdout.close()
+    assert process.wait(timeout=60) == 1 and b"Traceback" not in process.stderr.read()
