@@ -410,7 +410,7 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
         lambda: check_memory(available),
         check_open_files,
         check_bytecode,
-        lambda: check_disk(envs.cache_dir()),
+        check_cache_dir,
         (lambda: CheckResult("port", PASS, f"listens on the Unix socket {uds}")) if uds else
         (lambda: check_port(port, host)),
     ]
@@ -418,7 +418,10 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
         from pagedserve.models.fetch import KNOWN_MODELS, cached_model
 
         if model in KNOWN_MODELS:  # a packaged name: check its cached copy, never download from doctor
-            cached = cached_model(model)
+            try:
+                cached = cached_model(model)
+            except ValueError:  # PAGEDSERVE_CACHE is no folder: check_cache_dir says so
+                return checks
             if cached is None:
                 size = KNOWN_MODELS[model].size_bytes or 0
                 checks.append(lambda: CheckResult(
@@ -434,6 +437,15 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
     return checks
 
 
+def check_cache_dir() -> CheckResult:
+    """The model cache (PAGEDSERVE_CACHE): a folder, with free disk space (`serve` refuses a cache that is a file)."""
+    try:
+        folder = envs.cache_dir()
+    except ValueError as exc:
+        return CheckResult("cache", FAIL, str(exc))
+    return check_disk(folder)
+
+
 def run_checks(checks: list[Callable[[], CheckResult | None]]) -> list[CheckResult]:
     """Run every check in order; a check returning None was skipped."""
     results = []
@@ -441,7 +453,7 @@ def run_checks(checks: list[Callable[[], CheckResult | None]]) -> list[CheckResu
         try:
             result = check()
         except Exception as exc:  # a broken probe must not hide the other checks' answers
-            name = getattr(check, "__name__", "check").removeprefix("check_")
+            name = getattr(check, "__name__", "check").removeprefix("check_").replace("<lambda>", "check")
             result = CheckResult(name, WARN, f"the check itself failed: {type(exc).__name__}: {exc}")
         if result is not None:
             results.append(result)

@@ -341,3 +341,19 @@ def test_a_cache_that_cannot_be_written_fails_doctor_and_serve_says_which_variab
     with pytest.raises(fetch.ModelFetchError, match="cannot be saved in the cache .*Read-only file system.*"
                                                     "PAGEDSERVE_CACHE"):
         fetch.fetch_model("smollm2-135m-instruct", cache_dir=tmp_path)
+
+
+def test_a_cache_that_is_a_file_fails_the_doctor_by_name(tmp_path):
+    """serve refuses it; doctor exited 0 with '<lambda> the check itself failed' warnings, or, given a packaged
+    model's name, ended in a traceback (a QA sweep)."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache-file"
+    cache.write_text("")
+    for model in ([], ["smollm2-135m-instruct"]):
+        run = subprocess.run([sys.executable, "-m", "pagedserve", "doctor", *model], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PAGEDSERVE_CACHE": str(cache)})
+        assert run.returncode == 1 and "Traceback" not in run.stderr + run.stdout
+        assert "FAIL  cache" in run.stdout and "is a file, not a folder" in run.stdout and "<lambda>" not in run.stdout
