@@ -134,12 +134,12 @@ class FakeTokenizer:
         return {"input_ids": ids[:max_length - 1] + [102] if len(ids) > max_length else ids}
 
 
-def test_tokenize_for_pooling_truncates_on_the_tokenizers_side():
+def test_tokenize_for_pooling_cuts_texts_on_the_tokenizers_side_and_token_ids_to_their_last_k():
     tok = FakeTokenizer()
     assert tokenize_for_pooling(tok, "a bb ccc", None, 16) == [101, 1, 2, 3, 102]
     assert tokenize_for_pooling(tok, "a bb ccc", 3, 16) == [101, 1, 102]  # the tokenizer keeps [SEP]
     assert tokenize_for_pooling(tok, "a bb ccc", -1, 4) == [101, 1, 2, 102]  # -1: max_model_len
-    assert tokenize_for_pooling(tok, [5, 6, 7, 8], 2, 16) == [5, 6]
+    assert tokenize_for_pooling(tok, [5, 6, 7, 8], 2, 16) == [7, 8]  # vLLM keeps token ids' last k
     tok.truncation_side = "left"
     assert tokenize_for_pooling(tok, [5, 6, 7, 8], 2, 16) == [7, 8]
 
