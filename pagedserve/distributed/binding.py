@@ -68,6 +68,14 @@ def bind_this_thread(cores: list[int]) -> set[int] | None:
     return previous
 
 
+def restore_thread_affinity(thread_id: int, cores: set[int]) -> None:
+    """Give a thread (by its native id) the affinity bind_this_thread returned; nothing where it is gone."""
+    try:
+        os.sched_setaffinity(thread_id, cores)
+    except OSError:  # the thread is gone: nothing to give back
+        pass
+
+
 def format_cores(cores: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5'."""
     parts, start = [], None

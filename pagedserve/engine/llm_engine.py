@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -49,19 +48,12 @@ def _bind_engine_thread(engine: object, cores: list[int]) -> None:
     an offline caller's thread gets its affinity back when the engine is gone."""
     import threading
 
-    from pagedserve.distributed.binding import bind_this_thread, format_cores
+    from pagedserve.distributed.binding import bind_this_thread, format_cores, restore_thread_affinity
 
     previous = bind_this_thread(cores)
     if previous is not None:
         logger.info("engine bound to cores %s (--cpu-binding or VLLM_CPU_OMP_THREADS_BIND)", format_cores(cores))
-        weakref.finalize(engine, _restore_affinity, threading.get_native_id(), previous)
-
-
-def _restore_affinity(thread_id: int, cores: set[int]) -> None:
-    try:
-        os.sched_setaffinity(thread_id, cores)
-    except OSError:  # the thread is gone: nothing to give back
-        pass
+        weakref.finalize(engine, restore_thread_affinity, threading.get_native_id(), previous)
 
 
 class LLMEngine:

@@ -89,10 +89,11 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
     override = args.num_gpu_blocks_override
     kv_source = f"--num-gpu-blocks-override {override}" if override else memory.PlanRequest.kv_source
     on_cpu = device == "cpu"
+    uses_transformers = _uses_transformers(args, model)
 
     def make_plan(shape: sizes.ModelShape) -> MemoryPlan:
         overhead = sizes.runtime_overhead_bytes(shape, model.max_model_len, scheduler.max_num_seqs, args.block_size,
-                                                on_cpu=on_cpu, uses_transformers=_uses_transformers(args, model),
+                                                on_cpu=on_cpu, uses_transformers=uses_transformers,
                                                 structured_outputs=model.task == "generate")
         request = memory.PlanRequest(
             dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes, max_model_len=model.max_model_len,

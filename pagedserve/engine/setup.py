@@ -288,7 +288,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                          "quantizes any model)")
     names = args.served_model_name or args.model or DEFAULT_MODEL
     names = [names] if isinstance(names, str) else list(names)
-    defaults = _default_sampling(model_path, args)
+    defaults, max_tokens_cap = _default_sampling(model_path, args)
     model = ModelConfig(model=model_path, served_model_name=names[0], served_model_aliases=tuple(names[1:]),
                         dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
                         architecture=architecture, task=task, pooler=pooler, seed=args.seed,
@@ -297,7 +297,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                                                           kernels_from_flags),
                         enforce_eager=args.enforce_eager,
                         reference_kernels=args.reference_kernels,
-                        default_sampling=defaults, max_tokens_cap=generation_max_tokens_cap(args, defaults),
+                        default_sampling=defaults, max_tokens_cap=max_tokens_cap,
                         max_logprobs=args.max_logprobs)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
@@ -320,7 +320,9 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                         speculative=speculative, parallel=parallel, draft_model=draft[1] if draft else None)
 
 
-def _default_sampling(model_path: str, args: EngineArgs) -> dict[str, Any]:
+def _default_sampling(model_path: str, args: EngineArgs) -> tuple[dict[str, Any], int | None]:
+    """The requests' sampling defaults and the cap on every request's max_tokens (generation_max_tokens_cap),
+    logged."""
     defaults = default_sampling(model_path, args.generation_config,
                                 parse_generation_overrides(args.override_generation_config))
     cap = generation_max_tokens_cap(args, defaults)
@@ -334,7 +336,7 @@ def _default_sampling(model_path: str, args: EngineArgs) -> dict[str, Any]:
         logger.info("every request's max_tokens is at most %d (max_new_tokens of %s, as vLLM)", cap,
                     "--override-generation-config" if args.generation_config in ("auto", "vllm")
                     else args.generation_config)
-    return defaults
+    return defaults, cap
 
 
 def generation_max_tokens_cap(args: EngineArgs, defaults: dict[str, Any]) -> int | None:

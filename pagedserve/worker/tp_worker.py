@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.distributed.binding import bind_this_thread, format_cores
+from pagedserve.distributed.binding import bind_this_thread, format_cores, restore_thread_affinity
 from pagedserve.distributed.group import TPGroup, shm_supported
 from pagedserve.distributed.launch import WorkerLostError, WorkerSet, WorkerSpec
 from pagedserve.distributed.wire import from_wire, to_wire
@@ -105,10 +105,7 @@ class TPModelRunner(ModelRunner):
 def _close(workers: WorkerSet, thread_id: int, affinity: set[int] | None) -> None:
     workers.close()
     if affinity is not None:
-        try:
-            os.sched_setaffinity(thread_id, affinity)
-        except OSError:  # the thread is gone: nothing to give back
-            pass
+        restore_thread_affinity(thread_id, affinity)
 
 
 # ---- the worker process ------------------------------------------------------------------------------

@@ -225,9 +225,6 @@ class GuardMiddleware:
                 return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
 
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
 def in_container() -> bool:
     """Whether this process runs in a Docker or Podman container (the files they create)."""
     return any(os.path.exists(path) for path in ("/.dockerenv", "/run/.containerenv"))
@@ -781,7 +778,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
             return
         state.engine.on_death = lambda exc: stop(1)
         logger.info("serving %s on %s", state.served_model_names[0], options.listen_address)
-        if in_container() and not options.uds and options.host in LOOPBACK_HOSTS:
+        if in_container() and options.on_loopback:
             logger.warning("serving on %s inside a container: a published port cannot reach it; --host 0.0.0.0 "
                            "(vLLM's default) listens on the container's network", options.host)
         state.engine.run_in_this_thread()  # until shutdown

@@ -192,6 +192,11 @@ class ServeOptions(FlagArgs):
                              "them per request)")
         return kwargs
 
+    @property
+    def on_loopback(self) -> bool:
+        """Whether --host is a loopback address (only this machine reaches it; a Unix socket is not one)."""
+        return not self.uds and (self.host in ("localhost", "::1") or self.host.startswith("127."))
+
     def host_names(self) -> frozenset[str] | None:
         """The Host names (without port) a server on a loopback --host answers; None: any (another --host, or
         --allowed-hosts '["*"]'); ValueError naming a bad flag."""
@@ -207,7 +212,7 @@ class ServeOptions(FlagArgs):
             if "*" in value:
                 return None
             names |= {item.strip("[]").lower() for item in value}
-        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.host.startswith("127."):
+        if not self.on_loopback:
             return None  # reachable from elsewhere: the API key (or the network) is what guards it
         return frozenset(names | {self.host.lower()})  # the address it listens on (127.0.0.2) is its own name
 

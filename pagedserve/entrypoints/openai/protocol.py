@@ -37,7 +37,7 @@ _REFUSED_WHY = {"bad_words": "use logit_bias to ban tokens",
 # Fields OpenAI or vLLM define that change nothing pagedserve generates: taken without a word.
 _ACCEPTED_EXTRAS = frozenset({"store", "metadata", "service_tier", "prediction"})
 # OpenAI's reasoning_effort values; the chat template gets it as a variable (vLLM's reasoning models read it)
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 _WARNED: set[str] = set()  # unknown field names logged so far (at most _MAX_WARNED: clients choose the names)
 _MAX_WARNED = 64
 
@@ -247,6 +247,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # vLLM's: the template already writes BOS; True adds the tokenizer's too
     prompt_logprobs: int | None = None  # vLLM's: the rendered prompt's logprobs, in the (non-streamed) response
+    reasoning_effort: ReasoningEffort | None = None  # OpenAI's; the chat template's variable (serving._template_kwargs)
+    best_of: int | None = Field(default=None, ge=1)  # vLLM's; only best_of == n is served (check_fields)
 
 
 class TokenizeRequest(_Request):
@@ -260,6 +262,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None  # as chat's
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 

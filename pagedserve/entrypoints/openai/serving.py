@@ -23,9 +23,9 @@ from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.prompt_checks import check_not_empty, check_token_ids, generation_max_tokens
 from pagedserve.entrypoints.openai.errors import APIError, error_body, to_api_error
 from pagedserve.exceptions import InvalidRequestError, check_text
-from pagedserve.entrypoints.openai.protocol import (REASONING_EFFORTS, ChatCompletionRequest, ChatMessage,
-                                                    CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                                    generation_prompt, refused_field)
+from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                                    DetokenizeRequest, TokenizeRequest, generation_prompt,
+                                                    refused_field)
 from pagedserve.entrypoints.openai.chat_format import (RESERVED_TEMPLATE_KWARGS, chat_delta, chat_finish_reason,
                                                        chat_logprobs, render_conversation, token_text)
 from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
@@ -501,12 +501,8 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        best_of = (req.model_extra or {}).get("best_of")
-        if best_of is not None and (isinstance(best_of, bool) or not isinstance(best_of, int) or best_of < 1):
-            raise InvalidRequestError(f"best_of must be an integer >= 1, got {best_of!r}"[:200], param="best_of")
         req.check_fields({"echo": (None, False), "best_of": (None, req.n),
                           **({} if self.options.trust_request_chat_template else {"chat_template": None})})
-        _check_reasoning_effort(req)
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs are given in a chat response that is not streamed; set "
                                       "stream to false", param="prompt_logprobs")
@@ -700,7 +696,6 @@ class OpenAIServing:
         for name in ("documents", "mm_processor_kwargs"):  # refused by chat too: the tokens would not be its
             if extra.get(name) is not None:
                 raise refused_field(name)
-        _check_reasoning_effort(req)
         if req.messages is not None:  # the prompt a chat completion with these fields would get
             tokens = await self.render_chat(req.messages, generation_prompt(req), req.continue_final_message,
                                             _template_kwargs(req), tools=self._prompt_tools(req),
@@ -740,21 +735,12 @@ def _engine_id(request_id: str) -> str:
     return f"{request_id}-{uuid.uuid4().hex[:8]}"
 
 
-def _check_reasoning_effort(req: ChatCompletionRequest | TokenizeRequest) -> None:
-    """A 400 for a reasoning_effort that is not one of OpenAI's values (chat and /tokenize alike)."""
-    effort = (req.model_extra or {}).get("reasoning_effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise InvalidRequestError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
-                                  f"{str(effort)[:40]!r}", param="reasoning_effort")
-
-
 def _template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any] | None:
     """The chat template's extra variables: the request's chat_template_kwargs, with its reasoning_effort (as vLLM
     gives it to reasoning models' templates) unless those set one."""
-    effort = (req.model_extra or {}).get("reasoning_effort")
-    if effort is None:
+    if req.reasoning_effort is None:
         return req.chat_template_kwargs
-    return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}
+    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
 
 
 def prompt_logprobs_json(steps: list[LogprobsDict | None]) -> list[dict | None]:
