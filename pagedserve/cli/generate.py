@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine_args = engine_args_from_cli(args)
+        _sampling_params(args, {})  # the flags' own values, checked before seconds of loading
         llm = LLM(**vars(engine_args))
         if llm.engine.config.model.task != "generate":
             raise ValueError(f"{engine_args.model or 'the model'} is an embedding model: it does not generate text "

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedserve.cli.common import engine_args_from_cli, fail
-from pagedserve.cli.serve import add_serve_flags
+from pagedserve.cli.common import USER_FACING_ERRORS, engine_args_from_cli, fail
+from pagedserve.cli.serve import add_serve_flags, checked_options
 from pagedserve.engine import vllm_compat
 
 
@@ -51,9 +51,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         vllm_compat.check(vars(args))  # what serve refuses, plan refuses too
         engine_args = engine_args_from_cli(args)
+        checked_options(args)  # a serve command line serve would refuse (--port 99999) is refused here too
         config = create_engine_config(engine_args, available=_available_from_paths(args), check_memory=False,
                                       kernels_from_flags=True)  # no torch: the kernels as the CPU's flags promise
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, *USER_FACING_ERRORS) as exc:
         if args.json:  # a script reading --json reads the refusal too
             print(json.dumps({"error": str(exc)}, indent=2))
         return fail(str(exc))

@@ -91,11 +91,16 @@ def checked_settings(args: argparse.Namespace) -> tuple[EngineArgs, ServeOptions
         logger.info("%s", note)
     engine_args = engine_args_from_cli(args)
     check_engine_args(engine_args)
+    return engine_args, checked_options(args)
+
+
+def checked_options(args: argparse.Namespace) -> ServeOptions:
+    """The server's settings from serve's flags (and VLLM_API_KEY), checked: ValueError naming the flag."""
     options = ServeOptions.from_cli_args(args, limits=RequestLimits.from_cli_args(args))
     keys = options.api_key or envs.api_key()
     options = replace(options, api_key=[keys] if isinstance(keys, str) else keys)
     options.check()
-    return engine_args, options
+    return options
 
 
 def run_replicas(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArgs) -> int:

@@ -287,8 +287,20 @@ class MemoryPlan:
         return data
 
 
+def _gib_up(size: int) -> str:
+    """GiB with two decimals, rounded up: a size that holds at least `size` (0.00 would mean the default size)."""
+    return f"{math.ceil(size * 100 / GIB) / 100:.2f}"
+
+
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / GIB:.2f} GiB"
+
+
+def _size(num_bytes: int) -> str:
+    """GiB, or MiB / KiB below a tenth of a GiB (where two decimals of GiB read 0.00)."""
+    if num_bytes >= GIB // 10:
+        return _gib(num_bytes)
+    return f"{num_bytes / MIB:.1f} MiB" if num_bytes >= MIB else f"{num_bytes / 1024:.0f} KiB"
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -543,7 +555,7 @@ def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, .
             kv_bytes = min(kv_bytes, one_sequence)
         if kv_bytes:
             fitting("--kv-cache-memory", str(kv_bytes), shape, replace(request, kv_cache_bytes=kv_bytes),
-                    note=f"{_gib(kv_bytes)}; VLLM_CPU_KVCACHE_SPACE={kv_bytes / GIB:.2f}")
+                    note=f"{_size(kv_bytes)}; VLLM_CPU_KVCACHE_SPACE={_gib_up(kv_bytes)}")
     if request.memory_fraction < DEFAULT_MEMORY_FRACTION:
         # The smallest fraction, in hundredths, up to the default, that lets the plan fit.
         for hundredths in range(math.floor(request.memory_fraction * 100) + 1,

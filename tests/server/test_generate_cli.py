@@ -48,3 +48,16 @@ def test_chat_without_a_template_says_to_leave_out_chat(tiny_model_dir, tmp_path
     run = subprocess.run([sys.executable, "-m", "pagedserve", "generate", str(model), "--prompt", "hi", "--chat",
                           "--max-model-len", "64"], capture_output=True, text=True, timeout=180)
     assert run.returncode != 0 and "leave out --chat" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_bad_sampling_flags_are_refused_before_the_model_loads(tmp_path, capsys):
+    """They were checked only once the weights had loaded (seconds, or a fetch, for a typo)."""
+    from pagedserve.cli.main import main
+
+    missing = str(tmp_path / "no-model-here")  # never read: the flags fail first
+    for flag, value, says in (("--top-p", "7", "top_p must be in (0, 1], got 7.0"),
+                              ("--max-tokens", "0", "max_tokens must be >= 1, got 0"),
+                              ("--temperature", "-1", "temperature")):
+        assert main(["generate", missing, "--prompt", "hi", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "no-model-here" not in err, err

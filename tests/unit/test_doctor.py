@@ -321,7 +321,17 @@ def test_a_packaged_model_name_is_checked_in_the_cache_and_never_downloaded(monk
     assert fetch.cached_model("smollm2-135m-instruct") == tmp_path / name.name / name.filename
 
 
-def test_a_cache_that_cannot_be_written_fails_doctor_and_serve_says_which_variable(tmp_path, monkeypatch):
+def test_an_unknown_model_name_fails_doctor_with_the_packaged_names_as_serve_says_them(monkeypatch, tmp_path):
+    """`doctor nosuchname` said "or a known model name" without naming one (serve lists them)."""
+    monkeypatch.chdir(tmp_path)
+    results = [r for r in (check() for check in doctor.default_checks("SmolLM2-135M-Instruct", 0)) if r]
+    model = [r for r in results if r.name == "model"]
+    assert len(model) == 1 and model[0].status == FAIL
+    assert "Did you mean smollm2-135m-instruct" in model[0].detail
+    assert "Known names: all-minilm-l6-v2, qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct" in model[0].detail
+
+
+def test_a_cache_that_cannot_be_written_fails_doctor_and_serve_says_which_variable(tmp_path, monkeypatch, capsys):
     """A read-only PAGEDSERVE_CACHE: serve printed a traceback while fetching, and doctor passed it."""
     import errno
     import os
@@ -341,6 +351,15 @@ def test_a_cache_that_cannot_be_written_fails_doctor_and_serve_says_which_variab
     with pytest.raises(fetch.ModelFetchError, match="cannot be saved in the cache .*Read-only file system.*"
                                                     "PAGEDSERVE_CACHE"):
         fetch.fetch_model("smollm2-135m-instruct", cache_dir=tmp_path)
+    # A cache that cannot be created (under a file, or /proc): was a bare "[Errno 20] Not a directory" traceback.
+    (tmp_path / "file").write_text("")
+    with pytest.raises(fetch.ModelFetchError, match="cannot create the model cache .*PAGEDSERVE_CACHE"):
+        fetch.fetch_model("smollm2-135m-instruct", cache_dir=tmp_path / "file" / "cache")
+    from pagedserve.cli.main import main
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "file" / "cache"))
+    assert main(["plan"]) == 2  # `plan` on the default model said the bare errno, serve a traceback
+    assert "cannot create the model cache" in capsys.readouterr().err
 
 
 def test_a_cache_that_is_a_file_fails_the_doctor_by_name(tmp_path):

@@ -163,6 +163,9 @@ def test_explicit_kv_size_too_small_for_one_sequence() -> None:
     # One 64-token sequence: 4 blocks of 8192 (the largest pool that fits, 450 blocks, was suggested before: a
     # 64 MiB cache too small for 8192 tokens was told to take 17.8 GiB).
     assert found["--kv-cache-memory"] == str(4 * 8192)
+    # vLLM's variable for that size, rounded up: 0.00 (what the note said) means "the default size" there.
+    note = next(s.note for s in plan.suggestions if s.flag == "--kv-cache-memory")
+    assert note == "32 KiB; VLLM_CPU_KVCACHE_SPACE=0.01", note
 
 
 def test_summary_in_gib_and_error_carries_plan() -> None:
