@@ -439,6 +439,12 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
         else:
             assert [seen[i][0] for i in range(2)] == [0, 0]  # the role chunks
         assert chunks[-1]["usage"]["completion_tokens"] == (12 if path == "/v1/completions" else 6)
+    # `"stream_options": {}` asks for the usage chunk, as vLLM's default include_usage (it was left out)
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "max_tokens": 2, "ignore_eos": True,
+                                                               "prompt": "Hi", "stream": True, "stream_options": {}})
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    assert all(c.get("usage") is None for c in chunks[:-1])  # continuous_usage_stats stays off
 
 
 def test_sagemaker_ping_and_invocations(server):

@@ -44,6 +44,9 @@ def test_text_equals_the_chat_completion(client):
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert (response.usage.input_tokens, response.usage.output_tokens) == (usage.prompt_tokens, 6)
     assert response.output[0].type == "message" and response.output[0].role == "assistant"
+    assert (response.temperature, response.top_p) == (0.0, 1.0)  # what sampling used, as OpenAI echoes (null)
+    plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, top_p=0.5)
+    assert (plain.temperature, plain.top_p) == (1.0, 0.5)
     parts = [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "there"}]
     as_items = client.responses.create(model=MODEL, max_output_tokens=6, **GREEDY, input=[
         {"role": "developer", "content": "Be brief."}, {"type": "message", "role": "user", "content": parts}])

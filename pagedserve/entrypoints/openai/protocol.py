@@ -71,7 +71,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = True  # vLLM's default: `"stream_options": {}` asks for the usage chunk
     continuous_usage_stats: bool = False
 
 

@@ -235,9 +235,14 @@ class ResponsesServing:
                 "max_output_tokens": req.max_output_tokens, "model": self.serving.served_model_names[0],
                 "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "previous_response_id": None, "reasoning": req.reasoning, "store": False,
-                "temperature": req.temperature, "text": req.text or {"format": {"type": "text"}},
-                "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
+                "temperature": self._used(req.temperature, "temperature"), "text": req.text or {"format": {"type": "text"}},
+                "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": self._used(req.top_p, "top_p"),
                 "truncation": "disabled", "usage": None, "user": req.user, "metadata": req.metadata or {}}
+
+    def _used(self, value: float | None, name: str) -> float:
+        """The value sampling used, as OpenAI echoes it: the request's, else the model's (--generation-config),
+        else 1.0 (null was echoed)."""
+        return float(value if value is not None else self.serving.default_sampling.get(name, 1.0))
 
     async def _events(self, skeleton: dict[str, Any], prompt_ids: list[int], streams: AsyncIterator,
                       tool_choice: Any) -> AsyncIterator[str]:
