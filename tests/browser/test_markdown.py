@@ -66,8 +66,16 @@ def test_renderer_builds_only_safe_nodes(open_page, server):
         "<script>alert(1)</script>": "<p>&lt;script&gt;alert(1)&lt;/script&gt;</p>",
         "a & b < c": "<p>a &amp; b &lt; c</p>",
         "**<i>x</i>**": "<p><strong>&lt;i&gt;x&lt;/i&gt;</strong></p>",
-        '[x](https://e.com/"onmouseover="alert(1))': '<p><a href="https://e.com/&quot;onmouseover=&quot;alert(1" '
-                                                    'rel="noopener noreferrer nofollow" target="_blank">x</a>)</p>',
+        '[x](https://e.com/"onmouseover="alert(1))': '<p><a href="https://e.com/&quot;onmouseover=&quot;alert(1)" '
+                                                    'rel="noopener noreferrer nofollow" target="_blank">x</a></p>',
+        # balanced parentheses in a URL (they cut it at the "(", a stray ")" after); an image is a link named by its
+        # alt text (was "!" and a link); a URL in a link's text is text (was an <a> inside the <a>)
+        "[ok](https://e.com/a_(b))": '<p><a href="https://e.com/a_(b)" rel="noopener noreferrer nofollow" '
+                                     'target="_blank">ok</a></p>',
+        "![a cat](https://e.com/c.png)": '<p><a href="https://e.com/c.png" rel="noopener noreferrer nofollow" '
+                                         'target="_blank">image: a cat</a></p>',
+        "[see https://a.e/ **here**](https://b.e/)": '<p><a href="https://b.e/" rel="noopener noreferrer nofollow" '
+                                                      'target="_blank">see https://a.e/ <strong>here</strong></a></p>',
         "[x](JavaScript:alert(1))": "<p>[x](JavaScript:alert(1))</p>",
         "see https://e.com/x.": '<p>see <a href="https://e.com/x" rel="noopener noreferrer nofollow" '
                                 'target="_blank">https://e.com/x</a>.</p>',

@@ -26,8 +26,9 @@ def test_page_shows_the_start_up_phase_then_ready(open_page, held_server):
     assert httpx.get(f"{held_server.url}/health").status_code == 503
     page = open_page(held_server.url + "/", allow_statuses=(503,))  # /health answers 503 until ready
     page.wait_for_selector("#startup-banner:not([hidden])")
-    assert page.text_content("#startup-phase") == "starting"
-    assert page.text_content("#status").startswith("starting")
+    assert page.inner_text("#startup-banner").split() == ["The", "server", "is", "starting", "Chat", "opens", "when",
+                                                           "the", "model", "is", "ready."]  # not "starting: starting"
+    assert page.text_content("#status") == "starting"
     assert page.is_disabled("#send")
     page.click("#tab-dashboard")
     page.wait_for_selector("#startup-card:not([hidden])")
@@ -85,13 +86,14 @@ def test_page_asks_for_the_key_and_then_works(open_page, key_server):
     page = open_page(key_server.url + "/llm", allow_statuses=(401,))  # refused until the key is entered
     page.wait_for_selector("#key-form:not([hidden])")
     assert page.evaluate("document.activeElement.id") == "api-key"
+    assert page.is_disabled("#send")  # a message sent before the key came back as a 401 reply
     page.keyboard.type("wrong")
     page.keyboard.press("Enter")
     page.wait_for_function("document.getElementById('key-error').textContent.includes('refused')")
     page.fill("#api-key", KEY)
     page.press("#api-key", "Enter")
     page.wait_for_function("document.getElementById('model-name').textContent === 'tiny'")
-    assert page.is_hidden("#key-form")
+    assert page.is_hidden("#key-form") and page.is_enabled("#send")
     page.fill("[data-setting=max_tokens]", "12")
     page.fill("#prompt", "Hello")
     with page.expect_request("**/llm/v1/chat/completions") as request:

@@ -30,6 +30,7 @@
     if (form.hidden) {
       form.hidden = false;
       $("api-key").focus();
+      emit("key", false);  // no sending until a key is given
     }
   }
 
@@ -42,6 +43,7 @@
     else localStorage.removeItem(KEY_NAME);
     $("api-key").value = "";
     $("key-form").hidden = true;
+    emit("key", true);
     server.model = null;  // load the model list again, with the key
     if (server.ready) loadServer();
   });
@@ -84,8 +86,9 @@
     }
   }
 
+  // The phase and its progress; "" for the first phase, which is named like the status ("starting: starting").
   function describePhase(body) {
-    if (!body) return "";
+    if (!body || body.phase === "starting") return "";
     const progress = body.progress === null || body.progress === undefined ? "" : ` ${Math.round(body.progress * 100)}%`;
     return `${body.phase}${progress}`;
   }
@@ -97,14 +100,18 @@
     let kind;
     if (server.status === 0) { text = "unreachable"; kind = "error"; }
     else if (server.ready) { text = body && body.memory_pressure && body.memory_pressure.active ? "ready, memory pressure" : "ready"; kind = "ready"; }
-    else if (body && body.status === "starting") { text = `starting: ${describePhase(body)}`; kind = "starting"; }
+    else if (body && body.status === "starting") {
+      text = describePhase(body) ? `starting: ${describePhase(body)}` : "starting";
+      kind = "starting";
+    }
     else { text = `error: ${(body && (body.error || body.phase)) || server.status}`; kind = "error"; }
     status.textContent = text;
     status.className = `status ${kind}`;
     const starting = !server.ready && body && body.status === "starting";
     $("startup-banner").hidden = !starting;
     if (starting) {
-      $("startup-phase").textContent = body.phase;
+      $("startup-phase").textContent = body.phase === "starting" ? "" : body.phase;
+      $("startup-sep").hidden = body.phase === "starting";
       $("startup-progress-text").textContent = body.progress === null ? "" : `${Math.round(body.progress * 100)}%`;
       const bar = $("startup-progress");
       if (body.progress === null) bar.removeAttribute("value");

@@ -9,7 +9,12 @@
   const STORE = "pagedserve.conversations.v1";
   const CURRENT = "pagedserve.current.v1";
   const SETTINGS = "pagedserve.settings.v1";
-  const DEFAULTS = { system: "", temperature: 0.7, top_p: 1, max_tokens: 512, seed: "", json_mode: false, extra: "" };
+  // max_tokens left out: the server gives what the context leaves (vLLM's and OpenAI's default); a fixed 512 was
+  // refused outright by a server with a short context.
+  const DEFAULTS = { system: "", temperature: 0.7, top_p: 1, max_tokens: "", seed: "", json_mode: false, extra: "" };
+  const STALE_MS = 5000;  // a reply another tab streams saves at least once a second; older than this, it stopped
+  // Fields the page sets itself: from the extra fields they would break the stream it reads.
+  const PAGE_FIELDS = ["messages", "stream", "stream_options"];
 
   let conversations = loadJSON(STORE, []);
   let currentId = localStorage.getItem(CURRENT);
@@ -18,6 +23,7 @@
   let renderQueued = false;
   let lastSaved = 0;
   const deleted = new Set();  // conversations deleted here: another tab's copy must not bring them back
+  const stored = new Set();  // conversations seen in storage: one missing there now was deleted by another tab
 
   function loadJSON(key, fallback) {
     try {
@@ -28,16 +34,38 @@
     }
   }
 
-  // Writes the conversations, keeping those another tab added meanwhile (two tabs each wrote their own list, and
-  // the last one deleted the other's). A full storage is said, not thrown: a throw froze the reply it came in.
+  // Each change stamps its conversation; of two tabs' copies of one conversation the later-changed one is kept
+  // (the whole list of the last tab to save was kept: a reply streamed in one tab was wiped by the other).
+  function touch(conversation) { conversation.updated = Date.now(); }
+
+  // This tab's conversations merged with what storage holds now: conversations added elsewhere taken, those deleted
+  // elsewhere dropped, of one in both the later-changed copy; the reply streaming here always ours.
+  function merge(others) {
+    const live = streaming ? streaming.conversation : null;
+    const theirs = new Map(others.filter((c) => c && c.id && !deleted.has(c.id)).map((c) => [c.id, c]));
+    const merged = [];
+    for (const ours of conversations) {
+      const other = theirs.get(ours.id);
+      theirs.delete(ours.id);
+      if (other === undefined) {
+        if (ours === live || !stored.has(ours.id)) merged.push(ours);  // new here, not yet saved: kept
+      } else {
+        merged.push(ours === live || (ours.updated || 0) >= (other.updated || 0) ? ours : other);
+      }
+    }
+    conversations = [...theirs.values(), ...merged];
+    for (const conversation of others) if (conversation && conversation.id) stored.add(conversation.id);
+  }
+
+  // Writes the conversations, merged with another tab's (above). A full storage is said, not thrown: a throw froze
+  // the reply it came in.
   function save() {
     lastSaved = Date.now();
-    const ours = new Set(conversations.map((c) => c.id));
-    for (const other of loadJSON(STORE, [])) {
-      if (other && !ours.has(other.id) && !deleted.has(other.id)) conversations.push(other);
-    }
+    if (streaming) streaming.message.beat = lastSaved;
+    merge(loadJSON(STORE, []));
     try {
       localStorage.setItem(STORE, JSON.stringify(conversations));
+      for (const conversation of conversations) stored.add(conversation.id);
       if (currentId) localStorage.setItem(CURRENT, currentId);
       $("chat-error").textContent = "";
     } catch (error) {
@@ -46,16 +74,37 @@
     }
   }
 
-  // Another tab saved: take its conversations (and its deletions), but not over the reply streaming here.
+  // Another tab saved: take its conversations, changes and deletions (merge), or its settings.
   global.addEventListener("storage", (event) => {
+    if (event.key === SETTINGS) {
+      settings = Object.assign({}, DEFAULTS, loadJSON(SETTINGS, {}));
+      showSettings();
+      return;
+    }
     if (event.key !== STORE) return;
-    const others = loadJSON(STORE, []);
-    const live = streaming ? streaming.conversation : null;
-    conversations = others.filter((c) => !live || c.id !== live.id);
-    if (live) conversations.unshift(live);
+    merge(loadJSON(STORE, []));
+    settleStale();
     renderConversations();
-    if (!streaming) renderMessages();
+    if (!streaming) renderMessages(true);
   });
+
+  // A reply another tab streams is shown pending (no reply can be sent under it); one whose tab stopped saving
+  // (closed, crashed) stays as far as it got.
+  function settleStale() {
+    const now = Date.now();
+    for (const conversation of conversations) {
+      for (const message of conversation.messages) {
+        if (message.pending && message !== (streaming && streaming.message) && !(now - (message.beat || 0) < STALE_MS)) {
+          message.pending = false;
+          message.note = "interrupted (the page was closed)";
+        }
+      }
+    }
+  }
+
+  function pendingElsewhere(conversation) {
+    return conversation.messages.some((m) => m.pending && m !== (streaming && streaming.message));
+  }
 
   function newId() { return Date.now().toString(36) + Math.random().toString(36).slice(2, 8); }
 
@@ -74,12 +123,22 @@
     return conversation;
   }
 
-  // A reply that was streaming when the page went away stays as far as it got.
-  for (const conversation of conversations) {
-    for (const message of conversation.messages) {
-      if (message.pending) { message.pending = false; message.note = "interrupted (the page was closed)"; }
-    }
-  }
+  // A reply that was streaming when the page went away stays as far as it got (saved as the page goes, below);
+  // one that another tab streams still is stays pending.
+  for (const conversation of conversations) stored.add(conversation.id);
+  settleStale();
+  global.addEventListener("pagehide", () => {  // a reload or close mid-reply: keep what arrived since the last save
+    if (!streaming) return;
+    streaming.message.pending = false;
+    streaming.message.note = "interrupted (the page was closed)";
+    touch(streaming.conversation);
+    save();
+  });
+  setInterval(() => {  // another tab's reply that stopped without a word (its tab was killed)
+    if (!conversations.some((c) => c.messages.some((m) => m.pending && m !== (streaming && streaming.message)))) return;
+    settleStale();
+    if (!streaming) renderMessages(true);
+  }, STALE_MS);
 
   // ---- the conversation list ------------------------------------------------------------------------------
   function button(text, label, onClick, className) {
@@ -113,14 +172,22 @@
     input.className = "rename-input";
     input.value = conversation.title;
     input.setAttribute("aria-label", "New title");
+    let done = false;  // Esc re-renders the list, removing the input, whose blur then came as a second finish(true)
     const finish = (keep) => {
-      if (keep && input.value.trim()) conversation.title = input.value.trim();
+      if (done) return;
+      done = true;
+      if (keep && input.value.trim() && input.value.trim() !== conversation.title) {
+        conversation.title = input.value.trim();
+        touch(conversation);
+      }
       save();
       renderConversations();
+      const title = document.querySelector(`.conversation[data-id="${CSS.escape(conversation.id)}"] .title`);
+      if (title) title.focus();
     };
     input.addEventListener("keydown", (event) => {
       if (event.key === "Enter") { event.preventDefault(); finish(true); }
-      if (event.key === "Escape") finish(false);
+      if (event.key === "Escape") { event.stopPropagation(); finish(false); }
     });
     input.addEventListener("blur", () => finish(true));
     item.replaceChildren(input);
@@ -212,8 +279,11 @@
     return node;
   }
 
-  function renderMessages() {
+  // keepScroll: stay where the reader scrolled to unless at the bottom (a reply that ended jumped the list down).
+  function renderMessages(keepScroll) {
     const box = $("messages");
+    const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+    const scrolled = box.scrollTop;
     const conversation = current();
     box.replaceChildren(...conversation.messages.map((m, i) => messageNode(conversation, m, i)));
     if (!conversation.messages.length) {
@@ -222,7 +292,7 @@
       empty.textContent = "Start the conversation below.";
       box.append(empty);
     }
-    box.scrollTop = box.scrollHeight;
+    box.scrollTop = keepScroll && !atBottom ? scrolled : box.scrollHeight;
   }
 
   // While streaming only the last reply changes: redraw it once per frame, not once per token.
@@ -240,14 +310,17 @@
     });
   }
 
-  function renderAll() {
+  function renderAll(keepScroll) {
     renderConversations();
-    renderMessages();
+    renderMessages(keepScroll);
     const busy = Boolean(streaming);
     $("send").hidden = busy;
     $("stop").hidden = !busy;
-    $("send").disabled = !PS.server.ready;
+    $("send").disabled = !canSend();
   }
+
+  // Ready, and where the server wants a key, one given (a message sent before it came back as a 401 reply).
+  function canSend() { return PS.server.ready && $("key-form").hidden; }
 
   function startEdit(node, conversation, index) {
     const message = conversation.messages[index];
@@ -256,7 +329,7 @@
     editor.value = message.content;
     editor.setAttribute("aria-label", "Edit message");
     const resend = () => {
-      if (!editor.value.trim() || !PS.server.ready) return;
+      if (!editor.value.trim() || !canSend() || busyElsewhere(conversation)) return;
       message.content = editor.value;
       conversation.messages = conversation.messages.slice(0, index + 1);
       reply(conversation);
@@ -274,7 +347,7 @@
   }
 
   function regenerate(conversation) {
-    if (!PS.server.ready) return;
+    if (!canSend() || busyElsewhere(conversation)) return;
     conversation.messages.pop();
     reply(conversation);
   }
@@ -300,7 +373,15 @@
       }
     }
     if (settings.json_mode) body.response_format = { type: "json_object" };
-    if (settings.extra.trim()) Object.assign(body, JSON.parse(settings.extra));
+    if (settings.extra.trim()) {
+      const extra = JSON.parse(settings.extra);
+      if (extra === null || typeof extra !== "object" || Array.isArray(extra)) {  // [1,2] became "0": 1, "1": 2
+        throw new Error("they must be one JSON object, e.g. {\"ignore_eos\": true}");
+      }
+      const own = PAGE_FIELDS.filter((field) => field in extra);
+      if (own.length) throw new Error(`${own.join(", ")} ${own.length > 1 ? "are" : "is"} set by the page`);
+      Object.assign(body, extra);
+    }
     return body;
   }
 
@@ -324,22 +405,23 @@
     return false;
   }
 
-  async function readStream(response, message, timing) {
+  // Returns whether the stream ended as the server ends one ([DONE]); a connection closed before it cut the reply.
+  async function readStream(response, message, timing, conversation) {
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
     let buffer = "";
     for (;;) {
       const { value, done } = await reader.read();
-      if (done) return;
+      if (done) return false;
       buffer += decoder.decode(value, { stream: true }).replace(/\r\n?/g, "\n");
       let end;
       while ((end = buffer.indexOf("\n\n")) >= 0) {
         const event = buffer.slice(0, end);
         buffer = buffer.slice(end + 2);
-        if (applyEvent(event, message, timing)) return;
+        if (applyEvent(event, message, timing)) return true;
       }
       queueReplyRender();
-      if (Date.now() - lastSaved > 1000) save();
+      if (Date.now() - lastSaved > 1000) { touch(conversation); save(); }
     }
   }
 
@@ -370,6 +452,7 @@
     conversation.messages.push(message);
     const controller = new AbortController();
     streaming = { controller, conversation, message };
+    touch(conversation);
     save();
     renderAll();
     const timing = { start: performance.now(), first: null, finish: null, usage: null };
@@ -378,26 +461,41 @@
         method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
         signal: controller.signal });
       if (!response.ok) throw new Error(await PS.errorText(response));
-      await readStream(response, message, timing);
+      const complete = await readStream(response, message, timing, conversation);
       message.stats = replyStats(timing, performance.now());
+      if (!complete && !timing.finish) message.note = "incomplete: the connection closed before the reply ended";
     } catch (error) {
       if (error.name === "AbortError") {
         message.note = "stopped";
         message.stats = replyStats(timing, performance.now());
+      } else if (error instanceof TypeError) {  // fetch's own: the connection failed or dropped
+        message.stats = replyStats(timing, performance.now());
+        message.error = `The connection to the server was lost (${error.message})` +
+          (message.content ? ": the reply stops here." : ".");
       } else {
-        message.error = error.message;
-        if (/maximum context length/.test(error.message)) {  // every later turn would fail the same way
-          message.error += " \u2014 the conversation no longer fits the model's context: start a new chat, or " +
-            "edit an earlier message, or lower max_tokens";
-        }
+        message.error = error.message + contextHint(error.message);
       }
     } finally {
       message.pending = false;
       streaming = null;
+      touch(conversation);
       save();
-      renderAll();
-      $("prompt").focus();
+      renderAll(true);
+      if ($("key-form").hidden) $("prompt").focus();  // else the key field, which asks for the key
     }
+  }
+
+  // What to do about a context-length 400: the conversation alone no longer fits (every later turn fails the same
+  // way), or max_tokens asks for more than it leaves (the conversation goes on with less, or with none set).
+  function contextHint(text) {
+    if (/leaves no room for the completion/.test(text)) {
+      return " \u2014 the conversation no longer fits the model's context: start a new chat, or edit an earlier message";
+    }
+    const asked = text.match(/maximum context length is (\d+) tokens.*\((\d+) in the prompt, (\d+) for the completion\)/);
+    if (!asked) return "";
+    const left = Number(asked[1]) - Number(asked[2]);
+    return ` \u2014 the conversation leaves ${left} tokens for the reply: lower max_tokens to at most ${left}, or ` +
+      "clear it (the server then gives what the context leaves)";
   }
 
   // Whether the extra request fields parse; if not, says why where they are set (and the message waits in the box).
@@ -412,14 +510,24 @@
     return true;
   }
 
+  // A reply another tab is writing to this conversation: one more turn now would go in under it.
+  function busyElsewhere(conversation) {
+    if (!pendingElsewhere(conversation)) return false;
+    $("chat-error").textContent = "Another tab is still writing a reply in this conversation: wait for it, or " +
+      "start a new chat.";
+    return true;
+  }
+
   function send() {
     const text = $("prompt").value;
-    if (!text.trim() || streaming || !PS.server.ready || !extraFieldsParse()) return;
+    if (!text.trim() || streaming || !canSend() || !extraFieldsParse()) return;
     const conversation = current();
+    if (busyElsewhere(conversation)) return;
     if (conversation.title === "New chat") {  // 40 characters, not UTF-16 units (half an emoji)
       conversation.title = Array.from(text.trim().split("\n")[0]).slice(0, 40).join("");
     }
     conversation.messages.push({ role: "user", content: text });
+    touch(conversation);
     $("prompt").value = "";
     reply(conversation);
   }
@@ -429,11 +537,17 @@
   }
 
   // ---- settings ---------------------------------------------------------------------------------------------
+  function showSettings() {
+    for (const input of document.querySelectorAll("[data-setting]")) {
+      if (input.type === "checkbox") input.checked = Boolean(settings[input.dataset.setting]);
+      else input.value = settings[input.dataset.setting];
+    }
+  }
+
   function bindSettings() {
+    showSettings();
     for (const input of document.querySelectorAll("[data-setting]")) {
       const key = input.dataset.setting;
-      if (input.type === "checkbox") input.checked = Boolean(settings[key]);
-      else input.value = settings[key];
       input.addEventListener("input", () => {
         settings[key] = input.type === "checkbox" ? input.checked : input.value;
         try {
@@ -463,9 +577,10 @@
   PS.on("health", (server) => {
     if (server.ready !== wasReady) {
       wasReady = server.ready;
-      $("send").disabled = !server.ready;
+      $("send").disabled = !canSend();
     }
   });
+  PS.on("key", () => { $("send").disabled = !canSend(); });
 
   bindSettings();
   if (matchMedia("(max-width: 900px)").matches) $("settings").open = false;  // a phone: the chat first

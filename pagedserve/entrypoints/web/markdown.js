@@ -27,9 +27,10 @@
     "__(?=\\S)([^_]+?)__",                                     // 3 bold
     "\\*(?=[^\\s*])([^*\\n]+?)\\*",                             // 4 italic
     "(?<![\\w_])_(?=[^\\s_])([^_\\n]+?)_(?![\\w_])",            // 5 italic
-    "\\[([^\\]\\n]+)\\]\\(\\s*([^)\\s]+)\\s*\\)",               // 6, 7 link text, URL
-    "(https?://[^\\s<>()\"']*[^\\s<>()\"'.,;:!?])",              // 8 bare URL
-    "\\\\([!-/:-@\\[-`{-~])",                                   // 9 an escaped punctuation character
+    // 6 an image's "!", 7, 8 link text, URL (one level of balanced parentheses: Wikipedia's a_(b))
+    "(!?)\\[([^\\]\\n]+)\\]\\(\\s*((?:[^()\\s]|\\([^()\\s]*\\))+)\\s*\\)",
+    "(https?://[^\\s<>()\"']*[^\\s<>()\"'.,;:!?])",              // 9 bare URL
+    "\\\\([!-/:-@\\[-`{-~])",                                   // 10 an escaped punctuation character
   ].join("|"), "g");
 
   function el(tag, className) {
@@ -49,22 +50,33 @@
     return a;
   }
 
-  function inlineNode(m) {
+  function inlineNode(m, inLink) {
     if (m[1] !== undefined) { const c = el("code"); c.textContent = m[1]; return c; }
-    if (m[2] !== undefined || m[3] !== undefined) { const b = el("strong"); b.append(...inline(m[2] ?? m[3])); return b; }
-    if (m[4] !== undefined || m[5] !== undefined) { const i = el("em"); i.append(...inline(m[4] ?? m[5])); return i; }
-    if (m[6] !== undefined) return link(inline(m[6]), m[7]) || document.createTextNode(m[0]);
-    if (m[9] !== undefined) return document.createTextNode(m[9]);
-    return link([document.createTextNode(m[8])], m[8]);
+    if (m[2] !== undefined || m[3] !== undefined) {
+      const b = el("strong");
+      b.append(...inline(m[2] ?? m[3], inLink));
+      return b;
+    }
+    if (m[4] !== undefined || m[5] !== undefined) { const i = el("em"); i.append(...inline(m[4] ?? m[5], inLink)); return i; }
+    if (m[7] !== undefined) {
+      if (inLink) return document.createTextNode(m[0]);  // no link inside a link's text
+      // An image is a link to it named by its alt text: the page loads no images (its CSP allows none).
+      const content = m[6] ? [document.createTextNode(`image: ${m[7]}`)] : inline(m[7], true);
+      return link(content, m[8]) || document.createTextNode(m[0]);
+    }
+    if (m[10] !== undefined) return document.createTextNode(m[10]);
+    if (inLink) return document.createTextNode(m[9]);
+    return link([document.createTextNode(m[9])], m[9]);
   }
 
-  // Inline constructs of one line or paragraph, as a list of nodes.
-  function inline(text) {
+  // Inline constructs of one line or paragraph, as a list of nodes (inLink: inside a link's text, whose URLs are
+  // text: an <a> inside an <a> is no HTML).
+  function inline(text, inLink) {
     const nodes = [];
     let last = 0;
     for (const m of text.matchAll(INLINE)) {
       if (m.index > last) nodes.push(document.createTextNode(text.slice(last, m.index)));
-      nodes.push(inlineNode(m));
+      nodes.push(inlineNode(m, inLink));
       last = m.index + m[0].length;
     }
     if (last < text.length) nodes.push(document.createTextNode(text.slice(last)));
