@@ -161,6 +161,35 @@ def replica_metric(server, replica: str, name: str, **labels: str) -> float:
                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
 
 
+def test_a_hung_replica_does_not_hold_health_and_metrics(server):
+    """The ingress asked the replicas one after another with 10 s each: one hung (here: stopped) replica made
+    /health and /metrics take 10 s, past a health probe's timeout, while the other served at once."""
+    import os
+    import signal
+
+    from pagedserve.entrypoints.ray_serve.ingress import HEALTH_TIMEOUT_S, METRICS_TIMEOUT_S
+
+    pids = subprocess.run(["pgrep", "-f", "ServeReplica:pagedserve:PagedServeEngine"], capture_output=True,
+                          text=True).stdout.split()
+    assert len(pids) == 2, pids
+    os.kill(int(pids[0]), signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        health = httpx.get(f"{server.url}/health", timeout=30)
+        took = time.monotonic() - started
+        body = health.json()
+        assert health.status_code == 200 and took < HEALTH_TIMEOUT_S + 3, (took, body)
+        assert (body["num_replicas"], body["num_ready"]) == (2, 1), body
+        assert [r["status"] for r in body["replicas"].values()].count("not answering") == 1, body
+        started = time.monotonic()
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30)
+        assert metrics.status_code == 200 and time.monotonic() - started < METRICS_TIMEOUT_S + 3
+        assert "vllm:num_requests_running" in metrics.text  # the replica that answers
+    finally:
+        os.kill(int(pids[0]), signal.SIGCONT)
+    assert httpx.get(f"{server.url}/health", timeout=30).json()["num_ready"] == 2
+
+
 def test_a_client_that_leaves_mid_stream_has_its_request_aborted_on_the_replica(server):
     body = {"model": MODEL, "prompt": "A stream the client leaves", "max_tokens": 400, "temperature": 0,
             "stream": True, "ignore_eos": True}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 
-from pagedserve.entrypoints.ray_serve.routing import prompt_text, rank_replicas, routing_key
+from pagedserve.entrypoints.ray_serve.routing import forwarded_headers, prompt_text, rank_replicas, routing_key
 
 CHAT = "/v1/chat/completions"
 
@@ -69,3 +69,13 @@ def test_keys_spread_over_replicas_and_a_lost_replica_moves_only_its_keys():
     assert all(after[k] == first[k] for k in keys if first[k] != "r2")
     # ... and each of r2's keys goes to the replica it ranked second before.
     assert all(after[k] == rank_replicas(k, replicas)[1] for k in keys if first[k] == "r2")
+
+
+def test_a_body_request_id_is_not_overridden_by_ray_s_x_request_id():
+    """Ray's proxy adds X-Request-Id (a uuid) to every request and the header wins over the body's request_id, so
+    behind --replicas a client's request_id never became the response's id."""
+    headers = [(b"host", b"h"), (b"x-request-id", b"8241fc2a-ray"), (b"content-type", b"application/json")]
+    named = json.dumps({"prompt": "x", "request_id": "mine"}).encode()
+    assert forwarded_headers(headers, named) == [(b"host", b"h"), (b"content-type", b"application/json")]
+    for body in (b'{"prompt": "x"}', b'{"request_id": 7}', b'{"request_id": "x"', b"[]", b""):
+        assert forwarded_headers(headers, body) == headers, body  # no id of its own: Ray's (or the client's) stays

@@ -57,13 +57,56 @@ def build_application(engine_args: EngineArgs, options: ServeOptions, replica_ar
                         options.max_request_body_bytes)
 
 
+class _Stopped(Exception):
+    """SIGINT or SIGTERM while the application deploys or serves."""
+
+
+class _Signals:
+    """SIGINT and SIGTERM for `run`: recorded (a handler only appends: a lock taken in one could deadlock the main
+    thread), or raised as _Stopped; the handlers found are put back at the end."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def record(self, number: int, _frame: object) -> None:
+        self.received.append(number)
+
+    def stop(self, number: int, _frame: object) -> None:
+        self.received.append(number)
+        raise _Stopped
+
+    def handle(self, handler) -> None:
+        for sig in self._before:
+            signal.signal(sig, handler)
+
+    def restore(self) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+
 def run(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArgs,
         env_vars: dict[str, str] | None = None) -> int:
-    """Start (or join) Ray, deploy, serve until SIGINT/SIGTERM, then take the application down; the exit code."""
-    joined = replica_args.ray_address is not None
-    ray.init(address=replica_args.ray_address or "local")  # "local": a new Ray, never one found on the box
+    """Start (or join) Ray, deploy, serve until SIGINT/SIGTERM, then take the application down; the exit code.
+    A signal while Ray starts is acted on once it has started (one that interrupted ray.init left Ray's agents
+    running); while the application deploys, at once (SIGTERM's default ended the process and left Ray up)."""
+    signals = _Signals()
+    signals.handle(signals.record)
+    try:
+        ray.init(address=replica_args.ray_address or "local")  # "local": a new Ray, never one found on the box
+        return _serve(engine_args, options, replica_args, env_vars, signals)
+    finally:
+        signals.restore()
+
+
+def _serve(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArgs,
+           env_vars: dict[str, str] | None, signals: _Signals) -> int:
+    """run's part once Ray is up: deploy, serve until a signal, take down (a second signal cannot cut that short)."""
     deployed = False
     try:
+        if signals.received:
+            raise _Stopped
+        signals.handle(signals.stop)
         serve.start(http_options={"host": options.host, "port": options.port})
         problem = refusal(replica_args)
         if problem is not None:
@@ -75,13 +118,19 @@ def run(engine_args: EngineArgs, options: ServeOptions, replica_args: ReplicaArg
         serve.run(build_application(engine_args, options, replica_args, env_vars), name=APP_NAME, route_prefix="/")
         logger.info("serving on http://%s:%d (%d replicas; GET /replicas lists them)", options.host, options.port,
                     replica_args.replicas or 1)
-        _wait_for_signal()
+        signals.handle(signals.record)
+        while not signals.received:
+            time.sleep(0.2)
+        raise _Stopped
+    except _Stopped:
+        logger.info("%s: taking the application down", signal.Signals(signals.received[0]).name)
         return 0
     except RuntimeError as exc:  # a deployment that failed (e.g. every replica's start-up): Ray says why
         logger.error("the Ray Serve application failed: %s", exc)
         return 1
     finally:
-        _take_down(joined, deployed)
+        signals.handle(signals.record)
+        _take_down(replica_args.ray_address is not None, deployed)
 
 
 def refusal(replica_args: ReplicaArgs) -> str | None:
@@ -100,18 +149,6 @@ def refusal(replica_args: ReplicaArgs) -> str | None:
         return (f"a Ray Serve application named {APP_NAME!r} already runs on this cluster (another `pagedserve "
                 "serve --replicas`?); stop that one first (Ctrl-C in its terminal, or `serve shutdown`)")
     return None
-
-
-def _wait_for_signal() -> None:
-    """Until SIGINT or SIGTERM. The handlers only append to a list (a lock taken in a handler deadlocks the
-    main thread if a second signal lands inside it) and stay installed, so a repeated signal cannot cut the
-    take-down short."""
-    received: list[int] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda number, _frame: received.append(number))
-    while not received:
-        time.sleep(0.2)
-    logger.info("%s: taking the application down", signal.Signals(received[0]).name)
 
 
 def _take_down(joined: bool, deployed: bool) -> None:

@@ -35,13 +35,16 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from pagedserve.entrypoints.openai.errors import error_body
 from pagedserve.entrypoints.ray_serve.replica import ForwardedRequest, ResponseStart
-from pagedserve.entrypoints.ray_serve.routing import PINNED_PREFIX, known_replicas, routing_key
+from pagedserve.entrypoints.ray_serve.routing import PINNED_PREFIX, forwarded_headers, known_replicas, routing_key
 
 logger = logging.getLogger("pagedserve.ray_serve")
 
 api = FastAPI(title="pagedserve on Ray Serve")
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
-FAN_OUT_TIMEOUT_S = 10.0  # a replica that does not answer /health or /metrics within this is left out
+# A replica that does not answer within these is reported as such (/health) or left out (/metrics): one hung or
+# starting replica held both for 10 s, past a health probe's timeout, while the others served at once.
+HEALTH_TIMEOUT_S = 2.0
+METRICS_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -147,21 +150,24 @@ class Ingress:
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        replies = await self._fan_out("/health")
+        replies, silent = await self._fan_out("/health", HEALTH_TIMEOUT_S)
         num_ready = sum(r.status == 200 for r in replies)
-        body = {"status": "ready" if num_ready else "starting", "num_replicas": len(replies),
-                "num_ready": num_ready, "replicas": {r.replica: {"status_code": r.status, **r.json()} for r in replies}}
+        states = {r.replica: {"status_code": r.status, **r.json()} for r in replies}
+        states.update({replica: {"status_code": None, "status": "not answering",
+                                 "error": f"no answer to /health within {HEALTH_TIMEOUT_S:g} s"} for replica in silent})
+        body = {"status": "ready" if num_ready else "starting", "num_replicas": len(states),
+                "num_ready": num_ready, "replicas": states}
         return JSONResponse(body, status_code=200 if num_ready else 503)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        replies = await self._fan_out("/metrics")
+        replies, _ = await self._fan_out("/metrics", METRICS_TIMEOUT_S)
         text = merge_metrics({r.replica: r.body.decode() for r in replies if r.status == 200})
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/replicas")
     async def replicas(self) -> dict:
-        health = {r.replica: r.status for r in await self._fan_out("/health")}
+        health = {r.replica: r.status for r in (await self._fan_out("/health", HEALTH_TIMEOUT_S))[0]}
         return {"replicas": [{**info, "health_status": health.get(info["replica"])} for info in self._listing()]}
 
     @api.get("/replicas/{replica}/{what}")
@@ -180,8 +186,9 @@ class Ingress:
         if body is None:
             message = f"request body exceeds the limit of {self.max_body_bytes} bytes"
             return JSONResponse(error_body(message, 413), 413)
+        headers = forwarded_headers(raw.scope["headers"], body)
         request = ForwardedRequest(raw.method, raw.url.path, raw.scope.get("raw_path") or raw.url.path.encode(),
-                                   raw.scope.get("query_string", b""), list(raw.scope["headers"]), body,
+                                   raw.scope.get("query_string", b""), headers, body,
                                    tuple(raw.client) if raw.client else None)
         key = routing_key(request.path, raw.headers, request.body, self.prefix_chars)
         try:
@@ -213,19 +220,22 @@ class Ingress:
     def _listing(self) -> list[dict]:
         return known_replicas(self.app_name, self.engine_deployment)
 
-    async def _fan_out(self, path: str) -> list[ReplicaReply]:
-        """GET `path` from every replica the router knows; each reply once, under the replica that gave it.
-        Before the first call through the handle there is no router yet: one unpinned call makes it."""
-        replies = {}
-        for replica in [info["replica"] for info in self._listing()] or [None]:
+    async def _fan_out(self, path: str, timeout_s: float) -> tuple[list[ReplicaReply], list[str]]:
+        """GET `path` from every replica the router knows; each reply once, under the replica that gave it, and
+        the replicas that gave none within `timeout_s`. One at a time: Ray hands a chosen replica to the oldest
+        waiting call, so calls pinned to different replicas at once can all land on one. Before the first call
+        through the handle there is no router yet: one unpinned call makes it."""
+        listed = [info["replica"] for info in self._listing()]
+        replies: dict[str, ReplicaReply] = {}
+        for replica in listed or [None]:
             try:
-                reply = await asyncio.wait_for(self._get(replica, path), FAN_OUT_TIMEOUT_S)
+                reply = await asyncio.wait_for(self._get(replica, path), timeout_s)
             except asyncio.TimeoutError:
-                logger.warning("replica %s did not answer %s within %.0f s", replica, path, FAN_OUT_TIMEOUT_S)
+                logger.warning("replica %s did not answer %s within %g s", replica, path, timeout_s)
                 continue
             if reply is not None:
                 replies.setdefault(reply.replica, reply)
-        return list(replies.values())
+        return list(replies.values()), [replica for replica in listed if replica not in replies]
 
     async def _get(self, replica: str | None, path: str) -> ReplicaReply | None:
         """GET `path` from this replica (None: any), whole; None if no replica answered."""

@@ -40,6 +40,21 @@ def routing_key(path: str, headers: Mapping[str, str], body: bytes, prefix_chars
     return f"prefix:{text[:prefix_chars]}" if text else None
 
 
+def forwarded_headers(headers: Sequence[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:
+    """The headers a replica gets: without X-Request-Id where the body names its `request_id`. Ray's proxy puts an
+    X-Request-Id (a new uuid) on every request, and the header wins over the field (as in vLLM), so behind
+    --replicas a client's request_id was never the response's id."""
+    if b'"request_id"' not in body:
+        return list(headers)
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return list(headers)
+    if not isinstance(request, dict) or not isinstance(request.get("request_id"), str):
+        return list(headers)
+    return [(name, value) for name, value in headers if name.lower() != b"x-request-id"]
+
+
 def prompt_text(request: Mapping) -> str:
     """The prompt as text, far enough to key on: a completion's (first) prompt, or a chat's messages."""
     messages = request.get("messages")
