@@ -47,6 +47,7 @@ def _available_from_paths(args: argparse.Namespace):  # -> AvailableMemory | Non
 def run(args: argparse.Namespace) -> int:
     from pagedserve.engine.setup import create_engine_config
     from pagedserve.memory.plan import format_plan_table
+    from pagedserve.memory.sizes import GIB
 
     try:
         vllm_compat.check(vars(args))  # what serve refuses, plan refuses too
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
                 "kv_cache_dtype": config.cache.kv_cache_dtype, "max_model_len": config.model.max_model_len,
                 "max_num_seqs": config.scheduler.max_num_seqs,
                 "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-                "block_size": config.cache.block_size, "num_kv_blocks_allocated": config.cache.num_blocks}
+                "block_size": config.cache.block_size, "num_kv_blocks_allocated": config.cache.num_blocks,
+                "tensor_parallel_size": config.parallel.tensor_parallel_size}
     if args.json:
         print(json.dumps({"settings": settings, **plan.to_dict()}, indent=2))
     else:
@@ -71,4 +73,8 @@ def run(args: argparse.Namespace) -> int:
               f" {settings['max_model_len']}, max_num_seqs {settings['max_num_seqs']}, max_num_batched_tokens"
               f" {settings['max_num_batched_tokens']}")
         print(format_plan_table(plan))
+        ranks = config.parallel.tensor_parallel_size
+        if ranks > 1:  # the table is one rank's: the host holds all of them
+            print(f"all {ranks} ranks: {ranks * plan.total_bytes / GIB:.2f} GiB worst case, "
+                  f"{ranks * plan.steady_bytes / GIB:.2f} GiB steady (the plan above is each rank's)")
     return 0 if plan.fits else 1

@@ -112,6 +112,19 @@ def test_a_pool_of_num_gpu_blocks_override_is_named_and_resized_by_that_flag(tin
     assert "FITS" in capsys.readouterr().out.upper()
 
 
+def test_a_tensor_parallel_plan_gives_the_host_s_total(tiny_model_dir, tmp_path, capsys) -> None:
+    """The table is one rank's; `plan -tp 2` said nothing of the whole (a QA sweep read 0.75 GiB for a server that
+    held two such ranks)."""
+    model = tiny_model_dir("llama")
+    host = fake_host(tmp_path, 8 * 1024 * 1024)
+    code, data = plan_json(capsys, model, "--max-model-len", "64", "-tp", "2", *host)
+    assert code == 0 and data["settings"]["tensor_parallel_size"] == 2
+    assert main(["plan", model, "--max-model-len", "64", "--device", "cpu", "-tp", "2", *host]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (f"all 2 ranks: {2 * data['total_bytes'] / 2**30:.2f} GiB worst case, "
+                    f"{2 * data['steady_bytes'] / 2**30:.2f} GiB steady (the plan above is each rank's)"), last
+
+
 def test_plan_imports_no_torch_and_agrees_with_the_loaded_kernels(tiny_model_dir, tmp_path) -> None:
     """`pagedserve plan` (default flags: device, dtype and a GGUF's quantization auto) runs without importing
     torch or building the kernels, and on this host, where the kernels load, its plan is the one the engine
