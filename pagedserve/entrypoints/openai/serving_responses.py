@@ -235,8 +235,9 @@ class ResponsesServing:
                 "max_output_tokens": req.max_output_tokens, "model": self.serving.served_model_names[0],
                 "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "previous_response_id": None, "reasoning": req.reasoning, "store": False,
-                "temperature": self._used(req.temperature, "temperature"), "text": req.text or {"format": {"type": "text"}},
-                "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": self._used(req.top_p, "top_p"),
+                "temperature": self._used(req.temperature, "temperature"),
+                "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+                "tools": req.tools or [], "top_p": self._used(req.top_p, "top_p"),
                 "truncation": "disabled", "usage": None, "user": req.user, "metadata": req.metadata or {}}
 
     def _used(self, value: float | None, name: str) -> float:

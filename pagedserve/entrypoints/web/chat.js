@@ -94,7 +94,7 @@
     const now = Date.now();
     for (const conversation of conversations) {
       for (const message of conversation.messages) {
-        if (message.pending && message !== (streaming && streaming.message) && !(now - (message.beat || 0) < STALE_MS)) {
+        if (isPendingElsewhere(message) && !(now - (message.beat || 0) < STALE_MS)) {
           message.pending = false;
           message.note = "interrupted (the page was closed)";
         }
@@ -102,9 +102,9 @@
     }
   }
 
-  function pendingElsewhere(conversation) {
-    return conversation.messages.some((m) => m.pending && m !== (streaming && streaming.message));
-  }
+  function isPendingElsewhere(message) { return message.pending && message !== (streaming && streaming.message); }
+
+  function pendingElsewhere(conversation) { return conversation.messages.some(isPendingElsewhere); }
 
   function newId() { return Date.now().toString(36) + Math.random().toString(36).slice(2, 8); }
 
@@ -135,7 +135,7 @@
     save();
   });
   setInterval(() => {  // another tab's reply that stopped without a word (its tab was killed)
-    if (!conversations.some((c) => c.messages.some((m) => m.pending && m !== (streaming && streaming.message)))) return;
+    if (!conversations.some(pendingElsewhere)) return;
     settleStale();
     if (!streaming) renderMessages(true);
   }, STALE_MS);
@@ -489,9 +489,10 @@
   // way), or max_tokens asks for more than it leaves (the conversation goes on with less, or with none set).
   function contextHint(text) {
     if (/leaves no room for the completion/.test(text)) {
-      return " \u2014 the conversation no longer fits the model's context: start a new chat, or edit an earlier message";
+      return " \u2014 the conversation no longer fits the model's context: start a new chat, or edit an earlier " +
+        "message";
     }
-    const asked = text.match(/maximum context length is (\d+) tokens.*\((\d+) in the prompt, (\d+) for the completion\)/);
+    const asked = text.match(/context length is (\d+) tokens.*\((\d+) in the prompt, \d+ for the completion\)/);
     if (!asked) return "";
     const left = Number(asked[1]) - Number(asked[2]);
     return ` \u2014 the conversation leaves ${left} tokens for the reply: lower max_tokens to at most ${left}, or ` +

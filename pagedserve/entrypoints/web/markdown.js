@@ -57,7 +57,11 @@
       b.append(...inline(m[2] ?? m[3], inLink));
       return b;
     }
-    if (m[4] !== undefined || m[5] !== undefined) { const i = el("em"); i.append(...inline(m[4] ?? m[5], inLink)); return i; }
+    if (m[4] !== undefined || m[5] !== undefined) {
+      const i = el("em");
+      i.append(...inline(m[4] ?? m[5], inLink));
+      return i;
+    }
     if (m[7] !== undefined) {
       if (inLink) return document.createTextNode(m[0]);  // no link inside a link's text
       // An image is a link to it named by its alt text: the page loads no images (its CSP allows none).
