@@ -68,11 +68,12 @@ def _cold_rows(summary: BenchSummary) -> list[str]:
     return rows
 
 
-def _spec_rows(result: ServeBenchResult | ThroughputResult) -> list[str]:
-    """Speculative decoding's drafts and their acceptance, when the engine speculated."""
+def _spec_rows(result: ServeBenchResult | ThroughputResult, over: str = "") -> list[str]:
+    """Speculative decoding's drafts and their acceptance, when the engine speculated (`over`: what the count
+    sums, where rows beside it are per run)."""
     if result.spec_draft_tokens is None:
         return []
-    return [_row("Draft tokens proposed", int(result.spec_draft_tokens)),
+    return [_row(f"Draft tokens proposed{over}", int(result.spec_draft_tokens)),
             _row("Draft acceptance rate", result.spec_acceptance_rate, ".1%")]
 
 
@@ -265,7 +266,7 @@ def format_throughput_table(result: ThroughputResult) -> str:
         _row("Prompt tokens per run (counted)", runs[0].num_prompt_tokens if runs else None),
         _row("Output tokens per run (counted)", runs[0].num_output_tokens if runs else None),
     ]
-    lines += _spec_rows(result)
+    lines += _spec_rows(result, f" ({len(runs)} runs)" if len(runs) > 1 else "")
     if result.warmup is not None:
         lines += _run_rows(" Warm-up run (excluded above) ", result.warmup)
     lines.append(_rule(fill="="))

@@ -59,6 +59,20 @@ def check_weight_shapes(config: EngineConfig) -> CheckResult:
     return CheckResult("weights", PASS, "every tensor has the name and shape the model's config implies")
 
 
+def check_draft_model(engine_args: EngineArgs, config: EngineConfig) -> CheckResult:
+    """--speculative-config's draft model shares the target's tokenizer, as serve checks it (doctor passed a draft
+    serve refused)."""
+    from pagedserve.engine.setup import check_draft_of
+
+    name = config.draft_model.served_model_name
+    try:
+        check_draft_of(engine_args, config)
+    except ValueError as exc:
+        return CheckResult("draft model", FAIL, str(exc).removeprefix("--speculative-config: "),
+                           "give a draft of the target's family (the same tokenizer), or n-gram speculation")
+    return CheckResult("draft model", PASS, f"{name} shares the target's tokenizer")
+
+
 def engine_config(engine_args: EngineArgs, available: probe.AvailableMemory | None = None) -> EngineConfig:
     """The configuration `serve` resolves from these flags, its memory plan included, without the memory
     check that would refuse to start; `available` replaces the probe serve would run (tests)."""
@@ -184,10 +198,16 @@ def model_checks(model: str, engine_args: EngineArgs, native_isa: Callable[[], s
         resolved = config()
         return _cannot_size(resolved) if isinstance(resolved, Exception) else memory_plan_result(resolved)
 
+    def check_draft() -> CheckResult | None:
+        resolved = None if files_failed() else config()
+        if resolved is None or isinstance(resolved, Exception) or resolved.draft_model is None:
+            return None
+        return check_draft_model(args, resolved)
+
     def check_layers() -> CheckResult | None:
         resolved = None if files_failed() else config()
         if resolved is None or isinstance(resolved, Exception):
             return None
         return check_layer_kernels(resolved, native_isa())
 
-    return [check_files, check_shapes, check_plan, check_layers]
+    return [check_files, check_shapes, check_plan, check_draft, check_layers]

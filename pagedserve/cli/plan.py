@@ -45,7 +45,7 @@ def _available_from_paths(args: argparse.Namespace):  # -> AvailableMemory | Non
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedserve.engine.setup import create_engine_config
+    from pagedserve.engine.setup import check_draft_of, create_engine_config
     from pagedserve.memory.plan import format_plan_table
     from pagedserve.memory.sizes import GIB
 
@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         checked_options(args)  # a serve command line serve would refuse (--port 99999) is refused here too
         config = create_engine_config(engine_args, available=_available_from_paths(args), check_memory=False,
                                       kernels_from_flags=True)  # no torch: the kernels as the CPU's flags promise
+        check_draft_of(engine_args, config)  # a draft model with another tokenizer, as serve refuses it
     except (ValueError, OSError, *USER_FACING_ERRORS) as exc:
         if args.json:  # a script reading --json reads the refusal too
             print(json.dumps({"error": str(exc)}, indent=2))

@@ -457,6 +457,9 @@ def _speculative_config(args: EngineArgs, task: str) -> SpeculativeConfig | None
     if speculative is not None and task == "embed":
         raise ValueError("--speculative-config applies to text generation, and this model embeds (task embed); "
                          "leave it out")
+    if speculative is not None and speculative.method == "ngram":  # the draft model's line is _draft_model's
+        logger.info("speculative decoding: n-gram prompt lookup (suffixes of %d-%d tokens), up to %d tokens a step",
+                    speculative.prompt_lookup_min, speculative.prompt_lookup_max, speculative.num_speculative_tokens)
     return speculative
 
 
@@ -472,7 +475,14 @@ def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: Engi
     if args.tensor_parallel_size > 1:
         raise ValueError("--speculative-config: a draft model runs with one rank; use --tensor-parallel-size 1 or "
                          "n-gram speculation ({\"method\": \"ngram\", ...})")
-    path, checkpoint, hf_config, architecture = read_model(speculative.model)
+    try:
+        path, checkpoint, hf_config, architecture = read_model(speculative.model)
+    except ValueError as exc:  # the target's message, which named --model
+        from pagedserve.models.fetch import LOCAL_MODEL_FLAG
+
+        message = f"--speculative-config: the draft model: {exc}".replace(
+            LOCAL_MODEL_FLAG, '"model": "/path/to/model-dir-or-file.gguf"')
+        raise type(exc)(message) from None
     if default_task(architecture, path) != "generate":
         raise ValueError(f"--speculative-config: the draft model {speculative.model} ({architecture}) does not "
                          "generate text; give a causal language model that shares the target's tokenizer")
@@ -489,6 +499,12 @@ def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: Engi
 
 # Text whose token ids tell two tokenizers apart (ASCII, code, accents, CJK, emoji).
 _TOKENIZER_PROBE = "The quick brown fox (1234) def f(x):\n    return x * 2  # naïve café, 你好世界 🚀 Ü"
+
+
+def check_draft_of(args: EngineArgs, config: EngineConfig) -> None:
+    """check_draft_tokenizer with the target's tokenizer loaded here (`plan` and `doctor`, which serve nothing)."""
+    if config.draft_model is not None:
+        check_draft_tokenizer(load_tokenizer(args.tokenizer or config.model.model), config)
 
 
 def check_draft_tokenizer(tokenizer: Any, config: EngineConfig) -> None:

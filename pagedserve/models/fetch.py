@@ -30,7 +30,8 @@ from pagedserve.memory.sizes import MIB
 
 logger = logging.getLogger(__name__)
 
-_LOCAL_MODEL_HINT = "pass a local model instead: --model /path/to/model-dir-or-file.gguf"
+LOCAL_MODEL_FLAG = "--model /path/to/model-dir-or-file.gguf"  # how the messages below name a local model
+_LOCAL_MODEL_HINT = f"pass a local model instead: {LOCAL_MODEL_FLAG}"
 _COPY_CHUNK_BYTES = 8 << 20
 
 
@@ -343,7 +344,7 @@ def unknown_model_message(name: str) -> str:
     hint = f"Did you mean {close[0]} ({KNOWN_MODELS[close[0]].description})? " if close else ""
     return (
         f"unknown model {name!r}: it is not an existing path and not a packaged model name. {hint}"
-        f"Known names: {known}. A local path works too: --model /path/to/model-dir-or-file.gguf "
+        f"Known names: {known}. A local path works too: {LOCAL_MODEL_FLAG} "
         "(pagedserve does not download from model hubs)."
     )
 

@@ -50,6 +50,7 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"--speculative-config: method {method!r} is not supported; pagedserve has "
                              f"{', '.join(METHODS)}: {_EXAMPLE} or {_DRAFT_EXAMPLE}")
+        spec = _without_one_rank(spec)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(spec) - known)
         if unknown:
@@ -109,3 +110,15 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: num_speculative_tokens is at most {MAX_SPECULATIVE_TOKENS}, "
                              f"got {values['num_speculative_tokens']}")
         return cls(method="draft_model", model=model, **values)
+
+
+def _without_one_rank(spec: dict) -> dict:
+    """vLLM's draft_tensor_parallel_size (its draft-model examples give 1): 1, the draft on the target's one
+    process per rank, is what pagedserve does; other sizes are refused by name."""
+    if "draft_tensor_parallel_size" not in spec:
+        return spec
+    size = spec["draft_tensor_parallel_size"]
+    if size not in (None, 1) or isinstance(size, bool):
+        raise ValueError(f"--speculative-config: draft_tensor_parallel_size {size!r} is not supported: the draft "
+                         "model runs whole in each process (give 1 or leave it out)")
+    return {key: value for key, value in spec.items() if key != "draft_tensor_parallel_size"}

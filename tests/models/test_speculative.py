@@ -10,6 +10,7 @@ speculating; the tests that `method` parametrizes run with both proposers.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -665,6 +666,20 @@ def test_a_draft_padded_otherwise_is_served_and_another_tokenizer_refused(llama,
     make_tokenizer(other, vocab_size=300)  # another BPE: the same texts split into other ids
     with pytest.raises(ValueError, match="tokenizes text differently from the target"):
         LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=draft_spec(str(other)))
+    # plan and doctor refuse it as serve does (both passed it)
+    from pagedserve.cli.doctor_model import model_checks
+    from pagedserve.cli.main import main
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    flags = ["--max-model-len", "256", "--dtype", "float32", "--speculative-config", json.dumps(draft_spec(str(other)))]
+    assert main(["plan", model_dir, *flags]) == 2
+    args = EngineArgs(max_model_len=256, dtype="float32", speculative_config=draft_spec(str(other)))
+    results = [r for r in (check() for check in model_checks(model_dir, args, lambda: None)) if r]
+    draft = [r for r in results if r.name == "draft model"]
+    assert len(draft) == 1 and draft[0].status == "FAIL" and "tokenizes text differently" in draft[0].detail
+    args = EngineArgs(max_model_len=256, dtype="float32", speculative_config=draft_spec(padded))
+    assert [r.status for r in (check() for check in model_checks(model_dir, args, lambda: None))
+            if r and r.name == "draft model"] == ["PASS"]
 
 
 def test_draft_model_errors_name_the_problem_and_the_fix(llama, tiny_model_dir):
@@ -672,7 +687,8 @@ def test_draft_model_errors_name_the_problem_and_the_fix(llama, tiny_model_dir):
     with pytest.raises(ValueError, match="a draft model runs with one rank"):
         LLM(model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=2,
             speculative_config=draft_spec(model_dir))
-    with pytest.raises(Exception, match="no-such-draft"):
+    with pytest.raises(ValueError, match="--speculative-config: the draft model: unknown model '/tmp/no-such-draft'"
+                                         r".*works too: \"model\": \"/path"):  # it read as the target's, "--model"
         LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=draft_spec("/tmp/no-such-draft"))
 
 
@@ -690,3 +706,18 @@ def test_a_draft_model_is_read_inside_its_targets_planning(tiny_model_dir, caplo
     entered = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("phase ")
                and "after process start" in r.getMessage()]
     assert entered == list(PHASES[1:-1])
+
+
+def test_the_start_up_log_names_n_gram_speculation(tiny_model_dir, caplog):
+    """A draft model's server logged its speculation; an n-gram one said nothing until the first stats line."""
+    import logging
+
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.setup import create_engine_config
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.setup"):
+        create_engine_config(EngineArgs(model=tiny_model_dir("llama"), dtype="float32", max_model_len=128,
+                                        speculative_config=spec), check_memory=False)
+    assert "speculative decoding: n-gram prompt lookup (suffixes of 2-3 tokens), up to 4 tokens a step" in \
+        caplog.messages

@@ -55,6 +55,7 @@ def test_config_parses_vllms_json_and_dict():
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "unknown key 'lookahead'"),
+    ({"model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size 2"),
     # given alone, the bound named is the one given (it was reported under prompt_lookup_max)
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer"),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": "2"}, "prompt_lookup_min must be an"),
@@ -63,6 +64,12 @@ def test_config_errors_name_the_problem(value, words):
     with pytest.raises(ValueError, match="speculative-config") as info:
         SpeculativeConfig.parse(value)
     assert words in str(info.value)
+
+
+def test_vllm_s_draft_tensor_parallel_size_1_is_taken():
+    """vLLM's draft-model examples give it; it was an unknown key."""
+    spec = SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1})
+    assert spec == SpeculativeConfig(method="draft_model", model="/d", num_speculative_tokens=3)
 
 
 # ---- proposer ----------------------------------------------------------------------------------
