@@ -231,7 +231,8 @@ class EngineArgs(FlagArgs):
         "vLLM's: with chunked prefill, a prompt prefills at most this many tokens a step, so that requests arriving "
         "behind a long prompt start beside it instead of waiting for all of it (0: a prompt may take the whole "
         "--max-num-batched-tokens budget).", default=SchedulerConfig.long_prefill_token_threshold)
-    max_waiting_requests: int = setting("Queue bound; the server answers 429 beyond it.",
+    max_waiting_requests: int = setting("Requests queued beyond --max-num-seqs: once running plus waiting requests "
+                                     "reach --max-num-seqs + this, a new one gets 429 (preempted requests wait too).",
                                      default=SchedulerConfig.max_waiting_requests)
     scheduling_policy: str = setting("fcfs (first come, first served) or priority: requests with a lower "
                                      "`priority` field are scheduled first and preempted last, ties by arrival "
