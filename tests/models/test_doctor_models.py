@@ -52,7 +52,7 @@ def test_the_model_checks_resolve_the_engine_config_once(tiny_model_dir, monkeyp
     resolve = doctor_model.engine_config
     monkeypatch.setattr(doctor_model, "engine_config", lambda *args: calls.append(args) or resolve(*args))
     checks = doctor_model.model_checks(tiny_model_dir("llama"), EngineArgs(dtype="float32"), lambda: None)
-    results = [check() for check in checks]
+    results = [result for result in (check() for check in checks) if result]  # no draft model: no draft check
     assert [r.name for r in results] == ["model", "weights", "memory plan", "layers"] and len(calls) == 1
     assert "F.linear" in results[3].detail or "oneDNN" in results[3].detail  # float32 linears, no native isa
 
