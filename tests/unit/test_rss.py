@@ -44,8 +44,8 @@ def test_expected_figure_is_steady_plus_written_blocks_plus_one_step() -> None:
 def test_trims_after_large_steps_at_once_when_idle_and_at_most_every_interval_when_busy() -> None:
     fake = Fake(PLAN.steady_bytes)
     memory = fake.memory()
-    memory.after_step(num_tokens=8, kv_blocks_written=1, is_idle=True)
-    assert fake.trims == 0  # small steps leave nothing worth trimming
+    memory.after_step(num_tokens=8, kv_blocks_written=1, is_idle=False)
+    assert fake.trims == 0  # busy with small steps: nothing large to hand back
     memory.after_step(num_tokens=rss.LARGE_STEP_TOKENS, kv_blocks_written=1, is_idle=False)
     assert fake.trims == 1
     fake.now += 1.0
@@ -58,6 +58,15 @@ def test_trims_after_large_steps_at_once_when_idle_and_at_most_every_interval_wh
     fake.now += rss.TRIM_INTERVAL_S
     memory.after_step(num_tokens=300, kv_blocks_written=1, is_idle=False)
     assert fake.trims == 3
+    # Going idle after small steps only: trimmed where the last trim is an interval old (a soak's load ended with
+    # its large steps trimmed while busy, and 20-30 MiB of freed heap stayed resident at rest)
+    fake.now += 1.0
+    memory.after_step(num_tokens=1, kv_blocks_written=1, is_idle=True)
+    assert fake.trims == 3  # a trim a second ago: one-at-a-time requests do not trim each
+    fake.now += rss.TRIM_INTERVAL_S
+    memory.after_step(num_tokens=1, kv_blocks_written=1, is_idle=False)
+    memory.after_step(num_tokens=1, kv_blocks_written=1, is_idle=True)
+    assert fake.trims == 4
 
 
 def test_rss_is_read_at_most_every_interval_and_after_trims() -> None:
