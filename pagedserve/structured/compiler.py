@@ -74,11 +74,21 @@ class GrammarCompiler:
             if self.compile_timeout_s is not None:
                 timeout = self.compile_timeout_s
                 late = lambda: compile_timeout_error(timeout, params)  # noqa: E731
-            future = self._executor.submit(self._compile, params, late_error=late)
+            future = self._executor.submit(self._compile, params, late_error=late,
+                                           late_result=lambda grammar: self._cache_late(params.key, future, grammar))
             self._cache[params.key] = future
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
             return future
+
+    def _cache_late(self, key: tuple, given_up: Future, grammar: CompiledGrammar) -> None:
+        """A grammar given up on at the time limit compiled after all: later requests use it (the time limit
+        guards requests from waiting, and the wait was over; a busy box made it slow, not the grammar)."""
+        done: Future = Future()
+        done.set_result(grammar)
+        with self._lock:
+            if self._cache.get(key) is given_up:
+                self._cache[key] = done
 
     def compile(self, params: StructuredOutputsParams, timeout: float | None = None) -> Any:
         """Blocking: the compiled grammar (InvalidRequestError as submit/the Future would raise)."""

@@ -4,9 +4,11 @@ A compile cannot be interrupted (xgrammar runs it in C++ to the end; a 60,000-va
 worker, such a grammar made every later grammar wait past its time limit too. Here a few daemon threads take
 jobs from one queue; a job still running after `timeout_s` is given up: its Future fails with the job's own
 time-limit error at once (the request gets its 400, and the same grammar asked again finds that in the cache),
-and a fresh thread takes the abandoned one's place. The abandoned thread retires when the compile returns; at
-most `max_abandoned` run at once (each keeps one core busy), past which a late job is left running on its
-worker. Daemon threads: a server told to stop does not wait for a compile to end.
+and a fresh thread takes the abandoned one's place. The abandoned thread retires when the compile returns,
+handing a result it did reach to the job's `late_result` (the compiler caches it in place of the error: a
+grammar that was slow only because the box was busy is not refused until a restart); at most `max_abandoned`
+run at once (each keeps one core busy), past which a late job is left running on its worker. Daemon threads: a
+server told to stop does not wait for a compile to end.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class _Job:
     fn: Callable[..., Any]
     args: tuple
     late_error: Callable[[], BaseException] | None  # the error a job past the time limit fails with
+    late_result: Callable[[Any], None] | None = None  # given the result of a job that was given up on
     started: float = 0.0
 
 
@@ -53,11 +56,12 @@ class CompileWorkers:
     def num_abandoned(self) -> int:
         return len(self._abandoned)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, late_error: Callable[[], BaseException] | None = None
-               ) -> Future:
-        """Run fn(*args) on a worker; `late_error` makes the job one the time limit applies to."""
+    def submit(self, fn: Callable[..., Any], *args: Any, late_error: Callable[[], BaseException] | None = None,
+               late_result: Callable[[Any], None] | None = None) -> Future:
+        """Run fn(*args) on a worker; `late_error` makes the job one the time limit applies to, and
+        `late_result` is called with its result should it return one after it was given up on."""
         future: Future = Future()
-        self._jobs.put(_Job(future, fn, args, late_error))
+        self._jobs.put(_Job(future, fn, args, late_error, late_result))
         return future
 
     def _spawn(self) -> None:
@@ -86,8 +90,11 @@ class CompileWorkers:
                     job.future.set_result(result)
                 else:
                     job.future.set_exception(error)
-            except InvalidStateError:
-                pass  # given up on already: the time-limit error stands
+            except InvalidStateError:  # given up on already: the time-limit error stands for this Future
+                if error is None and job.late_result is not None:
+                    logger.info("a job given up on at the time limit returned after %.1f s",
+                                time.monotonic() - job.started)
+                    job.late_result(result)
             if retire:
                 return
 

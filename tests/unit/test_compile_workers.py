@@ -35,6 +35,31 @@ def test_a_late_job_is_given_up_and_the_others_go_on():
     assert workers.submit(lambda: 7).result(timeout=5) == 7
 
 
+def test_a_result_reached_after_the_limit_goes_to_late_result_and_errors_do_not():
+    workers = CompileWorkers(2, timeout_s=0.1)
+    release = threading.Event()
+    late: list = []
+
+    def job(value):
+        release.wait(5)
+        if value == "bad":
+            raise ValueError(value)
+        return value
+
+    given_up = [workers.submit(job, v, late_error=lambda: Late("slow"), late_result=late.append) for v in ("ok", "bad")]
+    for future in given_up:
+        with pytest.raises(Late):
+            future.result(timeout=5)
+    assert late == []
+    release.set()
+    deadline = time.monotonic() + 5
+    while workers.num_abandoned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert late == ["ok"]  # the Future keeps its time-limit error; only the result reached is handed on
+    assert workers.submit(job, "on time", late_result=late.append).result(timeout=5) == "on time"
+    assert late == ["ok"]
+
+
 def test_at_most_max_abandoned_threads_and_only_jobs_with_a_time_limit():
     workers = CompileWorkers(1, timeout_s=0.1, max_abandoned=1)
     release = threading.Event()
