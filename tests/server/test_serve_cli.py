@@ -43,6 +43,8 @@ def test_field_commands_start_and_chat(long_context_model, tmp_path, flags):
         reply = client.chat.completions.create(model=model.id, messages=CHAT, max_tokens=8)
         assert reply.choices[0].finish_reason in ("stop", "length")
         assert reply.usage.completion_tokens >= 1
+        info, health = (httpx.get(f"{server.url}/{path}").json() for path in ("server_info", "health"))
+        assert info["cache"]["num_blocks"] == health["kv_cache"]["num_blocks"] > 0  # both the usable ones
         if "half" in flags:  # float16 on a CPU serves in bfloat16, as vLLM's CPU backend does, and says so
             assert "so the model serves in bfloat16" in server.log()
             assert httpx.get(f"{server.url}/server_info").json()["model"]["dtype"] == "bfloat16"

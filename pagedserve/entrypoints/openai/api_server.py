@@ -550,7 +550,8 @@ def describe_server(llm_engine: Any) -> dict:
                   "quantization": config.model.quantization, "task": config.model.task,
                   "max_model_len": config.model.max_model_len},
         "device": config.device.device, "num_threads": config.device.num_threads,
-        "cache": {"block_size": config.cache.block_size, "num_blocks": config.cache.num_blocks,
+        # num_blocks: the blocks requests can hold, as /health and `plan` count them (the pool also has the null block)
+        "cache": {"block_size": config.cache.block_size, "num_blocks": config.cache.num_blocks - 1,
                   "num_window_blocks": config.cache.num_window_blocks, "sliding_window": config.cache.sliding_window,
                   "kv_cache_dtype": config.cache.kv_cache_dtype,
                   "enable_prefix_caching": config.cache.enable_prefix_caching},
