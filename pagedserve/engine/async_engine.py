@@ -240,9 +240,11 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                # Idle, or only requests held by memory pressure: wait up to 0.5 s for a command (no spinning).
+                self._drain_commands(block=not self.engine.has_unfinished_requests() or self.engine.is_held())
                 self.engine.check_health()  # at least every 0.5 s while idle: a lost rank ends the engine
                 if not self.engine.has_unfinished_requests():
+                    self.engine.give_way()  # an idle server gives its free KV pages back under pressure too
                     continue
                 outputs = self.engine.step()
                 self._report_failed()

@@ -411,6 +411,19 @@ class LLMEngine:
         (the server's, memory/pressure.py); None stops that."""
         self.memory_pressure = pressure
 
+    def give_way(self) -> None:
+        """Under memory pressure (give_way_under), hold the waiting queue and give free KV blocks' pages back:
+        before each step, and every half second while idle (an idle server's prefix cache is what it can free)."""
+        if self.memory_pressure is None:
+            return
+        released = give_way(self.memory_pressure, self.scheduler, self.kv, self.runner.release_kv_pages)
+        if released and self.resident_memory is not None:  # /health shows it now, not a step later (idle)
+            self.resident_memory.measure(self.kv.num_blocks_written, self.kv.num_window_blocks_written)
+
+    def is_held(self) -> bool:
+        """Nothing to step but requests held by memory pressure: a step would schedule nothing."""
+        return self.scheduler.hold_waiting and not self.scheduler.running and not len(self.grammar_admission)
+
     def observe_grammar_compiles(self, callback: Callable[[float], None] | None) -> None:
         """`callback(seconds)` after each grammar compilation (the server's metrics)."""
         self.grammar_compiler.on_compiled = callback
@@ -423,10 +436,7 @@ class LLMEngine:
         self._admit_compiled_grammars()
         if self.cpu_share is not None:
             configure_threads(self.cpu_share.check())
-        if self.memory_pressure is not None:
-            released = give_way(self.memory_pressure, self.scheduler, self.kv, self.runner.release_kv_pages)
-            if released and self.resident_memory is not None:  # /health shows it now, not a step later (idle)
-                self.resident_memory.measure(self.kv.num_blocks_written, self.kv.num_window_blocks_written)
+        self.give_way()
         sched_out = self.scheduler.schedule()
         self._fail_children(self.scheduler.take_failed())
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -44,3 +46,53 @@ def test_every_runner_takes_what_give_way_passes(runner):
     cls = {"ModelRunner": model_runner.ModelRunner, "DecoderPoolingRunner": pooling_runner.DecoderPoolingRunner,
            "EncoderRunner": pooling_runner.EncoderRunner, "TPModelRunner": tp_worker.TPModelRunner}[runner]
     inspect.signature(cls.release_kv_pages).bind(None, [3, 4], 16, [5])
+
+
+def test_an_idle_engine_gives_way_and_a_held_queue_does_not_spin(tiny_model_dir):
+    """The engine loop (AsyncEngine) under pressure: idle, it still gives the free KV blocks' pages back (the
+    prefix cache a finished request left was pinned for as long as no request came, QA-O); with only held
+    requests it waits between readings of the headroom instead of stepping an empty schedule (a core spun);
+    when the pressure ends the held request runs."""
+    import asyncio
+
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.memory.pressure import MemoryPressure, PressureThresholds
+    from pagedserve.memory.probe import AvailableMemory
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, num_threads=1)
+    llm.generate("warm " * 40, SamplingParams(max_tokens=1))
+    written = llm.engine.kv.num_blocks_written
+    assert written > 0
+    available = [AvailableMemory(1 << 33, "MemAvailable", "simulated", total_bytes=1 << 34)]
+    llm.engine.give_way_under(MemoryPressure(lambda: available[0], PressureThresholds.for_memory(1 << 34)))
+    steps = [0]
+    step = llm.engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    llm.engine.step = counted
+    engine = AsyncEngine(llm.engine)
+    try:
+        available[0] = AvailableMemory(100 * MIB, "MemAvailable", "simulated", total_bytes=1 << 34)
+        deadline = time.monotonic() + 30
+        while llm.engine.kv.num_blocks_written and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert llm.engine.kv.num_blocks_written == 0 and steps[0] == 0  # given back with no step run
+
+        async def held_then_served():
+            stream = engine.generate("held", "x", SamplingParams(max_tokens=2, ignore_eos=True))
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(1.5)
+            assert not first.done() and steps[0] <= 10, steps[0]  # ~2 empty steps a second, not thousands
+            available[0] = AvailableMemory(1 << 33, "MemAvailable", "simulated", total_bytes=1 << 34)
+            await asyncio.wait_for(first, 30)
+            async for _ in stream:
+                pass
+
+        asyncio.run(held_then_served())
+    finally:
+        engine.shutdown()
