@@ -14,7 +14,7 @@ from pagedserve.engine.arg_utils import SUPPORTED_KV_CACHE_DTYPES, EngineArgs
 from pagedserve.memory.checkpoint import CheckpointInfo
 from pagedserve.memory.plan import MemoryPlan
 from pagedserve.memory.probe import AvailableMemory, cpu_flags
-from pagedserve.memory.sizes import MIB
+from pagedserve.memory.sizes import CPU_RUNTIME_BASE_BYTES, MIB
 from pagedserve.models.validate import layer_windows
 from pagedserve.memory.weight_format import (SUPPORTED_QUANTIZATION, WeightFormat, expected_weight_format, kv_quantized,
                                              native_kernels_expected)
@@ -184,7 +184,7 @@ def _probe_available_memory(device: str) -> AvailableMemory:
         gpu = probe.cuda_available_memory()
         if gpu is not None:
             return gpu
-    return probe.available_memory()
+    return probe.counting_own_runtime(probe.available_memory(), CPU_RUNTIME_BASE_BYTES)
 
 
 def check_memory_plan(plan: MemoryPlan) -> None:

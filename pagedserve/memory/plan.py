@@ -95,6 +95,8 @@ HOST_BYTES_PER_KV_BLOCK = 288
 CPU_DEFAULT_KV_SHARE = 0.25
 # --gpu-memory-utilization when not given: the share of the available memory the whole server may use.
 DEFAULT_MEMORY_FRACTION = 0.9
+# The share of the budget a suggested --max-model-len / --max-num-seqs / --max-num-batched-tokens leaves to spare.
+SUGGESTION_MARGIN_FRACTION = 0.02
 # The most query x key pairs one SDPA call of a prefill chunk covers (layers/attention.py keeps to it and
 # imports it from here: one number, and the plan stays free of torch).
 ATTENTION_CHUNK_PAIRS = 1 << 21
@@ -268,8 +270,8 @@ class MemoryPlan:
             return (f"{head}: the KV cache takes what is left, {self.max_concurrency:.2f} x"
                     f" {self.request.max_model_len}-token sequences")
         if self.fits:
-            return f"{head}, {_gib(self.budget_bytes - self.total_bytes)} to spare"
-        text = f"{head}, short by {_gib(self.shortfall_bytes)}" if self.shortfall_bytes else head
+            return f"{head}, {_size(self.budget_bytes - self.total_bytes)} to spare"
+        text = f"{head}, short by {_size(self.shortfall_bytes)}" if self.shortfall_bytes else head
         return "; ".join([text, *self.problems])
 
     def to_dict(self) -> dict:
@@ -515,11 +517,19 @@ def _with_setting(shape: ModelShape, request: PlanRequest, name: str, value: int
     return replace(changed, runtime_overhead_bytes=max(0, overhead))
 
 
+def _fits_with_margin(shape: ModelShape, request: PlanRequest) -> bool:
+    """Fits in SUGGESTION_MARGIN_FRACTION less memory: what is available moves by tens of MiB between `plan` and
+    `serve`, and a setting that fit to the last block was refused there a moment later."""
+    available = request.available
+    tighter = replace(available, num_bytes=int(available.num_bytes * (1 - SUGGESTION_MARGIN_FRACTION)))
+    return _plan(shape, replace(request, available=tighter)).fits
+
+
 def _largest_setting(shape: ModelShape, request: PlanRequest, name: str, step: int) -> int | None:
-    """Largest multiple of `step` below the requested value of `name` with which the plan fits."""
+    """Largest multiple of `step` below the requested value of `name` with which the plan fits, with a margin."""
     current = getattr(request, name)
     n = _largest_fitting(1, (current - 1) // step,
-                         lambda k: _plan(shape, _with_setting(shape, request, name, k * step)).fits)
+                         lambda k: _fits_with_margin(shape, _with_setting(shape, request, name, k * step)))
     return None if n is None else n * step
 
 

@@ -14,7 +14,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pagedserve import envs
@@ -348,6 +348,20 @@ def available_memory(
                                total_bytes=cgroup.limit_bytes)
     return AvailableMemory(meminfo.available, "MemAvailable", f"{from_meminfo} (less than {from_cgroup})",
                            total_bytes=meminfo.total)
+
+
+def counting_own_runtime(available: AvailableMemory, cap_bytes: int,
+                         status_path: str | Path = "/proc/self/status") -> AvailableMemory:
+    """`available` plus what this process already holds of the runtime the plan counts in its overhead (Python,
+    torch, the tokenizer; at most `cap_bytes`): the plan adds that overhead on top of what is available, so a probe
+    taken after torch is imported (serve: ~0.17 GiB resident) counted it twice and refused what `plan`, probing
+    from a light process, said fits."""
+    own = min(process_rss_bytes(status_path) or 0, cap_bytes)
+    if own <= 0:
+        return available
+    return replace(available, num_bytes=available.num_bytes + own,
+                   reason=f"{available.reason}; + {own / GIB:.2f} GiB this process holds already (counted in the "
+                          "runtime overhead)")
 
 
 def cuda_free_memory(device: int = 0) -> tuple[int, int] | None:

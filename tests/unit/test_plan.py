@@ -19,6 +19,7 @@ from pagedserve.memory.plan import (
     format_plan_table,
     make_plan,
 )
+from pagedserve.memory import plan as plan_module
 from pagedserve.memory.checkpoint import weight_bytes_from_safetensors_dir
 from pagedserve.memory.probe import AvailableMemory
 
@@ -113,7 +114,9 @@ def test_kv_pool_never_below_one_max_model_len_sequence() -> None:
     assert plan.shortfall_bytes == 1682560 - MIB == 633984
 
 
-def test_does_not_fit_with_shortfall_and_suggestions() -> None:
+def test_does_not_fit_with_shortfall_and_suggestions(monkeypatch) -> None:
+    # The byte arithmetic of each suggestion, without the margin they leave (test_suggestions_leave_a_margin).
+    monkeypatch.setattr(plan_module, "SUGGESTION_MARGIN_FRACTION", 0.0)
     # Needs 1682560 (see above); give it 1680804: short by 1756.
     plan = make_plan(TINY, request(budget_bytes=1680804))
     assert not plan.fits
@@ -148,8 +151,26 @@ def test_does_not_fit_with_shortfall_and_suggestions() -> None:
     plain = make_plan(TINY, request(budget_bytes=1680804), quantizations=(), kv_cache_dtypes=())
     assert {s.flag for s in plain.suggestions} == set(found) - {"--quantization", "--kv-cache-dtype"}
     table = format_plan_table(plan)
-    assert "DOES NOT FIT" in table and "short by 0.00 GiB" in table
+    assert "DOES NOT FIT" in table and "short by 2 KiB" in table  # was "short by 0.00 GiB"
     assert re.search(r"--max-model-len 48 +needs", table)
+
+
+def with_margin(asked: PlanRequest) -> PlanRequest:
+    """The request with the 2 % less memory available that a suggestion still fits in."""
+    return replace(asked, available=replace(asked.available, num_bytes=int(asked.available.num_bytes * 0.98)))
+
+
+def test_suggestions_leave_a_margin() -> None:
+    """A suggested --max-model-len / --max-num-seqs / --max-num-batched-tokens still fits in 2 % less memory: one
+    that fit to the last block (QA-O: "needs 0.87 GiB" of 0.87 available) was refused by serve a moment later.
+    --max-num-seqs 3 fits only without the margin (test_does_not_fit_with_shortfall_and_suggestions)."""
+    asked = request(budget_bytes=1680804)
+    plan = make_plan(TINY, asked)
+    flags = ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens")
+    found = {s.flag: int(s.value) for s in plan.suggestions if s.flag in flags}
+    assert set(found) == {"--max-model-len", "--max-num-batched-tokens"}
+    for flag, value in found.items():
+        assert make_plan(TINY, with_margin(replace(asked, **{flag[2:].replace("-", "_"): value}))).fits, flag
 
 
 def test_explicit_kv_size_too_small_for_one_sequence() -> None:
@@ -448,6 +469,7 @@ def test_a_suggested_max_model_len_fits_with_its_own_runtime_overhead() -> None:
         plan = make_plan(shape, asked(length))
         assert not plan.fits
         value = int({s.flag: s.value for s in plan.suggestions}["--max-model-len"])
-        assert make_plan(shape, asked(value)).fits and not make_plan(shape, asked(value + 16)).fits
+        assert make_plan(shape, asked(value)).fits and make_plan(shape, with_margin(asked(value))).fits
+        assert not make_plan(shape, with_margin(asked(value + 16))).fits
         values.add(value)
-    assert len(values) == 1  # the largest length that fits, whatever length was asked for
+    assert len(values) == 1  # the largest length that fits (with the margin), whatever length was asked for

@@ -325,3 +325,23 @@ def test_process_start_time_from_proc_stat(tmp_path: Path) -> None:
     # This test process, from /proc/self/stat: it started before now, and no earlier than the machine booted.
     uptime_s = float(Path("/proc/uptime").read_text().split()[0])
     assert 0 <= time.time() - process_start_time() <= uptime_s + 1
+
+
+def test_the_plan_counts_what_this_process_already_holds_of_its_runtime(tmp_path, monkeypatch):
+    """The plan adds the runtime overhead (Python, torch, the tokenizer) on top of what is available, so the
+    part of it this process already holds is added back (up to the cap): serve, probing after torch loaded,
+    refused a model that `plan` (probing before) said fits (QA-O: 0.17 against 0.03 GiB counted as used)."""
+    from pagedserve.engine import memory_plan
+    from pagedserve.memory import probe
+    from pagedserve.memory.probe import AvailableMemory, counting_own_runtime
+
+    available = AvailableMemory(1 << 30, "cgroup", "cgroup v1 limit 1.07 GiB - used 0.17 GiB = 1.00 GiB")
+    status = write(tmp_path / "status", "Name:\tpython\nVmRSS:\t  174080 kB\n")  # 170 MiB
+    counted = counting_own_runtime(available, 272 << 20, status)
+    assert counted.num_bytes == (1 << 30) + (170 << 20) and counted.bound_by == "cgroup"
+    assert "+ 0.17 GiB this process holds already" in counted.reason
+    assert counting_own_runtime(available, 100 << 20, status).num_bytes == (1 << 30) + (100 << 20)  # the cap
+    assert counting_own_runtime(available, 272 << 20, tmp_path / "missing") == available
+    monkeypatch.setattr(probe, "available_memory", lambda: available)
+    monkeypatch.setattr(probe, "process_rss_bytes", lambda path="/proc/self/status": 2 << 30)  # a model loaded
+    assert memory_plan._probe_available_memory("cpu").num_bytes == (1 << 30) + memory_plan.CPU_RUNTIME_BASE_BYTES
