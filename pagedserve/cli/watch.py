@@ -54,14 +54,17 @@ class Sample:
     tree_rss_bytes: int | None = None
     health: str = "-"  # "ready", "503 loading_weights 43%", "unreachable", "-" (not asked)
     planned_rss_bytes: int | None = None  # what the server's plan expects resident now (/health "memory")
+    reported_rss_bytes: int | None = None  # the server's own last RSS reading (/health), shown without --pid
 
 
 @dataclass(frozen=True)
 class Health:
-    """What /health said: its phase in words, and the server's expected resident memory once it is serving."""
+    """What /health said: its phase in words, and once it is serving the resident memory its plan expects and
+    the server's own last reading of it."""
 
     text: str
     planned_rss_bytes: int | None = None
+    reported_rss_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -169,11 +172,12 @@ def describe_health(status_code: int, body: object) -> str:
     return f"{status_code} {phase}".strip()
 
 
-def planned_rss_bytes(body: object) -> int | None:
-    """The plan's expected resident memory from a /health body ({"memory": {"expected_bytes": ...}})."""
+def planned_rss_bytes(body: object, key: str = "expected_bytes") -> int | None:
+    """The plan's expected resident memory from a /health body ({"memory": {"expected_bytes": ...}}); with
+    key="rss_bytes" the server's own last reading."""
     memory = body.get("memory") if isinstance(body, dict) else None
-    expected = memory.get("expected_bytes") if isinstance(memory, dict) else None
-    return expected if isinstance(expected, int) and not isinstance(expected, bool) else None
+    value = memory.get(key) if isinstance(memory, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def fetch_health(client: httpx.Client, url: str) -> Health:
@@ -187,11 +191,12 @@ def fetch_health(client: httpx.Client, url: str) -> Health:
         body = response.json()
     except ValueError:
         body = None
-    return Health(describe_health(response.status_code, body), planned_rss_bytes(body))
+    return Health(describe_health(response.status_code, body), planned_rss_bytes(body),
+                  planned_rss_bytes(body, "rss_bytes"))
 
 
 def take_sample(proc_root: str | Path, pid: int | None, health: str, now: float | None = None,
-                planned_rss: int | None = None) -> Sample:
+                planned_rss: int | None = None, reported_rss: int | None = None) -> Sample:
     tree = tree_rss = None
     pids = process_tree(proc_root, pid) if pid is not None else []
     if pids:
@@ -206,6 +211,7 @@ def take_sample(proc_root: str | Path, pid: int | None, health: str, now: float 
         tree_rss_bytes=tree_rss,
         health=health,
         planned_rss_bytes=planned_rss,
+        reported_rss_bytes=reported_rss,
     )
 
 
@@ -261,13 +267,15 @@ def format_sample(sample: Sample, verdict: Verdict) -> str:
             parts.append(f"server(pid {sample.pid}): gone")
         else:
             parts.append(f"server R={sample.tree.running:<3} D={sample.tree.blocked:<3} rss={format_rss(sample)}")
+    elif sample.reported_rss_bytes:  # no --pid: the server's own reading, from /health
+        parts.append(f"server rss={format_rss(sample, sample.reported_rss_bytes)} (its /health; --pid: live)")
     parts += [f"health={sample.health}", verdict.state]
     return "  ".join(parts)
 
 
-def format_rss(sample: Sample) -> str:
-    """"0.95GiB", or against the plan: "0.95GiB/plan 1.10GiB (-14%)"."""
-    rss = sample.tree_rss_bytes or 0
+def format_rss(sample: Sample, rss: int | None = None) -> str:
+    """"0.95GiB", or against the plan: "0.95GiB/plan 1.10GiB (-14%)" (`rss`: the process tree's by default)."""
+    rss = (sample.tree_rss_bytes if rss is None else rss) or 0
     text = f"{rss / GIB:.2f}GiB"
     if sample.planned_rss_bytes:
         text += f"/plan {sample.planned_rss_bytes / GIB:.2f}GiB ({rss / sample.planned_rss_bytes - 1:+.0%})"
@@ -322,7 +330,8 @@ def watch(args: argparse.Namespace, proc_root: str | Path = "/proc") -> int:
                 time.sleep(args.interval)
             taken += 1
             health = fetch_health(client, url) if url else Health("-")
-            sample = take_sample(proc_root, args.pid, health.text, planned_rss=health.planned_rss_bytes)
+            sample = take_sample(proc_root, args.pid, health.text, planned_rss=health.planned_rss_bytes,
+                                 reported_rss=health.reported_rss_bytes)
             samples = [*samples[-(STUCK_WINDOW * 4):], sample]
             verdict = classify(samples, num_cpus)
             line = sample_to_json(samples[-1], verdict) if args.json else format_sample(samples[-1], verdict)

@@ -161,7 +161,7 @@ def test_fetch_health_over_http_and_unreachable() -> None:
         return httpx.Response(200, json={"status": "ready", "memory": {"rss_bytes": 3 << 29, "expected_bytes": 1 << 30}})
 
     with httpx.Client(transport=httpx.MockTransport(serving)) as client:
-        assert watch.fetch_health(client, "http://server:8000") == watch.Health("ready", 1 << 30)
+        assert watch.fetch_health(client, "http://server:8000") == watch.Health("ready", 1 << 30, 3 << 29)
 
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
@@ -176,6 +176,11 @@ def test_rss_is_shown_against_the_plan(tmp_path: Path) -> None:
     assert "rss=1.00GiB/plan 1.25GiB (-20%)" in watch.format_sample(sample, watch.Verdict("OK", ""))
     assert "rss=1.00GiB  " in watch.format_sample(sample_from(root, 500, 0.0), watch.Verdict("OK", ""))
     assert watch.planned_rss_bytes({"memory": {"expected_bytes": True}}) is None
+    # Without --pid: the server's own reading from /health (the column was silently missing, QA-O).
+    unwatched = watch.take_sample(root, None, "ready", now=0.0, planned_rss=1 << 30, reported_rss=3 << 28)
+    line = watch.format_sample(unwatched, watch.Verdict("OK", ""))
+    assert "server rss=0.75GiB/plan 1.00GiB (-25%) (its /health; --pid: live)" in line, line
+    assert "rss" not in watch.format_sample(watch.take_sample(root, None, "-", now=0.0), watch.Verdict("OK", ""))
 
 
 def test_watch_command_json_lines_and_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
