@@ -21,8 +21,8 @@ from pagedserve.engine.memory_plan import log_memory_vs_plan
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.prompt_checks import (check_generation_prompt, check_pooling_prompt, check_token_ids,
                                              token_id_list)
-from pagedserve.engine.setup import (check_draft_tokenizer, create_engine_config, generation_config_eos_ids,
-                                     load_tokenizer, make_runner)
+from pagedserve.engine.setup import (check_draft_tokenizer, check_tokenizer_fits, create_engine_config,
+                                     generation_config_eos_ids, load_tokenizer, make_runner)
 from pagedserve.engine.startup import StartupTracker
 from pagedserve.exceptions import EngineDeadError, InvalidRequestError
 from pagedserve.memory.pressure import MemoryPressure, give_way
@@ -126,6 +126,7 @@ class LLMEngine:
         startup = startup or StartupTracker()
         config = create_engine_config(args, startup)
         tokenizer = load_tokenizer(args.tokenizer or config.model.model)
+        check_tokenizer_fits(tokenizer, config, args.tokenizer)
         check_draft_tokenizer(tokenizer, config)  # before any weight is read
         return cls(config, tokenizer, startup)
 

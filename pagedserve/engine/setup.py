@@ -393,7 +393,7 @@ def check_engine_args(args: EngineArgs) -> None:
         resolve_device(args.device)
     if args.quantization not in SUPPORTED_QUANTIZATION and args.quantization != "gguf":  # gguf: vLLM's, for GGUFs
         raise ValueError(f"--quantization {args.quantization} is not supported; supported: "
-                         f"{', '.join(q for q in SUPPORTED_QUANTIZATION if q)}")
+                         f"{', '.join(q for q in SUPPORTED_QUANTIZATION if q)}, and gguf for a GGUF file")
     if args.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported; supported: "
                          f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)} (auto keeps the cache in the model's dtype: "
@@ -507,6 +507,21 @@ def check_draft_of(args: EngineArgs, config: EngineConfig) -> None:
         check_draft_tokenizer(load_tokenizer(args.tokenizer or config.model.model), config)
 
 
+def check_tokenizer_fits(tokenizer: Any, config: EngineConfig, given: str | None) -> None:
+    """The tokenizer's ids all have an embedding row: a --tokenizer with more tokens than the model's vocab_size
+    (`given`) is refused at start (each prompt with a later id was refused as out of range, QA-P); the model's own
+    is warned about. Fewer is normal (a vocabulary padded to a multiple, as Qwen's)."""
+    rows, tokens = config.model.hf_config.vocab_size, len(tokenizer)
+    if tokens <= rows:
+        return
+    if given:
+        raise ValueError(f"--tokenizer {given} has {tokens} tokens, more than the {rows} rows of the model's "
+                         f"vocabulary: ids from {rows} up have no embedding. Give the model's own tokenizer (or "
+                         "leave --tokenizer out)")
+    logger.warning("the tokenizer has %d tokens, more than the %d rows of the model's vocabulary: a prompt with an "
+                   "id from %d up is refused", tokens, rows, rows)
+
+
 def check_draft_tokenizer(tokenizer: Any, config: EngineConfig) -> None:
     """ValueError where the draft model does not share the target's tokenizer: another tokenization of a probe
     text, or an embedding table too small for the tokenizer's ids. Their vocab_size may differ by padding (Qwen2.5's
@@ -557,7 +572,12 @@ def _max_model_len(args: EngineArgs, hf_config: Any, embedding_model_path: str |
     """--max-model-len, else the model's context; embedding models default to sentence-transformers'
     max_seq_length (the input length they were trained for; vLLM does the same). With --disable-sliding-window,
     at most the model's sliding window, as vLLM caps it."""
-    model_max = getattr(hf_config, "max_position_embeddings", None) or SchedulerConfig.max_model_len
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions < 2:  # "use --max-model-len 0 or less", it said
+        raise ValueError(f"the model's configuration gives max_position_embeddings {positions} (in a GGUF, the "
+                         "<arch>.context_length key): not a context length, so its metadata is damaged; re-download "
+                         "or re-convert the model")
+    model_max = positions or SchedulerConfig.max_model_len
     windows = [window for window in layer_windows(hf_config) if window is not None]
     if args.disable_sliding_window and windows:
         if args.max_model_len is not None and args.max_model_len > min(windows):

@@ -81,6 +81,21 @@ def _check_gguf_tensors(header: GGUFHeader) -> None:
             )
     if header.required_size > header.file_size:
         raise truncated_gguf_error(header.path, header.required_size, header.file_size)
+    _check_gguf_offsets(header)
+
+
+def _check_gguf_offsets(header: GGUFHeader) -> None:
+    """Each tensor's data starts where the one before it ends, padded to the alignment (llama.cpp requires the
+    same): a tensor whose type or shape was changed in the table reads the wrong bytes otherwise (QA-P: a Q8_0
+    embedding retyped as Q4_0 loaded and generated empty text)."""
+    expected = 0
+    for info in header.tensors:
+        if info.offset != expected:
+            raise ModelValidationError(
+                f"GGUF file {header.path} is damaged: tensor {info.name!r} ({_qtype_name(info.type_id)}, shape "
+                f"{list(info.shape)}) has its data at offset {info.offset}, but the tensors before it end at {expected}"
+                ": a tensor's type or shape in the header does not match its data. Re-download or re-convert it.")
+        expected += -(-info.nbytes // header.alignment) * header.alignment
 
 
 def _check_gguf_split(header: GGUFHeader) -> None:

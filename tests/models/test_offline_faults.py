@@ -142,3 +142,28 @@ def test_vllm_s_other_sampling_fields(tiny_model_dir):
                           ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
         with pytest.raises(ValueError, match=words):
             SamplingParams(**kwargs)
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_has_rows_is_refused_at_start(tiny_model_dir, caplog):
+    """--tokenizer with 453 tokens for a model of 256 rows: refused when the engine starts, naming both sizes (it
+    started, and each prompt with an id from 256 up was then refused as out of range, QA-P). The model's own
+    tokenizer that large is a warning; a padded vocabulary (more rows than tokens) is normal."""
+    small = tiny_model_dir("llama", vocab_size=256)  # its own tokenizer has 453 tokens (the BPE's merges)
+    with pytest.raises(ValueError, match=r"--tokenizer .* has 453 tokens, more than the 256 rows of the model's "
+                                         r"vocabulary: ids from 256 up have no embedding"):
+        LLM(small, tokenizer=tiny_model_dir("llama"), max_model_len=64)
+    with caplog.at_level("WARNING"):
+        LLM(small, max_model_len=64)
+    assert "the tokenizer has 453 tokens, more than the 256 rows" in caplog.text
+    padded = LLM(tiny_model_dir("llama", vocab_size=600), tokenizer=tiny_model_dir("llama"), max_model_len=64)
+    assert padded.generate("a b", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_engine_argument_messages_name_what_is_wrong(tiny_model_dir):
+    """--quantization's refusal lists gguf too (it is taken for a GGUF); a model whose context length is 0 (a
+    damaged GGUF's context_length) is called damaged, not told "use --max-model-len 0 or less" (QA-P)."""
+    with pytest.raises(ValueError, match=r"--quantization fp8 is not supported; supported: int8, and gguf for a GGUF"):
+        LLM(tiny_model_dir("llama"), quantization="fp8", max_model_len=64)
+    with pytest.raises(ValueError, match=r"max_position_embeddings 0 .*: not a context length, so its metadata is "
+                                         r"damaged"):
+        LLM(tiny_model_dir("llama", max_position_embeddings=0), max_model_len=64)

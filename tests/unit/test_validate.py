@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import gguf
@@ -243,6 +244,21 @@ def test_truncated_gguf_names_sizes(tmp_path: Path) -> None:
     assert "interrupted" in message
     # the header alone still parses (as for the first part of a split download)
     assert read_gguf_header(path).required_size == full_size
+
+
+def test_gguf_whose_tensor_table_does_not_match_its_data(tmp_path: Path) -> None:
+    """A tensor retyped in the table (Q8_0 -> Q4_0: 576 bytes fewer) leaves the next tensor's data where the
+    table's sizes do not put it: refused as damaged, as llama.cpp refuses it (it loaded and generated empty text)."""
+    path = _write_gguf(tmp_path / "m.gguf", raw_type=gguf.GGMLQuantizationType.Q8_0)  # a tensor after it
+    data = bytearray(path.read_bytes())
+    name = b"token_embd.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8  # past the name, n_dims and two dims: the type id
+    assert struct.unpack_from("<I", data, at)[0] == int(gguf.GGMLQuantizationType.Q8_0)
+    struct.pack_into("<I", data, at, int(gguf.GGMLQuantizationType.Q4_0))
+    path.write_bytes(bytes(data))
+    message = _message(path)
+    assert "is damaged" in message and "the tensors before it end at" in message, message
+    assert "type or shape in the header does not match its data" in message
 
 
 def test_gguf_cut_inside_header(tmp_path: Path) -> None:
