@@ -42,6 +42,9 @@ def check_model(path: str | Path) -> CheckResult:
     if problem:
         return CheckResult("model", WARN, f"{path}: config, weights and tokenizer are complete, but its {problem}: "
                            "chat requests would get a 400", "serve with --chat-template FILE (a working template)")
+    if not getattr(tokenizer, "chat_template", None):  # a PASS: completions and embeddings need none
+        return CheckResult("model", PASS, f"{path}: config, weights and tokenizer are complete; it has no chat "
+                           "template, so chat requests get a 400 unless served with --chat-template FILE")
     return CheckResult("model", PASS, f"{path}: config, weights and tokenizer are complete")
 
 

@@ -202,7 +202,11 @@ def test_model_check_names_truncated_weights_then_missing_tokenizer(tmp_path: Pa
     from tests.tiny_models import make_tokenizer
 
     make_tokenizer(tmp_path)
-    assert doctor_model.check_model(tmp_path).status == PASS
+    result = doctor_model.check_model(tmp_path)
+    assert result.status == PASS and "no chat template" not in result.detail
+    (tmp_path / "chat_template.jinja").unlink()  # where transformers saves it
+    result = doctor_model.check_model(tmp_path)  # serves completions; chat gets a 400: said, not a failure
+    assert result.status == PASS and "no chat template, so chat requests get a 400" in result.detail, result
 
 
 def test_report_exit_code_and_json(capsys: pytest.CaptureFixture[str]) -> None:
