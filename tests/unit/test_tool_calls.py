@@ -125,6 +125,17 @@ def test_hermes_takes_a_bare_call_of_a_known_tool(piece):
         assert result.calls == [] and result.content == text
 
 
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_hermes_takes_a_bare_call_with_parameters_as_a_tagged_one(piece):
+    """Llama-style "parameters" instead of "arguments": a call inside tags, and so a call without them too."""
+    for text in ['{"name": "add", "parameters": {"a": 1, "b": 2}}',
+                 '<tool_call>{"name": "add", "parameters": {"a": 1, "b": 2}}</tool_call>']:
+        result = streamed(make_reader(choice("auto"), "hermes"), text, piece)
+        assert result.content == "", text
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in result.calls] == [
+            ("add", {"a": 1, "b": 2})], text
+
+
 def test_hermes_keeps_text_that_is_not_a_call():
     text = "a < b and <tool_call>not json</tool_call> and <tool_call>{\"name\": \"add\""
     result = streamed(make_reader(choice("auto"), "hermes"), text, 2)

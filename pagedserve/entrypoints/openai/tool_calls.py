@@ -503,9 +503,9 @@ class HermesReader(ToolCallReader):
     strings is the string's. The block ends at the "</tool_call>" after its objects (what else stands before it is
     dropped once a call was sent). A block whose first object is not a call stays content, up to its first
     "</tool_call>". Small models often write the call's JSON without the tags: an output that is nothing but
-    `{"name": <one of the tools>, "arguments": {...}}` objects (possibly in a ``` code fence) is those calls too
-    (held until the end, as it may turn out to be text). Every decision depends on the text alone, so a stream
-    adds up to the text read whole."""
+    `{"name": <one of the tools>, "arguments": {...}}` objects ("parameters" too, as inside tags; possibly in a
+    ``` code fence) is those calls too (held until the end, as it may turn out to be text). Every decision depends
+    on the text alone, so a stream adds up to the text read whole."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     passes_text_through = False
@@ -620,15 +620,20 @@ class HermesReader(ToolCallReader):
     def _bare_calls(self, text: str) -> list[ToolCallDelta]:
         """The calls, if `text` is nothing but JSON call objects of known tools (whitespace between them)."""
         values = _json_values(_strip_code_fence(text), " \n\t\r")
-        if values is None or not all(isinstance(v, dict) and v.get("name") in self.tool_names and isinstance(v.get("arguments"), dict)
-                   for v in values):
+        if values is None or not all(isinstance(v, dict) and v.get("name") in self.tool_names
+                                     and isinstance(_bare_arguments(v), dict) for v in values):
             return []
-        return [self._call(v["name"], v["arguments"]) for v in values]
+        return [self._call(v["name"], _bare_arguments(v)) for v in values]
 
     @staticmethod
     def _emit(events: list, text: str) -> None:
         if text:
             events.append(text)
+
+
+def _bare_arguments(call: dict) -> Any:
+    """A bare call's arguments: "arguments", else "parameters" (Llama-style), as a tagged call's (CallScanner)."""
+    return call["arguments"] if "arguments" in call else call.get("parameters")
 
 
 def _strip_code_fence(text: str) -> str:
