@@ -103,7 +103,7 @@ HERMES_TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments":
 @pytest.mark.parametrize("piece", [1, 3, 7, 1000])
 def test_hermes_streamed_in_any_pieces_equals_read_whole(piece):
     whole = read_all(make_reader(choice("auto"), "hermes"), HERMES_TEXT)
-    assert whole.content == "Let me check.\n\n"
+    assert whole.content == "Let me check.\n"  # the text before the first call (vLLM's)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.calls] == [
         ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
     parts = streamed(make_reader(choice("auto"), "hermes"), HERMES_TEXT, piece)
@@ -279,15 +279,35 @@ def test_hermes_arguments_given_as_a_string_or_before_the_name(piece):
 @pytest.mark.parametrize("piece", [1, 3, 1000])
 def test_hermes_reads_the_block_s_end_as_json_reads_its_strings(piece):
     """A "</tool_call>" inside an argument string is the string's (it ended the block: invalid arguments and the rest
-    as content); several call objects in one block are several calls; a broken one after them is dropped."""
+    as content); several call objects in one block are several calls; a broken one after them is dropped, as is the
+    text after the block."""
     code = '<tool_call>\n{"name": "add", "arguments": {"code": "print(\'</tool_call>\')"}}\n</tool_call> done'
     result = streamed(make_reader(choice("auto"), "hermes"), code, piece)
-    assert result.content == " done"
+    assert result.content == ""
     assert [json.loads(c["function"]["arguments"]) for c in result.calls] == [{"code": "print('</tool_call>')"}]
     two = ('<tool_call>{"name": "add", "arguments": {"a": 1}}\n{"name": "get_weather", "arguments": {}}\n'
            '{oops</tool_call>')
     result = streamed(make_reader(choice("auto"), "hermes"), two, piece)
     assert result.content == "" and [c["function"]["name"] for c in result.calls] == ["add", "get_weather"]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_hermes_content_is_the_text_before_the_first_call(piece):
+    """vLLM's hermes parser: content is what stands before the first <tool_call>; the line breaks between and after
+    Qwen's blocks (and any text there) are not content (two blocks on two lines gave content "\n", not null)."""
+    cases = [
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+         '"arguments": {"city": "Oslo"}}\n</tool_call>\n', "", ["add", "get_weather"]),
+        ('Checking.\n<tool_call>{"name": "add", "arguments": {}}</tool_call>\nDone, see above.', "Checking.\n",
+         ["add"]),
+        ('<tool_call>{"name": "add", "arguments": {}}</tool_call> and <tool_call>not json</tool_call> <tool', "",
+         ["add"]),
+    ]
+    for text, content, names in cases:
+        for parallel in (True, False):
+            result = streamed(make_reader(choice("auto", parallel=parallel), "hermes"), text, piece)
+            expected = (content, names if parallel else names[:1])
+            assert (result.content, [c["function"]["name"] for c in result.calls]) == expected, text
 
 
 HERMES_PIECES = ['<tool_call>', '</tool_call>', '{"name": "add", "arguments": {"a": 1}}', '\n', ' ', 'text', '{', '}',
@@ -311,15 +331,16 @@ def test_hermes_streamed_in_any_pieces_equals_read_whole_on_random_outputs(paral
 
 def test_hermes_blocks_as_vllm_reads_them():
     """A block ends at the close tag after its objects (a broken call swallowed the text and calls after it); a
-    block with no call is text up to its first close tag; text between a block's objects ends its calls."""
+    block with no call is text up to its first close tag; text between a block's objects ends its calls; text after
+    the first call is dropped."""
     cases = [
         ('<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>\nThen.\n<tool_call>{"name": "get_weather",'
-         ' "arguments": {}}</tool_call> end', "\nThen.\n end", ["add", "get_weather"]),
+         ' "arguments": {}}</tool_call> end', "", ["add", "get_weather"]),
         ('<tool_call></tool_call> hi <tool_call>{"name": "add", "arguments": {}}</tool_call>',
          "<tool_call></tool_call> hi ", ["add"]),
         ('<tool_call>{"name": "add", "arguments": {}} x {"name": "get_weather", "arguments": {}}</tool_call>', "",
          ["add"]),
-        ('<tool_call>{"name": "add", "arguments": {}}{"nam": "b"}</tool_call>after', "after", ["add"]),
+        ('<tool_call>{"name": "add", "arguments": {}}{"nam": "b"}</tool_call>after', "", ["add"]),
     ]
     for text, content, names in cases:
         result = read_all(make_reader(choice("auto"), "hermes"), text)

@@ -502,7 +502,8 @@ class HermesReader(ToolCallReader):
     arguments object has begun, the arguments then as they are generated; a "</tool_call>" inside one of their
     strings is the string's. The block ends at the "</tool_call>" after its objects (what else stands before it is
     dropped once a call was sent). A block whose first object is not a call stays content, up to its first
-    "</tool_call>". Small models often write the call's JSON without the tags: an output that is nothing but
+    "</tool_call>". Content is the text before the first call (vLLM's rule): what follows a call is dropped.
+    Small models often write the call's JSON without the tags: an output that is nothing but
     `{"name": <one of the tools>, "arguments": {...}}` objects ("parameters" too, as inside tags; possibly in a
     ``` code fence) is those calls too (held until the end, as it may turn out to be text). Every decision depends
     on the text alone, so a stream adds up to the text read whole."""
@@ -594,9 +595,10 @@ class HermesReader(ToolCallReader):
 
     def _close_block(self) -> list[str | ToolCallDelta]:
         self.block = None
-        if self.block_calls:
-            return []  # its calls went out as they came (what else it held is dropped)
-        return [self.OPEN + self.block_text + self.CLOSE]  # no call in it: content
+        events: list[str | ToolCallDelta] = []
+        if not self.block_calls:  # no call in it: content (its calls went out as they came; the rest is dropped)
+            self._emit(events, self.OPEN + self.block_text + self.CLOSE)
+        return events
 
     def finish(self) -> list[str | ToolCallDelta]:
         if self.bare:
@@ -625,9 +627,10 @@ class HermesReader(ToolCallReader):
             return []
         return [self._call(v["name"], _bare_arguments(v)) for v in values]
 
-    @staticmethod
-    def _emit(events: list, text: str) -> None:
-        if text:
+    def _emit(self, events: list, text: str) -> None:
+        """Content: the text before the first call; once a call was sent, the text between and after calls is dropped,
+        as vLLM's hermes parser answers (a reply of two blocks on two lines had content "\n", not null)."""
+        if text and not self.num_calls:
             events.append(text)
 
 
