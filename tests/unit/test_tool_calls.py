@@ -136,6 +136,41 @@ def test_hermes_takes_a_bare_call_with_parameters_as_a_tagged_one(piece):
             ("add", {"a": 1, "b": 2})], text
 
 
+def _first_content_at(reader, text: str) -> int | None:
+    """How much text had been fed, a character at a time, when the first content came out."""
+    for end in range(1, len(text) + 1):
+        if any(isinstance(e, str) for e in reader.feed(text[end - 1:end])):
+            return end
+    return None
+
+
+def test_hermes_holds_text_only_while_it_may_be_a_call_without_tags():
+    """An output that begins with "{" or a ``` fence is held while it may still be a call written without tags,
+    and goes out from the first character that rules that out: a code answer (```python ...) streamed as one chunk
+    at the end. Held or not, the stream adds up to the text read whole."""
+    code = "```python\ndef add(a, b):\n    return a + b\n```\nCall add(1, 2)."
+    fenced = '```json\n{"name": "add", "arguments": {}}\n```\n'
+    cases = [
+        (code, len("```p")),  # the fence's language is not json
+        ("```json\n[1, 2]\n```", len("```json\n[")),  # not an object
+        ('{"answer": 42}', len('{"answer"')),  # the first key is no call's
+        ('{"name": "Bob", "age": 3}', len('{"name": "Bob"')),  # no tool of that name
+        ('{"name": "add", "arguments": [1, 2]}', len('{"name": "add", "arguments": [')),  # arguments: not an object
+        ('{"name": "add", "arguments": {}} and more', len('{"name": "add", "arguments": {}} a')),
+        (fenced + "Done", len(fenced) + 1),
+        ('```\n{"name": "add", "arguments": {}}\n```', None),  # a call: held to the end
+        ('{"arguments": {"a": 1}, "name": "add"}', None),
+    ]
+    for text, released_at in cases:
+        assert _first_content_at(make_reader(choice("auto"), "hermes"), text) == released_at, text
+        whole = read_all(make_reader(choice("auto"), "hermes"), text)
+        assert (whole.content == "") == (released_at is None) and bool(whole.calls) == (released_at is None), text
+        for piece in (1, 2, 5):
+            parts = streamed(make_reader(choice("auto"), "hermes"), text, piece)
+            assert (parts.content, parts.calls and [c["function"] for c in parts.calls]) == (
+                whole.content, whole.calls and [c["function"] for c in whole.calls]), (text, piece)
+
+
 def test_hermes_keeps_text_that_is_not_a_call():
     text = "a < b and <tool_call>not json</tool_call> and <tool_call>{\"name\": \"add\""
     result = streamed(make_reader(choice("auto"), "hermes"), text, 2)
@@ -312,7 +347,9 @@ def test_hermes_content_is_the_text_before_the_first_call(piece):
 
 HERMES_PIECES = ['<tool_call>', '</tool_call>', '{"name": "add", "arguments": {"a": 1}}', '\n', ' ', 'text', '{', '}',
                  '{"name": "get_weather", "arguments": {"city": "</tool_call>"}}', '"', 'x', '{"nam": "c"}', '<', ',',
-                 '{"name": "add", "arguments": {"q": "\\\\"}"}}', '<tool']
+                 '{"name": "add", "arguments": {"q": "\\\\"}"}}', '<tool', '```', '```json\n', '```python\n', 'json',
+                 '{"name": "add", "parameters": {}}', '{"arguments": {}, "name": "get_weather"}', '{"name": "x"', '`',
+                 '"name": "add"', '"arguments": ', '[1]', ': ']
 
 
 @pytest.mark.parametrize("parallel", [True, False])

@@ -285,6 +285,11 @@ class CallScanner:
         return self.state == "failed"
 
     @property
+    def value_start(self) -> str:
+        """The first character of the value being read ("" before it begins)."""
+        return self._raw[0] if self.state == "value" and self._raw else ""
+
+    @property
     def arguments(self) -> str:
         """The arguments object's text so far."""
         return "".join(self._arguments)
@@ -476,9 +481,9 @@ class Llama3JsonReader(BufferedReader):
         return [self._call(c["name"], c.get("parameters", c.get("arguments", {}))) for c in calls]
 
 
-def _json_values(text: str, separators: str) -> list | None:
+def _json_values(text: str, separators: str, decoder: json.JSONDecoder | None = None) -> list | None:
     """The JSON values `text` consists of, with only `separators` characters around them; None if it is not."""
-    decoder, values, position = json.JSONDecoder(), [], _skip(text, 0, separators)
+    decoder, values, position = decoder or json.JSONDecoder(), [], _skip(text, 0, separators)
     try:
         while position < len(text):
             value, position = decoder.raw_decode(text, position)
@@ -515,7 +520,7 @@ class HermesReader(ToolCallReader):
         super().__init__()
         self.tool_names = tool_names
         self.pending = ""
-        self.bare: bool | None = None  # None until the output's first character says whether it may be a bare call
+        self.bare: BareCallCheck | None = BareCallCheck(tool_names)  # until the output can no longer be bare calls
         self.block: StreamedCall | None = None  # inside <tool_call>: the call object being read (or the last one)
         self.block_text = ""  # the block's text read so far (it is content if the block holds no call)
         self.block_calls = 0  # calls the block sent
@@ -524,13 +529,10 @@ class HermesReader(ToolCallReader):
 
     def feed(self, text: str) -> list[str | ToolCallDelta]:
         self.pending += text
-        if self.bare is None:
-            head = self.pending.lstrip()
-            if not head or (len(head) < 3 and "```".startswith(head)):
-                return []
-            self.bare = head.startswith(("{", "```"))
-        if self.bare:
-            return []
+        if self.bare is not None:
+            if self.bare.feed(text):
+                return []  # it may still be calls written without tags: held
+            self.bare = None  # it is not: what was held goes out, read as tagged output
         events: list[str | ToolCallDelta] = []
         while True:
             if self.block is None and not self.text_block:
@@ -601,12 +603,12 @@ class HermesReader(ToolCallReader):
         return events
 
     def finish(self) -> list[str | ToolCallDelta]:
-        if self.bare:
+        if self.bare is not None:
             calls = self._bare_calls(self.pending)
             if calls:
                 self.pending = ""
                 return calls
-        self.bare = False
+        self.bare = None
         events = self.feed("")
         if self.block is not None:  # a block cut by max_tokens: its calls keep what they have, else it is text
             self.block = None
@@ -621,9 +623,10 @@ class HermesReader(ToolCallReader):
 
     def _bare_calls(self, text: str) -> list[ToolCallDelta]:
         """The calls, if `text` is nothing but JSON call objects of known tools (whitespace between them)."""
-        values = _json_values(_strip_code_fence(text), " \n\t\r")
-        if values is None or not all(isinstance(v, dict) and v.get("name") in self.tool_names
-                                     and isinstance(_bare_arguments(v), dict) for v in values):
+        values = _json_values(_strip_code_fence(text), " \n\t\r", _UNIQUE_KEYS)
+        if not values or not all(isinstance(v, dict) and next(iter(v), None) in BareCallCheck.FIRST_KEYS
+                                 and v.get("name") in self.tool_names and isinstance(_bare_arguments(v), dict)
+                                 for v in values):
             return []
         return [self._call(v["name"], _bare_arguments(v)) for v in values]
 
@@ -634,18 +637,109 @@ class HermesReader(ToolCallReader):
             events.append(text)
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """An object whose keys all differ (json.loads keeps the last of a repeated key; a call read a piece at a time
+    has seen the first)."""
+    if len({key for key, _ in pairs}) < len(pairs):
+        raise ValueError("a key appears twice")
+    return dict(pairs)
+
+
+_UNIQUE_KEYS = json.JSONDecoder(object_pairs_hook=_unique_keys)
+
+
+class BareCallCheck:
+    """Whether an output read so far may still be calls written without tags, as HermesReader._bare_calls takes them:
+    optional whitespace, optionally a ``` fence whose language is json or none, objects each of whose first key is
+    "name", "arguments" or "parameters", whose name is one of the tools and whose arguments are an object, whitespace
+    between them (and the fence's close). `feed` says False from the first character that rules it out, and for
+    ever after: a code answer (```python, "Sure", {"answer": ...}) then streams at once instead of being held to the
+    end. It reads characters, not pieces, so a stream and the text read whole decide alike."""
+
+    FIRST_KEYS = ("name", "arguments", "parameters")
+    _LANGUAGE = re.compile(r"[ \t\r]*(j(s(o(n[ \t\r]*)?)?)?)?", re.IGNORECASE)  # a prefix of "json"'s fence line
+
+    def __init__(self, tool_names: list[str]) -> None:
+        self.tool_names = tool_names
+        self.state = "lead"  # lead | fence | language | values | object | close | tail | no
+        self.fenced = False
+        self.ticks = 0  # backticks of the fence being read
+        self.language: list[str] = []
+        self.call: CallScanner | None = None
+        self.first_key: str | None = None  # the object's first key, once read
+        self.calls = 0
+
+    def feed(self, text: str) -> bool:
+        for char in text:
+            if self.state == "no":
+                return False
+            self._step(char)
+        return self.state != "no"
+
+    def _step(self, char: str) -> None:
+        state = self.state
+        if state == "object":
+            self._object(char)
+        elif state == "language":
+            if char == "\n":
+                self.state = "values"
+            else:
+                self.language.append(char)
+                if not self._LANGUAGE.fullmatch("".join(self.language)):
+                    self.state = "no"
+        elif state in ("fence", "close"):
+            if char != "`":
+                self.state = "no"
+            else:
+                self.ticks += 1
+                if self.ticks == 3:
+                    self.state = "language" if state == "fence" else "tail"
+        elif char in " \t\r\n":
+            return
+        elif state in ("lead", "values") and char == "{":
+            self.call, self.first_key, self.state = CallScanner(), None, "object"
+            self.call.feed(char)
+        elif state == "lead" and char == "`":
+            self.fenced, self.ticks, self.state = True, 1, "fence"
+        elif state == "values" and self.fenced and self.calls and char == "`":
+            self.ticks, self.state = 1, "close"
+        else:
+            self.state = "no"
+
+    def _object(self, char: str) -> None:
+        call = self.call
+        call.feed(char)
+        if self.first_key is None and call.state not in ("key_or_end", "key"):
+            self.first_key = call.key if call.state == "colon" else ""
+            if self.first_key not in self.FIRST_KEYS:
+                self.state = "no"
+                return
+        if call.failed or (call.name is not None and call.name not in self.tool_names):
+            self.state = "no"
+        elif call.key in call.ARGUMENT_KEYS and call.value_start not in ("", "{"):
+            self.state = "no"  # arguments that are not an object, from their first character
+        elif call.done:
+            if call.name is None or not call.arguments_open or call.arguments_other is not None:
+                self.state = "no"  # a call of no tool, or its arguments are not an object
+            else:
+                self.calls += 1
+                self.state = "values"
+
+
 def _bare_arguments(call: dict) -> Any:
     """A bare call's arguments: "arguments", else "parameters" (Llama-style), as a tagged call's (CallScanner)."""
     return call["arguments"] if "arguments" in call else call.get("parameters")
 
 
 def _strip_code_fence(text: str) -> str:
-    """The inside of a markdown code fence (```json ... ```) that is the whole text, else the text."""
+    """The inside of a markdown code fence (```json ... ``` or ``` ... ```) that is the whole text, else the text."""
     body = text.strip()
     if not (body.startswith("```") and body.endswith("```") and len(body) > 6):
         return text
     first_line_end = body.find("\n")
-    return body[first_line_end + 1:-3] if first_line_end > 0 else text
+    if first_line_end < 0 or body[3:first_line_end].strip().lower() not in ("", "json"):
+        return text
+    return body[first_line_end + 1:-3]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
