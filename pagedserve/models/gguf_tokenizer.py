@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from gguf.constants import TokenType
+from gguf.constants import Keys, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from pagedserve.formats.errors import ModelValidationError
@@ -150,6 +150,21 @@ def _backend_tokenizer(metadata: dict[str, Any], source: str) -> Tokenizer:
     return tokenizer
 
 
+def gguf_chat_template(metadata: dict[str, Any]) -> str | dict[str, str] | None:
+    """The chat template, or HF's named templates ({"default": ..., "tool_use": ...}, as Hermes-2-Pro and Hermes-3
+    ship them) where llama.cpp's converter wrote them: `tokenizer.chat_templates` names them, each under
+    `tokenizer.chat_template.NAME` (gguf.Keys.Tokenizer.CHAT_TEMPLATES, CHAT_TEMPLATE_N), the default under
+    `tokenizer.chat_template`. Without them a request with tools rendered the default, which has no tool format."""
+    default = metadata.get(Keys.Tokenizer.CHAT_TEMPLATE) or None
+    prefix = Keys.Tokenizer.CHAT_TEMPLATE_N.format(name="")
+    names = [str(n) for n in metadata.get(Keys.Tokenizer.CHAT_TEMPLATES) or ()]
+    names += [k[len(prefix):] for k in metadata if k.startswith(prefix) and k[len(prefix):] not in names]
+    named = {name: metadata[prefix + name] for name in names if metadata.get(prefix + name)}
+    if not named:
+        return default
+    return {**({"default": default} if default else {}), **named}
+
+
 def build_tokenizer_from_metadata(metadata: dict[str, Any], source: str = "GGUF metadata") -> ServingTokenizer:
     """The tokenizer of GGUF tokenizer metadata (byte-level BPE vocabularies).
 
@@ -164,7 +179,7 @@ def build_tokenizer_from_metadata(metadata: dict[str, Any], source: str = "GGUF 
         if token_id is not None and 0 <= int(token_id) < len(tokens):
             special[name] = tokens[int(token_id)]
     context_length = next((v for k, v in metadata.items() if k.endswith(".context_length")), None)
-    return ServingTokenizer(backend, special_tokens=special, chat_template=metadata.get("tokenizer.chat_template") or None,
+    return ServingTokenizer(backend, special_tokens=special, chat_template=gguf_chat_template(metadata),
                             model_max_length=int(context_length) if context_length else None, name_or_path=source)
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from pagedserve.entrypoints.openai.chat_format import template_message, template_messages
 from pagedserve.entrypoints.openai.protocol import ChatMessage
+from pagedserve.entrypoints.openai.serving import OpenAIServing
 from pagedserve.entrypoints.openai.tool_calls import ReadResult, make_reader, read_all, resolve_tool_choice
 from pagedserve.exceptions import InvalidRequestError
+from pagedserve.models.gguf_tokenizer import gguf_chat_template
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -40,6 +43,32 @@ def test_default_with_tools_is_auto_and_needs_the_parser_flags():
     with pytest.raises(InvalidRequestError, match="chat template has no tool-call format"):
         choice("auto", template_has_tools=False)
     assert choice("required", parser=None, template_has_tools=False).mode == "required"
+
+
+def test_the_template_checked_for_a_tool_format_is_the_one_a_request_with_tools_renders():
+    """Named templates (HF's dict; Hermes-2-Pro and Hermes-3 ship "tool_use"): the one rendered with tools is the one
+    checked (the dict's keys were, and tool_choice "auto" got "no tool-call format"); a request's own template
+    (--trust-request-chat-template) is checked in place of the model's."""
+    serving = object.__new__(OpenAIServing)
+    tool_use = "{% for t in tools %}{{ t | tojson }}{% endfor %}{{ messages }}"
+    for template, expected in [({"default": "{{ messages }}", "tool_use": tool_use}, True),
+                               ({"default": "{{ messages }}", "rag": "{{ documents }}"}, False),
+                               ({"default": tool_use}, True), ("{{ messages }}", False), (tool_use, True),
+                               (None, False)]:
+        serving.tokenizer = SimpleNamespace(chat_template=template)
+        assert serving.template_has_tools() is expected, template
+        assert serving.template_has_tools(tool_use) is True
+    assert serving.template_has_tools("{{ messages }}") is False
+
+
+def test_gguf_named_chat_templates_become_hf_s_dict():
+    """llama.cpp's converter writes HF's named templates as tokenizer.chat_templates (their names) and
+    tokenizer.chat_template.NAME; only the default reached the tokenizer, so tools never reached a tool template."""
+    metadata = {"tokenizer.chat_template": "default", "tokenizer.chat_templates": ["tool_use"],
+                "tokenizer.chat_template.tool_use": "tools", "tokenizer.chat_template.rag": "rag"}
+    assert gguf_chat_template(metadata) == {"default": "default", "tool_use": "tools", "rag": "rag"}
+    assert gguf_chat_template({"tokenizer.chat_template": "only"}) == "only"
+    assert gguf_chat_template({"tokenizer.chat_template": ""}) is None
 
 
 def test_bad_tool_choices_name_the_problem():

@@ -29,6 +29,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatM
 from pagedserve.entrypoints.openai.chat_format import (RESERVED_TEMPLATE_KWARGS, chat_delta, chat_finish_reason,
                                                        chat_logprobs, render_conversation, token_text)
 from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
+from pagedserve.chat_template import select_template
 from pagedserve.structured.admission import compile_timeout_error
 from pagedserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -528,16 +529,24 @@ class OpenAIServing:
         """A stream ends with a usage chunk: stream_options.include_usage, or --enable-force-include-usage."""
         return bool(req.stream_options and req.stream_options.include_usage) or self.options.enable_force_include_usage
 
-    @property
-    def template_has_tools(self) -> bool:
-        """The chat template writes tool definitions (it reads the `tools` variable)."""
-        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
+    def template_has_tools(self, request_template: str | None = None) -> bool:
+        """The chat template a request with tools renders writes tool definitions (it reads the `tools` variable):
+        the request's own (--trust-request-chat-template), else the tokenizer's, of named templates the one
+        select_template picks with tools ("tool_use", as Hermes-2-Pro and Hermes-3 ship it; looking for "tools" in
+        the dict found its keys and refused tool_choice "auto")."""
+        template = request_template
+        if template is None:
+            try:
+                template = select_template(getattr(self.tokenizer, "chat_template", None), tools=[])
+            except ValueError:  # no template, or named ones without a default: rendering says so
+                return False
+        return "tools" in template
 
     async def _tool_choice(self, req: ChatCompletionRequest) -> ToolChoice | None:
         """The request's tool choice; its tools' schemas are checked off the event loop (thousands of tools:
         seconds of pure Python)."""
         resolve = functools.partial(resolve_tool_choice, req.tools, req.tool_choice, req.parallel_tool_calls,
-                                    self.tool_call_parser, self.template_has_tools)
+                                    self.tool_call_parser, self.template_has_tools(self._request_template(req)))
         return await self.in_tokenizer_pool(resolve) if req.tools else resolve()
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
