@@ -70,3 +70,15 @@ def test_auto_keeps_strings_for_a_template_that_splits_the_content_and_empty_tex
     assert render(splits, [{"role": "user", "content": "a\nb"}]) == "<a><b>"
     parts = render_conversation(Tokenizer(PARTS), [ChatMessage(role="assistant", content="")], "openai")
     assert parts == "[assistant:<>]"
+
+
+def test_a_developer_message_is_a_system_message_where_the_template_never_names_that_role():
+    """OpenAI's "developer" role (the Codex CLI sends it): Qwen's template dropped such a message silently, others
+    wrote a role the model never saw; a template that names the role gets it as it is."""
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert render(STRINGS, messages) == "[system:Be brief.][user:Hi]"
+    qwen_like = ("{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}[{{ m.role }}:"
+                 "{{ m.content }}]{% endif %}{% endfor %}")
+    assert render(qwen_like, messages) == "[system:Be brief.][user:Hi]"  # was "[user:Hi]"
+    knows = "{% for m in messages %}{% if m.role == 'developer' %}<dev>{% endif %}[{{ m.role }}]{% endfor %}"
+    assert render(knows, messages) == "<dev>[developer][user]"

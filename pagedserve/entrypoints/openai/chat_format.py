@@ -30,12 +30,16 @@ def render_conversation(tokenizer: Any, messages: list[ChatMessage], content_for
     """A chat's prompt text, for the server and LLM.chat alike: the messages as templates take them
     (template_message, template_messages), rendered by the tokenizer's template or template_kwargs'
     chat_template. Content format "auto" is "openai" for a template that loops over a message's content (as
-    vLLM detects it), else "string"."""
+    vLLM detects it), else "string". A "developer" message (OpenAI's newer name for system, which the Codex CLI
+    and OpenAI's SDK guidance send) is a system message for a template that never names that role: Qwen's
+    dropped it silently, others wrote a role the model never saw (llama.cpp maps it so too)."""
+    template = template_kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    templates = list(template.values()) if isinstance(template, dict) else [template or ""]
     if content_format == "auto":
-        template = template_kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
-        templates = template.values() if isinstance(template, dict) else [template or ""]
         content_format = "openai" if any(_LOOPS_OVER_CONTENT.search(t) for t in templates) else "string"
     conversation = template_messages([template_message(m, content_format) for m in messages])
+    if not any("developer" in t for t in templates):
+        conversation = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
     return tokenizer.apply_chat_template(conversation, tokenize=False, **template_kwargs)
 
 
