@@ -250,7 +250,19 @@ def test_vllm_request_fields_act_or_are_refused_by_name(server, http):
         assert response.status_code == 400 and response.json()["error"]["param"] == field, field
     assert complete(use_beam_search=False, bad_words=[], priority=0, modalities=["text"]).status_code == 200
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    assert http.post("/v1/chat/completions", json={**chat, "echo": True}).json()["error"]["param"] == "echo"
+    # echo (vLLM's): the final message's text before a reply that continues it, streamed as a chunk of its own
+    plain = http.post("/v1/chat/completions", json={**chat, "echo": True, "temperature": 0}).json()
+    assert plain["choices"][0]["message"]["content"] == http.post(
+        "/v1/chat/completions", json={**chat, "temperature": 0}).json()["choices"][0]["message"]["content"]
+    prefill = {**chat, "messages": [*chat["messages"], {"role": "assistant", "content": "Well,"}], "temperature": 0,
+               "continue_final_message": True, "add_generation_prompt": False}
+    continued = http.post("/v1/chat/completions", json=prefill).json()["choices"][0]["message"]["content"]
+    echoed = http.post("/v1/chat/completions", json={**prefill, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "Well," + continued
+    with http.stream("POST", "/v1/chat/completions", json={**prefill, "echo": True, "stream": True}) as response:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in response.iter_lines()
+                  if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert deltas[1] == {"content": "Well,"} and "".join(d.get("content", "") for d in deltas) == "Well," + continued
     # fields that would change the output, refused rather than ignored (a QA sweep found each ignored)
     for field, value in (("best_of", 3), ("prompt_embeds", "AAAA"), ("structural_tag", "{}"),
                          ("repetition_detection", {"max_pattern_size": 4}), ("function_call", {"name": "f"}),

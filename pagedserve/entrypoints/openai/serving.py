@@ -27,7 +27,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatM
                                                     DetokenizeRequest, TokenizeRequest, generation_prompt,
                                                     refused_field)
 from pagedserve.entrypoints.openai.chat_format import (RESERVED_TEMPLATE_KWARGS, chat_delta, chat_finish_reason,
-                                                       chat_logprobs, render_conversation, token_text)
+                                                       chat_logprobs, message_text, render_conversation, token_text)
 from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
 from pagedserve.chat_template import select_template
 from pagedserve.structured.admission import compile_timeout_error
@@ -502,7 +502,7 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        req.check_fields({"echo": (None, False), "best_of": (None, req.n),
+        req.check_fields({"best_of": (None, req.n),
                           **({} if self.options.trust_request_chat_template else {"chat_template": None})})
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs are given in a chat response that is not streamed; set "
@@ -586,11 +586,12 @@ class OpenAIServing:
         finals = await _collect(streams, raw, 1, tally)
         choices = []
         named = tool_choice is not None and tool_choice.mode == "named"
+        echo = self._chat_echo(req)
         for index, choice in sorted(finals[0].items()):
             read = read_all(make_reader(tool_choice, self.tool_call_parser), choice.text)
-            message: dict[str, Any] = {"role": self.options.response_role, "content": read.content}
+            message: dict[str, Any] = {"role": self.options.response_role, "content": echo + read.content}
             if read.calls:
-                message.update(content=read.content or None, tool_calls=read.calls)
+                message.update(content=echo + read.content or None, tool_calls=read.calls)
             choices.append({"index": index, "message": message,
                             "logprobs": chat_logprobs(choice.token_ids, choice.logprobs, req.top_logprobs or 0,
                                                       self.token_bytes, self._as_ids(req)) if req.logprobs else None,
@@ -607,6 +608,14 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(tally.logprobs.get(0, []))
         return JSONResponse(body)
+
+    def _chat_echo(self, req: ChatCompletionRequest) -> str:
+        """vLLM's chat `echo`: the final message's text where the reply continues it (no generation prompt, or a
+        final message in the reply's role), to stand before the reply's content; else ""."""
+        last = req.messages[-1]
+        if not req.echo or (generation_prompt(req) and last.role != self.options.response_role):
+            return ""
+        return message_text(last)
 
     async def start_chat(self, req: ChatCompletionRequest, id_prefix: str, raw: Request | None = None
                          ) -> tuple[str, _Prompt, AsyncIterator[tuple[int, RequestOutput]], ToolChoice | None]:
@@ -658,6 +667,13 @@ class OpenAIServing:
                 chunk["usage"] = _usage(len(prompt.token_ids), 0)
             if req.return_token_ids and index == 0:  # vLLM's: the prompt's ids with the first chunk
                 chunk["prompt_token_ids"] = prompt.token_ids
+            yield _chunk(chunk)
+        echo = self._chat_echo(req)
+        for index in range(req.n if echo else 0):  # vLLM's: the echoed text in a chunk of its own per choice
+            chunk = {**base, "choices": [{"index": index, "delta": {"content": echo}, "logprobs": None,
+                                          "finish_reason": None}]}
+            if _continuous_usage(req):
+                chunk["usage"] = _usage(len(prompt.token_ids), 0)
             yield _chunk(chunk)
         num_completion = 0
         per_choice = [0] * req.n  # tokens so far of each choice (continuous usage, as vLLM's)
