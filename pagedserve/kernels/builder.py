@@ -54,7 +54,9 @@ BUILD_ISA = {"avx2": "avx2", "avx2-vnni": "avx2", "avx512-vnni": "avx512"}
 BUILD_FLAGS = {build: dict(NATIVE_ISA_FLAGS)[isa] | ({"avx_vnni"} if build == "avx2-vnni" else set())
                for build, isa in BUILD_ISA.items()}
 COMPILE_TIMEOUT_S = 120.0  # one small file: seconds on a loaded 2-core box; a hung compiler must not hang start-up
-KEEP_BUILDS = 3
+# Every ISA's build of two versions: with 3 kept, the four builds of one source (the test suite builds each ISA
+# its CPU runs) evicted each other, and a server started beside them compiled its own again, on a loaded box.
+KEEP_BUILDS = 2 * len(ISA_MARCH)
 
 
 class KernelBuildError(RuntimeError):
