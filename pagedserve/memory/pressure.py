@@ -9,7 +9,12 @@ Thresholds, from the memory the probe saw at start (`total`: MemTotal, or the cg
     low  = max(PRESSURE_MIN_BYTES (256 MiB), PRESSURE_FRACTION (5 %) x total)   under it: pressure
     high = 2 x low                                                              at or above it: pressure over
 (the kernel starts reclaiming page cache well above its min watermark, which is far below 5 % on boxes of a
-few GiB; 5 % leaves the neighbour that grew room to finish before it swaps.)
+few GiB; 5 % leaves the neighbour that grew room to finish before it swaps.) Where the plan's worst case leaves
+less than 2 x low of the memory seen at start (a small cgroup), low is half of what it leaves (at least
+PRESSURE_FLOOR_BYTES): a server alone in the box must not put itself under pressure by growing as planned. And a
+server that runs nothing and has no free block left to give back while the headroom is at or above low admits
+again without waiting for high: alone in the box it would wait for ever (QA-S saw a server hold its queue for
+minutes on its own steady memory).
 
 The KV pool is a shared anonymous mapping (platform.lazy_zeros), so its pages are freed with
 madvise(MADV_REMOVE), which also reads them back as zeros (MADV_DONTNEED would only unmap them: the shmem
@@ -32,6 +37,7 @@ from pagedserve.memory.sizes import MIB
 logger = logging.getLogger(__name__)
 
 PRESSURE_MIN_BYTES = 256 * MIB
+PRESSURE_FLOOR_BYTES = 32 * MIB  # low never goes under this, whatever the plan leaves
 PRESSURE_FRACTION = 0.05
 CHECK_INTERVAL_S = 0.5  # read the headroom at most this often
 RETRY_AFTER_S = 5  # what a refused client is told to wait
@@ -45,8 +51,11 @@ class PressureThresholds:
     high_bytes: int  # headroom at or above this: pressure over
 
     @classmethod
-    def for_memory(cls, total_bytes: int) -> PressureThresholds:
+    def for_memory(cls, total_bytes: int, spare_bytes: int | None = None) -> PressureThresholds:
+        """`spare_bytes`: what the plan's worst case leaves of the memory seen at start (see the module docstring)."""
         low = max(PRESSURE_MIN_BYTES, int(PRESSURE_FRACTION * total_bytes))
+        if spare_bytes is not None and 2 * low > spare_bytes:
+            low = max(PRESSURE_FLOOR_BYTES, spare_bytes // 2)
         return cls(low, 2 * low)
 
 
@@ -88,6 +97,18 @@ class MemoryPressure:
                 self._released_at_read = self.num_reads
             return due
 
+    def relent(self) -> bool:
+        """End the pressure where the headroom is at least low (the caller runs nothing and has nothing left to give
+        back: waiting for high may never end); True if it ended."""
+        with self._lock:
+            if not self.is_active or self.available_bytes is None or self.available_bytes < self.thresholds.low_bytes:
+                return False
+            self.is_active = False
+        logger.warning("memory_pressure over: %.0f MiB available (>= %.0f MiB), and the server runs nothing and has "
+                       "nothing more to give back: admitting again", self.available_bytes / MIB,
+                       self.thresholds.low_bytes / MIB)
+        return True
+
     def _update(self, available: AvailableMemory) -> None:
         self.available_bytes = available.num_bytes
         low, high = self.thresholds.low_bytes, self.thresholds.high_bytes
@@ -114,7 +135,8 @@ def give_way(pressure: MemoryPressure, scheduler: Any, kv: Any,
     """Before an engine step: while under pressure, hold the scheduler's waiting queue and free the pages of
     every free KV block (`kv`, the KVCacheManager, marks them unwritten, so the RSS expectation drops with
     them; `release(block_ids, block_size, window_block_ids)`: the runner's Runner.release_kv_pages, every pool
-    on every rank). Returns the number of blocks released."""
+    on every rank). Returns the number of blocks released. Running nothing with nothing left to release, it
+    relents where the headroom is at least low (MemoryPressure.relent)."""
     scheduler.hold_waiting = pressure.check()
     if not pressure.take_release_turn():
         return 0
@@ -123,6 +145,8 @@ def give_way(pressure: MemoryPressure, scheduler: Any, kv: Any,
     if num_blocks:
         released = release(block_ids, kv.block_size, window_block_ids)
         logger.info("memory_pressure: gave back %.1f MiB of %d free KV blocks", released / MIB, num_blocks)
+    elif not scheduler.running and pressure.relent():
+        scheduler.hold_waiting = False
     return num_blocks
 
 
@@ -162,5 +186,9 @@ def memory_pressure_for(device: str, plan: Any, meminfo_path: str | None = None)
     if device != "cpu" or plan is None:
         return None
     start = plan.request.available
-    thresholds = PressureThresholds.for_memory(start.total_bytes or start.num_bytes)
+    thresholds = PressureThresholds.for_memory(start.total_bytes or start.num_bytes, start.num_bytes - plan.total_bytes)
+    if thresholds.low_bytes < PRESSURE_MIN_BYTES:
+        logger.info("memory_pressure: below %.0f MiB of headroom (over again at %.0f MiB): the plan's worst case "
+                    "leaves %.0f MiB of what is available", thresholds.low_bytes / MIB, thresholds.high_bytes / MIB,
+                    (start.num_bytes - plan.total_bytes) / MIB)
     return MemoryPressure(lambda: available_memory(meminfo_path or "/proc/meminfo"), thresholds)

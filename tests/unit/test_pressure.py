@@ -84,3 +84,42 @@ def test_give_way_holds_the_queue_and_releases_free_blocks_only_while_short() ->
 ])
 def test_only_whole_pages_of_runs_of_blocks_are_released(block_ids, block_bytes, expected) -> None:
     assert page_ranges(block_ids, block_bytes) == expected
+
+
+def test_thresholds_leave_the_plan_s_worst_case_out_of_pressure() -> None:
+    """In a small cgroup the plan's worst case leaves less than 2 x low of what was available: low is half of what
+    it leaves (a server alone in a 920 MiB cgroup put itself under pressure by growing as planned, QA-S)."""
+    assert PressureThresholds.for_memory(24 * GIB, 10 * GIB) == PressureThresholds.for_memory(24 * GIB)
+    assert PressureThresholds.for_memory(920 * MIB, 300 * MIB) == PressureThresholds(150 * MIB, 300 * MIB)
+    assert PressureThresholds.for_memory(920 * MIB, 20 * MIB).low_bytes == pressure.PRESSURE_FLOOR_BYTES
+    plan = SimpleNamespace(request=SimpleNamespace(available=AvailableMemory(900 * MIB, "cgroup", "test",
+                                                                             total_bytes=920 * MIB)),
+                           total_bytes=800 * MIB)
+    assert pressure.memory_pressure_for("cpu", plan).thresholds == PressureThresholds(50 * MIB, 100 * MIB)
+
+
+def test_a_server_that_runs_nothing_and_has_nothing_to_give_back_relents_at_low(caplog) -> None:
+    """Between low and high with nothing running and no free block left to release, waiting for high may never
+    end (alone in a small cgroup the server's own steady memory keeps the headroom under it): admitting again."""
+    caplog.set_level(logging.WARNING, logger="pagedserve.memory.pressure")
+    nothing = SimpleNamespace(release_free_blocks=lambda: ([], []), block_size=16)
+    scheduler = SimpleNamespace(hold_waiting=False, running=["a request"])
+    release = lambda ids, block_size, window_ids: 0  # noqa: E731
+    source = Source(50 * MIB)
+    monitor = source.monitor()  # low 100 MiB, high 200 MiB
+    pressure.give_way(monitor, scheduler, nothing, release)
+    assert scheduler.hold_waiting and monitor.is_active
+    source.num_bytes, source.now = 150 * MIB, 1.0  # over low, under high: a running request keeps it held
+    pressure.give_way(monitor, scheduler, nothing, release)
+    assert scheduler.hold_waiting and monitor.is_active
+    scheduler.running = []
+    source.now = 2.0
+    pressure.give_way(monitor, scheduler, nothing, release)
+    assert not scheduler.hold_waiting and not monitor.is_active
+    assert "nothing more to give back: admitting again" in caplog.text
+    source.num_bytes, source.now = 60 * MIB, 3.0  # under low: pressure again, idle or not
+    pressure.give_way(monitor, scheduler, nothing, release)
+    assert scheduler.hold_waiting and monitor.is_active
+    source.now = 4.0
+    pressure.give_way(monitor, scheduler, nothing, release)
+    assert scheduler.hold_waiting  # under low nothing relents

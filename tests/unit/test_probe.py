@@ -336,12 +336,15 @@ def test_the_plan_counts_what_this_process_already_holds_of_its_runtime(tmp_path
     from pagedserve.memory.probe import AvailableMemory, counting_own_runtime
 
     available = AvailableMemory(1 << 30, "cgroup", "cgroup v1 limit 1.07 GiB - used 0.17 GiB = 1.00 GiB")
-    status = write(tmp_path / "status", "Name:\tpython\nVmRSS:\t  174080 kB\n")  # 170 MiB
+    status = write(tmp_path / "status", "Name:\tpython\nVmRSS:\t  250000 kB\nRssAnon:\t  163840 kB\n"
+                                        "RssFile:\t   79000 kB\nRssShmem:\t   10240 kB\n")  # 160 + 10 MiB
     counted = counting_own_runtime(available, 272 << 20, status)
     assert counted.num_bytes == (1 << 30) + (170 << 20) and counted.bound_by == "cgroup"
     assert "+ 0.17 GiB this process holds already" in counted.reason
     assert counting_own_runtime(available, 100 << 20, status).num_bytes == (1 << 30) + (100 << 20)  # the cap
     assert counting_own_runtime(available, 272 << 20, tmp_path / "missing") == available
+    old_kernel = write(tmp_path / "old", "Name:\tpython\nVmRSS:\t  174080 kB\n")  # no RssAnon: VmRSS
+    assert counting_own_runtime(available, 272 << 20, old_kernel).num_bytes == (1 << 30) + (170 << 20)
     monkeypatch.setattr(probe, "available_memory", lambda: available)
-    monkeypatch.setattr(probe, "process_rss_bytes", lambda path="/proc/self/status": 2 << 30)  # a model loaded
+    monkeypatch.setattr(probe, "process_anon_bytes", lambda path="/proc/self/status": 2 << 30)  # a model loaded
     assert memory_plan._probe_available_memory("cpu").num_bytes == (1 << 30) + memory_plan.CPU_RUNTIME_BASE_BYTES
