@@ -65,4 +65,6 @@ class GrammarAdmission:
 def compile_timeout_error(timeout_s: float, params: Any) -> InvalidRequestError:
     param = getattr(params, "param", "structured_outputs")
     return InvalidRequestError(f"{param}: compiling the grammar took longer than {timeout_s:g} s (the limit set by "
-                               "--structured-outputs-config's compile_timeout_s); simplify the schema", param=param)
+                               "--structured-outputs-config's compile_timeout_s); the compile goes on in the "
+                               "background and is used once done, so retry later, or simplify the schema",
+                               param=param)
