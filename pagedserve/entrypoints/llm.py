@@ -9,7 +9,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pagedserve.beam_search import BeamSearchOutput, check_candidates, scoring_params, search
+from pagedserve.beam_search import BeamSearchOutput, check_candidates, generated_tokens, scoring_params, search
 from pagedserve.engine import vllm_compat
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
@@ -235,8 +235,9 @@ class LLM:
         for first in range(0, len(prompt_ids), group):
             results.extend(self._beam_search_group(prompt_ids[first:first + group], params))
         tokenizer = self.engine.tokenizer
-        for output in results:
-            for beam in output.sequences:
+        for output, ids in zip(results, prompt_ids):
+            for beam in output.sequences:  # a final EOS only with include_stop_str_in_output, as vLLM's
+                beam.tokens = ids + generated_tokens(beam, len(ids), params.include_stop_str_in_output)
                 beam.text = tokenizer.decode(beam.tokens)
         return results
 

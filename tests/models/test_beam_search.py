@@ -91,6 +91,32 @@ def test_length_penalty_and_refusals(model_dir, hf_model):
         llm.beam_search(["hi"], {"beam_width": 2})
 
 
+def test_a_beam_ended_by_eos_keeps_it_only_with_include_stop_str_in_output(model_dir, hf_model, tmp_path):
+    """As vLLM's LLM.beam_search: a finished beam's tokens and text end before its EOS unless
+    include_stop_str_in_output (offline they always kept it, and the text showed the EOS token, QA-T). An extra EOS
+    id from generation_config.json that the model writes early makes beams finish."""
+    import shutil
+
+    with torch.no_grad():
+        greedy = hf_model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=3, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0].tolist()
+    eos = greedy[len(PROMPTS[0]) + 1]
+    ending = tmp_path / "model"
+    shutil.copytree(model_dir, ending)
+    config = json.loads((ending / "generation_config.json").read_text())
+    (ending / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, eos]}))
+    llm = LLM(str(ending), dtype="float32", max_model_len=64)
+    prompt = [{"prompt_token_ids": PROMPTS[0]}]
+    cut, kept = (llm.beam_search(prompt, BeamSearchParams(3, 6, include_stop_str_in_output=keep))[0].sequences
+                 for keep in (False, True))
+    stopped = [(a, b) for a, b in zip(cut, kept) if a.finish_reason == "stop"]
+    assert stopped, [b.finish_reason for b in cut]
+    for without, with_eos in stopped:
+        assert with_eos.tokens == without.tokens + [eos] and without.tokens[-1] != eos
+        assert without.text == llm.get_tokenizer().decode(without.tokens)
+        assert with_eos.text == llm.get_tokenizer().decode(with_eos.tokens)
+
+
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     yield from module_server(model_dir, "--max-model-len", "128", "--dtype", "float32", "--enable-prefix-caching",
