@@ -42,10 +42,11 @@ def check_pairs(left: Sequence, right: Sequence, names: tuple[str, str] = ("text
 
 
 def cosine_scores(left: Sequence[Sequence[float]], right: Sequence[Sequence[float]]) -> list[float]:
-    """Cosine similarity of each pair (a single left vector against every right one), in float64."""
+    """Cosine similarity of each pair (a single left vector against every right one), in float64, within [-1, 1]
+    (a text with itself came out 1.0000000000000002, which range-checking clients reject)."""
     a = np.asarray(left, dtype=np.float64)
     b = np.asarray(right, dtype=np.float64)
     if len(a) == 1:
         a = np.broadcast_to(a, b.shape)
     norms = np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
-    return ((a * b).sum(axis=1) / norms).tolist()
+    return np.clip((a * b).sum(axis=1) / norms, -1.0, 1.0).tolist()
