@@ -199,6 +199,9 @@ def test_score_and_rerank_are_cosine_similarities(server):
     ("/rerank", {"query": "a", "documents": []}, "documents"),
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
     ("/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),
+    # a value of none of a union's types: the field, not a type's name ("documents.0.str", QA-T)
+    ("/rerank", {"query": "a", "documents": [{"content": "b"}]}, "documents.0"),
+    ("/score", {"text_1": "a", "text_2": [[101, 2000]]}, "text_2"),
 ])
 def test_score_and_rerank_bad_requests(server, path, body, param):
     response = httpx.post(f"{server.url}{path}", json=body, timeout=30)

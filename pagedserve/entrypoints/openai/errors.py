@@ -102,8 +102,29 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not location and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
         return ("the request body must be a JSON object, sent with Content-Type: application/json (curl: add "
                 "-H 'Content-Type: application/json')"), None
+    branches = _union_branches(errors, location)
+    if branches:  # a value of none of a field's types: name the field, and what each type wanted
+        param = ".".join(location[:-len(branches[0][0])])
+        wanted = "; or ".join(dict.fromkeys(f"{kind}{' ' + '.'.join(rest) if rest else ''}: {msg}"
+                                            for (kind, *rest), msg in branches))
+        return f"{param}: none of its forms fits ({wanted})", param
     param = ".".join(location) or None
     return f"{param or 'body'}: {first.get('msg')}", param
+
+
+def _union_branches(errors: list, location: list[str]) -> list[tuple[list[str], str]]:
+    """Where the first errors are one value's failures against each type of a union (pydantic adds the type's
+    name to each location: "documents.0.str", "documents.0.RerankDocument.text"), each one's location past the
+    value (type name first) and message; else [] (the param named a union member, QA-T)."""
+    locations = [[str(p) for p in error.get("loc", ()) if p != "body"] for error in errors]
+    for depth in range(len(location) - 1, 0, -1):
+        prefix = location[:depth]
+        same = [(loc[depth:], error.get("msg", "")) for loc, error in zip(locations, errors) if loc[:depth] == prefix
+                and len(loc) > depth]
+        kinds = {rest[0] for rest, _ in same}
+        if len(kinds) > 1 and all(not kind.isdigit() for kind in kinds):
+            return same
+    return []
 
 
 def install_error_handlers(app: FastAPI) -> None:
