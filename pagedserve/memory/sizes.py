@@ -59,6 +59,9 @@ TRANSFORMERS_RUNTIME_BYTES = 48 * MIB
 # client asked for JSON.
 STRUCTURED_OUTPUTS_BASE_BYTES = 56 * MIB
 STRUCTURED_OUTPUTS_BYTES_PER_TOKEN = 132
+# The compiled grammars kept for reuse (structured/compiler.py keeps at most this many bytes of them; a JSON schema
+# over a 152k vocabulary is ~1.8 MiB): part of the structured-outputs overhead.
+GRAMMAR_CACHE_BYTES = 32 * MIB
 # CUDA context and cuBLAS workspace on the device: an estimate (vLLM's profiler typically finds 0.5-1 GiB of
 # non-torch memory); not measured on this project's CPU-only machines.
 CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB
@@ -197,7 +200,8 @@ def runtime_overhead_bytes(shape: ModelShape, max_model_len: int, max_num_seqs: 
         return CUDA_RUNTIME_OVERHEAD_BYTES + sequences
     runtime = CPU_RUNTIME_BASE_BYTES + (TRANSFORMERS_RUNTIME_BYTES if uses_transformers else 0)
     if structured_outputs:
-        runtime += STRUCTURED_OUTPUTS_BASE_BYTES + STRUCTURED_OUTPUTS_BYTES_PER_TOKEN * shape.vocab_size
+        runtime += (STRUCTURED_OUTPUTS_BASE_BYTES + GRAMMAR_CACHE_BYTES
+                    + STRUCTURED_OUTPUTS_BYTES_PER_TOKEN * shape.vocab_size)
     return runtime + TOKENIZER_BYTES_PER_TOKEN * shape.vocab_size + sequences
 
 

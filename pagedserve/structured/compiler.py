@@ -4,7 +4,9 @@ One GrammarCompiler per engine (one tokenizer). `submit` checks what it can at o
 grammar cannot enforce, an invalid schema: InvalidRequestError) and returns a Future of the compiled grammar;
 compiling runs on worker threads (structured/workers.py: a grammar past the compile time limit is given up and
 holds no one else up), so the engine keeps stepping other requests meanwhile. Futures are
-cached by the grammar's canonical spec, so a repeated schema costs nothing after its first use. xgrammar (its
+cached by the grammar's canonical spec, so a repeated schema costs nothing after its first use; the cache is
+bounded by count and by the compiled grammars' bytes (a JSON schema over a 152k vocabulary is ~1.8 MiB; a client
+sending 100,000-value choices grew the server by 230 MB a request, QA-U). xgrammar (its
 import, its scan of the vocabulary and the UTF-8 guard's table: ~1.6 s for a 152k vocabulary on 2 AVX2 cores)
 is loaded on the worker at the first constrained request: servers that never see one never pay for it.
 """
@@ -27,6 +29,7 @@ from pagedserve.structured.admission import compile_timeout_error
 from pagedserve.structured.matcher import CompiledGrammar
 from pagedserve.structured.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
 from pagedserve.structured.schema import check_json_schema
+from pagedserve.memory.sizes import GRAMMAR_CACHE_BYTES
 from pagedserve.structured.workers import CompileWorkers
 
 logger = logging.getLogger(__name__)
@@ -46,8 +49,10 @@ class GrammarCompiler:
         self.on_compiled = on_compiled  # seconds per compilation (metrics)
         self.compile_timeout_s = compile_timeout_s
         self._executor = CompileWorkers(NUM_COMPILE_WORKERS, compile_timeout_s)
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()  # least recently used first
+        self._sizes: dict[tuple, int] = {}  # the compiled grammar's bytes, per cached key that has one
+        self.cached_bytes = 0
+        self._lock = threading.RLock()  # a Future done at once runs its callback (_account) under submit's lock
         self._load_lock = threading.Lock()
         self._xgr_info: Any = None  # xgrammar's TokenizerInfo: the vocabulary scanned once
         self._local = threading.local()  # a worker's own xgrammar GrammarCompiler
@@ -77,8 +82,8 @@ class GrammarCompiler:
             future = self._executor.submit(self._compile, params, late_error=late,
                                            late_result=lambda grammar: self._cache_late(params.key, future, grammar))
             self._cache[params.key] = future
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+            future.add_done_callback(lambda done: self._account(params.key, done))
+            self._evict()
             return future
 
     def _cache_late(self, key: tuple, given_up: Future, grammar: CompiledGrammar) -> None:
@@ -89,6 +94,32 @@ class GrammarCompiler:
         with self._lock:
             if self._cache.get(key) is given_up:
                 self._cache[key] = done
+                self._account(key, done)
+
+    def _account(self, key: tuple, future: Future) -> None:
+        """Count a compiled grammar's bytes while it is cached, and evict down to the bounds."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        size = int(getattr(future.result().xgrammar, "memory_size_bytes", 0))
+        with self._lock:
+            if self._cache.get(key) is not future:
+                return  # evicted meanwhile: nothing of it is kept
+            if size > GRAMMAR_CACHE_BYTES:  # larger than the whole budget: not kept, and the others stay
+                del self._cache[key]
+                self.cached_bytes -= self._sizes.pop(key, 0)
+                return
+            self.cached_bytes += size - self._sizes.get(key, 0)
+            self._sizes[key] = size
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars while more than MAX_CACHED_GRAMMARS or GRAMMAR_CACHE_BYTES are
+        kept (_account keeps none larger than the whole budget: compiled again when asked again). Requests hold
+        their own reference: a grammar in use stays alive until they end."""
+        with self._lock:
+            while self._cache and (len(self._cache) > MAX_CACHED_GRAMMARS or self.cached_bytes > GRAMMAR_CACHE_BYTES):
+                key, _ = self._cache.popitem(last=False)
+                self.cached_bytes -= self._sizes.pop(key, 0)
 
     def compile(self, params: StructuredOutputsParams, timeout: float | None = None) -> Any:
         """Blocking: the compiled grammar (InvalidRequestError as submit/the Future would raise)."""

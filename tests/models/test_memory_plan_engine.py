@@ -21,7 +21,7 @@ from pagedserve.formats import gguf as gguf_format
 from pagedserve.memory.checkpoint import read_checkpoint_info
 from pagedserve.memory.plan import GIB, HOST_BYTES_PER_KV_BLOCK, InsufficientMemoryError
 from pagedserve.memory.probe import AvailableMemory
-from pagedserve.memory.sizes import (CPU_RUNTIME_BASE_BYTES, STRUCTURED_OUTPUTS_BASE_BYTES,
+from pagedserve.memory.sizes import (CPU_RUNTIME_BASE_BYTES, GRAMMAR_CACHE_BYTES, STRUCTURED_OUTPUTS_BASE_BYTES,
                                      STRUCTURED_OUTPUTS_BYTES_PER_TOKEN, TOKENIZER_BYTES_PER_TOKEN)
 from pagedserve.models import gguf_dequant, gguf_loader, gguf_tokenizer
 from tests.models.gguf_utils import tiny_model, write_test_gguf
@@ -62,7 +62,7 @@ def test_plan_json_equals_the_hand_computed_plan(tiny_model_dir, tmp_path, capsy
     assert data["activation_bytes"] == 16384 + 24576 + 49152 + 16384 + 10240 + 4096 + 16384 == 137216
     # Overhead: runtime + tokenizer x vocab + structured outputs (xgrammar) + rotary cos/sin 2 x 64 x 16 x 4 +
     # block table 4 seqs x 4 x 8.
-    structured = STRUCTURED_OUTPUTS_BASE_BYTES + STRUCTURED_OUTPUTS_BYTES_PER_TOKEN * 512
+    structured = STRUCTURED_OUTPUTS_BASE_BYTES + GRAMMAR_CACHE_BYTES + STRUCTURED_OUTPUTS_BYTES_PER_TOKEN * 512
     overhead = CPU_RUNTIME_BASE_BYTES + TOKENIZER_BYTES_PER_TOKEN * 512 + structured + 8192 + 128
     assert data["overhead_bytes"] == overhead
     # Budget: 0.5 x 1 GiB (--gpu-memory-utilization given: vLLM's rule); the rest would hold thousands of

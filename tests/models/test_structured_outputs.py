@@ -343,6 +343,39 @@ def test_grammars_past_the_time_limit_hold_up_no_other(tiny_model_dir, monkeypat
         release.set()
 
 
+def test_the_grammar_cache_is_bounded_by_bytes(tiny_model_dir, monkeypatch):
+    """Compiled grammars are kept up to GRAMMAR_CACHE_BYTES, least recently used dropped first, and one larger
+    than the whole budget is not kept: a client sending 100,000-value choices grew the server by 230 MB a request
+    for up to 256 of them (QA-U)."""
+    from pagedserve.engine.setup import load_tokenizer
+    from pagedserve.structured import compiler as compiler_module
+    from pagedserve.structured.compiler import GrammarCompiler
+
+    grammars = GrammarCompiler(load_tokenizer(tiny_model_dir("llama")), 512)
+    choice = lambda i, n=20: StructuredOutputsParams(choice=[f"v{i}x{j}" for j in range(n)])  # noqa: E731
+
+    def compile_and_count(params):  # the bytes are counted by the Future's callback, just after its result
+        size = grammars.compile(params).xgrammar.memory_size_bytes
+        deadline = time.monotonic() + 10
+        while params.key in grammars._cache and params.key not in grammars._sizes and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return size
+
+    one = compile_and_count(choice(0))
+    assert one > 0 and grammars.cached_bytes == one
+    budget = 3 * one + one // 2
+    monkeypatch.setattr(compiler_module, "GRAMMAR_CACHE_BYTES", budget)
+    for i in range(1, 6):
+        compile_and_count(choice(i))
+        assert 0 < grammars.cached_bytes <= budget
+    assert choice(5).key in grammars._cache and grammars.submit(choice(5)).done()  # the latest ones are kept
+    assert choice(0).key not in grammars._cache  # the oldest was dropped: compiled again when asked again
+    big = choice(99, n=2000)
+    assert compile_and_count(big) > budget
+    assert big.key not in grammars._cache and grammars.cached_bytes <= budget
+    assert choice(5).key in grammars._cache  # the one too large for the budget did not flush the others
+
+
 def test_structural_tags_as_vllm_takes_them(llm):
     """xgrammar's structural tag (vLLM's structural_tag, or response_format {"type": "structural_tag", ...}): a
     format that forces a tagged call, and the older structures-with-triggers form, whose text is free until a

@@ -262,6 +262,7 @@ def test_kv_bytes_per_token_and_runtime_overhead_by_hand() -> None:
         CUDA_RUNTIME_OVERHEAD_BYTES,
         TOKENIZER_BYTES_PER_TOKEN,
         TRANSFORMERS_RUNTIME_BYTES,
+        GRAMMAR_CACHE_BYTES,
         STRUCTURED_OUTPUTS_BASE_BYTES,
         STRUCTURED_OUTPUTS_BYTES_PER_TOKEN,
         kv_bytes_per_token,
@@ -271,7 +272,8 @@ def test_kv_bytes_per_token_and_runtime_overhead_by_hand() -> None:
     assert kv_bytes_per_token(TINY, kv_dtype_bytes=2) == 2 * 2 * 2 * 16 * 2 == 256
     # rotary: cos + sin, 64 positions x head_dim 16 x 4 B = 8192; block table 4 seqs x 4 blocks x 8 B = 128.
     cpu = runtime_overhead_bytes(TINY, max_model_len=64, max_num_seqs=4, block_size=16)
-    structured = STRUCTURED_OUTPUTS_BASE_BYTES + STRUCTURED_OUTPUTS_BYTES_PER_TOKEN * 100  # xgrammar, on first use
+    structured = (STRUCTURED_OUTPUTS_BASE_BYTES + GRAMMAR_CACHE_BYTES  # xgrammar on first use, the grammars kept
+                  + STRUCTURED_OUTPUTS_BYTES_PER_TOKEN * 100)
     assert cpu == CPU_RUNTIME_BASE_BYTES + TOKENIZER_BYTES_PER_TOKEN * 100 + structured + 8192 + 128
     assert cpu - runtime_overhead_bytes(TINY, 64, 4, 16, structured_outputs=False) == structured  # embedders
     # 65 positions need 5 blocks per sequence.
