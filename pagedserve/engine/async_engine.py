@@ -34,6 +34,21 @@ __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedErr
 
 # How long check_room holds room for a response that has not started its requests (it takes milliseconds).
 RESERVATION_S = 30.0
+# A request whose caller has taken no output for STALLED_S while at least MAX_UNREAD_OUTPUTS wait for it is ended
+# (a streaming client that stopped reading: its outputs piled up, ~28 KB a token with 20 logprobs, for as long as it
+# generated, QA-U). Both: a caller that is only behind (a busy event loop) takes outputs all the time.
+MAX_UNREAD_OUTPUTS = 64
+STALLED_S = 20.0
+
+
+@dataclass
+class _Stream:
+    """A request's outputs on their way to its caller, and when the caller last took one."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    taken_at: float
+    ended: bool = False  # ended for not being read: nothing more is delivered
 
 
 @dataclass(eq=False)  # by identity: held in a WeakSet
@@ -77,7 +92,7 @@ class AsyncEngine:
         # requests the server holds at once (running plus waiting); past it a request gets QueueFullError (429)
         self.capacity = engine.config.scheduler.max_waiting_requests + engine.config.scheduler.max_num_seqs
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._reservations: weakref.WeakSet[Reservation] = weakref.WeakSet()  # check_room's, until generate()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -155,12 +170,13 @@ class AsyncEngine:
                 raise QueueFullError(_busy(held))
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (asyncio.get_running_loop(), stream)
+            target = self._streams[request_id] = _Stream(asyncio.get_running_loop(), stream, time.monotonic())
         self._commands.put(_Add(request_id, prompt, params, arrival_time))
         finished = False
         try:
             while True:
                 item = await stream.get()
+                target.taken_at = time.monotonic()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -190,9 +206,17 @@ class AsyncEngine:
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._lock:
             target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        if target is None or target.ended:
+            return
+        if (target.queue.qsize() >= MAX_UNREAD_OUTPUTS and not isinstance(item, BaseException)
+                and time.monotonic() - target.taken_at > STALLED_S):
+            target.ended = True
+            logger.warning("request %s: its caller took no output for %.0f s while %d waited (a client that stopped "
+                           "reading its stream): ended", request_id, STALLED_S, target.queue.qsize())
+            item = RequestFailedError(request_id, f"the client read none of this request's output for {STALLED_S:g} "
+                                                  "s: the request was ended")
+            self._commands.put(_Abort(request_id))
+        target.loop.call_soon_threadsafe(target.queue.put_nowait, item)
 
     def _apply(self, command: Any) -> None:
         if isinstance(command, _Add):

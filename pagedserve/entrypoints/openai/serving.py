@@ -815,16 +815,20 @@ async def _merge(generators: list[AsyncIterator[RequestOutput]]) -> AsyncIterato
         async for output in generators[0]:
             yield 0, output
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a caller that stops taking (a client that stopped reading) holds the pumps, so outputs wait in each
+    # request's own stream, where the engine ends a request nobody reads (async_engine.STALLED_S).
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(generators))
 
     async def pump(index: int, generator: AsyncIterator[RequestOutput]) -> None:
         try:
             async for output in generator:
                 await queue.put((index, output))
+        except asyncio.CancelledError:
+            raise  # the merged stream was closed: nobody waits for the rest
         except Exception as exc:
             await queue.put((index, exc))
-        finally:
-            await queue.put((index, _DONE))
+            return
+        await queue.put((index, _DONE))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]
     try:
