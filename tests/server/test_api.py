@@ -53,6 +53,19 @@ def test_health_went_503_then_200(server):
     assert [p["name"] for p in body["phases"]] == list(PHASES), body
     # The memory gauges carry the start-up reading from ready on (they were empty until the first request).
     assert metric_value(server, "pagedserve:resident_memory_bytes", model_name=MODEL) > 0
+    # HEAD, as load balancers and uptime checkers probe (it was a 405): the status, no body.
+    for path in ("/health", "/ping", "/"):
+        head = httpx.head(f"{server.url}{path}")
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code, head.content[:80])
+    wrong = httpx.put(f"{server.url}/health")
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "MethodNotAllowedError"
+    # Bodies json.loads cannot read say why ("There was an error parsing the body" before, QA-U).
+    url, headers = f"{server.url}/v1/completions", {"Content-Type": "application/json"}
+    for body, extra, expected in ((b'{"prompt": "\xff"}', {}, "must be UTF-8"),
+                                  (b"[" * 5000 + b"]" * 5000, {}, "nest fewer than 1000 levels"),
+                                  (b"\x1f\x8b\x08\x00", {"Content-Encoding": "gzip"}, "Content-Encoding 'gzip'")):
+        response = httpx.post(url, content=body, headers={**headers, **extra})
+        assert response.status_code == 400 and expected in response.json()["error"]["message"], response.text
 
 
 def test_models_and_version(server, client):

@@ -383,9 +383,9 @@ class RequestIdMiddleware:
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
-    @app.get("/ping")  # SageMaker's health check (vLLM answers it too)
-    @app.post("/ping")
+    # HEAD too: load balancers and uptime checkers probe with it (it was a 405)
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])  # SageMaker's health check (vLLM answers it too)
     async def health() -> JSONResponse:
         if state.engine is not None and state.engine.is_dead:
             return JSONResponse({"status": "error", "phase": "dead", "error": str(state.engine.error)}, 503)
@@ -512,7 +512,7 @@ def _add_web_routes(app: FastAPI) -> None:
     proxy serves us under (--root-path), so the page works at /prefix and /prefix/ alike."""
     page = (WEB_DIR / "index.html").read_text(encoding="utf-8")
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def index(raw: Request) -> HTMLResponse:
         root = raw.scope.get("root_path", "").rstrip("/")
         body = page.replace('<base href="./">', f'<base href="{html.escape(root, quote=True)}/">') if root else page

@@ -34,8 +34,8 @@ class APIError(Exception):
         self.request_id = request_id  # set on 500s: the id the server's log files the traceback under
 
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-          413: "RequestTooLargeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+          408: "RequestTimeoutError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
           499: "ClientClosedRequest", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -142,8 +142,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(f"malformed JSON body: {exc}", 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), exc.status_code)
+    async def _http(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if message == "There was an error parsing the body":  # FastAPI's words for any body json.loads fails on
+            encoding = raw.headers.get("content-encoding")
+            message = (f"the body is sent with Content-Encoding {encoding!r}, which this server does not decode: "
+                       "send it uncompressed" if encoding and encoding.lower() != "identity" else
+                       "the body could not be read as JSON: it must be UTF-8 and nest fewer than 1000 levels deep")
+        return error_response(message, exc.status_code)
 
     async def _mapped(_: Request, exc: Exception) -> JSONResponse:
         return api_error_response(to_api_error(exc))
