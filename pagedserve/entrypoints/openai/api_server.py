@@ -192,6 +192,9 @@ class GuardMiddleware:
                                            "another with --allowed-hosts", 400)
         if self.expected is not None and not self.is_open(scope):
             provided = headers.get(b"authorization", b"")
+            scheme, _, credentials = provided.partition(b" ")
+            if scheme.lower() == b"bearer":  # the scheme is case-insensitive (RFC 9110 11.1): "bearer KEY" too
+                provided = b"Bearer " + credentials
             if not any([hmac.compare_digest(provided, expected) for expected in self.expected]):  # each compared
                 return await _send_error(send, "invalid or missing API key: send 'Authorization: Bearer <key>'", 401)
         length = headers.get(b"content-length")
