@@ -358,3 +358,86 @@ def test_a_connection_without_a_complete_request_head_is_closed(tiny_model_dir, 
         assert httpx.get(f"{server.url}/health").status_code == 200
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_a_request_body_that_stalls_or_trickles_gets_a_408_and_its_connection_is_closed(tiny_model_dir, tmp_path):
+    """--request-body-timeout-s, as nginx's client_body_timeout: once a request's head was in, nothing timed its
+    body, so a body that stopped short of its Content-Length, a chunked body without its last chunk, or one sent at
+    a byte a second held its connection for ever (2000 of them took the process's file descriptors). Each now gets
+    a 408 with an error body and is closed; meanwhile another connection is served, an upload that keeps sending
+    is never cut however long it takes, and a streamed response outlives the timeout."""
+    import socket
+
+    server = start_server(tiny_model_dir("llama"), "--max-model-len", "128", "--request-body-timeout-s", "1",
+                          log_dir=tmp_path)
+    port = int(server.url.rsplit(":", 1)[1])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+
+    def answer_and_close(sock: socket.socket, within: float, trickle: bytes = b"") -> tuple[bytes, float]:
+        """Everything the server sends on `sock` until it closes it (b"" if it does not within `within` s), and
+        when it closed it; `trickle` goes out a byte each 0.1 s meanwhile, until a send finds the connection
+        closed (the server's kernel resets it: what it answered is still read)."""
+        started, data = time.monotonic(), b""
+        sock.settimeout(0.1)
+        while time.monotonic() - started < within:
+            try:
+                if trickle:
+                    sock.sendall(trickle[:1])
+                    trickle = trickle[1:]
+            except OSError:
+                trickle = b""
+            try:
+                chunk = sock.recv(4096)
+            except socket.timeout:
+                continue
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                return data, time.monotonic() - started
+            data += chunk
+        return b"", time.monotonic() - started
+
+    def check_408(data: bytes) -> None:
+        assert data, "no answer, or the connection stayed open"
+        response_head, response_body = data.split(b"\r\n\r\n", 1)
+        assert response_head.startswith(b"HTTP/1.1 408 "), data
+        assert b"connection: close" in response_head.lower(), data
+        error = json.loads(response_body)["error"]
+        assert error["code"] == 408 and "--request-body-timeout-s" in error["message"], error
+
+    stalled = socket.create_connection(("127.0.0.1", port))
+    chunked = socket.create_connection(("127.0.0.1", port))
+    try:
+        stalled.sendall(head + b"Content-Length: 1000\r\n\r\n" + body[:10])
+        chunked.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n" + b"5\r\n" + body[:5] + b"\r\n")
+        served = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert served.status_code == 200, served.text  # another connection, while those two wait
+        for sock in (stalled, chunked):
+            data, seconds = answer_and_close(sock, 5.0)
+            check_408(data)
+        with socket.create_connection(("127.0.0.1", port)) as trickling:  # 10 bytes/s: under the minimum rate
+            trickling.sendall(head + b"Content-Length: 1000\r\n\r\n")
+            data, seconds = answer_and_close(trickling, 5.0, b" " * 1000)
+            check_408(data)
+            assert seconds < 4.0
+        padded = body + b" " * 3000  # ~1200 bytes/s for 2.5 s, past the timeout: it keeps coming, so it is read
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as upload:
+            upload.sendall(head + b"Content-Length: %d\r\n\r\n" % len(padded))
+            for i in range(0, len(padded), 300):
+                time.sleep(0.25)
+                upload.sendall(padded[i:i + 300])
+            assert upload.recv(4096).startswith(b"HTTP/1.1 200 ")
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 8, "stream": True}) as stream:
+            assert stream.status_code == 200
+            events = []
+            for line in stream.iter_lines():  # read slowly: the response lasts past the timeout
+                time.sleep(0.2)
+                events.append(line)
+            assert "data: [DONE]" in events
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    finally:
+        stalled.close()
+        chunked.close()
+        assert server.stop() == 0, server.log()

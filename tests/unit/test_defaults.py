@@ -86,6 +86,7 @@ def test_serve_options_name_the_flag_they_refuse():
 
     for options, message in ((ServeOptions(port=0), "--port must be in 1..65535"),
                              (ServeOptions(root_path="llm"), "--root-path must start with '/'"),
+                             (ServeOptions(request_body_timeout_s=-1), "--request-body-timeout-s must be"),
                              (ServeOptions(enable_auto_tool_choice=True), "needs --tool-call-parser"),
                              (ServeOptions(limits=dataclasses.replace(ServeOptions().limits, max_n=0)),
                               "--max-n must be >= 1")):

@@ -59,6 +59,10 @@ WEB_ASSETS_PREFIX = "/web/"
 # Seconds before the shutdown grace period ends at which the requests still open are failed with a 503, leaving
 # time to send it (at most half the grace period).
 _ANSWER_TIME_S = 1.0
+# Bytes a second a request body must keep up on average once it has taken --request-body-timeout-s (Apache
+# mod_reqtimeout's MinRate): a body trickled a byte a second, never idle for long, would otherwise hold its
+# connection for as long as its Content-Length says, while the largest body (8 MiB) still has 4.7 hours at 500 B/s.
+BODY_MIN_RATE = 500
 
 
 @dataclass
@@ -126,12 +130,73 @@ class ServerState:
                                   param="model")
 
 
+class _BodyDeadline:
+    """A request's receive and send with --request-body-timeout-s on its body, as nginx's client_body_timeout.
+
+    uvicorn times nothing once a request's head is in (http_protocol.py times the head): a body that stops short of
+    its Content-Length, a chunked body without its last chunk, or one trickled a byte a second held its connection,
+    and the app task reading it, for ever. Here, while the body is not all in and nothing of the response has gone
+    out, a read waits at most `timeout_s` for more, and the body is due `timeout_s` + received / BODY_MIN_RATE
+    seconds after the request began. A read that outwaits either gets the client a 408 with Connection: close
+    (uvicorn closes the connection after it) and hands the app a disconnect, as if the client had left; what the
+    app answers to that is dropped. The clock runs only inside a read: uvicorn stops reading a socket whose body the
+    app is not taking, and then the client is not the one that is slow.
+    """
+
+    def __init__(self, scope: dict, receive: Any, send: Any, timeout_s: float) -> None:
+        self.scope = scope
+        self._receive, self._send, self.timeout_s = receive, send, timeout_s
+        self.began = time.monotonic()
+        self.received = 0  # body bytes so far
+        self.body_done = timeout_s <= 0  # the body's last part came (or no limit): reads are the app's own
+        self.response_started = False
+        self.timed_out = False
+
+    async def send(self, message: dict) -> None:
+        if self.timed_out:
+            return  # the app's answer to the disconnect it was handed: the client has its 408
+        if message["type"] == "http.response.start":
+            self.response_started = True
+        await self._send(message)
+
+    async def receive(self) -> dict:
+        if self.body_done or self.response_started:
+            return await self._receive()
+        due = self.began + self.timeout_s + self.received / BODY_MIN_RATE - time.monotonic()
+        wait = max(0.0, min(self.timeout_s, due))
+        try:
+            message = await asyncio.wait_for(self._receive(), wait)
+        except asyncio.TimeoutError:
+            if self.response_started:  # another of the app's tasks began the response meanwhile: not ours to cut
+                return await self._receive()
+            return await self._time_out(idle=wait >= self.timeout_s)
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.body_done = True
+        else:
+            self.received += len(message.get("body", b""))
+        return message
+
+    async def _time_out(self, idle: bool) -> dict:
+        self.timed_out = self.response_started = True
+        elapsed = time.monotonic() - self.began
+        if idle:
+            message = (f"the request body stalled: nothing more of it came for {self.timeout_s:g} s "
+                       f"(--request-body-timeout-s), after {self.received} bytes")
+        else:
+            message = (f"the request body came too slowly: {self.received} bytes in {elapsed:.1f} s, under "
+                       f"{BODY_MIN_RATE} bytes/s once it took longer than --request-body-timeout-s "
+                       f"({self.timeout_s:g} s)")
+        logger.debug("answered 408 to a request whose body stalled: %s", message)
+        await _send_error(self._send, message, 408)
+        return {"type": "http.disconnect"}
+
+
 class GuardMiddleware:
-    """API-key check (constant-time) and request-body size limit, as plain ASGI (streaming-safe)."""
+    """API-key check (constant-time), request-body size limit and body deadline, as plain ASGI (streaming-safe)."""
 
     def __init__(self, app: Any, api_key: str | list[str] | None, max_body_bytes: int,
                  open_web_ui: bool = False, stopping: threading.Event | None = None,
-                 host_names: frozenset[str] | None = None) -> None:
+                 host_names: frozenset[str] | None = None, body_timeout_s: float = 0.0) -> None:
         self.app = app
         self.host_names = host_names  # a loopback server's Host names (DNS rebinding); None: any
         self.refused_hosts: set[str] = set()  # logged once each (at most _MAX_LOGGED_HOSTS)
@@ -140,6 +205,7 @@ class GuardMiddleware:
         self.expected = [f"Bearer {key}".encode() for key in keys] or None  # any of them (vLLM's --api-key k1 k2)
         self.max_body_bytes = max_body_bytes
         self.open_web_ui = open_web_ui  # the page and its assets need no key: the page asks for it
+        self.body_timeout_s = body_timeout_s  # --request-body-timeout-s; 0: none
 
     def is_open(self, scope: dict) -> bool:
         path = route_path(scope)
@@ -150,21 +216,15 @@ class GuardMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = [False]
-
-        async def tracked_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                started[0] = True
-            await send(message)
-
+        body = _BodyDeadline(scope, receive, send, self.body_timeout_s)
         try:
-            return await self._guarded(scope, receive, tracked_send)
+            return await self._guarded(scope, body.receive, body.send)
         except asyncio.CancelledError:
             if not self.stopping.is_set():
                 raise
             # The shutdown grace ran out and uvicorn cancels what is left (a request still reading its body): a 503
             # where nothing was sent yet, and no "Exception in ASGI application" traceback in the log.
-            if not started[0]:
+            if not body.response_started:
                 with contextlib.suppress(Exception):
                     await _send_error(send, "the server is shutting down: --shutdown-grace-s ran out before this "
                                             "request finished", 503)
@@ -283,6 +343,8 @@ async def _send_error(send: Any, message: str, status: int) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))  # RFC 9110: a 401 names the scheme it takes
+    if status == 408:
+        headers.append((b"connection", b"close"))  # RFC 9110: a 408 closes the connection (its request is unread)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -297,11 +359,12 @@ def build_app(state: ServerState, options: ServeOptions | None = None) -> FastAP
     if options.enable_web_ui:
         _add_web_routes(app)
     # Middleware added last runs first: the root path is stripped, then CORS answers preflights (which carry
-    # no API key), then the key and body size are checked, then what passed is counted.
+    # no API key), then the key, body size and body deadline are checked, then what passed is counted.
     app.add_middleware(HttpMetricsMiddleware, metrics=HttpMetrics(state.registry))
     app.add_middleware(GuardMiddleware, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes,
                        open_web_ui=options.enable_web_ui, stopping=state.stopping,
-                       host_names=None if options.uds else options.host_names())
+                       host_names=None if options.uds else options.host_names(),
+                       body_timeout_s=options.request_body_timeout_s)
     if options.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     cors = options.cors()

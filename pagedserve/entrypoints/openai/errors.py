@@ -35,7 +35,8 @@ class APIError(Exception):
 
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-          408: "RequestTimeoutError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
+          408: "RequestTimeoutError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError",
+          429: "RateLimitError",
           499: "ClientClosedRequest", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 

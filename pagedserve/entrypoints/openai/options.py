@@ -32,6 +32,12 @@ class ServeOptions(FlagArgs):
         "Seconds a connection has to send a request's line and headers, from its start or from its last response; "
         "then it is closed, as nginx's client_header_timeout does (a stalled or trickling client, e.g. a slowloris "
         "attack, held its connection for ever). 0: no limit.", default=60.0, group="http")
+    request_body_timeout_s: float = setting(
+        "Seconds a request's body may go without a byte arriving; a body still coming after that long must also "
+        "have brought 500 bytes for each further second. Else the request gets a 408 and its connection is "
+        "closed, as nginx's client_body_timeout does (a body stopped short of its length, or trickled, held its "
+        "connection for ever). A request whose body is in, and its response, are not timed. 0: no limit.",
+        default=60.0, group="http")
     uvicorn_log_level: str = setting("uvicorn's log level (default: warning; vLLM's is info); at info and below "
                                   "it also writes the access log, a line per request.", default="warning",
                                   choices=("critical", "error", "warning", "info", "debug", "trace"))
@@ -164,6 +170,9 @@ class ServeOptions(FlagArgs):
         if not 0 <= self.request_head_timeout_s < float("inf"):
             raise ValueError("--request-head-timeout-s must be a number of seconds >= 0 (0: no limit), got "
                              f"{self.request_head_timeout_s}")
+        if not 0 <= self.request_body_timeout_s < float("inf"):
+            raise ValueError("--request-body-timeout-s must be a number of seconds >= 0 (0: no limit), got "
+                             f"{self.request_body_timeout_s}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         if self.ssl_cert_reqs not in (0, 1, 2):
