@@ -63,6 +63,7 @@ _ANSWER_TIME_S = 1.0
 # mod_reqtimeout's MinRate): a body trickled a byte a second, never idle for long, would otherwise hold its
 # connection for as long as its Content-Length says, while the largest body (8 MiB) still has 4.7 hours at 500 B/s.
 BODY_MIN_RATE = 500
+BODY_TIMED_OUT = "pagedserve.body_timed_out"  # the scope key GuardMiddleware sets on a request it answered 408
 
 
 @dataclass
@@ -139,8 +140,9 @@ class _BodyDeadline:
     out, a read waits at most `timeout_s` for more, and the body is due `timeout_s` + received / BODY_MIN_RATE
     seconds after the request began. A read that outwaits either gets the client a 408 with Connection: close
     (uvicorn closes the connection after it) and hands the app a disconnect, as if the client had left; what the
-    app answers to that is dropped. The clock runs only inside a read: uvicorn stops reading a socket whose body the
-    app is not taking, and then the client is not the one that is slow.
+    app answers to that is dropped, and not counted in the HTTP metrics (as the other refusals here). The clock
+    runs only inside a read: uvicorn stops reading a socket whose body the app is not taking, and then the client
+    is not the one that is slow.
     """
 
     def __init__(self, scope: dict, receive: Any, send: Any, timeout_s: float) -> None:
@@ -178,6 +180,7 @@ class _BodyDeadline:
 
     async def _time_out(self, idle: bool) -> dict:
         self.timed_out = self.response_started = True
+        self.scope[BODY_TIMED_OUT] = True  # HttpMetricsMiddleware leaves it out
         elapsed = time.monotonic() - self.began
         if idle:
             message = (f"the request body stalled: nothing more of it came for {self.timeout_s:g} s "
@@ -381,8 +384,8 @@ def build_app(state: ServerState, options: ServeOptions | None = None) -> FastAP
 
 class HttpMetricsMiddleware:
     """vLLM's HTTP metrics (metrics.HttpMetrics). Innermost, as vLLM's instrumentator: the router has put the route
-    that answered into the scope by the time the response is done, and requests turned away by the key or size
-    checks are not counted. A stream pays one comparison per chunk."""
+    that answered into the scope by the time the response is done, and requests turned away by the key, size or
+    body-deadline checks are not counted. A stream pays one comparison per chunk."""
 
     def __init__(self, app: Any, metrics: HttpMetrics) -> None:
         self.app = app
@@ -403,7 +406,9 @@ class HttpMetricsMiddleware:
             await self.app(scope, receive, send_start_seen)
         finally:
             handler = _handler(scope, path)  # none matched: the path decides the exclusion, and counts as "none"
-            if not any(excluded in (path if handler == "none" else handler) for excluded in HTTP_EXCLUDED):
+            timed_out = scope.get(BODY_TIMED_OUT)  # answered 408 outside: the app's own answer went nowhere
+            if not timed_out and not any(excluded in (path if handler == "none" else handler)
+                                         for excluded in HTTP_EXCLUDED):
                 self.metrics.observe(scope["method"], handler, response["status"], time.perf_counter() - started,
                                      _content_length(scope["headers"]), _content_length(response["headers"]))
 
