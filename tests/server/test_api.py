@@ -59,6 +59,7 @@ def test_health_went_503_then_200(server):
         assert head.status_code == 200 and head.content == b"", (path, head.status_code, head.content[:80])
     wrong = httpx.put(f"{server.url}/health")
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "MethodNotAllowedError"
+    assert "GET" in wrong.headers["allow"]  # RFC 9110: a 405 lists the methods the path takes
     # Bodies json.loads cannot read say why ("There was an error parsing the body" before, QA-U).
     url, headers = f"{server.url}/v1/completions", {"Content-Type": "application/json"}
     for body, extra, expected in ((b'{"prompt": "\xff"}', {}, "must be UTF-8"),

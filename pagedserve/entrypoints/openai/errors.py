@@ -150,7 +150,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message = (f"the body is sent with Content-Encoding {encoding!r}, which this server does not decode: "
                        "send it uncompressed" if encoding and encoding.lower() != "identity" else
                        "the body could not be read as JSON: it must be UTF-8 and nest fewer than 1000 levels deep")
-        return error_response(message, exc.status_code)
+        return error_response(message, exc.status_code, headers=exc.headers)  # a 405's Allow (RFC 9110)
 
     async def _mapped(_: Request, exc: Exception) -> JSONResponse:
         return api_error_response(to_api_error(exc))
