@@ -256,8 +256,8 @@ class GuardMiddleware:
         if self.expected is not None and not self.is_open(scope):
             provided = headers.get(b"authorization", b"")
             scheme, _, credentials = provided.partition(b" ")
-            if scheme.lower() == b"bearer":  # the scheme is case-insensitive (RFC 9110 11.1): "bearer KEY" too
-                provided = b"Bearer " + credentials
+            if scheme.lower() == b"bearer":  # RFC 9110 11.1: the scheme in any case, one or more spaces after it
+                provided = b"Bearer " + credentials.lstrip(b" ")
             if not any([hmac.compare_digest(provided, expected) for expected in self.expected]):  # each compared
                 return await _send_error(send, "invalid or missing API key: send 'Authorization: Bearer <key>'", 401)
         length = headers.get(b"content-length")
