@@ -93,3 +93,21 @@ def test_an_error_is_renamed_into_another_request_s_terms():
     assert renamed.param == "top_logprobs"
     assert renamed.message == "top_logprobs must be at most 20 (--max-logprobs, LLM(max_logprobs=...)), got 21"
     assert error.renamed({"n": "x"}) is error
+
+
+def test_a_union_s_failures_name_the_field_and_two_fields_errors_stay_apart():
+    """pydantic names each union member in its errors' locations ("documents.0.str"): the 400 names the field and
+    what each form wanted; errors on two fields of one object are not read as a union's."""
+    from fastapi.exceptions import RequestValidationError
+
+    from pagedserve.entrypoints.openai.errors import _validation_message
+
+    def message(errors: list[tuple[tuple, str]]) -> tuple[str, str | None]:
+        return _validation_message(RequestValidationError([{"loc": ("body", *loc), "msg": msg, "type": "x"}
+                                                           for loc, msg in errors]))
+
+    text, param = message([(("documents", 0, "str"), "Input should be a valid string"),
+                           (("documents", 0, "RerankDocument", "text"), "Field required")])
+    assert param == "documents.0" and "none of its forms fits" in text and "RerankDocument text" in text
+    text, param = message([(("messages", 0, "role"), "Field required"), (("messages", 0, "name"), "bad")])
+    assert (text, param) == ("messages.0.role: Field required", "messages.0.role")

@@ -123,9 +123,16 @@ def _union_branches(errors: list, location: list[str]) -> list[tuple[list[str], 
         same = [(loc[depth:], error.get("msg", "")) for loc, error in zip(locations, errors) if loc[:depth] == prefix
                 and len(loc) > depth]
         kinds = {rest[0] for rest, _ in same}
-        if len(kinds) > 1 and all(not kind.isdigit() for kind in kinds):
+        if len(kinds) > 1 and all(_is_type_name(kind) for kind in kinds):
             return same
     return []
+
+
+def _is_type_name(part: str) -> bool:
+    """A location part pydantic names a union member by (str, list[str], RerankDocument, function-after[...]), not
+    a field (snake_case) or an index: two errors on two fields of one object are not a union's."""
+    return part in ("str", "int", "float", "bool", "none", "bytes") or part[:1].isupper() or any(
+        mark in part for mark in "[-")
 
 
 def install_error_handlers(app: FastAPI) -> None:
