@@ -514,7 +514,7 @@ def check_tokenizer_fits(tokenizer: Any, config: EngineConfig, given: str | None
     rows, tokens = config.model.hf_config.vocab_size, len(tokenizer)
     if tokens <= rows:
         return
-    if given:
+    if given and Path(given).expanduser().resolve() != Path(config.model.model).resolve():  # not the model's own
         raise ValueError(f"--tokenizer {given} has {tokens} tokens, more than the {rows} rows of the model's "
                          f"vocabulary: ids from {rows} up have no embedding. Give the model's own tokenizer (or "
                          "leave --tokenizer out)")

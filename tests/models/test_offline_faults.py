@@ -154,7 +154,8 @@ def test_a_tokenizer_with_more_ids_than_the_model_has_rows_is_refused_at_start(t
         LLM(small, tokenizer=tiny_model_dir("llama"), max_model_len=64)
     with caplog.at_level("WARNING"):
         LLM(small, max_model_len=64)
-    assert "the tokenizer has 453 tokens, more than the 256 rows" in caplog.text
+        LLM(small, tokenizer=small, max_model_len=64)  # --tokenizer naming the model's own: a warning too
+    assert caplog.text.count("the tokenizer has 453 tokens, more than the 256 rows") == 2
     padded = LLM(tiny_model_dir("llama", vocab_size=600), tokenizer=tiny_model_dir("llama"), max_model_len=64)
     assert padded.generate("a b", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
