@@ -457,10 +457,21 @@ def _speculative_config(args: EngineArgs, task: str) -> SpeculativeConfig | None
     if speculative is not None and task == "embed":
         raise ValueError("--speculative-config applies to text generation, and this model embeds (task embed); "
                          "leave it out")
-    if speculative is not None and speculative.method == "ngram":  # the draft model's line is _draft_model's
+    return speculative
+
+
+def log_speculation(config: EngineConfig) -> None:
+    """The start-up log's line on speculative decoding, once per engine (a config is built up to three times under
+    --max-model-len auto, and by plan and doctor, which serve nothing)."""
+    speculative, draft = config.speculative, config.draft_model
+    if speculative is None:
+        return
+    if draft is None:
         logger.info("speculative decoding: n-gram prompt lookup (suffixes of %d-%d tokens), up to %d tokens a step",
                     speculative.prompt_lookup_min, speculative.prompt_lookup_max, speculative.num_speculative_tokens)
-    return speculative
+    else:
+        logger.info("speculative decoding: draft model %s (%s, %s), %d tokens a step", draft.model, draft.architecture,
+                    draft.dtype, speculative.num_speculative_tokens)
 
 
 def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: EngineArgs, device: str,
@@ -492,8 +503,6 @@ def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: Engi
                         max_model_len=target.max_model_len, hf_config=hf_config, architecture=architecture,
                         seed=target.seed, quantization=quantization, enforce_eager=target.enforce_eager,
                         reference_kernels=target.reference_kernels)
-    logger.info("speculative decoding: draft model %s (%s, %s), %d tokens a step", path, architecture,
-                draft.dtype, speculative.num_speculative_tokens)
     return checkpoint, draft
 
 

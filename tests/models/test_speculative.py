@@ -709,15 +709,19 @@ def test_a_draft_model_is_read_inside_its_targets_planning(tiny_model_dir, caplo
 
 
 def test_the_start_up_log_names_n_gram_speculation(tiny_model_dir, caplog):
-    """A draft model's server logged its speculation; an n-gram one said nothing until the first stats line."""
+    """A draft model's server logged its speculation; an n-gram one said nothing until the first stats line. The
+    line is the engine's, once: building the config (up to three times under --max-model-len auto, and in plan
+    and doctor) logs none."""
     import logging
 
     from pagedserve.engine.arg_utils import EngineArgs
-    from pagedserve.engine.setup import create_engine_config
+    from pagedserve.engine.setup import create_engine_config, log_speculation
 
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    line = "speculative decoding: n-gram prompt lookup (suffixes of 2-3 tokens), up to 4 tokens a step"
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.setup"):
-        create_engine_config(EngineArgs(model=tiny_model_dir("llama"), dtype="float32", max_model_len=128,
-                                        speculative_config=spec), check_memory=False)
-    assert "speculative decoding: n-gram prompt lookup (suffixes of 2-3 tokens), up to 4 tokens a step" in \
-        caplog.messages
+        config = create_engine_config(EngineArgs(model=tiny_model_dir("llama"), dtype="float32", max_model_len=128,
+                                                 speculative_config=spec), check_memory=False)
+        assert line not in caplog.messages
+        log_speculation(config)
+    assert caplog.messages.count(line) == 1
