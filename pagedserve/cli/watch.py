@@ -172,9 +172,9 @@ def describe_health(status_code: int, body: object) -> str:
     return f"{status_code} {phase}".strip()
 
 
-def planned_rss_bytes(body: object, key: str = "expected_bytes") -> int | None:
-    """The plan's expected resident memory from a /health body ({"memory": {"expected_bytes": ...}}); with
-    key="rss_bytes" the server's own last reading."""
+def health_memory_bytes(body: object, key: str) -> int | None:
+    """A byte count of a /health body's "memory": "expected_bytes", what the plan expects resident now, or
+    "rss_bytes", the server's own last reading."""
     memory = body.get("memory") if isinstance(body, dict) else None
     value = memory.get(key) if isinstance(memory, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
@@ -191,8 +191,8 @@ def fetch_health(client: httpx.Client, url: str) -> Health:
         body = response.json()
     except ValueError:
         body = None
-    return Health(describe_health(response.status_code, body), planned_rss_bytes(body),
-                  planned_rss_bytes(body, "rss_bytes"))
+    return Health(describe_health(response.status_code, body), health_memory_bytes(body, "expected_bytes"),
+                  health_memory_bytes(body, "rss_bytes"))
 
 
 def take_sample(proc_root: str | Path, pid: int | None, health: str, now: float | None = None,

@@ -387,32 +387,32 @@ def cuda_available_memory(device: int = 0) -> AvailableMemory | None:
                            total_bytes=total)
 
 
-def process_rss_bytes(status_path: str | Path = "/proc/self/status") -> int | None:
-    """Resident set size (VmRSS) of a process, from /proc/<pid>/status; None where it cannot be read."""
+def _status_bytes(status_path: str | Path, names: tuple[str, ...]) -> dict[str, int] | None:
+    """The named "kB" lines of /proc/<pid>/status in bytes ("VmRSS:   123456 kB"); None where it cannot be read."""
+    found: dict[str, int] = {}
     try:
         for line in Path(status_path).read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024  # "VmRSS:   123456 kB"
+            name, _, value = line.partition(":")
+            if name in names:
+                found[name] = int(value.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return None
+    return found
+
+
+def process_rss_bytes(status_path: str | Path = "/proc/self/status") -> int | None:
+    """Resident set size (VmRSS) of a process, from /proc/<pid>/status; None where it cannot be read."""
+    return (_status_bytes(status_path, ("VmRSS",)) or {}).get("VmRSS")
 
 
 def process_anon_bytes(status_path: str | Path = "/proc/self/status") -> int | None:
     """A process's resident anonymous and shared memory (RssAnon + RssShmem): what it holds that MemAvailable and
     its cgroup count as used; its file pages (libraries) are page cache, counted as available or charged to
     whoever read them first. VmRSS where those lines are missing (kernels before 4.5); None where unreadable."""
-    fields: dict[str, int] = {}
-    try:
-        for line in Path(status_path).read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name in ("RssAnon", "RssShmem", "VmRSS"):
-                fields[name] = int(value.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    if "RssAnon" in fields:
-        return fields["RssAnon"] + fields.get("RssShmem", 0)
-    return fields.get("VmRSS")
+    found = _status_bytes(status_path, ("RssAnon", "RssShmem", "VmRSS")) or {}
+    if "RssAnon" in found:
+        return found["RssAnon"] + found.get("RssShmem", 0)
+    return found.get("VmRSS")
 
 
 def process_start_time(stat_path: str | Path = "/proc/self/stat", now: float | None = None,

@@ -175,7 +175,7 @@ def test_rss_is_shown_against_the_plan(tmp_path: Path) -> None:
     sample = watch.take_sample(root, 500, "ready", now=0.0, planned_rss=(1 << 30) + (1 << 28))
     assert "rss=1.00GiB/plan 1.25GiB (-20%)" in watch.format_sample(sample, watch.Verdict("OK", ""))
     assert "rss=1.00GiB  " in watch.format_sample(sample_from(root, 500, 0.0), watch.Verdict("OK", ""))
-    assert watch.planned_rss_bytes({"memory": {"expected_bytes": True}}) is None
+    assert watch.health_memory_bytes({"memory": {"expected_bytes": True}}, "expected_bytes") is None
     # Without --pid: the server's own reading from /health (the column was silently missing, QA-O).
     unwatched = watch.take_sample(root, None, "ready", now=0.0, planned_rss=1 << 30, reported_rss=3 << 28)
     line = watch.format_sample(unwatched, watch.Verdict("OK", ""))
