@@ -61,12 +61,17 @@ def test_health_went_503_then_200(server):
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "MethodNotAllowedError"
     assert "GET" in wrong.headers["allow"]  # RFC 9110: a 405 lists the methods the path takes
     # Bodies json.loads cannot read say why ("There was an error parsing the body" before, QA-U).
-    url, headers = f"{server.url}/v1/completions", {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json"}
     for body, extra, expected in ((b'{"prompt": "\xff"}', {}, "must be UTF-8"),
                                   (b"[" * 5000 + b"]" * 5000, {}, "nest fewer than 1000 levels"),
-                                  (b"\x1f\x8b\x08\x00", {"Content-Encoding": "gzip"}, "Content-Encoding 'gzip'")):
-        response = httpx.post(url, content=body, headers={**headers, **extra})
-        assert response.status_code == 400 and expected in response.json()["error"]["message"], response.text
+                                  (b"\x1f\x8b\x08\x00", {"Content-Encoding": "gzip"}, "Content-Encoding 'gzip'"),
+                                  # compressed bytes that happen to be UTF-8 JSON got the syntax error (QA-V)
+                                  (b'{"prompt": 1', {"Content-Encoding": "br"}, "Content-Encoding 'br'")):
+        for path in ("/v1/completions", "/invocations"):  # /invocations reads its body itself
+            response = httpx.post(f"{server.url}{path}", content=body, headers={**headers, **extra})
+            assert response.status_code == 400 and expected in response.json()["error"]["message"], response.text
+    response = httpx.post(f"{server.url}/invocations", content=b'{"prompt": ', headers=headers)
+    assert response.status_code == 400 and "malformed JSON body" in response.json()["error"]["message"], response.text
 
 
 def test_models_and_version(server, client):

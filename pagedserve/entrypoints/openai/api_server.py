@@ -38,6 +38,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.startup import PHASES, StartupTracker
 from pagedserve.entrypoints.openai.errors import APIError, error_body, install_error_handlers
+from pagedserve.entrypoints.openai.request_body import JSONBodyRoute
 from pagedserve.entrypoints.openai.options import ServeOptions
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     EmbeddingRequest, RerankRequest, ResponsesRequest, ScoreRequest,
@@ -356,6 +357,7 @@ def build_app(state: ServerState, options: ServeOptions | None = None) -> FastAP
     options = options or ServeOptions()
     docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if options.disable_fastapi_docs else {}
     app = FastAPI(title="pagedserve", version=__version__, **docs)
+    app.router.route_class = JSONBodyRoute  # bodies that cannot be read are refused with the reason
     install_error_handlers(app)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
@@ -562,10 +564,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             # as the other routes: text/plain and form bodies are what any web page may post without a preflight
             raise InvalidRequestError("the request body must be a JSON object, sent with Content-Type: "
                                       "application/json (curl: add -H 'Content-Type: application/json')")
-        try:
-            body = json.loads(await raw.body())
-        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's stack (a 500)
-            raise InvalidRequestError(f"malformed JSON body: {type(exc).__name__}") from None
+        body = await raw.json()  # a JSONBodyRequest (request_body.py); a syntax error is errors.py's to word
         kind = next((key for key in routes if isinstance(body, dict) and key in body), None)
         if kind is None:
             raise InvalidRequestError("/invocations takes a chat (messages), completion (prompt) or embedding "

@@ -150,14 +150,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(f"malformed JSON body: {exc}", 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = str(exc.detail)
-        if message == "There was an error parsing the body":  # FastAPI's words for any body json.loads fails on
-            encoding = raw.headers.get("content-encoding")
-            message = (f"the body is sent with Content-Encoding {encoding!r}, which this server does not decode: "
-                       "send it uncompressed" if encoding and encoding.lower() != "identity" else
-                       "the body could not be read as JSON: it must be UTF-8 and nest fewer than 1000 levels deep")
-        return error_response(message, exc.status_code, headers=exc.headers)  # a 405's Allow (RFC 9110)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # request_body.py words the bodies that cannot be read; a 405 carries its Allow (RFC 9110)
+        return error_response(str(exc.detail), exc.status_code, headers=exc.headers)
 
     async def _mapped(_: Request, exc: Exception) -> JSONResponse:
         return api_error_response(to_api_error(exc))
