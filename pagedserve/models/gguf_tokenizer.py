@@ -157,7 +157,8 @@ def gguf_chat_template(metadata: dict[str, Any]) -> str | dict[str, str] | None:
     `tokenizer.chat_template`. Without them a request with tools rendered the default, which has no tool format."""
     default = metadata.get(Keys.Tokenizer.CHAT_TEMPLATE) or None
     prefix = Keys.Tokenizer.CHAT_TEMPLATE_N.format(name="")
-    names = [str(n) for n in metadata.get(Keys.Tokenizer.CHAT_TEMPLATES) or ()]
+    listed = metadata.get(Keys.Tokenizer.CHAT_TEMPLATES)  # a header read without string arrays holds their count
+    names = [str(n) for n in listed] if isinstance(listed, list) else []
     names += [k[len(prefix):] for k in metadata if k.startswith(prefix) and k[len(prefix):] not in names]
     named = {name: metadata[prefix + name] for name in names if metadata.get(prefix + name)}
     if not named:

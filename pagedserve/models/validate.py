@@ -143,11 +143,18 @@ def _check_gguf_tokenizer(header: GGUFHeader, need_chat_template: bool) -> None:
             f"GGUF file {header.path} uses pre-tokenizer {pre!r}, which pagedserve does not know "
             f"(known: {', '.join(PRE_TOKENIZER_FAMILY)}). {fix}."
         )
-    if need_chat_template and not meta.get("tokenizer.chat_template"):
+    if need_chat_template and not _gguf_chat_template(meta):
         raise ModelValidationError(
             f"GGUF file {header.path} has no chat template (tokenizer.chat_template), so chat requests "
             "cannot be formatted. Use the completions endpoint, or a GGUF that carries a chat template."
         )
+
+
+def _gguf_chat_template(metadata: dict[str, Any]) -> str | dict[str, str] | None:
+    """The file's chat template, or its named ones (Hermes' "tool_use"), as serving reads them."""
+    from pagedserve.models.gguf_tokenizer import gguf_chat_template  # tokenizers: only where a template is needed
+
+    return gguf_chat_template(metadata)
 
 
 def validate_gguf_header(header: GGUFHeader, *, need_chat_template: bool = False) -> None:

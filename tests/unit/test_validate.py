@@ -39,8 +39,9 @@ def _message(path: Path, **kwargs: bool) -> str:
 
 
 def _write_gguf(path: Path, *, arch: str = "llama", tokenizer: str = "gpt2", pre: str = "smollm",
-                chat: bool = True, raw_type: gguf.GGMLQuantizationType | None = None) -> Path:
-    """A small GGUF with a tokenizer and three tensors (F32, Q8_0, and optionally `raw_type` bytes)."""
+                chat: bool | list[dict[str, str]] = True, raw_type: gguf.GGMLQuantizationType | None = None) -> Path:
+    """A small GGUF with a tokenizer and three tensors (F32, Q8_0, and optionally `raw_type` bytes); `chat`: a
+    list of named templates ({"name", "template"}) written as llama.cpp's converter writes them."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_tokenizer_model(tokenizer)
@@ -48,7 +49,7 @@ def _write_gguf(path: Path, *, arch: str = "llama", tokenizer: str = "gpt2", pre
     writer.add_token_list(["a", "b", "<|im_end|>"])
     writer.add_token_types([1, 1, 3])
     if chat:
-        writer.add_chat_template(CHAT_TEMPLATE)
+        writer.add_chat_template(CHAT_TEMPLATE if chat is True else chat)
     writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
     weights = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
     q8 = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)
@@ -321,6 +322,9 @@ def test_gguf_without_chat_template(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "m.gguf", chat=False)
     validate_model_path(path)
     assert "no chat template" in _message(path, need_chat_template=True)
+    # Only named templates (Hermes' tool_use, no default): serving reads them, so they count (QA-P)
+    named = _write_gguf(tmp_path / "named.gguf", chat=[{"name": "tool_use", "template": CHAT_TEMPLATE}])
+    validate_model_path(named, need_chat_template=True)
 
 
 def test_a_model_s_chat_template_that_does_not_compile_is_named():
