@@ -6,7 +6,6 @@ and quantization here, and `pagedserve plan` does that without torch (with `kern
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import sys
@@ -176,12 +175,11 @@ def release_free_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc `malloc_trim`; a no-op elsewhere). Loading frees
     many large temporaries (fused and unpacked copies of weights) that glibc keeps mapped otherwise:
     ~120 MB of resident memory for the Qwen2.5-0.5B-shaped bf16 model (1.50 -> 1.38 GB after start)."""
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim  # glibc's soname: no library search (it runs ldconfig)
-    except (OSError, AttributeError):
-        return
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
+    from pagedserve.memory.rss import libc_malloc_trim
+
+    trim = libc_malloc_trim()
+    if trim is not None:
+        trim()
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
