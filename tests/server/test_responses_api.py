@@ -122,11 +122,49 @@ def test_text_format_json_schema(client):
     ({"input": "x", "metadata": {"a": 1}}, "metadata"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 400}, "max_output_tokens"),  # past --max-model-len
+    ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning"),  # was chat's reasoning_effort (QA-W)
+    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input"),  # no such call
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
 ])
 def test_what_cannot_be_honoured_is_a_400(server, body, param):
     response = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "Responses tools are flat"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "a function tool needs a name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"nam": "f"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "needs the function's name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "'allowed_tools'"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, '{"type": "function", "name": ...}'),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "needs text, a string"),
+])
+def test_400s_speak_the_responses_forms(server, body, words):
+    """The messages name the Responses forms (flat tools, tool_choice {"type": "function", "name"}), not the chat
+    route's, and the problem itself (a part's text that is not a string was "type not supported"; QA-W)."""
+    response = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "x", **body}, timeout=30)
+    assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
+    assert "function.name" not in response.json()["error"]["message"], response.text
+
+
+def test_a_call_cut_at_max_output_tokens_is_incomplete(client, server):
+    """A function call cut short has arguments that are no JSON: OpenAI marks the item incomplete (it said
+    completed, and a client loop json.loads the arguments of completed calls; QA-W)."""
+    named = {"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 2}
+    cut = client.responses.create(model=MODEL, input="Weather?", temperature=0, **named)
+    assert cut.status == "incomplete" and cut.completed_at is None
+    assert cut.output[-1].type == "function_call" and cut.output[-1].status == "incomplete", cut.output
+    raw = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "Weather?", "stream": True,
+                                                         "temperature": 0, **named}, timeout=30).text
+    done = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+    item_done = [e["item"] for e in done if e["type"] == "response.output_item.done"]
+    assert item_done[-1]["type"] == "function_call" and item_done[-1]["status"] == "incomplete", item_done
+    assert done[-1]["response"]["output"][-1]["status"] == "incomplete"
+    whole = client.responses.create(model=MODEL, input="Weather?", temperature=0, **{**named,
+                                                                                     "max_output_tokens": 60})
+    assert whole.output[-1].status == "completed" and whole.status == "completed" and whole.completed_at > 0
 
 
 def test_accepted_defaults_and_no_effect_fields(client, server):

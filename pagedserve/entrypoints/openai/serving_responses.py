@@ -32,7 +32,9 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 _ACCEPTED = frozenset({"service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
 # The chat request's field -> the Responses request's, for the errors the chat route raises.
 _FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text",
-                "structured_outputs": "text"}
+                "structured_outputs": "text", "reasoning_effort": "reasoning"}
+_TOOL_CHOICE_FORMS = '"auto", "none", "required" or {"type": "function", "name": ...}'
+_FLAT_TOOL = '{"type": "function", "name": ..., "parameters": {...}}'
 
 
 # Chat-route fields a Responses request may not set (through vLLM's extras, which pass through): each has a
@@ -107,6 +109,7 @@ def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     messages: list[dict[str, Any]] = []
+    call_ids: set[str] = set()  # the function calls given so far: an output answers one of them (OpenAI's rule)
     for i, item in enumerate(value):
         kind = item.get("type", "message")
         if kind == "message":
@@ -117,11 +120,13 @@ def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _text(item.get("content"), i)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+            call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
-            if not isinstance(call["function"]["name"], str) or not isinstance(call["function"]["arguments"], str):
-                raise InvalidRequestError(f"input[{i}]: a function_call needs a name and arguments (a JSON string)",
-                                          param="input")
+            if not all(isinstance(v, str) and v for v in (call["id"], call["function"]["name"])) or \
+                    not isinstance(call["function"]["arguments"], str):
+                raise InvalidRequestError(f"input[{i}]: a function_call needs call_id and name (non-empty strings) "
+                                          "and arguments (a JSON string)", param="input")
+            call_ids.add(call["id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)
@@ -131,6 +136,10 @@ def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             output = item.get("output")
             if not isinstance(output, str) or not isinstance(item.get("call_id"), str):
                 raise InvalidRequestError(f"input[{i}]: a function_call_output needs call_id and output (a string)",
+                                          param="input")
+            if item["call_id"] not in call_ids:
+                raise InvalidRequestError(f"input[{i}]: no function_call with call_id {item['call_id']!r} comes "
+                                          "before this function_call_output: give the call as an input item first",
                                           param="input")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         else:
@@ -147,10 +156,13 @@ def _text(content: Any, index: int) -> str:
     if not isinstance(content, list):
         raise InvalidRequestError(f"input[{index}]: content must be a string or a list of parts", param="input")
     texts = []
-    for part in content:
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind not in _TEXT_PARTS:
             raise InvalidRequestError(f"input[{index}]: content part type {kind!r} is not supported (text only)",
+                                      param="input")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"input[{index}]: content part {j} ({kind}) needs text, a string",
                                       param="input")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -171,16 +183,32 @@ def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
     if tool.get("type") != "function":
         raise InvalidRequestError(f"tools[{index}]: only function tools are supported, got type {tool.get('type')!r}",
                                   param="tools")
+    if "function" in tool:  # the chat route's form
+        raise InvalidRequestError(f"tools[{index}]: Responses tools are flat, {_FLAT_TOOL}, without a \"function\" "
+                                  "object (that is the chat completions form)", param="tools")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise InvalidRequestError(f"tools[{index}]: a function tool needs a name (a string): {_FLAT_TOOL}",
+                                  param="tools")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
 
 def _chat_tool_choice(choice: Any) -> Any:
+    """The chat route's tool_choice for a Responses one; a 400 in the Responses request's terms."""
+    if choice in ("auto", "none", "required"):
+        return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
         if isinstance(choice.get("function"), dict):
             return choice  # the chat route's own form
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice  # "auto", "none", "required"; anything else gets the chat route's 400
+        if isinstance(choice.get("name"), str) and choice["name"]:
+            return {"type": "function", "function": {"name": choice["name"]}}
+        raise InvalidRequestError(f"tool_choice of type function needs the function's name: {_TOOL_CHOICE_FORMS}",
+                                  param="tool_choice")
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind is not None:  # allowed_tools, hosted tools, custom, mcp
+        raise InvalidRequestError(f"tool_choice of type {kind!r} is not supported: give {_TOOL_CHOICE_FORMS}",
+                                  param="tool_choice")
+    raise InvalidRequestError(f"tool_choice must be {_TOOL_CHOICE_FORMS}, got {choice!r}", param="tool_choice")
 
 
 def _response_format(text_format: Any) -> dict[str, Any]:
@@ -230,7 +258,8 @@ class ResponsesServing:
 
     def _skeleton(self, response_id: str, req: ResponsesRequest) -> dict[str, Any]:
         """The Response object's fields that echo the request, status in_progress and no output yet."""
-        return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        return {"id": response_id, "object": "response", "created_at": int(time.time()), "completed_at": None,
+                "status": "in_progress",
                 "error": None, "incomplete_details": None, "instructions": req.instructions,
                 "max_output_tokens": req.max_output_tokens, "model": self.serving.served_model_names[0],
                 "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
@@ -347,8 +376,8 @@ class _EventStream:
                                 text=text, logprobs=[]),
                      self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                 content_index=0, part=_text_part(text))]
-        else:
-            item["status"] = "completed"
+        else:  # a call cut at max_output_tokens too: its arguments are not whole JSON
+            item["status"] = "incomplete" if incomplete else "completed"
             lines = [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                 name=item["name"], arguments=item["arguments"])]
         return lines + [self.event("response.output_item.done", output_index=index, item=item)]
@@ -375,9 +404,10 @@ def _finish(skeleton: dict[str, Any], output: list[dict[str, Any]], finish_reaso
             num_output: int, num_cached: int) -> dict[str, Any]:
     """The Response object once the generation ended: completed, or incomplete at max_output_tokens."""
     incomplete = finish_reason == "length"
-    if incomplete and output and output[-1]["type"] == "message":
-        output[-1]["status"] = "incomplete"  # the message cut short, as OpenAI marks it
+    if incomplete and output:
+        output[-1]["status"] = "incomplete"  # the message or call cut short, as OpenAI marks it
     return {**skeleton, "status": "incomplete" if incomplete else "completed", "output": output,
+            "completed_at": None if incomplete else int(time.time()),
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "usage": {"input_tokens": num_prompt,
                       "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": 0},
