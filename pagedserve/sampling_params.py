@@ -8,6 +8,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from pagedserve.engine.prompt_checks import token_id_list
 from pagedserve.exceptions import InvalidRequestError, check_text
@@ -166,6 +167,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> "SamplingParams":
+        """vLLM's: keyword arguments where None means the field's default (max_tokens None stays None: up to
+        max_model_len, as in vLLM's)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
 
     def clone(self, **changes: object) -> "SamplingParams":
         new = copy.copy(self)

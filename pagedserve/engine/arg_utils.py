@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -33,11 +34,13 @@ class FlagArgs:
     group_titles: ClassVar[dict[str, str]] = {}
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> Any:
+        """Every field's flag; the parser back, as vLLM's add_cli_args returns it."""
         groups = {key: parser.add_argument_group(title) for key, title in cls.group_titles.items()}
         for f in dataclasses.fields(cls):
             if f.metadata.get("flag", True):
                 add_field_flag(groups.get(f.metadata.get("group"), parser), f)
+        return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **others: Any) -> Any:
@@ -75,6 +78,36 @@ AUTO_SIZE = -1  # vLLM's "auto" (or -1) for --max-model-len: the longest that th
 def human_readable_int_or_auto(value: str) -> int:
     """human_readable_int, or "auto" / -1 (AUTO_SIZE), as vLLM's --max-model-len takes them."""
     return AUTO_SIZE if value.strip().lower() == "auto" else human_readable_int(value, auto=True)
+
+
+# The numeric fields' types (a string field may take what its reader converts, dtype=torch.float32; an on/off one
+# anything true or false, as vLLM's LLM takes enforce_eager=1).
+_KEYWORD_TYPES = {"int": (numbers.Integral,), "int | None": (numbers.Integral, type(None)), "float": (numbers.Real,),
+                  "float | None": (numbers.Real, type(None))}
+
+
+def read_keywords(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for `cls` (a FlagArgs dataclass, as LLM(...) passes them) checked as its flags are: size
+    fields given as strings ("1k", "32K", "auto") read as the flags read them, and a value of another type than
+    the field's a ValueError naming the keyword (LLM(seed="abc") loaded the model, then failed in torch)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    read = dict(kwargs)
+    for name, value in kwargs.items():
+        field = fields.get(name)
+        if field is None:
+            continue  # the dataclass's own TypeError names it
+        if field.metadata.get("size") and isinstance(value, str):
+            kind = human_readable_int_or_auto if field.metadata.get("auto") else human_readable_int
+            try:
+                read[name] = value = kind(value)
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        allowed = _KEYWORD_TYPES.get(str(field.type))
+        if allowed is not None and (isinstance(value, bool) or not isinstance(value, allowed)):
+            wanted = " or ".join({"NoneType": "None", "Integral": "an integer"}.get(t.__name__, "a number")
+                                 for t in allowed)
+            raise ValueError(f"{name} must be {wanted}, got {type(value).__name__} {value!r}")
+    return read
 
 
 def _with_default(help_text: str, default: Any) -> str:
@@ -255,9 +288,12 @@ class EngineArgs(FlagArgs):
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                     positional_model: bool = False) -> None:
-        """Every engine flag. The model is `--model`, as in vLLM's EngineArgs (a script's `LLM(**vars(args))`
-        works); pagedserve's commands also take it as the positional MODEL (`positional_model`)."""
+                     positional_model: bool = False) -> Any:
+        """Every engine flag; the parser back, as vLLM's. The model is `--model`, as in vLLM's EngineArgs (a
+        script's `LLM(**vars(args))` works), and a script's parser also takes vLLM's other engine flags, as `serve`
+        does (engine/vllm_compat.py: --trust-remote-code, --swap-space, ...; LLM checks them) and
+        --disable-log-stats. pagedserve's commands also take the model as the positional MODEL
+        (`positional_model`), and add the vLLM flags themselves."""
         for f in dataclasses.fields(cls):
             if f.metadata.get("positional"):
                 if positional_model:
@@ -268,6 +304,13 @@ class EngineArgs(FlagArgs):
                     parser.add_argument("--model", default=f.default, help=f.metadata["help"])
                 continue
             add_field_flag(parser, f)
+        if not positional_model:
+            from pagedserve.engine import vllm_compat
+
+            parser.add_argument("--disable-log-stats", action="store_true",
+                                help="LLM's disable_log_stats: off, LLM.get_metrics() reads the vllm:* series.")
+            vllm_compat.add_cli_args(parser)
+        return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **others: Any) -> "EngineArgs":

@@ -338,8 +338,9 @@ class LLMEngine:
         check_token_ids(list(params.logit_bias or ()), vocab_size, "logit_bias")
         check_token_ids(list(params.allowed_token_ids or ()), vocab_size, "allowed_token_ids")
         if params.priority and self.config.scheduler.policy != "priority":
-            raise InvalidRequestError("priority needs the server started with --scheduling-policy priority "
-                                      "(requests are served first come, first served)", param="priority")
+            raise InvalidRequestError("priority needs the priority scheduling policy (serve --scheduling-policy "
+                                      "priority, or LLM(..., scheduling_policy=\"priority\")): requests are served "
+                                      "first come, first served", param="priority")
         most = self.config.model.max_logprobs
         most = vocab_size if most == -1 else most
         for name in ("logprobs", "prompt_logprobs"):

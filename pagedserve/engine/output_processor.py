@@ -191,7 +191,8 @@ class OutputProcessor:
             state.metrics.first_scheduled_time = core_out.first_scheduled_time
         # n > 1: every child prefills the same prompt; its logprobs are taken once, from the first
         if core_out.new_prompt_logprobs is not None and state.prompt_logprobs is not None and sample.index == 0:
-            state.prompt_logprobs.extend(self._to_logprobs_dict(x) for x in core_out.new_prompt_logprobs)
+            state.prompt_logprobs.extend(self._to_logprobs_dict(x, state.params.detokenize)
+                                         for x in core_out.new_prompt_logprobs)
         if sample.finish_reason is not None:
             return False
         if core_out.new_token_ids:
@@ -205,7 +206,7 @@ class OutputProcessor:
         for i, token_id in enumerate(core_out.new_token_ids):
             sample.token_ids.append(token_id)
             if logprobs is not None:
-                sample.logprobs.append(self._to_logprobs_dict(logprobs[i]))
+                sample.logprobs.append(self._to_logprobs_dict(logprobs[i], state.params.detokenize))
                 sample.cumulative_logprob += logprobs[i].logprob
             stop = sample.detokenizer.update([token_id]) if i < visible else None
             if stop is not None:
@@ -215,16 +216,17 @@ class OutputProcessor:
             sample.finish_reason, sample.stop_reason = core_out.finish_reason, core_out.stop_reason
         return False
 
-    def _to_logprobs_dict(self, entry: Any) -> LogprobsDict | None:
+    def _to_logprobs_dict(self, entry: Any, decode: bool = True) -> LogprobsDict | None:
         """{token id: Logprob}: the sampled (or prompt) token first, then the top ones by rank, as vLLM orders them
         (code reading the first entry takes the sampled token's logprob). A sampled token among the top ones has
-        its place there as its rank, as vLLM's (a tie shares a logprob, not a rank)."""
+        its place there as its rank, as vLLM's (a tie shares a logprob, not a rank). `decode` False
+        (SamplingParams.detokenize): no decoded_token, as vLLM's."""
         if entry is None:
             return None
-        top = {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id]))
+        text = self.tokenizer.decode if decode else lambda ids: None
+        top = {token_id: Logprob(logprob, rank, text([token_id]))
                for rank, (token_id, logprob) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1)}
-        sampled = top.pop(entry.token_id, None) or Logprob(entry.logprob, entry.rank,
-                                                          self.tokenizer.decode([entry.token_id]))
+        sampled = top.pop(entry.token_id, None) or Logprob(entry.logprob, entry.rank, text([entry.token_id]))
         return {entry.token_id: sampled, **top}
 
     def _finish_and_build(self, state: _RequestState) -> RequestOutput | None:

@@ -207,7 +207,7 @@ def check(values: Mapping[str, Any], keyword: bool = False) -> list[str]:
         setting = _BY_NAME[name]
         shown = f"{name}={value!r}" if keyword else setting.flags[0] + ("" if value is True or value is False
                                                                         else f" {value}")
-        if setting.kind == UNSUPPORTED and value is not False:
+        if setting.kind == UNSUPPORTED and not _asks_nothing(value):
             raise ValueError(f"{shown}: {setting.reason}")
         if setting.kind == ONLY and str(value).strip().lower() not in setting.allowed:
             raise ValueError(f"{shown}: {setting.reason} (accepted: {', '.join(setting.allowed)})")
@@ -220,6 +220,12 @@ def check(values: Mapping[str, Any], keyword: bool = False) -> list[str]:
             notes.append(f"{shown} has no effect: {setting.reason}")
     _check_combinations(values)
     return notes
+
+
+def _asks_nothing(value: Any) -> bool:
+    """A refused setting's value that asks for nothing: --no-x, or an empty dict (LLM(hf_overrides={}), vLLM's
+    default) or list."""
+    return value is False or value in ({}, [], "{}")
 
 
 def _check_combinations(values: Mapping[str, Any]) -> None:
@@ -253,6 +259,11 @@ def _model_format(model: Any) -> str | None:
 
     known = KNOWN_MODELS.get(model)
     return None if known is None else "safetensors" if known.is_directory else "gguf"
+
+
+def keyword_names() -> list[str]:
+    """The table's settings as LLM(...) keyword arguments."""
+    return list(_BY_NAME)
 
 
 def split_keywords(kwargs: dict[str, Any], model: str | None = None) -> tuple[dict[str, Any], list[str]]:

@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
 from pagedserve.beam_search import BeamSearchOutput, check_candidates, generated_tokens, scoring_params, search
 from pagedserve.engine import vllm_compat
-from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.arg_utils import EngineArgs, read_keywords
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.exceptions import InvalidRequestError, request_error
 from pagedserve.metrics import EngineMetrics
@@ -25,6 +27,19 @@ from pagedserve.scoring import ScoringOutput, ScoringRequestOutput, check_pairs,
 logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]]
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def _one_call_at_a_time(method: _Call) -> _Call:
+    """A call that runs the engine holds the LLM's lock: a call from another thread waits for it to end. Two
+    threads stepping one engine each took the other's outputs (KeyError; QA-X); vLLM's LLM is not thread-safe
+    either, and here the calls are served one after the other."""
+    @functools.wraps(method)
+    def locked(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 class LLM:
@@ -32,11 +47,13 @@ class LLM:
         """`kwargs`: EngineArgs' fields, and vLLM's that pagedserve takes without effect (trust_remote_code,
         swap_space, ...; engine/vllm_compat.py: logged) or refuses with a reason (ValueError)."""
         # vLLM's LLM defaults it to True; False records vLLM's metrics for get_metrics() (no stats line is logged)
-        log_stats = not kwargs.pop("disable_log_stats", True)
+        log_stats = kwargs.pop("disable_log_stats", True) is False
+        self._lock = threading.RLock()  # _one_call_at_a_time
+        _check_keyword_names(kwargs)
         kwargs, notes = vllm_compat.split_keywords(kwargs, model)
         for note in notes:
             logger.info("%s", note)
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **_sizes_as_ints(kwargs)))
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **read_keywords(EngineArgs, kwargs)))
         self._metrics = (EngineMetrics.for_engine(self.engine, CollectorRegistry(), outputs_per_step=False)
                          if log_stats else None)
 
@@ -65,6 +82,7 @@ class LLM:
         raise ValueError("LLM.set_tokenizer is not supported: give the tokenizer when the LLM is made, "
                          "LLM(model, tokenizer=PATH)")
 
+    @_one_call_at_a_time
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's); False while requests hold blocks."""
         return self.engine.scheduler.kv.reset_prefix_cache()
@@ -82,6 +100,7 @@ class LLM:
         defaults (generation_config.json, --generation-config), else SamplingParams()'s."""
         return SamplingParams(**self.engine.config.model.default_sampling)
 
+    @_one_call_at_a_time
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: Any = None, priority: Sequence[int] | None = None
@@ -99,14 +118,7 @@ class LLM:
                                                 len(prompt_list))]
         if priority is not None:
             params_list = [p.clone(priority=int(rank)) for p, rank in zip(params_list, priority)]
-        request_ids: list[str] = []
-        try:
-            for prompt, params in zip(prompt_list, params_list):
-                request_ids.append(self.engine.add_request(None, prompt, params))
-        except Exception:
-            self.engine.abort_request(request_ids)  # all or nothing: queue none of this call's prompts
-            raise
-        return self._run(request_ids)
+        return self._run(self._add_all(prompt_list, params_list))
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -167,6 +179,7 @@ class LLM:
         # The template already holds any BOS token: do not add special tokens again.
         return tokenizer.encode(text, add_special_tokens=False)
 
+    @_one_call_at_a_time
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
@@ -184,15 +197,7 @@ class LLM:
             params_list = list(pooling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} PoolingParams for {len(prompt_list)} prompts")
-        prompt_list = self._pretokenize(prompt_list, params_list)
-        request_ids: list[str] = []
-        try:
-            for prompt, params in zip(prompt_list, params_list):
-                request_ids.append(self.engine.add_request(None, prompt, params))
-        except Exception:
-            self.engine.abort_request(request_ids)
-            raise
-        return self._run(request_ids)
+        return self._run(self._add_all(self._pretokenize(prompt_list, params_list), params_list))
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType],
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
@@ -210,6 +215,7 @@ class LLM:
         return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", ScoringOutput(score), b.prompt_token_ids)
                 for a, b, score in zip(firsts, outputs[len(left):], scores)]
 
+    @_one_call_at_a_time
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request: Any = None, use_tqdm: bool = False, concurrency_limit: int | None = None
                     ) -> list[BeamSearchOutput]:
@@ -268,6 +274,24 @@ class LLM:
             pending = asking
         return [BeamSearchOutput(best[i]) for i in range(len(prompt_ids))]
 
+    def _unsupported(name: str, why: str) -> Callable[..., Any]:  # type: ignore[misc]  # noqa: N805
+        def refuse(self: LLM, *args: Any, **kwargs: Any) -> Any:
+            raise ValueError(f"LLM.{name} is not supported: {why}")
+
+        refuse.__name__ = refuse.__qualname__ = name
+        refuse.__doc__ = f"vLLM's LLM.{name}; not here: {why}."
+        return refuse
+
+    # vLLM's calls for its GPU workers and profiler (an AttributeError before, QA-X)
+    sleep = _unsupported("sleep", "its weights and KV cache stay in memory; del the LLM to free them")
+    wake_up = _unsupported("wake_up", "an LLM never sleeps here (LLM.sleep is not supported)")
+    collective_rpc = _unsupported("collective_rpc", "the model runs in this process, with no worker processes to "
+                                                    "call (llm.llm_engine reaches the engine)")
+    apply_model = _unsupported("apply_model", "the model runs in this process, with no worker processes to call")
+    start_profile = _unsupported("start_profile", "profile the call with torch.profiler or py-spy around it")
+    stop_profile = _unsupported("stop_profile", "profile the call with torch.profiler or py-spy around it")
+    del _unsupported
+
     def classify(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's classification call: no classification models are served here."""
         raise ValueError("LLM.classify is not supported: pagedserve serves generative and embedding models "
@@ -305,6 +329,23 @@ class LLM:
             result[i] = {"prompt": prompts[i], "prompt_token_ids": ids}
         return result
 
+    def _add_all(self, prompts: list[PromptType], params_list: list[Any]) -> list[str]:
+        """Queue every prompt, or none: a prompt the engine refuses aborts the ones queued before it, and in a
+        batch its error names it (prompts[i]: ..., as the server's 400 names prompt.i)."""
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_ids.append(self.engine.add_request(None, prompt, params))
+        except InvalidRequestError as exc:
+            self.engine.abort_request(request_ids)
+            if len(prompts) == 1:
+                raise
+            raise InvalidRequestError(f"prompts[{len(request_ids)}]: {exc.message}", param=exc.param) from None
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            raise
+        return request_ids
+
     def _run(self, request_ids: list[str]) -> list[RequestOutput | PoolingRequestOutput]:
         """Step until every request finished; a request the engine failed raises RequestFailedError. Whatever ends
         the call early (that, or the caller's Ctrl-C) aborts the call's other requests first, so the engine is left
@@ -331,14 +372,18 @@ class LLM:
         return [finished[r] for r in request_ids]
 
 
-def _sizes_as_ints(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Size keywords given as vLLM's strings ("1k", "32K", "2G") read as its flags read them."""
+def _check_keyword_names(kwargs: dict[str, Any]) -> None:
+    """TypeError for a keyword LLM does not take, as EngineArgs would raise it, with the likely one (QA-X:
+    gpu_memory_utilisation)."""
     import dataclasses
+    import difflib
 
-    from pagedserve.engine.arg_utils import human_readable_int
-
-    sized = {f.name for f in dataclasses.fields(EngineArgs) if f.metadata.get("size")}
-    return {k: human_readable_int(v) if k in sized and isinstance(v, str) else v for k, v in kwargs.items()}
+    known = [f.name for f in dataclasses.fields(EngineArgs)] + list(vllm_compat.keyword_names())
+    for name in kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}"
+                            + (f": did you mean {close[0]!r}?" if close else ""))
 
 
 def _check_lora(lora_request: Any) -> None:

@@ -253,3 +253,82 @@ def test_dropping_an_llm_frees_its_engine_then_trims_the_heap(tiny_model_dir, mo
     monkeypatch.setattr(llm_module, "release_free_heap", lambda: trims.append(engine() is None))
     del llm
     assert trims == [True]
+
+
+def test_two_threads_share_one_llm(llm):
+    """Calls from two threads are served one after the other: each stepped the engine and took the other's
+    outputs (KeyError, QA-X)."""
+    import threading
+
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [["Hello there", "One two"], ["Three four", "Five six seven"]]
+    alone = [[o.outputs[0].token_ids for o in llm.generate(p, greedy)] for p in prompts]
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = [[o.outputs[0].token_ids for o in llm.generate(prompts[i], greedy)] for _ in range(3)]
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert results == {i: [alone[i]] * 3 for i in range(2)}, results
+
+
+def test_a_script_parser_takes_vllm_s_engine_flags(tiny_model_dir):
+    """EngineArgs.add_cli_args returns the parser and takes vLLM's other engine flags, as vLLM's does: a script run
+    with --trust-remote-code stopped at "unrecognized arguments" (QA-X)."""
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    parser.set_defaults(max_model_len=64)
+    args = vars(parser.parse_args(["--model", tiny_model_dir("llama"), "--dtype", "float32", "--trust-remote-code",
+                                   "--disable-log-stats", "--swap-space", "4", "--tokenizer-mode", "auto",
+                                   "--load-format", "auto"]))
+    llm = LLM(**args)
+    assert llm.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+    with pytest.raises(RuntimeError, match="disable_log_stats=False"):  # --disable-log-stats given: no metrics
+        llm.get_metrics()
+
+
+def test_keyword_mistakes_are_named_before_loading(tiny_model_dir, monkeypatch):
+    from pagedserve.engine import llm_engine
+    from pagedserve.engine.arg_utils import AUTO_SIZE, EngineArgs, read_keywords
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "from_engine_args", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match="seed must be an integer or None, got str 'abc'"):
+        LLM(tiny_model_dir("llama"), seed="abc")  # loaded the model, then torch's RuntimeError
+    with pytest.raises(ValueError, match="max_model_len: invalid int value: 'big'"):
+        LLM(tiny_model_dir("llama"), max_model_len="big")  # argparse's ArgumentTypeError, no ValueError
+    with pytest.raises(TypeError, match="did you mean 'gpu_memory_utilization'"):
+        LLM(tiny_model_dir("llama"), gpu_memory_utilisation=0.5)
+    assert read_keywords(EngineArgs, {"max_model_len": "auto", "seed": None, "enforce_eager": 1}) == {
+        "max_model_len": AUTO_SIZE, "seed": None, "enforce_eager": 1}  # "auto" was refused (QA-X)
+    from pagedserve.engine.vllm_compat import split_keywords
+
+    assert split_keywords({"hf_overrides": {}})[0] == {}  # vLLM's default: asks for nothing
+    with pytest.raises(ValueError, match="hf_overrides"):
+        split_keywords({"hf_overrides": {"rope_theta": 1.0}})
+
+
+def test_vllm_s_smaller_calls(llm):
+    params = SamplingParams.from_optional(temperature=None, top_p=None, max_tokens=None, seed=3)
+    assert (params.temperature, params.top_p, params.max_tokens, params.seed) == (1.0, 1.0, None, 3)
+    ids = llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                                               detokenize=False))[0]
+    assert ids.outputs[0].text == "" and ids.outputs[0].logprobs
+    assert all(lp.decoded_token is None for step in ids.outputs[0].logprobs for lp in step.values())
+    assert all(lp.decoded_token is None for step in ids.prompt_logprobs[1:] for lp in step.values())
+    for name in ("sleep", "wake_up", "collective_rpc", "apply_model", "start_profile", "stop_profile"):
+        with pytest.raises(ValueError, match=f"LLM.{name} is not supported"):
+            getattr(llm, name)()
+    with pytest.raises(ValueError, match=r"prompts\[1\]: .*maximum context length"):  # which prompt of the batch
+        llm.generate(["short", "long " * 400], SamplingParams(max_tokens=2))
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+    with pytest.raises(ValueError, match=r"LLM\(\.\.\., scheduling_policy=\"priority\"\)"):
+        llm.generate(["a"], SamplingParams(max_tokens=1), priority=[1])
