@@ -68,51 +68,62 @@ class CompileWorkers:
         threading.Thread(target=self._work, name=f"{self._name}_{next(self._numbers)}", daemon=True).start()
 
     def _work(self) -> None:
+        """Run jobs until retired. The job is an argument of _run, never a local here: a local would keep the last
+        job, its Future and its result (a compiled grammar, 100+ MiB for a 20,000-value choice) alive while the
+        worker waits for the next job, long after the request and the bounded cache let go of it (QA-G)."""
+        while self._run(self._jobs.get()):
+            pass
+
+    def _run(self, job: _Job) -> bool:
+        """Run one job and hand its outcome to its Future (or to late_result); False when this thread retires."""
         me = threading.current_thread()
-        while True:
-            job = self._jobs.get()
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            job.started = time.monotonic()
-            with self._lock:
-                self._running[me] = job
-            result, error = None, None
-            try:
-                result = job.fn(*job.args)
-            except BaseException as exc:  # noqa: BLE001 - the job's outcome, handed to its Future
-                error = exc
-            with self._lock:
-                del self._running[me]
-                retire = me in self._abandoned
-                self._abandoned.discard(me)
-            try:
-                if error is None:
-                    job.future.set_result(result)
-                else:
-                    job.future.set_exception(error)
-            except InvalidStateError:  # given up on already: the time-limit error stands for this Future
-                if error is None and job.late_result is not None:
-                    logger.info("a job given up on at the time limit returned after %.1f s",
-                                time.monotonic() - job.started)
-                    job.late_result(result)
-            if retire:
-                return
+        if not job.future.set_running_or_notify_cancel():
+            return True
+        job.started = time.monotonic()
+        with self._lock:
+            self._running[me] = job
+        result, error = None, None
+        try:
+            result = job.fn(*job.args)
+        except BaseException as exc:  # noqa: BLE001 - the job's outcome, handed to its Future
+            error = exc
+        with self._lock:
+            del self._running[me]
+            retire = me in self._abandoned
+            self._abandoned.discard(me)
+        try:
+            if error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(error)
+        except InvalidStateError:  # given up on already: the time-limit error stands for this Future
+            if error is None and job.late_result is not None:
+                logger.info("a job given up on at the time limit returned after %.1f s",
+                            time.monotonic() - job.started)
+                job.late_result(result)
+        return not retire
 
     def _watch(self) -> None:
         assert self.timeout_s is not None
         while True:
             time.sleep(min(0.1, self.timeout_s / 4))
-            now = time.monotonic()
-            with self._lock:
-                for thread, job in list(self._running.items()):
-                    if (thread in self._abandoned or job.late_error is None or now - job.started <= self.timeout_s
-                            or len(self._abandoned) >= self.max_abandoned):
-                        continue
-                    self._abandoned.add(thread)
-                    self._spawn()
-                    try:
-                        job.future.set_exception(job.late_error())
-                    except InvalidStateError:
-                        pass
-                    logger.warning("a grammar still compiling after %g s was given up (its compile runs on in the "
-                                   "background until it returns; %d such now)", self.timeout_s, len(self._abandoned))
+            self._give_up_late_jobs()
+
+    def _give_up_late_jobs(self) -> None:
+        """Fail the Futures of jobs past the time limit. A function of its own so that its loop variables do not
+        outlive it: left in _watch's frame, the last job looked at kept its compiled grammar alive (QA-G)."""
+        assert self.timeout_s is not None
+        now = time.monotonic()
+        with self._lock:
+            for thread, job in list(self._running.items()):
+                if (thread in self._abandoned or job.late_error is None or now - job.started <= self.timeout_s
+                        or len(self._abandoned) >= self.max_abandoned):
+                    continue
+                self._abandoned.add(thread)
+                self._spawn()
+                try:
+                    job.future.set_exception(job.late_error())
+                except InvalidStateError:
+                    pass
+                logger.warning("a grammar still compiling after %g s was given up (its compile runs on in the "
+                               "background until it returns; %d such now)", self.timeout_s, len(self._abandoned))

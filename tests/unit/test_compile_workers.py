@@ -3,8 +3,10 @@ one grammar that compiles for minutes holds up no other; the abandoned thread re
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -81,3 +83,22 @@ def test_worker_threads_do_not_keep_the_process_alive():
     CompileWorkers(2, timeout_s=1.0, name="test-daemon")
     threads = [t for t in threading.enumerate() if t.name.startswith("test-daemon")]
     assert len(threads) == 3 and all(t.daemon for t in threads)  # two workers and the watch
+
+
+class Result:
+    pass
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_a_worker_keeps_no_reference_to_its_last_result(timeout_s):
+    """Once the caller drops the Future, the result is freed while the workers wait for their next job: the
+    worker's loop and the time-limit watcher held the last job (a compiled grammar of 100+ MiB, QA-G)."""
+    workers = CompileWorkers(2, timeout_s=timeout_s)
+    future = workers.submit(Result, late_error=lambda: Late("too slow"))
+    result = weakref.ref(future.result(timeout=5))
+    del future
+    deadline = time.monotonic() + 5
+    while result() is not None and time.monotonic() < deadline:
+        time.sleep(0.2)  # the watcher's loop looks at running jobs every 0.1 s
+        gc.collect()
+    assert result() is None
