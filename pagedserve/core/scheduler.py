@@ -140,9 +140,13 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         if out.lookahead and len(self.running) > self._speculation_limit():
             out.lookahead.clear()  # admissions took the batch above disable_by_batch_size: nobody speculates next
-        out.finished_request_ids = self._finished_ids
-        self._finished_ids = []
+        out.finished_request_ids = self.take_finished_ids()
         return out
+
+    def take_finished_ids(self) -> list[str]:
+        """Requests finished since the last call, whose state the runner drops (each step's SchedulerOutput)."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
 
     def _num_tokens_to_compute(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

@@ -11,7 +11,7 @@ from typing import Any
 from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.sched_output import SchedulerStats
+from pagedserve.core.sched_output import SchedulerOutput, SchedulerStats
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.cpu_share import CpuShare
@@ -460,11 +460,22 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._fail_parents(self.output_processor.take_failed())
         self.stats = self.scheduler.make_stats()
+        is_idle = not self.has_unfinished_requests()
+        if is_idle:
+            self._release_finished()
         if self.resident_memory is not None:
-            self.resident_memory.after_step(sched_out.total_num_scheduled_tokens,
-                                            self.kv.num_blocks_written, not self.has_unfinished_requests(),
-                                            self.kv.num_window_blocks_written)
+            self.resident_memory.after_step(sched_out.total_num_scheduled_tokens, self.kv.num_blocks_written, is_idle,
+                                            self.kv.num_window_blocks_written, self.grammar_compiler.take_freed_bytes())
         return outputs
+
+    def _release_finished(self) -> None:
+        """Going idle: the runner drops the finished requests' state now, not at the next step, which may be hours
+        away. A constrained request's state holds its compiled grammar (100+ MiB for a 20,000-value choice, not
+        kept by the bounded cache), and the idle trim that follows can give its pages back only once it is freed
+        (QA-G). An empty step: the runner only drops state."""
+        finished_ids = self.scheduler.take_finished_ids()
+        if finished_ids:
+            self.runner.execute(SchedulerOutput(finished_request_ids=finished_ids))
 
     def take_failed(self) -> dict[str, str | BaseException]:
         """Requests (ids as given to add_request) failed since the last call -> reason: a string for an engine

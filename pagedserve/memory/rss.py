@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 RSS_TOLERANCE = 0.10  # warn when RSS exceeds the expected figure by more than this
 LARGE_STEP_TOKENS = 256  # a step of at least this many tokens leaves activation buffers worth trimming
+LARGE_FREE_BYTES = 16 * MIB  # memory freed outside the model step (compiled grammars) worth trimming
 TRIM_INTERVAL_S = 5.0  # while busy, trim at most this often
 MEASURE_INTERVAL_S = 1.0  # read VmRSS at most this often while busy (and after each trim, and going idle)
 
@@ -120,10 +121,13 @@ class ResidentMemory:
         return (plan.weight_bytes + plan.kv_bookkeeping_bytes + kv_blocks_written * plan.block_bytes
                 + window_blocks_written * plan.window_block_bytes)
 
-    def after_step(self, num_tokens: int, kv_blocks_written: int, is_idle: bool, window_blocks_written: int = 0
-                   ) -> None:
+    def after_step(self, num_tokens: int, kv_blocks_written: int, is_idle: bool, window_blocks_written: int = 0,
+                   freed_bytes: int = 0) -> None:
+        """`freed_bytes`: memory freed by this step besides its own buffers (compiled grammars of requests that
+        ended). Freed on the compile threads' arenas, it stays resident until a trim (537 MB after a 100,000-value
+        choice, QA-G): LARGE_FREE_BYTES of it counts as a large step."""
         now = self.clock()
-        self._untrimmed |= num_tokens >= LARGE_STEP_TOKENS
+        self._untrimmed |= num_tokens >= LARGE_STEP_TOKENS or freed_bytes >= LARGE_FREE_BYTES
         due = now - self._last_trim >= TRIM_INTERVAL_S
         # Going idle trims whatever ran if the last trim is an interval old: small steps free buffers too (20-30 MiB
         # stayed resident at rest after a load whose large steps had all been trimmed while busy).

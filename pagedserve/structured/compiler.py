@@ -18,6 +18,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -57,6 +58,8 @@ class GrammarCompiler:
         self._xgr_info: Any = None  # xgrammar's TokenizerInfo: the vocabulary scanned once
         self._local = threading.local()  # a worker's own xgrammar GrammarCompiler
         self._utf8: Any = None  # structured.utf8.Utf8Guard for this tokenizer, built with the compiler
+        self._freed_bytes = 0  # compiled grammars' bytes freed since the last take_freed_bytes()
+        self._freed_lock = threading.Lock()  # a grammar is freed on whichever thread drops it last
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         """A Future of the compiled grammar (done at once when cached). Raises InvalidRequestError for a
@@ -121,6 +124,17 @@ class GrammarCompiler:
                 key, _ = self._cache.popitem(last=False)
                 self.cached_bytes -= self._sizes.pop(key, 0)
 
+    def take_freed_bytes(self) -> int:
+        """The bytes of compiled grammars freed since the last call (by their request's end and the cache): the
+        engine trims the heap after a large amount, freed from the compile threads' arenas (QA-G)."""
+        with self._freed_lock:
+            freed, self._freed_bytes = self._freed_bytes, 0
+        return freed
+
+    def _count_freed(self, num_bytes: int) -> None:
+        with self._freed_lock:
+            self._freed_bytes += num_bytes
+
     def compile(self, params: StructuredOutputsParams, timeout: float | None = None) -> Any:
         """Blocking: the compiled grammar (InvalidRequestError as submit/the Future would raise)."""
         return self.submit(params).result(timeout)
@@ -162,7 +176,9 @@ class GrammarCompiler:
         if self.on_compiled is not None:
             self.on_compiled(seconds)
         logger.debug("compiled a %s grammar in %.3f s", params.kind, seconds)
-        return CompiledGrammar(compiled, self._utf8)
+        grammar = CompiledGrammar(compiled, self._utf8)
+        weakref.finalize(grammar, self._count_freed, int(getattr(compiled, "memory_size_bytes", 0)))
+        return grammar
 
 
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",

@@ -35,6 +35,7 @@ class RequestGrammar:
         # an unconstrained one would, and the stop token is what the scheduler finishes it on.
         self.matcher = xgr.GrammarMatcher(compiled.xgrammar,
                                           override_stop_tokens=list(dict.fromkeys(stop_token_ids)) or None)
+        self.compiled = compiled  # alive as long as its matchers: its end is when xgrammar's memory is freed
         self.utf8 = compiled.utf8
         self.utf8_state = START
 

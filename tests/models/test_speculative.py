@@ -39,6 +39,13 @@ def spec_llm(model_dir: str, dtype: str = "float32", spec: dict | None = None, *
     return LLM(model_dir, dtype=dtype, max_model_len=256, speculative_config=spec or SPEC, **kwargs)
 
 
+def holding_finished_states(llm: LLM) -> LLM:
+    """For tests that read a finished request's runner state and draft K/V: the engine drops them when it goes idle
+    (LLMEngine._release_finished); held here until the next step reports the finish, as while busy."""
+    llm.engine._release_finished = lambda: None
+    return llm
+
+
 def make_draft(model_dir: str, tmp_path_factory) -> str:
     from tests.tiny_models import make_draft_model
 
@@ -149,7 +156,7 @@ def test_decode_steps_follow_only_the_rows_the_proposal_did_not_write(llama):
     positions. With the target as its own draft model every draft is still accepted, and its K/V at every valid
     position are the target's."""
     model_dir, prompts, expected, plain = llama
-    llm = spec_llm(model_dir, spec=draft_spec(model_dir))
+    llm = holding_finished_states(spec_llm(model_dir, spec=draft_spec(model_dir)))
     longest = plain.generate([{"prompt_token_ids": prompts[0]}], greedy(96))[0].outputs[0].token_ids
     assert _run_staggered(llm, [(prompts[0], 96)]) == [longest]
     kv = llm.engine.runner.draft.kv
@@ -166,7 +173,7 @@ def test_after_a_partial_acceptance_the_follow_runs_nothing_and_the_draft_kv_sta
     position it counts as valid are what the draft model computes for those tokens from scratch."""
     model_dir, prompts, _, plain = llama
     draft_dir = make_draft(model_dir, tmp_path_factory)
-    llm = spec_llm(model_dir, spec=draft_spec(draft_dir))
+    llm = holding_finished_states(spec_llm(model_dir, spec=draft_spec(draft_dir)))
     want = plain.generate([{"prompt_token_ids": prompts[0]}], greedy(96))[0].outputs[0].token_ids
     engine = llm.engine
     engine.add_request("0", {"prompt_token_ids": prompts[0]}, greedy(96))
@@ -184,7 +191,7 @@ def test_after_a_partial_acceptance_the_follow_runs_nothing_and_the_draft_kv_sta
     stats = totals(llm)
     assert runner.draft.kv.num_dropped_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens, stats
     # the draft model alone, prefilling the same tokens: its K/V at each position
-    alone = LLM(draft_dir, dtype="float32", max_model_len=256)
+    alone = holding_finished_states(LLM(draft_dir, dtype="float32", max_model_len=256))
     alone.engine.add_request("ref", {"prompt_token_ids": known}, greedy(1))
     alone.engine.step()
     ref_state = alone.engine.runner.states["ref"]
@@ -254,7 +261,8 @@ def test_steps_nobody_speculates_in_skip_the_draft_model_and_lagging_requests_ca
     draft model, a position left out or computed from a wrong token would cost accepted drafts."""
     model_dir, prompts, _, plain = llama
     spec = {**draft_spec(model_dir), "disable_by_batch_size": 2}
-    llm = spec_llm(model_dir, spec=spec, max_num_batched_tokens=16)  # catch-ups longer than one chunk
+    # max_num_batched_tokens: catch-ups longer than one chunk
+    llm = holding_finished_states(spec_llm(model_dir, spec=spec, max_num_batched_tokens=16))
     lengths = [4 + 8 * i for i in range(len(prompts) - 1)] + [96]  # one ends every few steps; the last alone
     longest = plain.generate([{"prompt_token_ids": p} for p in prompts], greedy(max(lengths)))
     expected = [o.outputs[0].token_ids[:n] for o, n in zip(longest, lengths)]  # greedy: a prefix of the longest
@@ -274,7 +282,7 @@ def test_cached_blocks_the_draft_model_did_not_follow_are_recomputed_for_it(llam
     the draft model's K/V there were never written: they are computed before it speculates."""
     model_dir, prompts, _, plain = llama
     spec = {**draft_spec(model_dir), "disable_by_batch_size": 2}
-    llm = spec_llm(model_dir, spec=spec, enable_prefix_caching=True, max_num_batched_tokens=16)
+    llm = holding_finished_states(spec_llm(model_dir, spec=spec, enable_prefix_caching=True, max_num_batched_tokens=16))
     engine = llm.engine
     for index in range(3):  # the crowd around them
         engine.add_request(f"filler-{index}", {"prompt_token_ids": prompts[index]}, greedy(40))

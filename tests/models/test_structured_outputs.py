@@ -376,6 +376,21 @@ def test_the_grammar_cache_is_bounded_by_bytes(tiny_model_dir, monkeypatch):
     assert choice(5).key in grammars._cache  # the one too large for the budget did not flush the others
 
 
+def test_an_idle_engine_holds_no_finished_request_grammar(llm, monkeypatch):
+    """Going idle, the runner drops the finished requests' state at once, so a grammar the cache does not keep is
+    freed and counted for the idle trim (QA-G: the last constrained request's state, with its 100+ MiB compiled
+    grammar, stayed until the next step, which an idle server may not run for hours)."""
+    from pagedserve.structured import compiler as compiler_module
+
+    monkeypatch.setattr(compiler_module, "GRAMMAR_CACHE_BYTES", 0)  # no grammar is kept by the cache
+    engine = llm.llm_engine
+    freed: list[int] = []  # the bytes of each compiled grammar freed (the step's after_step takes the total)
+    monkeypatch.setattr(engine.grammar_compiler, "_count_freed", freed.append)
+    llm.generate(["Pick one:"], constrained(StructuredOutputsParams(choice=["idle-a", "idle-b"]), max_tokens=8))
+    assert not engine.has_unfinished_requests() and not engine.runner.states
+    assert len(freed) == 1 and freed[0] > 0
+
+
 def test_structural_tags_as_vllm_takes_them(llm):
     """xgrammar's structural tag (vLLM's structural_tag, or response_format {"type": "structural_tag", ...}): a
     format that forces a tagged call, and the older structures-with-triggers form, whose text is free until a

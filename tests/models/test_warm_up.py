@@ -10,12 +10,14 @@ from pagedserve.layers.linear import warm_up_rows
 
 
 def warm_up_steps(engine) -> list[int]:
-    """Tokens of each step of one warm-up of `engine`."""
+    """Tokens of each step of one warm-up of `engine` (not the empty call that drops finished requests' state when
+    the engine goes idle: no model step)."""
     steps = []
     execute = engine.runner.execute
 
     def recording(sched):
-        steps.append(sched.total_num_scheduled_tokens)
+        if not sched.is_empty:
+            steps.append(sched.total_num_scheduled_tokens)
         return execute(sched)
 
     engine.runner.execute = recording

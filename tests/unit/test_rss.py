@@ -69,6 +69,20 @@ def test_trims_after_large_steps_at_once_when_idle_and_at_most_every_interval_wh
     assert fake.trims == 4
 
 
+def test_a_large_free_outside_the_step_trims_like_a_large_step() -> None:
+    """A compiled grammar freed at its request's end (QA-G: 537 MB after a 100,000-value choice) is trimmed on
+    going idle even when the last trim is recent; small frees are not."""
+    fake = Fake(PLAN.steady_bytes)
+    memory = fake.memory()
+    memory.after_step(num_tokens=rss.LARGE_STEP_TOKENS, kv_blocks_written=1, is_idle=True)
+    assert fake.trims == 1
+    fake.now += 1.0
+    memory.after_step(num_tokens=8, kv_blocks_written=1, is_idle=True, freed_bytes=rss.LARGE_FREE_BYTES - 1)
+    assert fake.trims == 1  # within the interval, a small free: no trim
+    memory.after_step(num_tokens=8, kv_blocks_written=1, is_idle=True, freed_bytes=rss.LARGE_FREE_BYTES)
+    assert fake.trims == 2
+
+
 def test_rss_is_read_at_most_every_interval_and_after_trims() -> None:
     fake = Fake(PLAN.steady_bytes)
     memory = fake.memory()
