@@ -63,8 +63,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     extra_args: dict | None = None  # vLLM's: for custom logits processors, which pagedserve has not; kept as given
     guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name of structured_outputs
-    # vLLM's fields that pagedserve refuses with what to do instead (they would change the output)
+    # vLLM's: words that must not be generated; a word's last token is banned where the output ends with the tokens
+    # before it (each word as it reads alone and after a space). Their token ids: update_from_tokenizer.
     bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    # vLLM's fields that pagedserve refuses with what to do instead (they would change the output)
     logits_processors: list | None = None
     best_of: int | None = None
 
@@ -97,7 +100,10 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(not self.bad_words, "bad_words", "is not supported: ban tokens with logit_bias {token_id: -100}")
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w.strip()
+                                                                     for w in self.bad_words),
+                   "bad_words", f"must be a list of words (non-empty strings), got {self.bad_words!r}")
         _check(not self.logits_processors, "logits_processors", "are not supported: logit_bias, allowed_token_ids, "
                "penalties and structured_outputs are")
         _check(self.best_of is None or self.best_of == self.n, "best_of", "is not supported (vLLM's V1 engine "
@@ -167,6 +173,23 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    def update_from_tokenizer(self, tokenizer: Any, vocab_size: int) -> None:
+        """vLLM's: the token ids of each of bad_words, as it reads alone and after a space (where that is other
+        tokens of the same count: the word inside a sentence), for the sampler; a 400 for a word whose tokens lie
+        outside the model's vocabulary."""
+        if not self.bad_words:
+            return
+        words: list[list[int]] = []
+        for word in self.bad_words:
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            words.append(alone)
+            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+                words.append(spaced)
+        outside = [t for ids in words for t in ids if not 0 <= t < vocab_size]
+        _check(not outside, "bad_words", f"hold tokens outside the model's vocabulary ({outside[:5]})")
+        self.bad_words_token_ids = [ids for ids in words if ids]
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> "SamplingParams":

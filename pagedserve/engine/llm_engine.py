@@ -334,6 +334,7 @@ class LLMEngine:
     def validate_token_params(self, params: SamplingParams) -> None:
         """Token ids in sampling parameters must be in the vocabulary (they index the logits)."""
         vocab_size = self.config.model.hf_config.vocab_size
+        params.update_from_tokenizer(self.tokenizer, vocab_size)  # bad_words' token ids
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
         check_token_ids(list(params.logit_bias or ()), vocab_size, "logit_bias")
         check_token_ids(list(params.allowed_token_ids or ()), vocab_size, "allowed_token_ids")

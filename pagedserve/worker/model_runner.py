@@ -62,6 +62,7 @@ class RequestState:
     prompt_mask: torch.Tensor | None = None  # [V] for the repetition penalty
     num_prompt_logprobs_done: int = 0
     grammar: RequestGrammar | None = None  # a constrained request's matcher (kept across preemption)
+    recent_output: list[int] | None = None  # with bad_words: the output's last tokens, as many as a word's prefix
 
 
 @dataclass
@@ -81,6 +82,23 @@ class _Batch:
 def _runs(request_ids: list[str]) -> list[tuple[str, int]]:
     """(request id, consecutive rows) for each request in the sampled rows, in order."""
     return [(request_id, len(list(rows))) for request_id, rows in itertools.groupby(request_ids)]
+
+
+def _bad_words_memory(params: SamplingParams) -> int:
+    """How many of the output's last tokens bad_words need: the longest word's tokens before its last (1 at least,
+    so that the tail is never cut to nothing by del [:-0])."""
+    return max(1, max(len(ids) for ids in params.bad_words_token_ids) - 1)
+
+
+def _bad_word_ends(words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens banned next (vLLM's bad_words): each word's last token where the output ends with the tokens
+    before it (a one-token word always)."""
+    banned = []
+    for ids in words:
+        prefix = ids[:-1]
+        if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
+            banned.append(ids[-1])
+    return list(dict.fromkeys(banned))
 
 
 def _row_offsets(request_ids: list[str]) -> list[int]:
@@ -224,7 +242,7 @@ class ModelRunner:
         if state is None:
             state = RequestState(new.request_id, new.token_ids[:new.num_prompt_tokens], new.sampling_params,
                                  [], -1, len(new.token_ids) - new.num_prompt_tokens)
-            self._init_sampling_state(state, new.grammar)
+            self._init_sampling_state(state, new.grammar, new.token_ids[new.num_prompt_tokens:])
             self.states[new.request_id] = state
         state.row = self.free_rows.pop()
         state.block_ids = list(new.block_ids)
@@ -233,8 +251,11 @@ class ModelRunner:
             self.window_block_table[state.row, :len(new.window_block_ids)] = torch.tensor(new.window_block_ids,
                                                                                           dtype=torch.int64)
 
-    def _init_sampling_state(self, state: RequestState, grammar: object = None) -> None:
+    def _init_sampling_state(self, state: RequestState, grammar: object = None, output: Sequence[int] = ()) -> None:
+        """`output`: the tokens the request generated before (one resumed after preemption)."""
         params = state.sampling_params
+        if params.bad_words_token_ids:
+            state.recent_output = list(output[-_bad_words_memory(params):]) if output else []
         if grammar is not None:
             stop_ids = list(params.stop_token_ids)
             if self.eos_token_id is not None:
@@ -484,6 +505,12 @@ class ModelRunner:
                 batch.logit_bias.append((i, ids, values))
             if p.allowed_token_ids:
                 batch.allowed.append((i, torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=self.device)))
+            if state.recent_output is not None:
+                ahead = drafts[state.request_id][:offset] if offset else []
+                bad = _bad_word_ends(p.bad_words_token_ids, state.recent_output + ahead)
+                if bad:
+                    batch.logit_bias.append((i, torch.tensor(bad, dtype=torch.int64, device=self.device),
+                                             torch.full((len(bad),), float("-inf"), device=self.device)))
             if state.num_output_tokens + offset < p.min_tokens:
                 banned = list(dict.fromkeys([*p.stop_token_ids, *self.min_tokens_eos_ids]))
                 if banned:
@@ -547,6 +574,9 @@ class ModelRunner:
                 state.num_output_tokens += 1
                 if state.output_counts is not None:
                     state.output_counts[token_id] += 1
+                if state.recent_output is not None:
+                    state.recent_output.append(token_id)
+                    del state.recent_output[:-_bad_words_memory(state.sampling_params)]
                 if logprobs is not None:
                     logprobs.append(TokenLogprobs(token_id, token_lps[row], ranks[row], top_ids[row][:k],
                                                   top_lps[row][:k]))

@@ -127,8 +127,8 @@ def test_vllm_s_llm_calls_run_unchanged(tiny_model_dir):
 
 
 def test_vllm_s_other_sampling_fields(tiny_model_dir):
-    """detokenize, truncate_prompt_tokens, guided_decoding (structured_outputs' older name) as vLLM's; bad_words,
-    logits_processors and best_of refused with what to use instead (they were TypeErrors)."""
+    """detokenize, truncate_prompt_tokens, guided_decoding (structured_outputs' older name) as vLLM's; a blank bad
+    word, logits_processors and best_of refused with what to use instead (they were TypeErrors)."""
     llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=128)
     ids = list(range(10, 40))
     quiet = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False))
@@ -137,7 +137,7 @@ def test_vllm_s_other_sampling_fields(tiny_model_dir):
     assert cut[0].prompt_token_ids == ids[-8:]
     guided = llm.generate("x", SamplingParams(max_tokens=8, guided_decoding={"choice": ["yes", "no"]}))
     assert guided[0].outputs[0].text in ("yes", "no")
-    for kwargs, words in (({"bad_words": ["x"]}, "logit_bias"), ({"logits_processors": [print]}, "not supported"),
+    for kwargs, words in (({"bad_words": [" "]}, "bad_words"), ({"logits_processors": [print]}, "not supported"),
                           ({"best_of": 3}, "cumulative_logprob"), ({"stop": ["x"], "detokenize": False}, "stop"),
                           ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
         with pytest.raises(ValueError, match=words):

@@ -203,3 +203,73 @@ def test_logprobs_dicts_put_the_sampled_token_first_as_vllm(llm):
         ranks = [lp.rank for token_id, lp in list(step.items())[1:]]
         assert ranks == sorted(ranks) and set(ranks) <= {1, 2}
     assert [next(iter(step)) for step in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
+
+
+def test_bad_words_as_vllm_s(llm, tiny_model_dir):
+    """vLLM's bad_words: a word's last token is banned where the output ends with the tokens before it (the word
+    as it reads alone and after a space). Greedy tokens equal transformers' greedy with that rule as a logits
+    processor over the output tokens, and the word taken from the unbanned output changes it."""
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    prompt = "The quick brown fox"
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = llm.generate(prompt, greedy)[0]
+    tokenizer = llm.get_tokenizer()
+    generated = plain.outputs[0].token_ids
+    # candidate words: the text of each run of 1-3 output tokens (a random model's text rarely re-encodes as
+    # it was generated; the first whose tokens, alone or after a space, occur in the output is taken)
+    words = [tokenizer.decode(generated[i:i + n]).strip() for n in (1, 2, 3) for i in range(len(generated))]
+    words = [w for w in dict.fromkeys(words) if w and "\ufffd" not in w]
+
+    def token_ids_of(word: str) -> list[list[int]]:
+        params = SamplingParams(bad_words=[word])
+        params.update_from_tokenizer(tokenizer, llm.llm_engine.model_config.hf_config.vocab_size)
+        return params.bad_words_token_ids
+
+    def occurs(ids: list[int], output: list[int]) -> bool:
+        return any(output[i:i + len(ids)] == ids for i in range(len(output) - len(ids) + 1))
+
+    # a word of several tokens: its ban depends on the output before its last token
+    word = next(w for w in words if any(len(ids) > 1 and occurs(ids, generated) for ids in token_ids_of(w)))
+    banned = token_ids_of(word)
+    out = llm.generate(prompt, greedy.clone(bad_words=[word]))[0].outputs[0].token_ids
+    assert out != generated and not any(occurs(ids, out) for ids in banned), (word, banned, out)
+
+    class BadWords(LogitsProcessor):
+        def __init__(self, start: int) -> None:
+            self.start = start
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            output = input_ids[0, self.start:].tolist()
+            for ids in banned:
+                if not ids[:-1] or output[len(output) - len(ids) + 1:] == ids[:-1] and len(output) >= len(ids) - 1:
+                    scores[0, ids[-1]] = float("-inf")
+            return scores
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32).eval()
+    prompt_ids = torch.tensor([plain.prompt_token_ids])
+    with torch.no_grad():
+        reference = model.generate(prompt_ids, max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                                   logits_processor=LogitsProcessorList([BadWords(prompt_ids.shape[1])]))
+    assert out == reference[0, prompt_ids.shape[1]:].tolist()
+
+
+def test_bad_words_hold_in_verification_rows(tiny_model_dir):
+    """With n-gram speculation, each verification row bans by the output and the drafts before it: the greedy
+    tokens equal speculation off (a random model that repeats itself, so drafts are proposed and accepted)."""
+    from tests.models.test_speculative import totals
+
+    model_dir = tiny_model_dir("llama")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]}
+    plain_llm = LLM(model_dir, dtype="float32", max_model_len=256)
+    tokenizer = plain_llm.get_tokenizer()
+    out = plain_llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].outputs[0]
+    word = tokenizer.decode(out.token_ids[2:4]).strip() or "x"
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, bad_words=[word, "the"])
+    expected = plain_llm.generate(prompt, params)[0].outputs[0].token_ids
+    del plain_llm
+    fast = LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=spec)
+    assert fast.generate(prompt, params)[0].outputs[0].token_ids == expected
+    assert totals(fast).num_accepted_tokens > 0  # verification rows ran

@@ -20,13 +20,12 @@ logger = logging.getLogger(__name__)
 # Fields OpenAI or vLLM define that pagedserve does not honour -> their value with no effect (None: left out; a
 # tuple: any of those). A request that sets another value gets a 400 naming the field, never output that ignores it.
 _REFUSED: dict[str, Any] = {
-    "bad_words": (None, []), "logits_processors": None,
+    "logits_processors": None,
     "mm_processor_kwargs": None, "kv_transfer_params": None, "vllm_xargs": None, "audio": None,
     "modalities": (None, ["text"]), "web_search_options": None, "documents": None, "prompt_embeds": None,
     "structural_tag": None, "repetition_detection": None, "function_call": (None, "none", "auto"),
 }
-_REFUSED_WHY = {"bad_words": "use logit_bias to ban tokens",
-                "modalities": "text only", "audio": "text only", "documents": "give the documents in the messages",
+_REFUSED_WHY = {"modalities": "text only", "audio": "text only", "documents": "give the documents in the messages",
                 "prompt_embeds": "prompts are text or token ids",
                 "structural_tag": "vLLM's former field: give structured_outputs {\"structural_tag\": ...}",
                 "function_call": "OpenAI's deprecated form of tool_choice: give tools and tool_choice",
@@ -118,6 +117,7 @@ class _SamplingFields(_Request):
     response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words never generated (SamplingParams.bad_words)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens (-1: max_model_len)
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only with the same salt
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N" (None: the server's)
@@ -152,7 +152,7 @@ class _SamplingFields(_Request):
                   "logit_bias": bool(self.logit_bias), "presence_penalty": self.presence_penalty != 0,
                   "frequency_penalty": self.frequency_penalty != 0, "min_tokens": self.min_tokens != 0,
                   "repetition_penalty": self.repetition_penalty not in (None, 1.0),
-                  "allowed_token_ids": self.allowed_token_ids is not None,
+                  "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
                   "prompt_logprobs": getattr(self, "prompt_logprobs", None) is not None,
                   "echo": bool(getattr(self, "echo", False)),
                   "response_format" if self.response_format else "structured_outputs":
@@ -210,7 +210,7 @@ class _SamplingFields(_Request):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_params(), allowed_token_ids=self.allowed_token_ids,
             cache_salt=self.cache_salt, spaces_between_special_tokens=self.spaces_between_special_tokens,
-            priority=self.priority)
+            priority=self.priority, bad_words=self.bad_words)
 
 
 class CompletionRequest(_SamplingFields):
