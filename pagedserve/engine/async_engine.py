@@ -268,7 +268,7 @@ class AsyncEngine:
                 self._drain_commands(block=not self.engine.has_unfinished_requests() or self.engine.is_held())
                 self.engine.check_health()  # at least every 0.5 s while idle: a lost rank ends the engine
                 if not self.engine.has_unfinished_requests():
-                    self.engine.give_way()  # an idle server gives its free KV pages back under pressure too
+                    self.engine.idle()  # KV pages given back under pressure, freed grammars' heap trimmed
                     continue
                 outputs = self.engine.step()
                 self._report_failed()

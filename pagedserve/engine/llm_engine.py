@@ -424,6 +424,16 @@ class LLMEngine:
         if released and self.resident_memory is not None:  # /health shows it now, not a step later (idle)
             self.resident_memory.measure(self.kv.num_blocks_written, self.kv.num_window_blocks_written)
 
+    def idle(self) -> None:
+        """Every half second while a server has nothing to run: give way under memory pressure, and hand back the
+        heap of compiled grammars freed since the last step (a compile given up at its time limit returns later,
+        and one too large for the cache is freed then, with no step to trim after it)."""
+        self.give_way()
+        freed = self.grammar_compiler.take_freed_bytes()
+        if freed and self.resident_memory is not None:
+            self.resident_memory.after_step(0, self.kv.num_blocks_written, True, self.kv.num_window_blocks_written,
+                                            freed)
+
     def is_held(self) -> bool:
         """Nothing to step but requests held by memory pressure: a step would schedule nothing."""
         return self.scheduler.hold_waiting and not self.scheduler.running and not len(self.grammar_admission)

@@ -419,3 +419,17 @@ def test_structural_tags_as_vllm_takes_them(llm):
                                                                               "triggers": ["<f>"]})))
     with pytest.raises(ValueError, match="the structural tag is not valid JSON"):
         StructuredOutputsParams(structural_tag="{not json")
+
+
+def test_grammars_freed_while_idle_are_trimmed(llm, monkeypatch):
+    """A compile given up at its time limit returns while the server is idle, and a grammar too large for the cache
+    is freed then: the idle tick trims the heap for it (it waited for the next step, QA-G)."""
+    engine = llm.llm_engine
+    memory = engine.resident_memory
+    assert memory is not None and not engine.has_unfinished_requests()
+    trims = memory.num_trims
+    engine.idle()
+    assert memory.num_trims == trims  # nothing freed: no trim
+    engine.grammar_compiler._count_freed(64 << 20)  # a 64 MiB grammar's end, as its finalizer counts it
+    engine.idle()
+    assert memory.num_trims == trims + 1 and engine.grammar_compiler.take_freed_bytes() == 0
