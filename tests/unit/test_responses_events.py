@@ -79,4 +79,5 @@ def test_a_failure_mid_stream_is_an_error_event_and_response_failed():
     assert events[-2]["message"] == "the grammar allows no token" and events[-2]["param"] == "text"
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] == "the grammar allows no token"
+    assert failed["error"]["code"] == "invalid_prompt"  # one of OpenAI's ResponseError codes (QA-W)
     assert failed["output"][0]["content"][0]["text"] == "Hello there"

@@ -301,7 +301,7 @@ class ResponsesServing:
             error = to_api_error(exc)
             yield stream.event("error", code=str(error.code or error.status), message=error.message,
                                param=error.param)
-            code = "server_error" if error.status >= 500 else "invalid_request"
+            code = "server_error" if error.status >= 500 else "invalid_prompt"  # OpenAI's ResponseError codes
             yield stream.event("response.failed", response={**skeleton, "status": "failed", "output": stream.items,
                                                             "error": {"code": code, "message": error.message}})
             return
