@@ -242,7 +242,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x" * (9 << 20)}, 413, "exceeds"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800"}', 400, "surrogate"),  # JSON allows it
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
-     "surrogate"),
+     "messages[0].content holds a lone surrogate"),  # named the rendered template's position (QA-Z)
     ("/tokenize", b'{"model": "tiny", "prompt": "x\\ud800"}', 400, "surrogate"),
     ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}', 400, "surrogate"),  # was a 500 (its 404 text)
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "cache_salt": "\\ud800"}', 400,

@@ -11,7 +11,7 @@ from typing import Any
 from pagedserve.chat_template import REASONING_FIELDS
 from pagedserve.entrypoints.openai.protocol import ChatMessage
 from pagedserve.entrypoints.openai.tool_calls import ToolCallDelta
-from pagedserve.exceptions import InvalidRequestError
+from pagedserve.exceptions import InvalidRequestError, check_text
 from pagedserve.outputs import LogprobsDict
 
 
@@ -49,6 +49,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
     tool fields of the wrong shape, which a template would fail on."""
     result = []
     for index, message in enumerate(messages):
+        _check_strings(message, f"messages[{index}]")
         calls = message.get("tool_calls")
         if calls == []:  # as vLLM: templates take an empty list for a call (Llama 3.1's "only single tool-calls")
             message = {key: value for key, value in message.items() if key != "tool_calls"}
@@ -63,6 +64,19 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 raise InvalidRequestError(f"messages[{index}].{key} must be a string", param="messages")
         result.append(message)
     return result
+
+
+def _check_strings(value: Any, where: str) -> None:
+    """A 400 naming the message for a lone surrogate anywhere in it: the tokenizer found it in the rendered prompt,
+    at a position in the template's text and with no param (QA-Z)."""
+    if isinstance(value, str):
+        check_text(value, where, param="messages")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_strings(item, f"{where}[{i}]")
 
 
 def _template_call(call: Any, where: str) -> dict:
