@@ -85,6 +85,8 @@ class CacheConfig:
     num_window_blocks: int = 0
     sliding_window: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+    # A server idle this long hands its free KV blocks' pages back (CPU; LLMEngine.idle); 0: never.
+    idle_release_s: float = 600.0
 
     @property
     def num_gpu_blocks(self) -> int:  # vLLM's name (its blocks on whatever device)

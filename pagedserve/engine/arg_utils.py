@@ -190,6 +190,11 @@ class EngineArgs(FlagArgs):
     block_size: int = setting("Tokens per KV-cache block.", default=CacheConfig.block_size)
     enable_prefix_caching: bool = setting("Reuse the KV cache of shared prompt prefixes.",
                                        default=CacheConfig.enable_prefix_caching)
+    kv_cache_idle_release_s: float = setting(
+        "Seconds a server may have nothing to run before it hands the KV cache's resident pages back to the system "
+        "(on a CPU): the prefix cache is emptied, and the next request computes its prompt again. The pages of a "
+        "block stay resident once written, so without it a light but varied load leaves the whole pool resident. "
+        "0: never.", default=CacheConfig.idle_release_s)
     disable_hybrid_kv_cache_manager: bool = setting(
         "Keep every layer's K/V in one pool. By default, where some layers attend within a sliding window and "
         "others to the whole context (Gemma 2/3), the window layers get a pool of their own that holds about a "

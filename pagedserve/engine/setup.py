@@ -309,6 +309,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     plan = plan_memory(args, checkpoint, model, scheduler, device, available, draft)
     cache = CacheConfig(block_size=args.block_size, num_blocks=num_kv_blocks(args, plan),
                         enable_prefix_caching=prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                        idle_release_s=args.kv_cache_idle_release_s,
                         num_window_blocks=num_window_kv_blocks(plan), sliding_window=plan.shape.window or None)
     threads = threads_per_rank or args.num_threads or len(cores.thread_cpus)
     if check_memory:

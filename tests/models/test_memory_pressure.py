@@ -96,3 +96,35 @@ def test_an_idle_engine_gives_way_and_a_held_queue_does_not_spin(tiny_model_dir)
         asyncio.run(held_then_served())
     finally:
         engine.shutdown()
+
+
+def test_a_long_idle_server_gives_its_kv_pages_back(tiny_model_dir):
+    """After --kv-cache-idle-release-s with nothing to run, the free blocks' pages go back (once per idle spell,
+    the prefix cache with them) and RSS is read again; a request then computes its prompt afresh and answers as
+    before. The whole pool stayed resident after a light, varied load (QA-Y)."""
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, num_threads=1, kv_cache_idle_release_s=60)
+    engine = llm.engine
+    now = [1000.0]
+    engine.clock = lambda: now[0]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = "shared prefix " * 20
+    first = llm.generate(prompt, greedy)[0]
+    written = engine.kv.num_blocks_written
+    assert written > 0 and engine.idle_since == 1000.0
+    now[0] += 59
+    engine.idle()
+    assert engine.kv.num_blocks_written == written  # not idle long enough
+    now[0] += 2
+    engine.idle()
+    assert engine.kv.num_blocks_written == 0 and engine.idle_since is None
+    assert engine.resident_memory.last.kv_blocks_written == 0  # RSS read again against the smaller expectation
+    again = llm.generate(prompt, greedy)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    off = LLM(tiny_model_dir("llama"), max_model_len=256, num_threads=1, kv_cache_idle_release_s=0)
+    off.generate(prompt, greedy)
+    off.engine.clock = lambda: now[0] + 10 ** 6
+    off.engine.idle()
+    assert off.engine.kv.num_blocks_written > 0
