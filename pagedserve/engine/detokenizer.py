@@ -22,11 +22,21 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = self._whole_characters_end() if self.detokenize else len(self.ids)
         self.output_text = ""
         # While streaming, hold back text that may be the start of a stop string.
         self.holdback = max((len(s) for s in self.stop), default=1) - 1 if not self.include_stop else 0
         self._num_emitted = 0
+
+    def _whole_characters_end(self) -> int:
+        """How many of the prompt's last tokens decode to whole characters: a prompt that ends inside a character
+        (a reply cut there, sent back as token ids) leaves its last bytes for the first output token to complete,
+        and that character is output text, as vLLM's DecodeStream primed with the prompt gives it (it was lost,
+        and the logprobs' text_offset counted it; QA-Z). UTF-8 takes at most 4 bytes: 3 tokens back at most."""
+        end = len(self.ids)
+        while end > max(0, len(self.ids) - 3) and self._decode(self.ids[:end]).endswith("\ufffd"):
+            end -= 1
+        return end
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

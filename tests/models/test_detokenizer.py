@@ -66,3 +66,15 @@ def test_stop_strings_count_only_past_min_tokens(tokenizer, min_tokens):
     assert detok.output_text == text[:text.rindex("b")]
     if min_tokens:
         assert detok.output_text.count("b") >= 1  # a "b" inside the first min_tokens stayed in the text
+
+
+def test_a_character_begun_in_the_prompt_is_output_text(tokenizer):
+    """A prompt cut inside a character (a reply cut there, sent back as token ids): the first output token completes
+    it, and the character is output text, as vLLM's DecodeStream primed with the prompt gives it (it was lost; QA-Z)."""
+    ids = tokenizer.encode("say 龍 then")
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))  # inside 龍
+    assert tokenizer.decode(ids[:cut]) == "say \ufffd"
+    detok = IncrementalDetokenizer(tokenizer, ids[:cut], SamplingParams())
+    for token_id in ids[cut:]:
+        assert detok.update([token_id]) is None
+    assert detok.text_to_emit(finished=True) == "龍 then"
