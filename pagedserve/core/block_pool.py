@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -37,9 +38,14 @@ class BlockHash(NamedTuple):
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
-    """Hash of a full block given its parent's hash; ints hash deterministically across processes."""
+    """Hash of a full block given its parent's hash: a 128-bit BLAKE2b digest of the parent's and the tokens, the
+    same in every process. Python's hash() of the tuple was 61 bits and not made to resist a crafted prompt whose
+    chain meets another tenant's (the block's own tokens are compared, its history only by this value), which is
+    why vLLM moved its prefix-cache keys to SHA-256 (advisory GHSA-rm76-4mrf-v9r8; the default since v0.10.2). About
+    2 us a block here (QA-AA)."""
     parent_value = parent.hash_value if parent is not None else 0
-    return BlockHash(hash((parent_value, token_ids)), token_ids)
+    digest = hashlib.blake2b(parent_value.to_bytes(16, "little") + array("q", token_ids).tobytes(), digest_size=16)
+    return BlockHash(int.from_bytes(digest.digest(), "little"), token_ids)
 
 
 def salt_hash(salt: str | None) -> BlockHash | None:
@@ -48,7 +54,7 @@ def salt_hash(salt: str | None) -> BlockHash | None:
     if salt is None:
         return None
     digest = hashlib.sha256(salt.encode()).digest()
-    return BlockHash(int.from_bytes(digest[:8], "little"), ())
+    return BlockHash(int.from_bytes(digest[:16], "little"), ())
 
 
 NUM_TIERS = 3  # the queues of cached free blocks (the module docstring)

@@ -476,3 +476,21 @@ def test_long_prefill_token_threshold_lets_short_requests_start_beside_a_long_pr
 
     assert first_step_of_short(0) > 5  # the long prompt takes each whole 32-token step until it is done
     assert first_step_of_short(16) == 2
+
+
+def test_block_keys_are_128_bit_digests_the_same_in_every_process():
+    """Prefix-cache keys chain a 128-bit BLAKE2b digest (Python's 61-bit hash() was not made to resist crafted
+    collisions; vLLM moved to SHA-256 for that, advisory GHSA-rm76-4mrf-v9r8): the same chain gives the same key in another
+    process, and a different parent gives another key for the same tokens."""
+    import subprocess
+    import sys
+
+    from pagedserve.core.block_pool import hash_block_tokens
+
+    first = hash_block_tokens(None, (1, 2, 3))
+    second = hash_block_tokens(first, (4, 5, 6))
+    assert second.hash_value.bit_length() > 64 and hash_block_tokens(None, (4, 5, 6)) != second
+    code = ("from pagedserve.core.block_pool import hash_block_tokens as h; "
+            "print(h(h(None, (1, 2, 3)), (4, 5, 6)).hash_value)")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert int(other.stdout) == second.hash_value
