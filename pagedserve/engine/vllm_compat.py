@@ -82,7 +82,8 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
                   "--max-num-batched-tokens; --long-prefill-token-threshold N keeps a long one from taking a whole "
                   "step", number=True),
     CompatSetting(("--prefix-caching-hash-algo",), IGNORED, "prefix-cache blocks are keyed by their token ids and "
-                  "a 128-bit BLAKE2b digest of their prefix's key, always", choices=("sha256", "sha256_cbor", "builtin", "xxhash", "xxhash_cbor")),
+                  "a 128-bit BLAKE2b digest of their prefix's key, always",
+                  choices=("sha256", "sha256_cbor", "builtin", "xxhash", "xxhash_cbor")),
     # only
     CompatSetting(("--pipeline-parallel-size", "-pp"), ONLY, "pipeline parallelism is not supported: split a model "
                   "with --tensor-parallel-size N", allowed=("1",)),

@@ -480,8 +480,8 @@ def test_long_prefill_token_threshold_lets_short_requests_start_beside_a_long_pr
 
 def test_block_keys_are_128_bit_digests_the_same_in_every_process():
     """Prefix-cache keys chain a 128-bit BLAKE2b digest (Python's 61-bit hash() was not made to resist crafted
-    collisions; vLLM moved to SHA-256 for that, advisory GHSA-rm76-4mrf-v9r8): the same chain gives the same key in another
-    process, and a different parent gives another key for the same tokens."""
+    collisions; vLLM moved to SHA-256 for that, advisory GHSA-rm76-4mrf-v9r8): the same chain gives the same key in
+    another process, and a different parent gives another key for the same tokens."""
     import subprocess
     import sys
 
