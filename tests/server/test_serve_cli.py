@@ -168,6 +168,8 @@ def test_sigterm_lets_in_flight_request_finish(tiny_model_dir, tmp_path):
 def test_requests_outlasting_the_shutdown_grace_get_a_503_body_or_an_error_event(long_context_model, tmp_path):
     """When --shutdown-grace-s runs out, requests still open get a 503 with an OpenAI error body, and a stream
     an error event and [DONE] (uvicorn's cancellation gave a plain-text 500 and cut the stream)."""
+    from tests.server.test_api import metric_value
+
     server = start_server(long_context_model, "--max-model-len", "8192", "--dtype", "float32",
                           "--shutdown-grace-s", "2", log_dir=tmp_path)
     body = {"prompt": "go", "max_tokens": 8000, "ignore_eos": True}  # many seconds
@@ -178,6 +180,10 @@ def test_requests_outlasting_the_shutdown_grace_get_a_503_body_or_an_error_event
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))  # generating
+        deadline = time.monotonic() + 30  # the plain request in flight too: its thread may connect after this
+        while metric_value(server, "vllm:num_requests_running") < 2:  # (a refused connection failed the test)
+            assert time.monotonic() < deadline, "the plain request never started"
+            time.sleep(0.05)
         started = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
