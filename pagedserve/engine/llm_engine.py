@@ -25,7 +25,7 @@ from pagedserve.engine.setup import (check_draft_tokenizer, check_tokenizer_fits
                                      generation_config_eos_ids, load_tokenizer, log_speculation, make_runner)
 from pagedserve.engine.startup import StartupTracker
 from pagedserve.exceptions import EngineDeadError, InvalidRequestError
-from pagedserve.memory.pressure import MemoryPressure, give_way
+from pagedserve.memory.pressure import MemoryPressure, give_way, release_free_kv
 from pagedserve.memory.rss import ResidentMemory, resident_memory_for
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.platform import configure_threads
@@ -422,9 +422,8 @@ class LLMEngine:
         before each step, and every half second while idle (an idle server's prefix cache is what it can free)."""
         if self.memory_pressure is None:
             return
-        released = give_way(self.memory_pressure, self.scheduler, self.kv, self.runner.release_kv_pages)
-        if released and self.resident_memory is not None:  # /health shows it now, not a step later (idle)
-            self.resident_memory.measure(self.kv.num_blocks_written, self.kv.num_window_blocks_written)
+        if give_way(self.memory_pressure, self.scheduler, self.kv, self.runner.release_kv_pages):
+            self._measure_memory()
 
     def idle(self) -> None:
         """Every half second while a server has nothing to run: give way under memory pressure, and hand back the
@@ -448,12 +447,12 @@ class LLMEngine:
                 or self.clock() - self.idle_since < limit):
             return
         self.idle_since = None
-        block_ids, window_block_ids = self.kv.release_free_blocks()
-        if not block_ids and not window_block_ids:
-            return
-        released = self.runner.release_kv_pages(block_ids, self.kv.block_size, window_block_ids)
-        logger.info("idle for %g s (--kv-cache-idle-release-s): gave back %.1f MiB of %d free KV blocks, the prefix "
-                    "cache with them", limit, released / (1 << 20), len(block_ids) + len(window_block_ids))
+        if release_free_kv(self.kv, self.runner.release_kv_pages, f"idle for {limit:g} s (--kv-cache-idle-release-s), "
+                           "the prefix cache emptied"):
+            self._measure_memory()
+
+    def _measure_memory(self) -> None:
+        """Read RSS now that KV pages went back: /health shows it at once, not a step later (idle)."""
         if self.resident_memory is not None:
             self.resident_memory.measure(self.kv.num_blocks_written, self.kv.num_window_blocks_written)
 

@@ -140,13 +140,20 @@ def give_way(pressure: MemoryPressure, scheduler: Any, kv: Any,
     scheduler.hold_waiting = pressure.check()
     if not pressure.take_release_turn():
         return 0
+    num_blocks = release_free_kv(kv, release, "memory_pressure")
+    if not num_blocks and not scheduler.running and pressure.relent():
+        scheduler.hold_waiting = False
+    return num_blocks
+
+
+def release_free_kv(kv: Any, release: Callable[[list[int], int, list[int]], int], why: str) -> int:
+    """Free the pages of every free KV block (`kv`, the KVCacheManager, marks them unwritten and forgets their
+    cached prefixes; `release`: the runner's release_kv_pages) and log it with `why`; the number of blocks."""
     block_ids, window_block_ids = kv.release_free_blocks()
     num_blocks = len(block_ids) + len(window_block_ids)
     if num_blocks:
         released = release(block_ids, kv.block_size, window_block_ids)
-        logger.info("memory_pressure: gave back %.1f MiB of %d free KV blocks", released / MIB, num_blocks)
-    elif not scheduler.running and pressure.relent():
-        scheduler.hold_waiting = False
+        logger.info("%s: gave back %.1f MiB of %d free KV blocks", why, released / MIB, num_blocks)
     return num_blocks
 
 
