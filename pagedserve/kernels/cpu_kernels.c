@@ -676,9 +676,63 @@ static inline void bf16_block_bias(const uint16_t *bias, int64_t nb, int64_t N, 
   }
 }
 
+/* One row of x against G (1..BF16_G) weight blocks at once, blocks K * BF16_NB apart from w: bf16_tile's one-row
+ * sums in the same order, with G weight streams in flight instead of one. Inlined with G constant. */
+#define BF16_G 4
+static inline __attribute__((always_inline)) void bf16_tile_blocks(const uint16_t *w, const uint16_t *x, int64_t K,
+                                                                   const int G, __m512 out[BF16_G][4]) {
+  __m512 acc[BF16_G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    int32_t pair;
+    memcpy(&pair, x + 2 * kp, 4);
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+    for (int g = 0; g < G; ++g) {
+      const uint16_t *wk = w + g * BF16_NB * K + kp * 2 * BF16_NB;
+      for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)(wk + 2 * BF16_AHEAD + l * 32), _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j)
+        acc[g][j] = _mm512_dpbf16_ps(acc[g][j], (__m512bh)_mm512_loadu_si512(wk + 32 * j), xb);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) out[g][j] = acc[g][j];
+}
+
+/* y = x w^T (+ bias) for one row, blocks [from, to): BF16_G at a time, the rest together at the end. */
+static void bf16_row_blocks(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                            int64_t N, int64_t K, int64_t from, int64_t to) {
+  for (int64_t nb = from; nb < to; nb += BF16_G) {
+    const int64_t count = to - nb < BF16_G ? to - nb : BF16_G;
+    __m512 acc[BF16_G][4];
+    const uint16_t *wb = w + nb * BF16_NB * K;
+    switch (count) {
+      case 1: bf16_tile_blocks(wb, x, K, 1, acc); break;
+      case 2: bf16_tile_blocks(wb, x, K, 2, acc); break;
+      case 3: bf16_tile_blocks(wb, x, K, 3, acc); break;
+      default: bf16_tile_blocks(wb, x, K, BF16_G, acc); break;
+    }
+    for (int64_t g = 0; g < count; ++g) {
+      __m512 b[4];
+      __mmask16 keep[4];
+      bf16_block_bias(bias, nb + g, N, b, keep);
+      for (int j = 0; j < 4; ++j)
+        _mm256_mask_storeu_epi16(y + (nb + g) * BF16_NB + j * 16, keep[j], to_bf16(_mm512_add_ps(acc[g][j], b[j])));
+    }
+  }
+}
+
 static void bf16_rows_dot(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                           int64_t M, int64_t N, int64_t K, int nthreads) {
   const int64_t blocks = (N + BF16_NB - 1) / BF16_NB;
+  if (M == 1) {  /* each thread an even share of the blocks, G streams at a time */
+    #pragma omp parallel num_threads(nthreads)
+    {
+      const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+      bf16_row_blocks(x, w, bias, y, N, K, blocks * t / T, blocks * (t + 1) / T);
+    }
+    return;
+  }
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t nb = 0; nb < blocks; ++nb) {
     const uint16_t *wb = w + nb * BF16_NB * K;

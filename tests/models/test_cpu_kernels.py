@@ -537,6 +537,28 @@ def test_bf16_linear_matches_torch(kernels, rows, with_bias):
     _close(y, torch.nn.functional.linear(x, weight, bias), torch.bfloat16, "linear_bf16")
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_bf16_linear_streams_its_blocks_in_groups(kernels, threads):
+    """Batch 1 (a decode step) streams several weight blocks at once (AVX512-BF16: up to 4 of each thread's even
+    share, the share's last group shorter; AVX2: groups of 4, the rest block by block): 13 blocks give shares of 13,
+    6 + 7 and 4 + 4 + 5 blocks for 1-3 threads, so last groups of 1, 2 and 3 blocks, the last block partial. The row gets the bits it gets beside
+    other rows, and torch's value within a rounding step."""
+    torch.manual_seed(threads)
+    n, k = 12 * kernels.bf16_block + 5, 128
+    weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    x = torch.randn(7, k).bfloat16()
+    packed = kernels.pack_bf16(weight)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = kernels.linear_bf16(x[:1], packed, bias, n)
+        beside = kernels.linear_bf16(x, packed, bias, n)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(alone[0], beside[0])
+    _close(alone, torch.nn.functional.linear(x[:1], weight, bias), torch.bfloat16, f"linear_bf16, {threads} threads")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, dtype):
     """Below prefill sizes (63 rows) a row's output is bit for bit the one it gets alone, in both linears: a
