@@ -541,8 +541,8 @@ def test_bf16_linear_matches_torch(kernels, rows, with_bias):
 def test_one_row_bf16_linear_streams_its_blocks_in_groups(kernels, threads):
     """Batch 1 (a decode step) streams several weight blocks at once (AVX512-BF16: up to 4 of each thread's even
     share, the share's last group shorter; AVX2: groups of 4, the rest block by block): 13 blocks give shares of 13,
-    6 + 7 and 4 + 4 + 5 blocks for 1-3 threads, so last groups of 1, 2 and 3 blocks, the last block partial. The row gets the bits it gets beside
-    other rows, and torch's value within a rounding step."""
+    6 + 7 and 4 + 4 + 5 blocks for 1-3 threads, so last groups of 1, 2 and 3 blocks, the last block partial. The
+    row gets the bits it gets beside other rows, and torch's value within a rounding step."""
     torch.manual_seed(threads)
     n, k = 12 * kernels.bf16_block + 5, 128
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
