@@ -58,6 +58,7 @@ class GrammarCompiler:
         self._xgr_info: Any = None  # xgrammar's TokenizerInfo: the vocabulary scanned once
         self._local = threading.local()  # a worker's own xgrammar GrammarCompiler
         self._utf8: Any = None  # structured.utf8.Utf8Guard for this tokenizer, built with the compiler
+        self._special_ids: frozenset[int] = frozenset()  # ids no grammar accepts (xgrammar's special tokens)
         self._freed_bytes = 0  # compiled grammars' bytes freed since the last take_freed_bytes()
         self._freed_lock = threading.Lock()  # a grammar is freed on whichever thread drops it last
 
@@ -155,6 +156,7 @@ class GrammarCompiler:
 
                 info = xgr.TokenizerInfo.from_huggingface(as_transformers(self.tokenizer), vocab_size=self.vocab_size)
                 self._utf8 = Utf8Guard(info.decoded_vocab, self.vocab_size)
+                self._special_ids = frozenset(info.special_token_ids)
                 self._xgr_info = info
                 logger.info("structured outputs: xgrammar loaded and this tokenizer's vocabulary scanned in %.2f s",
                             time.perf_counter() - start)
@@ -176,7 +178,7 @@ class GrammarCompiler:
         if self.on_compiled is not None:
             self.on_compiled(seconds)
         logger.debug("compiled a %s grammar in %.3f s", params.kind, seconds)
-        grammar = CompiledGrammar(compiled, self._utf8)
+        grammar = CompiledGrammar(compiled, self._utf8, self._special_ids)
         weakref.finalize(grammar, self._count_freed, int(getattr(compiled, "memory_size_bytes", 0)))
         return grammar
 

@@ -25,6 +25,9 @@ class CompiledGrammar:
 
     xgrammar: Any  # xgrammar.CompiledGrammar
     utf8: Utf8Guard
+    # Ids no grammar accepts (xgrammar's special tokens: padding rows past the tokenizer's vocabulary, added
+    # specials that are not stop tokens); xgrammar writes a warning to stderr for each one offered to a matcher.
+    special_ids: frozenset[int] = frozenset()
 
 
 class RequestGrammar:
@@ -59,10 +62,13 @@ class RequestGrammar:
         accepted, its text well-formed, the grammar not ended by it. Only the rows after those can be masked."""
         num_valid = num_accepted = 0
         state = self.utf8_state
+        special = self.compiled.special_ids
         for token_id in drafts:
             state = self.utf8.advance(state, token_id)
-            if state == ERROR or not self.matcher.accept_token(token_id):
-                break  # a rejected token leaves the matcher as it was
+            # A special id is refused without asking the matcher (a draft model proposes them; xgrammar would log
+            # each refusal to stderr); a rejected token leaves the matcher as it was.
+            if state == ERROR or token_id in special or not self.matcher.accept_token(token_id):
+                break
             num_accepted += 1
             if self.matcher.is_terminated():
                 break

@@ -433,3 +433,24 @@ def test_grammars_freed_while_idle_are_trimmed(llm, monkeypatch):
     engine.grammar_compiler._count_freed(64 << 20)  # a 64 MiB grammar's end, as its finalizer counts it
     engine.idle()
     assert memory.num_trims == trims + 1 and engine.grammar_compiler.take_freed_bytes() == 0
+
+
+def test_special_draft_ids_end_the_valid_drafts_without_asking_xgrammar(tiny_model_dir, capfd):
+    """A draft model proposes padding ids past the tokenizer's vocabulary (the tiny tokenizer has 453 tokens, the
+    model 512 rows): they end the valid drafts as a refused token does, and xgrammar, which writes a warning to
+    stderr for each special id offered to a matcher ("cannot accept special token id"), is not asked (QA-AB: one
+    line per such draft on a busy server)."""
+    from pagedserve.engine.setup import load_tokenizer
+    from pagedserve.structured.compiler import GrammarCompiler
+    from pagedserve.structured.matcher import RequestGrammar
+
+    tokenizer = load_tokenizer(tiny_model_dir("llama"))
+    compiled = GrammarCompiler(tokenizer, 512).compile(StructuredOutputsParams(regex="[a-z ]+"))
+    assert 454 in compiled.special_ids and tokenizer.eos_token_id not in compiled.special_ids
+    grammar = RequestGrammar(compiled, [tokenizer.eos_token_id])
+    letters = tokenizer.encode("hello there", add_special_tokens=False)
+    capfd.readouterr()
+    assert grammar.num_valid_drafts(letters + [454] + letters) == len(letters)
+    assert grammar.num_valid_drafts([454]) == 0
+    assert "special token" not in capfd.readouterr().err
+    assert all(grammar.accept(t) for t in letters)  # the drafts moved nothing: the grammar is where it was
