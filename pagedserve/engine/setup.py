@@ -489,11 +489,14 @@ def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: Engi
                          "n-gram speculation ({\"method\": \"ngram\", ...})")
     try:
         path, checkpoint, hf_config, architecture = read_model(speculative.model)
-    except ValueError as exc:  # the target's message, which named --model
+    except ValueError as exc:  # the target's message, which named --model: the draft's is the "model" key
+        from pagedserve.formats.errors import LOCAL_MODEL_HINT
         from pagedserve.models.fetch import LOCAL_MODEL_FLAG
 
-        message = f"--speculative-config: the draft model: {exc}".replace(
-            LOCAL_MODEL_FLAG, '"model": "/path/to/model-dir-or-file.gguf"')
+        message = f"--speculative-config: the draft model: {exc}"
+        for flag_form, key_form in ((LOCAL_MODEL_FLAG, '"model": "/path/to/model-dir-or-file.gguf"'),
+                                    (LOCAL_MODEL_HINT, LOCAL_MODEL_HINT.replace("Pass --model", 'Give "model"'))):
+            message = message.replace(flag_form, key_form)
         raise type(exc)(message) from None
     if default_task(architecture, path) != "generate":
         raise ValueError(f"--speculative-config: the draft model {speculative.model} ({architecture}) does not "

@@ -698,6 +698,11 @@ def test_draft_model_errors_name_the_problem_and_the_fix(llama, tiny_model_dir):
     with pytest.raises(ValueError, match="--speculative-config: the draft model: unknown model '/tmp/no-such-draft'"
                                          r".*works too: \"model\": \"/path"):  # it read as the target's, "--model"
         LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=draft_spec("/tmp/no-such-draft"))
+    not_a_model = tiny_model_dir("llama") + "/.."  # a directory without config.json: validation's hint (QA-AB)
+    with pytest.raises(ValueError, match=r"the draft model: .* has no config.json") as refused:
+        LLM(model_dir, dtype="float32", max_model_len=256, speculative_config=draft_spec(not_a_model))
+    assert 'Give "model" a Hugging Face model directory' in str(refused.value)
+    assert "--model" not in str(refused.value)
 
 
 def test_a_draft_model_is_read_inside_its_targets_planning(tiny_model_dir, caplog):
