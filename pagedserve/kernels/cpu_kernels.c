@@ -699,7 +699,7 @@ static inline __attribute__((always_inline)) void bf16_tile_blocks(const uint16_
     for (int j = 0; j < 4; ++j) out[g][j] = acc[g][j];
 }
 
-/* y = x w^T (+ bias) for one row, blocks [from, to): BF16_G at a time, the rest together at the end. */
+/* y = x w^T (+ bias) for one row, blocks [from, to): BF16_G at a time, the last group shorter where they run out. */
 static void bf16_row_blocks(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                             int64_t N, int64_t K, int64_t from, int64_t to) {
   for (int64_t nb = from; nb < to; nb += BF16_G) {

@@ -504,9 +504,8 @@ def sdpa_prefill(flags: set[str], dtype: str, batch_invariant: bool) -> bool:
     RESULTS.md): on the Intel Xeon with AMX (avx512-amx), bf16 prompts of 256-4096 tokens prefilled 1.04-1.46x
     faster on SDPA (oneDNN's kernels on AMX tiles; 1.38-1.62x in 512-token chunks), float32 ones level; on a Zen 5
     (avx512-bf16) the native kernel ran 3.5x SDPA (428 tokens), on a Zen 4 1.1-1.35x (1024-4000 tokens), and AVX2
-    CPUs have no bf16 matmuls. Never in
-    batch-invariant mode (SDPA's sums depend on how a prompt is chunked). PAGEDSERVE_CPU_SDPA_PREFILL=0/1
-    overrides the rule."""
+    CPUs have no bf16 matmuls. Never in batch-invariant mode (SDPA's sums depend on how a prompt is chunked).
+    PAGEDSERVE_CPU_SDPA_PREFILL=0/1 overrides the rule."""
     if batch_invariant:
         return False
     return envs.cpu_sdpa_prefill(default=dtype == "bfloat16" and cpu_class(flags) == "avx512-amx")

@@ -25,8 +25,8 @@ class CompiledGrammar:
 
     xgrammar: Any  # xgrammar.CompiledGrammar
     utf8: Utf8Guard
-    # Ids no grammar accepts (xgrammar's special tokens: padding rows past the tokenizer's vocabulary, added
-    # specials that are not stop tokens); xgrammar writes a warning to stderr for each one offered to a matcher.
+    # Ids no grammar accepts (xgrammar's special tokens, e.g. the padding rows past the tokenizer's vocabulary);
+    # xgrammar writes a warning to stderr for each one offered to a matcher.
     special_ids: frozenset[int] = frozenset()
 
 
