@@ -623,45 +623,52 @@ static inline void transpose_lanes(vpairs r[VL]) {
 #define BF16_MT 6   /* rows of x per register tile: 24 accumulators */
 #define BF16_AHEAD 512  /* uint32 pairs ahead that the tile prefetches its weights (2 KiB: 8 steps of 256 bytes) */
 
-/* One weight block (64 outputs, all of K) against MT rows of x: acc[m][j] collects outputs j*16..j*16+15.
- * Per pair of columns: 4 weight vectors (each 16 outputs x 2 columns, as vdpbf16ps pairs them) meet one
- * broadcast pair of x per row. Inlined with MT constant so the tile stays in registers. */
+/* G weight blocks (64 outputs each, all of K; blocks K * BF16_NB apart from wb) against MT rows of x, MT * G <=
+ * BF16_MT: acc[m * G + g][j] collects block g's outputs j*16..j*16+15 for row m. Per pair of columns: each block's
+ * 4 weight vectors (each 16 outputs x 2 columns, as vdpbf16ps pairs them) meet one broadcast pair of x per row.
+ * Prefill takes one block and up to 6 rows; one row (a decode step) takes up to 4 blocks, so that 4 weight streams
+ * are in flight (1.03-1.15x for batch-1 linears on a Zen 4). A row's sums are the same in the same order either
+ * way. Inlined with MT and G constant so the tile stays in registers. */
 static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *wb, const uint16_t *x, int64_t K,
-                                                            const int MT, __m512 out[BF16_MT][4]) {
+                                                            const int MT, const int G, __m512 out[BF16_MT][4]) {
   /* The sums live in this local tile and reach `out` once at the end: read through a char-typed copy (memcpy),
    * x may alias `out` as far as the compiler knows, which made it store all 24 sums on every step (1.5 KiB of
    * stores per 24 vdpbf16ps; 2.4x slower at prefill sizes on a Zen 5). */
   __m512 acc[BF16_MT][4];
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int t = 0; t < MT * G; ++t)
+    for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
-    const uint16_t *wk = wb + kp * 2 * BF16_NB;
-    for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)(wk + 2 * BF16_AHEAD + l * 32), _MM_HINT_T0);
-    __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
-    __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
-    for (int m = 0; m < MT; ++m) {
-      int32_t pair;
-      memcpy(&pair, x + m * K + 2 * kp, 4);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
-      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, xb);
-      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, xb);
+    for (int g = 0; g < G; ++g) {
+      const uint16_t *wk = wb + g * BF16_NB * K + kp * 2 * BF16_NB;
+      for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)(wk + 2 * BF16_AHEAD + l * 32), _MM_HINT_T0);
+      __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+      __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+      for (int m = 0; m < MT; ++m) {
+        int32_t pair;
+        memcpy(&pair, x + m * K + 2 * kp, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        __m512 *a = acc[m * G + g];
+        a[0] = _mm512_dpbf16_ps(a[0], w0, xb);
+        a[1] = _mm512_dpbf16_ps(a[1], w1, xb);
+        a[2] = _mm512_dpbf16_ps(a[2], w2, xb);
+        a[3] = _mm512_dpbf16_ps(a[3], w3, xb);
+      }
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < 4; ++j) out[m][j] = acc[m][j];
+  for (int t = 0; t < MT * G; ++t)
+    for (int j = 0; j < 4; ++j) out[t][j] = acc[t][j];
 }
 
-/* bf16_tile for `rows` (1..BF16_MT) rows, each count its own inlined copy so the tile stays in registers. */
+/* bf16_tile for `rows` (1..BF16_MT) rows of one block, each count its own inlined copy so the tile stays in
+ * registers. */
 static void bf16_tile_rows(const uint16_t *wb, const uint16_t *x, int64_t K, int64_t rows, __m512 acc[BF16_MT][4]) {
   switch (rows) {
-    case 1: bf16_tile(wb, x, K, 1, acc); break;
-    case 2: bf16_tile(wb, x, K, 2, acc); break;
-    case 3: bf16_tile(wb, x, K, 3, acc); break;
-    case 4: bf16_tile(wb, x, K, 4, acc); break;
-    case 5: bf16_tile(wb, x, K, 5, acc); break;
-    default: bf16_tile(wb, x, K, 6, acc); break;
+    case 1: bf16_tile(wb, x, K, 1, 1, acc); break;
+    case 2: bf16_tile(wb, x, K, 2, 1, acc); break;
+    case 3: bf16_tile(wb, x, K, 3, 1, acc); break;
+    case 4: bf16_tile(wb, x, K, 4, 1, acc); break;
+    case 5: bf16_tile(wb, x, K, 5, 1, acc); break;
+    default: bf16_tile(wb, x, K, 6, 1, acc); break;
   }
 }
 
@@ -676,41 +683,20 @@ static inline void bf16_block_bias(const uint16_t *bias, int64_t nb, int64_t N, 
   }
 }
 
-/* One row of x against G (1..BF16_G) weight blocks at once, blocks K * BF16_NB apart from w: bf16_tile's one-row
- * sums in the same order, with G weight streams in flight instead of one. Inlined with G constant. */
-#define BF16_G 4
-static inline __attribute__((always_inline)) void bf16_tile_blocks(const uint16_t *w, const uint16_t *x, int64_t K,
-                                                                   const int G, __m512 out[BF16_G][4]) {
-  __m512 acc[BF16_G][4];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < K / 2; ++kp) {
-    int32_t pair;
-    memcpy(&pair, x + 2 * kp, 4);
-    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-    for (int g = 0; g < G; ++g) {
-      const uint16_t *wk = w + g * BF16_NB * K + kp * 2 * BF16_NB;
-      for (int l = 0; l < 4; ++l) _mm_prefetch((const char *)(wk + 2 * BF16_AHEAD + l * 32), _MM_HINT_T0);
-      for (int j = 0; j < 4; ++j)
-        acc[g][j] = _mm512_dpbf16_ps(acc[g][j], (__m512bh)_mm512_loadu_si512(wk + 32 * j), xb);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < 4; ++j) out[g][j] = acc[g][j];
-}
+#define BF16_G 4  /* weight blocks a one-row tile takes at once */
 
 /* y = x w^T (+ bias) for one row, blocks [from, to): BF16_G at a time, the last group shorter where they run out. */
 static void bf16_row_blocks(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                             int64_t N, int64_t K, int64_t from, int64_t to) {
   for (int64_t nb = from; nb < to; nb += BF16_G) {
     const int64_t count = to - nb < BF16_G ? to - nb : BF16_G;
-    __m512 acc[BF16_G][4];
+    __m512 acc[BF16_MT][4];
     const uint16_t *wb = w + nb * BF16_NB * K;
-    switch (count) {
-      case 1: bf16_tile_blocks(wb, x, K, 1, acc); break;
-      case 2: bf16_tile_blocks(wb, x, K, 2, acc); break;
-      case 3: bf16_tile_blocks(wb, x, K, 3, acc); break;
-      default: bf16_tile_blocks(wb, x, K, BF16_G, acc); break;
+    switch (count) {  /* each count its own inlined tile */
+      case 1: bf16_tile(wb, x, K, 1, 1, acc); break;
+      case 2: bf16_tile(wb, x, K, 1, 2, acc); break;
+      case 3: bf16_tile(wb, x, K, 1, 3, acc); break;
+      default: bf16_tile(wb, x, K, 1, BF16_G, acc); break;
     }
     for (int64_t g = 0; g < count; ++g) {
       __m512 b[4];
