@@ -541,11 +541,12 @@ def load_status() -> tuple[CpuKernels | None, str]:
     try:
         isa = envs.cpu_isa()
     except ValueError as exc:  # the engine's argument check reports it first; here the torch path just runs
-        kernels, why = None, str(exc)
+        isa, (kernels, why) = "?", (None, str(exc))
     else:
         kernels, why = load(isa)
-    if kernels is None:
-        log = logger.warning if why.startswith("could not") else logger.info
+    if kernels is None:  # a build that failed, or one PAGEDSERVE_CPU_ISA asked for and this CPU cannot run, warns
+        asked = isa != "native" and envs.cpu_kernels_enabled()
+        log = logger.warning if why.startswith("could not") or asked else logger.info
         log("native CPU kernels not used (%s); using torch ops", why)
     return kernels, why
 

@@ -380,3 +380,31 @@ def test_a_cache_that_is_a_file_fails_the_doctor_by_name(tmp_path):
                              timeout=120, env={**os.environ, "PAGEDSERVE_CACHE": str(cache)})
         assert run.returncode == 1 and "Traceback" not in run.stderr + run.stdout
         assert "FAIL  cache" in run.stdout and "is a file, not a folder" in run.stdout and "<lambda>" not in run.stdout
+
+
+def test_a_build_that_pagedserve_cpu_isa_asks_for_and_cannot_run_warns_in_the_log(monkeypatch, caplog):
+    """Serving falls back to torch ops (a GGUF then runs dequantized, several times slower): where the user asked
+    for that build by PAGEDSERVE_CPU_ISA, the log says so as a warning, as doctor does (QA-AC); where the best
+    build for this CPU simply does not exist (no PAGEDSERVE_CPU_ISA), it stays information."""
+    import logging
+
+    import pagedserve.kernels as kernels
+
+    refused = (None, "PAGEDSERVE_CPU_ISA=avx2-vnni needs the CPU flags avx_vnni, which this CPU lacks")
+    monkeypatch.setattr(kernels, "load", lambda isa="native": refused)
+    monkeypatch.delenv("PAGEDSERVE_CPU_KERNELS", raising=False)
+    levels = {}
+    for isa in ("avx2-vnni", ""):
+        monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pagedserve.kernels"):
+            assert kernels.load_status.__wrapped__() == refused
+        [record] = [r for r in caplog.records if "not used" in r.getMessage()]
+        levels[isa] = record.levelname
+    assert levels == {"avx2-vnni": "WARNING", "": "INFO"}
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx2-vnni")
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")  # turned off on purpose: nothing to warn about
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagedserve.kernels"):
+        kernels.load_status.__wrapped__()
+    assert [r.levelname for r in caplog.records if "not used" in r.getMessage()] == ["INFO"]
