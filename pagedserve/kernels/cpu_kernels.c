@@ -2037,23 +2037,40 @@ static float softmax_weights(float *s, int64_t len, float mx, int bf16, int norm
  * batch 1, 1.15x for a 5-row verification; the AVX2 build alike. */
 #define ATTN_AHEAD 64
 
-static void prefetch_row(const void *cache, int64_t slot, int64_t Hkv, int64_t kvh, int64_t D, int bf16) {
+/* The lanes [h0, h1) of a slot's row (prefetch_row: all D of them). */
+static inline __attribute__((always_inline)) void prefetch_lanes(const void *cache, int64_t slot, int64_t Hkv,
+                                                                  int64_t kvh, int64_t D, int64_t h0, int64_t h1,
+                                                                  int bf16) {
   const char *p = at(cache, (slot * Hkv + kvh) * D, bf16);
-  for (int64_t b = 0; b < D * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  for (int64_t b = h0 * (bf16 ? 2 : 4); b < h1 * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-/* Widen rows 0 .. n - 1 of slot[] to float32 (or copy them as they are: `copy`, bf16 rows for dot_scores);
- * rows up to avail (> n) are the context's next ones. */
-static void widen_rows(const void *cache, const int64_t *slot, int64_t n, int64_t avail, int64_t Hkv, int64_t kvh,
-                       int64_t D, int bf16, int copy, float *rows) {
+static void prefetch_row(const void *cache, int64_t slot, int64_t Hkv, int64_t kvh, int64_t D, int bf16) {
+  prefetch_lanes(cache, slot, Hkv, kvh, D, 0, D, bf16);
+}
+
+/* Widen the lanes [h0, h1) of rows 0 .. n - 1 of slot[] to float32 (or copy them as they are: `copy`, bf16 rows for
+ * dot_scores), at their places in rows of D; rows up to avail (> n) are the context's next ones, whose lanes are
+ * prefetched ATTN_AHEAD on. widen_rows: all D lanes; attend_split's threads each take some lanes of the same rows.
+ * (The whole rows' own function keeps their code as it was: inlined with variable lanes, attention ran 4-7 % slower
+ * a layer on a Zen 4.) */
+static inline __attribute__((always_inline)) void widen_lanes(const void *cache, const int64_t *slot, int64_t n,
+                                                               int64_t avail, int64_t Hkv, int64_t kvh, int64_t D,
+                                                               int64_t h0, int64_t h1, int bf16, int copy,
+                                                               float *rows) {
   for (int64_t l = 0; l < n; ++l) {
-    if (l + ATTN_AHEAD < avail) prefetch_row(cache, slot[l + ATTN_AHEAD], Hkv, kvh, D, bf16);
+    if (l + ATTN_AHEAD < avail) prefetch_lanes(cache, slot[l + ATTN_AHEAD], Hkv, kvh, D, h0, h1, bf16);
     const void *p = at(cache, (slot[l] * Hkv + kvh) * D, bf16);
     if (copy)  /* bf16 rows (D % 32 == 0), moved as float32 vectors of pairs */
-      for (int64_t i = 0; i < D / 2; i += VL) vstoref(rows + l * (D / 2) + i, vloadf((const float *)p + i));
+      for (int64_t i = h0 / 2; i < h1 / 2; i += VL) vstoref(rows + l * (D / 2) + i, vloadf((const float *)p + i));
     else
-      for (int64_t i = 0; i < D; i += VL) vstoref(rows + l * D + i, vload(at(p, i, bf16), bf16));
+      for (int64_t i = h0; i < h1; i += VL) vstoref(rows + l * D + i, vload(at(p, i, bf16), bf16));
   }
+}
+
+static void widen_rows(const void *cache, const int64_t *slot, int64_t n, int64_t avail, int64_t Hkv, int64_t kvh,
+                       int64_t D, int bf16, int copy, float *rows) {
+  widen_lanes(cache, slot, n, avail, Hkv, kvh, D, 0, D, bf16, copy, rows);
 }
 
 #if BF16_DOT_SCORES
@@ -2070,25 +2087,31 @@ static inline void pair_index(__m512i idx[2]) {
 }
 
 /* V rows 0 .. n - 1 of slot[] as pairs of rows for vdpbf16ps: pair p holds, for each d, (V[2p][d], V[2p + 1][d])
- * (0 past row n - 1) as one 32-bit lane, D lanes in order (so D / 16 vectors a pair, as a float32 row has);
- * prefetching as widen_rows. */
-static void pair_rows(const void *cache, const int64_t *slot, int64_t n, int64_t avail, int64_t Hkv, int64_t kvh,
-                      int64_t D, float *rows) {
+ * (0 past row n - 1) as one 32-bit lane, D lanes in order (so D / 16 vectors a pair, as a float32 row has); the
+ * lanes [h0, h1) only (multiples of 32), prefetching as widen_lanes. pair_rows: all D lanes, as widen_rows. */
+static inline __attribute__((always_inline)) void pair_lanes(const void *cache, const int64_t *slot, int64_t n,
+                                                              int64_t avail, int64_t Hkv, int64_t kvh, int64_t D,
+                                                              int64_t h0, int64_t h1, float *rows) {
   __m512i idx[2];
   pair_index(idx);
   for (int64_t l = 0; l < n; l += 2) {
     for (int64_t j = l; j < l + 2; ++j)
-      if (j + ATTN_AHEAD < avail) prefetch_row(cache, slot[j + ATTN_AHEAD], Hkv, kvh, D, 1);
+      if (j + ATTN_AHEAD < avail) prefetch_lanes(cache, slot[j + ATTN_AHEAD], Hkv, kvh, D, h0, h1, 1);
     const uint16_t *a = (const uint16_t *)cache + (slot[l] * Hkv + kvh) * D;
     const uint16_t *b = l + 1 < n ? (const uint16_t *)cache + (slot[l + 1] * Hkv + kvh) * D : NULL;
     uint16_t *out = (uint16_t *)(rows + (l / 2) * D);
-    for (int64_t h = 0; h < D; h += 32) {
+    for (int64_t h = h0; h < h1; h += 32) {
       const __m512i x = _mm512_loadu_si512((const void *)(a + h));
       const __m512i y = b ? _mm512_loadu_si512((const void *)(b + h)) : _mm512_setzero_si512();
       _mm512_storeu_si512((void *)(out + 2 * h), _mm512_permutex2var_epi16(x, idx[0], y));
       _mm512_storeu_si512((void *)(out + 2 * h + 32), _mm512_permutex2var_epi16(x, idx[1], y));
     }
   }
+}
+
+static void pair_rows(const void *cache, const int64_t *slot, int64_t n, int64_t avail, int64_t Hkv, int64_t kvh,
+                      int64_t D, float *rows) {
+  pair_lanes(cache, slot, n, avail, Hkv, kvh, D, 0, D, rows);
 }
 
 /* One head's weighted sums straight from the pool (no group or run to share a copy with): the operations of
@@ -2393,36 +2416,6 @@ static void round_positions(float *s, int64_t from, int64_t to, int64_t len, flo
   }
 }
 
-/* widen_rows (copy 0) or pair_rows for the lanes [h0, h1) of each row only (stride D as the whole rows'), prefetching
- * those lanes of the rows ATTN_AHEAD on (up to avail). */
-static void widen_lanes(const void *cache, const int64_t *slot, int64_t n, int64_t avail, int64_t Hkv, int64_t kvh,
-                        int64_t D, int64_t h0, int64_t h1, int bf16, int pairs, float *rows) {
-  const int64_t size = bf16 ? 2 : 4;
-  for (int64_t l = 0; l < n; l += pairs ? 2 : 1) {
-    for (int64_t j = l; j < l + (pairs ? 2 : 1) && j + ATTN_AHEAD < avail; ++j)
-      for (int64_t byte = h0 * size; byte < h1 * size; byte += 64)
-        _mm_prefetch((const char *)at(cache, (slot[j + ATTN_AHEAD] * Hkv + kvh) * D, bf16) + byte, _MM_HINT_T0);
-#if BF16_DOT_SCORES
-    if (pairs) {
-      __m512i idx[2];
-      pair_index(idx);
-      const uint16_t *a = (const uint16_t *)cache + (slot[l] * Hkv + kvh) * D;
-      const uint16_t *b = l + 1 < n ? (const uint16_t *)cache + (slot[l + 1] * Hkv + kvh) * D : NULL;
-      uint16_t *o = (uint16_t *)(rows + (l / 2) * D);
-      for (int64_t h = h0; h < h1; h += 32) {
-        const __m512i x = _mm512_loadu_si512((const void *)(a + h));
-        const __m512i y = b ? _mm512_loadu_si512((const void *)(b + h)) : _mm512_setzero_si512();
-        _mm512_storeu_si512((void *)(o + 2 * h), _mm512_permutex2var_epi16(x, idx[0], y));
-        _mm512_storeu_si512((void *)(o + 2 * h + 32), _mm512_permutex2var_epi16(x, idx[1], y));
-      }
-      continue;
-    }
-#endif
-    const void *p = at(cache, (slot[l] * Hkv + kvh) * D, bf16);
-    for (int64_t i = h0; i < h1; i += VL) vstoref(rows + l * D + i, vload(at(p, i, bf16), bf16));
-  }
-}
-
 /* weighted_sums over the lanes [h0, h0 + lanes) of the rows and sums only (each lane's sum is its own). */
 static void weighted_sums_lanes(const float *w, int64_t w_stride, int64_t n, const float *rows, int64_t D, int64_t h0,
                                 int64_t lanes, float *acc, int64_t group, int resume, int dot) {
@@ -2536,7 +2529,12 @@ static void attend_split(const void *q, int64_t q_stride, const void *k_cache, c
       const int64_t len_max = lens[b0 + R - 1], *slot = slots + (b0 + R - 1) * slot_stride;
       for (int64_t c0 = 0; c0 < len_max; c0 += ATTN_CHUNK) {
         const int64_t n_max = len_max - c0 < ATTN_CHUNK ? len_max - c0 : ATTN_CHUNK;
-        widen_lanes(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, h0, h0 + lanes, bf16, dot_v, rows);
+#if BF16_DOT_SCORES
+        if (dot_v)
+          pair_lanes(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, h0, h0 + lanes, rows);
+        else
+#endif
+        widen_lanes(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, h0, h0 + lanes, bf16, 0, rows);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t len = lens[b0 + r];
           if (c0 >= len) continue;
