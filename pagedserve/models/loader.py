@@ -25,8 +25,8 @@ from pagedserve.formats import is_gguf_path
 
 logger = logging.getLogger(__name__)
 
-# progress(fraction_done, phase=None) is called while weights load ("loading_weights") and are packed for the
-# kernels ("preparing_weights", the phase named), for /health and the start-up log.
+# progress(fraction_done, phase) is called while weights load ("loading_weights") and are packed for the kernels
+# ("preparing_weights"), for /health and the start-up log; a draft model's weights go through both phases again.
 ProgressFn = Callable[..., None]
 
 
@@ -86,6 +86,8 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     backend = KernelBackend.choose(device, dtype, quantization, reference_kernels, kv_cache_dtype)  # the one decision
     checkpoint = iter_checkpoint(model_path, dtype, int8=quantization == "int8", kernels=backend.native)
     num_tensors = checkpoint.num_tensors
+    if progress:  # the phase named: a draft model loads after its target's preparing_weights
+        progress(0.0, "loading_weights")
     for index, (name, tensor) in enumerate(_parts(model, checkpoint.tensors)):
         target = shapes.target(name)
         if target is None:
@@ -102,7 +104,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         else:
             _set_parameter(model, target, tensor.to(device=device, dtype=dtype))
         if progress and num_tensors:
-            progress(min(1.0, (index + 1) / num_tensors))
+            progress(min(1.0, (index + 1) / num_tensors), "loading_weights")
     shapes.finish()
     _move_buffers(model, device)
     reporting, done = _reporting(backend, model, progress)

@@ -33,18 +33,23 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache
 from pagedserve.layers.sampler import argmax_rows
-from pagedserve.models.loader import load_model
+from pagedserve.models.loader import ProgressFn, load_model
 from pagedserve.platform import torch_dtype
 
 logger = logging.getLogger(__name__)
 
 
 class DraftModel:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, progress: ProgressFn | None = None) -> None:
+        """The draft model of `config`, loaded after the target. `progress`: the start-up tracker's, so /health goes
+        through loading_weights and preparing_weights again for the draft's weights, which can take seconds (a
+        1.5B draft for a 7B target) where it would otherwise sit at the target's 100 %."""
         draft = config.draft_model
         self.device = torch.device(config.device.device)
+        if progress is not None:
+            logger.info("the draft model's weights (%s) load now", draft.model)
         self.model = load_model(draft.hf_config, draft.architecture, draft.model, torch_dtype(draft.dtype),
-                                config.device.device, draft.max_model_len,
+                                config.device.device, draft.max_model_len, progress,
                                 quantization=draft.quantization, reference_kernels=draft.reference_kernels)
         logger.info("draft model %s loaded", draft.model)
         self.vocab_size, self.target_vocab_size = draft.hf_config.vocab_size, config.model.hf_config.vocab_size

@@ -158,7 +158,7 @@ class ModelRunner:
         self.sampler = Sampler(generator, native=self.model.kernel_backend.native)
         self.draft: DraftModel | None = None  # speculative decoding's draft model (method draft_model)
         if config.draft_model is not None:
-            self.draft = DraftModel(config)
+            self.draft = DraftModel(config, progress)
 
     def _load_model(self, hf_config, progress: ProgressFn | None):
         """This process's model (rank 0's shard under tensor parallelism; worker/tp_worker.py wraps it)."""

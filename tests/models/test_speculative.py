@@ -707,7 +707,8 @@ def test_draft_model_errors_name_the_problem_and_the_fix(llama, tiny_model_dir):
 
 def test_a_draft_model_is_read_inside_its_targets_planning(tiny_model_dir, caplog):
     """The draft's headers are read while the target plans: its resolving/validating/planning are not phases of
-    their own (they were logged again, in the middle of the target's planning, by a tracker of the draft's)."""
+    their own (they were logged again, in the middle of the target's planning, by a tracker of the draft's). Its
+    weights are: they load and are prepared after the target's (the test below)."""
     import logging
 
     from pagedserve.engine.startup import PHASES
@@ -718,7 +719,8 @@ def test_a_draft_model_is_read_inside_its_targets_planning(tiny_model_dir, caplo
             speculative_config=draft_spec(draft))
     entered = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("phase ")
                and "after process start" in r.getMessage()]
-    assert entered == list(PHASES[1:-1])
+    first, last = PHASES.index("loading_weights"), PHASES.index("preparing_weights") + 1
+    assert entered == list(PHASES[1:first] + PHASES[first:last] * 2 + PHASES[last:-1])
 
 
 def test_the_start_up_log_names_n_gram_speculation(tiny_model_dir, caplog):
@@ -738,3 +740,35 @@ def test_the_start_up_log_names_n_gram_speculation(tiny_model_dir, caplog):
         assert line not in caplog.messages
         log_speculation(config)
     assert caplog.messages.count(line) == 1
+
+
+def test_a_draft_models_weights_report_their_loading_as_the_targets_do(llama):
+    """/health and the start-up log go through loading_weights and preparing_weights again for the draft model's
+    weights (seconds for a large draft), instead of sitting at the target's 100 %; each pass reaches 100 %."""
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.startup import StartupTracker
+
+    model_dir = llama[0]
+    startup = StartupTracker()
+    reports: list[tuple[str, float]] = []
+    set_progress = startup.set_progress
+
+    def recorded(fraction: float, phase: str | None = None) -> None:
+        set_progress(fraction, phase)
+        reports.append((startup.phase, startup.progress))
+
+    startup.set_progress = recorded
+    args = EngineArgs(model=model_dir, max_model_len=256, dtype="float32", speculative_config=draft_spec(model_dir))
+    engine = LLMEngine.from_engine_args(args, startup)
+    names = [record.name for record in startup.history]
+    weights = names[names.index("loading_weights"):names.index("allocating_kv")]
+    assert weights == ["loading_weights", "preparing_weights"] * 2, names
+    passes, current = [], None
+    for phase, fraction in reports:  # each pass's last report
+        if phase != current:
+            passes.append([])
+            current = phase
+        passes[-1].append(fraction)
+    assert [p[-1] for p in passes] == [1.0] * 4 and all(p == sorted(p) for p in passes), passes
+    assert engine.runner.draft is not None
