@@ -541,7 +541,8 @@ def load_status() -> tuple[CpuKernels | None, str]:
     try:
         isa = envs.cpu_isa()
     except ValueError as exc:  # the engine's argument check reports it first; here the torch path just runs
-        isa, (kernels, why) = "?", (None, str(exc))
+        isa = "?"  # a value PAGEDSERVE_CPU_ISA was set to: asked for, and refused
+        kernels, why = None, str(exc)
     else:
         kernels, why = load(isa)
     if kernels is None:  # a build that failed, or one PAGEDSERVE_CPU_ISA asked for and this CPU cannot run, warns

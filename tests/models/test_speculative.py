@@ -765,7 +765,7 @@ def test_a_draft_models_weights_report_their_loading_as_the_targets_do(llama):
     weights = names[names.index("loading_weights"):names.index("allocating_kv")]
     assert weights == ["loading_weights", "preparing_weights"] * 2, names
     passes, current = [], None
-    for phase, fraction in reports:  # each pass's last report
+    for phase, fraction in reports:  # the reports grouped by pass (a phase entered starts one)
         if phase != current:
             passes.append([])
             current = phase
