@@ -232,6 +232,12 @@ class LayerKernels:
         return ("torch SDPA from 256 x 256 query x key pairs a chunk (the CPU's rule, probe.sdpa_prefill, or "
                 "PAGEDSERVE_CPU_SDPA_PREFILL=1), native below" if self.sdpa_prefill else "native")
 
+    @property
+    def _torch_attention_words(self) -> str:
+        """Attention off the native kernels where the rest of the decoder is on them: only an 8-bit KV pool does that
+        (they read 16/32-bit K/V), and it makes the attention slower and its sums batch-dependent."""
+        return "torch (8-bit KV cache)" if self.decoder_native else "torch"
+
     def lines(self) -> list[str]:
         native = "native" if self.decoder_native else "torch"
         stack = "off"
@@ -243,7 +249,7 @@ class LayerKernels:
                 f"norms {native}; {_ACTIVATION_WORDS.get(self.activation, self.activation)} x up "
                 f"{'native' if self.activation_native else 'torch'}; "
                 f"rotary + KV write {'native' if self.rotary_fused else 'torch'}; "
-                f"decode attention {'native' if self.attention_native else 'torch'}; "
+                f"decode attention {'native' if self.attention_native else self._torch_attention_words}; "
                 f"prefill attention {self.prefill_words}",
                 f"decode stack (every layer's C attention and MLP halves for decode-only steps): {stack}"]
 

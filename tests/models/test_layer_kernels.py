@@ -75,7 +75,7 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
         assert set(words.values()) == {"oneDNN packed"} and loaded.decoder_native and not loaded.stack
     elif what.startswith("fp8"):  # the fused rotary writes the pool in the model dtype: torch ops write fp8
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack and not loaded.attention_native
-        assert "8-bit KV cache" in result.fix and "decode attention torch" in loaded.lines()[1]
+        assert "8-bit KV cache" in result.fix and "decode attention torch (8-bit KV cache)" in loaded.lines()[1]
     elif what.startswith("head_dim"):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
     elif what.startswith("gelu"):
@@ -119,3 +119,22 @@ def test_prefill_attention_on_sdpa_where_measured_faster(monkeypatch):
     assert not sdpa_prefill(amx, "bfloat16", False)
     monkeypatch.setenv("PAGEDSERVE_CPU_SDPA_PREFILL", "1")
     assert sdpa_prefill(zen5, "float32", False) and not sdpa_prefill(zen5, "float32", True)
+
+
+def test_batch_invariant_mode_warns_that_an_8_bit_kv_cache_is_outside_it(tiny_model_dir, monkeypatch, caplog):
+    """An fp8 pool's attention runs on torch's SDPA, whose sums follow the batch and the chunking: in batch-invariant
+    mode the start-up log warns (QA-AD: with it prompts parted alone against batched); without the mode, or with a
+    16-bit pool, nothing is said."""
+    import logging
+
+    model_dir = tiny_model_dir("llama")
+    seen = {}
+    for invariant, kv_cache_dtype in (("1", "fp8"), ("0", "fp8"), ("1", "auto")):
+        monkeypatch.setenv("PAGEDSERVE_BATCH_INVARIANT", invariant)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pagedserve.engine.setup"):
+            LLM(model_dir, dtype="bfloat16", max_model_len=64, kv_cache_dtype=kv_cache_dtype)
+        seen[invariant, kv_cache_dtype] = [r.getMessage() for r in caplog.records
+                                           if "batch-invariant" in r.getMessage()]
+    assert len(seen["1", "fp8"]) == 1 and "--kv-cache-dtype fp8" in seen["1", "fp8"][0], seen
+    assert seen["0", "fp8"] == [] and seen["1", "auto"] == [], seen
