@@ -683,6 +683,12 @@ static inline void bf16_block_bias(const uint16_t *bias, int64_t nb, int64_t N, 
   }
 }
 
+/* One row's sums of a block (acc[j]: outputs j*16..j*16+15) + its bias, as bf16 at y (the block's first output),
+ * the outputs past N left alone (bf16_block_bias' masks). */
+static inline void bf16_store_block(uint16_t *y, const __m512 acc[4], const __m512 b[4], const __mmask16 keep[4]) {
+  for (int j = 0; j < 4; ++j) _mm256_mask_storeu_epi16(y + j * 16, keep[j], to_bf16(_mm512_add_ps(acc[j], b[j])));
+}
+
 #define BF16_G 4  /* weight blocks a one-row tile takes at once */
 
 /* y = x w^T (+ bias) for one row, blocks [from, to): BF16_G at a time, the last group shorter where they run out. */
@@ -702,8 +708,7 @@ static void bf16_row_blocks(const uint16_t *x, const uint16_t *w, const uint16_t
       __m512 b[4];
       __mmask16 keep[4];
       bf16_block_bias(bias, nb + g, N, b, keep);
-      for (int j = 0; j < 4; ++j)
-        _mm256_mask_storeu_epi16(y + (nb + g) * BF16_NB + j * 16, keep[j], to_bf16(_mm512_add_ps(acc[g][j], b[j])));
+      bf16_store_block(y + (nb + g) * BF16_NB, acc[g], b, keep);
     }
   }
 }
@@ -729,10 +734,7 @@ static void bf16_rows_dot(const uint16_t *x, const uint16_t *w, const uint16_t *
       const int64_t rows = M - m < BF16_MT ? M - m : BF16_MT;
       __m512 acc[BF16_MT][4];
       bf16_tile_rows(wb, x + m * K, K, rows, acc);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int j = 0; j < 4; ++j)
-          _mm256_mask_storeu_epi16(y + (m + r) * N + nb * BF16_NB + j * 16, keep[j],
-                                   to_bf16(_mm512_add_ps(acc[r][j], b[j])));
+      for (int64_t r = 0; r < rows; ++r) bf16_store_block(y + (m + r) * N + nb * BF16_NB, acc[r], b, keep);
     }
   }
 }
