@@ -154,8 +154,9 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
         fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack have "
                f"{' and '.join(NATIVE_ACTIVATIONS)}); nothing to change")
     elif kv_quantized(config.cache.kv_cache_dtype):
-        fix = ("an 8-bit KV cache (--kv-cache-dtype fp8) is written and read by torch ops: rotary, attention and the "
-               "decode stack on torch; leave --kv-cache-dtype auto where memory allows for the native path")
+        fix = ("an 8-bit KV cache (--kv-cache-dtype fp8) is written by torch ops: rotary and the decode stack on "
+               "torch (its attention is native); leave --kv-cache-dtype auto where memory allows for the whole "
+               "native path")
     elif partial_rotary(model.hf_config):
         fix = "rotary over part of each head (partial_rotary_factor) keeps rotary and the decode stack on torch ops; "
         fix += "nothing to change"

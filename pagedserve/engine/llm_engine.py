@@ -22,8 +22,7 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.prompt_checks import (check_generation_prompt, check_pooling_prompt, check_token_ids,
                                              token_id_list)
 from pagedserve.engine.setup import (check_draft_tokenizer, check_tokenizer_fits, create_engine_config,
-                                     generation_config_eos_ids, load_tokenizer, log_speculation, make_runner,
-                                     warn_batch_dependent_attention)
+                                     generation_config_eos_ids, load_tokenizer, log_speculation, make_runner)
 from pagedserve.engine.startup import StartupTracker
 from pagedserve.exceptions import EngineDeadError, InvalidRequestError
 from pagedserve.memory.pressure import MemoryPressure, give_way, release_free_kv
@@ -70,7 +69,6 @@ class LLMEngine:
             if previous != config.device.num_threads:  # an offline caller's torch gets its threads back with us
                 weakref.finalize(self, configure_threads, previous)
         log_speculation(config)
-        warn_batch_dependent_attention(config)
         startup.enter("loading_weights")
         self.eos_token_id = tokenizer.eos_token_id
         # Before the weights load: a GGUF's header (its end-of-turn ids) is parsed once, and dropped after loading.

@@ -461,19 +461,6 @@ def _speculative_config(args: EngineArgs, task: str) -> SpeculativeConfig | None
     return speculative
 
 
-def warn_batch_dependent_attention(config: EngineConfig) -> None:
-    """In batch-invariant mode, say at start-up that an 8-bit KV cache is outside it: its attention runs on torch's
-    SDPA (the native kernels read 16/32-bit K/V), whose sums follow the batch and the chunking, so a request's tokens
-    can change with the requests beside it (QA-AD: 2-7 of 8 prompts parted with fp8 where none did without)."""
-    from pagedserve.memory.weight_format import kv_quantized
-
-    dtype = config.cache.kv_cache_dtype
-    if config.device.device == "cpu" and kv_quantized(dtype) and envs.batch_invariant():
-        logger.warning("--kv-cache-dtype %s: attention runs on torch ops, whose sums follow the batch and the "
-                       "chunking, so batch-invariant mode does not cover it; --kv-cache-dtype auto keeps each "
-                       "request's tokens independent of the requests beside it", dtype)
-
-
 def log_speculation(config: EngineConfig) -> None:
     """The start-up log's line on speculative decoding, once per engine (a config is built up to three times under
     --max-model-len auto, and by plan and doctor, which serve nothing)."""

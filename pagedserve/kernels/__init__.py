@@ -56,10 +56,10 @@ _SIGNATURES = {
     "ps_rms_norm_gain": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_gate_mul": ((_P, _P, _I64, _I64, _INT, _INT, _INT), None),
     "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _P, _P, _INT, _F32, _I64, _I64, _I64, _I64, _INT, _INT), None),
-    "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _INT),
-                            None),
-    "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _F32, _INT, _INT),
-                             None),
+    "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32,
+                             _INT, _INT), None),
+    "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _P, _INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32,
+                              _F32, _INT, _INT), None),
     "ps_argmax_rows": ((_P, _I64, _I64, _P, _INT), None),
     "ps_gguf_block_bytes": ((_INT,), _I64),
     "ps_requant_gguf_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), _INT),
@@ -76,6 +76,8 @@ _SIGNATURES = {
 ACTIVATION_DTYPES = tuple(getattr(torch, name) for name in weight_format.NATIVE_DTYPES)  # the rule's, as torch dtypes
 ISA_NAMES = {512: "avx512", 256: "avx2"}  # ps_isa() -> name; 0: neither, the torch path runs
 HUGE_PAGE = 2 << 20
+# An 8-bit KV pool's format for the attention kernels (FP8_E4M3, FP8_E5M2 in cpu_kernels.c; 0: 16/32-bit K/V)
+FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def check(name: str, t: torch.Tensor, dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
@@ -361,17 +363,20 @@ class CpuKernels:
                                   d, qkv.dtype == torch.bfloat16, self._threads())
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slots: torch.Tensor, lens: torch.Tensor, scale: float, softcap: float | None = None
-                         ) -> torch.Tensor:
+                         slots: torch.Tensor, lens: torch.Tensor, scale: float, softcap: float | None = None,
+                         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [B, Hq, D] (rows of D contiguous, heads adjacent); caches [S, Hkv, D]; slots [B, L] int64;
-        lens [B] int64 -> [B, Hq, D]. `softcap`: scores capped to softcap * tanh(score / softcap) (Gemma 2)."""
-        q, hkv = self._check_attention("decode_attention", q, k_cache, v_cache)
+        lens [B] int64 -> [B, Hq, D]. `softcap`: scores capped to softcap * tanh(score / softcap) (Gemma 2).
+        `kv_scales`: an fp8 pool's (k_scale, v_scale) [S, Hkv, 1] in q's dtype (layers/attention.LayerKVCache:
+        each row is its values x its scale); the pool otherwise has q's dtype."""
+        q, hkv, fp8 = self._check_attention("decode_attention", q, k_cache, v_cache, kv_scales)
         b, hq, d = q.shape
         check("slots", slots, torch.int64, (b, None), contiguous=False)
         check("lens", lens, torch.int64, (b,), contiguous=False)
         slots, lens = slots.contiguous(), lens.contiguous()  # no-ops for the runner's tensors
         out = torch.empty(b, hq, d, dtype=q.dtype)
         self.lib.ps_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                     *_scale_pointers(kv_scales), fp8,
                                      slots.data_ptr(), lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
                                      slots.shape[1], scale, _softcap(softcap), q.dtype == torch.bfloat16,
                                      self._threads())
@@ -379,39 +384,48 @@ class CpuKernels:
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slots: torch.Tensor, start: int, scale: float, scratch_bytes: int,
-                          softcap: float | None = None) -> torch.Tensor:
+                          softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> torch.Tensor:
         """A prefill chunk's queries q [T, Hq, D] at positions start .. start + T - 1 attending causally over the
         start + T positions at `slots` (int64, [start + T]; the chunk's own K/V already written there) -> [T, Hq,
         D]: each row as a decode row with its context (ps_prefill_attention). The threads' score buffers stay
-        within `scratch_bytes` (fewer rows share one widened context where it is long). `softcap`: as
-        decode_attention's."""
-        q, hkv = self._check_attention("prefill_attention", q, k_cache, v_cache)
+        within `scratch_bytes` (fewer rows share one widened context where it is long). `softcap` and `kv_scales`:
+        as decode_attention's."""
+        q, hkv, fp8 = self._check_attention("prefill_attention", q, k_cache, v_cache, kv_scales)
         t, hq, d = q.shape
         check("slots", slots, torch.int64, (start + t,), contiguous=False)
         threads = self._threads()
         max_run = scratch_bytes // max(1, threads * (hq // hkv) * (start + t) * 4)
         out = torch.empty(t, hq, d, dtype=q.dtype)
         self.lib.ps_prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                      slots.contiguous().data_ptr(), start, t, out.data_ptr(), hq, hkv, d, max_run,
-                                      scale, _softcap(softcap), q.dtype == torch.bfloat16, threads)
+                                      *_scale_pointers(kv_scales), fp8, slots.contiguous().data_ptr(), start, t,
+                                      out.data_ptr(), hq, hkv, d, max_run, scale, _softcap(softcap),
+                                      q.dtype == torch.bfloat16, threads)
         return out
 
     @staticmethod
-    def _check_attention(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-                         ) -> tuple[torch.Tensor, int]:
+    def _check_attention(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, int, int]:
         """The attention kernels' shared checks: q [rows, Hq, D] (copied unless its heads are adjacent rows of D
-        contiguous values) and its KV heads."""
+        contiguous values), its KV heads and the pool's format (FP8_FORMATS; 0: q's dtype, without scales)."""
         check("q", q, ACTIVATION_DTYPES, (None, None, None), contiguous=False)
         _, hq, d = q.shape
-        check("k_cache", k_cache, q.dtype, (None, None, d))
+        fp8 = FP8_FORMATS.get(k_cache.dtype, 0) if kv_scales is not None else 0
+        check("k_cache", k_cache, k_cache.dtype if fp8 else q.dtype, (None, None, d))
         hkv = k_cache.shape[1]
         if d % 16 or d > 256 or hq % hkv:
             raise ValueError(f"{what}: head_dim {d} (a multiple of 16 up to 256?) or {hq} query heads "
                              f"for {hkv} KV heads")
-        check("v_cache", v_cache, q.dtype, tuple(k_cache.shape))
+        check("v_cache", v_cache, k_cache.dtype, tuple(k_cache.shape))
+        if kv_scales is not None:
+            if not fp8:
+                raise ValueError(f"native kernel argument kv_scales: they go with an fp8 pool "
+                                 f"({', '.join(map(str, FP8_FORMATS))}), not a {k_cache.dtype} one ({what})")
+            for name, scales in zip(("k_scale", "v_scale"), kv_scales):
+                check(name, scales, q.dtype, (k_cache.shape[0], hkv, 1))
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
-        return q, hkv
+        return q, hkv, fp8
 
     @property
     def layer_fields(self) -> int:
@@ -532,6 +546,10 @@ def _softcap(softcap: float | None) -> float:
 def _pointer(t: torch.Tensor | None) -> int:
     """A tensor's data pointer for the C code, NULL (0) for None."""
     return 0 if t is None else t.data_ptr()
+
+
+def _scale_pointers(kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int]:
+    return (0, 0) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())
 
 
 @functools.lru_cache(maxsize=1)

@@ -118,6 +118,17 @@ static inline void vstore(void *p, vf v, int bf16) {
 }
 /* v rounded to the activation dtype and back (a no-op for float32). */
 static inline vf vround(vf v, int bf16) { return bf16 ? vbf16(to_bf16(v)) : v; }
+/* fp8 bytes, one a 16-bit lane, as fp16 bits for F16C's widening: e5m2 is fp16's top byte; e4m3's sign, exponent
+ * and mantissa bits go to fp16's places as they are, which reads 2^-8 times the value (the exponent biases are 7
+ * and 15), its subnormals included. vfp8: VL of them to float32. */
+static inline __m256i fp8_half(__m256i b, int e4m3) {
+  if (!e4m3) return _mm256_slli_epi16(b, 8);
+  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+}
+static inline vf vfp8(const uint8_t *p, int e4m3) {
+  return _mm512_cvtph_ps(fp8_half(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), e4m3));
+}
 
 static inline vf vround_int(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 /* VL integral values in [-127, 127] -> VL int8 at p. */
@@ -206,6 +217,17 @@ static inline void vstore(void *p, vf v, int bf16) {
 static inline vf vround(vf v, int bf16) {
   if (!bf16) return v;
   return _mm256_castsi256_ps(_mm256_and_si256(round_bits(v), _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+/* fp8 bytes, one a 16-bit lane, as fp16 bits for F16C's widening: e5m2 is fp16's top byte; e4m3's sign, exponent
+ * and mantissa bits go to fp16's places as they are, which reads 2^-8 times the value (the exponent biases are 7
+ * and 15), its subnormals included. vfp8: VL of them to float32. */
+static inline __m128i fp8_half(__m128i b, int e4m3) {
+  if (!e4m3) return _mm_slli_epi16(b, 8);
+  return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                      _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+}
+static inline vf vfp8(const uint8_t *p, int e4m3) {
+  return _mm256_cvtph_ps(fp8_half(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), e4m3));
 }
 
 static inline vf vround_int(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -2039,31 +2061,45 @@ static float softmax_weights(float *s, int64_t len, float mx, int bf16, int norm
  * batch 1, 1.15x for a 5-row verification; the AVX2 build alike. */
 #define ATTN_AHEAD 64
 
-/* The lanes [h0, h1) of a slot's row (prefetch_row: all D of them). */
+/* The lanes [h0, h1) of a slot's row, of `size` bytes each (prefetch_row: all D of them). */
 static inline __attribute__((always_inline)) void prefetch_lanes(const void *cache, int64_t slot, int64_t Hkv,
                                                                   int64_t kvh, int64_t D, int64_t h0, int64_t h1,
-                                                                  int bf16) {
-  const char *p = at(cache, (slot * Hkv + kvh) * D, bf16);
-  for (int64_t b = h0 * (bf16 ? 2 : 4); b < h1 * (bf16 ? 2 : 4); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+                                                                  int size) {
+  const char *p = (const char *)cache + (slot * Hkv + kvh) * D * size;
+  for (int64_t b = h0 * size; b < h1 * size; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-static void prefetch_row(const void *cache, int64_t slot, int64_t Hkv, int64_t kvh, int64_t D, int bf16) {
-  prefetch_lanes(cache, slot, Hkv, kvh, D, 0, D, bf16);
+static void prefetch_row(const void *cache, int64_t slot, int64_t Hkv, int64_t kvh, int64_t D, int size) {
+  prefetch_lanes(cache, slot, Hkv, kvh, D, 0, D, size);
 }
+
+/* An 8-bit KV pool (--kv-cache-dtype fp8*): each (slot, KV head) row of D fp8 values has a scale in the activation
+ * dtype at scale[slot * Hkv + head] (amax / the format's largest value, layers/attention.LayerKVCache). FP8_NONE:
+ * the pool holds the activation dtype. The attention widens such rows to float32 as value x scale rounded to the
+ * activation dtype, the K/V the torch path gathers, then takes the 16/32-bit pool's float32 path over them (its
+ * scores and sums by FMAs, not vdpbf16ps). */
+enum { FP8_NONE, FP8_E4M3, FP8_E5M2 };
+#define KV_BYTES(fp8, bf16) ((fp8) ? 1 : (bf16) ? 2 : 4)
 
 /* Widen the lanes [h0, h1) of rows 0 .. n - 1 of slot[] to float32 (or copy them as they are: `copy`, bf16 rows for
  * dot_scores), at their places in rows of D; rows up to avail (> n) are the context's next ones, whose lanes are
- * prefetched ATTN_AHEAD on. widen_rows: all D lanes; attend_split's threads each take some lanes of the same rows.
- * widen_rows stays a function of its own with the lanes fixed: inlined into attend_rows with variable lanes, the
- * attention ran 4-7 % slower a layer (native build, Zen 4). */
+ * prefetched ATTN_AHEAD on. An 8-bit pool's (`fp8`) as value x its row's scale (FP8_NONE's comment). widen_rows:
+ * all D lanes; attend_split's threads each take some lanes of the same rows. widen_rows stays a function of its
+ * own with the lanes fixed: inlined into attend_rows with variable lanes, the attention ran 4-7 % slower a layer
+ * (native build, Zen 4). */
 static inline __attribute__((always_inline)) void widen_lanes(const void *cache, const int64_t *slot, int64_t n,
                                                                int64_t avail, int64_t Hkv, int64_t kvh, int64_t D,
                                                                int64_t h0, int64_t h1, int bf16, int copy,
-                                                               float *rows) {
+                                                               const void *scale, int fp8, float *rows) {
   for (int64_t l = 0; l < n; ++l) {
-    if (l + ATTN_AHEAD < avail) prefetch_lanes(cache, slot[l + ATTN_AHEAD], Hkv, kvh, D, h0, h1, bf16);
-    const void *p = at(cache, (slot[l] * Hkv + kvh) * D, bf16);
-    if (copy)  /* bf16 rows (D % 32 == 0), moved as float32 vectors of pairs */
+    if (l + ATTN_AHEAD < avail) prefetch_lanes(cache, slot[l + ATTN_AHEAD], Hkv, kvh, D, h0, h1, KV_BYTES(fp8, bf16));
+    const int64_t row = slot[l] * Hkv + kvh;
+    const void *p = at(cache, row * D, bf16);
+    if (fp8) {  /* e4m3's 2^-8 (fp8_half) undone in the scale's factor: one exact power of two */
+      const vf by = vset1(load1(scale, row, bf16) * (fp8 == FP8_E4M3 ? 256.0f : 1.0f));
+      for (int64_t i = h0; i < h1; i += VL)
+        vstoref(rows + l * D + i, vround(vmul(vfp8((const uint8_t *)cache + row * D + i, fp8 == FP8_E4M3), by), bf16));
+    } else if (copy)  /* bf16 rows (D % 32 == 0), moved as float32 vectors of pairs */
       for (int64_t i = h0 / 2; i < h1 / 2; i += VL) vstoref(rows + l * (D / 2) + i, vloadf((const float *)p + i));
     else
       for (int64_t i = h0; i < h1; i += VL) vstoref(rows + l * D + i, vload(at(p, i, bf16), bf16));
@@ -2071,8 +2107,8 @@ static inline __attribute__((always_inline)) void widen_lanes(const void *cache,
 }
 
 static void widen_rows(const void *cache, const int64_t *slot, int64_t n, int64_t avail, int64_t Hkv, int64_t kvh,
-                       int64_t D, int bf16, int copy, float *rows) {
-  widen_lanes(cache, slot, n, avail, Hkv, kvh, D, 0, D, bf16, copy, rows);
+                       int64_t D, int bf16, int copy, const void *scale, int fp8, float *rows) {
+  widen_lanes(cache, slot, n, avail, Hkv, kvh, D, 0, D, bf16, copy, scale, fp8, rows);
 }
 
 #if BF16_DOT_SCORES
@@ -2098,7 +2134,7 @@ static inline __attribute__((always_inline)) void pair_lanes(const void *cache, 
   pair_index(idx);
   for (int64_t l = 0; l < n; l += 2) {
     for (int64_t j = l; j < l + 2; ++j)
-      if (j + ATTN_AHEAD < avail) prefetch_lanes(cache, slot[j + ATTN_AHEAD], Hkv, kvh, D, h0, h1, 1);
+      if (j + ATTN_AHEAD < avail) prefetch_lanes(cache, slot[j + ATTN_AHEAD], Hkv, kvh, D, h0, h1, 2);
     const uint16_t *a = (const uint16_t *)cache + (slot[l] * Hkv + kvh) * D;
     const uint16_t *b = l + 1 < n ? (const uint16_t *)cache + (slot[l + 1] * Hkv + kvh) * D : NULL;
     uint16_t *out = (uint16_t *)(rows + (l / 2) * D);
@@ -2130,8 +2166,8 @@ static inline __attribute__((always_inline)) void pool_pair_sums_nv(const float 
     uint32_t wp[ATTN_CHUNK / 2];
     weight_pairs(w + c0, n, wp);
     for (int64_t l = 0; l < n; l += 2) {
-      if (c0 + l + ATTN_AHEAD < len) prefetch_row(v_cache, slot[c0 + l + ATTN_AHEAD], Hkv, kvh, D, 1);
-      if (c0 + l + 1 + ATTN_AHEAD < len) prefetch_row(v_cache, slot[c0 + l + 1 + ATTN_AHEAD], Hkv, kvh, D, 1);
+      if (c0 + l + ATTN_AHEAD < len) prefetch_row(v_cache, slot[c0 + l + ATTN_AHEAD], Hkv, kvh, D, 2);
+      if (c0 + l + 1 + ATTN_AHEAD < len) prefetch_row(v_cache, slot[c0 + l + 1 + ATTN_AHEAD], Hkv, kvh, D, 2);
       const uint16_t *x = (const uint16_t *)v_cache + (slot[c0 + l] * Hkv + kvh) * D;
       const uint16_t *y = l + 1 < n ? (const uint16_t *)v_cache + (slot[c0 + l + 1] * Hkv + kvh) * D : NULL;
       const __m512bh wg = (__m512bh)_mm512_set1_epi32((int)wp[l / 2]);
@@ -2350,9 +2386,9 @@ static float cap_scores(float *s, int64_t n, float max, float scale, float softc
  * row reads the same list, as a prefill chunk's rows do); out: [B, Hq, D] contiguous. Runs of rows that read
  * the same context take at most max_run rows at a time (context_runs). */
 static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                        const int64_t *slots, int64_t slot_stride, const int64_t *lens, void *out, int64_t B,
-                        int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, int64_t max_run, float scale,
-                        float softcap, int bf16, int nthreads);
+                        const void *k_scale, const void *v_scale, int fp8, const int64_t *slots, int64_t slot_stride,
+                        const int64_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len,
+                        int64_t max_run, float scale, float softcap, int bf16, int nthreads);
 
 /* One query token per sequence attends over its context in the paged KV pool.
  * q: [B, Hq, D] with row stride q_stride (elements) between sequences; k_cache/v_cache: [S, Hkv, D];
@@ -2364,12 +2400,14 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * of a run (context_runs: a verification's 1 + k rows read one widened copy of the context, not 1 + k). Each row
  * and head takes the same operations in the same order as it would alone (its own chunk lengths, hence its own
  * blocks and tail), so its result does not depend on the rows beside it. softcap > 0: the scores capped first
- * (Gemma 2, cap_scores); 0: none. */
+ * (Gemma 2, cap_scores); 0: none. An 8-bit pool (fp8 FP8_E4M3 or FP8_E5M2) has its rows' scales in k_scale and
+ * v_scale ([S, Hkv], the activation dtype; FP8_NONE's comment), else they are NULL. */
 void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                         const int64_t *slots, const int64_t *lens, void *out, int64_t B, int64_t Hq,
-                         int64_t Hkv, int64_t D, int64_t max_len, float scale, float softcap, int bf16, int nthreads) {
-  attend_rows(q, q_stride, k_cache, v_cache, slots, max_len, lens, out, B, Hq, Hkv, D, max_len, MAX_RUN, scale,
-              softcap, bf16, nthreads);
+                         const void *k_scale, const void *v_scale, int fp8, const int64_t *slots, const int64_t *lens,
+                         void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, float scale,
+                         float softcap, int bf16, int nthreads) {
+  attend_rows(q, q_stride, k_cache, v_cache, k_scale, v_scale, fp8, slots, max_len, lens, out, B, Hq, Hkv, D, max_len,
+              MAX_RUN, scale, softcap, bf16, nthreads);
 }
 
 /* A prefill chunk of T query rows at positions start .. start + T - 1 attends causally over its sequence's
@@ -2377,15 +2415,16 @@ void ps_decode_attention(const void *q, int64_t q_stride, const void *k_cache, c
  * positions of context, and the chunk one run of rows (the decode path's operations and roundings, row by row),
  * cut into pieces of at most max_run rows, each widening the context once per KV head. The scores buffer of a
  * thread holds max_run x (Hq / Hkv) x (start + T) floats: the caller keeps it within its budget with max_run.
- * Against torch's SDPA (2 cores of a Zen 5, 428 queries, 14/2 heads of 64): 1.5 ms instead of 5.3. softcap as
- * ps_decode_attention's. */
+ * Against torch's SDPA (2 cores of a Zen 5, 428 queries, 14/2 heads of 64): 1.5 ms instead of 5.3. softcap and an
+ * 8-bit pool as ps_decode_attention's. */
 void ps_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                          const int64_t *slots, int64_t start, int64_t T, void *out, int64_t Hq, int64_t Hkv,
-                          int64_t D, int64_t max_run, float scale, float softcap, int bf16, int nthreads) {
+                          const void *k_scale, const void *v_scale, int fp8, const int64_t *slots, int64_t start,
+                          int64_t T, void *out, int64_t Hq, int64_t Hkv, int64_t D, int64_t max_run, float scale,
+                          float softcap, int bf16, int nthreads) {
   int64_t *lens = (int64_t *)malloc(sizeof(int64_t) * (size_t)T);
   if (!lens) abort();
   for (int64_t i = 0; i < T; ++i) lens[i] = start + i + 1;
-  attend_rows(q, q_stride, k_cache, v_cache, slots, 0, lens, out, T, Hq, Hkv, D, start + T,
+  attend_rows(q, q_stride, k_cache, v_cache, k_scale, v_scale, fp8, slots, 0, lens, out, T, Hq, Hkv, D, start + T,
               max_run < 1 ? 1 : (max_run > MAX_RUN ? MAX_RUN : max_run), scale, softcap, bf16, nthreads);
   free(lens);
 }
@@ -2448,9 +2487,10 @@ static void weighted_sums_lanes(const float *w, int64_t w_stride, int64_t n, con
  * pool paths), so the output is bit-equal to it (tested against one thread: a row alone, a run, a prefill chunk).
  * `parts`: lane parts per task (D / parts a multiple of VL, and of 32 for dot_v). */
 static void attend_split(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                         const int64_t *slots, int64_t slot_stride, const int64_t *lens, void *out, int64_t B,
-                         int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, const int64_t *run, float scale,
-                         float softcap, int bf16, int dot, int dot_v, int64_t parts, int nthreads) {
+                         const void *k_scale, const void *v_scale, int fp8, const int64_t *slots, int64_t slot_stride,
+                         const int64_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                         int64_t max_len, const int64_t *run, float scale, float softcap, int bf16, int dot, int dot_v,
+                         int64_t parts, int nthreads) {
   const int64_t group = Hq / Hkv, lanes = D / parts;
   int64_t tasks = 0;
   for (int64_t b = 0; b < B; ++b) tasks += run[b] ? Hkv : 0;
@@ -2485,7 +2525,7 @@ static void attend_split(const void *q, int64_t q_stride, const void *k_cache, c
       const int64_t b0 = task_b0[t], kvh = t % Hkv, R = run[b0], c0 = (u - first_chunk[t]) * ATTN_CHUNK;
       const int64_t len_max = lens[b0 + R - 1], *slot = slots + (b0 + R - 1) * slot_stride;
       const int64_t n_max = len_max - c0 < ATTN_CHUNK ? len_max - c0 : ATTN_CHUNK;
-      widen_rows(k_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, dot, rows);
+      widen_rows(k_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, dot, k_scale, fp8, rows);
       for (int64_t r = 0; r < R; ++r) {
         const int64_t b = b0 + r, len = lens[b];
         if (c0 >= len) continue;
@@ -2536,7 +2576,8 @@ static void attend_split(const void *q, int64_t q_stride, const void *k_cache, c
           pair_lanes(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, h0, h0 + lanes, rows);
         else
 #endif
-        widen_lanes(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, h0, h0 + lanes, bf16, 0, rows);
+        widen_lanes(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, h0, h0 + lanes, bf16, 0, v_scale, fp8,
+                    rows);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t len = lens[b0 + r];
           if (c0 >= len) continue;
@@ -2588,11 +2629,11 @@ static int64_t split_parts(const int64_t *run, const int64_t *lens, int64_t B, i
 }
 
 static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                        const int64_t *slots, int64_t slot_stride, const int64_t *lens, void *out, int64_t B,
-                        int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, int64_t max_run, float scale,
-                        float softcap, int bf16, int nthreads) {
+                        const void *k_scale, const void *v_scale, int fp8, const int64_t *slots, int64_t slot_stride,
+                        const int64_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len,
+                        int64_t max_run, float scale, float softcap, int bf16, int nthreads) {
   const int64_t group = Hq / Hkv, nv = D / VL;
-  const int dot = bf16_dot_attention && bf16 && D % 32 == 0;  /* scores by dot_scores, K rows kept in bf16 */
+  const int dot = bf16_dot_attention && bf16 && !fp8 && D % 32 == 0;  /* scores by dot_scores, K rows kept in bf16 */
   const int dot_v = dot && (D == 64 || D == 128 || D == 256);  /* V's weighted sums by vdpbf16ps too (pair_rows) */
   int64_t *run = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
   if (!run) abort();
@@ -2601,8 +2642,8 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
   for (int64_t b = 0; b < B; ++b) most = run[b] > most ? run[b] : most;
   const int64_t parts = split_parts(run, lens, B, Hkv, D, dot_v, nthreads);
   if (parts) {
-    attend_split(q, q_stride, k_cache, v_cache, slots, slot_stride, lens, out, B, Hq, Hkv, D, max_len, run, scale,
-                 softcap, bf16, dot, dot_v, parts, nthreads);
+    attend_split(q, q_stride, k_cache, v_cache, k_scale, v_scale, fp8, slots, slot_stride, lens, out, B, Hq, Hkv, D,
+                 max_len, run, scale, softcap, bf16, dot, dot_v, parts, nthreads);
     free(run);
     return;
   }
@@ -2623,12 +2664,13 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
       if (R == 0) continue;  /* a row inside a run: its first row's task does it */
       const int64_t len_max = lens[b0 + R - 1], *slot = slots + (b0 + R - 1) * slot_stride;  /* the longest row */
       /* Widened rows unless one head alone reads them (group 1 and one row: straight from the pool, since a
-       * widened copy read by one head only cost 1.19x at 32 x 1000 positions); chunk by chunk */
-      const int widen = group > 1 || R > 1;
+       * widened copy read by one head only cost 1.19x at 32 x 1000 positions) from a 16/32-bit pool; chunk by
+       * chunk */
+      const int widen = group > 1 || R > 1 || fp8;
       const int64_t chunk = widen ? ATTN_CHUNK : len_max;
       for (int64_t c0 = 0; c0 < len_max; c0 += chunk) {
         const int64_t n_max = len_max - c0 < chunk ? len_max - c0 : chunk;
-        if (widen) widen_rows(k_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, dot, rows);
+        if (widen) widen_rows(k_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, dot, k_scale, fp8, rows);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t b = b0 + r, len = lens[b];
           if (c0 >= len) continue;
@@ -2644,7 +2686,8 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
         }
       }
       if (widen)  /* V's first rows arrive while the weights are computed */
-        for (int64_t l = 0; l < ATTN_AHEAD && l < len_max; ++l) prefetch_row(v_cache, slot[l], Hkv, kvh, D, bf16);
+        for (int64_t l = 0; l < ATTN_AHEAD && l < len_max; ++l)
+          prefetch_row(v_cache, slot[l], Hkv, kvh, D, KV_BYTES(fp8, bf16));
       for (int64_t r = 0; r < R; ++r)
         for (int64_t g = 0; g < group; ++g)
           inv_sum[r * group + g] = softmax_weights(scores + (r * group + g) * max_len, lens[b0 + r],
@@ -2657,7 +2700,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
           pair_rows(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, rows);
         else
 #endif
-        if (widen) widen_rows(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, 0, rows);
+        if (widen) widen_rows(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, 0, v_scale, fp8, rows);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t len = lens[b0 + r];
           if (c0 >= len) continue;
@@ -2770,7 +2813,8 @@ void ps_layer_attention(const int64_t *layer, const void *x, void *residual, int
                    (const void *)layer[PS_L_Q_NORM], (const void *)layer[PS_L_K_NORM],
                    (layer[PS_L_FLAGS] & PS_NORM_GAIN) != 0, eps, B, Hq, Hkv, D, bf16, nthreads);
   ps_decode_attention(qkv, (int64_t)qkv_n, (const void *)layer[PS_L_K_CACHE], (const void *)layer[PS_L_V_CACHE],
-                      ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, softcap, bf16, nthreads);
+                      NULL, NULL, FP8_NONE, ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, softcap, bf16,
+                      nthreads);
   stack_linear(layer + PS_L_O, attn, y, B, H, Hq * D, bf16, nthreads);
   free(h);
 }

@@ -7,7 +7,7 @@ are attended together; prefill chunks follow, one sequence at a time.
 
 What one layer's attention materialises is bounded by the step, not by max_model_len x batch (memory/plan.py
 counts these bounds):
-- decodes on the native kernel read the pool in place; on the torch path (no kernels, an fp8 cache, a GPU)
+- decodes on the native kernel read the pool in place (an fp8 one too); on the torch path (no kernels, a GPU)
   they are gathered in groups of consecutive rows holding at most `gather_tokens` padded positions
   (default: max(longest context in the step, tokens in the step)), never the whole batch at once;
 - a prefill chunk on the native kernel reads its context in place too, each row as a decode row with its own
@@ -130,6 +130,11 @@ class LayerKVCache:
     def is_quantized(self) -> bool:
         return self.k_scale is not None
 
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scale, v_scale) of an fp8 pool, for the native attention kernels (their kv_scales); else None."""
+        return (self.k_scale, self.v_scale) if self.is_quantized else None
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         if not self.is_quantized:
             self.k.index_copy_(0, slots, k)  # the pool has the model dtype
@@ -172,7 +177,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     `kernels` are given (probe.sdpa_prefill)."""
     if not kv_written:
         cache.write(k, v, meta.slot_mapping)
-    native = kernels is not None and not cache.is_quantized
+    native = kernels is not None
     native_prefill = native and not capped_prefill_on_torch(softcap is not None, kernels.batch_invariant)
     nd = meta.num_decodes
     od = _decode_attention(q[:nd], cache, meta.within(window), scale, kernels if native else None, softcap) \
@@ -201,7 +206,7 @@ def _decode_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetad
     """q: [Bd, Hq, D] one token per decode -> [Bd, Hq, D]."""
     if kernels is not None:
         return kernels.decode_attention(q, cache.k, cache.v, meta.decode_kv_slots, meta.decode_context_lens, scale,
-                                        softcap)
+                                        softcap, cache.scales)
     out = torch.empty_like(q)
     for group in meta.decode_groups():
         rows = slice(group.first, group.last)
@@ -246,7 +251,7 @@ def _native_prefill_attention(q: torch.Tensor, cache: LayerKVCache, meta: Attent
     slots = span.kv_slots if span.kv_slots is not None else meta.slot_mapping[span.start:span.end]
     scratch = prefill_scratch_bytes(num, context_len, cache.k.shape[1], cache.k.shape[2], q.element_size())
     return kernels.prefill_attention(q[span.start:span.end], cache.k, cache.v, slots, span.context_start, scale,
-                                     scratch, softcap)
+                                     scratch, softcap, cache.scales)
 
 
 def _native_windowed_prefill(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, span: PrefillSpan,
@@ -264,7 +269,7 @@ def _native_windowed_prefill(q: torch.Tensor, cache: LayerKVCache, meta: Attenti
     first = (positions - window + 1).clamp_(min=0)
     columns = (first[:, None] + torch.arange(window, device=slots.device)).clamp_(max=slots.shape[0] - 1)
     return kernels.decode_attention(q[span.start:span.end], cache.k, cache.v, slots[columns],
-                                    (positions + 1).clamp_(max=window), scale, softcap)
+                                    (positions + 1).clamp_(max=window), scale, softcap, cache.scales)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,

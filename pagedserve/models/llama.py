@@ -83,13 +83,15 @@ class Attention(nn.Module):
         self.qk_norm, self.qk_norm_gain = spec.qk_norm, spec.qk_norm_gain
         self.kernels: CpuKernels | None = None
         self.sdpa_prefill = False  # prefill chunks on torch's SDPA though the native kernels run (set by prepare)
+        self.kv_8bit = False  # the KV pool is 8-bit: torch ops write it (set by prepare)
 
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
+        self.kv_8bit = backend.kv_quantized
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes); a layer without
         # rotary (SmolLM3's NoPE layers) writes K/V there unrotated
-        self.fused_rope = (self.qk_norm_eps_agree()
-                           and fused_rotary(kernels is not None, self.head_dim, self.partial_rotary))
+        self.fused_rope = (self.qk_norm_eps_agree() and fused_rotary(kernels is not None, self.head_dim,
+                                                                     self.partial_rotary, self.kv_8bit))
         self.sdpa_prefill = kernels is not None and backend.sdpa_prefill
         self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
@@ -462,8 +464,8 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         kernels = backend.decoder_kernels(self.config.hidden_size, self.model.layers[0].mlp.gate_proj.out_features,
                                           attn.head_dim)
-        for layer in self.model.layers:  # attention that reads an fp8 pool: torch
-            layer.self_attn.prepare(backend, None if backend.kv_quantized else kernels)
+        for layer in self.model.layers:
+            layer.self_attn.prepare(backend, kernels)
             layer.mlp.prepare(backend, kernels)
             for norm in layer.modules():  # q/k norms (3-D inputs): in the fused rotary kernel, else torch ops
                 if isinstance(norm, RMSNorm):
@@ -485,7 +487,8 @@ class LlamaForCausalLM(nn.Module):
         return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, rotary_fused,
                             None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation,
                             None if attention_native == (norm.kernels is not None) else attention_native,
-                            sdpa_prefill=attn.sdpa_prefill, softcapped=capped_on_torch)
+                            sdpa_prefill=attn.sdpa_prefill, softcapped=capped_on_torch,
+                            kv_8bit=attn.kv_8bit)
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""

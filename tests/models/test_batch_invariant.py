@@ -15,17 +15,18 @@ from pagedserve.sampling_params import SamplingParams
 PROMPTS = [[(7 * i + 13 * j) % 250 + 3 for j in range(20)] for i in range(8)]  # 8 x 20 rows: alone < 64, batched 160
 
 
-def _alone_and_batched(model_dir: str) -> tuple[list, list]:
-    llm = LLM(model_dir, dtype="bfloat16", quantization="int8", max_model_len=256, max_num_batched_tokens=256,
-              enable_prefix_caching=False)  # the batch prefills all 160 rows, not what the alone runs left
+def _alone_and_batched(model_dir: str, prompts: list[list[int]] = PROMPTS, **engine: str) -> tuple[list, list]:
+    llm = LLM(model_dir, dtype="bfloat16", max_model_len=256, max_num_batched_tokens=256,
+              enable_prefix_caching=False, **{"quantization": "int8", **engine})  # the batch prefills all 160 rows,
+    # not what the alone runs left
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
 
     def result(output) -> tuple:
         sample = output.outputs[0]
         return sample.token_ids, [{t: p.logprob for t, p in step.items()} for step in sample.logprobs]
 
-    alone = [result(llm.generate([{"prompt_token_ids": p}], params)[0]) for p in PROMPTS]
-    batched = [result(o) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    alone = [result(llm.generate([{"prompt_token_ids": p}], params)[0]) for p in prompts]
+    batched = [result(o) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     return alone, batched
 
 
@@ -43,6 +44,27 @@ def test_alone_and_batched_agree_bit_for_bit_in_batch_invariant_mode(tiny_model_
         if not kernels.int8_prefill_exact:  # without the mode this CPU prefills on the panels: other bits
             alone, batched = _alone_and_batched(model_dir)
             assert [a[1] for a in alone] != [b[1] for b in batched]
+    finally:
+        kernels.set_batch_invariant(was)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_an_fp8_kv_cache_agrees_alone_and_batched_in_the_mode(tiny_model_dir, kv_cache_dtype):
+    """An 8-bit KV pool is read by the native attention kernels (each row's bits its own), not torch's SDPA, whose
+    sums follow the batch and the chunking (QA-AD: 2-7 of 8 prompts parted alone against batched, in the mode too;
+    here prompts of 40-180 tokens, each one chunk alone and cut across steps of 256 tokens in a batch, where torch
+    ran a masked SDPA instead of a causal one). bf16 weights, so that the linears' own batch dependence (int8 panels)
+    is out of the picture."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no native CPU kernels here: the torch path's attention follows the batch")
+    model_dir = tiny_model_dir("llama", "bfloat16", num_attention_heads=2)  # head_dim 32
+    was = kernels.batch_invariant
+    try:
+        kernels.set_batch_invariant(True)
+        prompts = [[(11 * i + 7 * j) % 250 + 3 for j in range(40 + 20 * i)] for i in range(8)]
+        alone, batched = _alone_and_batched(model_dir, prompts, quantization=None, kv_cache_dtype=kv_cache_dtype)
+        assert alone == batched  # token ids and logprobs, exactly
     finally:
         kernels.set_batch_invariant(was)
 

@@ -465,6 +465,85 @@ def test_few_tasks_split_over_the_threads_give_the_bits_of_one_thread(attention_
         _close(one[0], _reference_decode(q[:1], k_cache, v_cache, table[:1], lens[:1], scale), dtype, "decode")
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _fp8_pool(fp8: torch.dtype, dtype: torch.dtype, num_slots: int, hkv: int, d: int, seed: int):
+    """An fp8 KV pool as the engine writes it (LayerKVCache.write: each (slot, head) row over its own scale), its
+    values spread over 2^-30 .. 4 within each row (so both formats' subnormals and zeros occur), and the 16/32-bit pool
+    the torch path gathers from it (value x scale rounded to `dtype`)."""
+    from pagedserve.layers.attention import LayerKVCache
+
+    generator = torch.Generator().manual_seed(seed)
+    cache = LayerKVCache(*(torch.zeros(num_slots, hkv, d, dtype=fp8) for _ in range(2)),
+                         *(torch.zeros(num_slots, hkv, 1, dtype=dtype) for _ in range(2)))
+    k, v = (torch.randn(num_slots, hkv, d, generator=generator) * 4
+            * torch.exp2(-torch.randint(0, 31, (num_slots, hkv, d), generator=generator).float()) for _ in range(2))
+    cache.write(k.to(dtype), v.to(dtype), torch.arange(num_slots))
+    k16, v16 = cache.gather(torch.arange(num_slots), dtype)
+    return cache, k16.contiguous(), v16.contiguous()
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_rows_widen_to_their_values_times_their_scales(kernels, fp8, dtype):
+    """Every finite fp8 code, as V rows of one-position contexts (whose output is the V row): the kernel's widening of
+    the bytes (fp8_half: e4m3's bits put in fp16's places, its subnormals included; e5m2's as fp16's top byte) must
+    give torch's value of each code times the row's scale, rounded to the activation dtype as the torch path rounds
+    it. The scales are powers of two and others, so that the product rounds."""
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8)
+    finite = codes[codes.float().isfinite()]
+    d = 64
+    rows = -(-len(finite) // d)
+    v = torch.zeros(rows * d, dtype=torch.uint8).view(fp8)
+    v[:len(finite)] = finite
+    v = v.view(rows, 1, d)
+    scales = torch.tensor([1.0, 0.3711, 2.0 ** -12, 3.1e-3][:rows]).to(dtype).view(rows, 1, 1)
+    q = torch.randn(rows, 1, d).to(dtype)
+    out = kernels.decode_attention(q, v, v, torch.arange(rows).view(rows, 1), torch.ones(rows, dtype=torch.int64),
+                                   d ** -0.5, kv_scales=(scales, scales))
+    assert torch.equal(out, v.to(dtype) * scales)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (4, 4, 64), (6, 2, 128), (4, 1, 256), (4, 2, 96)])
+def test_fp8_pool_attention_is_the_16_32_bit_paths_over_its_values(kernels, fp8, dtype, hq, hkv, d):
+    """An fp8 pool's rows are widened to value x scale, and every attention path then runs as over a 16/32-bit pool
+    holding those values, on float32 FMAs (not vdpbf16ps, which the CPU's rule may pick for bf16 pools): each output
+    must be bit-equal to that path's over the gathered pool with FMA attention, whichever bf16 attention is chosen.
+    Rows alone (one query head per KV head: read straight from a 16-bit pool), a run of verification rows, a prefill
+    chunk, and one row over 1200 positions (few tasks: split over the threads where there are 2 or more). The 16-bit
+    path's closeness to torch and its equalities between paths are tested above."""
+    num_slots, context = 1300, 1200
+    cache, k16, v16 = _fp8_pool(fp8, dtype, num_slots, hkv, d, seed=hq * d + hkv)
+    torch.manual_seed(hq + d)
+    slots = torch.randperm(num_slots)[:context]
+    q = (torch.randn(6, hq, d) * 2).to(dtype)
+    scale = d ** -0.5
+    table = slots.expand(6, context).contiguous()
+
+    def outputs(k_cache, v_cache, kv_scales) -> list[torch.Tensor]:
+        def decode(rows, lens):
+            return kernels.decode_attention(q[rows], k_cache, v_cache, table[rows], torch.tensor(lens), scale,
+                                            kv_scales=kv_scales)
+
+        return [decode(slice(0, 4), [1, 17, 70, 300]), decode(slice(0, 6), list(range(195, 201))),
+                decode(slice(0, 1), [context]),
+                kernels.prefill_attention(q, k_cache, v_cache, slots[:137], 131, scale, 1 << 30, kv_scales=kv_scales)]
+
+    chosen = kernels.bf16_dot_attention
+    try:
+        kernels.set_bf16_attention(False)
+        expected = outputs(k16, v16, None)
+        for dot in (False, True):
+            kernels.set_bf16_attention(dot)
+            for i, (got, want) in enumerate(zip(outputs(cache.k, cache.v, cache.scales), expected)):
+                assert torch.equal(got, want), f"output {i}, bf16 attention by vdpbf16ps: {kernels.bf16_dot_attention}"
+    finally:
+        kernels.set_bf16_attention(chosen)
+
+
 def test_the_bf16_attention_switch_changes_only_the_roundings(kernels):
     """Where the build has vdpbf16ps, the two bf16 attentions round their sums in different orders: outputs must
     differ somewhere (else set_bf16_attention switched nothing) and agree within bf16 rounding."""

@@ -97,7 +97,7 @@ def test_stack_points_at_the_live_parameters(kernels, tiny_model_dir):
 
 
 def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
-    # an fp8 KV cache is written and read by the torch path: no fused rotary, no stack (as the report says)
+    # an fp8 KV cache is written by torch ops: no fused rotary, no stack (as the report says)
     fp8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128,
               kv_cache_dtype="fp8")
     fp8.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))

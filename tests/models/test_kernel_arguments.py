@@ -127,3 +127,20 @@ def test_each_wrapper_refuses_a_wrong_argument(kernels, name, argument, wrong):
     arguments[argument] = wrong(arguments[argument])
     with pytest.raises(ValueError, match="native kernel argument|not a multiple|heads|values, expected|views"):
         getattr(kernels, name)(**arguments)
+
+
+def test_an_fp8_pool_comes_with_its_scales_in_the_activation_dtype(kernels):
+    """An fp8 KV pool is read with its rows' scales ([S, Hkv, 1], q's dtype): without them, with scales of another
+    dtype or shape, or with scales for a pool that is not fp8, the wrappers refuse before any native code runs."""
+    valid = _calls(kernels)["decode_attention"]
+    scales = (torch.rand(8, 1, 1), torch.rand(8, 1, 1))
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        pool = {name: valid[name].to(fp8) for name in ("k_cache", "v_cache")}
+        kernels.decode_attention(**{**valid, **pool}, kv_scales=scales)  # runs
+        wrongs = (None, (scales[0].to(BF16), scales[1]), (scales[0], scales[1][:4]), (scales[0][..., 0], scales[1]))
+        for wrong in wrongs:
+            with pytest.raises(ValueError, match="native kernel argument"):
+                kernels.decode_attention(**{**valid, **pool}, kv_scales=wrong)
+    for pool in (valid, {name: valid[name].to(torch.uint8) for name in ("k_cache", "v_cache")}):
+        with pytest.raises(ValueError, match="native kernel argument"):
+            kernels.decode_attention(**{**valid, **pool}, kv_scales=scales)

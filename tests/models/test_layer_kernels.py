@@ -26,7 +26,7 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("qwen3", "bfloat16", "int8", HEAD_32, "stack"),
     ("qwen3", "bfloat16", None, {**HEAD_32, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
      "stack"),  # a full and a sliding-window layer: a step view each
-    ("qwen3", "bfloat16", None, HEAD_32, "fp8 KV cache: rotary on torch, no stack"),
+    ("qwen3", "bfloat16", None, HEAD_32, "fp8 KV cache: rotary on torch, no stack, native attention"),
     ("llama", "bfloat16", None, {**HEAD_32, "intermediate_size": 72}, "down off the native kernel, norms on torch"),
     ("llama", "bfloat16", "int8", {**HEAD_32, "intermediate_size": 96}, "down on torch int8"),
     ("gemma2", "bfloat16", None, {"head_dim": 32}, "stack"),  # softcapped scores in the native attention
@@ -74,8 +74,9 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(tiny_model_dir, arch, 
     elif what.startswith("oneDNN"):
         assert set(words.values()) == {"oneDNN packed"} and loaded.decoder_native and not loaded.stack
     elif what.startswith("fp8"):  # the fused rotary writes the pool in the model dtype: torch ops write fp8
-        assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack and not loaded.attention_native
-        assert "8-bit KV cache" in result.fix and "decode attention torch (8-bit KV cache)" in loaded.lines()[1]
+        assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack and loaded.attention_native
+        assert "8-bit KV cache" in result.fix and "rotary + KV write torch (8-bit KV cache)" in loaded.lines()[1]
+        assert "decode attention native; prefill attention native" in loaded.lines()[1]
     elif what.startswith("head_dim"):
         assert loaded.decoder_native and not loaded.rotary_fused and not loaded.stack
     elif what.startswith("gelu"):
@@ -120,21 +121,3 @@ def test_prefill_attention_on_sdpa_where_measured_faster(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CPU_SDPA_PREFILL", "1")
     assert sdpa_prefill(zen5, "float32", False) and not sdpa_prefill(zen5, "float32", True)
 
-
-def test_batch_invariant_mode_warns_that_an_8_bit_kv_cache_is_outside_it(tiny_model_dir, monkeypatch, caplog):
-    """An fp8 pool's attention runs on torch's SDPA, whose sums follow the batch and the chunking: in batch-invariant
-    mode the start-up log warns (QA-AD: with it prompts parted alone against batched); without the mode, or with a
-    16-bit pool, nothing is said."""
-    import logging
-
-    model_dir = tiny_model_dir("llama")
-    seen = {}
-    for invariant, kv_cache_dtype in (("1", "fp8"), ("0", "fp8"), ("1", "auto")):
-        monkeypatch.setenv("PAGEDSERVE_BATCH_INVARIANT", invariant)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="pagedserve.engine.setup"):
-            LLM(model_dir, dtype="bfloat16", max_model_len=64, kv_cache_dtype=kv_cache_dtype)
-        seen[invariant, kv_cache_dtype] = [r.getMessage() for r in caplog.records
-                                           if "batch-invariant" in r.getMessage()]
-    assert len(seen["1", "fp8"]) == 1 and "--kv-cache-dtype fp8" in seen["1", "fp8"][0], seen
-    assert seen["0", "fp8"] == [] and seen["1", "auto"] == [], seen
