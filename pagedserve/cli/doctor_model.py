@@ -16,7 +16,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
 from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, capped_prefill_on_torch, expected_layer_kernels,
-                                             expected_weight_format, kv_quantized, onednn_may_pack, partial_rotary,
+                                             expected_weight_format, onednn_may_pack, partial_rotary,
                                              wants_native_kernels)
 
 if TYPE_CHECKING:
@@ -143,8 +143,7 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
                                     sdpa_prefill=probe.sdpa_prefill(flags, model.dtype, envs.batch_invariant()),
                                     softcapped=capped_prefill_on_torch(
                                         softcapped_attention(model.architecture, model.hf_config),
-                                        envs.batch_invariant()),
-                                    kv_cache_dtype=config.cache.kv_cache_dtype)
+                                        envs.batch_invariant()))
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack:
         return CheckResult("layers", PASS, detail)
@@ -153,10 +152,6 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     elif not layers.activation_native:
         fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack have "
                f"{' and '.join(NATIVE_ACTIVATIONS)}); nothing to change")
-    elif kv_quantized(config.cache.kv_cache_dtype):
-        fix = ("an 8-bit KV cache (--kv-cache-dtype fp8) is written by torch ops: rotary and the decode stack on "
-               "torch (its attention is native); leave --kv-cache-dtype auto where memory allows for the whole "
-               "native path")
     elif partial_rotary(model.hf_config):
         fix = "rotary over part of each head (partial_rotary_factor) keeps rotary and the decode stack on torch ops; "
         fix += "nothing to change"

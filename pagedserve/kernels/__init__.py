@@ -55,7 +55,8 @@ _SIGNATURES = {
     "ps_rms_norm": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_rms_norm_gain": ((_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT, _INT), None),
     "ps_gate_mul": ((_P, _P, _I64, _I64, _INT, _INT, _INT), None),
-    "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _P, _P, _INT, _F32, _I64, _I64, _I64, _I64, _INT, _INT), None),
+    "ps_rope_kv_write": ((_P, _P, _P, _P, _P, _P, _P, _INT, _P, _P, _P, _INT, _F32, _I64, _I64, _I64, _I64, _INT,
+                          _INT), None),
     "ps_decode_attention": ((_P, _I64, _P, _P, _P, _P, _INT, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _F32,
                              _INT, _INT), None),
     "ps_prefill_attention": ((_P, _I64, _P, _P, _P, _P, _INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32,
@@ -336,19 +337,21 @@ class CpuKernels:
 
     def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int,
-                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, gain: bool = False) -> None:
+                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, gain: bool = False,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """In place: rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] (contiguous) with cos/sin
         [T, D] (both None: no rotary, SmolLM3's NoPE layers), then write K and V of every token to the pool
         [S, Hkv, D] at slots [T] (int64). `qk_norm`: (q_norm weight [D], k_norm weight [D], eps) of per-head RMSNorms
-        applied first (Qwen3); with `gain` the weights are float32 gains (Gemma 3's 1 + weight, rms_norm's `gain`)."""
+        applied first (Qwen3); with `gain` the weights are float32 gains (Gemma 3's 1 + weight, rms_norm's `gain`).
+        `kv_scales`: an fp8 pool's (as decode_attention's), each row written over its own scale as
+        layers/attention.LayerKVCache.write writes it."""
         check("qkv", qkv, ACTIVATION_DTYPES, (None, None, None))
         t, h, d = qkv.shape
         hkv = (h - num_heads) // 2
         if d % 32 or h != num_heads + 2 * hkv:
             raise ValueError(f"rope_kv_write: head_dim {d} (a multiple of 32?) or {h} heads for {num_heads} query heads")
         self._check_rotary("rope_kv_write", cos, sin, qkv.dtype, t, d)
-        check("k_cache", k_cache, qkv.dtype, (None, hkv, d))
-        check("v_cache", v_cache, qkv.dtype, tuple(k_cache.shape))
+        fp8 = self._pool_format(k_cache, v_cache, qkv.dtype, kv_scales, (None, hkv, d))
         check("slots", slots, torch.int64, (t,), contiguous=False)
         q_norm = k_norm = None
         eps = 0.0
@@ -357,7 +360,7 @@ class CpuKernels:
             check("q_norm", q_norm, torch.float32 if gain else qkv.dtype, (d,))
             check("k_norm", k_norm, torch.float32 if gain else qkv.dtype, (d,))
         self.lib.ps_rope_kv_write(qkv.data_ptr(), _pointer(cos), _pointer(sin), k_cache.data_ptr(),
-                                  v_cache.data_ptr(), slots.contiguous().data_ptr(),
+                                  v_cache.data_ptr(), *_scale_pointers(kv_scales), fp8, slots.contiguous().data_ptr(),
                                   None if q_norm is None else q_norm.data_ptr(),
                                   None if k_norm is None else k_norm.data_ptr(), int(gain), eps, t, num_heads, hkv,
                                   d, qkv.dtype == torch.bfloat16, self._threads())
@@ -410,22 +413,30 @@ class CpuKernels:
         contiguous values), its KV heads and the pool's format (FP8_FORMATS; 0: q's dtype, without scales)."""
         check("q", q, ACTIVATION_DTYPES, (None, None, None), contiguous=False)
         _, hq, d = q.shape
-        fp8 = FP8_FORMATS.get(k_cache.dtype, 0) if kv_scales is not None else 0
-        check("k_cache", k_cache, k_cache.dtype if fp8 else q.dtype, (None, None, d))
+        fp8 = CpuKernels._pool_format(k_cache, v_cache, q.dtype, kv_scales, (None, None, d))
         hkv = k_cache.shape[1]
         if d % 16 or d > 256 or hq % hkv:
             raise ValueError(f"{what}: head_dim {d} (a multiple of 16 up to 256?) or {hq} query heads "
                              f"for {hkv} KV heads")
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        return q, hkv, fp8
+
+    @staticmethod
+    def _pool_format(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None, shape: tuple[int | None, ...]) -> int:
+        """Check a K/V pool of `shape`: in `dtype`, or fp8 with its rows' scales `kv_scales` ([S, Hkv, 1] in
+        `dtype`). Returns its format for the C code (FP8_FORMATS; 0: `dtype`)."""
+        fp8 = FP8_FORMATS.get(k_cache.dtype, 0) if kv_scales is not None else 0
+        check("k_cache", k_cache, k_cache.dtype if fp8 else dtype, shape)
         check("v_cache", v_cache, k_cache.dtype, tuple(k_cache.shape))
         if kv_scales is not None:
             if not fp8:
                 raise ValueError(f"native kernel argument kv_scales: they go with an fp8 pool "
-                                 f"({', '.join(map(str, FP8_FORMATS))}), not a {k_cache.dtype} one ({what})")
+                                 f"({', '.join(map(str, FP8_FORMATS))}), not a {k_cache.dtype} one")
             for name, scales in zip(("k_scale", "v_scale"), kv_scales):
-                check(name, scales, q.dtype, (k_cache.shape[0], hkv, 1))
-        if q.stride(2) != 1 or q.stride(1) != d:
-            q = q.contiguous()
-        return q, hkv, fp8
+                check(name, scales, dtype, (k_cache.shape[0], k_cache.shape[1], 1))
+        return fp8
 
     @property
     def layer_fields(self) -> int:
@@ -436,9 +447,9 @@ class CpuKernels:
     def layer_layout(self) -> dict[str, int]:
         """`decode_stack`'s table layout as the library defines it: the column of each named field (a
         linear's entry spans `linear_fields` columns), `linear_fields` and `layer_fields`."""
-        names = ("in_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache", "q_norm", "k_norm",
-                 "attn_out_norm", "mlp_out_norm", "flags", "view", "norm_gain", "gelu_tanh", "linear_fields",
-                 "layer_fields", "view_fields")
+        names = ("in_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache", "k_scale", "v_scale",
+                 "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "flags", "view", "norm_gain", "gelu_tanh",
+                 "kv_e4m3", "kv_e5m2", "linear_fields", "layer_fields", "view_fields")
         values = (ctypes.c_int64 * len(names))()
         if self.lib.ps_layer_layout(values, len(names)) != len(names):
             raise RuntimeError("the kernel library's decode-stack layout has other fields than this wrapper")

@@ -129,6 +129,32 @@ static inline __m256i fp8_half(__m256i b, int e4m3) {
 static inline vf vfp8(const uint8_t *p, int e4m3) {
   return _mm512_cvtph_ps(fp8_half(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), e4m3));
 }
+/* VL float32 lanes -> VL fp8 bytes at p, as torch converts (c10's fp8e4m3fn/fp8e5m2_from_fp32_value: round to
+ * nearest even; subnormals by adding the smallest normal's scale in float32; e4m3 from 480 on NaN, e5m2 from 2^16 on
+ * infinity; the sign bit kept): fp8_lanes in 32-bit lanes, then narrowed. */
+static inline __m512i fp8_lanes(vf x, int e4m3) {
+  const int drop = e4m3 ? 20 : 21;  /* float32 mantissa bits below the format's */
+  const __m512i bits = _mm512_castps_si512(x), sign = _mm512_and_si512(bits, _mm512_set1_epi32(INT32_MIN));
+  const __m512i a = _mm512_xor_si512(bits, sign);
+  const __m512i rebias = _mm512_set1_epi32((int)(((uint32_t)(e4m3 ? 7 - 127 : 15 - 127) << 23)
+                                                 + (1u << (drop - 1)) - 1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(a, rebias), _mm512_and_si512(_mm512_srli_epi32(a, drop),
+                                                                              _mm512_set1_epi32(1)));
+  r = _mm512_srli_epi32(r, drop);
+  const __m512i denorm = _mm512_set1_epi32((int)((e4m3 ? 141u : 134u) << 23));
+  const __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a),
+                                                                         _mm512_castsi512_ps(denorm))), denorm);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32((int)((e4m3 ? 121u : 113u) << 23))), sub);
+  const __m512i big = _mm512_set1_epi32(e4m3 ? 0x7F : 0x7C);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32((int)(e4m3 ? 1087u << 20 : 143u << 23))),
+                            big);
+  if (!e4m3) r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
+                                       _mm512_set1_epi32(0x7F));  /* NaN */
+  return _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+}
+static inline void vstore_fp8(uint8_t *p, vf x, int e4m3) {
+  _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(fp8_lanes(x, e4m3)));
+}
 
 static inline vf vround_int(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 /* VL integral values in [-127, 127] -> VL int8 at p. */
@@ -228,6 +254,32 @@ static inline __m128i fp8_half(__m128i b, int e4m3) {
 }
 static inline vf vfp8(const uint8_t *p, int e4m3) {
   return _mm256_cvtph_ps(fp8_half(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), e4m3));
+}
+/* VL float32 lanes -> VL fp8 bytes at p, as torch converts (c10's fp8e4m3fn/fp8e5m2_from_fp32_value: round to
+ * nearest even; subnormals by adding the smallest normal's scale in float32; e4m3 from 480 on NaN, e5m2 from 2^16 on
+ * infinity; the sign bit kept): fp8_lanes in 32-bit lanes, then narrowed. */
+static inline __m256i fp8_lanes(vf x, int e4m3) {  /* |x|'s bits are below 2^31: signed compares */
+  const int drop = e4m3 ? 20 : 21;
+  const __m256i bits = _mm256_castps_si256(x), sign = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN));
+  const __m256i a = _mm256_xor_si256(bits, sign);
+  const __m256i rebias = _mm256_set1_epi32((int)(((uint32_t)(e4m3 ? 7 - 127 : 15 - 127) << 23)
+                                                 + (1u << (drop - 1)) - 1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(a, rebias), _mm256_and_si256(_mm256_srli_epi32(a, drop),
+                                                                              _mm256_set1_epi32(1)));
+  r = _mm256_srli_epi32(r, drop);
+  const __m256i denorm = _mm256_set1_epi32((int)((e4m3 ? 141u : 134u) << 23));
+  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a),
+                                                                         _mm256_castsi256_ps(denorm))), denorm);
+  r = _mm256_blendv_epi8(r, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)((e4m3 ? 121u : 113u) << 23)), a));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(e4m3 ? 0x7F : 0x7C),
+                         _mm256_cmpgt_epi32(a, _mm256_set1_epi32((int)(e4m3 ? 1087u << 20 : 143u << 23) - 1)));
+  if (!e4m3) r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));
+  return _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+}
+static inline void vstore_fp8(uint8_t *p, vf x, int e4m3) {
+  const __m256i low = _mm256_shuffle_epi8(fp8_lanes(x, e4m3), _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1,
+    -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));  /* each half's 4 bytes first */
+  _mm_storel_epi64((__m128i *)p, _mm_unpacklo_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
 }
 
 static inline vf vround_int(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -1798,16 +1850,39 @@ void ps_gate_mul(const void *gate_up, void *out, int64_t M, int64_t I, int act, 
 
 /* ---- rotary embedding + KV write ------------------------------------------------------------------- */
 
+/* An 8-bit KV pool (--kv-cache-dtype fp8*): each (slot, KV head) row of D fp8 values has a scale in the activation
+ * dtype at scale[slot * Hkv + head] (amax / the format's largest value, layers/attention.LayerKVCache). FP8_NONE:
+ * the pool holds the activation dtype. The attention widens such rows to float32 as value x scale rounded to the
+ * activation dtype, the K/V the torch path gathers, then takes the 16/32-bit pool's float32 path over them (its
+ * scores and sums by FMAs, not vdpbf16ps). */
+enum { FP8_NONE, FP8_E4M3, FP8_E5M2 };
+#define KV_BYTES(fp8, bf16) ((fp8) ? 1 : (bf16) ? 2 : 4)
+
+/* One (slot, KV head) row of D values x (the activation dtype) into an 8-bit pool as LayerKVCache.write stores it:
+ * scale = max(amax / the format's largest value, 1e-12) in float32, kept rounded to the activation dtype at
+ * scale[index]; the bytes x / scale (a float32 division) converted as torch converts them (vstore_fp8). */
+static void fp8_row(const void *x, int64_t D, int bf16, int fp8, uint8_t *out, void *scale, int64_t index) {
+  vf m = vzero();
+  for (int64_t i = 0; i < D; i += VL) m = vmax(m, vabs(vload(at(x, i, bf16), bf16)));
+  float s = vmaxr(m) / (fp8 == FP8_E4M3 ? 448.0f : 57344.0f);
+  s = s < 1e-12f ? 1e-12f : s;
+  store1(scale, index, scalar_round(s, bf16), bf16);
+  const vf by = vset1(s);
+  for (int64_t i = 0; i < D; i += VL) vstore_fp8(out + i, vdiv(vload(at(x, i, bf16), bf16), by), fp8 == FP8_E4M3);
+}
+
 /* qkv [T, Hq + 2 Hkv, D] (a fresh projection output): rotate the Hq query and Hkv key heads in place,
  * then copy each token's (rotated) K and its V into the pool at slots[t]. cos/sin [T, D] in the
  * activation dtype, or NULL for a layer without rotary (SmolLM3's NoPE layers: K written as projected).
  * Rounding as transformers: round(round(x * cos) + round(rotate_half(x) * sin)).
  * q_norm/k_norm [D] (per-head norms; NULL: none): each query / key head is first normalised in place as RMSNorm
  * does (rms_norm_row, `eps`), as transformers norms them before rotary: Qwen3's with Llama's rounding (weights in the
- * model dtype), or with `norm_gain` Gemma 3's (float32 gains 1 + weight, one rounding). D % 32 == 0. */
-void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache, void *v_cache,
-                      const int64_t *slots, const void *q_norm, const void *k_norm, int norm_gain, float eps,
-                      int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int bf16, int nthreads) {
+ * model dtype), or with `norm_gain` Gemma 3's (float32 gains 1 + weight, one rounding). D % 32 == 0. An 8-bit pool
+ * (fp8; FP8_NONE's comment) takes each K/V row quantized over its own scale (fp8_row) into k_scale/v_scale. */
+void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache, void *v_cache, void *k_scale,
+                      void *v_scale, int fp8, const int64_t *slots, const void *q_norm, const void *k_norm,
+                      int norm_gain, float eps, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int bf16,
+                      int nthreads) {
   const int64_t H = Hq + 2 * Hkv, half = D / 2, rotated = Hq + Hkv;
   #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 4)
   for (int64_t t = 0; t < T; ++t) {
@@ -1829,6 +1904,15 @@ void ps_rope_kv_write(void *qkv, const void *cos, const void *sin, void *k_cache
       }
     }
     const size_t row = (size_t)(Hkv * D) * (bf16 ? 2 : 4);
+    if (fp8) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t index = slots[t] * Hkv + h;
+        fp8_row(at(qkv, (t * H + Hq + h) * D, bf16), D, bf16, fp8, (uint8_t *)k_cache + index * D, k_scale, index);
+        fp8_row(at(qkv, (t * H + Hq + Hkv + h) * D, bf16), D, bf16, fp8, (uint8_t *)v_cache + index * D, v_scale,
+                index);
+      }
+      continue;
+    }
     memcpy((void *)at(k_cache, slots[t] * Hkv * D, bf16), at(qkv, (t * H + Hq) * D, bf16), row);
     memcpy((void *)at(v_cache, slots[t] * Hkv * D, bf16), at(qkv, (t * H + Hq + Hkv) * D, bf16), row);
   }
@@ -2072,14 +2156,6 @@ static inline __attribute__((always_inline)) void prefetch_lanes(const void *cac
 static void prefetch_row(const void *cache, int64_t slot, int64_t Hkv, int64_t kvh, int64_t D, int size) {
   prefetch_lanes(cache, slot, Hkv, kvh, D, 0, D, size);
 }
-
-/* An 8-bit KV pool (--kv-cache-dtype fp8*): each (slot, KV head) row of D fp8 values has a scale in the activation
- * dtype at scale[slot * Hkv + head] (amax / the format's largest value, layers/attention.LayerKVCache). FP8_NONE:
- * the pool holds the activation dtype. The attention widens such rows to float32 as value x scale rounded to the
- * activation dtype, the K/V the torch path gathers, then takes the 16/32-bit pool's float32 path over them (its
- * scores and sums by FMAs, not vdpbf16ps). */
-enum { FP8_NONE, FP8_E4M3, FP8_E5M2 };
-#define KV_BYTES(fp8, bf16) ((fp8) ? 1 : (bf16) ? 2 : 4)
 
 /* Widen the lanes [h0, h1) of rows 0 .. n - 1 of slot[] to float32 (or copy them as they are: `copy`, bf16 rows for
  * dot_scores), at their places in rows of D; rows up to avail (> n) are the context's next ones, whose lanes are
@@ -2744,8 +2820,9 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * - attn_out/mlp_out norm: Gemma 2/3's sandwich norms of the attention's and the MLP's outputs before they join
  *   the residual stream (post_attention_layernorm, post_feedforward_layernorm; post_norm is then
  *   pre_feedforward_layernorm), or 0;
+ * - k/v scale: an 8-bit pool's scales, or 0 (FP8_NONE's comment);
  * - flags: PS_NORM_GAIN (every norm's weight is a float32 gain, Gemma's 1 + weight), PS_GELU_TANH (the MLP's gate
- *   is GELU's tanh approximation, else SiLU);
+ *   is GELU's tanh approximation, else SiLU), PS_KV_E4M3 / PS_KV_E5M2 (the K/V pool's fp8 format, if 8-bit);
  * - view: which of ps_decode_stack's step views the layer reads (its rotary tables and its sliding window's
  *   context: Gemma 2/3's sliding-window layers have their own; SmolLM3's layers without rotary a view whose
  *   tables are NULL).
@@ -2753,23 +2830,23 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * step view's: sliding-window layers with a K/V pool of their own write and read their own slots). int8 linears need
  * B <= 32 where the caller says so (KernelBackend: CPUs with bf16 dot products). */
 enum { PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O = PS_L_QKV + 5, PS_L_GATE_UP = PS_L_O + 5,
-       PS_L_DOWN = PS_L_GATE_UP + 5, PS_L_K_CACHE = PS_L_DOWN + 5, PS_L_V_CACHE, PS_L_Q_NORM, PS_L_K_NORM,
-       PS_L_ATTN_OUT_NORM, PS_L_MLP_OUT_NORM, PS_L_FLAGS, PS_L_VIEW, PS_LAYER_FIELDS };
-enum { PS_NORM_GAIN = 1, PS_GELU_TANH = 2 };
+       PS_L_DOWN = PS_L_GATE_UP + 5, PS_L_K_CACHE = PS_L_DOWN + 5, PS_L_V_CACHE, PS_L_K_SCALE, PS_L_V_SCALE,
+       PS_L_Q_NORM, PS_L_K_NORM, PS_L_ATTN_OUT_NORM, PS_L_MLP_OUT_NORM, PS_L_FLAGS, PS_L_VIEW, PS_LAYER_FIELDS };
+enum { PS_NORM_GAIN = 1, PS_GELU_TANH = 2, PS_KV_E4M3 = 4, PS_KV_E5M2 = 8 };
 enum { PS_V_COS, PS_V_SIN, PS_V_SLOTS, PS_V_CTX_SLOTS, PS_V_LENS, PS_V_MAX_LEN, PS_VIEW_FIELDS };  /* a view's int64s */
 
 int ps_layer_fields(void) { return PS_LAYER_FIELDS; }
 
 /* The table's layout for the Python side, which builds rows by these names (NativeDecodeStack):
- * offsets of in_norm, post_norm, qkv, o, gate_up, down, k_cache, v_cache, q_norm, k_norm, attn_out_norm,
- * mlp_out_norm, flags, view; the flags' bits norm_gain and gelu_tanh; then the fields per linear, per layer and per
- * step view. Writes at most n values and returns how many the layout has (the caller checks it expected exactly
- * that many: a field added here must be added there). */
+ * offsets of in_norm, post_norm, qkv, o, gate_up, down, k_cache, v_cache, k_scale, v_scale, q_norm, k_norm,
+ * attn_out_norm, mlp_out_norm, flags, view; the flags' bits norm_gain, gelu_tanh, kv_e4m3 and kv_e5m2; then the
+ * fields per linear, per layer and per step view. Writes at most n values and returns how many the layout has (the
+ * caller checks it expected exactly that many: a field added here must be added there). */
 int ps_layer_layout(int64_t *out, int n) {
   const int64_t layout[] = {PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O, PS_L_GATE_UP, PS_L_DOWN, PS_L_K_CACHE,
-                            PS_L_V_CACHE, PS_L_Q_NORM, PS_L_K_NORM, PS_L_ATTN_OUT_NORM, PS_L_MLP_OUT_NORM,
-                            PS_L_FLAGS, PS_L_VIEW, PS_NORM_GAIN, PS_GELU_TANH, PS_L_O - PS_L_QKV, PS_LAYER_FIELDS,
-                            PS_VIEW_FIELDS};
+                            PS_L_V_CACHE, PS_L_K_SCALE, PS_L_V_SCALE, PS_L_Q_NORM, PS_L_K_NORM, PS_L_ATTN_OUT_NORM,
+                            PS_L_MLP_OUT_NORM, PS_L_FLAGS, PS_L_VIEW, PS_NORM_GAIN, PS_GELU_TANH, PS_KV_E4M3,
+                            PS_KV_E5M2, PS_L_O - PS_L_QKV, PS_LAYER_FIELDS, PS_VIEW_FIELDS};
   const int count = (int)(sizeof(layout) / sizeof(layout[0]));
   for (int i = 0; i < count && i < n; ++i) out[i] = layout[i];
   return count;
@@ -2809,11 +2886,14 @@ void ps_layer_attention(const int64_t *layer, const void *x, void *residual, int
   if (first) memcpy(residual, x, es * B * H);
   stack_norm(layer, PS_L_IN_NORM, x, first ? NULL : residual, h, B, H, eps, bf16, nthreads);
   stack_linear(layer + PS_L_QKV, h, qkv, B, (int64_t)qkv_n, H, bf16, nthreads);
-  ps_rope_kv_write(qkv, cos, sin, (void *)layer[PS_L_K_CACHE], (void *)layer[PS_L_V_CACHE], slots,
-                   (const void *)layer[PS_L_Q_NORM], (const void *)layer[PS_L_K_NORM],
-                   (layer[PS_L_FLAGS] & PS_NORM_GAIN) != 0, eps, B, Hq, Hkv, D, bf16, nthreads);
+  const int64_t flags = layer[PS_L_FLAGS];
+  const int fp8 = flags & PS_KV_E4M3 ? FP8_E4M3 : flags & PS_KV_E5M2 ? FP8_E5M2 : FP8_NONE;
+  void *k_scale = (void *)layer[PS_L_K_SCALE], *v_scale = (void *)layer[PS_L_V_SCALE];
+  ps_rope_kv_write(qkv, cos, sin, (void *)layer[PS_L_K_CACHE], (void *)layer[PS_L_V_CACHE], k_scale, v_scale, fp8,
+                   slots, (const void *)layer[PS_L_Q_NORM], (const void *)layer[PS_L_K_NORM],
+                   (flags & PS_NORM_GAIN) != 0, eps, B, Hq, Hkv, D, bf16, nthreads);
   ps_decode_attention(qkv, (int64_t)qkv_n, (const void *)layer[PS_L_K_CACHE], (const void *)layer[PS_L_V_CACHE],
-                      NULL, NULL, FP8_NONE, ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, softcap, bf16,
+                      k_scale, v_scale, fp8, ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, softcap, bf16,
                       nthreads);
   stack_linear(layer + PS_L_O, attn, y, B, H, Hq * D, bf16, nthreads);
   free(h);

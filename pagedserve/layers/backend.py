@@ -32,13 +32,12 @@ class KernelBackend:
     dtype: torch.dtype
     linear_kind: str  # "packed", "int8" or "plain"
     native: CpuKernels | None  # the native kernels where they run for this device and dtype
-    kv_quantized: bool = False  # an 8-bit KV pool: torch ops write and read it (no fused rotary + KV write)
     # called with each weight's element count as a linear is made from it (the loader's progress while packing)
     on_weight: Callable[[int], None] | None = field(default=None, compare=False)
 
     @classmethod
     def choose(cls, device: str, dtype: torch.dtype, quantization: str | None = None,
-               reference: bool = False, kv_cache_dtype: str = "auto") -> KernelBackend:
+               reference: bool = False) -> KernelBackend:
         """The backend for weights on `device` in `dtype`; `reference` forces torch ops with F.linear.
         memory/weight_format.py's rule, on the kernels this process loads and oneDNN's probe."""
         weight_format.check_quantization(quantization)
@@ -46,7 +45,7 @@ class KernelBackend:
         native = cpu_kernels() if weight_format.wants_native_kernels(device, name, reference) else None
         kind = weight_format.linear_kind(name, quantization, reference, native is not None,
                                          lambda: onednn_packs(device, dtype))
-        return cls(device, dtype, kind, native, weight_format.kv_quantized(kv_cache_dtype))
+        return cls(device, dtype, kind, native)
 
     @property
     def native_bf16_linears(self) -> bool:

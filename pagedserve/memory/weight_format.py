@@ -176,16 +176,15 @@ def partial_rotary(hf_config: object) -> bool:
 
 
 def kv_quantized(kv_cache_dtype: str) -> bool:
-    """An 8-bit KV pool (--kv-cache-dtype fp8*, with a scale per token and head): written by torch ops, read by the
-    native attention kernels where they run."""
+    """An 8-bit KV pool (--kv-cache-dtype fp8*, with a scale per token and head; the native kernels write and read
+    it as torch ops do)."""
     return kv_cache_dtype.startswith("fp8")
 
 
-def fused_rotary(attention_native: bool, head_dim: int, partial: bool = False, kv_8bit: bool = False) -> bool:
+def fused_rotary(attention_native: bool, head_dim: int, partial: bool = False) -> bool:
     """Rotary runs fused with the KV write (one native call, Qwen3's and Gemma 3's per-head q/k norms included)
-    where attention runs the native kernels, not into an 8-bit KV pool (`kv_8bit`: torch ops quantize it), nor
-    where it rotates only part of each head (`partial`)."""
-    return attention_native and not kv_8bit and not partial and head_dim % ROTARY_MULTIPLE == 0
+    where attention runs the native kernels, not where it rotates only part of each head (`partial`)."""
+    return attention_native and not partial and head_dim % ROTARY_MULTIPLE == 0
 
 
 @dataclass(frozen=True)
@@ -209,7 +208,6 @@ class LayerKernels:
     # as decoder_native
     sdpa_prefill: bool = False  # prefill chunks' attention on torch's SDPA, decode's native (probe.sdpa_prefill)
     softcapped: bool = False  # capped scores' prefill chunks on torch ops (capped_prefill_on_torch)
-    kv_8bit: bool = False  # an 8-bit KV pool, which torch ops write (rotary off the fused kernel, no stack)
 
     @property
     def activation_native(self) -> bool:
@@ -234,12 +232,6 @@ class LayerKernels:
         return ("torch SDPA from 256 x 256 query x key pairs a chunk (the CPU's rule, probe.sdpa_prefill, or "
                 "PAGEDSERVE_CPU_SDPA_PREFILL=1), native below" if self.sdpa_prefill else "native")
 
-    @property
-    def _rotary_words(self) -> str:
-        if self.rotary_fused:
-            return "native"
-        return "torch (8-bit KV cache)" if self.kv_8bit and self.attention_native else "torch"
-
     def lines(self) -> list[str]:
         native = "native" if self.decoder_native else "torch"
         stack = "off"
@@ -250,7 +242,7 @@ class LayerKernels:
         return [f"{self.num_layers} decoder layers: " + ", ".join(f"{l.name} {l.words}" for l in self.linears),
                 f"norms {native}; {_ACTIVATION_WORDS.get(self.activation, self.activation)} x up "
                 f"{'native' if self.activation_native else 'torch'}; "
-                f"rotary + KV write {self._rotary_words}; "
+                f"rotary + KV write {'native' if self.rotary_fused else 'torch'}; "
                 f"decode attention {'native' if self.attention_native else 'torch'}; "
                 f"prefill attention {self.prefill_words}",
                 f"decode stack (every layer's C attention and MLP halves for decode-only steps): {stack}"]
@@ -269,29 +261,25 @@ def capped_prefill_on_torch(capped: bool, batch_invariant: bool) -> bool:
 
 def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, onednn_packs: bool,
                            tp_size: int = 1, logits: bool = True, activation: str = "silu",
-                           kv_cache_dtype: str = "auto", sdpa_prefill: bool = False,
-                           softcapped: bool = False) -> LayerKernels:
+                           sdpa_prefill: bool = False, softcapped: bool = False) -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
     ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
     o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
     the model has an LM head (not an embedding model); `activation`: the MLP's gate (the native kernel's are
-    NATIVE_ACTIVATIONS); `kv_cache_dtype`: --kv-cache-dtype (torch ops write an 8-bit pool: rotary and the stack off
-    the native kernels); `sdpa_prefill`: probe.sdpa_prefill for this CPU and dtype; `softcapped`: the attention caps
-    its scores."""
+    NATIVE_ACTIVATIONS); `sdpa_prefill`: probe.sdpa_prefill for this CPU and dtype; `softcapped`: the attention caps
+    its scores. An 8-bit KV pool (--kv-cache-dtype fp8) changes none of it."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     hidden, intermediate = cfg.hidden_size, cfg.intermediate_size // tp_size  # this rank's MLP width
     kind = fmt.linear_kind
     fits = isa is not None and kind != "plain" and decoder_kernels_fit(hidden, intermediate, head_dim)
-    kv_8bit = kv_quantized(kv_cache_dtype)
     inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),
               ("down", intermediate)) + ((("logits", hidden),) if logits else ())
     runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}
     linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
                                  runs[name]) for name, _ in inputs)
-    return LayerKernels(cfg.num_hidden_layers, linears, fits,
-                        fused_rotary(fits, head_dim, partial_rotary(cfg), kv_8bit),
+    return LayerKernels(cfg.num_hidden_layers, linears, fits, fused_rotary(fits, head_dim, partial_rotary(cfg)),
                         None if tp_size == 1 else (0, tp_size), activation, sdpa_prefill=fits and sdpa_prefill,
-                        softcapped=fits and softcapped, kv_8bit=kv_8bit)
+                        softcapped=fits and softcapped)

@@ -83,15 +83,13 @@ class Attention(nn.Module):
         self.qk_norm, self.qk_norm_gain = spec.qk_norm, spec.qk_norm_gain
         self.kernels: CpuKernels | None = None
         self.sdpa_prefill = False  # prefill chunks on torch's SDPA though the native kernels run (set by prepare)
-        self.kv_8bit = False  # the KV pool is 8-bit: torch ops write it (set by prepare)
 
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         self.kernels = kernels
-        self.kv_8bit = backend.kv_quantized
         # rotary + KV write in one native call (its vectors cover half a head: up to 16 lanes); a layer without
         # rotary (SmolLM3's NoPE layers) writes K/V there unrotated
-        self.fused_rope = (self.qk_norm_eps_agree() and fused_rotary(kernels is not None, self.head_dim,
-                                                                     self.partial_rotary, self.kv_8bit))
+        self.fused_rope = (self.qk_norm_eps_agree()
+                           and fused_rotary(kernels is not None, self.head_dim, self.partial_rotary))
         self.sdpa_prefill = kernels is not None and backend.sdpa_prefill
         self.qkv_proj = backend.make_fused_linear(self.q_proj, self.k_proj, self.v_proj)
         o_bias = self.o_proj.bias if self.tp is None or self.tp.rank == 0 else None  # added once to the sum
@@ -104,10 +102,11 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         meta = meta.of_layer(self.window)  # a sliding-window layer's own pool where it has one
         qkv = self.qkv_proj.forward(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        kv_written = self.fused_rope and not kv_cache.is_quantized and qkv.is_contiguous()
+        kv_written = self.fused_rope and qkv.is_contiguous()
         if kv_written:  # one native call (norms q and k,) rotates them in place and writes K/V to the pool
             self.kernels.rope_kv_write(qkv, *(rope if self.rotary else (None, None)), kv_cache.k, kv_cache.v,
-                                       meta.slot_mapping, self.num_heads, self.native_qk_norm(), self.qk_norm_gain)
+                                       meta.slot_mapping, self.num_heads, self.native_qk_norm(), self.qk_norm_gain,
+                                       kv_cache.scales)
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         else:
             if self.qk_norm:
@@ -264,10 +263,10 @@ class NativeDecodeStack:
     per layer (about 3 ms of a 30 ms bf16 step on the 2-core Zen 5; see benchmarks/PROFILE.md); with it, two
     calls per layer with this rank's all-reduce after each half. Used where every layer runs native kernels
     with rotary fused into the KV write (Qwen3's and Gemma 3's q/k norms with it), a native MLP gate (SiLU, Gemma's
-    GELU) and the KV pool is in the model dtype. Gemma's norms (float32 gains, sandwich norms) are the table's
-    flags and columns; layers with a sliding window of their own (Gemma 2/3, Qwen's max_window_layers) or a rotary
-    of their own (Gemma 3's sliding-window layers, SmolLM3's layers without one) read a step view of their own: the
-    step's context cut to their window and their rotary tables."""
+    GELU), the KV pool in the model dtype or fp8 (its scales and format the table's too). Gemma's norms (float32
+    gains, sandwich norms) are the table's flags and columns; layers with a sliding window of their own (Gemma 2/3,
+    Qwen's max_window_layers) or a rotary of their own (Gemma 3's sliding-window layers, SmolLM3's layers without
+    one) read a step view of their own: the step's context cut to their window and their rotary tables."""
 
     def __init__(self, kernels: CpuKernels, model: DecoderModel, table: torch.Tensor, int8: bool,
                  tensors: list[torch.Tensor], views: list[tuple[int | None, str | None]]) -> None:
@@ -353,7 +352,7 @@ class NativeDecodeStack:
     def runs(self, x: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata) -> bool:
         """This step is decode-only and within what the stack handles."""
         return (not meta.prefills and meta.num_decodes == x.shape[0] and meta.decode_context_lens is not None
-                and not kv_caches[0].is_quantized and (self.max_rows is None or x.shape[0] <= self.max_rows))
+                and (self.max_rows is None or x.shape[0] <= self.max_rows))
 
     def _bind_pools(self, kv_caches: list[LayerKVCache]) -> None:
         if kv_caches is self._pools:
@@ -361,6 +360,12 @@ class NativeDecodeStack:
         layout = self.kernels.layer_layout
         self.table[:, layout["k_cache"]] = torch.tensor([c.k.data_ptr() for c in kv_caches], dtype=torch.int64)
         self.table[:, layout["v_cache"]] = torch.tensor([c.v.data_ptr() for c in kv_caches], dtype=torch.int64)
+        for name in ("k_scale", "v_scale"):  # an fp8 pool's, else 0
+            pointers = [0 if getattr(c, name) is None else getattr(c, name).data_ptr() for c in kv_caches]
+            self.table[:, layout[name]] = torch.tensor(pointers, dtype=torch.int64)
+        formats = {torch.float8_e4m3fn: layout["kv_e4m3"], torch.float8_e5m2: layout["kv_e5m2"]}
+        flags = self.table[:, layout["flags"]] & ~(layout["kv_e4m3"] | layout["kv_e5m2"])
+        self.table[:, layout["flags"]] = flags | torch.tensor([formats.get(c.k.dtype, 0) for c in kv_caches])
         self._pools = kv_caches  # the runner keeps one list of pools for the engine's life
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -487,8 +492,7 @@ class LlamaForCausalLM(nn.Module):
         return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, rotary_fused,
                             None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation,
                             None if attention_native == (norm.kernels is not None) else attention_native,
-                            sdpa_prefill=attn.sdpa_prefill, softcapped=capped_on_torch,
-                            kv_8bit=attn.kv_8bit)
+                            sdpa_prefill=attn.sdpa_prefill, softcapped=capped_on_torch)
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""

@@ -73,8 +73,7 @@ def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False, ker
 
 def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.dtype, device: str,
                max_position: int, progress: ProgressFn | None = None, quantization: str | None = None,
-               reference_kernels: bool = False, task: str = "generate", tp: Any = None,
-               kv_cache_dtype: str = "auto") -> nn.Module:
+               reference_kernels: bool = False, task: str = "generate", tp: Any = None) -> nn.Module:
     """Instantiate on the meta device, then bind checkpoint tensors to parameters by name. `tp`: a
     distributed TPGroup; the model then holds this rank's shard, sliced from each tensor as it is read."""
     cls = model_class(architecture, task)
@@ -83,7 +82,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
     if tp is None:  # every name and shape first, from the headers: a mismatch is refused before any data is read
         _check_shapes(model, architecture, model_path)
     shapes = _ShapeCheck(model, architecture, model_path)
-    backend = KernelBackend.choose(device, dtype, quantization, reference_kernels, kv_cache_dtype)  # the one decision
+    backend = KernelBackend.choose(device, dtype, quantization, reference_kernels)  # the one decision
     checkpoint = iter_checkpoint(model_path, dtype, int8=quantization == "int8", kernels=backend.native)
     num_tensors = checkpoint.num_tensors
     if progress:  # the phase named: a draft model loads after its target's preparing_weights

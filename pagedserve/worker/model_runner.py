@@ -165,8 +165,7 @@ class ModelRunner:
         config = self.config
         return load_model(hf_config, config.model.architecture, config.model.model, self.dtype, self.device,
                           config.model.max_model_len, progress, quantization=config.model.quantization,
-                          reference_kernels=config.model.reference_kernels, task=config.model.task, tp=self.tp,
-                          kv_cache_dtype=config.cache.kv_cache_dtype)
+                          reference_kernels=config.model.reference_kernels, task=config.model.task, tp=self.tp)
 
     def warm_up_rows(self) -> int:
         return warm_up_rows(self.model)

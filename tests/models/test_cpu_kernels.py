@@ -811,6 +811,62 @@ def test_rope_kv_write_matches_rotary_then_index_copy(kernels, dtype, tokens):
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
+def _fp8_code_rows(fp8: torch.dtype, dtype: torch.dtype, d: int) -> torch.Tensor:
+    """Rows of d values whose largest magnitude is the format's largest value (so their scale is 1 and the values are
+    converted as they are): every positive finite code, the midpoints between neighbouring codes (ties: to even),
+    values just beside each midpoint, and all of them negated; representable in `dtype`."""
+    codes = torch.arange(128, dtype=torch.uint8).view(fp8).float()
+    codes = codes[codes.isfinite()].sort().values
+    top = torch.finfo(fp8).max
+    mids = (codes[1:] + codes[:-1]) / 2
+    values = torch.cat([codes, mids, mids * (1 + 2 ** -7), mids * (1 - 2 ** -7)]).to(dtype).float()  # (all but the
+    values = values[values <= top]  # last two exact in bf16: those round to the next bf16 values, beside the midpoint)
+    values = torch.cat([values, -values])
+    rows = -(-len(values) // (d - 1))
+    table = torch.zeros(rows * (d - 1))
+    table[:len(values)] = values
+    table = torch.cat([torch.full((rows, 1), top), table.view(rows, d - 1)], dim=1)
+    table[1::2, 0] = -top  # the largest magnitude negative in every other row
+    return table.to(dtype)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kv_write_into_an_fp8_pool_is_layer_kv_cache_write(kernels, fp8, dtype):
+    """Into an fp8 pool the fused kernel writes each (rotated) K row and each V row over its own scale as
+    LayerKVCache.write (torch ops) writes the same rows: the same bytes and scales. First rows of every code, midpoint
+    and near-midpoint (scale 1: the conversion's rounding itself, _fp8_code_rows), without rotary; then rotated rows
+    spread over 2^-30 .. 4 (subnormals and zeros) and one all-zero row (its scale the clamp's 1e-12)."""
+    from pagedserve.layers.attention import LayerKVCache
+
+    hq, hkv, d = 2, 2, 64
+    rows = _fp8_code_rows(fp8, dtype, d)
+    tokens = -(-len(rows) // (2 * hkv))
+    kv = torch.zeros(tokens * 2 * hkv, d, dtype=dtype)
+    kv[:len(rows)] = rows
+    generator = torch.Generator().manual_seed(5)
+    spread = torch.randn(tokens, hq + 2 * hkv, d, generator=generator) * 4 \
+        * torch.exp2(-torch.randint(0, 31, (tokens, hq + 2 * hkv, d), generator=generator).float())
+    spread[0, hq] = 0.0
+    angles = torch.rand(tokens, d, generator=generator) * 6
+    for qkv, tables in ((torch.cat([torch.randn(tokens, hq, d).to(dtype), kv.view(tokens, 2 * hkv, d)], dim=1), None),
+                        (spread.to(dtype), (angles.cos().to(dtype), angles.sin().to(dtype)))):
+        slots = torch.randperm(tokens + 5)[:tokens]
+
+        def pool() -> LayerKVCache:
+            return LayerKVCache(*(torch.zeros(tokens + 5, hkv, d, dtype=fp8) for _ in range(2)),
+                                *(torch.zeros(tokens + 5, hkv, 1, dtype=dtype) for _ in range(2)))
+
+        native, expected = pool(), pool()
+        kernels.rope_kv_write(qkv, *(tables or (None, None)), native.k, native.v, slots, hq, kv_scales=native.scales)
+        expected.write(qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], slots)  # the kernel's rotated K, in place
+        for got, want in ((native.k, expected.k), (native.v, expected.v)):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(native.k_scale, expected.k_scale) and torch.equal(native.v_scale, expected.v_scale)
+        if tables is None:  # every code row at scale 1 (the rest of the last token's heads are zeros)
+            assert int((native.k_scale[slots] == 1).sum() + (native.v_scale[slots] == 1).sum()) == len(rows)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cap", [2.0, 50.0])
 def test_capped_decode_attention_is_the_torch_paths(attention_kernels, dtype, cap):

@@ -60,10 +60,15 @@ GEMMA = {"head_dim": 32}  # the tiny Gemmas' 16 is below the fused rotary's mult
     ("gemma3", "bfloat16", None, GEMMA),  # + gain q/k norms, windowed layers with their own rotary
     ("gemma3", "bfloat16", "int8", GEMMA),
     ("gemma3", "float32", "int8", GEMMA),  # float32 activations
+    ("qwen3", "bfloat16", None, {"kv_cache_dtype": "fp8"}),  # fp8 K/V written by the fused rotary, read natively
+    ("llama", "float32", "int8", {"kv_cache_dtype": "fp8_e5m2"}),
+    ("gemma3", "bfloat16", None, {**GEMMA, "kv_cache_dtype": "fp8"}),  # window layers' pool of their own: fp8 too
 ])
 def test_stack_equals_the_per_layer_path(kernels, tiny_model_dir, arch, dtype, quantization, overrides):
-    model_dir = tiny_model_dir(arch, dtype, **SHAPE, **overrides)
+    overrides = dict(overrides)
     kwargs = {"quantization": quantization} if quantization else {}
+    kwargs["kv_cache_dtype"] = overrides.pop("kv_cache_dtype", "auto")
+    model_dir = tiny_model_dir(arch, dtype, **SHAPE, **overrides)
     # No prefix caching: the second run must compute the same prefills as the first.
     llm = LLM(model_dir, dtype=dtype, device="cpu", max_model_len=256, enable_prefix_caching=False, **kwargs)
     with_stack, stack_steps = _generate(llm, stack_enabled=True)
@@ -93,16 +98,19 @@ def test_stack_points_at_the_live_parameters(kernels, tiny_model_dir):
     caches = llm.engine.runner.kv_caches
     assert table[:, layout["k_cache"]].tolist() == [c.k.data_ptr() for c in caches]
     assert table[:, layout["v_cache"]].tolist() == [c.v.data_ptr() for c in caches]
+    assert not table[:, layout["k_scale"]].any() and not table[:, layout["v_scale"]].any()  # a bf16 pool: no scales
+    assert not (table[:, layout["flags"]] & (layout["kv_e4m3"] | layout["kv_e5m2"])).any()
     assert model.stack.final_norm.data_ptr() == model.norm.weight.data_ptr()
+    fp8 = LLM(tiny_model_dir("qwen2", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128,
+              kv_cache_dtype="fp8_e5m2")
+    fp8.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
+    table, caches = fp8.engine.runner.model.model.stack.table, fp8.engine.runner.kv_caches
+    assert table[:, layout["k_scale"]].tolist() == [c.k_scale.data_ptr() for c in caches]
+    assert table[:, layout["v_scale"]].tolist() == [c.v_scale.data_ptr() for c in caches]
+    assert ((table[:, layout["flags"]] & (layout["kv_e4m3"] | layout["kv_e5m2"])) == layout["kv_e5m2"]).all()
 
 
 def test_stack_is_not_used_where_it_cannot_run(kernels, tiny_model_dir):
-    # an fp8 KV cache is written by torch ops: no fused rotary, no stack (as the report says)
-    fp8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128,
-              kv_cache_dtype="fp8")
-    fp8.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
-    model = fp8.engine.runner.model
-    assert model.model.stack is None and not model.layer_kernels().rotary_fused
     # bf16 int8 linears run the kernel at every batch size (bf16 panels for prefill-sized ones); float32 ones
     # up to kernels.int8_max_rows (32 with AVX512-BF16, every batch on AVX2): a larger batch goes layer by layer
     int8 = LLM(tiny_model_dir("llama", "bfloat16", **SHAPE), dtype="bfloat16", device="cpu", max_model_len=128,
