@@ -1852,9 +1852,9 @@ void ps_gate_mul(const void *gate_up, void *out, int64_t M, int64_t I, int act, 
 
 /* An 8-bit KV pool (--kv-cache-dtype fp8*): each (slot, KV head) row of D fp8 values has a scale in the activation
  * dtype at scale[slot * Hkv + head] (amax / the format's largest value, layers/attention.LayerKVCache). FP8_NONE:
- * the pool holds the activation dtype. The attention widens such rows to float32 as value x scale rounded to the
- * activation dtype, the K/V the torch path gathers, then takes the 16/32-bit pool's float32 path over them (its
- * scores and sums by FMAs, not vdpbf16ps). */
+ * the pool holds the activation dtype. The attention reads such rows as value x scale rounded to the activation
+ * dtype (the K/V the torch path gathers) into its widened or paired copies of rows, and from there runs as over a
+ * 16/32-bit pool holding those values (vdpbf16ps where it is chosen): the same outputs, bit for bit. */
 enum { FP8_NONE, FP8_E4M3, FP8_E5M2 };
 #define KV_BYTES(fp8, bf16) ((fp8) ? 1 : (bf16) ? 2 : 4)
 
@@ -2157,9 +2157,26 @@ static void prefetch_row(const void *cache, int64_t slot, int64_t Hkv, int64_t k
   prefetch_lanes(cache, slot, Hkv, kvh, D, 0, D, size);
 }
 
+/* An 8-bit pool's row factor: its scale, with e4m3's 2^-8 (fp8_half) undone (one exact power of two). */
+static inline vf fp8_factor(const void *scale, int64_t row, int bf16, int fp8) {
+  return vset1(load1(scale, row, bf16) * (fp8 == FP8_E4M3 ? 256.0f : 1.0f));
+}
+
+/* An fp8 value x its scale rounded to bf16 (fp8_bf16: as bits; fp8_round: and back). Where the CPU has AVX512-BF16
+ * by its conversion instruction: it flushes float32 subnormals, which to_bf16 keeps, but these products are 2e-15
+ * or more (e4m3's least value 2^-9 x the least scale 1e-12). With to_bf16 an fp8 pool's attention ran 0.54-0.82x a
+ * bf16 pool's, with it 0.76-0.94x (2 Zen 4 threads, 14/2 heads of 64, 1000-4000 positions, 1 and 6 rows). */
+#if PS_ISA == 512 && defined(__AVX512BF16__)
+static inline __m256i fp8_bf16(vf v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+static inline vf fp8_round(vf v, int bf16) { return bf16 ? vbf16(fp8_bf16(v)) : v; }
+#else
+static inline vf fp8_round(vf v, int bf16) { return vround(v, bf16); }
+#endif
+
 /* Widen the lanes [h0, h1) of rows 0 .. n - 1 of slot[] to float32 (or copy them as they are: `copy`, bf16 rows for
  * dot_scores), at their places in rows of D; rows up to avail (> n) are the context's next ones, whose lanes are
- * prefetched ATTN_AHEAD on. An 8-bit pool's (`fp8`) as value x its row's scale (FP8_NONE's comment). widen_rows:
+ * prefetched ATTN_AHEAD on. An 8-bit pool's (`fp8`) as value x its row's scale rounded to the activation dtype
+ * (FP8_NONE's comment), also where they are copied as bf16: a 16-bit pool's rows of those values. widen_rows:
  * all D lanes; attend_split's threads each take some lanes of the same rows. widen_rows stays a function of its
  * own with the lanes fixed: inlined into attend_rows with variable lanes, the attention ran 4-7 % slower a layer
  * (native build, Zen 4). */
@@ -2171,10 +2188,18 @@ static inline __attribute__((always_inline)) void widen_lanes(const void *cache,
     if (l + ATTN_AHEAD < avail) prefetch_lanes(cache, slot[l + ATTN_AHEAD], Hkv, kvh, D, h0, h1, KV_BYTES(fp8, bf16));
     const int64_t row = slot[l] * Hkv + kvh;
     const void *p = at(cache, row * D, bf16);
-    if (fp8) {  /* e4m3's 2^-8 (fp8_half) undone in the scale's factor: one exact power of two */
-      const vf by = vset1(load1(scale, row, bf16) * (fp8 == FP8_E4M3 ? 256.0f : 1.0f));
-      for (int64_t i = h0; i < h1; i += VL)
-        vstoref(rows + l * D + i, vround(vmul(vfp8((const uint8_t *)cache + row * D + i, fp8 == FP8_E4M3), by), bf16));
+    if (fp8) {
+      const vf by = fp8_factor(scale, row, bf16, fp8);
+      const uint8_t *p8 = (const uint8_t *)cache + row * D;
+      for (int64_t i = h0; i < h1; i += VL) {
+        const vf v = vmul(vfp8(p8 + i, fp8 == FP8_E4M3), by);
+#if PS_ISA == 512 && defined(__AVX512BF16__)
+        if (copy)  /* (dot_scores' bf16 rows: only where the CPU has AVX512-BF16) */
+          _mm256_storeu_si256((__m256i *)((uint16_t *)(rows + l * (D / 2)) + i), fp8_bf16(v));
+        else
+#endif
+          vstoref(rows + l * D + i, fp8_round(v, bf16));
+      }
     } else if (copy)  /* bf16 rows (D % 32 == 0), moved as float32 vectors of pairs */
       for (int64_t i = h0 / 2; i < h1 / 2; i += VL) vstoref(rows + l * (D / 2) + i, vloadf((const float *)p + i));
     else
@@ -2202,21 +2227,34 @@ static inline void pair_index(__m512i idx[2]) {
 
 /* V rows 0 .. n - 1 of slot[] as pairs of rows for vdpbf16ps: pair p holds, for each d, (V[2p][d], V[2p + 1][d])
  * (0 past row n - 1) as one 32-bit lane, D lanes in order (so D / 16 vectors a pair, as a float32 row has); the
- * lanes [h0, h1) only (multiples of 32), prefetching as widen_lanes. pair_rows: all D lanes, as widen_rows. */
+ * lanes [h0, h1) only (multiples of 32), prefetching as widen_lanes. pair_rows: all D lanes, as widen_rows. An 8-bit
+ * pool's rows (`fp8`) as bf16 value x scale, as widen_lanes copies them. */
+static inline __m512i fp8_bf16s(const uint8_t *p, vf by, int fp8) {  /* 32 of them */
+  return _mm512_inserti64x4(_mm512_castsi256_si512(fp8_bf16(vmul(vfp8(p, fp8 == FP8_E4M3), by))),
+                            fp8_bf16(vmul(vfp8(p + 16, fp8 == FP8_E4M3), by)), 1);
+}
+
 static inline __attribute__((always_inline)) void pair_lanes(const void *cache, const int64_t *slot, int64_t n,
                                                               int64_t avail, int64_t Hkv, int64_t kvh, int64_t D,
-                                                              int64_t h0, int64_t h1, float *rows) {
+                                                              int64_t h0, int64_t h1, const void *scale, int fp8,
+                                                              float *rows) {
   __m512i idx[2];
   pair_index(idx);
   for (int64_t l = 0; l < n; l += 2) {
     for (int64_t j = l; j < l + 2; ++j)
-      if (j + ATTN_AHEAD < avail) prefetch_lanes(cache, slot[j + ATTN_AHEAD], Hkv, kvh, D, h0, h1, 2);
-    const uint16_t *a = (const uint16_t *)cache + (slot[l] * Hkv + kvh) * D;
-    const uint16_t *b = l + 1 < n ? (const uint16_t *)cache + (slot[l + 1] * Hkv + kvh) * D : NULL;
+      if (j + ATTN_AHEAD < avail) prefetch_lanes(cache, slot[j + ATTN_AHEAD], Hkv, kvh, D, h0, h1, KV_BYTES(fp8, 1));
+    const int64_t ra = slot[l] * Hkv + kvh, rb = l + 1 < n ? slot[l + 1] * Hkv + kvh : -1;
+    const uint16_t *a = (const uint16_t *)cache + ra * D;
+    const uint16_t *b = rb >= 0 ? (const uint16_t *)cache + rb * D : NULL;
+    const vf by_a = fp8 ? fp8_factor(scale, ra, 1, fp8) : vzero();
+    const vf by_b = fp8 && b ? fp8_factor(scale, rb, 1, fp8) : by_a;
     uint16_t *out = (uint16_t *)(rows + (l / 2) * D);
     for (int64_t h = h0; h < h1; h += 32) {
-      const __m512i x = _mm512_loadu_si512((const void *)(a + h));
-      const __m512i y = b ? _mm512_loadu_si512((const void *)(b + h)) : _mm512_setzero_si512();
+      const __m512i x = fp8 ? fp8_bf16s((const uint8_t *)cache + ra * D + h, by_a, fp8)
+                            : _mm512_loadu_si512((const void *)(a + h));
+      const __m512i y = !b ? _mm512_setzero_si512()
+                           : fp8 ? fp8_bf16s((const uint8_t *)cache + rb * D + h, by_b, fp8)
+                                 : _mm512_loadu_si512((const void *)(b + h));
       _mm512_storeu_si512((void *)(out + 2 * h), _mm512_permutex2var_epi16(x, idx[0], y));
       _mm512_storeu_si512((void *)(out + 2 * h + 32), _mm512_permutex2var_epi16(x, idx[1], y));
     }
@@ -2224,8 +2262,8 @@ static inline __attribute__((always_inline)) void pair_lanes(const void *cache, 
 }
 
 static void pair_rows(const void *cache, const int64_t *slot, int64_t n, int64_t avail, int64_t Hkv, int64_t kvh,
-                      int64_t D, float *rows) {
-  pair_lanes(cache, slot, n, avail, Hkv, kvh, D, 0, D, rows);
+                      int64_t D, const void *scale, int fp8, float *rows) {
+  pair_lanes(cache, slot, n, avail, Hkv, kvh, D, 0, D, scale, fp8, rows);
 }
 
 /* One head's weighted sums straight from the pool (no group or run to share a copy with): the operations of
@@ -2649,7 +2687,7 @@ static void attend_split(const void *q, int64_t q_stride, const void *k_cache, c
         const int64_t n_max = len_max - c0 < ATTN_CHUNK ? len_max - c0 : ATTN_CHUNK;
 #if BF16_DOT_SCORES
         if (dot_v)
-          pair_lanes(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, h0, h0 + lanes, rows);
+          pair_lanes(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, h0, h0 + lanes, v_scale, fp8, rows);
         else
 #endif
         widen_lanes(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, h0, h0 + lanes, bf16, 0, v_scale, fp8,
@@ -2709,7 +2747,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
                         const int64_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len,
                         int64_t max_run, float scale, float softcap, int bf16, int nthreads) {
   const int64_t group = Hq / Hkv, nv = D / VL;
-  const int dot = bf16_dot_attention && bf16 && !fp8 && D % 32 == 0;  /* scores by dot_scores, K rows kept in bf16 */
+  const int dot = bf16_dot_attention && bf16 && D % 32 == 0;  /* scores by dot_scores, K rows kept in bf16 */
   const int dot_v = dot && (D == 64 || D == 128 || D == 256);  /* V's weighted sums by vdpbf16ps too (pair_rows) */
   int64_t *run = (int64_t *)malloc(sizeof(int64_t) * (size_t)B);
   if (!run) abort();
@@ -2773,7 +2811,7 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
         const int64_t n_max = len_max - c0 < chunk ? len_max - c0 : chunk;
 #if BF16_DOT_SCORES
         if (widen && dot_v)
-          pair_rows(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, rows);
+          pair_rows(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, v_scale, fp8, rows);
         else
 #endif
         if (widen) widen_rows(v_cache, slot + c0, n_max, len_max - c0, Hkv, kvh, D, bf16, 0, v_scale, fp8, rows);

@@ -509,12 +509,12 @@ def test_fp8_rows_widen_to_their_values_times_their_scales(kernels, fp8, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (4, 4, 64), (6, 2, 128), (4, 1, 256), (4, 2, 96)])
 def test_fp8_pool_attention_is_the_16_32_bit_paths_over_its_values(kernels, fp8, dtype, hq, hkv, d):
-    """An fp8 pool's rows are widened to value x scale, and every attention path then runs as over a 16/32-bit pool
-    holding those values, on float32 FMAs (not vdpbf16ps, which the CPU's rule may pick for bf16 pools): each output
-    must be bit-equal to that path's over the gathered pool with FMA attention, whichever bf16 attention is chosen.
-    Rows alone (one query head per KV head: read straight from a 16-bit pool), a run of verification rows, a prefill
-    chunk, and one row over 1200 positions (few tasks: split over the threads where there are 2 or more). The 16-bit
-    path's closeness to torch and its equalities between paths are tested above."""
+    """An fp8 pool's rows are read as value x scale (rounded to the activation dtype) into the attention's widened or
+    paired copies, and every path then runs as over a 16/32-bit pool holding those values: each output must be
+    bit-equal to that path's over the gathered pool, with bf16 attention by FMAs and by vdpbf16ps (where the build
+    has it). Rows alone (one query head per KV head: read straight from a 16-bit pool), a run of verification rows, a
+    prefill chunk, and one row over 1200 positions (few tasks: split over the threads where there are 2 or more).
+    The 16-bit path's closeness to torch and its equalities between paths are tested above."""
     num_slots, context = 1300, 1200
     cache, k16, v16 = _fp8_pool(fp8, dtype, num_slots, hkv, d, seed=hq * d + hkv)
     torch.manual_seed(hq + d)
@@ -534,11 +534,9 @@ def test_fp8_pool_attention_is_the_16_32_bit_paths_over_its_values(kernels, fp8,
 
     chosen = kernels.bf16_dot_attention
     try:
-        kernels.set_bf16_attention(False)
-        expected = outputs(k16, v16, None)
         for dot in (False, True):
             kernels.set_bf16_attention(dot)
-            for i, (got, want) in enumerate(zip(outputs(cache.k, cache.v, cache.scales), expected)):
+            for i, (got, want) in enumerate(zip(outputs(cache.k, cache.v, cache.scales), outputs(k16, v16, None))):
                 assert torch.equal(got, want), f"output {i}, bf16 attention by vdpbf16ps: {kernels.bf16_dot_attention}"
     finally:
         kernels.set_bf16_attention(chosen)
