@@ -236,14 +236,16 @@ def test_a_gguf_served_from_int8_blocks_splits_its_quantized_rows_and_columns(tm
 STACK_GEMMA3 = ("gemma3", dict(hidden_size=128, intermediate_size=256, head_dim=32, weight_std=0.1))
 
 
-@pytest.mark.parametrize("dtype,quantization,case", [("bfloat16", None, CASES["llama-kv1-obias"]),
-                                                     ("float32", "int8", CASES["llama-kv1-obias"]),
-                                                     ("bfloat16", None, STACK_GEMMA3)], ids=["bf16", "int8", "gemma3"])
+@pytest.mark.parametrize("dtype,quantization,case,kv_cache_dtype", [
+    ("bfloat16", None, CASES["llama-kv1-obias"], "auto"), ("float32", "int8", CASES["llama-kv1-obias"], "auto"),
+    ("bfloat16", None, STACK_GEMMA3, "auto"), ("bfloat16", None, CASES["llama-kv1-obias"], "fp8")],
+    ids=["bf16", "int8", "gemma3", "bf16-fp8-kv"])
 def test_the_decode_stack_runs_layer_by_layer_with_two_ranks_and_changes_nothing(tiny_model_dir, dtype,
-                                                                                 quantization, case):
+                                                                                 quantization, case, kv_cache_dtype):
     """With two ranks a decode-only step runs every layer's C attention and MLP halves (cpu_kernels.c), all-
     reducing after each, where the native kernels run: rank 0's tokens and logprobs are bit for bit those of
-    its per-layer path (the same kernels and collectives in the same order; rank 1 keeps its stack)."""
+    its per-layer path (the same kernels and collectives in the same order; rank 1 keeps its stack), an fp8 KV
+    cache's too (each rank's table points at its own pools' scales)."""
     from pagedserve.kernels import cpu_kernels
     from tests.models.test_decode_stack import _generate
 
@@ -253,7 +255,7 @@ def test_the_decode_stack_runs_layer_by_layer_with_two_ranks_and_changes_nothing
     model_dir = tiny_model_dir(arch, dtype, **overrides)
     kwargs = {"quantization": quantization} if quantization else {}
     llm = LLM(model_dir, dtype=dtype, device="cpu", max_model_len=256, tensor_parallel_size=2,
-              enable_prefix_caching=False, **kwargs)
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype, **kwargs)
     try:
         with_stack, stack_steps = _generate(llm, stack_enabled=True)
         without, no_stack_steps = _generate(llm, stack_enabled=False)
