@@ -107,6 +107,8 @@ def memory_plan_result(config: EngineConfig) -> CheckResult:
     plan = config.memory_plan
     settings = (f"{config.model.dtype}, max_model_len {config.model.max_model_len}, "
                 f"max_num_seqs {config.scheduler.max_num_seqs}")
+    if config.cache.kv_cache_dtype != "auto":  # auto: the model's dtype, said first
+        settings += f", KV cache {config.cache.kv_cache_dtype}"
     parallel = config.parallel
     if parallel.tensor_parallel_size > 1:
         from pagedserve.distributed.binding import format_cores

@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{settings['model']}: {settings['dtype']} on {settings['device']}, max_model_len"
               f" {settings['max_model_len']}, max_num_seqs {settings['max_num_seqs']}, max_num_batched_tokens"
-              f" {settings['max_num_batched_tokens']}")
+              f" {settings['max_num_batched_tokens']}"
+              + ("" if settings["kv_cache_dtype"] == "auto" else f", KV cache {settings['kv_cache_dtype']}"))
         print(format_plan_table(plan))
         ranks = config.parallel.tensor_parallel_size
         if ranks > 1:  # the table is one rank's: the host holds all of them

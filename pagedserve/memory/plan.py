@@ -599,6 +599,8 @@ def format_plan_table(plan: MemoryPlan) -> str:
     """The plan as a human table (GiB with 2 decimals), the verdict, and suggestions when it does not fit."""
     request, shape = plan.request, plan.shape
     per_token = f"x {plan.kv_bytes_per_token:,} B/token" if plan.kv_bytes_per_token else "(block tables only)"
+    if request.kv_scale_bytes:
+        per_token += " (8-bit K/V and their scales)"
     kv_detail = (
         f"{plan.num_kv_blocks} blocks x {request.block_size} tokens {per_token},"
         f" {plan.max_concurrency:.2f} x {request.max_model_len}-token sequences"

@@ -45,6 +45,10 @@ def test_doctor_command_on_a_good_model(tiny_model_dir, capsys: pytest.CaptureFi
     assert results["memory plan"]["status"] == "PASS" and "to spare" in results["memory plan"]["detail"]
     assert results["accelerator"]["status"] in ("PASS", "WARN")  # WARN: a GPU host with a mismatched build
     assert code == (1 if any(r["status"] == "FAIL" for r in results.values()) else 0)
+    assert "KV cache" not in results["memory plan"]["detail"]  # auto: the model's dtype
+    fp8 = doctor_model.memory_plan_result(doctor_model.engine_config(EngineArgs(model=tiny_model_dir("llama"),
+                                                                                kv_cache_dtype="fp8_e5m2")))
+    assert ", KV cache fp8_e5m2:" in fp8.detail  # QA-AE: an fp8 cache was named nowhere
 
 
 def test_the_model_checks_resolve_the_engine_config_once(tiny_model_dir, monkeypatch) -> None:

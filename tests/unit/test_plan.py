@@ -152,6 +152,9 @@ def test_does_not_fit_with_shortfall_and_suggestions(monkeypatch) -> None:
     assert {s.flag for s in plain.suggestions} == set(found) - {"--quantization", "--kv-cache-dtype"}
     table = format_plan_table(plan)
     assert "DOES NOT FIT" in table and "short by 2 KiB" in table  # was "short by 0.00 GiB"
+    assert "8-bit K/V" not in table
+    assert "B/token (8-bit K/V and their scales)" in format_plan_table(make_plan(TINY, replace(
+        request(budget_bytes=1680804), kv_dtype_bytes=1, kv_scale_bytes=4)))
     assert re.search(r"--max-model-len 48 +needs", table)
 
 
