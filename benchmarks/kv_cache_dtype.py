@@ -7,7 +7,7 @@ clean clone of an older commit.
 
 (The model: any HF directory; `benchmarks/speculative.py` builds the 0.5B shape there.) 2026-12-06, 2 cores of a Zen 4,
 bf16 weights: fp8 0.81-1.5x auto's steps/s a round (level within the drift); against the code before the native fp8
-path (torch ops wrote the pool, SDPA read it) 2.1-2.8x at one request and 3.2-5.0x at 6.
+path (torch ops wrote the pool, SDPA read it) 2.3-2.8x at one request and 3.2-5.0x at 6.
 """
 
 from __future__ import annotations
