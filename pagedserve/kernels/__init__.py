@@ -443,6 +443,12 @@ class CpuKernels:
         """Entries per layer in `decode_stack`'s table (PS_LAYER_FIELDS in cpu_kernels.c)."""
         return self.lib.ps_layer_fields()
 
+    def pool_flag(self, kv_dtype: torch.dtype) -> int:
+        """The decode-stack table's flag bit for a K/V pool of `kv_dtype` (FP8_FORMATS' kv_e4m3 / kv_e5m2; 0: a pool
+        in the activation dtype)."""
+        name = {0: None, 1: "kv_e4m3", 2: "kv_e5m2"}[FP8_FORMATS.get(kv_dtype, 0)]
+        return 0 if name is None else self.layer_layout[name]
+
     @functools.cached_property
     def layer_layout(self) -> dict[str, int]:
         """`decode_stack`'s table layout as the library defines it: the column of each named field (a

@@ -363,9 +363,8 @@ class NativeDecodeStack:
         for name in ("k_scale", "v_scale"):  # an fp8 pool's, else 0
             pointers = [0 if getattr(c, name) is None else getattr(c, name).data_ptr() for c in kv_caches]
             self.table[:, layout[name]] = torch.tensor(pointers, dtype=torch.int64)
-        formats = {torch.float8_e4m3fn: layout["kv_e4m3"], torch.float8_e5m2: layout["kv_e5m2"]}
         flags = self.table[:, layout["flags"]] & ~(layout["kv_e4m3"] | layout["kv_e5m2"])
-        self.table[:, layout["flags"]] = flags | torch.tensor([formats.get(c.k.dtype, 0) for c in kv_caches])
+        self.table[:, layout["flags"]] = flags | torch.tensor([self.kernels.pool_flag(c.k.dtype) for c in kv_caches])
         self._pools = kv_caches  # the runner keeps one list of pools for the engine's life
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
