@@ -106,8 +106,7 @@ class SamplingParams:
                    "bad_words", f"must be a list of words (non-empty strings), got {self.bad_words!r}")
         _check(not self.logits_processors, "logits_processors", "are not supported: logit_bias, allowed_token_ids, "
                "penalties and structured_outputs are")
-        _check(self.best_of is None or self.best_of == self.n, "best_of", "is not supported (vLLM's V1 engine "
-               "dropped it too): sample n and rank the outputs by cumulative_logprob")
+        check_best_of(self.best_of, self.n)
         _check(self.detokenize or not self.stop, "detokenize", "must be True with stop strings (they are found in "
                "the text)")
         if self.truncate_prompt_tokens is not None:
@@ -205,6 +204,15 @@ class SamplingParams:
             setattr(new, key, value)
         new._validate()
         return new
+
+
+def check_best_of(best_of: int | None, n: int) -> None:
+    """A 400 unless `best_of` is unset or n: the only best_of served (SamplingParams and the OpenAI server's)."""
+    if best_of is not None and best_of < n:  # QA-AF: n=2, best_of=1 was told best_of is unsupported
+        raise InvalidRequestError(f"best_of ({best_of}) must be at least n ({n}): it is how many sequences are "
+                                  "sampled to return n of them", param="best_of")
+    _check(best_of is None or best_of == n, "best_of", "above n is not supported (vLLM's V1 engine dropped it "
+           "too): sample n and rank the outputs by cumulative_logprob")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

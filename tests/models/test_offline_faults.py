@@ -138,7 +138,8 @@ def test_vllm_s_other_sampling_fields(tiny_model_dir):
     guided = llm.generate("x", SamplingParams(max_tokens=8, guided_decoding={"choice": ["yes", "no"]}))
     assert guided[0].outputs[0].text in ("yes", "no")
     for kwargs, words in (({"bad_words": [" "]}, "bad_words"), ({"logits_processors": [print]}, "not supported"),
-                          ({"best_of": 3}, "cumulative_logprob"), ({"stop": ["x"], "detokenize": False}, "stop"),
+                          ({"best_of": 3}, "cumulative_logprob"), ({"n": 2, "best_of": 1}, r"at least n \(2\)"),
+                          ({"stop": ["x"], "detokenize": False}, "stop"),
                           ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
         with pytest.raises(ValueError, match=words):
             SamplingParams(**kwargs)

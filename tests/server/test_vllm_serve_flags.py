@@ -271,6 +271,8 @@ def test_vllm_request_fields_act_or_are_refused_by_name(server, http):
         response = http.post("/v1/chat/completions", json={**chat, field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, field
     assert http.post("/v1/chat/completions", json={**chat, "best_of": 0}).json()["error"]["param"] == "best_of"
+    fewer = http.post("/v1/chat/completions", json={**chat, "n": 2, "best_of": 1}).json()["error"]  # QA-AF
+    assert fewer["param"] == "best_of" and "must be at least n (2)" in fewer["message"]
     assert http.post("/v1/chat/completions", json={**chat, "best_of": 1, "function_call": "none",
                                                    "reasoning_effort": "low"}).status_code == 200
     # null where OpenAI and vLLM allow it: the default

@@ -32,7 +32,7 @@ from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, re
 from pagedserve.chat_template import select_template
 from pagedserve.structured.admission import compile_timeout_error
 from pagedserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams, check_best_of
 from pagedserve.tokenizer import TokenBytes
 
 _DONE = object()
@@ -257,8 +257,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise InvalidRequestError("best_of is not supported (only best_of == n)", param="best_of")
+        check_best_of(req.best_of, req.n)
         req.check_fields({})
         prompts = await self._completion_prompts(req.prompt, req.add_special_tokens,
                                                  truncating=req.truncate_prompt_tokens is not None)
@@ -502,7 +501,8 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        req.check_fields({"best_of": (None, req.n),
+        check_best_of(req.best_of, req.n)
+        req.check_fields({
                           **({} if self.options.trust_request_chat_template else {"chat_template": None})})
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs are given in a chat response that is not streamed; set "
