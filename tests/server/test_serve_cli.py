@@ -163,6 +163,8 @@ def test_sigterm_lets_in_flight_request_finish(tiny_model_dir, tmp_path):
     assert server.process.wait(30) == 0
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{server.url}/health", timeout=2)
+    log = server.log()  # the stop's start and end are logged (QA-AF: nothing was, at the default level)
+    assert "SIGTERM: stopping; requests in flight get up to 30 s" in log and "stopped (exit code 0)" in log
 
 
 def test_requests_outlasting_the_shutdown_grace_get_a_503_body_or_an_error_event(long_context_model, tmp_path):

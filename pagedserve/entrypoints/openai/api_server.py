@@ -717,6 +717,12 @@ def _make_uvicorn_server(config: Any, on_grace_expired: Callable[[], None] = lam
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:  # the first signal: the log says the stop began (QA-AF: it said nothing)
+                logger.info("%s: stopping; requests in flight get up to %g s to finish (--shutdown-grace-s)",
+                            signal.Signals(sig).name, config.timeout_graceful_shutdown)
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets: Any = None) -> None:
             # The open connections' sockets, taken before uvicorn asks each connection to close: a TLS transport
             # closed a second time lets go of its socket.
@@ -867,6 +873,7 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
     code = 1 if not server.started and outcome["exit_code"] == 0 else outcome["exit_code"]  # 1: no port (logged)
     if loader.is_alive() and state.engine is None:
         _leave_during_startup(startup, code)
+    logger.info("stopped (exit code %d)", code)
     return code
 
 
