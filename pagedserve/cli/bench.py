@@ -273,11 +273,25 @@ def _saved_result_options(args: argparse.Namespace) -> dict:
             "metadata": metadata, "goodput": parse_goodput(" ".join(args.goodput or []))}
 
 
-def check_writable(path: str) -> None:
-    """ValueError naming --json's path where the figures could not be written (found after a whole run before)."""
+def check_writable(path: str, flag: str = "--json") -> None:
+    """ValueError naming `flag` and its path where the figures could not be written (found after a whole run
+    before)."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ValueError(f"--json {path}: folder {folder} does not exist or cannot be written")
+        raise ValueError(f"{flag} {path}: folder {folder} does not exist or cannot be written")
+
+
+def run_error(exc: Exception, base_url: str, request_timeout: float) -> str:
+    """What a failed run says: where the server was not reachable, or that it wants an API key (QA-AG: httpx's
+    own words named neither the address nor --api-key)."""
+    import httpx
+
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot connect to {base_url} ({exc}): is the server running there? (--base-url, or --host/--port)"
+    if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
+        return (f"{base_url} asks for an API key (401): pass --api-key, or set PAGEDSERVE_API_KEY / "
+                "OPENAI_API_KEY")
+    return str(exc) or f"{type(exc).__name__} (--request-timeout {request_timeout:g} s?)"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -293,16 +307,22 @@ def run_serve(args: argparse.Namespace) -> int:
         saved = _saved_result_options(args)
         if args.json_path:
             check_writable(args.json_path)  # before the run, not after it
-        if args.save_result:
-            check_writable(os.path.join(args.result_dir or ".", args.result_filename or "x.json"))
+        if args.save_result:  # the folder made, as vLLM's bench makes it
+            if args.result_dir:
+                try:
+                    os.makedirs(args.result_dir, exist_ok=True)
+                except OSError as exc:
+                    raise ValueError(f"--result-dir {args.result_dir}: cannot be made ({exc})") from exc
+            check_writable(os.path.join(args.result_dir or ".", args.result_filename or "result.json"),
+                           "--result-dir" if args.result_dir else "--result-filename")
     except ValueError as exc:
         print(f"pagedserve bench serve: error: {exc}", file=sys.stderr)
         return 2
     try:
         result = run_serve_bench_sync(config)
     except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
-        detail = str(exc) or f"{type(exc).__name__} (--request-timeout {args.request_timeout:g} s?)"
-        print(f"pagedserve bench serve: error: {detail}", file=sys.stderr)
+        print(f"pagedserve bench serve: error: {run_error(exc, config.base_url, args.request_timeout)}",
+              file=sys.stderr)
         return 1
     print(format_table(result))
     if result.summary is not None:  # --metric-percentiles the table does not show (it has P90 and P99)

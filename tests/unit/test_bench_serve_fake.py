@@ -355,6 +355,26 @@ def test_an_unwritable_json_path_is_refused_before_the_run(capsys) -> None:
     assert code == 2 and "--json /nonexistent-folder/x.json" in capsys.readouterr().err
 
 
+def test_save_result_makes_its_folder_and_a_failed_run_says_what_to_check(tmp_path, capsys) -> None:
+    """QA-AG: --save-result into a new --result-dir was refused naming --json (never given); vLLM's bench makes the
+    folder. No server at the address, or one that wants a key, was httpx's bare words."""
+    import httpx
+
+    from pagedserve.cli.bench import run_error
+    from pagedserve.cli.main import main
+
+    folder = tmp_path / "new" / "results"
+    code = main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2", "--save-result",
+                 "--result-dir", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 1 and folder.is_dir() and "--json" not in err
+    assert "cannot connect to http://127.0.0.1:1" in err and "is the server running there?" in err
+    request = httpx.Request("GET", "http://server/v1/models")
+    unauthorized = httpx.HTTPStatusError("401", request=request, response=httpx.Response(401, request=request))
+    assert "pass --api-key" in run_error(unauthorized, "http://server", 60.0)
+    assert run_error(RuntimeError("3 of 4 requests failed"), "http://server", 60.0) == "3 of 4 requests failed"
+
+
 @pytest.mark.parametrize("status,code,expected", [(404, None, "none"), (401, None, "raises"),
                                                   (404, "model_not_found", "names the model")])
 def test_only_a_missing_tokenize_route_means_no_server_tokenizer(status, code, expected) -> None:

@@ -138,6 +138,13 @@ def test_load_alone_never_makes_stuck() -> None:
     assert classify(recorded([0, 0, 0], load1=0.5), num_cpus=2).state == "OK"
 
 
+def test_a_past_minute_of_load_with_nothing_running_now_is_not_busy() -> None:
+    """QA-AG: a minute after a load ended, the 1-minute average still said BUSY with only watch itself running."""
+    idle = [Sample(time=float(i), load1=2.19, system=ThreadCounts(running=1, blocked=0)) for i in range(3)]
+    verdict = classify(idle, num_cpus=2)
+    assert verdict.state == "OK" and "the load has passed" in verdict.reason
+
+
 def test_health_descriptions() -> None:
     assert watch.describe_health(200, {"status": "ok"}) == "ready"
     assert watch.describe_health(503, {"status": "starting", "phase": "loading_weights", "progress": 0.43}) == (
