@@ -29,7 +29,6 @@ _REFUSED_WHY = {"modalities": "text only", "audio": "text only", "documents": "g
                 "prompt_embeds": "prompts are text or token ids",
                 "structural_tag": "vLLM's former field: give structured_outputs {\"structural_tag\": ...}",
                 "function_call": "OpenAI's deprecated form of tool_choice: give tools and tool_choice",
-                "best_of": "sample n choices and rank them by cumulative_logprob (vLLM's V1 engine dropped it too)",
                 "chat_template": "a template from a request is not run: start the server with "
                                  "--trust-request-chat-template to allow it, or give the template with --chat-template"}
 # Fields OpenAI or vLLM define that change nothing pagedserve generates: taken without a word.
@@ -247,7 +246,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # vLLM's: the template already writes BOS; True adds the tokenizer's too
     prompt_logprobs: int | None = None  # vLLM's: the rendered prompt's logprobs, in the (non-streamed) response
     reasoning_effort: ReasoningEffort | None = None  # OpenAI's; the chat template's variable (serving._template_kwargs)
-    best_of: int | None = Field(default=None, ge=1)  # vLLM's; only best_of == n is served (check_fields)
+    best_of: int | None = Field(default=None, ge=1)  # vLLM's; only best_of == n is served (check_best_of)
     echo: bool = False  # vLLM's: the final message's text before the reply where the reply continues it
 
 
