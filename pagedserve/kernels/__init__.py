@@ -77,7 +77,8 @@ _SIGNATURES = {
 ACTIVATION_DTYPES = tuple(getattr(torch, name) for name in weight_format.NATIVE_DTYPES)  # the rule's, as torch dtypes
 ISA_NAMES = {512: "avx512", 256: "avx2"}  # ps_isa() -> name; 0: neither, the torch path runs
 HUGE_PAGE = 2 << 20
-# An 8-bit KV pool's format for the attention kernels (FP8_E4M3, FP8_E5M2 in cpu_kernels.c; 0: 16/32-bit K/V)
+# An 8-bit KV pool's format for the attention kernels and the decode-stack table's kv_format (FP8_E4M3, FP8_E5M2 in
+# cpu_kernels.c; 0: 16/32-bit K/V)
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
@@ -443,19 +444,13 @@ class CpuKernels:
         """Entries per layer in `decode_stack`'s table (PS_LAYER_FIELDS in cpu_kernels.c)."""
         return self.lib.ps_layer_fields()
 
-    def pool_flag(self, kv_dtype: torch.dtype) -> int:
-        """The decode-stack table's flag bit for a K/V pool of `kv_dtype` (FP8_FORMATS' kv_e4m3 / kv_e5m2; 0: a pool
-        in the activation dtype)."""
-        name = {0: None, 1: "kv_e4m3", 2: "kv_e5m2"}[FP8_FORMATS.get(kv_dtype, 0)]
-        return 0 if name is None else self.layer_layout[name]
-
     @functools.cached_property
     def layer_layout(self) -> dict[str, int]:
         """`decode_stack`'s table layout as the library defines it: the column of each named field (a
         linear's entry spans `linear_fields` columns), `linear_fields` and `layer_fields`."""
         names = ("in_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache", "k_scale", "v_scale",
-                 "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "flags", "view", "norm_gain", "gelu_tanh",
-                 "kv_e4m3", "kv_e5m2", "linear_fields", "layer_fields", "view_fields")
+                 "kv_format", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "flags", "view", "norm_gain",
+                 "gelu_tanh", "linear_fields", "layer_fields", "view_fields")
         values = (ctypes.c_int64 * len(names))()
         if self.lib.ps_layer_layout(values, len(names)) != len(names):
             raise RuntimeError("the kernel library's decode-stack layout has other fields than this wrapper")

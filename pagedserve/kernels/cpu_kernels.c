@@ -2858,9 +2858,10 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * - attn_out/mlp_out norm: Gemma 2/3's sandwich norms of the attention's and the MLP's outputs before they join
  *   the residual stream (post_attention_layernorm, post_feedforward_layernorm; post_norm is then
  *   pre_feedforward_layernorm), or 0;
- * - k/v scale: an 8-bit pool's scales, or 0 (FP8_NONE's comment);
+ * - k/v scale, kv format: an 8-bit pool's scales and format (FP8_E4M3, FP8_E5M2), or 0 and FP8_NONE (FP8_NONE's
+ *   comment);
  * - flags: PS_NORM_GAIN (every norm's weight is a float32 gain, Gemma's 1 + weight), PS_GELU_TANH (the MLP's gate
- *   is GELU's tanh approximation, else SiLU), PS_KV_E4M3 / PS_KV_E5M2 (the K/V pool's fp8 format, if 8-bit);
+ *   is GELU's tanh approximation, else SiLU);
  * - view: which of ps_decode_stack's step views the layer reads (its rotary tables and its sliding window's
  *   context: Gemma 2/3's sliding-window layers have their own; SmolLM3's layers without rotary a view whose
  *   tables are NULL).
@@ -2869,22 +2870,23 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * B <= 32 where the caller says so (KernelBackend: CPUs with bf16 dot products). */
 enum { PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O = PS_L_QKV + 5, PS_L_GATE_UP = PS_L_O + 5,
        PS_L_DOWN = PS_L_GATE_UP + 5, PS_L_K_CACHE = PS_L_DOWN + 5, PS_L_V_CACHE, PS_L_K_SCALE, PS_L_V_SCALE,
-       PS_L_Q_NORM, PS_L_K_NORM, PS_L_ATTN_OUT_NORM, PS_L_MLP_OUT_NORM, PS_L_FLAGS, PS_L_VIEW, PS_LAYER_FIELDS };
-enum { PS_NORM_GAIN = 1, PS_GELU_TANH = 2, PS_KV_E4M3 = 4, PS_KV_E5M2 = 8 };
+       PS_L_KV_FORMAT, PS_L_Q_NORM, PS_L_K_NORM, PS_L_ATTN_OUT_NORM, PS_L_MLP_OUT_NORM, PS_L_FLAGS, PS_L_VIEW,
+       PS_LAYER_FIELDS };
+enum { PS_NORM_GAIN = 1, PS_GELU_TANH = 2 };
 enum { PS_V_COS, PS_V_SIN, PS_V_SLOTS, PS_V_CTX_SLOTS, PS_V_LENS, PS_V_MAX_LEN, PS_VIEW_FIELDS };  /* a view's int64s */
 
 int ps_layer_fields(void) { return PS_LAYER_FIELDS; }
 
 /* The table's layout for the Python side, which builds rows by these names (NativeDecodeStack):
- * offsets of in_norm, post_norm, qkv, o, gate_up, down, k_cache, v_cache, k_scale, v_scale, q_norm, k_norm,
- * attn_out_norm, mlp_out_norm, flags, view; the flags' bits norm_gain, gelu_tanh, kv_e4m3 and kv_e5m2; then the
- * fields per linear, per layer and per step view. Writes at most n values and returns how many the layout has (the
+ * offsets of in_norm, post_norm, qkv, o, gate_up, down, k_cache, v_cache, k_scale, v_scale, kv_format, q_norm,
+ * k_norm, attn_out_norm, mlp_out_norm, flags, view; the flags' bits norm_gain and gelu_tanh; then the fields per
+ * linear, per layer and per step view. Writes at most n values and returns how many the layout has (the
  * caller checks it expected exactly that many: a field added here must be added there). */
 int ps_layer_layout(int64_t *out, int n) {
   const int64_t layout[] = {PS_L_IN_NORM, PS_L_POST_NORM, PS_L_QKV, PS_L_O, PS_L_GATE_UP, PS_L_DOWN, PS_L_K_CACHE,
-                            PS_L_V_CACHE, PS_L_K_SCALE, PS_L_V_SCALE, PS_L_Q_NORM, PS_L_K_NORM, PS_L_ATTN_OUT_NORM,
-                            PS_L_MLP_OUT_NORM, PS_L_FLAGS, PS_L_VIEW, PS_NORM_GAIN, PS_GELU_TANH, PS_KV_E4M3,
-                            PS_KV_E5M2, PS_L_O - PS_L_QKV, PS_LAYER_FIELDS, PS_VIEW_FIELDS};
+                            PS_L_V_CACHE, PS_L_K_SCALE, PS_L_V_SCALE, PS_L_KV_FORMAT, PS_L_Q_NORM, PS_L_K_NORM,
+                            PS_L_ATTN_OUT_NORM, PS_L_MLP_OUT_NORM, PS_L_FLAGS, PS_L_VIEW, PS_NORM_GAIN, PS_GELU_TANH,
+                            PS_L_O - PS_L_QKV, PS_LAYER_FIELDS, PS_VIEW_FIELDS};
   const int count = (int)(sizeof(layout) / sizeof(layout[0]));
   for (int i = 0; i < count && i < n; ++i) out[i] = layout[i];
   return count;
@@ -2924,12 +2926,11 @@ void ps_layer_attention(const int64_t *layer, const void *x, void *residual, int
   if (first) memcpy(residual, x, es * B * H);
   stack_norm(layer, PS_L_IN_NORM, x, first ? NULL : residual, h, B, H, eps, bf16, nthreads);
   stack_linear(layer + PS_L_QKV, h, qkv, B, (int64_t)qkv_n, H, bf16, nthreads);
-  const int64_t flags = layer[PS_L_FLAGS];
-  const int fp8 = flags & PS_KV_E4M3 ? FP8_E4M3 : flags & PS_KV_E5M2 ? FP8_E5M2 : FP8_NONE;
+  const int fp8 = (int)layer[PS_L_KV_FORMAT];
   void *k_scale = (void *)layer[PS_L_K_SCALE], *v_scale = (void *)layer[PS_L_V_SCALE];
   ps_rope_kv_write(qkv, cos, sin, (void *)layer[PS_L_K_CACHE], (void *)layer[PS_L_V_CACHE], k_scale, v_scale, fp8,
                    slots, (const void *)layer[PS_L_Q_NORM], (const void *)layer[PS_L_K_NORM],
-                   (flags & PS_NORM_GAIN) != 0, eps, B, Hq, Hkv, D, bf16, nthreads);
+                   (layer[PS_L_FLAGS] & PS_NORM_GAIN) != 0, eps, B, Hq, Hkv, D, bf16, nthreads);
   ps_decode_attention(qkv, (int64_t)qkv_n, (const void *)layer[PS_L_K_CACHE], (const void *)layer[PS_L_V_CACHE],
                       k_scale, v_scale, fp8, ctx_slots, lens, attn, B, Hq, Hkv, D, max_len, scale, softcap, bf16,
                       nthreads);

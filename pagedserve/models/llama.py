@@ -20,7 +20,7 @@ from torch import nn
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.layers import VocabParallelEmbedding, gather_logits
 from pagedserve.distributed.sharding import ShardLayout
-from pagedserve.kernels import CpuKernels
+from pagedserve.kernels import FP8_FORMATS, CpuKernels
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_attention
 from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import weight_of
@@ -363,8 +363,8 @@ class NativeDecodeStack:
         for name in ("k_scale", "v_scale"):  # an fp8 pool's, else 0
             pointers = [0 if getattr(c, name) is None else getattr(c, name).data_ptr() for c in kv_caches]
             self.table[:, layout[name]] = torch.tensor(pointers, dtype=torch.int64)
-        flags = self.table[:, layout["flags"]] & ~(layout["kv_e4m3"] | layout["kv_e5m2"])
-        self.table[:, layout["flags"]] = flags | torch.tensor([self.kernels.pool_flag(c.k.dtype) for c in kv_caches])
+        formats = [FP8_FORMATS.get(c.k.dtype, 0) for c in kv_caches]  # the C code's FP8_*: 0 a 16/32-bit pool
+        self.table[:, layout["kv_format"]] = torch.tensor(formats, dtype=torch.int64)
         self._pools = kv_caches  # the runner keeps one list of pools for the engine's life
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
