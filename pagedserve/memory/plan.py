@@ -579,7 +579,7 @@ def suggest(shape: ModelShape, request: PlanRequest, quantizations: tuple[str, .
         half = replace(shape, weight_bytes=shape.weight_bytes // 2)
         kv = 2 if request.kv_dtype_bytes == 4 else request.kv_dtype_bytes
         fitting("--dtype", "bfloat16", half, replace(request, dtype_bytes=2, kv_dtype_bytes=kv),
-                note="fast only on CPUs with AVX512-BF16 or AMX; see `pagedserve doctor`")
+                note="fast with the native kernels (AVX2 or AVX-512) or bf16 instructions; see `pagedserve doctor`")
     if request.quantization is None and "int8" in quantizations:
         # The decoder's linears only; the plan's LM head stays as it is (conservative).
         int8_bytes = shape.weight_bytes + int8_linear_delta_bytes(shape, request.dtype_bytes)

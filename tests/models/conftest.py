@@ -5,9 +5,9 @@ AVX-512 CPUs included (the library is then built for x86-64-v3), so a CI run on 
 compiles and checks the AVX2 C, and an AVX-512 machine checks both. An AVX-512 CPU with BF16 or AMX also runs
 the AVX-512 kernels built without them ("avx512-vnni", -march=cascadelake: the float32 paths of a Cascade Lake
 or Ice Lake), and a CPU with AVX-VNNI runs the AVX2 kernels both with and without it ("avx2-vnni"). A test of a
-build this CPU cannot run skips with a message naming the flags it lacks. The fixture
-loads that build's library (pagedserve.kernels.load) and, while the tests of a module run, makes
-`cpu_kernels()` answer with it, so models built in those tests (layers, decode stack) run that build too.
+build this CPU cannot run skips with a message naming the flags it lacks. The fixtures
+load that build's library (pagedserve.kernels.load) once per module and, while a test that asks for it runs, make
+`cpu_kernels()` answer with it, so models built in that test (layers, decode stack) run that build too.
 """
 
 from __future__ import annotations
@@ -51,19 +51,26 @@ def kernel_build(build: str) -> tuple[str | None, str]:
 
 
 @pytest.fixture(scope="module", params=BUILDS)
-def kernel_build_of(request):
-    """(isa, its native kernels or None where this CPU cannot run them, why not); `cpu_kernels()` returns
-    those kernels for the rest of the module's tests that use this fixture."""
+def kernel_build_loaded(request):
+    """(isa, its native kernels or None where this CPU cannot run them, why not), loaded once per module."""
     build, why = kernel_build(request.param)
     kernels = None
     if build is not None:
         kernels, why = pagedserve.kernels.load(build)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pagedserve.kernels, "load_status", lambda: (kernels, why))
-        yield request.param, kernels, why
+    return request.param, kernels, why
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
+def kernel_build_of(kernel_build_loaded, monkeypatch):
+    """kernel_build_loaded, with `cpu_kernels()` answering with those kernels for this test only: the module's
+    tests that do not ask for a build see the machine's own (a module-scoped patch leaked the last build's
+    answer, None where this CPU cannot run it, into them, and `--dtype auto` became float32 there)."""
+    build, kernels, why = kernel_build_loaded
+    monkeypatch.setattr(pagedserve.kernels, "load_status", lambda: (kernels, why))
+    return kernel_build_loaded
+
+
+@pytest.fixture
 def kernels(kernel_build_of):
     """The native kernels of one ISA; the test skips where this CPU cannot run that ISA (naming the flags)."""
     build, kernels, why = kernel_build_of
