@@ -942,7 +942,11 @@ static void bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias
  * output does not depend on the other rows of the batch. */
 #define BF16_NB (2 * VL)
 #ifndef BF16_MT
+#if PS_ISA == 512
+#define BF16_MT 12  /* rows of x per register tile: 24 accumulators + 4 widened weights + broadcasts, of 32 */
+#else
 #define BF16_MT 6  /* rows of x per register tile: 12 accumulators + 2 widened weights + broadcasts */
+#endif
 #endif
 
 static inline vf widen_even(const uint32_t *p) {  /* the first bf16 of each 32-bit pair, as float32 */
@@ -1021,6 +1025,14 @@ static void bf16_tile_rows(const uint32_t *wb, const float *xt, int64_t K, int64
 #if BF16_MT > 4
     case 4: bf16_tile(wb, xt, K, 4, acc); break;
     case 5: bf16_tile(wb, xt, K, 5, acc); break;
+#endif
+#if BF16_MT > 6
+    case 6: bf16_tile(wb, xt, K, 6, acc); break;
+    case 7: bf16_tile(wb, xt, K, 7, acc); break;
+    case 8: bf16_tile(wb, xt, K, 8, acc); break;
+    case 9: bf16_tile(wb, xt, K, 9, acc); break;
+    case 10: bf16_tile(wb, xt, K, 10, acc); break;
+    case 11: bf16_tile(wb, xt, K, 11, acc); break;
 #endif
     default: bf16_tile(wb, xt, K, BF16_MT, acc); break;
   }
