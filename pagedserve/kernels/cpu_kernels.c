@@ -466,6 +466,42 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
     for (int c = 0; c < C; ++c) acc[r][c] = (float)(total[r][c] - 32768 * (int64_t)wsum[r]);  /* 256 * 128 * sum(w) */
 }
 
+/* One row of x (batch 1) against two weight blocks far apart in memory: decode then streams two runs per thread, as
+ * AVX2's i8_block_pair does. With one run per thread the 2-core Ice Lake read int8 weights at 13-16 GB/s where its bf16
+ * linear (four blocks in flight) reads 18-19; with two, 16.8-19 GB/s: 1.11-1.24x on Qwen2.5-0.5B's shapes and its
+ * 151936-row LM head (benchmarks/linear_ab.py --kind int8 --rows 1), batch-1 decode 1.08x (Qwen2.5-Coder GGUF) and
+ * 1.18x (the 0.5B shape, --quantization int8). The same exact sums as i8_block's (bit-equal). */
+static inline __attribute__((always_inline)) void i8_block_two(const int8_t *w0, const int8_t *w1,
+                                                               const uint8_t *planes, int64_t K,
+                                                               const int32_t *wsum0, const int32_t *wsum1,
+                                                               float acc[2][4]) {
+  const int8_t *ws[2] = {w0, w1};
+  const uint8_t *xhi = planes, *xlo = planes + K;
+  int64_t total[2][4] = {{0}};
+  for (int64_t k0 = 0; k0 < K; k0 += I8_SEGMENT) {
+    const int64_t k1 = K - k0 < I8_SEGMENT ? K : k0 + I8_SEGMENT;
+    __m512i hi[2][4], lo[2][4];
+    for (int b = 0; b < 2; ++b)
+      for (int r = 0; r < 4; ++r) hi[b][r] = lo[b][r] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 64) {
+      const __m512i h = _mm512_loadu_si512(xhi + k), l = _mm512_loadu_si512(xlo + k);
+      for (int b = 0; b < 2; ++b)
+        for (int r = 0; r < 4; ++r) {
+          const __m512i wv = _mm512_loadu_si512(ws[b] + k * 4 + r * 64);
+          hi[b][r] = _mm512_dpbusd_epi32(hi[b][r], h, wv);
+          lo[b][r] = _mm512_dpbusd_epi32(lo[b][r], l, wv);
+        }
+    }
+    for (int b = 0; b < 2; ++b)
+      for (int r = 0; r < 4; ++r)
+        total[b][r] += 256 * (int64_t)_mm512_reduce_add_epi32(hi[b][r]) + _mm512_reduce_add_epi32(lo[b][r]);
+  }
+  for (int r = 0; r < 4; ++r) {
+    acc[0][r] = (float)(total[0][r] - 32768 * (int64_t)wsum0[r]);
+    acc[1][r] = (float)(total[1][r] - 32768 * (int64_t)wsum1[r]);
+  }
+}
+
 #else  /* AVX2 */
 /* AVX2: the int16 activations meet the weights widened to int16 (vpmovsxbw) in vpmaddwd: 16 weights per
  * instruction, exact (each int32 lane adds two products of at most 32767 * 128). vpmaddubsw (bytes)
@@ -1694,6 +1730,36 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
       free(out);
     }
     first = 8 * half;
+  }
+#endif
+#if PS_ISA == 512
+  if (M == 1 && N >= 16 * 4 * nthreads) {  /* two runs per thread: its share's halves, I8_CHUNK outputs of each */
+    const int64_t whole = N / 4;  /* whole blocks; the last partial one (if any) takes the block loop below */
+    #pragma omp parallel num_threads(nthreads)
+    {
+      int64_t c0, c1;
+      thread_share(whole, &c0, &c1);
+      const int64_t half = (c1 - c0) / 2;
+      float out[2][I8_CHUNK];
+      for (int64_t i = c0; i < c0 + half; i += I8_CHUNK / 4) {
+        const int64_t e = c0 + half - i > I8_CHUNK / 4 ? i + I8_CHUNK / 4 : c0 + half;
+        for (int64_t b = i; b < e; ++b) {
+          float acc[2][4];
+          i8_block_two(q + b * 4 * K, q + (b + half) * 4 * K, planes, K, wsum + b * 4, wsum + (b + half) * 4, acc);
+          for (int r = 0; r < 4; ++r) out[0][(b - i) * 4 + r] = acc[0][r], out[1][(b - i) * 4 + r] = acc[1][r];
+        }
+        i8_store_row(y, bias, scale, xs[0], out[0], 0, i * 4, (e - i) * 4, N, bf16);
+        i8_store_row(y, bias, scale, xs[0], out[1], 0, (i + half) * 4, (e - i) * 4, N, bf16);
+      }
+      if ((c1 - c0) % 2) {  /* the share's odd last block */
+        float acc[4][2];
+        i8_block(q + (c1 - 1) * 4 * K, planes, 1, 0, 1, wsum + (c1 - 1) * 4, K, acc);
+        float o[4];
+        for (int r = 0; r < 4; ++r) o[r] = acc[r][0];
+        i8_store_row(y, bias, scale, xs[0], o, 0, (c1 - 1) * 4, 4, N, bf16);
+      }
+    }
+    first = 4 * whole;
   }
 #endif
   const int64_t blocks = (N - first + 3) / 4;

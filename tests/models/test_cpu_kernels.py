@@ -76,6 +76,27 @@ def test_linear_i8_matches_dequantized_matmul(kernels, dtype, m, with_bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_int8_linear_streams_two_runs_per_thread(kernels, dtype, threads):
+    """Batch 1 on AVX-512 streams two runs of 4-row blocks per thread (the halves of its share; an odd share's last
+    block alone, the partial last block after them): 67 whole blocks and a 3-row one give shares of 67, 33 + 34 and
+    22 + 22 + 23 blocks. The row gets the bits it gets beside another row, and the dequantized product's value."""
+    n, k = 4 * 67 + 3, 8192 + 128  # K spans two int32 flush segments
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_linear_i8(kernels, dtype, 1, True, n=n, k=k)
+        torch.manual_seed(threads)
+        qweight, scales = quantize_int8_per_channel(torch.randn(n, k))
+        packed, sums, bias = kernels.pack_rows(qweight), kernels.row_sums(qweight), torch.randn(n).to(dtype)
+        x = torch.randn(2, k).to(dtype)
+        alone = kernels.linear_i8(x[:1], packed, scales, sums, bias, n)
+        assert torch.equal(alone[0], kernels.linear_i8(x, packed, scales, sums, bias, n)[0])
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [64, 100])
 def test_linear_i8_panels_cover_every_block(kernels, dtype, m):
     """Several panel blocks, the last one partial, each filled from every 4-row block and 64-column chunk."""
