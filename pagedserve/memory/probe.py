@@ -526,7 +526,8 @@ def choose_cpu_dtype(flags: set[str], native_kernels: bool) -> DtypeChoice:
     - AVX2 (or AVX-512 without BF16) with pagedserve's native kernels: bf16 weights are widened to float32
       in registers and summed in float32, so bf16 storage streams half the bytes of float32 at batch 1
       and the kernel outruns oneDNN's float32 at every batch size (2x at 64-1024 rows on 9728x896,
-      Zen 3) -> bfloat16.
+      Zen 3); on an Ice Lake (AVX-512 without BF16) 1.8x at batch 1, and a 512-token prompt prefills as fast
+      as in float32 (238 vs 235 tok/s, 0.5B shape) -> bfloat16.
     - Neither (no native kernels, e.g. no C compiler): oneDNN would emulate bf16, slower than float32 and
       up to an order of magnitude slower for batches -> float32.
     """
