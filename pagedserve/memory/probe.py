@@ -535,8 +535,8 @@ def choose_cpu_dtype(flags: set[str], native_kernels: bool) -> DtypeChoice:
         return DtypeChoice("bfloat16", "the CPU has bf16 dot-product instructions (AVX512-BF16/AMX)")
     isa = native_kernel_isa(flags)
     if native_kernels and isa is not None:
-        return DtypeChoice("bfloat16", f"pagedserve's {isa} kernels keep bf16 weights and compute in float32: "
-                                       "half the bytes of float32 per token, batches level with oneDNN float32 or faster")
+        return DtypeChoice("bfloat16", f"pagedserve's {isa} kernels keep bf16 weights and compute in float32: half "
+                                       "the bytes of float32 per token, batches level with oneDNN float32 or faster")
     why = "the native kernels are not used here" if isa is not None else "no AVX2/AVX-512 kernels for this CPU"
     return DtypeChoice("float32", f"{why}, and without bf16 instructions oneDNN emulates bf16 matmuls "
                                   "(slower than float32)")
