@@ -502,8 +502,7 @@ class OpenAIServing:
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         check_best_of(req.best_of, req.n)
-        req.check_fields({
-                          **({} if self.options.trust_request_chat_template else {"chat_template": None})})
+        req.check_fields({} if self.options.trust_request_chat_template else {"chat_template": None})
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs are given in a chat response that is not streamed; set "
                                       "stream to false", param="prompt_logprobs")
