@@ -502,7 +502,10 @@ def run(args: argparse.Namespace) -> int:
     flags = check_flags(args)
     host, uds = getattr(args, "host", "127.0.0.1"), getattr(args, "uds", None)  # where serve would listen
     if flags is not None:  # the model's checks read the flags: they wait until these are fixed
-        return report([flags, *run_checks(default_checks(None, args.port, host=host, uds=uds))], args.json)
+        results = run_checks(default_checks(None, args.port, host=host, uds=uds))
+        if not 0 < args.port < 65536:  # the flags line names the bad port already
+            results = [result for result in results if result.name != "port"]
+        return report([flags, *results], args.json)
     engine_args = engine_args_from_cli(args)  # serve's flags and environment variables, for the memory plan
     return report(run_checks(default_checks(engine_args.model, args.port, engine_args, host, uds)), args.json)
 

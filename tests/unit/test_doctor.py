@@ -232,6 +232,17 @@ def test_register_parses_the_flags() -> None:
     assert (args.model, args.json, args.port, args.func) == ("/models/x", True, 8011, doctor.run)
 
 
+
+def test_a_port_out_of_range_is_one_failure_not_two(capsys) -> None:
+    """serve's flag check names the bad --port; the port check would say it again (it had two FAIL lines)."""
+    from pagedserve.cli.main import main
+
+    code = main(["doctor", "--port", "99999", "--json"])
+    results = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert [r["name"] for r in results if "99999" in r["detail"]] == ["flags"]
+    assert "port" not in [r["name"] for r in results]
+
 def test_doctor_modules_do_not_import_torch() -> None:
     code = (
         "import sys, pagedserve.cli.doctor, pagedserve.cli.watch, pagedserve.memory.plan;"
