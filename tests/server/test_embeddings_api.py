@@ -126,6 +126,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400,
      ["embeddings", "/v1/chat/completions"]),
     ("/v1/completions", {"model": MODEL, "prompt": "hi"}, 400, ["embeddings", "/v1/completions"]),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400,  # not "use /v1/completions"
+     ["no chat template", "`prompt` (/tokenize)", "`input` (/v1/embeddings)"]),
 ]
 
 

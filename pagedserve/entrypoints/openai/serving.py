@@ -90,6 +90,8 @@ class _Choice:
 
 
 class OpenAIServing:
+    without_chat_template = "use /v1/completions"  # where a chat without a template can go instead
+
     def __init__(self, engine: AsyncEngine, served_model_names: list[str], max_model_len: int,
                  options: ServeOptions | None = None) -> None:
         options = options or ServeOptions()
@@ -554,8 +556,8 @@ class OpenAIServing:
                           chat_template: str | None = None, must_fit: bool = False) -> list[int]:
         """A chat's prompt tokens. `chat_template`: a request's own (--trust-request-chat-template)."""
         if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
-            raise InvalidRequestError("this model has no chat template; use /v1/completions, or start the server "
-                                      "with --chat-template FILE", param="messages")
+            raise InvalidRequestError(f"this model has no chat template; {self.without_chat_template}, or start "
+                                      "the server with --chat-template FILE", param="messages")
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or ()))
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)",

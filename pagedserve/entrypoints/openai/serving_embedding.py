@@ -38,6 +38,8 @@ def encode_embedding(vector: list[float], encoding_format: str) -> list[float] |
 class OpenAIServingEmbedding(OpenAIServing):
     """The serving layer of an embedding model: /v1/embeddings, plus /tokenize and /detokenize."""
 
+    without_chat_template = "give the text as `prompt` (/tokenize) or `input` (/v1/embeddings)"
+
     async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> JSONResponse:
         self.check_model(req.model)
         if (req.model_extra or {}).get("priority") not in (None, 0):
