@@ -658,3 +658,27 @@ def test_tokenize_refuses_what_chat_refuses_and_an_ambiguous_body(server):
         response = httpx.post(url, json={"model": MODEL, "messages": chat, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, extra
     assert httpx.post(url, json={"model": MODEL, "messages": chat, "documents": None}).status_code == 200
+
+
+@pytest.mark.parametrize("request_head,status,words", [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nCookie: " + b"a" * 200_000 + b"\r\n\r\n", 431,
+     ["request's head", "over 16384 bytes"]),
+    (b"NOT AN HTTP REQUEST\r\n\r\n", 400, ["malformed HTTP request"]),
+], ids=["200 KB header", "garbage"])
+def test_a_request_that_does_not_parse_gets_a_json_error(server, client, request_head, status, words):
+    """uvicorn answered both with a plain-text 400 "Invalid HTTP request received."."""
+    import socket
+
+    host, port = server.url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):  # the server may close before all is sent
+            sock.sendall(request_head)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0].startswith(f"HTTP/1.1 {status} ".encode()), head
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == status and all(word in error["message"] for word in words), error
+    assert client.completions.create(model=MODEL, prompt="still", max_tokens=2).choices  # the server keeps serving

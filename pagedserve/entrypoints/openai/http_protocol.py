@@ -1,4 +1,5 @@
-"""A deadline for each request's head (request line and headers) on uvicorn's HTTP protocol.
+"""uvicorn's HTTP protocol with a deadline for each request's head (request line and headers), and OpenAI-style
+errors for requests that do not parse.
 
 uvicorn times a connection out only between requests, and only until its next byte: a connection that never
 finishes a request's head (a stalled client, or a slowloris attack sending a header byte every few seconds) is
@@ -6,15 +7,64 @@ held for ever, and enough of them take every file descriptor the process may ope
 connection after client_header_timeout (60 s); this does the same after --request-head-timeout-s, counted from
 the connection's start and from the end of each response (a kept-alive connection's next request). Once a
 request's head is in, its body and its response take as long as they take.
+
+A request uvicorn cannot parse got its plain-text 400 "Invalid HTTP request received."; here it gets a JSON error
+body as every other error, and a head larger than uvicorn takes (h11's 16 KiB; a 200 KB cookie) a 431, as nginx
+and h11 itself would answer it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from http import HTTPStatus
 from typing import Any
 
+from pagedserve.entrypoints.openai.errors import error_body
+
 logger = logging.getLogger("pagedserve.server")
+
+LINGER_S = 2.0  # how long a refused request's connection keeps reading before it closes (nginx: lingering_timeout 5 s)
+
+
+def with_json_errors(protocol: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
+    """`protocol` (uvicorn's H11Protocol or HttpToolsProtocol: both answer what they cannot parse through
+    send_400_response) answering with an OpenAI-style JSON error: 431 for a head over h11's size limit, else 400."""
+
+    class JSONProtocolErrors(protocol):  # type: ignore[misc, valid-type]
+        _lingering = False
+
+        def data_received(self, data: bytes) -> None:
+            if not self._lingering:  # else the rest of a refused request: dropped until the close
+                super().data_received(data)
+
+        def send_400_response(self, msg: str) -> None:
+            conn = getattr(self, "conn", None)  # h11's connection; httptools says nothing of sizes
+            limit = getattr(self.config, "h11_max_incomplete_event_size", None) or 16384
+            if conn is not None and len(conn.trailing_data[0]) > limit:
+                status, message = 431, (f"the request's head (request line and headers) is over {limit} bytes; "
+                                        "send large data in the body")
+            else:
+                status, message = 400, "malformed HTTP request: its request line or headers do not parse"
+            body = json.dumps(error_body(message, status)).encode()
+            head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+            logger.debug("%s (HTTP %d)", message, status)  # uvicorn has logged "Invalid HTTP request received."
+            self.transport.write(head.encode() + body)
+            self._linger()
+
+        def _linger(self) -> None:
+            """Close once the client has the reply (nginx's lingering close): closed with the rest of its request
+            unread, the kernel resets the connection, which can drop the reply before the client reads it. Stop
+            writing, drop what still comes, close at the client's end of data or after LINGER_S."""
+            self._lingering = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+
+    JSONProtocolErrors.__name__ = f"{protocol.__name__}WithJSONErrors"
+    return JSONProtocolErrors
 
 
 def with_request_head_deadline(protocol: type[asyncio.Protocol], timeout_s: float) -> type[asyncio.Protocol]:
@@ -61,10 +111,9 @@ def with_request_head_deadline(protocol: type[asyncio.Protocol], timeout_s: floa
 
 
 def http_protocol(timeout_s: float) -> Any:
-    """uvicorn.Config's `http`: uvicorn's own choice (httptools where installed, else h11), with the deadline
-    where `timeout_s` > 0."""
-    if timeout_s <= 0:
-        return "auto"
+    """uvicorn.Config's `http`: uvicorn's own choice (httptools where installed, else h11) with JSON errors, and
+    the deadline where `timeout_s` > 0."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    return with_request_head_deadline(AutoHTTPProtocol, timeout_s)
+    protocol = with_json_errors(AutoHTTPProtocol)
+    return protocol if timeout_s <= 0 else with_request_head_deadline(protocol, timeout_s)
