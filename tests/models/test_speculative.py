@@ -367,6 +367,8 @@ def test_stops_inside_accepted_runs_cut_where_the_plain_path_does(llama, method)
             if len(text) > start + 2:
                 cases.append(greedy(stop=[text[start:start + 2]]))
                 cases.append(greedy(stop=[text[start:start + 2]], include_stop_str_in_output=True))
+    if method is not SPEC:  # the draft model: every third case of each kind (the cut is the proposers' shared
+        cases = cases[::3]  # code; all of them doubled this test's ~17 s)
     for params in cases:
         _same(llm.generate(requests, params), plain.generate(requests, params))
     # EOS: make a token of the loops the end-of-sequence token of both engines.
