@@ -4,6 +4,7 @@ tiny random Qwen3 served with --runner pooling (Matryoshka `dimensions`)."""
 from __future__ import annotations
 
 import base64
+import json
 
 import httpx
 import numpy as np
@@ -110,6 +111,11 @@ def test_add_special_tokens_false_embeds_the_text_alone(server):
     assert refused["error"]["param"] == "priority"
 
 
+
+def post_json(url: str, body: dict) -> httpx.Response:
+    """POST `body` as JSON escaped to ASCII, as clients send it: httpx's own encoder cannot write a lone surrogate."""
+    return httpx.post(url, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=30)
+
 BAD_REQUESTS = [
     # (path, body, status, words the message must contain)
     ("/v1/embeddings", {"model": MODEL, "input": "word " * 400}, 400, ["256", "402"]),
@@ -126,6 +132,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400,
      ["embeddings", "/v1/chat/completions"]),
     ("/v1/completions", {"model": MODEL, "prompt": "hi"}, 400, ["embeddings", "/v1/completions"]),
+    # a lone surrogate: the embedding model's transformers tokenizer raised a TypeError (a 500; QA-H)
+    ("/v1/embeddings", {"model": MODEL, "input": "\udfff"}, 400, ["input holds a lone surrogate"]),
+    ("/v1/embeddings", {"model": MODEL, "input": ["ok", "x\udfff"]}, 400, ["input holds a lone surrogate"]),
+    ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, 400, ["prompt holds a lone surrogate"]),
     ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400,  # not "use /v1/completions"
      ["no chat template", "`prompt` (/tokenize)", "`input` (/v1/embeddings)"]),
 ]
@@ -134,7 +144,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("path,body,status,words", BAD_REQUESTS,
                          ids=[f"{i}-{b[0].rsplit('/', 1)[-1]}-{b[2]}" for i, b in enumerate(BAD_REQUESTS)])
 def test_bad_requests_get_openai_errors(server, client, path, body, status, words):
-    response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    response = post_json(f"{server.url}{path}", body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -204,9 +214,11 @@ def test_score_and_rerank_are_cosine_similarities(server):
     # a value of none of a union's types: the field, not a type's name ("documents.0.str", QA-T)
     ("/rerank", {"query": "a", "documents": [{"content": "b"}]}, "documents.0"),
     ("/score", {"text_1": "a", "text_2": [[101, 2000]]}, "text_2"),
+    ("/score", {"text_1": "\ud800", "text_2": "b"}, "text_1"),  # lone surrogates: a 500 before (QA-H)
+    ("/rerank", {"query": "a", "documents": ["b", "\udfff"]}, "documents"),
 ])
 def test_score_and_rerank_bad_requests(server, path, body, param):
-    response = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    response = post_json(f"{server.url}{path}", body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
 

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pagedserve.engine.prompt_checks import check_pooling_prompt
 from pagedserve.entrypoints.openai.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedserve.entrypoints.openai.serving import OpenAIServing, _merge, _Prompt, consume_unless_disconnected
-from pagedserve.exceptions import InvalidRequestError
+from pagedserve.exceptions import InvalidRequestError, check_text
 from pagedserve.outputs import PoolingRequestOutput
 from pagedserve.pooling_params import PoolingParams, check_truncated, tokenize_for_pooling
 from pagedserve.scoring import check_pairs, cosine_scores
@@ -149,6 +149,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise InvalidRequestError(f"{name} must not contain an empty string or an empty list of tokens",
                                       param=name)
         texts = [v for v in value if isinstance(v, str)]
+        for text in texts:  # transformers' tokenizers answer a lone surrogate with a TypeError (a 500)
+            check_text(text, name, param=name)
         encoded = iter(await self.in_tokenizer_pool(self._tokenize_texts, texts, truncate_prompt_tokens,
                                                     add_special_tokens) if texts else [])
         prompts = []
