@@ -416,14 +416,17 @@ def test_a_request_body_that_stalls_or_trickles_gets_a_408_and_its_connection_is
 
     stalled = socket.create_connection(("127.0.0.1", port))
     chunked = socket.create_connection(("127.0.0.1", port))
+    empty = socket.create_connection(("127.0.0.1", port))  # not a byte of its body: "stalled", not "too slowly"
     try:
         stalled.sendall(head + b"Content-Length: 1000\r\n\r\n" + body[:10])
         chunked.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n" + b"5\r\n" + body[:5] + b"\r\n")
+        empty.sendall(head + b"Expect: 100-continue\r\nContent-Length: 50\r\n\r\n")
         served = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
-        assert served.status_code == 200, served.text  # another connection, while those two wait
-        for sock in (stalled, chunked):
+        assert served.status_code == 200, served.text  # another connection, while those wait
+        for sock in (stalled, chunked, empty):
             data, seconds = answer_and_close(sock, 5.0)
-            check_408(data)
+            check_408(data[data.find(b"HTTP/1.1 4"):])  # after the empty one's 100 Continue
+        assert b"the request body stalled" in data, data
         with socket.create_connection(("127.0.0.1", port)) as trickling:  # 10 bytes/s: under the minimum rate
             trickling.sendall(head + b"Content-Length: 1000\r\n\r\n")
             data, seconds = answer_and_close(trickling, 5.0, b" " * 1000)
@@ -449,4 +452,5 @@ def test_a_request_body_that_stalls_or_trickles_gets_a_408_and_its_connection_is
     finally:
         stalled.close()
         chunked.close()
+        empty.close()
         assert server.stop() == 0, server.log()

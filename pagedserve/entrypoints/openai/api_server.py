@@ -172,7 +172,9 @@ class _BodyDeadline:
         except asyncio.TimeoutError:
             if self.response_started:  # another of the app's tasks began the response meanwhile: not ours to cut
                 return await self._receive()
-            return await self._time_out(idle=wait >= self.timeout_s)
+            # idle: a whole timeout_s without a byte (the first wait, counted from the request's start, is a
+            # little shorter: no byte at all is a stall too, not a body "too slow")
+            return await self._time_out(idle=wait >= self.timeout_s or self.received == 0)
         if message["type"] != "http.request" or not message.get("more_body", False):
             self.body_done = True
         else:

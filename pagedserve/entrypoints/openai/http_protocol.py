@@ -9,7 +9,7 @@ the connection's start and from the end of each response (a kept-alive connectio
 request's head is in, its body and its response take as long as they take.
 
 A request uvicorn cannot parse got its plain-text 400 "Invalid HTTP request received."; here it gets a JSON error
-body as every other error, and a head larger than uvicorn takes (h11's 16 KiB; a 200 KB cookie) a 431, as nginx
+body as every other error, and a head still incomplete after h11's 16 KiB (a 200 KB cookie) a 431, as nginx
 and h11 itself would answer it.
 """
 
@@ -34,25 +34,63 @@ def with_json_errors(protocol: type[asyncio.Protocol]) -> type[asyncio.Protocol]
 
     class JSONProtocolErrors(protocol):  # type: ignore[misc, valid-type]
         _lingering = False
+        _status_hint = 400  # h11's own status for the error it raised (431: a head over its size limit)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            conn = getattr(self, "conn", None)  # h11's connection, one per protocol; httptools has none
+            if conn is not None:  # uvicorn drops h11's error before send_400_response: keep its status
+                import h11
+
+                next_event = conn.next_event
+
+                def next_event_keeping_the_status() -> Any:
+                    try:
+                        return next_event()
+                    except h11.RemoteProtocolError as exc:
+                        self._status_hint = exc.error_status_hint
+                        raise
+
+                conn.next_event = next_event_keeping_the_status
 
         def data_received(self, data: bytes) -> None:
             if not self._lingering:  # else the rest of a refused request: dropped until the close
                 super().data_received(data)
 
         def send_400_response(self, msg: str) -> None:
-            conn = getattr(self, "conn", None)  # h11's connection; httptools says nothing of sizes
-            limit = getattr(self.config, "h11_max_incomplete_event_size", None) or 16384
-            if conn is not None and len(conn.trailing_data[0]) > limit:
-                status, message = 431, (f"the request's head (request line and headers) is over {limit} bytes; "
-                                        "send large data in the body")
-            else:
-                status, message = 400, "malformed HTTP request: its request line or headers do not parse"
+            cycle = getattr(self, "cycle", None)  # the request whose head was read, if its body is what failed
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # its app reads a disconnect and its writes are dropped (they raised
+                cycle.message_event.set()  # "Cannot call write() after write_eof()" tracebacks into the log)
+            if self._replied(cycle):  # the failed request's reply is out (or going): no second one
+                self._linger()
+                return
+            status, message = self._refusal()
             body = json.dumps(error_body(message, status)).encode()
             head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
             logger.debug("%s (HTTP %d)", message, status)  # uvicorn has logged "Invalid HTTP request received."
             self.transport.write(head.encode() + body)
             self._linger()
+
+        def _replied(self, cycle: Any) -> bool:
+            """Whether the request whose bytes failed already has (part of) its reply: its body went bad after the
+            app answered (h11 reads the next request's head only once a reply is done, so an earlier request's
+            finished cycle says nothing of it)."""
+            conn = getattr(self, "conn", None)
+            if conn is not None:
+                import h11
+
+                return conn.our_state in (h11.SEND_BODY, h11.DONE, h11.MUST_CLOSE)
+            return cycle is not None and cycle.response_started and not cycle.response_complete
+
+        def _refusal(self) -> tuple[int, str]:
+            """431 where h11 gave up on a head over its size limit (as h11 itself classes it), else 400."""
+            if self._status_hint == 431:
+                limit = getattr(self.config, "h11_max_incomplete_event_size", None) or 16384
+                return 431, (f"the request's head (request line and headers) is over {limit} bytes; send large "
+                             "data in the body")
+            return 400, "malformed HTTP request: its request line, headers or body framing do not parse"
 
         def _linger(self) -> None:
             """Close once the client has the reply (nginx's lingering close): closed with the rest of its request
