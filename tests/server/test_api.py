@@ -64,6 +64,7 @@ def test_health_went_503_then_200(server):
     headers = {"Content-Type": "application/json"}
     for body, extra, expected in ((b'{"prompt": "\xff"}', {}, "must be UTF-8"),
                                   (b"[" * 5000 + b"]" * 5000, {}, "nest fewer than 1000 levels"),
+                                  (b'{"max_tokens": ' + b"1" * 5000 + b"}", {}, "more than 4300 digits"),  # QA-H
                                   (b"\x1f\x8b\x08\x00", {"Content-Encoding": "gzip"}, "Content-Encoding 'gzip'"),
                                   # compressed bytes that happen to be UTF-8 JSON got the syntax error (QA-V)
                                   (b'{"prompt": 1', {"Content-Encoding": "br"}, "Content-Encoding 'br'")):

@@ -11,6 +11,7 @@ and APIRoute class").
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Callable
 
 from fastapi import Request, Response
@@ -28,6 +29,11 @@ def parse_json_body(body: bytes, content_encoding: str | None) -> Any:
         return json.loads(body)
     except UnicodeDecodeError as exc:
         raise HTTPException(400, f"the body is not UTF-8 (byte {exc.start}): a JSON body must be UTF-8") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # int() of a number literal past Python's digit limit (str-to-int conversion)
+        raise HTTPException(400, f"the body holds a number of more than {sys.get_int_max_str_digits()} digits, "
+                                 "which no field here takes") from None
     except RecursionError:  # json's scanner follows nesting on the C stack
         raise HTTPException(400, "the body nests too deep to read: JSON values here must nest fewer than 1000 "
                                  "levels") from None
