@@ -21,6 +21,8 @@ import logging
 from http import HTTPStatus
 from typing import Any
 
+import h11
+
 from pagedserve.entrypoints.openai.errors import error_body
 
 logger = logging.getLogger("pagedserve.server")
@@ -40,8 +42,6 @@ def with_json_errors(protocol: type[asyncio.Protocol]) -> type[asyncio.Protocol]
             super().__init__(*args, **kwargs)
             conn = getattr(self, "conn", None)  # h11's connection, one per protocol; httptools has none
             if conn is not None:  # uvicorn drops h11's error before send_400_response: keep its status
-                import h11
-
                 next_event = conn.next_event
 
                 def next_event_keeping_the_status() -> Any:
@@ -79,8 +79,6 @@ def with_json_errors(protocol: type[asyncio.Protocol]) -> type[asyncio.Protocol]
             finished cycle says nothing of it)."""
             conn = getattr(self, "conn", None)
             if conn is not None:
-                import h11
-
                 return conn.our_state in (h11.SEND_BODY, h11.DONE, h11.MUST_CLOSE)
             return cycle is not None and cycle.response_started and not cycle.response_complete
 

@@ -207,8 +207,9 @@ class OpenAIServing:
     async def _tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
         """The text's tokens. With `param` (a prompt that must fit the context, not truncated), a text too long
         for any tokenization to fit is a 400 before it is tokenized (an 8 MiB prompt took 20 s to refuse)."""
-        check_text(text, f"the {param or 'prompt'}", param=param or "prompt")  # an embedding model's tokenizer
-        if param is not None and len(text) > self.max_model_len:              # (transformers') raised a TypeError
+        # a lone surrogate: a 400 here (an embedding model's transformers tokenizer raised a TypeError: a 500)
+        check_text(text, f"the {param or 'prompt'}", param=param or "prompt")
+        if param is not None and len(text) > self.max_model_len:
             longest = await self.in_tokenizer_pool(self._longest_token_chars)
             if len(text) > self.max_model_len * longest:
                 raise InvalidRequestError(f"This model's maximum context length is {self.max_model_len} tokens. "
