@@ -431,7 +431,8 @@ static void i8_prepare(const void *x, int64_t M, int64_t K, int bf16, uint8_t *p
  * from memory and keeps the folded loads (held there, 2 rows ran 0.9x). */
 static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const uint8_t *planes, int64_t M,
                                                            int64_t m, const int C, const int32_t *wsum,
-                                                           int64_t K, float acc[4][2]) {
+                                                           int64_t K, const int8_t *ahead, float acc[4][2]) {
+  (void)ahead;  /* the hardware prefetchers keep up here (AVX2's kernel prefetches) */
   const uint8_t *xhi[2], *xlo[2];
   for (int c = 0; c < 2; ++c) {
     const int64_t row = m + (c < C ? c : 0);
@@ -466,17 +467,24 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *w, cons
     for (int c = 0; c < C; ++c) acc[r][c] = (float)(total[r][c] - 32768 * (int64_t)wsum[r]);  /* 256 * 128 * sum(w) */
 }
 
-/* One row of x (batch 1) against two weight blocks far apart in memory: decode then streams two runs per thread, as
- * AVX2's i8_block_pair does. With one run per thread the 2-core Ice Lake read int8 weights at 13-16 GB/s where its bf16
- * linear (four blocks in flight) reads 18-19; with two, 16.8-19 GB/s: 1.11-1.24x on Qwen2.5-0.5B's shapes and its
- * 151936-row LM head (benchmarks/linear_ab.py --kind int8 --rows 1), batch-1 decode 1.08x (Qwen2.5-Coder GGUF) and
- * 1.18x (the 0.5B shape, --quantization int8). The same exact sums as i8_block's (bit-equal). */
-static inline __attribute__((always_inline)) void i8_block_two(const int8_t *w0, const int8_t *w1,
-                                                               const uint8_t *planes, int64_t K,
-                                                               const int32_t *wsum0, const int32_t *wsum1,
-                                                               float acc[2][4]) {
+/* One row of x (the planes of row m of M) against two weight blocks far apart in memory (the pair loop of
+ * ps_linear_i8): decode then streams two runs per thread. With one run per thread the 2-core Ice Lake read int8
+ * weights at 13-16 GB/s where its bf16 linear (four blocks in flight) reads 18-19; with two, 16.8-19 GB/s: 1.11-1.24x
+ * on Qwen2.5-0.5B's shapes and its 151936-row LM head (benchmarks/linear_ab.py --kind int8 --rows 1), batch-1 decode
+ * 1.08x (Qwen2.5-Coder GGUF) and 1.18x (the 0.5B shape, --quantization int8). AVX-512 pairs batch 1 only
+ * (I8_PAIR_ROWS): at 2-16 rows its block loop holds the weights in registers; and layers of 16 blocks a thread or more
+ * (I8_PAIR_MIN_BLOCKS: 64 outputs on 2 threads ran 0.9x paired). The same exact sums as i8_block's (bit-equal).
+ * `next0`/`next1` unused, as i8_block's `ahead`. */
+#define I8_PAIR_ROWS 1
+#define I8_PAIR_MIN_BLOCKS 16
+static inline __attribute__((always_inline)) void i8_block_pair(const int8_t *w0, const int8_t *w1,
+                                                                const uint8_t *planes, int64_t M, int64_t m,
+                                                                int64_t K, const int32_t *wsum0,
+                                                                const int32_t *wsum1, const int8_t *next0,
+                                                                const int8_t *next1, float acc[2][4]) {
+  (void)next0; (void)next1;
   const int8_t *ws[2] = {w0, w1};
-  const uint8_t *xhi = planes, *xlo = planes + K;
+  const uint8_t *xhi = planes + m * K, *xlo = planes + M * K + m * K;
   int64_t total[2][4] = {{0}};
   for (int64_t k0 = 0; k0 < K; k0 += I8_SEGMENT) {
     const int64_t k1 = K - k0 < I8_SEGMENT ? K : k0 + I8_SEGMENT;
@@ -569,28 +577,33 @@ static inline __attribute__((always_inline)) void i8_block_ahead(const int8_t *w
     for (int c = 0; c < C; ++c) acc[r][c] = (float)total[r][c];
 }
 
+/* acc[r][c] = dot(x[m + c], w[r]) for the C rows of x from m, prefetching at `ahead` (w + I8_AHEAD streams). */
 static inline __attribute__((always_inline)) void i8_block(const int8_t *w, const uint8_t *planes, int64_t M,
                                                            int64_t m, const int C, const int32_t *wsum,
-                                                           int64_t K, float acc[4][2]) {
+                                                           int64_t K, const int8_t *ahead, float acc[4][2]) {
   (void)M; (void)wsum;
-  i8_block_ahead(w, (const int16_t *)planes, m, C, K, w + I8_AHEAD, acc);
+  i8_block_ahead(w, (const int16_t *)planes, m, C, K, ahead, acc);
 }
 
 /* One row of x against two weight blocks (8 weight rows) far apart in memory: decode then streams two runs
  * per thread (one run per thread held the 2-core Zen 3 at ~20 GB/s of its ~30, with the kernel able to take
  * 30 GB/s a core from cache). Exact integer sums, as i8_block's (bit-equal). Every batch below the prefill tile
- * takes the pair (I8_PAIRS): the first row's run brings the blocks in (1 KiB ahead); the later rows then run
+ * takes the pair (I8_PAIR_ROWS): the first row's run brings the blocks in (1 KiB ahead); the later rows then run
  * i8_block_ahead on each block of the pair, now in L1/L2, two rows per widened weight, and the first of those
  * passes fetches the thread's next pair. Without that fetch the later rows ran with no memory traffic (5 rows
  * took 2.5x one row's time where computing them takes 1.3x); with a run of the pair per row (each weight
  * widened once per row) 5 rows took 1.8x, and 17-63 rows took the block loop below (AVX2 build of an AMX Xeon,
  * weights streamed: 5 rows 1.12x, 9 rows 1.16-1.44x, 17 rows 1.07-1.28x faster now). A batch of two rows keeps
  * a run per row: its second run fetches the next pair. */
-#define I8_PAIRS 1
+#define I8_PAIR_ROWS INT64_MAX
+#define I8_PAIR_MIN_BLOCKS 0
 static inline __attribute__((always_inline)) void i8_block_pair(const int8_t *w0, const int8_t *w1,
-                                                                const int16_t *x, int64_t K,
-                                                                const int8_t *next0, const int8_t *next1,
-                                                                float acc[2][4]) {
+                                                                const uint8_t *planes, int64_t M, int64_t m,
+                                                                int64_t K, const int32_t *wsum0,
+                                                                const int32_t *wsum1, const int8_t *next0,
+                                                                const int8_t *next1, float acc[2][4]) {
+  (void)M; (void)wsum0; (void)wsum1;
+  const int16_t *x = (const int16_t *)planes + m * K;
   const int8_t *ws[2] = {w0, w1};
   int64_t total[2][4] = {{0}};
   for (int64_t k0 = 0; k0 < K; k0 += I8_SEGMENT) {
@@ -1687,8 +1700,7 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
   }
 #endif
   int64_t first = 0;  /* the rows before it were done in pairs of blocks */
-#ifdef I8_PAIRS
-  {  /* block i with block i + half */
+  if (M <= I8_PAIR_ROWS && N / 4 >= I8_PAIR_MIN_BLOCKS * nthreads) {  /* block i with block i + half */
     const int64_t half = N / 8;
     #pragma omp parallel num_threads(nthreads)
     {  /* each thread a run of pairs (as a static schedule), I8_CHUNK outputs of each block at a time */
@@ -1700,13 +1712,14 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
         const int64_t e = c1 - c0 > I8_CHUNK / 4 ? c0 + I8_CHUNK / 4 : c1;
         for (int64_t i = c0; i < e; ++i) {
           const int8_t *w0 = q + i * 4 * K, *w1 = q + (i + half) * 4 * K;
+          const int32_t *s0 = wsum + i * 4, *s1 = wsum + (i + half) * 4;
           const int64_t next = i + 1 < c1 ? 4 * K : 0;  /* the thread's next pair */
           const int64_t single = M == 2 ? 2 : 1;  /* rows that stream the pair one row at a time */
           float *o = out + (i - c0) * 4;
           for (int64_t m = 0; m < single; ++m) {
             const int64_t ahead = m == 1 ? next : I8_AHEAD;  /* where this row's pass prefetches */
             float acc[2][4];
-            i8_block_pair(w0, w1, (const int16_t *)planes + m * K, K, w0 + ahead, w1 + ahead, acc);
+            i8_block_pair(w0, w1, planes, M, m, K, s0, s1, w0 + ahead, w1 + ahead, acc);
             for (int b = 0; b < 2; ++b)
               for (int r = 0; r < 4; ++r) o[(b * M + m) * I8_CHUNK + r] = acc[b][r];
           }
@@ -1715,8 +1728,8 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
               const int8_t *w = b ? w1 : w0, *ahead = m == 1 ? w + next : w;  /* the first pass fetches the next */
               float acc[4][2];
               const int C = M - m > 1 ? 2 : 1;
-              if (C == 2) i8_block_ahead(w, (const int16_t *)planes, m, 2, K, ahead, acc);  /* C a constant: the */
-              else i8_block_ahead(w, (const int16_t *)planes, m, 1, K, ahead, acc);  /* sums stay in registers */
+              if (C == 2) i8_block(w, planes, M, m, 2, b ? s1 : s0, K, ahead, acc);  /* C a constant: the sums */
+              else i8_block(w, planes, M, m, 1, b ? s1 : s0, K, ahead, acc);  /* stay in registers */
               for (int c = 0; c < C; ++c)
                 for (int r = 0; r < 4; ++r) o[(b * M + m + c) * I8_CHUNK + r] = acc[r][c];
             }
@@ -1731,37 +1744,6 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
     }
     first = 8 * half;
   }
-#endif
-#if PS_ISA == 512
-  if (M == 1 && N >= 16 * 4 * nthreads) {  /* two runs per thread: its share's halves, I8_CHUNK outputs of each */
-    const int64_t whole = N / 4;  /* whole blocks; the last partial one (if any) takes the block loop below */
-    #pragma omp parallel num_threads(nthreads)
-    {
-      int64_t c0, c1;
-      thread_share(whole, &c0, &c1);
-      const int64_t half = (c1 - c0) / 2;
-      float out[2][I8_CHUNK];
-      for (int64_t i = c0; i < c0 + half; i += I8_CHUNK / 4) {
-        const int64_t e = c0 + half - i > I8_CHUNK / 4 ? i + I8_CHUNK / 4 : c0 + half;
-        for (int64_t b = i; b < e; ++b) {
-          float acc[2][4];
-          i8_block_two(q + b * 4 * K, q + (b + half) * 4 * K, planes, K, wsum + b * 4, wsum + (b + half) * 4, acc);
-          for (int r = 0; r < 4; ++r) out[0][(b - i) * 4 + r] = acc[0][r], out[1][(b - i) * 4 + r] = acc[1][r];
-        }
-        i8_store_row(y, bias, scale, xs[0], out[0], 0, i * 4, (e - i) * 4, N, bf16);
-        i8_store_row(y, bias, scale, xs[0], out[1], 0, (i + half) * 4, (e - i) * 4, N, bf16);
-      }
-      if ((c1 - c0) % 2) {  /* the share's odd last block */
-        float acc[4][2];
-        i8_block(q + (c1 - 1) * 4 * K, planes, 1, 0, 1, wsum + (c1 - 1) * 4, K, acc);
-        float o[4];
-        for (int r = 0; r < 4; ++r) o[r] = acc[r][0];
-        i8_store_row(y, bias, scale, xs[0], o, 0, (c1 - 1) * 4, 4, N, bf16);
-      }
-    }
-    first = 4 * whole;
-  }
-#endif
   const int64_t blocks = (N - first + 3) / 4;
   #pragma omp parallel num_threads(nthreads)
   {  /* each thread a run of blocks (as a static schedule), I8_CHUNK outputs at a time */
@@ -1779,8 +1761,8 @@ void ps_linear_i8(const void *x, const int8_t *q, const float *scale, const int3
         for (int64_t m = 0; m < M; m += 2) {
           const int two = M - m > 1;
           float acc[4][2];
-          if (two) i8_block(w, planes, M, m, 2, sums, K, acc);
-          else i8_block(w, planes, M, m, 1, sums, K, acc);
+          if (two) i8_block(w, planes, M, m, 2, sums, K, w + I8_AHEAD, acc);
+          else i8_block(w, planes, M, m, 1, sums, K, w + I8_AHEAD, acc);
           for (int c = 0; c <= two; ++c)
             for (int r = 0; r < 4; ++r) out[(m + c) * I8_CHUNK + n - n0 + r] = acc[r][c];
         }
