@@ -7,7 +7,7 @@ as keyword arguments). Three kinds:
   swap space, a checkpoint's remote code); it is taken, and start-up logs why it has no effect;
 - only: accepted at the values that describe what pagedserve does (`--pipeline-parallel-size 1`); another value is
   refused before anything loads, naming what to do instead;
-- unsupported: a feature pagedserve does not have (LoRA, reasoning parsers, hub revisions); refused, with the way
+- unsupported: a feature pagedserve does not have (LoRA, hub revisions); refused, with the way
   to get what was meant where there is one.
 A vLLM flag pagedserve implements is an ordinary setting (EngineArgs, ServeOptions), never listed here.
 """
@@ -39,6 +39,7 @@ class CompatSetting:
     choices: tuple[str, ...] = ()  # kind "ignored": vLLM's values (another one is refused, as vLLM refuses it)
     number: bool = False  # kind "ignored": vLLM takes a number (anything else is refused, as vLLM refuses it)
     many: bool = False  # it takes several values (a list)
+    keyword_only: bool = False  # LLM(...)'s only: `pagedserve serve` has a flag of that name that does it
 
     @property
     def name(self) -> str:
@@ -47,6 +48,9 @@ class CompatSetting:
 
 COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     # ignored
+    CompatSetting(("--reasoning-parser",), IGNORED, "the offline API returns each output's text as the model wrote "
+                  "it (as vLLM's LLM does); `pagedserve serve --reasoning-parser` reads the reasoning out of replies",
+                  keyword_only=True),
     CompatSetting(("--trust-remote-code",), IGNORED, "pagedserve runs its own model code for the architectures it "
                   "supports and never imports a checkpoint's Python files", takes_value=False),
     CompatSetting(("--disable-log-requests",), IGNORED, "requests are logged only with --enable-log-requests",
@@ -108,8 +112,6 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     # unsupported
     CompatSetting(("--enable-lora",), UNSUPPORTED, _NO_LORA, takes_value=False),
     CompatSetting(("--lora-modules",), UNSUPPORTED, _NO_LORA),
-    CompatSetting(("--reasoning-parser",), UNSUPPORTED, "reasoning parsers are not supported: a model's thinking "
-                  "stays in the content (Qwen3: chat_template_kwargs {\"enable_thinking\": false} turns it off)"),
     CompatSetting(("--logits-processors",), UNSUPPORTED, "custom logits processors are not supported (logit_bias, "
                   "penalties and structured outputs are)"),
     CompatSetting(("--tool-server",), UNSUPPORTED, "built-in tool servers are not supported: give tools in the "
@@ -177,6 +179,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "vLLM flags taken for compatibility (a `vllm serve` command line runs unchanged)")
     labels = {IGNORED: "no effect", UNSUPPORTED: "refused"}
     for setting in COMPAT_SETTINGS:
+        if setting.keyword_only:
+            continue
         label = labels.get(setting.kind) or f"only {' or '.join(setting.allowed)}"
         help_text = f"{label}: {setting.reason}".replace("%", "%%")
         if setting.takes_value:
@@ -206,6 +210,8 @@ def check(values: Mapping[str, Any], keyword: bool = False) -> list[str]:
     notes = []
     for name, value in given(values).items():
         setting = _BY_NAME[name]
+        if setting.keyword_only and not keyword:
+            continue  # the command line's own flag of that name
         shown = f"{name}={value!r}" if keyword else setting.flags[0] + ("" if value is True or value is False
                                                                         else f" {value}")
         if setting.kind == UNSUPPORTED and not _asks_nothing(value):

@@ -368,3 +368,30 @@ def test_a_stream_cut_before_its_end_and_a_lost_connection_are_said(open_page, s
     error = wait_reply_done(page).locator(".error-text").text_content()
     assert error.startswith("The connection to the server was lost"), error
     page.errors.errors = [e for e in page.errors.errors if "ERR_CONNECTION_RESET" not in e]
+
+
+def test_a_thinking_model_s_reasoning_is_folded_above_the_reply(open_page, server):
+    """A server with --reasoning-parser streams `reasoning` deltas before the content (tests/server/
+    test_reasoning_api.py); here the server's stream is replaced by such a one, as the page reads it."""
+    page = ready_page(open_page, server)
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "tiny"}
+    deltas = [{"role": "assistant", "content": ""}, {"reasoning": "Let me", "reasoning_content": "Let me"},
+              {"reasoning": " think.\nFrance", "reasoning_content": " think.\nFrance"}, {"content": "**Paris**"}]
+    events = [{**chunk, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    events.append({**chunk, "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]})
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"content-type": "text/event-stream"}, body=body))
+    send(page, "The capital of France?")
+    reply = wait_reply_done(page)
+    assert reply.locator("details.reasoning summary").text_content() == "Reasoning"
+    assert reply.locator("details.reasoning .reasoning-text").text_content() == "Let me think.\nFrance"
+    assert reply.locator(".body strong").text_content() == "Paris"  # the content, as markdown, after the fold
+    assert "finish: stop" in reply.locator(".stats").text_content()
+    screenshot(page, "chat-reasoning")
+    page.reload()
+    page.wait_for_selector("#status.ready")
+    stored = page.locator(".message.assistant").last
+    assert stored.locator("details.reasoning").get_attribute("open") is None  # a finished reply's is folded
+    assert stored.locator(".reasoning-text").text_content() == "Let me think.\nFrance"
+    assert stored_conversations(page)[0]["messages"][1]["reasoning"] == "Let me think.\nFrance"

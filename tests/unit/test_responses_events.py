@@ -9,7 +9,7 @@ import json
 from types import SimpleNamespace
 
 from pagedserve.entrypoints.openai.serving_responses import ResponsesServing
-from pagedserve.entrypoints.openai.tool_calls import ToolCallDelta
+from pagedserve.entrypoints.openai.tool_calls import ReasoningDelta, ToolCallDelta
 from pagedserve.exceptions import InvalidRequestError
 
 
@@ -29,8 +29,6 @@ class ScriptedReader:
 
 
 def run(script: list[list], fail_after: int | None = None) -> list[dict]:
-    import pagedserve.entrypoints.openai.serving_responses as module
-
     async def outputs():
         for i in range(len(script)):
             if fail_after is not None and i == fail_after:
@@ -39,17 +37,13 @@ def run(script: list[list], fail_after: int | None = None) -> list[dict]:
             completion = SimpleNamespace(token_ids=[1], text="x", finish_reason=done)
             yield 0, SimpleNamespace(outputs=[completion], num_cached_tokens=0, prompt_logprobs=None)
 
-    original = module.make_reader
-    module.make_reader = lambda *args: ScriptedReader(script)
-    try:
-        serving = ResponsesServing(SimpleNamespace(tool_call_parser=None, served_model_names=["m"]))
+    serving = ResponsesServing(SimpleNamespace(tool_call_parser=None, served_model_names=["m"]))
 
-        async def collect() -> list[str]:
-            return [line async for line in serving._events({"id": "resp_1", "output": []}, [1, 2], outputs(), None)]
+    async def collect() -> list[str]:
+        return [line async for line in serving._events({"id": "resp_1", "output": []}, [1, 2], outputs(),
+                                                       ScriptedReader(script))]
 
-        lines = asyncio.run(collect())
-    finally:
-        module.make_reader = original
+    lines = asyncio.run(collect())
     return [json.loads(line.split("data: ", 1)[1]) for line in lines]
 
 
@@ -71,6 +65,26 @@ def test_each_item_is_done_before_the_next_is_added():
     final = events[-1]["response"]["output"]
     assert [i["type"] for i in final] == ["message", "function_call", "message"]
     assert final[1]["arguments"] == '{"city": "Paris"}' and final[2]["content"][0]["text"] == "Done."
+
+
+def test_reasoning_is_an_item_of_its_own_before_the_message():
+    """--reasoning-parser: the reasoning's deltas make a reasoning item, done before the message is added."""
+    events = run([[ReasoningDelta("Let me")], [ReasoningDelta(" think."), "Par"], ["is."]])
+    kinds = [(e["type"], e.get("output_index")) for e in events]
+    assert kinds == [
+        ("response.created", None), ("response.in_progress", None),
+        ("response.output_item.added", 0), ("response.reasoning_text.delta", 0), ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.content_part.added", 1), ("response.output_text.delta", 1),
+        ("response.output_text.delta", 1), ("response.output_text.done", 1), ("response.content_part.done", 1),
+        ("response.output_item.done", 1), ("response.completed", None)]
+    assert events[2]["item"] == {"type": "reasoning", "id": events[2]["item"]["id"], "status": "in_progress",
+                                 "summary": [], "content": []}
+    assert events[5]["text"] == "Let me think."
+    final = events[-1]["response"]["output"]
+    assert [(i["type"], i["status"]) for i in final] == [("reasoning", "completed"), ("message", "completed")]
+    assert final[0]["content"] == [{"type": "reasoning_text", "text": "Let me think."}]
+    assert final[1]["content"][0]["text"] == "Paris."
 
 
 def test_a_failure_mid_stream_is_an_error_event_and_response_failed():

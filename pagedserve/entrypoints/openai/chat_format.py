@@ -10,7 +10,7 @@ from typing import Any
 
 from pagedserve.chat_template import REASONING_FIELDS
 from pagedserve.entrypoints.openai.protocol import ChatMessage
-from pagedserve.entrypoints.openai.tool_calls import ToolCallDelta
+from pagedserve.entrypoints.openai.tool_calls import ReasoningDelta, ToolCallDelta
 from pagedserve.exceptions import InvalidRequestError, check_text
 from pagedserve.outputs import LogprobsDict
 
@@ -126,16 +126,24 @@ def chat_finish_reason(finish_reason: str | None, called_tools: bool, named_tool
     return finish_reason
 
 
-def chat_delta(events: list[str | ToolCallDelta]) -> dict:
-    """One chunk's delta from a reader's events: content text, tool-call pieces, or both."""
+def chat_delta(events: list[str | ToolCallDelta | ReasoningDelta]) -> dict:
+    """One chunk's delta from a reader's events: reasoning, content text, tool-call pieces, or several."""
     content = "".join(e for e in events if isinstance(e, str))
     calls = [e.to_openai() for e in events if isinstance(e, ToolCallDelta)]
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     delta: dict[str, Any] = {}
-    if content or not calls:
+    if reasoning:
+        delta.update(reasoning_fields(reasoning))
+    if content or not (calls or reasoning):
         delta["content"] = content
     if calls:
         delta["tool_calls"] = calls
     return delta
+
+
+def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """A reply's reasoning under vLLM's name and under reasoning_content (vLLM's older name, DeepSeek's API's)."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def message_text(message: ChatMessage) -> str:

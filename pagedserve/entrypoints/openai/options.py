@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pagedserve.engine.arg_utils import FlagArgs, RequestLimits, setting
+from pagedserve.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagedserve.entrypoints.openai.tool_calls import PARSERS
 
 
@@ -52,6 +53,10 @@ class ServeOptions(FlagArgs):
     tool_call_parser: str | None = setting("How the model writes tool calls: hermes (<tool_call>{json}</tool_call>: "
                                         "Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.x JSON calls).",
                                         group="tools")
+    reasoning_parser: str | None = setting(
+        "Read a thinking model's <think>...</think> block out of its replies into their `reasoning` field (and "
+        "`reasoning_content`), leaving the rest as content: qwen3 (Qwen3, Qwen3.5, QwQ) or deepseek_r1 (DeepSeek-R1 "
+        "and its distills).", choices=REASONING_PARSERS, group="chat")
     chat_template: str | None = setting("The chat template to use instead of the model's: a file's path, or the "
                                         "template itself (vLLM's rule: a value that holds '{' or a line break is a "
                                         "template).", group="chat")

@@ -27,8 +27,11 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatM
                                                     DetokenizeRequest, TokenizeRequest, generation_prompt,
                                                     refused_field)
 from pagedserve.entrypoints.openai.chat_format import (RESERVED_TEMPLATE_KWARGS, chat_delta, chat_finish_reason,
-                                                       chat_logprobs, message_text, render_conversation, token_text)
-from pagedserve.entrypoints.openai.tool_calls import ToolChoice, make_reader, read_all, resolve_tool_choice
+                                                       chat_logprobs, message_text, reasoning_fields,
+                                                       render_conversation, token_text)
+from pagedserve.entrypoints.openai.reasoning import prompt_opens_reasoning, with_reasoning
+from pagedserve.entrypoints.openai.tool_calls import (ToolCallReader, ToolChoice, make_reader, read_all,
+                                                      resolve_tool_choice)
 from pagedserve.chat_template import select_template
 from pagedserve.structured.admission import compile_timeout_error
 from pagedserve.outputs import CompletionOutput, LogprobsDict, RequestOutput
@@ -36,6 +39,7 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams, check_
 from pagedserve.tokenizer import TokenBytes
 
 _DONE = object()
+REASONING_PROMPT_TAIL = 16  # a prompt's last tokens read for a think block its generation prompt opened
 logger = logging.getLogger(__name__)
 
 
@@ -43,6 +47,17 @@ logger = logging.getLogger(__name__)
 class _Prompt:
     text: str | None
     token_ids: list[int]
+
+
+@dataclass
+class StartedChat:
+    """A chat request checked, rendered and queued (OpenAIServing.start_chat)."""
+
+    request_id: str
+    prompt: _Prompt
+    streams: AsyncIterator[tuple[int, RequestOutput]]
+    tool_choice: ToolChoice | None
+    new_reader: Callable[[], ToolCallReader]  # a reader per choice: reasoning, content and tool calls of its text
 
 
 @dataclass
@@ -97,6 +112,7 @@ class OpenAIServing:
         options = options or ServeOptions()
         self.engine = engine
         self.tool_call_parser = options.active_tool_call_parser  # --enable-auto-tool-choice --tool-call-parser
+        self.reasoning_parser = options.reasoning_parser  # --reasoning-parser
         self.options = options
         self.default_sampling = engine.engine.config.model.default_sampling  # --generation-config
         self.tokenizer = engine.engine.tokenizer
@@ -581,18 +597,21 @@ class OpenAIServing:
         return await self._tokenize(text, add_special_tokens=add_special_tokens, param="messages" if must_fit else None)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
-        request_id, prompt, streams, tool_choice = await self.start_chat(req, "chatcmpl", raw)
+        chat = await self.start_chat(req, "chatcmpl", raw)
+        request_id, prompt, streams, tool_choice = chat.request_id, chat.prompt, chat.streams, chat.tool_choice
         prompt_ids = prompt.token_ids
         if req.stream:
-            return _sse(self._chat_stream(request_id, req, prompt, streams, tool_choice))
+            return _sse(self._chat_stream(chat, req))
         tally = _PromptTally()
         finals = await _collect(streams, raw, 1, tally)
         choices = []
         named = tool_choice is not None and tool_choice.mode == "named"
         echo = self._chat_echo(req)
         for index, choice in sorted(finals[0].items()):
-            read = read_all(make_reader(tool_choice, self.tool_call_parser), choice.text)
+            read = read_all(chat.new_reader(), choice.text)
             message: dict[str, Any] = {"role": self.options.response_role, "content": echo + read.content}
+            if self.reasoning_parser is not None:  # vLLM's: content null where the reply was all reasoning
+                message.update(reasoning_fields(read.reasoning), content=echo + read.content or None)
             if read.calls:
                 message.update(content=echo + read.content or None, tool_calls=read.calls)
             choices.append({"index": index, "message": message,
@@ -621,9 +640,9 @@ class OpenAIServing:
         return message_text(last)
 
     async def start_chat(self, req: ChatCompletionRequest, id_prefix: str, raw: Request | None = None
-                         ) -> tuple[str, _Prompt, AsyncIterator[tuple[int, RequestOutput]], ToolChoice | None]:
-        """Check, render and queue a chat request (400s before anything is queued): its request id, prompt,
-        output stream and tool choice. The chat route and the Responses API (serving_responses.py) answer it."""
+                         ) -> StartedChat:
+        """Check, render and queue a chat request (400s before anything is queued). The chat route and the
+        Responses API (serving_responses.py) answer it."""
         self.check_model(req.model)
         self._check_chat_fields(req)
         tool_choice = await self._tool_choice(req)
@@ -655,11 +674,17 @@ class OpenAIServing:
         else:
             await self._compile_grammars([params])
             streams = self._start(request_id, [prompt], [params])
-        return request_id, prompt, streams, tool_choice
+        opened = self.reasoning_parser is not None and prompt_opens_reasoning(
+            self.tokenizer.decode(prompt.token_ids[-REASONING_PROMPT_TAIL:], skip_special_tokens=False))
 
-    async def _chat_stream(self, request_id: str, req: ChatCompletionRequest, prompt: _Prompt,
-                           streams: AsyncIterator[tuple[int, RequestOutput]], tool_choice: ToolChoice | None = None
-                           ) -> AsyncIterator[str]:
+        def new_reader() -> ToolCallReader:
+            return with_reasoning(make_reader(tool_choice, self.tool_call_parser), self.reasoning_parser, opened,
+                                  constrained=params.structured_outputs is not None)
+
+        return StartedChat(request_id, prompt, streams, tool_choice, new_reader)
+
+    async def _chat_stream(self, chat: StartedChat, req: ChatCompletionRequest) -> AsyncIterator[str]:
+        request_id, prompt, streams, tool_choice = chat.request_id, chat.prompt, chat.streams, chat.tool_choice
         created = int(time.time())
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.served_model_names[0]}
@@ -681,7 +706,7 @@ class OpenAIServing:
         num_completion = 0
         per_choice = [0] * req.n  # tokens so far of each choice (continuous usage, as vLLM's)
         held_ids: list[list[int]] = [[] for _ in range(req.n)]  # return_token_ids: ids of chunks held back
-        readers = [make_reader(tool_choice, self.tool_call_parser) for _ in range(req.n)]
+        readers = [chat.new_reader() for _ in range(req.n)]
         tally = _PromptTally()
         async for prompt_index, output in streams:
             tally.add(prompt_index, output)

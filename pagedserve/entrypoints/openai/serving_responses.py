@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest
 from pagedserve.entrypoints.openai.errors import to_api_error
 from pagedserve.entrypoints.openai.serving import OpenAIServing, _collect, _PromptTally, _sse
-from pagedserve.entrypoints.openai.tool_calls import ToolCallDelta, make_reader, read_all
+from pagedserve.entrypoints.openai.tool_calls import ReasoningDelta, ToolCallDelta, ToolCallReader, read_all
 from pagedserve.exceptions import InvalidRequestError
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -237,19 +237,22 @@ class ResponsesServing:
     async def create(self, req: ResponsesRequest, raw: Request) -> Any:
         chat = to_chat_request(req)
         try:
-            _, prompt, streams, tool_choice = await self.serving.start_chat(chat, "resp")
+            started = await self.serving.start_chat(chat, "resp")
         except InvalidRequestError as exc:
             raise _renamed(exc) from None
         # vLLM's: the client's request_id (checked by start_chat) is the response's id
         skeleton = self._skeleton((req.model_extra or {}).get("request_id") or f"resp_{uuid.uuid4().hex}", req)
+        prompt = started.prompt
         if req.stream:
-            return _sse(self._events(skeleton, prompt.token_ids, streams, tool_choice), done=False)
+            return _sse(self._events(skeleton, prompt.token_ids, started.streams, started.new_reader()), done=False)
         tally = _PromptTally()
-        finals = await _collect(streams, raw, 1, tally)
+        finals = await _collect(started.streams, raw, 1, tally)
         choice = finals[0][0]
-        read = read_all(make_reader(tool_choice, self.serving.tool_call_parser), choice.text)
+        read = read_all(started.new_reader(), choice.text)
         output = []
-        if read.content or not read.calls:
+        if read.reasoning:
+            output.append(_reasoning_item(_item_id("rs"), read.reasoning, "completed"))
+        if read.content or not (read.calls or read.reasoning):
             output.append(_message_item(_item_id("msg"), read.content, "completed"))
         output += [_function_call_item(_item_id("fc"), call["id"], call["function"]["name"],
                                        call["function"]["arguments"], "completed") for call in read.calls]
@@ -275,14 +278,13 @@ class ResponsesServing:
         return float(value if value is not None else self.serving.default_sampling.get(name, 1.0))
 
     async def _events(self, skeleton: dict[str, Any], prompt_ids: list[int], streams: AsyncIterator,
-                      tool_choice: Any) -> AsyncIterator[str]:
+                      reader: ToolCallReader) -> AsyncIterator[str]:
         """The Responses stream, as OpenAI's: each output item added, its text or arguments as deltas and done
         before the next item is added, then response.completed (or .incomplete); a failure is an `error` event
         and response.failed."""
         stream = _EventStream(skeleton)
         yield stream.event("response.created", response=skeleton)
         yield stream.event("response.in_progress", response=skeleton)
-        reader = make_reader(tool_choice, self.serving.tool_call_parser)
         tally = _PromptTally()
         finish_reason, num_tokens = None, 0
         try:
@@ -295,7 +297,7 @@ class ResponsesServing:
                     finish_reason = completion.finish_reason
                     events += reader.finish()
                 for piece in events:
-                    for line in stream.text(piece) if isinstance(piece, str) else stream.call(piece):
+                    for line in stream.piece(piece):
                         yield line
         except Exception as exc:  # noqa: BLE001 - after the headers went out, a failure travels as events
             error = to_api_error(exc)
@@ -328,6 +330,25 @@ class _EventStream:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def piece(self, piece: str | ToolCallDelta | ReasoningDelta) -> list[str]:
+        """The events of one of the reader's pieces."""
+        if isinstance(piece, str):
+            return self.text(piece)
+        return self.reasoning(piece.text) if isinstance(piece, ReasoningDelta) else self.call(piece)
+
+    def reasoning(self, text: str) -> list[str]:
+        lines = []
+        if self.open is None or self.open["type"] != "reasoning":
+            lines += self.close()
+            self.open = _reasoning_item(_item_id("rs"), "", "in_progress")
+            self.items.append(self.open)
+            lines.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                    item={**self.open, "content": []}))
+        self.open["content"][0]["text"] += text
+        lines.append(self.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                output_index=len(self.items) - 1, content_index=0, delta=text))
+        return lines
 
     def text(self, piece: str, force: bool = False) -> list[str]:
         if not piece and not force:
@@ -376,6 +397,10 @@ class _EventStream:
                                 text=text, logprobs=[]),
                      self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                 content_index=0, part=_text_part(text))]
+        elif item["type"] == "reasoning":  # thinking cut at max_output_tokens is incomplete too
+            item["status"] = "incomplete" if incomplete else "completed"
+            lines = [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=item["content"][0]["text"])]
         else:  # a call cut at max_output_tokens too: its arguments are not whole JSON
             item["status"] = "incomplete" if incomplete else "completed"
             lines = [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
@@ -393,6 +418,11 @@ def _text_part(text: str) -> dict[str, Any]:
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [_text_part(text)]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:

@@ -171,16 +171,26 @@ class ToolCallDelta:
 
 
 @dataclass
+class ReasoningDelta:
+    """A piece of the model's reasoning (reasoning.py's reader, in front of the tool-call readers)."""
+
+    text: str
+
+
+@dataclass
 class ReadResult:
     """Accumulated events of a ToolCallReader: the non-streamed message."""
 
     content: str = ""
     calls: list[dict] = field(default_factory=list)  # OpenAI tool_calls entries
+    reasoning: str | None = None  # with a reasoning parser: the reasoning it read, if any
 
-    def add(self, events: list[str | ToolCallDelta]) -> None:
+    def add(self, events: list[str | ToolCallDelta | ReasoningDelta]) -> None:
         for event in events:
             if isinstance(event, str):
                 self.content += event
+            elif isinstance(event, ReasoningDelta):
+                self.reasoning = (self.reasoning or "") + event.text
             elif event.id is not None:
                 self.calls.append({"id": event.id, "type": "function",
                                    "function": {"name": event.name, "arguments": event.arguments}})
@@ -538,7 +548,7 @@ class HermesReader(ToolCallReader):
             if self.block is None and not self.text_block:
                 start = self.pending.find(self.OPEN)
                 if start < 0:
-                    keep = _partial_suffix(self.pending, self.OPEN)
+                    keep = partial_suffix(self.pending, self.OPEN)
                     self._emit(events, self.pending[:len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep:]
                     return events
@@ -552,7 +562,7 @@ class HermesReader(ToolCallReader):
         """Go on reading the open block from `pending`; False when more text is needed, True when it closed."""
         if self.text_block:  # content: as it comes, up to the close tag
             end = self.pending.find(self.CLOSE)
-            cut = end + len(self.CLOSE) if end >= 0 else len(self.pending) - _partial_suffix(self.pending, self.CLOSE)
+            cut = end + len(self.CLOSE) if end >= 0 else len(self.pending) - partial_suffix(self.pending, self.CLOSE)
             self._emit(events, self.pending[:cut])
             self.pending = self.pending[cut:]
             self.text_block = end < 0
@@ -742,7 +752,7 @@ def _strip_code_fence(text: str) -> str:
     return body[first_line_end + 1:-3]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for length in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:length]):

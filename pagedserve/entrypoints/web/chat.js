@@ -242,8 +242,32 @@
 
   function renderBody(body, message) {
     body.setAttribute("dir", "auto");  // right-to-left text (Arabic, Hebrew) lays out as such
-    if (message.role === "assistant") body.replaceChildren(PS.renderMarkdown(message.content));
-    else body.textContent = message.content;
+    if (message.role !== "assistant") {
+      body.textContent = message.content;
+      return;
+    }
+    const parts = [];
+    if (message.reasoning) parts.push(reasoningNode(body, message));
+    parts.push(PS.renderMarkdown(message.content));
+    body.replaceChildren(...parts);
+  }
+
+  // A thinking model's reasoning (a server with --reasoning-parser), folded above the reply as plain text. The node
+  // is reused while the reply streams, so a fold the user opened or closed stays so; open while the reply is pending.
+  function reasoningNode(body, message) {
+    let details = body.querySelector(":scope > details.reasoning");
+    if (!details) {
+      details = document.createElement("details");
+      details.className = "reasoning";
+      const summary = document.createElement("summary");
+      summary.textContent = "Reasoning";
+      const text = document.createElement("div");
+      text.className = "reasoning-text";
+      details.append(summary, text);
+      details.open = Boolean(message.pending);
+    }
+    details.querySelector(".reasoning-text").textContent = message.reasoning;
+    return details;
   }
 
   function messageNode(conversation, message, index) {
@@ -395,6 +419,11 @@
       if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
       // The first choice only: with n > 1 in the extra fields, the other choices' deltas are not this reply's
       const choice = chunk.choices && chunk.choices.find((c) => c.index === 0);
+      const thought = choice && choice.delta && (choice.delta.reasoning || choice.delta.reasoning_content);
+      if (thought) {  // a thinking model's reasoning (--reasoning-parser): before the content, shown apart
+        if (timing.first === null) timing.first = performance.now();
+        message.reasoning = (message.reasoning || "") + thought;
+      }
       if (choice && choice.delta && choice.delta.content) {
         if (timing.first === null) timing.first = performance.now();
         message.content += choice.delta.content;

@@ -1,0 +1,100 @@
+"""Reasoning parsers (`--reasoning-parser`, as vLLM's): a thinking model's reasoning read out of its output into the
+reply's `reasoning` field (and `reasoning_content`, its older name that DeepSeek's API and many clients read), the
+rest left as the reply's content, where the tool-call parser reads it.
+
+Both parsers read the `<think>` ... `</think>` block these models write:
+- qwen3 (Qwen3, QwQ-style templates, Qwen3.5): the output is reasoning up to `</think>` when it opens with `<think>`
+  or when the prompt's generation prompt already opened the block (Qwen3-Thinking-2507 and Qwen3.5 templates end
+  with `<think>`); otherwise it is all content (`enable_thinking: false` closes the block in the prompt; a model
+  that does not think writes no tags).
+- deepseek_r1 (DeepSeek-R1 and its distills): the output is reasoning up to `</think>` whether or not it opens with
+  `<think>` (R1 leaves the opening tag out).
+An output that ends inside the block (max_tokens reached while thinking) is all reasoning, with no content.
+
+Requests whose whole output a grammar constrains (response_format, structured_outputs, tool_choice "required" or a
+named function) are read as content: the grammar leaves no room for a think block (vLLM instead applies the grammar
+after the reasoning).
+"""
+
+from __future__ import annotations
+
+from pagedserve.entrypoints.openai.tool_calls import ReasoningDelta, ToolCallDelta, ToolCallReader, partial_suffix
+
+PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+def prompt_opens_reasoning(prompt_tail: str) -> bool:
+    """Whether a rendered prompt's tail (its last few tokens as text) leaves a think block open for the output:
+    its last `<think>` comes after its last `</think>`, with nothing but white space after it."""
+    start = prompt_tail.rfind(START)
+    return start >= 0 and start > prompt_tail.rfind(END) and not prompt_tail[start + len(START):].strip()
+
+
+class ReasoningReader(ToolCallReader):
+    """Splits a generation's text into reasoning and content, and hands the content to `inner` (the tool-call
+    reader). Fed piece by piece or at once, the events add up to the same reasoning and content: tags split over
+    pieces are held until they are whole."""
+
+    passes_text_through = False  # a tag's first characters are held until the next piece tells what they are
+
+    def __init__(self, inner: ToolCallReader, parser: str, prompt_opened: bool) -> None:
+        self.inner = inner
+        self.open_by_default = prompt_opened or parser == "deepseek_r1"  # where the output does not open with <think>
+        self.state = "start"  # start: undecided (white space or part of <think> so far); reasoning; content
+        self.held = ""
+
+    @property
+    def num_calls(self) -> int:  # read by the stream for its finish_reason
+        return self.inner.num_calls
+
+    @num_calls.setter
+    def num_calls(self, value: int) -> None:  # the base class's initial 0: the inner reader counts
+        pass
+
+    def feed(self, text: str) -> list[str | ToolCallDelta | ReasoningDelta]:
+        if self.state == "content":
+            return self.inner.feed(text)
+        self.held += text
+        events: list[str | ToolCallDelta | ReasoningDelta] = []
+        if self.state == "start":
+            lead = self.held.lstrip()
+            if lead.startswith(START):
+                self.held, self.state = lead[len(START):], "reasoning"
+            elif START.startswith(lead):
+                return events  # white space, or the tag's first characters: not yet known
+            else:
+                self.state = "reasoning" if self.open_by_default else "content"
+                if self.state == "content":
+                    held, self.held = self.held, ""
+                    return self.inner.feed(held)
+        end = self.held.find(END)
+        if end >= 0:
+            reasoning, rest = self.held[:end], self.held[end + len(END):]
+            self.held, self.state = "", "content"
+            if reasoning:
+                events.append(ReasoningDelta(reasoning))
+            return events + self.inner.feed(rest)
+        keep = partial_suffix(self.held, END)
+        reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        if reasoning:
+            events.append(ReasoningDelta(reasoning))
+        return events
+
+    def finish(self) -> list[str | ToolCallDelta | ReasoningDelta]:
+        events: list[str | ToolCallDelta | ReasoningDelta] = []
+        held, self.held = self.held, ""
+        if self.state == "start" and not self.open_by_default:
+            self.state = "content"
+            events += self.inner.feed(held)
+        elif self.state != "content" and held:
+            events.append(ReasoningDelta(held))  # the output ended inside the block: all of it reasoning
+        return events + self.inner.finish()
+
+
+def with_reasoning(reader: ToolCallReader, parser: str | None, prompt_opened: bool,
+                   constrained: bool) -> ToolCallReader:
+    """`reader` behind the reasoning parser, or `reader` itself (no parser; or a grammar-constrained request)."""
+    if parser is None or constrained:
+        return reader
+    return ReasoningReader(reader, parser, prompt_opened)

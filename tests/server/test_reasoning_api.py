@@ -1,0 +1,120 @@
+"""--reasoning-parser over HTTP, on the default SmolLM2-135M with a chat template whose generation prompt opens a
+think block when the request's chat_template_kwargs ask (as Qwen3.5's and Qwen3-Thinking-2507's do): the model
+does not know the tags, so what it writes after an opened block is all reasoning (an output cut at max_tokens
+inside the block), and without the block all content. Each is checked against /v1/completions on the same
+prompt tokens (greedy: the same text), streamed and not, over chat completions and the Responses API. The splitting
+itself (tags, split pieces, tool calls after the reasoning) is tests/unit/test_reasoning.py's."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.server_utils import module_server, openai_client
+
+MODEL = "smollm2-135m-instruct"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if think %}<think>\n{% endif %}{% endif %}")
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from module_server(MODEL, "--max-model-len", "1024", "--reasoning-parser", "qwen3", "--chat-template",
+                             TEMPLATE, tmp_path_factory=tmp_path_factory)
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=60)
+
+
+def plain_text(server, think: bool) -> str:
+    """What the model writes after the rendered chat prompt, through /v1/completions (no parsing there)."""
+    ids = post(server, "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"think": think}}).json()["tokens"]
+    reply = post(server, "/v1/completions", {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                             "ignore_eos": True})
+    return reply.json()["choices"][0]["text"]
+
+
+def chat(server, think: bool, **extra) -> httpx.Response:
+    return post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                  "ignore_eos": True, "chat_template_kwargs": {"think": think},
+                                                  **extra})
+
+
+def streamed_chat(server, think: bool) -> tuple[str, str, list[dict]]:
+    """(reasoning, content) the chunks add up to, and the chunks."""
+    chunks = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "ignore_eos": True, "chat_template_kwargs": {"think": think}}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+    assert reasoning == "".join(d.get("reasoning_content") or "" for d in deltas)  # both names, the same text
+    return reasoning, "".join(d.get("content") or "" for d in deltas), chunks
+
+
+def test_an_output_inside_an_opened_block_is_reasoning(server):
+    text = plain_text(server, think=True)
+    assert text.strip(), "the model wrote nothing to read"
+    reply = chat(server, think=True).json()
+    message = reply["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == text
+    assert message["content"] is None  # vLLM's: no content where the reply was all reasoning
+    assert reply["choices"][0]["finish_reason"] == "length"
+    reasoning, content, chunks = streamed_chat(server, think=True)
+    assert (reasoning, content) == (text, "")
+    assert all("content" not in c["choices"][0]["delta"] for c in chunks[1:] if c["choices"]), chunks
+
+
+def test_an_output_without_a_block_is_content(server):
+    text = plain_text(server, think=False)
+    message = chat(server, think=False).json()["choices"][0]["message"]
+    assert message["content"] == text
+    assert message["reasoning"] is None and message["reasoning_content"] is None
+    assert streamed_chat(server, think=False)[:2] == ("", text)
+
+
+def test_the_openai_client_reads_the_reasoning(server):
+    client = openai_client(server)
+    message = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"chat_template_kwargs": {"think": True}, "ignore_eos": True}).choices[0].message
+    assert message.model_extra["reasoning"] == plain_text(server, think=True) and message.content is None
+
+
+def test_a_grammar_constrained_reply_is_content(server):
+    """response_format's grammar writes the output from its first token: no think block, so no reasoning."""
+    message = chat(server, think=True, max_tokens=40, response_format={"type": "json_object"}).json()[
+        "choices"][0]["message"]
+    assert message["reasoning"] is None and message["content"].lstrip().startswith("{")
+
+
+def test_the_responses_api_gives_a_reasoning_item(server):
+    text = plain_text(server, think=True)
+    body = {"input": MESSAGES[0]["content"], "max_output_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    extra = {"chat_template_kwargs": {"think": True}}
+    reply = post(server, "/v1/responses", {**body, **extra}).json()
+    assert [item["type"] for item in reply["output"]] == ["reasoning"], reply
+    assert reply["output"][0]["content"] == [{"type": "reasoning_text", "text": text}]
+    assert reply["status"] == "incomplete" and reply["output"][0]["status"] == "incomplete"
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60,
+                      json={"model": MODEL, **body, **extra, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    kinds = [e["type"] for e in events]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == text
+    done = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert len(done) == 1 and done[0]["text"] == text
+    assert kinds[-1] == "response.incomplete"
+    final = events[-1]["response"]["output"]
+    assert [(i["type"], i["status"], i["content"]) for i in final] == [
+        (i["type"], i["status"], i["content"]) for i in reply["output"]]

@@ -1,0 +1,96 @@
+"""Reasoning parsers (--reasoning-parser): the think block read out of a generation's text, whole or streamed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.entrypoints.openai.chat_format import chat_delta
+from pagedserve.entrypoints.openai.reasoning import ReasoningReader, prompt_opens_reasoning, with_reasoning
+from pagedserve.entrypoints.openai.tool_calls import (HermesReader, ReadResult, ReasoningDelta, ToolCallReader,
+                                                      read_all)
+
+CASES = [  # (parser, prompt opened the block, output, reasoning, content)
+    ("qwen3", False, "<think>\nLet me see.\n</think>\n\nParis.", "\nLet me see.\n", "\n\nParis."),
+    ("qwen3", False, "\n<think>a</think>b", "a", "b"),  # white space before the tag is dropped with it
+    ("qwen3", False, "Paris.", None, "Paris."),  # no tag: a model that does not think
+    ("qwen3", False, "The tag <think> later is text", None, "The tag <think> later is text"),
+    ("qwen3", False, "", None, ""),
+    ("qwen3", False, "<thi", None, "<thi"),  # a tag's beginning that never completed: text
+    ("qwen3", True, "Let me see.</think>Paris.", "Let me see.", "Paris."),  # Qwen3.5 / Thinking-2507 templates
+    ("qwen3", True, "<think>x</think>y", "x", "y"),  # a model that opens the block again: the tag is dropped
+    ("qwen3", True, "still thinking when max_tokens came", "still thinking when max_tokens came", ""),
+    ("qwen3", False, "<think>cut short", "cut short", ""),
+    ("qwen3", False, "<think></think>Paris.", None, "Paris."),  # an empty block: no reasoning
+    ("deepseek_r1", False, "Okay, so.</think>\n\n42", "Okay, so.", "\n\n42"),  # R1 leaves <think> out
+    ("deepseek_r1", False, "<think>Okay</think>42", "Okay", "42"),
+    ("deepseek_r1", False, "no end tag at all", "no end tag at all", ""),
+    ("deepseek_r1", False, "a</think>b</think>c", "a", "b</think>c"),  # only the first end tag ends the block
+    ("qwen3", False, "<think>1 < 2 and </thin is not </think>done", "1 < 2 and </thin is not ", "done"),
+]
+
+
+def read(parser: str, opened: bool, pieces: list[str], inner: ToolCallReader | None = None) -> ReadResult:
+    reader = ReasoningReader(inner or ToolCallReader(), parser, opened)
+    result = ReadResult()
+    for piece in pieces:
+        result.add(reader.feed(piece))
+    result.add(reader.finish())
+    return result
+
+
+@pytest.mark.parametrize("parser,opened,output,reasoning,content", CASES)
+def test_the_think_block_is_read_out_of_the_text(parser, opened, output, reasoning, content):
+    result = read(parser, opened, [output])
+    assert (result.reasoning, result.content) == (reasoning, content)
+
+
+@pytest.mark.parametrize("parser,opened,output,reasoning,content", CASES)
+def test_streamed_pieces_add_up_to_the_whole_text_at_every_split(parser, opened, output, reasoning, content):
+    """A tag split between tokens (Qwen's tags are one token each, other tokenizers' several) reads the same."""
+    for cut in range(len(output) + 1):
+        for cut2 in range(cut, len(output) + 1):
+            result = read(parser, opened, [output[:cut], output[cut:cut2], output[cut2:]])
+            assert (result.reasoning, result.content) == (reasoning, content), (cut, cut2)
+    result = read(parser, opened, list(output))  # a character at a time
+    assert (result.reasoning, result.content) == (reasoning, content)
+
+
+def test_tool_calls_are_read_from_the_content_after_the_reasoning():
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    output = f"<think>The user wants a sum. <tool_call> is how I call.</think>\n\n{call}"
+    for pieces in ([output], list(output)):
+        result = read("qwen3", False, pieces, HermesReader(["add"]))
+        assert result.reasoning == "The user wants a sum. <tool_call> is how I call."
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in result.calls] == [
+            ("add", {"a": 1, "b": 2})]
+    reader = ReasoningReader(HermesReader(["add"]), "qwen3", False)
+    read_all(reader, output)
+    assert reader.num_calls == 1  # what a stream's finish_reason reads
+
+
+def test_no_parser_or_a_grammar_leaves_the_reader_as_it_is():
+    inner = ToolCallReader()
+    assert with_reasoning(inner, None, True, constrained=False) is inner
+    assert with_reasoning(inner, "qwen3", True, constrained=True) is inner  # the grammar writes every token
+    assert isinstance(with_reasoning(inner, "qwen3", False, constrained=False), ReasoningReader)
+
+
+@pytest.mark.parametrize("tail,opened", [
+    ("<|im_start|>assistant\n<think>\n", True),  # Qwen3-Thinking-2507 / Qwen3.5
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # enable_thinking false
+    ("<|im_start|>assistant\n", False),
+    ("<｜Assistant｜><think>\n", True),  # DeepSeek-R1's newer templates
+    ("<think> a question about </think> tags <think>x", False),  # text after the tag: not a block left open
+    ("", False),
+])
+def test_a_generation_prompt_that_opens_the_block(tail, opened):
+    assert prompt_opens_reasoning(tail) is opened
+
+
+def test_a_chunk_of_reasoning_carries_no_content_field():
+    assert chat_delta([ReasoningDelta("hm")]) == {"reasoning": "hm", "reasoning_content": "hm"}
+    assert chat_delta([ReasoningDelta("hm"), "Paris"]) == {"reasoning": "hm", "reasoning_content": "hm",
+                                                           "content": "Paris"}
+    assert chat_delta([]) == {"content": ""}
