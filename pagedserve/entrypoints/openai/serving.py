@@ -668,14 +668,14 @@ class OpenAIServing:
         if tool_choice is not None and tool_choice.mode == "auto":
             params.skip_special_tokens = False  # tool-call tags may be special tokens (Qwen's <tool_call>)
         self._validate_for_engine([prompt], [params], {"logprobs": "top_logprobs"})
+        opened = self.reasoning_parser is not None and prompt_opens_reasoning(
+            self.tokenizer.decode(prompt.token_ids[-REASONING_PROMPT_TAIL:], skip_special_tokens=False))
         request_id = self._request_id(id_prefix, req, raw)
         if req.use_beam_search:
             streams = self._start_beam_search(request_id, req, [prompt], [max_tokens], [params], logprobs)
         else:
             await self._compile_grammars([params])
             streams = self._start(request_id, [prompt], [params])
-        opened = self.reasoning_parser is not None and prompt_opens_reasoning(
-            self.tokenizer.decode(prompt.token_ids[-REASONING_PROMPT_TAIL:], skip_special_tokens=False))
 
         def new_reader() -> ToolCallReader:
             return with_reasoning(make_reader(tool_choice, self.tool_call_parser), self.reasoning_parser, opened,
