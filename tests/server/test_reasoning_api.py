@@ -118,3 +118,30 @@ def test_the_responses_api_gives_a_reasoning_item(server):
     final = events[-1]["response"]["output"]
     assert [(i["type"], i["status"], i["content"]) for i in final] == [
         (i["type"], i["status"], i["content"]) for i in reply["output"]]
+
+
+def test_a_reasoning_the_client_began_is_continued_as_reasoning(server):
+    """continue_final_message with an assistant message "<think>\nThe capital": the block is open (QA: the reply
+    went to content); the assistant's own text is the prompt's, so the reply is what the model writes after it."""
+    messages = MESSAGES + [{"role": "assistant", "content": "<think>\nThe capital"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = post(server, "/tokenize", {"messages": messages, **flags}).json()["tokens"]
+    text = post(server, "/v1/completions", {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                            "ignore_eos": True}).json()["choices"][0]["text"]
+    message = post(server, "/v1/chat/completions", {"messages": messages, **flags, "max_tokens": MAX_TOKENS,
+                                                     "temperature": 0, "ignore_eos": True}).json()["choices"][0][
+        "message"]
+    assert (message["reasoning"], message["content"]) == (text, None)
+
+
+def test_a_responses_reasoning_item_goes_back_in_as_input(server):
+    """The Responses API without storage: the reply's output items sent back with the next question (a 400
+    before: the reasoning item was an unknown input type)."""
+    body = {"max_output_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "chat_template_kwargs": {"think": True}}
+    first = post(server, "/v1/responses", {**body, "input": MESSAGES}).json()
+    assert first["output"][0]["type"] == "reasoning"
+    second = post(server, "/v1/responses", {**body, "input": MESSAGES + first["output"] + [
+        {"role": "user", "content": "And of Spain?"}]})
+    assert second.status_code == 200, second.text
+    assert second.json()["output"][0]["type"] == "reasoning"

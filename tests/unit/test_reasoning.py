@@ -89,8 +89,50 @@ def test_a_generation_prompt_that_opens_the_block(tail, opened):
     assert prompt_opens_reasoning(tail) is opened
 
 
+@pytest.mark.parametrize("continued,opened", [
+    ("<think>\nTwo plus", True),  # the client began the reasoning (QA: it all went to content, </think> too)
+    ("<think>\nTwo plus two is four.</think>\n\nThe", False),
+    ("The answer", False),
+    ("What does <think> mean? <think>", True),
+])
+def test_a_continued_assistant_message_that_opens_the_block(continued, opened):
+    assert prompt_opens_reasoning("<|im_start|>assistant\n" + continued, continued) is opened
+    assert not prompt_opens_reasoning("a user's <think> in a question<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_a_chunk_of_reasoning_carries_no_content_field():
     assert chat_delta([ReasoningDelta("hm")]) == {"reasoning": "hm", "reasoning_content": "hm"}
     assert chat_delta([ReasoningDelta("hm"), "Paris"]) == {"reasoning": "hm", "reasoning_content": "hm",
                                                            "content": "Paris"}
     assert chat_delta([]) == {"content": ""}
+
+
+def reasoning_item(text: str) -> dict:
+    return {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def test_a_responses_reasoning_item_sent_back_is_the_reasoning_of_its_assistant_turn():
+    """A reply's output items sent back as the next request's input (the Responses API without storage): the
+    reasoning item was a 400 (QA)."""
+    from pagedserve.entrypoints.openai.serving_responses import _messages
+
+    user = {"role": "user", "content": "2+2?"}
+    reply = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]}
+    call = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": "{}"}
+    assert _messages([user, reasoning_item("Two and two."), reply, {"role": "user", "content": "5+5?"}]) == [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
+        {"role": "user", "content": "5+5?"}]
+    assert _messages([user, reasoning_item("a"), reasoning_item("b"), call])[1] == {
+        "role": "assistant", "content": None, "reasoning_content": "a\nb",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}
+    # a reply that was all reasoning (cut at max_output_tokens): an assistant turn of its own
+    assert _messages([user, reasoning_item("Hm"), user])[1] == {"role": "assistant", "content": "",
+                                                                 "reasoning_content": "Hm"}
+    assert _messages([user, reasoning_item("Hm")])[-1]["reasoning_content"] == "Hm"
+    summary_only = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "S"}]}  # OpenAI's models'
+    assert _messages([user, summary_only, reply])[1]["reasoning_content"] == "S"
+    assert _messages([user, {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}, reply])[1] == {
+        "role": "assistant", "content": "4"}  # no text: nothing to replay
+    with pytest.raises(Exception, match="reasoning item's content must be a list"):
+        _messages([user, {"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]}])

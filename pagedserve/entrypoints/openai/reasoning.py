@@ -3,10 +3,11 @@ reply's `reasoning` field (and `reasoning_content`, its older name that DeepSeek
 rest left as the reply's content, where the tool-call parser reads it.
 
 Both parsers read the `<think>` ... `</think>` block these models write:
-- qwen3 (Qwen3, QwQ-style templates, Qwen3.5): the output is reasoning up to `</think>` when it opens with `<think>`
-  or when the prompt's generation prompt already opened the block (Qwen3-Thinking-2507 and Qwen3.5 templates end
-  with `<think>`); otherwise it is all content (`enable_thinking: false` closes the block in the prompt; a model
-  that does not think writes no tags).
+- qwen3 (Qwen3, QwQ-style templates, Qwen3.5): the output is reasoning up to `</think>` when it opens with `<think>`,
+  when the prompt's generation prompt already opened the block (Qwen3-Thinking-2507 and Qwen3.5 templates end
+  with `<think>`), or when the assistant message a continue_final_message request continues left one open;
+  otherwise it is all content (`enable_thinking: false` closes the block in the prompt; a model that does not
+  think writes no tags).
 - deepseek_r1 (DeepSeek-R1 and its distills): the output is reasoning up to `</think>` whether or not it opens with
   `<think>` (R1 leaves the opening tag out).
 An output that ends inside the block (max_tokens reached while thinking) is all reasoning, with no content.
@@ -24,11 +25,15 @@ PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
 
-def prompt_opens_reasoning(prompt_tail: str) -> bool:
-    """Whether a rendered prompt's tail (its last few tokens as text) leaves a think block open for the output:
-    its last `<think>` comes after its last `</think>`, with nothing but white space after it."""
+def prompt_opens_reasoning(prompt_tail: str, continued: str | None = None) -> bool:
+    """Whether a rendered prompt leaves a think block open for the output: its generation prompt ends with
+    `<think>` (the tail, its last few tokens as text: the last `<think>` after the last `</think>`, with nothing
+    but white space after it), or the assistant message it continues (`continued`, continue_final_message) holds
+    a `<think>` not closed after it (a reasoning begun by the client: "<think>\nOkay, the user")."""
     start = prompt_tail.rfind(START)
-    return start >= 0 and start > prompt_tail.rfind(END) and not prompt_tail[start + len(START):].strip()
+    if start >= 0 and start > prompt_tail.rfind(END) and not prompt_tail[start + len(START):].strip():
+        return True
+    return continued is not None and continued.rfind(START) > continued.rfind(END)
 
 
 class ReasoningReader(ToolCallReader):

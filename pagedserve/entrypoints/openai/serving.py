@@ -669,7 +669,8 @@ class OpenAIServing:
             params.skip_special_tokens = False  # tool-call tags may be special tokens (Qwen's <tool_call>)
         self._validate_for_engine([prompt], [params], {"logprobs": "top_logprobs"})
         opened = self.reasoning_parser is not None and prompt_opens_reasoning(
-            self.tokenizer.decode(prompt.token_ids[-REASONING_PROMPT_TAIL:], skip_special_tokens=False))
+            self.tokenizer.decode(prompt.token_ids[-REASONING_PROMPT_TAIL:], skip_special_tokens=False),
+            message_text(req.messages[-1]) if req.continue_final_message else None)
         request_id = self._request_id(id_prefix, req, raw)
         if req.use_beam_search:
             streams = self._start_beam_search(request_id, req, [prompt], [max_tokens], [params], logprobs)

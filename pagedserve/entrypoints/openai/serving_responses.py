@@ -105,20 +105,33 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input items -> chat messages: messages (roles user/system/developer/assistant, text parts),
-    function calls (assistant tool_calls, consecutive calls merged) and their outputs (tool messages)."""
+    function calls (assistant tool_calls, consecutive calls merged) and their outputs (tool messages); a
+    reasoning item (a reply's, sent back) is the reasoning_content of the assistant turn it comes before, or of an
+    assistant turn of its own."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     messages: list[dict[str, Any]] = []
     call_ids: set[str] = set()  # the function calls given so far: an output answers one of them (OpenAI's rule)
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(value):
         kind = item.get("type", "message")
-        if kind == "message":
+        if reasoning is not None and not (kind in ("reasoning", "function_call") or (kind == "message" and
+                                                                                    item.get("role") == "assistant")):
+            messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+            reasoning = None
+        if kind == "reasoning":
+            text = _reasoning_text(item, i)  # one without text (an encrypted_content one: OpenAI's) adds nothing
+            if text:
+                reasoning = text if reasoning is None else f"{reasoning}\n{text}"
+        elif kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise InvalidRequestError(f"input[{i}]: role must be user, system, developer or assistant, got "
                                           f"{role!r}", param="input")
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _text(item.get("content"), i)})
+            if reasoning is not None:
+                messages[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
@@ -128,10 +141,13 @@ def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                                           "and arguments (a JSON string)", param="input")
             call_ids.add(call["id"])
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None \
+                    and reasoning is None:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if reasoning is not None:
+                    messages[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str) or not isinstance(item.get("call_id"), str):
@@ -144,10 +160,26 @@ def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         else:
             raise InvalidRequestError(f"input[{i}]: item type {kind!r} is not supported (messages, function_call, "
-                                      "function_call_output)", param="input")
+                                      "function_call_output, reasoning)", param="input")
+    if reasoning is not None:
+        messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
     if not messages:
         raise InvalidRequestError("input must not be empty", param="input")
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], index: int) -> str:
+    """A reasoning item's text: its reasoning_text parts (as this server writes them), else its summary's
+    summary_text parts (OpenAI's models give only a summary; encrypted_content means nothing here)."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == part_type and
+                                                  isinstance(p.get("text"), str) for p in parts):
+            raise InvalidRequestError(f"input[{index}]: a reasoning item's {key} must be a list of "
+                                      f"{{\"type\": \"{part_type}\", \"text\": ...}} parts", param="input")
+        if parts:
+            return "\n".join(p["text"] for p in parts)
+    return ""
 
 
 def _text(content: Any, index: int) -> str:
