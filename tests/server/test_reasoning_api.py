@@ -102,6 +102,8 @@ def test_the_responses_api_gives_a_reasoning_item(server):
     extra = {"chat_template_kwargs": {"think": True}}
     reply = post(server, "/v1/responses", {**body, **extra}).json()
     assert [item["type"] for item in reply["output"]] == ["reasoning"], reply
+    usage = reply["usage"]
+    assert usage["output_tokens_details"]["reasoning_tokens"] == usage["output_tokens"] == MAX_TOKENS  # all of it
     assert reply["output"][0]["content"] == [{"type": "reasoning_text", "text": text}]
     assert reply["status"] == "incomplete" and reply["output"][0]["status"] == "incomplete"
     events = []
@@ -111,6 +113,7 @@ def test_the_responses_api_gives_a_reasoning_item(server):
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
     kinds = [e["type"] for e in events]
+    assert events[-1]["response"]["usage"] == usage
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == text
     done = [e for e in events if e["type"] == "response.reasoning_text.done"]
     assert len(done) == 1 and done[0]["text"] == text
@@ -145,3 +148,10 @@ def test_a_responses_reasoning_item_goes_back_in_as_input(server):
         {"role": "user", "content": "And of Spain?"}]})
     assert second.status_code == 200, second.text
     assert second.json()["output"][0]["type"] == "reasoning"
+
+
+def test_a_reply_without_reasoning_counts_no_reasoning_tokens(server):
+    reply = post(server, "/v1/responses", {"input": MESSAGES[0]["content"], "max_output_tokens": MAX_TOKENS,
+                                           "temperature": 0, "ignore_eos": True}).json()
+    assert reply["output"][0]["type"] == "message"
+    assert reply["usage"]["output_tokens_details"]["reasoning_tokens"] == 0

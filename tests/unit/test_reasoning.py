@@ -37,6 +37,8 @@ def read(parser: str, opened: bool, pieces: list[str], inner: ToolCallReader | N
     for piece in pieces:
         result.add(reader.feed(piece))
     result.add(reader.finish())
+    if inner is None:  # the block's characters, tags and all: where the content begins (for reasoning_tokens)
+        assert reader.reasoning_chars == len("".join(pieces)) - len(result.content)
     return result
 
 

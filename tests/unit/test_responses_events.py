@@ -9,16 +9,15 @@ import json
 from types import SimpleNamespace
 
 from pagedserve.entrypoints.openai.serving_responses import ResponsesServing
-from pagedserve.entrypoints.openai.tool_calls import ReasoningDelta, ToolCallDelta
+from pagedserve.entrypoints.openai.tool_calls import ReasoningDelta, ToolCallDelta, ToolCallReader, read_all
 from pagedserve.exceptions import InvalidRequestError
 
 
-class ScriptedReader:
+class ScriptedReader(ToolCallReader):
     """Hands out a fixed list of events per feed, as a tool-call reader would."""
 
-    passes_text_through = True
-
     def __init__(self, script: list[list]) -> None:
+        super().__init__()
         self.script = iter(script)
 
     def feed(self, text: str) -> list:
@@ -95,3 +94,23 @@ def test_a_failure_mid_stream_is_an_error_event_and_response_failed():
     assert failed["status"] == "failed" and failed["error"]["message"] == "the grammar allows no token"
     assert failed["error"]["code"] == "invalid_prompt"  # one of OpenAI's ResponseError codes (QA-W)
     assert failed["output"][0]["content"][0]["text"] == "Hello there"
+
+
+def test_reasoning_tokens_are_those_up_to_the_end_of_the_think_block():
+    """usage.output_tokens_details.reasoning_tokens: the tokens up to the one that closes the block; a special
+    token the detokenizer skips (an EOS under ignore_eos) shifts no position."""
+    from pagedserve.entrypoints.openai.reasoning import ReasoningReader
+
+    pieces = ["<think>", "a", "<eos>", "b", "</think>", "c", "d"]
+
+    def decode(ids, skip_special_tokens=True):
+        return "".join(pieces[i] for i in ids if not (skip_special_tokens and pieces[i] == "<eos>"))
+
+    serving = ResponsesServing(SimpleNamespace(tool_call_parser=None, served_model_names=["m"],
+                                               tokenizer=SimpleNamespace(decode=decode)))
+    ids = list(range(len(pieces)))
+    for output, expected in ((ids, 5), (ids[:4], 4), ([5, 6], 0)):
+        reader = ReasoningReader(ToolCallReader(), "qwen3", prompt_opened=False)
+        text = decode(output)
+        read_all(reader, text)
+        assert serving._reasoning_tokens(output, text, reader, skip_special_tokens=True) == expected, output

@@ -48,6 +48,14 @@ class ReasoningReader(ToolCallReader):
         self.open_by_default = prompt_opened or parser == "deepseek_r1"  # where the output does not open with <think>
         self.state = "start"  # start: undecided (white space or part of <think> so far); reasoning; content
         self.held = ""
+        self.fed = 0  # characters of the text so far
+        self.content_start: int | None = None  # where the content began in the text (the block's end)
+
+    @property
+    def reasoning_chars(self) -> int:
+        """How many of the text's first characters were the think block (its tags too): all of them so far while
+        it is open; 0 where the text was content from the start."""
+        return self.fed if self.content_start is None else self.content_start
 
     @property
     def num_calls(self) -> int:  # read by the stream for its finish_reason
@@ -58,6 +66,7 @@ class ReasoningReader(ToolCallReader):
         pass
 
     def feed(self, text: str) -> list[str | ToolCallDelta | ReasoningDelta]:
+        self.fed += len(text)
         if self.state == "content":
             return self.inner.feed(text)
         self.held += text
@@ -71,12 +80,12 @@ class ReasoningReader(ToolCallReader):
             else:
                 self.state = "reasoning" if self.open_by_default else "content"
                 if self.state == "content":
-                    held, self.held = self.held, ""
+                    held, self.held, self.content_start = self.held, "", 0
                     return self.inner.feed(held)
         end = self.held.find(END)
         if end >= 0:
             reasoning, rest = self.held[:end], self.held[end + len(END):]
-            self.held, self.state = "", "content"
+            self.held, self.state, self.content_start = "", "content", self.fed - len(rest)
             if reasoning:
                 events.append(ReasoningDelta(reasoning))
             return events + self.inner.feed(rest)
@@ -90,7 +99,7 @@ class ReasoningReader(ToolCallReader):
         events: list[str | ToolCallDelta | ReasoningDelta] = []
         held, self.held = self.held, ""
         if self.state == "start" and not self.open_by_default:
-            self.state = "content"
+            self.state, self.content_start = "content", 0
             events += self.inner.feed(held)
         elif self.state != "content" and held:
             events.append(ReasoningDelta(held))  # the output ended inside the block: all of it reasoning

@@ -57,6 +57,7 @@ class StartedChat:
     prompt: _Prompt
     streams: AsyncIterator[tuple[int, RequestOutput]]
     tool_choice: ToolChoice | None
+    params: SamplingParams
     new_reader: Callable[[], ToolCallReader]  # a reader per choice: reasoning, content and tool calls of its text
 
 
@@ -682,7 +683,7 @@ class OpenAIServing:
             return with_reasoning(make_reader(tool_choice, self.tool_call_parser), self.reasoning_parser, opened,
                                   constrained=params.structured_outputs is not None)
 
-        return StartedChat(request_id, prompt, streams, tool_choice, new_reader)
+        return StartedChat(request_id, prompt, streams, tool_choice, params, new_reader)
 
     async def _chat_stream(self, chat: StartedChat, req: ChatCompletionRequest) -> AsyncIterator[str]:
         request_id, prompt, streams, tool_choice = chat.request_id, chat.prompt, chat.streams, chat.tool_choice

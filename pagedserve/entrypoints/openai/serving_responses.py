@@ -276,11 +276,13 @@ class ResponsesServing:
         skeleton = self._skeleton((req.model_extra or {}).get("request_id") or f"resp_{uuid.uuid4().hex}", req)
         prompt = started.prompt
         if req.stream:
-            return _sse(self._events(skeleton, prompt.token_ids, started.streams, started.new_reader()), done=False)
+            return _sse(self._events(skeleton, prompt.token_ids, started.streams, started.new_reader(),
+                                     started.params.skip_special_tokens), done=False)
         tally = _PromptTally()
         finals = await _collect(started.streams, raw, 1, tally)
         choice = finals[0][0]
-        read = read_all(started.new_reader(), choice.text)
+        reader = started.new_reader()
+        read = read_all(reader, choice.text)
         output = []
         if read.reasoning:
             output.append(_reasoning_item(_item_id("rs"), read.reasoning, "completed"))
@@ -289,7 +291,9 @@ class ResponsesServing:
         output += [_function_call_item(_item_id("fc"), call["id"], call["function"]["name"],
                                        call["function"]["arguments"], "completed") for call in read.calls]
         return JSONResponse(_finish(skeleton, output, choice.finish_reason, len(prompt.token_ids),
-                                    len(choice.token_ids), tally.num_cached))
+                                    len(choice.token_ids), tally.num_cached,
+                                    self._reasoning_tokens(choice.token_ids, choice.text, reader,
+                                                           started.params.skip_special_tokens)))
 
     def _skeleton(self, response_id: str, req: ResponsesRequest) -> dict[str, Any]:
         """The Response object's fields that echo the request, status in_progress and no output yet."""
@@ -309,8 +313,24 @@ class ResponsesServing:
         else 1.0 (null was echoed)."""
         return float(value if value is not None else self.serving.default_sampling.get(name, 1.0))
 
+    def _reasoning_tokens(self, token_ids: list[int], text: str, reader: ToolCallReader,
+                          skip_special_tokens: bool) -> int:
+        """usage's reasoning_tokens: the generated tokens up to the one that ends the think block (all of them
+        where it never ended). The first k tokens whose text reaches the content's first character, found by
+        decoding prefixes (log2 of the output's length of them: a token's own bytes miss what the detokenizer
+        drops, such as skipped special tokens)."""
+        chars = reader.reasoning_chars
+        if chars == 0 or chars >= len(text):
+            return len(token_ids) if chars else 0
+        low, high = 1, len(token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            decoded = self.serving.tokenizer.decode(token_ids[:middle], skip_special_tokens=skip_special_tokens)
+            low, high = (low, middle) if len(decoded) >= chars else (middle + 1, high)
+        return low
+
     async def _events(self, skeleton: dict[str, Any], prompt_ids: list[int], streams: AsyncIterator,
-                      reader: ToolCallReader) -> AsyncIterator[str]:
+                      reader: ToolCallReader, skip_special_tokens: bool = True) -> AsyncIterator[str]:
         """The Responses stream, as OpenAI's: each output item added, its text or arguments as deltas and done
         before the next item is added, then response.completed (or .incomplete); a failure is an `error` event
         and response.failed."""
@@ -318,12 +338,13 @@ class ResponsesServing:
         yield stream.event("response.created", response=skeleton)
         yield stream.event("response.in_progress", response=skeleton)
         tally = _PromptTally()
-        finish_reason, num_tokens = None, 0
+        finish_reason, token_ids, text = None, [], ""
         try:
             async for prompt_index, output in streams:
                 tally.add(prompt_index, output)
                 completion = output.outputs[0]
-                num_tokens += len(completion.token_ids)
+                token_ids += completion.token_ids
+                text += completion.text
                 events = reader.feed(completion.text)
                 if completion.finish_reason is not None:
                     finish_reason = completion.finish_reason
@@ -344,7 +365,9 @@ class ResponsesServing:
                 yield line
         for line in stream.close(incomplete=finish_reason == "length"):
             yield line
-        final = _finish(skeleton, stream.items, finish_reason, len(prompt_ids), num_tokens, tally.num_cached)
+        reasoning_tokens = self._reasoning_tokens(token_ids, text, reader, skip_special_tokens)
+        final = _finish(skeleton, stream.items, finish_reason, len(prompt_ids), len(token_ids), tally.num_cached,
+                        reasoning_tokens)
         yield stream.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
                            response=final)
 
@@ -463,7 +486,7 @@ def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, s
 
 
 def _finish(skeleton: dict[str, Any], output: list[dict[str, Any]], finish_reason: str | None, num_prompt: int,
-            num_output: int, num_cached: int) -> dict[str, Any]:
+            num_output: int, num_cached: int, num_reasoning: int = 0) -> dict[str, Any]:
     """The Response object once the generation ended: completed, or incomplete at max_output_tokens."""
     incomplete = finish_reason == "length"
     if incomplete and output:
@@ -473,5 +496,5 @@ def _finish(skeleton: dict[str, Any], output: list[dict[str, Any]], finish_reaso
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "usage": {"input_tokens": num_prompt,
                       "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": 0},
-                      "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": num_reasoning},
                       "total_tokens": num_prompt + num_output}}

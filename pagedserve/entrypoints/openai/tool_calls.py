@@ -208,6 +208,7 @@ class ToolCallReader:
     # Every token's text leaves as it comes (a stream sends a chunk per token, even an empty one, as vLLM); readers
     # that may hold text back until they know what it is set False, and their streams skip the empty deltas.
     passes_text_through = True
+    reasoning_chars = 0  # how many of the text's first characters were reasoning (reasoning.py's reader)
 
     def __init__(self) -> None:
         self.num_calls = 0
