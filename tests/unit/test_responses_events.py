@@ -106,11 +106,16 @@ def test_reasoning_tokens_are_those_up_to_the_end_of_the_think_block():
     def decode(ids, skip_special_tokens=True):
         return "".join(pieces[i] for i in ids if not (skip_special_tokens and pieces[i] == "<eos>"))
 
+    async def in_tokenizer_pool(fn, *args):
+        return fn(*args)
+
     serving = ResponsesServing(SimpleNamespace(tool_call_parser=None, served_model_names=["m"],
-                                               tokenizer=SimpleNamespace(decode=decode)))
+                                               tokenizer=SimpleNamespace(decode=decode),
+                                               in_tokenizer_pool=in_tokenizer_pool))
     ids = list(range(len(pieces)))
     for output, expected in ((ids, 5), (ids[:4], 4), ([5, 6], 0)):
         reader = ReasoningReader(ToolCallReader(), "qwen3", prompt_opened=False)
         text = decode(output)
         read_all(reader, text)
-        assert serving._reasoning_tokens(output, text, reader, skip_special_tokens=True) == expected, output
+        counted = asyncio.run(serving._reasoning_tokens(output, text, reader, skip_special_tokens=True))
+        assert counted == expected, output

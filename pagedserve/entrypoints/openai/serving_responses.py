@@ -292,8 +292,8 @@ class ResponsesServing:
                                        call["function"]["arguments"], "completed") for call in read.calls]
         return JSONResponse(_finish(skeleton, output, choice.finish_reason, len(prompt.token_ids),
                                     len(choice.token_ids), tally.num_cached,
-                                    self._reasoning_tokens(choice.token_ids, choice.text, reader,
-                                                           started.params.skip_special_tokens)))
+                                    await self._reasoning_tokens(choice.token_ids, choice.text, reader,
+                                                                 started.params.skip_special_tokens)))
 
     def _skeleton(self, response_id: str, req: ResponsesRequest) -> dict[str, Any]:
         """The Response object's fields that echo the request, status in_progress and no output yet."""
@@ -313,21 +313,25 @@ class ResponsesServing:
         else 1.0 (null was echoed)."""
         return float(value if value is not None else self.serving.default_sampling.get(name, 1.0))
 
-    def _reasoning_tokens(self, token_ids: list[int], text: str, reader: ToolCallReader,
-                          skip_special_tokens: bool) -> int:
+    async def _reasoning_tokens(self, token_ids: list[int], text: str, reader: ToolCallReader,
+                                skip_special_tokens: bool) -> int:
         """usage's reasoning_tokens: the generated tokens up to the one that ends the think block (all of them
         where it never ended). The first k tokens whose text reaches the content's first character, found by
-        decoding prefixes (log2 of the output's length of them: a token's own bytes miss what the detokenizer
-        drops, such as skipped special tokens)."""
+        decoding prefixes (log2 of the output's length of them, off the event loop: a token's own bytes miss what
+        the detokenizer drops, such as skipped special tokens)."""
         chars = reader.reasoning_chars
         if chars == 0 or chars >= len(text):
             return len(token_ids) if chars else 0
-        low, high = 1, len(token_ids)
-        while low < high:
-            middle = (low + high) // 2
-            decoded = self.serving.tokenizer.decode(token_ids[:middle], skip_special_tokens=skip_special_tokens)
-            low, high = (low, middle) if len(decoded) >= chars else (middle + 1, high)
-        return low
+
+        def first_reaching() -> int:
+            low, high = 1, len(token_ids)
+            while low < high:
+                middle = (low + high) // 2
+                decoded = self.serving.tokenizer.decode(token_ids[:middle], skip_special_tokens=skip_special_tokens)
+                low, high = (low, middle) if len(decoded) >= chars else (middle + 1, high)
+            return low
+
+        return await self.serving.in_tokenizer_pool(first_reaching)
 
     async def _events(self, skeleton: dict[str, Any], prompt_ids: list[int], streams: AsyncIterator,
                       reader: ToolCallReader, skip_special_tokens: bool = True) -> AsyncIterator[str]:
@@ -365,7 +369,7 @@ class ResponsesServing:
                 yield line
         for line in stream.close(incomplete=finish_reason == "length"):
             yield line
-        reasoning_tokens = self._reasoning_tokens(token_ids, text, reader, skip_special_tokens)
+        reasoning_tokens = await self._reasoning_tokens(token_ids, text, reader, skip_special_tokens)
         final = _finish(skeleton, stream.items, finish_reason, len(prompt_ids), len(token_ids), tally.num_cached,
                         reasoning_tokens)
         yield stream.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
