@@ -113,7 +113,8 @@ def test_reasoning_tokens_are_those_up_to_the_end_of_the_think_block():
                                                tokenizer=SimpleNamespace(decode=decode),
                                                in_tokenizer_pool=in_tokenizer_pool))
     ids = list(range(len(pieces)))
-    for output, expected in ((ids, 5), (ids[:4], 4), ([5, 6], 0)):
+    # the block ending the text, then an EOS (QA-R2: all 6 were counted); the block never ending: all of them
+    for output, expected in ((ids, 5), (ids[:4], 4), ([5, 6], 0), (ids[:5] + [2], 5), (ids[:3], 3)):
         reader = ReasoningReader(ToolCallReader(), "qwen3", prompt_opened=False)
         text = decode(output)
         read_all(reader, text)

@@ -58,6 +58,11 @@ class ReasoningReader(ToolCallReader):
         return self.fed if self.content_start is None else self.content_start
 
     @property
+    def reasoning_unended(self) -> bool:
+        """The text so far is all think block: no content has begun."""
+        return self.content_start is None and self.fed > 0
+
+    @property
     def num_calls(self) -> int:  # read by the stream for its finish_reason
         return self.inner.num_calls
 

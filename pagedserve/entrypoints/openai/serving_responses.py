@@ -320,8 +320,8 @@ class ResponsesServing:
         decoding prefixes (log2 of the output's length of them, off the event loop: a token's own bytes miss what
         the detokenizer drops, such as skipped special tokens)."""
         chars = reader.reasoning_chars
-        if chars == 0 or chars >= len(text):
-            return len(token_ids) if chars else 0
+        if chars == 0 or reader.reasoning_unended:
+            return len(token_ids) if chars else 0  # a block never ended: every token was in it, an EOS too
 
         def first_reaching() -> int:
             low, high = 1, len(token_ids)

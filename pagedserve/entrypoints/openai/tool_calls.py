@@ -209,6 +209,7 @@ class ToolCallReader:
     # that may hold text back until they know what it is set False, and their streams skip the empty deltas.
     passes_text_through = True
     reasoning_chars = 0  # how many of the text's first characters were reasoning (reasoning.py's reader)
+    reasoning_unended = False  # the text ended inside a think block (reasoning.py's reader)
 
     def __init__(self) -> None:
         self.num_calls = 0
