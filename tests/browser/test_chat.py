@@ -395,3 +395,8 @@ def test_a_thinking_model_s_reasoning_is_folded_above_the_reply(open_page, serve
     assert stored.locator("details.reasoning").get_attribute("open") is None  # a finished reply's is folded
     assert stored.locator(".reasoning-text").text_content() == "Let me think.\nFrance"
     assert stored_conversations(page)[0]["messages"][1]["reasoning"] == "Let me think.\nFrance"
+    with page.expect_download() as download:
+        page.click("#export-chat")
+    exported = json.loads(open(download.value.path()).read())
+    assert exported["messages"][1]["reasoning"] == "Let me think.\nFrance"
+    assert "reasoning" not in exported["messages"][0]  # JSON.stringify leaves out what a message has not

@@ -44,6 +44,7 @@ class ReasoningReader(ToolCallReader):
     passes_text_through = False  # a tag's first characters are held until the next piece tells what they are
 
     def __init__(self, inner: ToolCallReader, parser: str, prompt_opened: bool) -> None:
+        super().__init__()
         self.inner = inner
         self.open_by_default = prompt_opened or parser == "deepseek_r1"  # where the output does not open with <think>
         self.state = "start"  # start: undecided (white space or part of <think> so far); reasoning; content

@@ -216,7 +216,8 @@
   function exportConversation() {
     const conversation = current();
     const data = { title: conversation.title, created: conversation.created, model: PS.server.model, settings,
-                   messages: conversation.messages.map(({ role, content, stats }) => ({ role, content, stats })) };
+                   messages: conversation.messages.map(({ role, content, reasoning, stats }) =>
+                     ({ role, content, reasoning, stats })) };  // reasoning: a thinking model's, where there was
     const url = URL.createObjectURL(new Blob([JSON.stringify(data, null, 2)], { type: "application/json" }));
     const a = document.createElement("a");
     a.href = url;
