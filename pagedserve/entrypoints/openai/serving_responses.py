@@ -292,7 +292,7 @@ class ResponsesServing:
                                        call["function"]["arguments"], "completed") for call in read.calls]
         return JSONResponse(_finish(skeleton, output, choice.finish_reason, len(prompt.token_ids),
                                     len(choice.token_ids), tally.num_cached,
-                                    await self._reasoning_tokens(choice.token_ids, choice.text, reader,
+                                    await self._reasoning_tokens(choice.token_ids, reader,
                                                                  started.params.skip_special_tokens)))
 
     def _skeleton(self, response_id: str, req: ResponsesRequest) -> dict[str, Any]:
@@ -313,8 +313,7 @@ class ResponsesServing:
         else 1.0 (null was echoed)."""
         return float(value if value is not None else self.serving.default_sampling.get(name, 1.0))
 
-    async def _reasoning_tokens(self, token_ids: list[int], text: str, reader: ToolCallReader,
-                                skip_special_tokens: bool) -> int:
+    async def _reasoning_tokens(self, token_ids: list[int], reader: ToolCallReader, skip_special_tokens: bool) -> int:
         """usage's reasoning_tokens: the generated tokens up to the one that ends the think block (all of them
         where it never ended). The first k tokens whose text reaches the content's first character, found by
         decoding prefixes (log2 of the output's length of them, off the event loop: a token's own bytes miss what
@@ -342,13 +341,12 @@ class ResponsesServing:
         yield stream.event("response.created", response=skeleton)
         yield stream.event("response.in_progress", response=skeleton)
         tally = _PromptTally()
-        finish_reason, token_ids, text = None, [], ""
+        finish_reason, token_ids = None, []
         try:
             async for prompt_index, output in streams:
                 tally.add(prompt_index, output)
                 completion = output.outputs[0]
                 token_ids += completion.token_ids
-                text += completion.text
                 events = reader.feed(completion.text)
                 if completion.finish_reason is not None:
                     finish_reason = completion.finish_reason
@@ -369,7 +367,7 @@ class ResponsesServing:
                 yield line
         for line in stream.close(incomplete=finish_reason == "length"):
             yield line
-        reasoning_tokens = await self._reasoning_tokens(token_ids, text, reader, skip_special_tokens)
+        reasoning_tokens = await self._reasoning_tokens(token_ids, reader, skip_special_tokens)
         final = _finish(skeleton, stream.items, finish_reason, len(prompt_ids), len(token_ids), tally.num_cached,
                         reasoning_tokens)
         yield stream.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
