@@ -12,7 +12,7 @@ from typing import Any
 
 from pagedserve.engine.prompt_checks import token_id_list
 from pagedserve.exceptions import InvalidRequestError, check_text
-from pagedserve.structured.params import StructuredOutputsParams
+from pagedserve.structured.params import ReasoningGate, StructuredOutputsParams
 
 # Integers end up in int64 tensors (top_k, token ids) or torch.Generator seeds: beyond these they overflow.
 MAX_INT64 = 2**63 - 1
@@ -67,6 +67,8 @@ class SamplingParams:
     # before it (each word as it reads alone and after a space). Their token ids: update_from_tokenizer.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    # The grammar begins after a think block (the server's --reasoning-parser; structured/gate.py): not vLLM's field.
+    reasoning_gate: ReasoningGate | None = field(default=None, repr=False, compare=False)
     # vLLM's fields that pagedserve refuses with what to do instead (they would change the output)
     logits_processors: list | None = None
     best_of: int | None = None

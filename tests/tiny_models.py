@@ -128,3 +128,23 @@ def make_draft_model(target_dir: Path, out_dir: Path, noise: float, seed: int = 
     model.save_pretrained(out_dir)
     make_tokenizer(out_dir)
     return out_dir
+
+
+THINK_TEMPLATE = (  # ChatML whose generation prompt opens a think block when chat_template_kwargs ask (Qwen3.5's)
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if think %}<think>\n{% endif %}{% endif %}")
+
+
+def with_think_tags(model_dir: Path | str, out_dir: Path) -> Path:
+    """A copy of a tiny model whose tokenizer has `<think>` and `</think>` as single added tokens (not special, as
+    in Qwen3's vocabulary), inside the model's vocabulary, and THINK_TEMPLATE as its chat template."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINK_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    return Path(out_dir)

@@ -77,9 +77,10 @@ class RequestGrammar:
             self.matcher.rollback(num_accepted)
         return num_valid
 
-    def after(self, drafts: list[int]) -> "DraftedGrammar":
-        """This grammar as it will be once `drafts` (valid ones) are accepted: the mask of a verification row."""
-        return DraftedGrammar(self, drafts)
+    def at(self, drafts: list[int]) -> "RequestGrammar | DraftedGrammar":
+        """This grammar as it will be once `drafts` (valid ones) are accepted: the mask of a verification row
+        (itself for a row with no drafts before it)."""
+        return DraftedGrammar(self, drafts) if drafts else self
 
 
 class DraftedGrammar:

@@ -21,6 +21,16 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_JSON_WHITESPACE = 8
 
 
+@dataclass(frozen=True)
+class ReasoningGate:
+    """A constrained request's think-block tags (token ids) and whether its prompt left a block open: its grammar
+    begins after the block (SamplingParams.reasoning_gate, set by the server's --reasoning-parser; gate.py)."""
+
+    start_id: int
+    end_id: int
+    opened: bool
+
+
 @dataclass
 class StructuredOutputsParams:
     json: dict | str | None = None

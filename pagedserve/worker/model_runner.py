@@ -32,6 +32,7 @@ from pagedserve.models.loader import ProgressFn, load_model
 from pagedserve.platform import lazy_zeros, torch_dtype
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.acceptance import accepted_tokens
+from pagedserve.structured.gate import GatedGrammar
 from pagedserve.structured.matcher import RequestGrammar
 from pagedserve.worker.draft_model import DraftModel
 
@@ -61,7 +62,7 @@ class RequestState:
     output_counts: torch.Tensor | None = None  # [V] for penalties
     prompt_mask: torch.Tensor | None = None  # [V] for the repetition penalty
     num_prompt_logprobs_done: int = 0
-    grammar: RequestGrammar | None = None  # a constrained request's matcher (kept across preemption)
+    grammar: RequestGrammar | GatedGrammar | None = None  # a constrained request's matcher (kept across preemption)
     recent_output: list[int] | None = None  # with bad_words: the output's last tokens, as many as a word's prefix
 
 
@@ -260,6 +261,8 @@ class ModelRunner:
             if self.eos_token_id is not None:
                 stop_ids.insert(0, self.eos_token_id)
             state.grammar = RequestGrammar(grammar, stop_ids)
+            if params.reasoning_gate is not None:
+                state.grammar = GatedGrammar(state.grammar, params.reasoning_gate)
         if params.seed is not None:
             state.generator = torch.Generator(device=self.device)
             state.generator.manual_seed(params.seed)
@@ -517,8 +520,9 @@ class ModelRunner:
             if p.logprobs is not None:
                 batch.max_num_logprobs = max(batch.max_num_logprobs, p.logprobs)
             if state.grammar is not None:
-                grammar = state.grammar.after(drafts[state.request_id][:offset]) if offset else state.grammar
-                batch.grammars.append((i, grammar))
+                grammar = state.grammar.at(drafts[state.request_id][:offset] if offset else [])
+                if grammar is not None:  # None: a row inside a think block the grammar waits for (gate.py)
+                    batch.grammars.append((i, grammar))
         batch.penalties = self._penalties(states, offsets, drafts)
         return batch
 

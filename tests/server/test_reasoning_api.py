@@ -90,7 +90,8 @@ def test_the_openai_client_reads_the_reasoning(server):
 
 
 def test_a_grammar_constrained_reply_is_content(server):
-    """response_format's grammar writes the output from its first token: no think block, so no reasoning."""
+    """SmolLM2's vocabulary has no `<think>` token: response_format's grammar writes the output from its first
+    token, so no think block and no reasoning (a vocabulary with the tags: test_reasoning_grammar.py)."""
     message = chat(server, think=True, max_tokens=40, response_format={"type": "json_object"}).json()[
         "choices"][0]["message"]
     assert message["reasoning"] is None and message["content"].lstrip().startswith("{")

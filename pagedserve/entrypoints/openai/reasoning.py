@@ -12,14 +12,16 @@ Both parsers read the `<think>` ... `</think>` block these models write:
   `<think>` (R1 leaves the opening tag out).
 An output that ends inside the block (max_tokens reached while thinking) is all reasoning, with no content.
 
-Requests whose whole output a grammar constrains (response_format, structured_outputs, tool_choice "required" or a
-named function) are read as content: the grammar leaves no room for a think block (vLLM instead applies the grammar
-after the reasoning).
+Requests that a grammar constrains (response_format, structured_outputs, tool_choice "required" or a named
+function) think first, as vLLM's: the grammar applies from the token after `</think>` (structured/gate.py), where
+the tags are single tokens of the vocabulary (Qwen3's, QwQ's, R1's). With any other vocabulary the grammar writes
+the whole output, which is read as content.
 """
 
 from __future__ import annotations
 
 from pagedserve.entrypoints.openai.tool_calls import ReasoningDelta, ToolCallDelta, ToolCallReader, partial_suffix
+from pagedserve.structured.params import ReasoningGate
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
@@ -112,9 +114,26 @@ class ReasoningReader(ToolCallReader):
         return events + self.inner.finish()
 
 
+def think_tag_ids(tokenizer) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` where each is one token of the vocabulary, else None."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END)]
+    if all(len(i) == 1 for i in ids) and [tokenizer.decode(i) for i in ids] == [START, END]:
+        return ids[0][0], ids[1][0]
+    return None
+
+
+def grammar_gate(parser: str | None, tags: tuple[int, int] | None, prompt_opened: bool) -> ReasoningGate | None:
+    """Where a constrained request's grammar begins: after the think block (None: from the first token, where there
+    is no parser or the tags are not single tokens)."""
+    if parser is None or tags is None:
+        return None
+    return ReasoningGate(*tags, opened=prompt_opened or parser == "deepseek_r1")
+
+
 def with_reasoning(reader: ToolCallReader, parser: str | None, prompt_opened: bool,
                    constrained: bool) -> ToolCallReader:
-    """`reader` behind the reasoning parser, or `reader` itself (no parser; or a grammar-constrained request)."""
+    """`reader` behind the reasoning parser, or `reader` itself (no parser; or a request whose grammar writes the
+    whole output)."""
     if parser is None or constrained:
         return reader
     return ReasoningReader(reader, parser, prompt_opened)

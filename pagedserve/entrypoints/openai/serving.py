@@ -29,7 +29,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatM
 from pagedserve.entrypoints.openai.chat_format import (RESERVED_TEMPLATE_KWARGS, chat_delta, chat_finish_reason,
                                                        chat_logprobs, message_text, reasoning_fields,
                                                        render_conversation, token_text)
-from pagedserve.entrypoints.openai.reasoning import prompt_opens_reasoning, with_reasoning
+from pagedserve.entrypoints.openai.reasoning import grammar_gate, prompt_opens_reasoning, think_tag_ids, with_reasoning
 from pagedserve.entrypoints.openai.tool_calls import (ToolCallReader, ToolChoice, make_reader, read_all,
                                                       resolve_tool_choice)
 from pagedserve.chat_template import select_template
@@ -114,6 +114,7 @@ class OpenAIServing:
         self.engine = engine
         self.tool_call_parser = options.active_tool_call_parser  # --enable-auto-tool-choice --tool-call-parser
         self.reasoning_parser = options.reasoning_parser  # --reasoning-parser
+        self.reasoning_tags = think_tag_ids(engine.engine.tokenizer)  # (<think>, </think>) ids, or None
         self.options = options
         self.default_sampling = engine.engine.config.model.default_sampling  # --generation-config
         self.tokenizer = engine.engine.tokenizer
@@ -672,6 +673,8 @@ class OpenAIServing:
         opened = self.reasoning_parser is not None and prompt_opens_reasoning(
             self.tokenizer.decode(prompt.token_ids[-REASONING_PROMPT_TAIL:], skip_special_tokens=False),
             message_text(req.messages[-1]) if req.continue_final_message else None)
+        if params.structured_outputs is not None and not req.use_beam_search:
+            params.reasoning_gate = grammar_gate(self.reasoning_parser, self.reasoning_tags, opened)
         request_id = self._request_id(id_prefix, req, raw)
         if req.use_beam_search:
             streams = self._start_beam_search(request_id, req, [prompt], [max_tokens], [params], logprobs)
@@ -681,7 +684,7 @@ class OpenAIServing:
 
         def new_reader() -> ToolCallReader:
             return with_reasoning(make_reader(tool_choice, self.tool_call_parser), self.reasoning_parser, opened,
-                                  constrained=params.structured_outputs is not None)
+                                  constrained=params.structured_outputs is not None and params.reasoning_gate is None)
 
         return StartedChat(request_id, prompt, streams, tool_choice, params, new_reader)
 
