@@ -39,7 +39,6 @@ class CompatSetting:
     choices: tuple[str, ...] = ()  # kind "ignored": vLLM's values (another one is refused, as vLLM refuses it)
     number: bool = False  # kind "ignored": vLLM takes a number (anything else is refused, as vLLM refuses it)
     many: bool = False  # it takes several values (a list)
-    keyword_only: bool = False  # LLM(...)'s only: `pagedserve serve` has a flag of that name that does it
 
     @property
     def name(self) -> str:
@@ -48,9 +47,6 @@ class CompatSetting:
 
 COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     # ignored
-    CompatSetting(("--reasoning-parser",), IGNORED, "the offline API returns each output's text as the model wrote "
-                  "it (as vLLM's LLM does); `pagedserve serve --reasoning-parser` reads the reasoning out of replies",
-                  keyword_only=True),
     CompatSetting(("--trust-remote-code",), IGNORED, "pagedserve runs its own model code for the architectures it "
                   "supports and never imports a checkpoint's Python files", takes_value=False),
     CompatSetting(("--disable-log-requests",), IGNORED, "requests are logged only with --enable-log-requests",
@@ -179,8 +175,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "vLLM flags taken for compatibility (a `vllm serve` command line runs unchanged)")
     labels = {IGNORED: "no effect", UNSUPPORTED: "refused"}
     for setting in COMPAT_SETTINGS:
-        if setting.keyword_only:
-            continue
         label = labels.get(setting.kind) or f"only {' or '.join(setting.allowed)}"
         help_text = f"{label}: {setting.reason}".replace("%", "%%")
         if setting.takes_value:
@@ -210,8 +204,6 @@ def check(values: Mapping[str, Any], keyword: bool = False) -> list[str]:
     notes = []
     for name, value in given(values).items():
         setting = _BY_NAME[name]
-        if setting.keyword_only and not keyword:
-            continue  # the command line's own flag of that name
         shown = f"{name}={value!r}" if keyword else setting.flags[0] + ("" if value is True or value is False
                                                                         else f" {value}")
         if setting.kind == UNSUPPORTED and not _asks_nothing(value):

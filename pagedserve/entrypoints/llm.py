@@ -50,6 +50,8 @@ class LLM:
         # vLLM's LLM defaults it to True; False records vLLM's metrics for get_metrics() (no stats line is logged)
         log_stats = kwargs.pop("disable_log_stats", True) is False
         self._lock = threading.RLock()  # _one_call_at_a_time
+        # vLLM's: a constrained request's grammar begins after the think block (the text is not split here)
+        self._reasoning_parser = _reasoning_parser(kwargs.pop("reasoning_parser", None))
         _check_keyword_names(kwargs)
         kwargs, notes = vllm_compat.split_keywords(kwargs, model)
         for note in notes:
@@ -115,7 +117,21 @@ class LLM:
                                                 len(prompt_list))]
         if priority is not None:
             params_list = [p.clone(priority=int(rank)) for p, rank in zip(params_list, priority)]
+        params_list = [self._with_reasoning_gate(p, prompt) for prompt, p in zip(prompt_list, params_list)]
         return self._run(self._add_all(prompt_list, params_list))
+
+    def _with_reasoning_gate(self, params: SamplingParams, prompt: PromptType, continued: str | None = None
+                             ) -> SamplingParams:
+        """`params` with the grammar gated after the think block (reasoning_parser given, the request constrained,
+        the model's tags single tokens); `continued`: the assistant message a continue_final_message chat
+        continues."""
+        if self._reasoning_parser is None or params.structured_outputs is None or params.reasoning_gate is not None:
+            return params
+        from pagedserve.entrypoints.openai.reasoning import grammar_gate, prompt_opens_reasoning, think_tag_ids
+
+        gate = grammar_gate(self._reasoning_parser, think_tag_ids(self.engine.tokenizer),
+                            prompt_opens_reasoning(_prompt_tail(prompt, self.engine.tokenizer), continued))
+        return params if gate is None else params.clone(reasoning_gate=gate)
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -147,7 +163,13 @@ class LLM:
                                             continue_final_message, chat_template_content_format)
                    for c in conversations]
         decode = self.engine.tokenizer.decode  # outputs carry the rendered prompt's text, as vLLM's
-        return self.generate([{"prompt": decode(p), "prompt_token_ids": p} for p in prompts], sampling_params)
+        texts = [decode(p) for p in prompts]
+        if self._reasoning_parser is not None:  # gated here, where the continued message is known
+            params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
+            sampling_params = [self._with_reasoning_gate(p, text, _message_text(c[-1]) if continue_final_message
+                                                         else None)
+                               for p, text, c in zip(params_list, texts, conversations)]
+        return self.generate([{"prompt": t, "prompt_token_ids": p} for t, p in zip(texts, prompts)], sampling_params)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None, chat_template: str | None = None,
@@ -388,6 +410,36 @@ def _check_keyword_names(kwargs: dict[str, Any]) -> None:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}"
                             + (f": did you mean {close[0]!r}?" if close else ""))
+
+
+def _reasoning_parser(name: Any) -> str | None:
+    from pagedserve.entrypoints.openai.reasoning import PARSERS
+
+    if name is not None and name not in PARSERS:
+        raise ValueError(f"reasoning_parser={name!r}: not one of {', '.join(PARSERS)}")
+    return name
+
+
+def _prompt_tail(prompt: PromptType, tokenizer: Any) -> str:
+    """A prompt's end as text: where a think block its template opened shows (reasoning.prompt_opens_reasoning)."""
+    from pagedserve.entrypoints.openai.reasoning import REASONING_PROMPT_TAIL
+
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+    try:
+        return tokenizer.decode(list(ids)[-REASONING_PROMPT_TAIL:])
+    except (TypeError, ValueError, OverflowError):
+        return ""  # not token ids: add_request says what is wrong with them
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    from pagedserve.entrypoints.openai.chat_format import message_text
+    from pagedserve.entrypoints.openai.protocol import ChatMessage
+
+    return message_text(ChatMessage(**message))
 
 
 def _check_lora(lora_request: Any) -> None:

@@ -173,3 +173,27 @@ def test_reasoning_then_grammar_with_speculation_and_preemption(think_model, tag
     tight = LLM(think_model, max_model_len=512, dtype="float32", num_gpu_blocks_override=12, block_size=16)
     assert [o.outputs[0].token_ids for o in tight.generate(prompts, sampling)] == expected
     assert tight.engine.scheduler.num_preemptions_total > 0
+
+
+def test_llm_with_a_reasoning_parser_gates_constrained_requests(think_model, tags):
+    """LLM(reasoning_parser=...) as vLLM's: the texts are not split, but a constrained request's grammar waits
+    for the block its prompt opened (a template's generation prompt, a raw prompt ending in `<think>`, a continued
+    assistant message), and where none was opened the first token is `<think>` or the grammar's."""
+    start, end = tags
+    llm = LLM(think_model, max_model_len=512, dtype="float32", reasoning_parser="qwen3")
+    bias = {end: 100.0}  # wherever it is allowed, the block ends at once
+    sampling = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=CHOICE, logit_bias=bias)
+    question = [{"role": "user", "content": "Is the fox quick?"}]
+    texts = [o.outputs[0].text for o in llm.chat([question, question], sampling,
+                                                 chat_template_kwargs={"think": True})]
+    assert all(re.fullmatch("</think>(yes|no)", t) for t in texts), texts
+    continued = llm.chat([*question, {"role": "assistant", "content": "<think>\nThe fox"}], sampling,
+                         add_generation_prompt=False, continue_final_message=True)[0].outputs[0].text
+    assert re.fullmatch("</think>(yes|no)", continued), continued
+    raw = llm.generate(["Question: is the fox quick? <think>\n", "Question: is the fox quick?"], sampling)
+    assert re.fullmatch("</think>(yes|no)", raw[0].outputs[0].text), raw[0].outputs[0].text
+    assert raw[1].outputs[0].text in ("yes", "no")  # no block opened: `</think>` is not allowed first
+    free = llm.generate("Question: is the fox quick?", SamplingParams(temperature=0.0, max_tokens=8, logit_bias=bias))
+    assert free[0].outputs[0].token_ids[0] == end  # (an unconstrained request is not touched)
+    with pytest.raises(ValueError, match="reasoning_parser='granite': not one of deepseek_r1, qwen3"):
+        LLM(think_model, reasoning_parser="granite")

@@ -91,18 +91,13 @@ def test_the_table_never_shadows_a_setting_of_pagedserve():
     from pagedserve.entrypoints.ray_serve.args import ReplicaArgs
 
     own = {f.name for cls in (EngineArgs, ServeOptions, RequestLimits, ReplicaArgs) for f in dataclasses.fields(cls)}
-    names = [setting.name for setting in vllm_compat.COMPAT_SETTINGS if not setting.keyword_only]
+    names = [setting.name for setting in vllm_compat.COMPAT_SETTINGS]
     assert len(names) == len(set(names)) and not own & set(names)
-    # LLM(...)'s own entries stand for a server flag, which LLM(...) does not take
-    server_only = {f.name for f in dataclasses.fields(ServeOptions)} - {f.name for f in dataclasses.fields(EngineArgs)}
-    assert {s.name for s in vllm_compat.COMPAT_SETTINGS if s.keyword_only} <= server_only
 
 
-def test_the_server_s_reasoning_parser_is_noted_as_without_effect_in_llm_only():
-    kwargs, notes = vllm_compat.split_keywords({"model": "m", "reasoning_parser": "qwen3"})
-    assert kwargs == {"model": "m"} and notes[0].startswith("reasoning_parser='qwen3' has no effect")
+def test_reasoning_parser_is_the_server_s_flag_and_llm_s_keyword():
     args = parse("serve m --reasoning-parser qwen3")
-    assert args.reasoning_parser == "qwen3" and vllm_compat.check(vars(args)) == []  # the server's own flag
+    assert args.reasoning_parser == "qwen3" and vllm_compat.check(vars(args)) == []
     with pytest.raises(SystemExit):
         parse("serve m --reasoning-parser granite")  # a parser pagedserve has not: argparse's choices
 

@@ -25,6 +25,7 @@ from pagedserve.structured.params import ReasoningGate
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
+REASONING_PROMPT_TAIL = 16  # a prompt's last tokens read for a think block its generation prompt opened
 
 
 def prompt_opens_reasoning(prompt_tail: str, continued: str | None = None) -> bool:

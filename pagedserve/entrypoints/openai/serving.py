@@ -29,7 +29,8 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatM
 from pagedserve.entrypoints.openai.chat_format import (RESERVED_TEMPLATE_KWARGS, chat_delta, chat_finish_reason,
                                                        chat_logprobs, message_text, reasoning_fields,
                                                        render_conversation, token_text)
-from pagedserve.entrypoints.openai.reasoning import grammar_gate, prompt_opens_reasoning, think_tag_ids, with_reasoning
+from pagedserve.entrypoints.openai.reasoning import (REASONING_PROMPT_TAIL, grammar_gate, prompt_opens_reasoning,
+                                                     think_tag_ids, with_reasoning)
 from pagedserve.entrypoints.openai.tool_calls import (ToolCallReader, ToolChoice, make_reader, read_all,
                                                       resolve_tool_choice)
 from pagedserve.chat_template import select_template
@@ -39,7 +40,6 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams, check_
 from pagedserve.tokenizer import TokenBytes
 
 _DONE = object()
-REASONING_PROMPT_TAIL = 16  # a prompt's last tokens read for a think block its generation prompt opened
 logger = logging.getLogger(__name__)
 
 
