@@ -141,7 +141,7 @@ def load_chat_template(value: str) -> str:
     like one (holds '{' or a line break; a one-line template's \\n and \\t are read as escapes). Compiled here,
     so a broken template fails at start; ValueError naming the problem."""
     path = Path(value).expanduser()
-    if path.is_file():
+    if _is_file(path):
         source = path.read_text(encoding="utf-8")
     elif "{" in value or "\n" in value:
         source = value if "\n" in value else value.replace("\\n", "\n").replace("\\t", "\t")
@@ -156,6 +156,13 @@ def load_chat_template(value: str) -> str:
         raise ValueError(f"--chat-template: the template does not compile (line {exc.lineno}: {exc.message})") \
             from None
     return source
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long for a path: a template given inline
+        return False
 
 
 def plain_data(value: Any) -> Any:

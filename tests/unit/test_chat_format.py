@@ -82,3 +82,13 @@ def test_a_developer_message_is_a_system_message_where_the_template_never_names_
     assert render(qwen_like, messages) == "[system:Be brief.][user:Hi]"  # was "[user:Hi]"
     knows = "{% for m in messages %}{% if m.role == 'developer' %}<dev>{% endif %}[{{ m.role }}]{% endfor %}"
     assert render(knows, messages) == "<dev>[developer][user]"
+
+
+def test_a_long_inline_chat_template_is_read_as_a_template(tmp_path):
+    """--chat-template's value longer than a file name may be (255 bytes) is a template, not an OSError."""
+    from pagedserve.chat_template import load_chat_template
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}" + "{# a long comment #}" * 20
+    assert len(template) > 255 and load_chat_template(template) == template
+    (tmp_path / "t.jinja").write_text("{{ 1 }}")
+    assert load_chat_template(str(tmp_path / "t.jinja")) == "{{ 1 }}"
