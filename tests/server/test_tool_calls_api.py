@@ -167,3 +167,38 @@ def test_qwen_auto_calls_with_the_hermes_parser(tmp_path_factory):
         assert final.choices[0].message.content and final.choices[0].message.tool_calls is None
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+# A Mistral-style template: it refuses a tool call id that is not 9 letters and digits (Mistral-7B-Instruct-v0.3's
+# does), and writes the calls after [TOOL_CALLS].
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] ["
+    "{% for c in m.tool_calls %}{% if c.id is not defined or c.id|length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ c.function | tojson }}{% endfor %}]</s>{% else %}[INST] {{ m.content }} [/INST]{% endif %}{% endfor %}"
+    "{% if tools %}[AVAILABLE_TOOLS] {{ tools | map(attribute='function') | map(attribute='name') | join(' ') }}"
+    "[/AVAILABLE_TOOLS]{% endif %}")
+
+
+def test_mistral_parser_ids_round_trip_through_a_mistral_template(tiny_model_dir, tmp_path_factory):
+    """--tool-call-parser mistral: the calls' ids are ones Mistral's templates take back (any other id is the
+    template's 400); "auto" reads what a model writes without calls as content."""
+    srv = start_server(tiny_model_dir("mistral"), "--served-model-name", "tiny-mistral", "--max-model-len", "512",
+                       "--enable-auto-tool-choice", "--tool-call-parser", "mistral", "--chat-template",
+                       MISTRAL_TEMPLATE, log_dir=tmp_path_factory.mktemp("logs"))
+    try:
+        client = openai_client(srv)
+        first = client.chat.completions.create(model="tiny-mistral", messages=WEATHER, tools=TOOLS, max_tokens=200,
+                                               tool_choice={"type": "function", "function": {"name": "add"}})
+        call = first.choices[0].message.tool_calls[0]
+        assert len(call.id) == 9 and call.id.isalnum()
+        history = WEATHER + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                             {"role": "tool", "tool_call_id": call.id, "content": "3"}]
+        again = client.chat.completions.create(model="tiny-mistral", messages=history, tools=TOOLS, max_tokens=8,
+                                               temperature=0.0)
+        assert again.choices[0].message.tool_calls is None and again.choices[0].message.content is not None
+        history[1]["tool_calls"][0]["id"] = "call_0123456789abcdef"
+        with pytest.raises(openai.BadRequestError, match="length 9"):
+            client.chat.completions.create(model="tiny-mistral", messages=history, max_tokens=8)
+    finally:
+        assert srv.stop() == 0, srv.log()

@@ -215,6 +215,55 @@ def test_llama3_json():
     assert plain.calls == [] and plain.content == "Just text {not a call}"
 
 
+MARKED = [  # (parser, output, content, calls): the formats with a marker before their calls
+    ("mistral", 'Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 2}}]', "Sure.",
+     [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[CALL_ID]a1b2c3d4e[ARGS]{"a": 1}', "",
+     [("get_weather", {"city": "Paris"}), ("add", {"a": 1})]),
+    ("granite", '<|tool_call|>[{"name": "add", "arguments": {"a": 3, "b": 4}}]', "", [("add", {"a": 3, "b": 4})]),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "",
+     [("get_weather", {"city": "Oslo"})]),
+    ("phi4_mini_json", 'I will look. functools[{"name": "add", "parameters": {"a": 1, "b": 2}}]', "I will look. ",
+     [("add", {"a": 1, "b": 2})]),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", MARKED)
+def test_marked_formats_streamed_in_any_pieces_equal_read_whole(parser, text, content, calls):
+    whole = read_all(make_reader(choice("auto", parser), parser), text)
+    assert whole.content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.calls] == calls
+    for piece in range(1, len(text) + 1):
+        parts = streamed(make_reader(choice("auto", parser), parser), text, piece)
+        assert (parts.content, [c["function"] for c in parts.calls]) == (content, [c["function"] for c in whole.calls])
+
+
+@pytest.mark.parametrize("parser,marker", [("mistral", "[TOOL_CALLS]"), ("granite", "<|tool_call|>"),
+                                          ("phi4_mini_json", "functools")])
+def test_marked_formats_keep_what_is_not_calls_as_content(parser, marker):
+    for text in ("Plain text, no calls.", f"Text {marker} and more text", f"{marker}[{{\"name\": 1}}]",
+                 f"{marker}[{{\"name\": \"add\", \"arguments\": {{\"a\": 1}}", "Ends with a partial " + marker[:-1]):
+        for piece in (1, 3, 1000):
+            result = streamed(make_reader(choice("auto", parser), parser), text, piece)
+            assert result.calls == [] and result.content == text, (text, piece)
+    # content streams as it comes, held back only where it may be the marker's start
+    reader = make_reader(choice("auto", parser), parser)
+    assert reader.feed("Hello ") == ["Hello "] and reader.feed(marker[:2]) == []
+    assert reader.feed("!") == [marker[:2] + "!"]
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    """Mistral's chat templates refuse other ids when the calls are sent back: every mode's ids follow the rule."""
+    named = choice({"type": "function", "function": {"name": "add"}}, parser="mistral")
+    for reader, text in ((make_reader(choice("auto", "mistral"), "mistral"), MARKED[0][1]),
+                         (make_reader(choice("required", "mistral"), "mistral"), '[{"name": "add", "parameters": {}}]'),
+                         (make_reader(named, "mistral"), '{"a": 1}')):
+        ids = [c["id"] for c in read_all(reader, text).calls]
+        assert ids and all(len(i) == 9 and i.isalnum() for i in ids), ids
+    assert read_all(make_reader(choice("auto"), "hermes"), HERMES_TEXT).calls[0]["id"].startswith("call_")
+
+
 @pytest.mark.parametrize("piece", [1, 5, 1000])
 def test_required_and_named_readers(piece):
     text = '[{"name": "add", "parameters": {"a": 3, "b": 4}}]'
@@ -243,7 +292,7 @@ def test_only_readers_that_may_hold_text_back_say_so():
     assert make_reader(choice("none"), "hermes").passes_text_through
     for reader in (make_reader(choice("auto"), "hermes"), make_reader(choice("auto", parser="llama3_json"),
                                                                       "llama3_json"),
-                   make_reader(choice("required"), None)):
+                   make_reader(choice("auto", parser="mistral"), "mistral"), make_reader(choice("required"), None)):
         assert not reader.passes_text_through, type(reader).__name__
 
 
@@ -259,6 +308,7 @@ def test_content_reaches_the_template_as_text_or_as_openai_parts():
 @pytest.mark.parametrize("parser,text", [
     ("hermes", HERMES_TEXT),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "add", "parameters": {"a": 1}}'),
+    ("mistral", MARKED[0][1]), ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[ARGS]{}'),
 ])
 @pytest.mark.parametrize("piece", [1, 1000])
 def test_parallel_tool_calls_false_under_auto_keeps_the_first_call(parser, text, piece):

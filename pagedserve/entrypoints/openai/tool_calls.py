@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from pagedserve.exceptions import InvalidRequestError
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.structured.schema import check_json_schema
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("granite", "hermes", "llama3_json", "mistral", "phi4_mini_json")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -202,6 +203,12 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def mistral_call_id() -> str:
+    """Mistral's templates refuse a tool call id that is not 9 letters and digits (vLLM's mistral parser makes
+    such ids too)."""
+    return uuid.uuid4().hex[:9]
+
+
 class ToolCallReader:
     """Base: text passes through as content."""
 
@@ -213,6 +220,7 @@ class ToolCallReader:
 
     def __init__(self) -> None:
         self.num_calls = 0
+        self.new_id: Callable[[], str] = new_call_id  # the calls' ids (make_reader: mistral's for that parser)
 
     def feed(self, text: str) -> list[str | ToolCallDelta]:
         return [text] if text else []
@@ -222,7 +230,7 @@ class ToolCallReader:
 
     def _call(self, name: str, arguments: Any) -> ToolCallDelta:
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        delta = ToolCallDelta(self.num_calls, text, new_call_id(), name)
+        delta = ToolCallDelta(self.num_calls, text, self.new_id(), name)
         self.num_calls += 1
         return delta
 
@@ -491,6 +499,98 @@ class Llama3JsonReader(BufferedReader):
         if calls is None or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
             return [text]
         return [self._call(c["name"], c.get("parameters", c.get("arguments", {}))) for c in calls]
+
+
+class MarkedCallsReader(ToolCallReader):
+    """Formats whose calls come after a marker, following any content: the content streams until the marker (held
+    back only while the text may be its beginning); what follows the marker is read whole at the end (`calls`).
+    Where that is not calls, the marker and all after it are content (as vLLM's parsers keep it)."""
+
+    MARKER = ""
+    passes_text_through = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = ""
+        self.after: list[str] | None = None  # the text after the marker, once it was seen
+
+    def feed(self, text: str) -> list[str | ToolCallDelta]:
+        if self.after is not None:
+            self.after.append(text)
+            return []
+        self.pending += text
+        start = self.pending.find(self.MARKER)
+        if start >= 0:
+            content, self.after, self.pending = self.pending[:start], [self.pending[start + len(self.MARKER):]], ""
+        else:
+            cut = len(self.pending) - partial_suffix(self.pending, self.MARKER)
+            content, self.pending = self.pending[:cut], self.pending[cut:]
+        return [content] if content else []
+
+    def finish(self) -> list[str | ToolCallDelta]:
+        if self.after is None:
+            held, self.pending = self.pending, ""
+            return [held] if held else []
+        body = "".join(self.after)
+        calls = self.calls(body)
+        if calls is None:
+            return [self.MARKER + body]
+        return [self._call(name, arguments) for name, arguments in calls]
+
+    def calls(self, body: str) -> list[tuple[str, Any]] | None:
+        """(name, arguments) of each call in the text after the marker; None if it is not calls."""
+        return _call_objects(_json_values(body, " \n\t\r"))
+
+
+class MistralReader(MarkedCallsReader):
+    """mistral: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` objects (Mistral-7B-Instruct-v0.3 and
+    tokenizers before v11), or `[TOOL_CALLS]name[ARGS]{...}` for each call (v11 and later: Mistral-Small-3.1+,
+    Ministral, Devstral; a `[CALL_ID]id` after the name is dropped)."""
+
+    MARKER = "[TOOL_CALLS]"
+
+    def calls(self, body: str) -> list[tuple[str, Any]] | None:
+        if body.lstrip()[:1] in ("[", "{"):
+            return super().calls(body)
+        calls = []
+        for part in body.split(self.MARKER):
+            name, sep, arguments = part.partition("[ARGS]")
+            name = name.split("[CALL_ID]")[0].strip()
+            if not sep or not _NAME.match(name):
+                return None
+            values = _json_values(arguments, " \n\t\r")
+            if not values or len(values) != 1 or not isinstance(values[0], dict):
+                return None
+            calls.append((name, values[0]))
+        return calls
+
+
+class GraniteReader(MarkedCallsReader):
+    """granite: `<|tool_call|>` then a JSON array of `{"name", "arguments"}` objects (IBM Granite 3.x)."""
+
+    MARKER = "<|tool_call|>"
+
+
+class Phi4MiniReader(MarkedCallsReader):
+    """phi4_mini_json: `functools` then a JSON array of `{"name", "arguments"}` objects (Phi-4-mini-instruct)."""
+
+    MARKER = "functools"
+
+
+def _call_objects(values: list | None) -> list[tuple[str, Any]] | None:
+    """(name, arguments) of JSON call objects (`{"name", "arguments"}`, or "parameters"), given one by one or in
+    arrays; None where any value is something else."""
+    if not values:
+        return None
+    objects = [item for value in values for item in (value if isinstance(value, list) else [value])]
+    calls = []
+    for item in objects:
+        arguments = item.get("arguments", item.get("parameters", {})) if isinstance(item, dict) else None
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(arguments,
+                                                                                                 (dict, str)):
+            return None
+        calls.append((item["name"], arguments))
+    return calls or None
 
 
 def _json_values(text: str, separators: str, decoder: json.JSONDecoder | None = None) -> list | None:
@@ -766,11 +866,20 @@ def make_reader(choice: ToolChoice | None, parser: str | None) -> ToolCallReader
     if choice is None or choice.mode == "none":
         return ToolCallReader()
     if choice.mode == "named":
-        return NamedFunctionReader(choice.function_name)
-    if choice.mode == "required":
-        return RequiredReader()
-    reader = HermesReader([t["function"]["name"] for t in choice.tools]) if parser == "hermes" else Llama3JsonReader()
-    return reader if choice.parallel else FirstCallReader(reader)
+        reader: ToolCallReader = NamedFunctionReader(choice.function_name)
+    elif choice.mode == "required":
+        reader = RequiredReader()
+    elif parser == "hermes":
+        reader = HermesReader([t["function"]["name"] for t in choice.tools])
+    else:
+        reader = _MARKED_READERS.get(parser, Llama3JsonReader)()
+    if parser == "mistral":
+        reader.new_id = mistral_call_id
+    return reader if choice.mode != "auto" or choice.parallel else FirstCallReader(reader)
+
+
+_MARKED_READERS: dict[str, type[ToolCallReader]] = {"granite": GraniteReader, "mistral": MistralReader,
+                                                    "phi4_mini_json": Phi4MiniReader}
 
 
 class FirstCallReader(ToolCallReader):
