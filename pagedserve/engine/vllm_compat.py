@@ -137,7 +137,7 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     CompatSetting(("--middleware",), UNSUPPORTED, "the server imports no user code: put a reverse proxy in front "
                   "for extra middleware"),
     CompatSetting(("--tool-parser-plugin",), UNSUPPORTED, "the server imports no user code: --tool-call-parser takes "
-                  "hermes, llama3_json, mistral, granite or phi4_mini_json"),
+                  "hermes, llama3_json, mistral, granite, phi4_mini_json or pythonic"),
     CompatSetting(("--otlp-traces-endpoint",), UNSUPPORTED, "OpenTelemetry tracing is not supported: /metrics has "
                   "vLLM's Prometheus metrics"),
     CompatSetting(("--collect-detailed-traces",), UNSUPPORTED, "OpenTelemetry tracing is not supported: /metrics "

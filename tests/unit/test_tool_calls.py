@@ -253,6 +253,23 @@ def test_marked_formats_keep_what_is_not_calls_as_content(parser, marker):
     assert reader.feed("!") == [marker[:2] + "!"]
 
 
+@pytest.mark.parametrize("piece", [1, 7, 1000])
+def test_pythonic(piece):
+    """A Python list of calls with literal keyword arguments; anything else (positional arguments, names, calls
+    inside, values JSON has not) is content, as vLLM's."""
+    text = '[get_weather(city="Paris"), add(a=1, b=-2)]'
+    result = streamed(make_reader(choice("auto", "pythonic"), "pythonic"), text, piece)
+    assert result.content == "" and [c["function"] for c in result.calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}, {"name": "add", "arguments": '{"a": 1, "b": -2}'}]
+    wrapped = '<|python_start|>[add(a=[1, {"x": None}], b=True)]<|python_end|>'
+    assert [c["function"]["arguments"] for c in read_all(make_reader(choice("auto", "pythonic"), "pythonic"),
+                                                         wrapped).calls] == ['{"a": [1, {"x": null}], "b": true}']
+    for other in ("Just text.", "[add(1, 2)]", '[add(a=open("f"))]', "[add(a=1e999)]", "[add(**kw)]", "[]", "[x]",
+                  "[add(a={1, 2})]", "[add(a=1)] and text"):
+        result = read_all(make_reader(choice("auto", "pythonic"), "pythonic"), other)
+        assert result.calls == [] and result.content == other, other
+
+
 def test_mistral_call_ids_are_nine_letters_and_digits():
     """Mistral's chat templates refuse other ids when the calls are sent back: every mode's ids follow the rule."""
     named = choice({"type": "function", "function": {"name": "add"}}, parser="mistral")

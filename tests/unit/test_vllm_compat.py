@@ -195,8 +195,8 @@ def test_a_command_line_error_is_short_and_names_the_closest_flag(capsys):
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and says in err and len(err.splitlines()) <= 4, err
         assert f"pagedserve {argv[0]}: error:" in err
-    with pytest.raises(ValueError, match="--tool-call-parser pythonic is not supported: granite, hermes, llama3_json"):
-        ServeOptions(tool_call_parser="pythonic").check()
+    with pytest.raises(ValueError, match="--tool-call-parser xlam is not supported: granite, hermes, llama3_json"):
+        ServeOptions(tool_call_parser="xlam").check()
     # plan takes serve's command line: what serve refuses there (a server flag), plan refused neither
     assert main(["plan", "m", "--port", "99999"]) == 2
     assert "--port must be in 1..65535, got 99999" in capsys.readouterr().err

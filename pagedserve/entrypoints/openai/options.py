@@ -52,8 +52,9 @@ class ServeOptions(FlagArgs):
                                          "model writes; needs --tool-call-parser.", default=False, group="tools")
     tool_call_parser: str | None = setting("How the model writes tool calls: hermes (<tool_call>{json}</tool_call>: "
                                         "Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x JSON calls), mistral "
-                                        "([TOOL_CALLS]), granite (<|tool_call|>[...]: Granite 3.x) or "
-                                        "phi4_mini_json (functools[...]: Phi-4-mini).", group="tools")
+                                        "([TOOL_CALLS]), granite (<|tool_call|>[...]: Granite 3.x), "
+                                        "phi4_mini_json (functools[...]: Phi-4-mini) or pythonic ([f(x=1)]: "
+                                        "Llama 3.2 pythonic, Llama 4).", group="tools")
     reasoning_parser: str | None = setting(
         "Read a thinking model's <think>...</think> block out of its replies into their `reasoning` field (and "
         "`reasoning_content`), leaving the rest as content: qwen3 (Qwen3, Qwen3.5, QwQ) or deepseek_r1 (DeepSeek-R1 "
@@ -148,9 +149,9 @@ class ServeOptions(FlagArgs):
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser} is not supported: {', '.join(PARSERS)} "
                              "(hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.x; mistral: Mistral; granite: "
-                             "Granite 3.x; phi4_mini_json: Phi-4-mini); without a parser, tool_choice "
-                             "\"required\" or a named function still calls tools with any model (a grammar writes "
-                             "the call)")
+                             "Granite 3.x; phi4_mini_json: Phi-4-mini; pythonic: Llama 3.2/4); without a parser, "
+                             "tool_choice \"required\" or a named function still calls tools with any model (a "
+                             "grammar writes the call)")
         if self.uds is not None:
             check_socket_path(self.uds)
         if self.root_path and not self.root_path.startswith("/"):

@@ -28,7 +28,7 @@ from pagedserve.exceptions import InvalidRequestError
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.structured.schema import check_json_schema
 
-PARSERS = ("granite", "hermes", "llama3_json", "mistral", "phi4_mini_json")
+PARSERS = ("granite", "hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -577,6 +577,32 @@ class Phi4MiniReader(MarkedCallsReader):
     MARKER = "functools"
 
 
+class PythonicReader(BufferedReader):
+    """pythonic: the output is a Python list of calls with keyword arguments, `[get_weather(city="Paris"), add(a=1,
+    b=2)]` (Llama 3.2 and Llama 4 with a pythonic template; `<|python_start|>` ... `<|python_end|>` around it
+    allowed); the values are Python literals (strings, numbers, True/False/None, lists, dicts). Any other output is
+    content, as in vLLM."""
+
+    def parse(self, text: str) -> list[str | ToolCallDelta]:
+        import ast
+
+        body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        calls = []
+        try:
+            tree = ast.parse(body, mode="eval").body if body.startswith("[") and body.endswith("]") else None
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return [text] if text else []
+            for node in tree.elts:
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args or any(
+                        k.arg is None for k in node.keywords):
+                    return [text]
+                calls.append((node.func.id, {k.arg: ast.literal_eval(k.value) for k in node.keywords}))
+            arguments = [json.dumps(a, ensure_ascii=False, allow_nan=False) for _, a in calls]  # else: text
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return [text]
+        return [self._call(name, args) for (name, _), args in zip(calls, arguments)]
+
+
 def _call_objects(values: list | None) -> list[tuple[str, Any]] | None:
     """(name, arguments) of JSON call objects (`{"name", "arguments"}`, or "parameters"), given one by one or in
     arrays; None where any value is something else."""
@@ -879,7 +905,7 @@ def make_reader(choice: ToolChoice | None, parser: str | None) -> ToolCallReader
 
 
 _MARKED_READERS: dict[str, type[ToolCallReader]] = {"granite": GraniteReader, "mistral": MistralReader,
-                                                    "phi4_mini_json": Phi4MiniReader}
+                                                    "phi4_mini_json": Phi4MiniReader, "pythonic": PythonicReader}
 
 
 class FirstCallReader(ToolCallReader):
