@@ -127,10 +127,10 @@ class LLM:
         continues."""
         if self._reasoning_parser is None or params.structured_outputs is None or params.reasoning_gate is not None:
             return params
-        from pagedserve.entrypoints.openai.reasoning import grammar_gate, prompt_opens_reasoning, think_tag_ids
+        from pagedserve.entrypoints.openai.reasoning import grammar_gate, prompt_block, think_tag_ids
 
         gate = grammar_gate(self._reasoning_parser, think_tag_ids(self.engine.tokenizer),
-                            prompt_opens_reasoning(_prompt_tail(prompt, self.engine.tokenizer), continued))
+                            prompt_block(_prompt_tail(prompt, self.engine.tokenizer), continued))
         return params if gate is None else params.clone(reasoning_gate=gate)
 
     def chat(self, messages: Conversation | list[Conversation],
@@ -421,7 +421,7 @@ def _reasoning_parser(name: Any) -> str | None:
 
 
 def _prompt_tail(prompt: PromptType, tokenizer: Any) -> str:
-    """A prompt's end as text: where a think block its template opened shows (reasoning.prompt_opens_reasoning)."""
+    """A prompt's end as text: where a think block its template opened or closed shows (reasoning.prompt_block)."""
     from pagedserve.entrypoints.openai.reasoning import REASONING_PROMPT_TAIL
 
     if isinstance(prompt, str):

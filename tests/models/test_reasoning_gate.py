@@ -193,6 +193,9 @@ def test_llm_with_a_reasoning_parser_gates_constrained_requests(think_model, tag
     raw = llm.generate(["Question: is the fox quick? <think>\n", "Question: is the fox quick?"], sampling)
     assert re.fullmatch("</think>(yes|no)", raw[0].outputs[0].text), raw[0].outputs[0].text
     assert raw[1].outputs[0].text in ("yes", "no")  # no block opened: `</think>` is not allowed first
+    closed = llm.generate("Question: is the fox quick? <think>\n\n</think>\n\n", SamplingParams(
+        temperature=0.0, max_tokens=24, structured_outputs=CHOICE, logit_bias={start: 50.0, end: 100.0}))
+    assert closed[0].outputs[0].text in ("yes", "no")  # the prompt closed the block: no second one
     free = llm.generate("Question: is the fox quick?", SamplingParams(temperature=0.0, max_tokens=8, logit_bias=bias))
     assert free[0].outputs[0].token_ids[0] == end  # (an unconstrained request is not touched)
     with pytest.raises(ValueError, match="reasoning_parser='granite': not one of deepseek_r1, qwen3"):

@@ -122,3 +122,35 @@ def test_the_responses_api(server, end_bias):
     assert [item["type"] for item in reply["output"]] == ["reasoning", "message"], reply
     assert reply["output"][0]["content"][0]["text"] == free["reasoning"]
     assert isinstance(json.loads(reply["output"][1]["content"][0]["text"])["ok"], bool)
+
+
+def test_a_prompt_that_closed_the_block_gets_the_grammar_at_once(server, tags):
+    """A continued assistant message whose block is closed (or a generation prompt that closes it, as
+    enable_thinking false does): the reasoning is over, so the first token is the grammar's, `<think>` not allowed
+    (QA-G: it opened a second block)."""
+    start, end = (str(t) for t in tags)
+    reply = post(server, "/v1/chat/completions", {
+        "messages": MESSAGES + [{"role": "assistant", "content": "<think>\nOkay</think>"}], "max_tokens": 40,
+        "temperature": 0, "logit_bias": {start: 50, end: 100}, "add_generation_prompt": False,
+        "continue_final_message": True, "structured_outputs": CHOICE, "return_token_ids": True}).json()["choices"][0]
+    assert tags[0] not in reply["token_ids"] and reply["message"]["content"] in ("yes", "no"), reply
+    assert reply["message"]["reasoning"] is None
+
+
+def test_completions_gate_the_grammar_as_chat_does(server, tags):
+    """vLLM gates grammars in the engine, whatever the endpoint: /v1/completions too (its text is not split)."""
+    start, end = (str(t) for t in tags)
+    cases = [("Is the fox quick? <think>\n", {end: 100}, "</think>"),  # the prompt opened a block
+             ("Is the fox quick?", {start: 50, end: 100}, "<think></think>"),  # the model opens one
+             ("Is the fox quick? <think>\n\n</think>\n\n", {start: 50, end: 100}, "")]  # the prompt closed it
+    for prompt, bias, tags_written in cases:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "logit_bias": bias,
+                    "structured_outputs": CHOICE, "stream": stream}
+            if stream:
+                with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+                    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in response.iter_lines()
+                                   if line.startswith("data: ") and line != "data: [DONE]")
+            else:
+                text = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            assert text in (tags_written + "yes", tags_written + "no"), (prompt, stream, text)

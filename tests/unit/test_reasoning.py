@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pagedserve.entrypoints.openai.chat_format import chat_delta
-from pagedserve.entrypoints.openai.reasoning import ReasoningReader, prompt_opens_reasoning, with_reasoning
+from pagedserve.entrypoints.openai.reasoning import CLOSED, OPEN, ReasoningReader, prompt_block, with_reasoning
 from pagedserve.entrypoints.openai.tool_calls import (HermesReader, ReadResult, ReasoningDelta, ToolCallReader,
                                                       read_all)
 
@@ -32,7 +32,7 @@ CASES = [  # (parser, prompt opened the block, output, reasoning, content)
 
 
 def read(parser: str, opened: bool, pieces: list[str], inner: ToolCallReader | None = None) -> ReadResult:
-    reader = ReasoningReader(inner or ToolCallReader(), parser, opened)
+    reader = ReasoningReader(inner or ToolCallReader(), parser, OPEN if opened else None)
     result = ReadResult()
     for piece in pieces:
         result.add(reader.feed(piece))
@@ -67,39 +67,48 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning():
         assert result.reasoning == "The user wants a sum. <tool_call> is how I call."
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in result.calls] == [
             ("add", {"a": 1, "b": 2})]
-    reader = ReasoningReader(HermesReader(["add"]), "qwen3", False)
+    reader = ReasoningReader(HermesReader(["add"]), "qwen3", None)
     read_all(reader, output)
     assert reader.num_calls == 1  # what a stream's finish_reason reads
 
 
 def test_no_parser_or_a_grammar_leaves_the_reader_as_it_is():
     inner = ToolCallReader()
-    assert with_reasoning(inner, None, True, constrained=False) is inner
-    assert with_reasoning(inner, "qwen3", True, constrained=True) is inner  # the grammar writes every token
-    assert isinstance(with_reasoning(inner, "qwen3", False, constrained=False), ReasoningReader)
+    assert with_reasoning(inner, None, OPEN, constrained=False) is inner
+    assert with_reasoning(inner, "qwen3", OPEN, constrained=True) is inner  # the grammar writes every token
+    assert isinstance(with_reasoning(inner, "qwen3", None, constrained=False), ReasoningReader)
 
 
-@pytest.mark.parametrize("tail,opened", [
-    ("<|im_start|>assistant\n<think>\n", True),  # Qwen3-Thinking-2507 / Qwen3.5
-    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # enable_thinking false
-    ("<|im_start|>assistant\n", False),
-    ("<｜Assistant｜><think>\n", True),  # DeepSeek-R1's newer templates
-    ("<think> a question about </think> tags <think>x", False),  # text after the tag: not a block left open
-    ("", False),
+@pytest.mark.parametrize("tail,block", [
+    ("<|im_start|>assistant\n<think>\n", OPEN),  # Qwen3-Thinking-2507 / Qwen3.5
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", CLOSED),  # enable_thinking false
+    ("<|im_start|>assistant\n", None),
+    ("<｜Assistant｜><think>\n", OPEN),  # DeepSeek-R1's newer templates
+    ("<think> a question about </think> tags <think>x", None),  # text after the tag: not a block left open
+    ("a question about </think> tags", None),  # nor one closed
+    ("", None),
 ])
-def test_a_generation_prompt_that_opens_the_block(tail, opened):
-    assert prompt_opens_reasoning(tail) is opened
+def test_what_a_generation_prompt_leaves_of_the_block(tail, block):
+    assert prompt_block(tail) == block
 
 
-@pytest.mark.parametrize("continued,opened", [
-    ("<think>\nTwo plus", True),  # the client began the reasoning (QA: it all went to content, </think> too)
-    ("<think>\nTwo plus two is four.</think>\n\nThe", False),
-    ("The answer", False),
-    ("What does <think> mean? <think>", True),
+@pytest.mark.parametrize("continued,block", [
+    ("<think>\nTwo plus", OPEN),  # the client began the reasoning (QA: it all went to content, </think> too)
+    ("<think>\nTwo plus two is four.</think>\n\nThe", CLOSED),  # the reasoning is over (QA-G: a second block)
+    ("<think>\nOkay</think>", CLOSED),
+    ("The answer", None),
+    ("What does <think> mean? <think>", OPEN),
 ])
-def test_a_continued_assistant_message_that_opens_the_block(continued, opened):
-    assert prompt_opens_reasoning("<|im_start|>assistant\n" + continued, continued) is opened
-    assert not prompt_opens_reasoning("a user's <think> in a question<|im_end|>\n<|im_start|>assistant\n")
+def test_what_a_continued_assistant_message_leaves_of_the_block(continued, block):
+    assert prompt_block("<|im_start|>assistant\n" + continued, continued) == block
+    assert prompt_block("a user's <think> in a question<|im_end|>\n<|im_start|>assistant\n") is None
+
+
+def test_a_closed_block_in_the_prompt_leaves_r1_s_output_content():
+    """deepseek_r1 reads an output without `<think>` as reasoning, but not after a prompt that closed the block."""
+    for block, expected in ((None, ("Okay", "42")), (CLOSED, (None, "Okay</think>42"))):
+        result = read_all(ReasoningReader(ToolCallReader(), "deepseek_r1", block), "Okay</think>42")
+        assert (result.reasoning or None, result.content) == expected, block
 
 
 def test_a_chunk_of_reasoning_carries_no_content_field():

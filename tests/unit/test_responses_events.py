@@ -115,7 +115,7 @@ def test_reasoning_tokens_are_those_up_to_the_end_of_the_think_block():
     ids = list(range(len(pieces)))
     # the block ending the text, then an EOS (QA-R2: all 6 were counted); the block never ending: all of them
     for output, expected in ((ids, 5), (ids[:4], 4), ([5, 6], 0), (ids[:5] + [2], 5), (ids[:3], 3)):
-        reader = ReasoningReader(ToolCallReader(), "qwen3", prompt_opened=False)
+        reader = ReasoningReader(ToolCallReader(), "qwen3", None)
         read_all(reader, decode(output))
         counted = asyncio.run(serving._reasoning_tokens(output, reader, skip_special_tokens=True))
         assert counted == expected, output

@@ -28,15 +28,23 @@ START, END = "<think>", "</think>"
 REASONING_PROMPT_TAIL = 16  # a prompt's last tokens read for a think block its generation prompt opened
 
 
-def prompt_opens_reasoning(prompt_tail: str, continued: str | None = None) -> bool:
-    """Whether a rendered prompt leaves a think block open for the output: its generation prompt ends with
-    `<think>` (the tail, its last few tokens as text: the last `<think>` after the last `</think>`, with nothing
-    but white space after it), or the assistant message it continues (`continued`, continue_final_message) holds
-    a `<think>` not closed after it (a reasoning begun by the client: "<think>\nOkay, the user")."""
-    start = prompt_tail.rfind(START)
-    if start >= 0 and start > prompt_tail.rfind(END) and not prompt_tail[start + len(START):].strip():
-        return True
-    return continued is not None and continued.rfind(START) > continued.rfind(END)
+OPEN, CLOSED = "open", "closed"  # prompt_block's answers
+
+
+def prompt_block(prompt_tail: str, continued: str | None = None) -> str | None:
+    """What a rendered prompt leaves the output of a think block: OPEN where its generation prompt ends with
+    `<think>` (the tail, its last few tokens as text: the last `<think>` after the last `</think>`, with nothing but
+    white space after it) or the assistant message it continues (`continued`, continue_final_message) holds a
+    `<think>` not closed after it (a reasoning begun by the client: "<think>\nOkay, the user"); CLOSED where the
+    generation prompt ends with a closed block (`enable_thinking: false` writes `<think>\n\n</think>`) or the
+    continued message holds one (the reasoning is over: vLLM's rule too); else None."""
+    start, end = prompt_tail.rfind(START), prompt_tail.rfind(END)
+    last_start, last_end = (-1, -1) if continued is None else (continued.rfind(START), continued.rfind(END))
+    if (start >= 0 and start > end and not prompt_tail[start + len(START):].strip()) or last_start > last_end:
+        return OPEN
+    if (end >= 0 and end > start and not prompt_tail[end + len(END):].strip()) or last_end >= 0:
+        return CLOSED
+    return None
 
 
 class ReasoningReader(ToolCallReader):
@@ -46,10 +54,12 @@ class ReasoningReader(ToolCallReader):
 
     passes_text_through = False  # a tag's first characters are held until the next piece tells what they are
 
-    def __init__(self, inner: ToolCallReader, parser: str, prompt_opened: bool) -> None:
+    def __init__(self, inner: ToolCallReader, parser: str, block: str | None) -> None:
+        """`block`: prompt_block's answer for the prompt."""
         super().__init__()
         self.inner = inner
-        self.open_by_default = prompt_opened or parser == "deepseek_r1"  # where the output does not open with <think>
+        # where the output does not open with <think>: R1 leaves the tag out, unless the prompt closed the block
+        self.open_by_default = block == OPEN or (parser == "deepseek_r1" and block != CLOSED)
         self.state = "start"  # start: undecided (white space or part of <think> so far); reasoning; content
         self.held = ""
         self.fed = 0  # characters of the text so far
@@ -123,18 +133,18 @@ def think_tag_ids(tokenizer) -> tuple[int, int] | None:
     return None
 
 
-def grammar_gate(parser: str | None, tags: tuple[int, int] | None, prompt_opened: bool) -> ReasoningGate | None:
+def grammar_gate(parser: str | None, tags: tuple[int, int] | None, block: str | None) -> ReasoningGate | None:
     """Where a constrained request's grammar begins: after the think block (None: from the first token, where there
-    is no parser or the tags are not single tokens)."""
-    if parser is None or tags is None:
+    is no parser, the tags are not single tokens, or the prompt closed the block)."""
+    if parser is None or tags is None or block == CLOSED:
         return None
-    return ReasoningGate(*tags, opened=prompt_opened or parser == "deepseek_r1")
+    return ReasoningGate(*tags, opened=block == OPEN or parser == "deepseek_r1")
 
 
-def with_reasoning(reader: ToolCallReader, parser: str | None, prompt_opened: bool,
+def with_reasoning(reader: ToolCallReader, parser: str | None, block: str | None,
                    constrained: bool) -> ToolCallReader:
     """`reader` behind the reasoning parser, or `reader` itself (no parser; or a request whose grammar writes the
     whole output)."""
     if parser is None or constrained:
         return reader
-    return ReasoningReader(reader, parser, prompt_opened)
+    return ReasoningReader(reader, parser, block)

@@ -29,7 +29,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatM
 from pagedserve.entrypoints.openai.chat_format import (RESERVED_TEMPLATE_KWARGS, chat_delta, chat_finish_reason,
                                                        chat_logprobs, message_text, reasoning_fields,
                                                        render_conversation, token_text)
-from pagedserve.entrypoints.openai.reasoning import (REASONING_PROMPT_TAIL, grammar_gate, prompt_opens_reasoning,
+from pagedserve.entrypoints.openai.reasoning import (REASONING_PROMPT_TAIL, grammar_gate, prompt_block,
                                                      think_tag_ids, with_reasoning)
 from pagedserve.entrypoints.openai.tool_calls import (ToolCallReader, ToolChoice, make_reader, read_all,
                                                       resolve_tool_choice)
@@ -291,6 +291,9 @@ class OpenAIServing:
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
         params_list = [self._params(req, m, req.logprobs, prompt_logprobs) for m in max_tokens]
         self._validate_for_engine(prompts, params_list)
+        if not req.use_beam_search:
+            for prompt, params in zip(prompts, params_list):
+                self._gate_grammar(params, self._prompt_block(prompt))
         request_id = self._request_id("cmpl", req, raw)
         if req.use_beam_search:
             streams = self._start_beam_search(request_id, req, prompts, max_tokens, params_list, req.logprobs)
@@ -670,11 +673,9 @@ class OpenAIServing:
         if tool_choice is not None and tool_choice.mode == "auto":
             params.skip_special_tokens = False  # tool-call tags may be special tokens (Qwen's <tool_call>)
         self._validate_for_engine([prompt], [params], {"logprobs": "top_logprobs"})
-        opened = self.reasoning_parser is not None and prompt_opens_reasoning(
-            self.tokenizer.decode(prompt.token_ids[-REASONING_PROMPT_TAIL:], skip_special_tokens=False),
-            message_text(req.messages[-1]) if req.continue_final_message else None)
-        if params.structured_outputs is not None and not req.use_beam_search:
-            params.reasoning_gate = grammar_gate(self.reasoning_parser, self.reasoning_tags, opened)
+        block = self._prompt_block(prompt, message_text(req.messages[-1]) if req.continue_final_message else None)
+        if not req.use_beam_search:
+            self._gate_grammar(params, block)
         request_id = self._request_id(id_prefix, req, raw)
         if req.use_beam_search:
             streams = self._start_beam_search(request_id, req, [prompt], [max_tokens], [params], logprobs)
@@ -683,10 +684,23 @@ class OpenAIServing:
             streams = self._start(request_id, [prompt], [params])
 
         def new_reader() -> ToolCallReader:
-            return with_reasoning(make_reader(tool_choice, self.tool_call_parser), self.reasoning_parser, opened,
+            return with_reasoning(make_reader(tool_choice, self.tool_call_parser), self.reasoning_parser, block,
                                   constrained=params.structured_outputs is not None and params.reasoning_gate is None)
 
         return StartedChat(request_id, prompt, streams, tool_choice, params, new_reader)
+
+    def _prompt_block(self, prompt: _Prompt, continued: str | None = None) -> str | None:
+        """reasoning.prompt_block for a prompt (None without --reasoning-parser)."""
+        if self.reasoning_parser is None:
+            return None
+        tail = self.tokenizer.decode(prompt.token_ids[-REASONING_PROMPT_TAIL:], skip_special_tokens=False)
+        return prompt_block(tail, continued)
+
+    def _gate_grammar(self, params: SamplingParams, block: str | None) -> None:
+        """With --reasoning-parser, a constrained request's grammar begins after the think block (vLLM's, whatever
+        the endpoint)."""
+        if params.structured_outputs is not None:
+            params.reasoning_gate = grammar_gate(self.reasoning_parser, self.reasoning_tags, block)
 
     async def _chat_stream(self, chat: StartedChat, req: ChatCompletionRequest) -> AsyncIterator[str]:
         request_id, prompt, streams, tool_choice = chat.request_id, chat.prompt, chat.streams, chat.tool_choice
