@@ -9,13 +9,13 @@ Both parsers read the `<think>` ... `</think>` block these models write:
   otherwise it is all content (`enable_thinking: false` closes the block in the prompt; a model that does not
   think writes no tags).
 - deepseek_r1 (DeepSeek-R1 and its distills): the output is reasoning up to `</think>` whether or not it opens with
-  `<think>` (R1 leaves the opening tag out).
+  `<think>` (R1 leaves the opening tag out), unless the prompt closed the block (a continued message's).
 An output that ends inside the block (max_tokens reached while thinking) is all reasoning, with no content.
 
 Requests that a grammar constrains (response_format, structured_outputs, tool_choice "required" or a named
 function) think first, as vLLM's: the grammar applies from the token after `</think>` (structured/gate.py), where
-the tags are single tokens of the vocabulary (Qwen3's, QwQ's, R1's). With any other vocabulary the grammar writes
-the whole output, which is read as content.
+the tags are single tokens of the vocabulary (Qwen3's, QwQ's, R1's), and at once where the prompt closed the block.
+With any other vocabulary the grammar writes the whole output, which is read as content.
 """
 
 from __future__ import annotations
