@@ -41,8 +41,8 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512):
 
 def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int = 0, weight_std: float = 0.2,
                     **overrides) -> Path:
-    """Save a random tiny `arch` ('llama', 'mistral', 'qwen2', 'qwen3', 'granite', 'phi3', 'gemma', 'gemma2', 'gemma3',
-    'gemma3-multimodal', 'smollm3') model with a tokenizer into out_dir. A larger `weight_std` makes a model that
+    """Save a random tiny `arch` ('llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'mixtral', 'granite', 'phi3',
+    'gemma', 'gemma2', 'gemma3', 'gemma3-multimodal', 'smollm3') model with a tokenizer into out_dir. A larger `weight_std` makes a model that
     falls into repeating loops sooner (speculative decoding's tests)."""
     import torch
     import transformers
@@ -64,6 +64,15 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
         config = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True,
                                              **overrides})
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen3_moe":  # 4 experts, 2 a token; the second layer a plain MLP (mlp_only_layers)
+        config = transformers.Qwen3MoeConfig(**{**common, "head_dim": 32, "tie_word_embeddings": True, "num_experts": 4,
+                                                "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                                "norm_topk_prob": True, "mlp_only_layers": [1], **overrides})
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(**{**common, "tie_word_embeddings": False, "num_local_experts": 4,
+                                               "num_experts_per_tok": 2, "intermediate_size": 64, **overrides})
+        cls = transformers.MixtralForCausalLM
     elif arch == "granite":  # scales far from 1, so a scale applied wrongly (or not at all) shows
         config = transformers.GraniteConfig(**{**common, "tie_word_embeddings": True, "embedding_multiplier": 3.0,
                                                "residual_multiplier": 0.37, "attention_multiplier": 0.11,
@@ -107,6 +116,8 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
             elif arch.startswith("gemma") and "vision" not in name:  # Gemma's norms scale by 1 + weight: zero
                 # would hide a missing 1 +
                 param.normal_(0.0, 0.2)
+            if name.endswith(".gate.weight"):  # a MoE router: scores far apart, so that bfloat16's rounding rarely
+                param.mul_(4.0)  # flips which experts a token takes (a flip changes every later position)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out_dir)
     make_tokenizer(out_dir)

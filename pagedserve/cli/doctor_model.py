@@ -147,8 +147,8 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
                                         softcapped_attention(model.architecture, model.hf_config),
                                         envs.batch_invariant()))
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
-    if native is None or layers.stack:
-        return CheckResult("layers", PASS, detail)
+    if native is None or layers.stack or (layers.experts is not None and replace(layers, experts=None).stack):
+        return CheckResult("layers", PASS, detail)  # (mixture-of-experts layers: all native, never in the stack)
     if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:
         fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
     elif not layers.activation_native:

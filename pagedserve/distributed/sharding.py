@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.memory.sizes import moe_shape
+
 # Parameter name suffix -> (how it is split, by which count). Names are the checkpoint's (models/llama.py).
 _RULES: dict[str, tuple[str, str]] = {
     "self_attn.q_proj.weight": ("rows", "heads"), "self_attn.q_proj.bias": ("rows", "heads"),
@@ -47,6 +49,8 @@ def _problems(config: Any, world_size: int) -> list[str]:
         problems.append(f"its {kv_heads} KV heads neither divide by {world_size} nor divide it")
     if config.intermediate_size % world_size:
         problems.append(f"its MLP width {config.intermediate_size} does not divide by {world_size}")
+    if world_size > 1 and moe_shape(config) is not None:
+        problems.append("it is a mixture-of-experts model, whose experts are not split across processes yet")
     return problems
 
 

@@ -17,7 +17,9 @@ Formulas (M = max_model_len, S = max_num_seqs, L layers, V vocab, kvh KV heads, 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 GIB = 1 << 30  # the byte units, defined here only (probe, rss, pressure, the CLI import them)
 MIB = 1 << 20
@@ -68,6 +70,29 @@ CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts model's MLPs (Mixtral, Qwen3-MoE), from its config.json: experts per layer, how many run
+    for each token, each one's intermediate width, and the layers that keep a plain MLP."""
+
+    num_experts: int
+    top_k: int
+    width: int
+    dense_layers: frozenset[int] = frozenset()
+
+
+def moe_shape(config: Any) -> MoEShape | None:
+    """MoEShape of a config (config.json's dict or a transformers config), None for a model without experts."""
+    get = config.get if isinstance(config, dict) else (lambda key: getattr(config, key, None))
+    num_experts = get("num_local_experts") or get("num_experts")
+    if not num_experts:
+        return None
+    step, only = get("decoder_sparse_step") or 1, set(get("mlp_only_layers") or ())
+    dense = frozenset(i for i in range(get("num_hidden_layers")) if i in only or (i + 1) % step)
+    return MoEShape(int(num_experts), int(get("num_experts_per_tok")),
+                    int(get("moe_intermediate_size") or get("intermediate_size")), dense)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the plan needs to know about a model; weight_bytes is exact, from file headers, in the serving dtype."""
 
@@ -86,6 +111,7 @@ class ModelShape:
     # and their window; 0 where every layer's K/V is in the one pool.
     num_window_layers: int = 0
     window: int = 0
+    moe: MoEShape | None = None  # experts in place of the MLP (layers other than moe.dense_layers)
 
     @classmethod
     def from_hf_config(cls, config: dict, weight_bytes: int) -> ModelShape:
@@ -101,6 +127,7 @@ class ModelShape:
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
             vocab_size=config["vocab_size"],
             weight_bytes=weight_bytes,
+            moe=moe_shape(config),
         )
 
     @property
@@ -108,14 +135,23 @@ class ModelShape:
         """Parameters of the decoder layers' linear projections (what int8 weight-only quantization shrinks)."""
         qkv_out = (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
         attention = self.hidden_size * qkv_out + self.num_attention_heads * self.head_dim * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attention + mlp)
+        return self.num_layers * attention + self._mlps(lambda width: 3 * self.hidden_size * width)
 
     @property
     def num_linear_output_channels(self) -> int:
         """Output channels of the decoder layers' linear projections (fused q/k/v, o, fused gate/up, down)."""
         qkv_out = (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
-        return self.num_layers * (qkv_out + self.hidden_size + 2 * self.intermediate_size + self.hidden_size)
+        return (self.num_layers * (qkv_out + self.hidden_size)
+                + self._mlps(lambda width: 2 * width + self.hidden_size))
+
+    def _mlps(self, per_mlp: Callable[[int], int]) -> int:
+        """`per_mlp(width)` summed over every layer's MLPs: one per layer, or each expert of the sparse layers (the
+        router stays in the serving dtype)."""
+        if self.moe is None:
+            return self.num_layers * per_mlp(self.intermediate_size)
+        dense = len(self.moe.dense_layers)
+        return (dense * per_mlp(self.intermediate_size)
+                + (self.num_layers - dense) * self.moe.num_experts * per_mlp(self.moe.width))
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int, kv_scale_bytes: int = 0) -> int:

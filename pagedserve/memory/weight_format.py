@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.memory.probe import is_x86, native_kernel_isa
+from pagedserve.memory.sizes import moe_shape
 
 SUPPORTED_QUANTIZATION = (None, "int8")
 # What the native kernels need of a model's sizes (their vector loops and weight blocks).
@@ -208,6 +209,7 @@ class LayerKernels:
     # as decoder_native
     sdpa_prefill: bool = False  # prefill chunks' attention on torch's SDPA, decode's native (probe.sdpa_prefill)
     softcapped: bool = False  # capped scores' prefill chunks on torch ops (capped_prefill_on_torch)
+    experts: tuple[int, int] | None = None  # (experts, experts per token) of mixture-of-experts MLPs
 
     @property
     def activation_native(self) -> bool:
@@ -219,8 +221,9 @@ class LayerKernels:
 
     @property
     def stack(self) -> bool:
-        """Decode-only steps run every layer on the C decoder layer: it needs every part of a layer native."""
-        return self.activation_native and self.rotary_fused and all(
+        """Decode-only steps run every layer on the C decoder layer: it needs every part of a layer native (and
+        one MLP: experts run layer by layer)."""
+        return self.experts is None and self.activation_native and self.rotary_fused and all(
             linear.native for linear in self.linears if linear.name != "logits")
 
     @property
@@ -234,12 +237,13 @@ class LayerKernels:
 
     def lines(self) -> list[str]:
         native = "native" if self.decoder_native else "torch"
-        stack = "off"
+        stack = "off" if self.experts is None else "off (mixture-of-experts layers run layer by layer)"
         if self.stack:
             stack = "on, one native call" if self.tp is None else (
                 f"on (tensor parallel, rank {self.tp[0]} of {self.tp[1]}: two native calls per layer, all-reducing "
                 "after each)")
-        return [f"{self.num_layers} decoder layers: " + ", ".join(f"{l.name} {l.words}" for l in self.linears),
+        experts = "" if self.experts is None else f" (MLPs: {self.experts[0]} experts, {self.experts[1]} per token)"
+        return [f"{self.num_layers} decoder layers{experts}: " + ", ".join(f"{l.name} {l.words}" for l in self.linears),
                 f"norms {native}; {_ACTIVATION_WORDS.get(self.activation, self.activation)} x up "
                 f"{'native' if self.activation_native else 'torch'}; "
                 f"rotary + KV write {'native' if self.rotary_fused else 'torch'}; "
@@ -273,8 +277,14 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     hidden, intermediate = cfg.hidden_size, cfg.intermediate_size // tp_size  # this rank's MLP width
+    moe = moe_shape(cfg)
+    widths = [intermediate]  # every MLP's width; the first layer's is the one reported
+    if moe is not None:  # no tensor parallelism (sharding.py refuses it)
+        widths = sorted({moe.width} | ({intermediate} if moe.dense_layers else set()),
+                        key=lambda w: w != (intermediate if 0 in moe.dense_layers else moe.width))
+        intermediate = widths[0]
     kind = fmt.linear_kind
-    fits = isa is not None and kind != "plain" and decoder_kernels_fit(hidden, intermediate, head_dim)
+    fits = isa is not None and kind != "plain" and all(decoder_kernels_fit(hidden, w, head_dim) for w in widths)
     inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),
               ("down", intermediate)) + ((("logits", hidden),) if logits else ())
     runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}
@@ -282,4 +292,4 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
                                  runs[name]) for name, _ in inputs)
     return LayerKernels(cfg.num_hidden_layers, linears, fits, fused_rotary(fits, head_dim, partial_rotary(cfg)),
                         None if tp_size == 1 else (0, tp_size), activation, sdpa_prefill=fits and sdpa_prefill,
-                        softcapped=fits and softcapped)
+                        softcapped=fits and softcapped, experts=None if moe is None else (moe.num_experts, moe.top_k))

@@ -1,5 +1,6 @@
 """Llama-family decoders: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Granite
-(scaling multipliers), Phi-3/Phi-4-mini (fused checkpoint matrices, partial rotary, LongRoPE).
+(scaling multipliers), Phi-3/Phi-4-mini (fused checkpoint matrices, partial rotary, LongRoPE), and the
+mixture-of-experts Mixtral and Qwen3-MoE (SparseMoE in place of the MLP).
 
 Parameter names equal the Hugging Face checkpoint's, so loading is a direct name match (Phi-3's fused q/k/v and
 gate/up matrices are read as the parts they hold: checkpoint_parts). After loading,
@@ -26,6 +27,7 @@ from pagedserve.layers.backend import KernelBackend
 from pagedserve.layers.linear import weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedserve.memory.sizes import MoEShape, moe_shape
 from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, LayerKernels, LinearKernel, capped_prefill_on_torch,
                                              fused_rotary, linear_words, rotary_dim)
 from pagedserve.models.validate import layer_windows
@@ -40,6 +42,15 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router's softmax picks each token's top-k experts."""
+
+    shape: MoEShape  # experts, how many per token, their width, the layers with a plain MLP (from the config)
+    normalize: bool  # the top-k weights rescaled to sum to 1
+    weights_in_model_dtype: bool  # Qwen3-MoE rounds the weights to the model dtype before scaling; Mixtral does not
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     """What a model's decoder layers are made of, where the Llama-family models differ (the model class says)."""
 
@@ -50,6 +61,7 @@ class DecoderSpec:
     activation: str = "silu"  # the MLP's gate (ACTIVATIONS)
     sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs normed before they join the residual
     local_rotary: bool = False  # Gemma 3: rope_parameters per layer type, the sliding-window layers' of their own
+    moe: MoESpec | None = None  # mixture-of-experts MLPs (SparseMoE)
 
     @property
     def qk_norm_gain(self) -> bool:
@@ -134,12 +146,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any, activation: str, tp: TPGroup | None = None, layout: ShardLayout | None = None
-                 ) -> None:
+    def __init__(self, cfg: Any, activation: str, tp: TPGroup | None = None, layout: ShardLayout | None = None,
+                 width: int | None = None) -> None:
         """`activation`: the gate's (ACTIVATIONS). With `tp`, this rank's slice of the intermediate width and an
-        all-reduce after down."""
+        all-reduce after down. `width`: the intermediate size where it is not the config's (an expert's)."""
         super().__init__()
-        width = cfg.intermediate_size if layout is None else layout.local_intermediate
+        width = width or (cfg.intermediate_size if layout is None else layout.local_intermediate)
         self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
         self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
@@ -167,12 +179,53 @@ class MLP(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)  # the intermediate slices' partial sums
 
 
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP, as transformers runs Mixtral's and Qwen3-MoE's: the router (`gate`) scores the
+    experts, a softmax in float32 and its top k pick each token's experts (renormalised where the model does), and
+    each picked expert's MLP output, scaled by its weight, is added to the token's output, experts in ascending
+    order. Each expert is an MLP on the kernels every MLP runs; the router stays a plain matmul in the model dtype
+    (its scores decide which experts run)."""
+
+    def __init__(self, cfg: Any, activation: str, moe: MoESpec) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, moe.shape.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, activation, width=moe.shape.width) for _ in range(moe.shape.num_experts))
+        self.moe = moe
+        self.activation = activation
+        self.kernels = None  # not one MLP: the native decode stack leaves these layers (NativeDecodeStack.build)
+
+    def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
+        for expert in self.experts:
+            expert.prepare(backend, kernels)
+        self.intermediate_size = self.moe.shape.width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, chosen = torch.topk(probs, self.moe.shape.top_k, dim=-1)  # [T, k]
+        if self.moe.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.moe.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():  # ascending, as transformers adds them
+            rows, slot = (chosen == expert).nonzero(as_tuple=True)
+            y = self.experts[expert].forward(x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+def experts_of(mlp: nn.Module) -> list[MLP]:
+    """A layer's MLPs: a SparseMoE's experts, or the MLP itself."""
+    return list(mlp.experts) if isinstance(mlp, SparseMoE) else [mlp]
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, spec: DecoderSpec, tp: TPGroup | None = None, layout: ShardLayout | None = None
-                 ) -> None:
+    def __init__(self, cfg: Any, spec: DecoderSpec, tp: TPGroup | None = None, layout: ShardLayout | None = None,
+                 index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, spec, tp, layout)
-        self.mlp = MLP(cfg, spec.activation, tp, layout)
+        sparse = spec.moe is not None and index not in spec.moe.shape.dense_layers
+        self.mlp = SparseMoE(cfg, spec.activation, spec.moe) if sparse else MLP(cfg, spec.activation, tp, layout)
         self.input_layernorm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sandwich_norms = spec.sandwich_norms
@@ -204,7 +257,7 @@ class DecoderModel(nn.Module):
                                           layer_type="full_attention" if spec.local_rotary else None)
         self.local_rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_position, layer_type="sliding_attention") \
             if spec.local_rotary else None  # the sliding-window layers' (Gemma 3)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, tp, layout) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, tp, layout, i) for i in range(cfg.num_hidden_layers))
         for layer, window in zip(self.layers, layer_windows(cfg)):
             layer.self_attn.window = window
         self.norm = spec.norm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -413,7 +466,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.layout = None if tp is None else ShardLayout.for_config(cfg, tp.rank, tp.world_size)
-        self.model = DecoderModel(cfg, self.decoder_spec(cfg), max_position, tp, self.layout)
+        spec = self.decoder_spec(cfg)
+        self.moe = spec.moe
+        self.model = DecoderModel(cfg, spec, max_position, tp, self.layout)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             vocab_rows = cfg.vocab_size if self.layout is None else self.layout.vocab_per_rank
@@ -424,7 +479,12 @@ class LlamaForCausalLM(nn.Module):
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         return DecoderSpec(qkv_bias=cls.qkv_bias or attention_bias,
                            o_bias=attention_bias if cls.o_bias is None else cls.o_bias, qk_norm=cls.qk_norm,
-                           activation=getattr(cfg, "hidden_act", "silu"))
+                           activation=getattr(cfg, "hidden_act", "silu"), moe=cls.moe_spec(cfg))
+
+    @classmethod
+    def moe_spec(cls, cfg: Any) -> MoESpec | None:
+        """The mixture-of-experts MLPs of the models that have them (their classes say how they route)."""
+        return None
 
     @property
     def num_layers(self) -> int:
@@ -466,8 +526,9 @@ class LlamaForCausalLM(nn.Module):
         """The decoder stack's part of prepare(): fused linears from `backend`, and its native CPU kernels
         for norms, SiLU, rotary and decode attention where this model's sizes fit them."""
         attn = self.model.layers[0].self_attn
-        kernels = backend.decoder_kernels(self.config.hidden_size, self.model.layers[0].mlp.gate_proj.out_features,
-                                          attn.head_dim)
+        widths = {expert.gate_proj.out_features for layer in self.model.layers for expert in experts_of(layer.mlp)}
+        found = [backend.decoder_kernels(self.config.hidden_size, width, attn.head_dim) for width in sorted(widths)]
+        kernels = found[0] if all(k is not None for k in found) else None
         for layer in self.model.layers:
             layer.self_attn.prepare(backend, kernels)
             layer.mlp.prepare(backend, kernels)
@@ -480,7 +541,8 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_kernels(self) -> LayerKernels:
         """What the prepared layers run (the same rule and words as `pagedserve doctor`'s prediction)."""
-        attn, mlp, norm = self.model.layers[0].self_attn, self.model.layers[0].mlp, self.model.layers[0].input_layernorm
+        attn, norm = self.model.layers[0].self_attn, self.model.layers[0].input_layernorm
+        mlp = experts_of(self.model.layers[0].mlp)[0]  # an expert's kernels stand for a mixture's
         rotary_fused = all(layer.self_attn.fused_rope for layer in self.model.layers)  # SmolLM3's NoPE layers: not
         linears = tuple(linear_kernel_of(name, module) for name, module in
                         (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
@@ -491,7 +553,8 @@ class LlamaForCausalLM(nn.Module):
         return LayerKernels(len(self.model.layers), linears, norm.kernels is not None, rotary_fused,
                             None if self.tp is None else (self.tp.rank, self.tp.world_size), mlp.activation,
                             None if attention_native == (norm.kernels is not None) else attention_native,
-                            sdpa_prefill=attn.sdpa_prefill, softcapped=capped_on_torch)
+                            sdpa_prefill=attn.sdpa_prefill, softcapped=capped_on_torch,
+                            experts=None if self.moe is None else (self.moe.shape.num_experts, self.moe.shape.top_k))
 
     def kernel_report(self) -> list[str]:
         """What each part of the model runs, for the start-up log (one line per kind of layer)."""
@@ -547,6 +610,35 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3-MoE (Qwen3-30B-A3B and the like): Qwen3's attention; MoE MLPs whose top-k weights are renormalised
+    where norm_topk_prob says, and rounded to the model dtype; mlp_only_layers and decoder_sparse_step keep a plain
+    MLP in some layers."""
+
+    @classmethod
+    def moe_spec(cls, cfg: Any) -> MoESpec | None:
+        return MoESpec(moe_shape(cfg), normalize=bool(getattr(cfg, "norm_topk_prob", False)),
+                       weights_in_model_dtype=True)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: Mistral's attention; MoE MLPs (the softmax of the top-k router scores weighs the experts, in float32).
+    Its checkpoint names the experts' matrices w1 (gate), w2 (down) and w3 (up) under block_sparse_moe."""
+
+    _NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w2.", ".down_proj."), (".w3.", ".up_proj."))
+
+    @classmethod
+    def moe_spec(cls, cfg: Any) -> MoESpec | None:
+        return MoESpec(moe_shape(cfg), normalize=True, weights_in_model_dtype=False)
+
+    def checkpoint_name_to_param(self, name: str) -> str | None:
+        name = super().checkpoint_name_to_param(name)
+        if name is not None and ".block_sparse_moe." in name:
+            for old, new in self._NAMES:
+                name = name.replace(old, new)
+        return name
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

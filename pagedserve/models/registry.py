@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
-from pagedserve.models.llama import (GraniteForCausalLM, LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
-                                     Qwen3ForCausalLM, SmolLM3ForCausalLM)
+from pagedserve.models.llama import (GraniteForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM,
+                                     Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM)
 
 CAUSAL_LM_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
@@ -15,9 +15,11 @@ CAUSAL_LM_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 

@@ -27,9 +27,11 @@ SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "GraniteForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM",
     "BertModel",
     # Multimodal checkpoints, served as their language model (formats/multimodal.py).
@@ -165,6 +167,9 @@ def validate_gguf_header(header: GGUFHeader, *, need_chat_template: bool = False
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}. Use a model of a supported architecture."
         )
     _check_gguf_split(header)
+    if header.metadata.get(f"{header.architecture}.expert_count"):  # Mixtral's GGUF says "llama"
+        raise ModelValidationError(f"GGUF file {header.path} holds a mixture-of-experts model: pagedserve serves "
+                                   "those (Mixtral, Qwen3-MoE) from their safetensors checkpoints, not yet from GGUF.")
     if header.architecture in ("gemma2", "gemma3") and f"{header.architecture}.attention.sliding_window" not in \
             header.metadata:
         raise ModelValidationError(f"GGUF file {header.path} lacks metadata key {header.architecture}.attention."

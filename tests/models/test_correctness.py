@@ -19,7 +19,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "granite", "phi3", "gemma", "gemma2", "gemma3", "smollm3"]
+ARCHS = ["llama", "qwen2", "qwen3", "granite", "phi3", "gemma", "gemma2", "gemma3", "smollm3", "qwen3_moe", "mixtral"]
 TOLERANCE = {"float32": 5e-5, "bfloat16": 0.15}
 NUM_TOKENS = 32
 TOP_K = 5
@@ -106,10 +106,17 @@ def generate(model_dir, dtype, prompts, logprobs=TOP_K, **engine_kwargs):
     return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params)
 
 
+# A top-k choice of experts is discontinuous: in bfloat16 a near-tie of router scores flips an expert of transformers'
+# own run against its float32 one as often as ours (tiny Mixtral: median |logprob difference| from float32 0.0237
+# for transformers' bfloat16, 0.0233 for ours), and the flipped token's sequence goes its own way. So bfloat16 runs
+# them with every expert (weighted, gathered and summed as always) and float32 checks the top-k choice token for token.
+BF16_OVERRIDES = {"qwen3_moe": {"num_experts_per_tok": 4}, "mixtral": {"num_experts_per_tok": 4}}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batch_matches_transformers(tiny_model_dir, arch, dtype):
-    model_dir = tiny_model_dir(arch, dtype)
+    model_dir = tiny_model_dir(arch, dtype, **(BF16_OVERRIDES.get(arch, {}) if dtype == "bfloat16" else {}))
     llm, outputs = generate(model_dir, dtype, [[1]], max_model_len=256)  # warm the tokenizer path
     prompts = make_prompts(llm.get_tokenizer())
     _, outputs = generate(model_dir, dtype, prompts, max_model_len=256)

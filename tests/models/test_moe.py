@@ -1,0 +1,49 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE): what the memory plan counts, and what is refused with a reason
+(tensor parallelism, GGUF files). Their outputs against transformers are test_correctness.py's (ARCHS), their
+kernels test_layer_kernels.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.formats.errors import ModelValidationError
+from pagedserve.memory.sizes import ModelShape, MoEShape, moe_shape
+
+
+def test_the_plan_counts_every_expert(tiny_model_dir):
+    """The int8 plan shrinks every expert's matrices, not one MLP's: its count of linear weights is the checkpoint's
+    (the decoder layers' matrices but the routers, which stay in the model dtype)."""
+    from safetensors import safe_open
+
+    for arch in ("qwen3_moe", "mixtral"):
+        path = Path(tiny_model_dir(arch))
+        shape = ModelShape.from_hf_config(json.loads((path / "config.json").read_text()), weight_bytes=0)
+        with safe_open(path / "model.safetensors", "pt") as checkpoint:
+            linear = sum(checkpoint.get_slice(name).get_shape()[0] * checkpoint.get_slice(name).get_shape()[1]
+                         for name in checkpoint.keys() if ".layers." in name and "norm" not in name
+                         and not name.endswith(".gate.weight"))
+        assert shape.num_linear_params == linear, arch
+    qwen3_moe = {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                 "intermediate_size": 128, "mlp_only_layers": [1]}
+    assert moe_shape(qwen3_moe) == MoEShape(num_experts=4, top_k=2, width=64, dense_layers=frozenset({1}))
+    assert moe_shape({"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                      "decoder_sparse_step": 2}).dense_layers == {0, 2}  # every second layer sparse
+    assert moe_shape({"num_hidden_layers": 2, "intermediate_size": 8}) is None
+
+
+def test_tensor_parallel_is_refused_with_the_reason(tiny_model_dir):
+    with pytest.raises(ValueError, match="mixture-of-experts model, whose experts are not split across processes yet"):
+        LLM(tiny_model_dir("mixtral"), tensor_parallel_size=2, max_model_len=64)
+
+
+def test_a_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
+    from tests.models.gguf_utils import tiny_model, write_test_gguf
+
+    path = write_test_gguf(tiny_model("llama"), tmp_path / "moe.gguf",
+                           extra_metadata=lambda writer: writer.add_uint32("llama.expert_count", 8))
+    with pytest.raises(ModelValidationError, match="holds a mixture-of-experts model: pagedserve serves those"):
+        LLM(str(path), max_model_len=64)
