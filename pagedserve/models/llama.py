@@ -206,6 +206,12 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.moe.weights_in_model_dtype:
             weights = weights.to(x.dtype)
+        if x.shape[0] == 1:  # batch-1 decode: no grouping of rows by expert, the same sums in the same order
+            out = None
+            for expert, weight in sorted(zip(chosen[0].tolist(), weights[0])):
+                y = (self.experts[expert].forward(x) * weight).to(x.dtype)
+                out = y if out is None else out + y
+            return out
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():  # ascending, as transformers adds them
             rows, slot = (chosen == expert).nonzero(as_tuple=True)

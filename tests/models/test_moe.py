@@ -47,3 +47,14 @@ def test_a_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
                            extra_metadata=lambda writer: writer.add_uint32("llama.expert_count", 8))
     with pytest.raises(ModelValidationError, match="holds a mixture-of-experts model: pagedserve serves those"):
         LLM(str(path), max_model_len=64)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_batch_one_decode_matches_transformers(tiny_model_dir, arch):
+    """One sequence: its decode steps take SparseMoE's one-row path (no grouping by expert), against transformers
+    in float32 (test_correctness.py's batch of 8 takes the grouped path)."""
+    from tests.models.test_correctness import check_against_transformers, make_prompts
+
+    model_dir = tiny_model_dir(arch)
+    prompts = make_prompts(LLM(model_dir, max_model_len=64, dtype="float32").get_tokenizer())
+    check_against_transformers(model_dir, "float32", prompts[:1])
