@@ -37,7 +37,14 @@ GGUF_TO_HF_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "granite": ("GraniteForCausalLM", "granite"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# Mixtral's converter writes architecture "llama" with an expert count (convert_hf_to_gguf.py's MixtralModel).
+MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# A mixture-of-experts layer's stacked tensors ([experts, rows, columns]: each expert's matrix whole, one after
+# another) -> the expert matrices' Hugging Face names; the router (ffn_gate_inp) is one plain tensor.
+_EXPERT_TENSOR_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERT_TENSOR_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 _GEMMA = frozenset({"gemma", "gemma2", "gemma3"})
 # Gemma 2/3 norm the attention and MLP outputs too: llama.cpp's names for those four norms of a layer.
 _SANDWICH_NORM_NAMES = {
@@ -68,6 +75,7 @@ _LAYER_TENSOR_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture-of-experts router
 }
 _SANDWICH_LAYER_TENSOR_NAMES = {**_LAYER_TENSOR_NAMES, **_SANDWICH_NORM_NAMES}
 # Phi-3 keeps its checkpoint's fused matrices: q/k/v as attn_qkv, gate/up (gate first) as ffn_up.
@@ -172,9 +180,15 @@ class GGUFFile:
             )
         return value
 
+    @property
+    def num_experts(self) -> int:
+        """Experts per mixture-of-experts layer (0: a dense model)."""
+        return int(self._arch_value("expert_count", 0) or 0)
+
     def hf_config(self) -> dict[str, Any]:
         """A Hugging Face config.json-style dict describing this model."""
-        hf_arch, model_type = GGUF_TO_HF_ARCHITECTURE[self.architecture]
+        hf_arch, model_type = MIXTRAL if self.architecture == "llama" and self.num_experts else \
+            GGUF_TO_HF_ARCHITECTURE[self.architecture]
         hidden_size = int(self._required("embedding_length"))
         num_heads = int(self._required("attention.head_count"))
         config: dict[str, Any] = {
@@ -221,6 +235,12 @@ class GGUFFile:
             return scales
         if self.architecture == "smollm3":
             return {"no_rope_layer_interval": SMOLLM3_NO_ROPE_LAYER_INTERVAL}
+        if self.num_experts:  # Mixtral (its feed_forward_length is the experts' width) and Qwen3-MoE
+            experts = {"num_experts_per_tok": int(self._required("expert_used_count"))}
+            if self.architecture == "llama":
+                return {**experts, "num_local_experts": self.num_experts}
+            return {**experts, "num_experts": self.num_experts, "norm_topk_prob": True,  # llama.cpp's for qwen3moe
+                    "moe_intermediate_size": int(self._required("expert_feed_forward_length"))}
         if self.architecture != "phi3":
             return {}
         extra: dict[str, Any] = {"sliding_window": int(self._arch_value("attention.sliding_window", 0)) or None}
@@ -291,6 +311,7 @@ class GGUFFile:
             info.name
             for info in self.header.tensors
             if hf_tensor_name(info.name, self.architecture) is None and info.name not in _CONFIG_ONLY_TENSORS
+            and not (self.num_experts and _EXPERT_TENSOR_RE.match(info.name))
         ]
         if unknown:
             raise ModelValidationError(
@@ -298,7 +319,24 @@ class GGUFFile:
                 f"{', ...' if len(unknown) > 5 else ''}): it is not a plain {self.architecture} model. "
                 "Use a supported model."
             )
-        return [self._spec(info) for info in self.header.tensors if info.name not in _CONFIG_ONLY_TENSORS]
+        return [spec for info in self.header.tensors if info.name not in _CONFIG_ONLY_TENSORS
+                for spec in self._specs_of(info)]
+
+    def _specs_of(self, info: GGUFTensorInfo) -> list[GGUFTensorSpec]:
+        """A tensor's spec; a stacked expert tensor's, one per expert (its slice of the data: whole rows)."""
+        match = _EXPERT_TENSOR_RE.match(info.name) if self.num_experts else None
+        if match is None:
+            return [self._spec(info)]
+        experts, *shape = info.shape
+        if experts != self.num_experts or info.nbytes % experts:
+            raise ModelValidationError(f"GGUF file {self.path}: tensor {info.name!r} has shape {list(info.shape)}, "
+                                       f"not {self.num_experts} experts' matrices. Convert the model again.")
+        layer, kind = match.groups()
+        size = info.nbytes // experts
+        start = self.header.data_offset + info.offset
+        return [GGUFTensorSpec(f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_TENSOR_NAMES[kind]}.weight",
+                               info.name, GGMLQuantizationType(info.type_id), tuple(shape), size, start + e * size)
+                for e in range(experts)]
 
     def _spec(self, info: GGUFTensorInfo) -> GGUFTensorSpec:
         return GGUFTensorSpec(

@@ -631,7 +631,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Mistral's attention; MoE MLPs (the softmax of the top-k router scores weighs the experts, in float32).
-    Its checkpoint names the experts' matrices w1 (gate), w2 (down) and w3 (up) under block_sparse_moe."""
+    Its checkpoint names the experts' matrices w1 (gate), w2 (down) and w3 (up) under block_sparse_moe (a GGUF's
+    come as mlp.experts.E.*: formats/gguf_hf.py)."""
 
     _NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w2.", ".down_proj."), (".w3.", ".up_proj."))
 

@@ -35,6 +35,10 @@ _LAYER_PARTS = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture-of-experts router, and its stacked experts (_expert_stacks)
+    "mlp.experts.gate_exps": "ffn_gate_exps",
+    "mlp.experts.up_exps": "ffn_up_exps",
+    "mlp.experts.down_exps": "ffn_down_exps",
 }
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -183,9 +187,15 @@ def write_test_gguf(
     F32, as llama.cpp does. A tied lm_head is not written. Llama q/k rows are permuted.
     """
     config = model.config
-    arch = config.model_type
+    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(config.model_type, config.model_type)  # llama.cpp's
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, config)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:  # as convert_hf_to_gguf.py's MixtralModel and Qwen3MoeModel write them
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if sp_model is None:
         _add_tokenizer(writer, config.vocab_size, tokenizer_pre, eos_token_id, eot_token_id)
     else:  # a SentencePiece vocabulary (Llama 2, Mistral) instead of the tiny byte-level one
@@ -197,34 +207,56 @@ def write_test_gguf(
         state.pop("lm_head.weight", None)
     if (config.rope_parameters or {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config))
-    for name, array in state.items():
+    for name, array in _expert_stacks(state):
         if arch == "llama" and ".q_proj." in name:
             array = llama_permute(array, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = llama_permute(array, config.num_key_value_heads)
-        chosen = (qtype_per_tensor or {}).get(name, qtype if array.ndim == 2 else QType.F32)
+        chosen = (qtype_per_tensor or {}).get(name, qtype if array.ndim >= 2 else QType.F32)
         stored, raw_dtype = _encode(array, chosen)
         writer.add_tensor(gguf_name(name), stored, raw_dtype=raw_dtype)
     return _finish(writer, path)
 
 
+def _expert_stacks(state: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    """transformers' fused expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as llama.cpp's stacks
+    (ffn_gate_exps, ffn_up_exps [E, I, H]; ffn_down_exps [E, H, I]), under stand-in names gguf_name maps."""
+    out = []
+    for name, array in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = array.shape[1] // 2
+            out += [(name.replace("gate_up_proj", "gate_exps.weight"), array[:, :half]),
+                    (name.replace("gate_up_proj", "up_exps.weight"), array[:, half:])]
+        elif name.endswith("mlp.experts.down_proj"):
+            out.append((name.replace("down_proj", "down_exps.weight"), array))
+        else:
+            out.append((name, array))
+    return out
+
+
 def tiny_model(arch: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A tiny random Llama / Qwen2 / Qwen3 causal LM (float32, eval mode)."""
+    """A tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral causal LM (float32, eval mode)."""
     import transformers
 
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "qwen3": transformers.Qwen3Config}[arch]
+                    "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
+                    "mixtral": transformers.MixtralConfig}[arch]
     kwargs: dict[str, object] = dict(
         vocab_size=288, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2,
     )
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 32  # != hidden_size / heads, as in real Qwen3 models
+    if arch == "qwen3_moe":  # every layer sparse: a GGUF has no mlp_only_layers
+        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    elif arch == "mixtral":
+        kwargs.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model_class = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                   "qwen3": transformers.Qwen3ForCausalLM}[arch]
+                   "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+                   "mixtral": transformers.MixtralForCausalLM}[arch]
     model = model_class(config_class(**kwargs)).eval()
     with torch.no_grad():  # norms initialise to ones; make them random so that mapping errors show
         for param in model.parameters():

@@ -1,5 +1,5 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE): what the memory plan counts, and what is refused with a reason
-(tensor parallelism, GGUF files). Their outputs against transformers are test_correctness.py's (ARCHS), their
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE): what the memory plan counts, their GGUF files, and what is refused
+with a reason (tensor parallelism, other architectures' experts). Their outputs against transformers are test_correctness.py's (ARCHS), their
 kernels test_layer_kernels.py's."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from pagedserve import LLM
+from pagedserve import LLM, SamplingParams
 from pagedserve.formats.errors import ModelValidationError
 from pagedserve.memory.sizes import ModelShape, MoEShape, moe_shape
 
@@ -40,12 +41,40 @@ def test_tensor_parallel_is_refused_with_the_reason(tiny_model_dir):
         LLM(tiny_model_dir("mixtral"), tensor_parallel_size=2, max_model_len=64)
 
 
-def test_a_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_gguf_files_as_llama_cpp_writes_them(arch, tmp_path):
+    """Qwen3-MoE's GGUF (architecture qwen3moe) and Mixtral's (llama with an expert count): the stacked expert
+    tensors (ffn_*_exps) read as each expert's matrices, the router as ffn_gate_inp; F32 equals transformers
+    (tokens and logprobs), and Q8_0 runs every expert on int8 weights."""
+    from tests.models.gguf_utils import QType, tiny_model, write_test_gguf
+    from tests.models.test_correctness import TOLERANCE, assert_logprobs_close, hf_logprobs
+
+    model = tiny_model(arch)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 7, 100, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    llm = LLM(str(write_test_gguf(model, tmp_path / "f32.gguf")), dtype="float32", max_model_len=64)
+    assert llm.engine.config.model.architecture == {"qwen3_moe": "Qwen3MoeForCausalLM",
+                                                    "mixtral": "MixtralForCausalLM"}[arch]
+    for prompt, output in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params)):
+        completion = output.outputs[0]
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                      min_new_tokens=12)[0, len(prompt):].tolist()
+        assert completion.token_ids == expected
+        assert_logprobs_close(completion.logprobs, hf_logprobs(model, prompt, completion.token_ids),
+                              TOLERANCE["float32"])
+    quantized = LLM(str(write_test_gguf(model, tmp_path / "q8.gguf", QType.Q8_0)), max_model_len=64)
+    report = quantized.engine.runner.model.kernel_report()[0]
+    assert "4 experts, 2 per token" in report and "gate_up torch int8" not in report, report
+    assert quantized.generate([{"prompt_token_ids": prompts[0]}], params)[0].outputs[0].token_ids
+
+
+def test_another_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
     from tests.models.gguf_utils import tiny_model, write_test_gguf
 
-    path = write_test_gguf(tiny_model("llama"), tmp_path / "moe.gguf",
-                           extra_metadata=lambda writer: writer.add_uint32("llama.expert_count", 8))
-    with pytest.raises(ModelValidationError, match="holds a mixture-of-experts model: pagedserve serves those"):
+    path = write_test_gguf(tiny_model("qwen2"), tmp_path / "moe.gguf",
+                           extra_metadata=lambda writer: writer.add_uint32("qwen2.expert_count", 8))
+    with pytest.raises(ModelValidationError, match="holds a mixture-of-experts qwen2 model: pagedserve serves"):
         LLM(str(path), max_model_len=64)
 
 
