@@ -41,9 +41,9 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512):
 
 def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int = 0, weight_std: float = 0.2,
                     **overrides) -> Path:
-    """Save a random tiny `arch` ('llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'mixtral', 'granite', 'phi3',
-    'gemma', 'gemma2', 'gemma3', 'gemma3-multimodal', 'smollm3') model with a tokenizer into out_dir. A larger `weight_std` makes a model that
-    falls into repeating loops sooner (speculative decoding's tests)."""
+    """Save a random tiny `arch` ('llama', 'mistral', 'qwen2', 'qwen3', 'qwen2_moe', 'qwen3_moe', 'mixtral', 'granite',
+    'phi3', 'gemma', 'gemma2', 'gemma3', 'gemma3-multimodal', 'smollm3') model with a tokenizer into out_dir. A
+    larger `weight_std` makes a model that falls into repeating loops sooner (speculative decoding's tests)."""
     import torch
     import transformers
 
@@ -69,6 +69,12 @@ def make_tiny_model(arch: str, out_dir: Path, dtype: str = "float32", seed: int 
                                                 "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                                                 "norm_topk_prob": True, "mlp_only_layers": [1], **overrides})
         cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "qwen2_moe":  # a shared expert beside 4 routed ones; the second layer a plain MLP
+        config = transformers.Qwen2MoeConfig(**{**common, "tie_word_embeddings": False, "num_experts": 4,
+                                                "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                                "shared_expert_intermediate_size": 128, "mlp_only_layers": [1],
+                                                **overrides})
+        cls = transformers.Qwen2MoeForCausalLM
     elif arch == "mixtral":
         config = transformers.MixtralConfig(**{**common, "tie_word_embeddings": False, "num_local_experts": 4,
                                                "num_experts_per_tok": 2, "intermediate_size": 64, **overrides})

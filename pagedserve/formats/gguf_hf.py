@@ -38,6 +38,7 @@ GGUF_TO_HF_ARCHITECTURE: dict[str, tuple[str, str]] = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
 }
 # Mixtral's converter writes architecture "llama" with an expert count (convert_hf_to_gguf.py's MixtralModel).
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -75,7 +76,11 @@ _LAYER_TENSOR_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",  # a mixture-of-experts router
+    "ffn_gate_inp": "mlp.gate",  # a mixture-of-experts router; Qwen2-MoE's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _SANDWICH_LAYER_TENSOR_NAMES = {**_LAYER_TENSOR_NAMES, **_SANDWICH_NORM_NAMES}
 # Phi-3 keeps its checkpoint's fused matrices: q/k/v as attn_qkv, gate/up (gate first) as ffn_up.
@@ -235,12 +240,16 @@ class GGUFFile:
             return scales
         if self.architecture == "smollm3":
             return {"no_rope_layer_interval": SMOLLM3_NO_ROPE_LAYER_INTERVAL}
-        if self.num_experts:  # Mixtral (its feed_forward_length is the experts' width) and Qwen3-MoE
+        if self.num_experts:  # Mixtral (its feed_forward_length is the experts' width), Qwen2-MoE and Qwen3-MoE
             experts = {"num_experts_per_tok": int(self._required("expert_used_count"))}
             if self.architecture == "llama":
                 return {**experts, "num_local_experts": self.num_experts}
-            return {**experts, "num_experts": self.num_experts, "norm_topk_prob": True,  # llama.cpp's for qwen3moe
-                    "moe_intermediate_size": int(self._required("expert_feed_forward_length"))}
+            experts.update(num_experts=self.num_experts,
+                           moe_intermediate_size=int(self._required("expert_feed_forward_length")),
+                           norm_topk_prob=self.architecture == "qwen3moe")  # llama.cpp's rule for each
+            if self.architecture == "qwen2moe":
+                experts["shared_expert_intermediate_size"] = int(self._required("expert_shared_feed_forward_length"))
+            return experts
         if self.architecture != "phi3":
             return {}
         extra: dict[str, Any] = {"sliding_window": int(self._arch_value("attention.sliding_window", 0)) or None}

@@ -78,6 +78,7 @@ class MoEShape:
     top_k: int
     width: int
     dense_layers: frozenset[int] = frozenset()
+    shared_width: int = 0  # a shared expert every token takes (Qwen2-MoE), 0 where there is none
 
 
 def moe_shape(config: Any) -> MoEShape | None:
@@ -89,7 +90,8 @@ def moe_shape(config: Any) -> MoEShape | None:
     step, only = get("decoder_sparse_step") or 1, set(get("mlp_only_layers") or ())
     dense = frozenset(i for i in range(get("num_hidden_layers")) if i in only or (i + 1) % step)
     return MoEShape(int(num_experts), int(get("num_experts_per_tok")),
-                    int(get("moe_intermediate_size") or get("intermediate_size")), dense)
+                    int(get("moe_intermediate_size") or get("intermediate_size")), dense,
+                    int(get("shared_expert_intermediate_size") or 0))
 
 
 @dataclass(frozen=True)
@@ -145,13 +147,14 @@ class ModelShape:
                 + self._mlps(lambda width: 2 * width + self.hidden_size))
 
     def _mlps(self, per_mlp: Callable[[int], int]) -> int:
-        """`per_mlp(width)` summed over every layer's MLPs: one per layer, or each expert of the sparse layers (the
-        router stays in the serving dtype)."""
+        """`per_mlp(width)` summed over every layer's MLPs: one per layer, or each expert of the sparse layers, the
+        shared one too (the router and the shared expert's gate stay in the serving dtype)."""
         if self.moe is None:
             return self.num_layers * per_mlp(self.intermediate_size)
         dense = len(self.moe.dense_layers)
+        shared = per_mlp(self.moe.shared_width) if self.moe.shared_width else 0
         return (dense * per_mlp(self.intermediate_size)
-                + (self.num_layers - dense) * self.moe.num_experts * per_mlp(self.moe.width))
+                + (self.num_layers - dense) * (self.moe.num_experts * per_mlp(self.moe.width) + shared))
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int, kv_scale_bytes: int = 0) -> int:

@@ -280,7 +280,8 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     moe = moe_shape(cfg)
     widths = [intermediate]  # every MLP's width; the first layer's is the one reported
     if moe is not None:  # no tensor parallelism (sharding.py refuses it)
-        widths = sorted({moe.width} | ({intermediate} if moe.dense_layers else set()),
+        widths = sorted({moe.width} | ({intermediate} if moe.dense_layers else set())
+                        | ({moe.shared_width} if moe.shared_width else set()),
                         key=lambda w: w != (intermediate if 0 in moe.dense_layers else moe.width))
         intermediate = widths[0]
     kind = fmt.linear_kind

@@ -1,6 +1,6 @@
 """Llama-family decoders: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Granite
 (scaling multipliers), Phi-3/Phi-4-mini (fused checkpoint matrices, partial rotary, LongRoPE), and the
-mixture-of-experts Mixtral and Qwen3-MoE (SparseMoE in place of the MLP).
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (SparseMoE in place of the MLP).
 
 Parameter names equal the Hugging Face checkpoint's, so loading is a direct name match (Phi-3's fused q/k/v and
 gate/up matrices are read as the parts they hold: checkpoint_parts). After loading,
@@ -190,16 +190,25 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, moe.shape.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg, activation, width=moe.shape.width) for _ in range(moe.shape.num_experts))
+        if moe.shape.shared_width:  # Qwen2-MoE: an expert every token takes, scaled by a sigmoid gate of its own
+            self.shared_expert = MLP(cfg, activation, width=moe.shape.shared_width)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.moe = moe
         self.activation = activation
         self.kernels = None  # not one MLP: the native decode stack leaves these layers (NativeDecodeStack.build)
 
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
-        for expert in self.experts:
+        for expert in experts_of(self):
             expert.prepare(backend, kernels)
         self.intermediate_size = self.moe.shape.width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._routed(x)
+        if self.moe.shape.shared_width:  # transformers' order: routed + sigmoid(gate) x shared, in the model dtype
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert.forward(x)
+        return out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)  # [T, E]
         weights, chosen = torch.topk(probs, self.moe.shape.top_k, dim=-1)  # [T, k]
         if self.moe.normalize:
@@ -221,8 +230,10 @@ class SparseMoE(nn.Module):
 
 
 def experts_of(mlp: nn.Module) -> list[MLP]:
-    """A layer's MLPs: a SparseMoE's experts, or the MLP itself."""
-    return list(mlp.experts) if isinstance(mlp, SparseMoE) else [mlp]
+    """A layer's MLPs: a SparseMoE's experts (its shared one last), or the MLP itself."""
+    if not isinstance(mlp, SparseMoE):
+        return [mlp]
+    return [*mlp.experts, *([mlp.shared_expert] if mlp.moe.shape.shared_width else [])]
 
 
 class DecoderLayer(nn.Module):
@@ -616,6 +627,16 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+    """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention; MoE MLPs routed as Qwen3-MoE's, plus a
+    shared expert every token takes, scaled by the sigmoid of a gate of its own."""
+
+    @classmethod
+    def moe_spec(cls, cfg: Any) -> MoESpec | None:
+        return MoESpec(moe_shape(cfg), normalize=bool(getattr(cfg, "norm_topk_prob", False)),
+                       weights_in_model_dtype=True)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -6,7 +6,8 @@ from torch import nn
 
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.llama import (GraniteForCausalLM, LlamaForCausalLM, MixtralForCausalLM, Phi3ForCausalLM,
-                                     Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM)
+                                     Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+                                     SmolLM3ForCausalLM)
 
 CAUSAL_LM_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
@@ -18,6 +19,7 @@ CAUSAL_LM_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,

@@ -30,6 +30,7 @@ SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "MixtralForCausalLM",
     "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM",
@@ -45,7 +46,7 @@ SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
 # The decoders' MLP gates (models/llama.py's ACTIVATIONS, which are checked equal to these).
 DECODER_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_pytorch_tanh")
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "granite",
-                                                 "phi3", "smollm3", "qwen3moe")
+                                                 "phi3", "smollm3", "qwen2moe", "qwen3moe")
 # Weight encodings that gguf-py can dequantize and that we test.
 SUPPORTED_GGUF_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
     GGMLQuantizationType[name]
@@ -167,11 +168,11 @@ def validate_gguf_header(header: GGUFHeader, *, need_chat_template: bool = False
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}. Use a model of a supported architecture."
         )
     _check_gguf_split(header)
-    if header.metadata.get(f"{header.architecture}.expert_count") and header.architecture not in ("llama",
-                                                                                                   "qwen3moe"):
+    if header.metadata.get(f"{header.architecture}.expert_count") and header.architecture not in (
+            "llama", "qwen2moe", "qwen3moe"):
         raise ModelValidationError(f"GGUF file {header.path} holds a mixture-of-experts {header.architecture} model: "
-                                   "pagedserve serves Mixtral's and Qwen3-MoE's. Use a model of a supported "
-                                   "architecture.")
+                                   "pagedserve serves Mixtral's, Qwen2-MoE's and Qwen3-MoE's. Use a model of a "
+                                   "supported architecture.")
     if header.architecture in ("gemma2", "gemma3") and f"{header.architecture}.attention.sliding_window" not in \
             header.metadata:
         raise ModelValidationError(f"GGUF file {header.path} lacks metadata key {header.architecture}.attention."

@@ -39,6 +39,10 @@ _LAYER_PARTS = {
     "mlp.experts.gate_exps": "ffn_gate_exps",
     "mlp.experts.up_exps": "ffn_up_exps",
     "mlp.experts.down_exps": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",  # Qwen2-MoE's shared expert and its gate
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -187,15 +191,18 @@ def write_test_gguf(
     F32, as llama.cpp does. A tied lm_head is not written. Llama q/k rows are permuted.
     """
     config = model.config
-    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(config.model_type, config.model_type)  # llama.cpp's
+    arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(config.model_type,
+                                                                                    config.model_type)  # llama.cpp's
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, config)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts:  # as convert_hf_to_gguf.py's MixtralModel and Qwen3MoeModel write them
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        if arch == "qwen3moe":
+        if arch in ("qwen2moe", "qwen3moe"):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if sp_model is None:
         _add_tokenizer(writer, config.vocab_size, tokenizer_pre, eos_token_id, eot_token_id)
     else:  # a SentencePiece vocabulary (Llama 2, Mistral) instead of the tiny byte-level one
@@ -235,11 +242,12 @@ def _expert_stacks(state: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral causal LM (float32, eval mode)."""
+    """A tiny random Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mixtral causal LM (float32, eval mode)."""
     import transformers
 
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
+                    "qwen2_moe": transformers.Qwen2MoeConfig,
                     "mixtral": transformers.MixtralConfig}[arch]
     kwargs: dict[str, object] = dict(
         vocab_size=288, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -250,12 +258,16 @@ def tiny_model(arch: str, seed: int = 0, **overrides: object) -> torch.nn.Module
         kwargs["head_dim"] = 32  # != hidden_size / heads, as in real Qwen3 models
     if arch == "qwen3_moe":  # every layer sparse: a GGUF has no mlp_only_layers
         kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    elif arch == "qwen2_moe":
+        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128)
     elif arch == "mixtral":
         kwargs.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model_class = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
                    "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+                   "qwen2_moe": transformers.Qwen2MoeForCausalLM,
                    "mixtral": transformers.MixtralForCausalLM}[arch]
     model = model_class(config_class(**kwargs)).eval()
     with torch.no_grad():  # norms initialise to ones; make them random so that mapping errors show

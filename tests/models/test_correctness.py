@@ -19,7 +19,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "granite", "phi3", "gemma", "gemma2", "gemma3", "smollm3", "qwen3_moe", "mixtral"]
+ARCHS = ["llama", "qwen2", "qwen3", "granite", "phi3", "gemma", "gemma2", "gemma3", "smollm3", "qwen2_moe", "qwen3_moe",
+         "mixtral"]
 TOLERANCE = {"float32": 5e-5, "bfloat16": 0.15}
 NUM_TOKENS = 32
 TOP_K = 5
@@ -110,7 +111,7 @@ def generate(model_dir, dtype, prompts, logprobs=TOP_K, **engine_kwargs):
 # own run against its float32 one as often as ours (tiny Mixtral: median |logprob difference| from float32 0.0237
 # for transformers' bfloat16, 0.0233 for ours), and the flipped token's sequence goes its own way. So bfloat16 runs
 # them with every expert (weighted, gathered and summed as always) and float32 checks the top-k choice token for token.
-BF16_OVERRIDES = {"qwen3_moe": {"num_experts_per_tok": 4}, "mixtral": {"num_experts_per_tok": 4}}
+BF16_OVERRIDES = {arch: {"num_experts_per_tok": 4} for arch in ("qwen2_moe", "qwen3_moe", "mixtral")}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -37,6 +37,7 @@ CASES = [  # (arch, dtype, quantization, config overrides, what must hold where 
     ("llama", "bfloat16", None, {**HEAD_32, "hidden_act": "gelu"}, "gelu: the MLP gate on torch, no stack"),
     ("qwen3_moe", "bfloat16", None, {"head_dim": 32}, "experts native, no stack"),  # a sparse and a dense layer
     ("mixtral", "bfloat16", "int8", HEAD_32, "experts native, no stack"),
+    ("qwen2_moe", "bfloat16", "int8", HEAD_32, "experts native, no stack"),  # a shared expert too
 ]
 
 

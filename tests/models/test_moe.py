@@ -1,6 +1,6 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE): what the memory plan counts, their GGUF files, and what is refused
-with a reason (tensor parallelism, other architectures' experts). Their outputs against transformers are test_correctness.py's (ARCHS), their
-kernels test_layer_kernels.py's."""
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): what the memory plan counts, their GGUF files, and what
+is refused with a reason (tensor parallelism, other architectures' experts). Their outputs against transformers are
+test_correctness.py's (ARCHS), their kernels test_layer_kernels.py's."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ def test_the_plan_counts_every_expert(tiny_model_dir):
     (the decoder layers' matrices but the routers, which stay in the model dtype)."""
     from safetensors import safe_open
 
-    for arch in ("qwen3_moe", "mixtral"):
+    for arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
         path = Path(tiny_model_dir(arch))
-        shape = ModelShape.from_hf_config(json.loads((path / "config.json").read_text()), weight_bytes=0)
+        model = ModelShape.from_hf_config(json.loads((path / "config.json").read_text()), weight_bytes=0)
         with safe_open(path / "model.safetensors", "pt") as checkpoint:
-            linear = sum(checkpoint.get_slice(name).get_shape()[0] * checkpoint.get_slice(name).get_shape()[1]
-                         for name in checkpoint.keys() if ".layers." in name and "norm" not in name
-                         and not name.endswith(".gate.weight"))
-        assert shape.num_linear_params == linear, arch
+            shapes = {name: checkpoint.get_slice(name).get_shape() for name in checkpoint.keys()}
+        linear = sum(shape[0] * shape[1] for name, shape in shapes.items() if len(shape) == 2 and ".layers." in name
+                     and not name.endswith((".gate.weight", ".shared_expert_gate.weight")))
+        assert model.num_linear_params == linear, arch
     qwen3_moe = {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                  "intermediate_size": 128, "mlp_only_layers": [1]}
     assert moe_shape(qwen3_moe) == MoEShape(num_experts=4, top_k=2, width=64, dense_layers=frozenset({1}))
@@ -41,11 +41,12 @@ def test_tensor_parallel_is_refused_with_the_reason(tiny_model_dir):
         LLM(tiny_model_dir("mixtral"), tensor_parallel_size=2, max_model_len=64)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_gguf_files_as_llama_cpp_writes_them(arch, tmp_path):
-    """Qwen3-MoE's GGUF (architecture qwen3moe) and Mixtral's (llama with an expert count): the stacked expert
-    tensors (ffn_*_exps) read as each expert's matrices, the router as ffn_gate_inp; F32 equals transformers
-    (tokens and logprobs), and Q8_0 runs every expert on int8 weights."""
+    """Qwen2-MoE's and Qwen3-MoE's GGUF (architectures qwen2moe, qwen3moe) and Mixtral's (llama with an expert
+    count): the stacked expert tensors (ffn_*_exps) read as each expert's matrices, the router as ffn_gate_inp,
+    Qwen2-MoE's shared expert as ffn_*_shexp; F32 equals transformers (tokens and logprobs), and Q8_0 runs every
+    expert on int8 weights."""
     from tests.models.gguf_utils import QType, tiny_model, write_test_gguf
     from tests.models.test_correctness import TOLERANCE, assert_logprobs_close, hf_logprobs
 
@@ -53,8 +54,8 @@ def test_gguf_files_as_llama_cpp_writes_them(arch, tmp_path):
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 7, 100, 7]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
     llm = LLM(str(write_test_gguf(model, tmp_path / "f32.gguf")), dtype="float32", max_model_len=64)
-    assert llm.engine.config.model.architecture == {"qwen3_moe": "Qwen3MoeForCausalLM",
-                                                    "mixtral": "MixtralForCausalLM"}[arch]
+    assert llm.engine.config.model.architecture == {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe":
+                                                    "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[arch]
     for prompt, output in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params)):
         completion = output.outputs[0]
         with torch.no_grad():
@@ -72,13 +73,13 @@ def test_gguf_files_as_llama_cpp_writes_them(arch, tmp_path):
 def test_another_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
     from tests.models.gguf_utils import tiny_model, write_test_gguf
 
-    path = write_test_gguf(tiny_model("qwen2"), tmp_path / "moe.gguf",
-                           extra_metadata=lambda writer: writer.add_uint32("qwen2.expert_count", 8))
-    with pytest.raises(ModelValidationError, match="holds a mixture-of-experts qwen2 model: pagedserve serves"):
+    path = write_test_gguf(tiny_model("qwen3"), tmp_path / "moe.gguf",
+                           extra_metadata=lambda writer: writer.add_uint32("qwen3.expert_count", 8))
+    with pytest.raises(ModelValidationError, match="holds a mixture-of-experts qwen3 model: pagedserve serves"):
         LLM(str(path), max_model_len=64)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_batch_one_decode_matches_transformers(tiny_model_dir, arch):
     """One sequence: its decode steps take SparseMoE's one-row path (no grouping by expert), against transformers
     in float32 (test_correctness.py's batch of 8 takes the grouped path)."""
