@@ -43,7 +43,7 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.
 
 @dataclass(frozen=True)
 class MoESpec:
-    """A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router's softmax picks each token's top-k experts."""
+    """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router's softmax picks each token's top-k experts."""
 
     shape: MoEShape  # experts, how many per token, their width, the layers with a plain MLP (from the config)
     normalize: bool  # the top-k weights rescaled to sum to 1
@@ -180,7 +180,7 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture-of-experts MLP, as transformers runs Mixtral's and Qwen3-MoE's: the router (`gate`) scores the
+    """A mixture-of-experts MLP, as transformers runs Mixtral's and Qwen2/3-MoE's: the router (`gate`) scores the
     experts, a softmax in float32 and its top k pick each token's experts (renormalised where the model does), and
     each picked expert's MLP output, scaled by its weight, is added to the token's output, experts in ascending
     order. Each expert is an MLP on the kernels every MLP runs; the router stays a plain matmul in the model dtype
@@ -217,8 +217,9 @@ class SparseMoE(nn.Module):
             weights = weights.to(x.dtype)
         if x.shape[0] == 1:  # batch-1 decode: no grouping of rows by expert, the same sums in the same order
             out = None
-            for expert, weight in sorted(zip(chosen[0].tolist(), weights[0])):
-                y = (self.experts[expert].forward(x) * weight).to(x.dtype)
+            for expert, slot in sorted(zip(chosen[0].tolist(), range(self.moe.shape.top_k))):
+                # scaled as the grouped path scales (a [1, 1] weight: Mixtral's products in float32, then rounded)
+                y = (self.experts[expert].forward(x) * weights[:, slot, None]).to(x.dtype)
                 out = y if out is None else out + y
             return out
         out = torch.zeros_like(x)

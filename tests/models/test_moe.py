@@ -88,3 +88,17 @@ def test_batch_one_decode_matches_transformers(tiny_model_dir, arch):
     model_dir = tiny_model_dir(arch)
     prompts = make_prompts(LLM(model_dir, max_model_len=64, dtype="float32").get_tokenizer())
     check_against_transformers(model_dir, "float32", prompts[:1])
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_the_one_row_path_equals_the_grouped_one_bit_for_bit(tiny_model_dir, arch):
+    """bfloat16: a decode row alone (SparseMoE's one-row path) gets the same bits as beside other rows (the grouped
+    path): the same products, rounded where the grouped path rounds them, summed in the same order."""
+    from pagedserve.models.llama import SparseMoE
+
+    llm = LLM(tiny_model_dir(arch, "bfloat16"), max_model_len=64, dtype="bfloat16")
+    layer = next(m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE))
+    x = torch.randn(3, layer.gate.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for row in range(3):
+        alone = layer.forward(x[row:row + 1])
+        assert torch.equal(alone, layer.forward(x)[row:row + 1]), row
