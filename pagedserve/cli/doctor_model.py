@@ -151,7 +151,7 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
         return CheckResult("layers", PASS, detail)  # (mixture-of-experts layers: all native, never in the stack)
     if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:
         fix = f"{model.dtype} linears run on oneDNN here: --dtype bfloat16 or --quantization int8 runs them natively"
-    elif not layers.activation_native:
+    elif layers.activation not in NATIVE_ACTIVATIONS:
         fix = (f"the MLP's {layers.activation} gate runs torch ops (the native kernel and the decode stack have "
                f"{' and '.join(NATIVE_ACTIVATIONS)}); nothing to change")
     elif partial_rotary(model.hf_config):

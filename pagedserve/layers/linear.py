@@ -201,7 +201,12 @@ class Int8Linear(_HotPathModule):
                 return self.native.linear_i8(x.contiguous(), self._packed, self._scales32, self._row_sums,
                                               self._bias, self.out_features)
             return F.linear(x, self.dequantized(), self.bias)
-        y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        if x.dtype != torch.float32 and x.device.type == "cpu" and x.shape[-1] % 16:
+            # torch's CPU kernel faults on bfloat16 rows whose length is not a multiple of 16 (QA-M: a MoE
+            # expert of width 40 killed the process): those rows go through its float32 kernel
+            y = torch.ops.aten._weight_int8pack_mm(x.float(), self.qweight, self.scales.float()).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return y if self.bias is None else y + self.bias
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:

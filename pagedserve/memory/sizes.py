@@ -82,15 +82,23 @@ class MoEShape:
 
 
 def moe_shape(config: Any) -> MoEShape | None:
-    """MoEShape of a config (config.json's dict or a transformers config), None for a model without experts."""
+    """MoEShape of a config (config.json's dict or a transformers config); None for a model without experts or
+    without a sparse layer (a dense model, as transformers builds it). ValueError for experts per token that are not
+    1..experts."""
     get = config.get if isinstance(config, dict) else (lambda key: getattr(config, key, None))
     num_experts = get("num_local_experts") or get("num_experts")
     if not num_experts:
         return None
+    layers = get("num_hidden_layers")
     step, only = get("decoder_sparse_step") or 1, set(get("mlp_only_layers") or ())
-    dense = frozenset(i for i in range(get("num_hidden_layers")) if i in only or (i + 1) % step)
-    return MoEShape(int(num_experts), int(get("num_experts_per_tok")),
-                    int(get("moe_intermediate_size") or get("intermediate_size")), dense,
+    dense = frozenset(i for i in range(layers) if i in only or (i + 1) % step)
+    if len(dense) == layers:
+        return None
+    top_k = get("num_experts_per_tok")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k!r} must be an integer from 1 to the number of experts "
+                         f"({num_experts})")
+    return MoEShape(int(num_experts), top_k, int(get("moe_intermediate_size") or get("intermediate_size")), dense,
                     int(get("shared_expert_intermediate_size") or 0))
 
 

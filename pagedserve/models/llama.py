@@ -630,14 +630,20 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
 
+def _moe_spec(cfg: Any, normalize: bool, weights_in_model_dtype: bool) -> MoESpec | None:
+    """None where the config has no sparse layer (no experts, or every layer a plain MLP): a dense model, as
+    transformers builds it."""
+    shape = moe_shape(cfg)
+    return None if shape is None else MoESpec(shape, normalize, weights_in_model_dtype)
+
+
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention; MoE MLPs routed as Qwen3-MoE's, plus a
     shared expert every token takes, scaled by the sigmoid of a gate of its own."""
 
     @classmethod
     def moe_spec(cls, cfg: Any) -> MoESpec | None:
-        return MoESpec(moe_shape(cfg), normalize=bool(getattr(cfg, "norm_topk_prob", False)),
-                       weights_in_model_dtype=True)
+        return _moe_spec(cfg, normalize=bool(getattr(cfg, "norm_topk_prob", False)), weights_in_model_dtype=True)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -647,8 +653,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     @classmethod
     def moe_spec(cls, cfg: Any) -> MoESpec | None:
-        return MoESpec(moe_shape(cfg), normalize=bool(getattr(cfg, "norm_topk_prob", False)),
-                       weights_in_model_dtype=True)
+        return _moe_spec(cfg, normalize=bool(getattr(cfg, "norm_topk_prob", False)), weights_in_model_dtype=True)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -660,7 +665,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def moe_spec(cls, cfg: Any) -> MoESpec | None:
-        return MoESpec(moe_shape(cfg), normalize=True, weights_in_model_dtype=False)
+        return _moe_spec(cfg, normalize=True, weights_in_model_dtype=False)
 
     def checkpoint_name_to_param(self, name: str) -> str | None:
         name = super().checkpoint_name_to_param(name)

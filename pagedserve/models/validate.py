@@ -19,6 +19,7 @@ from pagedserve.formats.gguf import GGUFHeader, shared_gguf_header, truncated_gg
 from pagedserve.formats.safetensors import read_safetensors_header, read_shard_index, safetensors_files, truncated_error
 from pagedserve.formats import is_gguf_path
 from pagedserve.formats.multimodal import TEXT_ONLY, language_model_name
+from pagedserve.memory.sizes import moe_shape
 
 SUPPORTED_HF_ARCHITECTURES: tuple[str, ...] = (
     "GemmaForCausalLM",
@@ -235,6 +236,10 @@ def _check_config(model_dir: Path) -> dict[str, Any]:
             raise ModelValidationError(f"{config_path} sets {field}: pagedserve's {architectures[0]} runs an MLP gated "
                                        f"by {', '.join(DECODER_ACTIVATIONS)}, without biases, so this model would be "
                                        "computed wrongly. Use a model without it.")
+    try:
+        moe_shape(shape if isinstance(shape, dict) else {})
+    except ValueError as exc:
+        raise ModelValidationError(f"{config_path}: {exc}. The config does not describe a model that runs.") from None
     for key in REQUIRED_CONFIG_KEYS:
         value = shape.get(key) if isinstance(shape, dict) else None
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -360,27 +365,33 @@ def validate_model_path(path: str | Path, *, need_chat_template: bool = False) -
 
 # Model types whose transformers class applies a config's sliding_window to every layer. Other types without
 # layer_types (Llama, Granite, Gemma 1) ignore the field, whatever it says.
-WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "phi3"})
+WINDOW_ON_EVERY_LAYER = frozenset({"mistral", "phi3", "mixtral"})
 
 
 def layer_windows(cfg: Any) -> list[int | None]:
     """Each layer's sliding window (None: it attends to every earlier position), as transformers reads the config
     (a transformers config, or a config.json's values as attributes): `layer_types` says it per layer (Gemma 2/3;
     transformers derives it for Qwen2/Qwen3, which this derives as it does where a config.json has none: the
-    layers from max_window_layers on, only with use_sliding_window); Mistral and Phi-3 window every layer; other
-    models none."""
+    layers from max_window_layers on, only with use_sliding_window; Qwen2-MoE's even layers below it; Qwen3-MoE's
+    every layer); Mistral, Mixtral and Phi-3 window every layer; other models none."""
     layers = cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         return [None] * layers
     model_type = getattr(cfg, "model_type", None)
     layer_types = getattr(cfg, "layer_types", None)
-    if model_type in ("qwen2", "qwen3"):  # their configs drop the window without use_sliding_window
-        if not getattr(cfg, "use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):  # their configs drop the window without
+        if not getattr(cfg, "use_sliding_window", False):  # use_sliding_window
             return [None] * layers
         first = getattr(cfg, "max_window_layers", None)
-        first = 28 if first is None else first  # Qwen2Config's and Qwen3Config's default
-        layer_types = layer_types or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        first = 28 if first is None else first  # the configs' default
+        if model_type == "qwen3_moe":  # every layer (Qwen3MoeConfig has no max_window_layers rule)
+            return [window] * layers
+        if model_type == "qwen2_moe":  # Qwen2MoeConfig's rule: the even layers below max_window_layers
+            windowed = [i % 2 == 0 and i < first for i in range(layers)]
+        else:
+            windowed = [i >= first for i in range(layers)]
+        layer_types = layer_types or ["sliding_attention" if w else "full_attention" for w in windowed]
     if layer_types:
         return [window if kind == "sliding_attention" else None for kind in layer_types]
     return [window] * layers if model_type in WINDOW_ON_EVERY_LAYER else [None] * layers

@@ -102,3 +102,45 @@ def test_the_one_row_path_equals_the_grouped_one_bit_for_bit(tiny_model_dir, arc
     for row in range(3):
         alone = layer.forward(x[row:row + 1])
         assert torch.equal(alone, layer.forward(x)[row:row + 1]), row
+
+
+def test_what_is_not_a_working_mixture_is_said_or_served_dense(tiny_model_dir, tmp_path):
+    """QA-M: experts per token beyond the experts is a config error before loading (it failed in warm-up); a
+    config whose layers are all plain MLPs (or with 0 experts) is the dense model transformers builds (it crashed);
+    an expert width off the native kernels' multiples runs int8 on torch's kernel (its bfloat16 one faulted: run in
+    a child process, so that a fault fails this test instead of ending the run)."""
+    import shutil
+    import subprocess
+    import sys
+
+    broken = Path(shutil.copytree(tiny_model_dir("qwen3_moe"), tmp_path / "broken"))
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 8}))
+    with pytest.raises(ModelValidationError, match="num_experts_per_tok 8 must be an integer from 1 to the number"):
+        LLM(str(broken), max_model_len=64)
+    for overrides in ({"mlp_only_layers": [0, 1]}, {"num_experts": 0}):
+        llm = LLM(tiny_model_dir("qwen3_moe", **overrides), max_model_len=64, dtype="float32")
+        kernels = llm.engine.runner.model.layer_kernels()
+        assert kernels.experts is None and "experts" not in kernels.lines()[0], overrides
+    narrow = tiny_model_dir("qwen3_moe", "bfloat16", moe_intermediate_size=40)
+    code = (f"from pagedserve import LLM, SamplingParams\nllm = LLM({narrow!r}, quantization='int8', max_model_len=64)\n"
+            "print(llm.generate('Hello', SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("mixtral", {"sliding_window": 16}),  # every layer, as Mistral
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),  # every layer still
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}),  # the even ones
+])
+def test_sliding_windows_as_transformers_reads_them(tiny_model_dir, arch, overrides):
+    """QA-M: Mixtral's and Qwen3-MoE's windows were ignored (full attention, silently other tokens)."""
+    from pagedserve.models.validate import layer_windows
+    from tests.models.test_correctness import check_against_transformers
+
+    model_dir = tiny_model_dir(arch, **overrides)
+    llm = check_against_transformers(model_dir, "float32", [[(7 * i + 3) % 400 + 20 for i in range(40)],
+                                                            [(11 * i) % 300 + 30 for i in range(33)]])
+    windows = layer_windows(llm.engine.config.model.hf_config)
+    assert windows == {"mixtral": [16, 16], "qwen3_moe": [16, 16], "qwen2_moe": [16, None]}[arch]
