@@ -71,8 +71,8 @@ CUDA_RUNTIME_OVERHEAD_BYTES = 768 * MIB
 
 @dataclass(frozen=True)
 class MoEShape:
-    """A mixture-of-experts model's MLPs (Mixtral, Qwen3-MoE), from its config.json: experts per layer, how many run
-    for each token, each one's intermediate width, and the layers that keep a plain MLP."""
+    """A mixture-of-experts model's MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE), from its config.json: experts per layer, how
+    many run for each token, each one's intermediate width, the layers that keep a plain MLP, a shared expert's."""
 
     num_experts: int
     top_k: int
@@ -90,6 +90,8 @@ def moe_shape(config: Any) -> MoEShape | None:
     if not num_experts:
         return None
     layers = get("num_hidden_layers")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (num_experts, layers)):
+        raise ValueError(f"num_experts {num_experts!r} and num_hidden_layers {layers!r} must be integers")
     step, only = get("decoder_sparse_step") or 1, set(get("mlp_only_layers") or ())
     dense = frozenset(i for i in range(layers) if i in only or (i + 1) % step)
     if len(dense) == layers:

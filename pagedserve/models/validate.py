@@ -236,10 +236,6 @@ def _check_config(model_dir: Path) -> dict[str, Any]:
             raise ModelValidationError(f"{config_path} sets {field}: pagedserve's {architectures[0]} runs an MLP gated "
                                        f"by {', '.join(DECODER_ACTIVATIONS)}, without biases, so this model would be "
                                        "computed wrongly. Use a model without it.")
-    try:
-        moe_shape(shape if isinstance(shape, dict) else {})
-    except ValueError as exc:
-        raise ModelValidationError(f"{config_path}: {exc}. The config does not describe a model that runs.") from None
     for key in REQUIRED_CONFIG_KEYS:
         value = shape.get(key) if isinstance(shape, dict) else None
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -247,6 +243,10 @@ def _check_config(model_dir: Path) -> dict[str, Any]:
                 f"{config_path} has no usable {key!r} (a positive integer; got {value!r}): the file is damaged or "
                 "was edited. Download the model's config.json again."
             )
+    try:
+        moe_shape(shape)
+    except ValueError as exc:
+        raise ModelValidationError(f"{config_path}: {exc}. The config does not describe a model that runs.") from None
     return config
 
 

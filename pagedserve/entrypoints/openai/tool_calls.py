@@ -898,13 +898,13 @@ def make_reader(choice: ToolChoice | None, parser: str | None) -> ToolCallReader
     elif parser == "hermes":
         reader = HermesReader([t["function"]["name"] for t in choice.tools])
     else:
-        reader = _MARKED_READERS.get(parser, Llama3JsonReader)()
+        reader = _AUTO_READERS.get(parser, Llama3JsonReader)()
     if parser == "mistral":
         reader.new_id = mistral_call_id
     return reader if choice.mode != "auto" or choice.parallel else FirstCallReader(reader)
 
 
-_MARKED_READERS: dict[str, type[ToolCallReader]] = {"granite": GraniteReader, "mistral": MistralReader,
+_AUTO_READERS: dict[str, type[ToolCallReader]] = {"granite": GraniteReader, "mistral": MistralReader,
                                                     "phi4_mini_json": Phi4MiniReader, "pythonic": PythonicReader}
 
 
