@@ -169,8 +169,12 @@ def validate_gguf_header(header: GGUFHeader, *, need_chat_template: bool = False
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}. Use a model of a supported architecture."
         )
     _check_gguf_split(header)
-    if header.metadata.get(f"{header.architecture}.expert_count") and header.architecture not in (
-            "llama", "qwen2moe", "qwen3moe"):
+    experts = header.metadata.get(f"{header.architecture}.expert_count")
+    used = header.metadata.get(f"{header.architecture}.expert_used_count")
+    if experts and not (isinstance(used, int) and 1 <= used <= experts):
+        raise ModelValidationError(f"GGUF file {header.path}: {header.architecture}.expert_used_count {used!r} must be "
+                                   f"from 1 to its expert_count ({experts}). Convert the model again.")
+    if experts and header.architecture not in ("llama", "qwen2moe", "qwen3moe"):
         raise ModelValidationError(f"GGUF file {header.path} holds a mixture-of-experts {header.architecture} model: "
                                    "pagedserve serves Mixtral's, Qwen2-MoE's and Qwen3-MoE's. Use a model of a "
                                    "supported architecture.")

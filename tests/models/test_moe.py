@@ -73,10 +73,16 @@ def test_gguf_files_as_llama_cpp_writes_them(arch, tmp_path):
 def test_another_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
     from tests.models.gguf_utils import tiny_model, write_test_gguf
 
-    path = write_test_gguf(tiny_model("qwen3"), tmp_path / "moe.gguf",
-                           extra_metadata=lambda writer: writer.add_uint32("qwen3.expert_count", 8))
+    def experts(writer) -> None:
+        writer.add_uint32("qwen3.expert_count", 8)
+        writer.add_uint32("qwen3.expert_used_count", 2)
+
+    path = write_test_gguf(tiny_model("qwen3"), tmp_path / "moe.gguf", extra_metadata=experts)
     with pytest.raises(ModelValidationError, match="holds a mixture-of-experts qwen3 model: pagedserve serves"):
         LLM(str(path), max_model_len=64)
+    too_many = write_test_gguf(tiny_model("qwen3_moe", num_experts_per_tok=9), tmp_path / "k.gguf")
+    with pytest.raises(ModelValidationError, match="qwen3moe.expert_used_count 9 must be from 1 to its expert_count"):
+        LLM(str(too_many), max_model_len=64)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
@@ -123,7 +129,8 @@ def test_what_is_not_a_working_mixture_is_said_or_served_dense(tiny_model_dir, t
         kernels = llm.engine.runner.model.layer_kernels()
         assert kernels.experts is None and "experts" not in kernels.lines()[0], overrides
     narrow = tiny_model_dir("qwen3_moe", "bfloat16", moe_intermediate_size=40)
-    code = (f"from pagedserve import LLM, SamplingParams\nllm = LLM({narrow!r}, quantization='int8', max_model_len=64)\n"
+    code = (f"from pagedserve import LLM, SamplingParams\n"
+            f"llm = LLM({narrow!r}, quantization='int8', max_model_len=64)\n"
             "print(llm.generate('Hello', SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
