@@ -57,6 +57,11 @@ class LLM:
         for note in notes:
             logger.info("%s", note)
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **read_keywords(EngineArgs, kwargs)))
+        self._reasoning_tags = None  # (<think>, </think>) ids where the parser is given and they are single tokens
+        if self._reasoning_parser is not None:
+            from pagedserve.entrypoints.openai.reasoning import think_tag_ids
+
+            self._reasoning_tags = think_tag_ids(self.engine.tokenizer)
         self._metrics = (EngineMetrics.for_engine(self.engine, CollectorRegistry(), outputs_per_step=False)
                          if log_stats else None)
         # Once the engine is freed, the freed C heap goes back to the system: glibc keeps it otherwise, and after
@@ -127,9 +132,9 @@ class LLM:
         continues."""
         if self._reasoning_parser is None or params.structured_outputs is None or params.reasoning_gate is not None:
             return params
-        from pagedserve.entrypoints.openai.reasoning import grammar_gate, prompt_block, think_tag_ids
+        from pagedserve.entrypoints.openai.reasoning import grammar_gate, prompt_block
 
-        gate = grammar_gate(self._reasoning_parser, think_tag_ids(self.engine.tokenizer),
+        gate = grammar_gate(self._reasoning_parser, self._reasoning_tags,
                             prompt_block(_prompt_tail(prompt, self.engine.tokenizer), continued))
         return params if gate is None else params.clone(reasoning_gate=gate)
 

@@ -278,12 +278,10 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     hidden, intermediate = cfg.hidden_size, cfg.intermediate_size // tp_size  # this rank's MLP width
     moe = moe_shape(cfg)
-    widths = [intermediate]  # every MLP's width; the first layer's is the one reported
+    widths = {intermediate}  # every MLP's width (the first layer's is the one reported)
     if moe is not None:  # no tensor parallelism (sharding.py refuses it)
-        widths = sorted({moe.width} | ({intermediate} if moe.dense_layers else set())
-                        | ({moe.shared_width} if moe.shared_width else set()),
-                        key=lambda w: w != (intermediate if 0 in moe.dense_layers else moe.width))
-        intermediate = widths[0]
+        widths = {moe.width, moe.shared_width} - {0} | ({intermediate} if moe.dense_layers else set())
+        intermediate = intermediate if 0 in moe.dense_layers else moe.width
     kind = fmt.linear_kind
     fits = isa is not None and kind != "plain" and all(decoder_kernels_fit(hidden, w, head_dim) for w in widths)
     inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),

@@ -200,7 +200,6 @@ class SparseMoE(nn.Module):
     def prepare(self, backend: KernelBackend, kernels: CpuKernels | None) -> None:
         for expert in experts_of(self):
             expert.prepare(backend, kernels)
-        self.intermediate_size = self.moe.shape.width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._routed(x)

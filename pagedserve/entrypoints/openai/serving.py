@@ -293,7 +293,8 @@ class OpenAIServing:
         self._validate_for_engine(prompts, params_list)
         if not req.use_beam_search:
             for prompt, params in zip(prompts, params_list):
-                self._gate_grammar(params, self._prompt_block(prompt))
+                if params.structured_outputs is not None:  # (the prompt's tail decoded only for these)
+                    self._gate_grammar(params, self._prompt_block(prompt))
         request_id = self._request_id("cmpl", req, raw)
         if req.use_beam_search:
             streams = self._start_beam_search(request_id, req, prompts, max_tokens, params_list, req.logprobs)
