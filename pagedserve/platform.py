@@ -120,17 +120,19 @@ def resolve_dtype(requested: str, device: str, model_dtype: str | None, kernels_
 
 def default_quantization(requested_dtype: str, quantization: str | None, stores_quantized: bool,
                          device: str, kernels_from_flags: bool = False) -> str | None:
-    """The weight quantization to serve with: the user's, or "int8" for a checkpoint whose matrices are
-    stored block-quantized (a Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels.
-    As every GGUF runner does, such a file is served from its quantized weights (requantized per row to
-    int8: 1 byte a weight) instead of being widened to bf16 or float32 (2-4x the bytes read per token).
-    An explicit --dtype still dequantizes to that dtype, unless vLLM's --quantization gguf asks for the quantized
-    weights (then int8 where the file is block-quantized, else none). `kernels_from_flags`: see native_kernels_run."""
+    """The weight quantization to serve with: the user's, or "gguf" for a checkpoint whose matrices are
+    stored block-quantized (a Q4_0/Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels.
+    As every GGUF runner does, such a file is served from its quantized weights instead of being widened to bf16
+    or float32 (2-4x the bytes read per token): Q4_0/Q4_1/Q5_0/Q5_1 matrices as stored (~5-6 bits a weight), the
+    other block types requantized per row to int8 (weight_format.FILE_QUANTIZATION). An explicit --dtype still
+    dequantizes to that dtype, unless vLLM's --quantization gguf asks for the quantized weights (then "gguf" where
+    the file is block-quantized, else none); --quantization int8 requantizes every matrix to int8.
+    `kernels_from_flags`: see native_kernels_run."""
     if quantization == "gguf":
         quantization, requested_dtype = None, "auto"
     if quantization is not None or requested_dtype != "auto" or not stores_quantized or device != "cpu":
         return quantization
-    return "int8" if native_kernels_run(kernels_from_flags) else None
+    return "gguf" if native_kernels_run(kernels_from_flags) else None
 
 
 def distributed_backend(device: str) -> str:

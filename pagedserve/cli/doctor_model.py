@@ -15,9 +15,9 @@ from pagedserve.cli.check_result import FAIL, PASS, WARN, CheckResult
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
-from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, capped_prefill_on_torch, expected_layer_kernels,
-                                             expected_weight_format, onednn_may_pack, partial_rotary,
-                                             wants_native_kernels)
+from pagedserve.memory.weight_format import (FILE_QUANTIZATION, NATIVE_ACTIVATIONS, capped_prefill_on_torch,
+                                             expected_layer_kernels, expected_weight_format, gguf_block_linears,
+                                             onednn_may_pack, partial_rotary, wants_native_kernels)
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
@@ -139,13 +139,19 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     fmt = expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels,
                                  native is not None, flags)
     spec = cls.decoder_spec(model.hf_config)
+    blocks = set()
+    if model.quantization == FILE_QUANTIZATION and config.parallel.tensor_parallel_size == 1:
+        from pagedserve.formats.gguf_hf import GGUFFile
+
+        with GGUFFile(model.model) as checkpoint:
+            blocks = gguf_block_linears(checkpoint.first_layer_types())
     layers = expected_layer_kernels(fmt, native, model.hf_config, onednn_may_pack(device, model.dtype, flags),
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
                                     activation=spec.activation,
                                     sdpa_prefill=probe.sdpa_prefill(flags, model.dtype, envs.batch_invariant()),
                                     softcapped=capped_prefill_on_torch(
                                         softcapped_attention(model.architecture, model.hf_config),
-                                        envs.batch_invariant()))
+                                        envs.batch_invariant()), block_linears=blocks)
     detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack or (layers.experts is not None and replace(layers, experts=None).stack):
         return CheckResult("layers", PASS, detail)  # (mixture-of-experts layers: all native, never in the stack)

@@ -16,8 +16,8 @@ from pagedserve.memory.plan import MemoryPlan
 from pagedserve.memory.probe import AvailableMemory, cpu_flags
 from pagedserve.memory.sizes import CPU_RUNTIME_BASE_BYTES, MIB
 from pagedserve.models.validate import layer_windows
-from pagedserve.memory.weight_format import (SUPPORTED_QUANTIZATION, WeightFormat, expected_weight_format, kv_quantized,
-                                             native_kernels_expected)
+from pagedserve.memory.weight_format import (FILE_QUANTIZATION, SUPPORTED_QUANTIZATION, WeightFormat,
+                                             expected_weight_format, kv_quantized, native_kernels_expected)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ def plan_memory(args: EngineArgs, checkpoint: CheckpointInfo, model: ModelConfig
         weight_bytes = sizes.prepared_weight_bytes(shape, weight_dtype_bytes, fmt.int8_linears,
                                                    fmt.logits_head(tied, computes_logits=model.task == "generate"),
                                                    tied)
+        if model.quantization == FILE_QUANTIZATION and args.tensor_parallel_size == 1:  # blocks kept as stored
+            weight_bytes -= checkpoint.gguf_block_savings(weight_dtype_bytes)
         return replace(shape, weight_bytes=weight_bytes)
 
     shape = prepared_shape(checkpoint, model)

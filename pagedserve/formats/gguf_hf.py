@@ -361,6 +361,17 @@ class GGUFFile:
         """Every weight tensor, in file order, with its Hugging Face name, type, shape and size."""
         return list(self._specs)
 
+    def first_layer_types(self) -> dict[str, str]:
+        """The ggml type names of the first decoder layer's matrices by their last Hugging Face name part ("q_proj",
+        ...), and of an untied logits head ("lm_head"): what weight_format.gguf_block_linears reads."""
+        types = {}
+        for spec in self._specs:
+            if spec.name.startswith("model.layers.0.") and spec.name.endswith(".weight"):
+                types[spec.name.removesuffix(".weight").rsplit(".", 1)[-1]] = spec.qtype.name
+            elif spec.name == "lm_head.weight":
+                types["lm_head"] = spec.qtype.name
+        return types
+
     @property
     def num_tensors(self) -> int:
         """Number of weight tensors `iter_tensors` yields."""

@@ -65,6 +65,9 @@ _SIGNATURES = {
     "ps_gguf_block_bytes": ((_INT,), _I64),
     "ps_requant_gguf_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), _INT),
     "ps_quantize_rows_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), None),
+    "ps_pack_gguf_q": ((_P, _INT, _I64, _I64, _P, _P, _P, _INT), _INT),
+    "ps_pack_q_rows": ((_P, _P, _P, _I64, _I64, _P, _INT), None),
+    "ps_linear_q": ((_P, _P, _INT, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
     "ps_row_sums_i8": ((_P, _I64, _I64, _P, _INT), None),
     "ps_layer_fields": ((), _INT),
     "ps_layer_layout": ((_P, _INT), _INT),
@@ -270,6 +273,74 @@ class CpuKernels:
         status = self.lib.ps_requant_gguf_i8(blocks.data_ptr(), qtype, blocks.shape[0], in_features, q.data_ptr(),
                                              scales.data_ptr(), self._threads())
         return (q, scales) if status == 0 else None
+
+    def pack_gguf_q(self, blocks: torch.Tensor, qtype: int, in_features: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """uint8 [N, row bytes] of ggml Q4_0, Q4_1, Q5_0 or Q5_1 blocks (GGMLQuantizationType numbers) ->
+        `linear_q`'s weight as stored: (nibbles uint8 [N, K / 2], d and m float16 [N, K / 32, 2], fifth bits
+        int64 [N, ceil(K / 128), 2] or None for 4 bits); None for another type, or where an implied m
+        (-8 d, -16 d) does not fit fp16 (the caller serves the tensor another way)."""
+        block_bytes = self.lib.ps_gguf_block_bytes(qtype)
+        if block_bytes == 0 or in_features % 32:
+            return None
+        check("blocks", blocks, torch.uint8, (None, block_bytes * (in_features // 32)))
+        n = blocks.shape[0]
+        qs = self.weight_buffer(n, in_features // 2, dtype=torch.uint8)
+        dm = torch.empty(n, in_features // 32, 2, dtype=torch.float16)
+        qh = torch.empty(n, -(-in_features // 128), 2, dtype=torch.int64)
+        bits = self.lib.ps_pack_gguf_q(blocks.data_ptr(), qtype, n, in_features, qs.data_ptr(), dm.data_ptr(),
+                                       qh.data_ptr(), self._threads())
+        if bits < 0:
+            return None
+        return qs, dm, (qh if bits == 5 else None)
+
+    def pack_q_rows(self, qs: torch.Tensor, dm: torch.Tensor, qh: torch.Tensor | None) -> torch.Tensor:
+        """Rows as `pack_gguf_q` gives them -> `linear_q`'s layout: uint8 [ceil(N / 4), ceil(K / 128), record] (a
+        record per 4 rows and 128 columns: their nibbles, d and m, fifth bits; cpu_kernels.c), so each block of 4
+        rows streams as one sequential run."""
+        n, k = qs.shape[0], qs.shape[1] * 2
+        check("qs", qs, torch.uint8, (n, k // 2))
+        check("dm", dm, torch.float16, (n, k // 32, 2))
+        if qh is not None:
+            check("qh", qh, torch.int64, (n, -(-k // 128), 2))
+        record = 384 if qh is not None else 320
+        packed = self.weight_buffer(-(-n // 4), -(-k // 128), record, dtype=torch.uint8)
+        self.lib.ps_pack_q_rows(qs.data_ptr(), dm.data_ptr(), _pointer(qh), n, k, packed.data_ptr(), self._threads())
+        return packed
+
+    @staticmethod
+    def unpack_q_rows(packed: torch.Tensor, out_features: int, in_features: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The inverse of `pack_q_rows`: (qs, dm, qh or None)."""
+        blocks, groups, record = packed.shape
+        n, k = out_features, in_features
+
+        def rows(start: int, width: int) -> torch.Tensor:  # [N, groups * width] bytes of one field
+            part = packed[:, :, start:start + 4 * width].reshape(blocks, groups, 4, width)
+            return part.permute(0, 2, 1, 3).reshape(blocks * 4, groups * width)[:n]
+
+        qs = rows(0, 64)[:, :k // 2].contiguous()
+        dm = rows(256, 16).contiguous().view(torch.float16)[:, :k // 32 * 2].reshape(n, k // 32, 2)
+        qh = rows(320, 16).contiguous().view(torch.int64).reshape(n, groups, 2) if record == 384 else None
+        return qs, dm.contiguous(), qh
+
+    def linear_q(self, x: torch.Tensor, packed: torch.Tensor, bits: int, bias: torch.Tensor | None,
+                 out_features: int) -> torch.Tensor:
+        """x [M, K] (contiguous, model dtype) @ W^T (+ bias) for W packed by `pack_q_rows` (`bits` 4 or 5; see
+        cpu_kernels.c: x rounded to 15-bit integers per row, exact integer sums per block of 32)."""
+        check("x", x, ACTIVATION_DTYPES, (None, None))
+        m, k = x.shape
+        if k % 32:
+            raise ValueError(f"linear_q: in_features {k} is not a multiple of 32")
+        if bits not in (4, 5):
+            raise ValueError(f"linear_q: bits must be 4 or 5, not {bits}")
+        check("packed", packed, torch.uint8, (-(-out_features // 4), -(-k // 128), 384 if bits == 5 else 320))
+        if bias is not None:
+            check("bias", bias, x.dtype, (out_features,))
+        y = torch.empty(m, out_features, dtype=x.dtype)
+        self.lib.ps_linear_q(x.data_ptr(), packed.data_ptr(), bits, _pointer(bias), y.data_ptr(), m, out_features, k,
+                             x.dtype == torch.bfloat16, self._threads())
+        return y
 
     def linear_i8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor,
                   bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

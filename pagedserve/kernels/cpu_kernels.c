@@ -2913,7 +2913,8 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * in one call, without ~10 Python calls and their tensors per layer, and with tensor parallelism
  * models/llama.py calls the halves itself, all-reducing after each.
  * A layer is one row of PS_LAYER_FIELDS int64 (pointers and kinds, laid out as the PS_L_* below; each of the
- * 4 linears is {kind (0 bf16 packed, 1 int8), weight, bias or 0, scales (int8), row sums (int8)}):
+ * 4 linears is {kind (0 bf16 packed, 1 int8, 2 ggml blocks), weight, bias or 0, scales (int8; blocks: their bits, 4
+ * or 5), row sums (int8; blocks: 0)}):
  * - q/k norm: the per-head norms' weights (Qwen3, Gemma 3), or 0;
  * - attn_out/mlp_out norm: Gemma 2/3's sandwich norms of the attention's and the MLP's outputs before they join
  *   the residual stream (post_attention_layernorm, post_feedforward_layernorm; post_norm is then
@@ -2952,9 +2953,14 @@ int ps_layer_layout(int64_t *out, int n) {
   return count;
 }
 
+void ps_linear_q(const void *x, const uint8_t *packed, int bits, const void *bias, void *y, int64_t M, int64_t N,
+                 int64_t K, int bf16, int nthreads);
+
 static void stack_linear(const int64_t *lin, const void *x, void *y, int64_t M, int64_t N, int64_t K, int bf16,
                          int nthreads) {
-  if (lin[0] == 1)
+  if (lin[0] == 2)
+    ps_linear_q(x, (const uint8_t *)lin[1], (int)lin[3], (const void *)lin[2], y, M, N, K, bf16, nthreads);
+  else if (lin[0] == 1)
     ps_linear_i8(x, (const int8_t *)lin[1], (const float *)lin[3], (const int32_t *)lin[4], (const void *)lin[2],
                  y, M, N, K, bf16, nthreads);
   else
@@ -3263,6 +3269,487 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
       quantize_row(src, K, q + n * K, scales + n);
     }
     free(row);
+  }
+}
+
+/* ---- block-quantized weights served as stored: ggml's Q4_0, Q4_1, Q5_0, Q5_1 --------------------------------
+ * A GGUF's 4- and 5-bit matrices run from their own bits (ps_linear_q) instead of being requantized to int8: 5-6
+ * bits a weight streamed instead of 8, which is what batch-1 decode is bound by. Each block of 32 weights of a row
+ * is w = d q + m with q unsigned (0..15, or 0..31 with a fifth bit) and d, m fp16: Q4_1 and Q5_1 store d and m,
+ * Q4_0 and Q5_0 store d with m = -8 d and -16 d (exact in fp16: a power of two times d; the packer refuses a
+ * tensor where it overflows).
+ * - Rows as loaded (ps_pack_gguf_q; layers/linear.py's BlockWeight, which fuses and reorders rows): qs[n][K / 2], the
+ *   blocks' nibble bytes as ggml stores them (byte j of a block: low nibble = weight j, high nibble = weight 16 + j);
+ *   dm[n][K / 32][2] fp16, each block's d and m; for 5 bits qh[n][ceil(K / 128)][2] uint64, per group of 128 columns
+ *   the fifth bits of its low nibbles (bit 16 b + j: block b's weight j) then of its high nibbles (weight 16 + j).
+ * - As the kernel streams them (ps_pack_q_rows): blocks of 4 rows (zero rows padding N), each a run of records, one
+ *   per group of 128 columns (zeros past K): the 4 rows' 64 nibble bytes, their 4 x 8 fp16 d and m, and for 5 bits
+ *   their 4 x 2 uint64 fifth bits (Q_REC bytes), so a block streams as one sequential run, as the int8 kernel's do.
+ * Activations are rounded per row to integers v (|v| <= 32256, step xs = max|x| / 32256: 15 bits, as the int8
+ * kernel's) and split into two signed bytes, v = 256 hi + lo (hi in -126..126, lo in -128..127), so unsigned x
+ * signed byte products (vpdpbusd; AVX2: vpmaddubsw + vpmaddwd) take the nibbles as they are. A block's sum over
+ * q v is exact in integers; per row y = xs (sum_b d_b sum_j q_j v_j + sum_b m_b sum_j v_j) (+ bias), the terms
+ * added in float32.
+ * - Decode-sized batches (q_rows): x's planes laid out in the nibbles' order, 64 (AVX2: 32) nibbles an instruction;
+ *   each 128-bit lane of the sums holds one block's, scaled by its d once per group. Every row runs the same
+ *   instructions whatever M is, so a row gets the same bits in every such batch.
+ * - From Q_TILE_ROWS rows (prefill; not in batch-invariant mode), q_tile: a panel of VL rows' q values as bytes in
+ *   column order ([K / 4][VL][4]: one vector holds 4 columns of VL outputs), each row's block sum exact in one int32
+ *   lane, x broadcast 4 columns at a time; its float sums come in another order, so a prompt's rows may differ from
+ *   decode's in the last bits (as the int8 kernel's bf16 panels on AVX512-BF16). */
+#if PS_ISA == 512
+#define QG 128  /* columns per decode step: a 64-byte load of nibbles */
+#else
+#define QG 64   /* a 32-byte load */
+#endif
+#define Q_REC(five) ((five) ? 384 : 320)  /* bytes per record: 4 x 64 nibbles, 4 x 16 d/m, (4 x 16 fifth bits) */
+#define Q_AHEAD 1024  /* bytes ahead of its stream that a block prefetches */
+#define Q_TILE_ROWS 16
+#define QV 32256.0f  /* the largest |v|: 126 * 256, which keeps hi within a signed byte */
+
+static inline vf vfloor(vf v) {
+#if PS_ISA == 512
+  return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+  return _mm256_floor_ps(v);
+#endif
+}
+
+/* Row m of x: xs[m], and VL columns at a time hi and lo (as floats, exact) to `emit(k, hi, lo, v)`. */
+static inline float q_row_step(const void *x, int64_t m, int64_t K, int bf16) {
+  vf mx = vzero();
+  for (int64_t k = 0; k < K; k += VL) mx = vmax(mx, vabs(vload(at(x, m * K + k, bf16), bf16)));
+  const float amax = vmaxr(mx);
+  return amax > 0.0f ? amax / QV : 1.0f;
+}
+static inline void q_split(vf x, vf inv, vf *v, vf *hi, vf *lo) {
+  const vf top = vset1(QV);
+  *v = vmin(vmax(vround_int(vmul(x, inv)), vsub(vzero(), top)), top);  /* x / xs rounds to at most QV + a rounding */
+  *hi = vfloor(vmul(vadd(*v, vset1(128.0f)), vset1(1.0f / 256.0f)));
+  *lo = vfnma(*hi, vset1(256.0f), *v);
+}
+
+/* For q_rows: x [M, K] -> per row planes [G][4][QG / 2] int8 (hi's low-nibble half, hi's high-nibble half, then lo's;
+ * G steps of QG columns over ceil(K / 128) * 128, zero past K), xv [G][VL] float (lane l: the sum of v over the block of
+ * lane l, / 4: a block spans 4 lanes of a step's sums), xs [M]. */
+static void q_prepare(const void *x, int64_t M, int64_t K, int bf16, int8_t *planes, float *xv, float *xs) {
+  const int64_t G = (K + 127) / 128 * (128 / QG), lanes = VL / (QG / 32);  /* lanes a block's sums span */
+  memset(planes, 0, (size_t)(M * G * 2 * QG));
+  memset(xv, 0, sizeof(float) * (size_t)(M * G * VL));
+  for (int64_t m = 0; m < M; ++m) {
+    xs[m] = q_row_step(x, m, K, bf16);
+    const vf inv = vset1(1.0f / xs[m]);
+    int8_t *row = planes + m * G * 2 * QG;
+    float *sums = xv + m * G * VL;
+    for (int64_t k = 0; k < K; k += VL) {  /* VL columns in one half of one block */
+      vf v, hi, lo;
+      q_split(vload(at(x, m * K + k, bf16), bf16), inv, &v, &hi, &lo);
+      const int64_t b = k / 32, j = k % 32, g = b / (QG / 32), bb = b % (QG / 32);
+      const int64_t pos = g * 2 * QG + (j >= 16 ? QG / 2 : 0) + bb * 16 + j % 16;
+      vstore_i8(row + pos, hi);
+      vstore_i8(row + pos + QG, lo);
+      sums[g * VL + bb * lanes] += vsum(v) * 0.25f;
+    }
+    for (int64_t g = 0; g < G; ++g)  /* spread each block's sum over its lanes */
+      for (int64_t l = 0; l < VL; ++l) sums[g * VL + l] = sums[g * VL + l / lanes * lanes];
+  }
+}
+
+#if PS_ISA == 512
+/* out[r][c] = the sums of the 4 rows of the block whose records start at `rec` against the C rows of x at xp/xv. */
+static inline __attribute__((always_inline)) void q_rows(const uint8_t *rec, int64_t G, int five,
+                                                         const int8_t *const xp[2], const float *const xv[2],
+                                                         const int C, float out[4][2]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+  const __m512i pick_d = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i pick_m = _mm512_add_epi32(pick_d, _mm512_set1_epi32(1));
+  const int64_t size = Q_REC(five);
+  __m512 acc[4][2];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t *p = rec + g * size;
+    for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
+    __m512i xh0[2], xh1[2], xl0[2], xl1[2];
+    for (int c = 0; c < C; ++c) {
+      const int8_t *xc = xp[c] + g * 2 * QG;
+      xh0[c] = _mm512_loadu_si512(xc);
+      xh1[c] = _mm512_loadu_si512(xc + 64);
+      xl0[c] = _mm512_loadu_si512(xc + 128);
+      xl1[c] = _mm512_loadu_si512(xc + 192);
+    }
+    for (int r = 0; r < 4; ++r) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * r);
+      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if (five) {
+        const uint64_t *bits = (const uint64_t *)(p + 320 + 16 * r);
+        lo = _mm512_mask_add_epi8(lo, (__mmask64)bits[0], lo, fifth);
+        hi = _mm512_mask_add_epi8(hi, (__mmask64)bits[1], hi, fifth);
+      }
+      const __m512 dmv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * r))));
+      const __m512 dv = _mm512_permutexvar_ps(pick_d, dmv), mv = _mm512_permutexvar_ps(pick_m, dmv);
+      for (int c = 0; c < C; ++c) {
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i sh = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xh0[c]), hi, xh1[c]);
+        const __m512i sl = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xl0[c]), hi, xl1[c]);
+        const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xv[c] + g * VL), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < C; ++c) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+/* acc + x0 w0 + x1 w1 in each int32 lane (16 pairs of int16: exact here). */
+static inline __m512i q_dot_pairs(__m512i acc, __m512i x, __m512i w) { return _mm512_dpwssd_epi32(acc, x, w); }
+static inline __m512i q_set1(int32_t v) { return _mm512_set1_epi32(v); }
+/* 2 VL bytes -> VL 32-bit lanes of two int16 each (the first byte in the low half). */
+static inline __m512i q_u16_pairs(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+typedef __m512i vq;
+static inline vq q_load(const void *p) { return _mm512_loadu_si512(p); }
+static inline vf q_float(vq v) { return _mm512_cvtepi32_ps(v); }
+static inline vq q_zero(void) { return _mm512_setzero_si512(); }
+/* 64 nibble bytes (4 blocks' as ggml stores them) and their fifth bits -> the 128 q values in column order. */
+static inline void q_natural(const uint8_t *nibbles, const uint64_t *bits, int five, vq out[2]) {
+  const __m512i v = _mm512_loadu_si512(nibbles), low4 = _mm512_set1_epi8(0x0F);
+  __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  if (five) {
+    lo = _mm512_mask_add_epi8(lo, (__mmask64)bits[0], lo, _mm512_set1_epi8(0x10));
+    hi = _mm512_mask_add_epi8(hi, (__mmask64)bits[1], hi, _mm512_set1_epi8(0x10));
+  }
+  /* 128-bit lane b of lo: block b's weights 0..15, of hi: its 16..31 */
+  out[0] = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi);
+  out[1] = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), hi);
+}
+#define Q_MT 12  /* rows of x per tile: 2 accumulators each */
+#else
+/* 32 bytes: byte i = 0x10 where bit i of `bits` is set, else 0. */
+static inline __m256i q_fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                             _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll,
+                                                               0x0101010101010101ll, 0x0000000000000000ll));
+  const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(0x10));
+}
+
+/* The int32 lanes' sums of two pairs (w0, x0) and (w1, x1): their 16-bit products added before widening (at most
+ * 4 x 31 x 128, no saturation). */
+static inline __m256i q_dot(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
+#ifdef __AVXVNNI__
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, x0), w1, x1);
+#else
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __attribute__((always_inline)) void q_rows(const uint8_t *rec, int64_t G, int five,
+                                                         const int8_t *const xp[2], const float *const xv[2],
+                                                         const int C, float out[4][2]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i pick_d = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0), pick_m = _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1);
+  const int64_t size = Q_REC(five);
+  __m256 acc[4][2];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t *p = rec + g * size;
+    for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {  /* two steps of 64 columns */
+      const int64_t step = 2 * g + h;
+      for (int r = 0; r < 4; ++r) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * r + 32 * h));
+        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if (five) {
+          const uint32_t *bits = (const uint32_t *)(p + 320 + 16 * r);
+          lo = _mm256_add_epi8(lo, q_fifth_bits(bits[h]));
+          hi = _mm256_add_epi8(hi, q_fifth_bits(bits[2 + h]));
+        }
+        const __m256 dmv = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + 256 + 16 * r + 8 * h))));
+        const __m256 dv = _mm256_permutevar8x32_ps(dmv, pick_d), mv = _mm256_permutevar8x32_ps(dmv, pick_m);
+        for (int c = 0; c < C; ++c) {
+          const int8_t *xc = xp[c] + step * 2 * QG;
+          const __m256i sh = q_dot(lo, _mm256_loadu_si256((const __m256i *)xc), hi,
+                                   _mm256_loadu_si256((const __m256i *)(xc + 32)));
+          const __m256i sl = q_dot(lo, _mm256_loadu_si256((const __m256i *)(xc + 64)), hi,
+                                   _mm256_loadu_si256((const __m256i *)(xc + 96)));
+          const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(sh, 8), sl);
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, acc[r][c]);
+          acc[r][c] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xv[c] + step * VL), acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < C; ++c) out[r][c] = vsum(acc[r][c]);
+}
+
+static inline __m256i q_dot_pairs(__m256i acc, __m256i x, __m256i w) { return dot_i16(acc, x, w); }
+static inline __m256i q_set1(int32_t v) { return _mm256_set1_epi32(v); }
+static inline __m256i q_u16_pairs(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+typedef __m256i vq;
+static inline vq q_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vf q_float(vq v) { return _mm256_cvtepi32_ps(v); }
+static inline vq q_zero(void) { return _mm256_setzero_si256(); }
+/* 32 nibble bytes (2 blocks') and their fifth bits (32-bit halves of the record's masks) -> 64 q values in column
+ * order. */
+static inline void q_natural_half(const uint8_t *nibbles, uint32_t bits_lo, uint32_t bits_hi, int five, vq *out0,
+                                  vq *out1) {
+  const __m256i v = _mm256_loadu_si256((const __m256i *)nibbles), low4 = _mm256_set1_epi8(0x0F);
+  __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  if (five) {
+    lo = _mm256_add_epi8(lo, q_fifth_bits(bits_lo));
+    hi = _mm256_add_epi8(hi, q_fifth_bits(bits_hi));
+  }
+  *out0 = _mm256_permute2x128_si256(lo, hi, 0x20);  /* block 0: weights 0..15, 16..31 */
+  *out1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+}
+static inline void q_natural(const uint8_t *nibbles, const uint64_t *bits, int five, vq out[4]) {
+  const uint32_t *b = (const uint32_t *)bits;
+  q_natural_half(nibbles, five ? b[0] : 0, five ? b[2] : 0, five, &out[0], &out[1]);
+  q_natural_half(nibbles + 32, five ? b[1] : 0, five ? b[3] : 0, five, &out[2], &out[3]);
+}
+#define Q_MT 6
+#endif
+
+/* ---- the prefill tile ---- */
+/* A panel of VL output rows (4-row blocks i0 .. i0 + VL / 4 - 1) for q_tile: q as int16 pairs [G * 64][VL] (columns
+ * 2c, 2c + 1 of the VL rows a vector, as the int8 kernel's integer tile reads its panels), d and m [G * 4][VL] float. */
+static void q_fill_panel(const uint8_t *packed, int64_t i0, int64_t blocks4, int64_t G, int five, uint32_t *q,
+                         float *d, float *mn) {
+  const int64_t size = Q_REC(five);
+  uint8_t bytes[VL][128];  /* one group's q values, in column order, per output */
+  for (int64_t g = 0; g < G; ++g) {
+    for (int o = 0; o < VL; ++o) {
+      const int64_t i = i0 + o / 4, r = o % 4;
+      if (i >= blocks4) {
+        memset(bytes[o], 0, 128);
+        for (int b = 0; b < 4; ++b) d[(g * 4 + b) * VL + o] = mn[(g * 4 + b) * VL + o] = 0.0f;
+        continue;
+      }
+      const uint8_t *p = packed + (i * G + g) * size;
+      vq natural[128 / sizeof(vq)];
+      q_natural(p + 64 * r, (const uint64_t *)(p + 320 + 16 * r), five, natural);
+      memcpy(bytes[o], natural, 128);
+      for (int b = 0; b < 4; ++b) {
+        d[(g * 4 + b) * VL + o] = _cvtsh_ss(read_u16(p + 256 + 16 * r + 4 * b));
+        mn[(g * 4 + b) * VL + o] = _cvtsh_ss(read_u16(p + 256 + 16 * r + 4 * b + 2));
+      }
+    }
+    for (int64_t s = 0; s < 128 / (2 * VL); ++s) {  /* 2 VL columns: VL pairs of VL outputs */
+      vpairs t[VL];
+      for (int o = 0; o < VL; ++o) t[o] = q_u16_pairs(bytes[o] + s * 2 * VL);
+      transpose_lanes(t);
+      for (int c = 0; c < VL; ++c) pairs_store(q + (g * 64 + s * VL + c) * VL, t[c]);
+    }
+  }
+}
+
+/* For q_tile: x's rows as int16 v in column order ([M][G * 128], zero past K), the block sums of v [M][G * 4], xs
+ * [M]: the integers q_prepare splits into bytes for q_rows. */
+static void q_prepare_tile(const void *x, int64_t M, int64_t K, int64_t G, int bf16, int16_t *xv, float *bsum,
+                           float *xs) {
+  memset(xv, 0, sizeof(int16_t) * (size_t)(M * G * 128));
+  memset(bsum, 0, sizeof(float) * (size_t)(M * G * 4));
+  for (int64_t m = 0; m < M; ++m) {
+    xs[m] = q_row_step(x, m, K, bf16);
+    const vf inv = vset1(1.0f / xs[m]);
+    for (int64_t k = 0; k < K; k += VL) {
+      vf v, hi, lo;
+      q_split(vload(at(x, m * K + k, bf16), bf16), inv, &v, &hi, &lo);
+      vstore_i16(xv + m * G * 128 + k, v);
+      bsum[m * G * 4 + k / 32] += vsum(v);
+    }
+  }
+}
+
+/* acc[m] (the panel's VL outputs) for MT rows of x from m0: per block of 32 columns, 16 pair steps of exact int32
+ * sums, then its d and m in float. */
+static inline __attribute__((always_inline)) void q_tile(const uint32_t *q, const float *d, const float *mn,
+                                                         const int16_t *xv, const float *bsum, int64_t G, int64_t m0,
+                                                         const int MT, vf acc[Q_MT]) {
+  const int32_t *x32 = (const int32_t *)xv;
+  const int64_t row = G * 64;  /* column pairs a row */
+  vf sum[Q_MT];
+  for (int m = 0; m < MT; ++m) sum[m] = vzero();
+  for (int64_t b = 0; b < G * 4; ++b) {
+    vq isum[Q_MT];
+    for (int m = 0; m < MT; ++m) isum[m] = q_zero();
+    for (int64_t kp = b * 16; kp < b * 16 + 16; ++kp) {
+      const vq w = q_load(q + kp * VL);
+      for (int m = 0; m < MT; ++m) {
+        isum[m] = q_dot_pairs(isum[m], q_set1(x32[(m0 + m) * row + kp]), w);
+        __asm__("" : "+v"(isum[m]));  /* kept in its register (GCC otherwise copied each around every step) */
+      }
+    }
+    const vf dv = vloadf(d + b * VL), mv = vloadf(mn + b * VL);
+    for (int m = 0; m < MT; ++m) {
+      sum[m] = vfma(q_float(isum[m]), dv, sum[m]);
+      sum[m] = vfma(mv, vset1(bsum[(m0 + m) * G * 4 + b]), sum[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) acc[m] = sum[m];
+}
+
+static void q_tile_rows(const uint32_t *q, const float *d, const float *mn, const int16_t *xv, const float *bsum,
+                        int64_t G, int64_t m0, int64_t rows, vf acc[Q_MT]) {
+  switch (rows) {
+    case 1: q_tile(q, d, mn, xv, bsum, G, m0, 1, acc); break;
+    case 2: q_tile(q, d, mn, xv, bsum, G, m0, 2, acc); break;
+    case 3: q_tile(q, d, mn, xv, bsum, G, m0, 3, acc); break;
+    case 4: q_tile(q, d, mn, xv, bsum, G, m0, 4, acc); break;
+    case 5: q_tile(q, d, mn, xv, bsum, G, m0, 5, acc); break;
+#if Q_MT > 6
+    case 6: q_tile(q, d, mn, xv, bsum, G, m0, 6, acc); break;
+    case 7: q_tile(q, d, mn, xv, bsum, G, m0, 7, acc); break;
+    case 8: q_tile(q, d, mn, xv, bsum, G, m0, 8, acc); break;
+    case 9: q_tile(q, d, mn, xv, bsum, G, m0, 9, acc); break;
+    case 10: q_tile(q, d, mn, xv, bsum, G, m0, 10, acc); break;
+    case 11: q_tile(q, d, mn, xv, bsum, G, m0, 11, acc); break;
+#endif
+    default: q_tile(q, d, mn, xv, bsum, G, m0, Q_MT, acc); break;
+  }
+}
+
+/* Row m's output n (its float sum `sum`): xs times it, rounded, then + bias (rounded), as the int8 kernel's. */
+static inline void q_store(void *y, const void *bias, float xs, float sum, int64_t m, int64_t n, int64_t N, int bf16) {
+  float v = scalar_round(xs * sum, bf16);
+  if (bias) v = scalar_round(v + load1(bias, n, bf16), bf16);
+  store1(y, m * N + n, v, bf16);
+}
+
+static void q_linear_tile(const void *x, const uint8_t *packed, int five, const void *bias, void *y, int64_t M,
+                          int64_t N, int64_t K, int bf16, int nthreads) {
+  const int64_t G = (K + 127) / 128, blocks4 = (N + 3) / 4, panels = (N + VL - 1) / VL;
+  int16_t *xv = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * G * 128));
+  float *bsum = (float *)malloc(sizeof(float) * (size_t)(M * G * 4)), *xs = (float *)malloc(sizeof(float) * (size_t)M);
+  if (!xv || !bsum || !xs) abort();
+  q_prepare_tile(x, M, K, G, bf16, xv, bsum, xs);
+  #pragma omp parallel num_threads(nthreads)
+  {
+    uint32_t *q = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(G * 64 * VL));
+    float *d = (float *)aligned_alloc(64, sizeof(float) * (size_t)(2 * G * 4 * VL)), *mn = d + G * 4 * VL;
+    if (!q || !d) abort();
+    int64_t p0, p1;
+    thread_share(panels, &p0, &p1);
+    for (int64_t p = p0; p < p1; ++p) {
+      q_fill_panel(packed, p * (VL / 4), blocks4, G, five, q, d, mn);
+      const int64_t n0 = p * VL, valid = N - n0 < VL ? N - n0 : VL;
+      for (int64_t m = 0; m < M; m += Q_MT) {
+        const int64_t rows = M - m < Q_MT ? M - m : Q_MT;
+        vf acc[Q_MT];
+        q_tile_rows(q, d, mn, xv, bsum, G, m, rows, acc);
+        for (int64_t r = 0; r < rows; ++r) {
+          float out[VL];
+          vstoref(out, acc[r]);
+          for (int64_t j = 0; j < valid; ++j) q_store(y, bias, xs[m + r], out[j], m + r, n0 + j, N, bf16);
+        }
+      }
+    }
+    free(q);
+    free(d);
+  }
+  free(xv);
+  free(bsum);
+  free(xs);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for W packed by ps_pack_q_rows (`bits` 4 or 5); K a multiple of 32. */
+void ps_linear_q(const void *x, const uint8_t *packed, int bits, const void *bias, void *y, int64_t M, int64_t N,
+                 int64_t K, int bf16, int nthreads) {
+  const int five = bits == 5;
+  if (M >= Q_TILE_ROWS && !batch_invariant) {
+    q_linear_tile(x, packed, five, bias, y, M, N, K, bf16, nthreads);
+    return;
+  }
+  const int64_t G = (K + 127) / 128, steps = G * (128 / QG), blocks = (N + 3) / 4, size = Q_REC(five);
+  int8_t *planes = (int8_t *)malloc((size_t)(M * steps * 2 * QG));
+  float *xv = (float *)malloc(sizeof(float) * (size_t)(M * steps * VL)), *xs = (float *)malloc(sizeof(float) * (size_t)M);
+  if (!planes || !xv || !xs) abort();
+  q_prepare(x, M, K, bf16, planes, xv, xs);
+  #pragma omp parallel num_threads(nthreads)
+  {
+    int64_t b0, b1;
+    thread_share(blocks, &b0, &b1);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = 4 * b;
+      const int R = N - n0 < 4 ? (int)(N - n0) : 4;
+      for (int64_t m = 0; m < M; m += 2) {
+        const int C = M - m > 1 ? 2 : 1;
+        const int8_t *xp[2] = {planes + m * steps * 2 * QG, planes + (m + C - 1) * steps * 2 * QG};
+        const float *xvr[2] = {xv + m * steps * VL, xv + (m + C - 1) * steps * VL};
+        float out[4][2];
+        if (C == 2) q_rows(packed + b * G * size, G, five, xp, xvr, 2, out);
+        else q_rows(packed + b * G * size, G, five, xp, xvr, 1, out);
+        for (int c = 0; c < C; ++c)
+          for (int r = 0; r < R; ++r) q_store(y, bias, xs[m + c], out[r][c], m + c, n0 + r, N, bf16);
+      }
+    }
+  }
+  free(planes);
+  free(xv);
+  free(xs);
+}
+
+static inline uint16_t float_to_half_exact(float f, int *ok) {  /* f's fp16 bits; *ok = 0 where f is not one */
+  const uint16_t h = (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+  if (half_to_float(h) != f) *ok = 0;
+  return h;
+}
+
+/* blocks: [N, K / 32] ggml blocks of `qtype` (Q4_0, Q4_1, Q5_0, Q5_1) -> rows as loaded: qs [N, K / 2], dm
+ * [N, K / 32, 2] fp16 and, for Q5_*, qh [N, ceil(K / 128), 2] uint64. Returns the bits a weight (4 or 5), or -1
+ * for another type, K not a multiple of 32, or an m that fp16 cannot hold (-8 d or -16 d overflowing). */
+int ps_pack_gguf_q(const uint8_t *blocks, int qtype, int64_t N, int64_t K, uint8_t *qs, uint16_t *dm, uint64_t *qh,
+                   int nthreads) {
+  const int five = qtype == PS_Q5_0 || qtype == PS_Q5_1, has_m = qtype == PS_Q4_1 || qtype == PS_Q5_1;
+  if ((qtype != PS_Q4_0 && qtype != PS_Q4_1 && !five) || K % 32) return -1;
+  const int64_t block_bytes = ps_gguf_block_bytes(qtype), B = K / 32, G = (K + 127) / 128;
+  const int qs_at = (has_m ? 4 : 2) + (five ? 4 : 0);
+  int ok = 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(&& : ok)
+  for (int64_t n = 0; n < N; ++n) {
+    int row_ok = 1;
+    if (five) memset(qh + n * G * 2, 0, sizeof(uint64_t) * (size_t)(G * 2));
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t *p = blocks + (n * B + b) * block_bytes;
+      const uint16_t d = read_u16(p);
+      memcpy(qs + n * (K / 2) + b * 16, p + qs_at, 16);
+      dm[(n * B + b) * 2] = d;
+      dm[(n * B + b) * 2 + 1] = has_m ? read_u16(p + 2)
+                                      : float_to_half_exact(half_to_float(d) * (five ? -16.0f : -8.0f), &row_ok);
+      if (five) {
+        const uint32_t bits = read_u32(p + (has_m ? 4 : 2));
+        const int64_t g = b / 4, shift = 16 * (b % 4);
+        qh[(n * G + g) * 2] |= (uint64_t)(bits & 0xFFFF) << shift;
+        qh[(n * G + g) * 2 + 1] |= (uint64_t)(bits >> 16) << shift;
+      }
+    }
+    ok = ok && row_ok;
+  }
+  return ok ? (five ? 5 : 4) : -1;
+}
+
+/* Rows as loaded (qs, dm, qh or NULL) -> the kernel's records: packed [ceil(N / 4)][ceil(K / 128)][Q_REC] bytes. */
+void ps_pack_q_rows(const uint8_t *qs, const uint16_t *dm, const uint64_t *qh, int64_t N, int64_t K, uint8_t *packed,
+                    int nthreads) {
+  const int five = qh != NULL;
+  const int64_t G = (K + 127) / 128, size = Q_REC(five), blocks = (N + 3) / 4, B = K / 32;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t i = 0; i < blocks; ++i) {
+    memset(packed + i * G * size, 0, (size_t)(G * size));
+    for (int r = 0; r < 4 && 4 * i + r < N; ++r) {
+      const int64_t n = 4 * i + r;
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t *p = packed + (i * G + g) * size;
+        const int64_t nb = B - 4 * g < 4 ? B - 4 * g : 4;
+        memcpy(p + 64 * r, qs + n * (K / 2) + g * 64, (size_t)(16 * nb));
+        memcpy(p + 256 + 16 * r, dm + (n * B + 4 * g) * 2, (size_t)(4 * nb));
+        if (five) memcpy(p + 320 + 16 * r, qh + (n * G + g) * 2, 16);
+      }
+    }
   }
 }
 

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import CpuKernels, cpu_kernels
-from pagedserve.layers.linear import (Int8Linear, PackedLinear, PlainLinear, QuantizedWeight, fuse_biases, fuse_rows,
-                                     packing_supported, weight_of)
+from pagedserve.layers.linear import (BlockLinear, BlockWeight, Int8Linear, PackedLinear, PlainLinear, QuantizedWeight,
+                                     fuse_biases, fuse_rows, packing_supported, weight_of)
 from pagedserve.memory import probe, weight_format
 
 
@@ -59,13 +59,20 @@ class KernelBackend:
         return weight_format.linear_implementation(self.linear_kind, runs_native,
                                                    lambda: onednn_packs(self.device, self.dtype)), runs_native
 
-    def make_linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> nn.Module:
-        """The linear layer this backend runs for `weight` [out, in] (+ bias)."""
+    def make_linear(self, weight: torch.Tensor | QuantizedWeight | BlockWeight, bias: torch.Tensor | None
+                    ) -> nn.Module:
+        """The linear layer this backend runs for `weight` [out, in] (+ bias). GGUF blocks (BlockWeight) run the
+        native block kernel where the native int8 kernels run, else become int8."""
         bias = None if bias is None else bias.detach()
-        if isinstance(weight, QuantizedWeight) and self.linear_kind != "int8":
+        if isinstance(weight, (QuantizedWeight, BlockWeight)) and self.linear_kind != "int8":
             raise ValueError(f"an int8 weight cannot back a {self.linear_kind!r} linear")
         implementation, runs_native = self._implementation(weight.shape[1])
         native = self.native if runs_native else None
+        if isinstance(weight, BlockWeight):  # any in_features (a multiple of 32) on the block kernel
+            if self.native is not None:
+                self._made(weight.shape[0] * weight.shape[1])
+                return BlockLinear(weight, bias, self.native)
+            weight = weight.to_int8()
         if self.linear_kind == "int8":
             linear = Int8Linear(weight, bias, native)
         elif implementation == "plain":
@@ -90,7 +97,7 @@ class KernelBackend:
             linear = PackedLinear([w.detach() for w in weights], None if bias is None else bias.detach(), self.native)
             self._made(sum(w.shape[0] * w.shape[1] for w in weights))
             return linear
-        return self.make_linear(*fuse_rows(*linears))
+        return self.make_linear(*fuse_rows(*linears, native=self.native))
 
     @functools.cached_property
     def sdpa_prefill(self) -> bool:

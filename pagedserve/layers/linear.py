@@ -132,8 +132,69 @@ class QuantizedWeight:
         return dequantize_int8(self.qweight, self.scales, self.dtype)
 
 
-def weight_of(linear: nn.Linear) -> torch.Tensor | QuantizedWeight:
-    """The loaded weight of `linear`: a tensor, or the QuantizedWeight the loader attached to it."""
+@dataclass
+class BlockWeight:
+    """A GGUF matrix kept in its own 4- or 5-bit blocks of 32 (ggml's Q4_0, Q4_1, Q5_0, Q5_1) for the native
+    kernel (`CpuKernels.linear_q`, cpu_kernels.c's layout): each block is w = d q + m. GGUF tensors of those
+    types arrive like this under `--quantization gguf` (the default for a block-quantized GGUF on a CPU with the
+    native kernels), so a 4-bit file streams ~5 bits a weight at decode instead of int8's 8."""
+
+    qs: torch.Tensor  # [out, in / 2] uint8: each block's 16 nibble bytes as ggml stores them
+    dm: torch.Tensor  # [out, in / 32, 2] float16: each block's d and m
+    qh: torch.Tensor | None  # [out, ceil(in / 128), 2] int64: the fifth bits (Q5_*), or None
+    dtype: torch.dtype  # the model dtype it stands in for
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.qs.shape[0], self.qs.shape[1] * 2))
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.qh is None else 5
+
+    def narrow(self, start: int, rows: int) -> BlockWeight:
+        """Rows start .. start + rows - 1 (views)."""
+        qh = None if self.qh is None else self.qh.narrow(0, start, rows)
+        return BlockWeight(self.qs.narrow(0, start, rows), self.dm.narrow(0, start, rows), qh, self.dtype)
+
+    def map_rows(self, fn) -> BlockWeight:
+        """The same weight with `fn` (a row reordering) applied to each of its row-indexed tensors."""
+        return BlockWeight(fn(self.qs).contiguous(), fn(self.dm).contiguous(),
+                           None if self.qh is None else fn(self.qh).contiguous(), self.dtype)
+
+    def dequantized_float32(self) -> torch.Tensor:
+        """[out, in] float32: d q + m per block, multiplied and added in separate roundings as gguf.quants does
+        (so equal to its dequantization bit for bit; Q4_0's d (q - 8) is d q + (-8 d), both exact)."""
+        n, blocks = self.dm.shape[0], self.dm.shape[1]
+        nibbles = self.qs.view(n, blocks, 16)
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).to(torch.int32)  # [n, blocks, 32]
+        if self.qh is not None:
+            shifts = torch.tensor([0, 16, 32, 48], dtype=torch.int64)
+            halves = (self.qh[..., None] >> shifts) & 0xFFFF  # [n, groups, 2 (low/high nibbles), 4 blocks]
+            halves = halves.permute(0, 1, 3, 2).reshape(n, -1, 2)[:, :blocks]  # [n, blocks, 2]
+            bits = (halves[..., None] >> torch.arange(16, dtype=torch.int64)) & 1  # [n, blocks, 2, 16]
+            q = q + 16 * bits.reshape(n, blocks, 32).to(torch.int32)
+        d, m = self.dm.float().unbind(-1)
+        return (q.float() * d[..., None] + m[..., None]).reshape(n, blocks * 32)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight in the model dtype (float32 values rounded once)."""
+        return self.dequantized_float32().to(self.dtype)
+
+    def to_int8(self, native: CpuKernels | None = None) -> QuantizedWeight:
+        """The same matrix requantized per row to int8 (as the loader requantizes other GGUF types), for linears
+        whose parts cannot all keep their blocks (a fused q/k/v of mixed types) or that run no native kernel."""
+        weight = self.dequantized_float32()
+        qweight, scales = native.quantize_rows_i8(weight) if native is not None else quantize_int8_per_channel(weight)
+        return QuantizedWeight(qweight, scales, self.dtype)
+
+
+def weight_of(linear: nn.Linear) -> torch.Tensor | QuantizedWeight | BlockWeight:
+    """The loaded weight of `linear`: a tensor, or the QuantizedWeight or BlockWeight the loader attached to it."""
     return getattr(linear, "quantized_weight", None) or linear.weight
 
 
@@ -221,6 +282,45 @@ class Int8Linear(_HotPathModule):
         return dequantize_int8(qweight, scales, scales.dtype)
 
 
+class BlockLinear(_HotPathModule):
+    """A GGUF matrix served from its own Q4_0/Q4_1/Q5_0/Q5_1 blocks (BlockWeight) on the native kernel, at every
+    batch size (`CpuKernels.linear_q`): activations rounded per row to 15-bit integers, as the int8 kernel does,
+    and exact integer sums per block of 32. The rows are re-laid out once into the kernel's records (a sequential
+    run per 4 rows)."""
+
+    max_kernel_rows = None
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None, native: CpuKernels) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.native = native
+        self.bits = weight.bits
+        self.implementation = "native-gguf"  # weight_format.LINEAR_IMPLEMENTATIONS
+        self.dtype = weight.dtype
+        self.register_buffer("packed", native.pack_q_rows(weight.qs.contiguous(), weight.dm.contiguous(),
+                                                          None if weight.qh is None else weight.qh.contiguous()))
+        self.register_buffer("bias", bias)
+        self._alias_buffers()
+
+    def _alias_buffers(self) -> None:
+        self._packed, self._bias = self.packed, self.bias
+
+    def native_fields(self) -> list[int] | None:
+        """As PackedLinear.native_fields: [2 = ggml blocks, records, bias or 0, bits, 0]."""
+        return [2, self._packed.data_ptr(), 0 if self._bias is None else self._bias.data_ptr(), self.bits, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.native.linear_q(x.contiguous(), self._packed, self.bits, self._bias, self.out_features)
+
+    def block_weight(self) -> BlockWeight:
+        qs, dm, qh = self.native.unpack_q_rows(self._packed, self.out_features, self.in_features)
+        return BlockWeight(qs, dm, qh, self.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the blocks stand for, [out, in] in the model dtype."""
+        return self.block_weight().dequantized()
+
+
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """W = q * scale[:, None] for int8 [out, in] and per-row scales [out], multiplied in the scales' dtype and
     returned in `dtype`. The one dequantizer of per-row int8 (Int8Linear, QuantizedWeight)."""
@@ -259,10 +359,17 @@ def packing_supported(device: str, dtype: torch.dtype) -> bool:
     return bool(ok)
 
 
-def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor | QuantizedWeight, torch.Tensor | None]:
+def fuse_rows(*linears: nn.Linear, native: CpuKernels | None = None
+              ) -> tuple[torch.Tensor | QuantizedWeight | BlockWeight, torch.Tensor | None]:
     """Stack several linears that read the same input into one weight (and bias). Per-row int8 weights
-    stack exactly: their rows and scales are concatenated."""
+    stack exactly: their rows and scales are concatenated; so do GGUF blocks of one width (4 or 5 bits). Blocks
+    beside other weights are requantized to int8 first (by `native` where given)."""
     weights = [weight_of(l) for l in linears]
+    if all(isinstance(w, BlockWeight) for w in weights) and len({w.bits for w in weights}) == 1:
+        qh = None if weights[0].qh is None else torch.cat([w.qh for w in weights])
+        return (BlockWeight(torch.cat([w.qs for w in weights]), torch.cat([w.dm for w in weights]), qh,
+                            weights[0].dtype), fuse_biases(*linears))
+    weights = [w.to_int8(native) if isinstance(w, BlockWeight) else w for w in weights]
     if all(isinstance(w, QuantizedWeight) for w in weights):
         weight: torch.Tensor | QuantizedWeight = QuantizedWeight(
             torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]), weights[0].dtype)

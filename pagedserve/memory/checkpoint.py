@@ -63,6 +63,31 @@ class CheckpointInfo:
         quantized = sum(math.prod(s.shape) for s in matrices if s.qtype.name not in FLOAT_GGUF_TYPES)
         return quantized * 2 > sum(math.prod(s.shape) for s in matrices)
 
+    def gguf_block_savings(self, serving_dtype_bytes: int) -> int:
+        """Bytes that --quantization gguf saves against the int8 rows the plan counts (memory/sizes.py: a byte a
+        weight and a scale a row) for the matrices that keep their 4- or 5-bit blocks (weight_format's rule, per
+        layer): each such row holds K / 2 bytes of nibbles, a d and an m per block of 32 (fp16), and for 5 bits a
+        bit a weight more (cpu_kernels.c's ps_linear_q layout)."""
+        from pagedserve.memory.weight_format import LINEAR_PARTS, NATIVE_GGUF_BLOCKS, gguf_block_linears
+
+        if not self.is_gguf:
+            return 0
+        layers: dict[str, dict[str, Any]] = {}  # layer prefix -> last name part -> spec
+        for spec in self.gguf.tensor_specs():
+            if len(spec.shape) == 2 and spec.name.endswith(".weight"):
+                prefix, _, part = spec.name.removesuffix(".weight").rpartition(".")
+                layers.setdefault("" if part == "lm_head" else prefix, {})[part] = spec
+        saved = 0
+        for specs in layers.values():
+            kept = gguf_block_linears({part: spec.qtype.name for part, spec in specs.items()})
+            parts = {p for linear in kept for alternative in LINEAR_PARTS[linear] for p in alternative if p in specs}
+            for part in parts:
+                rows, k = specs[part].shape
+                bits = NATIVE_GGUF_BLOCKS[specs[part].qtype.name]
+                blocks = k // 2 + k // 32 * 4 + (-(-k // 128) * 16 if bits == 5 else 0)
+                saved += rows * (k + serving_dtype_bytes - blocks)
+        return saved
+
     def _skipped_tensor(self, name: str) -> bool:
         """Tensors the loader does not keep: a tied LM head (it reuses the embedding), rotary buffers, and a
         multimodal checkpoint's parts that are not its language model (formats/multimodal.py)."""

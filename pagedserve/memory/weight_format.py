@@ -22,6 +22,10 @@ from pagedserve.memory.probe import is_x86, native_kernel_isa
 from pagedserve.memory.sizes import moe_shape
 
 SUPPORTED_QUANTIZATION = (None, "int8")
+# vLLM's --quantization gguf, and what platform.default_quantization picks for a block-quantized GGUF: the file's
+# Q4_0/Q4_1/Q5_0/Q5_1 matrices run on the native block kernel as stored, its other block types requantized per row to
+# int8 ("int8" linears either way: the memory plan counts them as int8, an upper bound for the 4- and 5-bit ones).
+FILE_QUANTIZATION = "gguf"
 # What the native kernels need of a model's sizes (their vector loops and weight blocks).
 INT8_K_MULTIPLE = 64  # an int8 linear's in_features
 BF16_K_MULTIPLE = 16  # a bf16 linear's in_features
@@ -40,9 +44,34 @@ ONEDNN_PACKED_DTYPES = ("bfloat16", "float32")
 ONEDNN_BF16_FLAGS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
 
 
+# The ggml block types the native block kernel runs as stored (cpu_kernels.c's ps_linear_q), by name, and their bits.
+NATIVE_GGUF_BLOCKS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}
+# A decoder layer's linears and the logits head (the start-up log's names) and the checkpoint matrices each is made of:
+# fused ones (q/k/v, gate/up) from several, or from one where the checkpoint stores them fused (Phi-3's qkv_proj).
+LINEAR_PARTS = {"qkv": (("q_proj", "k_proj", "v_proj"), ("qkv_proj",)), "o": (("o_proj",),),
+                "gate_up": (("gate_proj", "up_proj"), ("gate_up_proj",)), "down": (("down_proj",),),
+                "logits": (("lm_head",),)}
+
+
+def gguf_block_linears(types: dict[str, str]) -> set[str]:
+    """Which linears keep their GGUF blocks under --quantization gguf (the rest run int8): `types` maps the
+    checkpoint matrices of one decoder layer ("q_proj", ...; "lm_head" for an untied logits head) to their ggml
+    type names; a linear keeps them where each of its parts is a NATIVE_GGUF_BLOCKS type of one width (a fused
+    q/k/v of Q4_0 and Q5_0 parts becomes int8, as layers/linear.fuse_rows stacks them)."""
+    kept = set()
+    for linear, alternatives in LINEAR_PARTS.items():
+        for parts in alternatives:
+            if all(part in types for part in parts):
+                bits = {NATIVE_GGUF_BLOCKS.get(types[part]) for part in parts}
+                if None not in bits and len(bits) == 1:
+                    kept.add(linear)
+                break
+    return kept
+
+
 def check_quantization(quantization: str | None) -> None:
-    if quantization not in SUPPORTED_QUANTIZATION:
-        raise ValueError(f"quantization {quantization!r} is not supported; supported: int8")
+    if quantization not in SUPPORTED_QUANTIZATION and quantization != FILE_QUANTIZATION:
+        raise ValueError(f"quantization {quantization!r} is not supported; supported: int8, gguf (a GGUF file)")
 
 
 def wants_native_kernels(device: str, dtype: str, reference: bool) -> bool:
@@ -64,9 +93,9 @@ def onednn_may_pack(device: str, dtype: str, flags: set[str], machine: str | Non
 
 def linear_kind(dtype: str, quantization: str | None, reference: bool, native: bool,
                 onednn_packs: Callable[[], bool]) -> str:
-    """"int8" when quantized; else "plain" on the reference path; else "packed" for bf16 on the native
+    """"int8" when quantized (int8 or a GGUF's own blocks); else "plain" on the reference path; else "packed" for bf16 on the native
     kernels (`native`: they run for this model) or where oneDNN packs (`onednn_packs`, asked only then)."""
-    if quantization == "int8":
+    if quantization in ("int8", FILE_QUANTIZATION):
         return "int8"
     if reference:
         return "plain"
@@ -133,8 +162,9 @@ def native_linear(kind: str, native_bf16: bool, native: bool, in_features: int) 
 
 
 # What a linear runs (layers/linear.py: each class says which of these it is, as `implementation`).
-LINEAR_IMPLEMENTATIONS = {"native-bf16": "native bf16", "native-int8": "native int8", "onednn": "oneDNN packed",
-                          "torch-int8": "torch int8", "plain": "F.linear"}  # -> words of the log and doctor
+LINEAR_IMPLEMENTATIONS = {"native-bf16": "native bf16", "native-int8": "native int8",
+                          "native-gguf": "native GGUF blocks", "onednn": "oneDNN packed", "torch-int8": "torch int8",
+                          "plain": "F.linear"}  # -> words of the log and doctor
 
 
 def linear_implementation(kind: str, native: bool, onednn_packs: Callable[[], bool]) -> str:
@@ -265,14 +295,16 @@ def capped_prefill_on_torch(capped: bool, batch_invariant: bool) -> bool:
 
 def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, onednn_packs: bool,
                            tp_size: int = 1, logits: bool = True, activation: str = "silu",
-                           sdpa_prefill: bool = False, softcapped: bool = False) -> LayerKernels:
+                           sdpa_prefill: bool = False, softcapped: bool = False,
+                           block_linears: set[str] = frozenset()) -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
     ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
     o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
     the model has an LM head (not an embedding model); `activation`: the MLP's gate (the native kernel's are
     NATIVE_ACTIVATIONS); `sdpa_prefill`: probe.sdpa_prefill for this CPU and dtype; `softcapped`: the attention caps
-    its scores. An 8-bit KV pool (--kv-cache-dtype fp8) changes none of it."""
+    its scores; `block_linears`: those that keep a GGUF's blocks (gguf_block_linears: the native block kernel
+    where the native kernels run). An 8-bit KV pool (--kv-cache-dtype fp8) changes none of it."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -286,9 +318,12 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     fits = isa is not None and kind != "plain" and all(decoder_kernels_fit(hidden, w, head_dim) for w in widths)
     inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),
               ("down", intermediate)) + ((("logits", hidden),) if logits else ())
-    runs = {name: native_linear(kind, fmt.native_bf16_linears, isa is not None, width) for name, width in inputs}
-    linears = tuple(LinearKernel(name, linear_words(linear_implementation(kind, runs[name], lambda: onednn_packs), isa),
-                                 runs[name]) for name, _ in inputs)
+    blocks = block_linears if isa is not None and kind == "int8" else set()
+    runs = {name: name in blocks or native_linear(kind, fmt.native_bf16_linears, isa is not None, width)
+            for name, width in inputs}
+    implementations = {name: "native-gguf" if name in blocks else
+                       linear_implementation(kind, runs[name], lambda: onednn_packs) for name, _ in inputs}
+    linears = tuple(LinearKernel(name, linear_words(implementations[name], isa), runs[name]) for name, _ in inputs)
     return LayerKernels(cfg.num_hidden_layers, linears, fits, fused_rotary(fits, head_dim, partial_rotary(cfg)),
                         None if tp_size == 1 else (0, tp_size), activation, sdpa_prefill=fits and sdpa_prefill,
                         softcapped=fits and softcapped, experts=None if moe is None else (moe.num_experts, moe.top_k))

@@ -24,7 +24,7 @@ from pagedserve.distributed.sharding import ShardLayout
 from pagedserve.kernels import FP8_FORMATS, CpuKernels
 from pagedserve.layers.attention import AttentionMetadata, LayerKVCache, paged_attention
 from pagedserve.layers.backend import KernelBackend
-from pagedserve.layers.linear import weight_of
+from pagedserve.layers.linear import BlockWeight, weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedserve.memory.sizes import MoEShape, moe_shape
@@ -700,6 +700,8 @@ def _scale_parameters(linear: nn.Module, scale: float) -> None:
     memory-mapped checkpoint, which must not be written. Int8 rows that arrive quantized (a GGUF's blocks under
     int8 matmuls) take it in their per-row scales."""
     quantized = getattr(linear, "quantized_weight", None)
+    if isinstance(quantized, BlockWeight):  # fp16 block scales times `scale` would round: per-row int8 takes it
+        quantized = quantized.to_int8()
     if quantized is not None:
         linear.quantized_weight = dataclasses.replace(quantized, scales=quantized.scales * scale)
     for name in ("bias",) if quantized is not None else ("weight", "bias"):

@@ -16,8 +16,9 @@ from pagedserve.formats.multimodal import language_model_name
 from pagedserve.formats.safetensors import read_safetensors_header, safetensors_files
 from pagedserve.kernels import CpuKernels
 from pagedserve.layers.backend import KernelBackend
-from pagedserve.layers.linear import QuantizedWeight
+from pagedserve.layers.linear import BlockWeight, QuantizedWeight
 from pagedserve.layers.skip_init import skip_init
+from pagedserve.memory.weight_format import FILE_QUANTIZATION
 from pagedserve.models.registry import model_class
 from pagedserve.models.safetensors_mmap import iter_safetensors
 from pagedserve.platform import release_free_heap
@@ -49,17 +50,18 @@ class CheckpointTensors(NamedTuple):
     views_file: bool  # whether the tensors are views of the memory-mapped file (safetensors), not copies (GGUF)
 
 
-def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False, kernels: CpuKernels | None = None
-                    ) -> CheckpointTensors:
+def iter_checkpoint(model_path: str, dtype: torch.dtype, int8: bool = False, kernels: CpuKernels | None = None,
+                    blocks: bool = False) -> CheckpointTensors:
     """The tensors of a directory or a GGUF file. With `int8`, a GGUF's block-quantized matmul weights come
     as QuantizedWeight (no bf16 copy on the way), requantized by `kernels` (the model's native kernels) where
-    given; every GGUF tensor is decoded into memory of its own."""
+    given; with `blocks` too, those the native block kernel takes come as BlockWeight (their own bits). Every GGUF
+    tensor is decoded into memory of its own."""
     if is_gguf_path(model_path):
         from pagedserve.models.gguf_loader import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(model_path)
-        return CheckpointTensors(checkpoint.num_tensors, checkpoint.iter_tensors(dtype, int8_matmuls=int8,
-                                                                                 kernels=kernels), False)
+        tensors = checkpoint.iter_tensors(dtype, int8_matmuls=int8, kernels=kernels, block_matmuls=blocks)
+        return CheckpointTensors(checkpoint.num_tensors, tensors, False)
     files = safetensors_files(Path(model_path))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path}")
@@ -83,7 +85,9 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         _check_shapes(model, architecture, model_path)
     shapes = _ShapeCheck(model, architecture, model_path)
     backend = KernelBackend.choose(device, dtype, quantization, reference_kernels)  # the one decision
-    checkpoint = iter_checkpoint(model_path, dtype, int8=quantization == "int8", kernels=backend.native)
+    # a GGUF's own blocks (--quantization gguf) unsplit across tensor-parallel ranks: those take int8 rows
+    checkpoint = iter_checkpoint(model_path, dtype, int8=backend.linear_kind == "int8", kernels=backend.native,
+                                 blocks=quantization == FILE_QUANTIZATION and tp is None)
     num_tensors = checkpoint.num_tensors
     if progress:  # the phase named: a draft model loads after its target's preparing_weights
         progress(0.0, "loading_weights")
@@ -100,6 +104,8 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
             module_name, _, _ = target.rpartition(".")
             model.get_submodule(module_name).quantized_weight = QuantizedWeight(
                 tensor.qweight.to(device), tensor.scales.to(device), dtype)
+        elif isinstance(tensor, BlockWeight):  # as above (a CPU's native kernels made it)
+            model.get_submodule(target.rpartition(".")[0]).quantized_weight = tensor
         else:
             _set_parameter(model, target, tensor.to(device=device, dtype=dtype))
         if progress and num_tensors:
@@ -194,7 +200,9 @@ def _parts(model: nn.Module, tensors: Iterator[tuple[str, Any]]) -> Iterator[tup
             yield name, tensor
             continue
         for part, start, rows in parts:
-            if isinstance(tensor, QuantizedWeight):
+            if isinstance(tensor, BlockWeight):
+                yield part, tensor.narrow(start, rows)
+            elif isinstance(tensor, QuantizedWeight):
                 yield part, QuantizedWeight(tensor.qweight.narrow(0, start, rows), tensor.scales.narrow(0, start, rows),
                                             tensor.dtype)
             else:

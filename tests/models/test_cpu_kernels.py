@@ -1085,3 +1085,86 @@ def test_the_decode_stack_layout_reports_every_field_it_has(kernels):
     few = (ctypes.c_int64 * 3)()
     assert kernels.lib.ps_layer_layout(few, 3) == names
     assert list(few) == [kernels.layer_layout[name] for name in ("in_norm", "post_norm", "qkv")]
+
+
+# ---- GGUF blocks as stored (ps_linear_q) --------------------------------------------------------------------------
+
+def _gguf_matrix(qtype, n: int, k: int, seed: int):
+    """(ggml blocks uint8 [n, row bytes] of a random matrix, what they stand for in float64 per gguf.quants)."""
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    w[0, :32] = 0.0  # a block of zeros: d = 0
+    blocks = quantize(w, qtype)
+    exact = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k)).double()
+    return torch.from_numpy(blocks.view(np.uint8).reshape(n, -1).copy()), exact
+
+
+def _block_qtypes():
+    from gguf import GGMLQuantizationType as QType
+
+    return (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
+
+
+@pytest.mark.parametrize("qtype", _block_qtypes(), ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [32, 96, 576, 1056])  # groups of 128 columns with 1-3 blocks left over
+def test_gguf_block_linear_matches_the_dequantized_matmul(kernels, qtype, dtype, k):
+    """x [M, K] against the blocks' values, each row within what the kernel's roundings allow: x rounded per row to
+    integers v of step xs = max|x| / 32256 (|x - xs v| <= xs / 2: at most xs / 2 sum|w| on a row's output), exact
+    integer sums per block, then float32 terms d_b sum q v and m_b sum v (at most 31 |d_b| + |m_b| a column, whatever
+    |w| is once they cancel), ~K / 16 + 16 of them added (2^-24 each), then the output's roundings (bf16: the
+    product's, then the bias add's, 2^-9 each). Decode-sized batches (below 16 rows) give every row the bits it gets
+    alone; prefill-sized ones (the tile) too in batch-invariant mode, where they take the same kernel."""
+    from pagedserve.layers.linear import BlockWeight
+
+    n = 37  # not a multiple of the 4-row block
+    blocks, exact = _gguf_matrix(qtype, n, k, seed=k)
+    rows = kernels.pack_gguf_q(blocks, int(qtype), k)
+    assert rows is not None and (rows[2] is None) == (qtype.name.startswith("Q4"))
+    assert torch.equal(BlockWeight(*rows, torch.float32).dequantized_float32().double(), exact)
+    packed, bits = kernels.pack_q_rows(*rows), 4 if rows[2] is None else 5
+    unpacked = kernels.unpack_q_rows(packed, n, k)
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(unpacked, rows))
+    torch.manual_seed(k)
+    x = torch.randn(70, k).to(dtype)
+    x[5, 3] = 40.0  # a row with a large step
+    bias = torch.randn(n).to(dtype)
+    x64 = x.double()
+    product = x64 @ exact.T
+    step = x64.abs().amax(dim=1, keepdim=True) / 32256
+    d, m = rows[1].double().abs().unbind(-1)
+    terms = (31 * d + m).repeat_interleave(32, dim=1)
+    bound = step / 2 * exact.abs().sum(dim=1) + 2 ** -24 * (k / 16 + 16) * (x64.abs() @ terms.T)
+    if dtype == torch.bfloat16:
+        bound = bound + 2 ** -8 * (product.abs() + (product + bias.double()).abs())
+    previous = kernels.batch_invariant
+    for invariant in (False, True):
+        kernels.set_batch_invariant(invariant)
+        try:
+            y = kernels.linear_q(x, packed, bits, bias, n)
+            assert ((y.double() - (product + bias.double())).abs() <= bound + 1e-30).all()
+            alone = torch.cat([kernels.linear_q(x[i:i + 1], packed, bits, bias, n) for i in range(70)])
+            assert torch.equal(kernels.linear_q(x[:15], packed, bits, bias, n), alone[:15])
+            if invariant:
+                assert torch.equal(y, alone)
+        finally:
+            kernels.set_batch_invariant(previous)
+
+
+def test_gguf_block_packing_refuses_what_the_kernel_does_not_take(kernels):
+    """Other block types and widths not of whole blocks are left to the int8 path (None); so is a Q4_0 whose implied
+    m = -8 d overflows fp16 (d above 8188). A matrix of one block a row packs."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QType
+
+    blocks, _ = _gguf_matrix(QType.Q8_0, 4, 64, seed=1)
+    assert kernels.pack_gguf_q(blocks, int(QType.Q8_0), 64) is None
+    blocks, _ = _gguf_matrix(QType.Q4_0, 4, 64, seed=1)
+    assert kernels.pack_gguf_q(blocks[:, :-18].contiguous(), int(QType.Q4_0), 32) is not None
+    huge = blocks.clone()
+    huge[2, 0:2] = torch.from_numpy(np.array([9000.0], dtype=np.float16).view(np.uint8))
+    assert kernels.pack_gguf_q(huge, int(QType.Q4_0), 64) is None
+    assert kernels.pack_gguf_q(blocks[:, :-2].contiguous(), int(QType.Q4_0), 48) is None  # not whole blocks

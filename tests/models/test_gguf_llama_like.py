@@ -46,7 +46,7 @@ def ggufs(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_gguf_computes_what_transformers_does(ggufs, case):
     llm = gguf_matches_transformers(*ggufs[case], quantization="gguf")  # Q8_0 from its quantized weights:
-    assert llm.llm_engine.config.model.quantization == ("int8" if native_kernels_run() else None)  # int8 rows
+    assert llm.llm_engine.config.model.quantization == ("gguf" if native_kernels_run() else None)  # int8 rows
 
 
 @pytest.mark.parametrize("case", list(CASES))

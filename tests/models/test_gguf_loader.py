@@ -446,7 +446,7 @@ def test_vllm_s_quantization_gguf_serves_the_quantized_weights(models: dict, tmp
     from pagedserve.platform import default_quantization, native_kernels_run
 
     q8 = write_test_gguf(models["qwen2"], tmp_path / "q8.gguf", QType.Q8_0)
-    expected = "int8" if native_kernels_run() else None
+    expected = "gguf" if native_kernels_run() else None  # its blocks: Q8_0 as int8 rows
     assert default_quantization("bfloat16", "gguf", True, "cpu") == expected
     assert default_quantization("bfloat16", None, True, "cpu") is None  # an explicit dtype widens them
     assert default_quantization("auto", "gguf", False, "cpu") is None
