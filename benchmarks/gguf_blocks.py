@@ -74,11 +74,10 @@ def kernels_ab(args: argparse.Namespace) -> None:
         for qtype in (QType.Q4_1, QType.Q5_0):
             blocks = torch.from_numpy(quantize(w, qtype).view(np.uint8).reshape(n, -1).copy())
             rows = kernels.pack_gguf_q(blocks, int(qtype), k)
-            bits = 4 if rows[2] is None else 5
-            weights = [kernels.pack_q_rows(*rows) for _ in range(copies)]
+            weights = [kernels.pack_q_rows(*rows[:3]) for _ in range(copies)]
             size = weights[0].numel()
-            entries[qtype.name] = (size, lambda x, i, weights=weights, bits=bits:
-                                   kernels.linear_q(x, weights[i % copies], bits, None, n))
+            entries[qtype.name] = (size, lambda x, i, weights=weights, kind=rows[3]:
+                                   kernels.linear_q(x, weights[i % copies], kind, None, n))
         for rows in args.rows:
             x = torch.randn(rows, k).bfloat16()
             reps = max(3, int(args.calls / max(1, rows ** 0.5)))

@@ -80,6 +80,7 @@ _SIGNATURES = {
 ACTIVATION_DTYPES = tuple(getattr(torch, name) for name in weight_format.NATIVE_DTYPES)  # the rule's, as torch dtypes
 ISA_NAMES = {512: "avx512", 256: "avx2"}  # ps_isa() -> name; 0: neither, the torch path runs
 HUGE_PAGE = 2 << 20
+Q_FIVE, Q_K = 1, 2  # a GGUF block matrix's kind (cpu_kernels.c's): fifth bits (Q5_*); K-quant scales (Q4_K, Q5_K)
 # An 8-bit KV pool's format for the attention kernels and the decode-stack table's kv_format (FP8_E4M3, FP8_E5M2 in
 # cpu_kernels.c; 0: 16/32-bit K/V)
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -275,43 +276,46 @@ class CpuKernels:
         return (q, scales) if status == 0 else None
 
     def pack_gguf_q(self, blocks: torch.Tensor, qtype: int, in_features: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """uint8 [N, row bytes] of ggml Q4_0, Q4_1, Q5_0 or Q5_1 blocks (GGMLQuantizationType numbers) ->
-        `linear_q`'s weight as stored: (nibbles uint8 [N, K / 2], d and m float16 [N, K / 32, 2], fifth bits
-        int64 [N, ceil(K / 128), 2] or None for 4 bits); None for another type, or where an implied m
-        (-8 d, -16 d) does not fit fp16 (the caller serves the tensor another way)."""
-        block_bytes = self.lib.ps_gguf_block_bytes(qtype)
-        if block_bytes == 0 or in_features % 32:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
+        """uint8 [N, row bytes] of ggml Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K blocks (GGMLQuantizationType numbers) ->
+        the rows as `pack_q_rows` takes them: (nibbles uint8 [N, K / 2], scale bytes uint8 [N, ceil(K / 128), 16],
+        fifth bits int64 [N, ceil(K / 128), 2] or None for 4 bits, kind: Q_FIVE | Q_K bits; cpu_kernels.c); None for
+        another type, or where an implied m (-8 d, -16 d) does not fit fp16 (the caller serves the tensor another
+        way)."""
+        kquant = qtype in (12, 13)
+        block_bytes = {12: 144, 13: 176}.get(qtype) or self.lib.ps_gguf_block_bytes(qtype)
+        values = 256 if kquant else 32
+        if block_bytes == 0 or in_features % values:
             return None
-        check("blocks", blocks, torch.uint8, (None, block_bytes * (in_features // 32)))
-        n = blocks.shape[0]
-        qs = self.weight_buffer(n, in_features // 2, dtype=torch.uint8)
-        dm = torch.empty(n, in_features // 32, 2, dtype=torch.float16)
-        qh = torch.empty(n, -(-in_features // 128), 2, dtype=torch.int64)
-        bits = self.lib.ps_pack_gguf_q(blocks.data_ptr(), qtype, n, in_features, qs.data_ptr(), dm.data_ptr(),
+        check("blocks", blocks, torch.uint8, (None, block_bytes * (in_features // values)))
+        n, groups = blocks.shape[0], -(-in_features // 128)
+        qs = torch.empty(n, in_features // 2, dtype=torch.uint8)
+        ss = torch.empty(n, groups, 16, dtype=torch.uint8)
+        qh = torch.empty(n, groups, 2, dtype=torch.int64)
+        kind = self.lib.ps_pack_gguf_q(blocks.data_ptr(), qtype, n, in_features, qs.data_ptr(), ss.data_ptr(),
                                        qh.data_ptr(), self._threads())
-        if bits < 0:
+        if kind < 0:
             return None
-        return qs, dm, (qh if bits == 5 else None)
+        return qs, ss, (qh if kind & Q_FIVE else None), kind
 
-    def pack_q_rows(self, qs: torch.Tensor, dm: torch.Tensor, qh: torch.Tensor | None) -> torch.Tensor:
+    def pack_q_rows(self, qs: torch.Tensor, ss: torch.Tensor, qh: torch.Tensor | None) -> torch.Tensor:
         """Rows as `pack_gguf_q` gives them -> `linear_q`'s layout: uint8 [ceil(N / 4), ceil(K / 128), record] (a
-        record per 4 rows and 128 columns: their nibbles, d and m, fifth bits; cpu_kernels.c), so each block of 4
-        rows streams as one sequential run."""
+        record per 4 rows and 128 columns: their nibbles, scale bytes, fifth bits; cpu_kernels.c), so each block of
+        4 rows streams as one sequential run."""
         n, k = qs.shape[0], qs.shape[1] * 2
         check("qs", qs, torch.uint8, (n, k // 2))
-        check("dm", dm, torch.float16, (n, k // 32, 2))
+        check("ss", ss, torch.uint8, (n, -(-k // 128), 16))
         if qh is not None:
             check("qh", qh, torch.int64, (n, -(-k // 128), 2))
         record = 384 if qh is not None else 320
         packed = self.weight_buffer(-(-n // 4), -(-k // 128), record, dtype=torch.uint8)
-        self.lib.ps_pack_q_rows(qs.data_ptr(), dm.data_ptr(), _pointer(qh), n, k, packed.data_ptr(), self._threads())
+        self.lib.ps_pack_q_rows(qs.data_ptr(), ss.data_ptr(), _pointer(qh), n, k, packed.data_ptr(), self._threads())
         return packed
 
     @staticmethod
     def unpack_q_rows(packed: torch.Tensor, out_features: int, in_features: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The inverse of `pack_q_rows`: (qs, dm, qh or None)."""
+        """The inverse of `pack_q_rows`: (qs, ss, qh or None)."""
         blocks, groups, record = packed.shape
         n, k = out_features, in_features
 
@@ -320,25 +324,25 @@ class CpuKernels:
             return part.permute(0, 2, 1, 3).reshape(blocks * 4, groups * width)[:n]
 
         qs = rows(0, 64)[:, :k // 2].contiguous()
-        dm = rows(256, 16).contiguous().view(torch.float16)[:, :k // 32 * 2].reshape(n, k // 32, 2)
+        ss = rows(256, 16).reshape(n, groups, 16).contiguous()
         qh = rows(320, 16).contiguous().view(torch.int64).reshape(n, groups, 2) if record == 384 else None
-        return qs, dm.contiguous(), qh
+        return qs, ss, qh
 
-    def linear_q(self, x: torch.Tensor, packed: torch.Tensor, bits: int, bias: torch.Tensor | None,
+    def linear_q(self, x: torch.Tensor, packed: torch.Tensor, kind: int, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
-        """x [M, K] (contiguous, model dtype) @ W^T (+ bias) for W packed by `pack_q_rows` (`bits` 4 or 5; see
-        cpu_kernels.c: x rounded to 15-bit integers per row, exact integer sums per block of 32)."""
+        """x [M, K] (contiguous, model dtype) @ W^T (+ bias) for W packed by `pack_q_rows` (`kind` as `pack_gguf_q`
+        gave it; see cpu_kernels.c: x rounded to 15-bit integers per row, exact integer sums per block of 32)."""
         check("x", x, ACTIVATION_DTYPES, (None, None))
         m, k = x.shape
         if k % 32:
             raise ValueError(f"linear_q: in_features {k} is not a multiple of 32")
-        if bits not in (4, 5):
-            raise ValueError(f"linear_q: bits must be 4 or 5, not {bits}")
-        check("packed", packed, torch.uint8, (-(-out_features // 4), -(-k // 128), 384 if bits == 5 else 320))
+        if kind not in range(4):
+            raise ValueError(f"linear_q: kind must be 0..3, not {kind}")
+        check("packed", packed, torch.uint8, (-(-out_features // 4), -(-k // 128), 384 if kind & Q_FIVE else 320))
         if bias is not None:
             check("bias", bias, x.dtype, (out_features,))
         y = torch.empty(m, out_features, dtype=x.dtype)
-        self.lib.ps_linear_q(x.data_ptr(), packed.data_ptr(), bits, _pointer(bias), y.data_ptr(), m, out_features, k,
+        self.lib.ps_linear_q(x.data_ptr(), packed.data_ptr(), kind, _pointer(bias), y.data_ptr(), m, out_features, k,
                              x.dtype == torch.bfloat16, self._threads())
         return y
 

@@ -2913,8 +2913,8 @@ static void attend_rows(const void *q, int64_t q_stride, const void *k_cache, co
  * in one call, without ~10 Python calls and their tensors per layer, and with tensor parallelism
  * models/llama.py calls the halves itself, all-reducing after each.
  * A layer is one row of PS_LAYER_FIELDS int64 (pointers and kinds, laid out as the PS_L_* below; each of the
- * 4 linears is {kind (0 bf16 packed, 1 int8, 2 ggml blocks), weight, bias or 0, scales (int8; blocks: their bits, 4
- * or 5), row sums (int8; blocks: 0)}):
+ * 4 linears is {kind (0 bf16 packed, 1 int8, 2 ggml blocks), weight, bias or 0, scales (int8; blocks: their kind,
+ * ps_linear_q's), row sums (int8; blocks: 0)}):
  * - q/k norm: the per-head norms' weights (Qwen3, Gemma 3), or 0;
  * - attn_out/mlp_out norm: Gemma 2/3's sandwich norms of the attention's and the MLP's outputs before they join
  *   the residual stream (post_attention_layernorm, post_feedforward_layernorm; post_norm is then
@@ -2953,7 +2953,7 @@ int ps_layer_layout(int64_t *out, int n) {
   return count;
 }
 
-void ps_linear_q(const void *x, const uint8_t *packed, int bits, const void *bias, void *y, int64_t M, int64_t N,
+void ps_linear_q(const void *x, const uint8_t *packed, int kind, const void *bias, void *y, int64_t M, int64_t N,
                  int64_t K, int bf16, int nthreads);
 
 static void stack_linear(const int64_t *lin, const void *x, void *y, int64_t M, int64_t N, int64_t K, int bf16,
@@ -3275,15 +3275,18 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
 /* ---- block-quantized weights served as stored: ggml's Q4_0, Q4_1, Q5_0, Q5_1 --------------------------------
  * A GGUF's 4- and 5-bit matrices run from their own bits (ps_linear_q) instead of being requantized to int8: 5-6
  * bits a weight streamed instead of 8, which is what batch-1 decode is bound by. Each block of 32 weights of a row
- * is w = d q + m with q unsigned (0..15, or 0..31 with a fifth bit) and d, m fp16: Q4_1 and Q5_1 store d and m,
- * Q4_0 and Q5_0 store d with m = -8 d and -16 d (exact in fp16: a power of two times d; the packer refuses a
- * tensor where it overflows).
- * - Rows as loaded (ps_pack_gguf_q; layers/linear.py's BlockWeight, which fuses and reorders rows): qs[n][K / 2], the
- *   blocks' nibble bytes as ggml stores them (byte j of a block: low nibble = weight j, high nibble = weight 16 + j);
- *   dm[n][K / 32][2] fp16, each block's d and m; for 5 bits qh[n][ceil(K / 128)][2] uint64, per group of 128 columns
- *   the fifth bits of its low nibbles (bit 16 b + j: block b's weight j) then of its high nibbles (weight 16 + j).
+ * is w = d q + m with q unsigned (0..15, or 0..31 with a fifth bit). Where d and m come from (a kind's Q_K bit):
+ * - ggml's 32-value types: d and m fp16, per block. Q4_1 and Q5_1 store both; Q4_0 and Q5_0 store d, m = -8 d and
+ *   -16 d (exact in fp16: a power of two times d; the packer refuses a tensor where it overflows);
+ * - K-quants (Q4_K, Q5_K; superblocks of 256): d = D sc and m = -(Dmin mn), with D and Dmin fp16 per superblock and
+ *   sc and mn 6-bit per block, multiplied in float32 (exact: 17 bits), as ggml does.
+ * - Rows as loaded (ps_pack_gguf_q; layers/linear.py's BlockWeight, which fuses and reorders rows): qs[n][K / 2], each
+ *   block's 16 nibble bytes (byte j: low nibble = weight j, high nibble = weight 16 + j; ggml's own layout for the
+ *   32-value types); ss[n][ceil(K / 128)][16] bytes, the scales of each group of 4 blocks (128 columns): 4 x (d, m)
+ *   fp16, or D, Dmin fp16, sc[4], mn[4] (and 4 zero bytes) for K-quants; for 5 bits qh[n][ceil(K / 128)][2] uint64,
+ *   per group the fifth bits of its low nibbles (bit 16 b + j: block b's weight j) then of its high nibbles.
  * - As the kernel streams them (ps_pack_q_rows): blocks of 4 rows (zero rows padding N), each a run of records, one
- *   per group of 128 columns (zeros past K): the 4 rows' 64 nibble bytes, their 4 x 8 fp16 d and m, and for 5 bits
+ *   per group of 128 columns (zeros past K): the 4 rows' 64 nibble bytes, their 4 x 16 scale bytes, and for 5 bits
  *   their 4 x 2 uint64 fifth bits (Q_REC bytes), so a block streams as one sequential run, as the int8 kernel's do.
  * Activations are rounded per row to integers v (|v| <= 32256, step xs = max|x| / 32256: 15 bits, as the int8
  * kernel's) and split into two signed bytes, v = 256 hi + lo (hi in -126..126, lo in -128..127), so unsigned x
@@ -3292,19 +3295,23 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
  * added in float32.
  * - Decode-sized batches (q_rows): x's planes laid out in the nibbles' order, 64 (AVX2: 32) nibbles an instruction;
  *   each 128-bit lane of the sums holds one block's, scaled by its d once per group. Every row runs the same
- *   instructions whatever M is, so a row gets the same bits in every such batch.
- * - From Q_TILE_ROWS rows (prefill; not in batch-invariant mode), q_tile: a panel of VL rows' q values as bytes in
- *   column order ([K / 4][VL][4]: one vector holds 4 columns of VL outputs), each row's block sum exact in one int32
- *   lane, x broadcast 4 columns at a time; its float sums come in another order, so a prompt's rows may differ from
- *   decode's in the last bits (as the int8 kernel's bf16 panels on AVX512-BF16). */
+ *   instructions whatever M is, so a row gets the same bits in every such batch. One row streams two runs a thread
+ *   (blocks b and b + half: 1.22-1.25x one run on the 2-core Ice Lake, gate/up, down and q/k/v shapes).
+ * - From Q_TILE_ROWS rows (prefill; not in batch-invariant mode), q_tile: a panel of VL rows' q values as int16 pairs
+ *   ([K / 2][VL]: one vector holds 2 columns of VL outputs), each row's block sum exact in one int32 lane, x broadcast
+ *   2 columns at a time (vpdpwssd; AVX2 vpmaddwd); its float sums come in another order, so a prompt's rows may
+ *   differ from decode's in the last bits (as the int8 kernel's bf16 panels on AVX512-BF16). Against the int8
+ *   kernel's tile on the same shapes: 0.6-0.7x (a float scale per block of 32, and panels rebuilt per call). */
 #if PS_ISA == 512
 #define QG 128  /* columns per decode step: a 64-byte load of nibbles */
 #else
 #define QG 64   /* a 32-byte load */
 #endif
-#define Q_REC(five) ((five) ? 384 : 320)  /* bytes per record: 4 x 64 nibbles, 4 x 16 d/m, (4 x 16 fifth bits) */
+enum { Q_FIVE = 1, Q_K = 2 };  /* a matrix's kind: fifth bits; K-quant scales */
+#define Q_REC(kind) (((kind) & Q_FIVE) ? 384 : 320)  /* bytes per record: 4 x 64 nibbles, 4 x 16 scales, (4 x 16 bits) */
 #define Q_AHEAD 1024  /* bytes ahead of its stream that a block prefetches */
-#define Q_TILE_ROWS 16
+#define Q_TILE_ROWS 20  /* below, the row kernel was as fast (16 rows: 0.96-0.98x the tile; 24 rows 1.08-1.15x slower) */
+#define Q_PAIR_MIN_BLOCKS 8  /* 4-row blocks per thread from which one row streams two runs a thread */
 #define QV 32256.0f  /* the largest |v|: 126 * 256, which keeps hi within a signed byte */
 
 static inline vf vfloor(vf v) {
@@ -3357,19 +3364,32 @@ static void q_prepare(const void *x, int64_t M, int64_t K, int bf16, int8_t *pla
 
 #if PS_ISA == 512
 /* out[r][c] = the sums of the 4 rows of the block whose records start at `rec` against the C rows of x at xp/xv. */
-static inline __attribute__((always_inline)) void q_rows(const uint8_t *rec, int64_t G, int five,
-                                                         const int8_t *const xp[2], const float *const xv[2],
-                                                         const int C, float out[4][2]) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+/* A group's d and m for each lane (a 128-bit lane a block) from one row's 16 scale bytes at p. */
+static inline void q_scales(const uint8_t *p, int kind, __m512 *dv, __m512 *mv) {
+  if (kind & Q_K) {
+    const __m512 bytes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    const __m512i pick = _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4);
+    const __m512 big = _mm512_set1_ps(_cvtsh_ss(read_u16(p))), big_min = _mm512_set1_ps(-_cvtsh_ss(read_u16(p + 2)));
+    *dv = _mm512_mul_ps(_mm512_permutexvar_ps(pick, bytes), big);
+    *mv = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(pick, _mm512_set1_epi32(4)), bytes), big_min);
+    return;
+  }
   const __m512i pick_d = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
-  const __m512i pick_m = _mm512_add_epi32(pick_d, _mm512_set1_epi32(1));
-  const int64_t size = Q_REC(five);
-  __m512 acc[4][2];
-  for (int r = 0; r < 4; ++r)
+  const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
+  *dv = _mm512_permutexvar_ps(pick_d, dm);
+  *mv = _mm512_permutexvar_ps(_mm512_add_epi32(pick_d, _mm512_set1_epi32(1)), dm);
+}
+
+static inline __attribute__((always_inline)) void q_rows(const uint8_t *const rec[2], const int NB, int64_t G,
+                                                         int kind, const int8_t *const xp[2],
+                                                         const float *const xv[2], const int C, float out[8][2]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+  const int64_t size = Q_REC(kind);
+  const int five = kind & Q_FIVE;
+  __m512 acc[8][2];
+  for (int r = 0; r < 4 * NB; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t *p = rec + g * size;
-    for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
     __m512i xh0[2], xh1[2], xl0[2], xl1[2];
     for (int c = 0; c < C; ++c) {
       const int8_t *xc = xp[c] + g * 2 * QG;
@@ -3378,7 +3398,11 @@ static inline __attribute__((always_inline)) void q_rows(const uint8_t *rec, int
       xl0[c] = _mm512_loadu_si512(xc + 128);
       xl1[c] = _mm512_loadu_si512(xc + 192);
     }
+    for (int blk = 0; blk < NB; ++blk) {
+    const uint8_t *p = rec[blk] + g * size;
+    for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
     for (int r = 0; r < 4; ++r) {
+      __m512 *a = acc[4 * blk + r];
       const __m512i v = _mm512_loadu_si512(p + 64 * r);
       __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       if (five) {
@@ -3386,19 +3410,20 @@ static inline __attribute__((always_inline)) void q_rows(const uint8_t *rec, int
         lo = _mm512_mask_add_epi8(lo, (__mmask64)bits[0], lo, fifth);
         hi = _mm512_mask_add_epi8(hi, (__mmask64)bits[1], hi, fifth);
       }
-      const __m512 dmv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * r))));
-      const __m512 dv = _mm512_permutexvar_ps(pick_d, dmv), mv = _mm512_permutexvar_ps(pick_m, dmv);
+      __m512 dv, mv;
+      q_scales(p + 256 + 16 * r, kind, &dv, &mv);
       for (int c = 0; c < C; ++c) {
         const __m512i zero = _mm512_setzero_si512();
         const __m512i sh = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xh0[c]), hi, xh1[c]);
         const __m512i sl = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xl0[c]), hi, xl1[c]);
         const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xv[c] + g * VL), acc[r][c]);
+        a[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, a[c]);
+        a[c] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xv[c] + g * VL), a[c]);
       }
     }
+    }
   }
-  for (int r = 0; r < 4; ++r)
+  for (int r = 0; r < 4 * NB; ++r)
     for (int c = 0; c < C; ++c) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
@@ -3445,21 +3470,38 @@ static inline __m256i q_dot(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
 #endif
 }
 
-static inline __attribute__((always_inline)) void q_rows(const uint8_t *rec, int64_t G, int five,
-                                                         const int8_t *const xp[2], const float *const xv[2],
-                                                         const int C, float out[4][2]) {
+/* Half h (blocks 2h, 2h + 1) of a group's d and m for each lane (4 lanes a block) from one row's scale bytes at p. */
+static inline void q_scales(const uint8_t *p, int kind, int h, __m256 *dv, __m256 *mv) {
+  const __m256i pick = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+  if (kind & Q_K) {
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(read_u16(p + 4 + 2 * h))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(read_u16(p + 8 + 2 * h))));
+    *dv = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc, pick), _mm256_set1_ps(_cvtsh_ss(read_u16(p))));
+    *mv = _mm256_mul_ps(_mm256_permutevar8x32_ps(mn, pick), _mm256_set1_ps(-_cvtsh_ss(read_u16(p + 2))));
+    return;
+  }
+  const __m256 dm = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
+  *dv = _mm256_permutevar8x32_ps(dm, _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));
+  *mv = _mm256_permutevar8x32_ps(dm, _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1));
+}
+
+static inline __attribute__((always_inline)) void q_rows(const uint8_t *const rec[2], const int NB, int64_t G,
+                                                         int kind, const int8_t *const xp[2],
+                                                         const float *const xv[2], const int C, float out[8][2]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i pick_d = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0), pick_m = _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1);
-  const int64_t size = Q_REC(five);
-  __m256 acc[4][2];
-  for (int r = 0; r < 4; ++r)
+  const int64_t size = Q_REC(kind);
+  const int five = kind & Q_FIVE;
+  __m256 acc[8][2];
+  for (int r = 0; r < 4 * NB; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t *p = rec + g * size;
+    for (int blk = 0; blk < NB; ++blk) {
+    const uint8_t *p = rec[blk] + g * size;
     for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {  /* two steps of 64 columns */
       const int64_t step = 2 * g + h;
       for (int r = 0; r < 4; ++r) {
+        __m256 *a = acc[4 * blk + r];
         const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * r + 32 * h));
         __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         if (five) {
@@ -3467,8 +3509,8 @@ static inline __attribute__((always_inline)) void q_rows(const uint8_t *rec, int
           lo = _mm256_add_epi8(lo, q_fifth_bits(bits[h]));
           hi = _mm256_add_epi8(hi, q_fifth_bits(bits[2 + h]));
         }
-        const __m256 dmv = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + 256 + 16 * r + 8 * h))));
-        const __m256 dv = _mm256_permutevar8x32_ps(dmv, pick_d), mv = _mm256_permutevar8x32_ps(dmv, pick_m);
+        __m256 dv, mv;
+        q_scales(p + 256 + 16 * r, kind, h, &dv, &mv);
         for (int c = 0; c < C; ++c) {
           const int8_t *xc = xp[c] + step * 2 * QG;
           const __m256i sh = q_dot(lo, _mm256_loadu_si256((const __m256i *)xc), hi,
@@ -3476,13 +3518,14 @@ static inline __attribute__((always_inline)) void q_rows(const uint8_t *rec, int
           const __m256i sl = q_dot(lo, _mm256_loadu_si256((const __m256i *)(xc + 64)), hi,
                                    _mm256_loadu_si256((const __m256i *)(xc + 96)));
           const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(sh, 8), sl);
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, acc[r][c]);
-          acc[r][c] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xv[c] + step * VL), acc[r][c]);
+          a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, a[c]);
+          a[c] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xv[c] + step * VL), a[c]);
         }
       }
     }
+    }
   }
-  for (int r = 0; r < 4; ++r)
+  for (int r = 0; r < 4 * NB; ++r)
     for (int c = 0; c < C; ++c) out[r][c] = vsum(acc[r][c]);
 }
 
@@ -3517,9 +3560,10 @@ static inline void q_natural(const uint8_t *nibbles, const uint64_t *bits, int f
 /* ---- the prefill tile ---- */
 /* A panel of VL output rows (4-row blocks i0 .. i0 + VL / 4 - 1) for q_tile: q as int16 pairs [G * 64][VL] (columns
  * 2c, 2c + 1 of the VL rows a vector, as the int8 kernel's integer tile reads its panels), d and m [G * 4][VL] float. */
-static void q_fill_panel(const uint8_t *packed, int64_t i0, int64_t blocks4, int64_t G, int five, uint32_t *q,
+static void q_fill_panel(const uint8_t *packed, int64_t i0, int64_t blocks4, int64_t G, int kind, uint32_t *q,
                          float *d, float *mn) {
-  const int64_t size = Q_REC(five);
+  const int64_t size = Q_REC(kind);
+  const int five = kind & Q_FIVE;
   uint8_t bytes[VL][128];  /* one group's q values, in column order, per output */
   for (int64_t g = 0; g < G; ++g) {
     for (int o = 0; o < VL; ++o) {
@@ -3533,9 +3577,12 @@ static void q_fill_panel(const uint8_t *packed, int64_t i0, int64_t blocks4, int
       vq natural[128 / sizeof(vq)];
       q_natural(p + 64 * r, (const uint64_t *)(p + 320 + 16 * r), five, natural);
       memcpy(bytes[o], natural, 128);
+      const uint8_t *sc = p + 256 + 16 * r;  /* this row's scale bytes (q_scales' values, one block at a time) */
       for (int b = 0; b < 4; ++b) {
-        d[(g * 4 + b) * VL + o] = _cvtsh_ss(read_u16(p + 256 + 16 * r + 4 * b));
-        mn[(g * 4 + b) * VL + o] = _cvtsh_ss(read_u16(p + 256 + 16 * r + 4 * b + 2));
+        d[(g * 4 + b) * VL + o] = kind & Q_K ? (float)sc[4 + b] * _cvtsh_ss(read_u16(sc))
+                                             : _cvtsh_ss(read_u16(sc + 4 * b));
+        mn[(g * 4 + b) * VL + o] = kind & Q_K ? (float)sc[8 + b] * -_cvtsh_ss(read_u16(sc + 2))
+                                              : _cvtsh_ss(read_u16(sc + 4 * b + 2));
       }
     }
     for (int64_t s = 0; s < 128 / (2 * VL); ++s) {  /* 2 VL columns: VL pairs of VL outputs */
@@ -3565,7 +3612,7 @@ static void q_prepare_tile(const void *x, int64_t M, int64_t K, int64_t G, int b
   }
 }
 
-/* acc[m] (the panel's VL outputs) for MT rows of x from m0: per block of 32 columns, 16 pair steps of exact int32
+/* acc[m] = the panel's VL outputs for MT rows of x from m0: per block of 32 columns, 16 pair steps of exact int32
  * sums, then its d and m in float. */
 static inline __attribute__((always_inline)) void q_tile(const uint32_t *q, const float *d, const float *mn,
                                                          const int16_t *xv, const float *bsum, int64_t G, int64_t m0,
@@ -3620,7 +3667,7 @@ static inline void q_store(void *y, const void *bias, float xs, float sum, int64
   store1(y, m * N + n, v, bf16);
 }
 
-static void q_linear_tile(const void *x, const uint8_t *packed, int five, const void *bias, void *y, int64_t M,
+static void q_linear_tile(const void *x, const uint8_t *packed, int kind, const void *bias, void *y, int64_t M,
                           int64_t N, int64_t K, int bf16, int nthreads) {
   const int64_t G = (K + 127) / 128, blocks4 = (N + 3) / 4, panels = (N + VL - 1) / VL;
   int16_t *xv = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * G * 128));
@@ -3635,7 +3682,7 @@ static void q_linear_tile(const void *x, const uint8_t *packed, int five, const 
     int64_t p0, p1;
     thread_share(panels, &p0, &p1);
     for (int64_t p = p0; p < p1; ++p) {
-      q_fill_panel(packed, p * (VL / 4), blocks4, G, five, q, d, mn);
+      q_fill_panel(packed, p * (VL / 4), blocks4, G, kind, q, d, mn);
       const int64_t n0 = p * VL, valid = N - n0 < VL ? N - n0 : VL;
       for (int64_t m = 0; m < M; m += Q_MT) {
         const int64_t rows = M - m < Q_MT ? M - m : Q_MT;
@@ -3656,33 +3703,49 @@ static void q_linear_tile(const void *x, const uint8_t *packed, int five, const 
   free(xs);
 }
 
-/* y [M, N] = x [M, K] W^T (+ bias) for W packed by ps_pack_q_rows (`bits` 4 or 5); K a multiple of 32. */
-void ps_linear_q(const void *x, const uint8_t *packed, int bits, const void *bias, void *y, int64_t M, int64_t N,
+/* y [M, N] = x [M, K] W^T (+ bias) for W packed by ps_pack_q_rows (`kind`: Q_FIVE | Q_K bits, as ps_pack_gguf_q
+ * returned); K a multiple of 32. */
+void ps_linear_q(const void *x, const uint8_t *packed, int kind, const void *bias, void *y, int64_t M, int64_t N,
                  int64_t K, int bf16, int nthreads) {
-  const int five = bits == 5;
   if (M >= Q_TILE_ROWS && !batch_invariant) {
-    q_linear_tile(x, packed, five, bias, y, M, N, K, bf16, nthreads);
+    q_linear_tile(x, packed, kind, bias, y, M, N, K, bf16, nthreads);
     return;
   }
-  const int64_t G = (K + 127) / 128, steps = G * (128 / QG), blocks = (N + 3) / 4, size = Q_REC(five);
+  const int64_t G = (K + 127) / 128, steps = G * (128 / QG), blocks = (N + 3) / 4, size = Q_REC(kind);
   int8_t *planes = (int8_t *)malloc((size_t)(M * steps * 2 * QG));
   float *xv = (float *)malloc(sizeof(float) * (size_t)(M * steps * VL)), *xs = (float *)malloc(sizeof(float) * (size_t)M);
   if (!planes || !xv || !xs) abort();
   q_prepare(x, M, K, bf16, planes, xv, xs);
+  /* One row of x: each thread streams two runs, block b with block b + half (as the int8 kernel's pairs: one run a
+   * thread read below the memory's speed). */
+  const int64_t half = M == 1 && blocks >= 2 * Q_PAIR_MIN_BLOCKS * nthreads ? blocks / 2 : 0;
   #pragma omp parallel num_threads(nthreads)
   {
     int64_t b0, b1;
-    thread_share(blocks, &b0, &b1);
+    const int8_t *xp1[2] = {planes, planes};
+    const float *xv1[2] = {xv, xv};
+    thread_share(half, &b0, &b1);
     for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t *recs[2] = {packed + b * G * size, packed + (b + half) * G * size};
+      float out[8][2];
+      q_rows(recs, 2, G, kind, xp1, xv1, 1, out);
+      for (int r = 0; r < 8; ++r) {
+        const int64_t n = 4 * (r < 4 ? b : b + half) + r % 4;
+        if (n < N) q_store(y, bias, xs[0], out[r][0], 0, n, N, bf16);
+      }
+    }
+    thread_share(blocks - 2 * half, &b0, &b1);
+    for (int64_t b = 2 * half + b0; b < 2 * half + b1; ++b) {
       const int64_t n0 = 4 * b;
       const int R = N - n0 < 4 ? (int)(N - n0) : 4;
+      const uint8_t *recs[2] = {packed + b * G * size, NULL};
       for (int64_t m = 0; m < M; m += 2) {
         const int C = M - m > 1 ? 2 : 1;
         const int8_t *xp[2] = {planes + m * steps * 2 * QG, planes + (m + C - 1) * steps * 2 * QG};
         const float *xvr[2] = {xv + m * steps * VL, xv + (m + C - 1) * steps * VL};
-        float out[4][2];
-        if (C == 2) q_rows(packed + b * G * size, G, five, xp, xvr, 2, out);
-        else q_rows(packed + b * G * size, G, five, xp, xvr, 1, out);
+        float out[8][2];
+        if (C == 2) q_rows(recs, 1, G, kind, xp, xvr, 2, out);
+        else q_rows(recs, 1, G, kind, xp, xvr, 1, out);
         for (int c = 0; c < C; ++c)
           for (int r = 0; r < R; ++r) q_store(y, bias, xs[m + c], out[r][c], m + c, n0 + r, N, bf16);
       }
@@ -3699,44 +3762,84 @@ static inline uint16_t float_to_half_exact(float f, int *ok) {  /* f's fp16 bits
   return h;
 }
 
-/* blocks: [N, K / 32] ggml blocks of `qtype` (Q4_0, Q4_1, Q5_0, Q5_1) -> rows as loaded: qs [N, K / 2], dm
- * [N, K / 32, 2] fp16 and, for Q5_*, qh [N, ceil(K / 128), 2] uint64. Returns the bits a weight (4 or 5), or -1
- * for another type, K not a multiple of 32, or an m that fp16 cannot hold (-8 d or -16 d overflowing). */
-int ps_pack_gguf_q(const uint8_t *blocks, int qtype, int64_t N, int64_t K, uint8_t *qs, uint16_t *dm, uint64_t *qh,
-                   int nthreads) {
+enum { PS_Q4_K = 12, PS_Q5_K = 13 };
+
+/* K-quants' 6-bit scale and min of block j (0..7) from a superblock's 12 packed bytes (ggml's get_scale_min_k4). */
+static inline void k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *mn = q[j + 4] & 63;
+  } else {
+    *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+    *mn = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+/* One block of 32 (block c of a row) of a supported type: its q values (0..31) and its row's scale bytes for it. */
+static void q_decode_block(const uint8_t *row, int qtype, int64_t c, uint8_t q[32], uint8_t *scales, int *ok) {
+  if (qtype == PS_Q4_K || qtype == PS_Q5_K) {
+    const uint8_t *p = row + (c / 8) * (qtype == PS_Q4_K ? 144 : 176);
+    const int j = (int)(c % 8), shift = 4 * (j % 2);  /* block j: nibbles of bytes 32 (j / 2) .. of qs */
+    const uint8_t *qs = p + (qtype == PS_Q4_K ? 16 : 48) + 32 * (j / 2), *qh = p + 16;
+    for (int i = 0; i < 32; ++i)
+      q[i] = (uint8_t)(((qs[i] >> shift) & 0xF) | (qtype == PS_Q5_K ? ((qh[i] >> j) & 1) << 4 : 0));
+    const int b = (int)(c % 4);
+    memcpy(scales, p, 4);  /* D, Dmin */
+    k_scale_min(j, p + 4, scales + 4 + b, scales + 8 + b);
+    return;
+  }
   const int five = qtype == PS_Q5_0 || qtype == PS_Q5_1, has_m = qtype == PS_Q4_1 || qtype == PS_Q5_1;
-  if ((qtype != PS_Q4_0 && qtype != PS_Q4_1 && !five) || K % 32) return -1;
-  const int64_t block_bytes = ps_gguf_block_bytes(qtype), B = K / 32, G = (K + 127) / 128;
-  const int qs_at = (has_m ? 4 : 2) + (five ? 4 : 0);
+  const uint8_t *p = row + c * ps_gguf_block_bytes(qtype), *qs = p + (has_m ? 4 : 2) + (five ? 4 : 0);
+  const uint32_t bits = five ? read_u32(p + (has_m ? 4 : 2)) : 0;
+  for (int i = 0; i < 16; ++i) {
+    q[i] = (uint8_t)((qs[i] & 0xF) | (((bits >> i) & 1) << 4));
+    q[16 + i] = (uint8_t)((qs[i] >> 4) | (((bits >> (16 + i)) & 1) << 4));
+  }
+  const uint16_t d = read_u16(p);
+  const uint16_t m = has_m ? read_u16(p + 2) : float_to_half_exact(half_to_float(d) * (five ? -16.0f : -8.0f), ok);
+  memcpy(scales + 4 * (c % 4), &d, 2);
+  memcpy(scales + 4 * (c % 4) + 2, &m, 2);
+}
+
+/* blocks: [N, row bytes] ggml blocks of `qtype` (Q4_0, Q4_1, Q5_0, Q5_1; Q4_K, Q5_K) -> rows as loaded: qs [N, K / 2],
+ * ss [N, ceil(K / 128), 16] and, for 5 bits, qh [N, ceil(K / 128), 2] uint64 (the layout above). Returns the kind
+ * (Q_FIVE | Q_K bits), or -1 for another type, K not of whole blocks, or an m that fp16 cannot hold (-8 d or -16 d
+ * overflowing). */
+int ps_pack_gguf_q(const uint8_t *blocks, int qtype, int64_t N, int64_t K, uint8_t *qs, uint8_t *ss, uint64_t *qh,
+                   int nthreads) {
+  const int kq = qtype == PS_Q4_K || qtype == PS_Q5_K;
+  const int five = qtype == PS_Q5_0 || qtype == PS_Q5_1 || qtype == PS_Q5_K;
+  if (!kq && ps_gguf_block_bytes(qtype) == 0) return -1;
+  if (qtype == PS_Q8_0 || K % (kq ? 256 : 32)) return -1;
+  const int64_t B = K / 32, G = (K + 127) / 128;
+  const int64_t row_bytes = kq ? K / 256 * (qtype == PS_Q4_K ? 144 : 176) : B * ps_gguf_block_bytes(qtype);
   int ok = 1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(&& : ok)
   for (int64_t n = 0; n < N; ++n) {
     int row_ok = 1;
+    memset(ss + n * G * 16, 0, (size_t)(G * 16));
     if (five) memset(qh + n * G * 2, 0, sizeof(uint64_t) * (size_t)(G * 2));
-    for (int64_t b = 0; b < B; ++b) {
-      const uint8_t *p = blocks + (n * B + b) * block_bytes;
-      const uint16_t d = read_u16(p);
-      memcpy(qs + n * (K / 2) + b * 16, p + qs_at, 16);
-      dm[(n * B + b) * 2] = d;
-      dm[(n * B + b) * 2 + 1] = has_m ? read_u16(p + 2)
-                                      : float_to_half_exact(half_to_float(d) * (five ? -16.0f : -8.0f), &row_ok);
-      if (five) {
-        const uint32_t bits = read_u32(p + (has_m ? 4 : 2));
-        const int64_t g = b / 4, shift = 16 * (b % 4);
-        qh[(n * G + g) * 2] |= (uint64_t)(bits & 0xFFFF) << shift;
-        qh[(n * G + g) * 2 + 1] |= (uint64_t)(bits >> 16) << shift;
-      }
+    for (int64_t c = 0; c < B; ++c) {
+      uint8_t q[32];
+      const int64_t g = c / 4, shift = 16 * (c % 4);
+      q_decode_block(blocks + n * row_bytes, qtype, c, q, ss + (n * G + g) * 16, &row_ok);
+      for (int i = 0; i < 16; ++i) qs[n * (K / 2) + c * 16 + i] = (uint8_t)((q[i] & 0xF) | ((q[16 + i] & 0xF) << 4));
+      if (five)
+        for (int i = 0; i < 16; ++i) {
+          qh[(n * G + g) * 2] |= (uint64_t)(q[i] >> 4) << (shift + i);
+          qh[(n * G + g) * 2 + 1] |= (uint64_t)(q[16 + i] >> 4) << (shift + i);
+        }
     }
     ok = ok && row_ok;
   }
-  return ok ? (five ? 5 : 4) : -1;
+  return ok ? (five ? Q_FIVE : 0) | (kq ? Q_K : 0) : -1;
 }
 
-/* Rows as loaded (qs, dm, qh or NULL) -> the kernel's records: packed [ceil(N / 4)][ceil(K / 128)][Q_REC] bytes. */
-void ps_pack_q_rows(const uint8_t *qs, const uint16_t *dm, const uint64_t *qh, int64_t N, int64_t K, uint8_t *packed,
+/* Rows as loaded (qs, ss, qh or NULL) -> the kernel's records: packed [ceil(N / 4)][ceil(K / 128)][Q_REC] bytes. */
+void ps_pack_q_rows(const uint8_t *qs, const uint8_t *ss, const uint64_t *qh, int64_t N, int64_t K, uint8_t *packed,
                     int nthreads) {
-  const int five = qh != NULL;
-  const int64_t G = (K + 127) / 128, size = Q_REC(five), blocks = (N + 3) / 4, B = K / 32;
+  const int kind = qh != NULL ? Q_FIVE : 0;
+  const int64_t G = (K + 127) / 128, size = Q_REC(kind), blocks = (N + 3) / 4, B = K / 32;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t i = 0; i < blocks; ++i) {
     memset(packed + i * G * size, 0, (size_t)(G * size));
@@ -3746,8 +3849,8 @@ void ps_pack_q_rows(const uint8_t *qs, const uint16_t *dm, const uint64_t *qh, i
         uint8_t *p = packed + (i * G + g) * size;
         const int64_t nb = B - 4 * g < 4 ? B - 4 * g : 4;
         memcpy(p + 64 * r, qs + n * (K / 2) + g * 64, (size_t)(16 * nb));
-        memcpy(p + 256 + 16 * r, dm + (n * B + 4 * g) * 2, (size_t)(4 * nb));
-        if (five) memcpy(p + 320 + 16 * r, qh + (n * G + g) * 2, 16);
+        memcpy(p + 256 + 16 * r, ss + (n * G + g) * 16, 16);
+        if (qh) memcpy(p + 320 + 16 * r, qh + (n * G + g) * 2, 16);
       }
     }
   }

@@ -134,14 +134,15 @@ class QuantizedWeight:
 
 @dataclass
 class BlockWeight:
-    """A GGUF matrix kept in its own 4- or 5-bit blocks of 32 (ggml's Q4_0, Q4_1, Q5_0, Q5_1) for the native
-    kernel (`CpuKernels.linear_q`, cpu_kernels.c's layout): each block is w = d q + m. GGUF tensors of those
+    """A GGUF matrix kept in its own 4- or 5-bit blocks of 32 (ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K) for the
+    native kernel (`CpuKernels.linear_q`; cpu_kernels.c's layout): each block is w = d q + m. GGUF tensors of those
     types arrive like this under `--quantization gguf` (the default for a block-quantized GGUF on a CPU with the
-    native kernels), so a 4-bit file streams ~5 bits a weight at decode instead of int8's 8."""
+    native kernels), so a 4-bit file streams 5-6 bits a weight at decode instead of int8's 8."""
 
-    qs: torch.Tensor  # [out, in / 2] uint8: each block's 16 nibble bytes as ggml stores them
-    dm: torch.Tensor  # [out, in / 32, 2] float16: each block's d and m
+    qs: torch.Tensor  # [out, in / 2] uint8: each block's 16 nibble bytes (low nibble weight j, high 16 + j)
+    ss: torch.Tensor  # [out, ceil(in / 128), 16] uint8: each group of 4 blocks' scale bytes
     qh: torch.Tensor | None  # [out, ceil(in / 128), 2] int64: the fifth bits (Q5_*), or None
+    kind: int  # kernels.Q_FIVE | kernels.Q_K bits
     dtype: torch.dtype  # the model dtype it stands in for
 
     @property
@@ -158,19 +159,19 @@ class BlockWeight:
 
     def narrow(self, start: int, rows: int) -> BlockWeight:
         """Rows start .. start + rows - 1 (views)."""
-        qh = None if self.qh is None else self.qh.narrow(0, start, rows)
-        return BlockWeight(self.qs.narrow(0, start, rows), self.dm.narrow(0, start, rows), qh, self.dtype)
+        return self.map_rows(lambda t: t.narrow(0, start, rows))
 
     def map_rows(self, fn) -> BlockWeight:
-        """The same weight with `fn` (a row reordering) applied to each of its row-indexed tensors."""
-        return BlockWeight(fn(self.qs).contiguous(), fn(self.dm).contiguous(),
-                           None if self.qh is None else fn(self.qh).contiguous(), self.dtype)
+        """The same weight with `fn` (a row selection or reordering) applied to each of its row-indexed tensors."""
+        return BlockWeight(fn(self.qs), fn(self.ss), None if self.qh is None else fn(self.qh), self.kind, self.dtype)
 
     def dequantized_float32(self) -> torch.Tensor:
-        """[out, in] float32: d q + m per block, multiplied and added in separate roundings as gguf.quants does
-        (so equal to its dequantization bit for bit; Q4_0's d (q - 8) is d q + (-8 d), both exact)."""
-        n, blocks = self.dm.shape[0], self.dm.shape[1]
-        nibbles = self.qs.view(n, blocks, 16)
+        """[out, in] float32: d q + m per block in float32 as gguf.quants computes it (so equal to its dequantization
+        bit for bit: Q4_0's d (q - 8) is d q + (-8 d), both exact; K-quants' (D sc) q - Dmin mn)."""
+        from pagedserve.kernels import Q_K
+
+        n, blocks = self.qs.shape[0], self.qs.shape[1] // 16
+        nibbles = self.qs.reshape(n, blocks, 16)
         q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).to(torch.int32)  # [n, blocks, 32]
         if self.qh is not None:
             shifts = torch.tensor([0, 16, 32, 48], dtype=torch.int64)
@@ -178,7 +179,14 @@ class BlockWeight:
             halves = halves.permute(0, 1, 3, 2).reshape(n, -1, 2)[:, :blocks]  # [n, blocks, 2]
             bits = (halves[..., None] >> torch.arange(16, dtype=torch.int64)) & 1  # [n, blocks, 2, 16]
             q = q + 16 * bits.reshape(n, blocks, 32).to(torch.int32)
-        d, m = self.dm.float().unbind(-1)
+        ss = self.ss.contiguous()
+        if self.kind & Q_K:
+            big = ss[..., :4].contiguous().view(torch.float16).float()  # [n, groups, 2]: D, Dmin
+            d = (ss[..., 4:8].float() * big[..., :1]).reshape(n, -1)[:, :blocks]
+            m = -(ss[..., 8:12].float() * big[..., 1:]).reshape(n, -1)[:, :blocks]
+        else:
+            dm = ss.view(torch.float16).float().reshape(n, -1, 2)[:, :blocks]
+            d, m = dm.unbind(-1)
         return (q.float() * d[..., None] + m[..., None]).reshape(n, blocks * 32)
 
     def dequantized(self) -> torch.Tensor:
@@ -283,7 +291,7 @@ class Int8Linear(_HotPathModule):
 
 
 class BlockLinear(_HotPathModule):
-    """A GGUF matrix served from its own Q4_0/Q4_1/Q5_0/Q5_1 blocks (BlockWeight) on the native kernel, at every
+    """A GGUF matrix served from its own 4- or 5-bit blocks (BlockWeight) on the native kernel, at every
     batch size (`CpuKernels.linear_q`): activations rounded per row to 15-bit integers, as the int8 kernel does,
     and exact integer sums per block of 32. The rows are re-laid out once into the kernel's records (a sequential
     run per 4 rows)."""
@@ -294,10 +302,10 @@ class BlockLinear(_HotPathModule):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.native = native
-        self.bits = weight.bits
+        self.bits, self.kind = weight.bits, weight.kind
         self.implementation = "native-gguf"  # weight_format.LINEAR_IMPLEMENTATIONS
         self.dtype = weight.dtype
-        self.register_buffer("packed", native.pack_q_rows(weight.qs.contiguous(), weight.dm.contiguous(),
+        self.register_buffer("packed", native.pack_q_rows(weight.qs.contiguous(), weight.ss.contiguous(),
                                                           None if weight.qh is None else weight.qh.contiguous()))
         self.register_buffer("bias", bias)
         self._alias_buffers()
@@ -306,15 +314,15 @@ class BlockLinear(_HotPathModule):
         self._packed, self._bias = self.packed, self.bias
 
     def native_fields(self) -> list[int] | None:
-        """As PackedLinear.native_fields: [2 = ggml blocks, records, bias or 0, bits, 0]."""
-        return [2, self._packed.data_ptr(), 0 if self._bias is None else self._bias.data_ptr(), self.bits, 0]
+        """As PackedLinear.native_fields: [2 = ggml blocks, records, bias or 0, kind, 0]."""
+        return [2, self._packed.data_ptr(), 0 if self._bias is None else self._bias.data_ptr(), self.kind, 0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.native.linear_q(x.contiguous(), self._packed, self.bits, self._bias, self.out_features)
+        return self.native.linear_q(x.contiguous(), self._packed, self.kind, self._bias, self.out_features)
 
     def block_weight(self) -> BlockWeight:
-        qs, dm, qh = self.native.unpack_q_rows(self._packed, self.out_features, self.in_features)
-        return BlockWeight(qs, dm, qh, self.dtype)
+        qs, ss, qh = self.native.unpack_q_rows(self._packed, self.out_features, self.in_features)
+        return BlockWeight(qs, ss, qh, self.kind, self.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the blocks stand for, [out, in] in the model dtype."""
@@ -362,13 +370,13 @@ def packing_supported(device: str, dtype: torch.dtype) -> bool:
 def fuse_rows(*linears: nn.Linear, native: CpuKernels | None = None
               ) -> tuple[torch.Tensor | QuantizedWeight | BlockWeight, torch.Tensor | None]:
     """Stack several linears that read the same input into one weight (and bias). Per-row int8 weights
-    stack exactly: their rows and scales are concatenated; so do GGUF blocks of one width (4 or 5 bits). Blocks
+    stack exactly: their rows and scales are concatenated; so do GGUF blocks of one kind (width and scales). Blocks
     beside other weights are requantized to int8 first (by `native` where given)."""
     weights = [weight_of(l) for l in linears]
-    if all(isinstance(w, BlockWeight) for w in weights) and len({w.bits for w in weights}) == 1:
+    if all(isinstance(w, BlockWeight) for w in weights) and len({w.kind for w in weights}) == 1:
         qh = None if weights[0].qh is None else torch.cat([w.qh for w in weights])
-        return (BlockWeight(torch.cat([w.qs for w in weights]), torch.cat([w.dm for w in weights]), qh,
-                            weights[0].dtype), fuse_biases(*linears))
+        return (BlockWeight(torch.cat([w.qs for w in weights]), torch.cat([w.ss for w in weights]), qh,
+                            weights[0].kind, weights[0].dtype), fuse_biases(*linears))
     weights = [w.to_int8(native) if isinstance(w, BlockWeight) else w for w in weights]
     if all(isinstance(w, QuantizedWeight) for w in weights):
         weight: torch.Tensor | QuantizedWeight = QuantizedWeight(

@@ -66,7 +66,7 @@ class CheckpointInfo:
     def gguf_block_savings(self, serving_dtype_bytes: int) -> int:
         """Bytes that --quantization gguf saves against the int8 rows the plan counts (memory/sizes.py: a byte a
         weight and a scale a row) for the matrices that keep their 4- or 5-bit blocks (weight_format's rule, per
-        layer): each such row holds K / 2 bytes of nibbles, a d and an m per block of 32 (fp16), and for 5 bits a
+        layer): each such row holds K / 2 bytes of nibbles, 16 bytes of scales per 128 columns, and for 5 bits a
         bit a weight more (cpu_kernels.c's ps_linear_q layout)."""
         from pagedserve.memory.weight_format import LINEAR_PARTS, NATIVE_GGUF_BLOCKS, gguf_block_linears
 
@@ -84,7 +84,7 @@ class CheckpointInfo:
             for part in parts:
                 rows, k = specs[part].shape
                 bits = NATIVE_GGUF_BLOCKS[specs[part].qtype.name]
-                blocks = k // 2 + k // 32 * 4 + (-(-k // 128) * 16 if bits == 5 else 0)
+                blocks = k // 2 + -(-k // 128) * (16 + (16 if bits == 5 else 0))
                 saved += rows * (k + serving_dtype_bytes - blocks)
         return saved
 

@@ -45,7 +45,7 @@ ONEDNN_BF16_FLAGS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
 
 
 # The ggml block types the native block kernel runs as stored (cpu_kernels.c's ps_linear_q), by name, and their bits.
-NATIVE_GGUF_BLOCKS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}
+NATIVE_GGUF_BLOCKS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5}
 # A decoder layer's linears and the logits head (the start-up log's names) and the checkpoint matrices each is made of:
 # fused ones (q/k/v, gate/up) from several, or from one where the checkpoint stores them fused (Phi-3's qkv_proj).
 LINEAR_PARTS = {"qkv": (("q_proj", "k_proj", "v_proj"), ("qkv_proj",)), "o": (("o_proj",),),
@@ -56,14 +56,15 @@ LINEAR_PARTS = {"qkv": (("q_proj", "k_proj", "v_proj"), ("qkv_proj",)), "o": (("
 def gguf_block_linears(types: dict[str, str]) -> set[str]:
     """Which linears keep their GGUF blocks under --quantization gguf (the rest run int8): `types` maps the
     checkpoint matrices of one decoder layer ("q_proj", ...; "lm_head" for an untied logits head) to their ggml
-    type names; a linear keeps them where each of its parts is a NATIVE_GGUF_BLOCKS type of one width (a fused
-    q/k/v of Q4_0 and Q5_0 parts becomes int8, as layers/linear.fuse_rows stacks them)."""
+    type names; a linear keeps them where each of its parts is a NATIVE_GGUF_BLOCKS type of one kind: one width, and
+    K-quant scales for all or none (a fused q/k/v of Q4_0 and Q5_0 parts, or Q4_0 and Q4_K, becomes int8, as
+    layers/linear.fuse_rows stacks them)."""
     kept = set()
     for linear, alternatives in LINEAR_PARTS.items():
         for parts in alternatives:
             if all(part in types for part in parts):
-                bits = {NATIVE_GGUF_BLOCKS.get(types[part]) for part in parts}
-                if None not in bits and len(bits) == 1:
+                kinds = {(NATIVE_GGUF_BLOCKS.get(types[part]), types[part].endswith("_K")) for part in parts}
+                if len(kinds) == 1 and None not in next(iter(kinds)):
                     kept.add(linear)
                 break
     return kept

@@ -19,6 +19,7 @@ from pagedserve.formats.gguf import file_key, forget_gguf_header, read_gguf_head
 from pagedserve.formats.gguf_hf import GGUFFile, unpermute_rows
 from pagedserve.kernels import CpuKernels
 from pagedserve.layers.linear import BlockWeight, QuantizedWeight
+from pagedserve.memory.weight_format import NATIVE_GGUF_BLOCKS
 from pagedserve.models.gguf_dequant import TORCH_BLOCK_TYPES, dequantize_to_torch, requantize_int8
 from pagedserve.models.gguf_tokenizer import build_tokenizer_from_metadata, cached_tokenizer
 from pagedserve.models.validate import validate_gguf_header
@@ -81,9 +82,8 @@ class GGUFCheckpoint(GGUFFile):
         return cached_tokenizer(file_key(Path(self.path)), envs.cache_dir() / "tokenizers", build)
 
 
-# The block types the native block kernel runs as stored (cpu_kernels.c's ps_linear_q).
-NATIVE_BLOCK_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-                      GGMLQuantizationType.Q5_1)
+# The block types the native block kernel runs as stored (cpu_kernels.c's ps_linear_q; weight_format's names).
+NATIVE_BLOCK_TYPES = tuple(GGMLQuantizationType[name] for name in NATIVE_GGUF_BLOCKS)
 
 
 def _block_weight(stored: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype, kernels: CpuKernels
@@ -92,8 +92,8 @@ def _block_weight(stored: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.
     kernel refuses it (an implied m that fp16 cannot hold)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = torch.from_numpy(np.ascontiguousarray(stored).view(np.uint8).reshape(stored.shape[0], -1))
-    packed = kernels.pack_gguf_q(blocks, int(qtype), blocks.shape[1] // type_size * block_size)
-    return None if packed is None else BlockWeight(*packed, dtype)
+    rows = kernels.pack_gguf_q(blocks, int(qtype), blocks.shape[1] // type_size * block_size)
+    return None if rows is None else BlockWeight(*rows, dtype)
 
 
 def _is_matmul_weight(hf_name: str) -> bool:

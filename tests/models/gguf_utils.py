@@ -151,7 +151,37 @@ def _encode(array: np.ndarray, qtype: QType) -> tuple[np.ndarray, QType | None]:
         return array.astype(np.float32), None
     if qtype == QType.F16:
         return array.astype(np.float16), None
+    if qtype in (QType.Q4_K, QType.Q5_K):  # gguf.quants has no K-quant encoder
+        return quantize_k(array.astype(np.float32), qtype), qtype
     return quantize(array.astype(np.float32), qtype), qtype
+
+
+def quantize_k(array: np.ndarray, qtype: QType) -> np.ndarray:
+    """A plain Q4_K / Q5_K encoder (ggml's block layout, not llama.cpp's search for the best scales): per block of 32
+    an offset and a step over its range, as 6-bit multiples of the superblock's D and Dmin. [rows, cols] float32 ->
+    uint8 [rows, cols / 256 * (144 or 176)], which gguf.quants dequantizes."""
+    top = 15 if qtype == QType.Q4_K else 31
+    rows, cols = array.shape
+    blocks = array.reshape(-1, 8, 32).astype(np.float64)
+    low = np.minimum(blocks.min(axis=2), 0.0)  # [superblocks, 8]: the offset is -Dmin mn <= 0
+    step = np.maximum(blocks.max(axis=2) - low, 1e-8) / top
+    big = (step.max(axis=1, keepdims=True) / 63).astype(np.float16).astype(np.float64)
+    big_min = (np.maximum(-low.min(axis=1, keepdims=True), 1e-8) / 63).astype(np.float16).astype(np.float64)
+    sc = np.clip(np.round(step / big), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-low / big_min), 0, 63).astype(np.uint8)
+    q = np.clip(np.round((blocks + (mn * big_min)[..., None]) / (sc * big)[..., None]), 0, top).astype(np.uint8)
+    scales = np.zeros((len(blocks), 12), dtype=np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
+    pairs = q.reshape(-1, 4, 2, 32)  # chunk c: blocks 2c (low nibbles) and 2c + 1 (high nibbles) of 32 bytes
+    qs = ((pairs[:, :, 0] & 0xF) | ((pairs[:, :, 1] & 0xF) << 4)).reshape(-1, 128).astype(np.uint8)
+    parts = [big.astype(np.float16).view(np.uint8), big_min.astype(np.float16).view(np.uint8), scales]
+    if qtype == QType.Q5_K:  # byte l, bit j: the fifth bit of block j's weight l
+        fifth = (q >> 4).astype(np.uint8)  # [superblocks, 8, 32]
+        parts.append(sum(fifth[:, j, :] << j for j in range(8)).astype(np.uint8))
+    parts.append(qs)
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
 
 
 def llama3_rope_freqs(config: object) -> np.ndarray:

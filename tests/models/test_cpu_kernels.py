@@ -1092,31 +1092,36 @@ def test_the_decode_stack_layout_reports_every_field_it_has(kernels):
 def _gguf_matrix(qtype, n: int, k: int, seed: int):
     """(ggml blocks uint8 [n, row bytes] of a random matrix, what they stand for in float64 per gguf.quants)."""
     import numpy as np
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
+
+    from tests.models.gguf_utils import _encode
 
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     w[0, :32] = 0.0  # a block of zeros: d = 0
-    blocks = quantize(w, qtype)
+    w[1, :32] += 0.3  # a block of positive values only (a K-quant's offset 0)
+    blocks, _ = _encode(w, qtype)
     exact = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k)).double()
     return torch.from_numpy(blocks.view(np.uint8).reshape(n, -1).copy()), exact
 
 
-def _block_qtypes():
+def _block_cases():
+    """(type, in_features): the 32-value types with groups of 128 columns that leave 1-3 blocks over; K-quants in
+    whole superblocks of 256."""
     from gguf import GGMLQuantizationType as QType
 
-    return (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
+    small = [(q, k) for q in (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1) for k in (32, 96, 576, 1056)]
+    return small + [(q, k) for q in (QType.Q4_K, QType.Q5_K) for k in (256, 768, 1280)]
 
 
-@pytest.mark.parametrize("qtype", _block_qtypes(), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype,k", _block_cases(), ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", [32, 96, 576, 1056])  # groups of 128 columns with 1-3 blocks left over
 def test_gguf_block_linear_matches_the_dequantized_matmul(kernels, qtype, dtype, k):
     """x [M, K] against the blocks' values, each row within what the kernel's roundings allow: x rounded per row to
     integers v of step xs = max|x| / 32256 (|x - xs v| <= xs / 2: at most xs / 2 sum|w| on a row's output), exact
     integer sums per block, then float32 terms d_b sum q v and m_b sum v (at most 31 |d_b| + |m_b| a column, whatever
     |w| is once they cancel), ~K / 16 + 16 of them added (2^-24 each), then the output's roundings (bf16: the
-    product's, then the bias add's, 2^-9 each). Decode-sized batches (below 16 rows) give every row the bits it gets
+    product's, then the bias add's, 2^-9 each). Decode-sized batches (below 20 rows) give every row the bits it gets
     alone; prefill-sized ones (the tile) too in batch-invariant mode, where they take the same kernel."""
     from pagedserve.layers.linear import BlockWeight
 
@@ -1125,9 +1130,9 @@ def test_gguf_block_linear_matches_the_dequantized_matmul(kernels, qtype, dtype,
     rows = kernels.pack_gguf_q(blocks, int(qtype), k)
     assert rows is not None and (rows[2] is None) == (qtype.name.startswith("Q4"))
     assert torch.equal(BlockWeight(*rows, torch.float32).dequantized_float32().double(), exact)
-    packed, bits = kernels.pack_q_rows(*rows), 4 if rows[2] is None else 5
+    packed, kind = kernels.pack_q_rows(*rows[:3]), rows[3]
     unpacked = kernels.unpack_q_rows(packed, n, k)
-    assert all(a is b is None or torch.equal(a, b) for a, b in zip(unpacked, rows))
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(unpacked, rows[:3]))
     torch.manual_seed(k)
     x = torch.randn(70, k).to(dtype)
     x[5, 3] = 40.0  # a row with a large step
@@ -1135,8 +1140,12 @@ def test_gguf_block_linear_matches_the_dequantized_matmul(kernels, qtype, dtype,
     x64 = x.double()
     product = x64 @ exact.T
     step = x64.abs().amax(dim=1, keepdim=True) / 32256
-    d, m = rows[1].double().abs().unbind(-1)
-    terms = (31 * d + m).repeat_interleave(32, dim=1)
+    # the float32 terms are d_b sum q v and m_b sum v: up to 31 |d| + |m| a column, whatever |w| is once they cancel
+    # (each block's m: its value at q = 0; d: at q = 1 less m)
+    zero_qh = None if rows[2] is None else torch.zeros_like(rows[2])
+    m = BlockWeight(torch.zeros_like(rows[0]), rows[1], zero_qh, kind, torch.float32).dequantized_float32().double()
+    d = BlockWeight(torch.full_like(rows[0], 0x11), rows[1], zero_qh, kind, torch.float32).dequantized_float32() - m
+    terms = 31 * d.abs() + m.abs()
     bound = step / 2 * exact.abs().sum(dim=1) + 2 ** -24 * (k / 16 + 16) * (x64.abs() @ terms.T)
     if dtype == torch.bfloat16:
         bound = bound + 2 ** -8 * (product.abs() + (product + bias.double()).abs())
@@ -1144,14 +1153,37 @@ def test_gguf_block_linear_matches_the_dequantized_matmul(kernels, qtype, dtype,
     for invariant in (False, True):
         kernels.set_batch_invariant(invariant)
         try:
-            y = kernels.linear_q(x, packed, bits, bias, n)
+            y = kernels.linear_q(x, packed, kind, bias, n)
             assert ((y.double() - (product + bias.double())).abs() <= bound + 1e-30).all()
-            alone = torch.cat([kernels.linear_q(x[i:i + 1], packed, bits, bias, n) for i in range(70)])
-            assert torch.equal(kernels.linear_q(x[:15], packed, bits, bias, n), alone[:15])
+            alone = torch.cat([kernels.linear_q(x[i:i + 1], packed, kind, bias, n) for i in range(70)])
+            assert torch.equal(kernels.linear_q(x[:19], packed, kind, bias, n), alone[:19])
             if invariant:
                 assert torch.equal(y, alone)
         finally:
             kernels.set_batch_invariant(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_gguf_block_linear_streams_two_runs_per_thread(kernels, threads):
+    """One row of x takes block b with block b + half on each thread (two runs a thread), from 8 blocks a thread:
+    the same sums in the same order as the row's pass inside a batch (bit-equal), the odd block left over too."""
+    from gguf import GGMLQuantizationType as QType
+
+    n, k = 4 * (2 * 8 * threads + 3) - 2, 320  # an odd block count, a last block of 2 rows
+    blocks, exact = _gguf_matrix(QType.Q5_1, n, k, seed=threads)
+    rows = kernels.pack_gguf_q(blocks, int(QType.Q5_1), k)
+    packed = kernels.pack_q_rows(*rows[:3])
+    torch.manual_seed(threads)
+    x = torch.randn(3, k).bfloat16()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        one = kernels.linear_q(x[1:2].contiguous(), packed, rows[3], None, n)
+        batch = kernels.linear_q(x, packed, rows[3], None, n)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, batch[1:2])
+    assert (one.double() - x[1:2].double() @ exact.T).abs().max() < 0.05
 
 
 def test_gguf_block_packing_refuses_what_the_kernel_does_not_take(kernels):

@@ -1,4 +1,4 @@
-"""A block-quantized GGUF served from its own Q4_0/Q4_1/Q5_0/Q5_1 blocks (BlockLinear on the native block kernel:
+"""A block-quantized GGUF served from its own Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K blocks (BlockLinear on the native kernel:
 `--dtype auto`'s default for a GGUF, and vLLM's --quantization gguf) against transformers on the values those blocks
 stand for (the file dequantized by benchmarks/gguf_to_hf.py): greedy tokens and top-5 logprobs.
 
@@ -26,7 +26,10 @@ TOLERANCE = {"float32": 2e-4, "bfloat16": 0.15}
 # head_dim 32 and widths of whole 64-column groups where the decode stack runs (tests/models/test_decode_stack.py)
 SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=512)  # _generate's prompts: ids up to 502
 CASES = {"llama-Q4_0": ("llama", QType.Q4_0), "llama-Q4_1": ("llama", QType.Q4_1), "qwen2-Q5_0": ("qwen2", QType.Q5_0),
-         "qwen3-Q5_1": ("qwen3", QType.Q5_1), "qwen2-Q4_0": ("qwen2", QType.Q4_0)}
+         "qwen3-Q5_1": ("qwen3", QType.Q5_1), "qwen2-Q4_0": ("qwen2", QType.Q4_0),
+         "qwen2-Q4_K": ("qwen2", QType.Q4_K), "llama-Q5_K": ("llama", QType.Q5_K)}
+# K-quants come in superblocks of 256 columns: every matrix's input that wide (head_dim 64)
+K_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 PROMPTS = [[(37 * i + n) % 250 + 10 for i in range(n)] for n in (3, 9, 17, 33, 60)]
 
 
@@ -36,7 +39,8 @@ def ggufs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     out = tmp_path_factory.mktemp("gguf-blocks")
     files = {}
     for case, (arch, qtype) in CASES.items():
-        path = write_test_gguf(tiny_model(arch, **SHAPE), out / f"{case}.gguf", qtype)
+        shape = {**SHAPE, **(K_SHAPE if qtype.name.endswith("_K") else {})}
+        path = write_test_gguf(tiny_model(arch, **shape), out / f"{case}.gguf", qtype)
         files[case] = path, save_as_hf_dir(path, out / f"{case}-hf")
     return files
 
@@ -133,19 +137,22 @@ def test_the_decode_stack_runs_the_blocks_as_the_per_layer_path_does(kernels, gg
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # exact
 
 
-@pytest.mark.parametrize("types", ["all Q4_1", "q/k/v mixed, Q4_0 lm_head"])
+@pytest.mark.parametrize("types", ["all Q4_1", "q/k/v mixed, Q4_0 lm_head", "K-quant k and down"])
 def test_doctors_prediction_is_what_the_loaded_layers_run(kernels, tmp_path, types):
     """`pagedserve doctor` reads the file's types for each linear (weight_format.gguf_block_linears) and says what
-    loads: the GGUF blocks where every part has them at one width, int8 elsewhere; the stack runs over both."""
+    loads: the GGUF blocks where every part has them in one kind (width, K-quant scales or not), int8 elsewhere;
+    the stack runs over both."""
     from pagedserve.cli.check_result import PASS
     from pagedserve.cli.doctor_model import check_layer_kernels
 
-    model = tiny_model("qwen2", **SHAPE, num_attention_heads=4, tie_word_embeddings=types == "all Q4_1")
+    shape = {**SHAPE, **(K_SHAPE if types.startswith("K") else {}), "num_attention_heads": 4}
+    model = tiny_model("qwen2", **shape, tie_word_embeddings=types != "q/k/v mixed, Q4_0 lm_head")
+    names = [n for n in model.state_dict() if n.endswith("_proj.weight")]
     per_tensor = {}
-    if types != "all Q4_1":
-        names = [n for n in model.state_dict() if n.endswith("_proj.weight")]
+    if types.startswith("q/k/v"):
         per_tensor = {n: QType.Q8_0 for n in names if "k_proj" in n} | {"lm_head.weight": QType.Q4_0}
-        model.config.tie_word_embeddings = False
+    elif types.startswith("K"):  # a Q4_K k beside Q4_1 q and v: one width, not one kind
+        per_tensor = {n: QType.Q4_K for n in names if "k_proj" in n or "down_proj" in n}
     path = write_test_gguf(model, tmp_path / "m.gguf", QType.Q4_1, qtype_per_tensor=per_tensor)
     llm = LLM(str(path), max_model_len=128)
     loaded = llm.engine.runner.model
@@ -154,5 +161,5 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(kernels, tmp_path, typ
     words = dict(part.split(" ", 1) for part in result.detail.split(": ", 2)[2].split("; ")[0].split(", "))
     expected_qkv = "native GGUF blocks" if types == "all Q4_1" else "native int8"
     assert words["qkv"].startswith(expected_qkv) and words["down"].startswith("native GGUF blocks")
-    assert words["logits"].startswith("native int8" if types == "all Q4_1" else "native GGUF blocks")
+    assert words["logits"].startswith("native GGUF blocks" if types.startswith("q/k/v") else "native int8")
     assert "decode stack (every layer's C attention and MLP halves for decode-only steps): on" in result.detail
