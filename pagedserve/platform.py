@@ -123,8 +123,8 @@ def default_quantization(requested_dtype: str, quantization: str | None, stores_
     """The weight quantization to serve with: the user's, or "gguf" for a checkpoint whose matrices are
     stored block-quantized (a Q4_0/Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels.
     As every GGUF runner does, such a file is served from its quantized weights instead of being widened to bf16
-    or float32 (2-4x the bytes read per token): Q4_0/Q4_1/Q5_0/Q5_1 matrices as stored (~5-6 bits a weight), the
-    other block types requantized per row to int8 (weight_format.FILE_QUANTIZATION). An explicit --dtype still
+    or float32 (2-4x the bytes read per token): its 4- and 5-bit matrices as stored (5-6 bits a weight), Q8_0 and
+    Q6_K ones requantized per row to int8 (weight_format.FILE_QUANTIZATION). An explicit --dtype still
     dequantizes to that dtype, unless vLLM's --quantization gguf asks for the quantized weights (then "gguf" where
     the file is block-quantized, else none); --quantization int8 requantizes every matrix to int8.
     `kernels_from_flags`: see native_kernels_run."""

@@ -139,12 +139,12 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
     fmt = expected_weight_format(device, model.dtype, model.quantization, model.reference_kernels,
                                  native is not None, flags)
     spec = cls.decoder_spec(model.hf_config)
-    blocks = set()
+    blocks = None  # per layer, the linears that keep a GGUF's blocks
     if model.quantization == FILE_QUANTIZATION and config.parallel.tensor_parallel_size == 1:
         from pagedserve.formats.gguf_hf import GGUFFile
 
         with GGUFFile(model.model) as checkpoint:
-            blocks = gguf_block_linears(checkpoint.first_layer_types())
+            blocks = [gguf_block_linears(types) for types in checkpoint.layer_types(model.hf_config.num_hidden_layers)]
     layers = expected_layer_kernels(fmt, native, model.hf_config, onednn_may_pack(device, model.dtype, flags),
                                     config.parallel.tensor_parallel_size, logits=model.task == "generate",
                                     activation=spec.activation,
@@ -152,7 +152,8 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
                                     softcapped=capped_prefill_on_torch(
                                         softcapped_attention(model.architecture, model.hf_config),
                                         envs.batch_invariant()), block_linears=blocks)
-    detail = f"{model.dtype}, {fmt.linear_kind} linears: " + "; ".join(layers.lines())
+    kind = "GGUF blocks or int8" if blocks is not None else fmt.linear_kind
+    detail = f"{model.dtype}, {kind} linears: " + "; ".join(layers.lines())
     if native is None or layers.stack or (layers.experts is not None and replace(layers, experts=None).stack):
         return CheckResult("layers", PASS, detail)  # (mixture-of-experts layers: all native, never in the stack)
     if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:

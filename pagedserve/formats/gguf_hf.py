@@ -361,16 +361,19 @@ class GGUFFile:
         """Every weight tensor, in file order, with its Hugging Face name, type, shape and size."""
         return list(self._specs)
 
-    def first_layer_types(self) -> dict[str, str]:
-        """The ggml type names of the first decoder layer's matrices by their last Hugging Face name part ("q_proj",
-        ...), and of an untied logits head ("lm_head"): what weight_format.gguf_block_linears reads."""
-        types = {}
+    def layer_types(self, num_layers: int) -> list[dict[str, str]]:
+        """Per decoder layer, the ggml type names of its matrices by their last Hugging Face name part ("q_proj",
+        ...), and of an untied logits head ("lm_head", in each): what weight_format.gguf_block_linears reads (a file's
+        types may differ from layer to layer: Q4_K_M files give half the layers' v and down Q6_K)."""
+        layers: list[dict[str, str]] = [{} for _ in range(num_layers)]
+        head = {}
         for spec in self._specs:
-            if spec.name.startswith("model.layers.0.") and spec.name.endswith(".weight"):
-                types[spec.name.removesuffix(".weight").rsplit(".", 1)[-1]] = spec.qtype.name
+            parts = spec.name.split(".")
+            if spec.name.startswith("model.layers.") and spec.name.endswith(".weight") and int(parts[2]) < num_layers:
+                layers[int(parts[2])][parts[-2]] = spec.qtype.name
             elif spec.name == "lm_head.weight":
-                types["lm_head"] = spec.qtype.name
-        return types
+                head["lm_head"] = spec.qtype.name
+        return [types | head for types in layers]
 
     @property
     def num_tensors(self) -> int:

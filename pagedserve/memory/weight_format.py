@@ -15,6 +15,7 @@ runs, else torch's `_weight_int8pack_mm`), "plain" (`F.linear`: the reference pa
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,8 +24,8 @@ from pagedserve.memory.sizes import moe_shape
 
 SUPPORTED_QUANTIZATION = (None, "int8")
 # vLLM's --quantization gguf, and what platform.default_quantization picks for a block-quantized GGUF: the file's
-# Q4_0/Q4_1/Q5_0/Q5_1 matrices run on the native block kernel as stored, its other block types requantized per row to
-# int8 ("int8" linears either way: the memory plan counts them as int8, an upper bound for the 4- and 5-bit ones).
+# NATIVE_GGUF_BLOCKS matrices run on the native block kernel as stored, its other block types requantized per row to
+# int8 ("int8" linears either way; the memory plan takes off what the blocks save: CheckpointInfo.gguf_block_savings).
 FILE_QUANTIZATION = "gguf"
 # What the native kernels need of a model's sizes (their vector loops and weight blocks).
 INT8_K_MULTIPLE = 64  # an int8 linear's in_features
@@ -94,8 +95,9 @@ def onednn_may_pack(device: str, dtype: str, flags: set[str], machine: str | Non
 
 def linear_kind(dtype: str, quantization: str | None, reference: bool, native: bool,
                 onednn_packs: Callable[[], bool]) -> str:
-    """"int8" when quantized (int8 or a GGUF's own blocks); else "plain" on the reference path; else "packed" for bf16 on the native
-    kernels (`native`: they run for this model) or where oneDNN packs (`onednn_packs`, asked only then)."""
+    """"int8" when quantized (int8, or a GGUF's own blocks); else "plain" on the reference path; else "packed" for bf16
+    on the native kernels (`native`: they run for this model) or where oneDNN packs (`onednn_packs`, asked only
+    then)."""
     if quantization in ("int8", FILE_QUANTIZATION):
         return "int8"
     if reference:
@@ -294,18 +296,30 @@ def capped_prefill_on_torch(capped: bool, batch_invariant: bool) -> bool:
     return capped and not batch_invariant
 
 
+def layer_words(words: list[str]) -> str:
+    """One linear's words over a decoder's layers (one entry a layer): the kernel they all run, or each kernel with
+    its count of layers, in the order they first appear (a GGUF's types may differ from layer to layer: "native GGUF
+    blocks (avx512) in 12 of 24 layers, native int8 (avx512) in 12")."""
+    counts = Counter(words)
+    if len(counts) == 1:
+        return words[0]
+    (first, count), *rest = counts.items()
+    return f"{first} in {count} of {len(words)} layers, " + ", ".join(f"{other} in {n}" for other, n in rest)
+
+
 def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object, onednn_packs: bool,
                            tp_size: int = 1, logits: bool = True, activation: str = "silu",
                            sdpa_prefill: bool = False, softcapped: bool = False,
-                           block_linears: set[str] = frozenset()) -> LayerKernels:
+                           block_linears: list[set[str]] | None = None) -> LayerKernels:
     """What a Llama-family decoder's layers will run, from its config: `fmt` and `isa` (the native kernels'
     ISA where they run for this model, else None) as KernelBackend.choose gives them; `onednn_packs`:
     onednn_may_pack for the model's device and dtype; `tp_size` ranks shard
     o's input (the heads) and down's (the intermediate width) as distributed/sharding.py does; `logits`:
     the model has an LM head (not an embedding model); `activation`: the MLP's gate (the native kernel's are
     NATIVE_ACTIVATIONS); `sdpa_prefill`: probe.sdpa_prefill for this CPU and dtype; `softcapped`: the attention caps
-    its scores; `block_linears`: those that keep a GGUF's blocks (gguf_block_linears: the native block kernel
-    where the native kernels run). An 8-bit KV pool (--kv-cache-dtype fp8) changes none of it."""
+    its scores; `block_linears`: per layer, the linears that keep a GGUF's blocks (gguf_block_linears; "logits" in
+    each where the head does): the native block kernel where the native kernels run. An 8-bit KV pool
+    (--kv-cache-dtype fp8) changes none of it."""
     cfg = hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -319,12 +333,15 @@ def expected_layer_kernels(fmt: WeightFormat, isa: str | None, hf_config: object
     fits = isa is not None and kind != "plain" and all(decoder_kernels_fit(hidden, w, head_dim) for w in widths)
     inputs = (("qkv", hidden), ("o", heads // tp_size * head_dim), ("gate_up", hidden),
               ("down", intermediate)) + ((("logits", hidden),) if logits else ())
-    blocks = block_linears if isa is not None and kind == "int8" else set()
-    runs = {name: name in blocks or native_linear(kind, fmt.native_bf16_linears, isa is not None, width)
-            for name, width in inputs}
-    implementations = {name: "native-gguf" if name in blocks else
-                       linear_implementation(kind, runs[name], lambda: onednn_packs) for name, _ in inputs}
-    linears = tuple(LinearKernel(name, linear_words(implementations[name], isa), runs[name]) for name, _ in inputs)
+    layers = block_linears if block_linears and isa is not None and kind == "int8" else [set()]
+    linears = []
+    for name, width in inputs:
+        native = native_linear(kind, fmt.native_bf16_linears, isa is not None, width)
+        plain = linear_implementation(kind, native, lambda: onednn_packs)
+        per_layer = ["native-gguf" if name in blocks else plain for blocks in layers[:1 if name == "logits" else None]]
+        linears.append(LinearKernel(name, layer_words([linear_words(i, isa) for i in per_layer]),
+                                    all(i == "native-gguf" or native for i in per_layer)))
+    linears = tuple(linears)
     return LayerKernels(cfg.num_hidden_layers, linears, fits, fused_rotary(fits, head_dim, partial_rotary(cfg)),
                         None if tp_size == 1 else (0, tp_size), activation, sdpa_prefill=fits and sdpa_prefill,
                         softcapped=fits and softcapped, experts=None if moe is None else (moe.num_experts, moe.top_k))

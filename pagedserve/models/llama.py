@@ -29,7 +29,7 @@ from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedserve.memory.sizes import MoEShape, moe_shape
 from pagedserve.memory.weight_format import (NATIVE_ACTIVATIONS, LayerKernels, LinearKernel, capped_prefill_on_torch,
-                                             fused_rotary, linear_words, rotary_dim)
+                                             fused_rotary, layer_words, linear_words, rotary_dim)
 from pagedserve.models.validate import layer_windows
 
 
@@ -559,11 +559,15 @@ class LlamaForCausalLM(nn.Module):
     def layer_kernels(self) -> LayerKernels:
         """What the prepared layers run (the same rule and words as `pagedserve doctor`'s prediction)."""
         attn, norm = self.model.layers[0].self_attn, self.model.layers[0].input_layernorm
-        mlp = experts_of(self.model.layers[0].mlp)[0]  # an expert's kernels stand for a mixture's
+        mlp = experts_of(self.model.layers[0].mlp)[0]  # an expert's kernels stand for a mixture's (each layer's below)
         rotary_fused = all(layer.self_attn.fused_rope for layer in self.model.layers)  # SmolLM3's NoPE layers: not
-        linears = tuple(linear_kernel_of(name, module) for name, module in
-                        (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                         ("down", mlp.down_proj), ("logits", getattr(self, "logits_proj", None))) if module is not None)
+        mlps = [experts_of(layer.mlp)[0] for layer in self.model.layers]
+        per_layer = {"qkv": [layer.self_attn.qkv_proj for layer in self.model.layers],  # a GGUF's types may differ
+                     "o": [layer.self_attn.o_proj for layer in self.model.layers],  # from layer to layer
+                     "gate_up": [m.gate_up_proj for m in mlps], "down": [m.down_proj for m in mlps]}
+        if getattr(self, "logits_proj", None) is not None:
+            per_layer["logits"] = [self.logits_proj]
+        linears = tuple(linear_kernel_of(name, modules) for name, modules in per_layer.items())
         attention_native = attn.kernels is not None
         capped_on_torch = attention_native and capped_prefill_on_torch(attn.softcap is not None,
                                                                        attn.kernels.batch_invariant)
@@ -602,11 +606,10 @@ class LlamaForCausalLM(nn.Module):
         return name
 
 
-def linear_kernel_of(name: str, module: nn.Module) -> LinearKernel:
-    """The kernel a prepared linear (layers/linear.py) runs, as it says."""
-    native = module.native
-    return LinearKernel(name, linear_words(module.implementation, None if native is None else native.isa),
-                        native is not None)
+def linear_kernel_of(name: str, modules: list[nn.Module]) -> LinearKernel:
+    """The kernel a prepared linear (layers/linear.py) runs in each layer (`modules`: one a layer), as they say."""
+    words = [linear_words(m.implementation, None if m.native is None else m.native.isa) for m in modules]
+    return LinearKernel(name, layer_words(words), all(m.native is not None for m in modules))
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):

@@ -10,6 +10,7 @@ on these models. Requantizing the same blocks to int8 instead (what these files 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ from benchmarks.gguf_to_hf import save_as_hf_dir
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.linear import BlockLinear, Int8Linear
 from tests.models.gguf_utils import tiny_model, write_test_gguf
-from tests.models.test_correctness import NUM_TOKENS, TOP_K, assert_greedy_close, assert_logprobs_close, hf_logprobs
+from tests.models.test_correctness import (NUM_TOKENS, TOP_K, assert_greedy_close, assert_logprobs_close,
+                                          hf_logprobs, hf_reference)
 
 TOLERANCE = {"float32": 2e-4, "bfloat16": 0.15}
 # head_dim 32 and widths of whole 64-column groups where the decode stack runs (tests/models/test_decode_stack.py)
@@ -51,16 +53,12 @@ def _linears(llm: LLM) -> list[torch.nn.Module]:
 
 
 def _check(llm: LLM, hf_dir: Path, dtype: str) -> None:
-    from transformers import AutoModelForCausalLM
-
+    """Greedy tokens and top-5 logprobs of PROMPTS against transformers' on the blocks' values."""
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_K)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
-    for prompt, output in zip(PROMPTS, outputs):
+    model, hf_tokens = hf_reference(str(hf_dir), dtype, PROMPTS)
+    for prompt, output, expected in zip(PROMPTS, outputs, hf_tokens):
         completion = output.outputs[0]
-        with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         reference = hf_logprobs(model, prompt, completion.token_ids)
         assert_logprobs_close(completion.logprobs, reference, TOLERANCE[dtype])
         if dtype == "float32":
@@ -137,7 +135,8 @@ def test_the_decode_stack_runs_the_blocks_as_the_per_layer_path_does(kernels, gg
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # exact
 
 
-@pytest.mark.parametrize("types", ["all Q4_1", "q/k/v mixed, Q4_0 lm_head", "K-quant k and down"])
+@pytest.mark.parametrize("types", ["all Q4_1", "q/k/v mixed, Q4_0 lm_head", "K-quant k and down",
+                                   "layers differ"])
 def test_doctors_prediction_is_what_the_loaded_layers_run(kernels, tmp_path, types):
     """`pagedserve doctor` reads the file's types for each linear (weight_format.gguf_block_linears) and says what
     loads: the GGUF blocks where every part has them in one kind (width, K-quant scales or not), int8 elsewhere;
@@ -153,12 +152,22 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(kernels, tmp_path, typ
         per_tensor = {n: QType.Q8_0 for n in names if "k_proj" in n} | {"lm_head.weight": QType.Q4_0}
     elif types.startswith("K"):  # a Q4_K k beside Q4_1 q and v: one width, not one kind
         per_tensor = {n: QType.Q4_K for n in names if "k_proj" in n or "down_proj" in n}
+    elif types == "layers differ":  # as Q4_K_M files: some layers' v (and down) in another type
+        first = [n for n in names if n.startswith("model.layers.0.")]
+        per_tensor = {n: QType.Q8_0 for n in first if "v_proj" in n or "down_proj" in n}
     path = write_test_gguf(model, tmp_path / "m.gguf", QType.Q4_1, qtype_per_tensor=per_tensor)
     llm = LLM(str(path), max_model_len=128)
     loaded = llm.engine.runner.model
     result = check_layer_kernels(llm.engine.config, kernels.isa)
     assert result.status == PASS and result.detail.endswith("; ".join(loaded.kernel_report()))
-    words = dict(part.split(" ", 1) for part in result.detail.split(": ", 2)[2].split("; ")[0].split(", "))
+    linears = result.detail.split(": ", 2)[2].split("; ")[0]  # "qkv ..., o ..., gate_up ..., down ..., logits ..."
+    words = dict(part.split(" ", 1) for part in re.split(r", (?=(?:qkv|o|gate_up|down|logits) )", linears))
+    if types == "layers differ":  # layer 0: int8 for q/k/v and down; the other layers keep their blocks
+        layers = model.config.num_hidden_layers
+        isa = kernels.isa
+        expected = f"native int8 ({isa}) in 1 of {layers} layers, native GGUF blocks ({isa}) in {layers - 1}"
+        assert words["qkv"] == words["down"] == expected and words["o"].startswith("native GGUF blocks")
+        return
     expected_qkv = "native GGUF blocks" if types == "all Q4_1" else "native int8"
     assert words["qkv"].startswith(expected_qkv) and words["down"].startswith("native GGUF blocks")
     assert words["logits"].startswith("native GGUF blocks" if types.startswith("q/k/v") else "native int8")
