@@ -15,15 +15,15 @@ from pagedserve import envs
 
 # The host probes live in memory/probe.py (torch-free, paths as arguments, cgroup v1/v2 and ARM aware);
 # re-exported here so that callers keep importing them from pagedserve.platform.
-from pagedserve.memory.probe import cpu_flags, fast_cpu_dtype, read_cores, usable_cpu_count
-from pagedserve.memory.weight_format import native_kernels_expected
+from pagedserve.memory.probe import cpu_flags, fast_cpu_dtype, native_kernel_isa, read_cores, usable_cpu_count
+from pagedserve.memory.weight_format import default_file_quantization, native_kernels_expected
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["DTYPE_NAMES", "bind_rank_device", "canonical_dtype_name", "check_ranks_fit_device", "configure_threads",
            "cpu_flags", "default_device", "default_quantization", "distributed_backend", "lazy_zeros",
-           "native_kernels_run", "read_cores", "resolve_device", "resolve_dtype", "torch_dtype", "usable_cpu_count"]
+           "native_kernels_isa", "native_kernels_run", "read_cores", "resolve_device", "resolve_dtype", "torch_dtype", "usable_cpu_count"]
 
 # The dtype names accepted, each -> the torch dtype's name.
 DTYPE_NAMES = {
@@ -99,6 +99,19 @@ def native_kernels_run(kernels_from_flags: bool = False) -> bool:
     return cpu_kernels() is not None
 
 
+def native_kernels_isa(kernels_from_flags: bool = False) -> str | None:
+    """The ISA of the native kernels that run in this process ("avx512", "avx2"), None where none do; with
+    `kernels_from_flags`, told from the CPU's flags and PAGEDSERVE_CPU_ISA alone, as native_kernels_run."""
+    if kernels_from_flags:
+        if not native_kernels_run(True):
+            return None
+        return "avx2" if envs.cpu_isa().startswith("avx2") else native_kernel_isa(cpu_flags())
+    from pagedserve.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    return None if kernels is None else kernels.isa
+
+
 def resolve_dtype(requested: str, device: str, model_dtype: str | None, kernels_from_flags: bool = False) -> str:
     """Pick the serving dtype; `auto` means the fastest one that is numerically safe here.
 
@@ -120,19 +133,21 @@ def resolve_dtype(requested: str, device: str, model_dtype: str | None, kernels_
 
 def default_quantization(requested_dtype: str, quantization: str | None, stores_quantized: bool,
                          device: str, kernels_from_flags: bool = False) -> str | None:
-    """The weight quantization to serve with: the user's, or "gguf" for a checkpoint whose matrices are
-    stored block-quantized (a Q4_0/Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels.
+    """The weight quantization to serve with: the user's, or for a checkpoint whose matrices are stored
+    block-quantized (a Q4_0/Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels "gguf" or
+    "int8", as weight_format.default_file_quantization says for their ISA.
     As every GGUF runner does, such a file is served from its quantized weights instead of being widened to bf16
     or float32 (2-4x the bytes read per token): its 4- and 5-bit matrices as stored (5-6 bits a weight), Q8_0 and
     Q6_K ones requantized per row to int8 (weight_format.FILE_QUANTIZATION). An explicit --dtype still
     dequantizes to that dtype, unless vLLM's --quantization gguf asks for the quantized weights (then "gguf" where
     the file is block-quantized, else none); --quantization int8 requantizes every matrix to int8.
     `kernels_from_flags`: see native_kernels_run."""
-    if quantization == "gguf":
-        quantization, requested_dtype = None, "auto"
+    if quantization == "gguf":  # the blocks, asked for
+        return "gguf" if stores_quantized and device == "cpu" and native_kernels_run(kernels_from_flags) else None
     if quantization is not None or requested_dtype != "auto" or not stores_quantized or device != "cpu":
         return quantization
-    return "gguf" if native_kernels_run(kernels_from_flags) else None
+    isa = native_kernels_isa(kernels_from_flags)
+    return None if isa is None else default_file_quantization(isa)
 
 
 def distributed_backend(device: str) -> str:

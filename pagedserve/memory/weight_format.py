@@ -27,6 +27,14 @@ SUPPORTED_QUANTIZATION = (None, "int8")
 # NATIVE_GGUF_BLOCKS matrices run on the native block kernel as stored, its other block types requantized per row to
 # int8 ("int8" linears either way; the memory plan takes off what the blocks save: CheckpointInfo.gguf_block_savings).
 FILE_QUANTIZATION = "gguf"
+
+
+def default_file_quantization(isa: str) -> str:
+    """What `--dtype auto` serves a block-quantized GGUF with where the native kernels of `isa` run: its own blocks on
+    the AVX-512 kernels (batch-1 decode 1.1-1.6x int8's per linear, 2-5 rows level, on the 2-core Ice Lake), int8 on
+    AVX2, where the block kernel measured slower than int8 for Q5 types at batch 1 (0.78x) and for every type from 2
+    rows (0.45-0.6x at 5; the AVX2 build on that Ice Lake: no AVX2-only CPU measured yet; benchmarks/gguf_blocks.py)."""
+    return FILE_QUANTIZATION if isa == "avx512" else "int8"
 # What the native kernels need of a model's sizes (their vector loops and weight blocks).
 INT8_K_MULTIPLE = 64  # an int8 linear's in_features
 BF16_K_MULTIPLE = 16  # a bf16 linear's in_features

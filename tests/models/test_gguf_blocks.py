@@ -80,14 +80,14 @@ def test_the_blocks_compute_what_transformers_does_on_their_values(kernels, gguf
     _check(llm, hf_dir, dtype)
 
 
-def test_auto_serves_a_4_bit_gguf_from_its_blocks_and_int8_requantizes_them(kernels, ggufs):
-    """`--dtype auto` picks the file's blocks (as vLLM's --quantization gguf); --quantization int8 still turns every
+def test_auto_serves_a_4_bit_gguf_from_its_blocks_on_avx512_and_int8_requantizes_them(kernels, ggufs):
+    """`--dtype auto` picks the file's blocks on AVX-512 (as vLLM's --quantization gguf); --quantization int8 turns every
     matrix into per-row int8, whose logprobs stand ~1e-2 off the blocks' values (so the float32 bound above tells
     the two apart)."""
     path, hf_dir = ggufs["llama-Q4_1"]
-    auto = LLM(str(path), max_model_len=256)
-    assert auto.engine.config.model.quantization == "gguf"
-    assert any(isinstance(m, BlockLinear) for m in _linears(auto))
+    auto = LLM(str(path), max_model_len=256)  # AVX2: int8 (weight_format.default_file_quantization)
+    assert auto.engine.config.model.quantization == ("gguf" if kernels.isa == "avx512" else "int8")
+    assert any(isinstance(m, BlockLinear) for m in _linears(auto)) == (kernels.isa == "avx512")
     int8 = LLM(str(path), dtype="float32", quantization="int8", max_model_len=256)
     assert int8.engine.config.model.quantization == "int8"
     assert not any(isinstance(m, BlockLinear) for m in _linears(int8))
@@ -156,7 +156,7 @@ def test_doctors_prediction_is_what_the_loaded_layers_run(kernels, tmp_path, typ
         first = [n for n in names if n.startswith("model.layers.0.")]
         per_tensor = {n: QType.Q8_0 for n in first if "v_proj" in n or "down_proj" in n}
     path = write_test_gguf(model, tmp_path / "m.gguf", QType.Q4_1, qtype_per_tensor=per_tensor)
-    llm = LLM(str(path), max_model_len=128)
+    llm = LLM(str(path), quantization="gguf", max_model_len=128)
     loaded = llm.engine.runner.model
     result = check_layer_kernels(llm.engine.config, kernels.isa)
     assert result.status == PASS and result.detail.endswith("; ".join(loaded.kernel_report()))

@@ -65,3 +65,26 @@ def test_platform_and_the_plan_modules_import_without_torch() -> None:
             "assert 'torch' not in sys.modules and 'pagedserve.kernels' not in sys.modules, 'torch imported'; "
             "from pagedserve.platform import canonical_dtype_name; assert canonical_dtype_name('half') == 'float16'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("flags,cpu_isa,expected", [
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}, "native", "gguf"),  # Ice Lake, Zen 4/5, AMX Xeons
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}, "avx2", "int8"),  # the AVX2 build asked for
+    ({"avx2", "fma", "f16c"}, "native", "int8"),  # Zen 2/3, Haswell .. Alder Lake: the block kernel measured slower
+    ({"avx2", "fma", "f16c", "avx_vnni"}, "avx2-vnni", "int8"),
+    ({"sse4_2"}, "native", None),  # no native kernels: dequantized to the dtype
+])
+def test_a_block_quantized_gguf_keeps_its_blocks_by_default_where_they_are_faster(monkeypatch, flags, cpu_isa,
+                                                                                  expected) -> None:
+    """The per-class rule for `--dtype auto` on a Q4/Q5/K-quant GGUF (weight_format.default_file_quantization), told
+    from the flags as `pagedserve plan` tells it; an explicit --quantization gguf keeps the blocks on every ISA."""
+    from pagedserve import platform
+
+    monkeypatch.setattr(platform, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(platform, "native_kernels_run",
+                        lambda from_flags=False: native_kernels_expected(flags, True, "x86_64"))
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", cpu_isa)
+    assert platform.default_quantization("auto", None, True, "cpu", kernels_from_flags=True) == expected
+    assert platform.default_quantization("auto", "gguf", True, "cpu", kernels_from_flags=True) == (
+        None if expected is None else "gguf")
+    assert platform.default_quantization("bfloat16", None, True, "cpu", kernels_from_flags=True) is None
