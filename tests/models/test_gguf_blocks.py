@@ -29,7 +29,8 @@ TOLERANCE = {"float32": 2e-4, "bfloat16": 0.15}
 SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=512)  # _generate's prompts: ids up to 502
 CASES = {"llama-Q4_0": ("llama", QType.Q4_0), "llama-Q4_1": ("llama", QType.Q4_1), "qwen2-Q5_0": ("qwen2", QType.Q5_0),
          "qwen3-Q5_1": ("qwen3", QType.Q5_1), "qwen2-Q4_0": ("qwen2", QType.Q4_0),
-         "qwen2-Q4_K": ("qwen2", QType.Q4_K), "llama-Q5_K": ("llama", QType.Q5_K)}
+         "qwen2-Q4_K": ("qwen2", QType.Q4_K), "llama-Q5_K": ("llama", QType.Q5_K),
+         "qwen3_moe-Q4_1": ("qwen3_moe", QType.Q4_1)}  # each expert's matrices as blocks
 # K-quants come in superblocks of 256 columns: every matrix's input that wide (head_dim 64)
 K_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 PROMPTS = [[(37 * i + n) % 250 + 10 for i in range(n)] for n in (3, 9, 17, 33, 60)]
