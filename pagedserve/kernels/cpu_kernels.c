@@ -3310,6 +3310,7 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
 enum { Q_FIVE = 1, Q_K = 2 };  /* a matrix's kind: fifth bits; K-quant scales */
 #define Q_REC(kind) (((kind) & Q_FIVE) ? 384 : 320)  /* bytes per record: 4 x 64 nibbles, 4 x 16 scales, (4 x 16 bits) */
 #define Q_AHEAD 1024  /* bytes ahead of its stream that a block prefetches */
+#define Q_TILE_CHUNK 512  /* rows a tile call takes at most (its copy of x as int16 stays within 512 K 2 bytes) */
 #define Q_TILE_ROWS 20  /* below, the row kernel was as fast (16 rows: 0.96-0.98x the tile; 24 rows 1.08-1.15x slower) */
 #define Q_PAIR_MIN_BLOCKS 8  /* 4-row blocks per thread from which one row streams two runs a thread */
 #define QV 32256.0f  /* the largest |v|: 126 * 256, which keeps hi within a signed byte */
@@ -3707,8 +3708,10 @@ static void q_linear_tile(const void *x, const uint8_t *packed, int kind, const 
  * returned); K a multiple of 32. */
 void ps_linear_q(const void *x, const uint8_t *packed, int kind, const void *bias, void *y, int64_t M, int64_t N,
                  int64_t K, int bf16, int nthreads) {
-  if (M >= Q_TILE_ROWS && !batch_invariant) {
-    q_linear_tile(x, packed, kind, bias, y, M, N, K, bf16, nthreads);
+  if (M >= Q_TILE_ROWS && !batch_invariant) {  /* chunks of rows: x's integers take as much memory as x */
+    for (int64_t m = 0; m < M; m += Q_TILE_CHUNK)
+      q_linear_tile(at(x, m * K, bf16), packed, kind, bias, (void *)at(y, m * N, bf16),
+                    M - m < Q_TILE_CHUNK ? M - m : Q_TILE_CHUNK, N, K, bf16, nthreads);
     return;
   }
   const int64_t G = (K + 127) / 128, steps = G * (128 / QG), blocks = (N + 3) / 4, size = Q_REC(kind);

@@ -1186,6 +1186,23 @@ def test_one_row_gguf_block_linear_streams_two_runs_per_thread(kernels, threads)
     assert (one.double() - x[1:2].double() @ exact.T).abs().max() < 0.05
 
 
+def test_prefill_sized_gguf_block_batches_run_in_chunks_of_rows(kernels):
+    """Past 512 rows the tile takes the rows in chunks (its int16 copy of x stays bounded): the first chunk's rows are
+    the rows of a 512-row call, every row near the product of the blocks' values."""
+    from gguf import GGMLQuantizationType as QType
+
+    n, k = 21, 256
+    blocks, exact = _gguf_matrix(QType.Q4_K, n, k, seed=7)
+    rows = kernels.pack_gguf_q(blocks, int(QType.Q4_K), k)
+    packed = kernels.pack_q_rows(*rows[:3])
+    torch.manual_seed(7)
+    x = torch.randn(530, k)
+    y = kernels.linear_q(x, packed, rows[3], None, n)
+    assert torch.equal(y[:512], kernels.linear_q(x[:512].contiguous(), packed, rows[3], None, n))
+    reference = x.double() @ exact.T
+    assert ((y.double() - reference).abs() <= 1e-3 * reference.abs().max()).all()
+
+
 def test_gguf_block_packing_refuses_what_the_kernel_does_not_take(kernels):
     """Other block types and widths not of whole blocks are left to the int8 path (None); so is a Q4_0 whose implied
     m = -8 d overflows fp16 (d above 8188). A matrix of one block a row packs."""
