@@ -3272,7 +3272,7 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
   }
 }
 
-/* ---- block-quantized weights served as stored: ggml's Q4_0, Q4_1, Q5_0, Q5_1 --------------------------------
+/* ---- block-quantized weights served as stored: ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K ---------------------
  * A GGUF's 4- and 5-bit matrices run from their own bits (ps_linear_q) instead of being requantized to int8: 5-6
  * bits a weight streamed instead of 8, which is what batch-1 decode is bound by. Each block of 32 weights of a row
  * is w = d q + m with q unsigned (0..15, or 0..31 with a fifth bit). Where d and m come from (a kind's Q_K bit):
@@ -3323,13 +3323,14 @@ static inline vf vfloor(vf v) {
 #endif
 }
 
-/* Row m of x: xs[m], and VL columns at a time hi and lo (as floats, exact) to `emit(k, hi, lo, v)`. */
+/* Row m of x's step xs: its largest magnitude / QV (1 for a row of zeros). */
 static inline float q_row_step(const void *x, int64_t m, int64_t K, int bf16) {
   vf mx = vzero();
   for (int64_t k = 0; k < K; k += VL) mx = vmax(mx, vabs(vload(at(x, m * K + k, bf16), bf16)));
   const float amax = vmaxr(mx);
   return amax > 0.0f ? amax / QV : 1.0f;
 }
+/* VL values of x (times inv = 1 / xs) -> their integers v and v's two bytes, v = 256 hi + lo, as exact floats. */
 static inline void q_split(vf x, vf inv, vf *v, vf *hi, vf *lo) {
   const vf top = vset1(QV);
   *v = vmin(vmax(vround_int(vmul(x, inv)), vsub(vzero(), top)), top);  /* x / xs rounds to at most QV + a rounding */
@@ -3364,7 +3365,6 @@ static void q_prepare(const void *x, int64_t M, int64_t K, int bf16, int8_t *pla
 }
 
 #if PS_ISA == 512
-/* out[r][c] = the sums of the 4 rows of the block whose records start at `rec` against the C rows of x at xp/xv. */
 /* A group's d and m for each lane (a 128-bit lane a block) from one row's 16 scale bytes at p. */
 static inline void q_scales(const uint8_t *p, int kind, __m512 *dv, __m512 *mv) {
   if (kind & Q_K) {
@@ -3381,6 +3381,8 @@ static inline void q_scales(const uint8_t *p, int kind, __m512 *dv, __m512 *mv) 
   *mv = _mm512_permutexvar_ps(_mm512_add_epi32(pick_d, _mm512_set1_epi32(1)), dm);
 }
 
+/* out[r][c] = the sums of row r of the NB 4-row blocks whose records start at rec[0], rec[1] (4 NB rows) against the
+ * C rows of x at xp/xv. */
 static inline __attribute__((always_inline)) void q_rows(const uint8_t *const rec[2], const int NB, int64_t G,
                                                          int kind, const int8_t *const xp[2],
                                                          const float *const xv[2], const int C, float out[8][2]) {
@@ -3400,28 +3402,28 @@ static inline __attribute__((always_inline)) void q_rows(const uint8_t *const re
       xl1[c] = _mm512_loadu_si512(xc + 192);
     }
     for (int blk = 0; blk < NB; ++blk) {
-    const uint8_t *p = rec[blk] + g * size;
-    for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
-    for (int r = 0; r < 4; ++r) {
-      __m512 *a = acc[4 * blk + r];
-      const __m512i v = _mm512_loadu_si512(p + 64 * r);
-      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if (five) {
-        const uint64_t *bits = (const uint64_t *)(p + 320 + 16 * r);
-        lo = _mm512_mask_add_epi8(lo, (__mmask64)bits[0], lo, fifth);
-        hi = _mm512_mask_add_epi8(hi, (__mmask64)bits[1], hi, fifth);
+      const uint8_t *p = rec[blk] + g * size;
+      for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
+      for (int r = 0; r < 4; ++r) {
+        __m512 *a = acc[4 * blk + r];
+        const __m512i v = _mm512_loadu_si512(p + 64 * r);
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (five) {
+          const uint64_t *bits = (const uint64_t *)(p + 320 + 16 * r);
+          lo = _mm512_mask_add_epi8(lo, (__mmask64)bits[0], lo, fifth);
+          hi = _mm512_mask_add_epi8(hi, (__mmask64)bits[1], hi, fifth);
+        }
+        __m512 dv, mv;
+        q_scales(p + 256 + 16 * r, kind, &dv, &mv);
+        for (int c = 0; c < C; ++c) {
+          const __m512i zero = _mm512_setzero_si512();
+          const __m512i sh = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xh0[c]), hi, xh1[c]);
+          const __m512i sl = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xl0[c]), hi, xl1[c]);
+          const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
+          a[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, a[c]);
+          a[c] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xv[c] + g * VL), a[c]);
+        }
       }
-      __m512 dv, mv;
-      q_scales(p + 256 + 16 * r, kind, &dv, &mv);
-      for (int c = 0; c < C; ++c) {
-        const __m512i zero = _mm512_setzero_si512();
-        const __m512i sh = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xh0[c]), hi, xh1[c]);
-        const __m512i sl = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xl0[c]), hi, xl1[c]);
-        const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
-        a[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, a[c]);
-        a[c] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xv[c] + g * VL), a[c]);
-      }
-    }
     }
   }
   for (int r = 0; r < 4 * NB; ++r)
@@ -3497,33 +3499,33 @@ static inline __attribute__((always_inline)) void q_rows(const uint8_t *const re
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     for (int blk = 0; blk < NB; ++blk) {
-    const uint8_t *p = rec[blk] + g * size;
-    for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {  /* two steps of 64 columns */
-      const int64_t step = 2 * g + h;
-      for (int r = 0; r < 4; ++r) {
-        __m256 *a = acc[4 * blk + r];
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * r + 32 * h));
-        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        if (five) {
-          const uint32_t *bits = (const uint32_t *)(p + 320 + 16 * r);
-          lo = _mm256_add_epi8(lo, q_fifth_bits(bits[h]));
-          hi = _mm256_add_epi8(hi, q_fifth_bits(bits[2 + h]));
-        }
-        __m256 dv, mv;
-        q_scales(p + 256 + 16 * r, kind, h, &dv, &mv);
-        for (int c = 0; c < C; ++c) {
-          const int8_t *xc = xp[c] + step * 2 * QG;
-          const __m256i sh = q_dot(lo, _mm256_loadu_si256((const __m256i *)xc), hi,
-                                   _mm256_loadu_si256((const __m256i *)(xc + 32)));
-          const __m256i sl = q_dot(lo, _mm256_loadu_si256((const __m256i *)(xc + 64)), hi,
-                                   _mm256_loadu_si256((const __m256i *)(xc + 96)));
-          const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(sh, 8), sl);
-          a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, a[c]);
-          a[c] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xv[c] + step * VL), a[c]);
+      const uint8_t *p = rec[blk] + g * size;
+      for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {  /* two steps of 64 columns */
+        const int64_t step = 2 * g + h;
+        for (int r = 0; r < 4; ++r) {
+          __m256 *a = acc[4 * blk + r];
+          const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * r + 32 * h));
+          __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if (five) {
+            const uint32_t *bits = (const uint32_t *)(p + 320 + 16 * r);
+            lo = _mm256_add_epi8(lo, q_fifth_bits(bits[h]));
+            hi = _mm256_add_epi8(hi, q_fifth_bits(bits[2 + h]));
+          }
+          __m256 dv, mv;
+          q_scales(p + 256 + 16 * r, kind, h, &dv, &mv);
+          for (int c = 0; c < C; ++c) {
+            const int8_t *xc = xp[c] + step * 2 * QG;
+            const __m256i sh = q_dot(lo, _mm256_loadu_si256((const __m256i *)xc), hi,
+                                     _mm256_loadu_si256((const __m256i *)(xc + 32)));
+            const __m256i sl = q_dot(lo, _mm256_loadu_si256((const __m256i *)(xc + 64)), hi,
+                                     _mm256_loadu_si256((const __m256i *)(xc + 96)));
+            const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(sh, 8), sl);
+            a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, a[c]);
+            a[c] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xv[c] + step * VL), a[c]);
+          }
         }
       }
-    }
     }
   }
   for (int r = 0; r < 4 * NB; ++r)
