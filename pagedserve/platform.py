@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DTYPE_NAMES", "bind_rank_device", "canonical_dtype_name", "check_ranks_fit_device", "configure_threads",
            "cpu_flags", "default_device", "default_quantization", "distributed_backend", "lazy_zeros",
-           "native_kernels_isa", "native_kernels_run", "read_cores", "resolve_device", "resolve_dtype", "torch_dtype", "usable_cpu_count"]
+           "native_kernels_isa", "native_kernels_run", "read_cores", "resolve_device", "resolve_dtype", "torch_dtype",
+           "usable_cpu_count"]
 
 # The dtype names accepted, each -> the torch dtype's name.
 DTYPE_NAMES = {

@@ -3308,10 +3308,11 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
 #define QG 64   /* a 32-byte load */
 #endif
 enum { Q_FIVE = 1, Q_K = 2 };  /* a matrix's kind: fifth bits; K-quant scales */
-#define Q_REC(kind) (((kind) & Q_FIVE) ? 384 : 320)  /* bytes per record: 4 x 64 nibbles, 4 x 16 scales, (4 x 16 bits) */
+/* bytes per record: 4 x 64 nibbles, 4 x 16 scale bytes, and for 5 bits 4 x 16 bytes of fifth bits */
+#define Q_REC(kind) (((kind) & Q_FIVE) ? 384 : 320)
 #define Q_AHEAD 1024  /* bytes ahead of its stream that a block prefetches */
 #define Q_TILE_CHUNK 512  /* rows a tile call takes at most (its copy of x as int16 stays within 512 K 2 bytes) */
-#define Q_TILE_ROWS 20  /* below, the row kernel was as fast (16 rows: 0.96-0.98x the tile; 24 rows 1.08-1.15x slower) */
+#define Q_TILE_ROWS 20  /* below, the row kernel is as fast (16 rows: 0.96-0.98x the tile; 24 rows 1.08-1.15x slower) */
 #define Q_PAIR_MIN_BLOCKS 8  /* 4-row blocks per thread from which one row streams two runs a thread */
 #define QV 32256.0f  /* the largest |v|: 126 * 256, which keeps hi within a signed byte */
 
@@ -3338,9 +3339,9 @@ static inline void q_split(vf x, vf inv, vf *v, vf *hi, vf *lo) {
   *lo = vfnma(*hi, vset1(256.0f), *v);
 }
 
-/* For q_rows: x [M, K] -> per row planes [G][4][QG / 2] int8 (hi's low-nibble half, hi's high-nibble half, then lo's;
- * G steps of QG columns over ceil(K / 128) * 128, zero past K), xv [G][VL] float (lane l: the sum of v over the block of
- * lane l, / 4: a block spans 4 lanes of a step's sums), xs [M]. */
+/* For q_rows: x [M, K] -> per row planes [G][4][QG / 2] int8 (hi's low-nibble half, hi's high-nibble half, then
+ * lo's; G steps of QG columns over ceil(K / 128) * 128, zero past K), xv [G][VL] float (lane l: the sum of v over the
+ * block of lane l, / 4: a block spans 4 lanes of a step's sums), xs [M]. */
 static void q_prepare(const void *x, int64_t M, int64_t K, int bf16, int8_t *planes, float *xv, float *xs) {
   const int64_t G = (K + 127) / 128 * (128 / QG), lanes = VL / (QG / 32);  /* lanes a block's sums span */
   memset(planes, 0, (size_t)(M * G * 2 * QG));
@@ -3434,7 +3435,9 @@ static inline __attribute__((always_inline)) void q_rows(const uint8_t *const re
 static inline __m512i q_dot_pairs(__m512i acc, __m512i x, __m512i w) { return _mm512_dpwssd_epi32(acc, x, w); }
 static inline __m512i q_set1(int32_t v) { return _mm512_set1_epi32(v); }
 /* 2 VL bytes -> VL 32-bit lanes of two int16 each (the first byte in the low half). */
-static inline __m512i q_u16_pairs(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline __m512i q_u16_pairs(const uint8_t *p) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
 typedef __m512i vq;
 static inline vq q_load(const void *p) { return _mm512_loadu_si512(p); }
 static inline vf q_float(vq v) { return _mm512_cvtepi32_ps(v); }
@@ -3534,7 +3537,9 @@ static inline __attribute__((always_inline)) void q_rows(const uint8_t *const re
 
 static inline __m256i q_dot_pairs(__m256i acc, __m256i x, __m256i w) { return dot_i16(acc, x, w); }
 static inline __m256i q_set1(int32_t v) { return _mm256_set1_epi32(v); }
-static inline __m256i q_u16_pairs(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256i q_u16_pairs(const uint8_t *p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
 typedef __m256i vq;
 static inline vq q_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vf q_float(vq v) { return _mm256_cvtepi32_ps(v); }
@@ -3562,7 +3567,8 @@ static inline void q_natural(const uint8_t *nibbles, const uint64_t *bits, int f
 
 /* ---- the prefill tile ---- */
 /* A panel of VL output rows (4-row blocks i0 .. i0 + VL / 4 - 1) for q_tile: q as int16 pairs [G * 64][VL] (columns
- * 2c, 2c + 1 of the VL rows a vector, as the int8 kernel's integer tile reads its panels), d and m [G * 4][VL] float. */
+ * 2c, 2c + 1 of the VL rows a vector, as the int8 kernel's integer tile reads its panels), d and m [G * 4][VL]
+ * float. */
 static void q_fill_panel(const uint8_t *packed, int64_t i0, int64_t blocks4, int64_t G, int kind, uint32_t *q,
                          float *d, float *mn) {
   const int64_t size = Q_REC(kind);
@@ -3718,7 +3724,8 @@ void ps_linear_q(const void *x, const uint8_t *packed, int kind, const void *bia
   }
   const int64_t G = (K + 127) / 128, steps = G * (128 / QG), blocks = (N + 3) / 4, size = Q_REC(kind);
   int8_t *planes = (int8_t *)malloc((size_t)(M * steps * 2 * QG));
-  float *xv = (float *)malloc(sizeof(float) * (size_t)(M * steps * VL)), *xs = (float *)malloc(sizeof(float) * (size_t)M);
+  float *xv = (float *)malloc(sizeof(float) * (size_t)(M * steps * VL));
+  float *xs = (float *)malloc(sizeof(float) * (size_t)M);
   if (!planes || !xv || !xs) abort();
   q_prepare(x, M, K, bf16, planes, xv, xs);
   /* One row of x: each thread streams two runs, block b with block b + half (as the int8 kernel's pairs: one run a

@@ -82,9 +82,9 @@ def test_the_blocks_compute_what_transformers_does_on_their_values(kernels, gguf
 
 
 def test_auto_serves_a_4_bit_gguf_from_its_blocks_on_avx512_and_int8_requantizes_them(kernels, ggufs):
-    """`--dtype auto` picks the file's blocks on AVX-512 (as vLLM's --quantization gguf); --quantization int8 turns every
-    matrix into per-row int8, whose logprobs stand ~1e-2 off the blocks' values (so the float32 bound above tells
-    the two apart)."""
+    """`--dtype auto` picks the file's blocks on AVX-512 (as vLLM's --quantization gguf); --quantization int8 turns
+    every matrix into per-row int8, whose logprobs stand ~1e-2 off the blocks' values (so the float32 bound above
+    tells the two apart)."""
     path, hf_dir = ggufs["llama-Q4_1"]
     auto = LLM(str(path), max_model_len=256)  # AVX2: int8 (weight_format.default_file_quantization)
     assert auto.engine.config.model.quantization == ("gguf" if kernels.isa == "avx512" else "int8")
