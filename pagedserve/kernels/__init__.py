@@ -65,6 +65,7 @@ _SIGNATURES = {
     "ps_gguf_block_bytes": ((_INT,), _I64),
     "ps_requant_gguf_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), _INT),
     "ps_quantize_rows_i8": ((_P, _INT, _I64, _I64, _P, _P, _INT), None),
+    "ps_q_row_bytes": ((_INT, _I64), _I64),
     "ps_pack_gguf_q": ((_P, _INT, _I64, _I64, _P, _P, _P, _INT), _INT),
     "ps_pack_q_rows": ((_P, _P, _P, _I64, _I64, _P, _INT), None),
     "ps_linear_q": ((_P, _P, _INT, _P, _P, _I64, _I64, _I64, _INT, _INT), None),
@@ -282,12 +283,10 @@ class CpuKernels:
         fifth bits int64 [N, ceil(K / 128), 2] or None for 4 bits, kind: Q_FIVE | Q_K bits; cpu_kernels.c); None for
         another type, or where an implied m (-8 d, -16 d) does not fit fp16 (the caller serves the tensor another
         way)."""
-        kquant = qtype in (12, 13)
-        block_bytes = {12: 144, 13: 176}.get(qtype) or self.lib.ps_gguf_block_bytes(qtype)
-        values = 256 if kquant else 32
-        if block_bytes == 0 or in_features % values:
+        row_bytes = self.lib.ps_q_row_bytes(qtype, in_features)
+        if row_bytes == 0:
             return None
-        check("blocks", blocks, torch.uint8, (None, block_bytes * (in_features // values)))
+        check("blocks", blocks, torch.uint8, (None, row_bytes))
         n, groups = blocks.shape[0], -(-in_features // 128)
         qs = torch.empty(n, in_features // 2, dtype=torch.uint8)
         ss = torch.empty(n, groups, 16, dtype=torch.uint8)

@@ -387,11 +387,17 @@ static inline void vstore_i16(int16_t *p, vf v) {  /* nearest, as the float-to-i
 #endif
 }
 
+/* The largest magnitude of row m of x [M, K] (K a multiple of VL): the integer kernels' step per row is it over
+ * their largest integer (int8 kernel: 32767; GGUF block kernel: QV). */
+static inline float row_absmax(const void *x, int64_t m, int64_t K, int bf16) {
+  vf mx = vzero();
+  for (int64_t k = 0; k < K; k += VL) mx = vmax(mx, vabs(vload(at(x, m * K + k, bf16), bf16)));
+  return vmaxr(mx);
+}
+
 static inline void i8_rows_i16(const void *x, int64_t M, int64_t K, int bf16, int16_t *xq, float *xs) {
   for (int64_t m = 0; m < M; ++m) {
-    vf mx = vzero();
-    for (int64_t k = 0; k < K; k += VL) mx = vmax(mx, vabs(vload(at(x, m * K + k, bf16), bf16)));
-    const float amax = vmaxr(mx);
+    const float amax = row_absmax(x, m, K, bf16);
     xs[m] = amax > 0.0f ? amax / 32767.0f : 1.0f;
     const vf inv = vset1(1.0f / xs[m]);
     for (int64_t k = 0; k < K; k += VL) vstore_i16(xq + m * K + k, vmul(vload(at(x, m * K + k, bf16), bf16), inv));
@@ -411,9 +417,7 @@ static inline void i8_rows_i16(const void *x, int64_t M, int64_t K, int bf16, in
 static void i8_prepare(const void *x, int64_t M, int64_t K, int bf16, uint8_t *planes, float *xs) {
   uint8_t *xhi = planes, *xlo = planes + M * K;
   for (int64_t m = 0; m < M; ++m) {
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(vload(at(x, m * K + k, bf16), bf16)));
-    const float amax = _mm512_reduce_max_ps(mx);
+    const float amax = row_absmax(x, m, K, bf16);
     xs[m] = amax > 0.0f ? amax / 32767.0f : 1.0f;
     const __m512 inv = _mm512_set1_ps(1.0f / xs[m]);
     for (int64_t k = 0; k < K; k += 16) {
@@ -3326,9 +3330,7 @@ static inline vf vfloor(vf v) {
 
 /* Row m of x's step xs: its largest magnitude / QV (1 for a row of zeros). */
 static inline float q_row_step(const void *x, int64_t m, int64_t K, int bf16) {
-  vf mx = vzero();
-  for (int64_t k = 0; k < K; k += VL) mx = vmax(mx, vabs(vload(at(x, m * K + k, bf16), bf16)));
-  const float amax = vmaxr(mx);
+  const float amax = row_absmax(x, m, K, bf16);
   return amax > 0.0f ? amax / QV : 1.0f;
 }
 /* VL values of x (times inv = 1 / xs) -> their integers v and v's two bytes, v = 256 hi + lo, as exact floats. */
@@ -3813,6 +3815,14 @@ static void q_decode_block(const uint8_t *row, int qtype, int64_t c, uint8_t q[3
   memcpy(scales + 4 * (c % 4) + 2, &m, 2);
 }
 
+/* Bytes of one row of K values of `qtype` as ps_pack_gguf_q takes it (Q4_0, Q4_1, Q5_0, Q5_1 in blocks of 32; Q4_K,
+ * Q5_K in superblocks of 256), or 0: another type, or K not of whole blocks. */
+int64_t ps_q_row_bytes(int qtype, int64_t K) {
+  if (qtype == PS_Q4_K || qtype == PS_Q5_K) return K % 256 ? 0 : K / 256 * (qtype == PS_Q4_K ? 144 : 176);
+  if (qtype == PS_Q8_0 || K % 32) return 0;
+  return K / 32 * ps_gguf_block_bytes(qtype);
+}
+
 /* blocks: [N, row bytes] ggml blocks of `qtype` (Q4_0, Q4_1, Q5_0, Q5_1; Q4_K, Q5_K) -> rows as loaded: qs [N, K / 2],
  * ss [N, ceil(K / 128), 16] and, for 5 bits, qh [N, ceil(K / 128), 2] uint64 (the layout above). Returns the kind
  * (Q_FIVE | Q_K bits), or -1 for another type, K not of whole blocks, or an m that fp16 cannot hold (-8 d or -16 d
@@ -3821,10 +3831,8 @@ int ps_pack_gguf_q(const uint8_t *blocks, int qtype, int64_t N, int64_t K, uint8
                    int nthreads) {
   const int kq = qtype == PS_Q4_K || qtype == PS_Q5_K;
   const int five = qtype == PS_Q5_0 || qtype == PS_Q5_1 || qtype == PS_Q5_K;
-  if (!kq && ps_gguf_block_bytes(qtype) == 0) return -1;
-  if (qtype == PS_Q8_0 || K % (kq ? 256 : 32)) return -1;
-  const int64_t B = K / 32, G = (K + 127) / 128;
-  const int64_t row_bytes = kq ? K / 256 * (qtype == PS_Q4_K ? 144 : 176) : B * ps_gguf_block_bytes(qtype);
+  const int64_t B = K / 32, G = (K + 127) / 128, row_bytes = ps_q_row_bytes(qtype, K);
+  if (row_bytes == 0) return -1;
   int ok = 1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(&& : ok)
   for (int64_t n = 0; n < N; ++n) {

@@ -302,7 +302,7 @@ class BlockLinear(_HotPathModule):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.native = native
-        self.bits, self.kind = weight.bits, weight.kind
+        self.kind = weight.kind
         self.implementation = "native-gguf"  # weight_format.LINEAR_IMPLEMENTATIONS
         self.dtype = weight.dtype
         self.register_buffer("packed", native.pack_q_rows(weight.qs.contiguous(), weight.ss.contiguous(),
@@ -312,6 +312,12 @@ class BlockLinear(_HotPathModule):
 
     def _alias_buffers(self) -> None:
         self._packed, self._bias = self.packed, self.bias
+
+    @property
+    def bits(self) -> int:
+        from pagedserve.kernels import Q_FIVE
+
+        return 5 if self.kind & Q_FIVE else 4
 
     def native_fields(self) -> list[int] | None:
         """As PackedLinear.native_fields: [2 = ggml blocks, records, bias or 0, kind, 0]."""
