@@ -324,7 +324,14 @@ class CpuKernels:
 
         qs = rows(0, 64)[:, :k // 2].contiguous()
         ss = rows(256, 16).reshape(n, groups, 16).contiguous()
-        qh = rows(320, 16).contiguous().view(torch.int64).reshape(n, groups, 2) if record == 384 else None
+        if record == 320:
+            return qs, ss, None
+        # fifth-bit byte t of a record, bit 2 r + s -> bit t of row r's mask s (a uint64 per group, bytes little-endian)
+        sliced = packed[:, :, 320:].reshape(blocks, groups, 1, 1, 8, 8).to(torch.int32)
+        shifts = 2 * torch.arange(4).reshape(1, 1, 4, 1, 1, 1) + torch.arange(2).reshape(1, 1, 1, 2, 1, 1)
+        bits = (sliced >> shifts) & 1  # [blocks, groups, r, s, byte, bit]
+        masks = (bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)  # [blocks, groups, r, s, 8]
+        qh = masks.permute(0, 2, 1, 3, 4).reshape(blocks * 4, groups, 16)[:n].contiguous().view(torch.int64)
         return qs, ss, qh
 
     def linear_q(self, x: torch.Tensor, packed: torch.Tensor, kind: int, bias: torch.Tensor | None,

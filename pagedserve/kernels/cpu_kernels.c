@@ -3291,7 +3291,10 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
  *   per group the fifth bits of its low nibbles (bit 16 b + j: block b's weight j) then of its high nibbles.
  * - As the kernel streams them (ps_pack_q_rows): blocks of 4 rows (zero rows padding N), each a run of records, one
  *   per group of 128 columns (zeros past K): the 4 rows' 64 nibble bytes, their 4 x 16 scale bytes, and for 5 bits
- *   their 4 x 2 uint64 fifth bits (Q_REC bytes), so a block streams as one sequential run, as the int8 kernel's do.
+ *   64 bytes of their fifth bits sliced by byte (Q_REC bytes), so a block streams as one sequential run, as the int8
+ *   kernel's do. Fifth-bit byte t, bit 2 r + s: row r's bit for nibble byte t (block t / 16, weight t % 16, + 16 for
+ *   s = 1): one load serves the 4 rows, and a row's bits for 32 nibble bytes are a shift and a mask (AVX2 has no
+ *   byte masks; spreading 32 bits into 32 bytes took 5 instructions).
  * Activations are rounded per row to integers v (|v| <= 32256, step xs = max|x| / 32256: 15 bits, as the int8
  * kernel's) and split into two signed bytes, v = 256 hi + lo (hi in -126..126, lo in -128..127), so unsigned x
  * signed byte products (vpdpbusd; AVX2: vpmaddubsw + vpmaddwd) take the nibbles as they are. A block's sum over
@@ -3312,7 +3315,7 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
 #define QG 64   /* a 32-byte load */
 #endif
 enum { Q_FIVE = 1, Q_K = 2 };  /* a matrix's kind: fifth bits; K-quant scales */
-/* bytes per record: 4 x 64 nibbles, 4 x 16 scale bytes, and for 5 bits 4 x 16 bytes of fifth bits */
+/* bytes per record: 4 x 64 nibbles, 4 x 16 scale bytes, and for 5 bits 64 bytes of fifth bits */
 #define Q_REC(kind) (((kind) & Q_FIVE) ? 384 : 320)
 #define Q_AHEAD 1024  /* bytes ahead of its stream that a block prefetches */
 #define Q_TILE_CHUNK 512  /* rows a tile call takes at most (its copy of x as int16 stays within 512 K 2 bytes) */
@@ -3407,14 +3410,14 @@ static inline __attribute__((always_inline)) void q_rows(const uint8_t *const re
     for (int blk = 0; blk < NB; ++blk) {
       const uint8_t *p = rec[blk] + g * size;
       for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
+      const __m512i bits = five ? _mm512_loadu_si512(p + 320) : _mm512_setzero_si512();
       for (int r = 0; r < 4; ++r) {
         __m512 *a = acc[4 * blk + r];
         const __m512i v = _mm512_loadu_si512(p + 64 * r);
         __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         if (five) {
-          const uint64_t *bits = (const uint64_t *)(p + 320 + 16 * r);
-          lo = _mm512_mask_add_epi8(lo, (__mmask64)bits[0], lo, fifth);
-          hi = _mm512_mask_add_epi8(hi, (__mmask64)bits[1], hi, fifth);
+          lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(bits, _mm512_set1_epi8((char)(1 << 2 * r))), lo, fifth);
+          hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(bits, _mm512_set1_epi8((char)(2 << 2 * r))), hi, fifth);
         }
         __m512 dv, mv;
         q_scales(p + 256 + 16 * r, kind, &dv, &mv);
@@ -3444,13 +3447,15 @@ typedef __m512i vq;
 static inline vq q_load(const void *p) { return _mm512_loadu_si512(p); }
 static inline vf q_float(vq v) { return _mm512_cvtepi32_ps(v); }
 static inline vq q_zero(void) { return _mm512_setzero_si512(); }
-/* 64 nibble bytes (4 blocks' as ggml stores them) and their fifth bits -> the 128 q values in column order. */
-static inline void q_natural(const uint8_t *nibbles, const uint64_t *bits, int five, vq out[2]) {
-  const __m512i v = _mm512_loadu_si512(nibbles), low4 = _mm512_set1_epi8(0x0F);
+/* Row r of a record at p (64 nibble bytes: 4 blocks' as ggml stores them, and their fifth bits) -> the 128 q values
+ * in column order. */
+static inline void q_natural(const uint8_t *p, int r, int five, vq out[2]) {
+  const __m512i v = _mm512_loadu_si512(p + 64 * r), low4 = _mm512_set1_epi8(0x0F);
   __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
   if (five) {
-    lo = _mm512_mask_add_epi8(lo, (__mmask64)bits[0], lo, _mm512_set1_epi8(0x10));
-    hi = _mm512_mask_add_epi8(hi, (__mmask64)bits[1], hi, _mm512_set1_epi8(0x10));
+    const __m512i bits = _mm512_loadu_si512(p + 320), fifth = _mm512_set1_epi8(0x10);
+    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(bits, _mm512_set1_epi8((char)(1 << 2 * r))), lo, fifth);
+    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(bits, _mm512_set1_epi8((char)(2 << 2 * r))), hi, fifth);
   }
   /* 128-bit lane b of lo: block b's weights 0..15, of hi: its 16..31 */
   out[0] = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi);
@@ -3458,13 +3463,10 @@ static inline void q_natural(const uint8_t *nibbles, const uint64_t *bits, int f
 }
 #define Q_MT 12  /* rows of x per tile: 2 accumulators each */
 #else
-/* 32 bytes: byte i = 0x10 where bit i of `bits` is set, else 0. */
-static inline __m256i q_fifth_bits(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-                                             _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll,
-                                                               0x0101010101010101ll, 0x0000000000000000ll));
-  const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(0x10));
+/* 32 fifth-bit bytes -> byte i = 0x10 where bit k of byte i is set, else 0 (k constant once inlined). */
+static inline __m256i q_fifth_bits(__m256i bits, int k) {
+  const __m256i moved = k <= 4 ? _mm256_slli_epi16(bits, 4 - k) : _mm256_srli_epi16(bits, k - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));  /* a bit shifted in from the next byte lands off bit 4 */
 }
 
 /* The int32 lanes' sums of two pairs (w0, x0) and (w1, x1): their 16-bit products added before widening (at most
@@ -3508,14 +3510,14 @@ static inline __attribute__((always_inline)) void q_rows(const uint8_t *const re
       for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {  /* two steps of 64 columns */
         const int64_t step = 2 * g + h;
+        const __m256i bits = five ? _mm256_loadu_si256((const __m256i *)(p + 320 + 32 * h)) : _mm256_setzero_si256();
         for (int r = 0; r < 4; ++r) {
           __m256 *a = acc[4 * blk + r];
           const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * r + 32 * h));
           __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
           if (five) {
-            const uint32_t *bits = (const uint32_t *)(p + 320 + 16 * r);
-            lo = _mm256_add_epi8(lo, q_fifth_bits(bits[h]));
-            hi = _mm256_add_epi8(hi, q_fifth_bits(bits[2 + h]));
+            lo = _mm256_add_epi8(lo, q_fifth_bits(bits, 2 * r));
+            hi = _mm256_add_epi8(hi, q_fifth_bits(bits, 2 * r + 1));
           }
           __m256 dv, mv;
           q_scales(p + 256 + 16 * r, kind, h, &dv, &mv);
@@ -3546,23 +3548,22 @@ typedef __m256i vq;
 static inline vq q_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vf q_float(vq v) { return _mm256_cvtepi32_ps(v); }
 static inline vq q_zero(void) { return _mm256_setzero_si256(); }
-/* 32 nibble bytes (2 blocks') and their fifth bits (32-bit halves of the record's masks) -> 64 q values in column
+/* Half h of row r of a record at p (32 nibble bytes: 2 blocks', and their fifth bits) -> 64 q values in column
  * order. */
-static inline void q_natural_half(const uint8_t *nibbles, uint32_t bits_lo, uint32_t bits_hi, int five, vq *out0,
-                                  vq *out1) {
-  const __m256i v = _mm256_loadu_si256((const __m256i *)nibbles), low4 = _mm256_set1_epi8(0x0F);
+static inline void q_natural_half(const uint8_t *p, int r, int h, int five, vq *out0, vq *out1) {
+  const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * r + 32 * h)), low4 = _mm256_set1_epi8(0x0F);
   __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
   if (five) {
-    lo = _mm256_add_epi8(lo, q_fifth_bits(bits_lo));
-    hi = _mm256_add_epi8(hi, q_fifth_bits(bits_hi));
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)(p + 320 + 32 * h));
+    lo = _mm256_add_epi8(lo, q_fifth_bits(bits, 2 * r));
+    hi = _mm256_add_epi8(hi, q_fifth_bits(bits, 2 * r + 1));
   }
   *out0 = _mm256_permute2x128_si256(lo, hi, 0x20);  /* block 0: weights 0..15, 16..31 */
   *out1 = _mm256_permute2x128_si256(lo, hi, 0x31);
 }
-static inline void q_natural(const uint8_t *nibbles, const uint64_t *bits, int five, vq out[4]) {
-  const uint32_t *b = (const uint32_t *)bits;
-  q_natural_half(nibbles, five ? b[0] : 0, five ? b[2] : 0, five, &out[0], &out[1]);
-  q_natural_half(nibbles + 32, five ? b[1] : 0, five ? b[3] : 0, five, &out[2], &out[3]);
+static inline void q_natural(const uint8_t *p, int r, int five, vq out[4]) {
+  q_natural_half(p, r, 0, five, &out[0], &out[1]);
+  q_natural_half(p, r, 1, five, &out[2], &out[3]);
 }
 #define Q_MT 6
 #endif
@@ -3586,7 +3587,7 @@ static void q_fill_panel(const uint8_t *packed, int64_t i0, int64_t blocks4, int
       }
       const uint8_t *p = packed + (i * G + g) * size;
       vq natural[128 / sizeof(vq)];
-      q_natural(p + 64 * r, (const uint64_t *)(p + 320 + 16 * r), five, natural);
+      q_natural(p, (int)r, five, natural);
       memcpy(bytes[o], natural, 128);
       const uint8_t *sc = p + 256 + 16 * r;  /* this row's scale bytes (q_scales' values, one block at a time) */
       for (int b = 0; b < 4; ++b) {
@@ -3860,6 +3861,11 @@ void ps_pack_q_rows(const uint8_t *qs, const uint8_t *ss, const uint64_t *qh, in
                     int nthreads) {
   const int kind = qh != NULL ? Q_FIVE : 0;
   const int64_t G = (K + 127) / 128, size = Q_REC(kind), blocks = (N + 3) / 4, B = K / 32;
+  uint64_t spread[256];  /* bit i of a byte -> bit 0 of byte i (little-endian) */
+  for (unsigned v = 0; v < 256; ++v) {
+    spread[v] = 0;
+    for (int i = 0; i < 8; ++i) spread[v] |= (uint64_t)((v >> i) & 1) << (8 * i);
+  }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t i = 0; i < blocks; ++i) {
     memset(packed + i * G * size, 0, (size_t)(G * size));
@@ -3870,7 +3876,13 @@ void ps_pack_q_rows(const uint8_t *qs, const uint8_t *ss, const uint64_t *qh, in
         const int64_t nb = B - 4 * g < 4 ? B - 4 * g : 4;
         memcpy(p + 64 * r, qs + n * (K / 2) + g * 64, (size_t)(16 * nb));
         memcpy(p + 256 + 16 * r, ss + (n * G + g) * 16, 16);
-        if (qh) memcpy(p + 320 + 16 * r, qh + (n * G + g) * 2, 16);
+        for (int s = 0; qh && s < 2; ++s)  /* fifth-bit byte t, bit 2 r + s: bit t of the row's mask s */
+          for (int t = 0; t < 64; t += 8) {
+            uint64_t bytes;
+            memcpy(&bytes, p + 320 + t, 8);
+            bytes |= spread[(qh[(n * G + g) * 2 + s] >> t) & 0xFF] << (2 * r + s);
+            memcpy(p + 320 + t, &bytes, 8);
+          }
       }
     }
   }
