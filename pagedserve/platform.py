@@ -15,7 +15,8 @@ from pagedserve import envs
 
 # The host probes live in memory/probe.py (torch-free, paths as arguments, cgroup v1/v2 and ARM aware);
 # re-exported here so that callers keep importing them from pagedserve.platform.
-from pagedserve.memory.probe import cpu_flags, fast_cpu_dtype, native_kernel_isa, read_cores, usable_cpu_count
+from pagedserve.memory.probe import (cpu_class, cpu_flags, fast_cpu_dtype, native_kernel_isa, read_cores,
+                                     usable_cpu_count)
 from pagedserve.memory.weight_format import default_file_quantization, native_kernels_expected
 
 if TYPE_CHECKING:
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DTYPE_NAMES", "bind_rank_device", "canonical_dtype_name", "check_ranks_fit_device", "configure_threads",
            "cpu_flags", "default_device", "default_quantization", "distributed_backend", "lazy_zeros",
-           "native_kernels_isa", "native_kernels_run", "read_cores", "resolve_device", "resolve_dtype", "torch_dtype",
-           "usable_cpu_count"]
+           "native_kernels_class", "native_kernels_isa", "native_kernels_run", "read_cores", "resolve_device",
+           "resolve_dtype", "torch_dtype", "usable_cpu_count"]
 
 # The dtype names accepted, each -> the torch dtype's name.
 DTYPE_NAMES = {
@@ -113,6 +114,21 @@ def native_kernels_isa(kernels_from_flags: bool = False) -> str | None:
     return None if kernels is None else kernels.isa
 
 
+def native_kernels_class(kernels_from_flags: bool = False) -> str | None:
+    """The CPU class (probe.cpu_class: "avx512-amx", "avx512-bf16", "avx512", "avx2") whose kernels run in this
+    process, None where none do: the CPU's own, or the one of the build PAGEDSERVE_CPU_ISA asks for (its "avx2"
+    builds: "avx2"; "avx512-vnni": "avx512", no bf16 dot products). `kernels_from_flags`: see native_kernels_run."""
+    isa = native_kernels_isa(kernels_from_flags)
+    if isa != "avx512":
+        return isa
+    if kernels_from_flags:
+        return "avx512" if envs.cpu_isa() == "avx512-vnni" else cpu_class(cpu_flags())
+    from pagedserve.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    return "avx512-amx" if kernels.amx else "avx512-bf16" if kernels.bf16_dot else "avx512"
+
+
 def resolve_dtype(requested: str, device: str, model_dtype: str | None, kernels_from_flags: bool = False) -> str:
     """Pick the serving dtype; `auto` means the fastest one that is numerically safe here.
 
@@ -136,7 +152,7 @@ def default_quantization(requested_dtype: str, quantization: str | None, stores_
                          device: str, kernels_from_flags: bool = False) -> str | None:
     """The weight quantization to serve with: the user's, or for a checkpoint whose matrices are stored
     block-quantized (a Q4_0/Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels "gguf" or
-    "int8", as weight_format.default_file_quantization says for their ISA.
+    "int8", as weight_format.default_file_quantization says for their CPU class.
     As every GGUF runner does, such a file is served from its quantized weights instead of being widened to bf16
     or float32 (2-4x the bytes read per token): its 4- and 5-bit matrices as stored (5-6 bits a weight), Q8_0 and
     Q6_K ones requantized per row to int8 (weight_format.FILE_QUANTIZATION). An explicit --dtype still
@@ -147,8 +163,8 @@ def default_quantization(requested_dtype: str, quantization: str | None, stores_
         return "gguf" if stores_quantized and device == "cpu" and native_kernels_run(kernels_from_flags) else None
     if quantization is not None or requested_dtype != "auto" or not stores_quantized or device != "cpu":
         return quantization
-    isa = native_kernels_isa(kernels_from_flags)
-    return None if isa is None else default_file_quantization(isa)
+    kernels_class = native_kernels_class(kernels_from_flags)
+    return None if kernels_class is None else default_file_quantization(kernels_class)
 
 
 def distributed_backend(device: str) -> str:

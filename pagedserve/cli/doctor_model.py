@@ -16,8 +16,8 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.memory_plan import softcapped_attention
 from pagedserve.memory import probe
 from pagedserve.memory.weight_format import (FILE_QUANTIZATION, NATIVE_ACTIVATIONS, capped_prefill_on_torch,
-                                             expected_layer_kernels, expected_weight_format, gguf_block_linears,
-                                             onednn_may_pack, partial_rotary, wants_native_kernels)
+                                             expected_layer_kernels, expected_weight_format, file_quantization_reason,
+                                             gguf_block_linears, onednn_may_pack, partial_rotary, wants_native_kernels)
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
@@ -123,9 +123,10 @@ def memory_plan_result(config: EngineConfig) -> CheckResult:
                        "any one of: " + ", ".join(fixes))
 
 
-def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | None:
+def check_layer_kernels(config: EngineConfig, isa: str | None, auto_quantization: bool = False) -> CheckResult | None:
     """What each kind of decoder layer will run (the start-up log's lines, predicted from the config by the
-    loader's rule, memory/weight_format.py); `isa`: the native kernels' where they load here, else None.
+    loader's rule, memory/weight_format.py); `isa`: the native kernels' where they load here, else None;
+    `auto_quantization`: the quantization is --dtype auto's choice for the file (then the line says why).
     WARN where the native kernels run for this model but part of it falls back to torch ops."""
     from pagedserve.models.registry import model_class
 
@@ -154,6 +155,10 @@ def check_layer_kernels(config: EngineConfig, isa: str | None) -> CheckResult | 
                                         envs.batch_invariant()), block_linears=blocks)
     kind = "GGUF blocks or int8" if blocks is not None else fmt.linear_kind
     detail = f"{model.dtype}, {kind} linears: " + "; ".join(layers.lines())
+    if auto_quantization and model.quantization in (FILE_QUANTIZATION, "int8") and native is not None:
+        from pagedserve.platform import native_kernels_class
+
+        detail += f"; {file_quantization_reason(native_kernels_class())}"
     if native is None or layers.stack or (layers.experts is not None and replace(layers, experts=None).stack):
         return CheckResult("layers", PASS, detail)  # (mixture-of-experts layers: all native, never in the stack)
     if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:
@@ -216,6 +221,7 @@ def model_checks(model: str, engine_args: EngineArgs, native_isa: Callable[[], s
         resolved = None if files_failed() else config()
         if resolved is None or isinstance(resolved, Exception):
             return None
-        return check_layer_kernels(resolved, native_isa())
+        auto = args.quantization is None and args.dtype == "auto" and resolved.model.quantization is not None
+        return check_layer_kernels(resolved, native_isa(), auto)
 
     return [check_files, check_shapes, check_plan, check_draft, check_layers]

@@ -67,9 +67,15 @@ def test_platform_and_the_plan_modules_import_without_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}
+
+
 @pytest.mark.parametrize("flags,cpu_isa,expected", [
-    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}, "native", "gguf"),  # Ice Lake, Zen 4/5, AMX Xeons
-    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}, "avx2", "int8"),  # the AVX2 build asked for
+    (AVX512, "native", "gguf"),  # Ice Lake, Cascade Lake: measured
+    (AVX512, "avx2", "int8"),  # the AVX2 build asked for
+    (AVX512 | {"avx512_bf16"}, "native", "int8"),  # Zen 4/5: the int8 prefill's bf16 panels
+    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "native", "int8"),  # AMX Xeons: its AMX tiles
+    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "avx512-vnni", "gguf"),  # the Ice Lake build asked for
     ({"avx2", "fma", "f16c"}, "native", "int8"),  # Zen 2/3, Haswell .. Alder Lake: the block kernel measured slower
     ({"avx2", "fma", "f16c", "avx_vnni"}, "avx2-vnni", "int8"),
     ({"sse4_2"}, "native", None),  # no native kernels: dequantized to the dtype
