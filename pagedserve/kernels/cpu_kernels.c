@@ -3304,22 +3304,25 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
  *   each 128-bit lane of the sums holds one block's, scaled by its d once per group. Every row runs the same
  *   instructions whatever M is, so a row gets the same bits in every such batch. One row streams two runs a thread
  *   (blocks b and b + half: 1.22-1.25x one run on the 2-core Ice Lake, gate/up, down and q/k/v shapes).
- * - From Q_TILE_ROWS rows (prefill; not in batch-invariant mode), q_tile: a panel of VL rows' q values as int16 pairs
- *   ([K / 2][VL]: one vector holds 2 columns of VL outputs), each row's block sum exact in one int32 lane, x broadcast
- *   2 columns at a time (vpdpwssd; AVX2 vpmaddwd); its float sums come in another order, so a prompt's rows may
- *   differ from decode's in the last bits (as the int8 kernel's bf16 panels on AVX512-BF16). Against the int8
- *   kernel's tile on the same shapes: 0.6-0.7x (a float scale per block of 32, and panels rebuilt per call). */
+ * - From Q_TILE_ROWS rows (prompts, bigger decode batches; not in batch-invariant mode), q_tile: panels of VL rows' q
+ *   values as int16 pairs ([K / 2][VL]: one vector holds 2 columns of VL outputs), each row's block sum exact in one
+ *   int32 lane, x broadcast 2 columns at a time (vpdpwssd; AVX2 vpmaddwd) for Q_NV panels at once; its float sums
+ *   come in another order, so those rows may differ from a lone row's in the last bits (as the int8 kernel's bf16
+ *   panels on AVX512-BF16). Against the int8 kernel's tile on the same shapes (Ice Lake, 64-256 rows): 0.8-0.98x
+ *   with 2 panels a tile (1.3-1.4x the one panel of 12 rows it had, whose broadcast served one vpdpwssd); the AVX2
+ *   build 0.8-0.86x. */
 #if PS_ISA == 512
 #define QG 128  /* columns per decode step: a 64-byte load of nibbles */
+#define Q_TILE_ROWS 12  /* from here the tile (2 panels a tile): 1.07-1.13x the row kernel at 12 rows; at 8 0.8-0.97x */
 #else
 #define QG 64   /* a 32-byte load */
+#define Q_TILE_ROWS 8  /* the tile 1.1-1.2x the row kernel at 8 rows, 1.3-1.7x at 12-16; at 5 0.9-1.1x, 3 0.7-0.8x */
 #endif
 enum { Q_FIVE = 1, Q_K = 2 };  /* a matrix's kind: fifth bits; K-quant scales */
 /* bytes per record: 4 x 64 nibbles, 4 x 16 scale bytes, and for 5 bits 64 bytes of fifth bits */
 #define Q_REC(kind) (((kind) & Q_FIVE) ? 384 : 320)
 #define Q_AHEAD 1024  /* bytes ahead of its stream that a block prefetches */
 #define Q_TILE_CHUNK 512  /* rows a tile call takes at most (its copy of x as int16 stays within 512 K 2 bytes) */
-#define Q_TILE_ROWS 20  /* below, the row kernel is as fast (16 rows: 0.96-0.98x the tile; 24 rows 1.08-1.15x slower) */
 #define Q_PAIR_MIN_BLOCKS 8  /* 4-row blocks per thread from which one row streams two runs a thread */
 #define QV 32256.0f  /* the largest |v|: 126 * 256, which keeps hi within a signed byte */
 
@@ -3461,7 +3464,8 @@ static inline void q_natural(const uint8_t *p, int r, int five, vq out[2]) {
   out[0] = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi);
   out[1] = _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), hi);
 }
-#define Q_MT 12  /* rows of x per tile: 2 accumulators each */
+#define Q_MT 6  /* rows of x per tile */
+#define Q_NV 2  /* panels (VL outputs each) per tile: 2 Q_MT int32 and 2 Q_MT float sums, 2 weights, a broadcast */
 #else
 /* 32 fifth-bit bytes -> byte i = 0x10 where bit k of byte i is set, else 0 (k constant once inlined). */
 static inline __m256i q_fifth_bits(__m256i bits, int k) {
@@ -3566,6 +3570,7 @@ static inline void q_natural(const uint8_t *p, int r, int five, vq out[4]) {
   q_natural_half(p, r, 1, five, &out[2], &out[3]);
 }
 #define Q_MT 6
+#define Q_NV 1  /* 12 sums, a weight and a broadcast (14 of 16; 2 panels of 3 rows measured 0.9-1.0x this) */
 #endif
 
 /* ---- the prefill tile ---- */
@@ -3624,49 +3629,53 @@ static void q_prepare_tile(const void *x, int64_t M, int64_t K, int64_t G, int b
   }
 }
 
-/* acc[m] = the panel's VL outputs for MT rows of x from m0: per block of 32 columns, 16 pair steps of exact int32
- * sums, then its d and m in float. */
+/* acc[m][v] = panel v's VL outputs for MT rows of x from m0 (Q_NV panels: q, d, mn each Q_NV panels' worth, a panel
+ * apart): per block of 32 columns, 16 pair steps of exact int32 sums (each row's broadcast serving every panel),
+ * then its d and m in float. */
 static inline __attribute__((always_inline)) void q_tile(const uint32_t *q, const float *d, const float *mn,
                                                          const int16_t *xv, const float *bsum, int64_t G, int64_t m0,
-                                                         const int MT, vf acc[Q_MT]) {
+                                                         const int MT, vf acc[Q_MT][Q_NV]) {
   const int32_t *x32 = (const int32_t *)xv;
-  const int64_t row = G * 64;  /* column pairs a row */
-  vf sum[Q_MT];
-  for (int m = 0; m < MT; ++m) sum[m] = vzero();
+  const int64_t row = G * 64, panel = G * 64 * VL, scales = G * 4 * VL;  /* column pairs a row; a panel's sizes */
+  vf sum[Q_MT][Q_NV];
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < Q_NV; ++v) sum[m][v] = vzero();
   for (int64_t b = 0; b < G * 4; ++b) {
-    vq isum[Q_MT];
-    for (int m = 0; m < MT; ++m) isum[m] = q_zero();
+    vq isum[Q_MT][Q_NV];
+    for (int m = 0; m < MT; ++m)
+      for (int v = 0; v < Q_NV; ++v) isum[m][v] = q_zero();
     for (int64_t kp = b * 16; kp < b * 16 + 16; ++kp) {
-      const vq w = q_load(q + kp * VL);
+      vq w[Q_NV];
+      for (int v = 0; v < Q_NV; ++v) w[v] = q_load(q + v * panel + kp * VL);
       for (int m = 0; m < MT; ++m) {
-        isum[m] = q_dot_pairs(isum[m], q_set1(x32[(m0 + m) * row + kp]), w);
-        __asm__("" : "+v"(isum[m]));  /* kept in its register (GCC otherwise copied each around every step) */
+        const vq x = q_set1(x32[(m0 + m) * row + kp]);
+        for (int v = 0; v < Q_NV; ++v) {
+          isum[m][v] = q_dot_pairs(isum[m][v], x, w[v]);
+          __asm__("" : "+v"(isum[m][v]));  /* kept in its register (GCC otherwise copied each around every step) */
+        }
       }
     }
-    const vf dv = vloadf(d + b * VL), mv = vloadf(mn + b * VL);
-    for (int m = 0; m < MT; ++m) {
-      sum[m] = vfma(q_float(isum[m]), dv, sum[m]);
-      sum[m] = vfma(mv, vset1(bsum[(m0 + m) * G * 4 + b]), sum[m]);
+    for (int v = 0; v < Q_NV; ++v) {
+      const vf dv = vloadf(d + v * scales + b * VL), mv = vloadf(mn + v * scales + b * VL);
+      for (int m = 0; m < MT; ++m) {
+        sum[m][v] = vfma(q_float(isum[m][v]), dv, sum[m][v]);
+        sum[m][v] = vfma(mv, vset1(bsum[(m0 + m) * G * 4 + b]), sum[m][v]);
+      }
     }
   }
-  for (int m = 0; m < MT; ++m) acc[m] = sum[m];
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < Q_NV; ++v) acc[m][v] = sum[m][v];
 }
 
 static void q_tile_rows(const uint32_t *q, const float *d, const float *mn, const int16_t *xv, const float *bsum,
-                        int64_t G, int64_t m0, int64_t rows, vf acc[Q_MT]) {
+                        int64_t G, int64_t m0, int64_t rows, vf acc[Q_MT][Q_NV]) {
   switch (rows) {
     case 1: q_tile(q, d, mn, xv, bsum, G, m0, 1, acc); break;
     case 2: q_tile(q, d, mn, xv, bsum, G, m0, 2, acc); break;
+#if Q_MT > 3
     case 3: q_tile(q, d, mn, xv, bsum, G, m0, 3, acc); break;
     case 4: q_tile(q, d, mn, xv, bsum, G, m0, 4, acc); break;
     case 5: q_tile(q, d, mn, xv, bsum, G, m0, 5, acc); break;
-#if Q_MT > 6
-    case 6: q_tile(q, d, mn, xv, bsum, G, m0, 6, acc); break;
-    case 7: q_tile(q, d, mn, xv, bsum, G, m0, 7, acc); break;
-    case 8: q_tile(q, d, mn, xv, bsum, G, m0, 8, acc); break;
-    case 9: q_tile(q, d, mn, xv, bsum, G, m0, 9, acc); break;
-    case 10: q_tile(q, d, mn, xv, bsum, G, m0, 10, acc); break;
-    case 11: q_tile(q, d, mn, xv, bsum, G, m0, 11, acc); break;
 #endif
     default: q_tile(q, d, mn, xv, bsum, G, m0, Q_MT, acc); break;
   }
@@ -3681,30 +3690,34 @@ static inline void q_store(void *y, const void *bias, float xs, float sum, int64
 
 static void q_linear_tile(const void *x, const uint8_t *packed, int kind, const void *bias, void *y, int64_t M,
                           int64_t N, int64_t K, int bf16, int nthreads) {
-  const int64_t G = (K + 127) / 128, blocks4 = (N + 3) / 4, panels = (N + VL - 1) / VL;
+  const int64_t G = (K + 127) / 128, blocks4 = (N + 3) / 4, tiles = (N + Q_NV * VL - 1) / (Q_NV * VL);
   int16_t *xv = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * G * 128));
   float *bsum = (float *)malloc(sizeof(float) * (size_t)(M * G * 4)), *xs = (float *)malloc(sizeof(float) * (size_t)M);
   if (!xv || !bsum || !xs) abort();
   q_prepare_tile(x, M, K, G, bf16, xv, bsum, xs);
   #pragma omp parallel num_threads(nthreads)
   {
-    uint32_t *q = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(G * 64 * VL));
-    float *d = (float *)aligned_alloc(64, sizeof(float) * (size_t)(2 * G * 4 * VL)), *mn = d + G * 4 * VL;
+    const int64_t panel = G * 64 * VL, scales = G * 4 * VL;  /* a panel's q and its d (or m) */
+    uint32_t *q = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(Q_NV * panel));
+    float *d = (float *)aligned_alloc(64, sizeof(float) * (size_t)(2 * Q_NV * scales)), *mn = d + Q_NV * scales;
     if (!q || !d) abort();
-    int64_t p0, p1;
-    thread_share(panels, &p0, &p1);
-    for (int64_t p = p0; p < p1; ++p) {
-      q_fill_panel(packed, p * (VL / 4), blocks4, G, kind, q, d, mn);
-      const int64_t n0 = p * VL, valid = N - n0 < VL ? N - n0 : VL;
+    int64_t t0, t1;
+    thread_share(tiles, &t0, &t1);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int v = 0; v < Q_NV; ++v)  /* past N, zero panels */
+        q_fill_panel(packed, (t * Q_NV + v) * (VL / 4), blocks4, G, kind, q + v * panel, d + v * scales,
+                     mn + v * scales);
       for (int64_t m = 0; m < M; m += Q_MT) {
         const int64_t rows = M - m < Q_MT ? M - m : Q_MT;
-        vf acc[Q_MT];
+        vf acc[Q_MT][Q_NV];
         q_tile_rows(q, d, mn, xv, bsum, G, m, rows, acc);
-        for (int64_t r = 0; r < rows; ++r) {
-          float out[VL];
-          vstoref(out, acc[r]);
-          for (int64_t j = 0; j < valid; ++j) q_store(y, bias, xs[m + r], out[j], m + r, n0 + j, N, bf16);
-        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int v = 0; v < Q_NV; ++v) {
+            const int64_t n0 = (t * Q_NV + v) * VL, valid = N - n0 < VL ? N - n0 : VL;
+            float out[VL];
+            vstoref(out, acc[r][v]);
+            for (int64_t j = 0; j < valid; ++j) q_store(y, bias, xs[m + r], out[j], m + r, n0 + j, N, bf16);
+          }
       }
     }
     free(q);
