@@ -33,13 +33,13 @@ def default_file_quantization(kernels_class: str) -> str:
     """What `--dtype auto` serves a block-quantized GGUF with where native kernels of this CPU class run (probe.cpu_class
     of the build that runs: platform.native_kernels_class). Its own blocks on class "avx512" (AVX-512 VNNI without
     BF16: Ice Lake, Cascade Lake), measured there (the 2-core Ice Lake, benchmarks/gguf_blocks.py, RESULTS.md "GGUF
-    blocks as stored"): batch-1 decode 1.1-1.6x int8's per linear, 5 rows 0.9x, and prompts 0.6-0.75x, where the int8
-    kernel's prefill is an integer tile too. int8 elsewhere:
+    blocks as stored"): batch-1 decode 1.55-1.8x int8's per linear, 5 rows 0.9-1.05x, 8-256 rows 0.76-0.99x (whole
+    models: decode 1.2x, prompts 0.95x), where the int8 kernel's prefill is an integer tile too. int8 elsewhere:
     - "avx512-bf16" and "avx512-amx": the int8 kernel's prefill runs exact bf16 panels on vdpbf16ps or AMX tiles (AMX:
       ~8x the vector units), which the block kernel's integer tile does not have: unmeasured there, and on AMX likely
       several times slower for a prompt;
-    - "avx2": the AVX2 build on the Ice Lake, batch-1 decode 1.2x int8's per linear (Qwen2.5-Coder 1.08x) but batches
-      of 5-16 rows 0.45-0.6x; no AVX2-only CPU has measured it."""
+    - "avx2": the AVX2 build on the Ice Lake, batch-1 decode 1.2x int8's per linear (Qwen2.5-Coder 0.98-1.08x), 5
+      rows 0.6x, 8-16 rows 0.7-0.85x; no AVX2-only CPU has measured it."""
     return FILE_QUANTIZATION if kernels_class == "avx512" else "int8"
 
 
@@ -47,7 +47,7 @@ def file_quantization_reason(kernels_class: str) -> str:
     """Why `--dtype auto` serves a block-quantized GGUF as default_file_quantization does here (doctor's words)."""
     if default_file_quantization(kernels_class) == FILE_QUANTIZATION:
         return (f"--dtype auto on CPU class {kernels_class} keeps the file's 4/5-bit blocks (decode reads fewer bytes; "
-                "prompts and batches run slower than int8: --quantization int8 for prompt-heavy work)")
+                "batches of 8 rows and more run at 0.8-0.95x int8's: --quantization int8 requantizes)")
     return (f"--dtype auto on CPU class {kernels_class} requantizes the file to int8 (the block kernel's batches or "
             "prompts are slower than int8's here, or not measured: --quantization gguf keeps the blocks)")
 # What the native kernels need of a model's sizes (their vector loops and weight blocks).
