@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +22,22 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # pagedserve from this checkout
 
 from pagedserve.models.gguf_loader import GGUFCheckpoint  # noqa: E402
+
+
+# Names the loader gives a model's tensors that transformers reads only under the original checkpoint's names: its
+# conversion of per-expert matrices into fused ones knows Mixtral by block_sparse_moe.experts.N.w1/w3/w2 (gate, up,
+# down), not by the Qwen-MoE names the loader uses for every mixture of experts.
+HF_NAMES = {"mixtral": ((re.compile(r"\.mlp\.experts\.(\d+)\.gate_proj\."), r".block_sparse_moe.experts.\1.w1."),
+                        (re.compile(r"\.mlp\.experts\.(\d+)\.up_proj\."), r".block_sparse_moe.experts.\1.w3."),
+                        (re.compile(r"\.mlp\.experts\.(\d+)\.down_proj\."), r".block_sparse_moe.experts.\1.w2."),
+                        (re.compile(r"\.mlp\.gate\."), ".block_sparse_moe.gate."))}
+
+
+def hf_name(model_type: str, name: str) -> str:
+    """The name transformers loads the loader's tensor `name` by, for a model of `model_type`."""
+    for pattern, replacement in HF_NAMES.get(model_type, ()):
+        name = pattern.sub(replacement, name)
+    return name
 
 
 def save_as_hf_dir(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -35,7 +52,7 @@ def save_as_hf_dir(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtyp
     with GGUFCheckpoint(gguf_path) as checkpoint:
         config = checkpoint.hf_config()
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        state_dict = dict(checkpoint.iter_tensors(dtype))
+        state_dict = {hf_name(config["model_type"], name): tensor for name, tensor in checkpoint.iter_tensors(dtype)}
         tokenizer = checkpoint.build_tokenizer()
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})

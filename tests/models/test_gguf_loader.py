@@ -159,9 +159,11 @@ def test_llama_qk_permutation_is_undone(tmp_path: Path) -> None:
     assert float((wrong - expected).abs().max()) > 1.0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ("qwen2_moe", "qwen3_moe", "mixtral"))
 def test_save_as_hf_dir_loads_in_transformers(models: dict, arch: str, tmp_path: Path) -> None:
-    model = models[arch]
+    """The exported directory is the model: benchmarks and tests use it as the GGUF's transformers reference (Mixtral's
+    experts under its own names: under the Qwen-MoE ones transformers left them random, 0.19 off)."""
+    model = models[arch] if arch in models else tiny_model(arch)
     out = save_as_hf_dir(write_test_gguf(model, tmp_path / "m.gguf"), tmp_path / "hf")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(reloaded) is type(model)
