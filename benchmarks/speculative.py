@@ -204,8 +204,9 @@ def real_model_rows(name: str, args: argparse.Namespace) -> list[dict]:
     path = str(resolve_model(name))
     # No prefix caching: every round prefills its prompt, as a new editing request would.
     kwargs = dict(max_model_len=2048, enable_prefix_caching=False, dtype=args.dtype)
-    plain = LLM(path, **kwargs)
     spec = LLM(path, speculative_config=args.spec, **kwargs)
+    # the same weights without drafts (--dtype auto requantizes a GGUF's blocks to int8 for a verifying model)
+    plain = LLM(path, quantization=spec.engine.config.model.quantization, **kwargs)
     plain_steps, spec_steps = StepTimes(plain), StepTimes(spec)
     jobs = {w: (chat_prompt(plain, text), max_tokens) for w, (text, max_tokens) in WORKLOADS.items()}
     systems = {"pagedserve": lambda: run_pagedserve(plain, jobs), "pagedserve + ngram": lambda: run_pagedserve(spec, jobs)}
@@ -300,7 +301,8 @@ def format_report(real: list[dict], random_: list[dict], args: argparse.Namespac
         "# Speculative decoding: n-gram prompt lookup",
         "",
         f"`python benchmarks/speculative.py --rounds {args.rounds}`, CPU class {cpu_class()}, {os.cpu_count()} cores, "
-        f"`--speculative-config '{json.dumps(args.spec)}'`, `--dtype {args.dtype}`, no prefix caching; batch 1, greedy, "
+        f"`--speculative-config '{json.dumps(args.spec)}'`, `--dtype {args.dtype}` (with drafts a GGUF's blocks are "
+        f"requantized to int8, and the engine without them gets the same weights), no prefix caching; batch 1, greedy, "
         f"chat template, each request to its natural end or its max_tokens; output tokens / wall time of the request "
         f"(prefill included), in brackets (output tokens - 1) / time from the first to the last token, medians of "
         f"{args.rounds} "

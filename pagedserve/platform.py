@@ -149,7 +149,7 @@ def resolve_dtype(requested: str, device: str, model_dtype: str | None, kernels_
 
 
 def default_quantization(requested_dtype: str, quantization: str | None, stores_quantized: bool,
-                         device: str, kernels_from_flags: bool = False) -> str | None:
+                         device: str, kernels_from_flags: bool = False, verifies_drafts: bool = False) -> str | None:
     """The weight quantization to serve with: the user's, or for a checkpoint whose matrices are stored
     block-quantized (a Q4_0/Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels "gguf" or
     "int8", as weight_format.default_file_quantization says for their CPU class.
@@ -158,13 +158,14 @@ def default_quantization(requested_dtype: str, quantization: str | None, stores_
     Q6_K ones requantized per row to int8 (weight_format.FILE_QUANTIZATION). An explicit --dtype still
     dequantizes to that dtype, unless vLLM's --quantization gguf asks for the quantized weights (then "gguf" where
     the file is block-quantized, else none); --quantization int8 requantizes every matrix to int8.
-    `kernels_from_flags`: see native_kernels_run."""
+    `kernels_from_flags`: see native_kernels_run; `verifies_drafts`: the model verifies speculative drafts (1 + k rows
+    a step: default_file_quantization says why that matters)."""
     if quantization == "gguf":  # the blocks, asked for
         return "gguf" if stores_quantized and device == "cpu" and native_kernels_run(kernels_from_flags) else None
     if quantization is not None or requested_dtype != "auto" or not stores_quantized or device != "cpu":
         return quantization
     kernels_class = native_kernels_class(kernels_from_flags)
-    return None if kernels_class is None else default_file_quantization(kernels_class)
+    return None if kernels_class is None else default_file_quantization(kernels_class, verifies_drafts)
 
 
 def distributed_backend(device: str) -> str:

@@ -289,12 +289,13 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     names = args.served_model_name or args.model or DEFAULT_MODEL
     names = [names] if isinstance(names, str) else list(names)
     defaults, max_tokens_cap = _default_sampling(model_path, args)
+    speculative = _speculative_config(args, task)
     model = ModelConfig(model=model_path, served_model_name=names[0], served_model_aliases=tuple(names[1:]),
                         dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
                         architecture=architecture, task=task, pooler=pooler, seed=args.seed,
                         quantization=default_quantization(args.dtype, args.quantization,
                                                           checkpoint.stores_quantized_matmuls(), device,
-                                                          kernels_from_flags),
+                                                          kernels_from_flags, verifies_drafts=speculative is not None),
                         enforce_eager=args.enforce_eager,
                         reference_kernels=args.reference_kernels,
                         default_sampling=defaults, max_tokens_cap=max_tokens_cap,
@@ -303,7 +304,6 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
                                 max_waiting_requests=args.max_waiting_requests, policy=args.scheduling_policy,
                                 long_prefill_token_threshold=args.long_prefill_token_threshold)
-    speculative = _speculative_config(args, task)
     draft = (_draft_model(speculative, model, args, device, kernels_from_flags) if speculative is not None
              else None)
     plan = plan_memory(args, checkpoint, model, scheduler, device, available, draft)

@@ -29,22 +29,30 @@ SUPPORTED_QUANTIZATION = (None, "int8")
 FILE_QUANTIZATION = "gguf"
 
 
-def default_file_quantization(kernels_class: str) -> str:
-    """What `--dtype auto` serves a block-quantized GGUF with where native kernels of this CPU class run (probe.cpu_class
-    of the build that runs: platform.native_kernels_class). Its own blocks on class "avx512" (AVX-512 VNNI without
-    BF16: Ice Lake, Cascade Lake), measured there (the 2-core Ice Lake, benchmarks/gguf_blocks.py, RESULTS.md "GGUF
-    blocks as stored"): batch-1 decode 1.55-1.8x int8's per linear, 5 rows 0.9-1.05x, 8-256 rows 0.76-0.99x (whole
+def default_file_quantization(kernels_class: str, verifies_drafts: bool = False) -> str:
+    """What `--dtype auto` serves a block-quantized GGUF with where native kernels of this CPU class run
+    (probe.cpu_class of the build that runs: platform.native_kernels_class). Its own blocks on class "avx512"
+    (AVX-512 VNNI without BF16: Ice Lake, Cascade Lake), measured there (the 2-core Ice Lake,
+    benchmarks/gguf_blocks.py, RESULTS.md "GGUF blocks as stored"): batch-1 decode 1.55-1.8x int8's per linear, 5 rows 0.9-1.05x, 8-256 rows 0.76-0.99x (whole
     models: decode 1.2x, prompts 0.95x), where the int8 kernel's prefill is an integer tile too. int8 elsewhere:
     - "avx512-bf16" and "avx512-amx": the int8 kernel's prefill runs exact bf16 panels on vdpbf16ps or AMX tiles (AMX:
       ~8x the vector units), which the block kernel's integer tile does not have: unmeasured there, and on AMX likely
       several times slower for a prompt;
     - "avx2": the AVX2 build on the Ice Lake, batch-1 decode 1.2x int8's per linear (Qwen2.5-Coder 0.98-1.08x), 5
-      rows 0.6x, 8-16 rows 0.7-0.85x; no AVX2-only CPU has measured it."""
-    return FILE_QUANTIZATION if kernels_class == "avx512" else "int8"
+      rows 0.6x, 8-16 rows 0.7-0.85x; no AVX2-only CPU has measured it;
+    - a model that verifies speculative drafts (`verifies_drafts`), on every class: its steps run 1 + k rows, where a
+      verification of 5 drafts cost 2.7 one-row steps on the blocks against 1.75-1.9 on int8 (the Ice Lake,
+      benchmarks/speculative.py; RESULTS_speculative.md), so n-gram speculation ran Qwen2.5-Coder's edit 1.74x over
+      plain blocks against 2.66x over plain int8, 51 against 71 tok/s. A draft model keeps the rule above (one row a
+      step)."""
+    return FILE_QUANTIZATION if kernels_class == "avx512" and not verifies_drafts else "int8"
 
 
-def file_quantization_reason(kernels_class: str) -> str:
+def file_quantization_reason(kernels_class: str, verifies_drafts: bool = False) -> str:
     """Why `--dtype auto` serves a block-quantized GGUF as default_file_quantization does here (doctor's words)."""
+    if verifies_drafts and default_file_quantization(kernels_class) == FILE_QUANTIZATION:
+        return ("--dtype auto requantizes the file to int8 for speculative decoding (a verification's 1 + k rows run "
+                "faster on int8 than on the file's blocks: --quantization gguf keeps them)")
     if default_file_quantization(kernels_class) == FILE_QUANTIZATION:
         return (f"--dtype auto on CPU class {kernels_class} keeps the file's 4/5-bit blocks (decode reads fewer bytes; "
                 "batches of 8 rows and more run at 0.8-0.95x int8's: --quantization int8 requantizes)")

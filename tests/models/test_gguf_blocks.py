@@ -102,6 +102,10 @@ def test_auto_serves_a_4_bit_gguf_from_its_blocks_on_avx512_and_int8_requantizes
     reason = file_quantization_reason(kernels_class)  # doctor says why --dtype auto chose it
     assert check_layer_kernels(auto.engine.config, kernels.isa, auto_quantization=True).detail.endswith(reason)
     assert ("keeps the file's" in reason) == (kernels_class == "avx512")
+    spec = LLM(str(path), max_model_len=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert spec.engine.config.model.quantization == "int8"  # a verification's rows run faster on int8
+    assert check_layer_kernels(spec.engine.config, kernels.isa, auto_quantization=True).detail.endswith(
+        file_quantization_reason(kernels_class, verifies_drafts=True))
     int8 = LLM(str(path), dtype="float32", quantization="int8", max_model_len=256)
     assert int8.engine.config.model.quantization == "int8"
     assert not any(isinstance(m, BlockLinear) for m in _linears(int8))
