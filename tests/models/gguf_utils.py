@@ -158,10 +158,12 @@ def _encode(array: np.ndarray, qtype: QType) -> tuple[np.ndarray, QType | None]:
 
 def quantize_k(array: np.ndarray, qtype: QType) -> np.ndarray:
     """A plain Q4_K / Q5_K encoder (ggml's block layout, not llama.cpp's search for the best scales): per block of 32
-    an offset and a step over its range, as 6-bit multiples of the superblock's D and Dmin. [rows, cols] float32 ->
-    uint8 [rows, cols / 256 * (144 or 176)], which gguf.quants dequantizes."""
+    an offset and a step over its range, as 6-bit multiples of the superblock's D and Dmin. [..., rows, cols] float32
+    (a stack of experts too) -> uint8 [..., rows, cols / 256 * (144 or 176)], which gguf.quants dequantizes."""
     top = 15 if qtype == QType.Q4_K else 31
-    rows, cols = array.shape
+    *rows, cols = array.shape
+    if cols % 256:
+        raise ValueError(f"{qtype.name} rows come in superblocks of 256 values; these have {cols}")
     blocks = array.reshape(-1, 8, 32).astype(np.float64)
     low = np.minimum(blocks.min(axis=2), 0.0)  # [superblocks, 8]: the offset is -Dmin mn <= 0
     step = np.maximum(blocks.max(axis=2) - low, 1e-8) / top
@@ -181,7 +183,7 @@ def quantize_k(array: np.ndarray, qtype: QType) -> np.ndarray:
         fifth = (q >> 4).astype(np.uint8)  # [superblocks, 8, 32]
         parts.append(sum(fifth[:, j, :] << j for j in range(8)).astype(np.uint8))
     parts.append(qs)
-    return np.concatenate(parts, axis=1).reshape(rows, -1)
+    return np.concatenate(parts, axis=1).reshape(*rows, -1)
 
 
 def llama3_rope_freqs(config: object) -> np.ndarray:

@@ -30,9 +30,11 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, vocab_size=512)  # _generat
 CASES = {"llama-Q4_0": ("llama", QType.Q4_0), "llama-Q4_1": ("llama", QType.Q4_1), "qwen2-Q5_0": ("qwen2", QType.Q5_0),
          "qwen3-Q5_1": ("qwen3", QType.Q5_1), "qwen2-Q4_0": ("qwen2", QType.Q4_0),
          "qwen2-Q4_K": ("qwen2", QType.Q4_K), "llama-Q5_K": ("llama", QType.Q5_K),
-         "qwen3_moe-Q4_1": ("qwen3_moe", QType.Q4_1)}  # each expert's matrices as blocks
+         "qwen3_moe-Q4_1": ("qwen3_moe", QType.Q4_1),  # each expert's matrices as blocks
+         "qwen3_moe-Q5_K": ("qwen3_moe", QType.Q5_K)}
 # K-quants come in superblocks of 256 columns: every matrix's input that wide (head_dim 64)
 K_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+K_MOE_SHAPE = dict(head_dim=64, moe_intermediate_size=256)  # Qwen3's o_proj and the experts' down_proj
 PROMPTS = [[(37 * i + n) % 250 + 10 for i in range(n)] for n in (3, 9, 17, 33, 60)]
 
 
@@ -42,7 +44,8 @@ def ggufs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     out = tmp_path_factory.mktemp("gguf-blocks")
     files = {}
     for case, (arch, qtype) in CASES.items():
-        shape = {**SHAPE, **(K_SHAPE if qtype.name.endswith("_K") else {})}
+        shape = {**SHAPE, **(K_SHAPE if qtype.name.endswith("_K") else {}),
+                 **(K_MOE_SHAPE if qtype.name.endswith("_K") and arch == "qwen3_moe" else {})}
         path = write_test_gguf(tiny_model(arch, **shape), out / f"{case}.gguf", qtype)
         files[case] = path, save_as_hf_dir(path, out / f"{case}-hf")
     return files
