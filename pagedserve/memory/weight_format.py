@@ -33,8 +33,9 @@ def default_file_quantization(kernels_class: str, verifies_drafts: bool = False)
     """What `--dtype auto` serves a block-quantized GGUF with where native kernels of this CPU class run
     (probe.cpu_class of the build that runs: platform.native_kernels_class). Its own blocks on class "avx512"
     (AVX-512 VNNI without BF16: Ice Lake, Cascade Lake), measured there (the 2-core Ice Lake,
-    benchmarks/gguf_blocks.py, RESULTS.md "GGUF blocks as stored"): batch-1 decode 1.55-1.8x int8's per linear, 5 rows 0.9-1.05x, 8-256 rows 0.76-0.99x (whole
-    models: decode 1.2x, prompts 0.95x), where the int8 kernel's prefill is an integer tile too. int8 elsewhere:
+    benchmarks/gguf_blocks.py, RESULTS.md "GGUF blocks as stored"): batch-1 decode 1.55-1.8x int8's per linear, 5 rows
+    0.9-1.05x, 8-256 rows 0.76-0.99x (whole models: decode 1.2x, prompts 0.95x), where the int8 kernel's prefill is
+    an integer tile too. int8 elsewhere:
     - "avx512-bf16" and "avx512-amx": the int8 kernel's prefill runs exact bf16 panels on vdpbf16ps or AMX tiles (AMX:
       ~8x the vector units), which the block kernel's integer tile does not have: unmeasured there, and on AMX likely
       several times slower for a prompt;
