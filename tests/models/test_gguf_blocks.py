@@ -88,20 +88,20 @@ def test_auto_serves_a_4_bit_gguf_from_its_blocks_on_avx512_and_int8_requantizes
     """`--dtype auto` picks the file's blocks on class avx512 (as vLLM's --quantization gguf; int8 on the other classes:
     weight_format.default_file_quantization); --quantization int8 turns every matrix into per-row int8, whose logprobs
     stand ~1e-2 off the blocks' values (so the float32 bound above tells the two apart)."""
+    from pagedserve.cli.doctor_model import check_layer_kernels
+    from pagedserve.memory.weight_format import default_file_quantization, file_quantization_reason
     from pagedserve.platform import native_kernels_class
 
     kernels_class = native_kernels_class()
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", kernels.build)  # this test's build, as `pagedserve plan` tells it
-    assert kernels_class == native_kernels_class(kernels_from_flags=True)
+    planned = native_kernels_class(kernels_from_flags=True)  # "avx512-amx" where Linux grants no AMX: same choice
+    assert default_file_quantization(planned) == default_file_quantization(kernels_class)
     assert kernels_class == ("avx2" if kernels.isa == "avx2" else "avx512" if not kernels.bf16_dot
                              else "avx512-amx" if kernels.amx else "avx512-bf16")
     path, hf_dir = ggufs["llama-Q4_1"]
     auto = LLM(str(path), max_model_len=256)
     assert auto.engine.config.model.quantization == ("gguf" if kernels_class == "avx512" else "int8")
     assert any(isinstance(m, BlockLinear) for m in _linears(auto)) == (kernels_class == "avx512")
-    from pagedserve.cli.doctor_model import check_layer_kernels
-    from pagedserve.memory.weight_format import file_quantization_reason
-
     reason = file_quantization_reason(kernels_class)  # doctor says why --dtype auto chose it
     assert check_layer_kernels(auto.engine.config, kernels.isa, auto_quantization=True).detail.endswith(reason)
     assert ("keeps the file's" in reason) == (kernels_class == "avx512")
