@@ -51,10 +51,11 @@ def default_file_quantization(kernels_class: str, verifies_drafts: bool = False)
 
 def file_quantization_reason(kernels_class: str, verifies_drafts: bool = False) -> str:
     """Why `--dtype auto` serves a block-quantized GGUF as default_file_quantization does here (doctor's words)."""
-    if verifies_drafts and default_file_quantization(kernels_class) == FILE_QUANTIZATION:
+    blocks = default_file_quantization(kernels_class) == FILE_QUANTIZATION  # the class's choice without drafts
+    if blocks and verifies_drafts:
         return ("--dtype auto requantizes the file to int8 for speculative decoding (a verification's 1 + k rows run "
                 "faster on int8 than on the file's blocks: --quantization gguf keeps them)")
-    if default_file_quantization(kernels_class) == FILE_QUANTIZATION:
+    if blocks:
         return (f"--dtype auto on CPU class {kernels_class} keeps the file's 4/5-bit blocks (decode reads fewer bytes; "
                 "batches of 8 rows and more run at 0.8-0.95x int8's: --quantization int8 requantizes)")
     return (f"--dtype auto on CPU class {kernels_class} requantizes the file to int8 (the block kernel's batches or "
