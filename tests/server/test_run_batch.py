@@ -126,23 +126,24 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_loads(tmp_path)
     assert "--output-file" in run.stderr
 
 
-def test_a_model_that_does_not_start_keeps_an_earlier_output(tmp_path):
-    """The output is emptied only once the model has loaded: a typo in its name kept nothing of the last run's."""
+def test_a_model_that_does_not_start_keeps_an_earlier_output(tmp_path, capsys):
+    """The output is emptied only once the model has loaded: a typo in its name kept nothing of the last run's.
+    (In this process: each case ends before a model loads.)"""
+    from pagedserve.cli.main import main
+
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text(json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}) + "\n")
     target.write_text('{"earlier": "results"}\n')
-    run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(source), "-o", str(target),
-                          "smollm2-135m-instrct"], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "Did you mean smollm2-135m-instruct" in run.stderr
+    assert main(["run-batch", "-i", str(source), "-o", str(target), "smollm2-135m-instrct"]) == 2
+    assert "Did you mean smollm2-135m-instruct" in capsys.readouterr().err
     assert target.read_text() == '{"earlier": "results"}\n'
     fresh = tmp_path / "new.jsonl"  # one that did not exist is not left behind empty
-    run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(source), "-o", str(fresh),
-                          "smollm2-135m-instrct"], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and not fresh.exists()
-    run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(tmp_path), "-o", str(fresh),
-                          "smollm2-135m-instruct", "--max-concurrency", "1"], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 2 and f"--input-file {tmp_path}: Is a directory" in run.stderr
+    assert main(["run-batch", "-i", str(source), "-o", str(fresh), "smollm2-135m-instrct"]) == 2
+    assert not fresh.exists()
+    capsys.readouterr()
+    assert main(["run-batch", "-i", str(tmp_path), "-o", str(fresh), "smollm2-135m-instruct",
+                 "--max-concurrency", "1"]) == 2
+    assert f"--input-file {tmp_path}: Is a directory" in capsys.readouterr().err
 
 
 def test_lines_are_read_as_the_batch_goes_and_nothing_is_kept():
