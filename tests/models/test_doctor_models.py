@@ -156,13 +156,13 @@ def test_doctor_plan_equals_serve_plan(tiny_model_dir, tmp_path, flags, env) -> 
     assert settings == (flags[1], flags[3] if "--max-num-seqs" in flags else "256")
 
 
-def test_a_sliding_window_model_plans_its_whole_context(tiny_model_dir, tmp_path):
+def test_a_sliding_window_model_plans_its_whole_context(tiny_model_dir, tmp_path, capsys):
     """A Mistral config with a 64-token window: `plan` (serve's own config step) takes a --max-model-len past the
     window and defaults to the model's whole context (the attention computes the window: test_sliding_window.py).
     pagedserve once refused the first and capped the second at the window (Phi-3-mini-4k served 2047 of 4096)."""
     import shutil
-    import subprocess
-    import sys
+
+    from pagedserve.cli.main import main
 
     model = tmp_path / "tiny-mistral"
     shutil.copytree(tiny_model_dir("llama"), model)
@@ -170,14 +170,15 @@ def test_a_sliding_window_model_plans_its_whole_context(tiny_model_dir, tmp_path
     config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
     (model / "config.json").write_text(json.dumps(config))
 
-    def plan(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pagedserve", "plan", str(model), "--dtype", "float32", *flags],
-                              capture_output=True, text=True, timeout=300)
+    def plan(*flags: str) -> str:  # in this process: plan loads no weights
+        capsys.readouterr()
+        code = main(["plan", str(model), "--dtype", "float32", *flags])
+        out, err = capsys.readouterr()
+        assert code == 0, out + err
+        return out
 
-    past = plan("--max-model-len", "128")
-    assert past.returncode == 0 and "max_model_len 128" in past.stdout, past.stdout + past.stderr
-    default = plan()
-    assert default.returncode == 0 and "max_model_len 512" in default.stdout, default.stdout + default.stderr
+    assert "max_model_len 128" in plan("--max-model-len", "128")
+    assert "max_model_len 512" in plan()
 
 
 @pytest.mark.parametrize("flags,check,words", [
