@@ -149,7 +149,8 @@ def resolve_dtype(requested: str, device: str, model_dtype: str | None, kernels_
 
 
 def default_quantization(requested_dtype: str, quantization: str | None, stores_quantized: bool,
-                         device: str, kernels_from_flags: bool = False, verifies_drafts: bool = False) -> str | None:
+                         device: str, kernels_from_flags: bool = False, verifies_drafts: bool = False,
+                         ranks: int = 1) -> str | None:
     """The weight quantization to serve with: the user's, or for a checkpoint whose matrices are stored
     block-quantized (a Q4_0/Q8_0/Q4_K/... GGUF) under `--dtype auto` on a CPU with the native kernels "gguf" or
     "int8", as weight_format.default_file_quantization says for their CPU class.
@@ -159,13 +160,18 @@ def default_quantization(requested_dtype: str, quantization: str | None, stores_
     dequantizes to that dtype, unless vLLM's --quantization gguf asks for the quantized weights (then "gguf" where
     the file is block-quantized, else none); --quantization int8 requantizes every matrix to int8.
     `kernels_from_flags`: see native_kernels_run; `verifies_drafts`: the model verifies speculative drafts (1 + k rows
-    a step: default_file_quantization says why that matters)."""
+    a step: default_file_quantization says why that matters); `ranks`: tensor-parallel ranks, which split the
+    matrices by rows or columns, where a GGUF's blocks are not split: they serve the file as int8 rows instead."""
     if quantization == "gguf":  # the blocks, asked for
-        return "gguf" if stores_quantized and device == "cpu" and native_kernels_run(kernels_from_flags) else None
+        if not (stores_quantized and device == "cpu" and native_kernels_run(kernels_from_flags)):
+            return None
+        return "gguf" if ranks == 1 else "int8"
     if quantization is not None or requested_dtype != "auto" or not stores_quantized or device != "cpu":
         return quantization
     kernels_class = native_kernels_class(kernels_from_flags)
-    return None if kernels_class is None else default_file_quantization(kernels_class, verifies_drafts)
+    if kernels_class is None:
+        return None
+    return "int8" if ranks > 1 else default_file_quantization(kernels_class, verifies_drafts)
 
 
 def distributed_backend(device: str) -> str:

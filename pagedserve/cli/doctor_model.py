@@ -158,7 +158,8 @@ def check_layer_kernels(config: EngineConfig, isa: str | None, auto_quantization
     if auto_quantization and model.quantization in (FILE_QUANTIZATION, "int8") and native is not None:
         from pagedserve.platform import native_kernels_class
 
-        detail += f"; {file_quantization_reason(native_kernels_class(), config.speculative is not None)}"
+        detail += "; " + file_quantization_reason(native_kernels_class(), config.speculative is not None,
+                                                  config.parallel.tensor_parallel_size)
     if native is None or layers.stack or (layers.experts is not None and replace(layers, experts=None).stack):
         return CheckResult("layers", PASS, detail)  # (mixture-of-experts layers: all native, never in the stack)
     if fmt.linear_kind == "packed" and not fmt.native_bf16_linears:

@@ -10,7 +10,7 @@ from typing import Any
 
 from pagedserve.config import ParallelConfig
 from pagedserve.distributed.binding import default_binding, format_cores, parse_cpu_binding
-from pagedserve.distributed.sharding import ShardLayout, check_tensor_parallel
+from pagedserve.distributed.sharding import ShardLayout, check_tensor_parallel, valid_sizes
 from pagedserve.memory.probe import Cores
 
 logger = logging.getLogger(__name__)
@@ -56,11 +56,18 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, co
         binding = default_binding(cores.thread_cpus, size)
         if len(cores.thread_cpus) < size:
             logger.warning("%d tensor-parallel ranks share %d cores: ranks on one core take turns, which is slower "
-                           "than --tensor-parallel-size %d", size, len(cores.thread_cpus), len(cores.thread_cpus))
+                           "than %s", size, len(cores.thread_cpus), _fewer_ranks(hf_config, len(cores.thread_cpus)))
     threads = args.num_threads or (max(1, len(cores.thread_cpus) // size) if word == "nobind"
                                    else min(len(cores) for cores in binding))
     return ParallelConfig(tensor_parallel_size=size, cpu_binding=tuple(tuple(c) for c in binding),
                           all_reduce=args.tp_all_reduce), threads
+
+
+def _fewer_ranks(hf_config: Any, cores: int) -> str:
+    """The flag to suggest where the ranks outnumber the cores: the largest size this model splits into that
+    the cores hold (the core count itself may not split it: SmolLM2's 9 heads on 2 cores)."""
+    size = max(n for n in valid_sizes(hf_config, limit=max(1, cores)))
+    return f"--tensor-parallel-size {size}" + (" (one process)" if size == 1 else "")
 
 
 def named_cores(cpu_binding: str, size: int, cores: Cores) -> list[list[int]]:

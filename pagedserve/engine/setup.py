@@ -290,12 +290,17 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     names = [names] if isinstance(names, str) else list(names)
     defaults, max_tokens_cap = _default_sampling(model_path, args)
     speculative = _speculative_config(args, task)
+    quantization = default_quantization(args.dtype, args.quantization, checkpoint.stores_quantized_matmuls(), device,
+                                        kernels_from_flags, verifies_drafts=speculative is not None,
+                                        ranks=parallel.tensor_parallel_size)
+    if args.quantization == "gguf" and quantization == "int8":
+        logger.warning("--quantization gguf with --tensor-parallel-size %d: a GGUF's blocks are not split across "
+                       "ranks, so each rank serves its part of the file requantized to int8 rows",
+                       parallel.tensor_parallel_size)
     model = ModelConfig(model=model_path, served_model_name=names[0], served_model_aliases=tuple(names[1:]),
                         dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
                         architecture=architecture, task=task, pooler=pooler, seed=args.seed,
-                        quantization=default_quantization(args.dtype, args.quantization,
-                                                          checkpoint.stores_quantized_matmuls(), device,
-                                                          kernels_from_flags, verifies_drafts=speculative is not None),
+                        quantization=quantization,
                         enforce_eager=args.enforce_eager,
                         reference_kernels=args.reference_kernels,
                         default_sampling=defaults, max_tokens_cap=max_tokens_cap,

@@ -49,8 +49,11 @@ def default_file_quantization(kernels_class: str, verifies_drafts: bool = False)
     return FILE_QUANTIZATION if kernels_class == "avx512" and not verifies_drafts else "int8"
 
 
-def file_quantization_reason(kernels_class: str, verifies_drafts: bool = False) -> str:
+def file_quantization_reason(kernels_class: str, verifies_drafts: bool = False, ranks: int = 1) -> str:
     """Why `--dtype auto` serves a block-quantized GGUF as default_file_quantization does here (doctor's words)."""
+    if ranks > 1:  # platform.default_quantization
+        return (f"--dtype auto requantizes the file to int8 for {ranks} tensor-parallel ranks (they split each "
+                "matrix; the file's blocks are not split)")
     blocks = default_file_quantization(kernels_class) == FILE_QUANTIZATION  # the class's choice without drafts
     if blocks and verifies_drafts:
         return ("--dtype auto requantizes the file to int8 for speculative decoding (a verification's 1 + k rows run "

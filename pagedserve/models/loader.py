@@ -85,7 +85,7 @@ def load_model(hf_config: Any, architecture: str, model_path: str, dtype: torch.
         _check_shapes(model, architecture, model_path)
     shapes = _ShapeCheck(model, architecture, model_path)
     backend = KernelBackend.choose(device, dtype, quantization, reference_kernels)  # the one decision
-    # a GGUF's own blocks (--quantization gguf) unsplit across tensor-parallel ranks: those take int8 rows
+    # a GGUF's own blocks (--quantization gguf; setup gives tensor-parallel ranks int8 rows: blocks are not split)
     checkpoint = iter_checkpoint(model_path, dtype, int8=backend.linear_kind == "int8", kernels=backend.native,
                                  blocks=quantization == FILE_QUANTIZATION and tp is None)
     num_tensors = checkpoint.num_tensors

@@ -232,6 +232,30 @@ def test_a_gguf_served_from_int8_blocks_splits_its_quantized_rows_and_columns(tm
         assert_same_logprobs(ours.logprobs, reference.logprobs)
 
 
+def test_a_ggufs_blocks_become_int8_rows_for_ranks_and_the_plan_says_so(tmp_path, caplog):
+    """Ranks split each matrix and a GGUF's 4/5-bit blocks are not split: the config says int8 for them, asked
+    for or by default (the loader ran int8 while the plan and doctor said "gguf"), and --quantization gguf says
+    why it is not served as asked."""
+    from gguf import GGMLQuantizationType
+
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.setup import create_engine_config
+    from pagedserve.platform import native_kernels_run
+    from tests.models.gguf_utils import tiny_model, write_test_gguf
+
+    path = str(write_test_gguf(tiny_model("qwen2", hidden_size=128, intermediate_size=256), tmp_path / "q4.gguf",
+                               GGMLQuantizationType.Q4_0))
+    blocks = native_kernels_run()  # without the native kernels the file is dequantized to the dtype
+    for quantization in (None, "gguf"):
+        caplog.clear()
+        config = create_engine_config(EngineArgs(model=path, max_model_len=128, tensor_parallel_size=2,
+                                                 quantization=quantization))
+        assert config.model.quantization == ("int8" if blocks else None)
+        assert ("blocks are not split across ranks" in caplog.text) == (blocks and quantization == "gguf")
+    single = create_engine_config(EngineArgs(model=path, max_model_len=128, quantization="gguf"))
+    assert single.model.quantization == ("gguf" if blocks else None)
+
+
 # Gemma 3 with head_dim 32: its sandwich norms' MLP output norm applied after the reduce, windowed layers' own views
 STACK_GEMMA3 = ("gemma3", dict(hidden_size=128, intermediate_size=256, head_dim=32, weight_std=0.1))
 

@@ -158,6 +158,15 @@ def test_nobind_auto_and_a_bad_variable(monkeypatch, caplog):
     one = Cores(((0,), (1,)))
     resolve_parallel(Args, Config, "generate", "LlamaForCausalLM", one)
     assert "4 tensor-parallel ranks share 2 cores" in caplog.text
+    assert "slower than --tensor-parallel-size 2\n" in caplog.text + "\n"
+    caplog.clear()  # a model that 2 ranks do not split (SmolLM2's 9 heads): the hint names a size it takes
+
+    class NineHeads:
+        num_attention_heads, num_key_value_heads, intermediate_size = 9, 3, 1536
+
+    Args.tensor_parallel_size = 3
+    resolve_parallel(Args, NineHeads, "generate", "LlamaForCausalLM", one)
+    assert "slower than --tensor-parallel-size 1 (one process)" in caplog.text
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())

@@ -99,3 +99,7 @@ def test_a_block_quantized_gguf_keeps_its_blocks_by_default_where_they_are_faste
         None if expected is None else "int8")
     assert platform.default_quantization("auto", "gguf", True, "cpu", kernels_from_flags=True,
                                          verifies_drafts=True) == (None if expected is None else "gguf")
+    # tensor-parallel ranks split each matrix, and the blocks are not split: int8 rows, asked for or by default
+    for asked in (None, "gguf"):
+        assert platform.default_quantization("auto", asked, True, "cpu", kernels_from_flags=True, ranks=2) == (
+            None if expected is None else "int8")
