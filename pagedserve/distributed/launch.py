@@ -41,6 +41,7 @@ class WorkerSpec:
     cores: list[int]
     num_threads: int
     parent_pid: int
+    log_level: int = 20  # the parent's pagedserve log level (logging.INFO under serve; an offline caller's own)
 
 
 class WorkerLostError(RuntimeError):
@@ -98,7 +99,8 @@ class WorkerSet:
         try:
             for rank in range(1, group.world_size):
                 ours, theirs = context.Pipe()
-                spec = WorkerSpec(rank, group.world_size, config, address, binding[rank], num_threads, os.getpid())
+                spec = WorkerSpec(rank, group.world_size, config, address, binding[rank], num_threads, os.getpid(),
+                                  logging.getLogger("pagedserve").getEffectiveLevel())
                 process = context.Process(target=worker_main, args=(spec, theirs), name=f"pagedserve-tp-rank{rank}",
                                           daemon=True)
                 process.start()

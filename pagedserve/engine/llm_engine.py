@@ -550,6 +550,8 @@ class LLMEngine:
             while self.output_processor.has_request(probe_id):
                 outputs.extend(o for o in self.step() if o.request_id != probe_id)
         except Exception as exc:
+            self.abort_request(probe_id)  # not left queued: the next call's step tried it again (QA-T)
+            self._failed.pop(probe_id, None)
             raise EngineDeadError(f"{reason}; the retry step failed too: {type(exc).__name__}: {exc}") from exc
         finally:
             self._is_probing = False

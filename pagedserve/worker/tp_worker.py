@@ -112,7 +112,7 @@ def _close(workers: WorkerSet, thread_id: int, affinity: set[int] | None) -> Non
 def worker_main(spec: WorkerSpec, conn: Any) -> None:
     """Entry point of rank spec.rank: load the shard, join the group, then run commands until "stop" or
     until rank 0 is gone. Exits non-zero on any failure, after telling rank 0 why where it can."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=spec.log_level, stream=sys.stderr,  # as rank 0's: quiet offline, INFO under serve
                         format=f"%(asctime)s.%(msecs)03d %(levelname)s [tp rank {spec.rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")  # the server's format (cli/common.py), with the rank
     threading.Thread(target=_exit_when_orphaned, args=(spec.parent_pid,), daemon=True).start()

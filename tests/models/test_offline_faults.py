@@ -21,6 +21,17 @@ def test_failed_model_step_raises_and_the_next_call_works(tiny_model_dir):
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
 
 
+def test_a_dead_engine_keeps_no_retry_request_queued(tiny_model_dir):
+    """A failed step and a failed retry: the engine is dead, and its retry's one-token request is not left
+    queued (each later call ran it again beside its own: "model step failed for 2 requests")."""
+    from pagedserve.exceptions import EngineDeadError
+
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=128, fault_injection="step:*:2")
+    with pytest.raises(EngineDeadError, match="the retry step failed too"):
+        llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 def test_a_request_larger_than_the_whole_kv_pool_fails_instead_of_waiting_forever(tiny_model_dir, chunked):
     """With a pool smaller than max_model_len (--num-gpu-blocks-override), a prompt past the pool is refused when

@@ -209,7 +209,7 @@ def test_speculative_decoding_seeded_sampling_and_grammars_with_two_ranks(tiny_m
     assert got == expected
 
 
-def test_a_gguf_served_from_int8_blocks_splits_its_quantized_rows_and_columns(tmp_path):
+def test_a_gguf_served_from_int8_blocks_splits_its_quantized_rows_and_columns(tmp_path, capfd):
     """Q8_0 matrices arrive as int8 rows with one scale each (QuantizedWeight): q/k/v and gate/up take rows and
     their scales, o and down take columns and keep the row scales, so each rank's values are exactly its part of
     one process's; only the summation order differs (float32 activations: the tolerance above)."""
@@ -223,6 +223,7 @@ def test_a_gguf_served_from_int8_blocks_splits_its_quantized_rows_and_columns(tm
     _, expected = run(path, prompts, tp=1, quantization="int8")
     llm, got = run(path, prompts, tp=2, quantization="int8")
     assert llm.engine.config.model.quantization == "int8"
+    assert "INFO [tp rank 1]" not in capfd.readouterr().err  # rank 1 logs at this process's level (WARNING here)
     # This rank's half of the embedding holds its own memory, not the whole decoded table (a view kept all of
     # it alive: ~136 MiB per rank over the plan for Qwen2.5-Coder's GGUF)
     embedding = next(p for name, p in llm.engine.runner.model.named_parameters() if "embed_tokens" in name)
