@@ -704,10 +704,11 @@ def _socket_of(connection: Any) -> Any:
         return None
 
 
-def _make_uvicorn_server(config: Any, on_grace_expired: Callable[[], None] = lambda: None) -> Any:
+def _make_uvicorn_server(config: Any, on_grace_expired: Callable[[bool], None] = lambda stopped_early: None) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
+        stop_now = False  # a second signal: the grace period ends at once
         @contextlib.contextmanager
         def capture_signals(self) -> Any:
             """As uvicorn's, minus re-raising the signal afterwards: SIGTERM/SIGINT end in a graceful
@@ -720,9 +721,16 @@ def _make_uvicorn_server(config: Any, on_grace_expired: Callable[[], None] = lam
                     signal.signal(sig, handler)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            name = signal.Signals(sig).name
             if not self.should_exit:  # the first signal: the log says the stop began (QA-AF: it said nothing)
                 logger.info("%s: stopping; requests in flight get up to %g s to finish (--shutdown-grace-s)",
-                            signal.Signals(sig).name, config.timeout_graceful_shutdown)
+                            name, config.timeout_graceful_shutdown)
+            elif not self.stop_now:  # the second: the open requests end now, each with its 503 (uvicorn's forced
+                self.stop_now = True  # exit cut streams without an error event and logged CancelledErrors)
+                logger.info("%s again: requests still open get a 503 now (another signal cuts them off)", name)
+                return
+            else:  # the third: uvicorn's forced exit
+                self.force_exit = True
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets: Any = None) -> None:
@@ -736,15 +744,26 @@ def _make_uvicorn_server(config: Any, on_grace_expired: Callable[[], None] = lam
             stream cut short), but:
             - shortly before the grace period ends, `on_grace_expired` fails the requests still open, so each
               gets a 503 with an error body (a stream: an error event and [DONE]) while there is time to send it;
+              a second signal does that at once, and cuts off what has not answered _ANSWER_TIME_S later;
             - once no request is running the connections left open are shut, not waited for: closing a TLS
               connection waits for the client's close_notify (asyncio allows 30 s), and a client idling on a
               keep-alive connection never sends one, so an https server took the whole grace period to stop."""
             grace = self.config.timeout_graceful_shutdown
             fail_at = None if grace is None else time.monotonic() + grace - min(_ANSWER_TIME_S, grace / 2)
+            answer_by = None  # after a second signal: the failed requests' time to send their 503s
             while self.server_state.tasks and not self.force_exit:
-                if fail_at is not None and time.monotonic() >= fail_at:
+                now = time.monotonic()
+                if self.stop_now and answer_by is None:
+                    answer_by = now + _ANSWER_TIME_S
+                    if fail_at is not None or grace is None:  # (not failed already by the grace period)
+                        fail_at = None
+                        on_grace_expired(True)
+                if fail_at is not None and now >= fail_at:
                     fail_at = None
-                    on_grace_expired()
+                    on_grace_expired(False)
+                if answer_by is not None and now >= answer_by:
+                    self.force_exit = True  # what has not answered by now is cut off
+                    break
                 await asyncio.sleep(0.05)
             for sock in getattr(self, "open_sockets", ()):
                 with contextlib.suppress(OSError):  # on a duplicate: uvloop's transport sockets refuse shutdown()
@@ -829,14 +848,15 @@ def run_server(args: EngineArgs, options: ServeOptions, startup: StartupTracker)
                             **options.uvicorn_tls())
     outcome = {"exit_code": 0}
 
-    def grace_expired() -> None:
+    def grace_expired(stopped_early: bool = False) -> None:
         state.stopping.set()
         engine = state.engine
-        failed = engine.fail_all(f"the server is shutting down: this request did not finish within "
-                                 f"--shutdown-grace-s ({options.shutdown_grace_s:g} s)") if engine else 0
+        why = ("it was stopped by a second signal" if stopped_early else
+               f"this request did not finish within --shutdown-grace-s ({options.shutdown_grace_s:g} s)")
+        failed = engine.fail_all(f"the server is shutting down: {why}") if engine else 0
         if failed:
-            logger.warning("shutdown grace period (%g s) ran out: %d request(s) still open get a 503",
-                           options.shutdown_grace_s, failed)
+            logger.warning("%s: %d request(s) still open get a 503", "a second signal" if stopped_early else
+                           f"shutdown grace period ({options.shutdown_grace_s:g} s) ran out", failed)
 
     server = _make_uvicorn_server(config, grace_expired)
 
