@@ -167,11 +167,19 @@ def test_sigterm_lets_in_flight_request_finish(tiny_model_dir, tmp_path):
     assert "SIGTERM: stopping; requests in flight get up to 30 s" in log and "stopped (exit code 0)" in log
 
 
-def test_requests_outlasting_the_shutdown_grace_get_a_503_body_or_an_error_event(long_context_model, tmp_path):
+@pytest.mark.parametrize("grace,second_signal,says", [
+    ("2", False, "--shutdown-grace-s (2 s)"),
+    ("120", True, "stopped by a second signal"),
+], ids=["grace-runs-out", "second-signal"])
+def test_requests_outlasting_the_shutdown_grace_get_a_503_body_or_an_error_event(long_context_model, tmp_path, grace,
+                                                                                second_signal, says):
     """When --shutdown-grace-s runs out, requests still open get a 503 with an OpenAI error body, and a stream
-    an error event and [DONE] (uvicorn's cancellation gave a plain-text 500 and cut the stream)."""
+    an error event and [DONE] (uvicorn's cancellation gave a plain-text 500 and cut the stream). A second signal
+    while requests still run (SIGINT after SIGTERM: a Ctrl-C after systemctl stop) ends the grace period there and
+    then, the same way: uvicorn's forced exit cut the streams without an event and logged a CancelledError
+    traceback per request (QA-T)."""
     server = start_server(long_context_model, "--max-model-len", "8192", "--dtype", "float32",
-                          "--shutdown-grace-s", "2", log_dir=tmp_path)
+                          "--shutdown-grace-s", grace, log_dir=tmp_path)
     body = {"prompt": "go", "max_tokens": 8000, "ignore_eos": True}  # many seconds
     replies = {}
     plain = threading.Thread(target=lambda: replies.update(
@@ -183,45 +191,19 @@ def test_requests_outlasting_the_shutdown_grace_get_a_503_body_or_an_error_event
         _wait_running(server, 2)
         started = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
+        if second_signal:
+            time.sleep(0.5)  # still draining: the grace period is 120 s
+            assert server.process.poll() is None
+            server.process.send_signal(signal.SIGINT)
         events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
     plain.join(30)
     assert server.process.wait(30) == 0
     assert time.monotonic() - started < 10
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert error["code"] == 503 and "--shutdown-grace-s (2 s)" in error["message"]
+    assert error["code"] == 503 and says in error["message"]
     assert replies["plain"].status_code == 503
     assert "shutting down" in replies["plain"].json()["error"]["message"]
-
-
-def test_a_second_signal_ends_open_requests_at_once_each_with_its_503(long_context_model, tmp_path):
-    """SIGTERM, then SIGINT while requests still run (a Ctrl-C after systemctl stop): the grace period ends there
-    and then, each request with a 503 (a stream: an error event and [DONE]); uvicorn's forced exit cut the
-    streams without one and logged a CancelledError traceback per request (QA-T)."""
-    server = start_server(long_context_model, "--max-model-len", "8192", "--dtype", "float32",
-                          "--shutdown-grace-s", "120", log_dir=tmp_path)
-    body = {"prompt": "go", "max_tokens": 8000, "ignore_eos": True}  # many seconds
-    replies = {}
-    plain = threading.Thread(target=lambda: replies.update(
-        plain=httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)))
-    plain.start()
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
-        lines = stream.iter_lines()
-        assert next(line for line in lines if line.startswith("data: {"))  # generating
-        _wait_running(server, 2)
-        started = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)  # still draining: the grace period is 120 s
-        assert server.process.poll() is None
-        server.process.send_signal(signal.SIGINT)
-        events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-    plain.join(30)
-    assert server.process.wait(30) == 0
-    assert time.monotonic() - started < 10
-    assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]
-    assert error["code"] == 503 and "stopped by a second signal" in error["message"]
-    assert replies["plain"].status_code == 503
     assert "Exception in ASGI application" not in server.log() and "CancelledError" not in server.log()
 
 
