@@ -185,6 +185,16 @@ def test_extra_fields_that_do_not_parse_keep_the_message_in_the_box(open_page, s
         send(page, "third")
         assert page.input_value("#prompt") == "third" and says in page.text_content("#settings-error")
     assert page.locator(".message.user").count() == 1
+    # Regenerate and edit-and-resend check the fields before they change anything: they popped the reply or cut
+    # the turns after the edited one first, then refused, and the next save kept the loss (QA-W).
+    page.fill("#prompt", "")
+    page.click(".message.assistant .regenerate")
+    page.click(".message.user button:has-text('Edit')")
+    page.fill(".message.user textarea.edit", "changed")
+    page.press(".message.user textarea.edit", "Enter")
+    assert "Extra request fields" in page.text_content("#settings-error")
+    page.click(".message.user button:has-text('Cancel')")  # redrawn from the conversation as it is now
+    assert page.locator(".message").count() == 2 and page.text_content(".message.user .body") == "first"
 
 
 def test_a_reply_with_n_choices_shows_the_first_one(open_page, server):
@@ -283,6 +293,50 @@ def test_a_reply_nested_past_the_renderer_s_depth_and_a_full_storage_leave_the_p
     assert "storage is full" in page.locator("#chat-error").text_content()
     page.evaluate("Object.keys(localStorage).filter(k => k.startsWith('filler'))"
                   ".forEach(k => localStorage.removeItem(k))")
+
+
+def test_stored_data_of_another_shape_is_left_out_and_said(open_page, server):
+    """Valid JSON of the wrong shape in storage (an object, null entries, a conversation without messages; a null
+    system prompt, a number for the extra fields) threw at start-up, or blocked every send, with nothing shown."""
+    page = open_page(server.url + "/")
+    page.evaluate("""() => {
+        localStorage.setItem('pagedserve.conversations.v1', JSON.stringify(
+            [null, {id: 'x', title: 't'}, {id: 'ok', title: 5, messages: [{role: 'user', content: 'kept'}]}]));
+        localStorage.setItem('pagedserve.settings.v1', JSON.stringify({system: null, extra: 5, max_tokens: '6'}));
+    }""")
+    page.reload()
+    page.wait_for_selector("#status.ready")
+    assert "2 stored conversations could not be read" in page.text_content("#chat-error")
+    assert page.locator(".conversation").count() == 1 and page.text_content(".conversation .title") == "Untitled"
+    assert page.input_value("[data-setting=max_tokens]") == "6" and page.input_value("[data-setting=extra]") == ""
+    page.click("#new-chat")
+    send(page, "still works")
+    assert "6 tokens" in wait_reply_done(page).locator(".stats").text_content()
+    page.evaluate("localStorage.setItem('pagedserve.conversations.v1', '{\"a\": 1}')")
+    page.reload()
+    page.wait_for_selector("#status.ready")
+    assert "A stored conversation could not be read" in page.text_content("#chat-error")
+    send(page, "and again")
+    wait_reply_done(page)
+    assert [c["title"] for c in stored_conversations(page)] == ["and again"]
+
+
+def test_new_chat_opens_an_empty_conversation_beside_another_tab_s(open_page, server):
+    """A tab on an empty conversation took the first in the list for "+ New chat", which was the other tab's
+    conversation (another tab's come first): its next message went into that one (QA-W)."""
+    page = ready_page(open_page, server)
+    other = second_tab(page)
+    set_settings(page, max_tokens="4", temperature="0")
+    send(page, "from tab A")
+    wait_reply_done(page)
+    other.wait_for_selector(".conversation .title:has-text('from tab A')")
+    other.click("#new-chat")
+    assert other.locator(".message").count() == 0
+    send(other, "from tab B")
+    wait_reply_done(other)
+    titles = {c["title"]: len(c["messages"]) for c in stored_conversations(other)}
+    assert titles == {"from tab A": 2, "from tab B": 2}
+    other.close()
 
 
 def test_a_failed_turn_does_not_spoil_the_conversation(open_page, server):

@@ -16,9 +16,10 @@
   // Fields the page sets itself: from the extra fields they would break the stream it reads.
   const PAGE_FIELDS = ["messages", "stream", "stream_options"];
 
-  let conversations = loadJSON(STORE, []);
+  let unreadable = 0;  // stored conversations of the wrong shape, left out (said under the chat)
+  let conversations = loadConversations();
   let currentId = localStorage.getItem(CURRENT);
-  let settings = Object.assign({}, DEFAULTS, loadJSON(SETTINGS, {}));
+  let settings = loadSettings();
   let streaming = null;  // {controller, conversation, message} while a reply streams
   let renderQueued = false;
   let lastSaved = 0;
@@ -32,6 +33,35 @@
     } catch (_) {
       return fallback;
     }
+  }
+
+  // What storage holds, as far as it is conversations: valid JSON of another shape (an object, null entries, a
+  // conversation without messages) threw at start-up and left a page whose Send did nothing (QA-W).
+  function loadConversations() {
+    const value = loadJSON(STORE, []);
+    const list = Array.isArray(value) ? value : [];
+    const valid = list.filter((c) => c && typeof c === "object" && typeof c.id === "string" &&
+      Array.isArray(c.messages) && c.messages.every((m) => m && typeof m === "object" &&
+        typeof m.role === "string" && typeof m.content === "string"));
+    unreadable = Array.isArray(value) ? list.length - valid.length : 1;
+    for (const conversation of valid) {
+      if (typeof conversation.title !== "string") conversation.title = "Untitled";
+    }
+    return valid;
+  }
+
+  // The settings, each of its default's kind (a null or a number where text goes blocked every send).
+  function loadSettings() {
+    const value = loadJSON(SETTINGS, {});
+    const result = Object.assign({}, DEFAULTS);
+    if (!value || typeof value !== "object") return result;
+    for (const key of Object.keys(DEFAULTS)) {
+      const kind = typeof DEFAULTS[key];
+      const ok = kind === "boolean" ? typeof value[key] === "boolean" :
+        typeof value[key] === "string" || (kind === "number" && typeof value[key] === "number");
+      if (ok) result[key] = value[key];
+    }
+    return result;
   }
 
   // Each change stamps its conversation; of two tabs' copies of one conversation the later-changed one is kept
@@ -62,7 +92,7 @@
   function save() {
     lastSaved = Date.now();
     if (streaming) streaming.message.beat = lastSaved;
-    merge(loadJSON(STORE, []));
+    merge(loadConversations());
     try {
       localStorage.setItem(STORE, JSON.stringify(conversations));
       for (const conversation of conversations) stored.add(conversation.id);
@@ -77,12 +107,12 @@
   // Another tab saved: take its conversations, changes and deletions (merge), or its settings.
   global.addEventListener("storage", (event) => {
     if (event.key === SETTINGS) {
-      settings = Object.assign({}, DEFAULTS, loadJSON(SETTINGS, {}));
+      settings = loadSettings();
       showSettings();
       return;
     }
     if (event.key !== STORE) return;
-    merge(loadJSON(STORE, []));
+    merge(loadConversations());
     settleStale();
     renderConversations();
     if (!streaming) renderMessages(true);
@@ -353,8 +383,8 @@
     editor.className = "edit";
     editor.value = message.content;
     editor.setAttribute("aria-label", "Edit message");
-    const resend = () => {
-      if (!editor.value.trim() || !canSend() || busyElsewhere(conversation)) return;
+    const resend = () => {  // the fields checked first: a failed check cut the later messages all the same
+      if (!editor.value.trim() || !canSend() || busyElsewhere(conversation) || !extraFieldsParse()) return;
       message.content = editor.value;
       conversation.messages = conversation.messages.slice(0, index + 1);
       reply(conversation);
@@ -371,8 +401,8 @@
     editor.focus();
   }
 
-  function regenerate(conversation) {
-    if (!canSend() || busyElsewhere(conversation)) return;
+  function regenerate(conversation) {  // (a failed check of the extra fields in reply() had popped the reply)
+    if (!canSend() || busyElsewhere(conversation) || !extraFieldsParse()) return;
     conversation.messages.pop();
     reply(conversation);
   }
@@ -597,10 +627,9 @@
     if (event.key === "Escape" && streaming) stop();
   });
   $("stop").addEventListener("click", stop);
-  $("new-chat").addEventListener("click", () => {
+  $("new-chat").addEventListener("click", () => {  // this one if it is empty (conversations[0] may be another tab's)
     const conversation = current();
-    if (conversation.messages.length) createConversation();
-    selectConversation(conversations[0].id);
+    selectConversation((conversation.messages.length ? createConversation() : conversation).id);
   });
   $("export-chat").addEventListener("click", exportConversation);
 
@@ -617,4 +646,9 @@
   if (matchMedia("(max-width: 900px)").matches) $("settings").open = false;  // a phone: the chat first
   current();
   renderAll();
+  if (unreadable) {
+    const which = unreadable === 1 ? "A stored conversation" : `${unreadable} stored conversations`;
+    $("chat-error").textContent = `${which} could not be read (not this page's format): left out, and dropped ` +
+      "at the next save.";
+  }
 })(window);

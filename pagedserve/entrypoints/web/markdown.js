@@ -9,7 +9,9 @@
 
   const SAFE_URL = /^(https?:\/\/|mailto:)/i;
   const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)/;
-  const HEADING = /^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+  // The text after the marker, its closing #s cut in code (headingText): a lazy (.*?) before \s*#*\s*$ tried every
+  // split of a run of spaces, and a heading with thousands of them froze the tab for seconds (QA-W).
+  const HEADING = /^ {0,3}(#{1,6})\s+(.*)$/;
   const RULE = /^ {0,3}([-*_])(\s*\1){2,}\s*$/;
   const QUOTE = /^ {0,3}>\s?/;
   const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
@@ -197,12 +199,24 @@
     return { node: p, next: i };
   }
 
+  // A heading's text without its closing sequence: trailing #s after a space (or alone), then spaces.
+  function headingText(text) {
+    text = text.trimEnd();
+    let end = text.length;
+    while (end > 0 && text[end - 1] === "#") end--;
+    return end === 0 || text[end - 1] === " " || text[end - 1] === "\t" ? text.slice(0, end).trimEnd() : text;
+  }
+
   function block(lines, i, depth) {
     const line = lines[i];
     if (FENCE.test(line)) return codeBlock(lines, i);
     if (depth >= MAX_NESTING && (QUOTE.test(line) || ITEM.test(line))) return paragraph(lines, i);
     const h = line.match(HEADING);
-    if (h) { const node = el("h" + h[1].length); node.append(...inline(h[2])); return { node, next: i + 1 }; }
+    if (h) {
+      const node = el("h" + h[1].length);
+      node.append(...inline(headingText(h[2])));
+      return { node, next: i + 1 };
+    }
     if (RULE.test(line)) return { node: el("hr"), next: i + 1 };
     if (QUOTE.test(line)) {
       let end = i;
