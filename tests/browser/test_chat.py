@@ -222,18 +222,19 @@ def test_conversations_new_rename_delete_export(open_page, server):
     wait_reply_done(page)
     # Rename the current one (the first in the list): Enter keeps the new title.
     page.click(".conversation >> nth=0 >> .rename")
-    page.fill(".rename-input", "Renamed chat")
+    page.fill(".rename-input", "Renamed 聊天")
     page.press(".rename-input", "Enter")
-    assert page.locator(".conversation .title").all_text_contents() == ["Renamed chat", "first conversation"]
-    assert page.evaluate("document.activeElement.textContent") == "Renamed chat"  # not the page's body
+    assert page.locator(".conversation .title").all_text_contents() == ["Renamed 聊天", "first conversation"]
+    assert page.evaluate("document.activeElement.textContent") == "Renamed 聊天"  # not the page's body
     page.click(".conversation >> nth=0 >> .rename")  # Esc keeps the old title (the input's blur saved the new)
     page.fill(".rename-input", "Not this")
     page.press(".rename-input", "Escape")
-    assert page.locator(".conversation .title").all_text_contents() == ["Renamed chat", "first conversation"]
+    assert page.locator(".conversation .title").all_text_contents() == ["Renamed 聊天", "first conversation"]
     with page.expect_download() as download:
         page.click("#export-chat")
     exported = json.loads(open(download.value.path()).read())
-    assert exported["title"] == "Renamed chat"
+    assert exported["title"] == "Renamed 聊天"
+    assert download.value.suggested_filename == "Renamed_聊天.json"  # any script's letters kept (was "Renamed_.json")
     assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
     assert exported["messages"][0]["content"] == "second conversation"
     page.click(".conversation >> nth=0 >> .delete")

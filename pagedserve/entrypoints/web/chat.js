@@ -251,7 +251,9 @@
     const url = URL.createObjectURL(new Blob([JSON.stringify(data, null, 2)], { type: "application/json" }));
     const a = document.createElement("a");
     a.href = url;
-    a.download = `${conversation.title.replace(/[^\w.-]+/g, "_").slice(0, 60) || "conversation"}.json`;
+    // Letters and digits of any script kept (a Chinese title was saved as "_.json"); 60 characters, not UTF-16 units
+    const name = Array.from(conversation.title.replace(/[^\p{L}\p{N}.-]+/gu, "_").replace(/^[_.]+|_+$/g, ""));
+    a.download = `${name.slice(0, 60).join("") || "conversation"}.json`;
     document.body.append(a);
     a.click();
     a.remove();
