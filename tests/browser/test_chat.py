@@ -69,6 +69,11 @@ def test_stop_aborts_the_request_and_frees_its_kv_blocks(open_page, server):
     page.wait_for_function("document.querySelector('.message.assistant.pending .body').textContent.length > 200")
     assert metric(server, "vllm:num_requests_running") == 1
     assert metric(server, "vllm:kv_cache_usage_perc") > 0
+    # In another conversation the reply has no Stop (it stopped this one's reply) and Send waits for it.
+    page.click("#new-chat")
+    assert page.locator("#stop").is_hidden() and page.locator("#send").is_disabled()
+    page.click(".conversation .title:has-text('Tell me a long story')")
+    assert page.locator(".message.assistant.pending").count() == 1
     page.click("#stop")
     reply = wait_reply_done(page, timeout=10_000)
     assert "stopped" in reply.locator(".stats").text_content()

@@ -370,10 +370,17 @@
   function renderAll(keepScroll) {
     renderConversations();
     renderMessages(keepScroll);
-    const busy = Boolean(streaming);
-    $("send").hidden = busy;
-    $("stop").hidden = !busy;
-    $("send").disabled = !canSend();
+    showSendOrStop();
+  }
+
+  // Stop where the reply streams; elsewhere Send, disabled until it ends (one reply at a time: a Stop shown in
+  // another conversation stopped this one's reply, QA-W).
+  function showSendOrStop() {
+    const here = Boolean(streaming) && streaming.conversation === current();
+    $("send").hidden = here;
+    $("stop").hidden = !here;
+    $("send").disabled = !canSend() || Boolean(streaming);
+    $("send").title = streaming && !here ? "A reply is being written in another conversation" : "";
   }
 
   // Ready, and where the server wants a key, one given (a message sent before it came back as a 401 reply).
@@ -639,10 +646,10 @@
   PS.on("health", (server) => {
     if (server.ready !== wasReady) {
       wasReady = server.ready;
-      $("send").disabled = !canSend();
+      showSendOrStop();
     }
   });
-  PS.on("key", () => { $("send").disabled = !canSend(); });
+  PS.on("key", showSendOrStop);
 
   bindSettings();
   if (matchMedia("(max-width: 900px)").matches) $("settings").open = false;  // a phone: the chat first
