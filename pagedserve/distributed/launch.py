@@ -41,7 +41,7 @@ class WorkerSpec:
     cores: list[int]
     num_threads: int
     parent_pid: int
-    log_level: int = 20  # the parent's pagedserve log level (logging.INFO under serve; an offline caller's own)
+    log_level: int = logging.INFO  # the parent's pagedserve log level (INFO under serve; an offline caller's own)
 
 
 class WorkerLostError(RuntimeError):

@@ -66,7 +66,7 @@ def resolve_parallel(args: Any, hf_config: Any, task: str, architecture: str, co
 def _fewer_ranks(hf_config: Any, cores: int) -> str:
     """The flag to suggest where the ranks outnumber the cores: the largest size this model splits into that
     the cores hold (the core count itself may not split it: SmolLM2's 9 heads on 2 cores)."""
-    size = max(n for n in valid_sizes(hf_config, limit=max(1, cores)))
+    size = max(valid_sizes(hf_config, limit=max(1, cores)))  # 1 always splits
     return f"--tensor-parallel-size {size}" + (" (one process)" if size == 1 else "")
 
 

@@ -709,6 +709,7 @@ def _make_uvicorn_server(config: Any, on_grace_expired: Callable[[bool], None] =
 
     class Server(uvicorn.Server):
         stop_now = False  # a second signal: the grace period ends at once
+
         @contextlib.contextmanager
         def capture_signals(self) -> Any:
             """As uvicorn's, minus re-raising the signal afterwards: SIGTERM/SIGINT end in a graceful
