@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import stat
 import sys
 import tempfile
 import threading
@@ -164,7 +165,8 @@ def _is_url(path: str) -> bool:
 def _open_input(path: str) -> TextIO:
     """The input, checked before the model loads (ValueError naming --input-file): standard input, an http(s) URL
     (fetched whole, as vLLM's run-batch GETs it), or a file (read through once for UTF-8, then read again line by
-    line as the batch runs)."""
+    line as the batch runs; a pipe such as <(...) or /dev/stdin, which reads once, is read whole: it gave nothing
+    the second time, and the batch ran no request)."""
     if path == "-":
         return sys.stdin
     if _is_url(path):
@@ -181,6 +183,9 @@ def _open_input(path: str) -> TextIO:
             raise ValueError(f"--input-file {path}: not UTF-8 text (a JSONL file of requests)") from None
 
     def check() -> TextIO:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            with open(path, encoding="utf-8") as handle:
+                return io.StringIO(handle.read())
         with open(path, encoding="utf-8") as handle:
             for _ in iter(lambda: handle.read(1 << 20), ""):
                 pass
@@ -230,6 +235,10 @@ def run(args: argparse.Namespace) -> int:
         # Checked before the model loads (an output that cannot be written fails now, not after the batch ran),
         # and not emptied until it does: a typo in the model name kept a previous output.
         existed = output is not None and os.path.exists(output)
+        if existed and isinstance(source, io.TextIOWrapper) and source is not sys.stdin and os.path.samefile(
+                args.input_file, output):  # the input is read as the batch runs: opening the output emptied it
+            raise ValueError(f"--output-file {args.output_file} is the --input-file: the input is read as the "
+                             "batch runs, so writing there would erase it; name another output file")
         if output is not None:
             _flag_error("--output-file", output, lambda: open(output, "a", encoding="utf-8").close())
         state = ServerState(StartupTracker())

@@ -425,7 +425,7 @@ def check_engine_args(args: EngineArgs) -> None:
                          f"{args.long_prefill_token_threshold}")
     if args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    if args.max_model_len is not None and args.max_model_len < 2:
+    if args.max_model_len not in (None, AUTO_SIZE, "auto") and args.max_model_len < 2:  # auto: resolved later
         raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     if args.dtype != "auto":
         try:

@@ -15,8 +15,9 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from pagedserve.cli.main import main
-from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.setup import PLAIN_CONFIG_DEFAULTS, create_engine_config, hf_config_from_checkpoint
+from pagedserve.engine.arg_utils import AUTO_SIZE, EngineArgs
+from pagedserve.engine.setup import (PLAIN_CONFIG_DEFAULTS, check_engine_args, create_engine_config,
+                                     hf_config_from_checkpoint)
 from pagedserve.formats import gguf as gguf_format
 from pagedserve.memory.checkpoint import read_checkpoint_info
 from pagedserve.memory.plan import GIB, HOST_BYTES_PER_KV_BLOCK, InsufficientMemoryError
@@ -413,6 +414,8 @@ def test_max_model_len_auto_is_the_longest_sequence_the_memory_holds(tiny_model_
                             *fake_host(tmp_path / "large", 16 * 1024 * 1024))
     assert code == 0 and roomy["request"]["max_model_len"] == 1 << 21
     args = EngineArgs(model=model, max_num_seqs=1, max_model_len="auto", device="cpu")
+    for asked in ("auto", AUTO_SIZE):  # serve, doctor and run-batch check the flags first: they refused -1
+        check_engine_args(EngineArgs(model=model, max_model_len=asked))
     config = create_engine_config(args, available=AvailableMemory(1 << 30, "MemAvailable", "a test"))
     assert config.model.max_model_len == config.scheduler.max_model_len == suggested
     # a pool asked for by its blocks: what they hold (4 of 16 tokens besides the null block), though it "fits"

@@ -25,9 +25,11 @@ def test_a_batch_file_gets_one_answer_per_line_in_order(tiny_model_dir, tmp_path
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in requests) + "\nnot json\n")  # line 9, after a blank one
     target = tmp_path / "out.jsonl"
-    run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", str(source), "-o", str(target),
+    # through a pipe (/dev/stdin here; `-i <(...)` alike), which reads once: the check's pass through the input
+    # left nothing for the batch ("0 requests, 0 failed", exit 0)
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "run-batch", "-i", "/dev/stdin", "-o", str(target),
                           tiny_model_dir("llama"), "--dtype", "float32", "--max-model-len", "256"],
-                         capture_output=True, text=True, timeout=300)
+                         input=source.read_text(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "run-batch: 8 requests, 6 failed" in run.stderr
     lines = [json.loads(line) for line in target.read_text().splitlines()]
@@ -144,6 +146,13 @@ def test_a_model_that_does_not_start_keeps_an_earlier_output(tmp_path, capsys):
     assert main(["run-batch", "-i", str(tmp_path), "-o", str(fresh), "smollm2-135m-instruct",
                  "--max-concurrency", "1"]) == 2
     assert f"--input-file {tmp_path}: Is a directory" in capsys.readouterr().err
+    # the same file as input and output (here through a symlink): opening the output emptied the input, and the
+    # batch ran nothing with exit 0
+    alias = tmp_path / "alias.jsonl"
+    alias.symlink_to(source)
+    assert main(["run-batch", "-i", str(source), "-o", str(alias), "smollm2-135m-instruct"]) == 2
+    assert f"--output-file {alias} is the --input-file" in capsys.readouterr().err
+    assert source.read_text().startswith('{"custom_id": "a"')
 
 
 def test_lines_are_read_as_the_batch_goes_and_nothing_is_kept():
