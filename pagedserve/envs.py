@@ -84,6 +84,12 @@ def api_key() -> str | None:
     return os.environ.get("PAGEDSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
+def client_api_key() -> str | None:
+    """The key a client command (bench) sends: api_key(), else $OPENAI_API_KEY, which vLLM's bench sends (a server
+    never takes its own key from it)."""
+    return api_key() or os.environ.get("OPENAI_API_KEY") or None
+
+
 def vllm_cpu_kvcache_space_gib() -> float | None:
     """$VLLM_CPU_KVCACHE_SPACE (GiB of KV cache on CPU), honoured for drop-in compatibility with vLLM."""
     raw = os.environ.get("VLLM_CPU_KVCACHE_SPACE")

@@ -70,7 +70,7 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
                         choices=["/v1/completions", "/v1/chat/completions", "/v1/embeddings"],
                         help="(default: the --backend's)")
     target.add_argument("--api-key", default=None,
-                        help="bearer token (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY)")
+                        help="bearer token (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY, else $OPENAI_API_KEY)")
     target.add_argument(
         "--request-timeout",
         type=float,
@@ -173,7 +173,7 @@ def _register_startup(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     parser.add_argument("--grace-period", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--api-key", default=None,
-                        help="bearer token (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY)")
+                        help="bearer token (default: $PAGEDSERVE_API_KEY, else $VLLM_API_KEY, else $OPENAI_API_KEY)")
     parser.add_argument("--log-file", default=None, help="server output (default: a temporary file, reported)")
     parser.add_argument("--json", dest="json_path", default=None, help="write every figure here")
     # One REMAINDER positional keeps `--` in place (MODEL plus a `?` positional would not): MODEL, our
@@ -239,7 +239,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         temperature=args.temperature,
         tokenizer=args.tokenizer,
         prompt_format=args.prompt_format,
-        api_key=args.api_key or envs.api_key(),
+        api_key=args.api_key or envs.client_api_key(),
         request_timeout=args.request_timeout,
         show_progress=not args.no_progress,
         burstiness=args.burstiness,
@@ -386,7 +386,7 @@ def startup_config_from_args(args: argparse.Namespace) -> StartupBenchConfig:
         endpoint=args.endpoint,
         grace_period=args.grace_period,
         log_path=args.log_file,
-        api_key=args.api_key or envs.api_key(),
+        api_key=args.api_key or envs.client_api_key(),
     )
 
 
@@ -452,6 +452,11 @@ def run_throughput(args: argparse.Namespace) -> int:
         return 1
     load_seconds = time.perf_counter() - start
     model_config = llm.engine.config.model
+    if model_config.task != "generate":  # (its first prompt raised "give PoolingParams" with a traceback)
+        print(f"pagedserve bench throughput: error: {engine_args.model} is an embedding model: bench throughput "
+              "times text generation (serve it and time /v1/embeddings: pagedserve bench serve --backend "
+              "openai-embeddings)", file=sys.stderr)
+        return 2
     longest = int(config.input_len * (1 + config.range_ratio)) + int(config.output_len * (1 + config.range_ratio))
     if longest > model_config.max_model_len:
         print(f"pagedserve bench throughput: error: prompts + outputs reach {longest} tokens, more than "

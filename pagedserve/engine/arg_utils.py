@@ -86,13 +86,24 @@ _KEYWORD_TYPES = {"int": (numbers.Integral,), "int | None": (numbers.Integral, t
                   "float | None": (numbers.Real, type(None))}
 
 
+def keyword_aliases(cls: type) -> dict[str, str]:
+    """The keyword forms of `cls`'s long flag aliases -> their fields (kv_cache_memory_bytes -> kv_cache_memory)."""
+    return {alias[2:].replace("-", "_"): f.name for f in dataclasses.fields(cls)
+            for alias in f.metadata.get("aliases", ()) if alias.startswith("--")}
+
+
 def read_keywords(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments for `cls` (a FlagArgs dataclass, as LLM(...) passes them) checked as its flags are: size
     fields given as strings ("1k", "32K", "auto") read as the flags read them, and a value of another type than
     the field's a ValueError naming the keyword (LLM(seed="abc") loaded the model, then failed in torch)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    read = dict(kwargs)
+    aliases = keyword_aliases(cls)
+    read = {}  # a flag's other name is its keyword's too (vLLM's kv_cache_memory_bytes: --kv-cache-memory-bytes)
     for name, value in kwargs.items():
+        if aliases.get(name, name) in read:
+            raise ValueError(f"{name} and {aliases.get(name, name)} name one setting: give one of them")
+        read[aliases.get(name, name)] = value
+    for name, value in list(read.items()):
         field = fields.get(name)
         if field is None:
             continue  # the dataclass's own TypeError names it

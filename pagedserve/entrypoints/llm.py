@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from pagedserve.beam_search import BeamSearchOutput, check_candidates, generated_tokens, scoring_params, search
 from pagedserve.engine import vllm_compat
-from pagedserve.engine.arg_utils import EngineArgs, read_keywords
+from pagedserve.engine.arg_utils import EngineArgs, keyword_aliases, read_keywords
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
 from pagedserve.exceptions import InvalidRequestError, request_error
 from pagedserve.metrics import EngineMetrics
@@ -409,7 +409,8 @@ def _check_keyword_names(kwargs: dict[str, Any]) -> None:
     import dataclasses
     import difflib
 
-    known = [f.name for f in dataclasses.fields(EngineArgs)] + list(vllm_compat.keyword_names())
+    known = ([f.name for f in dataclasses.fields(EngineArgs)] + list(keyword_aliases(EngineArgs))
+             + list(vllm_compat.keyword_names()))
     for name in kwargs:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)

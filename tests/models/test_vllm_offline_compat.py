@@ -317,6 +317,13 @@ def test_keyword_mistakes_are_named_before_loading(tiny_model_dir, monkeypatch):
         LLM(tiny_model_dir("llama"), gpu_memory_utilisation=0.5)
     assert read_keywords(EngineArgs, {"max_model_len": "auto", "seed": None, "enforce_eager": 1}) == {
         "max_model_len": AUTO_SIZE, "seed": None, "enforce_eager": 1}  # "auto" was refused (QA-X)
+    # vLLM's keyword for the KV cache's bytes, the flag's other name (a TypeError "did you mean kv_cache_memory")
+    assert read_keywords(EngineArgs, {"kv_cache_memory_bytes": "1G"}) == {"kv_cache_memory": 1 << 30}
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes and kv_cache_memory name one setting"):
+        read_keywords(EngineArgs, {"kv_cache_memory": 1, "kv_cache_memory_bytes": 2})
+    from pagedserve.entrypoints.llm import _check_keyword_names
+
+    _check_keyword_names({"kv_cache_memory_bytes": 1 << 30})  # LLM's own check of the names let it by too
     from pagedserve.engine.vllm_compat import split_keywords
 
     assert split_keywords({"hf_overrides": {}})[0] == {}  # vLLM's default: asks for nothing

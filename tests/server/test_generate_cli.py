@@ -38,6 +38,16 @@ def test_an_embedding_model_is_named_as_such():
     assert "Traceback" not in run.stderr
 
 
+def test_bench_throughput_names_an_embedding_model(capsys):
+    """It loaded the model, then its first prompt ended in a traceback ("give PoolingParams")."""
+    from pagedserve.cli.main import main
+
+    assert main(["bench", "throughput", "all-minilm-l6-v2", "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "2", "--num-iters", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "is an embedding model: bench throughput times text generation" in err and "Traceback" not in err
+
+
 def test_chat_without_a_template_says_to_leave_out_chat(tiny_model_dir, tmp_path):
     """It named the Python API's way out (generate() or chat_template), which the command line has not."""
     import shutil

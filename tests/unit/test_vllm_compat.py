@@ -219,13 +219,28 @@ def test_one_name_for_the_default_model_and_model_as_a_flag_still_work():
 @pytest.mark.parametrize("env, flags, keys", [
     ({"VLLM_API_KEY": "v"}, "", ["v"]), ({"PAGEDSERVE_API_KEY": "p", "VLLM_API_KEY": "v"}, "", ["p"]),
     ({"VLLM_API_KEY": "v"}, "--api-key k1 k2", ["k1", "k2"]), ({}, "", None),
+    ({"OPENAI_API_KEY": "o"}, "", None),  # a client's variable: the server does not take its key from it
 ])
 def test_api_keys_from_the_flag_or_pagedserve_s_or_vllm_s_variable(monkeypatch, env, flags, keys):
-    for name in ("PAGEDSERVE_API_KEY", "VLLM_API_KEY"):
+    for name in ("PAGEDSERVE_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert serve.checked_settings(parse(f"serve m {flags}"))[1].api_key == keys
+
+
+def test_bench_sends_the_key_vllm_s_bench_does(monkeypatch):
+    """$OPENAI_API_KEY, which vLLM's bench sends (and bench's own 401 message named), was not read."""
+    from pagedserve.cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    for name in ("PAGEDSERVE_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OPENAI_API_KEY", "o")
+    assert bench.serve_config_from_args(parser.parse_args(["bench", "serve"])).api_key == "o"
+    monkeypatch.setenv("VLLM_API_KEY", "v")
+    assert bench.serve_config_from_args(parser.parse_args(["bench", "serve"])).api_key == "v"
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
