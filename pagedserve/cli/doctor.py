@@ -507,15 +507,19 @@ def run(args: argparse.Namespace) -> int:
             results = [result for result in results if result.name != "port"]
         return report([flags, *results], args.json)
     engine_args = engine_args_from_cli(args)  # serve's flags and environment variables, for the memory plan
-    return report(run_checks(default_checks(engine_args.model, args.port, engine_args, host, uds)), args.json)
+    from pagedserve.models.fetch import DEFAULT_MODEL
+
+    model = engine_args.model or DEFAULT_MODEL  # what serve would load (doctor alone passed a plan serve refused)
+    return report(run_checks(default_checks(model, args.port, engine_args, host, uds)), args.json)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "doctor", help="check this host (and a model) before serving",
         description="Check Python and torch, the accelerator, CPU instructions, usable cores, memory, open files,"
-        " disk, the port and, with MODEL, the model files and whether it fits in memory (the plan `serve` would"
-        " compute with the same flags, which doctor takes too). Exit code 1 on any FAIL.",
+        " disk, the port and the model (MODEL, or serve's default as serve would load it): its files and whether it"
+        " fits in memory (the plan `serve` would compute with the same flags, which doctor takes too). Exit code 1 on"
+        " any FAIL.",
     )
     from pagedserve.cli.serve import add_serve_flags
 

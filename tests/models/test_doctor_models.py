@@ -196,3 +196,16 @@ def test_doctor_fails_on_the_flags_serve_would_refuse(tiny_model_dir, capsys, fl
     results = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert code == 1 and results[check]["status"] == "FAIL" and words in results[check]["detail"]
     assert [name for name, r in results.items() if r["status"] == "FAIL"] == [check]
+
+
+def test_doctor_without_a_model_checks_the_one_serve_would_load(tiny_model_dir, capsys, monkeypatch) -> None:
+    """`pagedserve serve` alone serves the default model: `doctor` alone skipped the model and its plan, and passed
+    flags that serve then refused (QA-C: --max-model-len 100000)."""
+    from pagedserve.cli.main import main
+    from pagedserve.models import fetch
+
+    monkeypatch.setattr(fetch, "DEFAULT_MODEL", tiny_model_dir("llama"))
+    code = main(["doctor", "--port", str(free_port()), "--json", "--max-model-len", "1024"])
+    results = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert code == 1 and results["memory plan"]["status"] == "FAIL"
+    assert "more than the 512 positions the model was trained for" in results["memory plan"]["detail"]
