@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import math
+import os
 import random
 import sys
 import time
@@ -75,6 +76,9 @@ class ServeBenchConfig:
             raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
         if self.dataset in ("jsonl", "sharegpt") and not self.dataset_path:
             raise ValueError(f"dataset_path is required with dataset {self.dataset!r}")
+        if self.dataset in ("jsonl", "sharegpt") and not os.path.isfile(self.dataset_path):  # (a bare [Errno 2])
+            raise ValueError(f"--dataset-path {self.dataset_path}: no such file (the {self.dataset} dataset is read "
+                             "from a local file)")
         if not self.burstiness > 0:
             raise ValueError(f"burstiness must be positive (1: Poisson arrivals), got {self.burstiness}")
         if self.random_prefix_len < 0:

@@ -313,8 +313,10 @@ def run_serve(args: argparse.Namespace) -> int:
                     os.makedirs(args.result_dir, exist_ok=True)
                 except OSError as exc:
                     raise ValueError(f"--result-dir {args.result_dir}: cannot be made ({exc})") from exc
+            named = [flag for flag, value in (("--result-dir", args.result_dir),
+                                              ("--result-filename", args.result_filename)) if value]
             check_writable(os.path.join(args.result_dir or ".", args.result_filename or "result.json"),
-                           "--result-dir" if args.result_dir else "--result-filename")
+                           "/".join(named) or "--result-dir")  # (a folder in the file name was said as --result-dir)
     except ValueError as exc:
         print(f"pagedserve bench serve: error: {exc}", file=sys.stderr)
         return 2

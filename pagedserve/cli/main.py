@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C in generate, run-batch or bench: a line, not a traceback (serve: its own)
+        print(f"pagedserve {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `pagedserve watch | head -1`: the reader left; stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 1

@@ -75,3 +75,16 @@ def test_bad_sampling_flags_are_refused_before_the_model_loads(tmp_path, capsys)
         assert main(["generate", missing, "--prompt", "hi", flag, value]) == 2
         err = capsys.readouterr().err
         assert says in err and "no-model-here" not in err, err
+
+
+def test_ctrl_c_in_a_command_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """generate, run-batch and bench printed a KeyboardInterrupt traceback (serve and watch stop quietly)."""
+    from pagedserve.cli import generate
+    from pagedserve.cli.main import main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "run", interrupted)
+    assert main(["generate", "some-model", "--prompt", "hi"]) == 130
+    assert capsys.readouterr().err.strip() == "pagedserve generate: interrupted"

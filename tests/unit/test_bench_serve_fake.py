@@ -373,6 +373,14 @@ def test_save_result_makes_its_folder_and_a_failed_run_says_what_to_check(tmp_pa
     unauthorized = httpx.HTTPStatusError("401", request=request, response=httpx.Response(401, request=request))
     assert "pass --api-key" in run_error(unauthorized, "http://server", 60.0)
     assert run_error(RuntimeError("3 of 4 requests failed"), "http://server", 60.0) == "3 of 4 requests failed"
+    # a file name with a folder that does not exist was said as --result-dir's; a missing dataset file was a bare
+    # "[Errno 2]" (QA-C)
+    code = main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--save-result", "--result-filename",
+                 str(tmp_path / "nowhere" / "r.json")])
+    assert code == 2 and f"--result-filename {tmp_path / 'nowhere' / 'r.json'}" in capsys.readouterr().err
+    code = main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--dataset-name", "sharegpt",
+                 "--dataset-path", str(tmp_path / "missing.json")])
+    assert code == 2 and f"--dataset-path {tmp_path / 'missing.json'}: no such file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("status,code,expected", [(404, None, "none"), (401, None, "raises"),
