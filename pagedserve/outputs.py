@@ -54,6 +54,12 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # vLLM's fields for what pagedserve does not serve (encoder-decoder models, LoRA, disaggregated prefill): None,
+    # as vLLM's are for a decoder-only model without them, so scripts that read them run unchanged
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    lora_request: None = None
+    kv_transfer_params: None = None
 
 
 @dataclass

@@ -109,8 +109,12 @@ def test_token_ids_may_be_numpy_integers_and_others_are_named(llm):
         with pytest.raises(ValueError, match="a prompt is a string, a list of token ids or a dict"):
             llm.generate(prompt, params)
     # a prompt field given as None is not given (vLLM's TypedDicts leave them out)
-    assert llm.generate({"prompt": "Hi", "multi_modal_data": None}, params)[0].outputs[0].token_ids
+    output = llm.generate({"prompt": "Hi", "multi_modal_data": None}, params)[0]
+    assert output.outputs[0].token_ids
     assert not llm.engine.has_unfinished_requests()
+    # vLLM's fields a script may print, None for a decoder-only model without LoRA (an AttributeError, QA-C)
+    assert (output.encoder_prompt, output.encoder_prompt_token_ids, output.lora_request,
+            output.kv_transfer_params) == (None, None, None, None)
 
 
 def test_cache_salt_in_the_prompt_as_vllm_s_prompts_carry_it(llm):
