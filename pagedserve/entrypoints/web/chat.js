@@ -16,7 +16,6 @@
   // Fields the page sets itself: from the extra fields they would break the stream it reads.
   const PAGE_FIELDS = ["messages", "stream", "stream_options"];
 
-  let unreadable = 0;  // stored conversations of the wrong shape, left out (said under the chat)
   let conversations = loadConversations();
   let currentId = localStorage.getItem(CURRENT);
   let settings = loadSettings();
@@ -37,17 +36,19 @@
 
   // What storage holds, as far as it is conversations: valid JSON of another shape (an object, null entries, a
   // conversation without messages) threw at start-up and left a page whose Send did nothing (QA-W).
-  function loadConversations() {
+  function loadConversations() { return readConversations().valid; }
+
+  // {valid: the conversations, unreadable: how many stored entries were not (the store itself, if not a list)}
+  function readConversations() {
     const value = loadJSON(STORE, []);
     const list = Array.isArray(value) ? value : [];
     const valid = list.filter((c) => c && typeof c === "object" && typeof c.id === "string" &&
       Array.isArray(c.messages) && c.messages.every((m) => m && typeof m === "object" &&
         typeof m.role === "string" && typeof m.content === "string"));
-    unreadable = Array.isArray(value) ? list.length - valid.length : 1;
     for (const conversation of valid) {
       if (typeof conversation.title !== "string") conversation.title = "Untitled";
     }
-    return valid;
+    return { valid, unreadable: Array.isArray(value) ? list.length - valid.length : 1 };
   }
 
   // The settings, each of its default's kind (a null or a number where text goes blocked every send).
@@ -72,7 +73,7 @@
   // elsewhere dropped, of one in both the later-changed copy; the reply streaming here always ours.
   function merge(others) {
     const live = streaming ? streaming.conversation : null;
-    const theirs = new Map(others.filter((c) => c && c.id && !deleted.has(c.id)).map((c) => [c.id, c]));
+    const theirs = new Map(others.filter((c) => !deleted.has(c.id)).map((c) => [c.id, c]));
     const merged = [];
     for (const ours of conversations) {
       const other = theirs.get(ours.id);
@@ -84,7 +85,7 @@
       }
     }
     conversations = [...theirs.values(), ...merged];
-    for (const conversation of others) if (conversation && conversation.id) stored.add(conversation.id);
+    for (const conversation of others) stored.add(conversation.id);  // (readConversations: each has its id)
   }
 
   // Writes the conversations, merged with another tab's (above). A full storage is said, not thrown: a throw froze
@@ -655,6 +656,7 @@
   if (matchMedia("(max-width: 900px)").matches) $("settings").open = false;  // a phone: the chat first
   current();
   renderAll();
+  const { unreadable } = readConversations();  // said once, at load (each save drops them)
   if (unreadable) {
     const which = unreadable === 1 ? "A stored conversation" : `${unreadable} stored conversations`;
     $("chat-error").textContent = `${which} could not be read (not this page's format): left out, and dropped ` +
