@@ -136,24 +136,25 @@ def template_problem(template: str | dict[str, str] | None) -> str | None:
     return None
 
 
-def load_chat_template(value: str) -> str:
+def load_chat_template(value: str, name: str = "--chat-template") -> str:
     """--chat-template's value as a template (vLLM's rule): a file's path, else the template itself if it looks
     like one (holds '{' or a line break; a one-line template's \\n and \\t are read as escapes). Compiled here,
-    so a broken template fails at start; ValueError naming the problem."""
+    so a broken template fails at start; ValueError naming the problem and the setting (`name`: the flag, or
+    LLM.chat's keyword)."""
     path = Path(value).expanduser()
     if _is_file(path):
         source = path.read_text(encoding="utf-8")
     elif "{" in value or "\n" in value:
         source = value if "\n" in value else value.replace("\\n", "\n").replace("\\t", "\t")
     elif path.is_dir():
-        raise ValueError(f"--chat-template {value!r} is a directory: give the template's file (e.g. "
+        raise ValueError(f"{name} {value!r} is a directory: give the template's file (e.g. "
                          f"{path / 'chat_template.jinja'}) or the template itself")
     else:
-        raise ValueError(f"--chat-template {value!r}: no such file (a template given inline holds '{{')")
+        raise ValueError(f"{name} {value!r}: no such file (a template given inline holds '{{')")
     try:
         compile_template(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"--chat-template: the template does not compile (line {exc.lineno}: {exc.message})") \
+        raise ValueError(f"{name}: the template does not compile (line {exc.lineno}: {exc.message})") \
             from None
     return source
 

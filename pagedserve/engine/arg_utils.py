@@ -276,6 +276,9 @@ class EngineArgs(FlagArgs):
                      "head, and models with a sentence-transformers pooling module (modules.json); else "
                      "generate.", default="auto")
     runner: str = setting("auto, generate or pooling (vLLM's name; pooling = --task embed).", default="auto")
+    convert: str = setting("auto, none or embed (vLLM's name: `--runner pooling --convert embed` serves a "
+                           "generative model as an embedder, as --task embed does; classify and reward are not "
+                           "supported).", default="auto")
     long_prefill_token_threshold: int = setting(
         "vLLM's: with chunked prefill, a prompt prefills at most this many tokens a step, so that requests arriving "
         "behind a long prompt start beside it instead of waiting for all of it (0: a prompt may take the whole "

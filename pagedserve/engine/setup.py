@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # --runner (vLLM's name) -> the task it means; "auto" decides from the model.
 RUNNER_TASKS: dict[str, str | None] = {"auto": None, "generate": "generate", "pooling": "embed"}
+# --convert (vLLM's name) -> the task it means; "auto" and "none" leave it to --task, --runner or the model.
+CONVERT_TASKS: dict[str, str | None] = {"auto": None, "none": None, "embed": "embed"}
 
 
 def make_runner(config: EngineConfig, progress: Any, eos_token_id: int | None,
@@ -415,9 +417,16 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ValueError(f"--task {args.task} is not supported; use auto, generate or embed")
     if args.runner not in RUNNER_TASKS:
         raise ValueError(f"--runner {args.runner} is not supported; use {', '.join(RUNNER_TASKS)}")
-    runner_task = RUNNER_TASKS[args.runner]
-    if args.task != "auto" and runner_task is not None and runner_task != args.task:
-        raise ValueError(f"--runner {args.runner} contradicts --task {args.task}; give one of them")
+    if args.convert not in CONVERT_TASKS:
+        raise ValueError(f"--convert {args.convert} is not supported; use {', '.join(CONVERT_TASKS)} (embed serves "
+                         "a generative model as an embedder; classifier and reward heads are not supported)")
+    asked = [(f"--task {args.task}", args.task if args.task != "auto" else None),
+             (f"--runner {args.runner}", RUNNER_TASKS[args.runner]),
+             (f"--convert {args.convert}", CONVERT_TASKS[args.convert])]
+    asked = [(flag, task) for flag, task in asked if task is not None]
+    for flag, task in asked[1:]:
+        if task != asked[0][1]:
+            raise ValueError(f"{flag} contradicts {asked[0][0]}; give one of them")
     if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
         raise ValueError(f"--block-size must be a power of two from 1 to 128, got {args.block_size}")
     if args.long_prefill_token_threshold < 0:
@@ -563,7 +572,7 @@ def _resolve_task(args: EngineArgs, architecture: str, model_path: str) -> str:
     """--task, else --runner, else what the model is (models/pooling_config.py's default_task)."""
     from pagedserve.models.pooling_config import DECODER_BASE_ARCHITECTURES, EMBEDDING_ARCHITECTURE_NAMES, default_task
 
-    task = args.task if args.task != "auto" else RUNNER_TASKS.get(args.runner)
+    task = args.task if args.task != "auto" else RUNNER_TASKS.get(args.runner) or CONVERT_TASKS.get(args.convert)
     task = task or default_task(architecture, model_path)
     if task == "generate" and (is_encoder(architecture) or architecture in DECODER_BASE_ARCHITECTURES):
         raise ValueError(f"{architecture} is an embedding model without an LM head and cannot generate text; "
@@ -572,7 +581,8 @@ def _resolve_task(args: EngineArgs, architecture: str, model_path: str) -> str:
         raise ValueError(f"{architecture} is served for text generation only; task embed takes "
                          f"{', '.join(sorted(EMBEDDING_ARCHITECTURE_NAMES))}" + (
                              " (its sentence-transformers modules.json made embed the default: give --task "
-                             "generate)" if args.task == "auto" and args.runner in ("auto", None) else ""))
+                             "generate)" if args.task == "auto" and args.runner in ("auto", None)
+                             and args.convert in ("auto", "none", None) else ""))
     if task == "embed":
         logger.info("task embed: %s serves /v1/embeddings, not text generation", architecture)
     return task

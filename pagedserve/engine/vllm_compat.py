@@ -57,6 +57,8 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
                   "swapped to host memory", number=True),
     CompatSetting(("--cpu-offload-gb",), IGNORED, "weights stay on the device that runs them; the memory plan "
                   "refuses a model that does not fit", number=True),
+    CompatSetting(("--download-dir",), IGNORED, "a local model is read where it is, and packaged models are "
+                  "fetched into $PAGEDSERVE_CACHE (set it to choose where); nothing is downloaded from a hub"),
     CompatSetting(("--max-seq-len-to-capture",), IGNORED, "no CUDA graphs are captured: every forward runs eagerly"),
     CompatSetting(("--compilation-config", "-O"), IGNORED, "models are not graph-compiled (the native CPU kernels are "
                   "a library built once)"),
@@ -147,9 +149,6 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     CompatSetting(("--enable-ssl-refresh",), UNSUPPORTED, "restart the server to load new certificates",
                   takes_value=False),
     CompatSetting(("--hf-token",), UNSUPPORTED, _NO_HUB),
-    CompatSetting(("--convert",), UNSUPPORTED, "serve a model as an embedder with --task embed (offline "
-                  "LLM(task=\"embed\")): last-token pooling for a decoder, its sentence-transformers pooling where "
-                  "it has one"),
     CompatSetting(("--pooler-config",), UNSUPPORTED, "pooling is read from the model's sentence-transformers files "
                   "(modules.json); --task embed for a decoder"),
     CompatSetting(("--override-pooler-config",), UNSUPPORTED, "pooling is read from the model's sentence-transformers "
@@ -162,8 +161,6 @@ COMPAT_SETTINGS: tuple[CompatSetting, ...] = (
     CompatSetting(("--revision",), UNSUPPORTED, _NO_HUB),
     CompatSetting(("--tokenizer-revision",), UNSUPPORTED, _NO_HUB),
     CompatSetting(("--code-revision",), UNSUPPORTED, _NO_HUB),
-    CompatSetting(("--download-dir",), UNSUPPORTED, "packaged models are cached under $PAGEDSERVE_CACHE (set it to "
-                  "choose where); " + _NO_HUB[0].lower() + _NO_HUB[1:]),
 )
 
 _BY_NAME = {setting.name: setting for setting in COMPAT_SETTINGS}

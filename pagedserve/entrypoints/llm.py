@@ -184,7 +184,8 @@ class LLM:
         if chat_template is not None:
             from pagedserve.chat_template import load_chat_template
 
-            chat_template_kwargs = {**(chat_template_kwargs or {}), "chat_template": load_chat_template(chat_template)}
+            template = load_chat_template(chat_template, name="LLM.chat(chat_template=...)")
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "chat_template": template}
         elif not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt "
                              "or give chat_template")

@@ -53,3 +53,17 @@ def test_figures_move_during_a_bench_run(open_page, server, tmp_path):
     # Back to idle once the run is over.
     page.wait_for_function("document.querySelector('[data-metric=running]').dataset.value === '0'")
     page.wait_for_function("document.querySelector('[data-metric=generation_tps]').dataset.value === '0'")
+
+
+def test_latency_window_survives_a_server_restart(open_page, server):
+    """A minute's window across a restart: the new process's counters start at 0, so the difference with the old
+    process's samples was negative and the card read "since start" for up to a minute (QA-W); a count that went
+    down is a reset, and the window is what the new process counted."""
+    page = open_page(server.url + "/#dashboard")
+    delta = page.evaluate("""() => [
+        PagedServe.bucketDelta([[0.1, 5], [1, 9], [Infinity, 10]], [[0.1, 2], [1, 3], [Infinity, 4]]),
+        PagedServe.bucketDelta([[0.1, 1], [1, 2], [Infinity, 2]], [[0.1, 40], [1, 90], [Infinity, 95]])]""")
+    inf = float("inf")
+    assert delta[0] == [[0.1, 3], [1, 6], [inf, 6]]
+    assert delta[1] == [[0.1, 1], [1, 2], [inf, 2]]
+    assert page.evaluate("PagedServe.histogramQuantile(0.5, [[0.1, 1], [1, 2], [Infinity, 2]])") > 0

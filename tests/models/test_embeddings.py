@@ -359,6 +359,15 @@ def test_task_and_runner_flags(qwen3_dir, tmp_path):
     assert create_engine_config(EngineArgs(model=qwen3_dir, task="embed")).model.task == "embed"
     with pytest.raises(ValueError, match="contradicts"):
         create_engine_config(EngineArgs(model=qwen3_dir, task="generate", runner="pooling"))
+    # vLLM's way to serve a generative model as an embedder (its --task embed is deprecated)
+    config = create_engine_config(EngineArgs(model=qwen3_dir, runner="pooling", convert="embed"))
+    assert config.model.task == "embed"
+    assert create_engine_config(EngineArgs(model=qwen3_dir, convert="embed")).model.task == "embed"
+    assert create_engine_config(EngineArgs(model=qwen3_dir, convert="none")).model.task == "generate"
+    with pytest.raises(ValueError, match="--convert embed contradicts --runner generate"):
+        create_engine_config(EngineArgs(model=qwen3_dir, runner="generate", convert="embed"))
+    with pytest.raises(ValueError, match="--convert classify is not supported"):
+        create_engine_config(EngineArgs(model=qwen3_dir, convert="classify"))
     with pytest.raises(ValueError, match="--task embed"):
         create_engine_config(EngineArgs(model=str(packaged_model("all-minilm-l6-v2")), task="generate"))
     with pytest.raises(ValueError, match="cannot embed"):

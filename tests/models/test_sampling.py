@@ -177,6 +177,8 @@ def test_chat_takes_another_template(llm, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(template)  # or a file's path, as serve's --chat-template
     assert llm.chat([{"role": "user", "content": "Hi"}], params, chat_template=str(path))[0].prompt_token_ids == expected
+    with pytest.raises(ValueError, match=r"^LLM\.chat\(chat_template=\.\.\.\) 'no-such\.jinja': no such file"):
+        llm.chat([{"role": "user", "content": "Hi"}], params, chat_template="no-such.jinja")  # names no CLI flag
 
 
 def test_generate_without_params_samples_with_the_model_s_defaults(tiny_model_dir, llm):

@@ -39,11 +39,14 @@
     return { samples, buckets: sorted };
   }
 
-  // Cumulative buckets now minus the same buckets earlier (what happened in between); earlier may be null.
+  // Cumulative buckets now minus the same buckets earlier (what happened in between); earlier may be null. A count
+  // that went down means the server restarted in between (its counters start again at 0, Prometheus's reset rule):
+  // then everything now holds happened in between.
   function bucketDelta(now, earlier) {
     if (!now) return null;
     if (!earlier) return now;
     const before = new Map(earlier);
+    if (now.some(([le, count]) => count < (before.get(le) || 0))) return now;
     return now.map(([le, count]) => [le, count - (before.get(le) || 0)]);
   }
 
