@@ -275,9 +275,10 @@ def test_bench_serve_embeddings_endpoint(server, tmp_path):
 # ---- a decoder served as an embedder ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen3_server(tiny_model_dir, tmp_path_factory):
-    srv = start_server(tiny_model_dir("qwen3", is_matryoshka=True), "--runner", "pooling", "--served-model-name",
-                       "tiny-embed", "--dtype", "float32", "--max-num-batched-tokens", "32",
-                       log_dir=tmp_path_factory.mktemp("logs"))
+    # vLLM's way to serve a generative model as an embedder; a small queue (2 running + 6 waiting)
+    srv = start_server(tiny_model_dir("qwen3", is_matryoshka=True), "--runner", "pooling", "--convert", "embed",
+                       "--served-model-name", "tiny-embed", "--dtype", "float32", "--max-num-batched-tokens", "32",
+                       "--max-num-seqs", "2", "--max-waiting-requests", "6", log_dir=tmp_path_factory.mktemp("logs"))
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -293,3 +294,27 @@ def test_decoder_embedder_dimensions(qwen3_server):
         client.embeddings.create(model="tiny-embed", input=text, dimensions=100)
     with pytest.raises(openai.BadRequestError, match="embeddings"):
         client.completions.create(model="tiny-embed", prompt="hi", max_tokens=2)
+
+
+def test_a_call_with_more_inputs_than_the_queue_holds(qwen3_server):
+    """A call of more inputs than --max-num-seqs + --max-waiting-requests (8 here) runs them a few at a time (a 400
+    before: a client batching at OpenAI's 2048 failed on a default server's 1280), in order, each vector as alone;
+    a call that comes meanwhile is served beside it; /rerank takes as many documents."""
+    import concurrent.futures
+
+    client = openai.OpenAI(base_url=f"{qwen3_server.url}/v1", api_key="unused", max_retries=0)
+    texts = [f"sentence number {i} about {'cats' if i % 2 else 'the sea'}" for i in range(30)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        many = pool.submit(client.embeddings.create, model="tiny-embed", input=texts)
+        beside = pool.submit(client.embeddings.create, model="tiny-embed", input=texts[:2])
+        vectors, pair = as_array(many.result(timeout=120)), as_array(beside.result(timeout=120))
+    assert vectors.shape == (30, 64)
+    for i in (0, 7, 29):
+        alone = as_array(client.embeddings.create(model="tiny-embed", input=texts[i]))[0]
+        np.testing.assert_allclose(vectors[i], alone, atol=1e-5)
+    np.testing.assert_allclose(pair, vectors[:2], atol=1e-5)
+    ranked = httpx.post(f"{qwen3_server.url}/rerank", json={"model": "tiny-embed", "query": texts[0],
+                                                             "documents": texts}, timeout=120).json()
+    assert ranked["results"][0]["index"] == 0 and len(ranked["results"]) == 30
+    metrics = httpx.get(f"{qwen3_server.url}/metrics").text
+    assert "vllm:num_requests_running" in metrics and qwen3_server.process.poll() is None

@@ -8,6 +8,7 @@ other request by the scheduler's token budget. Response: {"object": "list", "dat
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -89,11 +90,10 @@ class OpenAIServingEmbedding(OpenAIServing):
                       truncate_prompt_tokens: int | None, raw: Request) -> tuple[list[float], int]:
         """Cosine scores of the pairs, embedded in one batch, and the prompt tokens embedded (a single left text
         once). Empty texts are embedded as the tokenizer encodes them, as vLLM's."""
-        limit = min(MAX_INPUTS, self.engine.capacity)
-        if len(left) + len(right) > limit:
+        if len(left) + len(right) > MAX_INPUTS:
             raise InvalidRequestError(f"{names[0]} and {names[1]} hold {len(left) + len(right)} texts together; this "
-                                      f"server embeds at most {limit} per request (--max-num-seqs and "
-                                      "--max-waiting-requests bound it)", param=names[1])
+                                      f"server embeds at most {MAX_INPUTS} per request (OpenAI's limit on inputs)",
+                                      param=names[1])
         for texts, name in zip((left, right), names):
             if not all(isinstance(t, str) for t in texts):
                 raise InvalidRequestError(f"{name}: every text must be a string", param=name)
@@ -114,9 +114,23 @@ class OpenAIServingEmbedding(OpenAIServing):
         for prompt, (label, param) in zip(prompts, labels, strict=True):
             check_pooling_prompt(prompt.token_ids, self.max_model_len, vocab_size, label=label, param=param)
         arrival = time.monotonic()
-        streams = _merge([self.engine.generate(f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids},
-                                               params, arrival)
-                          for i, p in enumerate(prompts)])
+        # At most `window` of them in the engine at once, the next one entering as one ends: a call of OpenAI's
+        # 2048 inputs fits a queue of fewer (a 400 past --max-num-seqs + --max-waiting-requests before), and
+        # requests that come meanwhile are scheduled beside it instead of waiting behind all of it. Twice the
+        # running batch keeps the next step's batch queued. The room is checked whole, once (429 before anything
+        # runs, never half-way).
+        window = min(len(prompts), self.engine.capacity, 2 * self.engine.engine.config.scheduler.max_num_seqs)
+        reservation = self.engine.check_room(window)
+        slots = asyncio.Semaphore(window)
+
+        async def windowed(i: int, prompt: _Prompt) -> AsyncIterator[PoolingRequestOutput]:
+            async with slots:
+                async for output in self.engine.generate(
+                        f"{request_id}-{i}", {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params,
+                        arrival, admitted=True, reservation=reservation):
+                    yield output
+
+        streams = _merge([windowed(i, p) for i, p in enumerate(prompts)])
         return [o.outputs.embedding for o in await _gather(streams, raw, len(prompts))]
 
     def _pooling_params(self, req: EmbeddingRequest) -> PoolingParams:
@@ -139,12 +153,9 @@ class OpenAIServingEmbedding(OpenAIServing):
             value = [value]  # one input
         if not value:
             raise InvalidRequestError(f"{name} must not be empty", param=name)
-        # Each input is one engine request: past the queue bound a request could never be admitted whole.
-        limit = min(MAX_INPUTS, self.engine.capacity)
-        if len(value) > limit:
-            raise InvalidRequestError(f"{name} has {len(value)} items; this server takes at most {limit} per request "
-                                      "(OpenAI's limit is 2048; --max-waiting-requests and --max-num-seqs bound it "
-                                      "here)", param=name)
+        if len(value) > MAX_INPUTS:
+            raise InvalidRequestError(f"{name} has {len(value)} items; this server takes at most {MAX_INPUTS} per "
+                                      "request (OpenAI's limit)", param=name)
         if not allow_empty and any(len(item) == 0 for item in value):
             raise InvalidRequestError(f"{name} must not contain an empty string or an empty list of tokens",
                                       param=name)
