@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.server.server_utils import module_server, openai_client
@@ -182,5 +183,10 @@ def test_accepted_defaults_and_no_effect_fields(client, server):
 
 
 def test_responses_are_not_stored(server):
-    response = httpx.get(f"{server.url}/v1/responses/resp_abc")
-    assert response.status_code == 404 and "not stored" in response.json()["error"]["message"]
+    """Every OpenAI call on a stored response is a 404 saying so (DELETE was a 405, cancel and input_items a bare
+    Not Found)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel,
+                 client.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError, match="not stored"):
+            call("resp_abc")

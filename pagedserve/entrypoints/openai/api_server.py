@@ -525,7 +525,10 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
         return await ResponsesServing(state.serving_for("generate", "/v1/responses", body.model)).create(body, raw)
 
-    @app.get("/v1/responses/{response_id}")
+    # OpenAI's calls on a stored response (retrieve, delete, cancel, list its input items): nothing is stored here
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.api_route("/v1/responses/{response_id}/cancel", methods=["POST"])
+    @app.get("/v1/responses/{response_id}/input_items")
     async def stored_response(response_id: str) -> Any:
         raise APIError(f"no response {response_id!r}: responses are not stored here (each reply is returned "
                        "once; send the conversation in the next request's input)", 404, param="response_id")
