@@ -153,7 +153,7 @@ class EngineMetrics:
             "block_size": str(cache.block_size), "num_gpu_blocks": str(cache.num_blocks),  # vLLM's: its null one too
             "cache_dtype": str(cache.kv_cache_dtype), "enable_prefix_caching": str(cache.enable_prefix_caching)},
             outputs_per_step=outputs_per_step)
-        metrics.observe_memory(engine.resident_memory)
+        metrics.observe_engine_state(engine)
         if engine.config.speculative is not None:  # at 0 from the start, as vLLM's (a rate reads "no data" else)
             metrics.start_spec_decode(engine.config.speculative.num_speculative_tokens)
         return metrics
@@ -264,9 +264,7 @@ class EngineMetrics:
             self.prefix_hits.inc(stats.prefix_cache_hits)
         if stats.spec_decode is not None and stats.spec_decode.num_drafts:
             self._observe_spec_decode(stats.spec_decode)
-        self.observe_memory(engine.resident_memory)
-        if engine.cpu_threads is not None:
-            self.cpu_threads.labels(self.model_name).set(engine.cpu_threads)
+        self.observe_engine_state(engine)
         now = time.monotonic()
         prompt_tokens = generation_tokens = 0
         for output in outputs:
@@ -287,6 +285,14 @@ class EngineMetrics:
         for position, count in enumerate(spec.accepted_per_pos):
             if count:
                 self.spec_accepted_per_pos.labels(*values, str(position)).inc(count)
+
+    def observe_engine_state(self, engine) -> None:
+        """The gauges an idle engine changes too (an idle release gives KV memory back; give-way's thread count):
+        after each step, at start and at each scrape of /metrics (they read a step's values until the next step
+        before, while /health read the new ones, QA-P)."""
+        self.observe_memory(engine.resident_memory)
+        if engine.cpu_threads is not None:
+            self.cpu_threads.labels(self.model_name).set(engine.cpu_threads)
 
     def observe_memory(self, memory: ResidentMemory | None) -> None:
         """The last RSS reading against the plan (memory/rss.py), where the engine keeps one."""

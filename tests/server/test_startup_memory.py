@@ -119,6 +119,33 @@ def test_tiny_model_health_phases_and_planned_rss(tiny_model_dir, tmp_path):
         assert server.stop() == 0, server.log()
 
 
+def metric_value(text: str, name: str) -> float | None:
+    match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def test_metrics_memory_gauges_follow_an_idle_release(tiny_model_dir, tmp_path):
+    """/metrics reads the engine's memory and thread gauges at each scrape: after an idle release they still read
+    the last step's RSS and plan (hundreds of MiB above /health's for SmolLM2, QA-P), and pagedserve:cpu_threads
+    had no sample until the first request."""
+    server = start_server(tiny_model_dir("llama"), "--max-model-len", "512", "--max-num-seqs", "8",
+                          "--kv-cache-idle-release-s", "1", "--served-model-name", "tiny", log_dir=tmp_path)
+    try:
+        assert metric_value(httpx.get(f"{server.url}/metrics").text, "pagedserve:cpu_threads") >= 1
+        httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "word " * 40,
+                                                         "max_tokens": 4}, timeout=60).raise_for_status()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.url}/health").json()["memory"]["kv_blocks_written"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        memory = httpx.get(f"{server.url}/health").json()["memory"]
+        assert memory["kv_blocks_written"] == 0, memory  # given back
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert metric_value(metrics, "pagedserve:planned_resident_memory_bytes") == memory["expected_bytes"]
+        assert metric_value(metrics, "pagedserve:resident_memory_bytes") == memory["rss_bytes"]
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 @pytest.fixture(scope="module")
 def smollm2_server(tmp_path_factory):
     """The default model (SmolLM2-135M-Instruct, from the cache) served with default flags."""

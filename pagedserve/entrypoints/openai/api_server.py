@@ -476,6 +476,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        if state.metrics is not None and state.engine is not None:
+            state.metrics.observe_engine_state(state.engine.engine)
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
