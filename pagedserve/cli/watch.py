@@ -27,6 +27,9 @@ if TYPE_CHECKING:  # httpx is imported when the command runs: `pagedserve serve`
 STUCK_MIN_BLOCKED = 5  # D-state threads at or above this, and rising, mean stuck
 STUCK_WINDOW = 3  # samples over which D must be non-decreasing with a net rise
 HEALTH_TIMEOUT_S = 2.0
+# A --pid process this young whose /health does not answer is still starting (its port opens after the imports:
+# seconds, longer on a loaded box), not down.
+STARTING_GRACE_S = 60.0
 FAULTS = ("STUCK", "DOWN")  # verdicts that make the exit code 1
 
 
@@ -55,6 +58,7 @@ class Sample:
     health: str = "-"  # "ready", "503 loading_weights 43%", "unreachable", "-" (not asked)
     planned_rss_bytes: int | None = None  # what the server's plan expects resident now (/health "memory")
     reported_rss_bytes: int | None = None  # the server's own last RSS reading (/health), shown without --pid
+    age_s: float | None = None  # how long ago the --pid process started
 
 
 @dataclass(frozen=True)
@@ -197,13 +201,18 @@ def fetch_health(client: httpx.Client, url: str) -> Health:
 
 def take_sample(proc_root: str | Path, pid: int | None, health: str, now: float | None = None,
                 planned_rss: int | None = None, reported_rss: int | None = None) -> Sample:
-    tree = tree_rss = None
+    from pagedserve.memory.probe import process_start_time
+
+    now = time.time() if now is None else now
+    tree = tree_rss = age = None
     pids = process_tree(proc_root, pid) if pid is not None else []
     if pids:
         tree = thread_counts(proc_root, pids)
         tree_rss = sum(rss_bytes(proc_root, p) for p in pids)
+        started = process_start_time(Path(proc_root) / str(pid) / "stat", now=now)
+        age = None if started is None else now - started
     return Sample(
-        time=time.time() if now is None else now,
+        time=now,
         load1=read_load1(proc_root),
         system=thread_counts(proc_root, list_pids(proc_root)),
         pid=pid,
@@ -212,6 +221,7 @@ def take_sample(proc_root: str | Path, pid: int | None, health: str, now: float 
         health=health,
         planned_rss_bytes=planned_rss,
         reported_rss_bytes=reported_rss,
+        age_s=age,
     )
 
 
@@ -245,6 +255,9 @@ def classify(samples: list[Sample], num_cpus: int = 1) -> Verdict:
         return Verdict("DOWN", f"the server (pid {latest.pid}) is gone")
     recent = samples[-STUCK_WINDOW:]
     if len(recent) == STUCK_WINDOW and all(s.health == "unreachable" for s in recent):
+        if latest.tree is not None and latest.age_s is not None and latest.age_s < STARTING_GRACE_S:
+            return Verdict("OK", f"/health does not answer yet: the server (pid {latest.pid}) started "
+                                 f"{latest.age_s:.0f} s ago and opens its port once its imports are done")
         return Verdict("DOWN", f"/health unreachable over the last {STUCK_WINDOW} samples: the server is not "
                                "listening at --url, or does not answer within "
                                f"{HEALTH_TIMEOUT_S:g} s (see its log)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -131,6 +132,25 @@ def test_a_server_gone_or_not_answering_is_down() -> None:
     assert classify(health(["ready", "-"]), num_cpus=2).state == "OK"
     gone = classify(health(["ready"], tree=False), num_cpus=2)
     assert (gone.state, gone.reason) == ("DOWN", "the server (pid 500) is gone")
+
+
+def test_a_young_server_that_has_not_opened_its_port_is_starting() -> None:
+    """`watch --pid` right after `serve` said DOWN while the process was importing (QA-P): a --pid process younger
+    than STARTING_GRACE_S is starting; an older one, or one without --pid, is down."""
+    def unreachable(age_s: float | None, pid: int | None = 500) -> list[Sample]:
+        return [Sample(time=float(i), load1=0.1, system=ThreadCounts(1, 0), pid=pid,
+                       tree=ThreadCounts(1, 0) if pid else None, health="unreachable", age_s=age_s)
+                for i in range(3)]
+
+    young = classify(unreachable(4.0), num_cpus=2)
+    assert young.state == "OK" and "started 4 s ago" in young.reason
+    assert classify(unreachable(watch.STARTING_GRACE_S + 1), num_cpus=2).state == "DOWN"
+    assert classify(unreachable(None, pid=None), num_cpus=2).state == "DOWN"
+
+
+def test_take_sample_reads_the_pid_s_age() -> None:
+    sample = watch.take_sample("/proc", os.getpid(), "unreachable")
+    assert sample.age_s is not None and 0 <= sample.age_s < 3600
 
 
 def test_load_alone_never_makes_stuck() -> None:
