@@ -411,8 +411,7 @@ def default_checks(model: str | None, port: int, engine_args: EngineArgs | None 
         check_open_files,
         check_bytecode,
         check_cache_dir,
-        (lambda: CheckResult("port", PASS, f"listens on the Unix socket {uds}")) if uds else
-        (lambda: check_port(port, host)),
+        (lambda: check_socket(uds)) if uds else (lambda: check_port(port, host)),
     ]
     if model and not Path(model).expanduser().exists():
         from pagedserve.models.fetch import KNOWN_MODELS, cached_model, unknown_model_message
@@ -484,6 +483,18 @@ def report(results: list[CheckResult], as_json: bool) -> int:
     return 1 if any(r.status == FAIL for r in results) else 0
 
 
+def check_socket(uds: str) -> CheckResult:
+    """The Unix socket serve would listen on (--uds), by serve's own check."""
+    from pagedserve.entrypoints.openai.options import check_socket_path
+
+    try:
+        check_socket_path(uds)
+    except ValueError as exc:
+        return CheckResult("port", FAIL, str(exc), "choose a --uds path in an existing folder that no file or "
+                           "listening server holds")
+    return CheckResult("port", PASS, f"listens on the Unix socket {uds}")
+
+
 def check_flags(args: argparse.Namespace) -> CheckResult | None:
     """serve's own checks of its flags (cli/serve.checked_settings): FAIL naming the flag and its fix; not listed
     when they pass."""
@@ -505,6 +516,8 @@ def run(args: argparse.Namespace) -> int:
         results = run_checks(default_checks(None, args.port, host=host, uds=uds))
         if not 0 < args.port < 65536:  # the flags line names the bad port already
             results = [result for result in results if result.name != "port"]
+        elif uds:  # and a socket path serve cannot listen on
+            results = [result for result in results if result.name != "port" or result.status == PASS]
         return report([flags, *results], args.json)
     engine_args = engine_args_from_cli(args)  # serve's flags and environment variables, for the memory plan
     from pagedserve.models.fetch import DEFAULT_MODEL

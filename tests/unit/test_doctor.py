@@ -175,6 +175,22 @@ def test_doctor_checks_serve_s_own_address(tmp_path):
     assert [r.detail for r in results] == [f"listens on the Unix socket {uds}"]
 
 
+def test_doctor_fails_a_socket_path_serve_refuses_once(tmp_path, capsys):
+    """A --uds path that is a regular file (or in a missing folder): the flags FAIL as serve's check words it, and
+    no "PASS port listens on the Unix socket" line beside it (QA-P)."""
+    from pagedserve.cli.main import main
+
+    regular = tmp_path / "regular.file"
+    regular.write_text("x")
+    assert doctor.check_socket(str(regular)).status == FAIL
+    assert "does not exist" in doctor.check_socket(str(tmp_path / "nodir" / "x.sock")).detail
+    assert main(["doctor", "--uds", str(regular), "--json"]) == 1
+    results = json.loads(capsys.readouterr().out)
+    flags = [r for r in results if r["name"] == "flags"]
+    assert len(flags) == 1 and "is not a socket" in flags[0]["detail"], results
+    assert [r for r in results if r["name"] == "port"] == []
+
+
 def write_safetensors(path: Path, num_floats: int, truncate_by: int = 0) -> None:
     header = json.dumps({"w": {"dtype": "F32", "shape": [num_floats], "data_offsets": [0, 4 * num_floats]}})
     raw = header.encode()
