@@ -426,9 +426,13 @@ class LLMEngine:
             self._measure_memory()
 
     def idle(self) -> None:
-        """Every half second while a server has nothing to run: give way under memory pressure, and hand back the
+        """Every half second while a server has nothing to run: give way under memory pressure, hand back the
         heap of compiled grammars freed since the last step (a compile given up at its time limit returns later,
-        and one too large for the cache is freed then, with no step to trim after it)."""
+        and one too large for the cache is freed then, with no step to trim after it), and keep reading the CPUs'
+        load (the thread count follows the neighbours while idle: the first steps after a pause ran on the count
+        from before it until two fresh readings agreed, and /metrics' pagedserve:cpu_threads kept it, QA-P)."""
+        if self.cpu_share is not None:
+            self.cpu_share.check()  # the next step applies it
         self.give_way()
         self._release_when_long_idle()
         freed = self.grammar_compiler.take_freed_bytes()

@@ -46,6 +46,15 @@ def test_steps_run_on_the_threads_cpu_share_gives_and_tokens_stay_the_same(tiny_
     seen.clear()
     llm.generate(PROMPTS, GREEDY)
     assert seen[0] == 1 and seen[-1] == 2
+    # While a server idles, its engine keeps reading the CPUs: a neighbour that came meanwhile is given way to
+    # from the first step after the pause.
+    box.neighbours = 1.0
+    for _ in range(2):
+        llm.engine.idle()
+    assert llm.engine.cpu_threads == 1
+    seen.clear()
+    llm.generate(PROMPTS, GREEDY)
+    assert set(seen) == {1}
     del llm
     torch.set_num_threads(previous)
 
