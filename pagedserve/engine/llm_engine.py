@@ -265,7 +265,8 @@ class LLMEngine:
                              arrival_time: float | None) -> str:
         if not self.is_pooling:
             raise InvalidRequestError("this model generates text and cannot embed; start an embedding model "
-                                      "(e.g. --task embed; offline LLM(..., task=\"embed\")) for embeddings", param="model")
+                                      "(e.g. --task embed; offline LLM(..., task=\"embed\")) for embeddings",
+                                      param="model")
         if not isinstance(params, PoolingParams):
             raise InvalidRequestError("this is an embedding model: give PoolingParams (or use LLM.embed), not "
                                       f"{type(params).__name__}", param="model")
