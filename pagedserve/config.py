@@ -54,6 +54,8 @@ class ModelConfig:
     pooler: PoolerConfig | None = None  # when task == "embed"
     seed: int | None = 0
     quantization: str | None = None
+    # int8 instead of a GGUF's blocks because the model verifies speculative drafts (platform.default_quantization)
+    int8_for_drafts: bool = False
     enforce_eager: bool = False
     reference_kernels: bool = False  # plain F.linear everywhere (correctness checks)
     trust_remote_code: bool = False

@@ -295,6 +295,9 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     quantization = default_quantization(args.dtype, args.quantization, checkpoint.stores_quantized_matmuls(), device,
                                         kernels_from_flags, verifies_drafts=speculative is not None,
                                         ranks=parallel.tensor_parallel_size)
+    int8_for_drafts = speculative is not None and quantization == "int8" and default_quantization(
+        args.dtype, args.quantization, checkpoint.stores_quantized_matmuls(), device, kernels_from_flags,
+        ranks=parallel.tensor_parallel_size) == "gguf"
     if args.quantization == "gguf" and quantization == "int8":
         logger.warning("--quantization gguf with --tensor-parallel-size %d: a GGUF's blocks are not split across "
                        "ranks, so each rank serves its part of the file requantized to int8 rows",
@@ -302,7 +305,7 @@ def create_engine_config(args: EngineArgs, startup: StartupTracker | None = None
     model = ModelConfig(model=model_path, served_model_name=names[0], served_model_aliases=tuple(names[1:]),
                         dtype=dtype, max_model_len=max_model_len, hf_config=hf_config,
                         architecture=architecture, task=task, pooler=pooler, seed=args.seed,
-                        quantization=quantization,
+                        quantization=quantization, int8_for_drafts=int8_for_drafts,
                         enforce_eager=args.enforce_eager,
                         reference_kernels=args.reference_kernels,
                         default_sampling=defaults, max_tokens_cap=max_tokens_cap,
@@ -487,6 +490,10 @@ def log_speculation(config: EngineConfig) -> None:
     else:
         logger.info("speculative decoding: draft model %s (%s, %s), %d tokens a step", draft.model, draft.architecture,
                     draft.dtype, speculative.num_speculative_tokens)
+    if config.model.int8_for_drafts:
+        logger.info("speculative decoding: the GGUF's 4/5-bit blocks are served requantized to int8 (a verification's "
+                    "rows run faster on int8), so the text can part from a server without speculation, which keeps "
+                    "the blocks, at near-ties; --quantization gguf keeps them here too")
 
 
 def _draft_model(speculative: SpeculativeConfig, target: ModelConfig, args: EngineArgs, device: str,

@@ -107,6 +107,8 @@ def test_auto_serves_a_4_bit_gguf_from_its_blocks_on_avx512_and_int8_requantizes
     assert ("keeps the file's" in reason) == (kernels_class == "avx512")
     spec = LLM(str(path), max_model_len=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert spec.engine.config.model.quantization == "int8"  # a verification's rows run faster on int8
+    assert spec.engine.config.model.int8_for_drafts == (kernels_class == "avx512")  # start-up says so there
+    assert not auto.engine.config.model.int8_for_drafts
     assert check_layer_kernels(spec.engine.config, kernels.isa, auto_quantization=True).detail.endswith(
         file_quantization_reason(kernels_class, verifies_drafts=True))
     int8 = LLM(str(path), dtype="float32", quantization="int8", max_model_len=256)
