@@ -92,6 +92,32 @@ def _check_metaschema(schema: Any, param: str, root: str = "#") -> None:
         raise InvalidRequestError(f"{param}: invalid JSON schema at {where}: {exc.message}", param=param) from None
 
 
+def _check_listed_values(schema: dict, path: str, param: str) -> None:
+    """xgrammar writes an 'enum' or 'const' value as listed and drops every keyword beside it ("abc" for an enum of
+    "abc" and "xyz" with a pattern ^x, QA-F): fine where every value meets them, else a 400 naming the first that
+    does not, for the caller to leave out."""
+    import jsonschema
+
+    listed = "const" if "const" in schema else "enum"
+    rest = {key: value for key, value in schema.items()
+            if key not in ANNOTATIONS and key not in (listed, "$defs", "definitions")}
+    if not rest:
+        return
+    values = [schema["const"]] if listed == "const" else schema["enum"] if isinstance(schema["enum"], list) else []
+    try:
+        validator = jsonschema.Draft202012Validator(rest)
+        for value in values:
+            error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+            if error is not None:
+                raise _unsupported(param, path, f"the '{listed}' value {value!r}, which the keywords beside it refuse "
+                                                f"({error.message}; only the listed values are enforced: leave it out)")
+    except InvalidRequestError:
+        raise
+    except Exception:  # noqa: BLE001 - a '$ref' it cannot resolve (referencing's error or jsonschema's, by version)
+        raise _unsupported(param, path, f"keywords beside '{listed}' that hold a '$ref' (only the listed values are "
+                                        "enforced)") from None
+
+
 def _check_pattern(pattern: str, path: str, param: str) -> None:
     """A `pattern` the grammar enforces as written: no literal that JSON escapes (see _UNESCAPED_LITERAL), and
     nothing xgrammar's regex parser refuses; its JSON-schema converter would drop a lookahead, a group flag or a
@@ -167,6 +193,13 @@ def _check_values(schema: dict, path: str, param: str) -> None:
     if isinstance(ref, str) and any(key not in ANNOTATIONS and key not in ("$ref", "$defs", "definitions")
                                     for key in schema):
         raise _unsupported(param, path, "keywords beside '$ref' (only the referenced schema is enforced)")
+    for key in ("anyOf", "oneOf", "allOf"):  # xgrammar writes one of the schemas and drops the rest (QA-F)
+        if key in schema and any(other not in ANNOTATIONS and other not in (key, "$defs", "definitions")
+                                 for other in schema):
+            raise _unsupported(param, path, f"keywords beside '{key}' (only its schemas are enforced: move the "
+                                            "keywords into each of them)")
+    if "enum" in schema or "const" in schema:
+        _check_listed_values(schema, path, param)
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     missing = [name for name in schema.get("required") or () if name not in properties]
     if missing:

@@ -91,6 +91,15 @@ def test_config_flag():
     ({"$ref": "#/$defs/a", "minimum": 1000, "$defs": {"a": {"type": "integer"}}}, "keywords beside '$ref'"),
     ({"$ref": "http://example.com/schema.json"}, "non-local '$ref'"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, "'required' naming 'b'"),
+    # xgrammar writes a listed value as it is and one of anyOf's schemas, dropping every keyword beside them (QA-F):
+    ({"type": "string", "enum": ["abc", "xyz"], "pattern": "^x"}, "'enum' value 'abc'"),
+    ({"type": "integer", "enum": [1, 7], "minimum": 5}, "'enum' value 1"),
+    ({"type": "string", "enum": ["a", 1]}, "'enum' value 1"),
+    ({"const": "hello", "maxLength": 2}, "'const' value 'hello'"),
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}], "minimum": 5}, "keywords beside 'anyOf'"),
+    ({"type": "object", "oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}]},
+     "keywords beside 'oneOf'"),
+    ({"allOf": [{"type": "integer"}], "type": "string"}, "keywords beside 'allOf'"),
 ])
 def test_unenforceable_features_are_named(schema, named):
     with pytest.raises(InvalidRequestError, match="cannot enforce") as info:
@@ -133,6 +142,8 @@ def test_a_lone_surrogate_is_named_not_left_to_the_compiler(kind, value):
     {"$ref": "#/$defs/a", "description": "x", "$defs": {"a": {"type": "integer"}}},
     {"type": "integer", "multipleOf": 7},
     {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    {"type": "string", "enum": ["xa", "xb"], "pattern": "^x"},  # every listed value meets the keywords beside it
+    {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "pydantic's Optional"},
 ])
 def test_their_safe_neighbours_are_accepted(schema):
     check_json_schema(schema, "response_format")
