@@ -52,6 +52,9 @@ class GrammarCompiler:
         self._executor = CompileWorkers(NUM_COMPILE_WORKERS, compile_timeout_s)
         self._cache: OrderedDict[tuple, Future] = OrderedDict()  # least recently used first
         self._sizes: dict[tuple, int] = {}  # the compiled grammar's bytes, per cached key that has one
+        # Grammars that compiled only after the time limit, and larger than the cache: never ready in time
+        # (each retry compiled again for minutes, holding a worker, and got the same 400, QA-F): key -> bytes
+        self._never_in_time: OrderedDict[tuple, int] = OrderedDict()
         self.cached_bytes = 0
         self._lock = threading.RLock()  # a Future done at once runs its callback (_account) under submit's lock
         self._load_lock = threading.Lock()
@@ -73,6 +76,14 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(params.key)
                 return future
+            size = self._never_in_time.get(params.key)
+        if size is not None:
+            raise InvalidRequestError(
+                f"{params.param}: this grammar compiles for longer than compile_timeout_s "
+                f"({self.compile_timeout_s:g} s) and to {size / 2 ** 20:.0f} MiB, more than the "
+                f"{GRAMMAR_CACHE_BYTES / 2 ** 20:.0f} MiB kept for compiled grammars, so it is never ready in time: "
+                "simplify the schema (e.g. a shorter enum), or raise compile_timeout_s (--structured-outputs-config)",
+                param=params.param)
         if params.kind == "json":
             check_json_schema(params.json, params.param)  # only schemas that pass are cached
         with self._lock:
@@ -95,7 +106,15 @@ class GrammarCompiler:
         guards requests from waiting, and the wait was over; a busy box made it slow, not the grammar)."""
         done: Future = Future()
         done.set_result(grammar)
+        size = int(getattr(grammar.xgrammar, "memory_size_bytes", 0))
         with self._lock:
+            if size > GRAMMAR_CACHE_BYTES:  # _account would not keep it: asked again, it would be late again
+                if self._cache.get(key) is given_up:
+                    del self._cache[key]
+                self._never_in_time[key] = size
+                while len(self._never_in_time) > MAX_CACHED_GRAMMARS:
+                    self._never_in_time.popitem(last=False)
+                return
             if self._cache.get(key) is given_up:
                 self._cache[key] = done
                 self._account(key, done)

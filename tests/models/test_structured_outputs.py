@@ -343,6 +343,45 @@ def test_grammars_past_the_time_limit_hold_up_no_other(tiny_model_dir, monkeypat
         release.set()
 
 
+def test_a_grammar_late_and_larger_than_the_cache_is_refused_without_compiling_again(tiny_model_dir, monkeypatch):
+    """Compiled past the time limit and larger than the whole grammar cache (a 60,000-value enum: ~90 s on 2 cores),
+    a grammar is never ready in time: each retry compiled it again for minutes on a worker and got the same 400
+    telling it to retry later (QA-F). Asked again, it is refused at once, naming the fix; a grammar compiled in time
+    is served even when too large to keep."""
+    import threading
+
+    from pagedserve.engine.setup import load_tokenizer
+    from pagedserve.structured import compiler as compiler_module
+    from pagedserve.structured.compiler import GrammarCompiler
+
+    release = threading.Event()
+    real = compiler_module._compile_kind
+    compiled = []
+
+    def slow_for_some(compiler, params):
+        compiled.append(params.regex)
+        if params.regex.startswith("slow"):
+            release.wait(30)
+        return real(compiler, params)
+
+    monkeypatch.setattr(compiler_module, "_compile_kind", slow_for_some)
+    monkeypatch.setattr(compiler_module, "GRAMMAR_CACHE_BYTES", 1)  # every grammar is larger than the cache
+    grammars = GrammarCompiler(load_tokenizer(tiny_model_dir("llama")), 512, compile_timeout_s=0.5)
+    try:
+        with pytest.raises(InvalidRequestError, match="took longer than 0.5 s"):
+            grammars.submit(StructuredOutputsParams(regex="slow+")).result(timeout=5)
+        release.set()
+        deadline = time.monotonic() + 20
+        while grammars._executor.num_abandoned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(InvalidRequestError, match="never ready in time: simplify the schema") as info:
+            grammars.submit(StructuredOutputsParams(regex="slow+", param="response_format"))
+        assert info.value.param == "response_format" and compiled.count("slow+") == 1
+        assert grammars.submit(StructuredOutputsParams(regex="[a-c]{2}")).result(timeout=20) is not None
+    finally:
+        release.set()
+
+
 def test_the_grammar_cache_is_bounded_by_bytes(tiny_model_dir, monkeypatch):
     """Compiled grammars are kept up to GRAMMAR_CACHE_BYTES, least recently used dropped first, and one larger
     than the whole budget is not kept: a client sending 100,000-value choices grew the server by 230 MB a request

@@ -218,7 +218,8 @@ class OpenAIServing:
             future = asyncio.wrap_future(submitted)
             timeout = llm_engine.structured_config.compile_timeout_s
             done, _ = await asyncio.wait({future}, timeout=timeout)
-            if not done:
+            if not done:  # the compile's own late error comes later, when nobody waits: taken, not logged
+                future.add_done_callback(lambda late: late.cancelled() or late.exception())
                 raise compile_timeout_error(timeout, spec)
             future.result()  # 400: the compiler rejected it
 
