@@ -157,7 +157,8 @@ def test_repeated_schema_is_compiled_once(server, client):
     ({"structured_outputs": {"regex": "[a-z"}}, "regex cannot be compiled"),
     ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "undefined_rule"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
-    ({"guided_json": {"type": "object"}}, "structured_outputs"),
+    ({"guided_json": {"type": "object"}}, '{"structured_outputs": {"json": ...}}'),
+    ({"guided_regex": "[a-z]+"}, '{"structured_outputs": {"regex": ...}}'),  # the matching key (QA-F)
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g', which is not among the tools"),
