@@ -154,6 +154,56 @@ def test_hermes_takes_a_bare_call_of_a_known_tool(piece):
         assert result.calls == [] and result.content == text
 
 
+STRICT_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True, "parameters": {
+    **TOOLS[0]["function"]["parameters"], "additionalProperties": False}}}, TOOLS[1]]
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_auto_holds_a_strict_tool_s_calls_to_its_schema(piece):
+    """OpenAI's "strict": true under auto (hermes): the model wrote calls whose arguments broke the schema (QA-F).
+    A call written with its tags is held by a grammar that starts at the tag; one written without them is a call
+    only when its arguments match, else it is text. A tool that is not strict is read as before."""
+    strict = resolve_tool_choice(STRICT_TOOLS, "auto", None, "hermes", True)
+    assert set(strict.strict_schemas) == {"get_weather"} and choice("auto").strict_schemas == {}
+    grammar = strict.grammar.structural_tag
+    assert grammar["triggers"] == ["<tool_call>"]
+    assert [(s["begin"], s["end"]) for s in grammar["structures"]] == [
+        ('<tool_call>\n{"name": "get_weather", "arguments": ', "}\n</tool_call>"),
+        ('<tool_call>\n{"name": "add", "arguments": ', "}\n</tool_call>")]
+    assert grammar["structures"][0]["schema"] == STRICT_TOOLS[0]["function"]["parameters"]
+    assert choice("auto").grammar is None  # no strict tool: free text, as before
+    assert resolve_tool_choice(STRICT_TOOLS, "auto", None, "llama3_json", True).grammar is None
+    for text in ['{"name": "get_weather", "arguments": {"city": 5}}',
+                 '```json\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n```']:
+        result = streamed(make_reader(strict, "hermes"), text, piece)
+        assert result.calls == [] and result.content == text
+    for text in ['{"name": "get_weather", "arguments": {"city": "Oslo"}}', '{"name": "add", "arguments": {"a": 1}}']:
+        result = streamed(make_reader(strict, "hermes"), text, piece)
+        assert len(result.calls) == 1 and result.content == "", text
+
+
+def test_the_strict_call_grammar_refuses_what_the_schema_refuses(tiny_model_dir):
+    """The structural tag compiled and run over a tokenizer: text before the tag is free; inside a call, a value
+    of the wrong type or a property the schema does not list cannot be written."""
+    from pagedserve.engine.setup import load_tokenizer
+    from pagedserve.structured.compiler import GrammarCompiler
+    from pagedserve.structured.matcher import RequestGrammar
+
+    tokenizer = load_tokenizer(tiny_model_dir("llama"))
+    compiled = GrammarCompiler(tokenizer, len(tokenizer)).compile(
+        resolve_tool_choice(STRICT_TOOLS, "auto", None, "hermes", True).grammar)
+
+    def accepts(text: str) -> bool:
+        grammar = RequestGrammar(compiled, [tokenizer.eos_token_id])
+        return all(grammar.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert accepts("Let me look that up. " + call + '{"city": "Oslo"}}\n</tool_call> Done.')
+    assert not accepts(call + '{"city": 5')
+    assert not accepts(call + '{"city": "Oslo", "unit"')
+    assert accepts(call.replace("get_weather", "add") + '{"a": 1, "c": [true]}}')  # not strict: any object
+
+
 @pytest.mark.parametrize("piece", [1, 4, 1000])
 def test_hermes_takes_a_bare_call_with_parameters_as_a_tagged_one(piece):
     """Llama-style "parameters" instead of "arguments": a call inside tags, and so a call without them too."""

@@ -664,14 +664,18 @@ class OpenAIServing:
         self._check_limits(req, [prompt], [max_tokens])
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, logprobs, req.prompt_logprobs)
-        if tool_choice is not None and tool_choice.grammar is not None:
+        grammar = tool_choice.grammar if tool_choice is not None else None
+        if grammar is not None and tool_choice.mode == "auto" and (params.structured_outputs is not None
+                                                                    or req.use_beam_search):
+            grammar = None  # response_format shapes the whole reply (no call can start), as before strict calls
+        if grammar is not None:
             if req.use_beam_search:
                 raise InvalidRequestError(f"tool_choice {tool_choice.mode!r} is enforced by a grammar, which cannot be "
                                           "combined with use_beam_search", param="tool_choice")
             if params.structured_outputs is not None:
                 raise InvalidRequestError(f"tool_choice {tool_choice.mode!r} is enforced by a grammar, which cannot be "
                                           "combined with response_format or structured_outputs", param="tool_choice")
-            params.structured_outputs = tool_choice.grammar
+            params.structured_outputs = grammar
         if tool_choice is not None and tool_choice.mode == "auto":
             params.skip_special_tokens = False  # tool-call tags may be special tokens (Qwen's <tool_call>)
         self._validate_for_engine([prompt], [params], {"logprobs": "top_logprobs"})

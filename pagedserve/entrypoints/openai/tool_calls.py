@@ -8,7 +8,8 @@ tool_choice:
   </tool_call>` as Qwen2.5/Qwen3 write; llama3_json: `{"name": ..., "parameters": {...}}` as Llama 3 writes).
 - "required": a grammar forces a JSON array of calls [{"name": one of the tools, "parameters": its schema}].
 - {"type": "function", "function": {"name": N}}: a grammar forces the arguments of N (its parameter schema).
-So with "required" and a named function the arguments always parse and match the schema.
+So with "required" and a named function the arguments always parse and match the schema; under "auto" with
+hermes, so do a `"strict": true` tool's (ToolChoice.strict_schemas).
 
 One ToolCallReader per choice turns the text deltas of a generation into events (content text, tool-call
 pieces). The non-streamed response is the same reader fed the whole text at once and its events
@@ -38,14 +39,35 @@ class ToolChoice:
     tools: list[dict]  # the request's tools (OpenAI shape)
     function_name: str | None = None  # mode "named"
     parallel: bool = True
+    parser: str | None = None  # --tool-call-parser (mode "auto")
+
+    @property
+    def strict_schemas(self) -> dict[str, dict]:
+        """auto under hermes: the parameters of each `"strict": true` tool, by name, which its calls are held to
+        (OpenAI's promise; the model wrote arguments that broke them, QA-F): a tagged call by a grammar that
+        starts at the tag (the text around calls stays free), calls written without tags by a check at the end
+        (those that break it are text)."""
+        if self.mode != "auto" or self.parser != "hermes":
+            return {}
+        return {t["function"]["name"]: _parameters(t["function"]) for t in self.tools
+                if t["function"].get("strict") is True}
 
     @property
     def grammar(self) -> StructuredOutputsParams | None:
-        """The grammar that enforces this choice (required, named), else None. A parameters schema it cannot
-        enforce is named where the request has it (tools[i].function.parameters), not inside the grammar's."""
+        """The grammar that enforces this choice (required, named, auto's strict tools under hermes), else None. A
+        parameters schema it cannot enforce is named where the request has it (tools[i].function.parameters),
+        not inside the grammar's."""
+        strict = self.strict_schemas
         for index, tool in enumerate(self.tools):
-            if self.mode == "required" or (self.mode == "named" and tool["function"]["name"] == self.function_name):
+            if self.mode == "required" or (self.mode == "named" and tool["function"]["name"] == self.function_name) \
+                    or tool["function"]["name"] in strict:
                 check_json_schema(_parameters(tool["function"]), "tools", root=f"tools[{index}].function.parameters#")
+        if strict:  # xgrammar's structural tag: free text until the tag, then a call as Qwen's template shows it
+            structures = [{"begin": f'{HermesReader.OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+                           "schema": strict.get(name, {"type": "object", "additionalProperties": True}),
+                           "end": f"}}\n{HermesReader.CLOSE}"} for name in (t["function"]["name"] for t in self.tools)]
+            return StructuredOutputsParams(structural_tag={"structures": structures, "triggers": [HermesReader.OPEN]},
+                                           param="tools")
         if self.mode == "named":
             return StructuredOutputsParams(json=_parameters(self._function(self.function_name)), param="tool_choice")
         if self.mode == "required":
@@ -77,7 +99,7 @@ def resolve_tool_choice(tools: list[dict] | None, tool_choice: Any, parallel: bo
         return None
     _check_tools(tools)
     names = [t["function"]["name"] for t in tools]
-    choice = ToolChoice("auto" if tool_choice is None else "", tools, parallel=parallel is not False)
+    choice = ToolChoice("auto" if tool_choice is None else "", tools, parallel=parallel is not False, parser=parser)
     if tool_choice in ("none", "auto", "required"):
         choice.mode = tool_choice
     elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
@@ -654,9 +676,10 @@ class HermesReader(ToolCallReader):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     passes_text_through = False
 
-    def __init__(self, tool_names: list[str]) -> None:
+    def __init__(self, tool_names: list[str], strict_schemas: dict[str, dict] | None = None) -> None:
         super().__init__()
         self.tool_names = tool_names
+        self.strict_schemas = strict_schemas or {}  # ToolChoice.strict_schemas: bare calls must match them
         self.pending = ""
         self.bare: BareCallCheck | None = BareCallCheck(tool_names)  # until the output can no longer be bare calls
         self.block: StreamedCall | None = None  # inside <tool_call>: the call object being read (or the last one)
@@ -764,9 +787,18 @@ class HermesReader(ToolCallReader):
         values = _json_values(_strip_code_fence(text), " \n\t\r", _UNIQUE_KEYS)
         if not values or not all(isinstance(v, dict) and next(iter(v), None) in BareCallCheck.FIRST_KEYS
                                  and v.get("name") in self.tool_names and isinstance(_bare_arguments(v), dict)
-                                 for v in values):
+                                 and self._meets_strict_schema(v["name"], _bare_arguments(v)) for v in values):
             return []
         return [self._call(v["name"], _bare_arguments(v)) for v in values]
+
+    def _meets_strict_schema(self, name: str, arguments: dict) -> bool:
+        """A strict tool's arguments match its schema (no grammar held a call written without tags)."""
+        schema = self.strict_schemas.get(name)
+        if schema is None:
+            return True
+        import jsonschema
+
+        return jsonschema.Draft202012Validator(schema).is_valid(arguments)
 
     def _emit(self, events: list, text: str) -> None:
         """Content: the text before the first call; once a call was sent, the text between and after calls is dropped,
@@ -896,7 +928,7 @@ def make_reader(choice: ToolChoice | None, parser: str | None) -> ToolCallReader
     elif choice.mode == "required":
         reader = RequiredReader()
     elif parser == "hermes":
-        reader = HermesReader([t["function"]["name"] for t in choice.tools])
+        reader = HermesReader([t["function"]["name"] for t in choice.tools], choice.strict_schemas)
     else:
         reader = _AUTO_READERS.get(parser, Llama3JsonReader)()
     if parser == "mistral":
