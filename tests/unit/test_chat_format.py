@@ -40,6 +40,18 @@ def test_text_parts_as_vllm_reads_them():
             render(STRINGS, [{"role": "user", "content": [{"type": "text", "text": bad}]}])
 
 
+def test_an_assistant_s_refusal_part_is_its_text():
+    """OpenAI's SDK types an assistant message's content parts as text or refusal; vLLM reads a refusal as text (a
+    400 "text only" before, QA-F). Images and the like stay refused."""
+    parts = [{"type": "refusal", "refusal": "I can't help with that."}]
+    assert render(STRINGS, [{"role": "assistant", "content": parts}]) == "[assistant:I can't help with that.]"
+    assert render(PARTS, [{"role": "assistant", "content": parts}], "openai") == "[assistant:<I can't help with that.>]"
+    with pytest.raises(InvalidRequestError, match="a refusal part's refusal must be a string"):
+        render(STRINGS, [{"role": "assistant", "content": [{"type": "refusal", "refusal": 1}]}])
+    with pytest.raises(InvalidRequestError, match="'image_url' is not supported"):
+        render(STRINGS, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
 def test_auto_gives_parts_to_a_template_that_loops_over_content():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert render(PARTS, [{"role": "user", "content": parts}]) == "[user:<a><b>]"  # detected, as vLLM

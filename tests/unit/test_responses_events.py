@@ -119,3 +119,19 @@ def test_reasoning_tokens_are_those_up_to_the_end_of_the_think_block():
         read_all(reader, decode(output))
         counted = asyncio.run(serving._reasoning_tokens(output, reader, skip_special_tokens=True))
         assert counted == expected, output
+
+
+def test_an_earlier_reply_s_refusal_part_is_its_text():
+    """An assistant item as OpenAI returns it may hold a refusal part: its text goes back to the template, as vLLM
+    reads it (a 400 "text only" before, QA-F)."""
+    from pagedserve.entrypoints.openai.serving_responses import _messages
+
+    messages = _messages([{"role": "user", "content": "help?"},
+                          {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}])
+    assert messages[1] == {"role": "assistant", "content": "I can't."}
+    try:
+        _messages([{"role": "assistant", "content": [{"type": "refusal", "text": "x"}]}])
+    except InvalidRequestError as exc:
+        assert "needs refusal, a string" in exc.message
+    else:
+        raise AssertionError("a refusal part without its refusal was taken")

@@ -152,6 +152,11 @@ def message_text(message: ChatMessage) -> str:
     return "\n".join(_text_parts(message))
 
 
+# Content part type -> the key of its text: OpenAI's assistant messages may carry a refusal part (the SDK's
+# ChatCompletionContentPartRefusalParam), which vLLM reads as text.
+_TEXT_KEYS = {"text": "text", "refusal": "refusal"}
+
+
 def _text_parts(message: ChatMessage) -> list[str]:
     """The texts of a message's content: a string is one part; parts without text are skipped (vLLM's rule)."""
     if message.content is None:
@@ -160,13 +165,14 @@ def _text_parts(message: ChatMessage) -> list[str]:
         return [message.content]  # "" too: an empty assistant prefill is one empty part, as vLLM's
     parts = []
     for index, part in enumerate(message.content):
-        if part.get("type") != "text":
-            raise InvalidRequestError(f"content part type {part.get('type')!r} is not supported (text only)",
-                                      param="messages")
-        text = part.get("text")
+        key = _TEXT_KEYS.get(part.get("type"))
+        if key is None:
+            raise InvalidRequestError(f"content part type {part.get('type')!r} is not supported (text and refusal "
+                                      "parts only)", param="messages")
+        text = part.get(key)
         if text is not None and not isinstance(text, str):
-            raise InvalidRequestError(f"a text part's text must be a string, got {type(text).__name__} (content part "
-                                      f"{index})", param="messages")
+            raise InvalidRequestError(f"a {part['type']} part's {key} must be a string, got {type(text).__name__} "
+                                      f"(content part {index})", param="messages")
         if text is not None:
             parts.append(text)
     return parts

@@ -27,7 +27,7 @@ from pagedserve.entrypoints.openai.serving import OpenAIServing, _collect, _Prom
 from pagedserve.entrypoints.openai.tool_calls import ReasoningDelta, ToolCallDelta, ToolCallReader, read_all
 from pagedserve.exceptions import InvalidRequestError
 
-_TEXT_PARTS = ("input_text", "output_text", "text")
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 # Responses fields accepted and kept out of the chat request: they change nothing a text server generates.
 _ACCEPTED = frozenset({"service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
 # The chat request's field -> the Responses request's, for the errors the chat route raises.
@@ -193,10 +193,11 @@ def _text(content: Any, index: int) -> str:
         if kind not in _TEXT_PARTS:
             raise InvalidRequestError(f"input[{index}]: content part type {kind!r} is not supported (text only)",
                                       param="input")
-        if not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"input[{index}]: content part {j} ({kind}) needs text, a string",
+        key = "refusal" if kind == "refusal" else "text"  # an earlier reply's refusal part: its text, as vLLM's
+        if not isinstance(part.get(key), str):
+            raise InvalidRequestError(f"input[{index}]: content part {j} ({kind}) needs {key}, a string",
                                       param="input")
-        texts.append(part["text"])
+        texts.append(part[key])
     return "\n".join(texts)
 
 
