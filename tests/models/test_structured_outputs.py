@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import pytest
@@ -254,8 +255,6 @@ def test_a_request_waits_for_its_grammar_without_kv_blocks(llm):
 def test_compile_time_limit_and_abort_while_waiting(tiny_model_dir):
     """A grammar still compiling after compile_timeout_s fails its request with a 400-type error; a request
     aborted while its grammar compiles leaves nothing behind; the engine serves the others throughout."""
-    import threading
-
     llm = LLM(tiny_model_dir("llama"), max_model_len=256, dtype="float32",
               structured_outputs_config='{"backend": "xgrammar", "compile_timeout_s": 0.3}')
     engine = llm.engine
@@ -298,21 +297,14 @@ def test_offline_chat_passes_tools_and_tool_calls_to_the_template(llm):
         tokenizer.chat_template = original
 
 
-def test_grammars_past_the_time_limit_hold_up_no_other(tiny_model_dir, monkeypatch):
-    """As many grammars as there are workers compile for far longer than compile_timeout_s (a 60,000-value enum
-    compiled for minutes): each fails at the limit, the next grammars compile at once on fresh threads, and the
-    same slow grammar asked again fails from the cache without compiling again, until its compile, run on in the
-    background, returns: from then on it is served from the cache (a busy box made it slow, and a grammar
-    refused until a restart is what QA saw)."""
-    import threading
-
-    from pagedserve.engine.setup import load_tokenizer
+def slow_compiles(monkeypatch) -> tuple[threading.Event, list[str]]:
+    """Regexes starting with "slow" compile only once the returned event is set (or after 30 s); the list records
+    every regex compiled."""
     from pagedserve.structured import compiler as compiler_module
-    from pagedserve.structured.compiler import GrammarCompiler
 
     release = threading.Event()
     real = compiler_module._compile_kind
-    compiled = []
+    compiled: list[str] = []
 
     def slow_for_some(compiler, params):
         compiled.append(params.regex)
@@ -321,6 +313,19 @@ def test_grammars_past_the_time_limit_hold_up_no_other(tiny_model_dir, monkeypat
         return real(compiler, params)
 
     monkeypatch.setattr(compiler_module, "_compile_kind", slow_for_some)
+    return release, compiled
+
+
+def test_grammars_past_the_time_limit_hold_up_no_other(tiny_model_dir, monkeypatch):
+    """As many grammars as there are workers compile for far longer than compile_timeout_s (a 60,000-value enum
+    compiled for minutes): each fails at the limit, the next grammars compile at once on fresh threads, and the
+    same slow grammar asked again fails from the cache without compiling again, until its compile, run on in the
+    background, returns: from then on it is served from the cache (a busy box made it slow, and a grammar
+    refused until a restart is what QA saw)."""
+    from pagedserve.engine.setup import load_tokenizer
+    from pagedserve.structured.compiler import GrammarCompiler
+
+    release, compiled = slow_compiles(monkeypatch)
     grammars = GrammarCompiler(load_tokenizer(tiny_model_dir("llama")), 512, compile_timeout_s=0.5)
     try:
         slow = [grammars.submit(StructuredOutputsParams(regex=f"slow{i}+")) for i in range(NUM_COMPILE_WORKERS)]
@@ -348,23 +353,12 @@ def test_a_grammar_late_and_larger_than_the_cache_is_refused_without_compiling_a
     a grammar is never ready in time: each retry compiled it again for minutes on a worker and got the same 400
     telling it to retry later (QA-F). Asked again, it is refused at once, naming the fix; a grammar compiled in time
     is served even when too large to keep."""
-    import threading
-
     from pagedserve.engine.setup import load_tokenizer
-    from pagedserve.structured import compiler as compiler_module
     from pagedserve.structured.compiler import GrammarCompiler
 
-    release = threading.Event()
-    real = compiler_module._compile_kind
-    compiled = []
+    release, compiled = slow_compiles(monkeypatch)
+    from pagedserve.structured import compiler as compiler_module
 
-    def slow_for_some(compiler, params):
-        compiled.append(params.regex)
-        if params.regex.startswith("slow"):
-            release.wait(30)
-        return real(compiler, params)
-
-    monkeypatch.setattr(compiler_module, "_compile_kind", slow_for_some)
     monkeypatch.setattr(compiler_module, "GRAMMAR_CACHE_BYTES", 1)  # every grammar is larger than the cache
     grammars = GrammarCompiler(load_tokenizer(tiny_model_dir("llama")), 512, compile_timeout_s=0.5)
     try:
