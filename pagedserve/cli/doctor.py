@@ -516,7 +516,7 @@ def run(args: argparse.Namespace) -> int:
         results = run_checks(default_checks(None, args.port, host=host, uds=uds))
         if not 0 < args.port < 65536:  # the flags line names the bad port already
             results = [result for result in results if result.name != "port"]
-        elif uds:  # and a socket path serve cannot listen on
+        elif uds and "--uds" in flags.detail:  # the flags line names the socket path already
             results = [result for result in results if result.name != "port" or result.status == PASS]
         return report([flags, *results], args.json)
     engine_args = engine_args_from_cli(args)  # serve's flags and environment variables, for the memory plan

@@ -89,8 +89,10 @@ class CpuShare:
         self._pending: int | None = None  # a new count one reading said, waiting for the next to agree
         self._agreeing = 0
 
-    def check(self) -> int:
-        """The thread count to run the next step with (a new reading when CHECK_INTERVAL_S has passed)."""
+    def check(self, idle: bool = False) -> int:
+        """The thread count to run the next step with (a new reading when CHECK_INTERVAL_S has passed). `idle`:
+        read between steps of an idle server, whose changes are logged at DEBUG (a bursty neighbour flipped an
+        idle server's count every few seconds: 34 INFO lines in 4 minutes without a request, QA-X)."""
         last = self._last
         if last is None or self.clock() - last.wall_s < CHECK_INTERVAL_S:
             return self.threads
@@ -110,9 +112,10 @@ class CpuShare:
         self._agreeing = self._agreeing + 1 if wanted == self._pending else 1
         self._pending = wanted
         if self._agreeing >= AGREEING_READINGS:
-            logger.info("%s to %d CPU thread%s: other processes kept %.1f of the %d CPUs busy", "giving way" if
-                        wanted < self.threads else "back", wanted, "" if wanted == 1 else "s", self.neighbours,
-                        self.cpus)
+            logger.log(logging.DEBUG if idle else logging.INFO,
+                       "%s to %d CPU thread%s: other processes kept %.1f of the %d CPUs busy", "giving way" if
+                       wanted < self.threads else "back", wanted, "" if wanted == 1 else "s", self.neighbours,
+                       self.cpus)
             self.threads, self._pending, self._agreeing = wanted, None, 0
         return self.threads
 

@@ -433,7 +433,7 @@ class LLMEngine:
         load (the thread count follows the neighbours while idle: the first steps after a pause ran on the count
         from before it until two fresh readings agreed, and /metrics' pagedserve:cpu_threads kept it, QA-P)."""
         if self.cpu_share is not None:
-            self.cpu_share.check()  # the next step applies it
+            self.cpu_share.check(idle=True)  # the next step applies it
         self.give_way()
         self._release_when_long_idle()
         freed = self.grammar_compiler.take_freed_bytes()

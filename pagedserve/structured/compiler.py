@@ -36,6 +36,7 @@ from pagedserve.structured.workers import CompileWorkers
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
+LATE_TIMES_REFUSED = 2  # compiles past the time limit, each larger than the cache, after which a grammar is refused
 NUM_COMPILE_WORKERS = 2
 # xgrammar's errors start with "[hh:mm:ss] /project/cpp/file.cc:123: ": not the client's business.
 _LOCATION_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
@@ -52,9 +53,10 @@ class GrammarCompiler:
         self._executor = CompileWorkers(NUM_COMPILE_WORKERS, compile_timeout_s)
         self._cache: OrderedDict[tuple, Future] = OrderedDict()  # least recently used first
         self._sizes: dict[tuple, int] = {}  # the compiled grammar's bytes, per cached key that has one
-        # Grammars that compiled only after the time limit, and larger than the cache: never ready in time
-        # (each retry compiled again for minutes, holding a worker, and got the same 400, QA-F): key -> bytes
-        self._never_in_time: OrderedDict[tuple, int] = OrderedDict()
+        # Grammars that compiled only after the time limit and larger than the cache, each time: key -> (bytes,
+        # times). Twice, and it is never ready in time (each retry compiled again for minutes, holding a worker,
+        # and got the same 400, QA-F); once may have been a busy moment of the box.
+        self._never_in_time: OrderedDict[tuple, tuple[int, int]] = OrderedDict()
         self.cached_bytes = 0
         self._lock = threading.RLock()  # a Future done at once runs its callback (_account) under submit's lock
         self._load_lock = threading.Lock()
@@ -76,8 +78,8 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(params.key)
                 return future
-            size = self._never_in_time.get(params.key)
-        if size is not None:
+            size, times = self._never_in_time.get(params.key, (0, 0))
+        if times >= LATE_TIMES_REFUSED:
             raise InvalidRequestError(
                 f"{params.param}: this grammar compiles for longer than compile_timeout_s "
                 f"({self.compile_timeout_s:g} s) and to {size / 2 ** 20:.0f} MiB, more than the "
@@ -111,7 +113,7 @@ class GrammarCompiler:
             if size > GRAMMAR_CACHE_BYTES:  # _account would not keep it: asked again, it would be late again
                 if self._cache.get(key) is given_up:
                     del self._cache[key]
-                self._never_in_time[key] = size
+                self._never_in_time[key] = (size, self._never_in_time.get(key, (0, 0))[1] + 1)
                 while len(self._never_in_time) > MAX_CACHED_GRAMMARS:
                     self._never_in_time.popitem(last=False)
                 return

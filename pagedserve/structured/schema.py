@@ -71,10 +71,18 @@ def check_json_schema(schema: Any, param: str, root: str = "#") -> None:
     under `root` (a tool's parameters: "tools[0].function.parameters#")."""
     try:
         _check_metaschema(schema, param, root)
-        _check_features(schema, root, param)
+        _check_features(schema, root, param, _dialect(schema))
     except RecursionError:  # jsonschema recurses per level: ~120 nested schemas were a 500
         raise InvalidRequestError(f"{param}: the JSON schema is nested too deeply to check; flatten it (e.g. with "
                                   "$defs and $ref)", param=param) from None
+
+
+def _dialect(schema: Any) -> Any:
+    """The jsonschema validator class of the schema's $schema (draft 2020-12 without one): draft-04's
+    exclusiveMinimum: true is a flag, not a bound."""
+    import jsonschema
+
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
 
 
 def _check_metaschema(schema: Any, param: str, root: str = "#") -> None:
@@ -83,7 +91,7 @@ def _check_metaschema(schema: Any, param: str, root: str = "#") -> None:
     dialect = schema.get("$schema") if isinstance(schema, dict) else None
     if dialect is not None and not isinstance(dialect, str):
         raise InvalidRequestError(f"{param}: $schema must be a URI string, got {dialect!r}", param=param)
-    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator = _dialect(schema)
     try:
         validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -92,7 +100,7 @@ def _check_metaschema(schema: Any, param: str, root: str = "#") -> None:
         raise InvalidRequestError(f"{param}: invalid JSON schema at {where}: {exc.message}", param=param) from None
 
 
-def _check_listed_values(schema: dict, path: str, param: str) -> None:
+def _check_listed_values(schema: dict, path: str, param: str, dialect: Any) -> None:
     """xgrammar writes an 'enum' or 'const' value as listed and drops every keyword beside it ("abc" for an enum of
     "abc" and "xyz" with a pattern ^x, QA-F): fine where every value meets them, else a 400 naming the first that
     does not, for the caller to leave out."""
@@ -100,12 +108,13 @@ def _check_listed_values(schema: dict, path: str, param: str) -> None:
 
     listed = "const" if "const" in schema else "enum"
     rest = {key: value for key, value in schema.items()
-            if key not in ANNOTATIONS and key not in (listed, "$defs", "definitions")}
+            if key not in ANNOTATIONS and key not in (listed, "$defs", "definitions")
+            and not (key in NO_OP_VALUES and value == NO_OP_VALUES[key])}
     if not rest:
         return
     values = [schema["const"]] if listed == "const" else schema["enum"] if isinstance(schema["enum"], list) else []
     try:
-        validator = jsonschema.Draft202012Validator(rest)
+        validator = dialect(rest)
         for value in values:
             error = jsonschema.exceptions.best_match(validator.iter_errors(value))
             if error is not None:
@@ -141,7 +150,7 @@ def _unsupported(param: str, path: str, what: str) -> InvalidRequestError:
                                "'Structured outputs' section)", param=param)
 
 
-def _check_features(schema: Any, path: str, param: str) -> None:
+def _check_features(schema: Any, path: str, param: str, dialect: Any) -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
@@ -151,27 +160,27 @@ def _check_features(schema: Any, path: str, param: str) -> None:
         if key in ANNOTATIONS or (key in NO_OP_VALUES and value == NO_OP_VALUES[key]):
             continue
         if key in SUBSCHEMAS:
-            _check_subschemas(key, value, where, param)
+            _check_subschemas(key, value, where, param, dialect)
         elif key not in ENFORCED:
             raise _unsupported(param, path, f"the keyword '{key}'")
-    _check_values(schema, path, param)
+    _check_values(schema, path, param, dialect)
 
 
-def _check_subschemas(key: str, value: Any, where: str, param: str) -> None:
+def _check_subschemas(key: str, value: Any, where: str, param: str, dialect: Any) -> None:
     held = SUBSCHEMAS[key]
     if held == "map" and isinstance(value, dict):
         for name, sub in value.items():
-            _check_features(sub, f"{where}/{name}", param)
+            _check_features(sub, f"{where}/{name}", param, dialect)
     elif held == "list" and isinstance(value, list):
         if key == "allOf" and len(value) > 1:
             raise _unsupported(param, where, "'allOf' with more than one schema")
         for index, sub in enumerate(value):
-            _check_features(sub, f"{where}/{index}", param)
+            _check_features(sub, f"{where}/{index}", param, dialect)
     else:
-        _check_features(value, where, param)
+        _check_features(value, where, param, dialect)
 
 
-def _check_values(schema: dict, path: str, param: str) -> None:
+def _check_values(schema: dict, path: str, param: str, dialect: Any) -> None:
     fmt = schema.get("format")
     if fmt is not None and fmt not in FORMATS:
         raise _unsupported(param, path, f"format '{fmt}' (enforced formats: {', '.join(sorted(FORMATS))})")
@@ -195,11 +204,12 @@ def _check_values(schema: dict, path: str, param: str) -> None:
         raise _unsupported(param, path, "keywords beside '$ref' (only the referenced schema is enforced)")
     for key in ("anyOf", "oneOf", "allOf"):  # xgrammar writes one of the schemas and drops the rest (QA-F)
         if key in schema and any(other not in ANNOTATIONS and other not in (key, "$defs", "definitions")
+                                 and not (other in NO_OP_VALUES and schema[other] == NO_OP_VALUES[other])
                                  for other in schema):
             raise _unsupported(param, path, f"keywords beside '{key}' (only its schemas are enforced: move the "
                                             "keywords into each of them)")
     if "enum" in schema or "const" in schema:
-        _check_listed_values(schema, path, param)
+        _check_listed_values(schema, path, param, dialect)
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     missing = [name for name in schema.get("required") or () if name not in properties]
     if missing:

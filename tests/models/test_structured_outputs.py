@@ -351,8 +351,8 @@ def test_grammars_past_the_time_limit_hold_up_no_other(tiny_model_dir, monkeypat
 def test_a_grammar_late_and_larger_than_the_cache_is_refused_without_compiling_again(tiny_model_dir, monkeypatch):
     """Compiled past the time limit and larger than the whole grammar cache (a 60,000-value enum: ~90 s on 2 cores),
     a grammar is never ready in time: each retry compiled it again for minutes on a worker and got the same 400
-    telling it to retry later (QA-F). Asked again, it is refused at once, naming the fix; a grammar compiled in time
-    is served even when too large to keep."""
+    telling it to retry later (QA-F). After the second such compile it is refused at once, naming the fix; a
+    grammar compiled in time is served even when too large to keep."""
     from pagedserve.engine.setup import load_tokenizer
     from pagedserve.structured.compiler import GrammarCompiler
 
@@ -362,15 +362,18 @@ def test_a_grammar_late_and_larger_than_the_cache_is_refused_without_compiling_a
     monkeypatch.setattr(compiler_module, "GRAMMAR_CACHE_BYTES", 1)  # every grammar is larger than the cache
     grammars = GrammarCompiler(load_tokenizer(tiny_model_dir("llama")), 512, compile_timeout_s=0.5)
     try:
-        with pytest.raises(InvalidRequestError, match="took longer than 0.5 s"):
-            grammars.submit(StructuredOutputsParams(regex="slow+")).result(timeout=5)
-        release.set()
-        deadline = time.monotonic() + 20
-        while grammars._executor.num_abandoned and time.monotonic() < deadline:
-            time.sleep(0.01)
+        for times in (1, 2):  # once may have been a busy moment of the box: it is compiled again
+            release.clear()
+            with pytest.raises(InvalidRequestError, match="took longer than 0.5 s"):
+                grammars.submit(StructuredOutputsParams(regex="slow+")).result(timeout=5)
+            release.set()
+            deadline = time.monotonic() + 20
+            while grammars._executor.num_abandoned and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert compiled.count("slow+") == times
         with pytest.raises(InvalidRequestError, match="never ready in time: simplify the schema") as info:
             grammars.submit(StructuredOutputsParams(regex="slow+", param="response_format"))
-        assert info.value.param == "response_format" and compiled.count("slow+") == 1
+        assert info.value.param == "response_format" and compiled.count("slow+") == 2
         assert grammars.submit(StructuredOutputsParams(regex="[a-c]{2}")).result(timeout=20) is not None
     finally:
         release.set()

@@ -159,6 +159,7 @@ def test_repeated_schema_is_compiled_once(server, client):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
     ({"guided_json": {"type": "object"}}, '{"structured_outputs": {"json": ...}}'),
     ({"guided_regex": "[a-z]+"}, '{"structured_outputs": {"regex": ...}}'),  # the matching key (QA-F)
+    ({"guided_choice": ["a"], "guided_decoding_backend": "xgrammar"}, '{"structured_outputs": {"choice": ...}}'),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g', which is not among the tools"),

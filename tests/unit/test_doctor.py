@@ -189,6 +189,10 @@ def test_doctor_fails_a_socket_path_serve_refuses_once(tmp_path, capsys):
     flags = [r for r in results if r["name"] == "flags"]
     assert len(flags) == 1 and "is not a socket" in flags[0]["detail"], results
     assert [r for r in results if r["name"] == "port"] == []
+    # Another flag failing first: the flags line names that one, so the socket's own FAIL stays (QA-X)
+    assert main(["doctor", "--uds", str(regular), "--max-num-seqs", "0", "--json"]) == 1
+    results = json.loads(capsys.readouterr().out)
+    assert [r["status"] for r in results if r["name"] == "port"] == ["FAIL"], results
 
 
 def write_safetensors(path: Path, num_floats: int, truncate_by: int = 0) -> None:

@@ -144,6 +144,10 @@ def test_a_lone_surrogate_is_named_not_left_to_the_compiler(kind, value):
     {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
     {"type": "string", "enum": ["xa", "xb"], "pattern": "^x"},  # every listed value meets the keywords beside it
     {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "pydantic's Optional"},
+    {"anyOf": [{"type": "string"}, {"type": "null"}], "uniqueItems": False},  # asks for nothing
+    # draft-04's exclusiveMinimum is a flag: the listed values are read by the schema's own dialect
+    {"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 0, "exclusiveMinimum": True,
+     "enum": [1, 2]},
 ])
 def test_their_safe_neighbours_are_accepted(schema):
     check_json_schema(schema, "response_format")

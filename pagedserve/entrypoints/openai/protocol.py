@@ -173,10 +173,11 @@ class _SamplingFields(_Request):
         """The grammar the output must match, from response_format or structured_outputs (400 for both)."""
         old = sorted(k for k in (self.model_extra or {}) if k.startswith("guided_"))
         if old:  # ignoring them would silently return unconstrained text
-            kind = old[0].removeprefix("guided_")  # guided_json -> json, guided_regex -> regex, ...
-            kind = kind if kind in ("json", "regex", "choice", "grammar") else "json"
-            raise InvalidRequestError(f"{old[0]} is vLLM's former name; use structured_outputs, e.g. "
-                                      f"{{\"structured_outputs\": {{\"{kind}\": ...}}}}", param=old[0])
+            kinds = {f"guided_{kind}": kind for kind in ("json", "regex", "choice", "grammar")}
+            name = next((key for key in old if key in kinds), old[0])  # the one that asks for a grammar
+            raise InvalidRequestError(f"{name} is vLLM's former name; use structured_outputs, e.g. "
+                                      f"{{\"structured_outputs\": {{\"{kinds.get(name, 'json')}\": ...}}}}",
+                                      param=name)
         if self.structured_outputs is not None and self.response_format is not None:
             if StructuredOutputsParams.from_response_format(self.response_format) is not None:
                 raise InvalidRequestError("give either response_format or structured_outputs, not both",
