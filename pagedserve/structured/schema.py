@@ -17,9 +17,11 @@ from typing import Any
 
 from pagedserve.exceptions import InvalidRequestError
 
-# Keywords that only describe: fine anywhere, nothing to enforce.
+# Keywords that only describe: fine anywhere, nothing to enforce. OpenAPI's `discriminator` (pydantic writes it
+# beside a discriminated union's oneOf) names the property whose const in each branch tells them apart: the
+# branches enforce it.
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
-                         "deprecated", "readOnly", "writeOnly"})
+                         "deprecated", "readOnly", "writeOnly", "discriminator"})
 # Enforced keywords whose values are not subschemas.
 ENFORCED = frozenset({"type", "enum", "const", "required", "minItems", "maxItems", "minimum", "maximum",
                       "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "format",

@@ -158,3 +158,27 @@ def test_a_backend_other_than_xgrammar_is_refused_not_ignored():
         assert StructuredOutputsParams.from_request({"regex": "a+", "backend": backend}).kind == "regex"
     with pytest.raises(InvalidRequestError, match="backend 'guidance' is not available"):
         StructuredOutputsParams.from_request({"regex": "a+", "backend": "guidance"})
+
+
+def test_pydantic_s_discriminated_union_is_accepted():
+    """pydantic (and the openai SDK's strict form of it) writes OpenAPI's `discriminator` beside a discriminated
+    union's oneOf: an annotation here, as each branch's const property enforces it (a 400 before)."""
+    from typing import Literal, Union
+
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        pet_type: Literal["cat"]
+        meows: int
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"]
+        barks: float
+
+    class Owner(BaseModel):
+        pet: Union[Cat, Dog] = Field(discriminator="pet_type")
+
+    for schema in (Owner.model_json_schema(), to_strict_json_schema(Owner)):
+        assert "discriminator" in schema["properties"]["pet"]
+        check_json_schema(schema, "response_format")
