@@ -147,9 +147,11 @@ def with_request_head_deadline(protocol: type[asyncio.Protocol], timeout_s: floa
 
 
 def http_protocol(timeout_s: float) -> Any:
-    """uvicorn.Config's `http`: uvicorn's own choice (httptools where installed, else h11) with JSON errors, and
-    the deadline where `timeout_s` > 0."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    """uvicorn.Config's `http`: h11, with JSON errors, and the deadline where `timeout_s` > 0. Always h11, not
+    uvicorn's "auto" (httptools where installed: `.[ray]` brings it with uvicorn[standard]): httptools reports no
+    status for what it cannot parse, so a 200 KB header or a chunked body past the limit got a bare 400 there
+    instead of 431 and 413; parsing HTTP is a negligible part of serving a model."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    protocol = with_json_errors(AutoHTTPProtocol)
+    protocol = with_json_errors(H11Protocol)
     return protocol if timeout_s <= 0 else with_request_head_deadline(protocol, timeout_s)
