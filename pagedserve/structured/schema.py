@@ -73,15 +73,15 @@ def check_json_schema(schema: Any, param: str, root: str = "#") -> None:
     under `root` (a tool's parameters: "tools[0].function.parameters#")."""
     try:
         _check_metaschema(schema, param, root)
-        _check_features(schema, root, param, _dialect(schema))
+        _check_features(schema, root, param, dialect_of(schema))
     except RecursionError:  # jsonschema recurses per level: ~120 nested schemas were a 500
         raise InvalidRequestError(f"{param}: the JSON schema is nested too deeply to check; flatten it (e.g. with "
                                   "$defs and $ref)", param=param) from None
 
 
-def _dialect(schema: Any) -> Any:
+def dialect_of(schema: Any) -> Any:
     """The jsonschema validator class of the schema's $schema (draft 2020-12 without one): draft-04's
-    exclusiveMinimum: true is a flag, not a bound."""
+    exclusiveMinimum: true is a flag, not a bound. For checking values against a schema as its author meant it."""
     import jsonschema
 
     return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -93,7 +93,7 @@ def _check_metaschema(schema: Any, param: str, root: str = "#") -> None:
     dialect = schema.get("$schema") if isinstance(schema, dict) else None
     if dialect is not None and not isinstance(dialect, str):
         raise InvalidRequestError(f"{param}: $schema must be a URI string, got {dialect!r}", param=param)
-    validator = _dialect(schema)
+    validator = dialect_of(schema)
     try:
         validator.check_schema(schema)
     except jsonschema.SchemaError as exc:

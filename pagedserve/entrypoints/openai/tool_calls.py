@@ -27,7 +27,7 @@ from typing import Any
 
 from pagedserve.exceptions import InvalidRequestError
 from pagedserve.structured.params import StructuredOutputsParams
-from pagedserve.structured.schema import check_json_schema
+from pagedserve.structured.schema import check_json_schema, dialect_of
 
 PARSERS = ("granite", "hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -794,11 +794,7 @@ class HermesReader(ToolCallReader):
     def _meets_strict_schema(self, name: str, arguments: dict) -> bool:
         """A strict tool's arguments match its schema (no grammar held a call written without tags)."""
         schema = self.strict_schemas.get(name)
-        if schema is None:
-            return True
-        import jsonschema
-
-        return jsonschema.Draft202012Validator(schema).is_valid(arguments)
+        return schema is None or dialect_of(schema)(schema).is_valid(arguments)
 
     def _emit(self, events: list, text: str) -> None:
         """Content: the text before the first call; once a call was sent, the text between and after calls is dropped,
