@@ -108,7 +108,7 @@ class GrammarCompiler:
         guards requests from waiting, and the wait was over; a busy box made it slow, not the grammar)."""
         done: Future = Future()
         done.set_result(grammar)
-        size = int(getattr(grammar.xgrammar, "memory_size_bytes", 0))
+        size = grammar.num_bytes
         with self._lock:
             if size > GRAMMAR_CACHE_BYTES:  # _account would not keep it: asked again, it would be late again
                 if self._cache.get(key) is given_up:
@@ -125,7 +125,7 @@ class GrammarCompiler:
         """Count a compiled grammar's bytes while it is cached, and evict down to the bounds."""
         if future.cancelled() or future.exception() is not None:
             return
-        size = int(getattr(future.result().xgrammar, "memory_size_bytes", 0))
+        size = future.result().num_bytes
         with self._lock:
             if self._cache.get(key) is not future:
                 return  # evicted meanwhile: nothing of it is kept
@@ -200,7 +200,7 @@ class GrammarCompiler:
             self.on_compiled(seconds)
         logger.debug("compiled a %s grammar in %.3f s", params.kind, seconds)
         grammar = CompiledGrammar(compiled, self._utf8, self._special_ids)
-        weakref.finalize(grammar, self._count_freed, int(getattr(compiled, "memory_size_bytes", 0)))
+        weakref.finalize(grammar, self._count_freed, grammar.num_bytes)
         return grammar
 
 

@@ -29,6 +29,11 @@ class CompiledGrammar:
     # xgrammar writes a warning to stderr for each one offered to a matcher.
     special_ids: frozenset[int] = frozenset()
 
+    @property
+    def num_bytes(self) -> int:
+        """What the compiled grammar holds in memory (xgrammar's count; 0 where it gives none)."""
+        return int(getattr(self.xgrammar, "memory_size_bytes", 0))
+
 
 class RequestGrammar:
     def __init__(self, compiled: CompiledGrammar, stop_token_ids: list[int]) -> None:

@@ -109,9 +109,7 @@ def _check_listed_values(schema: dict, path: str, param: str, dialect: Any) -> N
     import jsonschema
 
     listed = "const" if "const" in schema else "enum"
-    rest = {key: value for key, value in schema.items()
-            if key not in ANNOTATIONS and key not in (listed, "$defs", "definitions")
-            and not (key in NO_OP_VALUES and value == NO_OP_VALUES[key])}
+    rest = {key: schema[key] for key in _asking_beside(schema, listed)}
     if not rest:
         return
     values = [schema["const"]] if listed == "const" else schema["enum"] if isinstance(schema["enum"], list) else []
@@ -146,6 +144,18 @@ def _check_pattern(pattern: str, path: str, param: str) -> None:
         raise _unsupported(param, path, f"a 'pattern' with a regex feature the grammar cannot enforce ({reason})")
 
 
+def _asks_nothing(key: str, value: Any) -> bool:
+    """An annotation, or a keyword at the value that asks for nothing (uniqueItems: false)."""
+    return key in ANNOTATIONS or (key in NO_OP_VALUES and value == NO_OP_VALUES[key])
+
+
+def _asking_beside(schema: dict, key: str) -> list[str]:
+    """The keywords beside `key` that ask for something (xgrammar drops them beside '$ref', 'anyOf' & co., and
+    beside a listed value); definitions are not beside anything."""
+    return [other for other, value in schema.items()
+            if other not in (key, "$defs", "definitions") and not _asks_nothing(other, value)]
+
+
 def _unsupported(param: str, path: str, what: str) -> InvalidRequestError:
     return InvalidRequestError(f"{param}: the JSON schema uses {what} at {path}, which structured outputs cannot "
                                "enforce; remove it or express it with supported keywords (see the README's "
@@ -159,7 +169,7 @@ def _check_features(schema: Any, path: str, param: str, dialect: Any) -> None:
         raise InvalidRequestError(f"{param}: a schema at {path} must be an object or a boolean", param=param)
     for key, value in schema.items():
         where = f"{path}/{key}"
-        if key in ANNOTATIONS or (key in NO_OP_VALUES and value == NO_OP_VALUES[key]):
+        if _asks_nothing(key, value):
             continue
         if key in SUBSCHEMAS:
             _check_subschemas(key, value, where, param, dialect)
@@ -201,13 +211,10 @@ def _check_values(schema: dict, path: str, param: str, dialect: Any) -> None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise _unsupported(param, path, f"the non-local '$ref' {ref!r} (only references into the schema itself)")
-    if isinstance(ref, str) and any(key not in ANNOTATIONS and key not in ("$ref", "$defs", "definitions")
-                                    for key in schema):
+    if isinstance(ref, str) and _asking_beside(schema, "$ref"):
         raise _unsupported(param, path, "keywords beside '$ref' (only the referenced schema is enforced)")
     for key in ("anyOf", "oneOf", "allOf"):  # xgrammar writes one of the schemas and drops the rest (QA-F)
-        if key in schema and any(other not in ANNOTATIONS and other not in (key, "$defs", "definitions")
-                                 and not (other in NO_OP_VALUES and schema[other] == NO_OP_VALUES[other])
-                                 for other in schema):
+        if key in schema and _asking_beside(schema, key):
             raise _unsupported(param, path, f"keywords beside '{key}' (only its schemas are enforced: move the "
                                             "keywords into each of them)")
     if "enum" in schema or "const" in schema:
