@@ -134,7 +134,33 @@ def test_batch_matches_transformers(tiny_model_dir, arch, dtype):
         else:
             assert_greedy_close(completion.token_ids, expected, reference, TOLERANCE[dtype])
         num_exact += completion.token_ids == expected
-    assert num_exact >= len(prompts) // 2  # near-ties are the exception, not the rule
+    if num_exact < len(prompts) // 2:  # near-ties are the exception, not the rule, unless this model is full of them
+        assert_as_close_as_transformers_bf16(model_dir, prompts, outputs, hf_model)
+
+
+def assert_as_close_as_transformers_bf16(model_dir: str, prompts, outputs, hf_bf16) -> None:
+    """Our bfloat16 logprobs are no further from transformers' float32 run than its own bfloat16 run is.
+
+    Some tiny random models are full of near-ties in bfloat16 (phi3's parted from transformers' bfloat16 greedy tokens
+    in 5 of 8 prompts on a Zen 3's AVX2 kernels, transformers' bfloat16 from its own float32 in 6 of 8), so fewer than
+    half exact says nothing there; how far each side's logprobs of the same tokens lie from float32 does: the median
+    over every generated position of |ours - float32| was 0.0159 against transformers' 0.0163 there. A bug that adds
+    error beside bfloat16's rounding moves ours and fails; 1.25x leaves room for rounding in another order."""
+    from transformers import AutoModelForCausalLM
+
+    hf_float32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ours_error, hf_error = [], []
+    for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
+        positions, tokens = torch.arange(len(completion.token_ids)), torch.tensor(completion.token_ids)
+        exact = hf_logprobs(hf_float32, prompt, completion.token_ids)[positions, tokens]
+        ours = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)])
+        ours_error.append((ours - exact).abs())
+        hf_error.append((hf_logprobs(hf_bf16, prompt, completion.token_ids)[positions, tokens] - exact).abs())
+    ours_median, hf_median = torch.cat(ours_error).median().item(), torch.cat(hf_error).median().item()
+    assert ours_median <= 1.25 * hf_median, (
+        f"fewer than half the prompts match transformers' bfloat16 tokens, and our logprobs lie further from its "
+        f"float32 ones (median {ours_median:.4g}) than its bfloat16 ones do ({hf_median:.4g})")
 
 
 @pytest.fixture(scope="module")
