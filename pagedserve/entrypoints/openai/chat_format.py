@@ -154,7 +154,7 @@ def message_text(message: ChatMessage) -> str:
 
 # Content part type -> the key of its text: OpenAI's assistant messages may carry a refusal part (the SDK's
 # ChatCompletionContentPartRefusalParam), which vLLM reads as text.
-_TEXT_KEYS = {"text": "text", "refusal": "refusal"}
+TEXT_KEYS = {"text": "text", "refusal": "refusal"}
 
 
 def _text_parts(message: ChatMessage) -> list[str]:
@@ -165,7 +165,7 @@ def _text_parts(message: ChatMessage) -> list[str]:
         return [message.content]  # "" too: an empty assistant prefill is one empty part, as vLLM's
     parts = []
     for index, part in enumerate(message.content):
-        key = _TEXT_KEYS.get(part.get("type"))
+        key = TEXT_KEYS.get(part.get("type"))
         if key is None:
             raise InvalidRequestError(f"content part type {part.get('type')!r} is not supported (text and refusal "
                                       "parts only)", param="messages")

@@ -23,11 +23,14 @@ from pydantic import ValidationError
 
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest
 from pagedserve.entrypoints.openai.errors import to_api_error
+from pagedserve.entrypoints.openai.chat_format import TEXT_KEYS
 from pagedserve.entrypoints.openai.serving import OpenAIServing, _collect, _PromptTally, _sse
 from pagedserve.entrypoints.openai.tool_calls import ReasoningDelta, ToolCallDelta, ToolCallReader, read_all
 from pagedserve.exceptions import InvalidRequestError
 
-_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+# Content part type -> the key of its text: chat's (text, and an earlier reply's refusal part, as vLLM's) and the
+# Responses API's own input and output text parts.
+_TEXT_PARTS = {**TEXT_KEYS, "input_text": "text", "output_text": "text"}
 # Responses fields accepted and kept out of the chat request: they change nothing a text server generates.
 _ACCEPTED = frozenset({"service_tier", "prompt_cache_key", "safety_identifier", "stream_options"})
 # The chat request's field -> the Responses request's, for the errors the chat route raises.
@@ -193,7 +196,7 @@ def _text(content: Any, index: int) -> str:
         if kind not in _TEXT_PARTS:
             raise InvalidRequestError(f"input[{index}]: content part type {kind!r} is not supported (text only)",
                                       param="input")
-        key = "refusal" if kind == "refusal" else "text"  # an earlier reply's refusal part: its text, as vLLM's
+        key = _TEXT_PARTS[kind]
         if not isinstance(part.get(key), str):
             raise InvalidRequestError(f"input[{index}]: content part {j} ({kind}) needs {key}, a string",
                                       param="input")
