@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+from comparison.children import run as run_child, stop_on_sigterm  # noqa: E402
 
 SHAPES = [(9728, 896), (896, 4864), (1152, 896)]
 CHILD = """
@@ -102,8 +103,8 @@ def models_ab(args: argparse.Namespace) -> None:
     for round_ in range(args.rounds):
         order = ["gguf", "int8"] if round_ % 2 == 0 else ["int8", "gguf"]
         for quantization in order:
-            out = subprocess.run([sys.executable, "-c", CHILD, quantization, args.model, str(args.tokens)],
-                                 capture_output=True, text=True, check=True, cwd=HERE.parent)
+            out = run_child([sys.executable, "-c", CHILD, quantization, args.model, str(args.tokens)], check=True,
+                            cwd=HERE.parent)
             result = json.loads(out.stdout.strip().splitlines()[-1])
             results[quantization].append(result)
             print(f"round {round_ + 1} {quantization}: decode {result['decode']:.1f} tok/s, "
@@ -124,6 +125,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
+    stop_on_sigterm()
     if args.model:
         models_ab(args)
     else:

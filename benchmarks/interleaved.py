@@ -42,6 +42,7 @@ REPO = HERE.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from comparison.children import run as run_child, stop_on_sigterm  # noqa: E402
 from pagedserve.cli.common import set_thread_environment  # noqa: E402
 
 PAGEDSERVE_W1 = """
@@ -103,7 +104,7 @@ def run(python: str, code: str | Path, *argv: str) -> list[float]:
     env = dict(os.environ)
     if python == sys.executable:
         set_thread_environment(None, env)
-    done = subprocess.run([*command, *argv], capture_output=True, text=True, check=False, env=env)
+    done = run_child([*command, *argv], env=env)
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"{argv}: no result\n{done.stderr[-2000:]}")
@@ -228,6 +229,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated label prefixes to run (default: all)")
     parser.add_argument("--report", action="store_true", help="write this CPU class's section of benchmarks/RESULTS.md")
     args = parser.parse_args()
+    stop_on_sigterm()
     systems = systems_for(args)
     if args.only:
         systems = [s for s in systems if any(s[0].startswith(p.strip()) for p in args.only.split(","))]

@@ -25,12 +25,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from comparison.children import run as run_child, stop_on_sigterm  # noqa: E402
 
 # The (#14) example configuration. Earlier runs used k = 4; replaying the greedy outputs, k = 5 took fewer
 # verification-weighted steps on every workload, and back to back it ran Qwen's rows 1.05-1.15x faster
@@ -184,8 +185,7 @@ def verification_cost(plain: StepTimes, spec: StepTimes, k: int) -> float | None
 
 
 def run_llama_cpp(python: str, path: str, mode: str, jobs: dict, k: int) -> dict[str, dict]:
-    result = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT, path, mode, str(k),
-                             json.dumps(jobs)], capture_output=True, text=True, timeout=1800)
+    result = run_child([python, "-c", LLAMA_CPP_SCRIPT, path, mode, str(k), json.dumps(jobs)], timeout=1800)
     for line in result.stdout.splitlines():
         if line.startswith("### RESULTS "):
             return json.loads(line.removeprefix("### RESULTS "))
@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculative-config", dest="spec", type=json.loads, default=SPEC,
                         help=f"the speculative engine's config (default {json.dumps(SPEC)})")
     args = parser.parse_args(argv)
+    stop_on_sigterm()
     start = time.perf_counter()
     real = [row for name in args.models.split(",") if name for row in real_model_rows(name, args)]
     random_ = [] if args.skip_random else random_rows(args)

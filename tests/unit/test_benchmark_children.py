@@ -1,0 +1,79 @@
+"""benchmarks/comparison/children.py: a benchmark's child, and whatever it started, never outlive the call, even when
+the benchmark itself is stopped by `timeout`'s SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from comparison import children  # noqa: E402
+
+# A child that starts a grandchild (as interleaved.py's ready child starts a server), writes its pid, then waits.
+PARENT = """
+import subprocess, sys, time
+sleeper = subprocess.Popen(["sleep", "120"])
+open(sys.argv[1], "w").write(str(sleeper.pid))
+time.sleep(120)
+"""
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    """True once `pid` no longer runs (gone, or a zombie waiting for its reaper)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _pid_from(path: Path, within: float = 20.0) -> int:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError("the child never wrote its grandchild's pid")
+
+
+def test_a_finished_child_gives_its_output_and_status() -> None:
+    done = children.run([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"])
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
+    with pytest.raises(subprocess.CalledProcessError):
+        children.run([sys.executable, "-c", "import sys; sys.exit(1)"], check=True)
+
+
+def test_a_timed_out_child_takes_what_it_started_with_it(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        children.run([sys.executable, "-c", PARENT, str(pid_file)], timeout=3)
+    assert _gone(_pid_from(pid_file))
+
+
+def test_sigterm_to_the_benchmark_kills_its_running_child_and_grandchild(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    benchmark = subprocess.Popen([sys.executable, "-c", (
+        f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r})\n"
+        "from comparison import children\n"
+        "children.stop_on_sigterm()\n"
+        f"children.run([sys.executable, '-c', {PARENT!r}, {str(pid_file)!r}])\n")])
+    try:
+        grandchild = _pid_from(pid_file)
+        benchmark.send_signal(signal.SIGTERM)
+        assert benchmark.wait(20) == 128 + signal.SIGTERM
+        assert _gone(grandchild)
+    finally:
+        benchmark.kill()
+        benchmark.wait()
