@@ -3304,9 +3304,13 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
  * q v is exact in integers; per row y = xs (sum_b d_b sum_j q_j v_j + sum_b m_b sum_j v_j) (+ bias), the terms
  * added in float32.
  * - Decode-sized batches (q_rows): x's planes laid out in the nibbles' order, 64 (AVX2: 32) nibbles an instruction;
- *   each 128-bit lane of the sums holds one block's, scaled by its d once per group. Every row runs the same
- *   instructions whatever M is, so a row gets the same bits in every such batch. One row streams two runs a thread
- *   (blocks b and b + half: 1.22-1.25x one run on the 2-core Ice Lake, gate/up, down and q/k/v shapes).
+ *   AVX-512: each 128-bit lane of the sums holds one block's, scaled by its d once per group; AVX2: the 4 rows' block
+ *   sums folded into one vector first (vphaddd), so a 4-row block keeps one float sum per row of x and unpacks its
+ *   weights once for Q_C rows of x. Every row runs the same instructions whatever M is, so a row gets the same bits
+ *   in every such batch. One row streams two runs a thread (blocks b and b + half: 1.22-1.25x one run on the 2-core
+ *   Ice Lake, gate/up, down and q/k/v shapes). Each kind runs its own copy of the loop (q_rows_of_kind). On the
+ *   2-core Zen 3 (benchmarks/linear_ab.py --kind q5_0, Qwen2.5-0.5B's shapes) the AVX2 form ran 1.26-1.5x the
+ *   per-row float sums it replaced at one row, 1.26-1.37x at 2 rows, 1.5-2.1x at 3-6 rows.
  * - From Q_TILE_ROWS rows (prompts, bigger decode batches; not in batch-invariant mode), q_tile: panels of VL rows' q
  *   values as int16 pairs ([K / 2][VL]: one vector holds 2 columns of VL outputs), each row's block sum exact in one
  *   int32 lane, x broadcast 2 columns at a time (vpdpwssd; AVX2 vpmaddwd) for Q_NV panels at once; its float sums
@@ -3316,10 +3320,16 @@ void ps_quantize_rows_i8(const void *w, int bf16, int64_t N, int64_t K, int8_t *
  *   build 0.8-0.86x. */
 #if PS_ISA == 512
 #define QG 128  /* columns per decode step: a 64-byte load of nibbles */
+#define Q_XV_SHARE 0.25f  /* a block's sums span 4 lanes, each adding a quarter of its m term */
+#define Q_C 2  /* rows of x per pass over a 4-row block (q_rows) */
 #define Q_TILE_ROWS 12  /* from here the tile (2 panels a tile): 1.07-1.13x the row kernel at 12 rows; at 8 0.8-0.97x */
 #else
 #define QG 64   /* a 32-byte load */
-#define Q_TILE_ROWS 8  /* the tile 1.1-1.2x the row kernel at 8 rows, 1.3-1.7x at 12-16; at 5 0.9-1.1x, 3 0.7-0.8x */
+#define Q_XV_SHARE 1.0f  /* a lane holds one row's whole block */
+#define Q_C 4  /* rows of x per pass over a 4-row block: one float sum each, the unpacked weights shared */
+/* The row kernel with 4 rows of x a pass against the tile (Zen 3, Qwen2.5-0.5B's shapes, Q5_0): 1.16-1.65x at 8 rows,
+ * 1.0-1.16x at 12, 0.83-1.19x at 16, 0.76-0.95x at 24-32 (the 3-row kernel had lost to the tile from 8 rows). */
+#define Q_TILE_ROWS 12
 #endif
 enum { Q_FIVE = 1, Q_K = 2 };  /* a matrix's kind: fifth bits; K-quant scales */
 /* bytes per record: 4 x 64 nibbles, 4 x 16 scale bytes, and for 5 bits 64 bytes of fifth bits */
@@ -3352,7 +3362,7 @@ static inline void q_split(vf x, vf inv, vf *v, vf *hi, vf *lo) {
 
 /* For q_rows: x [M, K] -> per row planes [G][4][QG / 2] int8 (hi's low-nibble half, hi's high-nibble half, then
  * lo's; G steps of QG columns over ceil(K / 128) * 128, zero past K), xv [G][VL] float (lane l: the sum of v over the
- * block of lane l, / 4: a block spans 4 lanes of a step's sums), xs [M]. */
+ * block of lane l, times Q_XV_SHARE), xs [M]. */
 static void q_prepare(const void *x, int64_t M, int64_t K, int bf16, int8_t *planes, float *xv, float *xs) {
   const int64_t G = (K + 127) / 128 * (128 / QG), lanes = VL / (QG / 32);  /* lanes a block's sums span */
   memset(planes, 0, (size_t)(M * G * 2 * QG));
@@ -3369,7 +3379,7 @@ static void q_prepare(const void *x, int64_t M, int64_t K, int bf16, int8_t *pla
       const int64_t pos = g * 2 * QG + (j >= 16 ? QG / 2 : 0) + bb * 16 + j % 16;
       vstore_i8(row + pos, hi);
       vstore_i8(row + pos + QG, lo);
-      sums[g * VL + bb * lanes] += vsum(v) * 0.25f;
+      sums[g * VL + bb * lanes] += vsum(v) * Q_XV_SHARE;
     }
     for (int64_t g = 0; g < G; ++g)  /* spread each block's sum over its lanes */
       for (int64_t l = 0; l < VL; ++l) sums[g * VL + l] = sums[g * VL + l / lanes * lanes];
@@ -3396,12 +3406,13 @@ static inline void q_scales(const uint8_t *p, int kind, __m512 *dv, __m512 *mv) 
 /* out[r][c] = the sums of row r of the NB 4-row blocks whose records start at rec[0], rec[1] (4 NB rows) against the
  * C rows of x at xp/xv. */
 static inline __attribute__((always_inline)) void q_rows(const uint8_t *const rec[2], const int NB, int64_t G,
-                                                         int kind, const int8_t *const xp[2],
-                                                         const float *const xv[2], const int C, float out[8][2]) {
+                                                         int kind, const int8_t *const xp[Q_C],
+                                                         const float *const xv[Q_C], const int C,
+                                                         float out[8][Q_C]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
   const int64_t size = Q_REC(kind);
   const int five = kind & Q_FIVE;
-  __m512 acc[8][2];
+  __m512 acc[8][Q_C];
   for (int r = 0; r < 4 * NB; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -3487,63 +3498,93 @@ static inline __m256i q_dot(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
 #endif
 }
 
-/* Half h (blocks 2h, 2h + 1) of a group's d and m for each lane (4 lanes a block) from one row's scale bytes at p. */
-static inline void q_scales(const uint8_t *p, int kind, int h, __m256 *dv, __m256 *mv) {
-  const __m256i pick = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
-  if (kind & Q_K) {
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(read_u16(p + 4 + 2 * h))));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(read_u16(p + 8 + 2 * h))));
-    *dv = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc, pick), _mm256_set1_ps(_cvtsh_ss(read_u16(p))));
-    *mv = _mm256_mul_ps(_mm256_permutevar8x32_ps(mn, pick), _mm256_set1_ps(-_cvtsh_ss(read_u16(p + 2))));
-    return;
-  }
-  const __m256 dm = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
-  *dv = _mm256_permutevar8x32_ps(dm, _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));
-  *mv = _mm256_permutevar8x32_ps(dm, _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1));
+/* 256 q_dot(w0, h0, w1, h1) + q_dot(w0, l0, w1, l1) for x's planes at x (h0, h1, l0, l1: 32 bytes each). */
+static inline __m256i q_dot_split(__m256i w0, __m256i w1, const int8_t *x) {
+  const __m256i h0 = _mm256_loadu_si256((const __m256i *)x), h1 = _mm256_loadu_si256((const __m256i *)(x + 32));
+  const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64)), l1 = _mm256_loadu_si256((const __m256i *)(x + 96));
+#ifdef __AVXVNNI__
+  return _mm256_add_epi32(_mm256_slli_epi32(q_dot(w0, h0, w1, h1), 8), q_dot(w0, l0, w1, l1));
+#else  /* the shift folded into vpmaddwd's multiplier */
+  const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(w0, h0), _mm256_maddubs_epi16(w1, h1));
+  const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(w0, l0), _mm256_maddubs_epi16(w1, l1));
+  return _mm256_add_epi32(_mm256_madd_epi16(ph, _mm256_set1_epi16(256)), _mm256_madd_epi16(pl, _mm256_set1_epi16(1)));
+#endif
 }
 
+/* One row's d of a group's 4 blocks, then their m, from its 16 scale bytes at p. */
+static inline __m256 q_row_scales(const uint8_t *p, int kind) {
+  if (kind & Q_K) {  /* D sc, -(Dmin mn): sc[4], mn[4] at p + 4 */
+    const __m256 sm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 4))));
+    const __m128 big = _mm_set1_ps(_cvtsh_ss(read_u16(p))), big_min = _mm_set1_ps(-_cvtsh_ss(read_u16(p + 2)));
+    return _mm256_mul_ps(sm, _mm256_set_m128(big_min, big));
+  }
+  const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));  /* d0 m0 d1 m1 .. */
+  return _mm256_permutevar8x32_ps(dm, _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0));
+}
+
+/* A record's 4 rows' d and m per step h, lane b * 4 + r: row r's block 2h + b (the lanes of q_rows' sums). */
+static inline void q_scales(const uint8_t *p, int kind, __m256 dv[2], __m256 mv[2]) {
+  __m256 r[4];
+  for (int i = 0; i < 4; ++i) r[i] = q_row_scales(p + 256 + 16 * i, kind);
+  const __m256 d01 = _mm256_unpacklo_ps(r[0], r[1]), d23 = _mm256_unpacklo_ps(r[2], r[3]);  /* blocks 0, 1 */
+  const __m256 e01 = _mm256_unpackhi_ps(r[0], r[1]), e23 = _mm256_unpackhi_ps(r[2], r[3]);  /* blocks 2, 3 */
+  const __m256 b0 = _mm256_shuffle_ps(d01, d23, 0x44), b1 = _mm256_shuffle_ps(d01, d23, 0xEE);  /* d rows | m rows */
+  const __m256 b2 = _mm256_shuffle_ps(e01, e23, 0x44), b3 = _mm256_shuffle_ps(e01, e23, 0xEE);
+  dv[0] = _mm256_permute2f128_ps(b0, b1, 0x20);
+  mv[0] = _mm256_permute2f128_ps(b0, b1, 0x31);
+  dv[1] = _mm256_permute2f128_ps(b2, b3, 0x20);
+  mv[1] = _mm256_permute2f128_ps(b2, b3, 0x31);
+}
+
+/* out[r][c] = the sums of row r of the NB 4-row blocks at rec[0], rec[1] against the C rows of x at xp/xv. Each
+ * row's block sum is exact in int32; vphaddd folds the 4 rows' into one vector (lane b * 4 + r: row r's block 2h + b
+ * of step h), scaled by d and m there: one float sum per 4 rows and row of x, 4 rows' scales per shuffle, and a
+ * step's unpacked weights serve C rows of x. */
 static inline __attribute__((always_inline)) void q_rows(const uint8_t *const rec[2], const int NB, int64_t G,
-                                                         int kind, const int8_t *const xp[2],
-                                                         const float *const xv[2], const int C, float out[8][2]) {
+                                                         int kind, const int8_t *const xp[Q_C],
+                                                         const float *const xv[Q_C], const int C,
+                                                         float out[8][Q_C]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const int64_t size = Q_REC(kind);
   const int five = kind & Q_FIVE;
-  __m256 acc[8][2];
-  for (int r = 0; r < 4 * NB; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  __m256 acc[2][Q_C];
+  for (int blk = 0; blk < NB; ++blk)
+    for (int c = 0; c < C; ++c) acc[blk][c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     for (int blk = 0; blk < NB; ++blk) {
       const uint8_t *p = rec[blk] + g * size;
       for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)(p + Q_AHEAD + line), _MM_HINT_T0);
+      __m256 dv[2], mv[2];
+      q_scales(p, kind, dv, mv);
       for (int h = 0; h < 2; ++h) {  /* two steps of 64 columns */
         const int64_t step = 2 * g + h;
         const __m256i bits = five ? _mm256_loadu_si256((const __m256i *)(p + 320 + 32 * h)) : _mm256_setzero_si256();
+        __m256i lo[4], hi[4];
         for (int r = 0; r < 4; ++r) {
-          __m256 *a = acc[4 * blk + r];
           const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * r + 32 * h));
-          __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          lo[r] = _mm256_and_si256(v, low4);
+          hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
           if (five) {
-            lo = _mm256_add_epi8(lo, q_fifth_bits(bits, 2 * r));
-            hi = _mm256_add_epi8(hi, q_fifth_bits(bits, 2 * r + 1));
+            lo[r] = _mm256_add_epi8(lo[r], q_fifth_bits(bits, 2 * r));
+            hi[r] = _mm256_add_epi8(hi[r], q_fifth_bits(bits, 2 * r + 1));
           }
-          __m256 dv, mv;
-          q_scales(p + 256 + 16 * r, kind, h, &dv, &mv);
-          for (int c = 0; c < C; ++c) {
-            const int8_t *xc = xp[c] + step * 2 * QG;
-            const __m256i sh = q_dot(lo, _mm256_loadu_si256((const __m256i *)xc), hi,
-                                     _mm256_loadu_si256((const __m256i *)(xc + 32)));
-            const __m256i sl = q_dot(lo, _mm256_loadu_si256((const __m256i *)(xc + 64)), hi,
-                                     _mm256_loadu_si256((const __m256i *)(xc + 96)));
-            const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(sh, 8), sl);
-            a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, a[c]);
-            a[c] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xv[c] + step * VL), a[c]);
-          }
+        }
+        for (int c = 0; c < C; ++c) {
+          const int8_t *x = xp[c] + step * 2 * QG;
+          const __m256i t01 = _mm256_hadd_epi32(q_dot_split(lo[0], hi[0], x), q_dot_split(lo[1], hi[1], x));
+          const __m256i t23 = _mm256_hadd_epi32(q_dot_split(lo[2], hi[2], x), q_dot_split(lo[3], hi[3], x));
+          acc[blk][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(t01, t23)), dv[h], acc[blk][c]);
+          acc[blk][c] = _mm256_fmadd_ps(mv[h], _mm256_loadu_ps(xv[c] + step * VL), acc[blk][c]);
         }
       }
     }
   }
-  for (int r = 0; r < 4 * NB; ++r)
-    for (int c = 0; c < C; ++c) out[r][c] = vsum(acc[r][c]);
+  for (int blk = 0; blk < NB; ++blk)
+    for (int c = 0; c < C; ++c) {
+      float lanes[8];
+      _mm256_storeu_ps(lanes, acc[blk][c]);
+      for (int r = 0; r < 4; ++r) out[4 * blk + r][c] = lanes[r] + lanes[4 + r];
+    }
 }
 
 static inline __m256i q_dot_pairs(__m256i acc, __m256i x, __m256i w) { return dot_i16(acc, x, w); }
@@ -3575,6 +3616,28 @@ static inline void q_natural(const uint8_t *p, int r, int five, vq out[4]) {
 #define Q_MT 6
 #define Q_NV 1  /* 12 sums, a weight and a broadcast (14 of 16; 2 panels of 3 rows measured 0.9-1.0x this) */
 #endif
+
+/* q_rows with its kind, NB and C compile-time constants: each copy's loop holds no test of the kind and keeps its
+ * constants and sums in registers (the one copy for every kind kept two sums and a byte constant on the stack in
+ * AVX2 builds). */
+#define Q_ROWS_AS(KIND)                                                    \
+  do {                                                                     \
+    if (NB == 2) q_rows(rec, 2, G, (KIND), xp, xv, 1, out);                \
+    else if (C == 1) q_rows(rec, 1, G, (KIND), xp, xv, 1, out);            \
+    else if (C == 2) q_rows(rec, 1, G, (KIND), xp, xv, 2, out);            \
+    else if (C < Q_C) q_rows(rec, 1, G, (KIND), xp, xv, Q_C - 1, out);     \
+    else q_rows(rec, 1, G, (KIND), xp, xv, Q_C, out);                      \
+  } while (0)
+static void q_rows_of_kind(const uint8_t *const rec[2], int NB, int64_t G, int kind, const int8_t *const xp[Q_C],
+                           const float *const xv[Q_C], int C, float out[8][Q_C]) {
+  switch (kind) {
+    case 0: Q_ROWS_AS(0); break;
+    case Q_FIVE: Q_ROWS_AS(Q_FIVE); break;
+    case Q_K: Q_ROWS_AS(Q_K); break;
+    default: Q_ROWS_AS(Q_FIVE | Q_K); break;
+  }
+}
+#undef Q_ROWS_AS
 
 /* ---- the prefill tile ---- */
 /* A panel of VL output rows (4-row blocks i0 .. i0 + VL / 4 - 1) for q_tile: q as int16 pairs [G * 64][VL] (columns
@@ -3753,13 +3816,13 @@ void ps_linear_q(const void *x, const uint8_t *packed, int kind, const void *bia
   #pragma omp parallel num_threads(nthreads)
   {
     int64_t b0, b1;
-    const int8_t *xp1[2] = {planes, planes};
-    const float *xv1[2] = {xv, xv};
+    const int8_t *xp1[Q_C] = {planes};
+    const float *xv1[Q_C] = {xv};
     thread_share(half, &b0, &b1);
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t *recs[2] = {packed + b * G * size, packed + (b + half) * G * size};
-      float out[8][2];
-      q_rows(recs, 2, G, kind, xp1, xv1, 1, out);
+      float out[8][Q_C];
+      q_rows_of_kind(recs, 2, G, kind, xp1, xv1, 1, out);
       for (int r = 0; r < 8; ++r) {
         const int64_t n = 4 * (r < 4 ? b : b + half) + r % 4;
         if (n < N) q_store(y, bias, xs[0], out[r][0], 0, n, N, bf16);
@@ -3770,13 +3833,16 @@ void ps_linear_q(const void *x, const uint8_t *packed, int kind, const void *bia
       const int64_t n0 = 4 * b;
       const int R = N - n0 < 4 ? (int)(N - n0) : 4;
       const uint8_t *recs[2] = {packed + b * G * size, NULL};
-      for (int64_t m = 0; m < M; m += 2) {
-        const int C = M - m > 1 ? 2 : 1;
-        const int8_t *xp[2] = {planes + m * steps * 2 * QG, planes + (m + C - 1) * steps * 2 * QG};
-        const float *xvr[2] = {xv + m * steps * VL, xv + (m + C - 1) * steps * VL};
-        float out[8][2];
-        if (C == 2) q_rows(recs, 1, G, kind, xp, xvr, 2, out);
-        else q_rows(recs, 1, G, kind, xp, xvr, 1, out);
+      for (int64_t m = 0; m < M; m += Q_C) {
+        const int C = M - m < Q_C ? (int)(M - m) : Q_C;
+        const int8_t *xp[Q_C];
+        const float *xvr[Q_C];
+        for (int c = 0; c < Q_C; ++c) {  /* past M: row m's, not computed */
+          xp[c] = planes + (m + (c < C ? c : 0)) * steps * 2 * QG;
+          xvr[c] = xv + (m + (c < C ? c : 0)) * steps * VL;
+        }
+        float out[8][Q_C];
+        q_rows_of_kind(recs, 1, G, kind, xp, xvr, C, out);
         for (int c = 0; c < C; ++c)
           for (int r = 0; r < R; ++r) q_store(y, bias, xs[m + c], out[r][c], m + c, n0 + r, N, bf16);
       }
