@@ -3754,6 +3754,14 @@ static inline void q_store(void *y, const void *bias, float xs, float sum, int64
   store1(y, m * N + n, v, bf16);
 }
 
+/* q_store for the VL outputs from n0, the same roundings (the tile's stores took a tenth of its time one by one). */
+static inline void q_store_vector(void *y, const void *bias, float xs, vf sum, int64_t m, int64_t n0, int64_t N,
+                                  int bf16) {
+  vf v = vround(vmul(vset1(xs), sum), bf16);
+  if (bias) v = vround(vadd(v, vload(at(bias, n0, bf16), bf16)), bf16);
+  vstore((void *)at(y, m * N + n0, bf16), v, bf16);
+}
+
 static void q_linear_tile(const void *x, const uint8_t *packed, int kind, const void *bias, void *y, int64_t M,
                           int64_t N, int64_t K, int bf16, int nthreads) {
   const int64_t G = (K + 127) / 128, blocks4 = (N + 3) / 4, tiles = (N + Q_NV * VL - 1) / (Q_NV * VL);
@@ -3780,6 +3788,10 @@ static void q_linear_tile(const void *x, const uint8_t *packed, int kind, const 
         for (int64_t r = 0; r < rows; ++r)
           for (int v = 0; v < Q_NV; ++v) {
             const int64_t n0 = (t * Q_NV + v) * VL, valid = N - n0 < VL ? N - n0 : VL;
+            if (valid == VL) {
+              q_store_vector(y, bias, xs[m + r], acc[r][v], m + r, n0, N, bf16);
+              continue;
+            }
             float out[VL];
             vstoref(out, acc[r][v]);
             for (int64_t j = 0; j < valid; ++j) q_store(y, bias, xs[m + r], out[j], m + r, n0 + j, N, bf16);
