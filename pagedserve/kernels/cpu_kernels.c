@@ -3699,14 +3699,14 @@ static void q_prepare_tile(const void *x, int64_t M, int64_t K, int64_t G, int b
  * apart): per block of 32 columns, 16 pair steps of exact int32 sums (each row's broadcast serving every panel),
  * then its d and m in float. */
 static inline __attribute__((always_inline)) void q_tile(const uint32_t *q, const float *d, const float *mn,
-                                                         const int16_t *xv, const float *bsum, int64_t G, int64_t m0,
-                                                         const int MT, vf acc[Q_MT][Q_NV]) {
+                                                         const int16_t *xv, const float *bsum, int64_t G, int64_t K,
+                                                         int64_t m0, const int MT, vf acc[Q_MT][Q_NV]) {
   const int32_t *x32 = (const int32_t *)xv;
   const int64_t row = G * 64, panel = G * 64 * VL, scales = G * 4 * VL;  /* column pairs a row; a panel's sizes */
   vf sum[Q_MT][Q_NV];
   for (int m = 0; m < MT; ++m)
     for (int v = 0; v < Q_NV; ++v) sum[m][v] = vzero();
-  for (int64_t b = 0; b < G * 4; ++b) {
+  for (int64_t b = 0; b < K / 32; ++b) {  /* the group's blocks past K: zeros, not computed */
     vq isum[Q_MT][Q_NV];
     for (int m = 0; m < MT; ++m)
       for (int v = 0; v < Q_NV; ++v) isum[m][v] = q_zero();
@@ -3734,16 +3734,16 @@ static inline __attribute__((always_inline)) void q_tile(const uint32_t *q, cons
 }
 
 static void q_tile_rows(const uint32_t *q, const float *d, const float *mn, const int16_t *xv, const float *bsum,
-                        int64_t G, int64_t m0, int64_t rows, vf acc[Q_MT][Q_NV]) {
+                        int64_t G, int64_t K, int64_t m0, int64_t rows, vf acc[Q_MT][Q_NV]) {
   switch (rows) {
-    case 1: q_tile(q, d, mn, xv, bsum, G, m0, 1, acc); break;
-    case 2: q_tile(q, d, mn, xv, bsum, G, m0, 2, acc); break;
+    case 1: q_tile(q, d, mn, xv, bsum, G, K, m0, 1, acc); break;
+    case 2: q_tile(q, d, mn, xv, bsum, G, K, m0, 2, acc); break;
 #if Q_MT > 3
-    case 3: q_tile(q, d, mn, xv, bsum, G, m0, 3, acc); break;
-    case 4: q_tile(q, d, mn, xv, bsum, G, m0, 4, acc); break;
-    case 5: q_tile(q, d, mn, xv, bsum, G, m0, 5, acc); break;
+    case 3: q_tile(q, d, mn, xv, bsum, G, K, m0, 3, acc); break;
+    case 4: q_tile(q, d, mn, xv, bsum, G, K, m0, 4, acc); break;
+    case 5: q_tile(q, d, mn, xv, bsum, G, K, m0, 5, acc); break;
 #endif
-    default: q_tile(q, d, mn, xv, bsum, G, m0, Q_MT, acc); break;
+    default: q_tile(q, d, mn, xv, bsum, G, K, m0, Q_MT, acc); break;
   }
 }
 
@@ -3784,7 +3784,7 @@ static void q_linear_tile(const void *x, const uint8_t *packed, int kind, const 
       for (int64_t m = 0; m < M; m += Q_MT) {
         const int64_t rows = M - m < Q_MT ? M - m : Q_MT;
         vf acc[Q_MT][Q_NV];
-        q_tile_rows(q, d, mn, xv, bsum, G, m, rows, acc);
+        q_tile_rows(q, d, mn, xv, bsum, G, K, m, rows, acc);
         for (int64_t r = 0; r < rows; ++r)
           for (int v = 0; v < Q_NV; ++v) {
             const int64_t n0 = (t * Q_NV + v) * VL, valid = N - n0 < VL ? N - n0 : VL;
