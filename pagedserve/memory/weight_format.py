@@ -39,9 +39,10 @@ def default_file_quantization(kernels_class: str, verifies_drafts: bool = False)
     - "avx512-bf16" and "avx512-amx": the int8 kernel's prefill runs exact bf16 panels on vdpbf16ps or AMX tiles (AMX:
       ~8x the vector units), which the block kernel's integer tile does not have: unmeasured there, and on AMX likely
       several times slower for a prompt;
-    - "avx2": on a Zen 3 unpacking the blocks, not memory, bounds the kernel: one Q5_0 linear at batch 1 0.9-1.1x
-      int8's speed, 2-16 rows 0.4-0.8x; whole models decode 0.87-0.91x, prompts 0.81-0.84x (RESULTS.md, "GGUF blocks
-      as stored");
+    - "avx2": on a Zen 3 unpacking the blocks, not memory, bounds the kernel: one linear at batch 1 0.9-1.56x int8's
+      speed, 2 rows 0.78-1.15x, 5-16 rows 0.56-1.0x, 64-256 rows 0.72-0.93x; whole models decode 1.02-1.13x, a
+      512-token prompt 0.78-0.87x (RESULTS.md, "GGUF blocks as stored": after the AVX2 kernel's rework of 12-07,
+      which took decode from 0.87-0.91x): faster decode by a tenth does not pay for prompts a fifth slower;
     - a model that verifies speculative drafts (`verifies_drafts`), on every class: its steps run 1 + k rows, where a
       verification of 5 drafts cost 2.7 one-row steps on the blocks against 1.75-1.9 on int8 (the Ice Lake,
       benchmarks/speculative.py; RESULTS_speculative.md), so n-gram speculation ran Qwen2.5-Coder's edit 1.74x over
