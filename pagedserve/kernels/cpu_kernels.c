@@ -3617,9 +3617,8 @@ static inline void q_natural(const uint8_t *p, int r, int five, vq out[4]) {
 #define Q_NV 1  /* 12 sums, a weight and a broadcast (14 of 16; 2 panels of 3 rows measured 0.9-1.0x this) */
 #endif
 
-/* q_rows with its kind, NB and C compile-time constants: each copy's loop holds no test of the kind and keeps its
- * constants and sums in registers (the one copy for every kind kept two sums and a byte constant on the stack in
- * AVX2 builds). */
+/* q_rows with its kind, NB and C compile-time constants: in each copy the fifth-bit and K-quant branches fold away
+ * and the loops over rows of x unroll (one copy for every kind had tested the kind inside the loop). */
 #define Q_ROWS_AS(KIND)                                                    \
   do {                                                                     \
     if (NB == 2) q_rows(rec, 2, G, (KIND), xp, xv, 1, out);                \
