@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -17,6 +18,9 @@ from pagedserve.structured.params import ReasoningGate, StructuredOutputsParams
 # Integers end up in int64 tensors (top_k, token ids) or torch.Generator seeds: beyond these they overflow.
 MAX_INT64 = 2**63 - 1
 MIN_INT64 = -(2**63)
+# SamplingParams' number fields, as _normalize and _validate go over them
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed", "priority")
 
 
 class RequestOutputKind(Enum):
@@ -74,6 +78,21 @@ class SamplingParams:
     best_of: int | None = None
 
     def __post_init__(self) -> None:
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's: -1 is no seed (here only: a clone's
+            self.seed = None  # seed is what it is given, e.g. the seed + i of sample i, which may be -1)
+        self._normalize()
+        self._validate()
+
+    def _normalize(self) -> None:
+        """vLLM's spellings to one form (idempotent: clone runs it again on fields changed after construction)."""
+        for name in FLOAT_FIELDS:  # numpy's scalars (np.float32(0.7)) as Python numbers, as vLLM takes them
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+                setattr(self, name, float(value))
+        for name in INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, int):
+                setattr(self, name, int(value))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
@@ -89,8 +108,6 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool):
                 setattr(self, name, 1 if value else None)
-        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's: -1 is no seed
-            self.seed = None
         if self.logit_bias is not None:
             self.logit_bias = _int_keys(self.logit_bias)
         if self.guided_decoding is not None:
@@ -99,7 +116,6 @@ class SamplingParams:
             self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_request(self.structured_outputs)
-        self._validate()
 
     def _validate(self) -> None:
         if self.bad_words is not None:
@@ -115,12 +131,11 @@ class SamplingParams:
             k = self.truncate_prompt_tokens
             _check(isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1), "truncate_prompt_tokens",
                    f"must be >= 1, or -1 for max_model_len, got {k!r}")
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in FLOAT_FIELDS:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and math.isfinite(value), name,
                    f"must be a finite number, got {value!r}")
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed", "priority"):
+        for name in INT_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 _check(isinstance(value, int) and not isinstance(value, bool) and MIN_INT64 <= value <= MAX_INT64,
@@ -199,11 +214,12 @@ class SamplingParams:
         return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
 
     def clone(self, **changes: object) -> "SamplingParams":
+        """A copy with `changes`, normalized and checked as a new one is: a field set after construction (top_k = -1,
+        logprobs = True, logit_bias with string keys) reads as it would have in the constructor."""
         new = copy.copy(self)
-        new.stop = list(self.stop)
-        new.stop_token_ids = list(self.stop_token_ids)
         for key, value in changes.items():
             setattr(new, key, value)
+        new._normalize()  # new lists (stop, stop_token_ids): the copy shares none of this one's
         new._validate()
         return new
 

@@ -233,7 +233,7 @@ class LLMEngine:
             if params.n > 1:
                 # wrapped within int64, as the seed was checked: seed 2**63 - 1 with n = 2 was refused as 2**63
                 seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
-                child_params = params.clone(n=1, seed=seed)
+                child_params = params.clone(n=1, best_of=None, seed=seed)  # best_of: n's, checked above
             request = Request(child_id, prompt_ids, child_params, self.eos_token_id, max_tokens, arrival_time,
                               grammar=grammar)
             if grammar_future is not None and grammar is None:
@@ -310,11 +310,16 @@ class LLMEngine:
     def check_fits_kv_cache(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """InvalidRequestError where a prompt and the max_tokens it asks for can never be in the KV cache at once
         (only with a pool smaller than max_model_len): refused before it runs, not after its prefill."""
-        if max_tokens is not None and max_tokens > self.kv_room(num_prompt_tokens):
+        if max_tokens is None:
+            return
+        # A request stops at max_model_len whatever its max_tokens (vLLM's offline engine takes any): only what it
+        # can write before then must fit. QA: max_tokens=65537 with max_model_len 256 was refused, 65536 served.
+        max_tokens = min(max_tokens, self.max_model_len - num_prompt_tokens)
+        if max_tokens > self.kv_room(num_prompt_tokens):
             raise InvalidRequestError(f"the prompt's {num_prompt_tokens} tokens and max_tokens {max_tokens} need the "
                                       f"K/V of {num_prompt_tokens + max_tokens - 1} tokens, more than the whole KV "
-                                      f"cache holds ({self.kv.capacity_tokens} tokens); lower max_tokens or start the "
-                                      "server with a larger KV cache", param="max_tokens")
+                                      f"cache holds ({self.kv.capacity_tokens} tokens); lower max_tokens or give the "
+                                      "engine a larger KV cache", param="max_tokens")
 
     def kv_room(self, num_prompt_tokens: int) -> int:
         """Tokens a request with this prompt can generate within the whole KV cache (the last one's K/V is never

@@ -17,6 +17,9 @@ from pagedserve.exceptions import InvalidRequestError
 def token_id_list(values: Iterable, param: str) -> list[int]:
     """Token ids as Python ints: numpy's integers (an array's items) too, as vLLM takes them; anything else that is
     not an integer (a string, a float, a bool) is an InvalidRequestError naming it."""
+    if isinstance(values, (bytes, bytearray, memoryview)):  # iterates as ints: b"Hi" would be ids 72, 105
+        raise InvalidRequestError(f"{param}: token ids must be a list of integers, got {type(values).__name__} "
+                                  "(for text, decode the bytes to a str first)", param=param)
     out = []
     for value in values:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -456,7 +456,7 @@ def _check_lora(lora_request: Any) -> None:
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict, bytes, bytearray)):  # bytes: one prompt, refused by add_request
         return [prompts]
     if not isinstance(prompts, Iterable):  # generate(5), generate(None): TypeError "'int' object is not iterable"
         raise InvalidRequestError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "

@@ -3,6 +3,7 @@ engine is left empty and usable for the next call."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagedserve.entrypoints.llm import LLM
@@ -180,3 +181,37 @@ def test_engine_argument_messages_name_what_is_wrong(tiny_model_dir):
     with pytest.raises(ValueError, match=r"max_position_embeddings 0 .*: not a context length, so its metadata is "
                                          r"damaged"):
         LLM(tiny_model_dir("llama", max_position_embeddings=0), max_model_len=64)
+
+
+def test_sampling_params_as_vllm_s_offline_engine_takes_them(tiny_model_dir):
+    """QA of 12-07: n = best_of = 2 was refused by best_of's own check on each sample's copy (n=1, best_of 2); a
+    max_tokens past the KV cache was refused though max_model_len caps it first (65536 ran, 65537 not); fields set
+    after construction (top_k = -1, logprobs = True, logit_bias with string keys, stop_token_ids = None) were checked
+    as given, not as the constructor reads them; numpy's scalars were refused; bytes ran as token ids."""
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64)
+    ids = list(range(10, 20))
+    both = llm.generate({"prompt_token_ids": ids}, SamplingParams(n=2, best_of=2, max_tokens=3, temperature=0.0,
+                                                                  ignore_eos=True))
+    assert [len(o.token_ids) for o in both[0].outputs] == [3, 3]
+    capacity = llm.engine.scheduler.kv.capacity_tokens
+    assert capacity > 64
+    huge = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=capacity + 1, temperature=0.0,
+                                                                  ignore_eos=True))[0].outputs[0]
+    assert (len(huge.token_ids), huge.finish_reason) == (64 - len(ids), "length")
+    changed = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    changed.top_k, changed.logprobs, changed.logit_bias, changed.stop_token_ids = -1, True, {"42": 5.0}, None
+    out = llm.generate({"prompt_token_ids": ids}, changed)[0].outputs[0]
+    assert len(out.token_ids) == 4 and all(1 <= len(position) <= 2 for position in out.logprobs)
+    plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias={42: 5.0})
+    assert llm.generate({"prompt_token_ids": ids}, plain)[0].outputs[0].token_ids == out.token_ids
+    numpy_params = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), max_tokens=np.int64(3),
+                                  seed=np.int64(7), ignore_eos=True)
+    assert (type(numpy_params.temperature), type(numpy_params.max_tokens), type(numpy_params.seed)) == (float, int,
+                                                                                                       int)
+    seeded = [llm.generate({"prompt_token_ids": ids}, numpy_params)[0].outputs[0].token_ids for _ in range(2)]
+    assert len(seeded[0]) == 3 and seeded[0] == seeded[1]
+    for prompt in (b"Hello", [b"Hello"], {"prompt_token_ids": b"Hello"}):
+        with pytest.raises(InvalidRequestError, match="got bytes"):
+            llm.generate(prompt, SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate("Hello", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids) == 2
