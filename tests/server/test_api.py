@@ -421,12 +421,16 @@ def test_disable_log_stats_keeps_the_stats_line_out_of_the_log(server, client):
     assert "Avg generation throughput" not in server.log()
 
 
-def test_logprobs_past_max_logprobs_are_a_400_naming_the_flag(client):
+def test_logprobs_past_max_logprobs_are_a_400_naming_the_flag(server, client):
     with pytest.raises(openai.BadRequestError, match=r"logprobs must be at most 20 \(--max-logprobs.*got 21"):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=21)
     with pytest.raises(openai.BadRequestError, match="at most 20"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                        logprobs=True, top_logprobs=25)
+    huge = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True,
+        "top_logprobs": 2**63})  # past int64: it was refused naming the engine's "logprobs"
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "top_logprobs", huge.text
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):

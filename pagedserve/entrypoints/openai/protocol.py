@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedserve.exceptions import InvalidRequestError
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.sampling_params import MAX_INT64, BeamSearchParams, SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 
 
@@ -238,7 +238,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs
+    # at most --max-logprobs; le: a bigger one was refused as the engine's `logprobs` (QA of 12-07)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_INT64)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
