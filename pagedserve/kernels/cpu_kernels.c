@@ -1232,6 +1232,14 @@ static inline __attribute__((always_inline)) void i8_fill_panel(const int8_t *q,
     }
 }
 
+/* Row m's VL outputs from n0: `product` rounded to the output's type, then + bias, rounded (the quantized kernels'
+ * roundings, as their one-by-one stores do them). */
+static inline void store_rounded(void *y, const void *bias, vf product, int64_t m, int64_t n0, int64_t N, int bf16) {
+  vf v = vround(product, bf16);
+  if (bias) v = vround(vadd(v, vload(at(bias, n0, bf16), bf16)), bf16);
+  vstore((void *)at(y, m * N + n0, bf16), v, bf16);
+}
+
 /* Row m's outputs n0 .. n0 + valid - 1 from their sums, as i8_store does them one by one: VL at a time. */
 static inline void i8_store_row(void *y, const void *bias, const float *scale, float xs, const float *sums,
                                 int64_t m, int64_t n0, int64_t valid, int64_t N, int bf16) {
@@ -1239,9 +1247,7 @@ static inline void i8_store_row(void *y, const void *bias, const float *scale, f
   for (; j + VL <= valid; j += VL) {
     vf product = vmul(vmul(vset1(xs), vloadf(scale + n0 + j)), vloadf(sums + j));
     __asm__("" : "+v"(product));
-    vf v = vround(product, bf16);
-    if (bias) v = vround(vadd(v, vload(at(bias, n0 + j, bf16), bf16)), bf16);
-    vstore((void *)at(y, m * N + n0 + j, bf16), v, bf16);
+    store_rounded(y, bias, product, m, n0 + j, N, bf16);
   }
   for (; j < valid; ++j) i8_store(y, bias, scale, xs, sums[j], m, n0 + j, N, bf16);
 }
@@ -3753,14 +3759,6 @@ static inline void q_store(void *y, const void *bias, float xs, float sum, int64
   store1(y, m * N + n, v, bf16);
 }
 
-/* q_store for the VL outputs from n0, the same roundings (the tile's stores took a tenth of its time one by one). */
-static inline void q_store_vector(void *y, const void *bias, float xs, vf sum, int64_t m, int64_t n0, int64_t N,
-                                  int bf16) {
-  vf v = vround(vmul(vset1(xs), sum), bf16);
-  if (bias) v = vround(vadd(v, vload(at(bias, n0, bf16), bf16)), bf16);
-  vstore((void *)at(y, m * N + n0, bf16), v, bf16);
-}
-
 static void q_linear_tile(const void *x, const uint8_t *packed, int kind, const void *bias, void *y, int64_t M,
                           int64_t N, int64_t K, int bf16, int nthreads) {
   const int64_t G = (K + 127) / 128, blocks4 = (N + 3) / 4, tiles = (N + Q_NV * VL - 1) / (Q_NV * VL);
@@ -3788,7 +3786,7 @@ static void q_linear_tile(const void *x, const uint8_t *packed, int kind, const 
           for (int v = 0; v < Q_NV; ++v) {
             const int64_t n0 = (t * Q_NV + v) * VL, valid = N - n0 < VL ? N - n0 : VL;
             if (valid == VL) {
-              q_store_vector(y, bias, xs[m + r], acc[r][v], m + r, n0, N, bf16);
+              store_rounded(y, bias, vmul(vset1(xs[m + r]), acc[r][v]), m + r, n0, N, bf16);  /* as q_store */
               continue;
             }
             float out[VL];
