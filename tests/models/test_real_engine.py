@@ -39,6 +39,8 @@ def test_a_quantized_gguf_serves_from_its_blocks_under_dtype_auto(smollm2):
     run, as GGUF runners serve their files; an explicit dtype dequantizes to it (the fixture's float32)."""
     from pagedserve.kernels import cpu_kernels
     from pagedserve.layers.linear import BlockLinear
+    from pagedserve.memory.weight_format import default_file_quantization
+    from pagedserve.platform import native_kernels_class
 
     assert smollm2.engine.config.model.quantization is None
     llm = LLM(max_model_len=256, quantization=None if cpu_kernels() is None else "gguf")
@@ -46,8 +48,8 @@ def test_a_quantized_gguf_serves_from_its_blocks_under_dtype_auto(smollm2):
     assert llm.engine.config.model.quantization == ("gguf" if native else None)
     blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, BlockLinear)]
     assert len(blocks) == (4 * 30 if native else 0) and {m.bits for m in blocks} <= {4}
-    auto = LLM(max_model_len=256).engine.config.model.quantization  # the blocks by default on AVX-512, int8 on AVX2
-    assert auto == (None if not native else "gguf" if cpu_kernels().isa == "avx512" else "int8")
+    auto = LLM(max_model_len=256).engine.config.model.quantization  # the class's rule: blocks on "avx512", else int8
+    assert auto == (None if not native else default_file_quantization(native_kernels_class()))
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     assert "Paris" in llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0].text
 
