@@ -29,26 +29,34 @@ SUPPORTED_QUANTIZATION = (None, "int8")
 FILE_QUANTIZATION = "gguf"
 
 
+# The CPU classes (probe.cpu_class) where `--dtype auto` serves a 4/5-bit GGUF from its own blocks: measured there.
+BLOCK_CLASSES = ("avx512", "avx512-bf16")
+
+
 def default_file_quantization(kernels_class: str, verifies_drafts: bool = False) -> str:
     """What `--dtype auto` serves a block-quantized GGUF with where native kernels of this CPU class run
-    (probe.cpu_class of the build that runs: platform.native_kernels_class). Its own blocks on class "avx512"
-    (AVX-512 VNNI without BF16: Ice Lake, Cascade Lake), measured there (the 2-core Ice Lake,
-    benchmarks/gguf_blocks.py, RESULTS.md "GGUF blocks as stored"): batch-1 decode 1.55-1.8x int8's per linear, 5 rows
-    0.9-1.05x, 8-256 rows 0.76-0.99x (whole models: decode 1.2x, prompts 0.95x), where the int8 kernel's prefill is
-    an integer tile too. int8 elsewhere:
-    - "avx512-bf16" and "avx512-amx": the int8 kernel's prefill runs exact bf16 panels on vdpbf16ps or AMX tiles (AMX:
-      ~8x the vector units), which the block kernel's integer tile does not have: unmeasured there, and on AMX likely
-      several times slower for a prompt;
+    (probe.cpu_class of the build that runs: platform.native_kernels_class). Its own blocks on BLOCK_CLASSES
+    (benchmarks/gguf_blocks.py on 2 cores, RESULTS.md "GGUF blocks as stored"), where decode reads fewer bytes:
+    - "avx512" (AVX-512 VNNI without BF16: Ice Lake, Cascade Lake): batch-1 decode 1.55-1.8x int8's per linear, 5 rows
+      0.9-1.05x, 8-256 rows 0.76-0.99x (whole models: decode 1.2x, prompts 0.95x), where the int8 kernel's prefill is
+      an integer tile too;
+    - "avx512-bf16" (a Zen 4; the Zen 5 shares the class, unmeasured): one row 1.27-1.64x, 2 rows 1.07-1.45x, 5-16
+      rows 0.73-1.02x, 64-256 rows 0.77-0.87x against int8's prefill on vdpbf16ps panels; whole models decode
+      1.11-1.28x, a 512-token prompt 0.86-0.89x: for a 512-token prompt and 128 tokens the blocks take 4-9 % less time,
+      and 10 % less memory.
+    int8 elsewhere:
+    - "avx512-amx": the int8 kernel's prefill runs exact bf16 panels on AMX tiles (~8x the vector units), which the
+      block kernel's integer tile does not have: unmeasured there, and likely several times slower for a prompt;
     - "avx2": on a Zen 3 unpacking the blocks, not memory, bounds the kernel: one linear at batch 1 0.9-1.56x int8's
       speed, 2 rows 0.78-1.15x, 5-16 rows 0.56-1.0x, 64-256 rows 0.72-0.93x; whole models decode 1.02-1.13x, a
-      512-token prompt 0.78-0.87x (RESULTS.md, "GGUF blocks as stored": after the AVX2 kernel's rework of 12-07,
-      which took decode from 0.87-0.91x): faster decode by a tenth does not pay for prompts a fifth slower;
+      512-token prompt 0.78-0.87x (after the AVX2 kernel's rework of 12-07, which took decode from 0.87-0.91x):
+      faster decode by a tenth does not pay for prompts a fifth slower;
     - a model that verifies speculative drafts (`verifies_drafts`), on every class: its steps run 1 + k rows, where a
       verification of 5 drafts cost 2.7 one-row steps on the blocks against 1.75-1.9 on int8 (the Ice Lake,
       benchmarks/speculative.py; RESULTS_speculative.md), so n-gram speculation ran Qwen2.5-Coder's edit 1.74x over
       plain blocks against 2.66x over plain int8, 51 against 71 tok/s. A draft model keeps the rule above (one row a
       step)."""
-    return FILE_QUANTIZATION if kernels_class == "avx512" and not verifies_drafts else "int8"
+    return FILE_QUANTIZATION if kernels_class in BLOCK_CLASSES and not verifies_drafts else "int8"
 
 
 def file_quantization_reason(kernels_class: str, verifies_drafts: bool = False, ranks: int = 1) -> str:
@@ -62,7 +70,7 @@ def file_quantization_reason(kernels_class: str, verifies_drafts: bool = False, 
                 "faster on int8 than on the file's blocks: --quantization gguf keeps them)")
     if blocks:
         return (f"--dtype auto on CPU class {kernels_class} keeps the file's 4/5-bit blocks (decode reads fewer bytes; "
-                "batches of 8 rows and more run at 0.8-0.95x int8's: --quantization int8 requantizes)")
+                "batches of 5 rows and more run at 0.75-1.0x int8's: --quantization int8 requantizes)")
     return (f"--dtype auto on CPU class {kernels_class} requantizes the file to int8 (the block kernel's batches or "
             "prompts are slower than int8's here, or not measured: --quantization gguf keeps the blocks)")
 # What the native kernels need of a model's sizes (their vector loops and weight blocks).

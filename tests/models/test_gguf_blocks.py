@@ -85,8 +85,8 @@ def test_the_blocks_compute_what_transformers_does_on_their_values(kernels, gguf
 
 
 def test_auto_serves_a_4_bit_gguf_from_its_blocks_on_avx512_and_int8_requantizes_them(kernels, ggufs, monkeypatch):
-    """`--dtype auto` picks the file's blocks on class avx512 (as vLLM's --quantization gguf; int8 on the other classes:
-    weight_format.default_file_quantization); --quantization int8 turns every matrix into per-row int8, whose logprobs
+    """`--dtype auto` picks the file's blocks on classes avx512 and avx512-bf16 (as vLLM's --quantization gguf; int8 on
+    the other classes: weight_format.default_file_quantization); --quantization int8 turns every matrix into per-row int8, whose logprobs
     stand ~1e-2 off the blocks' values (so the float32 bound above tells the two apart)."""
     from pagedserve.cli.doctor_model import check_layer_kernels
     from pagedserve.memory.weight_format import default_file_quantization, file_quantization_reason
@@ -99,15 +99,16 @@ def test_auto_serves_a_4_bit_gguf_from_its_blocks_on_avx512_and_int8_requantizes
     assert kernels_class == ("avx2" if kernels.isa == "avx2" else "avx512" if not kernels.bf16_dot
                              else "avx512-amx" if kernels.amx else "avx512-bf16")
     path, hf_dir = ggufs["llama-Q4_1"]
+    blocks = kernels_class in ("avx512", "avx512-bf16")  # measured faster there (BLOCK_CLASSES)
     auto = LLM(str(path), max_model_len=256)
-    assert auto.engine.config.model.quantization == ("gguf" if kernels_class == "avx512" else "int8")
-    assert any(isinstance(m, BlockLinear) for m in _linears(auto)) == (kernels_class == "avx512")
+    assert auto.engine.config.model.quantization == ("gguf" if blocks else "int8")
+    assert any(isinstance(m, BlockLinear) for m in _linears(auto)) == blocks
     reason = file_quantization_reason(kernels_class)  # doctor says why --dtype auto chose it
     assert check_layer_kernels(auto.engine.config, kernels.isa, auto_quantization=True).detail.endswith(reason)
-    assert ("keeps the file's" in reason) == (kernels_class == "avx512")
+    assert ("keeps the file's" in reason) == blocks
     spec = LLM(str(path), max_model_len=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert spec.engine.config.model.quantization == "int8"  # a verification's rows run faster on int8
-    assert spec.engine.config.model.int8_for_drafts == (kernels_class == "avx512")  # start-up says so there
+    assert spec.engine.config.model.int8_for_drafts == blocks  # start-up says so there
     assert not auto.engine.config.model.int8_for_drafts
     assert check_layer_kernels(spec.engine.config, kernels.isa, auto_quantization=True).detail.endswith(
         file_quantization_reason(kernels_class, verifies_drafts=True))
