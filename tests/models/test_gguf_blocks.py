@@ -86,8 +86,8 @@ def test_the_blocks_compute_what_transformers_does_on_their_values(kernels, gguf
 
 def test_auto_serves_a_4_bit_gguf_from_its_blocks_on_avx512_and_int8_requantizes_them(kernels, ggufs, monkeypatch):
     """`--dtype auto` picks the file's blocks on classes avx512 and avx512-bf16 (as vLLM's --quantization gguf; int8 on
-    the other classes: weight_format.default_file_quantization); --quantization int8 turns every matrix into per-row int8, whose logprobs
-    stand ~1e-2 off the blocks' values (so the float32 bound above tells the two apart)."""
+    the other classes: weight_format.default_file_quantization); --quantization int8 turns every matrix into per-row
+    int8, whose logprobs stand ~1e-2 off the blocks' values (so the float32 bound above tells the two apart)."""
     from pagedserve.cli.doctor_model import check_layer_kernels
     from pagedserve.memory.weight_format import default_file_quantization, file_quantization_reason
     from pagedserve.platform import native_kernels_class

@@ -48,7 +48,7 @@ def test_a_quantized_gguf_serves_from_its_blocks_under_dtype_auto(smollm2):
     assert llm.engine.config.model.quantization == ("gguf" if native else None)
     blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, BlockLinear)]
     assert len(blocks) == (4 * 30 if native else 0) and {m.bits for m in blocks} <= {4}
-    auto = LLM(max_model_len=256).engine.config.model.quantization  # the class's rule: blocks on BLOCK_CLASSES, else int8
+    auto = LLM(max_model_len=256).engine.config.model.quantization  # the class's rule (BLOCK_CLASSES: blocks)
     assert auto == (None if not native else default_file_quantization(native_kernels_class()))
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     assert "Paris" in llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0].text
