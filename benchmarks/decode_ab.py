@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ready_ab import REPO, in_turns, prepare_trees, run_in_tree  # noqa: E402
+from ready_ab import REPO, in_turns, prepare_trees, run_in_tree, stop_on_sigterm  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -68,6 +68,7 @@ def main() -> int:
         parser.add_argument(f"--env-{side}", nargs="*", default=[], metavar="VAR=VALUE",
                             help=f"environment of the {side} runs (with --before . an A/B of a switch in one tree)")
     args = parser.parse_args()
+    stop_on_sigterm()
     args.model = str(Path(args.model).resolve())
     if args.prefill:
         args.engine_kwargs = {"enable_prefix_caching": False, **args.engine_kwargs}  # every repeat prefills again

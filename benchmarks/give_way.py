@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from comparison.children import run as run_child, stop, stop_on_sigterm  # (this script's folder is on sys.path)
+
 CHILD = r'''
 import json, sys, time
 from pagedserve import LLM, SamplingParams
@@ -47,18 +49,18 @@ def main() -> None:
     parser.add_argument("--spin", help="GOMP_SPINCOUNT of the children")
     parser.add_argument("--only", choices=sorted(NEIGHBOURS))
     args = parser.parse_args()
+    stop_on_sigterm()
     env = dict(os.environ, **({"GOMP_SPINCOUNT": args.spin} if args.spin else {}))
     for r in range(args.rounds):
         for name, commands in NEIGHBOURS.items():
             if args.only and name != args.only:
                 continue
-            neighbours = [subprocess.Popen(command) for command in commands]
+            neighbours = [subprocess.Popen(command, start_new_session=True) for command in commands]
             time.sleep(1.0)
             try:
                 for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
                     try:
-                        out = subprocess.run([sys.executable, "-c", CHILD, args.model, mode], capture_output=True,
-                                             text=True, timeout=120, env=env)
+                        out = run_child([sys.executable, "-c", CHILD, args.model, mode], timeout=120, env=env)
                         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
                         result = json.loads(lines[-1]) if lines else {"rates": [], "error": out.stderr[-300:]}
                     except subprocess.TimeoutExpired:
@@ -68,8 +70,7 @@ def main() -> None:
                           f"{result.get('threads')} threads at the end {result.get('error', '')}", flush=True)
             finally:
                 for process in neighbours:
-                    process.kill()
-                    process.wait()
+                    stop(process, grace=0)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+
+from comparison.children import run as run_child, stop_on_sigterm  # (this script's folder is on sys.path)
 
 WORKLOADS = {"1 x 1000": (1, 1000), "6 x 300": (6, 300)}
 
@@ -53,13 +54,14 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(*args.child)))
         return
+    stop_on_sigterm()
     configs = [("auto", None), ("fp8", None)] + ([("fp8", args.before)] if args.before else [])
     for round_ in range(1, args.rounds + 1):
         steps = {}
         for kv, checkout in configs:
             env = dict(os.environ, **({"PYTHONPATH": checkout} if checkout else {}))
-            out = subprocess.run([sys.executable, __file__, args.model, "--child", args.model, kv], env=env,
-                                 check=True, capture_output=True, text=True).stdout
+            out = run_child([sys.executable, __file__, args.model, "--child", args.model, kv], env=env,
+                            check=True).stdout
             steps[kv if checkout is None else f"{kv} (before)"] = json.loads(out.strip().splitlines()[-1])
         for name in WORKLOADS:
             auto = steps["auto"][name]

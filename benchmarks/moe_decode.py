@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from comparison.children import run as run_child, stop_on_sigterm  # (this script's folder is on sys.path)
 
 OUT = Path(__file__).parent / "out" / "models"
 COMMON = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=32000,
@@ -69,8 +70,7 @@ for batch in {BATCHES!r}:
     result[batch] = batch * 64 / (time.perf_counter() - start)
 print(json.dumps(result))
 """
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
-                         cwd=Path(__file__).parents[1])
+    run = run_child([sys.executable, "-c", code], timeout=1800, cwd=Path(__file__).parents[1])
     if run.returncode:
         raise RuntimeError(run.stderr[-3000:])
     return {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quantization", choices=["int8"], default=None)
     args = parser.parse_args()
+    stop_on_sigterm()
 
     paths = {kind: build(kind, args.layers) for kind in ("moe", "dense")}
     results: dict[str, list[dict[int, float]]] = {"moe": [], "dense": []}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -24,6 +23,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from comparison.children import run as run_child, stop, stop_on_sigterm  # noqa: E402
 
 
 def free_port() -> int:
@@ -38,7 +40,7 @@ def ready_seconds(tree: Path, model: str, timeout: float = 120.0) -> float:
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", model, "--host", "127.0.0.1",
                              "--port", str(port)], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while time.monotonic() - start < timeout:
             try:
@@ -52,11 +54,7 @@ def ready_seconds(tree: Path, model: str, timeout: float = 120.0) -> float:
             time.sleep(0.02)
         raise RuntimeError(f"the server in {tree} was not ready within {timeout:.0f} s")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def prepare_trees(before: Path, after: Path) -> dict[str, Path]:
@@ -75,8 +73,8 @@ def prepare_trees(before: Path, after: Path) -> dict[str, Path]:
 def run_in_tree(tree: Path, code: str, *args: str, env: dict[str, str] | None = None) -> object:
     """Run `code` (python -c, args after it) in a fresh process importing pagedserve from `tree`, with `env` added to
     the environment; the JSON it printed on its last "RESULT " line."""
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd="/tmp",
-                         env={**os.environ, **(env or {}), "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+    out = run_child([sys.executable, "-c", code, *args], cwd="/tmp",
+                    env={**os.environ, **(env or {}), "PYTHONPATH": str(tree)})
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(f"the run in {tree} failed:\n{out.stderr[-3000:]}")
@@ -95,6 +93,7 @@ def main() -> int:
     parser.add_argument("--after", type=Path, default=REPO, help="tree to compare (default: this one)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    stop_on_sigterm()
     trees = prepare_trees(args.before, args.after)
     # Servers run inside their trees: a local path is made absolute, a known name stays a name.
     args.models = [str(Path(m).resolve()) if Path(m).exists() else m for m in args.models]

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -40,6 +39,9 @@ import httpx
 import psutil
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from comparison.children import stop, stop_on_sigterm  # noqa: E402
 MALFORMED = [  # (body bytes or JSON object, path): each must be refused with a 4xx
     (b"{not json", "/v1/chat/completions"),
     ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions"),
@@ -174,7 +176,7 @@ def start_server(model: str, flags: list[str], log: Path) -> tuple[subprocess.Po
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "pagedserve", "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
     with open(log, "wb") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -186,7 +188,7 @@ def start_server(model: str, flags: list[str], log: Path) -> tuple[subprocess.Po
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    server.kill()
+    stop(server, grace=5)
     raise SystemExit(f"server not ready after 300 s; see {log}")
 
 
@@ -268,6 +270,7 @@ def main() -> int:
     parser.add_argument("--server-flags", nargs="*", default=["--max-num-seqs", "8", "--max-waiting-requests", "8",
                                                              "--max-model-len", "1024", "--omp-wait-policy", "passive"])
     args = parser.parse_args()
+    stop_on_sigterm()
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"soak-server-{os.getpid()}.log"
     server, url = start_server(args.model, args.server_flags, log)
     started = time.monotonic()
@@ -284,12 +287,7 @@ def main() -> int:
             thread.join()
         leaked = drain(url)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            exit_code = server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            exit_code = server.wait()
+        exit_code = stop(server, grace=60)
     blocks = _num_blocks(log)
     report = render(args, soak, samples, leaked, blocks, exit_code, time.monotonic() - started)
     print(report)

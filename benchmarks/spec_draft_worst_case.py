@@ -19,13 +19,14 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+from comparison.children import run as run_child, stop_on_sigterm  # noqa: E402
 
 WORKLOADS = {"W1": (1, 32, 128), "W2": (32, 128, 64)}  # batch, prompt tokens, output tokens
 
@@ -67,7 +68,7 @@ def measure(target: str, draft: str | None, workload: str, k: int) -> dict:
     command = [sys.executable, __file__, "--child", workload, "--target", target, "--k", str(k)]
     if draft:
         command += ["--draft", draft]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    done = run_child(command, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.target, args.draft, args.child, args.k)
         return 0
+    stop_on_sigterm()
     target, draft = build_models(args.out_dir)
     systems = {"no speculation": None, "+ draft model": draft}
     for workload in args.workloads.split(","):

@@ -29,6 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import (FULL_WORKLOADS, QUICK_WORKLOADS, ContentionMeter, Worker, make_prompts,  # noqa: E402
                      prompt_pool, prompt_rng)
+from comparison.children import stop_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_MODEL = ROOT / "out" / "models" / "qwen2.5-0.5b-shape-random"
@@ -118,7 +119,7 @@ class SystemWorker(Worker):
                    "--max-model-len", str(max_model_len)]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                            text=True, bufsize=1)
+                                            text=True, bufsize=1, start_new_session=True)
         self.hello = self._read()
 
 
@@ -216,6 +217,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         return worker_main(args.worker, args.model, args.max_model_len)
+    stop_on_sigterm()  # so that the `finally` below closes the workers (and their ranks)
     collectives = measure_collectives(args.collectives) if args.collectives else []
     for row in collectives:
         print(f"all-reduce {row['path']:4s} bf16 {row['shape']}: {row['us_per_call']:.1f} us per call", flush=True)
@@ -226,22 +228,27 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     pool = prompt_pool(args.model)
     meter = ContentionMeter()
-    workers = {s: SystemWorker(s, args.model, args.max_model_len, out_dir) for s in systems}
-    hellos = {s: w.hello for s, w in workers.items()}
-    print(json.dumps(hellos, indent=1), flush=True)
+    workers: dict[str, SystemWorker] = {}
     runs = []
-    for round_index in range(args.rounds + 1):  # round 0 warms every system up and is not reported
-        order = systems[round_index % len(systems):] + systems[:round_index % len(systems)]
-        for workload in workloads:
-            prompts = make_prompts(pool, workload, prompt_rng(0, workload.name, round_index))
-            for system in order:
-                result = workers[system].call({"op": "run", "prompts": prompts, "output_len": workload.output_len})
-                record = {"round": round_index, "workload": workload.name, "system": system, **result}
-                print(json.dumps(record), flush=True)
-                if round_index > 0:
-                    runs.append(record)
-    for worker in workers.values():
-        worker.close()
+    try:
+        for s in systems:
+            workers[s] = SystemWorker(s, args.model, args.max_model_len, out_dir)
+        hellos = {s: w.hello for s, w in workers.items()}
+        print(json.dumps(hellos, indent=1), flush=True)
+        for round_index in range(args.rounds + 1):  # round 0 warms every system up and is not reported
+            order = systems[round_index % len(systems):] + systems[:round_index % len(systems)]
+            for workload in workloads:
+                prompts = make_prompts(pool, workload, prompt_rng(0, workload.name, round_index))
+                for system in order:
+                    result = workers[system].call({"op": "run", "prompts": prompts,
+                                                   "output_len": workload.output_len})
+                    record = {"round": round_index, "workload": workload.name, "system": system, **result}
+                    print(json.dumps(record), flush=True)
+                    if round_index > 0:
+                        runs.append(record)
+    finally:
+        for worker in workers.values():
+            worker.close()
     contention = meter.stop()
     table = summarize(runs)
     print("\n".join(table))

@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ready_ab import REPO, in_turns, prepare_trees, run_in_tree  # noqa: E402
+from ready_ab import REPO, in_turns, prepare_trees, run_in_tree, stop_on_sigterm  # noqa: E402
 from speculative import MODELS, SPEC  # noqa: E402
 
 CHILD = r"""
@@ -62,6 +62,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--speculative-config", dest="spec", type=json.loads, default=SPEC)
     args = parser.parse_args()
+    stop_on_sigterm()
     trees = prepare_trees(args.before, args.after)
     for model in filter(None, args.models.split(",")):
         runs: dict[str, list[dict]] = {name: [] for name in trees}

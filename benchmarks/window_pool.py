@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from comparison.children import run as run_child, stop_on_sigterm  # (this script's folder is on sys.path)
 
 CHILD = r"""
 import json, random, sys, time
@@ -55,8 +56,8 @@ def run(args: argparse.Namespace, disabled: bool) -> dict:
     settings = {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
                 "max_num_seqs": args.max_num_seqs, "context": args.context, "sequences": args.sequences,
                 "tokens": args.tokens, "disabled": disabled}
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(settings)], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent.parent, check=True)
+    done = run_child([sys.executable, "-c", CHILD, json.dumps(settings)], cwd=Path(__file__).resolve().parent.parent,
+                     check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -71,6 +72,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    stop_on_sigterm()
     for round_index in range(args.rounds):
         order = (False, True) if round_index % 2 == 0 else (True, False)
         for disabled in order:

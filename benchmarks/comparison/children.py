@@ -2,7 +2,8 @@
 
 Each child runs in a process group of its own (with whatever it starts: a server, a worker), killed when the call
 returns, normally or not: an exception, Ctrl-C, or, after `stop_on_sigterm`, the SIGTERM `timeout` sends. Before,
-a benchmark killed by `timeout` left its running child measuring beside the next run.
+a benchmark killed by `timeout` left its running child measuring beside the next run. A child that outlives one call
+(a server the benchmark talks to) is started with `start_new_session=True` and ended by `stop`, in a `finally`.
 """
 
 from __future__ import annotations
@@ -37,3 +38,18 @@ def run(command: Sequence[str], *, check: bool = False, timeout: float | None = 
     if check:
         done.check_returncode()
     return done
+
+
+def stop(process: subprocess.Popen, grace: float = 30.0) -> int:
+    """End `process` (started with start_new_session=True) and what it started: SIGTERM, up to `grace` seconds to
+    exit (a server drains and says how it went), then SIGKILL to its whole process group. Its exit status."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return process.wait()

@@ -16,6 +16,7 @@ from typing import Any
 
 
 from . import BENCHMARKS, log
+from .children import stop_on_sigterm
 from . import __doc__ as DESCRIPTION
 from .environment import ContentionMeter, git_state, machine_info, this_cpu_class, versions
 from .measure import measure_model
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.w3_child:
         prompt = [int(t) for t in args.w3_prompt.split(",") if t]
         return w3_child_main(args.w3_child, args.worker_model, args.threads, args.max_model_len, args.t0, prompt)
+    stop_on_sigterm()  # the orchestrator: its `finally` blocks close the workers
     peers = [json.loads(path.read_text()) for path in args.peer_json]
     if args.render:
         report = json.loads(args.render.read_text())

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ENTRY
+from .children import stop
 from .runners import HFRunner, PagedserveRunner
 
 PROTOCOL_PREFIX = "@@compare "
@@ -69,7 +70,7 @@ class Worker:
                    "--threads", str(threads), "--max-model-len", str(max_model_len)]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                            text=True, bufsize=1)
+                                            text=True, bufsize=1, start_new_session=True)
         self.hello = self._read()
 
     def _read(self) -> dict[str, Any]:
@@ -89,12 +90,14 @@ class Worker:
         return self._read()
 
     def close(self) -> dict[str, Any]:
+        """Ask the worker to exit (its final reply), up to 60 s for it; then end its process group (children.stop:
+        anything it left running, such as tensor-parallel ranks, included)."""
         reply = self.call({"op": "exit"}) if self.process.poll() is None else {}
         try:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            pass
+        stop(self.process, grace=0)
         return reply
 
 

@@ -77,3 +77,28 @@ def test_sigterm_to_the_benchmark_kills_its_running_child_and_grandchild(tmp_pat
     finally:
         benchmark.kill()
         benchmark.wait()
+
+
+# A server-like child: exits with 7 on SIGTERM, after starting a grandchild that ignores SIGTERM.
+SERVER = """
+import signal, subprocess, sys, time
+sleeper = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                            "time.sleep(120)"])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+open(sys.argv[1], "w").write(str(sleeper.pid))
+time.sleep(120)
+"""
+
+
+def test_stop_ends_a_long_lived_child_gracefully_and_then_its_whole_group(tmp_path: Path) -> None:
+    """`stop` (soak's server, compare's workers): the child's own exit status after SIGTERM, and whatever it left
+    running, even a process that ignores SIGTERM, killed with the group."""
+    pid_file = tmp_path / "pid"
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(pid_file)], start_new_session=True)
+    try:
+        grandchild = _pid_from(pid_file)
+        assert children.stop(server, grace=20) == 7
+        assert _gone(grandchild)
+    finally:
+        server.kill()
+        server.wait()
