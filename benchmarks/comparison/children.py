@@ -20,12 +20,13 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
-def run(command: Sequence[str], *, check: bool = False, timeout: float | None = None,
+def run(command: Sequence[str], *, check: bool = False, timeout: float | None = None, stderr=subprocess.PIPE,
         **kwargs) -> subprocess.CompletedProcess[str]:
     """subprocess.run(command, capture_output=True, text=True, check=check, timeout=timeout, **kwargs), the child's
-    process group killed on the way out (anything it left running included)."""
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, **kwargs)
+    process group killed on the way out (anything it left running included); `stderr`: where its stderr goes
+    instead of the result (a log file)."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+                             **kwargs)
     try:
         stdout, stderr = child.communicate(timeout=timeout)
     finally:

@@ -16,8 +16,8 @@ from typing import Any
 
 
 from . import BENCHMARKS, log
-from .children import stop_on_sigterm
 from . import __doc__ as DESCRIPTION
+from .children import stop_on_sigterm
 from .environment import ContentionMeter, git_state, machine_info, this_cpu_class, versions
 from .measure import measure_model
 from .models import QWEN05_SHAPE, QWEN_GGUF_NAME, TINY_SHAPE, build_random_model, build_real_model, default_gguf_path

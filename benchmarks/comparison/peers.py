@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import BENCHMARKS, REPO, log
+from .children import stop
 from .environment import ContentionMeter
 
 PEERS_DIR = REPO.parent / "shared" / "peers"
@@ -30,14 +31,17 @@ def run_peer(peer: str, model: dict[str, Any], out_dir: Path, save_dir: Path) ->
     start = time.perf_counter()
     meter = ContentionMeter()
     with open(log_path, "w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         load_samples = []  # 1-minute load average every 10 s: how busy the machine was meanwhile
-        while process.poll() is None:
-            load_samples.append(os.getloadavg()[0])
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            while process.poll() is None:
+                load_samples.append(os.getloadavg()[0])
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    continue
+        finally:  # also when the benchmark is stopped: the peer's build or run goes with it
+            stop(process, grace=0)
         done = subprocess.CompletedProcess(command, process.returncode)
     contention = meter.stop()
     text = log_path.read_text(errors="replace")

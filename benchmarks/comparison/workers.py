@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ENTRY
-from .children import stop
+from .children import run as run_child, stop
 from .runners import HFRunner, PagedserveRunner
 
 PROTOCOL_PREFIX = "@@compare "
@@ -146,7 +146,7 @@ def run_w3(system: str, model: str, threads: int, max_model_len: int, prompt: li
                "--threads", str(threads), "--max-model-len", str(max_model_len), "--t0", repr(t0),
                "--w3-prompt", ",".join(map(str, prompt))]
     with open(log_path, "ab") as log:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=log, text=True, timeout=1800)
+        done = run_child(command, timeout=1800, stderr=log)
     for line in done.stdout.splitlines():
         if line.startswith(PROTOCOL_PREFIX):
             reply = json.loads(line[len(PROTOCOL_PREFIX):])

@@ -48,9 +48,14 @@ def _pid_from(path: Path, within: float = 20.0) -> int:
     raise AssertionError("the child never wrote its grandchild's pid")
 
 
-def test_a_finished_child_gives_its_output_and_status() -> None:
-    done = children.run([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"])
+def test_a_finished_child_gives_its_output_and_status(tmp_path: Path) -> None:
+    code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    done = children.run([sys.executable, "-c", code])
     assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
+    with open(tmp_path / "log", "w") as log:  # stderr to a log file (compare's W3 children)
+        done = children.run([sys.executable, "-c", code], stderr=log)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", None)
+    assert (tmp_path / "log").read_text() == "err\n"
     with pytest.raises(subprocess.CalledProcessError):
         children.run([sys.executable, "-c", "import sys; sys.exit(1)"], check=True)
 
