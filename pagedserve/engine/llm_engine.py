@@ -223,9 +223,7 @@ class LLMEngine:
             params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         self.check_fits_kv_cache(len(prompt_ids), params.max_tokens)
         # A pool smaller than max_model_len (--num-gpu-blocks-override) caps what an open-ended request may write.
-        max_tokens = min(self.max_model_len - len(prompt_ids), self.kv_room(len(prompt_ids)))
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
+        max_tokens = min(self.length_cap(len(prompt_ids), params.max_tokens), self.kv_room(len(prompt_ids)))
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         child_ids = self.output_processor.add_request(request_id, text, prompt_ids, params, arrival_time)
         for index, child_id in enumerate(child_ids):
@@ -312,14 +310,19 @@ class LLMEngine:
         (only with a pool smaller than max_model_len): refused before it runs, not after its prefill."""
         if max_tokens is None:
             return
-        # A request stops at max_model_len whatever its max_tokens (vLLM's offline engine takes any): only what it
-        # can write before then must fit. QA: max_tokens=65537 with max_model_len 256 was refused, 65536 served.
-        max_tokens = min(max_tokens, self.max_model_len - num_prompt_tokens)
+        # Only what it can write before max_model_len must fit (QA: 65537 with max_model_len 256 was refused).
+        max_tokens = self.length_cap(num_prompt_tokens, max_tokens)
         if max_tokens > self.kv_room(num_prompt_tokens):
             raise InvalidRequestError(f"the prompt's {num_prompt_tokens} tokens and max_tokens {max_tokens} need the "
                                       f"K/V of {num_prompt_tokens + max_tokens - 1} tokens, more than the whole KV "
                                       f"cache holds ({self.kv.capacity_tokens} tokens); lower max_tokens or give the "
                                       "engine a larger KV cache", param="max_tokens")
+
+    def length_cap(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """Tokens a request with this prompt may generate before max_model_len stops it, or its max_tokens where
+        that is fewer: a request stops there whatever its max_tokens, as vLLM's offline engine takes any."""
+        room = self.max_model_len - num_prompt_tokens
+        return room if max_tokens is None else min(room, max_tokens)
 
     def kv_room(self, num_prompt_tokens: int) -> int:
         """Tokens a request with this prompt can generate within the whole KV cache (the last one's K/V is never
