@@ -28,14 +28,10 @@ def run(command: Sequence[str], *, check: bool = False, timeout: float | None = 
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
                              **kwargs)
     try:
-        stdout, stderr = child.communicate(timeout=timeout)
+        out, err = child.communicate(timeout=timeout)
     finally:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        child.wait()
-    done = subprocess.CompletedProcess(list(command), child.returncode, stdout, stderr)
+        _kill_group(child)
+    done = subprocess.CompletedProcess(list(command), child.returncode, out, err)
     if check:
         done.check_returncode()
     return done
@@ -49,6 +45,11 @@ def stop(process: subprocess.Popen, grace: float = 30.0) -> int:
         process.wait(grace)
     except subprocess.TimeoutExpired:
         pass
+    return _kill_group(process)
+
+
+def _kill_group(process: subprocess.Popen) -> int:
+    """SIGKILL to `process`'s group (its own session: what it started included), once it may still run; its status."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
